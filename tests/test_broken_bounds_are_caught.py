@@ -1,0 +1,46 @@
+"""The exactness checks must be able to fail: break a bound on purpose and watch them catch it.
+
+A screen whose error radius is understated certifies candidate sets that miss the true
+top-1 on near-ties; the same comparison with the dense head that the real tests use
+must then find wrong tokens, while the intact head finds none.
+"""
+
+import torch
+
+from vllm_csv import CertifiedHead, HeadConfig, build_index
+
+
+def wrong_tokens(head, W, h, batch=None):
+    """Count rows whose certified top-1 differs from the dense argmax (rows run in
+    batches of ``batch``: a batch scores the union of its rows' candidates)."""
+    batch = batch or h.shape[0]
+    ids = torch.cat([head.topk(h[i : i + batch], 1).ids for i in range(0, h.shape[0], batch)])
+    res = head.topk(h, 1)
+    dense = torch.nn.functional.linear(h, W).argmax(1)
+    return int((ids[:, 0] != dense).sum()), res
+
+
+def near_tie_batch(V=4096, d=64, B=512, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    W = torch.randn(V, d, generator=g)
+    h = torch.randn(B, d, generator=g)
+    return W, h
+
+
+def test_understated_int8_radius_is_caught():
+    W, h = near_tie_batch()
+    head = CertifiedHead(W, config=HeadConfig(screen="int8", budget=1.0))
+    assert wrong_tokens(head, W, h)[0] == 0
+    head.screen.rad.zero_()  # drop the quantisation error term
+    head.acc_err.zero_()
+    wrong, res = wrong_tokens(head, W, h)
+    assert wrong > 0 and res.certified.all()
+
+
+def test_understated_ball_radius_is_caught():
+    W, h = near_tie_batch(V=2048, B=64, seed=1)
+    idx = build_index(W, num_clusters=64, progress=False)
+    head = CertifiedHead(W, config=HeadConfig(screen="ball", budget=1.0), index=idx)
+    assert wrong_tokens(head, W, h, batch=1)[0] == 0
+    head.screen.rad.mul_(0.2)  # a ball too small to contain its cluster
+    assert wrong_tokens(head, W, h, batch=1)[0] > 0

@@ -1,0 +1,146 @@
+"""Certified top-k == dense top-k, on random, peaked and adversarial heads."""
+
+import math
+
+import pytest
+import torch
+
+from vllm_csv import CertifiedHead, CSVError, HeadConfig, build_index
+from conftest import dense_topk, hidden_near_rows, peaked_head
+
+SCREENS = ["int8", "int4", "ball"]
+
+
+def make(W, b=None, screen="int8", **kw):
+    idx = build_index(W[: kw.get("vocab_size") or W.shape[0]],
+                      None if b is None else b[: kw.get("vocab_size") or W.shape[0]],
+                      progress=False) if screen == "ball" else None
+    cfg = HeadConfig(screen=screen, budget=kw.pop("budget", 1.0))
+    return CertifiedHead(W, b, config=cfg, index=idx, **kw)
+
+
+def check_exact(head, W, b, h, k, softcap=None, scale=1.0, vocab=None):
+    V = vocab or W.shape[0]
+    res = head.topk(h, k)
+    ids, vals, _ = dense_topk(W[:V], None if b is None else b[:V], h, k, softcap, scale)
+    assert torch.equal(res.ids, ids), (res.ids, ids)
+    assert torch.equal(res.values, vals)
+    return res
+
+
+@pytest.mark.parametrize("screen", SCREENS)
+@pytest.mark.parametrize("V,d", [(997, 16), (5003, 64), (4099, 129)])
+@pytest.mark.parametrize("k", [1, 5])
+def test_random_heads(screen, V, d, k):
+    W, g = peaked_head(V, d, seed=V + d)
+    h = torch.cat([hidden_near_rows(W, 24, g), torch.randn(8, d, generator=g)])
+    res = check_exact(make(W, screen=screen), W, None, h, k)
+    if screen == "int8":
+        assert res.certified.float().mean() > 0.9  # the peaked rows certify without fallback
+
+
+@pytest.mark.parametrize("screen", SCREENS)
+def test_bias_softcap_scale_padding(screen):
+    V, pad, d = 3001, 67, 48
+    W, g = peaked_head(V + pad, d, seed=3)
+    W[V:] = 100.0  # padding rows would win if they were ever looked at
+    b = torch.randn(V + pad, generator=g)
+    b[V:] = 1e4
+    h = hidden_near_rows(W[:V], 32, g)
+    head = make(W, b, screen, vocab_size=V, softcap=3.0, scale=0.7)
+    res = check_exact(head, W, b, h, 3, softcap=3.0, scale=0.7, vocab=V)
+    assert int(res.ids.max()) < V
+
+
+@pytest.mark.parametrize("screen", SCREENS)
+def test_ties_duplicates_zero_rows(screen):
+    V, d = 1024, 32
+    W, g = peaked_head(V, d, seed=5)
+    W[100:110] = W[7]  # duplicate rows: exact ties, lowest id must win
+    W[200:300] = 0.0
+    h = torch.cat([hidden_near_rows(W, 16, g), W[7:8].repeat(4, 1) * 30, torch.zeros(2, d)])
+    res = check_exact(make(W, screen=screen), W, None, h, 4)
+    assert (res.ids[16:20, 0] == 7).all()
+
+
+def test_bf16_head():
+    V, d = 4001, 96
+    W, g = peaked_head(V, d, seed=9, dtype=torch.bfloat16)
+    h = hidden_near_rows(W, 32, g)
+    check_exact(make(W), W, None, h, 2)
+
+
+@pytest.mark.parametrize("screen", SCREENS)
+def test_nonfinite_and_huge_hidden_take_dense_path(screen):
+    V, d = 2003, 32
+    W, g = peaked_head(V, d, seed=11)
+    h = hidden_near_rows(W, 6, g)
+    h[0, 3] = math.nan
+    h[1, 0] = math.inf
+    h[2] *= 1e36  # huge but finite bounds
+    h[3] *= 3e38 / h[3].abs().max()  # ||h|| overflows fp32: no sound bound, dense path
+    head = make(W, screen=screen)
+    res = head.topk(h, 1)
+    assert not res.certified[[0, 1, 3]].any() and res.fallback[[0, 1, 3]].all()
+    ids, _, _ = dense_topk(W, None, h[2:], 1)
+    assert torch.equal(res.ids[2:], ids)
+
+
+def test_budget_fallback_is_dense_and_counted():
+    V, d = 2048, 64
+    W, g = peaked_head(V, d, seed=2)
+    h = torch.randn(8, d, generator=g)  # no clear winner: int4 cannot certify with 3 tokens
+    head = CertifiedHead(W, config=HeadConfig(screen="int4", budget=0.001))
+    logits, stats = head.sampler_logits(h, torch.ones(8, dtype=torch.long))
+    assert stats.fallbacks["budget"] == 8 and stats.certified == 0
+    assert torch.equal(logits, torch.nn.functional.linear(h, W))
+
+
+def test_sampler_logits_rows_and_sampling():
+    V, d = 4096, 64
+    W, g = peaked_head(V, d, seed=4)
+    h = hidden_near_rows(W, 12, g)
+    head = CertifiedHead(W, config=HeadConfig(budget=0.2))
+    topk = torch.tensor([1, 1, 0, 5, 5, 0, 1, 3, 3, 1, 0, 65])
+    logits, stats = head.sampler_logits(h, topk)
+    dense = torch.nn.functional.linear(h, W)
+    dense_rows = topk == 0
+    assert torch.equal(logits[dense_rows], dense[dense_rows])
+    assert stats.fallbacks["unsupported"] == 1 and torch.equal(logits[11], dense[11])
+    finite = torch.isfinite(logits)
+    assert torch.equal(logits[finite], dense[finite])  # exact values wherever scored
+    assert torch.equal(logits.argmax(1), dense.argmax(1))
+    # top-k sampling with the same random draw picks the same token
+    for row in range(12):
+        k = int(topk[row]) if 0 < topk[row] <= 64 else V
+        q = torch.empty(V).exponential_(generator=torch.Generator().manual_seed(row))
+        def sample(z):
+            kth = z.topk(k).values[-1]
+            p = torch.softmax(z.masked_fill(z < kth, -math.inf), 0)
+            return int((p / q).argmax())
+        assert sample(logits[row]) == sample(dense[row])
+
+
+def test_epsilon_softmax_certificate():
+    V, d = 3001, 32
+    W, g = peaked_head(V, d, seed=8)
+    h = hidden_near_rows(W, 16, g, scale=3.0)
+    head = CertifiedHead(W, config=HeadConfig(budget=0.5))
+    for t, eps in [(1.0, 1e-3), (0.5, 1e-2), (2.0, 0.05)]:
+        r = head.softmax_eps(h, t, eps)
+        p = torch.softmax(torch.nn.functional.linear(h, W) / t, 1)
+        tv = 0.5 * (r.probs - p).abs().sum(1)
+        assert r.certified.any()
+        assert (tv <= r.tv_bound + 1e-6).all() and (r.tv_bound <= eps).all()
+
+
+def test_bad_config_is_clear():
+    W = torch.randn(10, 4)
+    with pytest.raises(CSVError, match="unknown screen"):
+        HeadConfig(screen="bogus")
+    with pytest.raises(CSVError, match="budget"):
+        HeadConfig(budget=0)
+    with pytest.raises(CSVError, match="needs a CSV index"):
+        CertifiedHead(W, config=HeadConfig(screen="ball"))
+    with pytest.raises(CSVError, match="k must be"):
+        CertifiedHead(W).topk(torch.randn(1, 4), 11)

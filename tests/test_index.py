@@ -1,0 +1,135 @@
+"""Index build, round trip, fingerprint checks, corrupt files, the CLI."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from vllm_csv import CSVError, CSVIndex, build_index, fingerprint_weights
+from vllm_csv.cli import main
+from vllm_csv.hf_head import load_lm_head
+
+
+@pytest.fixture
+def head():
+    g = torch.Generator().manual_seed(0)
+    return torch.randn(1009, 24, generator=g), torch.randn(1009, generator=g)
+
+
+@pytest.mark.parametrize("method", ["torch", "sklearn"])
+def test_radii_and_bias_bound_every_row(head, method):
+    W, b = head
+    idx = build_index(W, b, 15, method=method, progress=False)
+    c = idx.cluster_of()
+    assert idx.num_clusters <= 15 and int(idx.sizes.sum()) == W.shape[0]
+    dist = (W.double() - idx.centroids.double()[c]).norm(dim=1)
+    assert (dist <= idx.radii.double()[c]).all()
+    assert (b.double() <= idx.bias_max.double()[c]).all()
+    assert (W.double().norm(dim=1) <= idx.row_norm_max.double()[c]).all()
+
+
+def test_round_trip_and_fingerprint(head, tmp_path):
+    W, b = head
+    idx = build_index(W, b, 20, progress=False)
+    p = idx.save(tmp_path / "i.safetensors")
+    back = CSVIndex.load(p, expect_fingerprint=fingerprint_weights(W, b))
+    for name in ("perm", "offsets", "centroids", "radii", "bias_max", "row_norm_max"):
+        assert torch.equal(getattr(back, name), getattr(idx, name))
+    W2 = W.clone()
+    W2[3, 4] += 1e-3
+    with pytest.raises(CSVError, match="built for other weights"):
+        CSVIndex.load(p, expect_fingerprint=fingerprint_weights(W2, b))
+    assert fingerprint_weights(W, None) != fingerprint_weights(W, b)
+
+
+def test_corrupt_and_inconsistent_files(head, tmp_path):
+    W, b = head
+    p = build_index(W, b, 10, progress=False).save(tmp_path / "i.safetensors")
+    raw = p.read_bytes()
+    (tmp_path / "trunc.safetensors").write_bytes(raw[: len(raw) // 2])
+    with pytest.raises(CSVError, match="corrupt"):
+        CSVIndex.load(tmp_path / "trunc.safetensors")
+    with pytest.raises(CSVError, match="not found"):
+        CSVIndex.load(tmp_path / "missing.safetensors")
+    t = CSVIndex.load(p)
+    save_file({"perm": t.perm.flip(0)[:-1], "offsets": t.offsets, "centroids": t.centroids, "radii": t.radii,
+               "bias_max": t.bias_max, "row_norm_max": t.row_norm_max}, str(tmp_path / "bad.safetensors"),
+              metadata={"format_version": "1", "fingerprint": "x"})
+    with pytest.raises(CSVError, match="inconsistent"):
+        CSVIndex.load(tmp_path / "bad.safetensors")
+    save_file({"perm": t.perm}, str(tmp_path / "v0.safetensors"), metadata={"format_version": "0"})
+    with pytest.raises(CSVError, match="format version"):
+        CSVIndex.load(tmp_path / "v0.safetensors")
+
+
+def test_bad_input_to_build(head):
+    W, b = head
+    with pytest.raises(CSVError, match="between 1"):
+        build_index(W, b, 5000, progress=False)
+    W = W.clone()
+    W[0, 0] = float("nan")
+    with pytest.raises(CSVError, match="NaN"):
+        build_index(W, progress=False)
+
+
+def write_model(d, W, b=None, tied=False, extra=None):
+    d.mkdir(parents=True, exist_ok=True)
+    (d / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"], "vocab_size": W.shape[0],
+                                               "tie_word_embeddings": tied}))
+    t = {"model.embed_tokens.weight": W.clone(), "model.norm.weight": torch.ones(W.shape[1])}
+    if not tied:
+        t["lm_head.weight"] = W.clone() * 2
+    if b is not None:
+        t["lm_head.bias"] = b
+    t.update(extra or {})
+    save_file(t, str(d / "model.safetensors"))
+    return d
+
+
+def test_hf_head_loader(head, tmp_path):
+    W, b = head
+    h = load_lm_head(write_model(tmp_path / "m", W, b))
+    assert torch.equal(h.weight, W * 2) and torch.equal(h.bias, b) and h.source == "lm_head.weight"
+    h = load_lm_head(write_model(tmp_path / "tied", W, tied=True))
+    assert torch.equal(h.weight, W) and h.bias is None
+    with pytest.raises(CSVError, match="quantized"):
+        load_lm_head(write_model(tmp_path / "q", W, extra={"lm_head.weight_scale": torch.ones(1)}))
+    with pytest.raises(CSVError, match="not found"):
+        load_lm_head(tmp_path / "nope")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(CSVError, match="config.json"):
+        load_lm_head(tmp_path / "empty")
+    bad = write_model(tmp_path / "corrupt", W)
+    (bad / "model.safetensors").write_bytes(b"\x00" * 100)
+    with pytest.raises(CSVError, match="corrupt"):
+        load_lm_head(bad)
+
+
+def test_cli_build_index(head, tmp_path, capsys):
+    W, b = head
+    m = write_model(tmp_path / "m", W, b)
+    out = tmp_path / "idx" / "x.safetensors"
+    assert main(["build-index", str(m), "--clusters", "12", "--output", str(out), "--quiet"]) == 0
+    idx = CSVIndex.load(out, expect_fingerprint=fingerprint_weights(W * 2, b))
+    assert idx.num_clusters <= 12
+    assert "12 clusters" in capsys.readouterr().err or idx.num_clusters < 12
+
+
+def test_cli_errors_are_one_line_and_leave_no_file(head, tmp_path):
+    W, b = head
+    m = write_model(tmp_path / "m", W, b)
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    (ro / "file").write_text("")  # a path under a regular file is unwritable, even for root
+    cases = [[str(tmp_path / "missing")], [str(m), "--clusters", "0"],
+             [str(m), "--output", str(ro / "file" / "x.safetensors")]]
+    for args in cases:
+        r = subprocess.run([sys.executable, "-m", "vllm_csv.cli", "build-index", *args, "--quiet"],
+                           capture_output=True, text=True)
+        assert r.returncode == 1, r.stderr
+        assert r.stderr.strip().splitlines()[-1].startswith("vllm-csv: error:"), r.stderr
+        assert "Traceback" not in r.stderr
+    assert [p.name for p in ro.iterdir()] == ["file"]

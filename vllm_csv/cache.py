@@ -1,0 +1,15 @@
+"""Where vllm-csv keeps what it builds: ``$VLLM_CSV_CACHE`` or ``~/.cache/vllm_csv``."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("VLLM_CSV_CACHE") or Path.home() / ".cache" / "vllm_csv")
+
+
+def index_path(fingerprint: str, num_clusters: int) -> Path:
+    """The cached index of the head with this fingerprint, clustered ``num_clusters`` ways."""
+    return cache_root() / "index" / f"{fingerprint}-C{num_clusters}.safetensors"

@@ -1,0 +1,62 @@
+"""``vllm-csv``: build the offline index (and other tools)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+from .errors import CSVError
+
+
+def _build_index(args) -> int:
+    from .cache import index_path
+    from .hf_head import load_lm_head
+    from .index import build_index, default_num_clusters
+
+    t0 = time.perf_counter()
+    head = load_lm_head(args.model_dir)
+    w = head.weight[: head.vocab_size]
+    b = None if head.bias is None else head.bias[: head.vocab_size]
+    C = default_num_clusters(w.shape[0]) if args.clusters is None else args.clusters
+    print(f"LM head {head.source}: V={w.shape[0]} d={w.shape[1]} {w.dtype}, bias={'yes' if b is not None else 'no'}; "
+          f"clustering into {C} ({args.method} k-means)", file=sys.stderr)
+    idx = build_index(w, b, C, method=args.method, iters=args.iters, seed=args.seed, progress=not args.quiet)
+    out = idx.save(args.output or index_path(idx.fingerprint, C))
+    s = idx.sizes.float()
+    print(f"wrote {out} in {time.perf_counter() - t0:.1f}s: {idx.num_clusters} clusters, size "
+          f"min/median/max {int(s.min())}/{int(s.median())}/{int(s.max())}, radius median "
+          f"{idx.radii.median():.4g} max {idx.radii.max():.4g}, fingerprint {idx.fingerprint}", file=sys.stderr)
+    print(out)
+    return 0
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="vllm-csv", description=__doc__)
+    sub = p.add_subparsers(dest="command", required=True)
+    b = sub.add_parser("build-index", help="cluster the LM head of a Hugging Face model directory")
+    b.add_argument("model_dir", help="directory with config.json and *.safetensors")
+    b.add_argument("--clusters", type=int, default=None, help="number of clusters (default 0.015 x V)")
+    b.add_argument("--output", default=None, help="index file (default: the cache, keyed by fingerprint)")
+    b.add_argument("--method", choices=("torch", "sklearn"), default="torch", help="k-means implementation")
+    b.add_argument("--iters", type=int, default=25, help="Lloyd iterations (default 25)")
+    b.add_argument("--seed", type=int, default=0)
+    b.add_argument("--quiet", action="store_true", help="no progress bar")
+    b.set_defaults(func=_build_index)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except CSVError as e:
+        print(f"vllm-csv: error: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("vllm-csv: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

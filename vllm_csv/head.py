@@ -1,0 +1,315 @@
+"""The certified LM head: exact logits on a certified sub-vocabulary, dense otherwise.
+
+Notation (SPEC.md): head ``W [V, d]``, bias ``b``, hidden ``h``; the dense engine
+computes ``zt_i = fl(<w_i, h> + b_i)`` (fp32 accumulation, output rounded to the
+model dtype) and then the monotone map ``f(z) = scale * softcap * tanh(z / softcap)``.
+
+Dense-value interval. A screen gives ``lo_i <= <w_i,h> + b_i <= hi_i`` (real
+arithmetic). The dense GEMM adds at most ``e_i = gamma_d ||w_i|| ||h||`` and two
+roundings (bias add, output), so ``zt_i`` lies in
+``[lo_i - e_i - 2 ulp, hi_i + e_i + 2 ulp]``. For a token in ``S`` whose logit we computed
+ourselves (``zh_j``, same dtype, another accumulation order),
+``zt_j >= zh_j - 2 e_j - 4 ulp``.
+
+Top-k certificate. With ``L`` the k-th largest dense lower bound over ``S`` and
+``M = max_{i not in S} hi_i`` (widened as above): ``L > M`` proves that every token
+outside ``S`` has a dense value strictly below ``k`` tokens of ``S``, so the dense
+top-k lies in ``S``; ``f`` is monotone so this survives soft-cap and scale (up to
+exact ties that ``f`` itself creates). ``S`` grows in order of ``hi`` until the
+certificate holds or the budget is spent; then the row takes the dense path.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from .errors import CSVError
+from .fp import FP32_UNIT_ROUNDOFF, gamma, ulp
+from .off_switch import OffSwitch
+from .screens import DEFAULT_SCREEN, SCREENS, hidden_norm_upper, make_screen
+
+FALLBACK_REASONS = ("uncertified", "budget", "unsupported", "nonfinite", "off_switch")
+
+
+@dataclass
+class HeadConfig:
+    screen: str = DEFAULT_SCREEN
+    budget: float = 0.05  # max share of the vocabulary scored exactly per row before the dense path
+    epsilon: float | None = None  # epsilon-softmax mode (opt-in); None = exact only
+    max_topk: int = 64
+    unit_roundoff: float = FP32_UNIT_ROUNDOFF  # accumulation precision assumed of the dense GEMM
+    off_switch: bool = True
+
+    def __post_init__(self):
+        if self.screen not in SCREENS:
+            raise CSVError(f"unknown screen {self.screen!r}; choose one of {', '.join(SCREENS)}")
+        if not 0.0 < self.budget <= 1.0:
+            raise CSVError(f"budget must be in (0, 1], got {self.budget}")
+        if self.epsilon is not None and not 0.0 < self.epsilon < 1.0:
+            raise CSVError(f"epsilon must be in (0, 1), got {self.epsilon}")
+        if not 1 <= self.max_topk:
+            raise CSVError(f"max_topk must be >= 1, got {self.max_topk}")
+
+
+@dataclass
+class StepStats:
+    rows: int = 0
+    csv_rows: int = 0
+    certified: int = 0
+    fallbacks: dict[str, int] = field(default_factory=lambda: dict.fromkeys(FALLBACK_REASONS, 0))
+    scored: list[int] = field(default_factory=list)  # tokens scored exactly, per CSV row
+    seconds: float = 0.0
+    screen: str = ""
+
+
+@dataclass
+class TopKResult:
+    ids: torch.Tensor  # [B, k] int64, descending by value
+    values: torch.Tensor  # [B, k] transformed logits (model dtype)
+    certified: torch.Tensor  # [B] bool
+    fallback: torch.Tensor  # [B] bool (dense path)
+    scored: torch.Tensor  # [B] int64, tokens whose logits were computed exactly
+
+
+@dataclass
+class EpsResult:
+    probs: torch.Tensor  # [B, V] fp32: renormalised on S for certified rows, dense softmax otherwise
+    certified: torch.Tensor  # [B] bool
+    tv_bound: torch.Tensor  # [B] certified bound on the total-variation distance (0 for dense rows)
+
+
+@dataclass
+class _Selection:
+    """Result of certification for a batch: exact values on the scored columns."""
+
+    exact: torch.Tensor  # [B, V] model dtype, pre-transform, -inf where not scored
+    scored: torch.Tensor  # [B] int64
+    certified: torch.Tensor  # [B] bool
+    reason: list[str | None]  # per row: None if certified, else a fallback reason
+
+
+class CertifiedHead:
+    """Batched certified top-k over ``W [V, d]`` (rows beyond ``vocab_size`` are padding)."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
+                 vocab_size: int | None = None, config: HeadConfig | None = None, index=None,
+                 softcap: float | None = None, scale: float = 1.0):
+        self.config = config or HeadConfig()
+        V = vocab_size or weight.shape[0]
+        if weight.dim() != 2 or not 1 <= V <= weight.shape[0]:
+            raise CSVError(f"bad LM head shape {tuple(weight.shape)} for vocab size {V}")
+        if not scale > 0 or (softcap is not None and not softcap > 0):
+            raise CSVError(f"scale and softcap must be positive, got {scale}, {softcap}")
+        self.weight = weight[:V]
+        self.bias = None if bias is None else bias[:V]
+        self.vocab_size, self.hidden_size = V, weight.shape[1]
+        self.softcap, self.scale = softcap, scale
+        self.dtype = weight.dtype
+        g = gamma(self.hidden_size + 2, self.config.unit_roundoff)
+        self.acc_err = (g * self.weight.double().norm(dim=1)).float() * (1 + 4 * FP32_UNIT_ROUNDOFF)
+        self.screen = make_screen(self.config.screen, self.weight, self.bias, index)
+        self.off_switch = OffSwitch() if self.config.off_switch else None
+
+    # ---- the dense engine's computation, on all or some rows -----------------------------
+    def transform(self, z: torch.Tensor) -> torch.Tensor:
+        """``f(z)`` exactly as vLLM's LogitsProcessor applies it; ``-inf`` stays ``-inf``."""
+        out = z
+        if self.softcap is not None:
+            out = torch.tanh(out / self.softcap) * self.softcap
+        if self.scale != 1.0:
+            out = out * self.scale
+        return out.masked_fill(z == -math.inf, -math.inf) if self.softcap is not None else out
+
+    def dense_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.transform(F.linear(hidden, self.weight, self.bias))
+
+    def _exact(self, hidden: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        b = None if self.bias is None else self.bias[ids]
+        return F.linear(hidden, self.weight[ids], b)
+
+    # ---- certification ----------------------------------------------------------------
+    def _intervals(self, hidden: torch.Tensor):
+        """``lo, hi [B, V]`` around the dense engine's pre-transform logit, the per-entry
+        accumulation error ``e`` of a GEMM, and which rows are finite (certifiable)."""
+        hnorm = hidden_norm_upper(hidden)
+        lo, hi = self.screen.bounds(hidden, hnorm)
+        e = self.acc_err[None] * hnorm[:, None]
+        lo = lo - e - 2 * ulp(lo, self.dtype)
+        hi = hi + e + 2 * ulp(hi, self.dtype)
+        finite = torch.isfinite(hidden).all(1) & torch.isfinite(hnorm) & ~torch.isnan(lo).any(1)
+        finite &= ~torch.isnan(hi).any(1) & (hi < math.inf).all(1)
+        return lo, hi, e, finite
+
+    def _select(self, hidden: torch.Tensor, k: torch.Tensor) -> _Selection:
+        B, V = hidden.shape[0], self.vocab_size
+        dev = hidden.device
+        lo, hi, e, finite = self._intervals(hidden)
+        exact = torch.full((B, V), -math.inf, dtype=self.dtype, device=dev)
+        done = torch.zeros(V, dtype=torch.bool, device=dev)
+        lower = torch.full((B, V), -math.inf, device=dev)  # dense lower bounds on scored columns
+        budget = max(int(k.max()), math.ceil(self.config.budget * V))
+        # First guess of |S| per row: tokens whose hi reaches the k-th largest lo.
+        kmax = int(k.max())
+        tau = lo.topk(kmax, dim=1).values.gather(1, (k - 1)[:, None])
+        m = torch.where(tau.squeeze(1) > -math.inf, (hi >= tau).sum(1), 0)
+        # Without a useful lower bound (ball screen, or too many candidates), start small and double.
+        m = torch.where((m == 0) | (m > budget), torch.clamp(k * 8, max=budget), m.clamp_min(k))
+        certified = torch.zeros(B, dtype=torch.bool, device=dev)
+        active = finite.clone()
+        over = torch.zeros(B, dtype=torch.bool, device=dev)
+        while bool(active.any()):
+            mm = int(m[active].max())
+            top = hi[active].topk(mm, dim=1)
+            rank_ok = torch.arange(mm, device=dev)[None] < m[active][:, None]
+            need = top.indices[rank_ok].unique()
+            new = need[~done[need]]
+            if new.numel():
+                z = self._exact(hidden, new)
+                exact[:, new] = z
+                zf = z.float()
+                bound = zf - 2 * e[:, new] - 4 * ulp(zf, self.dtype)
+                lower[:, new] = torch.maximum(bound, lo[:, new])
+                done[new] = True
+            kth = lower.topk(kmax, dim=1).values.gather(1, (k - 1)[:, None]).squeeze(1)
+            outside = hi.masked_fill(done[None], -math.inf).amax(1)
+            certified |= active & self._separated(kth, outside)
+            active &= ~certified
+            over |= active & (m >= budget)
+            active &= ~over
+            m = torch.where(active, torch.clamp(m * 2, max=budget), m)
+        reason = [None if c else ("nonfinite" if not f else "budget") for c, f in
+                  zip(certified.tolist(), finite.tolist())]
+        scored = torch.full((B,), int(done.sum()), device=dev)
+        return _Selection(exact, scored, certified, reason)
+
+    def _separated(self, low: torch.Tensor, high: torch.Tensor) -> torch.Tensor:
+        """``low > high`` before *and* after ``f`` (soft-cap saturates: distinct logits can
+        map to the same value, a tie the dense argmax breaks by index), with two output
+        ulps each side for the engine's own rounding of ``f``."""
+        ok = low > high
+        if self.softcap is not None or self.scale != 1.0:
+            fl, fh = self.transform(low), self.transform(high)
+            ok &= fl - 2 * ulp(fl, self.dtype) > fh + 2 * ulp(fh, self.dtype)
+        return ok
+
+    # ---- public API ---------------------------------------------------------------------
+    def topk(self, hidden: torch.Tensor, k: int) -> TopKResult:
+        """Certified top-``k`` ids and values per row; uncertified rows are computed densely."""
+        B = hidden.shape[0]
+        if not 1 <= k <= self.vocab_size:
+            raise CSVError(f"k must be in [1, {self.vocab_size}], got {k}")
+        sel = self._select(hidden, torch.full((B,), k, device=hidden.device))
+        logits = self.transform(sel.exact)
+        fb = ~sel.certified
+        if fb.any():
+            logits[fb] = self.dense_logits(hidden[fb])
+        vals, ids = _stable_topk(logits, k)
+        scored = torch.where(fb, self.vocab_size, sel.scored)
+        return TopKResult(ids, vals, sel.certified, fb, scored)
+
+    def softmax_eps(self, hidden: torch.Tensor, temperature: float, epsilon: float | None = None
+                    ) -> EpsResult:
+        """epsilon-softmax certificate (SPEC 2): ``S`` grows in order of ``hi``; with
+        ``Z_S = sum_{j in S} exp(f(lower_j)/t)`` and ``U = sum_{i not in S} exp(f(hi_i)/t)``
+        the softmax renormalised on ``S`` is within TV distance ``U / (Z_S + U)`` of the
+        dense softmax. Rows that do not reach ``epsilon`` within the budget are dense."""
+        eps = epsilon if epsilon is not None else self.config.epsilon
+        if eps is None or not 0 < eps < 1 or not temperature > 0:
+            raise CSVError(f"softmax_eps needs 0 < epsilon < 1 and temperature > 0, got {eps}, {temperature}")
+        B, V = hidden.shape[0], self.vocab_size
+        lo, hi, e, finite = self._intervals(hidden)
+        fhi = self.transform(hi).float() / temperature
+        order = fhi.topk(max(1, math.ceil(self.config.budget * V)), dim=1).indices
+        # first guess: tokens within log(eps / V) of the best lower bound
+        flo_max = (self.transform(lo).float() / temperature).amax(1, keepdim=True)
+        m = (fhi >= flo_max + math.log(eps / V)).sum(1).clamp(1, order.shape[1])
+        logits = torch.full((B, V), -math.inf, dtype=self.dtype, device=hidden.device)
+        tv = torch.ones(B, device=hidden.device)
+        cert = torch.zeros(B, dtype=torch.bool, device=hidden.device)
+        while True:
+            mm = int(m.max())
+            mask = torch.zeros((B, V), dtype=torch.bool, device=hidden.device)
+            mask.scatter_(1, order[:, :mm], torch.arange(mm, device=hidden.device)[None] < m[:, None])
+            ids = mask.any(0).nonzero().squeeze(1)
+            z = self._exact(hidden, ids)
+            zl = torch.maximum(z.float() - 2 * e[:, ids] - 4 * ulp(z.float(), self.dtype), lo[:, ids])
+            logits[:, ids] = z
+            done = torch.zeros(V, dtype=torch.bool, device=hidden.device)
+            done[ids] = True
+            log_zs = torch.logsumexp(self.transform(zl) / temperature, 1)
+            log_u = torch.logsumexp(fhi.masked_fill(done[None], -math.inf), 1)
+            tv = torch.sigmoid(log_u - log_zs)  # U / (Z_S + U)
+            cert = finite & (tv <= eps)
+            grow = finite & ~cert & (m < order.shape[1])
+            if not bool(grow.any()):
+                break
+            m = torch.where(grow, torch.clamp(m * 2, max=order.shape[1]), m)
+        out = self.transform(logits)
+        if (~cert).any():
+            out[~cert] = self.dense_logits(hidden[~cert])
+            tv = torch.where(cert, tv, torch.zeros_like(tv))
+        probs = torch.softmax(out.float() / temperature, dim=1)
+        return EpsResult(probs, cert, tv)
+
+    def sampler_logits(self, hidden: torch.Tensor, topk: torch.Tensor,
+                       dense_fn: Callable[[torch.Tensor], torch.Tensor] | None = None
+                       ) -> tuple[torch.Tensor, StepStats]:
+        """Logits for a sampler: rows with ``topk[b] = 0`` are dense; rows with ``k > 0`` hold
+        exact values on a scored set that contains the certified top-k and ``-inf`` elsewhere,
+        or dense values if they could not be certified. ``dense_fn`` computes dense rows
+        (default :meth:`dense_logits`), so callers can keep their engine's own code path."""
+        t0 = time.perf_counter()
+        dense_fn = dense_fn or self.dense_logits
+        B = hidden.shape[0]
+        topk = topk.to(hidden.device).long()
+        stats = StepStats(rows=B, screen=self.screen.name)
+        want = topk > 0
+        stats.csv_rows = int(want.sum())
+        unsupported = topk > self.config.max_topk
+        want &= ~unsupported
+        stats.fallbacks["unsupported"] = int(unsupported.sum())
+        if want.any() and self.off_switch is not None and not self.off_switch.allow():
+            stats.fallbacks["off_switch"] = int(want.sum())
+            want[:] = False
+        out = torch.empty((B, self.vocab_size), dtype=self.dtype, device=hidden.device)
+        dense_rows = ~want
+        if want.any():
+            rows = want.nonzero().squeeze(1)
+            sel = self._select(hidden[rows], topk[rows])
+            out[rows] = self.transform(sel.exact)
+            stats.certified = int(sel.certified.sum())
+            for r in sel.reason:
+                if r is not None:
+                    stats.fallbacks[r] += 1
+            stats.scored = sel.scored[sel.certified].tolist()
+            dense_rows[rows[~sel.certified]] = True
+        if dense_rows.any():
+            out[dense_rows] = dense_fn(hidden[dense_rows]).to(self.dtype)
+        if hidden.is_cuda:
+            torch.cuda.synchronize(hidden.device)
+        stats.seconds = time.perf_counter() - t0
+        if self.off_switch is not None and want.any():
+            self.off_switch.observe(B, stats.seconds, lambda: _time(lambda: dense_fn(hidden), hidden))
+        return out, stats
+
+
+def _stable_topk(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-k, ties broken by the lowest index (as ``argmax``)."""
+    vals, ids = torch.sort(x, dim=1, descending=True, stable=True)
+    return vals[:, :k], ids[:, :k]
+
+
+def _time(fn, like: torch.Tensor) -> float:
+    if like.is_cuda:
+        torch.cuda.synchronize(like.device)
+    t0 = time.perf_counter()
+    fn()
+    if like.is_cuda:
+        torch.cuda.synchronize(like.device)
+    return time.perf_counter() - t0

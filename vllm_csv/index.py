@@ -1,0 +1,205 @@
+"""The offline index: a clustering of the LM head rows, saved as one safetensors file.
+
+For cluster ``c`` with centroid ``mu_c`` the index stores the radius
+``R_c = max_{i in c} ||w_i - mu_c||`` (computed in float64 from the stored fp32
+centroid, then rounded up), ``bmax_c = max_{i in c} b_i`` and ``wmax_c = max ||w_i||``,
+so that ``<w_i, h> + b_i <= <mu_c, h> + R_c ||h|| + bmax_c`` holds for every token
+(Cauchy-Schwarz). The file is fingerprinted against the weights it was built from.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from .errors import CSVError
+from .kmeans import KMEANS
+
+FORMAT_VERSION = "1"
+DEFAULT_CLUSTER_FRACTION = 0.015  # C = 0.015 V, as in the paper
+
+
+def fingerprint_weights(weight: torch.Tensor, bias: torch.Tensor | None = None) -> str:
+    """blake2b over shape, dtype and raw bytes of the head (and bias): changes with any weight."""
+    hsh = hashlib.blake2b(digest_size=16)
+    for t in (weight, bias):
+        if t is None:
+            hsh.update(b"none")
+            continue
+        t = t.detach().contiguous().cpu()
+        hsh.update(json.dumps([list(t.shape), str(t.dtype)]).encode())
+        hsh.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    return hsh.hexdigest()
+
+
+def default_num_clusters(vocab_size: int) -> int:
+    return max(1, round(DEFAULT_CLUSTER_FRACTION * vocab_size))
+
+
+@dataclass
+class CSVIndex:
+    """Clusters of the vocabulary. ``perm`` lists token ids cluster by cluster;
+    cluster ``c`` owns ``perm[offsets[c]:offsets[c+1]]``."""
+
+    perm: torch.Tensor  # [V] int64
+    offsets: torch.Tensor  # [C+1] int64
+    centroids: torch.Tensor  # [C, d] fp32
+    radii: torch.Tensor  # [C] fp32, rounded up
+    bias_max: torch.Tensor  # [C] fp32 (zeros without bias)
+    row_norm_max: torch.Tensor  # [C] fp32, max ||w_i|| in the cluster (for fp margins)
+    fingerprint: str
+    meta: dict
+
+    @property
+    def num_clusters(self) -> int:
+        return self.centroids.shape[0]
+
+    @property
+    def vocab_size(self) -> int:
+        return self.perm.shape[0]
+
+    @property
+    def hidden_size(self) -> int:
+        return self.centroids.shape[1]
+
+    @property
+    def sizes(self) -> torch.Tensor:
+        return self.offsets[1:] - self.offsets[:-1]
+
+    def cluster_of(self) -> torch.Tensor:
+        """``[V]`` cluster id of every token."""
+        out = torch.empty_like(self.perm)
+        out[self.perm] = torch.repeat_interleave(torch.arange(self.num_clusters), self.sizes)
+        return out
+
+    def to(self, device) -> "CSVIndex":
+        mv = lambda t: t.to(device)  # noqa: E731
+        return CSVIndex(mv(self.perm), mv(self.offsets), mv(self.centroids), mv(self.radii),
+                        mv(self.bias_max), mv(self.row_norm_max), self.fingerprint, self.meta)
+
+    # ---- persistence -------------------------------------------------------------------
+    def save(self, path: str | os.PathLike) -> Path:
+        """Write atomically: a temp file in the same directory, then ``os.replace``."""
+        path = Path(path)
+        tensors = {"perm": self.perm, "offsets": self.offsets, "centroids": self.centroids,
+                   "radii": self.radii, "bias_max": self.bias_max, "row_norm_max": self.row_norm_max}
+        meta = {k: str(v) for k, v in self.meta.items()}
+        meta.update(format_version=FORMAT_VERSION, fingerprint=self.fingerprint)
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+            os.close(fd)
+        except OSError as e:
+            raise CSVError(f"cannot write index to {path}: {e.strerror or e}") from None
+        try:
+            save_file({k: v.contiguous().cpu() for k, v in tensors.items()}, tmp, metadata=meta)
+            os.replace(tmp, path)
+        except OSError as e:
+            raise CSVError(f"cannot write index to {path}: {e.strerror or e}") from None
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+        return path
+
+    @classmethod
+    def load(cls, path: str | os.PathLike, expect_fingerprint: str | None = None) -> "CSVIndex":
+        """Load and validate; raise :class:`CSVError` if the file is missing, corrupt,
+        of another format version, inconsistent, or built from other weights."""
+        path = Path(path)
+        if not path.is_file():
+            raise CSVError(f"CSV index not found: {path}")
+        try:
+            with safe_open(str(path), framework="pt") as f:
+                meta = f.metadata() or {}
+                t = {k: f.get_tensor(k) for k in f.keys()}
+        except Exception as e:  # safetensors raises several types for corrupt files
+            raise CSVError(f"CSV index {path} is corrupt or not a safetensors file ({e})") from None
+        if meta.get("format_version") != FORMAT_VERSION:
+            raise CSVError(f"CSV index {path} has format version {meta.get('format_version')!r}, "
+                           f"expected {FORMAT_VERSION!r}; rebuild it with `vllm-csv build-index`")
+        needed = ("perm", "offsets", "centroids", "radii", "bias_max", "row_norm_max")
+        if any(k not in t for k in needed):
+            raise CSVError(f"CSV index {path} is corrupt: missing tensors {sorted(set(needed) - set(t))}")
+        idx = cls(t["perm"], t["offsets"], t["centroids"], t["radii"], t["bias_max"],
+                  t["row_norm_max"], meta.get("fingerprint", ""),
+                  {k: v for k, v in meta.items() if k not in ("format_version", "fingerprint")})
+        idx._validate(path)
+        if expect_fingerprint is not None and idx.fingerprint != expect_fingerprint:
+            raise CSVError(f"CSV index {path} was built for other weights (fingerprint {idx.fingerprint}, "
+                           f"model has {expect_fingerprint}); rebuild it with `vllm-csv build-index`")
+        return idx
+
+    def _validate(self, path) -> None:
+        V, C = self.perm.shape[0], self.centroids.shape[0]
+        ok = (
+            self.perm.dtype == torch.int64 and self.offsets.shape == (C + 1,)
+            and self.offsets[0] == 0 and self.offsets[-1] == V and bool((self.sizes > 0).all())
+            and torch.equal(torch.sort(self.perm).values, torch.arange(V))
+            and all(x.shape == (C,) for x in (self.radii, self.bias_max, self.row_norm_max))
+            and bool(torch.isfinite(self.centroids).all()) and bool((self.radii >= 0).all())
+        )
+        if not ok:
+            raise CSVError(f"CSV index {path} is corrupt: inconsistent clusters")
+
+
+def build_index(
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    num_clusters: int | None = None,
+    *,
+    method: str = "torch",
+    iters: int = 25,
+    seed: int = 0,
+    progress: bool = True,
+) -> CSVIndex:
+    """Cluster the ``V`` rows of ``weight`` into ``num_clusters`` (default ``0.015 V``)."""
+    if weight.dim() != 2 or not weight.is_floating_point():
+        raise CSVError(f"LM head must be a 2-D floating-point matrix, got {tuple(weight.shape)} {weight.dtype}")
+    if not torch.isfinite(weight).all() or (bias is not None and not torch.isfinite(bias).all()):
+        raise CSVError("LM head contains NaN or inf; refusing to build an index")
+    V, d = weight.shape
+    C = default_num_clusters(V) if num_clusters is None else num_clusters
+    if not 1 <= C <= V:
+        raise CSVError(f"--clusters must be between 1 and the vocabulary size {V}, got {C}")
+    if method not in KMEANS:
+        raise CSVError(f"unknown k-means method {method!r}; choose one of {sorted(KMEANS)}")
+    t0 = time.perf_counter()
+    w = weight.detach().float()
+    labels, centroids = KMEANS[method](w, C, iters=iters, seed=seed, progress=progress)
+    # Drop clusters that ended empty so that every stored cluster has a member.
+    used = torch.unique(labels)
+    remap = torch.full((C,), -1, dtype=torch.long)
+    remap[used] = torch.arange(used.numel())
+    labels, centroids = remap[labels.cpu()], centroids.cpu()[used].contiguous()
+    C = used.numel()
+    perm = torch.argsort(labels, stable=True)
+    sizes = torch.bincount(labels, minlength=C)
+    offsets = torch.cat([torch.zeros(1, dtype=torch.long), sizes.cumsum(0)])
+    w64 = w.cpu().double()
+    dist = (w64 - centroids.double()[labels]).norm(dim=1)
+    radii = torch.zeros(C, dtype=torch.float64).scatter_reduce(0, labels, dist, "amax")
+    radii = _round_up(radii)
+    wmax = _round_up(torch.zeros(C, dtype=torch.float64).scatter_reduce(0, labels, w64.norm(dim=1), "amax"))
+    if bias is None:
+        bmax = torch.zeros(C)
+    else:
+        bmax = _round_up(torch.full((C,), -torch.inf, dtype=torch.float64).scatter_reduce(
+            0, labels, bias.detach().cpu().double(), "amax"))
+    meta = {"vocab_size": V, "hidden_size": d, "num_clusters": C, "method": method, "seed": seed,
+            "build_seconds": round(time.perf_counter() - t0, 3)}
+    return CSVIndex(perm, offsets, centroids, radii, bmax, wmax, fingerprint_weights(weight, bias), meta)
+
+
+def _round_up(x64: torch.Tensor) -> torch.Tensor:
+    """fp64 -> fp32, rounding up so that an upper bound stays an upper bound."""
+    x32 = x64.float()
+    return torch.where(x32.double() < x64, torch.nextafter(x32, torch.tensor(torch.inf)), x32)
