@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from .errors import CSVError
-from .fp import FP32_UNIT_ROUNDOFF, gamma, ulp
+from .fp import FP32_UNIT_ROUNDOFF, gamma, significand_bits, ulp
 from .off_switch import OffSwitch
 from .screens import DEFAULT_SCREEN, SCREENS, hidden_norm_upper, make_screen
 
@@ -114,6 +114,9 @@ class CertifiedHead:
         g = gamma(self.hidden_size + 2, self.config.unit_roundoff)
         self.acc_err = (g * self.weight.double().norm(dim=1)).float() * (1 + 4 * FP32_UNIT_ROUNDOFF)
         self.screen = make_screen(self.config.screen, self.weight, self.bias, index)
+        self._delta = 2.0 ** (2 - significand_bits(self.dtype)) + 8 * FP32_UNIT_ROUNDOFF
+        self._tiny = 2 * torch.finfo(self.dtype).tiny
+        self._rad_cache = None
         self.off_switch = OffSwitch() if self.config.off_switch else None
 
     # ---- the dense engine's computation, on all or some rows -----------------------------
@@ -135,27 +138,44 @@ class CertifiedHead:
 
     # ---- certification ----------------------------------------------------------------
     def _intervals(self, hidden: torch.Tensor):
-        """``lo, hi [B, V]`` around the dense engine's pre-transform logit, the per-entry
-        accumulation error ``e`` of a GEMM, and which rows are finite (certifiable)."""
+        """``lo, hi [B, V]`` around the dense engine's pre-transform logit, ``||h||`` (rounded
+        up) and which rows are finite (certifiable).
+
+        ``m = rad_total ||h|| + delta |y| + tiny`` with ``rad_total = (r + e/||h||)(1 + delta)``
+        covers the screen radius, the dense GEMM's accumulation error and two output-dtype
+        ulps of ``|lo|, |hi| <= |y| + rad ||h||`` (``delta = 2^(2-p) + 8u``)."""
         hnorm = hidden_norm_upper(hidden)
-        lo, hi = self.screen.bounds(hidden, hnorm)
-        e = self.acc_err[None] * hnorm[:, None]
-        lo = lo - e - 2 * ulp(lo, self.dtype)
-        hi = hi + e + 2 * ulp(hi, self.dtype)
-        finite = torch.isfinite(hidden).all(1) & torch.isfinite(hnorm) & ~torch.isnan(lo).any(1)
-        finite &= ~torch.isnan(hi).any(1) & (hi < math.inf).all(1)
-        return lo, hi, e, finite
+        y, r, two_sided = self.screen.center_radius(hidden)
+        rad = self._rad_total(r)
+        m = torch.addcmul(y.abs().mul_(self._delta).add_(self._tiny), rad[None], hnorm[:, None])
+        hi = y + m
+        lo = y.sub_(m) if two_sided else torch.full_like(y, -math.inf)
+        finite = torch.isfinite(hidden).all(1) & torch.isfinite(hnorm) & torch.isfinite(hi).all(1)
+        return lo, hi, hnorm, finite
+
+    def _rad_total(self, r: torch.Tensor) -> torch.Tensor:
+        if self._rad_cache is None or self._rad_cache[0] is not r:
+            self._rad_cache = (r, (r + self.acc_err) * (1 + self._delta))
+        return self._rad_cache[1]
+
+    def _lower(self, z: torch.Tensor, lo: torch.Tensor, ids: torch.Tensor, hnorm: torch.Tensor) -> torch.Tensor:
+        """Dense lower bounds for columns ``ids`` whose logits ``z`` we computed ourselves:
+        ``zt >= z - 2 e - 4 ulp`` (another accumulation order, two roundings each), or the
+        screen's ``lo`` if higher."""
+        zf = z.float()
+        e = self.acc_err[ids][None] * hnorm[:, None]
+        return torch.maximum(zf - 2 * e - 4 * ulp(zf, self.dtype), lo[:, ids])
 
     def _select(self, hidden: torch.Tensor, k: torch.Tensor) -> _Selection:
         B, V = hidden.shape[0], self.vocab_size
         dev = hidden.device
-        lo, hi, e, finite = self._intervals(hidden)
+        lo, hi, hnorm, finite = self._intervals(hidden)
         exact = torch.full((B, V), -math.inf, dtype=self.dtype, device=dev)
         done = torch.zeros(V, dtype=torch.bool, device=dev)
-        lower = torch.full((B, V), -math.inf, device=dev)  # dense lower bounds on scored columns
-        budget = max(int(k.max()), math.ceil(self.config.budget * V))
-        # First guess of |S| per row: tokens whose hi reaches the k-th largest lo.
+        lower = torch.empty((B, 0), device=dev)  # dense lower bounds on the scored columns
         kmax = int(k.max())
+        budget = max(kmax, math.ceil(self.config.budget * V))
+        # First guess of |S| per row: tokens whose hi reaches the k-th largest lo.
         tau = lo.topk(kmax, dim=1).values.gather(1, (k - 1)[:, None])
         m = torch.where(tau.squeeze(1) > -math.inf, (hi >= tau).sum(1), 0)
         # Without a useful lower bound (ball screen, or too many candidates), start small and double.
@@ -165,16 +185,16 @@ class CertifiedHead:
         over = torch.zeros(B, dtype=torch.bool, device=dev)
         while bool(active.any()):
             mm = int(m[active].max())
-            top = hi[active].topk(mm, dim=1)
-            rank_ok = torch.arange(mm, device=dev)[None] < m[active][:, None]
-            need = top.indices[rank_ok].unique()
+            if mm < V:  # each active row's m_b highest hi
+                top = hi[active].topk(mm, dim=1).indices
+                need = top[torch.arange(mm, device=dev)[None] < m[active][:, None]].unique()
+            else:
+                need = torch.arange(V, device=dev)
             new = need[~done[need]]
             if new.numel():
                 z = self._exact(hidden, new)
                 exact[:, new] = z
-                zf = z.float()
-                bound = zf - 2 * e[:, new] - 4 * ulp(zf, self.dtype)
-                lower[:, new] = torch.maximum(bound, lo[:, new])
+                lower = torch.cat([lower, self._lower(z, lo, new, hnorm)], 1)
                 done[new] = True
             kth = lower.topk(kmax, dim=1).values.gather(1, (k - 1)[:, None]).squeeze(1)
             outside = hi.masked_fill(done[None], -math.inf).amax(1)
@@ -223,7 +243,7 @@ class CertifiedHead:
         if eps is None or not 0 < eps < 1 or not temperature > 0:
             raise CSVError(f"softmax_eps needs 0 < epsilon < 1 and temperature > 0, got {eps}, {temperature}")
         B, V = hidden.shape[0], self.vocab_size
-        lo, hi, e, finite = self._intervals(hidden)
+        lo, hi, hnorm, finite = self._intervals(hidden)
         fhi = self.transform(hi).float() / temperature
         order = fhi.topk(max(1, math.ceil(self.config.budget * V)), dim=1).indices
         # first guess: tokens within log(eps / V) of the best lower bound
@@ -238,7 +258,7 @@ class CertifiedHead:
             mask.scatter_(1, order[:, :mm], torch.arange(mm, device=hidden.device)[None] < m[:, None])
             ids = mask.any(0).nonzero().squeeze(1)
             z = self._exact(hidden, ids)
-            zl = torch.maximum(z.float() - 2 * e[:, ids] - 4 * ulp(z.float(), self.dtype), lo[:, ids])
+            zl = self._lower(z, lo, ids, hnorm)
             logits[:, ids] = z
             done = torch.zeros(V, dtype=torch.bool, device=hidden.device)
             done[ids] = True

@@ -1,9 +1,10 @@
 """Screens: cheap, sound bounds on every logit of the vocabulary.
 
-A *token screen* returns, for hidden states ``h [B, d]``, tensors ``lo, hi [B, V]``
-(float32) with ``lo_bi <= <w_i, h_b> + b_i <= hi_bi`` in exact real arithmetic.
-The runtime (:mod:`vllm_csv.head`) widens them by the dense GEMM's own rounding
-error and certifies with them. Screens differ in cost and tightness:
+A screen's ``center_radius(h)`` returns, for hidden states ``h [B, d]``, a center
+``y [B, V]`` (float32), a per-token radius ``r [V]`` and whether the bound is two-sided:
+``|<w_i, h_b> + b_i - y_bi| <= r_i ||h_b||`` (one-sided: only ``<=`` ``y + r ||h||``), in
+exact real arithmetic up to the relative rounding of ``y``'s last additions. The runtime
+(:mod:`vllm_csv.head`) widens this by the dense GEMM's own rounding error and certifies. Screens differ in cost and tightness:
 
 ========  ===========================================================  =====================
 name      bound                                                        extra memory

@@ -2,9 +2,8 @@
 
 For token ``i`` in cluster ``c``: ``<w_i, h> = <mu_c, h> + <w_i - mu_c, h> <= <mu_c, h> + R_c ||h||``
 (Cauchy-Schwarz), so ``z_i <= UB_c = <mu_c, h> + R_c ||h|| + bmax_c``. ``<mu_c, h>`` is
-computed in fp32 with error at most ``gamma_d ||mu_c|| ||h||``, and the final two
-additions with relative error ``2u``; both are added so that ``hi`` is an upper bound
-on the exact real value. The ball gives no useful lower bound (``lo = -inf``): the
+computed in fp32 with error at most ``gamma_d ||mu_c|| ||h||``, folded into the radius;
+the runtime adds the relative error of the final additions. The ball gives no useful lower bound (``lo = -inf``): the
 runtime certifies with exact logits of the clusters it expands, in order of ``UB_c``.
 """
 
@@ -31,16 +30,14 @@ class BallScreen:
         g = gamma(d + 2)
         # hi = <mu,h> + rad * ||h|| + bmax, with rad absorbing fp error of the centroid dot product.
         self.rad = ((index.radii.to(dev) + g * (mu_norm.to(dev) + index.radii.to(dev))) * (1 + 4 * FP32_UNIT_ROUNDOFF))
+        self.rad_tok = self.rad[index.cluster_of().to(dev)]  # per token, [V]
         self.bmax = index.bias_max.to(dev)
         self.cluster_of = index.cluster_of().to(dev)
         self.num_clusters = index.num_clusters
         self.extra_bytes = self.centroids.numel() * 4 + self.num_clusters * 12 + V * 8
 
-    def cluster_upper(self, h: torch.Tensor, hnorm: torch.Tensor) -> torch.Tensor:
-        """``[B, C]`` upper bounds ``UB_c`` (fp32)."""
-        ub = h.float() @ self.centroids.T + self.rad[None] * hnorm[:, None] + self.bmax[None]
-        return ub + 2 * FP32_UNIT_ROUNDOFF * ub.abs()
-
-    def bounds(self, h: torch.Tensor, hnorm: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        hi = self.cluster_upper(h, hnorm)[:, self.cluster_of]
-        return torch.full_like(hi, -torch.inf), hi
+    def center_radius(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, bool]:
+        """``y = <mu_c, h> + bmax_c`` per token (``[B, V]``) and ``r = rad_c`` (``[V]``):
+        ``<w_i, h> + b_i <= y_i + r_i ||h||``. One-sided: the ball gives no useful lower bound."""
+        yc = h.float() @ self.centroids.T + self.bmax[None]
+        return yc[:, self.cluster_of], self.rad_tok, False

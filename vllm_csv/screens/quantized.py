@@ -7,9 +7,8 @@ materialised ``deq_i``, rounded up) and ``y_i = fl(<deq_i, h>)`` accumulated in 
     |<w_i, h> - y_i| <= |<w_i - deq_i, h>| + |<deq_i, h> - y_i|
                     <= r_i ||h|| + gamma_d ||deq_i|| ||h||          (Cauchy-Schwarz, Higham 3.4)
 
-so ``lo = y - rad ||h|| + b`` and ``hi = y + rad ||h|| + b`` with
-``rad_i = r_i + gamma_{d+2} ||deq_i||`` bound the exact logit (the ``+2`` covers
-adding the bias and the product with ``||h||``). This module is the torch reference;
+so ``y_i + b_i -/+ rad_i ||h||`` with ``rad_i = r_i + gamma_{d+2} ||deq_i||`` bound the
+exact logit; the runtime adds the relative rounding of the additions. This module is the torch reference;
 fast kernels (``vllm_csv.ops``) compute the same ``y``.
 """
 
@@ -70,10 +69,8 @@ class QuantizedScreen:
         hf = h.float()
         return torch.cat([hf @ self._deq(a, a + self.chunk).T for a in range(0, self.q.shape[0], self.chunk)], 1)
 
-    def bounds(self, h: torch.Tensor, hnorm: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def center_radius(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, bool]:
+        """``y = fl(<deq_i, h>) + b_i`` (``[B, V]``) and ``r = rad`` (``[V]``):
+        ``|<w_i, h> + b_i - y_i| <= r_i ||h||`` up to the relative error of adding ``b_i``."""
         y = self.screen(h)
-        if self.bias is not None:
-            y = y + self.bias
-        w = self.rad[None] * hnorm[:, None]
-        slack = 2 * FP32_UNIT_ROUNDOFF * y.abs()  # the two fp32 additions above
-        return y - w - slack, y + w + slack
+        return (y if self.bias is None else y + self.bias), self.rad, True
