@@ -138,24 +138,30 @@ class CertifiedHead:
 
     # ---- certification ----------------------------------------------------------------
     def _intervals(self, hidden: torch.Tensor):
-        """``lo, hi [B, V]`` around the dense engine's pre-transform logit, ``||h||`` (rounded
-        up) and which rows are finite (certifiable).
+        """``lo, hi [B, V]`` around the dense engine's pre-transform logit (``lo`` is None for
+        one-sided screens), ``||h||`` rounded up, and which rows are finite (certifiable).
 
-        ``m = rad_total ||h|| + delta |y| + tiny`` with ``rad_total = (r + e/||h||)(1 + delta)``
-        covers the screen radius, the dense GEMM's accumulation error and two output-dtype
-        ulps of ``|lo|, |hi| <= |y| + rad ||h||`` (``delta = 2^(2-p) + 8u``)."""
+        Half-width ``m = rad_total ||h|| + delta max|y| + tiny`` with
+        ``rad_total = (r + e/||h||)(1 + delta)`` covers the screen radius, the dense GEMM's
+        accumulation error and two output-dtype ulps of ``|lo|, |hi| <= max|y| + rad ||h||``
+        (``delta = 2^(2-p) + 8u``). A row is finite when ``h``, ``||h||``, ``y`` and the
+        largest ``|y| + m`` are: then every bound of the row is finite."""
         hnorm = hidden_norm_upper(hidden)
         y, r, two_sided = self.screen.center_radius(hidden)
         rad = self._rad_total(r)
-        m = torch.addcmul(y.abs().mul_(self._delta).add_(self._tiny), rad[None], hnorm[:, None])
+        ymax = torch.linalg.vector_norm(y, ord=math.inf, dim=1)  # NaN/inf propagate
+        c = ymax * self._delta + self._tiny
+        finite = torch.isfinite(hidden).all(1) & torch.isfinite(ymax + c + self._rad_max * hnorm)
+        m = torch.addcmul(c[:, None], rad[None], hnorm[:, None])
         hi = y + m
-        lo = y.sub_(m) if two_sided else torch.full_like(y, -math.inf)
-        finite = torch.isfinite(hidden).all(1) & torch.isfinite(hnorm) & torch.isfinite(hi).all(1)
+        lo = y.sub_(m) if two_sided else None
         return lo, hi, hnorm, finite
 
     def _rad_total(self, r: torch.Tensor) -> torch.Tensor:
         if self._rad_cache is None or self._rad_cache[0] is not r:
-            self._rad_cache = (r, (r + self.acc_err) * (1 + self._delta))
+            total = (r + self.acc_err) * (1 + self._delta)
+            self._rad_cache = (r, total)
+            self._rad_max = float(total.max())
         return self._rad_cache[1]
 
     def _lower(self, z: torch.Tensor, lo: torch.Tensor, ids: torch.Tensor, hnorm: torch.Tensor) -> torch.Tensor:
@@ -164,45 +170,117 @@ class CertifiedHead:
         screen's ``lo`` if higher."""
         zf = z.float()
         e = self.acc_err[ids][None] * hnorm[:, None]
-        return torch.maximum(zf - 2 * e - 4 * ulp(zf, self.dtype), lo[:, ids])
+        bound = zf - 2 * e - 4 * ulp(zf, self.dtype)
+        return bound if lo is None else torch.maximum(bound, lo[:, ids])
 
     def _select(self, hidden: torch.Tensor, k: torch.Tensor) -> _Selection:
+        if self.screen.two_sided:
+            return self._select_two_sided(hidden, k)
+        return self._select_one_sided(hidden, k)
+
+    def _select_two_sided(self, hidden: torch.Tensor, k: torch.Tensor) -> _Selection:
+        """Certify from the ``K`` highest screen values of each row, never touching ``[B, V]``
+        beyond the screen itself and one top-K.
+
+        With ``y_(1) >= ... >= y_(K)`` a row's top-K screen values, ``m_j`` the half-width of
+        token ``j`` (see :meth:`_intervals`) and ``tau`` the k-th largest ``lo_j = y_j - m_j``
+        among them (a lower bound on the k-th largest dense logit), every token beyond the
+        top-K has ``hi <= y_(K) + delta |y_(K)| + rad_max ||h|| + tiny =: beyond`` (``y + delta|y|``
+        is increasing). If ``beyond < tau``, the candidates ``{j in top-K : hi_j >= tau}``
+        contain the dense top-k, and ``M = max(beyond, hi of top-K tokens not scored)`` is the
+        bound the certificate must beat. Otherwise ``K`` grows (x4) up to the budget."""
+        B, V = hidden.shape[0], self.vocab_size
+        dev = hidden.device
+        hnorm = hidden_norm_upper(hidden)
+        y, r, _ = self.screen.center_radius(hidden)
+        rad = self._rad_total(r)
+        kmax = int(k.max())
+        budget = max(kmax, math.ceil(self.config.budget * V))
+        K = min(V, budget, max(64, 4 * kmax))
+        rows = torch.arange(B, device=dev)
+        while True:
+            ytop, itop = y.topk(K, dim=1)
+            m = torch.addcmul(ytop.abs().mul_(self._delta).add_(self._tiny), rad[itop], hnorm[:, None])
+            lo, hi = ytop - m, ytop + m
+            tau = (lo.amax(1) if kmax == 1 else lo.topk(kmax, dim=1).values[rows, k - 1])
+            yk = ytop[:, -1]
+            beyond = yk + self._delta * yk.abs() + self._rad_max * hnorm + self._tiny
+            if K >= V:
+                beyond = torch.full_like(beyond, -math.inf)
+            finite = torch.isfinite(hnorm) & torch.isfinite(ytop).all(1) & ~torch.isnan(beyond)
+            finite &= beyond < math.inf
+            fits = finite & (beyond < tau)
+            if bool(fits.all()) or K >= min(V, budget) or not bool((finite & ~fits).any()):
+                break
+            K = min(V, budget, 4 * K)
+        cand = (hi >= tau[:, None]) & fits[:, None]
+        exact = torch.full((B, V), -math.inf, dtype=self.dtype, device=dev)
+        certified = torch.zeros(B, dtype=torch.bool, device=dev)
+        ids = itop[cand].unique()
+        if ids.numel():
+            z = self._exact(hidden, ids)
+            exact[:, ids] = z
+            lower = self._lower(z, None, ids, hnorm)
+            kth = lower.topk(min(kmax, ids.numel()), dim=1).values
+            kth = kth[rows, (k - 1).clamp(max=kth.shape[1] - 1)]
+            scored = torch.zeros(V, dtype=torch.bool, device=dev)
+            scored[ids] = True
+            M = torch.maximum(beyond, hi.masked_fill(scored[itop], -math.inf).amax(1))
+            certified = fits & (ids.numel() >= k) & self._separated(kth, M)
+        reason = [None if c else ("nonfinite" if not f else "budget" if not t else "uncertified")
+                  for c, f, t in zip(certified.tolist(), finite.tolist(), fits.tolist())]
+        return _Selection(exact, torch.full((B,), ids.numel(), device=dev), certified, reason)
+
+    def _select_one_sided(self, hidden: torch.Tensor, k: torch.Tensor) -> _Selection:
+        """Grow ``S`` per row until the top-k certificate holds or ``budget`` is reached.
+
+        First ``S`` of a row: every token with ``hi >= tau``, ``tau`` the k-th largest ``lo``
+        (this already certifies: outside ``hi < tau <=`` k-th lower bound in ``S``). Screens
+        without a lower bound, and rows whose first ``S`` exceeds the budget, take the
+        ``m`` highest ``hi`` instead, ``m`` doubling each round. All rows of a batch share
+        the scored columns (the union), so each round is one GEMM over new rows of ``W``."""
         B, V = hidden.shape[0], self.vocab_size
         dev = hidden.device
         lo, hi, hnorm, finite = self._intervals(hidden)
+        kmax = int(k.max())
+        budget = max(kmax, math.ceil(self.config.budget * V))
+        m = torch.zeros(B, dtype=torch.long, device=dev)
+        if lo is not None:
+            tau = (lo.amax(1, keepdim=True) if kmax == 1
+                   else lo.topk(kmax, dim=1).values.gather(1, (k - 1)[:, None]))
+            mask = hi >= tau
+            m = mask.sum(1)
+        by_mask = finite & (m > 0) & (m <= budget)
+        m = torch.where(by_mask, m, torch.clamp(k * 8, max=budget))
         exact = torch.full((B, V), -math.inf, dtype=self.dtype, device=dev)
         done = torch.zeros(V, dtype=torch.bool, device=dev)
         lower = torch.empty((B, 0), device=dev)  # dense lower bounds on the scored columns
-        kmax = int(k.max())
-        budget = max(kmax, math.ceil(self.config.budget * V))
-        # First guess of |S| per row: tokens whose hi reaches the k-th largest lo.
-        tau = lo.topk(kmax, dim=1).values.gather(1, (k - 1)[:, None])
-        m = torch.where(tau.squeeze(1) > -math.inf, (hi >= tau).sum(1), 0)
-        # Without a useful lower bound (ball screen, or too many candidates), start small and double.
-        m = torch.where((m == 0) | (m > budget), torch.clamp(k * 8, max=budget), m.clamp_min(k))
         certified = torch.zeros(B, dtype=torch.bool, device=dev)
         active = finite.clone()
-        over = torch.zeros(B, dtype=torch.bool, device=dev)
+        first = True
         while bool(active.any()):
-            mm = int(m[active].max())
-            if mm < V:  # each active row's m_b highest hi
-                top = hi[active].topk(mm, dim=1).indices
-                need = top[torch.arange(mm, device=dev)[None] < m[active][:, None]].unique()
-            else:
-                need = torch.arange(V, device=dev)
+            parts = []
+            by_rank = active & ~by_mask if first else active
+            if first and bool(by_mask.any()):
+                parts.append(mask[by_mask].any(0).nonzero().squeeze(1))
+            if bool(by_rank.any()):  # hi of scored columns is -inf: topk finds new tokens
+                mm = min(int(m[by_rank].max()), V)
+                top = hi[by_rank].topk(mm, dim=1)
+                keep = (torch.arange(mm, device=dev)[None] < m[by_rank][:, None]) & (top.values > -math.inf)
+                parts.append(top.indices[keep])
+            need = torch.cat(parts).unique()
             new = need[~done[need]]
             if new.numel():
                 z = self._exact(hidden, new)
                 exact[:, new] = z
                 lower = torch.cat([lower, self._lower(z, lo, new, hnorm)], 1)
                 done[new] = True
+                hi.index_fill_(1, new, -math.inf)
             kth = lower.topk(kmax, dim=1).values.gather(1, (k - 1)[:, None]).squeeze(1)
-            outside = hi.masked_fill(done[None], -math.inf).amax(1)
-            certified |= active & self._separated(kth, outside)
-            active &= ~certified
-            over |= active & (m >= budget)
-            active &= ~over
+            certified |= active & self._separated(kth, hi.amax(1))
+            active &= ~certified & (m < budget) & ~done.all()
             m = torch.where(active, torch.clamp(m * 2, max=budget), m)
+            first = False
         reason = [None if c else ("nonfinite" if not f else "budget") for c, f in
                   zip(certified.tolist(), finite.tolist())]
         scored = torch.full((B,), int(done.sum()), device=dev)
@@ -247,8 +325,11 @@ class CertifiedHead:
         fhi = self.transform(hi).float() / temperature
         order = fhi.topk(max(1, math.ceil(self.config.budget * V)), dim=1).indices
         # first guess: tokens within log(eps / V) of the best lower bound
-        flo_max = (self.transform(lo).float() / temperature).amax(1, keepdim=True)
-        m = (fhi >= flo_max + math.log(eps / V)).sum(1).clamp(1, order.shape[1])
+        if lo is None:
+            m = torch.full((B,), min(8, order.shape[1]), device=hidden.device)
+        else:
+            flo_max = (self.transform(lo.amax(1, keepdim=True)).float() / temperature)
+            m = (fhi >= flo_max + math.log(eps / V)).sum(1).clamp(1, order.shape[1])
         logits = torch.full((B, V), -math.inf, dtype=self.dtype, device=hidden.device)
         tv = torch.ones(B, device=hidden.device)
         cert = torch.zeros(B, dtype=torch.bool, device=hidden.device)

@@ -16,6 +16,7 @@ from ..fp import FP32_UNIT_ROUNDOFF, gamma
 
 class BallScreen:
     name = "ball"
+    two_sided = False
 
     def __init__(self, index, weight: torch.Tensor, bias: torch.Tensor | None):
         from ..errors import CSVError

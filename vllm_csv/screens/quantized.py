@@ -45,6 +45,7 @@ def _expand(s: torch.Tensor, d: int) -> torch.Tensor:
 
 
 class QuantizedScreen:
+    two_sided = True
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, bits: int = 8, chunk: int = 8192):
         self.name = f"int{bits}"
         self.bits, self.chunk = bits, chunk
