@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from .cpu_malloc import tune_malloc
 from .errors import CSVError
 from .fp import FP32_UNIT_ROUNDOFF, gamma, significand_bits, ulp
 from .off_switch import OffSwitch
@@ -101,6 +102,8 @@ class CertifiedHead:
                  vocab_size: int | None = None, config: HeadConfig | None = None, index=None,
                  softcap: float | None = None, scale: float = 1.0):
         self.config = config or HeadConfig()
+        if weight.device.type == "cpu":
+            tune_malloc()
         V = vocab_size or weight.shape[0]
         if weight.dim() != 2 or not 1 <= V <= weight.shape[0]:
             raise CSVError(f"bad LM head shape {tuple(weight.shape)} for vocab size {V}")
@@ -117,6 +120,8 @@ class CertifiedHead:
         self._delta = 2.0 ** (2 - significand_bits(self.dtype)) + 8 * FP32_UNIT_ROUNDOFF
         self._tiny = 2 * torch.finfo(self.dtype).tiny
         self._rad_cache = None
+        self._wmax = float(self.weight.float().norm(dim=1).max()) if V else 0.0
+        self._rad_total(self.screen.radius)
         self.off_switch = OffSwitch() if self.config.off_switch else None
 
     # ---- the dense engine's computation, on all or some rows -----------------------------
@@ -164,71 +169,79 @@ class CertifiedHead:
             self._rad_max = float(total.max())
         return self._rad_cache[1]
 
-    def _lower(self, z: torch.Tensor, lo: torch.Tensor, ids: torch.Tensor, hnorm: torch.Tensor) -> torch.Tensor:
+    def _lower(self, z: torch.Tensor, ids: torch.Tensor, hnorm: torch.Tensor,
+               lo_ids: torch.Tensor | None = None) -> torch.Tensor:
         """Dense lower bounds for columns ``ids`` whose logits ``z`` we computed ourselves:
         ``zt >= z - 2 e - 4 ulp`` (another accumulation order, two roundings each), or the
-        screen's ``lo`` if higher."""
+        screen's lower bound ``lo_ids`` on those columns if higher."""
         zf = z.float()
         e = self.acc_err[ids][None] * hnorm[:, None]
         bound = zf - 2 * e - 4 * ulp(zf, self.dtype)
-        return bound if lo is None else torch.maximum(bound, lo[:, ids])
+        return bound if lo_ids is None else torch.maximum(bound, lo_ids)
 
     def _select(self, hidden: torch.Tensor, k: torch.Tensor) -> _Selection:
-        if self.screen.two_sided:
-            return self._select_two_sided(hidden, k)
-        return self._select_one_sided(hidden, k)
+        """Certify each row; rows with NaN/inf hidden states (or bounds that overflow fp32)
+        are left uncertified with reason ``nonfinite`` and take the dense path."""
+        ok = torch.isfinite(hidden).all(1) & torch.isfinite(hidden_norm_upper(hidden))
+        if self.screen.two_sided and bool(ok.any()):
+            # ||h|| rad_max + |y| must stay finite: y <= ||deq|| ||h||, so bound with rad and wmax
+            ok &= (hidden_norm_upper(hidden) * (self._wmax + self._rad_max)) < 1e37
+        if bool(ok.all()):
+            return (self._select_two_sided if self.screen.two_sided else self._select_one_sided)(hidden, k)
+        B, V = hidden.shape[0], self.vocab_size
+        sel = _Selection(torch.full((B, V), -math.inf, dtype=self.dtype, device=hidden.device),
+                         torch.zeros(B, dtype=torch.long, device=hidden.device),
+                         torch.zeros(B, dtype=torch.bool, device=hidden.device), ["nonfinite"] * B)
+        if bool(ok.any()):
+            sub = self._select(hidden[ok], k[ok])
+            sel.exact[ok], sel.scored[ok], sel.certified[ok] = sub.exact, sub.scored, sub.certified
+            for i, r in zip(ok.nonzero().squeeze(1).tolist(), sub.reason):
+                sel.reason[i] = r
+        return sel
 
     def _select_two_sided(self, hidden: torch.Tensor, k: torch.Tensor) -> _Selection:
-        """Certify from the ``K`` highest screen values of each row, never touching ``[B, V]``
-        beyond the screen itself and one top-K.
+        """Certify with a threshold on the screen values: three cheap passes over ``[B, V]``.
 
-        With ``y_(1) >= ... >= y_(K)`` a row's top-K screen values, ``m_j`` the half-width of
-        token ``j`` (see :meth:`_intervals`) and ``tau`` the k-th largest ``lo_j = y_j - m_j``
-        among them (a lower bound on the k-th largest dense logit), every token beyond the
-        top-K has ``hi <= y_(K) + delta |y_(K)| + rad_max ||h|| + tiny =: beyond`` (``y + delta|y|``
-        is increasing). If ``beyond < tau``, the candidates ``{j in top-K : hi_j >= tau}``
-        contain the dense top-k, and ``M = max(beyond, hi of top-K tokens not scored)`` is the
-        bound the certificate must beat. Otherwise ``K`` grows (x4) up to the budget."""
+        Token ``j`` has half-width ``m_j = rad_j ||h|| + delta |y_j| + tiny`` (see
+        :meth:`_intervals`). With ``y_(k)`` a row's k-th largest screen value and
+        ``g(y) = y + delta |y|`` (increasing), the k tokens with the largest ``y`` have
+        ``lo >= tau := y_(k) - delta |y_(k)| - rad_max ||h|| - tiny``, a lower bound on the
+        k-th largest dense logit. A token with ``g(y_i) < s := tau - rad_max ||h|| - tiny`` has
+        ``hi_i < tau``; so ``S`` = the union over rows of ``{i : y_i >= thr = g^-1(s)}`` contains
+        every row's dense top-k, every token outside ``S`` has ``hi < tau``, and the row is
+        certified when the k-th largest dense lower bound in ``S`` is ``>= tau``."""
         B, V = hidden.shape[0], self.vocab_size
         dev = hidden.device
         hnorm = hidden_norm_upper(hidden)
         y, r, _ = self.screen.center_radius(hidden)
         rad = self._rad_total(r)
         kmax = int(k.max())
-        budget = max(kmax, math.ceil(self.config.budget * V))
-        K = min(V, budget, max(64, 4 * kmax))
         rows = torch.arange(B, device=dev)
-        while True:
-            ytop, itop = y.topk(K, dim=1)
-            m = torch.addcmul(ytop.abs().mul_(self._delta).add_(self._tiny), rad[itop], hnorm[:, None])
-            lo, hi = ytop - m, ytop + m
-            tau = (lo.amax(1) if kmax == 1 else lo.topk(kmax, dim=1).values[rows, k - 1])
-            yk = ytop[:, -1]
-            beyond = yk + self._delta * yk.abs() + self._rad_max * hnorm + self._tiny
-            if K >= V:
-                beyond = torch.full_like(beyond, -math.inf)
-            finite = torch.isfinite(hnorm) & torch.isfinite(ytop).all(1) & ~torch.isnan(beyond)
-            finite &= beyond < math.inf
-            fits = finite & (beyond < tau)
-            if bool(fits.all()) or K >= min(V, budget) or not bool((finite & ~fits).any()):
-                break
-            K = min(V, budget, 4 * K)
-        cand = (hi >= tau[:, None]) & fits[:, None]
+        yk = y.amax(1) if kmax == 1 else y.topk(kmax, dim=1).values[rows, k - 1]
+        spread = self._rad_max * hnorm + self._tiny
+        tau = yk - self._delta * yk.abs() - spread
+        s = tau - spread
+        thr = torch.where(s >= 0, s / (1 + self._delta), s / (1 - self._delta))
+        thr = thr - thr.abs() * (8 * FP32_UNIT_ROUNDOFF) - self._tiny  # rounding of this very line
+        budget = max(kmax, math.ceil(self.config.budget * V))
+        live = torch.ones(B, dtype=torch.bool, device=dev)
+        y = y.sub_(thr[:, None])  # y - thr >= 0 marks a candidate
+        ids = (y.amax(0) >= 0).nonzero().squeeze(1)
+        if ids.numel() > budget:  # some rows have too many candidates: they go dense
+            live = (y >= 0).sum(1) <= budget
+            ids = (y[live].amax(0) >= 0).nonzero().squeeze(1) if bool(live.any()) else ids[:0]
         exact = torch.full((B, V), -math.inf, dtype=self.dtype, device=dev)
         certified = torch.zeros(B, dtype=torch.bool, device=dev)
-        ids = itop[cand].unique()
-        if ids.numel():
+        if ids.numel() >= kmax:
             z = self._exact(hidden, ids)
             exact[:, ids] = z
-            lower = self._lower(z, None, ids, hnorm)
-            kth = lower.topk(min(kmax, ids.numel()), dim=1).values
-            kth = kth[rows, (k - 1).clamp(max=kth.shape[1] - 1)]
-            scored = torch.zeros(V, dtype=torch.bool, device=dev)
-            scored[ids] = True
-            M = torch.maximum(beyond, hi.masked_fill(scored[itop], -math.inf).amax(1))
-            certified = fits & (ids.numel() >= k) & self._separated(kth, M)
-        reason = [None if c else ("nonfinite" if not f else "budget" if not t else "uncertified")
-                  for c, f, t in zip(certified.tolist(), finite.tolist(), fits.tolist())]
+            y_ids = y[:, ids] + thr[:, None]
+            m = torch.addcmul(y_ids.abs().mul_(self._delta).add_(self._tiny), rad[ids][None], hnorm[:, None])
+            lower = self._lower(z, ids, hnorm, y_ids - m)
+            kth = lower.topk(kmax, dim=1).values[rows, k - 1]
+            certified = live & self._separated(kth, tau)
+        reason = [None if c else ("budget" if not lv else "uncertified")
+                  for c, lv in zip(certified.tolist(), live.tolist())]
         return _Selection(exact, torch.full((B,), ids.numel(), device=dev), certified, reason)
 
     def _select_one_sided(self, hidden: torch.Tensor, k: torch.Tensor) -> _Selection:
@@ -273,7 +286,7 @@ class CertifiedHead:
             if new.numel():
                 z = self._exact(hidden, new)
                 exact[:, new] = z
-                lower = torch.cat([lower, self._lower(z, lo, new, hnorm)], 1)
+                lower = torch.cat([lower, self._lower(z, new, hnorm)], 1)
                 done[new] = True
                 hi.index_fill_(1, new, -math.inf)
             kth = lower.topk(kmax, dim=1).values.gather(1, (k - 1)[:, None]).squeeze(1)
@@ -339,7 +352,7 @@ class CertifiedHead:
             mask.scatter_(1, order[:, :mm], torch.arange(mm, device=hidden.device)[None] < m[:, None])
             ids = mask.any(0).nonzero().squeeze(1)
             z = self._exact(hidden, ids)
-            zl = self._lower(z, lo, ids, hnorm)
+            zl = self._lower(z, ids, hnorm, None if lo is None else lo[:, ids])
             logits[:, ids] = z
             done = torch.zeros(V, dtype=torch.bool, device=hidden.device)
             done[ids] = True

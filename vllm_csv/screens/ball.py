@@ -31,7 +31,7 @@ class BallScreen:
         g = gamma(d + 2)
         # hi = <mu,h> + rad * ||h|| + bmax, with rad absorbing fp error of the centroid dot product.
         self.rad = ((index.radii.to(dev) + g * (mu_norm.to(dev) + index.radii.to(dev))) * (1 + 4 * FP32_UNIT_ROUNDOFF))
-        self.rad_tok = self.rad[index.cluster_of().to(dev)]  # per token, [V]
+        self.radius = self.rad[index.cluster_of().to(dev)]  # per token, [V]
         self.bmax = index.bias_max.to(dev)
         self.cluster_of = index.cluster_of().to(dev)
         self.num_clusters = index.num_clusters
@@ -41,4 +41,4 @@ class BallScreen:
         """``y = <mu_c, h> + bmax_c`` per token (``[B, V]``) and ``r = rad_c`` (``[V]``):
         ``<w_i, h> + b_i <= y_i + r_i ||h||``. One-sided: the ball gives no useful lower bound."""
         yc = h.float() @ self.centroids.T + self.bmax[None]
-        return yc[:, self.cluster_of], self.rad_tok, False
+        return yc[:, self.cluster_of], self.radius, False

@@ -57,7 +57,7 @@ class QuantizedScreen:
             deq = self._deq(a, a + chunk).double()
             r[a : a + chunk] = (weight[a : a + chunk].double() - deq).norm(dim=1)
             deq_norm[a : a + chunk] = deq.norm(dim=1)
-        self.rad = _round_up(r + gamma(d + 2) * deq_norm) * (1 + 4 * FP32_UNIT_ROUNDOFF)
+        self.radius = _round_up(r + gamma(d + 2) * deq_norm) * (1 + 4 * FP32_UNIT_ROUNDOFF)
         self.bias = None if bias is None else bias.float()
         # This reference keeps int4 values unpacked in int8; packed kernels halve that term.
         self.extra_bytes = self.q.numel() + self.s.numel() * 4 + V * 4
@@ -74,4 +74,4 @@ class QuantizedScreen:
         """``y = fl(<deq_i, h>) + b_i`` (``[B, V]``) and ``r = rad`` (``[V]``):
         ``|<w_i, h> + b_i - y_i| <= r_i ||h||`` up to the relative error of adding ``b_i``."""
         y = self.screen(h)
-        return (y if self.bias is None else y + self.bias), self.rad, True
+        return (y if self.bias is None else y + self.bias), self.radius, True
