@@ -31,6 +31,12 @@ def _build_index(args) -> int:
     return 0
 
 
+def _serve(args) -> int:
+    from .serve import serve
+
+    return serve(args.model, args.host, args.port, args.once, args.vllm_args, args.timeout)
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="vllm-csv", description=__doc__)
     sub = p.add_subparsers(dest="command", required=True)
@@ -43,11 +49,21 @@ def parser() -> argparse.ArgumentParser:
     b.add_argument("--seed", type=int, default=0)
     b.add_argument("--quiet", action="store_true", help="no progress bar")
     b.set_defaults(func=_build_index)
+    s = sub.add_parser("serve", help="serve a model with CSV-Decode on (default: the embedded demo model)")
+    s.add_argument("model", nargs="?", default=None, help="Hugging Face model directory (default: demo model)")
+    s.add_argument("--host", default="127.0.0.1")
+    s.add_argument("--port", type=int, default=8000)
+    s.add_argument("--once", action="store_true", help="answer the demo request, then stop the server")
+    s.add_argument("--timeout", type=float, default=900.0, help="seconds to wait for start-up")
+    s.add_argument("vllm_args", nargs=argparse.REMAINDER, help="further arguments for `vllm serve` (after --)")
+    s.set_defaults(func=_serve)
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
+    if getattr(args, "vllm_args", None) and args.vllm_args[0] == "--":
+        args.vllm_args = args.vllm_args[1:]
     try:
         return args.func(args)
     except CSVError as e:

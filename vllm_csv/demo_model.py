@@ -1,0 +1,180 @@
+"""A small Llama-style model trained here, deterministically, on the CPU.
+
+The corpus is the Python standard library's own source (present on every machine),
+the tokenizer a byte-level BPE trained on it with ``tokenizers``, the model a
+``LlamaForCausalLM`` with an untied, *learned* LM head: the embedded default that
+``vllm-csv serve`` serves, and the fixtures of the tests and benchmarks.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import shutil
+import sysconfig
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from .cache import cache_root
+
+CHAT_TEMPLATE = (
+    "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}assistant: {% endif %}"
+)
+
+
+@dataclass(frozen=True)
+class Recipe:
+    vocab_size: int = 8192
+    hidden_size: int = 256
+    layers: int = 2
+    heads: int = 4
+    seq_len: int = 128
+    batch: int = 24
+    steps: int = 160
+    lr: float = 3e-3
+    corpus_bytes: int = 3_000_000
+    seed: int = 0
+
+    def key(self) -> str:
+        return hashlib.sha256(json.dumps(asdict(self), sort_keys=True).encode()).hexdigest()[:12]
+
+
+def corpus_files(limit_bytes: int) -> list[Path]:
+    """Deterministic subset of the stdlib's ``.py`` files (sorted), up to ``limit_bytes``."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    out, total = [], 0
+    for p in sorted(root.rglob("*.py")):
+        if "site-packages" in p.parts or "test" in p.parts[len(root.parts):][:1]:
+            continue
+        try:
+            n = p.stat().st_size
+        except OSError:
+            continue
+        out.append(p)
+        total += n
+        if total >= limit_bytes:
+            break
+    return out
+
+
+def _train_tokenizer(files: list[Path], vocab_size: int, out: Path) -> None:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<|endoftext|>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train([str(f) for f in files], trainer)
+    tok.save(str(out / "tokenizer.json"))
+    (out / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<|endoftext|>", "eos_token": "<|endoftext|>",
+        "unk_token": "<|endoftext|>", "pad_token": "<|endoftext|>", "model_max_length": 2048,
+        "chat_template": CHAT_TEMPLATE}, indent=1))
+    (out / "special_tokens_map.json").write_text(json.dumps({"bos_token": "<|endoftext|>", "eos_token": "<|endoftext|>"}))
+
+
+def _token_stream(files: list[Path], out: Path):
+    import torch
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(out / "tokenizer.json"))
+    eos = tok.token_to_id("<|endoftext|>")
+    ids: list[int] = []
+    for enc in tok.encode_batch([f.read_text(errors="replace") for f in files]):
+        ids.extend(enc.ids)
+        ids.append(eos)
+    return torch.tensor(ids, dtype=torch.long)
+
+
+def train(recipe: Recipe, out: Path, progress: bool = True) -> dict:
+    """Train the tokenizer and the model of ``recipe`` into ``out``; returns a summary."""
+    import torch
+    from tqdm.auto import tqdm
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    t0 = time.perf_counter()
+    torch.manual_seed(recipe.seed)
+    files = corpus_files(recipe.corpus_bytes)
+    _train_tokenizer(files, recipe.vocab_size, out)
+    data = _token_stream(files, out)
+    cfg = LlamaConfig(vocab_size=recipe.vocab_size, hidden_size=recipe.hidden_size,
+                      intermediate_size=int(recipe.hidden_size * 8 / 3) // 16 * 16,
+                      num_hidden_layers=recipe.layers, num_attention_heads=recipe.heads,
+                      num_key_value_heads=recipe.heads, max_position_embeddings=2048,
+                      tie_word_embeddings=False, bos_token_id=0, eos_token_id=0, torch_dtype="float32")
+    model = LlamaForCausalLM(cfg)
+    opt = torch.optim.AdamW(model.parameters(), lr=recipe.lr, weight_decay=0.01, betas=(0.9, 0.95))
+    g = torch.Generator().manual_seed(recipe.seed)
+    n_train = int(len(data) * 0.95)
+    warm = max(1, recipe.steps // 20)
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda s: min(1.0, (s + 1) / warm) * 0.5 * (1 + math.cos(math.pi * min(s, recipe.steps) / recipe.steps)))
+    model.train()
+    loss_v = float("nan")
+    for _ in tqdm(range(recipe.steps), desc="training demo model", disable=not progress, unit="step"):
+        starts = torch.randint(0, n_train - recipe.seq_len - 1, (recipe.batch,), generator=g)
+        x = torch.stack([data[s : s + recipe.seq_len] for s in starts.tolist()])
+        loss = model(input_ids=x, labels=x).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        sched.step()
+        opt.zero_grad(set_to_none=True)
+        loss_v = float(loss.detach())
+    model.eval()
+    with torch.no_grad():  # held-out loss on the last 5% of the token stream
+        held = data[n_train:][: 8 * recipe.seq_len].view(8, recipe.seq_len)
+        val = float(model(input_ids=held, labels=held).loss)
+    model.save_pretrained(out, safe_serialization=True)
+    (out / "generation_config.json").write_text(json.dumps({"bos_token_id": 0, "eos_token_id": 0}))
+    summary = {"recipe": asdict(recipe), "train_loss": round(loss_v, 4), "val_loss": round(val, 4),
+               "tokens": int(len(data)), "seconds": round(time.perf_counter() - t0, 1)}
+    (out / "vllm_csv_recipe.json").write_text(json.dumps(summary, indent=1))
+    return summary
+
+
+def ensure_model(recipe: Recipe = Recipe(), cache_dir: str | os.PathLike | None = None, *,
+                 name: str = "demo", progress: bool = True) -> Path:
+    """Return the model directory of ``recipe``, training it once (atomically, under a
+    file lock so that concurrent callers wait instead of training twice)."""
+    from filelock import FileLock
+
+    root = Path(cache_dir) if cache_dir else cache_root() / "models"
+    root.mkdir(parents=True, exist_ok=True)
+    final = root / f"{name}-{recipe.key()}"
+    with FileLock(str(final) + ".lock"):
+        if (final / "vllm_csv_recipe.json").is_file():
+            return final
+        tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=root))
+        try:
+            s = train(recipe, tmp, progress)
+            os.replace(tmp, final)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+        if progress:
+            print(f"[vllm-csv] trained {final.name} in {s['seconds']}s: val loss {s['val_loss']}")
+    return final
+
+
+def ensure_demo_model(cache_dir: str | os.PathLike | None = None, progress: bool = True) -> Path:
+    """The embedded default model of ``vllm-csv serve`` (V = 8192, d = 256, 2 layers)."""
+    return ensure_model(Recipe(), cache_dir, name="demo", progress=progress)
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+
+    p = argparse.ArgumentParser(prog="python -m vllm_csv.demo_model", description=__doc__)
+    p.add_argument("--output", default=None, help="cache directory (default: the vllm-csv cache)")
+    print(ensure_demo_model(p.parse_args(argv).output))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

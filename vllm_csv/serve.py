@@ -1,0 +1,104 @@
+"""``vllm-csv serve [MODEL]``: the main job. Serve a model with CSV-Decode on through
+``vllm serve`` (the embedded demo model when none is given), show one answered
+request, then keep serving until interrupted (or exit with ``--once``)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+from .errors import CSVError
+
+DEMO_PROMPT = "def fibonacci(n):\n"
+
+
+def _vllm_command() -> list[str]:
+    exe = Path(sys.executable).with_name("vllm")
+    if exe.exists():
+        return [str(exe)]
+    found = shutil.which("vllm")
+    if found:
+        return [found]
+    raise CSVError("the `vllm` command is not installed in this environment; `pip install vllm-csv[cpu]` or `[cuda]`")
+
+
+def _get(url: str, timeout: float = 5.0) -> bytes:
+    with urllib.request.urlopen(url, timeout=timeout) as r:
+        return r.read()
+
+
+def _post(url: str, body: dict, timeout: float = 120.0) -> dict:
+    req = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=timeout) as r:
+        return json.loads(r.read())
+
+
+def wait_healthy(proc: subprocess.Popen, base: str, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise CSVError(f"vllm serve exited with code {proc.returncode} during start-up (see its log above)")
+        try:
+            _get(base + "/health", timeout=2.0)
+            return
+        except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
+            time.sleep(1.0)
+    raise CSVError(f"vllm serve did not become healthy within {timeout:.0f}s")
+
+
+def demo_request(base: str, model: str, prompt: str = DEMO_PROMPT, max_tokens: int = 48) -> str:
+    out = _post(base + "/v1/completions", {"model": model, "prompt": prompt, "max_tokens": max_tokens,
+                                            "temperature": 0})
+    return out["choices"][0]["text"]
+
+
+def csv_metric_lines(base: str) -> list[str]:
+    try:
+        text = _get(base + "/metrics").decode()
+    except (urllib.error.URLError, OSError):
+        return []
+    return [ln for ln in text.splitlines() if ln.startswith("csv_decode_") and "_bucket" not in ln]
+
+
+def serve(model: str | None, host: str, port: int, once: bool, extra: list[str], timeout: float) -> int:
+    if model is None:
+        from .demo_model import ensure_demo_model
+
+        model = str(ensure_demo_model())
+        print(f"[vllm-csv] serving the embedded demo model {model}", file=sys.stderr)
+    env = dict(os.environ)
+    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    cmd = [*_vllm_command(), "serve", model, "--enable-csv-decode", "--host", host, "--port", str(port), *extra]
+    print("[vllm-csv] " + " ".join(cmd), file=sys.stderr)
+    proc = subprocess.Popen(cmd, env=env)
+    base = f"http://{host}:{port}"
+    try:
+        wait_healthy(proc, base, timeout)
+        served = json.loads(_get(base + "/v1/models"))["data"][0]["id"]
+        t0 = time.perf_counter()
+        text = demo_request(base, served)
+        print(f"\n[vllm-csv] request answered in {time.perf_counter() - t0:.2f}s (greedy, CSV path):\n"
+              f"{DEMO_PROMPT}{text}\n")
+        for line in csv_metric_lines(base):
+            print(f"[vllm-csv] {line}")
+        if once:
+            return 0
+        print(f"[vllm-csv] serving the OpenAI API on {base} (Ctrl-C to stop)", file=sys.stderr)
+        return proc.wait()
+    except KeyboardInterrupt:
+        return 130
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGINT)
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
