@@ -1,0 +1,64 @@
+"""vLLM general plugin: ``vllm serve MODEL --enable-csv-decode``.
+
+Loaded by vLLM (entry point group ``vllm.general_plugins``) in the API server before
+argument parsing, in the engine core and in every worker. ``register`` is idempotent
+and cheap: it adds the ``--csv-*`` flags, wraps the model runners so the head learns
+each row's sampling parameters, and registers the replacement ``LogitsProcessor``,
+which turns itself back into vLLM's own class whenever CSV is not enabled.
+"""
+
+from __future__ import annotations
+
+import logging
+
+SUPPORTED_VLLM = ("0.32",)  # major.minor versions this plugin was written and tested against
+_registered = False
+logger = logging.getLogger("vllm.csv_decode")
+
+
+def check_vllm_version(version: str) -> str | None:
+    """None if supported, else a one-line message."""
+    if any(version == v or version.startswith(v + ".") for v in SUPPORTED_VLLM):
+        return None
+    return (f"vllm-csv supports vLLM {', '.join(SUPPORTED_VLLM)}.x; found {version}. "
+            "CSV-Decode stays off (set VLLM_CSV_ALLOW_UNSUPPORTED=1 to try anyway).")
+
+
+def register() -> None:
+    global _registered
+    if _registered:
+        return
+    _registered = True
+    import os
+
+    import vllm
+
+    problem = check_vllm_version(getattr(vllm, "__version__", "unknown"))
+    if problem and os.environ.get("VLLM_CSV_ALLOW_UNSUPPORTED") != "1":
+        logger.warning(problem)
+        return
+    from vllm.model_executor.layers.logits_processor import LogitsProcessor
+
+    from . import cli_args, step_plan
+    from .logits_processor import CSVLogitsProcessor
+
+    cli_args.install()
+    step_plan.install(lambda: _max_topk())
+    LogitsProcessor.register_oot(CSVLogitsProcessor)
+    try:  # API server process: worker-side metrics need Prometheus multiprocess mode
+        from ..metrics import ensure_multiprocess_dir
+
+        ensure_multiprocess_dir()
+    except ImportError:
+        pass
+
+
+def _max_topk() -> int:
+    from vllm.config import get_current_vllm_config
+
+    from .config import from_additional_config
+
+    try:
+        return from_additional_config(get_current_vllm_config().additional_config).max_topk
+    except Exception:  # no current config in this context: the default
+        return 64

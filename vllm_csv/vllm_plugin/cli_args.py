@@ -1,0 +1,83 @@
+"""``--enable-csv-decode`` and ``--csv-*`` flags for ``vllm serve``, mapped onto
+``additional_config["csv_decode"]``.
+
+vLLM loads general plugins inside ``AsyncEngineArgs.add_cli_args`` right before it
+calls ``EngineArgs.add_cli_args``; wrapping that static method adds our argument group
+to the same parser, and wrapping ``EngineArgs.from_cli_args`` (which every entry point
+uses to turn the namespace into engine arguments) moves the flags into
+``additional_config``, where the engine core and the workers read them. Values are
+validated here, so a bad flag stops ``vllm serve`` before any model is loaded.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from ..errors import CSVError
+from .config import SECTION, from_additional_config
+
+FLAGS = {  # namespace attribute -> config key
+    "enable_csv_decode": "enabled", "csv_screen": "screen", "csv_index": "index",
+    "csv_clusters": "clusters", "csv_budget": "budget", "csv_epsilon": "epsilon",
+    "csv_max_topk": "max_topk",
+}
+
+
+def add_csv_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("CSV-Decode (vllm-csv)", "Certified sub-vocabulary decoding of the LM head.")
+    g.add_argument("--enable-csv-decode", action="store_true", default=None,
+                   help="Compute exact logits on a certified sub-vocabulary; dense otherwise.")
+    g.add_argument("--csv-screen", choices=("int8", "int4", "ball"), default=None,
+                   help="Bound used to prune the vocabulary (default int8).")
+    g.add_argument("--csv-index", default=None, help="Index file for --csv-screen ball (default: cache).")
+    g.add_argument("--csv-clusters", type=int, default=None, help="Clusters when building an index.")
+    g.add_argument("--csv-budget", type=float, default=None,
+                   help="Max share of the vocabulary scored per row before the dense path (default 0.05).")
+    g.add_argument("--csv-epsilon", type=float, default=None,
+                   help="Opt-in epsilon-softmax mode for plain sampling (default off: exact only).")
+    g.add_argument("--csv-max-topk", type=int, default=None, help="Largest top_k certified (default 64).")
+
+
+def apply_csv_args(args: argparse.Namespace, additional: dict | None) -> dict:
+    """Merge the flags present in ``args`` into a copy of ``additional`` and validate."""
+    out = dict(additional or {})
+    section = dict(out.get(SECTION) or {})
+    for attr, key in FLAGS.items():
+        value = getattr(args, attr, None)
+        if value is not None:
+            section[key] = value
+    if section:
+        if any(getattr(args, a, None) is not None for a in FLAGS if a != "enable_csv_decode"):
+            section.setdefault("enabled", True)
+        out[SECTION] = from_additional_config({SECTION: section}).model_dump(exclude_none=True)
+    return out
+
+
+def install() -> None:
+    """Wrap ``EngineArgs.add_cli_args`` / ``from_cli_args`` once per process."""
+    from vllm.engine.arg_utils import EngineArgs
+
+    if getattr(EngineArgs, "_csv_decode_wrapped", False):
+        return
+    orig_add = EngineArgs.add_cli_args
+    orig_from = EngineArgs.from_cli_args.__func__
+
+    def add_cli_args(parser, *a, **k):
+        parser = orig_add(parser, *a, **k)
+        if not any("--enable-csv-decode" in act.option_strings for act in parser._actions):
+            add_csv_args(parser)
+        return parser
+
+    def from_cli_args(cls, args):
+        engine_args = orig_from(cls, args)
+        try:
+            engine_args.additional_config = apply_csv_args(args, engine_args.additional_config)
+        except CSVError as e:
+            print(f"vllm serve: error: {e}", file=sys.stderr)
+            raise SystemExit(2) from None
+        return engine_args
+
+    EngineArgs.add_cli_args = staticmethod(add_cli_args)
+    EngineArgs.from_cli_args = classmethod(from_cli_args)
+    EngineArgs._csv_decode_wrapped = True

@@ -1,0 +1,46 @@
+"""The ``csv_decode`` section of vLLM's ``additional_config``, validated with pydantic.
+
+``vllm serve --enable-csv-decode --csv-screen int8`` and
+``--additional-config '{"csv_decode": {"enabled": true, "screen": "int8"}}'`` and
+``vllm.LLM(..., additional_config={"csv_decode": {...}})`` all end up here.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from ..errors import CSVError
+from ..head import HeadConfig
+
+SECTION = "csv_decode"
+
+
+class CSVDecodeConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    enabled: bool = False
+    screen: Literal["int8", "int4", "ball"] = "int8"
+    index: str | None = Field(None, description="index file (screen 'ball'); default: the cache")
+    clusters: int | None = Field(None, ge=1, description="clusters when building an index (default 0.015 V)")
+    budget: float = Field(0.05, gt=0.0, le=1.0, description="max share of V scored per row, then dense")
+    epsilon: float | None = Field(None, gt=0.0, lt=1.0, description="opt-in epsilon-softmax mode")
+    max_topk: int = Field(64, ge=1, le=1024, description="largest top_k certified; larger goes dense")
+    off_switch: bool = True
+
+    def head_config(self) -> HeadConfig:
+        return HeadConfig(screen=self.screen, budget=self.budget, epsilon=self.epsilon,
+                          max_topk=self.max_topk, off_switch=self.off_switch)
+
+
+def from_additional_config(additional: dict | None) -> CSVDecodeConfig:
+    """Parse ``additional_config[SECTION]``; a bad value raises one clear :class:`CSVError`."""
+    raw = (additional or {}).get(SECTION) or {}
+    if isinstance(raw, CSVDecodeConfig):
+        return raw
+    try:
+        return CSVDecodeConfig.model_validate(raw)
+    except ValidationError as e:
+        errs = "; ".join(f"{'.'.join(map(str, x['loc'])) or SECTION}: {x['msg']}" for x in e.errors())
+        raise CSVError(f"invalid csv_decode configuration: {errs}") from None

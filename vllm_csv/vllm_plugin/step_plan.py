@@ -1,0 +1,157 @@
+"""Which rows of the LM head may take the certified path this step.
+
+``LogitsProcessor.forward`` sees hidden states, not sampling parameters. The model
+runner knows both: we wrap the runner method that computes the sampling logits
+(V1 ``GPUModelRunner.execute_model``, also used on CPU; V2 ``ModelRunner.sample``)
+so that, while it runs, :func:`current_plan` returns one entry per request in the
+order of the logits rows. Any call outside those methods (warm-up, profiling,
+prompt logprobs, draft heads) or with an unexpected row count gets no plan, and
+every row is dense.
+
+``plan_row`` is the whole policy (SPEC, "Per-request features"): ``k > 0`` certifies
+the exact top-k (greedy is ``k = 1``); ``0`` is the dense path.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from dataclasses import dataclass
+
+_SAMPLING_EPS = 1e-5  # vLLM treats temperature below this as greedy
+_local = threading.local()
+
+
+@dataclass
+class Plan:
+    req_ids: list[str]
+    topk: list[int]  # per row
+
+
+def plan_row(sp, max_topk: int) -> tuple[int, str]:
+    """(k, reason): k > 0 to certify the exact top-k of this request's row, else 0 and why."""
+    if sp is None:
+        return 0, "unsupported"
+    dense_if = (
+        sp.logprobs is not None or sp.prompt_logprobs is not None
+        or getattr(sp, "logprob_token_ids", None)
+        or sp.logit_bias or sp.allowed_token_ids or sp.bad_words or getattr(sp, "bad_words_token_ids", None)
+        or sp.presence_penalty != 0.0 or sp.frequency_penalty != 0.0 or sp.repetition_penalty != 1.0
+        or sp.min_tokens or getattr(sp, "structured_outputs", None) is not None
+        or sp.top_p < 1.0 or sp.min_p > 0.0 or getattr(sp, "logits_processors", None)
+        or getattr(sp, "thinking_token_budget", None) is not None
+        or getattr(sp, "watermarking", None) or getattr(sp, "repetition_detection", None) is not None
+    )
+    if dense_if:
+        return 0, "unsupported"
+    if sp.temperature < _SAMPLING_EPS:
+        return 1, ""
+    if 1 <= sp.top_k <= max_topk:
+        return sp.top_k, ""
+    return 0, "unsupported"
+
+
+def current_plan() -> Plan | None:
+    return getattr(_local, "plan", None)
+
+
+@contextlib.contextmanager
+def active_plan(plan: Plan | None):
+    prev = getattr(_local, "plan", None)
+    _local.plan = plan
+    try:
+        yield
+    finally:
+        _local.plan = prev
+
+
+def take_plan(num_rows: int) -> Plan | None:
+    """The plan for a logits call of ``num_rows`` rows; consumed by the first call so a
+    second call in the same step (never expected) is dense."""
+    plan = current_plan()
+    if plan is None or len(plan.topk) != num_rows:
+        return None
+    _local.plan = None
+    return plan
+
+
+def _no_spec(runner) -> bool:
+    return getattr(runner, "speculative_config", None) is None and \
+        getattr(getattr(runner, "vllm_config", None), "speculative_config", None) is None
+
+
+def _v1_plan(runner, max_topk: int) -> Plan | None:
+    batch = runner.input_batch
+    if not _no_spec(runner) or getattr(batch, "num_prompt_logprobs", None):
+        return None
+    req_ids = list(batch.req_ids)
+    sps = [getattr(runner.requests.get(r), "sampling_params", None) for r in req_ids]
+    return Plan(req_ids, [plan_row(sp, max_topk)[0] for sp in sps])
+
+
+def install(max_topk_getter) -> None:
+    """Wrap the V1 and V2 runners (idempotent; each import is optional)."""
+    try:
+        from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+    except ImportError:
+        GPUModelRunner = None
+    if GPUModelRunner is not None and not getattr(GPUModelRunner, "_csv_wrapped", False):
+        orig = GPUModelRunner.execute_model
+
+        def execute_model(self, scheduler_output, *a, **k):
+            # execute_model updates the batch from scheduler_output first; the plan is
+            # built lazily (at the logits call) so that it sees the updated batch.
+            with active_plan(_LazyPlan(self, _v1_plan, max_topk_getter())):
+                return orig(self, scheduler_output, *a, **k)
+
+        GPUModelRunner.execute_model = execute_model
+        GPUModelRunner._csv_wrapped = True
+    try:
+        from vllm.v1.worker.gpu.model_runner import ModelRunner as V2Runner
+    except ImportError:
+        V2Runner = None
+    if V2Runner is not None and not getattr(V2Runner, "_csv_wrapped", False):
+        orig_exec, orig_sample = V2Runner.execute_model, V2Runner.sample
+
+        def v2_execute_model(self, scheduler_output, *a, **k):
+            params = self.__dict__.setdefault("_csv_sampling_params", {})
+            for new in getattr(scheduler_output, "scheduled_new_reqs", ()) or ():
+                params[new.req_id] = new.sampling_params
+            for rid in getattr(scheduler_output, "finished_req_ids", ()) or ():
+                params.pop(rid, None)
+            return orig_exec(self, scheduler_output, *a, **k)
+
+        def v2_sample(self, hidden_states, input_batch, grammar_output, *a, **k):
+            plan = None
+            if (_no_spec(self) and getattr(self, "batch_sharder", None) is None
+                    and getattr(input_batch, "num_draft_tokens", 0) == 0):
+                params = self.__dict__.get("_csv_sampling_params", {})
+                m = max_topk_getter()
+                plan = Plan(list(input_batch.req_ids),
+                            [plan_row(params.get(r), m)[0] for r in input_batch.req_ids])
+            with active_plan(plan):
+                return orig_sample(self, hidden_states, input_batch, grammar_output, *a, **k)
+
+        V2Runner.execute_model = v2_execute_model
+        V2Runner.sample = v2_sample
+        V2Runner._csv_wrapped = True
+
+
+class _LazyPlan(Plan):
+    """A plan computed at its first use, from the runner's state at that moment."""
+
+    def __init__(self, runner, build, max_topk):
+        self._runner, self._build, self._max_topk, self._plan = runner, build, max_topk, None
+
+    def _get(self):
+        if self._plan is None:
+            self._plan = self._build(self._runner, self._max_topk) or Plan([], [])
+        return self._plan
+
+    @property
+    def req_ids(self):
+        return self._get().req_ids
+
+    @property
+    def topk(self):
+        return self._get().topk
