@@ -45,12 +45,6 @@ def register() -> None:
     cli_args.install()
     step_plan.install(lambda: _max_topk())
     LogitsProcessor.register_oot(CSVLogitsProcessor)
-    try:  # API server process: worker-side metrics need Prometheus multiprocess mode
-        from ..metrics import ensure_multiprocess_dir
-
-        ensure_multiprocess_dir()
-    except ImportError:
-        pass
 
 
 def _max_topk() -> int:

@@ -76,6 +76,10 @@ def install() -> None:
         except CSVError as e:
             print(f"vllm serve: error: {e}", file=sys.stderr)
             raise SystemExit(2) from None
+        if from_additional_config(engine_args.additional_config).enabled:
+            from ..metrics import ensure_multiprocess_dir
+
+            ensure_multiprocess_dir()  # before the engine processes start: they inherit it
         return engine_args
 
     EngineArgs.add_cli_args = staticmethod(add_cli_args)

@@ -15,7 +15,6 @@ from vllm.logger import init_logger
 from vllm.model_executor.layers.logits_processor import LogitsProcessor
 
 from .. import head as csv_head
-from ..errors import CSVError
 from . import step_plan
 from .config import CSVDecodeConfig, from_additional_config
 
@@ -61,7 +60,8 @@ class CSVLogitsProcessor(LogitsProcessor):
                         stats.screen, head.vocab_size, head.hidden_size, stats.certified, stats.rows)
             self._csv_logged = True
         if self.csv_metrics is not None:
-            self.csv_metrics.record(stats)
+            sw = head.off_switch
+            self.csv_metrics.record(stats, None if sw is None else sw.dense_seconds.get(stats.rows))
         return logits
 
     def _get_head(self, lm_head, embedding_bias) -> csv_head.CertifiedHead:
@@ -77,7 +77,7 @@ class CSVLogitsProcessor(LogitsProcessor):
             self.csv_head = csv_head.CertifiedHead(
                 weight, bias, vocab_size=V, config=self.csv_config.head_config(), index=index,
                 softcap=self.soft_cap, scale=self.scale)
-            self.csv_metrics = _metrics(self.csv_model_name, self.csv_head)
+            self.csv_metrics = _metrics(self.csv_model_name, self.csv_head, index)
         return self.csv_head
 
 
@@ -97,13 +97,10 @@ def _unsupported(vc, layer) -> str | None:
     return None
 
 
-def _metrics(model_name: str, head):
-    try:
-        from ..metrics import CSVMetrics
-    except ImportError:
-        return None
-    try:
-        return CSVMetrics(model_name, {"screen": head.screen.name, "vocab_size": head.vocab_size,
-                                       "hidden_size": head.hidden_size})
-    except CSVError:
-        return None
+def _metrics(model_name: str, head, index):
+    from ..metrics import CSVMetrics
+
+    info = {"screen": head.screen.name, "vocab_size": head.vocab_size, "hidden_size": head.hidden_size}
+    if index is not None:
+        info.update(clusters=index.num_clusters, fingerprint=index.fingerprint)
+    return CSVMetrics(model_name, info)

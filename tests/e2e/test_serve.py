@@ -1,0 +1,105 @@
+"""`vllm serve --enable-csv-decode` answers exactly as `vllm serve` does, for every sampling feature.
+
+Both servers run the same model with the same seed; each request goes to both and the
+answers (text, token logprobs) must be identical. Requests batch many prompts, so rows
+with different features share a step.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+
+import pytest
+
+from .conftest import start_server, vllm_command
+
+pytestmark = pytest.mark.e2e
+
+PROMPTS = [
+    "import os\nimport sys\n", "def fibonacci(n):\n", "class Parser:\n    def __init__(self", "for i in range(",
+    "# Copyright", "    return self.", "if __name__ == ", "def test_", "from collections import",
+    "    raise ValueError(", "try:\n    import ", "with open(", "x = [", "\"\"\"Utilities for", "    @property\n",
+    "        self.assertEqual(",
+]
+
+FEATURES = {
+    "greedy": dict(temperature=0),
+    "seeded_temperature": dict(temperature=0.8, seed=1234),
+    "top_k": dict(temperature=1.0, extra_body={"top_k": 5}, seed=7),
+    "top_k_greedyish": dict(temperature=0.3, extra_body={"top_k": 2}, seed=11),
+    "top_p": dict(temperature=1.0, top_p=0.9, seed=3),
+    "min_p": dict(temperature=1.0, extra_body={"min_p": 0.1}, seed=5),
+    "penalties": dict(temperature=0, presence_penalty=0.5, frequency_penalty=0.3,
+                      extra_body={"repetition_penalty": 1.3}),
+    "negative_penalties": dict(temperature=0, presence_penalty=-0.5, frequency_penalty=-0.4,
+                               extra_body={"repetition_penalty": 0.8}),
+    "logit_bias": dict(temperature=0, logit_bias={"10": 5.0, "50": -100.0}),
+    "allowed_token_ids": dict(temperature=0, extra_body={"allowed_token_ids": list(range(20, 400))}),
+    "bad_words": dict(temperature=0, extra_body={"bad_words": ["self", " the"]}),
+    "min_tokens": dict(temperature=0, extra_body={"min_tokens": 12}),
+    "logprobs": dict(temperature=0, logprobs=3),
+    "prompt_logprobs": dict(temperature=0, extra_body={"prompt_logprobs": 2}),
+    "n3_seeded": dict(temperature=0.9, extra_body={"top_k": 8}, n=3, seed=99),
+    "stop_strings": dict(temperature=0, stop=["\n\n", ")"]),
+}
+
+
+def complete(server, **kw):
+    extra = kw.pop("extra_body", None)
+    r = server.client().completions.create(model=server.model, prompt=PROMPTS, max_tokens=kw.pop("max_tokens", 20),
+                                           extra_body=extra, **kw)
+    return [(c.index, c.text, c.finish_reason, json.dumps(c.logprobs.model_dump() if c.logprobs else None),
+             json.dumps(getattr(c, "prompt_logprobs", None))) for c in sorted(r.choices, key=lambda c: c.index)]
+
+
+@pytest.mark.parametrize("feature", sorted(FEATURES))
+def test_identical_to_dense(feature, csv_server, dense_server):
+    kw = dict(FEATURES[feature])
+    assert complete(csv_server, **kw) == complete(dense_server, **dict(FEATURES[feature]))
+
+
+def test_json_schema_structured_output(csv_server, dense_server):
+    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 8}},
+              "required": ["name"], "additionalProperties": False}
+    outs = []
+    for s in (csv_server, dense_server):
+        r = s.client().chat.completions.create(
+            model=s.model, messages=[{"role": "user", "content": "Give a name as JSON."}], max_tokens=24,
+            temperature=0, extra_body={"structured_outputs": {"json": schema}})
+        outs.append(r.choices[0].message.content)
+    assert outs[0] == outs[1]
+
+
+def test_csv_path_was_taken(csv_server, dense_server):
+    complete(csv_server, temperature=0)
+    log = csv_server.log()
+    m = re.search(r"CSV-Decode active: screen=(\w+) V=(\d+) d=(\d+)", log)
+    assert m, log[-3000:]
+    assert "CSV-Decode active" not in dense_server.log()
+
+
+def test_invalid_request_gets_400_and_server_keeps_serving(csv_server):
+    import openai
+
+    with pytest.raises(openai.BadRequestError):
+        csv_server.client().completions.create(model=csv_server.model, prompt="x", max_tokens=-1)
+    ok = csv_server.client().completions.create(model=csv_server.model, prompt="def f(", max_tokens=4, temperature=0)
+    assert ok.choices[0].text is not None
+
+
+def test_bad_flag_stops_startup(demo_model_dir):
+    r = subprocess.run([*vllm_command(), "serve", demo_model_dir, "--enable-csv-decode", "--csv-epsilon", "2"],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 2
+    assert "invalid csv_decode configuration: epsilon" in r.stderr, r.stderr[-3000:]
+
+
+def test_corrupt_index_stops_startup(demo_model_dir, tmp_path):
+    bad = tmp_path / "bad.safetensors"
+    bad.write_bytes(b"not an index")
+    log = tmp_path / "bad.log"
+    with pytest.raises(RuntimeError, match="server exited"):
+        start_server(demo_model_dir, ["--enable-csv-decode", "--csv-screen", "ball", "--csv-index", str(bad)], log)
+    assert re.search(r"CSV index \S+ is corrupt or not a safetensors file", log.read_text()), log.read_text()[-3000:]

@@ -1,0 +1,41 @@
+"""CSV metrics written by one process (a worker) are read by another (the API server)."""
+
+import os
+import subprocess
+import sys
+import textwrap
+
+from prometheus_client import CollectorRegistry, generate_latest, multiprocess
+
+
+def test_worker_metrics_reach_a_multiprocess_registry(tmp_path):
+    worker = textwrap.dedent("""
+        from vllm_csv.head import StepStats
+        from vllm_csv.metrics import CSVMetrics
+        m = CSVMetrics("demo", {"screen": "int8", "vocab_size": 1000, "hidden_size": 64})
+        s = StepStats(rows=4, csv_rows=3, certified=2, scored=[3, 40], seconds=0.002, screen="int8")
+        s.fallbacks["budget"] = 1
+        m.record(s, dense_seconds=0.005)
+        m.record(StepStats(rows=2, csv_rows=0, seconds=0.001))
+    """)
+    env = dict(os.environ, PROMETHEUS_MULTIPROC_DIR=str(tmp_path))
+    subprocess.run([sys.executable, "-c", worker], env=env, check=True)
+    reg = CollectorRegistry()
+    multiprocess.MultiProcessCollector(reg, path=str(tmp_path))
+    text = generate_latest(reg).decode()
+    assert 'csv_decode_rows_total{model_name="demo"} 6.0' in text
+    assert 'csv_decode_csv_rows_total{model_name="demo"} 3.0' in text
+    assert 'csv_decode_rows_certified_total{model_name="demo"} 2.0' in text
+    assert 'csv_decode_fallbacks_total{model_name="demo",reason="budget"} 1.0' in text
+    assert 'csv_decode_steps_total{model_name="demo"} 1.0' in text
+    assert 'csv_decode_scored_tokens_bucket{le="4.0",model_name="demo"} 1.0' in text
+    assert 'csv_decode_scored_tokens_count{model_name="demo"} 2.0' in text
+    assert 'csv_decode_head_seconds_saved_total{model_name="demo"} 0.003' in text
+    assert 'screen="int8"' in text and "csv_decode_info" in text
+
+
+def test_no_metrics_until_a_head_exists():
+    code = "import prometheus_client, vllm_csv.metrics; print(any('csv_decode' in n for n in " \
+           "prometheus_client.REGISTRY._names_to_collectors))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "False"

@@ -1,0 +1,58 @@
+"""Which sampling parameters take the certified path (plan_row is the whole policy)."""
+
+import pytest
+
+pytest.importorskip("vllm")
+from vllm import SamplingParams  # noqa: E402
+
+from vllm_csv.vllm_plugin.step_plan import active_plan, Plan, plan_row, take_plan  # noqa: E402
+
+CERTIFIED = {
+    "greedy": (SamplingParams(temperature=0), 1),
+    "greedy with seed": (SamplingParams(temperature=0, seed=3), 1),
+    "top_k": (SamplingParams(temperature=0.7, top_k=5, seed=1), 5),
+    "top_k at the limit": (SamplingParams(temperature=1.0, top_k=64), 64),
+    "stop strings": (SamplingParams(temperature=0, stop=["\n"]), 1),
+    "n > 1 with top_k": (SamplingParams(temperature=1.0, top_k=3, n=4), 3),
+}
+DENSE = {
+    "plain sampling": SamplingParams(temperature=0.8),
+    "top_k above the limit": SamplingParams(temperature=1.0, top_k=65),
+    "top_p": SamplingParams(temperature=1.0, top_p=0.9),
+    "min_p": SamplingParams(temperature=1.0, min_p=0.1),
+    "presence penalty": SamplingParams(temperature=0, presence_penalty=0.5),
+    "negative frequency penalty": SamplingParams(temperature=0, frequency_penalty=-0.5),
+    "repetition penalty": SamplingParams(temperature=0, repetition_penalty=0.8),
+    "logit_bias": SamplingParams(temperature=0, logit_bias={3: 1.0}),
+    "allowed_token_ids": SamplingParams(temperature=0, allowed_token_ids=[1, 2]),
+    "bad_words": SamplingParams(temperature=0, bad_words=["x"]),
+    "min_tokens": SamplingParams(temperature=0, min_tokens=3),
+    "logprobs": SamplingParams(temperature=0, logprobs=2),
+    "prompt_logprobs": SamplingParams(temperature=0, prompt_logprobs=1),
+}
+
+
+@pytest.mark.parametrize("name", sorted(CERTIFIED))
+def test_certified(name):
+    sp, k = CERTIFIED[name]
+    assert plan_row(sp, 64) == (k, "")
+
+
+@pytest.mark.parametrize("name", sorted(DENSE))
+def test_dense(name):
+    assert plan_row(DENSE[name], 64) == (0, "unsupported")
+
+
+def test_structured_output_is_dense():
+    from vllm.sampling_params import StructuredOutputsParams
+
+    sp = SamplingParams(temperature=0, structured_outputs=StructuredOutputsParams(json={"type": "object"}))
+    assert plan_row(sp, 64)[0] == 0
+
+
+def test_plan_is_used_once_and_only_for_its_row_count():
+    assert take_plan(2) is None
+    with active_plan(Plan(["a", "b"], [1, 0])):
+        assert take_plan(3) is None
+        assert take_plan(2).topk == [1, 0]
+        assert take_plan(2) is None

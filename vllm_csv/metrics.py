@@ -1,0 +1,104 @@
+"""Prometheus metrics of the CSV path, served on vLLM's own ``/metrics``.
+
+The LM head runs in vLLM's worker processes, the ``/metrics`` endpoint in the API
+server. prometheus-client's multiprocess mode joins them: every process writes its
+samples to files in ``PROMETHEUS_MULTIPROC_DIR`` and the API server's registry reads
+them all. vLLM enables that mode itself only with ``--api-server-count > 1``; with
+CSV on, :func:`ensure_multiprocess_dir` (called once the flags are parsed, before the
+engine processes start) enables it with vLLM's own helper for one API server too.
+No metric exists unless CSV is enabled: they are created by the first head.
+"""
+
+from __future__ import annotations
+
+import os
+
+PREFIX = "csv_decode"
+SCORED_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 65536, 262144)
+SECONDS_BUCKETS = (1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25, 0.5, 1.0)
+
+
+def ensure_multiprocess_dir() -> None:
+    """Turn on prometheus-client's multiprocess mode in this (API server) process, as
+    ``vllm serve --api-server-count N`` does, unless it is on already. The directory is
+    removed when this process exits."""
+    if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
+        return
+    import atexit
+    import shutil
+    import tempfile
+
+    from prometheus_client import values
+
+    path = tempfile.mkdtemp(prefix="vllm-csv-prometheus-")
+    atexit.register(shutil.rmtree, path, ignore_errors=True)
+    os.environ["PROMETHEUS_MULTIPROC_DIR"] = path
+    values.ValueClass = values.get_value_class()  # metrics created from now on are file-backed
+
+
+class CSVMetrics:
+    """One set of metrics per process, labelled by ``model_name`` like vLLM's own."""
+
+    _families = None
+
+    def __init__(self, model_name: str, info: dict):
+        fam = CSVMetrics._create()
+        self.labels = {"model_name": str(model_name)}
+        m = self.labels
+        self.steps = fam["steps"].labels(**m)
+        self.rows = fam["rows"].labels(**m)
+        self.csv_rows = fam["csv_rows"].labels(**m)
+        self.certified = fam["certified"].labels(**m)
+        self.fallbacks = {r: fam["fallbacks"].labels(reason=r, **m) for r in
+                          ("uncertified", "budget", "unsupported", "nonfinite", "off_switch")}
+        self.scored = fam["scored"].labels(**m)
+        self.fraction = fam["fraction"].labels(**m)
+        self.seconds = fam["seconds"].labels(**m)
+        self.saved = fam["saved"].labels(**m)
+        self.vocab_size = int(info.get("vocab_size", 0)) or 1
+        fam["info"].labels(**m, **{k: str(info.get(k, "")) for k in ("screen", "vocab_size", "hidden_size",
+                                                                       "clusters", "fingerprint")}).set(1)
+
+    @classmethod
+    def _create(cls):
+        if cls._families is None:
+            from prometheus_client import Counter, Gauge, Histogram
+
+            lab = ["model_name"]
+            cls._families = {
+                "steps": Counter(f"{PREFIX}_steps", "LM-head steps with at least one row on the CSV path", lab),
+                "rows": Counter(f"{PREFIX}_rows", "Rows through the LM head (all sampling modes)", lab),
+                "csv_rows": Counter(f"{PREFIX}_csv_rows", "Rows whose sampling mode CSV can certify", lab),
+                "certified": Counter(f"{PREFIX}_rows_certified", "Rows certified on a sub-vocabulary", lab),
+                "fallbacks": Counter(f"{PREFIX}_fallbacks", "Rows on the dense path, by reason", lab + ["reason"]),
+                "scored": Histogram(f"{PREFIX}_scored_tokens", "Tokens scored exactly per certified row", lab,
+                                    buckets=SCORED_BUCKETS),
+                "fraction": Histogram(f"{PREFIX}_scored_fraction", "Share of the vocabulary scored per certified row",
+                                      lab, buckets=(1e-4, 3e-4, 1e-3, 3e-3, 0.01, 0.03, 0.1, 0.3, 1.0)),
+                "seconds": Histogram(f"{PREFIX}_head_seconds", "Time in the LM head per step", lab,
+                                     buckets=SECONDS_BUCKETS),
+                "saved": Counter(f"{PREFIX}_head_seconds_saved",
+                                 "Dense-head time (measured once per batch size) minus CSV head time", lab),
+                "info": Gauge(f"{PREFIX}_info", "CSV-Decode configuration of the served LM head",
+                              lab + ["screen", "vocab_size", "hidden_size", "clusters", "fingerprint"],
+                              multiprocess_mode="max"),
+            }
+        return cls._families
+
+    def record(self, stats, dense_seconds: float | None = None) -> None:
+        """Count one step (a :class:`vllm_csv.head.StepStats`)."""
+        self.rows.inc(stats.rows)
+        if stats.csv_rows == 0:
+            return
+        self.steps.inc()
+        self.csv_rows.inc(stats.csv_rows)
+        self.certified.inc(stats.certified)
+        for reason, n in stats.fallbacks.items():
+            if n:
+                self.fallbacks[reason].inc(n)
+        for s in stats.scored:
+            self.scored.observe(s)
+            self.fraction.observe(s / self.vocab_size)
+        self.seconds.observe(stats.seconds)
+        if dense_seconds is not None:
+            self.saved.inc(max(0.0, dense_seconds - stats.seconds))
