@@ -25,8 +25,11 @@ def shrink_radius(head, factor):
     honest = head.screen.center_radius
 
     def broken(h):
-        y, r, two_sided = honest(h)
-        return y, r * factor, two_sided
+        out = honest(h)
+        out.radius = out.radius * factor
+        if out.n is not None:
+            out.n = out.n * factor
+        return out
 
     head.screen.center_radius = broken
 

@@ -152,14 +152,16 @@ class CertifiedHead:
         (``delta = 2^(2-p) + 8u``). A row is finite when ``h``, ``||h||``, ``y`` and the
         largest ``|y| + m`` are: then every bound of the row is finite."""
         hnorm = hidden_norm_upper(hidden)
-        y, r, two_sided = self.screen.center_radius(hidden)
-        rad = self._rad_total(r)
+        out = self.screen.center_radius(hidden)
+        y, rad = out.y, self._rad_total(out.radius)
         ymax = torch.linalg.vector_norm(y, ord=math.inf, dim=1)  # NaN/inf propagate
         c = ymax * self._delta + self._tiny
         finite = torch.isfinite(hidden).all(1) & torch.isfinite(ymax + c + self._rad_max * hnorm)
         m = torch.addcmul(c[:, None], rad[None], hnorm[:, None])
+        if out.n is not None:
+            m.addcmul_(out.n[None] * (1 + self._delta), out.e[:, None])
         hi = y + m
-        lo = y.sub_(m) if two_sided else None
+        lo = y.sub_(m) if out.two_sided else None
         return lo, hi, hnorm, finite
 
     def _rad_total(self, r: torch.Tensor) -> torch.Tensor:
@@ -213,12 +215,13 @@ class CertifiedHead:
         B, V = hidden.shape[0], self.vocab_size
         dev = hidden.device
         hnorm = hidden_norm_upper(hidden)
-        y, r, _ = self.screen.center_radius(hidden)
-        rad = self._rad_total(r)
+        out = self.screen.center_radius(hidden)
+        y, rad = out.y, self._rad_total(out.radius)
+        act = (out.n.max() * (1 + self._delta) * out.e) if out.n is not None else 0.0
         kmax = int(k.max())
         rows = torch.arange(B, device=dev)
         yk = y.amax(1) if kmax == 1 else y.topk(kmax, dim=1).values[rows, k - 1]
-        spread = self._rad_max * hnorm + self._tiny
+        spread = self._rad_max * hnorm + act + self._tiny
         tau = yk - self._delta * yk.abs() - spread
         s = tau - spread
         thr = torch.where(s >= 0, s / (1 + self._delta), s / (1 - self._delta))
@@ -237,6 +240,8 @@ class CertifiedHead:
             exact[:, ids] = z
             y_ids = y[:, ids] + thr[:, None]
             m = torch.addcmul(y_ids.abs().mul_(self._delta).add_(self._tiny), rad[ids][None], hnorm[:, None])
+            if out.n is not None:
+                m.addcmul_(out.n[ids][None] * (1 + self._delta), out.e[:, None])
             lower = self._lower(z, ids, hnorm, y_ids - m)
             kth = lower.topk(kmax, dim=1).values[rows, k - 1]
             certified = live & self._separated(kth, tau)

@@ -1,9 +1,10 @@
 """Screens: cheap, sound bounds on every logit of the vocabulary.
 
-A screen's ``center_radius(h)`` returns, for hidden states ``h [B, d]``, a center
-``y [B, V]`` (float32), a per-token radius ``r [V]`` and whether the bound is two-sided:
-``|<w_i, h_b> + b_i - y_bi| <= r_i ||h_b||`` (one-sided: only ``<=`` ``y + r ||h||``), in
-exact real arithmetic up to the relative rounding of ``y``'s last additions. The runtime
+A screen's ``center_radius(h)`` returns a :class:`ScreenOut` for hidden states ``h [B, d]``:
+a center ``y [B, V]`` (float32), a per-token radius ``r [V]``, optionally a per-token
+``n [V]`` and per-row ``e [B]``, and whether the bound is two-sided:
+``|<w_i, h_b> + b_i - y_bi| <= r_i ||h_b|| + n_i e_b`` (one-sided: only ``<=``), in exact
+real arithmetic up to a few units of relative rounding of ``y``. The runtime
 (:mod:`vllm_csv.head`) widens this by the dense GEMM's own rounding error and certifies. Screens differ in cost and tightness:
 
 ========  ===========================================================  =====================
@@ -19,9 +20,22 @@ from __future__ import annotations
 
 import torch
 
+from dataclasses import dataclass
+
 from ..errors import CSVError
-from .ball import BallScreen
-from .quantized import QuantizedScreen
+
+
+@dataclass
+class ScreenOut:
+    y: torch.Tensor  # [B, V] fp32 center
+    radius: torch.Tensor  # [V], coefficient of ||h_b||
+    two_sided: bool
+    n: torch.Tensor | None = None  # [V], coefficient of e_b (e.g. ||deq_i||)
+    e: torch.Tensor | None = None  # [B], e.g. the norm of the activation quantisation residual
+
+
+from .ball import BallScreen  # noqa: E402
+from .quantized import QuantizedScreen  # noqa: E402
 
 SCREENS = ("int8", "int4", "ball")
 DEFAULT_SCREEN = "int8"

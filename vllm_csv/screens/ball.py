@@ -37,8 +37,10 @@ class BallScreen:
         self.num_clusters = index.num_clusters
         self.extra_bytes = self.centroids.numel() * 4 + self.num_clusters * 12 + V * 8
 
-    def center_radius(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, bool]:
+    def center_radius(self, h: torch.Tensor):
         """``y = <mu_c, h> + bmax_c`` per token (``[B, V]``) and ``r = rad_c`` (``[V]``):
         ``<w_i, h> + b_i <= y_i + r_i ||h||``. One-sided: the ball gives no useful lower bound."""
         yc = h.float() @ self.centroids.T + self.bmax[None]
-        return yc[:, self.cluster_of], self.radius, False
+        from . import ScreenOut
+
+        return ScreenOut(yc[:, self.cluster_of], self.radius, False)

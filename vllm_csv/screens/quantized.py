@@ -45,33 +45,65 @@ def _expand(s: torch.Tensor, d: int) -> torch.Tensor:
 
 
 class QuantizedScreen:
+    """Screen with a low-precision copy ``deq_i = s_i q_i`` of every row.
+
+    Three ways to compute the center ``y``, each with its bound (``r_i = ||w_i - deq_i||``
+    in float64 with ``deq`` the exact real product, ``n_i = ||deq_i||``, ``u = 2^-24``):
+
+    * int8 on CPU, exact integer GEMM: ``h_b = t_b p_b + f_b`` with ``p_b`` int8 and
+      ``t_b = max|h_b| / 127``; ``<q_i, p_b>`` is exact in int32 (``127^2 d < 2^31``), so
+      ``y = s_i t_b <q_i, p_b>`` (three roundings, absorbed by the runtime's relative
+      slack) and ``|<w_i, h_b> - y| <= r_i ||h_b|| + n_i ||f_b||``.
+    * int8 on CUDA (``csrc/int8_screen.cu``) and the fp32 reference: ``y = fl(<deq_i, h_b>)``
+      with fp32 accumulation, ``|<w_i, h_b> - y| <= (r_i + gamma_{d+2} n_i) ||h_b||``.
+    """
+
     two_sided = True
+
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, bits: int = 8, chunk: int = 8192):
         self.name = f"int{bits}"
         self.bits, self.chunk = bits, chunk
         V, d = weight.shape
         self.q, self.s = quantize(weight, bits)
         r = torch.empty(V, dtype=torch.float64, device=weight.device)
-        deq_norm = torch.empty_like(r)
-        for a in range(0, V, chunk):  # chunked: never materialise a float64 copy of W
-            deq = self._deq(a, a + chunk).double()
+        n = torch.empty_like(r)
+        for a in range(0, V, chunk):  # chunked: never a float64 copy of all of W
+            deq = self.q[a : a + chunk].double() * _expand(self.s[a : a + chunk], d).double()  # exact
             r[a : a + chunk] = (weight[a : a + chunk].double() - deq).norm(dim=1)
-            deq_norm[a : a + chunk] = deq.norm(dim=1)
-        self.radius = _round_up(r + gamma(d + 2) * deq_norm) * (1 + 4 * FP32_UNIT_ROUNDOFF)
+            n[a : a + chunk] = deq.norm(dim=1)
+        slack = 1 + 4 * FP32_UNIT_ROUNDOFF
+        self.r_exact = _round_up(r) * slack  # exact-integer path: radius without accumulation error
+        self.n = _round_up(n) * slack
+        self.radius = _round_up(r + gamma(d + 2) * n) * slack  # fp32-accumulation paths
         self.bias = None if bias is None else bias.float()
-        # This reference keeps int4 values unpacked in int8; packed kernels halve that term.
-        self.extra_bytes = self.q.numel() + self.s.numel() * 4 + V * 4
+        self.int_gemm = bits == 8 and weight.device.type == "cpu" and d * 127 * 127 < 2**31
+        self.s_row = self.s.reshape(1, -1) if bits == 8 else None
+        # The int4 reference keeps values unpacked in int8 (a packed kernel halves the first term).
+        self.extra_bytes = self.q.numel() + self.s.numel() * 4 + V * 8
 
     def _deq(self, a: int, b: int) -> torch.Tensor:
         return self.q[a:b].float() * _expand(self.s[a:b], self.q.shape[1])
 
-    def screen(self, h: torch.Tensor) -> torch.Tensor:
-        """``y = fl(h @ deq^T)`` in fp32, ``[B, V]``."""
-        hf = h.float()
-        return torch.cat([hf @ self._deq(a, a + self.chunk).T for a in range(0, self.q.shape[0], self.chunk)], 1)
+    def center_radius(self, h: torch.Tensor):
+        from . import ScreenOut
 
-    def center_radius(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, bool]:
-        """``y = fl(<deq_i, h>) + b_i`` (``[B, V]``) and ``r = rad`` (``[V]``):
-        ``|<w_i, h> + b_i - y_i| <= r_i ||h||`` up to the relative error of adding ``b_i``."""
-        y = self.screen(h)
-        return (y if self.bias is None else y + self.bias), self.radius, True
+        if self.int_gemm:
+            hf = h.float()
+            t = (hf.abs().amax(1, keepdim=True) / 127).clamp_min(torch.finfo(torch.float32).tiny)
+            p = torch.round(hf / t).clamp_(-127, 127).to(torch.int8)
+            acc = torch._int_mm(p, self.q.t())  # exact
+            y = acc.float().mul_(t).mul_(self.s_row)
+            f = (h.double() - t.double() * p.double()).norm(dim=1)
+            e = _round_up(f) * (1 + 4 * FP32_UNIT_ROUNDOFF)
+            out = ScreenOut(y, self.r_exact, True, self.n, e)
+        elif self.bits == 8:
+            from ..ops import int8_screen
+
+            out = ScreenOut(int8_screen(h, self.q, self.s, None), self.radius, True)
+        else:
+            hf = h.float()
+            y = torch.cat([hf @ self._deq(a, a + self.chunk).T for a in range(0, self.q.shape[0], self.chunk)], 1)
+            out = ScreenOut(y, self.radius, True)
+        if self.bias is not None:
+            out.y += self.bias
+        return out
