@@ -82,8 +82,11 @@ def test_nonfinite_and_huge_hidden_take_dense_path(screen):
     head = make(W, screen=screen)
     res = head.topk(h, 1)
     assert not res.certified[[0, 1, 3]].any() and res.fallback[[0, 1, 3]].all()
-    ids, _, _ = dense_topk(W, None, h[2:], 1)
-    assert torch.equal(res.ids[2:], ids)
+    # Row 3's logits overflow to inf inside the GEMM: which one wins depends on the GEMM's
+    # blocking, i.e. on the batch shape. Dense rows come from the dense head on the whole
+    # batch, so every row, dense or certified, matches the dense head on this batch.
+    ids, _, _ = dense_topk(W, None, h, 1)
+    assert torch.equal(res.ids, ids)
 
 
 def test_budget_fallback_is_dense_and_counted():

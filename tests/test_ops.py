@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from vllm_csv.ops import has_cuda_kernels, int8_screen, int8_screen_ref
+from vllm_csv.ops import has_cuda_kernels, int8_gemm, int8_screen, int8_screen_ref, pad_for_int_gemm
 from vllm_csv.screens.quantized import quantize
 
 CSRC = Path(__file__).parents[1] / "csrc"
@@ -44,3 +44,18 @@ def test_cuda_kernel_matches_reference(B, V, d):
     ref = int8_screen_ref(h, q, s, bias)
     bound = 2 * (d + 2) * 2.0**-24 * ((q.float().abs() * s) @ h.abs().T).T + 1e-6
     assert ((y - ref).abs() <= bound).all()
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="no CUDA device")])])
+@pytest.mark.parametrize("B,V,d", [(1, 1001, 99), (17, 4096, 256), (64, 333, 4096), (5, 32768, 1024)])
+def test_int8_gemm_is_exact(device, B, V, d):
+    """The int32 product equals the exact integer product at the extremes (+-127 everywhere)."""
+    g = torch.Generator().manual_seed(B * V + d)
+    q = torch.randint(-127, 128, (V, d), generator=g, dtype=torch.int8)
+    p = torch.randint(-127, 128, (B, d), generator=g, dtype=torch.int8)
+    q[0], p[0] = 127, 127  # the largest possible sum: 127^2 d
+    q[1], p[-1] = -127, -127
+    acc = int8_gemm(p.to(device), pad_for_int_gemm(q.to(device)), V).cpu()
+    assert acc.dtype == torch.int32 and acc.shape == (B, V)
+    assert torch.equal(acc.long(), p.long() @ q.long().T)

@@ -92,8 +92,9 @@ def _token_stream(files: list[Path], out: Path):
     return torch.tensor(ids, dtype=torch.long)
 
 
-def train(recipe: Recipe, out: Path, progress: bool = True) -> dict:
-    """Train the tokenizer and the model of ``recipe`` into ``out``; returns a summary."""
+def train(recipe: Recipe, out: Path, progress: bool = True, device: str = "cpu") -> dict:
+    """Train the tokenizer and the model of ``recipe`` into ``out`` (on ``device``; the CPU
+    run is bit-for-bit deterministic, a GPU run is not); returns a summary."""
     import torch
     from tqdm.auto import tqdm
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -108,7 +109,7 @@ def train(recipe: Recipe, out: Path, progress: bool = True) -> dict:
                       num_hidden_layers=recipe.layers, num_attention_heads=recipe.heads,
                       num_key_value_heads=recipe.heads, max_position_embeddings=2048,
                       tie_word_embeddings=False, bos_token_id=0, eos_token_id=0, torch_dtype="float32")
-    model = LlamaForCausalLM(cfg)
+    model = LlamaForCausalLM(cfg).to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=recipe.lr, weight_decay=0.01, betas=(0.9, 0.95))
     g = torch.Generator().manual_seed(recipe.seed)
     n_train = int(len(data) * 0.95)
@@ -119,7 +120,7 @@ def train(recipe: Recipe, out: Path, progress: bool = True) -> dict:
     loss_v = float("nan")
     for _ in tqdm(range(recipe.steps), desc="training demo model", disable=not progress, unit="step"):
         starts = torch.randint(0, n_train - recipe.seq_len - 1, (recipe.batch,), generator=g)
-        x = torch.stack([data[s : s + recipe.seq_len] for s in starts.tolist()])
+        x = torch.stack([data[s : s + recipe.seq_len] for s in starts.tolist()]).to(device)
         loss = model(input_ids=x, labels=x).loss
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -129,18 +130,18 @@ def train(recipe: Recipe, out: Path, progress: bool = True) -> dict:
         loss_v = float(loss.detach())
     model.eval()
     with torch.no_grad():  # held-out loss on the last 5% of the token stream
-        held = data[n_train:][: 8 * recipe.seq_len].view(8, recipe.seq_len)
+        held = data[n_train:][: 8 * recipe.seq_len].view(8, recipe.seq_len).to(device)
         val = float(model(input_ids=held, labels=held).loss)
-    model.save_pretrained(out, safe_serialization=True)
+    model.cpu().save_pretrained(out, safe_serialization=True)
     (out / "generation_config.json").write_text(json.dumps({"bos_token_id": 0, "eos_token_id": 0}))
     summary = {"recipe": asdict(recipe), "train_loss": round(loss_v, 4), "val_loss": round(val, 4),
-               "tokens": int(len(data)), "seconds": round(time.perf_counter() - t0, 1)}
+               "tokens": int(len(data)), "device": device, "seconds": round(time.perf_counter() - t0, 1)}
     (out / "vllm_csv_recipe.json").write_text(json.dumps(summary, indent=1))
     return summary
 
 
 def ensure_model(recipe: Recipe = Recipe(), cache_dir: str | os.PathLike | None = None, *,
-                 name: str = "demo", progress: bool = True) -> Path:
+                 name: str = "demo", progress: bool = True, device: str = "cpu") -> Path:
     """Return the model directory of ``recipe``, training it once (atomically, under a
     file lock so that concurrent callers wait instead of training twice)."""
     from filelock import FileLock
@@ -153,7 +154,7 @@ def ensure_model(recipe: Recipe = Recipe(), cache_dir: str | os.PathLike | None 
             return final
         tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=root))
         try:
-            s = train(recipe, tmp, progress)
+            s = train(recipe, tmp, progress, device)
             os.replace(tmp, final)
         finally:
             shutil.rmtree(tmp, ignore_errors=True)

@@ -119,6 +119,8 @@ class CertifiedHead:
         self.screen = make_screen(self.config.screen, self.weight, self.bias, index)
         self._delta = 2.0 ** (2 - significand_bits(self.dtype)) + 8 * FP32_UNIT_ROUNDOFF
         self._tiny = 2 * torch.finfo(self.dtype).tiny
+        self._tiny32 = 2 * torch.finfo(torch.float32).tiny
+        self._gamma = g
         self._rad_cache = None
         self._wmax = float(self.weight.float().norm(dim=1).max()) if V else 0.0
         self._rad_total(self.screen.radius)
@@ -136,10 +138,6 @@ class CertifiedHead:
 
     def dense_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.transform(F.linear(hidden, self.weight, self.bias))
-
-    def _exact(self, hidden: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        b = None if self.bias is None else self.bias[ids]
-        return F.linear(hidden, self.weight[ids], b)
 
     # ---- certification ----------------------------------------------------------------
     def _intervals(self, hidden: torch.Tensor):
@@ -171,15 +169,46 @@ class CertifiedHead:
             self._rad_max = float(total.max())
         return self._rad_cache[1]
 
-    def _lower(self, z: torch.Tensor, ids: torch.Tensor, hnorm: torch.Tensor,
-               lo_ids: torch.Tensor | None = None) -> torch.Tensor:
-        """Dense lower bounds for columns ``ids`` whose logits ``z`` we computed ourselves:
-        ``zt >= z - 2 e - 4 ulp`` (another accumulation order, two roundings each), or the
-        screen's lower bound ``lo_ids`` on those columns if higher."""
-        zf = z.float()
-        e = self.acc_err[ids][None] * hnorm[:, None]
-        bound = zf - 2 * e - 4 * ulp(zf, self.dtype)
-        return bound if lo_ids is None else torch.maximum(bound, lo_ids)
+    def _score(self, hidden: torch.Tensor, ids: torch.Tensor, hnorm: torch.Tensor):
+        """Score columns ``ids``: ``(z, lower, upper)``, ``z`` in the model dtype (what the
+        sampler gets) and ``lower <= zt <= upper`` for the dense engine's value ``zt``.
+
+        ``a = fl32(<w_j, h>)`` is within ``e_j`` of the real product in any fp32 accumulation
+        order, so the dense accumulator lies in ``[a - 2e, a + 2e]`` (with the bias inside
+        the accumulation: ``[a + b - R, a + b + R]``, ``R`` adding ``gamma |b|`` and this very
+        rounding). The engine rounds that to the model dtype, adding the bias before or after
+        the rounding; each way is monotone in the accumulator, so ``zt`` lies between the two
+        ways applied to the two ends. In bf16/fp16 both ends nearly always round to the same
+        value: ``zt`` is then known exactly, and ``z`` is that value."""
+        a = F.linear(hidden.float(), self.weight[ids].float())
+        r = 2 * self.acc_err[ids][None] * hnorm[:, None]
+        r = r + a.abs() * (2 * FP32_UNIT_ROUNDOFF) + self._tiny32
+        if self.bias is None:
+            lower, upper = self._round(a - r), self._round(a + r)
+        else:
+            b = self.bias[ids]
+            c = a + b.float()
+            R = r + self._gamma * b.float().abs()[None] + c.abs() * (2 * FP32_UNIT_ROUNDOFF)
+            lower = torch.minimum(self._round(c - R), self._round(self._round(a - r, float_out=False) + b))
+            upper = torch.maximum(self._round(c + R), self._round(self._round(a + r, float_out=False) + b))
+        z = torch.where(lower == upper, lower, a if self.bias is None else a + b.float()).to(self.dtype)
+        return z, lower, upper
+
+    def _round(self, x: torch.Tensor, float_out: bool = True) -> torch.Tensor:
+        """Round to the model dtype (to nearest: monotone); back to fp32 unless ``float_out=False``."""
+        y = x.to(self.dtype)
+        return y.float() if float_out else y
+
+    def _topk_split(self, z: torch.Tensor, lower: torch.Tensor, upper: torch.Tensor, k: torch.Tensor):
+        """Per row, with ``T`` the ``k`` columns of largest computed value ``z``: the smallest
+        dense lower bound in ``T`` and the largest dense upper bound in ``S \\ T``. When the first
+        is above the second (and above every bound outside ``S``), ``T`` is the dense top-k
+        whatever order the dense GEMM accumulates in: no near-tie inside ``S`` can flip it."""
+        kmax = int(k.max())
+        top = z.float().topk(kmax, dim=1).indices
+        in_top = torch.zeros(z.shape, dtype=torch.bool, device=z.device).scatter_(
+            1, top, torch.arange(kmax, device=z.device)[None] < k[:, None])
+        return lower.masked_fill(~in_top, math.inf).amin(1), upper.masked_fill(in_top, -math.inf).amax(1)
 
     def _select(self, hidden: torch.Tensor, k: torch.Tensor) -> _Selection:
         """Certify each row; rows with NaN/inf hidden states (or bounds that overflow fp32)
@@ -236,15 +265,10 @@ class CertifiedHead:
         exact = torch.full((B, V), -math.inf, dtype=self.dtype, device=dev)
         certified = torch.zeros(B, dtype=torch.bool, device=dev)
         if ids.numel() >= kmax:
-            z = self._exact(hidden, ids)
+            z, lower, upper = self._score(hidden, ids, hnorm)
             exact[:, ids] = z
-            y_ids = y[:, ids] + thr[:, None]
-            m = torch.addcmul(y_ids.abs().mul_(self._delta).add_(self._tiny), rad[ids][None], hnorm[:, None])
-            if out.n is not None:
-                m.addcmul_(out.n[ids][None] * (1 + self._delta), out.e[:, None])
-            lower = self._lower(z, ids, hnorm, y_ids - m)
-            kth = lower.topk(kmax, dim=1).values[rows, k - 1]
-            certified = live & self._separated(kth, tau)
+            low, high = self._topk_split(z, lower, upper, k)
+            certified = live & self._separated(low, torch.maximum(high, tau))
         reason = [None if c else ("budget" if not lv else "uncertified")
                   for c, lv in zip(certified.tolist(), live.tolist())]
         return _Selection(exact, torch.full((B,), ids.numel(), device=dev), certified, reason)
@@ -272,7 +296,7 @@ class CertifiedHead:
         m = torch.where(by_mask, m, torch.clamp(k * 8, max=budget))
         exact = torch.full((B, V), -math.inf, dtype=self.dtype, device=dev)
         done = torch.zeros(V, dtype=torch.bool, device=dev)
-        lower = torch.empty((B, 0), device=dev)  # dense lower bounds on the scored columns
+        zs, lower, upper = (torch.empty((B, 0), device=dev) for _ in range(3))  # on the scored columns
         certified = torch.zeros(B, dtype=torch.bool, device=dev)
         active = finite.clone()
         first = True
@@ -289,13 +313,13 @@ class CertifiedHead:
             need = torch.cat(parts).unique()
             new = need[~done[need]]
             if new.numel():
-                z = self._exact(hidden, new)
+                z, lo_new, up_new = self._score(hidden, new, hnorm)
                 exact[:, new] = z
-                lower = torch.cat([lower, self._lower(z, new, hnorm)], 1)
+                zs, lower, upper = (torch.cat([a, b], 1) for a, b in ((zs, z.float()), (lower, lo_new), (upper, up_new)))
                 done[new] = True
                 hi.index_fill_(1, new, -math.inf)
-            kth = lower.topk(kmax, dim=1).values.gather(1, (k - 1)[:, None]).squeeze(1)
-            certified |= active & self._separated(kth, hi.amax(1))
+            low, high = self._topk_split(zs, lower, upper, k)
+            certified |= active & self._separated(low, torch.maximum(high, hi.amax(1)))
             active &= ~certified & (m < budget) & ~done.all()
             m = torch.where(active, torch.clamp(m * 2, max=budget), m)
             first = False
@@ -324,7 +348,7 @@ class CertifiedHead:
         logits = self.transform(sel.exact)
         fb = ~sel.certified
         if fb.any():
-            logits[fb] = self.dense_logits(hidden[fb])
+            logits[fb] = self.dense_logits(hidden)[fb]  # the whole batch: the engine's own rounding
         vals, ids = _stable_topk(logits, k)
         scored = torch.where(fb, self.vocab_size, sel.scored)
         return TopKResult(ids, vals, sel.certified, fb, scored)
@@ -356,8 +380,9 @@ class CertifiedHead:
             mask = torch.zeros((B, V), dtype=torch.bool, device=hidden.device)
             mask.scatter_(1, order[:, :mm], torch.arange(mm, device=hidden.device)[None] < m[:, None])
             ids = mask.any(0).nonzero().squeeze(1)
-            z = self._exact(hidden, ids)
-            zl = self._lower(z, ids, hnorm, None if lo is None else lo[:, ids])
+            z, zl, _ = self._score(hidden, ids, hnorm)
+            if lo is not None:
+                zl = torch.maximum(zl, lo[:, ids])
             logits[:, ids] = z
             done = torch.zeros(V, dtype=torch.bool, device=hidden.device)
             done[ids] = True
@@ -371,7 +396,7 @@ class CertifiedHead:
             m = torch.where(grow, torch.clamp(m * 2, max=order.shape[1]), m)
         out = self.transform(logits)
         if (~cert).any():
-            out[~cert] = self.dense_logits(hidden[~cert])
+            out[~cert] = self.dense_logits(hidden)[~cert]
             tv = torch.where(cert, tv, torch.zeros_like(tv))
         probs = torch.softmax(out.float() / temperature, dim=1)
         return EpsResult(probs, cert, tv)
@@ -381,40 +406,53 @@ class CertifiedHead:
                        ) -> tuple[torch.Tensor, StepStats]:
         """Logits for a sampler: rows with ``topk[b] = 0`` are dense; rows with ``k > 0`` hold
         exact values on a scored set that contains the certified top-k and ``-inf`` elsewhere,
-        or dense values if they could not be certified. ``dense_fn`` computes dense rows
+        or dense values if they could not be certified (dense values are those of the dense
+        head on the whole batch). ``dense_fn`` computes dense rows
         (default :meth:`dense_logits`), so callers can keep their engine's own code path."""
         t0 = time.perf_counter()
         dense_fn = dense_fn or self.dense_logits
-        B = hidden.shape[0]
-        topk = topk.to(hidden.device).long()
+        B, dev = hidden.shape[0], hidden.device
+        topk = topk.cpu().long()  # per-row plans are decided on the host: no device sync
         stats = StepStats(rows=B, screen=self.screen.name)
         want = topk > 0
         stats.csv_rows = int(want.sum())
         unsupported = topk > self.config.max_topk
         want &= ~unsupported
         stats.fallbacks["unsupported"] = int(unsupported.sum())
-        if want.any() and self.off_switch is not None and not self.off_switch.allow():
+        sw = self.off_switch
+        tried = bool(want.any())
+        if tried and sw is not None and not sw.allow(B, lambda: _time(lambda: dense_fn(hidden), hidden)):
             stats.fallbacks["off_switch"] = int(want.sum())
-            want[:] = False
-        out = torch.empty((B, self.vocab_size), dtype=self.dtype, device=hidden.device)
+            want[:], tried = False, False
         dense_rows = ~want
-        if want.any():
+        if tried:
             rows = want.nonzero().squeeze(1)
-            sel = self._select(hidden[rows], topk[rows])
-            out[rows] = self.transform(sel.exact)
-            stats.certified = int(sel.certified.sum())
+            sel = self._select(hidden[rows.to(dev)], topk[rows].to(dev))
+            certified = sel.certified.cpu()
+            if bool(want.all()):
+                out = self.transform(sel.exact)
+            else:
+                out = torch.empty((B, self.vocab_size), dtype=self.dtype, device=dev)
+                out[rows.to(dev)] = self.transform(sel.exact)
+            stats.certified = int(certified.sum())
             for r in sel.reason:
                 if r is not None:
                     stats.fallbacks[r] += 1
             stats.scored = sel.scored[sel.certified].tolist()
-            dense_rows[rows[~sel.certified]] = True
-        if dense_rows.any():
-            out[dense_rows] = dense_fn(hidden[dense_rows]).to(self.dtype)
+            dense_rows[rows[~certified]] = True
+        else:
+            out = torch.empty((B, self.vocab_size), dtype=self.dtype, device=dev)
+        if bool(dense_rows.any()):
+            idx = dense_rows.nonzero().squeeze(1).to(dev)
+            # Dense rows come from the dense head run on the *whole* batch: bit for bit what the
+            # engine computes without CSV (GEMM rounding depends on the batch shape), and no
+            # dearer than on a few rows, since reading W dominates a skinny GEMM.
+            out[idx] = dense_fn(hidden)[idx].to(self.dtype)
         if hidden.is_cuda:
-            torch.cuda.synchronize(hidden.device)
+            torch.cuda.synchronize(dev)
         stats.seconds = time.perf_counter() - t0
-        if self.off_switch is not None and want.any():
-            self.off_switch.observe(B, stats.seconds, lambda: _time(lambda: dense_fn(hidden), hidden))
+        if tried and sw is not None:
+            sw.observe(B, stats.seconds)
         return out, stats
 
 

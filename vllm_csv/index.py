@@ -202,4 +202,4 @@ def build_index(
 def _round_up(x64: torch.Tensor) -> torch.Tensor:
     """fp64 -> fp32, rounding up so that an upper bound stays an upper bound."""
     x32 = x64.float()
-    return torch.where(x32.double() < x64, torch.nextafter(x32, torch.tensor(torch.inf)), x32)
+    return torch.where(x32.double() < x64, torch.nextafter(x32, torch.tensor(torch.inf, device=x32.device)), x32)

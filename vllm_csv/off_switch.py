@@ -1,41 +1,49 @@
-"""Adaptive off-switch: stop trying CSV while it does not pay.
+"""Adaptive off-switch: CSV may cost at most ``tolerance`` (2%) more head time than dense.
 
-After every step that tried CSV, the step's head time is compared with the dense
-head's time for the same batch size (measured once per batch size, best of two).
-When the mean ratio over the last ``window`` such steps exceeds ``1 + tolerance``
-(CSV slower than dense), CSV is switched off for ``cooldown`` steps, after which it
-is tried again. Bounded overhead: at most one window of slow steps per cooldown.
+A ledger over the whole run, in seconds of LM-head time:
+
+* ``dense_total``: the dense head's time for every step seen, CSV or not (estimated per
+  batch size, measured once, best of two);
+* ``excess``: over the steps that tried CSV, ``CSV time - dense time`` (negative when CSV
+  saved time; savings are banked up to ``credit_steps`` dense steps, so that a model that
+  turns slow spends at most that much of them).
+
+A step may try CSV only while ``excess <= tolerance * dense_total``. Each tried step adds
+one step's excess at most, so at every moment ``excess <= tolerance * dense_total + x``
+with ``x`` the excess of a single step: over any run, CSV is never more than ``tolerance``
+slower than the dense head, up to one step. A CSV path that is ``r`` times slower than
+dense is retried once every ``(r - 1) / tolerance`` steps; a faster one is never stopped.
 """
 
 from __future__ import annotations
 
-from collections import deque
 from collections.abc import Callable
 
 
 class OffSwitch:
-    def __init__(self, window: int = 32, tolerance: float = 0.0, cooldown: int = 1024):
-        self.window, self.tolerance, self.cooldown = window, tolerance, cooldown
-        self.ratios: deque[float] = deque(maxlen=window)
+    def __init__(self, tolerance: float = 0.02, credit_steps: int = 64):
+        self.tolerance, self.credit_steps = tolerance, credit_steps
         self.dense_seconds: dict[int, float] = {}
-        self.off_left = 0
-        self.times_tripped = 0
-
-    def allow(self) -> bool:
-        """False while switched off (each call uses up one step of the cooldown)."""
-        if self.off_left > 0:
-            self.off_left -= 1
-            return False
-        return True
+        self.dense_total = 0.0
+        self.excess = 0.0
+        self.times_tripped = 0  # transitions from trying CSV to not trying
+        self._on = True
 
     def dense_estimate(self, batch: int, measure: Callable[[], float]) -> float:
         if batch not in self.dense_seconds:
             self.dense_seconds[batch] = min(measure(), measure())
         return self.dense_seconds[batch]
 
-    def observe(self, batch: int, seconds: float, measure_dense: Callable[[], float]) -> None:
-        self.ratios.append(seconds / max(self.dense_estimate(batch, measure_dense), 1e-9))
-        if len(self.ratios) == self.window and sum(self.ratios) / self.window > 1.0 + self.tolerance:
-            self.off_left = self.cooldown
+    def allow(self, batch: int, measure_dense: Callable[[], float]) -> bool:
+        """Start a step of ``batch`` rows: whether it may try CSV (else it runs dense)."""
+        self.dense_total += self.dense_estimate(batch, measure_dense)
+        on = self.excess <= self.tolerance * self.dense_total
+        if self._on and not on:
             self.times_tripped += 1
-            self.ratios.clear()
+        self._on = on
+        return on
+
+    def observe(self, batch: int, seconds: float) -> None:
+        """Account a step that tried CSV and took ``seconds`` (after :meth:`allow`)."""
+        dense = self.dense_seconds[batch]
+        self.excess = max(self.excess + seconds - dense, -self.credit_steps * dense)

@@ -19,6 +19,28 @@ def has_cuda_kernels() -> bool:
     return _C is not None
 
 
+INT_GEMM_ALIGN = 8  # cuBLASLt int8 GEMM: inner and output dims multiples of 8, more than 16 rows
+
+
+def pad_for_int_gemm(q: torch.Tensor) -> torch.Tensor:
+    """``q [V, d]`` int8, zero-padded on CUDA to ``[V8, d8]`` (multiples of 8) for
+    :func:`int8_gemm`; returned unchanged on CPU. Zero rows/columns add nothing to a dot product."""
+    if not q.is_cuda:
+        return q
+    V, d = q.shape
+    return torch.nn.functional.pad(q, (0, (-d) % INT_GEMM_ALIGN, 0, (-V) % INT_GEMM_ALIGN)).contiguous()
+
+
+def int8_gemm(p: torch.Tensor, q: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """``acc[b, i] = sum_j p[b, j] q[i, j]`` for int8 ``p [B, d]`` and ``q`` from
+    :func:`pad_for_int_gemm`, exactly, in int32 (no overflow while ``127^2 d < 2^31``);
+    ``[B, vocab_size]``. oneDNN on CPU, cuBLASLt's int8 tensor-core GEMM on CUDA."""
+    B, d = p.shape
+    if q.is_cuda:
+        p = torch.nn.functional.pad(p, (0, q.shape[1] - d, 0, max(0, 17 - B)))
+    return torch._int_mm(p, q.t())[:B, :vocab_size]
+
+
 def int8_screen_ref(h: torch.Tensor, q: torch.Tensor, scale: torch.Tensor,
                     bias: torch.Tensor | None = None) -> torch.Tensor:
     """``y[b, i] = s_i * sum_j q[i, j] h[b, j] (+ bias_i)`` in fp32 (torch reference)."""

@@ -50,12 +50,14 @@ class QuantizedScreen:
     Three ways to compute the center ``y``, each with its bound (``r_i = ||w_i - deq_i||``
     in float64 with ``deq`` the exact real product, ``n_i = ||deq_i||``, ``u = 2^-24``):
 
-    * int8 on CPU, exact integer GEMM: ``h_b = t_b p_b + f_b`` with ``p_b`` int8 and
+    * int8, exact integer GEMM (CPU: oneDNN, CUDA: cuBLASLt int8 tensor cores, see
+      :func:`vllm_csv.ops.int8_gemm`): ``h_b = t_b p_b + f_b`` with ``p_b`` int8 and
       ``t_b = max|h_b| / 127``; ``<q_i, p_b>`` is exact in int32 (``127^2 d < 2^31``), so
       ``y = s_i t_b <q_i, p_b>`` (three roundings, absorbed by the runtime's relative
       slack) and ``|<w_i, h_b> - y| <= r_i ||h_b|| + n_i ||f_b||``.
-    * int8 on CUDA (``csrc/int8_screen.cu``) and the fp32 reference: ``y = fl(<deq_i, h_b>)``
-      with fp32 accumulation, ``|<w_i, h_b> - y| <= (r_i + gamma_{d+2} n_i) ||h_b||``.
+    * int8 fp32 kernel (``csrc/int8_screen.cu``, :func:`vllm_csv.ops.int8_screen`) and the
+      int4 reference: ``y = fl(<deq_i, h_b>)`` with fp32 accumulation,
+      ``|<w_i, h_b> - y| <= (r_i + gamma_{d+2} n_i) ||h_b||``.
     """
 
     two_sided = True
@@ -76,7 +78,12 @@ class QuantizedScreen:
         self.n = _round_up(n) * slack
         self.radius = _round_up(r + gamma(d + 2) * n) * slack  # fp32-accumulation paths
         self.bias = None if bias is None else bias.float()
-        self.int_gemm = bits == 8 and weight.device.type == "cpu" and d * 127 * 127 < 2**31
+        self.int_gemm = bits == 8 and weight.device.type in ("cpu", "cuda") and d * 127 * 127 < 2**31
+        if self.int_gemm:  # padded for cuBLASLt on CUDA; self.q stays a view of it
+            from ..ops import pad_for_int_gemm
+
+            self.q_gemm = pad_for_int_gemm(self.q)
+            self.q = self.q_gemm[:V, :d]
         self.s_row = self.s.reshape(1, -1) if bits == 8 else None
         # The int4 reference keeps values unpacked in int8 (a packed kernel halves the first term).
         self.extra_bytes = self.q.numel() + self.s.numel() * 4 + V * 8
@@ -88,10 +95,12 @@ class QuantizedScreen:
         from . import ScreenOut
 
         if self.int_gemm:
+            from ..ops import int8_gemm
+
             hf = h.float()
             t = (hf.abs().amax(1, keepdim=True) / 127).clamp_min(torch.finfo(torch.float32).tiny)
             p = torch.round(hf / t).clamp_(-127, 127).to(torch.int8)
-            acc = torch._int_mm(p, self.q.t())  # exact
+            acc = int8_gemm(p, self.q_gemm, self.q.shape[0])  # exact
             y = acc.float().mul_(t).mul_(self.s_row)
             f = (h.double() - t.double() * p.double()).norm(dim=1)
             e = _round_up(f) * (1 + 4 * FP32_UNIT_ROUNDOFF)
