@@ -170,7 +170,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", action="append", default=[], help="Hugging Face model directory (repeatable)")
     p.add_argument("--fixtures", type=int, nargs="*", default=None, help="hidden sizes of learned fixtures to build/use")
-    p.add_argument("--screens", nargs="+", default=["int8", "int4", "ball"])
+    p.add_argument("--screens", nargs="+", default=["int8", "int4", "fp16", "ball"])
     p.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32, 64])
     p.add_argument("--positions", type=int, default=1024, help="held-out positions per model")
     p.add_argument("--repeats", type=int, default=20)

@@ -27,6 +27,7 @@ def shrink_radius(head, factor):
     def broken(h):
         out = honest(h)
         out.radius = out.radius * factor
+        out.rel *= factor
         if out.n is not None:
             out.n = out.n * factor
         return out
@@ -49,6 +50,17 @@ def test_understated_int8_radius_is_caught():
     head.acc_err.zero_()
     wrong, res = wrong_tokens(head, W, h)
     assert wrong > 0  # certified rows with a token the dense head would not pick
+
+
+def test_understated_fp16_error_is_caught():
+    """fp16 rounds its output to nearest, which keeps the order of near-ties, so a shrunken
+    radius alone rarely misleads it; a copy of ``W`` 100 times cruder than its radius does."""
+    W, h = near_tie_batch(B=2048, seed=3)
+    head = CertifiedHead(W, config=HeadConfig(screen="fp16", budget=1.0))
+    assert wrong_tokens(head, W, h)[0] == 0
+    noise = torch.randn(W.shape, generator=torch.Generator().manual_seed(0))
+    head.screen.w16 = (W + 100 * head.screen.radius[:, None] * noise / noise.norm(dim=1, keepdim=True)).half()
+    assert wrong_tokens(head, W, h)[0] > 0
 
 
 def test_understated_ball_radius_is_caught():

@@ -40,7 +40,7 @@ def assert_dense_topk(head, W, b, h, k, softcap=None, scale=1.0):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("screen", ["int8", "int4", "ball"])
+@pytest.mark.parametrize("screen", ["int8", "int4", "fp16", "ball"])
 @pytest.mark.parametrize("V,d", [(32000, 256), (5003, 1024), (4099, 129)])
 def test_cuda_matches_dense(dtype, screen, V, d):
     W, g = peaked_head(V, d, seed=V + d)
@@ -65,7 +65,7 @@ def test_cuda_bias_softcap_padding_nonfinite(dtype):
     h[1, 2] = math.inf
     h[2] *= 1e30
     W, b, h = W.to("cuda", dtype), b.to("cuda", dtype), h.to("cuda", dtype)
-    for screen in ("int8", "int4", "ball"):
+    for screen in ("int8", "int4", "fp16", "ball"):
         head = make(W, b, screen, vocab_size=V, softcap=5.0, scale=0.5)
         res = head.topk(h, 2)
         assert not res.certified[:2].any()

@@ -8,7 +8,7 @@ import torch
 from vllm_csv import CertifiedHead, CSVError, HeadConfig, build_index
 from conftest import dense_topk, hidden_near_rows, peaked_head
 
-SCREENS = ["int8", "int4", "ball"]
+SCREENS = ["int8", "int4", "fp16", "ball"]
 
 
 def make(W, b=None, screen="int8", **kw):

@@ -10,7 +10,7 @@ from conftest import dense_topk
 
 @settings(max_examples=60, deadline=None)
 @given(V=st.integers(2, 700), d=st.integers(1, 40), B=st.integers(1, 6), k=st.integers(1, 4),
-       seed=st.integers(0, 2**31 - 1), screen=st.sampled_from(["int8", "int4"]),
+       seed=st.integers(0, 2**31 - 1), screen=st.sampled_from(["int8", "int4", "fp16"]),
        bias=st.booleans(), softcap=st.sampled_from([None, 0.5, 30.0]), scale=st.sampled_from([1.0, 0.3]),
        hscale=st.sampled_from([1e-6, 1.0, 50.0, 1e12]), dup=st.booleans())
 def test_certified_topk_equals_dense(V, d, B, k, seed, screen, bias, softcap, scale, hscale, dup):

@@ -152,12 +152,13 @@ class CertifiedHead:
         hnorm = hidden_norm_upper(hidden)
         out = self.screen.center_radius(hidden)
         y, rad = out.y, self._rad_total(out.radius)
+        delta = self._delta + out.rel
         ymax = torch.linalg.vector_norm(y, ord=math.inf, dim=1)  # NaN/inf propagate
-        c = ymax * self._delta + self._tiny
+        c = ymax * delta + self._tiny
         finite = torch.isfinite(hidden).all(1) & torch.isfinite(ymax + c + self._rad_max * hnorm)
         m = torch.addcmul(c[:, None], rad[None], hnorm[:, None])
         if out.n is not None:
-            m.addcmul_(out.n[None] * (1 + self._delta), out.e[:, None])
+            m.addcmul_(out.n[None] * (1 + delta), out.e[:, None])
         hi = y + m
         lo = y.sub_(m) if out.two_sided else None
         return lo, hi, hnorm, finite
@@ -234,7 +235,7 @@ class CertifiedHead:
         """Certify with a threshold on the screen values: three cheap passes over ``[B, V]``.
 
         Token ``j`` has half-width ``m_j = rad_j ||h|| + delta |y_j| + tiny`` (see
-        :meth:`_intervals`). With ``y_(k)`` a row's k-th largest screen value and
+        :meth:`_intervals`; ``delta`` includes the screen's own relative error ``rel``). With ``y_(k)`` a row's k-th largest screen value and
         ``g(y) = y + delta |y|`` (increasing), the k tokens with the largest ``y`` have
         ``lo >= tau := y_(k) - delta |y_(k)| - rad_max ||h|| - tiny``, a lower bound on the
         k-th largest dense logit. A token with ``g(y_i) < s := tau - rad_max ||h|| - tiny`` has
@@ -246,14 +247,15 @@ class CertifiedHead:
         hnorm = hidden_norm_upper(hidden)
         out = self.screen.center_radius(hidden)
         y, rad = out.y, self._rad_total(out.radius)
-        act = (out.n.max() * (1 + self._delta) * out.e) if out.n is not None else 0.0
+        delta = self._delta + out.rel
+        act = (out.n.max() * (1 + delta) * out.e) if out.n is not None else 0.0
         kmax = int(k.max())
         rows = torch.arange(B, device=dev)
         yk = y.amax(1) if kmax == 1 else y.topk(kmax, dim=1).values[rows, k - 1]
         spread = self._rad_max * hnorm + act + self._tiny
-        tau = yk - self._delta * yk.abs() - spread
+        tau = yk - delta * yk.abs() - spread
         s = tau - spread
-        thr = torch.where(s >= 0, s / (1 + self._delta), s / (1 - self._delta))
+        thr = torch.where(s >= 0, s / (1 + delta), s / (1 - delta))
         thr = thr - thr.abs() * (8 * FP32_UNIT_ROUNDOFF) - self._tiny  # rounding of this very line
         budget = max(kmax, math.ceil(self.config.budget * V))
         live = torch.ones(B, dtype=torch.bool, device=dev)

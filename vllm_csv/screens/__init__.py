@@ -2,8 +2,8 @@
 
 A screen's ``center_radius(h)`` returns a :class:`ScreenOut` for hidden states ``h [B, d]``:
 a center ``y [B, V]`` (float32), a per-token radius ``r [V]``, optionally a per-token
-``n [V]`` and per-row ``e [B]``, and whether the bound is two-sided:
-``|<w_i, h_b> + b_i - y_bi| <= r_i ||h_b|| + n_i e_b`` (one-sided: only ``<=``), in exact
+``n [V]`` and per-row ``e [B]``, a relative term ``rel``, and whether the bound is two-sided:
+``|<w_i, h_b> + b_i - y_bi| <= r_i ||h_b|| + n_i e_b + rel |y_bi|`` (one-sided: only ``<=``), in exact
 real arithmetic up to a few units of relative rounding of ``y``. The runtime
 (:mod:`vllm_csv.head`) widens this by the dense GEMM's own rounding error and certifies. Screens differ in cost and tightness:
 
@@ -13,6 +13,7 @@ name      bound                                                        extra mem
 ball      paper's cluster bound ``<mu_c,h> + R_c ||h|| + bmax_c``      ``C (d + 3)`` fp32
 int8      per-row int8 copy, ``|<w_i - s_i q_i, h>| <= r_i ||h||``     ``V d`` bytes + ``8 V``
 int4      per-group int4 copy, same bound                              ``V d / 2`` + scales
+fp16      fp16 copy, ``|<w_i - fp16(w_i), h>| <= r_i ||h||`` + GEMM     ``2 V d`` + ``8 V``
 ========  ===========================================================  =====================
 """
 
@@ -32,12 +33,14 @@ class ScreenOut:
     two_sided: bool
     n: torch.Tensor | None = None  # [V], coefficient of e_b (e.g. ||deq_i||)
     e: torch.Tensor | None = None  # [B], e.g. the norm of the activation quantisation residual
+    rel: float = 0.0  # plus rel * |y| (e.g. a half-precision rounding of the GEMM's output)
 
 
 from .ball import BallScreen  # noqa: E402
+from .half import HalfScreen  # noqa: E402
 from .quantized import QuantizedScreen  # noqa: E402
 
-SCREENS = ("int8", "int4", "ball")
+SCREENS = ("int8", "int4", "fp16", "ball")
 DEFAULT_SCREEN = "int8"
 
 
@@ -47,6 +50,8 @@ def make_screen(name: str, weight: torch.Tensor, bias: torch.Tensor | None, inde
         if index is None:
             raise CSVError("screen 'ball' needs a CSV index (--csv-index, or let vllm-csv build one)")
         return BallScreen(index, weight, bias)
+    if name == "fp16":
+        return HalfScreen(weight, bias)
     if name in ("int8", "int4"):
         return QuantizedScreen(weight, bias, bits=int(name[3:]))
     raise CSVError(f"unknown screen {name!r}; choose one of {', '.join(SCREENS)}")

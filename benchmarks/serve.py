@@ -1,0 +1,152 @@
+"""Serving benchmark: plain `vllm serve` against `vllm serve --enable-csv-decode`, in one run.
+
+    python benchmarks/serve.py --json results/serve.json            # the embedded demo model
+    python benchmarks/serve.py --model /path/to/hf-model --json out.json
+
+Starts each server in turn on the same model (never both at once: they would share the
+CPU), sends the same requests (batched prompts; greedy and seeded top-k sampling, which CSV
+certifies, and top-p sampling, which it sends dense), and reports generated tokens per
+second, whether the outputs are identical, and, for CSV, what its own metrics on
+`/metrics` say: rows on the CSV path, certified share, fallbacks by reason, head time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from vllm_csv.serve import _get, _post, _vllm_command, wait_healthy  # noqa: E402
+
+PROMPTS = [
+    "import os\nimport sys\n", "def fibonacci(n):\n", "class Parser:\n    def __init__(self", "for i in range(",
+    "# Copyright", "    return self.", "if __name__ == ", "def test_", "from collections import",
+    "    raise ValueError(", "try:\n    import ", "with open(", "x = [", '"""Utilities for', "    @property\n",
+    "        self.assertEqual(",
+]
+WORKLOADS = {
+    "greedy": {"temperature": 0},
+    "top_k_sampling": {"temperature": 0.8, "top_k": 20, "seed": 1},
+    "top_p_sampling (dense path)": {"temperature": 0.8, "top_p": 0.9, "seed": 1},
+}
+
+
+def metric_values(text: str) -> dict[str, float]:
+    """``name{labels}`` -> value for the csv_decode_ samples of a /metrics page (summed over
+    model names)."""
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        m = re.match(r"^(csv_decode_\w+)(\{[^}]*\})? ([0-9.eE+-]+)$", line)
+        if m and "model_name" in (m.group(2) or ""):
+            labels = re.sub(r'model_name="[^"]*",?', "", m.group(2)).replace("{}", "").replace(",}", "}")
+            out[m.group(1) + labels] = out.get(m.group(1) + labels, 0.0) + float(m.group(3))
+    return out
+
+
+def run_server(model: str, csv: bool, args) -> dict:
+    port = args.port + (1 if csv else 0)
+    base = f"http://127.0.0.1:{port}"
+    cmd = [*_vllm_command(), "serve", model, "--host", "127.0.0.1", "--port", str(port), "--seed", "0",
+           "--max-model-len", "1024", *(["--enable-csv-decode"] if csv else []), *args.vllm_args]
+    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE=os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"))
+    log = open(Path(args.json).with_suffix(f".{'csv' if csv else 'dense'}.log"), "w")
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    try:
+        wait_healthy(proc, base, args.timeout)
+        served = json.loads(_get(base + "/v1/models"))["data"][0]["id"]
+
+        def complete(params: dict) -> dict:
+            return _post(base + "/v1/completions", {"model": served, "prompt": PROMPTS,
+                                                     "max_tokens": args.max_tokens, **params}, timeout=900)
+
+        complete({"temperature": 0, "max_tokens": 4})  # warm-up
+        res = {}
+        for name, params in WORKLOADS.items():
+            texts, tokens, t0 = [], 0, time.perf_counter()
+            for _ in range(args.rounds):
+                out = complete(params)
+                texts.append([c["text"] for c in sorted(out["choices"], key=lambda c: c["index"])])
+                tokens += out["usage"]["completion_tokens"]
+            secs = time.perf_counter() - t0
+            res[name] = {"tokens": tokens, "seconds": round(secs, 2), "tokens_per_s": round(tokens / secs, 1),
+                         "texts": texts}
+        res["metrics"] = metric_values(_get(base + "/metrics").decode()) if csv else {}
+        return res
+    finally:
+        proc.send_signal(2)
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+        log.close()
+
+
+def summary(dense: dict, csv: dict) -> dict:
+    m = csv["metrics"]
+    csv_rows = m.get("csv_decode_csv_rows_total", 0.0)
+    out = {"workloads": {}, "csv_metrics": m}
+    for name in WORKLOADS:
+        out["workloads"][name] = {
+            "dense_tokens_per_s": dense[name]["tokens_per_s"], "csv_tokens_per_s": csv[name]["tokens_per_s"],
+            "speedup": round(csv[name]["tokens_per_s"] / dense[name]["tokens_per_s"], 3),
+            "identical_outputs": dense[name]["texts"] == csv[name]["texts"]}
+    out["rows_total"] = m.get("csv_decode_rows_total", 0.0)
+    out["csv_rows"] = csv_rows
+    out["certified_share_of_csv_rows"] = m.get("csv_decode_rows_certified_total", 0.0) / csv_rows if csv_rows else 0.0
+    out["fallbacks"] = {k.split('reason="')[1].rstrip('"}'): v for k, v in m.items()
+                        if k.startswith("csv_decode_fallbacks_total")}
+    n = m.get("csv_decode_head_seconds_count", 0.0)
+    out["csv_head_ms_mean"] = round(1e3 * m.get("csv_decode_head_seconds_sum", 0.0) / n, 3) if n else None
+    out["head_seconds_saved_total"] = m.get("csv_decode_head_seconds_saved_total")
+    return out
+
+
+def markdown(s: dict, machine: str, model: str) -> str:
+    lines = [f"Machine: {machine}; model {model}", "",
+             "| workload | dense tok/s | CSV tok/s | speed-up | identical outputs |", "|---|---|---|---|---|"]
+    for name, w in s["workloads"].items():
+        lines.append(f"| {name} | {w['dense_tokens_per_s']} | {w['csv_tokens_per_s']} | {w['speedup']}x | "
+                     f"{w['identical_outputs']} |")
+    lines += ["", f"CSV path: {s['csv_rows']:.0f} of {s['rows_total']:.0f} head rows eligible, "
+              f"{s['certified_share_of_csv_rows']:.1%} of them certified; fallbacks {s['fallbacks']}; "
+              f"mean head step {s['csv_head_ms_mean']} ms; head time saved {s['head_seconds_saved_total']} s"]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default=None, help="Hugging Face model directory (default: the demo model)")
+    p.add_argument("--rounds", type=int, default=3, help="batched requests per workload")
+    p.add_argument("--max-tokens", type=int, default=48)
+    p.add_argument("--port", type=int, default=8110)
+    p.add_argument("--timeout", type=float, default=900)
+    p.add_argument("--json", required=True)
+    p.add_argument("vllm_args", nargs=argparse.REMAINDER, help="further `vllm serve` arguments (after --)")
+    args = p.parse_args(argv)
+    args.vllm_args = args.vllm_args[1:] if args.vllm_args[:1] == ["--"] else args.vllm_args
+    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+    if args.model is None:
+        from vllm_csv.demo_model import ensure_demo_model
+
+        args.model = str(ensure_demo_model())
+    dense = run_server(args.model, False, args)
+    csv = run_server(args.model, True, args)
+    s = summary(dense, csv)
+    machine = f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores"
+    Path(args.json).write_text(json.dumps({"machine": machine, "model": args.model, **s}, indent=1))
+    md = markdown(s, machine, Path(args.model).name)
+    Path(args.json).with_suffix(".md").write_text(md)
+    print(md)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
