@@ -34,7 +34,8 @@ def pad_for_int_gemm(q: torch.Tensor) -> torch.Tensor:
 def int8_gemm(p: torch.Tensor, q: torch.Tensor, vocab_size: int) -> torch.Tensor:
     """``acc[b, i] = sum_j p[b, j] q[i, j]`` for int8 ``p [B, d]`` and ``q`` from
     :func:`pad_for_int_gemm`, exactly, in int32 (no overflow while ``127^2 d < 2^31``);
-    ``[B, vocab_size]``. oneDNN on CPU, cuBLASLt's int8 tensor-core GEMM on CUDA."""
+    ``[B, vocab_size]``. cuBLASLt's int8 tensor-core GEMM on CUDA; on CPU whatever ATen has (a
+    scalar loop on CPUs without VNNI)."""
     B, d = p.shape
     if q.is_cuda:
         p = torch.nn.functional.pad(p, (0, q.shape[1] - d, 0, max(0, 17 - B)))

@@ -40,12 +40,22 @@ from .ball import BallScreen  # noqa: E402
 from .half import HalfScreen  # noqa: E402
 from .quantized import QuantizedScreen  # noqa: E402
 
-SCREENS = ("int8", "int4", "fp16", "ball")
-DEFAULT_SCREEN = "int8"
+SCREENS = ("auto", "int8", "int4", "fp16", "ball")
+DEFAULT_SCREEN = "auto"
 
 
 def make_screen(name: str, weight: torch.Tensor, bias: torch.Tensor | None, index=None):
-    """Build the screen ``name`` for the head ``weight [V, d]`` (and ``bias``)."""
+    """Build the screen ``name`` for the head ``weight [V, d]`` (and ``bias``). ``auto`` is the
+    fastest measured (README, Benchmarks): ``int8`` on CUDA, where cuBLASLt's exact int8 GEMM
+    reads half the bytes of a bf16 head; ``fp16`` elsewhere (torch's CPU int8 GEMMs are scalar
+    loops on CPUs without int8 dot-product instructions), ``int8`` if the head overflows fp16."""
+    if name == "auto":
+        if not weight.is_cuda:
+            try:
+                return HalfScreen(weight, bias)
+            except CSVError:
+                pass
+        name = "int8"
     if name == "ball":
         if index is None:
             raise CSVError("screen 'ball' needs a CSV index (--csv-index, or let vllm-csv build one)")

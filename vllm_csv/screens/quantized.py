@@ -50,7 +50,7 @@ class QuantizedScreen:
     Three ways to compute the center ``y``, each with its bound (``r_i = ||w_i - deq_i||``
     in float64 with ``deq`` the exact real product, ``n_i = ||deq_i||``, ``u = 2^-24``):
 
-    * int8, exact integer GEMM (CPU: oneDNN, CUDA: cuBLASLt int8 tensor cores, see
+    * int8, exact integer GEMM (``torch._int_mm``: cuBLASLt int8 tensor cores on CUDA, see
       :func:`vllm_csv.ops.int8_gemm`): ``h_b = t_b p_b + f_b`` with ``p_b`` int8 and
       ``t_b = max|h_b| / 127``; ``<q_i, p_b>`` is exact in int32 (``127^2 d < 2^31``), so
       ``y = s_i t_b <q_i, p_b>`` (three roundings, absorbed by the runtime's relative

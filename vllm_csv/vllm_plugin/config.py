@@ -21,7 +21,7 @@ class CSVDecodeConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     enabled: bool = False
-    screen: Literal["int8", "int4", "fp16", "ball"] = "int8"
+    screen: Literal["auto", "int8", "int4", "fp16", "ball"] = "auto"
     index: str | None = Field(None, description="index file (screen 'ball'); default: the cache")
     clusters: int | None = Field(None, ge=1, description="clusters when building an index (default 0.015 V)")
     budget: float = Field(0.05, gt=0.0, le=1.0, description="max share of V scored per row, then dense")
