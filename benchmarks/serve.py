@@ -54,8 +54,11 @@ def metric_values(text: str) -> dict[str, float]:
 def run_server(model: str, csv: bool, args) -> dict:
     port = args.port + (1 if csv else 0)
     base = f"http://127.0.0.1:{port}"
+    flags = ["--enable-csv-decode"] if csv else []
+    if csv and args.no_off_switch:
+        flags += ["--additional-config", json.dumps({"csv_decode": {"off_switch": False}})]
     cmd = [*_vllm_command(), "serve", model, "--host", "127.0.0.1", "--port", str(port), "--seed", "0",
-           "--max-model-len", "1024", *(["--enable-csv-decode"] if csv else []), *args.vllm_args]
+           "--max-model-len", "1024", *flags, *args.vllm_args]
     env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE=os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"))
     log = open(Path(args.json).with_suffix(f".{'csv' if csv else 'dense'}.log"), "w")
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
@@ -128,6 +131,8 @@ def main(argv=None) -> int:
     p.add_argument("--max-tokens", type=int, default=48)
     p.add_argument("--port", type=int, default=8110)
     p.add_argument("--timeout", type=float, default=900)
+    p.add_argument("--no-off-switch", action="store_true",
+                   help="keep CSV on even where it is slower (to measure the certified share)")
     p.add_argument("--json", required=True)
     p.add_argument("vllm_args", nargs=argparse.REMAINDER, help="further `vllm serve` arguments (after --)")
     args = p.parse_args(argv)
