@@ -7,15 +7,15 @@ model dtype) and then the monotone map ``f(z) = scale * softcap * tanh(z / softc
 Dense-value interval. A screen gives ``lo_i <= <w_i,h> + b_i <= hi_i`` (real
 arithmetic). The dense GEMM adds at most ``e_i = gamma_d ||w_i|| ||h||`` and two
 roundings (bias add, output), so ``zt_i`` lies in
-``[lo_i - e_i - 2 ulp, hi_i + e_i + 2 ulp]``. For a token in ``S`` whose logit we computed
-ourselves (``zh_j``, same dtype, another accumulation order),
-``zt_j >= zh_j - 2 e_j - 4 ulp``.
+``[lo_i - e_i - 2 ulp, hi_i + e_i + 2 ulp]``. A token of the scored set ``S`` is scored in
+fp32 and pushed through the engine's rounding (:meth:`CertifiedHead._score`), which bounds
+``zt_j`` from both sides, usually to a single bf16/fp16 value.
 
-Top-k certificate. With ``L`` the k-th largest dense lower bound over ``S`` and
-``M = max_{i not in S} hi_i`` (widened as above): ``L > M`` proves that every token
-outside ``S`` has a dense value strictly below ``k`` tokens of ``S``, so the dense
-top-k lies in ``S``; ``f`` is monotone so this survives soft-cap and scale (up to
-exact ties that ``f`` itself creates). ``S`` grows in order of ``hi`` until the
+Top-k certificate. With ``T`` the ``k`` tokens of ``S`` with the largest scored values,
+``L`` the smallest dense lower bound in ``T``, ``U`` the largest dense upper bound in
+``S \\ T`` and ``M = max_{i not in S} hi_i``: ``L > max(U, M)`` proves that ``T`` is the
+dense top-k, whatever order the dense GEMM accumulates in; ``f`` is monotone, and the
+separation is also checked after it (it can create ties). ``S`` grows until the
 certificate holds or the budget is spent; then the row takes the dense path.
 """
 
@@ -235,13 +235,15 @@ class CertifiedHead:
         """Certify with a threshold on the screen values: three cheap passes over ``[B, V]``.
 
         Token ``j`` has half-width ``m_j = rad_j ||h|| + delta |y_j| + tiny`` (see
-        :meth:`_intervals`; ``delta`` includes the screen's own relative error ``rel``). With ``y_(k)`` a row's k-th largest screen value and
+        :meth:`_intervals`; ``delta`` includes the screen's relative error ``rel``). With
+        ``y_(k)`` a row's k-th largest screen value and
         ``g(y) = y + delta |y|`` (increasing), the k tokens with the largest ``y`` have
         ``lo >= tau := y_(k) - delta |y_(k)| - rad_max ||h|| - tiny``, a lower bound on the
         k-th largest dense logit. A token with ``g(y_i) < s := tau - rad_max ||h|| - tiny`` has
         ``hi_i < tau``; so ``S`` = the union over rows of ``{i : y_i >= thr = g^-1(s)}`` contains
         every row's dense top-k, every token outside ``S`` has ``hi < tau``, and the row is
-        certified when the k-th largest dense lower bound in ``S`` is ``>= tau``."""
+        certified when its top-k in ``S`` is separated from ``tau`` and from the rest of ``S``
+        (:meth:`_topk_split`)."""
         B, V = hidden.shape[0], self.vocab_size
         dev = hidden.device
         hnorm = hidden_norm_upper(hidden)
