@@ -24,10 +24,10 @@ def test_slow_csv_costs_at_most_tolerance_plus_one_step():
         sw = OffSwitch(tolerance=0.02)
         steps = 5000
         tried, total = run(sw, r, steps)
-        assert total <= steps * 1.02 + (r - 1), (r, total)
+        assert total <= steps * 1.02 + 2 * (r - 1), (r, total)  # one step, plus the warm-up step
         assert tried >= 1 and (r < 1.02 or sw.times_tripped >= 1)
         if r >= 3:  # retried about every (r - 1) / 0.02 steps, not never
-            assert abs(tried - steps * 0.02 / (r - 1)) <= 2, (r, tried)
+            assert abs(tried - steps * 0.02 / (r - 1)) <= 3, (r, tried)
 
 
 def test_fast_csv_is_never_stopped():
@@ -43,7 +43,7 @@ def test_banked_savings_are_capped():
     before = sw.excess
     tried, _ = run(sw, 10.0, 1000)
     assert before == -64.0
-    assert tried <= (64 + 0.02 * 11_000) / 9 + 1
+    assert tried <= (64 + 0.02 * 11_000) / 9 + 2
 
 
 def test_head_reports_off_switch_rows_and_stays_exact():
@@ -57,4 +57,13 @@ def test_head_reports_off_switch_rows_and_stays_exact():
         logits, stats = head.sampler_logits(h, torch.ones(4, dtype=torch.long))
         reasons.append(stats.fallbacks["off_switch"])
         assert torch.equal(logits.argmax(1), (h @ W.T).argmax(1))
-    assert reasons == [0, 4, 4, 4] and head.off_switch.times_tripped == 1
+    assert reasons == [0, 0, 4, 4] and head.off_switch.times_tripped == 1  # the first step is a warm-up
+
+
+def test_first_step_of_a_batch_size_is_not_charged():
+    sw = OffSwitch()
+    assert sw.allow(1, lambda: 1.0)
+    sw.observe(1, 500.0)  # cold first call
+    assert sw.excess == 0.0 and sw.allow(1, lambda: 1.0)
+    sw.observe(1, 0.5)
+    assert sw.excess == -0.5

@@ -11,7 +11,8 @@ A ledger over the whole run, in seconds of LM-head time:
 A step may try CSV only while ``excess <= tolerance * dense_total``. Each tried step adds
 one step's excess at most, so at every moment ``excess <= tolerance * dense_total + x``
 with ``x`` the excess of a single step: over any run, CSV is never more than ``tolerance``
-slower than the dense head, up to one step. A CSV path that is ``r`` times slower than
+slower than the dense head, up to one step, plus the first CSV step of each batch size,
+which is a warm-up (first calls of kernels, allocator growth) and is not charged. A CSV path that is ``r`` times slower than
 dense is retried once every ``(r - 1) / tolerance`` steps; a faster one is never stopped.
 """
 
@@ -28,6 +29,7 @@ class OffSwitch:
         self.excess = 0.0
         self.times_tripped = 0  # transitions from trying CSV to not trying
         self._on = True
+        self._warm: set[int] = set()
 
     def dense_estimate(self, batch: int, measure: Callable[[], float]) -> float:
         if batch not in self.dense_seconds:
@@ -45,5 +47,8 @@ class OffSwitch:
 
     def observe(self, batch: int, seconds: float) -> None:
         """Account a step that tried CSV and took ``seconds`` (after :meth:`allow`)."""
+        if batch not in self._warm:
+            self._warm.add(batch)
+            return
         dense = self.dense_seconds[batch]
         self.excess = max(self.excess + seconds - dense, -self.credit_steps * dense)
