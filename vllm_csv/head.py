@@ -185,6 +185,7 @@ class CertifiedHead:
         r = 2 * self.acc_err[ids][None] * hnorm[:, None]
         r = r + a.abs() * (2 * FP32_UNIT_ROUNDOFF) + self._tiny32
         if self.bias is None:
+            c = a
             lower, upper = self._round(a - r), self._round(a + r)
         else:
             b = self.bias[ids]
@@ -192,7 +193,7 @@ class CertifiedHead:
             R = r + self._gamma * b.float().abs()[None] + c.abs() * (2 * FP32_UNIT_ROUNDOFF)
             lower = torch.minimum(self._round(c - R), self._round(self._round(a - r, float_out=False) + b))
             upper = torch.maximum(self._round(c + R), self._round(self._round(a + r, float_out=False) + b))
-        z = torch.where(lower == upper, lower, a if self.bias is None else a + b.float()).to(self.dtype)
+        z = torch.where(lower == upper, lower, c).to(self.dtype)
         return z, lower, upper
 
     def _round(self, x: torch.Tensor, float_out: bool = True) -> torch.Tensor:

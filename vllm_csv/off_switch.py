@@ -12,8 +12,9 @@ A step may try CSV only while ``excess <= tolerance * dense_total``. Each tried 
 one step's excess at most, so at every moment ``excess <= tolerance * dense_total + x``
 with ``x`` the excess of a single step: over any run, CSV is never more than ``tolerance``
 slower than the dense head, up to one step, plus the first CSV step of each batch size,
-which is a warm-up (first calls of kernels, allocator growth) and is not charged. A CSV path that is ``r`` times slower than
-dense is retried once every ``(r - 1) / tolerance`` steps; a faster one is never stopped.
+which is a warm-up (first calls of kernels, allocator growth) and is not charged. A CSV
+path that is ``r`` times slower than dense is retried once every ``(r - 1) / tolerance``
+steps; a faster one is never stopped.
 """
 
 from __future__ import annotations

@@ -25,6 +25,7 @@ import torch
 from ..errors import CSVError
 from ..fp import FP32_UNIT_ROUNDOFF, gamma
 from ..index import _round_up
+from .copy_error import copy_error_norms
 
 FP16_REL = 2.0**-11 * (1 + 2.0**-10)
 
@@ -36,12 +37,7 @@ class HalfScreen:
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, chunk: int = 8192):
         V, d = weight.shape
         self.w16 = weight.to(torch.float16).contiguous()
-        r = torch.empty(V, dtype=torch.float64, device=weight.device)
-        n = torch.empty_like(r)
-        for a in range(0, V, chunk):  # never a float64 copy of all of W
-            w16 = self.w16[a : a + chunk].double()
-            r[a : a + chunk] = (weight[a : a + chunk].double() - w16).norm(dim=1)
-            n[a : a + chunk] = w16.norm(dim=1)
+        r, n = copy_error_norms(weight, lambda a, b: self.w16[a:b].double(), chunk)
         if not bool(torch.isfinite(self.w16).all()) or float(n.max()) * math.sqrt(d) * (1 + gamma(d)) >= 60000:
             raise CSVError("screen 'fp16': LM head rows too large for fp16 (use --csv-screen int8)")
         slack = 1 + 4 * FP32_UNIT_ROUNDOFF

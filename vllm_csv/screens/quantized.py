@@ -18,6 +18,7 @@ import torch
 
 from ..fp import FP32_UNIT_ROUNDOFF, gamma
 from ..index import _round_up
+from .copy_error import copy_error_norms
 
 GROUP = 32
 
@@ -67,12 +68,8 @@ class QuantizedScreen:
         self.bits, self.chunk = bits, chunk
         V, d = weight.shape
         self.q, self.s = quantize(weight, bits)
-        r = torch.empty(V, dtype=torch.float64, device=weight.device)
-        n = torch.empty_like(r)
-        for a in range(0, V, chunk):  # chunked: never a float64 copy of all of W
-            deq = self.q[a : a + chunk].double() * _expand(self.s[a : a + chunk], d).double()  # exact
-            r[a : a + chunk] = (weight[a : a + chunk].double() - deq).norm(dim=1)
-            n[a : a + chunk] = deq.norm(dim=1)
+        r, n = copy_error_norms(  # deq = q * s, exact in float64
+            weight, lambda a, b: self.q[a:b].double() * _expand(self.s[a:b], d).double(), chunk)
         slack = 1 + 4 * FP32_UNIT_ROUNDOFF
         self.r_exact = _round_up(r) * slack  # exact-integer path: radius without accumulation error
         self.n = _round_up(n) * slack
