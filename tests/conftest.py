@@ -27,6 +27,14 @@ def dense_topk(W, b, h, k, softcap=None, scale=1.0):
     return ids[:, :k], vals[:, :k], z
 
 
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bit-for-bit equality (``torch.equal`` counts ``-0.0 == 0.0`` and never ``NaN == NaN``)."""
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return False
+    ints = {2: torch.int16, 4: torch.int32, 8: torch.int64}[a.element_size()]
+    return torch.equal(a.contiguous().view(ints), b.contiguous().view(ints))
+
+
 @pytest.fixture(autouse=True)
 def _private_cache(tmp_path_factory, monkeypatch):
     """Tests never write to the user's cache."""

@@ -14,8 +14,8 @@ def wrong_tokens(head, W, h, batch=None):
     """Count rows whose certified top-1 differs from the dense argmax (rows run in
     batches of ``batch``: a batch scores the union of its rows' candidates)."""
     batch = batch or h.shape[0]
-    ids = torch.cat([head.topk(h[i : i + batch], 1).ids for i in range(0, h.shape[0], batch)])
-    res = head.topk(h, 1)
+    ids = torch.cat([head.topk(h[i : i + batch], 1, values=False).ids for i in range(0, h.shape[0], batch)])
+    res = head.topk(h, 1, values=False)
     dense = torch.nn.functional.linear(h, W).argmax(1)
     return int((ids[:, 0] != dense).sum()), res
 

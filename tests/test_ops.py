@@ -23,6 +23,18 @@ def test_reference_matches_float64():
     assert torch.allclose(y.double(), exact, rtol=0, atol=1e-3)
 
 
+def test_int8_gemm_is_exact_for_every_inner_dimension():
+    """The screen's certificate assumes the integer GEMM is exact (torch's CPU ``_int_mm`` is
+    not for ``d = 1``; :func:`pad_for_int_gemm` pads it away)."""
+    g = torch.Generator().manual_seed(1)
+    for d in range(1, 70):
+        for B in (1, 3, 17):
+            p = torch.randint(-127, 128, (B, d), dtype=torch.int8, generator=g)
+            q = torch.randint(-127, 128, (61, d), dtype=torch.int8, generator=g)
+            acc = int8_gemm(p, pad_for_int_gemm(q), 61)
+            assert torch.equal(acc.long(), p.long() @ q.long().T), (d, B)
+
+
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not installed")
 def test_cuda_sources_compile(tmp_path):
     r = subprocess.run(["nvcc", "-c", "-O3", "-arch=sm_90", str(CSRC / "int8_screen.cu"), "-o",

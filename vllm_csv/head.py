@@ -1,22 +1,32 @@
 """The certified LM head: exact logits on a certified sub-vocabulary, dense otherwise.
 
 Notation (SPEC.md): head ``W [V, d]``, bias ``b``, hidden ``h``; the dense engine
-computes ``zt_i = fl(<w_i, h> + b_i)`` (fp32 accumulation, output rounded to the
-model dtype) and then the monotone map ``f(z) = scale * softcap * tanh(z / softcap)``.
+computes ``zt_i = fl(<w_i, h> + b_i)`` (fp32 accumulation, output rounded to the model
+dtype, the bias added inside the accumulation or after a first rounding) and then, in the
+model dtype, vLLM's soft-cap and scale (:mod:`vllm_csv.dense_engine`).
 
-Dense-value interval. A screen gives ``lo_i <= <w_i,h> + b_i <= hi_i`` (real
-arithmetic). The dense GEMM adds at most ``e_i = gamma_d ||w_i|| ||h||`` and two
-roundings (bias add, output), so ``zt_i`` lies in
-``[lo_i - e_i - 2 ulp, hi_i + e_i + 2 ulp]``. A token of the scored set ``S`` is scored in
-fp32 and pushed through the engine's rounding (:meth:`CertifiedHead._score`), which bounds
-``zt_j`` from both sides, usually to a single bf16/fp16 value.
+Dense-value interval. A screen gives ``lo_i <= <w_i,h> + b_i <= hi_i`` (real arithmetic).
+The dense GEMM adds at most ``e_i = gamma_{d+2} (||w_i|| ||h|| + |b_i|)`` and two output
+roundings. Every relative term (the screen's own roundings, the output ulps) is taken of
+``|y_i| + |b_i|``, which bounds the *pre-bias* product too: a bias that cancels
+``<w_i, h>`` does not shrink them. A token of the scored set ``S`` is scored in fp32 and
+pushed through the engine's rounding (:meth:`CertifiedHead._score`), which bounds ``zt_j``
+from both sides, usually to a single bf16/fp16 value.
 
 Top-k certificate. With ``T`` the ``k`` tokens of ``S`` with the largest scored values,
 ``L`` the smallest dense lower bound in ``T``, ``U`` the largest dense upper bound in
-``S \\ T`` and ``M = max_{i not in S} hi_i``: ``L > max(U, M)`` proves that ``T`` is the
-dense top-k, whatever order the dense GEMM accumulates in; ``f`` is monotone, and the
-separation is also checked after it (it can create ties). ``S`` grows until the
-certificate holds or the budget is spent; then the row takes the dense path.
+``S \\ T`` and ``M`` an upper bound of every token outside ``S``:
+``L > fl(max(U, M))``, also after the engine's soft-cap and scale
+(:meth:`DenseEngine.separated`), proves that ``T`` is the dense top-k, whatever order the
+dense GEMM accumulates in, ties included. Where a later stage reads the values (``k >= 2``:
+top-k sampling), every value of ``T`` must also be known bit for bit
+(:meth:`DenseEngine.single_valued`). A row is never certified when its hidden state, the
+head or the bias holds NaN/inf, or when any of its dense values could overflow the model
+dtype (:attr:`DenseEngine.limit`). ``S`` grows until the certificate holds or the budget is
+spent; then the row takes the dense path.
+
+What a certified row returns (``[V]``): the dense head's values on ``T`` (bit for bit when
+the row asked for values) and ``-inf`` on every other token.
 """
 
 from __future__ import annotations
@@ -30,8 +40,9 @@ import torch
 import torch.nn.functional as F
 
 from .cpu_malloc import tune_malloc
+from .dense_engine import DenseEngine
 from .errors import CSVError
-from .fp import FP32_UNIT_ROUNDOFF, gamma, significand_bits, ulp
+from .fp import FP32_UNIT_ROUNDOFF, gamma, significand_bits
 from .off_switch import OffSwitch
 from .screens import DEFAULT_SCREEN, SCREENS, hidden_norm_upper, make_screen
 
@@ -71,8 +82,8 @@ class StepStats:
 
 @dataclass
 class TopKResult:
-    ids: torch.Tensor  # [B, k] int64, descending by value
-    values: torch.Tensor  # [B, k] transformed logits (model dtype)
+    ids: torch.Tensor  # [B, k] int64, descending by value, ties by the lowest id
+    values: torch.Tensor  # [B, k] transformed logits (model dtype); the dense bits when asked for
     certified: torch.Tensor  # [B] bool
     fallback: torch.Tensor  # [B] bool (dense path)
     scored: torch.Tensor  # [B] int64, tokens whose logits were computed exactly
@@ -87,16 +98,22 @@ class EpsResult:
 
 @dataclass
 class _Selection:
-    """Result of certification for a batch: exact values on the scored columns."""
+    """Result of certification for a batch."""
 
-    exact: torch.Tensor  # [B, V] model dtype, pre-transform, -inf where not scored
+    exact: torch.Tensor  # [B, V] model dtype, pre-transform: the values of T, -inf elsewhere
     scored: torch.Tensor  # [B] int64
     certified: torch.Tensor  # [B] bool
     reason: list[str | None]  # per row: None if certified, else a fallback reason
 
 
 class CertifiedHead:
-    """Batched certified top-k over ``W [V, d]`` (rows beyond ``vocab_size`` are padding)."""
+    """Batched certified top-k over ``W [V, d]`` (rows beyond ``vocab_size`` are padding).
+
+    Pipeline of a step (:meth:`sampler_logits`): screen every token (``y``, bounds) ->
+    per-row threshold and candidate set ``S`` -> exact scores on ``S`` through the engine's
+    rounding -> certificate (:meth:`_certify`) -> ``[B, V]`` output, dense head on the whole
+    batch for the rows that are not certified.
+    """
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
                  vocab_size: int | None = None, config: HeadConfig | None = None, index=None,
@@ -114,6 +131,10 @@ class CertifiedHead:
         self.vocab_size, self.hidden_size = V, weight.shape[1]
         self.softcap, self.scale = softcap, scale
         self.dtype = weight.dtype
+        self.engine = DenseEngine(self.dtype, softcap, scale)
+        # NaN/inf in the head or the bias: the dense argmax may pick them; no bound covers them.
+        self.certifiable = bool(torch.isfinite(self.weight).all()) and self.engine.ok and (
+            self.bias is None or bool(torch.isfinite(self.bias).all()))
         g = gamma(self.hidden_size + 2, self.config.unit_roundoff)
         self.acc_err = (g * self.weight.double().norm(dim=1)).float() * (1 + 4 * FP32_UNIT_ROUNDOFF)
         self.screen = make_screen(self.config.screen, self.weight, self.bias, index)
@@ -124,51 +145,80 @@ class CertifiedHead:
         self._rad_cache = None
         self._wmax = float(self.weight.float().norm(dim=1).max()) if V else 0.0
         self._rad_total(self.screen.radius)
+        # |b_i| and the screen's own per-token offset (its bias term): the pre-bias magnitude
+        # of every relative error is at most |y_i| + this.
+        babs = torch.zeros(V, device=weight.device) if self.bias is None else self.bias.float().abs()
+        off = getattr(self.screen, "offset_abs", None)
+        self._babs = babs if off is None else torch.maximum(babs, off)
+        self._babs_max = float(self._babs.max()) if V else 0.0
+        self._slack_cache: dict[float, tuple[torch.Tensor, float]] = {}
         self.off_switch = OffSwitch() if self.config.off_switch else None
 
-    # ---- the dense engine's computation, on all or some rows -----------------------------
+    # ---- the dense engine's computation ------------------------------------------------
     def transform(self, z: torch.Tensor) -> torch.Tensor:
-        """``f(z)`` exactly as vLLM's LogitsProcessor applies it; ``-inf`` stays ``-inf``."""
-        out = z
-        if self.softcap is not None:
-            out = torch.tanh(out / self.softcap) * self.softcap
-        if self.scale != 1.0:
-            out = out * self.scale
-        return out.masked_fill(z == -math.inf, -math.inf) if self.softcap is not None else out
+        """vLLM's soft-cap and scale, exactly as its ``LogitsProcessor`` applies them."""
+        return self.engine.transform(z)
 
     def dense_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.transform(F.linear(hidden, self.weight, self.bias))
+        return self.engine.transform(F.linear(hidden, self.weight, self.bias))
 
-    # ---- certification ----------------------------------------------------------------
-    def _intervals(self, hidden: torch.Tensor):
-        """``lo, hi [B, V]`` around the dense engine's pre-transform logit (``lo`` is None for
-        one-sided screens), ``||h||`` rounded up, and which rows are finite (certifiable).
+    def _output(self, exact: torch.Tensor) -> torch.Tensor:
+        """The transform of ``exact`` ([B, V], same layout as the dense logits, so that every
+        element takes the engine's code path), ``-inf`` kept where nothing was returned."""
+        if self.softcap is None:
+            return self.engine.transform(exact)  # -inf * scale = -inf
+        return self.engine.transform(exact).masked_fill_(exact == -math.inf, -math.inf)
 
-        Half-width ``m = rad_total ||h|| + delta max|y| + tiny`` with
-        ``rad_total = (r + e/||h||)(1 + delta)`` covers the screen radius, the dense GEMM's
-        accumulation error and two output-dtype ulps of ``|lo|, |hi| <= max|y| + rad ||h||``
-        (``delta = 2^(2-p) + 8u``). A row is finite when ``h``, ``||h||``, ``y`` and the
-        largest ``|y| + m`` are: then every bound of the row is finite."""
-        hnorm = hidden_norm_upper(hidden)
-        out = self.screen.center_radius(hidden)
-        y, rad = out.y, self._rad_total(out.radius)
-        delta = self._delta + out.rel
-        ymax = torch.linalg.vector_norm(y, ord=math.inf, dim=1)  # NaN/inf propagate
-        c = ymax * delta + self._tiny
-        finite = torch.isfinite(hidden).all(1) & torch.isfinite(ymax + c + self._rad_max * hnorm)
-        m = torch.addcmul(c[:, None], rad[None], hnorm[:, None])
-        if out.n is not None:
-            m.addcmul_(out.n[None] * (1 + delta), out.e[:, None])
-        hi = y + m
-        lo = y.sub_(m) if out.two_sided else None
-        return lo, hi, hnorm, finite
-
+    # ---- bounds ---------------------------------------------------------------------------
     def _rad_total(self, r: torch.Tensor) -> torch.Tensor:
         if self._rad_cache is None or self._rad_cache[0] is not r:
             total = (r + self.acc_err) * (1 + self._delta)
             self._rad_cache = (r, total)
-            self._rad_max = float(total.max())
+            self._rad_max = float(total.max()) if total.numel() else 0.0
         return self._rad_cache[1]
+
+    def _bias_slack(self, rel: float) -> tuple[torch.Tensor, float]:
+        """``[V]`` absolute slack ``(delta + rel + gamma) |b_i| (1 + 4u)`` and its maximum: the
+        relative terms of the pre-bias product (``|<w_i, h>| <= |y_i| + |b_i|``) and the dense
+        accumulation's error on the bias term."""
+        if rel not in self._slack_cache:
+            c = (self._delta + rel + self._gamma) * (1 + 4 * FP32_UNIT_ROUNDOFF)
+            s = self._babs * c
+            self._slack_cache[rel] = (s, float(s.max()) if s.numel() else 0.0)
+        return self._slack_cache[rel]
+
+    def _prepare(self, hidden: torch.Tensor):
+        """``(hidden, ||h|| rounded up, ok)``: rows with NaN/inf (or an overflowing norm) are
+        zeroed so that they add no candidates, and are never certified (``ok`` False)."""
+        hnorm = hidden_norm_upper(hidden)
+        ok = torch.isfinite(hidden).all(1) & torch.isfinite(hnorm)
+        if not self.certifiable:
+            ok = torch.zeros_like(ok)
+        return hidden.masked_fill(~ok[:, None], 0), hnorm.masked_fill(~ok, 0), ok
+
+    def _intervals(self, hidden: torch.Tensor):
+        """``lo, hi [B, V]`` around the dense engine's rounded pre-transform logit (``lo`` is None
+        for one-sided screens), ``||h||`` rounded up, and which rows may be certified.
+
+        Half-width ``m = rad_total ||h|| + delta (|y| + |b|) + n e + tiny`` (see
+        :meth:`_bias_slack`); ``rad_total = (r + e_acc/||h||)(1 + delta)`` covers the screen
+        radius, the dense GEMM's accumulation error and two output-dtype ulps of
+        ``|lo|, |hi| <= max|y| + rad ||h||`` (``delta = 2^(2-p) + 8u``). A row may be certified
+        when ``h`` is finite and every bound stays below :attr:`DenseEngine.limit`."""
+        hidden, hnorm, ok = self._prepare(hidden)
+        out = self.screen.center_radius(hidden)
+        y, rad = out.y, self._rad_total(out.radius)
+        delta = self._delta + out.rel
+        bslack, bmax = self._bias_slack(out.rel)
+        ymax = torch.linalg.vector_norm(y, ord=math.inf, dim=1)  # NaN/inf propagate
+        c = ymax * delta + self._tiny
+        ok &= (ymax + c + self._rad_max * hnorm + bmax + self._babs_max) <= self.engine.limit
+        m = torch.addcmul(c[:, None] + bslack[None], rad[None], hnorm[:, None])
+        if out.n is not None:
+            m.addcmul_(out.n[None] * (1 + delta), out.e[:, None])
+        hi = y + m
+        lo = y.sub_(m) if out.two_sided else None
+        return lo, hi, hnorm, ok, hidden
 
     def _score(self, hidden: torch.Tensor, ids: torch.Tensor, hnorm: torch.Tensor):
         """Score columns ``ids``: ``(z, lower, upper)``, ``z`` in the model dtype (what the
@@ -179,106 +229,111 @@ class CertifiedHead:
         the accumulation: ``[a + b - R, a + b + R]``, ``R`` adding ``gamma |b|`` and this very
         rounding). The engine rounds that to the model dtype, adding the bias before or after
         the rounding; each way is monotone in the accumulator, so ``zt`` lies between the two
-        ways applied to the two ends. In bf16/fp16 both ends nearly always round to the same
-        value: ``zt`` is then known exactly, and ``z`` is that value."""
+        ways applied to the two ends (overflow to ``inf`` included). In bf16/fp16 both ends
+        nearly always round to the same value: ``zt`` is then known exactly, and ``z`` is it."""
         a = F.linear(hidden.float(), self.weight[ids].float())
         r = 2 * self.acc_err[ids][None] * hnorm[:, None]
         r = r + a.abs() * (2 * FP32_UNIT_ROUNDOFF) + self._tiny32
+        rnd = self.engine.round
         if self.bias is None:
             c = a
-            lower, upper = self._round(a - r), self._round(a + r)
+            lower, upper = rnd(a - r), rnd(a + r)
         else:
             b = self.bias[ids]
             c = a + b.float()
             R = r + self._gamma * b.float().abs()[None] + c.abs() * (2 * FP32_UNIT_ROUNDOFF)
-            lower = torch.minimum(self._round(c - R), self._round(self._round(a - r, float_out=False) + b))
-            upper = torch.maximum(self._round(c + R), self._round(self._round(a + r, float_out=False) + b))
-        z = torch.where(lower == upper, lower, c).to(self.dtype)
+            lower = torch.minimum(rnd(c - R), rnd((a - r).to(self.dtype) + b))
+            upper = torch.maximum(rnd(c + R), rnd((a + r).to(self.dtype) + b))
+        z = torch.where(DenseEngine.single_valued(lower, upper), lower, c).to(self.dtype)
         return z, lower, upper
 
-    def _round(self, x: torch.Tensor, float_out: bool = True) -> torch.Tensor:
-        """Round to the model dtype (to nearest: monotone); back to fp32 unless ``float_out=False``."""
-        y = x.to(self.dtype)
-        return y.float() if float_out else y
+    # ---- certification ----------------------------------------------------------------
+    def _certify(self, z, lower, upper, k, outside_high, need_values):
+        """Top-k certificate on the scored columns.
 
-    def _topk_split(self, z: torch.Tensor, lower: torch.Tensor, upper: torch.Tensor, k: torch.Tensor):
-        """Per row, with ``T`` the ``k`` columns of largest computed value ``z``: the smallest
-        dense lower bound in ``T`` and the largest dense upper bound in ``S \\ T``. When the first
-        is above the second (and above every bound outside ``S``), ``T`` is the dense top-k
-        whatever order the dense GEMM accumulates in: no near-tie inside ``S`` can flip it."""
+        Parameters
+        ----------
+        z, lower, upper : torch.Tensor
+            ``[B, S]``: scored values (model dtype) and the dense-value interval (fp32).
+        k : torch.Tensor
+            ``[B]`` int64, ``1 <= k <= S``.
+        outside_high : torch.Tensor
+            ``[B]`` fp32, an upper bound of every unscored token's rounded dense value.
+        need_values : torch.Tensor
+            ``[B]`` bool: the row's values are read later (they must be the dense bits).
+
+        Returns
+        -------
+        (certified [B] bool, in_top [B, S] bool): ``T`` = the ``k`` columns of largest ``z``.
+        With ``L`` the smallest lower bound in ``T`` and ``U`` the largest upper bound of the
+        rest, ``L`` beats ``max(U, outside_high)`` strictly through the engine's arithmetic.
+        """
         kmax = int(k.max())
         top = z.float().topk(kmax, dim=1).indices
         in_top = torch.zeros(z.shape, dtype=torch.bool, device=z.device).scatter_(
             1, top, torch.arange(kmax, device=z.device)[None] < k[:, None])
-        return lower.masked_fill(~in_top, math.inf).amin(1), upper.masked_fill(in_top, -math.inf).amax(1)
+        low = lower.masked_fill(~in_top, math.inf).amin(1)
+        high = upper.masked_fill(in_top, -math.inf).amax(1)
+        ok = self.engine.separated(low, torch.maximum(high, outside_high))
+        known = (DenseEngine.single_valued(lower, upper) | ~in_top).all(1)
+        return ok & (known | ~need_values), in_top
 
-    def _select(self, hidden: torch.Tensor, k: torch.Tensor) -> _Selection:
-        """Certify each row; rows with NaN/inf hidden states (or bounds that overflow fp32)
-        are left uncertified with reason ``nonfinite`` and take the dense path."""
-        ok = torch.isfinite(hidden).all(1) & torch.isfinite(hidden_norm_upper(hidden))
-        if self.screen.two_sided and bool(ok.any()):
-            # ||h|| rad_max + |y| must stay finite: y <= ||deq|| ||h||, so bound with rad and wmax
-            ok &= (hidden_norm_upper(hidden) * (self._wmax + self._rad_max)) < 1e37
-        if bool(ok.all()):
-            return (self._select_two_sided if self.screen.two_sided else self._select_one_sided)(hidden, k)
-        B, V = hidden.shape[0], self.vocab_size
-        sel = _Selection(torch.full((B, V), -math.inf, dtype=self.dtype, device=hidden.device),
-                         torch.zeros(B, dtype=torch.long, device=hidden.device),
-                         torch.zeros(B, dtype=torch.bool, device=hidden.device), ["nonfinite"] * B)
-        if bool(ok.any()):
-            sub = self._select(hidden[ok], k[ok])
-            sel.exact[ok], sel.scored[ok], sel.certified[ok] = sub.exact, sub.scored, sub.certified
-            for i, r in zip(ok.nonzero().squeeze(1).tolist(), sub.reason):
-                sel.reason[i] = r
-        return sel
+    def _select(self, hidden: torch.Tensor, k: torch.Tensor, need_values: torch.Tensor) -> _Selection:
+        sel = (self._select_two_sided if self.screen.two_sided else self._select_one_sided)
+        return sel(hidden, k, need_values)
 
-    def _select_two_sided(self, hidden: torch.Tensor, k: torch.Tensor) -> _Selection:
-        """Certify with a threshold on the screen values: three cheap passes over ``[B, V]``.
+    def _select_two_sided(self, hidden, k, need_values) -> _Selection:
+        """Certify with a threshold on the screen values: a few cheap passes over ``[B, V]``.
 
-        Token ``j`` has half-width ``m_j = rad_j ||h|| + delta |y_j| + tiny`` (see
-        :meth:`_intervals`; ``delta`` includes the screen's relative error ``rel``). With
-        ``y_(k)`` a row's k-th largest screen value and
-        ``g(y) = y + delta |y|`` (increasing), the k tokens with the largest ``y`` have
-        ``lo >= tau := y_(k) - delta |y_(k)| - rad_max ||h|| - tiny``, a lower bound on the
-        k-th largest dense logit. A token with ``g(y_i) < s := tau - rad_max ||h|| - tiny`` has
-        ``hi_i < tau``; so ``S`` = the union over rows of ``{i : y_i >= thr = g^-1(s)}`` contains
-        every row's dense top-k, every token outside ``S`` has ``hi < tau``, and the row is
-        certified when its top-k in ``S`` is separated from ``tau`` and from the rest of ``S``
-        (:meth:`_topk_split`)."""
+        Token ``j`` has half-width ``m_j <= delta |y_j| + spread`` with
+        ``spread = rad_max ||h|| + act + tiny + max_i bslack_i`` (see :meth:`_intervals`). With
+        ``y_(k)`` a row's k-th largest screen value and ``g(y) = y + delta |y|`` (increasing),
+        the k tokens with the largest ``y`` have ``lo >= tau := y_(k) - delta |y_(k)| - spread``,
+        a lower bound on the k-th largest dense logit. A token with
+        ``g(y_i) < s := tau - spread`` has ``hi_i < tau``; so ``S`` = the union over rows of
+        ``{i : y_i >= thr = g^-1(s)}`` contains every row's dense top-k, every token outside
+        ``S`` has ``hi < tau``, and :meth:`_certify` decides with ``outside_high = tau``. A row
+        may be certified only when ``g(y_(1)) + spread + max|b|`` (a bound of every dense
+        value and pre-bias product of the row) is below :attr:`DenseEngine.limit`."""
         B, V = hidden.shape[0], self.vocab_size
         dev = hidden.device
-        hnorm = hidden_norm_upper(hidden)
+        hidden, hnorm, ok = self._prepare(hidden)
         out = self.screen.center_radius(hidden)
-        y, rad = out.y, self._rad_total(out.radius)
+        y = out.y
+        self._rad_total(out.radius)  # sets rad_max (cached while the screen's radius is the same tensor)
         delta = self._delta + out.rel
         act = (out.n.max() * (1 + delta) * out.e) if out.n is not None else 0.0
         kmax = int(k.max())
-        rows = torch.arange(B, device=dev)
-        yk = y.amax(1) if kmax == 1 else y.topk(kmax, dim=1).values[rows, k - 1]
-        spread = self._rad_max * hnorm + act + self._tiny
+        if kmax == 1:
+            y1 = yk = y.amax(1)
+        else:
+            top = y.topk(kmax, dim=1).values
+            y1, yk = top[:, 0], top.gather(1, (k - 1)[:, None])[:, 0]
+        spread = self._rad_max * hnorm + act + self._tiny + self._bias_slack(out.rel)[1]
+        ok &= (y1 + delta * y1.abs() + spread + self._babs_max) <= self.engine.limit  # False on NaN
         tau = yk - delta * yk.abs() - spread
         s = tau - spread
         thr = torch.where(s >= 0, s / (1 + delta), s / (1 - delta))
         thr = thr - thr.abs() * (8 * FP32_UNIT_ROUNDOFF) - self._tiny  # rounding of this very line
+        thr = thr.masked_fill(~ok, math.nan)  # rows that cannot be certified add no candidates
+        cand = y >= thr[:, None]
         budget = max(kmax, math.ceil(self.config.budget * V))
         live = torch.ones(B, dtype=torch.bool, device=dev)
-        y = y.sub_(thr[:, None])  # y - thr >= 0 marks a candidate
-        ids = (y.amax(0) >= 0).nonzero().squeeze(1)
+        ids = (cand[0] if B == 1 else cand.any(0)).nonzero().squeeze(1)
         if ids.numel() > budget:  # some rows have too many candidates: they go dense
-            live = (y >= 0).sum(1) <= budget
-            ids = (y[live].amax(0) >= 0).nonzero().squeeze(1) if bool(live.any()) else ids[:0]
+            live = cand.sum(1) <= budget
+            ids = cand[live].any(0).nonzero().squeeze(1) if bool(live.any()) else ids[:0]
         exact = torch.full((B, V), -math.inf, dtype=self.dtype, device=dev)
         certified = torch.zeros(B, dtype=torch.bool, device=dev)
         if ids.numel() >= kmax:
             z, lower, upper = self._score(hidden, ids, hnorm)
-            exact[:, ids] = z
-            low, high = self._topk_split(z, lower, upper, k)
-            certified = live & self._separated(low, torch.maximum(high, tau))
-        reason = [None if c else ("budget" if not lv else "uncertified")
-                  for c, lv in zip(certified.tolist(), live.tolist())]
-        return _Selection(exact, torch.full((B,), ids.numel(), device=dev), certified, reason)
+            cert, in_top = self._certify(z, lower, upper, k, tau, need_values)
+            certified = ok & live & cert
+            exact[:, ids] = z.masked_fill(~in_top, -math.inf)
+        return _Selection(exact, torch.full((B,), ids.numel(), device=dev), certified,
+                          _reasons(certified, ok, live))
 
-    def _select_one_sided(self, hidden: torch.Tensor, k: torch.Tensor) -> _Selection:
+    def _select_one_sided(self, hidden, k, need_values) -> _Selection:
         """Grow ``S`` per row until the top-k certificate holds or ``budget`` is reached.
 
         First ``S`` of a row: every token with ``hi >= tau``, ``tau`` the k-th largest ``lo``
@@ -288,7 +343,7 @@ class CertifiedHead:
         the scored columns (the union), so each round is one GEMM over new rows of ``W``."""
         B, V = hidden.shape[0], self.vocab_size
         dev = hidden.device
-        lo, hi, hnorm, finite = self._intervals(hidden)
+        lo, hi, hnorm, ok, hidden = self._intervals(hidden)
         kmax = int(k.max())
         budget = max(kmax, math.ceil(self.config.budget * V))
         m = torch.zeros(B, dtype=torch.long, device=dev)
@@ -297,13 +352,16 @@ class CertifiedHead:
                    else lo.topk(kmax, dim=1).values.gather(1, (k - 1)[:, None]))
             mask = hi >= tau
             m = mask.sum(1)
-        by_mask = finite & (m > 0) & (m <= budget)
+        by_mask = ok & (m > 0) & (m <= budget)
         m = torch.where(by_mask, m, torch.clamp(k * 8, max=budget))
         exact = torch.full((B, V), -math.inf, dtype=self.dtype, device=dev)
         done = torch.zeros(V, dtype=torch.bool, device=dev)
-        zs, lower, upper = (torch.empty((B, 0), device=dev) for _ in range(3))  # on the scored columns
+        cols = torch.empty(0, dtype=torch.long, device=dev)
+        zs = torch.empty((B, 0), dtype=self.dtype, device=dev)
+        lower, upper = (torch.empty((B, 0), device=dev) for _ in range(2))
         certified = torch.zeros(B, dtype=torch.bool, device=dev)
-        active = finite.clone()
+        in_top = torch.zeros((B, 0), dtype=torch.bool, device=dev)
+        active = ok.clone()
         first = True
         while bool(active.any()):
             parts = []
@@ -319,38 +377,43 @@ class CertifiedHead:
             new = need[~done[need]]
             if new.numel():
                 z, lo_new, up_new = self._score(hidden, new, hnorm)
-                exact[:, new] = z
-                zs, lower, upper = (torch.cat([a, b], 1) for a, b in ((zs, z.float()), (lower, lo_new), (upper, up_new)))
+                cols = torch.cat([cols, new])
+                zs, lower, upper = (torch.cat([a, b], 1) for a, b in ((zs, z), (lower, lo_new), (upper, up_new)))
                 done[new] = True
                 hi.index_fill_(1, new, -math.inf)
-            low, high = self._topk_split(zs, lower, upper, k)
-            certified |= active & self._separated(low, torch.maximum(high, hi.amax(1)))
+            if zs.shape[1] >= kmax:
+                cert, in_top = self._certify(zs, lower, upper, k, hi.amax(1), need_values)
+                certified |= active & cert
             active &= ~certified & (m < budget) & ~done.all()
             m = torch.where(active, torch.clamp(m * 2, max=budget), m)
             first = False
-        reason = [None if c else ("nonfinite" if not f else "budget") for c, f in
-                  zip(certified.tolist(), finite.tolist())]
+        if cols.numel() >= kmax:
+            exact[:, cols] = zs.masked_fill(~in_top, -math.inf)
         scored = torch.full((B,), int(done.sum()), device=dev)
-        return _Selection(exact, scored, certified, reason)
-
-    def _separated(self, low: torch.Tensor, high: torch.Tensor) -> torch.Tensor:
-        """``low > high`` before *and* after ``f`` (soft-cap saturates: distinct logits can
-        map to the same value, a tie the dense argmax breaks by index), with two output
-        ulps each side for the engine's own rounding of ``f``."""
-        ok = low > high
-        if self.softcap is not None or self.scale != 1.0:
-            fl, fh = self.transform(low), self.transform(high)
-            ok &= fl - 2 * ulp(fl, self.dtype) > fh + 2 * ulp(fh, self.dtype)
-        return ok
+        # a row that stops uncertified has spent its budget, or every token was scored
+        return _Selection(exact, scored, certified, _reasons(certified, ok, m < budget))
 
     # ---- public API ---------------------------------------------------------------------
-    def topk(self, hidden: torch.Tensor, k: int) -> TopKResult:
-        """Certified top-``k`` ids and values per row; uncertified rows are computed densely."""
+    def topk(self, hidden: torch.Tensor, k: int, values: bool = True) -> TopKResult:
+        """Certified top-``k`` ids and values per row; uncertified rows are computed densely.
+
+        Parameters
+        ----------
+        hidden : torch.Tensor
+            ``[B, d]`` hidden states, model dtype.
+        k : int
+            ``1 <= k <= V``.
+        values : bool
+            Certify the values too: on certified rows ``values`` are the dense head's bits.
+            With ``False`` only ``ids`` are certified (greedy); values are then within the
+            dense value's rounding interval.
+        """
         B = hidden.shape[0]
         if not 1 <= k <= self.vocab_size:
             raise CSVError(f"k must be in [1, {self.vocab_size}], got {k}")
-        sel = self._select(hidden, torch.full((B,), k, device=hidden.device))
-        logits = self.transform(sel.exact)
+        dev = hidden.device
+        sel = self._select(hidden, torch.full((B,), k, device=dev), torch.full((B,), values, device=dev))
+        logits = self._output(sel.exact)
         fb = ~sel.certified
         if fb.any():
             logits[fb] = self.dense_logits(hidden)[fb]  # the whole batch: the engine's own rounding
@@ -368,14 +431,14 @@ class CertifiedHead:
         if eps is None or not 0 < eps < 1 or not temperature > 0:
             raise CSVError(f"softmax_eps needs 0 < epsilon < 1 and temperature > 0, got {eps}, {temperature}")
         B, V = hidden.shape[0], self.vocab_size
-        lo, hi, hnorm, finite = self._intervals(hidden)
-        fhi = self.transform(hi).float() / temperature
+        lo, hi, hnorm, finite, hz = self._intervals(hidden)
+        fhi = self.engine.bound(hi, up=True) / temperature
         order = fhi.topk(max(1, math.ceil(self.config.budget * V)), dim=1).indices
         # first guess: tokens within log(eps / V) of the best lower bound
         if lo is None:
             m = torch.full((B,), min(8, order.shape[1]), device=hidden.device)
         else:
-            flo_max = (self.transform(lo.amax(1, keepdim=True)).float() / temperature)
+            flo_max = self.engine.bound(lo.amax(1, keepdim=True), up=False) / temperature
             m = (fhi >= flo_max + math.log(eps / V)).sum(1).clamp(1, order.shape[1])
         logits = torch.full((B, V), -math.inf, dtype=self.dtype, device=hidden.device)
         tv = torch.ones(B, device=hidden.device)
@@ -385,13 +448,13 @@ class CertifiedHead:
             mask = torch.zeros((B, V), dtype=torch.bool, device=hidden.device)
             mask.scatter_(1, order[:, :mm], torch.arange(mm, device=hidden.device)[None] < m[:, None])
             ids = mask.any(0).nonzero().squeeze(1)
-            z, zl, _ = self._score(hidden, ids, hnorm)
+            z, zl, _ = self._score(hz, ids, hnorm)
             if lo is not None:
                 zl = torch.maximum(zl, lo[:, ids])
             logits[:, ids] = z
             done = torch.zeros(V, dtype=torch.bool, device=hidden.device)
             done[ids] = True
-            log_zs = torch.logsumexp(self.transform(zl) / temperature, 1)
+            log_zs = torch.logsumexp(self.engine.bound(zl, up=False) / temperature, 1)
             log_u = torch.logsumexp(fhi.masked_fill(done[None], -math.inf), 1)
             tv = torch.sigmoid(log_u - log_zs)  # U / (Z_S + U)
             cert = finite & (tv <= eps)
@@ -399,7 +462,7 @@ class CertifiedHead:
             if not bool(grow.any()):
                 break
             m = torch.where(grow, torch.clamp(m * 2, max=order.shape[1]), m)
-        out = self.transform(logits)
+        out = self._output(logits)
         if (~cert).any():
             out[~cert] = self.dense_logits(hidden)[~cert]
             tv = torch.where(cert, tv, torch.zeros_like(tv))
@@ -409,11 +472,25 @@ class CertifiedHead:
     def sampler_logits(self, hidden: torch.Tensor, topk: torch.Tensor,
                        dense_fn: Callable[[torch.Tensor], torch.Tensor] | None = None
                        ) -> tuple[torch.Tensor, StepStats]:
-        """Logits for a sampler: rows with ``topk[b] = 0`` are dense; rows with ``k > 0`` hold
-        exact values on a scored set that contains the certified top-k and ``-inf`` elsewhere,
-        or dense values if they could not be certified (dense values are those of the dense
-        head on the whole batch). ``dense_fn`` computes dense rows
-        (default :meth:`dense_logits`), so callers can keep their engine's own code path."""
+        """Logits for a sampler.
+
+        Parameters
+        ----------
+        hidden : torch.Tensor
+            ``[B, d]`` hidden states, model dtype.
+        topk : torch.Tensor
+            ``[B]`` int64 (host): ``0`` = dense row; ``k >= 1`` = certify the top-``k`` (greedy
+            and ``top_k = 1`` read only the argmax; ``k >= 2`` reads the values, which are
+            then certified bit for bit). ``k > min(max_topk, V)`` is dense (``unsupported``).
+        dense_fn : callable, optional
+            Computes the dense logits of the whole batch (default :meth:`dense_logits`), so
+            callers keep their engine's own code path.
+
+        Returns
+        -------
+        (logits [B, V] model dtype, StepStats): certified rows hold the dense values on their
+        top-k and ``-inf`` elsewhere; every other row holds ``dense_fn(hidden)``'s row.
+        """
         t0 = time.perf_counter()
         dense_fn = dense_fn or self.dense_logits
         B, dev = hidden.shape[0], hidden.device
@@ -421,7 +498,7 @@ class CertifiedHead:
         stats = StepStats(rows=B, screen=self.screen.name)
         want = topk > 0
         stats.csv_rows = int(want.sum())
-        unsupported = topk > self.config.max_topk
+        unsupported = want & (topk > min(self.config.max_topk, self.vocab_size))
         want &= ~unsupported
         stats.fallbacks["unsupported"] = int(unsupported.sum())
         sw = self.off_switch
@@ -432,13 +509,14 @@ class CertifiedHead:
         dense_rows = ~want
         if tried:
             rows = want.nonzero().squeeze(1)
-            sel = self._select(hidden[rows.to(dev)], topk[rows].to(dev))
+            k = topk[rows]
+            sel = self._select(hidden[rows.to(dev)], k.to(dev), (k >= 2).to(dev))
             certified = sel.certified.cpu()
             if bool(want.all()):
-                out = self.transform(sel.exact)
+                out = self._output(sel.exact)
             else:
                 out = torch.empty((B, self.vocab_size), dtype=self.dtype, device=dev)
-                out[rows.to(dev)] = self.transform(sel.exact)
+                out[rows.to(dev)] = self._output(sel.exact)
             stats.certified = int(certified.sum())
             for r in sel.reason:
                 if r is not None:
@@ -459,6 +537,14 @@ class CertifiedHead:
         if tried and sw is not None:
             sw.observe(B, stats.seconds)
         return out, stats
+
+
+def _reasons(certified: torch.Tensor, ok: torch.Tensor, live: torch.Tensor) -> list[str | None]:
+    """Per row: None if certified, else ``nonfinite`` (inputs or bounds unusable), ``budget``
+    (too many candidates) or ``uncertified``. One host transfer for the batch."""
+    code = torch.where(certified, 0, torch.where(~ok, 1, torch.where(~live, 2, 3)))
+    names = (None, "nonfinite", "budget", "uncertified")
+    return [names[c] for c in code.tolist()]
 
 
 def _stable_topk(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -29,13 +29,14 @@ DEFAULT_CLUSTER_FRACTION = 0.015  # C = 0.015 V, as in the paper
 
 
 def fingerprint_weights(weight: torch.Tensor, bias: torch.Tensor | None = None) -> str:
-    """blake2b over shape, dtype and raw bytes of the head (and bias): changes with any weight."""
+    """blake2b over the shape and the fp32 bytes of the head (and bias): changes with any
+    weight, and is the same whichever dtype the head is served in (bf16/fp16 -> fp32 is exact)."""
     hsh = hashlib.blake2b(digest_size=16)
     for t in (weight, bias):
         if t is None:
             hsh.update(b"none")
             continue
-        t = t.detach().contiguous().cpu()
+        t = t.detach().float().contiguous().cpu()
         hsh.update(json.dumps([list(t.shape), str(t.dtype)]).encode())
         hsh.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
     return hsh.hexdigest()

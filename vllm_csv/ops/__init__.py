@@ -23,12 +23,13 @@ INT_GEMM_ALIGN = 8  # cuBLASLt int8 GEMM: inner and output dims multiples of 8, 
 
 
 def pad_for_int_gemm(q: torch.Tensor) -> torch.Tensor:
-    """``q [V, d]`` int8, zero-padded on CUDA to ``[V8, d8]`` (multiples of 8) for
-    :func:`int8_gemm`; returned unchanged on CPU. Zero rows/columns add nothing to a dot product."""
-    if not q.is_cuda:
-        return q
+    """``q [V, d]`` int8, zero-padded to ``[V8, d8]`` on CUDA and ``[V, d8]`` on CPU (multiples
+    of 8) for :func:`int8_gemm`. Zero rows/columns add nothing to a dot product. The CPU needs
+    it too: torch 2.13's CPU ``_int_mm`` returns wrong sums for an inner dimension of 1
+    (``tests/test_ops.py`` checks every ``d``)."""
     V, d = q.shape
-    return torch.nn.functional.pad(q, (0, (-d) % INT_GEMM_ALIGN, 0, (-V) % INT_GEMM_ALIGN)).contiguous()
+    pad_v = (-V) % INT_GEMM_ALIGN if q.is_cuda else 0
+    return torch.nn.functional.pad(q, (0, (-d) % INT_GEMM_ALIGN, 0, pad_v)).contiguous()
 
 
 def int8_gemm(p: torch.Tensor, q: torch.Tensor, vocab_size: int) -> torch.Tensor:
@@ -37,8 +38,7 @@ def int8_gemm(p: torch.Tensor, q: torch.Tensor, vocab_size: int) -> torch.Tensor
     ``[B, vocab_size]``. cuBLASLt's int8 tensor-core GEMM on CUDA; on CPU whatever ATen has (a
     scalar loop on CPUs without VNNI)."""
     B, d = p.shape
-    if q.is_cuda:
-        p = torch.nn.functional.pad(p, (0, q.shape[1] - d, 0, max(0, 17 - B)))
+    p = torch.nn.functional.pad(p, (0, q.shape[1] - d, 0, max(0, 17 - B) if q.is_cuda else 0))
     return torch._int_mm(p, q.t())[:B, :vocab_size]
 
 

@@ -21,10 +21,16 @@ class BallScreen:
     def __init__(self, index, weight: torch.Tensor, bias: torch.Tensor | None):
         from ..errors import CSVError
 
+        from ..index import fingerprint_weights
+
         V, d = weight.shape
         if index.vocab_size != V or index.hidden_size != d:
             raise CSVError(f"CSV index is for a {index.vocab_size}x{index.hidden_size} head, "
                            f"the model's is {V}x{d}; rebuild it with `vllm-csv build-index`")
+        fp = fingerprint_weights(weight, bias)
+        if index.fingerprint != fp:  # radii of other weights would not bound these rows
+            raise CSVError(f"CSV index was built for other weights (fingerprint {index.fingerprint}, "
+                           f"this head has {fp}); rebuild it with `vllm-csv build-index`")
         dev = weight.device
         self.centroids = index.centroids.to(dev)
         mu_norm = self.centroids.double().norm(dim=1).float()
@@ -34,6 +40,7 @@ class BallScreen:
         self.radius = self.rad[index.cluster_of().to(dev)]  # per token, [V]
         self.bmax = index.bias_max.to(dev)
         self.cluster_of = index.cluster_of().to(dev)
+        self.offset_abs = self.bmax.abs()[self.cluster_of]  # |the per-token constant added to y|
         self.num_clusters = index.num_clusters
         self.extra_bytes = self.centroids.numel() * 4 + self.num_clusters * 12 + V * 8
 

@@ -1,0 +1,108 @@
+"""Adversarial campaign: hostile heads and hidden states until at least ``--rows`` certified
+rows have been checked against the dense head of the same batch, in both modes.
+
+    python benchmarks/audit.py --rows 1000000 --json benchmarks/results/audit.json
+
+Families, checks and regressions are those of :mod:`vllm_csv.audit` (the CI suite
+``tests/test_audit.py`` draws from the same). Cases cycle through every family x dtype
+(bf16, fp16, fp32) x screen (int8, int4, fp16, ball) with increasing seeds. Each case runs
+twice: ids only (``values=False``: greedy), and ids with value bits (``values=True``: top-k
+sampling reads the values; fp32 heads never certify values, by design). Writes JSON and a
+markdown table per family, dtype and screen: rows, certified rows in each mode, wrong ids,
+wrong values. The campaign is deterministic (seeded); it is a check, not a timing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import subprocess
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from vllm_csv.audit import DTYPES, FAMILIES, run_case  # noqa: E402
+
+SCREENS = ("int8", "int4", "fp16", "ball")
+FIELDS = ("rows", "certified_ids", "certified_values", "wrong_ids", "wrong_values")
+
+
+def commit() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                              cwd=Path(__file__).parent).stdout.strip()
+    except OSError:
+        return ""
+
+
+def campaign(target: int, screens, log_every: float = 30.0) -> dict:
+    table: dict[tuple[str, str, str], dict[str, int]] = defaultdict(lambda: dict.fromkeys(FIELDS, 0))
+    total = dict.fromkeys(FIELDS, 0)
+    t0 = last = time.perf_counter()
+    seed = 0
+    while total["certified_ids"] < target or total["certified_values"] < target:
+        for fam in FAMILIES:
+            for dt in DTYPES:
+                for sc in screens:
+                    a, b = run_case(fam, seed, dt, sc)
+                    row = table[(fam, str(dt).removeprefix("torch."), sc)]
+                    for t in (row, total):
+                        t["rows"] += a.rows
+                        t["certified_ids"] += a.certified
+                        t["certified_values"] += b.certified
+                        t["wrong_ids"] += a.wrong_ids + b.wrong_ids
+                        t["wrong_values"] += b.wrong_values
+        seed += 1
+        if time.perf_counter() - last > log_every:
+            last = time.perf_counter()
+            print(f"  seed {seed}: {total}", file=sys.stderr)
+    return {"seeds": seed, "seconds": round(time.perf_counter() - t0, 1), "total": total,
+            "cases": [{"family": f, "dtype": d, "screen": s, **v} for (f, d, s), v in sorted(table.items())]}
+
+
+def markdown(res: dict) -> str:
+    t = res["total"]
+    lines = [f"Adversarial campaign: {res['seeds']} seeds x {len(FAMILIES)} families x {len(DTYPES)} dtypes "
+             f"x {len(res['screens'])} screens, {res['seconds']} s on {res['machine']} (commit {res['commit']}).", "",
+             f"**Total: {t['certified_ids']} certified rows checked for ids, {t['certified_values']} for ids and "
+             f"value bits, of {t['rows']} rows; {t['wrong_ids']} wrong ids, {t['wrong_values']} wrong values.**", "",
+             "| family | dtype | rows | certified (ids) | certified (ids + values) | wrong ids | wrong values |",
+             "|---|---|---|---|---|---|---|"]
+    agg: dict[tuple[str, str], dict[str, int]] = defaultdict(lambda: dict.fromkeys(FIELDS, 0))
+    for c in res["cases"]:
+        for k in FIELDS:
+            agg[(c["family"], c["dtype"])][k] += c[k]
+    for (f, d), v in sorted(agg.items()):
+        lines.append(f"| {f} | {d} | {v['rows']} | {v['certified_ids']} | {v['certified_values']} | "
+                     f"{v['wrong_ids']} | {v['wrong_values']} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--rows", type=int, default=1_000_000, help="certified rows to check in each mode")
+    p.add_argument("--screens", nargs="+", default=list(SCREENS))
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--json", required=True)
+    args = p.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    res = campaign(args.rows, args.screens)
+    res.update(screens=args.screens, commit=commit(), torch=torch.__version__,
+               machine=f"{platform.machine()}, {args.threads} thread(s)")
+    out = Path(args.json)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(res, indent=1))
+    md = markdown(res)
+    out.with_suffix(".md").write_text(md)
+    print(md)
+    return 1 if res["total"]["wrong_ids"] or res["total"]["wrong_values"] else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,147 @@
+"""Adversarial audit of the certificate (issue 12), bounded in time for CI.
+
+* Property suite: hypothesis draws families of hostile heads and hidden states
+  (:mod:`vllm_csv.audit`); every certified row must match the dense head of the same batch,
+  ids always, value bits where values were asked for.
+* The holes the audit found are fixed cases (:func:`vllm_csv.audit.regressions`).
+* Mutations: each fix, removed, lets these very checks find wrong rows, so they can fail.
+The long campaign (>= 1M certified rows) is ``benchmarks/audit.py``.
+"""
+
+import math
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings, strategies as st
+
+from vllm_csv import audit
+from vllm_csv.dense_engine import DenseEngine
+from vllm_csv.fp import ulp
+
+SCREENS = ("int8", "int4", "fp16", "ball")
+
+
+@settings(max_examples=250, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(family=st.sampled_from(sorted(audit.FAMILIES)), seed=st.integers(0, 2**31 - 1),
+       dtype=st.sampled_from(audit.DTYPES), screen=st.sampled_from(SCREENS))
+def test_certified_rows_match_dense(family, seed, dtype, screen):
+    ids_only, with_values = audit.run_case(family, seed, dtype, screen)
+    assert ids_only.wrong_ids == 0
+    assert with_values.wrong_ids == 0 and with_values.wrong_values == 0
+
+
+@pytest.mark.parametrize("screen", SCREENS[:3])
+def test_regressions_are_not_certified_wrong(screen):
+    for case in audit.regressions():
+        head = audit.make_head(case, screen)
+        for values in (False, True):
+            out = audit.check(head, case, values)
+            assert out.wrong_ids == 0 and out.wrong_values == 0, case.family
+
+
+@pytest.mark.parametrize("dtype", audit.DTYPES)
+@pytest.mark.parametrize("screen", ("int8", "fp16"))
+def test_ordinary_heads_still_certify(dtype, screen):
+    """The fixes must not turn the certificate off: learned-like heads keep certifying."""
+    rows = cert = 0
+    for seed in range(12):
+        out, _ = audit.run_case("peaked", seed, dtype, screen)
+        rows, cert = rows + out.rows, cert + out.certified
+    assert cert >= 0.9 * rows, (cert, rows)
+
+
+# ---- mutations: weaken one fix and the same checks find wrong rows --------------------------
+def _wrong(cases, screens, mutate, values=False) -> int:
+    n = 0
+    for case in cases:
+        for screen in screens:
+            head = audit.make_head(case, screen)
+            mutate(head)
+            out = audit.check(head, case, values)
+            n += out.wrong_ids + out.wrong_values
+    return n
+
+
+def _regression(name):
+    return [c for c in audit.regressions() if c.family == name]
+
+
+def _fp32_arithmetic(head):
+    """The certificate before the fix: bounds compared in fp32, no dtype overflow limit."""
+    head.engine.limit = math.inf
+    head.engine.round = lambda x: x.float()
+
+
+def _fp32_transform(head):
+    """Soft-cap and scale evaluated in fp32 with two output ulps of margin (before the fix)."""
+    e = head.engine
+
+    def separated(low, high):
+        ok = low > high
+        fl, fh = e.transform(low), e.transform(high)
+        return ok & (fl - 2 * ulp(fl, e.dtype) > fh + 2 * ulp(fh, e.dtype))
+
+    e.separated = separated
+    e.limit = math.inf
+
+
+def test_mutation_overflow_in_fp32_certifies_a_wrong_token():
+    cases = _regression("fp16_overflow")
+    assert _wrong(cases, ["int8", "fp16"], lambda h: None) == 0
+    assert _wrong(cases, ["int8", "fp16"], _fp32_arithmetic) > 0
+
+
+def test_mutation_transform_in_fp32_certifies_a_wrong_token():
+    cases = _regression("softcap_underflow") + _regression("scale_overflow")
+    assert _wrong(cases, ["int8", "fp16"], lambda h: None) == 0
+    assert _wrong(_regression("softcap_underflow"), ["int8", "fp16"], _fp32_transform) > 0
+    # the two-sided screens' outside bound sits a few ulps below the winner; the ball's does not
+    assert _wrong(_regression("scale_overflow"), ["ball"], lambda h: None) == 0
+    assert _wrong(_regression("scale_overflow"), ["ball"], _fp32_transform) > 0
+
+
+def test_mutation_bias_slack_removed_certifies_a_wrong_token():
+    def no_slack(head):
+        head._babs = torch.zeros_like(head._babs)
+        head._babs_max = 0.0
+        head._slack_cache.clear()
+
+    cases = _regression("bias_cancel_fixed")
+    assert _wrong(cases, ["fp16"], lambda h: None) == 0
+    assert _wrong(cases, ["fp16"], no_slack) > 0
+
+
+def test_mutation_values_not_required_known_returns_wrong_values(monkeypatch):
+    cases = [audit.FAMILIES[f](torch.Generator().manual_seed(s), dt) for s in range(6)
+             for f in ("peaked", "near_tie") for dt in audit.DTYPES]
+    assert _wrong(cases, ["int8"], lambda h: None, values=True) == 0
+    monkeypatch.setattr(DenseEngine, "single_valued", staticmethod(lambda lo, up: torch.ones_like(lo, dtype=torch.bool)))
+    assert _wrong(cases, ["int8"], lambda h: None, values=True) > 0
+
+
+def test_mutation_sign_of_zero_ignored_returns_minus_zero(monkeypatch):
+    """``<w, h> = 0`` exactly: the dense head gives ``+0.0``; the scored interval spans zero,
+    so its ends are ``-0.0`` and ``+0.0``: equal values, not the same bits."""
+    case = audit.Case("zero", torch.tensor([[1.0], [0.0], [-1.0]], dtype=torch.float16), None,
+                      torch.tensor([[1.0]], dtype=torch.float16), 2)
+    assert _wrong([case], ["int8", "fp16"], lambda h: None, values=True) == 0
+    monkeypatch.setattr(DenseEngine, "single_valued", staticmethod(lambda lo, up: lo == up))
+    assert _wrong([case], ["int8", "fp16"], lambda h: None, values=True) > 0
+
+
+@pytest.mark.parametrize("where", ["weight", "bias"])
+def test_nonfinite_head_is_never_certified(where):
+    """NaN/inf in the head or the bias: two independent layers keep every row dense: the
+    head-level check, and (with it forced off) the NaN-propagating overflow guard."""
+    g = torch.Generator().manual_seed(0)
+    case = audit.peaked(g, torch.float32)
+    W = case.weight.clone()
+    b = torch.zeros(W.shape[0]) if case.bias is None else case.bias.clone()
+    (W.view(-1) if where == "weight" else b)[3] = math.nan
+    case.weight, case.bias, case.k = W, b, 2
+    head = audit.make_head(case, "int8")
+    assert not head.certifiable
+    logits, stats = head.sampler_logits(case.hidden, torch.full((case.hidden.shape[0],), 2))
+    assert stats.certified == 0 and stats.fallbacks["nonfinite"] == case.hidden.shape[0]
+    head.certifiable = True
+    assert not head.topk(case.hidden, 2).certified.any()

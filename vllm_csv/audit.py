@@ -1,0 +1,266 @@
+"""Adversarial audit of the certificate: hostile heads and hidden states, and the check of
+every certified row against the dense head of the same batch.
+
+One :class:`Case` is a head (weights, bias, soft-cap, scale, dtype), a batch of hidden states
+and a ``k``. :data:`FAMILIES` draws cases from a ``torch.Generator``; each family aims at one
+way a certificate can go wrong:
+
+============== ==============================================================================
+family         what it attacks
+============== ==============================================================================
+peaked         ordinary learned-like heads (the fallback share is measured here)
+near_tie       near-ties at the k-th place (rows differing by a few ulps)
+ties           duplicate rows, zero rows, ``h = 0``: exact ties broken by the lowest id
+overflow       dense logits at and beyond the dtype's largest finite value (ties at ``inf``)
+transform      soft-cap from 1e-3 to 1e6 and scale from 1e-3 to 1e3: saturation, underflow,
+               overflow inside the engine's dtype
+bias_cancel    a large bias cancelling ``<w, h>``: rounding terms must bound the pre-bias product
+nonfinite      NaN/inf in the head, the bias or the hidden state
+norms          hidden-state norms from 1e-30 to 1e30 and outlier dimensions
+============== ==============================================================================
+
+:func:`check` runs a :class:`~vllm_csv.head.CertifiedHead` on a case and compares each
+certified row with the dense head (``F.linear`` on the same batch, then vLLM's soft-cap and
+scale written out here independently): the ids always, and the values bit for bit where the
+head was asked for values. The CI property suite (``tests/test_audit.py``) and the long
+campaign (``benchmarks/audit.py``) both use this module.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+@dataclass
+class Case:
+    family: str
+    weight: torch.Tensor  # [V, d] model dtype
+    bias: torch.Tensor | None  # [V] model dtype
+    hidden: torch.Tensor  # [B, d] model dtype
+    k: int
+    softcap: float | None = None
+    scale: float = 1.0
+
+
+@dataclass
+class Outcome:
+    rows: int
+    certified: int
+    wrong_ids: int
+    wrong_values: int
+
+
+def dense_reference(case: Case) -> torch.Tensor:
+    """The dense head exactly as vLLM computes it (``LogitsProcessor.forward``)."""
+    z = F.linear(case.hidden, case.weight, case.bias)
+    if case.softcap is not None:
+        z = z / case.softcap
+        z = torch.tanh(z)
+        z = z * case.softcap
+    if case.scale != 1.0:
+        z = z * case.scale
+    return z
+
+
+def _bits(x: torch.Tensor) -> torch.Tensor:
+    return x.contiguous().view({2: torch.int16, 4: torch.int32, 8: torch.int64}[x.element_size()])
+
+
+def check(head, case: Case, values: bool) -> Outcome:
+    """Compare every certified row of ``head.topk(case.hidden, case.k, values)`` with the
+    dense reference: ids (descending, ties to the lowest id) always, value bits if ``values``."""
+    res = head.topk(case.hidden, case.k, values=values)
+    dense = dense_reference(case)
+    dv, di = torch.sort(dense, dim=1, descending=True, stable=True)
+    dv, di = dv[:, : case.k], di[:, : case.k]
+    c = res.certified
+    wrong_ids = int(((res.ids != di).any(1) & c).sum())
+    wrong_values = int(((_bits(res.values) != _bits(dv)).any(1) & c).sum()) if values else 0
+    return Outcome(case.hidden.shape[0], int(c.sum()), wrong_ids, wrong_values)
+
+
+# ---- families -------------------------------------------------------------------------------
+def _shape(g: torch.Generator, vmax: int = 700, dmax: int = 70) -> tuple[int, int, int]:
+    V = int(torch.randint(2, vmax, (1,), generator=g))
+    d = int(torch.randint(1, dmax, (1,), generator=g))
+    B = int(torch.randint(1, 65, (1,), generator=g))
+    return V, d, B
+
+
+def _pick(g: torch.Generator, options):
+    return options[int(torch.randint(0, len(options), (1,), generator=g))]
+
+
+def _k(g: torch.Generator, V: int) -> int:
+    return min(V, _pick(g, (1, 1, 2, 3, 5, 8)))
+
+
+def _near_rows(W: torch.Tensor, B: int, g, scale: float = 6.0, noise: float = 0.3) -> torch.Tensor:
+    t = torch.randint(0, W.shape[0], (B,), generator=g)
+    return scale * W[t] * W.shape[1] ** 0.5 + noise * torch.randn(B, W.shape[1], generator=g)
+
+
+def peaked(g, dtype) -> Case:
+    V, d, B = _shape(g)
+    W = torch.randn(V, d, generator=g) / max(1, d) ** 0.5
+    b = torch.randn(V, generator=g) if _pick(g, (False, True)) else None
+    h = _near_rows(W, B, g)
+    return Case("peaked", W.to(dtype), None if b is None else b.to(dtype), h.to(dtype), _k(g, V))
+
+
+def near_tie(g, dtype) -> Case:
+    """Groups of rows equal up to a few ulps of the dtype: the k-th place is contested."""
+    V, d, B = _shape(g)
+    k = _k(g, V)
+    W = torch.randn(V, d, generator=g)
+    base = int(torch.randint(0, V, (1,), generator=g))
+    n = min(V, k + 1 + int(torch.randint(0, 4, (1,), generator=g)))
+    ulps = torch.finfo(dtype).eps * _pick(g, (0.5, 1.0, 2.0, 4.0))
+    W[:n] = W[base] * (1 + ulps * torch.randint(-2, 3, (n, 1), generator=g))
+    W = W[torch.randperm(V, generator=g)]
+    h = W[torch.randint(0, V, (B,), generator=g)] * _pick(g, (1.0, 10.0, 100.0))
+    h = h + 1e-3 * torch.randn(B, d, generator=g)
+    return Case("near_tie", W.to(dtype), None, h.to(dtype), k)
+
+
+def ties(g, dtype) -> Case:
+    V, d, B = _shape(g)
+    W = torch.randn(V, d, generator=g)
+    src = torch.randint(0, V, (max(1, V // 4),), generator=g)
+    dst = torch.randint(0, V, (max(1, V // 4),), generator=g)
+    W[dst] = W[src]  # duplicate rows: exact ties
+    W[torch.randint(0, V, (max(1, V // 8),), generator=g)] = 0.0
+    h = W[torch.randint(0, V, (B,), generator=g)] * 4
+    h[torch.rand(B, generator=g) < 0.2] = 0.0  # every logit equal (zero, or the bias)
+    b = torch.randint(-2, 3, (V,), generator=g).float() if _pick(g, (False, True)) else None
+    return Case("ties", W.to(dtype), None if b is None else b.to(dtype), h.to(dtype), _k(g, V))
+
+
+def overflow(g, dtype) -> Case:
+    """The largest dense logits land near, at and beyond the dtype's largest finite value."""
+    V, d, B = _shape(g, 200, 16)
+    fmax = torch.finfo(dtype).max
+    W = torch.rand(V, d, generator=g) + 0.5  # positive rows: <w, h> grows with |h|
+    W[: min(V, 3)] = W[0]  # ties that become ties at inf
+    h = torch.rand(B, d, generator=g) + 0.5
+    target = fmax * _pick(g, (0.05, 0.2, 0.3, 0.9, 1.0, 1.01, 2.0, 10.0))
+    h = h * (target / (W.norm(dim=1).max() * h.norm(dim=1, keepdim=True)).clamp_min(1e-30))
+    W, h = W.to(dtype), h.to(dtype)
+    scale = _pick(g, (1.0, 1.0, 2.0))
+    return Case("overflow", W, None, h, _k(g, V), None, scale)
+
+
+def transform(g, dtype) -> Case:
+    """Extreme soft-cap and scale: saturation and underflow into ties, overflow of ``scale z``."""
+    c = _pick(g, (peaked, near_tie))(g, dtype)
+    c.family = "transform"
+    c.softcap = _pick(g, (None, 1e-3, 0.5, 30.0, 1e6))
+    c.scale = _pick(g, (1.0, 1e-3, 0.7, 2.0, 1e3))
+    if _pick(g, (False, True)):
+        c.hidden = (c.hidden.float() * _pick(g, (1e-3, 100.0, 1e4))).to(dtype)
+    return c
+
+
+def bias_cancel(g, dtype) -> Case:
+    """A bias of up to 1e4 that cancels ``<w_i, h>``. Small-integer weights and dyadic hidden
+    states make every copy (int8, fp16) exact, so only the rounding terms stand between a
+    certificate and a wrong token: they must bound the pre-bias product, not the logit."""
+    V, d, B = _shape(g, 300, 8)
+    W = torch.randint(-3, 4, (V, d), generator=g).float()
+    h = torch.randint(-8, 9, (B, d), generator=g).float() * _pick(g, (2.0**-4, 1.0, 2.0**7))
+    mag = _pick(g, (10.0, 1e3, 1e4))
+    lead = (W @ h[0]).to(dtype).float()  # row 0: the bias cancels the (rounded) product
+    b = -lead + torch.randint(-2, 3, (V,), generator=g).float() * _pick(g, (2.0**-6, 0.01, 1.0))
+    b = torch.where(torch.rand(V, generator=g) < 0.7, b, mag * torch.randn(V, generator=g))
+    return Case("bias_cancel", W.to(dtype), b.to(dtype), h.to(dtype), _k(g, V))
+
+
+def nonfinite(g, dtype) -> Case:
+    c = peaked(g, dtype)
+    c.family = "nonfinite"
+    bad = _pick(g, (math.nan, math.inf, -math.inf))
+    where = _pick(g, ("weight", "bias", "hidden", "hidden"))
+    if where == "weight":
+        c.weight = c.weight.clone()
+        c.weight.view(-1)[int(torch.randint(0, c.weight.numel(), (1,), generator=g))] = bad
+    elif where == "bias":
+        b = torch.zeros(c.weight.shape[0], dtype=dtype) if c.bias is None else c.bias.clone()
+        b[int(torch.randint(0, b.numel(), (1,), generator=g))] = bad
+        c.bias = b
+    else:
+        c.hidden = c.hidden.clone()
+        c.hidden.view(-1)[int(torch.randint(0, c.hidden.numel(), (1,), generator=g))] = bad
+    return c
+
+
+def norms(g, dtype) -> Case:
+    c = peaked(g, dtype)
+    c.family = "norms"
+    h = c.hidden.float()
+    h = h * torch.tensor(_pick(g, ((1e-30,), (1e-8,), (1e8,), (1e30,), (1e-8, 1.0, 1e8))))[
+        torch.randint(0, 1, (h.shape[0],), generator=g)][:, None]
+    if _pick(g, (False, True)):
+        h[:, int(torch.randint(0, h.shape[1], (1,), generator=g))] *= 1e4  # outlier dimension
+    c.hidden = h.to(dtype)
+    return c
+
+
+def regressions() -> list[Case]:
+    """The holes an adversarial audit found (issue 12), as fixed cases: each was certified
+    with a token the dense head does not pick."""
+    t = torch.tensor
+    h16 = torch.float16
+    return [
+        # fp16 logits above 65504 tie at inf; the dense argmax gives the tie to id 0
+        Case("fp16_overflow", t([[2.0], [3.0]], dtype=h16), None, t([[40000.0]], dtype=h16), 1),
+        # scale 2 overflows in the model dtype although the raw logits do not
+        Case("scale_overflow", t([[1.0], [1.25]], dtype=h16), None, t([[40000.0]], dtype=h16), 1,
+             None, 2.0),
+        # a bias that cancels <w, h>: the screen's output rounding is relative to <w, h>
+        *[Case("bias_cancel_fixed", t([[0.0, 0.0], [1.0, 1.0]], dtype=dt), t([0.01, -1000.0], dtype=dt),
+               t([[1000.0, 0.0625]], dtype=dt), 1) for dt in DTYPES],
+        # NaN in the bias ranks first in the dense sort but is never a candidate
+        Case("nan_bias", t([[1.0], [2.0], [3.0], [0.5]]), t([0.0, math.nan, 0.0, 0.0]), t([[1.0], [2.0]]), 2),
+        # soft-cap 1e4 in fp16: z / softcap underflows into subnormals, logits 13 ulps apart tie
+        Case("softcap_underflow", t([[0.01], [0.0101], [0.005]], dtype=h16), None, t([[1.0]], dtype=h16), 1, 1e4),
+    ]
+
+
+FAMILIES: dict[str, Callable[[torch.Generator, torch.dtype], Case]] = {
+    f.__name__: f for f in (peaked, near_tie, ties, overflow, transform, bias_cancel, nonfinite, norms)}
+
+
+def make_head(case: Case, screen: str, budget: float = 1.0):
+    """A :class:`CertifiedHead` for ``case`` (its own index for ``ball``), without off-switch."""
+    from .head import CertifiedHead, HeadConfig
+    from .index import build_index
+
+    index = None
+    if screen == "ball":
+        index = build_index(case.weight.float(), None if case.bias is None else case.bias.float(),
+                            num_clusters=max(1, case.weight.shape[0] // 16), progress=False, iters=5)
+    cfg = HeadConfig(screen=screen, budget=budget, off_switch=False)
+    return CertifiedHead(case.weight, case.bias, config=cfg, index=index, softcap=case.softcap,
+                         scale=case.scale)
+
+
+def run_case(family: str, seed: int, dtype: torch.dtype, screen: str) -> tuple[Outcome, Outcome]:
+    """One case: ``(ids-only outcome, ids-and-values outcome)``."""
+    case = FAMILIES[family](torch.Generator().manual_seed(seed), dtype)
+    try:
+        head = make_head(case, screen)
+    except Exception as e:  # a screen may refuse a head (e.g. fp16 overflow): that is no wrong row
+        from .errors import CSVError
+
+        if isinstance(e, CSVError):
+            z = Outcome(case.hidden.shape[0], 0, 0, 0)
+            return z, z
+        raise
+    return check(head, case, values=False), check(head, case, values=True)
