@@ -198,7 +198,8 @@ class CertifiedHead:
 
     def _intervals(self, hidden: torch.Tensor):
         """``lo, hi [B, V]`` around the dense engine's rounded pre-transform logit (``lo`` is None
-        for one-sided screens), ``||h||`` rounded up, and which rows may be certified.
+        for one-sided screens), ``||h||`` rounded up (0 on rows with NaN/inf), and which rows may
+        be certified.
 
         Half-width ``m = rad_total ||h|| + delta (|y| + |b|) + n e + tiny`` (see
         :meth:`_bias_slack`); ``rad_total = (r + e_acc/||h||)(1 + delta)`` covers the screen
@@ -218,7 +219,7 @@ class CertifiedHead:
             m.addcmul_(out.n[None] * (1 + delta), out.e[:, None])
         hi = y + m
         lo = y.sub_(m) if out.two_sided else None
-        return lo, hi, hnorm, ok, hidden
+        return lo, hi, hnorm, ok
 
     def _score(self, hidden: torch.Tensor, ids: torch.Tensor, hnorm: torch.Tensor):
         """Score columns ``ids``: ``(z, lower, upper)``, ``z`` in the model dtype (what the
@@ -343,7 +344,8 @@ class CertifiedHead:
         the scored columns (the union), so each round is one GEMM over new rows of ``W``."""
         B, V = hidden.shape[0], self.vocab_size
         dev = hidden.device
-        lo, hi, hnorm, ok, hidden = self._intervals(hidden)
+        lo, hi, hnorm, ok = self._intervals(hidden)
+        hidden = hidden.masked_fill(~ok[:, None], 0)  # rows never certified: no NaN in the scores
         kmax = int(k.max())
         budget = max(kmax, math.ceil(self.config.budget * V))
         m = torch.zeros(B, dtype=torch.long, device=dev)
@@ -431,7 +433,8 @@ class CertifiedHead:
         if eps is None or not 0 < eps < 1 or not temperature > 0:
             raise CSVError(f"softmax_eps needs 0 < epsilon < 1 and temperature > 0, got {eps}, {temperature}")
         B, V = hidden.shape[0], self.vocab_size
-        lo, hi, hnorm, finite, hz = self._intervals(hidden)
+        lo, hi, hnorm, finite = self._intervals(hidden)
+        hz = hidden.masked_fill(~finite[:, None], 0)
         fhi = self.engine.bound(hi, up=True) / temperature
         order = fhi.topk(max(1, math.ceil(self.config.budget * V)), dim=1).indices
         # first guess: tokens within log(eps / V) of the best lower bound
