@@ -284,18 +284,21 @@ class CertifiedHead:
         return sel(hidden, k, need_values)
 
     def _select_two_sided(self, hidden, k, need_values) -> _Selection:
-        """Certify with a threshold on the screen values: a few cheap passes over ``[B, V]``.
+        """Certify with a threshold on the screen values: one read of ``y [B, V]`` (block
+        maxima), the rest on the few candidate blocks.
 
         Token ``j`` has half-width ``m_j <= delta |y_j| + spread`` with
         ``spread = rad_max ||h|| + act + tiny + max_i bslack_i`` (see :meth:`_intervals`). With
-        ``y_(k)`` a row's k-th largest screen value and ``g(y) = y + delta |y|`` (increasing),
-        the k tokens with the largest ``y`` have ``lo >= tau := y_(k) - delta |y_(k)| - spread``,
-        a lower bound on the k-th largest dense logit. A token with
-        ``g(y_i) < s := tau - spread`` has ``hi_i < tau``; so ``S`` = the union over rows of
-        ``{i : y_i >= thr = g^-1(s)}`` contains every row's dense top-k, every token outside
-        ``S`` has ``hi < tau``, and :meth:`_certify` decides with ``outside_high = tau``. A row
-        may be certified only when ``g(y_(1)) + spread + max|b|`` (a bound of every dense
-        value and pre-bias product of the row) is below :attr:`DenseEngine.limit`."""
+        ``y_k`` a lower bound of a row's k-th largest screen value (the k-th largest of its
+        block maxima: those are k distinct tokens) and ``g(y) = y + delta |y|`` (increasing),
+        the k tokens with the largest ``y`` have ``lo >= tau := y_k - delta |y_k| - spread``, a
+        lower bound on the k-th largest dense logit. A token with ``g(y_i) < s := tau - spread``
+        has ``hi_i < tau``; so ``S`` = the union over rows of ``{i : y_i >= thr = g^-1(s)}``
+        contains every row's dense top-k, every token outside ``S`` has ``hi < tau``, and
+        :meth:`_certify` decides with ``outside_high = tau``. Only blocks whose maximum reaches
+        ``thr`` can hold candidates. A row may be certified only when
+        ``g(y_(1)) + spread + max|b|`` (a bound of every dense value and pre-bias product of the
+        row) is below :attr:`DenseEngine.limit`."""
         B, V = hidden.shape[0], self.vocab_size
         dev = hidden.device
         hidden, hnorm, ok = self._prepare(hidden)
@@ -305,9 +308,13 @@ class CertifiedHead:
         delta = self._delta + out.rel
         act = (out.n.max() * (1 + delta) * out.e) if out.n is not None else 0.0
         kmax = int(k.max())
+        bmax = _block_max(y)  # [B, nb]: the one full read of y
         if kmax == 1:
-            y1 = yk = y.amax(1)
-        else:
+            y1 = yk = bmax.amax(1)
+        elif kmax <= bmax.shape[1]:
+            top = bmax.topk(kmax, dim=1).values
+            y1, yk = top[:, 0], top.gather(1, (k - 1)[:, None])[:, 0]
+        else:  # fewer blocks than k (a small vocabulary): the exact k-th value
             top = y.topk(kmax, dim=1).values
             y1, yk = top[:, 0], top.gather(1, (k - 1)[:, None])[:, 0]
         spread = self._rad_max * hnorm + act + self._tiny + self._bias_slack(out.rel)[1]
@@ -316,14 +323,14 @@ class CertifiedHead:
         s = tau - spread
         thr = torch.where(s >= 0, s / (1 + delta), s / (1 - delta))
         thr = thr - thr.abs() * (8 * FP32_UNIT_ROUNDOFF) - self._tiny  # rounding of this very line
-        thr = thr.masked_fill(~ok, math.nan)  # rows that cannot be certified add no candidates
-        cand = y >= thr[:, None]
+        thr = thr.masked_fill(~ok, math.nan)[:, None]  # rows that cannot be certified add no candidates
         budget = max(kmax, math.ceil(self.config.budget * V))
-        live = torch.ones(B, dtype=torch.bool, device=dev)
-        ids = (cand[0] if B == 1 else cand.any(0)).nonzero().squeeze(1)
-        if ids.numel() > budget:  # some rows have too many candidates: they go dense
-            live = cand.sum(1) <= budget
-            ids = cand[live].any(0).nonzero().squeeze(1) if bool(live.any()) else ids[:0]
+        blocks = bmax >= thr  # [B, nb]: blocks that hold a candidate
+        live = blocks.sum(1) <= budget  # each such block holds at least one candidate
+        cols = _block_cols((blocks[live] if B > 1 else blocks).any(0).nonzero().squeeze(1), V)
+        cand = y[:, cols] >= thr
+        live &= cand.sum(1) <= budget
+        ids = cols[(cand[live] if B > 1 else cand).any(0)]
         exact = torch.full((B, V), -math.inf, dtype=self.dtype, device=dev)
         certified = torch.zeros(B, dtype=torch.bool, device=dev)
         if ids.numel() >= kmax:
@@ -540,6 +547,25 @@ class CertifiedHead:
         if tried and sw is not None:
             sw.observe(B, stats.seconds)
         return out, stats
+
+
+BLOCK = 256  # tokens a block: the candidate search reads y once, as block maxima
+
+
+def _block_max(y: torch.Tensor) -> torch.Tensor:
+    """``[B, ceil(V / BLOCK)]`` maxima of consecutive blocks of ``y [B, V]`` (NaN propagates)."""
+    B, V = y.shape
+    full = V // BLOCK * BLOCK
+    parts = [y[:, :full].reshape(B, -1, BLOCK).amax(2)] if full else []
+    if full < V:
+        parts.append(y[:, full:].amax(1, keepdim=True))
+    return parts[0] if len(parts) == 1 else torch.cat(parts, 1)
+
+
+def _block_cols(blocks: torch.Tensor, V: int) -> torch.Tensor:
+    """The token ids of ``blocks`` (ascending)."""
+    cols = (blocks[:, None] * BLOCK + torch.arange(BLOCK, device=blocks.device)[None]).reshape(-1)
+    return cols[cols < V]
 
 
 def _reasons(certified: torch.Tensor, ok: torch.Tensor, live: torch.Tensor) -> list[str | None]:

@@ -4,7 +4,10 @@ A screen's ``center_radius(h)`` returns a :class:`ScreenOut` for hidden states `
 a center ``y [B, V]`` (float32), a per-token radius ``r [V]``, optionally a per-token
 ``n [V]`` and per-row ``e [B]``, a relative term ``rel``, and whether the bound is two-sided:
 ``|<w_i, h_b> + b_i - y_bi| <= r_i ||h_b|| + n_i e_b + rel |y_bi|`` (one-sided: only ``<=``), in exact
-real arithmetic up to a few units of relative rounding of ``y``. The runtime
+real arithmetic up to a few units of relative rounding of ``y`` *before* its bias term
+(:class:`~vllm_csv.head.CertifiedHead` takes every relative term of ``|y| + |b|``; a screen
+that adds another per-token constant than the head's bias, as the ball's ``bmax``, says so in
+``offset_abs [V]``). The runtime
 (:mod:`vllm_csv.head`) widens this by the dense GEMM's own rounding error and certifies. Screens differ in cost and tightness:
 
 ========  ===========================================================  =====================

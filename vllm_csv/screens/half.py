@@ -55,10 +55,9 @@ class HalfScreen:
         t = torch.exp2(torch.ceil(torch.log2(amax)))
         t = torch.where(t < amax, t * 2, t)  # log2 rounding: t >= max|h_b| for sure
         h16 = (hf / t).to(torch.float16)
-        y = torch.nn.functional.linear(h16, self.w16).float().mul_(t)
+        y16 = torch.nn.functional.linear(h16, self.w16)
+        # one pass: fp32 y = y16 * t (exact: t is a power of two) + bias (one fp32 rounding)
+        y = torch.mul(y16, t) if self.bias is None else torch.addcmul(self.bias, y16, t)
         f = (h.double() - t.double() * h16.double()).norm(dim=1)
         e = f + self.gamma * t[:, 0].double() * h16.double().norm(dim=1)
-        out = ScreenOut(y, self.radius, True, self.n, _round_up(e) * (1 + 4 * FP32_UNIT_ROUNDOFF), FP16_REL)
-        if self.bias is not None:
-            out.y += self.bias
-        return out
+        return ScreenOut(y, self.radius, True, self.n, _round_up(e) * (1 + 4 * FP32_UNIT_ROUNDOFF), FP16_REL)
