@@ -133,3 +133,19 @@ def test_cli_errors_are_one_line_and_leave_no_file(head, tmp_path):
         assert r.stderr.strip().splitlines()[-1].startswith("vllm-csv: error:"), r.stderr
         assert "Traceback" not in r.stderr
     assert [p.name for p in ro.iterdir()] == ["file"]
+
+
+def test_cli_serve_arguments(monkeypatch):
+    """`vllm-csv serve [MODEL] [--once] [-- vllm serve flags]`: flags after MODEL are ours,
+    everything after `--` is vLLM's (before, `serve MODEL --once` sent `--once` to vLLM)."""
+    from vllm_csv import cli
+
+    seen = []
+    monkeypatch.setattr("vllm_csv.serve.serve", lambda model, host, port, once, extra, timeout:
+                        seen.append((model, once, extra)) or 0)
+    assert cli.main(["serve", "M", "--once"]) == 0
+    assert cli.main(["serve", "--once", "--", "--dtype", "bfloat16"]) == 0
+    assert cli.main(["serve", "M", "--", "--once"]) == 0
+    assert seen == [("M", True, []), (None, True, ["--dtype", "bfloat16"]), ("M", False, ["--once"])]
+    with pytest.raises(SystemExit):
+        cli.main(["build-index", "X", "--", "--y"])

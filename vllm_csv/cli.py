@@ -55,15 +55,23 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--port", type=int, default=8000)
     s.add_argument("--once", action="store_true", help="answer the demo request, then stop the server")
     s.add_argument("--timeout", type=float, default=900.0, help="seconds to wait for start-up")
-    s.add_argument("vllm_args", nargs=argparse.REMAINDER, help="further arguments for `vllm serve` (after --)")
-    s.set_defaults(func=_serve)
+    s.set_defaults(func=_serve, vllm_args=[])  # further `vllm serve` arguments: after `--`
+    s.epilog = "Further arguments for `vllm serve` go after `--`, e.g. `vllm-csv serve MODEL --once -- --dtype bfloat16`."
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parser().parse_args(argv)
-    if getattr(args, "vllm_args", None) and args.vllm_args[0] == "--":
-        args.vllm_args = args.vllm_args[1:]
+    argv = sys.argv[1:] if argv is None else list(argv)
+    extra: list[str] = []
+    if "--" in argv:  # everything after `--` is vLLM's, whatever comes before (MODEL, --once)
+        i = argv.index("--")
+        argv, extra = argv[:i], argv[i + 1 :]
+    p = parser()
+    args = p.parse_args(argv)
+    if extra and not hasattr(args, "vllm_args"):
+        p.error(f"`vllm-csv {args.command}` takes no arguments after `--`")
+    if extra:
+        args.vllm_args = extra
     try:
         return args.func(args)
     except CSVError as e:

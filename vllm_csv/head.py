@@ -480,8 +480,8 @@ class CertifiedHead:
         return EpsResult(probs, cert, tv)
 
     def sampler_logits(self, hidden: torch.Tensor, topk: torch.Tensor,
-                       dense_fn: Callable[[torch.Tensor], torch.Tensor] | None = None
-                       ) -> tuple[torch.Tensor, StepStats]:
+                       dense_fn: Callable[[torch.Tensor], torch.Tensor] | None = None,
+                       t0: float | None = None) -> tuple[torch.Tensor, StepStats]:
         """Logits for a sampler.
 
         Parameters
@@ -495,13 +495,16 @@ class CertifiedHead:
         dense_fn : callable, optional
             Computes the dense logits of the whole batch (default :meth:`dense_logits`), so
             callers keep their engine's own code path.
+        t0 : float, optional
+            ``time.perf_counter()`` at the start of the caller's step: the step's time (what
+            the off-switch charges, ``StepStats.seconds``) counts from there (default: now).
 
         Returns
         -------
         (logits [B, V] model dtype, StepStats): certified rows hold the dense values on their
         top-k and ``-inf`` elsewhere; every other row holds ``dense_fn(hidden)``'s row.
         """
-        t0 = time.perf_counter()
+        t0 = time.perf_counter() if t0 is None else t0
         dense_fn = dense_fn or self.dense_logits
         B, dev = hidden.shape[0], hidden.device
         topk = topk.cpu().long()  # per-row plans are decided on the host: no device sync

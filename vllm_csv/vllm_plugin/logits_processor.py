@@ -10,6 +10,8 @@ weights, and each step's rows take the certified path or vLLM's dense code
 
 from __future__ import annotations
 
+import time
+
 import torch
 from vllm.logger import init_logger
 from vllm.model_executor.layers.logits_processor import LogitsProcessor
@@ -48,13 +50,14 @@ class CSVLogitsProcessor(LogitsProcessor):
                 skip_gather: bool = False):
         # The head (and its index) is built at the first call, which vLLM makes during
         # start-up (profiling / warm-up): a bad index stops the server there.
+        t0 = time.perf_counter()  # the off-switch charges this layer's whole step, plan included
         head = self._get_head(lm_head, embedding_bias)
         plan = step_plan.take_plan(hidden_states.shape[0])
         if plan is None or skip_gather or hidden_states.dim() != 2 or not any(plan.topk):
             return super().forward(lm_head, hidden_states, embedding_bias, skip_gather)
         topk = torch.tensor(plan.topk, dtype=torch.long)
         logits, stats = head.sampler_logits(hidden_states, topk,
-                                            lambda h: self._dense(lm_head, h, embedding_bias))
+                                            lambda h: self._dense(lm_head, h, embedding_bias), t0=t0)
         if not self._csv_logged:
             logger.info("CSV-Decode active: screen=%s V=%d d=%d, first step %d/%d rows certified",
                         stats.screen, head.vocab_size, head.hidden_size, stats.certified, stats.rows)
