@@ -154,3 +154,21 @@ def test_bad_config_is_clear():
         CertifiedHead(W, config=HeadConfig(screen="ball"))
     with pytest.raises(CSVError, match="k must be"):
         CertifiedHead(W).topk(torch.randn(1, 4), 11)
+
+
+@pytest.mark.parametrize("V", [1, 255, 256, 257, 1000, 4096])
+def test_block_maxima_and_columns(V):
+    """The candidate search reads ``y`` once as block maxima: every token at or above a
+    threshold lies in a block whose maximum reaches it (tails and NaN rows included)."""
+    from vllm_csv.head import _block_cols, _block_max
+
+    g = torch.Generator().manual_seed(V)
+    y = torch.randn(3, V, generator=g)
+    y[2, V // 2] = math.nan
+    bm = _block_max(y)
+    thr = torch.tensor([[0.5], [2.0], [0.0]])
+    blocks = (bm >= thr).any(0).nonzero().squeeze(1)
+    cols = _block_cols(blocks, V)
+    want = (y[:2] >= thr[:2]).any(0).nonzero().squeeze(1)
+    assert set(want.tolist()) <= set(cols.tolist()) and all(c < V for c in cols.tolist())
+    assert torch.isnan(bm[2]).any() and not (bm[2] >= 0).all()
