@@ -172,3 +172,18 @@ def test_block_maxima_and_columns(V):
     want = (y[:2] >= thr[:2]).any(0).nonzero().squeeze(1)
     assert set(want.tolist()) <= set(cols.tolist()) and all(c < V for c in cols.tolist())
     assert torch.isnan(bm[2]).any() and not (bm[2] >= 0).all()
+
+
+def test_topk_above_vocab_is_dense_and_transform_is_vllms():
+    """``k > V`` (possible when ``max_topk > V``) goes dense as ``unsupported`` instead of raising;
+    ``transform`` is vLLM's soft-cap/scale, also at ``-inf`` (``-softcap``, not ``-inf``)."""
+    V, d = 40, 8
+    W, g = peaked_head(V, d, seed=1)
+    h = hidden_near_rows(W, 3, g)
+    head = CertifiedHead(W, config=HeadConfig(max_topk=64, off_switch=False), softcap=5.0, scale=0.5)
+    logits, stats = head.sampler_logits(h, torch.tensor([V + 1, 64, 1]))
+    assert stats.fallbacks["unsupported"] == 2 and stats.certified == 1
+    assert torch.equal(logits[:2], head.dense_logits(h)[:2])
+    z = torch.tensor([-math.inf, 0.0, 3.0])
+    want = torch.tanh(z / 5.0) * 5.0 * 0.5
+    assert torch.equal(head.transform(z), want) and head.transform(z)[0] == -2.5
