@@ -49,8 +49,9 @@ class CSVMetrics:
         self.rows = fam["rows"].labels(**m)
         self.csv_rows = fam["csv_rows"].labels(**m)
         self.certified = fam["certified"].labels(**m)
-        self.fallbacks = {r: fam["fallbacks"].labels(reason=r, **m) for r in
-                          ("uncertified", "budget", "unsupported", "nonfinite", "off_switch")}
+        from .head import FALLBACK_REASONS
+
+        self.fallbacks = {r: fam["fallbacks"].labels(reason=r, **m) for r in FALLBACK_REASONS}
         self.scored = fam["scored"].labels(**m)
         self.fraction = fam["fraction"].labels(**m)
         self.seconds = fam["seconds"].labels(**m)
