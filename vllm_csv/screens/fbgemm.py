@@ -138,6 +138,9 @@ class FbgemmInt8Screen:
         from . import ScreenOut
 
         hd = h.double()
+        if hd.shape[0] == 0:
+            y = torch.empty((0, self.s.shape[0])) if self.bias is None else self.bias.expand(0, -1).clone()
+            return ScreenOut(y, self.radius, True, self.n, torch.empty(0), REL)
         amax = hd.abs().amax(1)
         m, k = torch.frexp(amax)  # amax = m 2^k, m in [0.5, 1): t = 2^k >= amax (2^(k-1) if m = 0.5)
         k = torch.where(m == 0.5, k - 1, k)
