@@ -2,21 +2,41 @@
 
     python benchmarks/lm_head.py --fixtures 256 512 1024 --json results/lm_head.json
     python benchmarks/lm_head.py --model /path/to/hf-model --json out.json
+    python benchmarks/lm_head.py --shapes 151936x1024 128256x2048 262144x1152 --dtype bfloat16 \
+        --vllm-head --profile --json benchmarks/results/lm_head_cpu.json
 
 For each model it collects hidden states (after the final norm, what the head sees) by
 running the model over held-out text, then for each screen and batch size reports the
 share of the vocabulary scored exactly (mean, p50, p90), the certification and fallback
 rates, mismatches against the dense argmax of the same batch (0, or exact dense ties), and the step time of
-``CertifiedHead.sampler_logits`` against ``F.linear(h, W)`` measured in the same run.
-Writes JSON, a markdown table and a PNG plot. Timings are medians of repeated runs.
+``CertifiedHead.sampler_logits`` against the dense head measured in the same run.
+
+Dense baselines: ``F.linear(h, W)`` always; with ``--vllm-head`` also vLLM's own head, a
+``ParallelLMHead`` after its quant method's ``process_weights_after_loading`` (on CPU:
+``dispatch_cpu_unquantized_gemm``, which picks oneDNN, sgl-kernel or ``F.linear``) called
+through vLLM's ``LogitsProcessor``; the CSV step then uses it for its dense rows, as the plugin does.
+
+``--shapes VxD``: heads of real models' sizes with *random* weights, for speed only. A random
+head has no clear winner, so the hidden states are ``h = 6 sqrt(d) w_t + 0.3 noise`` (``t``
+random, the "peaked head" of the tests): the top token stands out as on a learned head, and the
+scored set is a few tokens, as measured on the learned fixtures (p50 0.01% of 32768, about 3
+tokens). The scored count per row is reported beside each time; certification rates on these
+synthetic rows mean nothing and are not reported. ``--profile`` splits the CSV step into the
+screen's GEMM, the rest of the screen, exact scoring and the runtime's own passes.
+
+Writes JSON, a markdown table and a PNG plot. Timings are medians (and minima) of repeated
+runs, interleaved between the variants, on whatever else the machine is running (the JSON
+records the load average before and after).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import statistics
+import subprocess
 import sys
 import sysconfig
 import time
@@ -28,16 +48,89 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from vllm_csv import CertifiedHead, HeadConfig, build_index  # noqa: E402
+from vllm_csv.screens import SCREENS  # noqa: E402
 from vllm_csv.hf_head import load_lm_head  # noqa: E402
 
 
 def machine(device: str) -> dict:
-    cpu = next((ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")),
-               platform.processor()) if Path("/proc/cpuinfo").exists() else platform.processor()
-    out = {"cpu": cpu, "threads": torch.get_num_threads(), "torch": torch.__version__, "device": device}
+    cpu, flags = platform.processor(), []
+    if Path("/proc/cpuinfo").exists():
+        lines = open("/proc/cpuinfo").read().splitlines()
+        cpu = next((ln.split(":", 1)[1].strip() for ln in lines if ln.startswith("model name")), cpu)
+        have = set(next((ln.split(":", 1)[1].split() for ln in lines if ln.startswith("flags")), []))
+        flags = [f for f in ("avx2", "avx512f", "avx512_vnni", "avx512_bf16", "amx_int8") if f in have]
+    out = {"cpu": cpu, "cpu_flags": flags, "cores": os.cpu_count(), "threads": torch.get_num_threads(),
+           "torch": torch.__version__, "quantized_engine": torch.backends.quantized.engine,
+           "device": device, "commit": _commit(), "loadavg_start": os.getloadavg(),
+           "note": "shared machine: other sessions may have been running"}
+    try:
+        import vllm
+
+        out["vllm"] = vllm.__version__
+    except ImportError:
+        pass
     if device == "cuda":
         out["gpu"] = torch.cuda.get_device_name()
     return out
+
+
+def _commit() -> str:
+    root = Path(__file__).resolve().parents[1]
+    try:
+        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root,
+                               capture_output=True, text=True).stdout.strip()
+        return head + ("-dirty" if dirty else "")
+    except OSError:
+        return "unknown"
+
+
+class VllmDenseHead:
+    """vLLM's own dense LM head: ``ParallelLMHead`` + ``LogitsProcessor``, built the way the
+    model loader builds them (weights loaded, then ``process_weights_after_loading``: on CPU
+    ``dispatch_cpu_unquantized_gemm`` picks the GEMM) in a default ``VllmConfig`` with a
+    one-process tensor-parallel group. ``dispatch`` names the GEMM it picked."""
+
+    _initialised = False
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
+        from vllm.config import VllmConfig, set_current_vllm_config
+        from vllm.distributed import init_distributed_environment, initialize_model_parallel
+
+        self.config = VllmConfig()
+        self._ctx = set_current_vllm_config
+        with set_current_vllm_config(self.config):
+            if not VllmDenseHead._initialised:
+                init_distributed_environment(world_size=1, rank=0, local_rank=0, backend="gloo",
+                                             distributed_init_method=f"tcp://127.0.0.1:{_free_port()}")
+                initialize_model_parallel(1, 1)
+                VllmDenseHead._initialised = True
+            from vllm.model_executor.layers.logits_processor import LogitsProcessor
+            from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead
+
+            V, d = weight.shape
+            self.lm_head = ParallelLMHead(V, d, bias=bias is not None, params_dtype=weight.dtype)
+            self.lm_head.weight_loader(self.lm_head.weight, weight)
+            if bias is not None:
+                self.lm_head.weight_loader(self.lm_head.bias, bias)
+            self.lm_head.quant_method.process_weights_after_loading(self.lm_head)
+            self.processor = LogitsProcessor(V)
+        fn = getattr(self.lm_head, "cpu_linear", None)
+        names = set(getattr(getattr(fn, "__code__", None), "co_names", ()))
+        self.dispatch = next((n for n in ("onednn_mm", "weight_packed_linear_cpu", "zentorch_linear_unary", "linear")
+                              if n in names), "unknown" if fn is not None else "device default")
+
+    def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
+        with self._ctx(self.config):
+            return self.processor(self.lm_head, hidden)
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def held_out_text(limit_chars: int = 400_000) -> str:
@@ -66,7 +159,7 @@ def hidden_states(model_dir: Path, positions: int, device: str) -> torch.Tensor:
     return torch.cat(grabbed)[:positions]
 
 
-def median_ms(fn, sync, repeats: int) -> float:
+def times_ms(fn, sync, repeats: int) -> list[float]:
     fn()
     sync()
     times = []
@@ -75,10 +168,14 @@ def median_ms(fn, sync, repeats: int) -> float:
         fn()
         sync()
         times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
+    return times
 
 
-def bench_model(model_dir: Path, screens, batches, positions, repeats, device, dtype=None) -> dict:
+def median_ms(fn, sync, repeats: int) -> float:
+    return statistics.median(times_ms(fn, sync, repeats))
+
+
+def bench_model(model_dir: Path, screens, batches, positions, repeats, device, dtype=None, vllm_head=False) -> dict:
     head_w = load_lm_head(model_dir)
     dtype = dtype or head_w.weight.dtype
     W = head_w.weight[: head_w.vocab_size].to(device, dtype)
@@ -87,7 +184,8 @@ def bench_model(model_dir: Path, screens, batches, positions, repeats, device, d
     V, d = W.shape
     sync = (lambda: torch.cuda.synchronize()) if device == "cuda" else (lambda: None)
     out = {"V": V, "d": d, "dtype": str(dtype).removeprefix("torch."), "positions": int(H.shape[0]),
-           "screens": {}}
+           "weights": "learned", "screens": {}}
+    dense = _dense_baselines(W, b, vllm_head and device == "cpu", out)
     for screen in screens:
         t0 = time.perf_counter()
         index = build_index(W.float().cpu(), None if b is None else b.float().cpu(),
@@ -95,7 +193,8 @@ def bench_model(model_dir: Path, screens, batches, positions, repeats, device, d
         cfg = HeadConfig(screen=screen, budget=1.0, off_switch=False)
         head = CertifiedHead(W, b, config=cfg, index=index, softcap=head_w.softcap, scale=head_w.scale)
         prep_s = time.perf_counter() - t0
-        res = {"prepare_seconds": round(prep_s, 2), "extra_bytes": int(head.screen.extra_bytes)}
+        res = {"prepare_seconds": round(prep_s, 2), "extra_bytes": int(head.screen.extra_bytes),
+               "backend": getattr(head.screen, "backend", type(head.screen).__name__)}
         for B in batches:
             scored, cert, mismatches, ties = [], [], 0, 0
             for s in range(0, H.shape[0] - B + 1, B):
@@ -109,39 +208,181 @@ def bench_model(model_dir: Path, screens, batches, positions, repeats, device, d
                 mismatches += int(diff.sum())
                 ties += int((diff & (dz.gather(1, r.ids[:, :1])[:, 0] == best.values[:, 0])).sum())
             hb = H[:B]
-            ones = torch.ones(B, dtype=torch.long)
-            csv_ms = median_ms(lambda: head.sampler_logits(hb, ones), sync, repeats)
-            dense_ms = median_ms(lambda: F.linear(hb, W, b), sync, repeats)
             st = torch.tensor(scored)
-            res[str(B)] = {
+            row = {
                 "scored_fraction_mean": float(st.mean()), "scored_fraction_p50": float(st.quantile(0.5)),
                 "scored_fraction_p90": float(st.quantile(0.9)), "certified_rate": sum(cert) / len(cert),
                 "fallback_rate": 1 - sum(cert) / len(cert), "mismatches": mismatches, "mismatches_at_exact_ties": ties,
-                "rows": len(cert),
-                "csv_ms": round(csv_ms, 3), "dense_ms": round(dense_ms, 3),
-                "speedup_vs_dense": round(dense_ms / csv_ms, 3)}
+                "rows": len(cert)}
+            row.update(_time_step(head, hb, dense, sync, repeats))
+            res[str(B)] = row
             print(f"  {model_dir.name} {screen:5s} B={B:3d}: scored p50 {st.quantile(0.5):.5f} "
-                  f"cert {sum(cert) / len(cert):.3f} mismatches {mismatches} (ties {ties}) csv {csv_ms:.2f} ms "
-                  f"dense {dense_ms:.2f} ms x{dense_ms / csv_ms:.2f}", file=sys.stderr)
+                  f"cert {sum(cert) / len(cert):.3f} mismatches {mismatches} (ties {ties}) csv {row['csv_ms']:.2f} ms "
+                  f"dense {row['dense_ms']:.2f} ms x{row['speedup_vs_dense']:.2f}", file=sys.stderr)
         out["screens"][screen] = res
     return out
 
 
+def _dense_baselines(W, b, vllm_head: bool, out: dict) -> dict:
+    """``{"F.linear": fn, "vllm": fn}``; the last one is the baseline of the speed-ups."""
+    dense = {"F.linear": lambda h: F.linear(h, W, b)}
+    if vllm_head:
+        vh = VllmDenseHead(W, b)
+        dense["vllm"] = vh
+        out["vllm_dispatch"] = vh.dispatch
+        h = torch.randn(3, W.shape[1], dtype=W.dtype)
+        out["vllm_equals_F.linear"] = bool(torch.equal(vh(h), F.linear(h, W, b)))
+    return dense
+
+
+def _time_step(head, hb, dense: dict, sync, repeats: int) -> dict:
+    """Median ms of each dense baseline and of the CSV step (``sampler_logits``, greedy rows,
+    dense rows through the last baseline, as in the plugin)."""
+    B = hb.shape[0]
+    ones = torch.ones(B, dtype=torch.long, device="cpu")
+    base_name, base = list(dense.items())[-1]
+    row = {}
+    # Interleaved rounds, so that load from other processes hits every variant alike; the
+    # minimum is reported beside the median (the least disturbed run on a shared machine).
+    fns = {**{f"dense_ms_{n}": (lambda f=f: f(hb)) for n, f in dense.items()},
+           "csv_ms": lambda: head.sampler_logits(hb, ones, base)}
+    samples: dict[str, list[float]] = {k: [] for k in fns}
+    for _ in range(3):
+        for k, f in fns.items():
+            samples[k] += times_ms(f, sync, max(1, repeats // 3))
+    for k, v in samples.items():
+        row[k] = round(statistics.median(v), 3)
+        row[k.replace("_ms", "_min_ms")] = round(min(v), 3)
+    row["dense_baseline"] = base_name
+    row["dense_ms"] = row[f"dense_ms_{base_name}"]
+    row["speedup_vs_dense"] = round(row["dense_ms"] / row["csv_ms"], 3)
+    row["speedup_vs_dense_min"] = round(row[f"dense_min_ms_{base_name}"] / row["csv_min_ms"], 3)
+    _, stats = head.sampler_logits(hb, ones, base)
+    row["step_certified"] = stats.certified
+    row["step_scored_per_row"] = statistics.mean(stats.scored) if stats.scored else None
+    return row
+
+
+def bench_shapes(shapes, screens, batches, repeats, dtype, vllm_head: bool, profile: bool) -> dict:
+    """Speed on real models' head sizes, random weights (module docstring)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+    threads = torch.get_num_threads()
+    from conftest import hidden_near_rows, peaked_head  # (it sets 2 threads for the tests)
+
+    torch.set_num_threads(threads)
+
+    out = {}
+    for shape in shapes:
+        V, d = map(int, shape.lower().split("x"))
+        W, g = peaked_head(V, d, seed=0, dtype=dtype)
+        H = hidden_near_rows(W, max(batches), g)
+        res = {"V": V, "d": d, "dtype": str(dtype).removeprefix("torch."),
+               "weights": "random (speed only), peaked hidden states", "screens": {}}
+        dense = _dense_baselines(W, None, vllm_head, res)
+        for screen in screens:
+            t0 = time.perf_counter()
+            head = CertifiedHead(W, config=HeadConfig(screen=screen, off_switch=False))
+            s = {"prepare_seconds": round(time.perf_counter() - t0, 2), "extra_bytes": int(head.screen.extra_bytes),
+                 "backend": getattr(head.screen, "backend", type(head.screen).__name__)}
+            for B in batches:
+                s[str(B)] = _time_step(head, H[:B], dense, lambda: None, repeats)
+                if profile and screen == screens[0] and B in (1, 8):
+                    s[str(B)]["profile"] = profile_step(head, H[:B], list(dense.values())[-1], repeats)
+                x = s[str(B)]
+                print(f"  {V}x{d} {screen} B={B}: csv {x['csv_ms']} ms, dense {x['dense_ms']} ms "
+                      f"({x['dense_baseline']}) x{x['speedup_vs_dense']}, scored/row {x['step_scored_per_row']}",
+                      file=sys.stderr)
+            res["screens"][screen] = s
+            del head
+        out[f"random-{V}x{d}"] = res
+        del W, dense
+    return out
+
+
+def profile_step(head, hb, dense_fn, repeats: int) -> dict:
+    """Where the CSV step's time goes (median ms over ``repeats`` steps): the screen's GEMM
+    alone (same shapes, FBGEMM screens only), the whole screen call, exact scoring
+    (``CertifiedHead._score``), and the rest (the runtime's own passes over ``[B, V]``)."""
+    B = hb.shape[0]
+    ones = torch.ones(B, dtype=torch.long)
+    parts: dict[str, list[float]] = {"screen": [], "score": []}
+
+    def timed(name, fn):
+        def run(*a, **k):
+            t0 = time.perf_counter()
+            r = fn(*a, **k)
+            parts[name].append((time.perf_counter() - t0) * 1e3)
+            return r
+        return run
+
+    screen_fn, score_fn = head.screen.center_radius, head._score
+    head.screen.center_radius, head._score = timed("screen", screen_fn), timed("score", score_fn)
+    try:
+        head.sampler_logits(hb, ones, dense_fn)
+        for v in parts.values():
+            v.clear()
+        steps = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            head.sampler_logits(hb, ones, dense_fn)
+            steps.append((time.perf_counter() - t0) * 1e3)
+    finally:
+        head.screen.center_radius, head._score = screen_fn, score_fn
+    out = {"step_ms": statistics.median(steps), "screen_ms": statistics.median(parts["screen"]),
+           "score_ms": statistics.median(parts["score"]) if parts["score"] else 0.0}
+    gemm = getattr(head.screen, "gemm", None)
+    if gemm is not None:
+        p = torch.zeros(B, head.hidden_size)
+        out["screen_gemm_ms"] = median_ms(lambda: gemm(p, 1.0), lambda: None, repeats)
+    out["rest_ms"] = out["step_ms"] - out["screen_ms"] - out["score_ms"]
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        for _ in range(5):
+            head.sampler_logits(hb, ones, dense_fn)
+    top = sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)[:12]
+    out["top_ops_self_ms_per_step"] = {e.key: round(e.self_cpu_time_total / 1e3 / 5, 3) for e in top}
+    return {k: (round(v, 3) if isinstance(v, float) else v) for k, v in out.items()}
+
+
 def markdown(results: dict) -> str:
     m = results["machine"]
-    lines = [f"Machine: {m['cpu']} ({m['threads']} threads), torch {m['torch']}, device {m['device']}"
-             + (f" ({m['gpu']})" if "gpu" in m else ""), "",
-             "| model | V | d | dtype | screen | batch | scored p50 | scored mean | scored p90 | certified | "
-             "mismatches | CSV ms | dense ms | speed-up |", "|" + "---|" * 14]
+    lines = [f"Machine: {m['cpu']} ({', '.join(m.get('cpu_flags', []))}), {m['threads']} threads, torch {m['torch']}"
+             + (f", vLLM {m['vllm']}" if "vllm" in m else "") + f", device {m['device']}"
+             + (f" ({m['gpu']})" if "gpu" in m else ""),
+             f"Commit {m.get('commit', '?')}; load average {m.get('loadavg_start')} at start, "
+             f"{m.get('loadavg_end')} at the end ({m.get('note', '')}).", ""]
     for name, r in results["models"].items():
+        dense_note = f", vLLM head dispatch: {r['vllm_dispatch']}" if "vllm_dispatch" in r else ""
+        lines += [f"### {name}: V={r['V']} d={r['d']} {r.get('dtype', '')}, {r.get('weights', '')}{dense_note}", "",
+                  "| screen | backend | batch | scored p50 | scored p90 | certified | mismatches | CSV step ms | "
+                  "dense ms (F.linear) | dense ms (vLLM) | speed-up vs dense | speed-up, min times | "
+                  "scored/row (timed step) |",
+                  "|" + "---|" * 13]
         for screen, s in r["screens"].items():
             for B, x in s.items():
                 if not B.isdigit():
                     continue
-                lines.append(f"| {name} | {r['V']} | {r['d']} | {r.get('dtype', '')} | {screen} | {B} | {x['scored_fraction_p50']:.4%} | "
-                             f"{x['scored_fraction_mean']:.4%} | {x['scored_fraction_p90']:.4%} | "
-                             f"{x['certified_rate']:.1%} | {x['mismatches']} | {x['csv_ms']} | {x['dense_ms']} | "
-                             f"{x['speedup_vs_dense']}x |")
+                learned = "scored_fraction_p50" in x
+                lines.append(
+                    f"| {screen} | {s.get('backend', '')} | {B} | "
+                    + (f"{x['scored_fraction_p50']:.4%} | {x['scored_fraction_p90']:.4%} | {x['certified_rate']:.1%} | "
+                       f"{x['mismatches']} | " if learned else "n/a | n/a | n/a | n/a | ")
+                    + f"{x['csv_ms']} (min {x.get('csv_min_ms')}) | {x.get('dense_ms_F.linear', '')} | "
+                    f"{x.get('dense_ms_vllm', '')} (min {x.get('dense_min_ms_vllm', '')}) | "
+                    f"{x['speedup_vs_dense']}x ({x['dense_baseline']}) | {x.get('speedup_vs_dense_min')}x | "
+                    f"{x.get('step_scored_per_row')} |")
+        prof = [(screen, B, x["profile"]) for screen, s in r["screens"].items() for B, x in s.items()
+                if B.isdigit() and "profile" in x]
+        if prof:
+            lines += ["", "Where the CSV step's time goes (median ms):", "",
+                      "| screen | batch | step | screen (all) | screen GEMM alone | exact scoring | rest of the runtime |",
+                      "|---|---|---|---|---|---|---|"]
+            for screen, B, p in prof:
+                lines.append(f"| {screen} | {B} | {p['step_ms']} | {p['screen_ms']} | {p.get('screen_gemm_ms', '')} | "
+                             f"{p['score_ms']} | {p['rest_ms']} |")
+            for screen, B, p in prof:
+                ops = ", ".join(f"{k} {v}" for k, v in p["top_ops_self_ms_per_step"].items())
+                lines.append(f"\nTop ops by self CPU time per step ({screen}, B={B}, ms): {ops}")
+        lines.append("")
     return "\n".join(lines) + "\n"
 
 
@@ -156,7 +397,8 @@ def plot(results: dict, path: Path) -> None:
         for screen, s in r["screens"].items():
             bs = sorted(int(b) for b in s if b.isdigit())
             a1.plot(bs, [s[str(b)]["speedup_vs_dense"] for b in bs], marker="o", label=f"{name} {screen}")
-            a2.plot(bs, [s[str(b)]["scored_fraction_mean"] for b in bs], marker="o", label=f"{name} {screen}")
+            if all("scored_fraction_mean" in s[str(b)] for b in bs):  # learned heads only
+                a2.plot(bs, [s[str(b)]["scored_fraction_mean"] for b in bs], marker="o", label=f"{name} {screen}")
     a1.axhline(1.0, color="gray", lw=0.8)
     a1.set(xlabel="batch", ylabel="speed-up vs dense head", xscale="log")
     a2.set(xlabel="batch", ylabel="share of V scored (mean)", xscale="log", yscale="log")
@@ -170,14 +412,20 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", action="append", default=[], help="Hugging Face model directory (repeatable)")
     p.add_argument("--fixtures", type=int, nargs="*", default=None, help="hidden sizes of learned fixtures to build/use")
-    p.add_argument("--screens", nargs="+", default=["int8", "int4", "fp16", "ball"])
+    p.add_argument("--screens", nargs="+", default=["int8", "int4", "fp16", "ball"], choices=SCREENS)
     p.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32, 64])
     p.add_argument("--positions", type=int, default=1024, help="held-out positions per model")
     p.add_argument("--repeats", type=int, default=20)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None,
-                   help="head dtype (default: as stored in the model)")
+                   help="head dtype (default: as stored in the model; bfloat16 for --shapes)")
+    p.add_argument("--shapes", nargs="*", default=[], metavar="VxD",
+                   help="random heads of these sizes, for speed only (module docstring)")
+    p.add_argument("--vllm-head", action="store_true",
+                   help="also time vLLM's own dense head (ParallelLMHead + LogitsProcessor); the CSV step "
+                        "uses it for dense rows and the speed-up is against it")
+    p.add_argument("--profile", action="store_true", help="split the CSV step's time (--shapes, B=1 and 8)")
     p.add_argument("--json", required=True, help="output JSON path (markdown and PNG go beside it)")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -186,12 +434,17 @@ def main(argv=None) -> int:
         from fixtures import fixture
 
         models += [fixture(h, device=args.device) for h in args.fixtures]
-    if not models:
-        p.error("give --model DIR and/or --fixtures HIDDEN ...")
-    results = {"machine": machine(args.device), "models": {}}
+    if not models and not args.shapes:
+        p.error("give --model DIR, --fixtures HIDDEN ... and/or --shapes VxD ...")
+    results = {"machine": machine(args.device), "command": " ".join(sys.argv), "models": {}}
+    dtype = getattr(torch, args.dtype) if args.dtype else None
     for m in models:
         results["models"][m.name] = bench_model(m, args.screens, args.batches, args.positions, args.repeats,
-                                                args.device, getattr(torch, args.dtype) if args.dtype else None)
+                                                args.device, dtype, args.vllm_head)
+    if args.shapes:
+        results["models"].update(bench_shapes(args.shapes, args.screens, args.batches, args.repeats,
+                                              dtype or torch.bfloat16, args.vllm_head, args.profile))
+    results["machine"]["loadavg_end"] = os.getloadavg()
     out = Path(args.json)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(results, indent=1))

@@ -15,12 +15,21 @@ name      bound                                                        extra mem
 ========  ===========================================================  =====================
 ball      paper's cluster bound ``<mu_c,h> + R_c ||h|| + bmax_c``      ``C (d + 3)`` fp32
 int8      per-row int8 copy, ``|<w_i - s_i q_i, h>| <= r_i ||h||``     ``V d`` bytes + ``8 V``
+          (+ the activation's quantisation residual); backends: FBGEMM
+          on x86 CPUs (:mod:`.fbgemm`), cuBLASLt on CUDA, torch elsewhere
 int4      per-group int4 copy, same bound                              ``V d / 2`` + scales
 fp16      fp16 copy, ``|<w_i - fp16(w_i), h>| <= r_i ||h||`` + GEMM     ``2 V d`` + ``8 V``
 ========  ===========================================================  =====================
+
+``auto`` (the default) is the fastest sound screen measured (README, Benchmarks): ``int8``
+everywhere it has an exact fast GEMM (FBGEMM on x86 CPUs, cuBLASLt on CUDA); on a CPU where
+FBGEMM refuses (op missing, another quantized engine), ``fp16``, then the ``int8`` reference.
+Each fallback logs one line at start-up, with the reason.
 """
 
 from __future__ import annotations
+
+import logging
 
 import torch
 
@@ -43,21 +52,41 @@ from .ball import BallScreen  # noqa: E402
 from .half import HalfScreen  # noqa: E402
 from .quantized import QuantizedScreen  # noqa: E402
 
-SCREENS = ("auto", "int8", "int4", "fp16", "ball")
+logger = logging.getLogger("vllm.csv_decode")
+
+SCREENS = ("auto", "int8", "int4", "fp16", "ball")  # the one list of names: CLI, config, HeadConfig
 DEFAULT_SCREEN = "auto"
 
 
+def _fbgemm_int8(weight: torch.Tensor, bias: torch.Tensor | None):
+    """The FBGEMM int8 screen, or None (one log line saying why) where it refuses."""
+    from .fbgemm import FbgemmInt8Screen
+
+    try:
+        return FbgemmInt8Screen(weight, bias)
+    except CSVError as e:
+        logger.info("CSV screen int8: FBGEMM backend unavailable (%s); falling back", e)
+        return None
+
+
 def make_screen(name: str, weight: torch.Tensor, bias: torch.Tensor | None, index=None):
-    """Build the screen ``name`` for the head ``weight [V, d]`` (and ``bias``). ``auto`` is the
-    fastest measured (README, Benchmarks): ``int8`` on CUDA, where cuBLASLt's exact int8 GEMM
-    reads half the bytes of a bf16 head; ``fp16`` elsewhere (torch's CPU int8 GEMMs are scalar
-    loops on CPUs without int8 dot-product instructions), ``int8`` if the head overflows fp16."""
-    if name == "auto":
-        if not weight.is_cuda:
+    """Build the screen ``name`` for the head ``weight [V, d]`` (and ``bias``); ``auto`` is
+    ``int8`` with an exact fast GEMM (FBGEMM on CPU, cuBLASLt on CUDA), else ``fp16``, else
+    the ``int8`` torch reference (module docstring)."""
+    if name not in SCREENS:
+        raise CSVError(f"unknown screen {name!r}; choose one of {', '.join(SCREENS)}")
+    on_cpu = weight.device.type == "cpu"
+    if name in ("auto", "int8") and on_cpu:
+        screen = _fbgemm_int8(weight, bias)
+        if screen is not None:
+            return screen
+        if name == "auto":
             try:
                 return HalfScreen(weight, bias)
-            except CSVError:
-                pass
+            except CSVError as e:
+                logger.info("CSV screen fp16 refused (%s); using the int8 torch reference", e)
+        name = "int8"
+    if name == "auto":
         name = "int8"
     if name == "ball":
         if index is None:
@@ -65,9 +94,7 @@ def make_screen(name: str, weight: torch.Tensor, bias: torch.Tensor | None, inde
         return BallScreen(index, weight, bias)
     if name == "fp16":
         return HalfScreen(weight, bias)
-    if name in ("int8", "int4"):
-        return QuantizedScreen(weight, bias, bits=int(name[3:]))
-    raise CSVError(f"unknown screen {name!r}; choose one of {', '.join(SCREENS)}")
+    return QuantizedScreen(weight, bias, bits=int(name[3:]))
 
 
 def hidden_norm_upper(h: torch.Tensor) -> torch.Tensor:

@@ -15,6 +15,7 @@ import argparse
 import sys
 
 from ..errors import CSVError
+from ..screens import SCREENS
 from .config import SECTION, from_additional_config
 
 FLAGS = {  # namespace attribute -> config key
@@ -28,8 +29,9 @@ def add_csv_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("CSV-Decode (vllm-csv)", "Certified sub-vocabulary decoding of the LM head.")
     g.add_argument("--enable-csv-decode", action="store_true", default=None,
                    help="Compute exact logits on a certified sub-vocabulary; dense otherwise.")
-    g.add_argument("--csv-screen", choices=("auto", "int8", "int4", "fp16", "ball"), default=None,
-                   help="Bound used to prune the vocabulary (default auto: fp16 on CPU, int8 on CUDA).")
+    g.add_argument("--csv-screen", choices=SCREENS, default=None,
+                   help="Bound used to prune the vocabulary (default auto: int8 with FBGEMM on x86 CPUs and "
+                        "cuBLASLt on CUDA; fp16 on CPUs without FBGEMM).")
     g.add_argument("--csv-index", default=None, help="Index file for --csv-screen ball (default: cache).")
     g.add_argument("--csv-clusters", type=int, default=None, help="Clusters when building an index.")
     g.add_argument("--csv-budget", type=float, default=None,

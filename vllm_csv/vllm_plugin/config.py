@@ -13,6 +13,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from ..errors import CSVError
 from ..head import HeadConfig
+from ..screens import DEFAULT_SCREEN, SCREENS
 
 SECTION = "csv_decode"
 
@@ -21,7 +22,7 @@ class CSVDecodeConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     enabled: bool = False
-    screen: Literal["auto", "int8", "int4", "fp16", "ball"] = "auto"
+    screen: Literal[SCREENS] = DEFAULT_SCREEN
     index: str | None = Field(None, description="index file (screen 'ball'); default: the cache")
     clusters: int | None = Field(None, ge=1, description="clusters when building an index (default 0.015 V)")
     budget: float = Field(0.05, gt=0.0, le=1.0, description="max share of V scored per row, then dense")

@@ -1,0 +1,167 @@
+"""The int8 screen on x86 CPUs: FBGEMM's exact int8 GEMM (:mod:`vllm_csv.ops.fbgemm`).
+
+Weights: per-row symmetric int8, ``deq_i = s_i q_i`` (``s_i = max|w_i| / 127`` in fp32, at least
+``2^-126`` so that it is a normal number; ``q_i = round(w_i / s_i)``), packed once.
+``r_i = ||w_i - deq_i||`` and ``n_i = ||deq_i||`` in float64 from the exact ``deq_i``, rounded up.
+
+Activations, per row ``b``: ``t_b = 2^k_b >= max_j |h_bj|`` (``frexp``: exact), and
+``p_b = clamp(round(64 h_b / t_b), -64, 63)`` (float64: exact scaling), so ``p_b`` holds integers
+in ``[-64, 63]`` and ``f_b = h_b - (t_b / 64) p_b`` is exact in float64
+(``||f_b||_inf <= t_b / 64``). Rows with ``k_b < -143`` (``max|h_b| < 2^-143``) take ``p_b = 0``.
+
+The GEMM. With ``A_bi = <p_b, q_i>`` (an integer, ``|A| <= 64 * 128 * d``), FBGEMM returns
+``fl(fl(A_bi) c s_i)`` bit for bit (:class:`~vllm_csv.ops.fbgemm.PackedInt8Linear`), ``c`` a
+power of two:
+
+* one shared exponent (every row of the batch has the same ``t``, always at ``B = 1``), and
+  ``2^-14 <= c = t / 64 <= 2^100`` with ``c s_i`` normal for every ``i``: ``y = fl(fl(A) c s_i)``;
+* otherwise ``c = 1`` and ``y = fl(fl(fl(A) s_i) t_b / 64)`` (a power-of-two scaling: exact,
+  except for an absolute ``|delta| <= 2^-150`` where the result is subnormal).
+
+Each ``fl`` is a relative ``(1 + e)``, ``|e| <= u = 2^-24`` (``fl(A)`` is exact below ``2^24``,
+i.e. ``d <= 2048``); a nonzero product is at least ``c s_i >= 2^-126`` or ``s_i``: normal, no
+underflow. So, with ``x_bi = (t_b / 64) s_i A_bi = <deq_i, t_b p_b / 64>``,
+
+    |x_bi - y_bi| <= ((1 + u)^2 - 1) / (1 - u)^2 |y_bi| + (1 + 3u) |delta|  <=  3u |y_bi| + 2^-149 [underflow possible]
+
+and ``|delta| > 0`` needs ``s_min t_b / 64 < 2^-126`` (``|fl(fl(A) s_i)| >= s_i`` for
+``A != 0``, and ``A = 0`` gives 0 exactly). For rows where that can happen, ``e_b`` gains
+``2^-149 / s_min``: ``n_i >= s_i >= s_min`` whenever ``q_i != 0``, so ``n_i e_b`` covers it.
+Finally
+
+    <w_i, h_b> = <w_i - deq_i, h_b> + <deq_i, f_b> + x_bi,
+    |<w_i, h_b> + b_i - y_bi - b_i| <= r_i ||h_b|| + n_i e_b + 3u |y_bi|,
+    e_b = ||f_b|| (+ 2^-149 / s_min where the scaling may underflow)     (Cauchy-Schwarz twice)
+
+which is :class:`~vllm_csv.screens.ScreenOut` ``(y + b, r, n, e, rel=3u)``; the bias is added
+last, in fp32. Non-finite ``h_b`` gets ``p_b = 0`` (its bound is ``nan``/``inf``: the runtime
+sends that row dense) so that it cannot change the quantisation of the other rows. A product
+that overflows is ``inf``: that row goes dense too.
+
+Soundness rests on FBGEMM computing what the ops module says; the constructor checks it on
+this machine (a probe batch at the activation extremes against the float64 reference, bit for
+bit) and refuses (:class:`~vllm_csv.errors.CSVError`) where anything differs or is missing,
+so there is no call-time refusal.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..errors import CSVError
+from ..fp import FP32_UNIT_ROUNDOFF
+from ..index import _round_up
+from ..ops.fbgemm import ACT_MAX, ACT_MIN, C_MAX_LOG2, C_MIN_LOG2, PackedInt8Linear, packed_int8_linear_ref
+from .copy_error import copy_error_norms
+from .quantized import quantize
+
+REL = 3 * FP32_UNIT_ROUNDOFF
+S_MIN = 2.0**-126  # smallest normal fp32
+K_MIN = -143  # rows with max|h| < 2^K_MIN are not quantised (t / 64 would not be an fp32)
+PROBE_ROWS = 192
+
+
+def quantize_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``q [V, d]`` int8 and ``s [V]`` fp32 of the screen: :func:`quantize` (8 bits), with
+    scales below ``2^-126`` raised to ``2^-126`` (normal numbers; ``|w| / s <= 127`` still)."""
+    q, s = quantize(weight, 8)
+    s = s[:, 0]
+    tiny = s < S_MIN
+    if bool(tiny.any()):
+        s = torch.where(tiny, torch.full_like(s, S_MIN), s)
+        q[tiny] = torch.round(weight[tiny].float() / S_MIN).clamp_(-127, 127).to(torch.int8)
+    return q, s
+
+
+class FbgemmInt8Screen:
+    """Per-row int8 copy of the head, scored by FBGEMM's exact int8 GEMM (x86 CPUs).
+
+    Parameters
+    ----------
+    weight : torch.Tensor
+        ``[V, d]`` LM head, any float dtype, on the CPU.
+    bias : torch.Tensor, optional
+        ``[V]``.
+    """
+
+    name = "int8"
+    backend = "fbgemm"
+    two_sided = True
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, chunk: int = 8192):
+        if weight.device.type != "cpu":
+            raise CSVError("FBGEMM runs on the CPU only")
+        V, d = weight.shape
+        q, s = quantize_rows(weight)
+        if not bool(torch.isfinite(s).all()) or float(s.max()) * 2.0**C_MAX_LOG2 >= 2.0**127:
+            raise CSVError("LM head has non-finite or huge (> 1e36) weights")
+        self.gemm = PackedInt8Linear(q, s)
+        self.s = s
+        r, n = copy_error_norms(weight, lambda a, b: q[a:b].double() * s[a:b, None].double(), chunk)
+        slack = 1 + 4 * FP32_UNIT_ROUNDOFF
+        self.radius = _round_up(r) * slack
+        self.n = _round_up(n) * slack
+        self.s_min, self.s_max = float(s.min()), float(s.max())
+        self.bias = None if bias is None else bias.float()
+        self.extra_bytes = V * (d + 2) + V * 4 * 5  # packed int8; col offsets, scales, zero points, r, n
+        self._self_test(q, s)
+
+    def _self_test(self, q: torch.Tensor, s: torch.Tensor) -> None:
+        """Probe rows at the extremes of the activation range (every code 0, every code 127,
+        alternating) and random ones, at two scales, against the float64 reference on a sample
+        of rows of ``W`` (with its largest ``|q|``): bit for bit, or the screen refuses."""
+        V, d = q.shape
+        g = torch.Generator().manual_seed(0)
+        p = torch.randint(ACT_MIN, ACT_MAX + 1, (5, d), generator=g).float()
+        p[0], p[1] = ACT_MIN, ACT_MAX
+        p[2, ::2], p[2, 1::2] = ACT_MIN, ACT_MAX
+        rows = torch.cat([torch.arange(min(V, 64)), torch.randint(0, V, (PROBE_ROWS - 64,), generator=g),
+                          q.abs().amax(1).argmax().reshape(1)]).unique()
+        for c in (1.0, self._fold_scale(C_MIN_LOG2 + 6) or 1.0):
+            got = self.gemm(p, c)[:, rows]
+            want = packed_int8_linear_ref(p, q[rows], s[rows], c)
+            if not torch.equal(got, want):
+                raise CSVError("FBGEMM's int8 GEMM is not exact on this machine (self-test)")
+
+    def _fold_scale(self, k: int) -> float | None:
+        """``c = 2^(k - 6)`` if FBGEMM can apply it exactly (see the module docstring), else None."""
+        j = k - 6
+        if not C_MIN_LOG2 <= j <= C_MAX_LOG2:
+            return None
+        c = 2.0**j
+        if self.s_min * c < S_MIN or self.s_max * c >= 2.0**127:
+            return None
+        return c
+
+    def center_radius(self, h: torch.Tensor):
+        """Screen values for ``h [B, d]``: ``ScreenOut(y [B, V] fp32, r [V], n [V], e [B], rel)``."""
+        from . import ScreenOut
+
+        hd = h.double()
+        if hd.shape[0] == 0:
+            y = torch.empty((0, self.s.shape[0])) if self.bias is None else self.bias.expand(0, -1).clone()
+            return ScreenOut(y, self.radius, True, self.n, torch.empty(0), REL)
+        amax = hd.abs().amax(1)
+        m, k = torch.frexp(amax)  # amax = m 2^k, m in [0.5, 1): t = 2^k >= amax (2^(k-1) if m = 0.5)
+        k = torch.where(m == 0.5, k - 1, k)
+        live = torch.isfinite(amax) & (amax > 0) & (k >= K_MIN)
+        k = torch.where(live, k, torch.zeros_like(k))
+        scale = torch.ldexp(torch.ones_like(amax), k - 6)  # t_b / 64, float64, exact
+        p = torch.round(hd / scale[:, None]).clamp_(ACT_MIN, ACT_MAX)
+        p = torch.where(live[:, None], p, torch.zeros_like(p))
+        f = (hd - p * scale[:, None]).norm(dim=1)  # exact residual, norm in float64
+        # The host reads k: the plan (one GEMM call, fold or not) is decided on the CPU, which is
+        # where this screen runs anyway (no device to sync with).
+        k_lo, k_hi = int(k.min()), int(k.max())
+        c = self._fold_scale(k_lo) if k_lo == k_hi else None
+        if c is not None:
+            y = self.gemm(p.float(), c)
+        else:
+            y = self.gemm(p.float(), 1.0).mul_(scale.float()[:, None])  # exact unless subnormal
+            may_underflow = self.s_min * scale < S_MIN
+            f = torch.where(may_underflow, f + 2.0**-149 / self.s_min, f)
+        e = _round_up(f) * (1 + 4 * FP32_UNIT_ROUNDOFF)
+        out = ScreenOut(y, self.radius, True, self.n, e, REL)
+        if self.bias is not None:
+            out.y += self.bias
+        return out
