@@ -142,7 +142,7 @@ class CertifiedHead:
         self._tiny = 2 * torch.finfo(self.dtype).tiny
         self._tiny32 = 2 * torch.finfo(torch.float32).tiny
         self._gamma = g
-        self._rad_cache = None
+        self._rad_cache = self._nmax_cache = None
         self._wmax = float(self.weight.float().norm(dim=1).max()) if V else 0.0
         self._rad_total(self.screen.radius)
         # |b_i| and the screen's own per-token offset (its bias term): the pre-bias magnitude
@@ -176,6 +176,12 @@ class CertifiedHead:
             self._rad_cache = (r, total)
             self._rad_max = float(total.max()) if total.numel() else 0.0
         return self._rad_cache[1]
+
+    def _max_of(self, n: torch.Tensor) -> float:
+        """``max(n)`` of a per-token screen constant, computed once per tensor (not per step)."""
+        if self._nmax_cache is None or self._nmax_cache[0] is not n:
+            self._nmax_cache = (n, float(n.max()) if n.numel() else 0.0)
+        return self._nmax_cache[1]
 
     def _bias_slack(self, rel: float) -> tuple[torch.Tensor, float]:
         """``[V]`` absolute slack ``(delta + rel + gamma) |b_i| (1 + 4u)`` and its maximum: the
@@ -306,7 +312,7 @@ class CertifiedHead:
         y = out.y
         self._rad_total(out.radius)  # sets rad_max (cached while the screen's radius is the same tensor)
         delta = self._delta + out.rel
-        act = (out.n.max() * (1 + delta) * out.e) if out.n is not None else 0.0
+        act = (self._max_of(out.n) * (1 + delta) * out.e) if out.n is not None else 0.0
         kmax = int(k.max())
         bmax = _block_max(y)  # [B, nb]: the one full read of y
         if kmax == 1:
