@@ -190,7 +190,7 @@ def test_certified_topk_equals_dense(dtype, V, d, bias):
             values = dtype != torch.float32  # fp32 values come from another GEMM call: ids only
             res = head.topk(hb, 2, values=values)
             ids, vals, _ = dense_topk(W, b, hb, 2)
-            assert torch.equal(res.ids, ids)
+            assert torch.equal(res.ids if values else res.ids.sort(1).values, ids if values else ids.sort(1).values)
             if values:
                 assert same_bits(res.values, vals)
     assert head.topk(h[:24], 1, values=False).certified.float().mean() > 0.9  # peaked rows certify

@@ -419,9 +419,10 @@ class CertifiedHead:
         k : int
             ``1 <= k <= V``.
         values : bool
-            Certify the values too: on certified rows ``values`` are the dense head's bits.
-            With ``False`` only ``ids`` are certified (greedy); values are then within the
-            dense value's rounding interval.
+            Certify the values too: on certified rows ``ids`` (in order) and ``values`` are the
+            dense head's. With ``False`` only the *set* of ``ids`` is certified (for ``k = 1``:
+            the argmax, greedy); values are then within the dense values' rounding interval,
+            and the order within the set follows them.
         """
         B = hidden.shape[0]
         if not 1 <= k <= self.vocab_size:
