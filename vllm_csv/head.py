@@ -255,7 +255,7 @@ class CertifiedHead:
         return z, lower, upper
 
     # ---- certification ----------------------------------------------------------------
-    def _certify(self, z, lower, upper, k, outside_high, need_values):
+    def _certify(self, z, lower, upper, k, outside_high, need_values, ids):
         """Top-k certificate on the scored columns.
 
         Parameters
@@ -268,12 +268,21 @@ class CertifiedHead:
             ``[B]`` fp32, an upper bound of every unscored token's rounded dense value.
         need_values : torch.Tensor
             ``[B]`` bool: the row's values are read later (they must be the dense bits).
+        ids : torch.Tensor
+            ``[S]`` int64, the token id of each column.
 
         Returns
         -------
         (certified [B] bool, in_top [B, S] bool): ``T`` = the ``k`` columns of largest ``z``.
         With ``L`` the smallest lower bound in ``T`` and ``U`` the largest upper bound of the
         rest, ``L`` beats ``max(U, outside_high)`` strictly through the engine's arithmetic.
+
+        Replayed ties (``k = 1``, no soft-cap). Where the best value ``v`` is known bit for bit
+        for every column that holds it, and every other token is strictly below ``v`` through
+        the engine's arithmetic, the dense argmax is the lowest id holding ``v``: equal inputs
+        give equal outputs under ``scale`` (one correctly rounded product), and the dense
+        argmax takes the first maximum. (Soft-cap's ``tanh`` may differ by an ulp between its
+        vectorised and scalar code paths, so a tie there is not replayed.)
         """
         kmax = int(k.max())
         top = z.float().topk(kmax, dim=1).indices
@@ -282,8 +291,20 @@ class CertifiedHead:
         low = lower.masked_fill(~in_top, math.inf).amin(1)
         high = upper.masked_fill(in_top, -math.inf).amax(1)
         ok = self.engine.separated(low, torch.maximum(high, outside_high))
-        known = (DenseEngine.single_valued(lower, upper) | ~in_top).all(1)
-        return ok & (known | ~need_values), in_top
+        known = DenseEngine.single_valued(lower, upper)
+        ok &= (known | ~in_top).all(1) | ~need_values
+        if self.softcap is None and kmax == 1:
+            zf = z.float()
+            v = zf.masked_fill(~known, -math.inf).amax(1)
+            tie = known & (zf == v[:, None])
+            rest = upper.masked_fill(tie, -math.inf).amax(1)
+            by_tie = ~ok & self.engine.separated(v, torch.maximum(rest, outside_high))
+            if bool(by_tie.any()):
+                first = torch.where(tie, ids[None], ids.max() + 1).argmin(1)
+                one = torch.zeros_like(in_top).scatter_(1, first[:, None], True)
+                in_top = torch.where(by_tie[:, None], one, in_top)
+                ok |= by_tie
+        return ok, in_top
 
     def _select(self, hidden: torch.Tensor, k: torch.Tensor, need_values: torch.Tensor) -> _Selection:
         sel = (self._select_two_sided if self.screen.two_sided else self._select_one_sided)
@@ -341,7 +362,7 @@ class CertifiedHead:
         certified = torch.zeros(B, dtype=torch.bool, device=dev)
         if ids.numel() >= kmax:
             z, lower, upper = self._score(hidden, ids, hnorm)
-            cert, in_top = self._certify(z, lower, upper, k, tau, need_values)
+            cert, in_top = self._certify(z, lower, upper, k, tau, need_values, ids)
             certified = ok & live & cert
             exact[:, ids] = z.masked_fill(~in_top, -math.inf)
         return _Selection(exact, torch.full((B,), ids.numel(), device=dev), certified,
@@ -397,7 +418,7 @@ class CertifiedHead:
                 done[new] = True
                 hi.index_fill_(1, new, -math.inf)
             if zs.shape[1] >= kmax:
-                cert, in_top = self._certify(zs, lower, upper, k, hi.amax(1), need_values)
+                cert, in_top = self._certify(zs, lower, upper, k, hi.amax(1), need_values, cols)
                 certified |= active & cert
             active &= ~certified & (m < budget) & ~done.all()
             m = torch.where(active, torch.clamp(m * 2, max=budget), m)
