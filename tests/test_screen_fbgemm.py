@@ -234,6 +234,7 @@ def test_broken_bounds_are_caught():
 def test_refuses_cleanly_without_the_op(monkeypatch, caplog):
     W, g = peaked_head(2003, 48, seed=1)
     h = hidden_near_rows(W, 8, g)
+    assert isinstance(make_screen("auto", W.bfloat16(), None), FbgemmInt8Screen)  # the CPU default
 
     def missing():
         raise AttributeError("_OpNamespace 'quantized' object has no attribute 'linear_dynamic'")
