@@ -7,6 +7,13 @@ them all. vLLM enables that mode itself only with ``--api-server-count > 1``; wi
 CSV on, :func:`ensure_multiprocess_dir` (called once the flags are parsed, before the
 engine processes start) enables it with vLLM's own helper for one API server too.
 No metric exists unless CSV is enabled: they are created by the first head.
+
+Tensor parallelism: every rank reaches the same decision for every row
+(:mod:`vllm_csv.sharded`), so the families above count the deployment's rows once, from
+rank 0, and the dashboard's sums stay right; the head time is rank 0's (the two collectives
+of a CSV step keep the ranks in step). ``csv_decode_rank_rows_certified`` and
+``csv_decode_rank_rows`` carry a ``rank`` label and are counted on every rank: equal counts
+across ranks show the ranks agreed.
 """
 
 from __future__ import annotations
@@ -41,8 +48,14 @@ class CSVMetrics:
 
     _families = None
 
-    def __init__(self, model_name: str, info: dict):
+    def __init__(self, model_name: str, info: dict, rank: int | None = None):
         fam = CSVMetrics._create()
+        self.primary = not rank  # None (no TP) or rank 0: records the families without a rank label
+        self.rank_rows = self.rank_certified = None
+        if rank is not None:
+            lab = {"model_name": str(model_name), "rank": str(rank)}
+            self.rank_rows = fam["rank_rows"].labels(**lab)
+            self.rank_certified = fam["rank_certified"].labels(**lab)
         self.labels = {"model_name": str(model_name)}
         m = self.labels
         self.steps = fam["steps"].labels(**m)
@@ -79,6 +92,10 @@ class CSVMetrics:
                                      buckets=SECONDS_BUCKETS),
                 "saved": Counter(f"{PREFIX}_head_seconds_saved",
                                  "Dense-head time (measured once per batch size) minus CSV head time", lab),
+                "rank_rows": Counter(f"{PREFIX}_rank_rows", "Rows through this TP rank's LM head shard",
+                                     lab + ["rank"]),
+                "rank_certified": Counter(f"{PREFIX}_rank_rows_certified",
+                                          "Rows certified, as decided on this TP rank", lab + ["rank"]),
                 "info": Gauge(f"{PREFIX}_info", "CSV-Decode configuration of the served LM head",
                               lab + ["screen", "vocab_size", "hidden_size", "clusters", "fingerprint"],
                               multiprocess_mode="max"),
@@ -87,6 +104,12 @@ class CSVMetrics:
 
     def record(self, stats, dense_seconds: float | None = None) -> None:
         """Count one step (a :class:`vllm_csv.head.StepStats`)."""
+        if self.rank_rows is not None:
+            self.rank_rows.inc(stats.rows)
+            if stats.certified:
+                self.rank_certified.inc(stats.certified)
+        if not self.primary:
+            return
         self.rows.inc(stats.rows)
         if stats.csv_rows == 0:
             return

@@ -154,7 +154,7 @@ class SharedOffSwitch:
     def allow(self, batch: int, measure_dense: Callable[[], float]) -> bool:
         sw = self.switch
         if batch not in sw.dense_seconds:
-            t = torch.tensor([min(measure_dense(), measure_dense())], dtype=torch.float64)
+            t = torch.tensor([min(measure_dense(), measure_dense())], dtype=torch.float32)  # shm all-gather: no fp64
             sw.dense_seconds[batch] = float(self.comm.all_gather(t).max())  # one-off per batch size
         return sw.allow(batch, lambda: sw.dense_seconds[batch])
 
@@ -272,7 +272,7 @@ class ShardedHead:
             p2[:, 4 * kmax + 2] = live.float()
         p2 = torch.cat([p2.reshape(-1), torch.tensor([float(scored_here)], device=dev)])
         g2 = self.comm.all_gather(p2)  # collective 2: [size, B F + 1]
-        scored = int(g2[:, -1].sum())
+        scored = int(g2[:, -1].sum())  # host sync: StepStats is a host record (as the single-rank head)
         g2 = g2[:, :-1].reshape(size, B, F).permute(1, 0, 2)  # [B, size, F]
         part = lambda j: g2[:, :, j * kmax : (j + 1) * kmax].reshape(B, size * kmax)  # noqa: E731
         gz, gid, glo, gup = (part(j) for j in range(4))
