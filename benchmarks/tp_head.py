@@ -46,7 +46,6 @@ def run(rank: int, size: int, W, b, H, batches, screen, repeats, store: str | No
     torch.set_num_threads(threads)
     V = W.shape[0]
     cfg = HeadConfig(screen=screen, off_switch=False)
-    engine_fn = None
     if size == 1:
         head = CertifiedHead(W, b, config=cfg)
 
@@ -67,11 +66,9 @@ def run(rank: int, size: int, W, b, H, batches, screen, repeats, store: str | No
             bb = bp[shard.start : shard.start + shard.rows].contiguous()
         comm = TorchGroup()
         head = ShardedHead(w, bb, shard, comm, config=cfg)
-        engine_fn = head.engine.transform
-
         def dense(h):
             g = comm.all_gather(F.linear(h, w, bb))
-            return engine_fn(g.permute(1, 0, 2).reshape(h.shape[0], -1)[:, :V])
+            return head.engine.transform(g.permute(1, 0, 2).reshape(h.shape[0], -1)[:, :V])
     out = {}
     for B in batches:
         cert = rows = 0

@@ -11,7 +11,6 @@ One test runs the same over real ``torch.distributed`` gloo processes.
 from __future__ import annotations
 
 import math
-import os
 import threading
 import time
 
@@ -20,7 +19,6 @@ import torch
 import torch.nn.functional as F
 
 from vllm_csv import audit
-from vllm_csv.dense_engine import DenseEngine
 from vllm_csv.errors import CSVError
 from vllm_csv.head import HeadConfig
 from vllm_csv.sharded import Shard, ShardedHead, TorchGroup

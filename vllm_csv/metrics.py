@@ -43,6 +43,17 @@ def ensure_multiprocess_dir() -> None:
     values.ValueClass = values.get_value_class()  # metrics created from now on are file-backed
 
 
+def ray_active() -> bool:
+    """Whether this process is a Ray worker or driver (``ray.init`` done). There the metrics go
+    to ``ray.util.metrics`` (vLLM's ``ray_wrappers``, as its ``RayPrometheusStatLogger``), which
+    Ray's metrics agent exports from every node; the multiprocess files of a single host would
+    not reach the API server from another node."""
+    import sys
+
+    ray = sys.modules.get("ray")  # never imported here: only a process that runs Ray has it
+    return ray is not None and bool(getattr(ray, "is_initialized", lambda: False)())
+
+
 class CSVMetrics:
     """One set of metrics per process, labelled by ``model_name`` like vLLM's own."""
 
@@ -75,7 +86,12 @@ class CSVMetrics:
     @classmethod
     def _create(cls):
         if cls._families is None:
-            from prometheus_client import Counter, Gauge, Histogram
+            if ray_active():  # a Ray worker: vLLM's wrappers of ray.util.metrics (same API)
+                from vllm.v1.metrics.ray_wrappers import (RayCounterWrapper as Counter,
+                                                          RayGaugeWrapper as Gauge,
+                                                          RayHistogramWrapper as Histogram)
+            else:
+                from prometheus_client import Counter, Gauge, Histogram
 
             lab = ["model_name"]
             cls._families = {
