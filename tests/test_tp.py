@@ -408,3 +408,23 @@ def test_gloo_processes(tmp_path):
     (o0, c0, d0), (o1, c1, _) = got[0], got[1]
     assert torch.equal(bits(o0), bits(o1)) and torch.equal(c0, c1) and int(c0.sum()) > 0
     assert check_rows(o0, c0, d0, case.k, audit.dense_reference(case)) == 0
+
+
+@pytest.mark.parametrize("V", (3, 65, 1000, 32000, 32768, 151936))
+@pytest.mark.parametrize("size", (2, 4, 8))
+def test_layout_is_vllms(V, size):
+    """:meth:`Shard.vllm_layout` (used by the tests and the benchmark) and
+    :meth:`Shard.of_lm_head` (used in serving) agree with vLLM's own shard indices."""
+    vpe = pytest.importorskip("vllm.model_executor.layers.vocab_parallel_embedding")
+    padded = vpe.pad_vocab_size(V, vpe.DEFAULT_VOCAB_PADDING_SIZE)
+    for rank in range(size):
+        si = vpe.VocabParallelEmbedding._get_indices(padded, padded, V, V, rank, size)
+        mine = Shard.vllm_layout(V, rank, size)
+        assert (mine.start, mine.start + mine.rows) == (si.padded_org_vocab_start_index,
+                                                        si.padded_org_vocab_end_index)
+        assert mine.real == si.num_org_elements and mine.rows - mine.real == si.num_org_vocab_padding
+
+        class LMHead:
+            tp_rank, tp_size, shard_indices, num_added_embeddings = rank, size, si, 0
+
+        assert Shard.of_lm_head(LMHead(), V) == mine
