@@ -39,3 +39,55 @@ def test_no_metrics_until_a_head_exists():
            "prometheus_client.REGISTRY._names_to_collectors))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "False"
+
+
+def test_tensor_parallel_ranks_count_once(tmp_path):
+    """Two TP ranks record the same global decision: the unlabelled families count it once
+    (rank 0), the ``rank``-labelled counters once per rank."""
+    worker = textwrap.dedent("""
+        import sys
+        from vllm_csv.head import StepStats
+        from vllm_csv.metrics import CSVMetrics
+        m = CSVMetrics("demo", {"screen": "int8", "vocab_size": 1000, "hidden_size": 64}, rank=int(sys.argv[1]))
+        m.record(StepStats(rows=4, csv_rows=3, certified=2, scored=[3, 40], seconds=0.002, screen="int8"))
+    """)
+    env = dict(os.environ, PROMETHEUS_MULTIPROC_DIR=str(tmp_path))
+    for rank in (0, 1):
+        subprocess.run([sys.executable, "-c", worker, str(rank)], env=env, check=True)
+    reg = CollectorRegistry()
+    multiprocess.MultiProcessCollector(reg, path=str(tmp_path))
+    text = generate_latest(reg).decode()
+    assert 'csv_decode_rows_total{model_name="demo"} 4.0' in text
+    assert 'csv_decode_rows_certified_total{model_name="demo"} 2.0' in text
+    assert 'csv_decode_scored_tokens_count{model_name="demo"} 2.0' in text
+    for rank in (0, 1):
+        assert f'csv_decode_rank_rows_certified_total{{model_name="demo",rank="{rank}"}} 2.0' in text
+        assert f'csv_decode_rank_rows_total{{model_name="demo",rank="{rank}"}} 4.0' in text
+
+
+def test_metrics_go_to_ray_under_ray():
+    """In a Ray process (local ``ray.init``) every CSV metric is a ``ray.util.metrics`` one
+    (vLLM's Ray wrappers) and recording works; outside Ray, prometheus-client's. Reading the
+    values back needs Ray's metrics agent (``ray[default]``), not checked here. Skipped where
+    Ray (with ``ray.serve``, which vLLM's wrappers import) is not installed."""
+    import pytest
+
+    pytest.importorskip("ray.serve")
+    code = textwrap.dedent("""
+        import ray
+        from vllm_csv.metrics import CSVMetrics, ray_active
+        assert not ray_active()
+        ray.init(num_cpus=1, include_dashboard=False)
+        assert ray_active()
+        from ray.util import metrics as ray_metrics
+        from vllm_csv.head import StepStats
+        m = CSVMetrics("demo", {"screen": "int8", "vocab_size": 1000, "hidden_size": 64}, rank=0)
+        for f in CSVMetrics._families.values():
+            assert isinstance(f.metric, ray_metrics.Metric), type(f)
+        m.record(StepStats(rows=4, csv_rows=3, certified=2, scored=[3, 40], seconds=0.002, screen="int8"),
+                 dense_seconds=0.005)
+        ray.shutdown()
+        print("ray metrics ok")
+    """)
+    out = subprocess.run([sys.executable, "-c", code], check=True, timeout=180, capture_output=True, text=True)
+    assert "ray metrics ok" in out.stdout

@@ -7,6 +7,13 @@ them all. vLLM enables that mode itself only with ``--api-server-count > 1``; wi
 CSV on, :func:`ensure_multiprocess_dir` (called once the flags are parsed, before the
 engine processes start) enables it with vLLM's own helper for one API server too.
 No metric exists unless CSV is enabled: they are created by the first head.
+
+Tensor parallelism: every rank reaches the same decision for every row
+(:mod:`vllm_csv.sharded`), so the families above count the deployment's rows once, from
+rank 0, and the dashboard's sums stay right; the head time is rank 0's (the two collectives
+of a CSV step keep the ranks in step). ``csv_decode_rank_rows_certified`` and
+``csv_decode_rank_rows`` carry a ``rank`` label and are counted on every rank: equal counts
+across ranks show the ranks agreed.
 """
 
 from __future__ import annotations
@@ -36,13 +43,30 @@ def ensure_multiprocess_dir() -> None:
     values.ValueClass = values.get_value_class()  # metrics created from now on are file-backed
 
 
+def ray_active() -> bool:
+    """Whether this process is a Ray worker or driver (``ray.init`` done). There the metrics go
+    to ``ray.util.metrics`` (vLLM's ``ray_wrappers``, as its ``RayPrometheusStatLogger``), which
+    Ray's metrics agent exports from every node; the multiprocess files of a single host would
+    not reach the API server from another node."""
+    import sys
+
+    ray = sys.modules.get("ray")  # never imported here: only a process that runs Ray has it
+    return ray is not None and bool(getattr(ray, "is_initialized", lambda: False)())
+
+
 class CSVMetrics:
     """One set of metrics per process, labelled by ``model_name`` like vLLM's own."""
 
     _families = None
 
-    def __init__(self, model_name: str, info: dict):
+    def __init__(self, model_name: str, info: dict, rank: int | None = None):
         fam = CSVMetrics._create()
+        self.primary = not rank  # None (no TP) or rank 0: records the families without a rank label
+        self.rank_rows = self.rank_certified = None
+        if rank is not None:
+            lab = {"model_name": str(model_name), "rank": str(rank)}
+            self.rank_rows = fam["rank_rows"].labels(**lab)
+            self.rank_certified = fam["rank_certified"].labels(**lab)
         self.labels = {"model_name": str(model_name)}
         m = self.labels
         self.steps = fam["steps"].labels(**m)
@@ -63,7 +87,12 @@ class CSVMetrics:
     @classmethod
     def _create(cls):
         if cls._families is None:
-            from prometheus_client import Counter, Gauge, Histogram
+            if ray_active():  # a Ray worker: vLLM's wrappers of ray.util.metrics (same API)
+                from vllm.v1.metrics.ray_wrappers import (RayCounterWrapper as Counter,
+                                                          RayGaugeWrapper as Gauge,
+                                                          RayHistogramWrapper as Histogram)
+            else:
+                from prometheus_client import Counter, Gauge, Histogram
 
             lab = ["model_name"]
             cls._families = {
@@ -80,6 +109,10 @@ class CSVMetrics:
                                      buckets=SECONDS_BUCKETS),
                 "saved": Counter(f"{PREFIX}_head_seconds_saved",
                                  "Dense-head time (measured once per batch size) minus CSV head time", lab),
+                "rank_rows": Counter(f"{PREFIX}_rank_rows", "Rows through this TP rank's LM head shard",
+                                     lab + ["rank"]),
+                "rank_certified": Counter(f"{PREFIX}_rank_rows_certified",
+                                          "Rows certified, as decided on this TP rank", lab + ["rank"]),
                 "info": Gauge(f"{PREFIX}_info", "CSV-Decode configuration of the served LM head",
                               lab + ["screen", "vocab_size", "hidden_size", "clusters", "fingerprint"],
                               multiprocess_mode="max"),
@@ -88,6 +121,12 @@ class CSVMetrics:
 
     def record(self, stats, dense_seconds: float | None = None) -> None:
         """Count one step (a :class:`vllm_csv.head.StepStats`)."""
+        if self.rank_rows is not None:
+            self.rank_rows.inc(stats.rows)
+            if stats.certified:
+                self.rank_certified.inc(stats.certified)
+        if not self.primary:
+            return
         self.rows.inc(stats.rows)
         if stats.csv_rows == 0:
             return

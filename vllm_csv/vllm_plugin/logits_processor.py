@@ -6,6 +6,8 @@ vLLM's own class, so the layer is exactly what vLLM would have built. When on, t
 first ``forward`` builds a :class:`~vllm_csv.head.CertifiedHead` from the layer's
 weights, and each step's rows take the certified path or vLLM's dense code
 (``super()._get_logits`` + soft-cap + scale, unchanged) as the runner's plan says.
+With tensor parallelism the head is a :class:`~vllm_csv.sharded.ShardedHead` over this
+rank's shard: every rank reaches the same decision, and dense rows take vLLM's all-gather.
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ class CSVLogitsProcessor(LogitsProcessor):
         self.csv_config: CSVDecodeConfig = cfg
         self.csv_model_name = getattr(getattr(vc, "model_config", None), "served_model_name", None) or \
             getattr(getattr(vc, "model_config", None), "model", "")
-        self.csv_head: csv_head.CertifiedHead | None = None
+        self.csv_head = None  # CertifiedHead, or ShardedHead under tensor parallelism
         self.csv_metrics = None
         self._csv_logged = False
 
@@ -62,18 +64,26 @@ class CSVLogitsProcessor(LogitsProcessor):
             logger.info("CSV-Decode active: screen=%s V=%d d=%d, first step %d/%d rows certified",
                         stats.screen, head.vocab_size, head.hidden_size, stats.certified, stats.rows)
             self._csv_logged = True
-        if self.csv_metrics is not None:
+        if self.csv_metrics is not None:  # under TP: the global decision (rank 0) and per-rank counts
             sw = head.off_switch
             self.csv_metrics.record(stats, None if sw is None else sw.dense_seconds.get(stats.rows))
         return logits
 
-    def _get_head(self, lm_head, embedding_bias) -> csv_head.CertifiedHead:
+    def _get_head(self, lm_head, embedding_bias):
         if self.csv_head is None:
             from .index_loader import load_or_build_index
 
             weight = lm_head.weight
             bias = embedding_bias if embedding_bias is not None else getattr(lm_head, "bias", None)
             V = self.org_vocab_size
+            if getattr(lm_head, "tp_size", 1) > 1:  # vocab-sharded head: one decision on every rank
+                from ..sharded import Shard, ShardedHead, VllmTPGroup
+
+                self.csv_head = ShardedHead(
+                    weight, bias, Shard.of_lm_head(lm_head, V), VllmTPGroup(),
+                    config=self.csv_config.head_config(), softcap=self.soft_cap, scale=self.scale)
+                self.csv_metrics = _metrics(self.csv_model_name, self.csv_head, None, lm_head.tp_rank)
+                return self.csv_head
             index = None
             if self.csv_config.screen == "ball" or self.csv_config.index:  # a given index is always checked
                 index = load_or_build_index(weight[:V], None if bias is None else bias[:V], self.csv_config)
@@ -85,9 +95,6 @@ class CSVLogitsProcessor(LogitsProcessor):
 
 
 def _unsupported(vc, layer) -> str | None:
-    pc = getattr(vc, "parallel_config", None)
-    if pc is not None and getattr(pc, "tensor_parallel_size", 1) > 1:
-        return "tensor parallelism > 1 (vocab-sharded heads are not supported yet)"
     if getattr(vc, "speculative_config", None) is not None:
         return "speculative decoding (draft and target heads stay dense)"
     mc = getattr(vc, "model_config", None)
@@ -100,10 +107,11 @@ def _unsupported(vc, layer) -> str | None:
     return None
 
 
-def _metrics(model_name: str, head, index):
+def _metrics(model_name: str, head, index, rank: int | None = None):
     from ..metrics import CSVMetrics
 
-    info = {"screen": head.screen.name, "vocab_size": head.vocab_size, "hidden_size": head.hidden_size}
+    screen = getattr(head, "screen_name", None) or head.screen.name
+    info = {"screen": screen, "vocab_size": head.vocab_size, "hidden_size": head.hidden_size}
     if index is not None:
         info.update(clusters=index.num_clusters, fingerprint=index.fingerprint)
-    return CSVMetrics(model_name, info)
+    return CSVMetrics(model_name, info, rank=rank)

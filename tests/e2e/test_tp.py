@@ -1,0 +1,83 @@
+"""Tensor parallelism (issue 11): `vllm serve --tensor-parallel-size 2 --enable-csv-decode` answers
+exactly as `vllm serve --tensor-parallel-size 2`, and both ranks certify the same rows.
+
+Two servers (one dense, one CSV; module-scoped: each takes a minute or two on two cores).
+vLLM-CPU needs one OpenMP core a rank (``VLLM_CPU_OMP_THREADS_BIND='0|1'``); both servers run
+``--enforce-eager``. The CSV server runs without the off-switch so that the certified share
+does not depend on the machine's load.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from .conftest import start_server
+from .test_serve import complete
+
+pytestmark = pytest.mark.e2e
+
+TP_ENV = {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}
+TP_ARGS = ["--tensor-parallel-size", "2", "--enforce-eager"]
+
+
+@pytest.fixture(scope="module")
+def tp_model() -> str:
+    """The learned fixture (V = 32768) when it is cached, else the demo model."""
+    found = sorted(Path.home().glob(".cache/vllm_csv/models/fixture-v32768-d256-*/config.json"))
+    if found:
+        return str(found[0].parent)
+    from vllm_csv.demo_model import ensure_demo_model
+
+    return str(ensure_demo_model(progress=False))
+
+
+@pytest.fixture(scope="module")
+def tp_dense(tp_model, tmp_path_factory):
+    s = start_server(tp_model, TP_ARGS, tmp_path_factory.mktemp("logs") / "tp-dense.log", TP_ENV)
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="module")
+def tp_csv(tp_model, tmp_path_factory):
+    cfg = json.dumps({"csv_decode": {"enabled": True, "off_switch": False}})
+    s = start_server(tp_model, [*TP_ARGS, "--additional-config", cfg],
+                     tmp_path_factory.mktemp("logs") / "tp-csv.log", TP_ENV)
+    yield s
+    s.stop()
+
+
+REQUESTS = {
+    "greedy": dict(temperature=0, max_tokens=24),
+    "top_k": dict(temperature=1.0, extra_body={"top_k": 5}, seed=7, max_tokens=24),
+    "top_p_dense_rows": dict(temperature=1.0, top_p=0.9, seed=3, max_tokens=12),
+}
+
+
+def metric(text: str, name: str, **labels) -> float:
+    total = 0.0
+    for m in re.finditer(rf"^{name}\{{([^}}]*)\}} ([0-9.e+-]+)$", text, re.M):
+        got = dict(re.findall(r'(\w+)="([^"]*)"', m.group(1)))
+        if all(got.get(k) == v for k, v in labels.items()):
+            total += float(m.group(2))
+    return total
+
+
+def test_tp2_identical_to_dense_and_ranks_agree(tp_csv, tp_dense):
+    for name, kw in REQUESTS.items():
+        assert complete(tp_csv, **dict(kw)) == complete(tp_dense, **dict(kw)), name
+    with urllib.request.urlopen(tp_csv.base_url + "/metrics", timeout=10) as r:
+        text = r.read().decode()
+    certified = metric(text, "csv_decode_rows_certified_total")
+    csv_rows = metric(text, "csv_decode_csv_rows_total")
+    r0 = metric(text, "csv_decode_rank_rows_certified_total", rank="0")
+    r1 = metric(text, "csv_decode_rank_rows_certified_total", rank="1")
+    print(f"TP=2: {certified:.0f} of {csv_rows:.0f} CSV rows certified ({certified / max(csv_rows, 1):.1%}); "
+          f"rank 0 {r0:.0f}, rank 1 {r1:.0f}")
+    assert certified > 0 and r0 == r1 == certified, text[-3000:]
+    assert "CSV-Decode is off" not in tp_csv.log()

@@ -1,0 +1,430 @@
+"""Tensor parallelism (issue 11): the sharded certificate, simulated in one process.
+
+Each rank runs in its own thread with a :class:`ThreadGroup` member as its collective (an
+all-gather through a barrier), its own shard of the head in vLLM's layout (vocabulary padded
+to 64, zero rows at the end) and vLLM's dense TP path (all-gather of shard logits, slice,
+soft-cap, scale). Every rank must return the same ``[B, V]``; certified rows must hold the
+dense top-k (ids always, value bits where values are read) and ``-inf`` elsewhere.
+One test runs the same over real ``torch.distributed`` gloo processes.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from vllm_csv import audit
+from vllm_csv.errors import CSVError
+from vllm_csv.head import HeadConfig
+from vllm_csv.sharded import Shard, ShardedHead, TorchGroup
+
+
+class ThreadGroup:
+    """``size`` ranks in threads of one process; :meth:`member` is one rank's collective."""
+
+    def __init__(self, size: int):
+        self.size = size
+        self.barrier = threading.Barrier(size, timeout=60)
+        self.slots: list[torch.Tensor | None] = [None] * size
+        self.gathers = 0
+
+    def member(self, rank: int):
+        group = self
+
+        class Member:
+            def __init__(self):
+                self.rank, self.size = rank, group.size
+
+            def all_gather(self, x):
+                group.slots[rank] = x.clone()
+                group.barrier.wait()
+                out = torch.stack(group.slots)
+                if rank == 0:
+                    group.gathers += 1
+                group.barrier.wait()  # nobody overwrites a slot before every rank has read it
+                return out
+
+        return Member()
+
+
+def run_ranks(size: int, fn):
+    """``[fn(rank, comm) for rank]``, each rank in its own thread."""
+    group = ThreadGroup(size)
+    results, errors = [None] * size, []
+
+    def body(r):
+        try:
+            results[r] = fn(r, group.member(r))
+        except BaseException as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+            group.barrier.abort()
+
+    threads = [threading.Thread(target=body, args=(r,)) for r in range(size)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
+    return results, group
+
+
+def shard_of(weight, bias, shard: Shard):
+    """The rows vLLM loads on this rank: the real rows, then zero padding."""
+    V, d = weight.shape
+    padded = shard.size * shard.rows
+    w = torch.zeros(padded, d, dtype=weight.dtype)
+    w[:V] = weight
+    b = None
+    if bias is not None:
+        b = torch.zeros(padded, dtype=bias.dtype)
+        b[:V] = bias
+    sl = slice(shard.start, shard.start + shard.rows)
+    return w[sl], None if b is None else b[sl]
+
+
+def dense_tp(comm, w, b, V, engine):
+    """vLLM's dense TP head: shard GEMM, all-gather, slice the padding off, soft-cap, scale."""
+    def fn(hidden):
+        g = comm.all_gather(F.linear(hidden, w, b))  # [size, B, P]
+        return engine.transform(g.permute(1, 0, 2).reshape(hidden.shape[0], -1)[:, :V])
+    return fn
+
+
+def run_case(case: audit.Case, size: int, screen: str, k_rows=None, hidden_of=None, patch=None):
+    """Every rank's ``(out, certified, stats)`` and the dense TP logits of rank 0."""
+    V = case.weight.shape[0]
+    B = case.hidden.shape[0]
+    topk = torch.full((B,), case.k) if k_rows is None else k_rows
+
+    def rank(r, comm):
+        shard = Shard.vllm_layout(V, r, size)
+        w, b = shard_of(case.weight, case.bias, shard)
+        cfg = HeadConfig(screen=screen, budget=1.0, off_switch=False)
+        head = ShardedHead(w, b, shard, comm, config=cfg, softcap=case.softcap, scale=case.scale)
+        if patch is not None:
+            patch(r, head)
+        dense = dense_tp(comm, w, b, V, head.engine)
+        hidden = case.hidden if hidden_of is None else hidden_of(r)
+        out, stats = head.sampler_logits(hidden, topk, dense)
+        ref = dense(hidden)
+        return out, head.last_certified, stats, ref
+
+    return run_ranks(size, rank)[0]
+
+
+def bits(x):
+    return x.contiguous().view({2: torch.int16, 4: torch.int32, 8: torch.int64}[x.element_size()])
+
+
+def check_rows(out, certified, dense, k, full_dense=None):
+    """Wrong rows: certified rows must be the dense top-k (values bit for bit when ``k >= 2``)
+    with ``-inf`` elsewhere; the others the dense rows. Also against ``full_dense`` (the
+    unsharded head): the certified ids are those of any accumulation order."""
+    wrong = 0
+    for i in range(out.shape[0]):
+        if not certified[i]:
+            wrong += int(not torch.equal(bits(out[i]), bits(dense[i])))
+            continue
+        for ref in (dense,) if full_dense is None else (dense, full_dense):
+            dv, di = torch.sort(ref[i], descending=True, stable=True)
+            ov, oi = torch.sort(out[i], descending=True, stable=True)
+            if not torch.equal(oi[:k], di[:k]) or bool((ov[k:] != -math.inf).any()):
+                wrong += 1
+                break
+            if k >= 2 and not torch.equal(bits(ov[:k]), bits(dv[:k])):
+                wrong += 1
+                break
+    return wrong
+
+
+def audit_run(family, seed, dtype, screen, size):
+    case = audit.FAMILIES[family](torch.Generator().manual_seed(seed), dtype)
+    try:
+        res = run_case(case, size, screen)
+    except CSVError:  # a screen may refuse a head (fp16 overflow) on some rank
+        return 0, 0, 0
+    outs = [r[0] for r in res]
+    for r in res[1:]:  # the same logits, the same decision and statistics on every rank
+        assert torch.equal(bits(r[0]), bits(outs[0])), (family, seed, dtype, screen, size)
+        assert torch.equal(r[1], res[0][1]) and r[2].certified == res[0][2].certified
+        assert r[2].fallbacks == res[0][2].fallbacks and r[2].scored == res[0][2].scored
+    out, cert, _, dense = res[0]
+    wrong = check_rows(out, cert, dense, case.k, audit.dense_reference(case))
+    return case.hidden.shape[0], int(cert.sum()), wrong
+
+
+@pytest.mark.parametrize("size", (2, 4))
+@pytest.mark.parametrize("screen", ("int8", "int4", "fp16"))
+def test_sharded_matches_dense_on_audit_families(screen, size):
+    rows = cert = 0
+    for family in sorted(audit.FAMILIES):
+        for seed in range(9):
+            dtype = audit.DTYPES[seed % 3]
+            n, c, wrong = audit_run(family, seed, dtype, screen, size)
+            assert wrong == 0, (family, seed, dtype)
+            rows, cert = rows + n, cert + c
+    assert cert > 0.3 * rows, (cert, rows)  # the certificate is not simply off
+
+
+def test_regressions_sharded():
+    for case in audit.regressions():
+        for size in (2, 4):
+            res = run_case(case, size, "int8")
+            out, cert, _, dense = res[0]
+            assert all(torch.equal(bits(r[0]), bits(out)) for r in res)
+            assert check_rows(out, cert, dense, case.k, audit.dense_reference(case)) == 0, case.family
+
+
+def learned_case(V=1000, d=48, B=24, k=1, dtype=torch.bfloat16, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    W = torch.randn(V, d, generator=g) / d**0.5
+    h = audit._near_rows(W, B, g)
+    return audit.Case("learned", W.to(dtype), None, h.to(dtype), k)
+
+
+@pytest.mark.parametrize("V", (1000, 64 * 7, 65, 3))  # not a multiple of 64; exact; a near-empty and empty shards
+def test_shard_layout_and_padding(V):
+    """Padding rows (logit 0 in vLLM's shard GEMM) never win: here every real logit is negative."""
+    for size in (2, 4):
+        shards = [Shard.vllm_layout(V, r, size) for r in range(size)]
+        assert sum(s.real for s in shards) == V and shards[0].start == 0
+        assert all(a.start + a.rows == b.start for a, b in zip(shards, shards[1:]))
+        case = learned_case(V=V, k=min(3, V))
+        case.bias = torch.full((V,), -50.0, dtype=case.weight.dtype)  # every logit < 0 = a padding row's
+        res = run_case(case, size, "int8")
+        out, cert, _, dense = res[0]
+        assert all(torch.equal(bits(r[0]), bits(out)) for r in res)
+        assert check_rows(out, cert, dense, case.k, audit.dense_reference(case)) == 0
+        single = audit.make_head(case, "int8").topk(case.hidden, case.k).certified
+        assert int(cert.sum()) >= int(single.sum()) > 0  # as many certified rows as one rank
+        assert out.shape == (case.hidden.shape[0], V)
+
+
+def test_mixed_plan_and_two_collectives_per_step():
+    """Rows with k in {0, 1, 5}; a CSV step adds exactly two all-gathers (the dense rows' own
+    is vLLM's)."""
+    case = learned_case(V=777, k=5)
+    B = case.hidden.shape[0]
+    topk = torch.tensor([0, 1, 5] * (B // 3))
+
+    def rank(r, comm):
+        shard = Shard.vllm_layout(777, r, 2)
+        w, b = shard_of(case.weight, None, shard)
+        head = ShardedHead(w, b, shard, comm, config=HeadConfig(screen="fp16", off_switch=False))
+        calls = []
+        dense = dense_tp(comm, w, b, 777, head.engine)
+        out, stats = head.sampler_logits(case.hidden, topk, lambda h: calls.append(1) or dense(h))
+        return out, head.last_certified, stats, dense(case.hidden), len(calls)
+
+    res, group = run_ranks(2, rank)
+    out, cert, stats, dense, ncalls = res[0]
+    assert torch.equal(bits(res[1][0]), bits(out))
+    assert not cert[topk == 0].any() and cert[topk > 0].sum() >= 10
+    assert stats.csv_rows == int((topk > 0).sum())
+    for i in range(B):
+        if not cert[i]:
+            assert torch.equal(bits(out[i]), bits(dense[i]))
+        else:
+            assert check_rows(out[i : i + 1], cert[i : i + 1], dense[i : i + 1], int(topk[i])) == 0
+    assert group.gathers == 2 + ncalls + 1  # CSV's two, the dense rows' one, the reference's one
+
+
+def test_disagreeing_ranks_never_split():
+    """Rank 1 alone sees a NaN in row 0's hidden state, and rank 1's exact scores of row 1 come
+    with a useless upper bound: rows 0 and 1 go dense on *every* rank, the others stay certified,
+    and all ranks return the same logits."""
+    case = learned_case(V=900, k=1, B=8)
+
+    def hidden_of(r):
+        h = case.hidden.clone()
+        if r == 1:
+            h[0, 0] = math.nan
+        return h
+
+    def patch(r, head):
+        if r != 1:
+            return
+        score = head.local._score
+
+        def broken(hidden, ids, hnorm):
+            z, lower, upper = score(hidden, ids, hnorm)
+            upper = upper.clone()
+            upper[1] = math.inf  # this rank cannot bound row 1 from above
+            return z, lower, upper
+
+        head.local._score = broken
+
+    res = run_case(case, 2, "int8", hidden_of=hidden_of, patch=patch)
+    (o0, c0, s0, d0), (o1, c1, s1, d1) = res
+    assert torch.equal(c0, c1) and not c0[0] and not c0[1] and c0[2:].all()
+    assert s0.fallbacks == s1.fallbacks and s0.fallbacks["nonfinite"] == 1
+    assert torch.equal(bits(o0), bits(o1))
+    # the dense rows are vLLM's dense TP rows (the NaN of rank 1's shard included)
+    assert torch.equal(bits(o0[0]), bits(d0[0])) and torch.equal(bits(o0[1]), bits(d0[1]))
+
+
+def threshold_violations(threshold) -> int:
+    """Tokens left unscored by ``threshold`` whose dense-value upper bound
+    ``hi_i = y_i + delta |y_i| + spread`` (the half-width bound of
+    :meth:`CertifiedHead._select_two_sided`), in float64, reaches ``tau``; over shards of audit
+    cases, with ``tau`` just above a token's screen value (the hardest place)."""
+    bad = 0
+    for family in ("peaked", "bias_cancel", "norms", "transform"):
+        for seed in range(6):
+            case = audit.FAMILIES[family](torch.Generator().manual_seed(seed), audit.DTYPES[seed % 3])
+            V = case.weight.shape[0]
+            shard = Shard.vllm_layout(V, 0, 2)
+            w, b = shard_of(case.weight, case.bias, shard)
+
+            class Solo:
+                rank, size = 0, 2
+
+            try:
+                head = ShardedHead(w, b, shard, Solo(), config=HeadConfig(screen="int4"),
+                                   softcap=case.softcap, scale=case.scale)
+            except CSVError:
+                continue
+            sc = head._screen(case.hidden, 1)
+            y, rows = sc["y"], sc["ok"]
+            hi = y.double() + sc["delta"] * y.double().abs() + sc["spread"].double()[:, None]
+            for j in (0, y.shape[1] // 2):
+                tau = y[:, j] + y[:, j].abs() * 1e-6
+                thr = threshold(head, tau, sc["spread"], sc["delta"])
+                out = (y < thr[:, None]) & (hi >= tau.double()[:, None]) & rows[:, None]
+                bad += int(out.sum())
+    return bad
+
+
+def test_threshold_bounds_every_unscored_token():
+    assert threshold_violations(ShardedHead._threshold) == 0
+
+
+def test_broken_threshold_is_caught():
+    """Mutation: a shard threshold that forgets the screen's spread (``g^-1(tau)`` instead of
+    ``g^-1(tau - spread)``) leaves tokens unscored whose bound reaches ``tau``."""
+    def weak(self, tau, spread, delta):
+        return ShardedHead._threshold(self, tau, torch.zeros_like(spread), delta)
+
+    assert threshold_violations(weak) > 0
+
+
+def test_broken_outside_bound_is_caught(monkeypatch):
+    """Mutation: the other ranks' scored tokens left out of ``U`` (only ``tau``)."""
+    monkeypatch.setattr(ShardedHead, "_outside", staticmethod(lambda tau, rest: tau))
+    wrong = 0
+    for seed in range(40):
+        _, _, w = audit_run("near_tie", seed, torch.bfloat16, "int4", 2)
+        wrong += w
+        if wrong:
+            break
+    assert wrong > 0
+
+
+def test_ball_refused_and_bad_shard():
+    case = learned_case(V=128)
+    shard = Shard.vllm_layout(128, 0, 2)
+    w, b = shard_of(case.weight, None, shard)
+
+    class Solo:
+        rank, size = 0, 2
+
+    with pytest.raises(CSVError, match="ball"):
+        ShardedHead(w, b, shard, Solo(), config=HeadConfig(screen="ball"))
+    with pytest.raises(CSVError, match="shard"):
+        ShardedHead(w[:10], b, shard, Solo())
+
+
+def test_shared_off_switch_is_common(monkeypatch):
+    """Rank 1's CSV steps take 50 ms more than rank 0's; the dense head is set to 10 ms. Alone,
+    rank 0 would always try CSV and rank 1 would turn it off: shared, both take the same
+    CSV/dense decision every step (off, then retried)."""
+    import vllm_csv.sharded as sharded
+
+    real_time = sharded._time
+    monkeypatch.setattr(sharded, "_time", lambda fn, like: (real_time(fn, like), 0.01)[1])
+    case = learned_case(V=500, B=4)
+
+    def rank(r, comm):
+        shard = Shard.vllm_layout(500, r, 2)
+        w, b = shard_of(case.weight, None, shard)
+        head = ShardedHead(w, b, shard, comm, config=HeadConfig(screen="int8"))
+        dense = dense_tp(comm, w, b, 500, head.engine)
+        decisions = []
+        for _ in range(40):
+            t0 = time.perf_counter() - (0.05 if r == 1 else 0.0)
+            _, st = head.sampler_logits(case.hidden, torch.ones(4, dtype=torch.long), dense, t0=t0)
+            decisions.append(st.fallbacks["off_switch"] == 0)
+        return decisions
+
+    res, _ = run_ranks(2, rank)
+    assert res[0] == res[1]
+    assert not all(res[0]) and sum(res[0]) >= 3  # off most of the time, retried now and then
+
+
+def _gloo_worker(rank, size, path, case, q):
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{path}", rank=rank, world_size=size)
+    try:
+        V = case.weight.shape[0]
+        shard = Shard.vllm_layout(V, rank, size)
+        w, b = shard_of(case.weight, case.bias, shard)
+        comm = TorchGroup()
+        head = ShardedHead(w, b, shard, comm, config=HeadConfig(screen="int8", off_switch=False))
+        dense = dense_tp(comm, w, b, V, head.engine)
+        out, stats = head.sampler_logits(case.hidden, torch.full((case.hidden.shape[0],), case.k), dense)
+        q.put((rank, out, head.last_certified, dense(case.hidden)))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_gloo_processes(tmp_path):
+    import torch.multiprocessing as mp
+
+    case = learned_case(V=1001, k=2)
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    path = tmp_path / "store"
+    procs = [ctx.Process(target=_gloo_worker, args=(r, 2, str(path), case, q)) for r in range(2)]
+    for p in procs:
+        p.start()
+    got = {}
+    try:
+        for _ in procs:
+            r, o, c, d = q.get(timeout=60)
+            got[r] = (o, c, d)
+    finally:
+        for p in procs:
+            p.join(30)
+            if p.exitcode is None:
+                p.kill()
+    assert all(p.exitcode == 0 for p in procs)
+    (o0, c0, d0), (o1, c1, _) = got[0], got[1]
+    assert torch.equal(bits(o0), bits(o1)) and torch.equal(c0, c1) and int(c0.sum()) > 0
+    assert check_rows(o0, c0, d0, case.k, audit.dense_reference(case)) == 0
+
+
+@pytest.mark.parametrize("V", (3, 65, 1000, 32000, 32768, 151936))
+@pytest.mark.parametrize("size", (2, 4, 8))
+def test_layout_is_vllms(V, size):
+    """:meth:`Shard.vllm_layout` (used by the tests and the benchmark) and
+    :meth:`Shard.of_lm_head` (used in serving) agree with vLLM's own shard indices."""
+    vpe = pytest.importorskip("vllm.model_executor.layers.vocab_parallel_embedding")
+    padded = vpe.pad_vocab_size(V, vpe.DEFAULT_VOCAB_PADDING_SIZE)
+    for rank in range(size):
+        si = vpe.VocabParallelEmbedding._get_indices(padded, padded, V, V, rank, size)
+        mine = Shard.vllm_layout(V, rank, size)
+        assert (mine.start, mine.start + mine.rows) == (si.padded_org_vocab_start_index,
+                                                        si.padded_org_vocab_end_index)
+        assert mine.real == si.num_org_elements and mine.rows - mine.real == si.num_org_vocab_padding
+
+        class LMHead:
+            tp_rank, tp_size, shard_indices, num_added_embeddings = rank, size, si, 0
+
+        assert Shard.of_lm_head(LMHead(), V) == mine
