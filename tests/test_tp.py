@@ -11,6 +11,7 @@ One test runs the same over real ``torch.distributed`` gloo processes.
 from __future__ import annotations
 
 import math
+import pickle
 import threading
 import time
 
@@ -379,7 +380,8 @@ def _gloo_worker(rank, size, path, case, q):
         head = ShardedHead(w, b, shard, comm, config=HeadConfig(screen="int8", off_switch=False))
         dense = dense_tp(comm, w, b, V, head.engine)
         out, stats = head.sampler_logits(case.hidden, torch.full((case.hidden.shape[0],), case.k), dense)
-        q.put((rank, out, head.last_certified, dense(case.hidden)))
+        # bytes, not tensors: a tensor in a queue is shared memory that vanishes with this process
+        q.put((rank, *(pickle.dumps(t.clone()) for t in (out, head.last_certified, dense(case.hidden)))))
     finally:
         dist.destroy_process_group()
 
@@ -397,8 +399,8 @@ def test_gloo_processes(tmp_path):
     got = {}
     try:
         for _ in procs:
-            r, o, c, d = q.get(timeout=60)
-            got[r] = (o, c, d)
+            r, *ts = q.get(timeout=60)
+            got[r] = tuple(pickle.loads(t) for t in ts)
     finally:
         for p in procs:
             p.join(30)

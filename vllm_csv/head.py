@@ -269,7 +269,7 @@ class CertifiedHead:
         need_values : torch.Tensor
             ``[B]`` bool: the row's values are read later (they must be the dense bits).
         ids : torch.Tensor
-            ``[S]`` int64, the token id of each column.
+            ``[S]`` or ``[B, S]``: the token id of each column (per row where rows differ).
 
         Returns
         -------
@@ -300,7 +300,8 @@ class CertifiedHead:
             rest = upper.masked_fill(tie, -math.inf).amax(1)
             by_tie = ~ok & self.engine.separated(v, torch.maximum(rest, outside_high))
             if bool(by_tie.any()):
-                first = torch.where(tie, ids[None], ids.max() + 1).argmin(1)
+                rid = ids if ids.dim() == 2 else ids[None]
+                first = torch.where(tie, rid, rid.max() + 1).argmin(1)
                 one = torch.zeros_like(in_top).scatter_(1, first[:, None], True)
                 in_top = torch.where(by_tie[:, None], one, in_top)
                 ok |= by_tie

@@ -279,7 +279,7 @@ class ShardedHead:
         outside = self._outside(tau, g2[:, :, 4 * kmax])
         live_all = (g2[:, :, 4 * kmax + 2] > 0.5).all(1) & (g2[:, :, 4 * kmax + 1].sum(1) <= budget)
         # ---- 3. the same certificate on every rank -------------------------------------------
-        cert, in_top = CertifiedHead._certify(self, gz.to(self.dtype), glo, gup, k, outside, need_values)
+        cert, in_top = CertifiedHead._certify(self, gz.to(self.dtype), glo, gup, k, outside, need_values, gid)
         certified = okg & live_all & cert
         exact = torch.full((B, V), -math.inf, dtype=self.dtype, device=dev)
         put = in_top & (gid >= 0) & certified[:, None]
@@ -301,7 +301,7 @@ class ShardedHead:
         y = out.y
         loc._rad_total(out.radius)  # sets rad_max
         delta = loc._delta + out.rel
-        act = (out.n.max() * (1 + delta) * out.e) if out.n is not None else 0.0
+        act = (loc._max_of(out.n) * (1 + delta) * out.e) if out.n is not None else 0.0
         bmax = _block_max(y)
         src = bmax if kmax <= bmax.shape[1] else y  # k distinct tokens (the exact values if few blocks)
         top = src.topk(min(kmax, src.shape[1]), dim=1).values
