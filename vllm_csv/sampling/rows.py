@@ -1,0 +1,119 @@
+"""Certify a batch of rows for vLLM's draw: grow the scored set until the draw is decided.
+
+Pipeline (per batch of rows that the sampler will draw from):
+
+1. bounds on every token's sampler input from the head's screen (:class:`.HeadAdapter`);
+2. ``process``: the caller's map from head values to the draw's inputs (vLLM's own logits
+   processors, penalties and temperature, run on the bounds; every step is monotone
+   non-decreasing per token, so bounds map to bounds);
+3. :func:`~.certificate.certify_draw`; the contenders not yet scored are scored exactly
+   (their bounds shrink to the rounding interval of the dense value) and 2-3 repeat, until
+   every row is decided, nothing is left to score, or the budget is spent.
+
+A certified row is handed to the sampler as exact values on the scored set ``S`` and
+``-inf`` elsewhere: the sampler then runs vLLM's unchanged code on it. Every finite value of
+the row lies within its token's bounds, so the row's draw returns the certified winner too.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from .certificate import certify_draw
+from .head_adapter import HeadAdapter
+
+MAX_ROUNDS = 4
+FIRST_GUESS = 8  # one-sided screens (no lower bounds): score the 8 highest upper bounds first
+
+
+@dataclass
+class RowsResult:
+    values: torch.Tensor  # [R, V] model dtype: exact on S, -inf elsewhere and on masked tokens
+    certified: torch.Tensor  # [R] bool
+    winner: torch.Tensor  # [R] int64, the certified token (meaningful where certified)
+    reason: list[str | None]  # None if certified, else "uncertified" / "budget" / "nonfinite"
+    scored: int  # |S| (shared by the rows)
+
+
+Process = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+
+
+def certify_rows(adapter: HeadAdapter, hidden: torch.Tensor, process: Process, seeds: torch.Tensor,
+                 greedy: torch.Tensor, masked: torch.Tensor | None = None) -> RowsResult:
+    """Certify the draw of each row of ``hidden [R, d]``.
+
+    Parameters
+    ----------
+    adapter : HeadAdapter
+    hidden : torch.Tensor
+        ``[R, d]`` model dtype, the rows' final hidden states.
+    process : callable
+        ``(lo, hi) -> (ylo, yhi)``, all ``[R, V]`` float32: maps bounds on the head's values
+        to bounds on the draw's inputs (monotone per token).
+    seeds : torch.Tensor
+        ``[R]`` int64, the seeds the sampler will draw with (ignored for greedy rows).
+    greedy : torch.Tensor
+        ``[R]`` bool.
+    masked : torch.Tensor, optional
+        ``[R, V]`` bool, tokens already set to ``-inf`` upstream (grammar bitmask).
+    """
+    R, V = hidden.shape[0], adapter.vocab_size
+    dev = hidden.device
+    lo, hi, hnorm, finite = adapter.intervals(hidden)
+    one_sided = lo is None
+    if one_sided:
+        lo = torch.full_like(hi, -math.inf)
+    if masked is not None:
+        lo.masked_fill_(masked, -math.inf)
+        hi.masked_fill_(masked, -math.inf)
+    values = torch.full((R, V), -math.inf, dtype=adapter.dtype, device=dev)
+    scored = torch.zeros(V, dtype=torch.bool, device=dev)
+    budget = max(1, math.ceil(adapter.budget * V))
+    certified = torch.zeros(R, dtype=torch.bool, device=dev)
+    winner = torch.zeros(R, dtype=torch.long, device=dev)
+    over_budget = torch.zeros(R, dtype=torch.bool, device=dev)
+
+    def add(ids: torch.Tensor) -> None:
+        v, lower, upper = adapter.score(hidden, ids, hnorm)
+        values[:, ids] = v
+        lo[:, ids], hi[:, ids] = lower, upper
+        if masked is not None:
+            m = masked[:, ids]
+            lo[:, ids] = lo[:, ids].masked_fill(m, -math.inf)
+            hi[:, ids] = hi[:, ids].masked_fill(m, -math.inf)
+        scored[ids] = True
+
+    if one_sided and bool(finite.any()):
+        add(hi[finite].topk(min(FIRST_GUESS, V), dim=1).indices.unique())
+    for rnd in range(MAX_ROUNDS + 1):
+        ylo, yhi = process(lo, hi)
+        cert = certify_draw(ylo, yhi, seeds, greedy)
+        winner = cert.winner
+        certified = cert.certified & finite & scored[winner]
+        open_rows = finite & ~certified & ~over_budget
+        need = cert.contenders[open_rows].any(0) & ~scored
+        if not bool(need.any()):
+            break
+        if rnd == MAX_ROUNDS:
+            break
+        new = need.nonzero().squeeze(1)
+        if int(scored.sum()) + new.numel() > budget:
+            # rows whose own contenders alone overflow the budget go dense; the rest continue
+            own = (cert.contenders & ~scored[None]).sum(1)
+            over_budget |= open_rows & (int(scored.sum()) + own > budget)
+            open_rows &= ~over_budget
+            need = cert.contenders[open_rows].any(0) & ~scored
+            new = need.nonzero().squeeze(1)
+            if new.numel() == 0 or int(scored.sum()) + new.numel() > budget:
+                over_budget |= open_rows
+                break
+        add(new)
+    if masked is not None:
+        values.masked_fill_(masked, -math.inf)
+    reason = [None if c else ("nonfinite" if not f else ("budget" if b else "uncertified"))
+              for c, f, b in zip(certified.tolist(), finite.tolist(), over_budget.tolist())]
+    return RowsResult(values, certified, winner, reason, int(scored.sum()))
