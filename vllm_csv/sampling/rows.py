@@ -101,19 +101,25 @@ def certify_rows(adapter: HeadAdapter, hidden: torch.Tensor, process: Process, s
         if rnd == MAX_ROUNDS:
             break
         new = need.nonzero().squeeze(1)
-        if int(scored.sum()) + new.numel() > budget:
-            # rows whose own contenders alone overflow the budget go dense; the rest continue
+        room = budget - int(scored.sum())
+        if new.numel() > room:
+            # Not every open row fits: rows whose own contenders cannot fit go dense; of the
+            # rest, those with the fewest contenders are served first (the sum of their
+            # counts bounds the union), the others wait for the next round.
             own = (cert.contenders & ~scored[None]).sum(1)
-            over_budget |= open_rows & (int(scored.sum()) + own > budget)
-            open_rows &= ~over_budget
-            need = cert.contenders[open_rows].any(0) & ~scored
-            new = need.nonzero().squeeze(1)
-            if new.numel() == 0 or int(scored.sum()) + new.numel() > budget:
+            over_budget |= open_rows & (own > room)
+            idx = (open_rows & ~over_budget).nonzero().squeeze(1)
+            order = own[idx].argsort()
+            take = idx[order[own[idx][order].cumsum(0) <= room]]
+            if take.numel() == 0:
                 over_budget |= open_rows
                 break
+            new = (cert.contenders[take].any(0) & ~scored).nonzero().squeeze(1)
         add(new)
     if masked is not None:
         values.masked_fill_(masked, -math.inf)
+    open_rows = finite & ~certified & ~over_budget
+    over_budget |= open_rows & (cert.contenders & ~scored[None]).any(1)  # still waiting for room
     reason = [None if c else ("nonfinite" if not f else ("budget" if b else "uncertified"))
               for c, f, b in zip(certified.tolist(), finite.tolist(), over_budget.tolist())]
     return RowsResult(values, certified, winner, reason, int(scored.sum()))
