@@ -52,7 +52,7 @@ def metadata(g, temps, seeded, penalties, bias, allowed, bad):
         presence_penalties=(torch.rand(B, generator=g) - 0.3) if penalties else pen,
         repetition_penalties=(torch.rand(B, generator=g) + 0.6) if penalties else pen + 1,
         output_token_ids=out_tokens, allowed_token_ids_mask=mask, bad_words_token_ids=bad_words,
-        logitsprocs=LogitsProcessors(procs))
+        logitsprocs=LogitsProcessors(procs), spec_token_ids=[[] for _ in range(B)])  # as InputBatch makes it
 
 
 def run(sampler, logits, md, seed):

@@ -52,7 +52,11 @@ class CSVLogitsProcessor(LogitsProcessor):
         # start-up (profiling / warm-up): a bad index stops the server there.
         head = self._get_head(lm_head, embedding_bias)
         plan = step_plan.take_plan(hidden_states.shape[0])
-        if plan is None or skip_gather or hidden_states.dim() != 2 or not any(plan.topk):
+        if plan is None or skip_gather or hidden_states.dim() != 2:
+            return super().forward(lm_head, hidden_states, embedding_bias, skip_gather)
+        if not any(plan.topk):  # every row dense by its sampling parameters: count the rows
+            if self.csv_metrics is not None:
+                self.csv_metrics.record(csv_head.StepStats(rows=hidden_states.shape[0]))
             return super().forward(lm_head, hidden_states, embedding_bias, skip_gather)
         B = hidden_states.shape[0]
         dense_full = lambda: self._dense(lm_head, hidden_states, embedding_bias)  # noqa: E731

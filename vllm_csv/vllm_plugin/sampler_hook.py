@@ -71,6 +71,7 @@ class DeferredStats:
     seconds: float = 0.0
 
 
+_logged: set[str] = set()
 _pending: Deferred | None = None  # one slot: a step's head call is followed by its sampler call
 
 
@@ -110,7 +111,7 @@ def _unsupported(sampler, md, predict_bonus_token: bool) -> str | None:
     tts = sampler.topk_topp_sampler
     if getattr(tts.forward, "__func__", None) is not TopKTopPSampler.forward_cpu or tts.use_fp64_gumbel:
         return "the sampler is not vLLM's CPU Gumbel sampler"
-    if predict_bonus_token or md.spec_token_ids is not None:
+    if predict_bonus_token or any(md.spec_token_ids or ()):
         return "speculative decoding"
     holder = md.thinking_budget_state_holder
     if holder is not None and holder.has_tracked_requests():
@@ -166,7 +167,9 @@ def resolve(sampler, d: Deferred, logits: torch.Tensor, md, predict_bonus_token:
                 st.fallbacks[r] = st.fallbacks.get(r, 0) + 1
         st.scored = res.scored
     else:
-        logger.debug("csv: %d deferred rows dense: %s", R, why)
+        if why not in _logged:
+            _logged.add(why)
+            logger.info("CSV-Decode: rows to certify in the sampler take the dense path: %s", why)
         st.fallbacks["unsupported"] = R
     if not bool(certified.all()):
         dense_rows = dev_rows[~certified.to(logits.device)]
