@@ -25,12 +25,14 @@ CERTIFIED = {
     "allowed_token_ids": (SamplingParams(temperature=0, allowed_token_ids=[1, 2]), DEFER),
     "bad_words": (SamplingParams(temperature=0, bad_words=["x"]), DEFER),
     "min_tokens": (SamplingParams(temperature=0, min_tokens=3), DEFER),
+    "top_p": (SamplingParams(temperature=1.0, top_p=0.9), DEFER),
+    "min_p": (SamplingParams(temperature=1.0, min_p=0.1), DEFER),
+    "top_p, min_p and a penalty": (SamplingParams(temperature=0.7, top_p=0.5, min_p=0.1, presence_penalty=1.0), DEFER),
 }
 DENSE = {
     "top_k above the limit": SamplingParams(temperature=1.0, top_k=65),
     "top_k with a penalty": SamplingParams(temperature=1.0, top_k=5, presence_penalty=0.5),
-    "top_p": SamplingParams(temperature=1.0, top_p=0.9),
-    "min_p": SamplingParams(temperature=1.0, min_p=0.1),
+    "top_p with top_k": SamplingParams(temperature=1.0, top_p=0.9, top_k=5),
     "logprobs": SamplingParams(temperature=0, logprobs=2),
     "sampled logprobs": SamplingParams(temperature=1.0, logprobs=2),
     "prompt_logprobs": SamplingParams(temperature=0, prompt_logprobs=1),
@@ -48,6 +50,8 @@ def test_modes():
     assert row_mode(SamplingParams(temperature=1.0, top_k=4), 4) == "top_k"
     assert row_mode(SamplingParams(temperature=1.0), DEFER) == "sampling"
     assert row_mode(SamplingParams(temperature=0, presence_penalty=0.1), DEFER) == "processed"
+    assert row_mode(SamplingParams(temperature=1.0, top_p=0.9), DEFER) == "top_p"
+    assert row_mode(SamplingParams(temperature=1.0, min_p=0.2), DEFER) == "min_p"
 
 
 @pytest.mark.parametrize("name", sorted(DENSE))

@@ -52,7 +52,7 @@ CERTIFIED_MODES = {
     "greedy": "greedy", "top_k": "top_k", "top_k_greedyish": "top_k", "n3_seeded": "top_k",
     "seeded_temperature": "sampling", "penalties": "processed", "negative_penalties": "processed",
     "logit_bias": "processed", "allowed_token_ids": "processed", "bad_words": "processed",
-    "min_tokens": "processed", "stop_strings": "greedy",
+    "min_tokens": "processed", "stop_strings": "greedy", "top_p": "top_p", "min_p": "min_p",
 }
 
 

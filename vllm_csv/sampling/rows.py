@@ -11,8 +11,9 @@ Pipeline (per batch of rows that the sampler will draw from):
    every row is decided, nothing is left to score, or the budget is spent.
 
 A certified row is handed to the sampler as exact values on the scored set ``S`` and
-``-inf`` elsewhere: the sampler then runs vLLM's unchanged code on it. Every finite value of
-the row lies within its token's bounds, so the row's draw returns the certified winner too.
+``-inf`` elsewhere (and on tokens ``process`` rules out): the sampler then runs vLLM's
+unchanged code on it. Every finite value of the row lies within its token's bounds and was
+beaten by the winner, so the row's draw returns the certified winner too.
 """
 
 from __future__ import annotations
@@ -96,6 +97,15 @@ def certify_rows(adapter: HeadAdapter, hidden: torch.Tensor, process: Process, s
         certified = cert.certified & finite & scored[winner]
         open_rows = finite & ~certified & ~over_budget
         need = cert.contenders[open_rows].any(0) & ~scored
+        # rows where no token is certainly kept yet (e.g. min-p / top-p undecided on screen
+        # bounds): score their highest upper bounds first
+        blind = open_rows & ~cert.finite & (yhi > -math.inf).any(1)
+        if bool(blind.any()):
+            top = yhi[blind].topk(min(FIRST_GUESS, V), dim=1)
+            need[top.indices[top.values > -math.inf]] = True
+            need &= ~scored
+            cert.contenders[blind] = False
+            cert.contenders[blind.nonzero().squeeze(1)[:, None], top.indices] = top.values > -math.inf
         if not bool(need.any()):
             break
         if rnd == MAX_ROUNDS:
@@ -118,6 +128,11 @@ def certify_rows(adapter: HeadAdapter, hidden: torch.Tensor, process: Process, s
         add(new)
     if masked is not None:
         values.masked_fill_(masked, -math.inf)
+    # A token whose upper bound after ``process`` is -inf (masked, or certainly dropped by
+    # min-p / top-p) was never compared with the winner: it must not compete on the row the
+    # sampler gets either (the sampler may not drop it again: top-p is not re-applied to a
+    # certified row, and min-p on a partial row keeps at least what it keeps on the full row).
+    values.masked_fill_(yhi == -math.inf, -math.inf)
     open_rows = finite & ~certified & ~over_budget
     over_budget |= open_rows & (cert.contenders & ~scored[None]).any(1)  # still waiting for room
     reason = [None if c else ("nonfinite" if not f else ("budget" if b else "uncertified"))

@@ -41,6 +41,7 @@ import torch
 from vllm.logger import init_logger
 
 from ..sampling.head_adapter import HeadAdapter
+from ..sampling.nucleus import min_p_bounds, top_p_bounds
 from ..sampling.rows import certify_rows
 
 logger = init_logger("vllm.csv_decode")
@@ -105,7 +106,8 @@ def peek_seeds(batch_size: int, generators: dict[int, torch.Generator]) -> torch
 
 
 def _unsupported(sampler, md, predict_bonus_token: bool) -> str | None:
-    from vllm.v1.sample.logits_processor.builtin import LogitBiasLogitsProcessor, MinTokensLogitsProcessor
+    from vllm.v1.sample.logits_processor.builtin import (LogitBiasLogitsProcessor, MinPLogitsProcessor,
+                                                         MinTokensLogitsProcessor)
     from vllm.v1.sample.ops.topk_topp_sampler import TopKTopPSampler
 
     tts = sampler.topk_topp_sampler
@@ -116,6 +118,9 @@ def _unsupported(sampler, md, predict_bonus_token: bool) -> str | None:
     holder = md.thinking_budget_state_holder
     if holder is not None and holder.has_tracked_requests():
         return "a thinking budget (its state advances on every application)"
+    for p in md.logitsprocs.argmax_invariant:
+        if not isinstance(p, MinPLogitsProcessor):
+            return f"logits processor {type(p).__name__}"
     for p in md.logitsprocs.non_argmax_invariant:
         if not isinstance(p, (LogitBiasLogitsProcessor, MinTokensLogitsProcessor)):
             return f"logits processor {type(p).__name__}"
@@ -124,8 +129,22 @@ def _unsupported(sampler, md, predict_bonus_token: bool) -> str | None:
     return None
 
 
-def resolve(sampler, d: Deferred, logits: torch.Tensor, md, predict_bonus_token: bool = False) -> DeferredStats:
-    """Fill ``logits``' deferred rows (certified or dense) in place; see the module docstring."""
+def _min_p(md, rows: torch.Tensor) -> torch.Tensor:
+    for p in md.logitsprocs.argmax_invariant:
+        if getattr(p, "min_p_count", 0):
+            return torch.tensor([p.get_min_p_by_index(int(i)) for i in rows], dtype=torch.float32)
+    return torch.zeros(rows.numel())
+
+
+def resolve(sampler, d: Deferred, logits: torch.Tensor, md, predict_bonus_token: bool = False
+            ) -> tuple[DeferredStats, torch.Tensor]:
+    """Fill ``logits``' deferred rows (certified or dense) in place; see the module docstring.
+    Returns the stats and the certified rows whose top-p vLLM must not apply again: on the
+    partial row (exact on ``S``, ``-inf`` elsewhere) its cumulative sums are not the full row's,
+    so the caller sets their ``top_p`` to 1 for this draw (the certificate already decided
+    it: the winner is kept and beats every token that may be kept). Min-p needs no such
+    step: on the partial row the maximum is at most the full row's, so the winner stays kept,
+    and dropping other tokens cannot change a certified draw."""
     t0 = time.perf_counter()
     rows = d.rows
     R = rows.numel()
@@ -142,6 +161,8 @@ def resolve(sampler, d: Deferred, logits: torch.Tensor, md, predict_bonus_token:
             greedy = md.temperature.cpu()[rows] < _SAMPLING_EPS
         seeds = peek_seeds(B, md.generators)[rows] if bool((~greedy).any()) else torch.zeros(R, dtype=torch.long)
         base = logits.float()
+        min_p = _min_p(md, rows)
+        top_p = md.top_p.cpu()[rows].float() if md.top_p is not None else torch.ones(R)
 
         def process(lo: torch.Tensor, hi: torch.Tensor):
             out = []
@@ -154,7 +175,8 @@ def resolve(sampler, d: Deferred, logits: torch.Tensor, md, predict_bonus_token:
                     post = sampler.apply_temperature(full, md.temperature, md.all_random)[dev_rows]
                     pre = torch.where(greedy.to(pre.device)[:, None], pre, post)
                 out.append(pre)
-            return out[0], out[1]
+            ylo, yhi = min_p_bounds(out[0], out[1], min_p.to(out[0].device))
+            return top_p_bounds(ylo, yhi, top_p.to(out[0].device))
 
         res = certify_rows(d.adapter, d.hidden, process, seeds.to(logits.device), greedy.to(logits.device),
                            masked)
@@ -180,7 +202,8 @@ def resolve(sampler, d: Deferred, logits: torch.Tensor, md, predict_bonus_token:
         if c:
             st.certified[m] = st.certified.get(m, 0) + 1
     st.seconds = d.seconds + time.perf_counter() - t0
-    return st
+    no_top_p = rows[certified & (top_p < 1.0)] if why is None else rows[:0]
+    return st, no_top_p
 
 
 def install() -> None:
@@ -193,9 +216,20 @@ def install() -> None:
 
     def forward(self, logits, sampling_metadata, predict_bonus_token=False, logprobs_mode_override=None):
         d = _take(logits)
-        if d is not None:
-            d.done(resolve(self, d, logits, sampling_metadata, predict_bonus_token))
-        return orig(self, logits, sampling_metadata, predict_bonus_token, logprobs_mode_override)
+        if d is None:
+            return orig(self, logits, sampling_metadata, predict_bonus_token, logprobs_mode_override)
+        st, no_top_p = resolve(self, d, logits, sampling_metadata, predict_bonus_token)
+        d.done(st)
+        top_p = sampling_metadata.top_p
+        if no_top_p.numel() == 0 or top_p is None:
+            return orig(self, logits, sampling_metadata, predict_bonus_token, logprobs_mode_override)
+        idx = no_top_p.to(top_p.device)
+        saved = top_p[idx].clone()
+        top_p[idx] = 1.0  # decided by the certificate (see resolve); vLLM's own value is restored after
+        try:
+            return orig(self, logits, sampling_metadata, predict_bonus_token, logprobs_mode_override)
+        finally:
+            top_p[idx] = saved
 
     Sampler.forward = forward
     Sampler._csv_wrapped = True

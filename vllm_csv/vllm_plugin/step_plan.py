@@ -10,9 +10,9 @@ every row is dense.
 
 ``plan_row`` is the whole policy (SPEC, "Per-request features"): ``k > 0`` certifies
 the exact top-k in the LM head (greedy is ``k = 1``); :data:`DEFER` certifies the row's
-draw inside vLLM's sampler (:mod:`.sampler_hook`: plain temperature sampling, and greedy or
-plain sampling with penalties, ``logit_bias``, ``allowed_token_ids``, bad words or
-``min_tokens``); ``0`` is the dense path. :func:`row_mode` names the mode for the metrics.
+draw inside vLLM's sampler (:mod:`.sampler_hook`: plain temperature sampling, top-p and
+min-p sampling, and greedy or sampled rows with penalties, ``logit_bias``,
+``allowed_token_ids``, bad words or ``min_tokens``; not combined with ``top_k``); ``0`` is the dense path. :func:`row_mode` names the mode for the metrics.
 """
 
 from __future__ import annotations
@@ -52,7 +52,7 @@ def plan_row(sp, max_topk: int) -> tuple[int, str]:
         sp.logprobs is not None or sp.prompt_logprobs is not None
         or getattr(sp, "logprob_token_ids", None)
         or getattr(sp, "structured_outputs", None) is not None
-        or sp.top_p < 1.0 or sp.min_p > 0.0 or getattr(sp, "logits_processors", None)
+        or getattr(sp, "logits_processors", None)
         or getattr(sp, "thinking_token_budget", None) is not None
         or getattr(sp, "watermarking", None) or getattr(sp, "repetition_detection", None) is not None
     )
@@ -60,6 +60,8 @@ def plan_row(sp, max_topk: int) -> tuple[int, str]:
         return 0, "unsupported"
     greedy = sp.temperature < _SAMPLING_EPS
     no_top_k = sp.top_k <= 0
+    if sp.top_p < 1.0 or sp.min_p > 0.0:  # vLLM resets both for greedy requests
+        return (DEFER, "") if no_top_k else (0, "unsupported")
     if _processed(sp):
         return (DEFER, "") if greedy or no_top_k else (0, "unsupported")
     if greedy:
@@ -74,6 +76,10 @@ def plan_row(sp, max_topk: int) -> tuple[int, str]:
 def row_mode(sp, k: int) -> str:
     """The metric label of a row planned ``k`` (one of :data:`MODES`)."""
     if k == DEFER:
+        if sp.top_p < 1.0:
+            return "top_p"
+        if sp.min_p > 0.0:
+            return "min_p"
         return "processed" if _processed(sp) else "sampling"
     return "greedy" if k == 1 and sp.temperature < _SAMPLING_EPS else "top_k"
 
