@@ -5,7 +5,9 @@ Registered with ``LogitsProcessor.register_oot``. At construction it reads
 vLLM's own class, so the layer is exactly what vLLM would have built. When on, the
 first ``forward`` builds a :class:`~vllm_csv.head.CertifiedHead` from the layer's
 weights, and each step's rows take the certified path or vLLM's dense code
-(``super()._get_logits`` + soft-cap + scale, unchanged) as the runner's plan says.
+(``super()._get_logits`` + soft-cap + scale, unchanged) as the runner's plan says. Rows
+planned ``DEFER`` (certified with the seed the sampler draws) are left as placeholders and
+handed to :mod:`.sampler_hook`, which fills them before vLLM's sampler reads them.
 """
 
 from __future__ import annotations
