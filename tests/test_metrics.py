@@ -15,7 +15,7 @@ def test_worker_metrics_reach_a_multiprocess_registry(tmp_path):
         m = CSVMetrics("demo", {"screen": "int8", "vocab_size": 1000, "hidden_size": 64})
         s = StepStats(rows=4, csv_rows=3, certified=2, scored=[3, 40], seconds=0.002, screen="int8")
         s.fallbacks["budget"] = 1
-        m.record(s, dense_seconds=0.005)
+        m.record(s, dense_seconds=0.005, modes={"greedy": 1, "sampling": 1})
         m.record(StepStats(rows=2, csv_rows=0, seconds=0.001))
     """)
     env = dict(os.environ, PROMETHEUS_MULTIPROC_DIR=str(tmp_path))
@@ -25,7 +25,8 @@ def test_worker_metrics_reach_a_multiprocess_registry(tmp_path):
     text = generate_latest(reg).decode()
     assert 'csv_decode_rows_total{model_name="demo"} 6.0' in text
     assert 'csv_decode_csv_rows_total{model_name="demo"} 3.0' in text
-    assert 'csv_decode_rows_certified_total{model_name="demo"} 2.0' in text
+    assert 'csv_decode_rows_certified_total{mode="greedy",model_name="demo"} 1.0' in text
+    assert 'csv_decode_rows_certified_total{mode="sampling",model_name="demo"} 1.0' in text
     assert 'csv_decode_fallbacks_total{model_name="demo",reason="budget"} 1.0' in text
     assert 'csv_decode_steps_total{model_name="demo"} 1.0' in text
     assert 'csv_decode_scored_tokens_bucket{le="4.0",model_name="demo"} 1.0' in text
@@ -58,7 +59,7 @@ def test_tensor_parallel_ranks_count_once(tmp_path):
     multiprocess.MultiProcessCollector(reg, path=str(tmp_path))
     text = generate_latest(reg).decode()
     assert 'csv_decode_rows_total{model_name="demo"} 4.0' in text
-    assert 'csv_decode_rows_certified_total{model_name="demo"} 2.0' in text
+    assert 'csv_decode_rows_certified_total{mode="top_k",model_name="demo"} 2.0' in text
     assert 'csv_decode_scored_tokens_count{model_name="demo"} 2.0' in text
     for rank in (0, 1):
         assert f'csv_decode_rank_rows_certified_total{{model_name="demo",rank="{rank}"}} 2.0' in text

@@ -29,9 +29,9 @@ def engine_args(parser, argv):
 
 def test_flags_map_to_additional_config(serve_parser):
     ea = engine_args(serve_parser, ["--model", "m", "--enable-csv-decode", "--csv-screen", "int4",
-                                    "--csv-budget", "0.1", "--csv-epsilon", "0.001"])
+                                    "--csv-budget", "0.1"])
     cfg = from_additional_config(ea.additional_config)
-    assert (cfg.enabled, cfg.screen, cfg.budget, cfg.epsilon) == (True, "int4", 0.1, 0.001)
+    assert (cfg.enabled, cfg.screen, cfg.budget) == (True, "int4", 0.1)
     ea = engine_args(serve_parser, ["--model", "m"])
     assert "csv_decode" not in (ea.additional_config or {})
 
@@ -45,7 +45,7 @@ def test_additional_config_json_is_the_same_thing(serve_parser):
 
 @pytest.mark.parametrize("argv,msg", [
     (["--csv-screen", "bogus"], "invalid choice"),
-    (["--csv-epsilon", "2"], "epsilon"),
+    (["--csv-epsilon", "0.01"], "unrecognized arguments"),  # removed: serving is exact only
     (["--csv-budget", "0"], "budget"),
     (["--csv-max-topk", "0"], "max_topk"),
 ])

@@ -5,7 +5,7 @@ import pytest
 pytest.importorskip("vllm")
 from vllm import SamplingParams  # noqa: E402
 
-from vllm_csv.vllm_plugin.step_plan import active_plan, Plan, plan_row, take_plan  # noqa: E402
+from vllm_csv.vllm_plugin.step_plan import DEFER, active_plan, Plan, plan_row, row_mode, take_plan  # noqa: E402
 
 CERTIFIED = {
     "greedy": (SamplingParams(temperature=0), 1),
@@ -14,20 +14,27 @@ CERTIFIED = {
     "top_k at the limit": (SamplingParams(temperature=1.0, top_k=64), 64),
     "stop strings": (SamplingParams(temperature=0, stop=["\n"]), 1),
     "n > 1 with top_k": (SamplingParams(temperature=1.0, top_k=3, n=4), 3),
+    # certified in the sampler, with the seed it draws
+    "plain sampling": (SamplingParams(temperature=0.8), DEFER),
+    "plain sampling, seeded": (SamplingParams(temperature=1.3, seed=4), DEFER),
+    "presence penalty": (SamplingParams(temperature=0, presence_penalty=0.5), DEFER),
+    "negative frequency penalty": (SamplingParams(temperature=0, frequency_penalty=-0.5), DEFER),
+    "repetition penalty": (SamplingParams(temperature=0, repetition_penalty=0.8), DEFER),
+    "logit_bias": (SamplingParams(temperature=0, logit_bias={3: 1.0}), DEFER),
+    "logit_bias, sampled": (SamplingParams(temperature=0.7, logit_bias={3: 1.0}), DEFER),
+    "allowed_token_ids": (SamplingParams(temperature=0, allowed_token_ids=[1, 2]), DEFER),
+    "bad_words": (SamplingParams(temperature=0, bad_words=["x"]), DEFER),
+    "min_tokens": (SamplingParams(temperature=0, min_tokens=3), DEFER),
+    "top_p": (SamplingParams(temperature=1.0, top_p=0.9), DEFER),
+    "min_p": (SamplingParams(temperature=1.0, min_p=0.1), DEFER),
+    "top_p, min_p and a penalty": (SamplingParams(temperature=0.7, top_p=0.5, min_p=0.1, presence_penalty=1.0), DEFER),
 }
 DENSE = {
-    "plain sampling": SamplingParams(temperature=0.8),
     "top_k above the limit": SamplingParams(temperature=1.0, top_k=65),
-    "top_p": SamplingParams(temperature=1.0, top_p=0.9),
-    "min_p": SamplingParams(temperature=1.0, min_p=0.1),
-    "presence penalty": SamplingParams(temperature=0, presence_penalty=0.5),
-    "negative frequency penalty": SamplingParams(temperature=0, frequency_penalty=-0.5),
-    "repetition penalty": SamplingParams(temperature=0, repetition_penalty=0.8),
-    "logit_bias": SamplingParams(temperature=0, logit_bias={3: 1.0}),
-    "allowed_token_ids": SamplingParams(temperature=0, allowed_token_ids=[1, 2]),
-    "bad_words": SamplingParams(temperature=0, bad_words=["x"]),
-    "min_tokens": SamplingParams(temperature=0, min_tokens=3),
+    "top_k with a penalty": SamplingParams(temperature=1.0, top_k=5, presence_penalty=0.5),
+    "top_p with top_k": SamplingParams(temperature=1.0, top_p=0.9, top_k=5),
     "logprobs": SamplingParams(temperature=0, logprobs=2),
+    "sampled logprobs": SamplingParams(temperature=1.0, logprobs=2),
     "prompt_logprobs": SamplingParams(temperature=0, prompt_logprobs=1),
 }
 
@@ -36,6 +43,15 @@ DENSE = {
 def test_certified(name):
     sp, k = CERTIFIED[name]
     assert plan_row(sp, 64) == (k, "")
+
+
+def test_modes():
+    assert row_mode(SamplingParams(temperature=0), 1) == "greedy"
+    assert row_mode(SamplingParams(temperature=1.0, top_k=4), 4) == "top_k"
+    assert row_mode(SamplingParams(temperature=1.0), DEFER) == "sampling"
+    assert row_mode(SamplingParams(temperature=0, presence_penalty=0.1), DEFER) == "processed"
+    assert row_mode(SamplingParams(temperature=1.0, top_p=0.9), DEFER) == "top_p"
+    assert row_mode(SamplingParams(temperature=1.0, min_p=0.2), DEFER) == "min_p"
 
 
 @pytest.mark.parametrize("name", sorted(DENSE))

@@ -21,6 +21,7 @@ from __future__ import annotations
 import os
 
 PREFIX = "csv_decode"
+MODES = ("greedy", "top_k", "sampling", "top_p", "min_p", "processed")  # = vllm_plugin.step_plan.MODES (no vLLM import here)
 SCORED_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 65536, 262144)
 SECONDS_BUCKETS = (1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25, 0.5, 1.0)
 
@@ -72,7 +73,7 @@ class CSVMetrics:
         self.steps = fam["steps"].labels(**m)
         self.rows = fam["rows"].labels(**m)
         self.csv_rows = fam["csv_rows"].labels(**m)
-        self.certified = fam["certified"].labels(**m)
+        self.certified = {mode: fam["certified"].labels(mode=mode, **m) for mode in MODES}
         from .head import FALLBACK_REASONS
 
         self.fallbacks = {r: fam["fallbacks"].labels(reason=r, **m) for r in FALLBACK_REASONS}
@@ -99,7 +100,8 @@ class CSVMetrics:
                 "steps": Counter(f"{PREFIX}_steps", "LM-head steps with at least one row on the CSV path", lab),
                 "rows": Counter(f"{PREFIX}_rows", "Rows through the LM head (all sampling modes)", lab),
                 "csv_rows": Counter(f"{PREFIX}_csv_rows", "Rows whose sampling mode CSV can certify", lab),
-                "certified": Counter(f"{PREFIX}_rows_certified", "Rows certified on a sub-vocabulary", lab),
+                "certified": Counter(f"{PREFIX}_rows_certified", "Rows certified on a sub-vocabulary, by sampling mode",
+                                     lab + ["mode"]),
                 "fallbacks": Counter(f"{PREFIX}_fallbacks", "Rows on the dense path, by reason", lab + ["reason"]),
                 "scored": Histogram(f"{PREFIX}_scored_tokens", "Tokens scored exactly per certified row", lab,
                                     buckets=SCORED_BUCKETS),
@@ -119,8 +121,10 @@ class CSVMetrics:
             }
         return cls._families
 
-    def record(self, stats, dense_seconds: float | None = None) -> None:
-        """Count one step (a :class:`vllm_csv.head.StepStats`)."""
+    def record(self, stats, dense_seconds: float | None = None, modes: dict[str, int] | None = None) -> None:
+        """Count one step (a :class:`vllm_csv.head.StepStats`); ``modes`` splits
+        ``stats.certified`` by sampling mode (default: all ``top_k``). Under tensor parallelism
+        every rank counts its ``rank`` rows; only rank 0 counts the families without a rank."""
         if self.rank_rows is not None:
             self.rank_rows.inc(stats.rows)
             if stats.certified:
@@ -132,7 +136,12 @@ class CSVMetrics:
             return
         self.steps.inc()
         self.csv_rows.inc(stats.csv_rows)
-        self.certified.inc(stats.certified)
+        modes = modes if modes is not None else {"top_k": stats.certified}
+        if sum(modes.values()) != stats.certified:
+            raise ValueError(f"certified rows by mode {modes} do not add up to {stats.certified}")
+        for mode, n in modes.items():
+            if n:
+                self.certified[mode].inc(n)
         for reason, n in stats.fallbacks.items():
             if n:
                 self.fallbacks[reason].inc(n)

@@ -53,3 +53,8 @@ class OffSwitch:
             return
         dense = self.dense_seconds[batch]
         self.excess = max(self.excess + seconds - dense, -self.credit_steps * dense)
+
+    def charge(self, seconds: float) -> None:
+        """Add CSV work done outside an observed step (deferred rows certified in the sampler,
+        which the dense path would not have done) to the excess."""
+        self.excess += seconds

@@ -96,7 +96,20 @@ def demo_model_dir() -> str:
 
 @pytest.fixture(scope="session")
 def csv_server(demo_model_dir, tmp_path_factory):
-    s = start_server(demo_model_dir, ["--enable-csv-decode"], tmp_path_factory.mktemp("logs") / "csv.log")
+    # Off-switch disabled: the demo head is too small for CSV to pay on a CPU, so with it on CSV
+    # would stop trying after a few steps and the comparisons would test the dense path.
+    s = start_server(demo_model_dir, ["--enable-csv-decode", "--additional-config",
+                                      '{"csv_decode": {"off_switch": false}}'],
+                     tmp_path_factory.mktemp("logs") / "csv.log")
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="session")
+def default_csv_server(demo_model_dir, tmp_path_factory):
+    """`--enable-csv-decode` as users run it (off-switch on): on the demo model CSV certifies its
+    first steps and then the off-switch sends steps dense."""
+    s = start_server(demo_model_dir, ["--enable-csv-decode"], tmp_path_factory.mktemp("logs") / "csv-default.log")
     yield s
     s.stop()
 

@@ -61,7 +61,7 @@ def test_scrape_has_csv_metrics_with_conventions(csv_server):
     for n in ("csv_decode_steps_total", "csv_decode_rows_certified_total", "csv_decode_fallbacks_total",
               "csv_decode_scored_tokens_bucket", "csv_decode_head_seconds_bucket", "csv_decode_info"):
         assert n in names, sorted(names)
-    assert re.search(r'csv_decode_rows_certified_total\{model_name="[^"]+"\} [1-9]', text)
+    assert re.search(r'csv_decode_rows_certified_total\{mode="greedy",model_name="[^"]+"\} [1-9]', text)
     assert "vllm:generation_tokens_total" in text  # vLLM's own metrics are still there
 
 

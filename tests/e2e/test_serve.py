@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import re
 import subprocess
+import urllib.request
 
 import pytest
 
@@ -46,6 +47,30 @@ FEATURES = {
 }
 
 
+# features CSV certifies, and the `mode` label of csv_decode_rows_certified_total that must grow
+CERTIFIED_MODES = {
+    "greedy": "greedy", "top_k": "top_k", "top_k_greedyish": "top_k", "n3_seeded": "top_k",
+    "seeded_temperature": "sampling", "penalties": "processed", "negative_penalties": "processed",
+    "logit_bias": "processed", "allowed_token_ids": "processed", "bad_words": "processed",
+    "min_tokens": "processed", "stop_strings": "greedy", "top_p": "top_p", "min_p": "min_p",
+}
+
+
+def metrics(server) -> dict[str, float]:
+    """csv_decode_ samples of /metrics: certified rows by mode, fallbacks by reason."""
+    with urllib.request.urlopen(server.base_url + "/metrics", timeout=10) as r:
+        text = r.read().decode()
+    out: dict[str, float] = {}
+    for name, labels, value in re.findall(r"^(csv_decode_\w+)\{([^}]*)\} ([0-9.eE+-]+)$", text, re.M):
+        key = name + "".join(f"[{v}]" for k, v in re.findall(r'(\w+)="([^"]*)"', labels) if k != "model_name")
+        out[key] = out.get(key, 0.0) + float(value)
+    return out
+
+
+def certified(server, mode: str) -> float:
+    return metrics(server).get(f"csv_decode_rows_certified_total[{mode}]", 0.0)
+
+
 def complete(server, **kw):
     extra = kw.pop("extra_body", None)
     r = server.client().completions.create(model=server.model, prompt=PROMPTS, max_tokens=kw.pop("max_tokens", 20),
@@ -56,8 +81,33 @@ def complete(server, **kw):
 
 @pytest.mark.parametrize("feature", sorted(FEATURES))
 def test_identical_to_dense(feature, csv_server, dense_server):
+    """Identical answers; for the features CSV certifies, its certified-rows counter of the
+    feature's mode grows meanwhile (the CSV path was taken, not only the dense one)."""
+    mode = CERTIFIED_MODES.get(feature)
+    before = certified(csv_server, mode) if mode else 0.0
     kw = dict(FEATURES[feature])
     assert complete(csv_server, **kw) == complete(dense_server, **dict(FEATURES[feature]))
+    if mode:
+        assert certified(csv_server, mode) > before, metrics(csv_server)
+
+
+def test_seeded_long_completion_certified_and_dense_steps(default_csv_server, dense_server):
+    """A seeded sampled request of 200 tokens: identical with and without CSV while some of
+    its steps are certified (in the sampler) and others go dense (the off-switch, on by
+    default, stops CSV after its first steps on the demo model), so the RNG streams stay in
+    step across both kinds of steps."""
+    csv = default_csv_server
+    before = metrics(csv)
+    texts = []
+    for s in (csv, dense_server):
+        r = s.client().completions.create(model=s.model, prompt="def main(argv):\n", max_tokens=200,
+                                          temperature=1.0, seed=77, extra_body={"ignore_eos": True})
+        texts.append(r.choices[0].text)
+    after = metrics(csv)
+    assert texts[0] == texts[1]
+    grew = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
+    assert grew.get("csv_decode_rows_certified_total[sampling]", 0) > 0, grew
+    assert grew.get("csv_decode_fallbacks_total[off_switch]", 0) > 0, grew
 
 
 def test_json_schema_structured_output(csv_server, dense_server):
@@ -90,10 +140,10 @@ def test_invalid_request_gets_400_and_server_keeps_serving(csv_server):
 
 
 def test_bad_flag_stops_startup(demo_model_dir):
-    r = subprocess.run([*vllm_command(), "serve", demo_model_dir, "--enable-csv-decode", "--csv-epsilon", "2"],
+    r = subprocess.run([*vllm_command(), "serve", demo_model_dir, "--enable-csv-decode", "--csv-budget", "2"],
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 2
-    assert "invalid csv_decode configuration: epsilon" in r.stderr, r.stderr[-3000:]
+    assert "invalid csv_decode configuration: budget" in r.stderr, r.stderr[-3000:]
 
 
 def test_corrupt_index_stops_startup(demo_model_dir, tmp_path):

@@ -3,7 +3,8 @@
 Loaded by vLLM (entry point group ``vllm.general_plugins``) in the API server before
 argument parsing, in the engine core and in every worker. ``register`` is idempotent
 and cheap: it adds the ``--csv-*`` flags, wraps the model runners so the head learns
-each row's sampling parameters, and registers the replacement ``LogitsProcessor``,
+each row's sampling parameters, wraps vLLM's V1 ``Sampler`` (rows certified with the seed it
+draws, see ``sampler_hook``), and registers the replacement ``LogitsProcessor``,
 which turns itself back into vLLM's own class whenever CSV is not enabled.
 """
 
@@ -39,11 +40,12 @@ def register() -> None:
         return
     from vllm.model_executor.layers.logits_processor import LogitsProcessor
 
-    from . import cli_args, step_plan
+    from . import cli_args, sampler_hook, step_plan
     from .logits_processor import CSVLogitsProcessor
 
     cli_args.install()
     step_plan.install(lambda: _max_topk())
+    sampler_hook.install()
     LogitsProcessor.register_oot(CSVLogitsProcessor)
 
 

@@ -20,7 +20,7 @@ from .config import SECTION, from_additional_config
 
 FLAGS = {  # namespace attribute -> config key
     "enable_csv_decode": "enabled", "csv_screen": "screen", "csv_index": "index",
-    "csv_clusters": "clusters", "csv_budget": "budget", "csv_epsilon": "epsilon",
+    "csv_clusters": "clusters", "csv_budget": "budget",
     "csv_max_topk": "max_topk",
 }
 
@@ -36,8 +36,6 @@ def add_csv_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--csv-clusters", type=int, default=None, help="Clusters when building an index.")
     g.add_argument("--csv-budget", type=float, default=None,
                    help="Max share of the vocabulary scored per row before the dense path (default 0.05).")
-    g.add_argument("--csv-epsilon", type=float, default=None,
-                   help="Opt-in epsilon-softmax mode for plain sampling (default off: exact only).")
     g.add_argument("--csv-max-topk", type=int, default=None, help="Largest top_k certified (default 64).")
 
 

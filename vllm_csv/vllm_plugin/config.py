@@ -26,12 +26,11 @@ class CSVDecodeConfig(BaseModel):
     index: str | None = Field(None, description="index file (screen 'ball'); default: the cache")
     clusters: int | None = Field(None, ge=1, description="clusters when building an index (default 0.015 V)")
     budget: float = Field(0.05, gt=0.0, le=1.0, description="max share of V scored per row, then dense")
-    epsilon: float | None = Field(None, gt=0.0, lt=1.0, description="opt-in epsilon-softmax mode")
     max_topk: int = Field(64, ge=1, le=1024, description="largest top_k certified; larger goes dense")
     off_switch: bool = True
 
     def head_config(self) -> HeadConfig:
-        return HeadConfig(screen=self.screen, budget=self.budget, epsilon=self.epsilon,
+        return HeadConfig(screen=self.screen, budget=self.budget,
                           max_topk=self.max_topk, off_switch=self.off_switch)
 
 

@@ -8,6 +8,9 @@ weights, and each step's rows take the certified path or vLLM's dense code
 (``super()._get_logits`` + soft-cap + scale, unchanged) as the runner's plan says.
 With tensor parallelism the head is a :class:`~vllm_csv.sharded.ShardedHead` over this
 rank's shard: every rank reaches the same decision, and dense rows take vLLM's all-gather.
+Rows planned ``DEFER`` (certified with the seed the sampler draws) are left as placeholders
+and handed to :mod:`.sampler_hook`, which fills them before vLLM's sampler reads them
+(single-rank heads only: under tensor parallelism they are dense).
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ from vllm.logger import init_logger
 from vllm.model_executor.layers.logits_processor import LogitsProcessor
 
 from .. import head as csv_head
-from . import step_plan
+from . import sampler_hook, step_plan
 from .config import CSVDecodeConfig, from_additional_config
 
 logger = init_logger("vllm.csv_decode")
@@ -55,19 +58,100 @@ class CSVLogitsProcessor(LogitsProcessor):
         t0 = time.perf_counter()  # the off-switch charges this layer's whole step, plan included
         head = self._get_head(lm_head, embedding_bias)
         plan = step_plan.take_plan(hidden_states.shape[0])
-        if plan is None or skip_gather or hidden_states.dim() != 2 or not any(plan.topk):
+        if plan is None or skip_gather or hidden_states.dim() != 2:
             return super().forward(lm_head, hidden_states, embedding_bias, skip_gather)
-        topk = torch.tensor(plan.topk, dtype=torch.long)
-        logits, stats = head.sampler_logits(hidden_states, topk,
-                                            lambda h: self._dense(lm_head, h, embedding_bias), t0=t0)
+        if not any(plan.topk):  # every row dense by its sampling parameters: count the rows
+            if self.csv_metrics is not None:
+                self.csv_metrics.record(csv_head.StepStats(rows=hidden_states.shape[0]))
+            return super().forward(lm_head, hidden_states, embedding_bias, skip_gather)
+        B = hidden_states.shape[0]
+        dense_full = lambda: self._dense(lm_head, hidden_states, embedding_bias)  # noqa: E731
+        ks = list(plan.topk)
+        if not isinstance(head, csv_head.CertifiedHead):  # sharded head: the sampler hook has no adapter
+            ks = [0 if k == step_plan.DEFER else k for k in ks]
+        modes = list(plan.modes or ["greedy" if k == 1 else "top_k" for k in ks])
+        deferred = [i for i, k in enumerate(ks) if k == step_plan.DEFER]
+        in_head = [i for i, k in enumerate(ks) if k != step_plan.DEFER]
+        sw = head.off_switch
+        own_switch = False  # whether this step asked the off-switch itself (no head-time CSV row)
+        if not deferred:
+            logits, stats = head.sampler_logits(hidden_states, torch.tensor(ks, dtype=torch.long),
+                                                lambda h: dense_full(), t0=t0)
+        else:
+            logits = torch.empty((B, head.vocab_size), dtype=head.dtype, device=hidden_states.device)
+            sub = torch.tensor(in_head, dtype=torch.long, device=hidden_states.device)
+            if any(ks[i] > 0 for i in in_head):
+                part, stats = head.sampler_logits(hidden_states[sub], torch.tensor([ks[i] for i in in_head]),
+                                                  lambda h: dense_full()[sub], t0=t0)
+                logits[sub] = part
+                off = stats.fallbacks["off_switch"] > 0
+            else:
+                stats = csv_head.StepStats(rows=len(in_head), screen=head.screen.name)
+                if in_head:
+                    logits[sub] = dense_full()[sub].to(head.dtype)
+                own_switch = sw is not None
+                off = own_switch and not sw.allow(B, lambda: csv_head._time(dense_full, hidden_states))
+            rows = torch.tensor(deferred, dtype=torch.long)
+            if off:
+                logits[rows.to(logits.device)] = dense_full()[rows.to(logits.device)].to(head.dtype)
+                stats.rows += len(deferred)
+                stats.csv_rows += len(deferred)
+                stats.fallbacks["off_switch"] += len(deferred)
+            else:
+                logits[rows.to(logits.device)] = sampler_hook.PLACEHOLDER
+                sampler_hook.defer(sampler_hook.Deferred(
+                    logits, hidden_states[rows.to(hidden_states.device)].clone(), rows,
+                    [modes[i] for i in deferred], self._adapter(head), dense_full,
+                    lambda st, stats=stats, hm=self._head_modes(logits, ks, modes, in_head):
+                        self._record(head, _merge(stats, st), {k: hm.get(k, 0) + st.certified.get(k, 0)
+                                                              for k in set(hm) | set(st.certified)},
+                                     B if own_switch else None, 0.0 if own_switch else st.seconds),
+                    seconds=time.perf_counter() - t0 - stats.seconds))
+                self._log_first(head, stats)
+                return logits
+        self._log_first(head, stats)
+        self._record(head, stats, self._head_modes(logits, ks, modes, in_head if deferred else range(B)), None)
+        return logits
+
+    def _adapter(self, head):
+        from ..sampling.head_adapter import HeadAdapter
+
+        if getattr(self, "_csv_adapter", None) is None or self._csv_adapter.head is not head:
+            self._csv_adapter = HeadAdapter(head)
+        return self._csv_adapter
+
+    @staticmethod
+    def _head_modes(logits: torch.Tensor, ks: list[int], modes: list[str], rows) -> dict[str, int]:
+        """Certified head-time rows by mode. ``sampler_logits`` reports a count, not which rows:
+        a certified row is ``-inf`` off its scored set, a dense row is the dense head's
+        (finite) output, so a row holding ``-inf`` is a certified one."""
+        rows = [i for i in rows if ks[i] > 0]
+        out: dict[str, int] = {}
+        if rows:
+            cert = torch.isneginf(logits[torch.tensor(rows, device=logits.device)]).any(1).tolist()
+            for i, c in zip(rows, cert):
+                if c:
+                    out[modes[i]] = out.get(modes[i], 0) + 1
+        return out
+
+    def _log_first(self, head, stats) -> None:
         if not self._csv_logged:
-            logger.info("CSV-Decode active: screen=%s V=%d d=%d, first step %d/%d rows certified",
+            logger.info("CSV-Decode active: screen=%s V=%d d=%d, first step %d/%d rows certified in the head",
                         stats.screen, head.vocab_size, head.hidden_size, stats.certified, stats.rows)
             self._csv_logged = True
+
+    def _record(self, head, stats, modes: dict[str, int], switch_batch: int | None,
+                extra_seconds: float = 0.0) -> None:
+        """Metrics of a step; the off-switch sees the step here when the head did not
+        (``switch_batch``), else is charged the sampler-side time of deferred rows
+        (``extra_seconds``: work the dense path would not have done)."""
+        if switch_batch is not None:
+            head.off_switch.observe(switch_batch, stats.seconds)
+        elif extra_seconds and head.off_switch is not None:
+            head.off_switch.charge(extra_seconds)
         if self.csv_metrics is not None:  # under TP: the global decision (rank 0) and per-rank counts
             sw = head.off_switch
-            self.csv_metrics.record(stats, None if sw is None else sw.dense_seconds.get(stats.rows))
-        return logits
+            self.csv_metrics.record(stats, None if sw is None else sw.dense_seconds.get(stats.rows), modes)
 
     def _get_head(self, lm_head, embedding_bias):
         if self.csv_head is None:

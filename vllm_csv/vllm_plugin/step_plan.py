@@ -9,7 +9,10 @@ prompt logprobs, draft heads) or with an unexpected row count gets no plan, and
 every row is dense.
 
 ``plan_row`` is the whole policy (SPEC, "Per-request features"): ``k > 0`` certifies
-the exact top-k (greedy is ``k = 1``); ``0`` is the dense path.
+the exact top-k in the LM head (greedy is ``k = 1``); :data:`DEFER` certifies the row's
+draw inside vLLM's sampler (:mod:`.sampler_hook`: plain temperature sampling, top-p and
+min-p sampling, and greedy or sampled rows with penalties, ``logit_bias``,
+``allowed_token_ids``, bad words or ``min_tokens``; not combined with ``top_k``); ``0`` is the dense path. :func:`row_mode` names the mode for the metrics.
 """
 
 from __future__ import annotations
@@ -18,37 +21,67 @@ import contextlib
 import threading
 from dataclasses import dataclass
 
+from ..metrics import MODES  # noqa: F401  (row_mode's labels)
+
 _SAMPLING_EPS = 1e-5  # vLLM treats temperature below this as greedy
+DEFER = -1  # certify the row in vLLM's sampler, with the seed it draws (sampler_hook)
 _local = threading.local()
 
 
 @dataclass
 class Plan:
     req_ids: list[str]
-    topk: list[int]  # per row
+    topk: list[int]  # per row: k > 0, DEFER or 0 (dense)
+    modes: list[str] | None = None  # per row, row_mode (None: greedy for k == 1, else top_k)
+
+
+def _processed(sp) -> bool:
+    """Features applied by vLLM's logits processors / penalties before the draw, each
+    monotone per token (sampler_hook runs vLLM's own code on the bounds)."""
+    return bool(sp.logit_bias or sp.allowed_token_ids or sp.bad_words or getattr(sp, "bad_words_token_ids", None)
+                or sp.presence_penalty != 0.0 or sp.frequency_penalty != 0.0 or sp.repetition_penalty != 1.0
+                or sp.min_tokens)
 
 
 def plan_row(sp, max_topk: int) -> tuple[int, str]:
-    """(k, reason): k > 0 to certify the exact top-k of this request's row, else 0 and why."""
+    """(k, reason): k > 0 to certify the exact top-k of this request's row in the head,
+    :data:`DEFER` to certify its draw in the sampler, else 0 and why."""
     if sp is None:
         return 0, "unsupported"
     dense_if = (
         sp.logprobs is not None or sp.prompt_logprobs is not None
         or getattr(sp, "logprob_token_ids", None)
-        or sp.logit_bias or sp.allowed_token_ids or sp.bad_words or getattr(sp, "bad_words_token_ids", None)
-        or sp.presence_penalty != 0.0 or sp.frequency_penalty != 0.0 or sp.repetition_penalty != 1.0
-        or sp.min_tokens or getattr(sp, "structured_outputs", None) is not None
-        or sp.top_p < 1.0 or sp.min_p > 0.0 or getattr(sp, "logits_processors", None)
+        or getattr(sp, "structured_outputs", None) is not None
+        or getattr(sp, "logits_processors", None)
         or getattr(sp, "thinking_token_budget", None) is not None
         or getattr(sp, "watermarking", None) or getattr(sp, "repetition_detection", None) is not None
     )
     if dense_if:
         return 0, "unsupported"
-    if sp.temperature < _SAMPLING_EPS:
+    greedy = sp.temperature < _SAMPLING_EPS
+    no_top_k = sp.top_k <= 0
+    if sp.top_p < 1.0 or sp.min_p > 0.0:  # vLLM resets both for greedy requests
+        return (DEFER, "") if no_top_k else (0, "unsupported")
+    if _processed(sp):
+        return (DEFER, "") if greedy or no_top_k else (0, "unsupported")
+    if greedy:
         return 1, ""
     if 1 <= sp.top_k <= max_topk:
         return sp.top_k, ""
+    if no_top_k:
+        return DEFER, ""
     return 0, "unsupported"
+
+
+def row_mode(sp, k: int) -> str:
+    """The metric label of a row planned ``k`` (one of :data:`MODES`)."""
+    if k == DEFER:
+        if sp.top_p < 1.0:
+            return "top_p"
+        if sp.min_p > 0.0:
+            return "min_p"
+        return "processed" if _processed(sp) else "sampling"
+    return "greedy" if k == 1 and sp.temperature < _SAMPLING_EPS else "top_k"
 
 
 def current_plan() -> Plan | None:
@@ -86,7 +119,8 @@ def _v1_plan(runner, max_topk: int) -> Plan | None:
         return None
     req_ids = list(batch.req_ids)
     sps = [getattr(runner.requests.get(r), "sampling_params", None) for r in req_ids]
-    return Plan(req_ids, [plan_row(sp, max_topk)[0] for sp in sps])
+    ks = [plan_row(sp, max_topk)[0] for sp in sps]
+    return Plan(req_ids, ks, [row_mode(sp, k) if k else "" for sp, k in zip(sps, ks)])
 
 
 def install(max_topk_getter) -> None:
@@ -127,8 +161,10 @@ def install(max_topk_getter) -> None:
                     and getattr(input_batch, "num_draft_tokens", 0) == 0):
                 params = self.__dict__.get("_csv_sampling_params", {})
                 m = max_topk_getter()
-                plan = Plan(list(input_batch.req_ids),
-                            [plan_row(params.get(r), m)[0] for r in input_batch.req_ids])
+                # The V2 runner's sampler is not hooked: rows to certify in the sampler stay dense.
+                ks = [max(plan_row(params.get(r), m)[0], 0) for r in input_batch.req_ids]
+                plan = Plan(list(input_batch.req_ids), ks,
+                            [row_mode(params.get(r), k) if k else "" for r, k in zip(input_batch.req_ids, ks)])
             with active_plan(plan):
                 return orig_sample(self, hidden_states, input_batch, grammar_output, *a, **k)
 
@@ -155,3 +191,7 @@ class _LazyPlan(Plan):
     @property
     def topk(self):
         return self._get().topk
+
+    @property
+    def modes(self):
+        return self._get().modes

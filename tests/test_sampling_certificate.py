@@ -1,0 +1,148 @@
+"""Certified draws == vLLM's draw on the dense head's logits (same seeds), adversarial rows included."""
+
+import math
+
+import pytest
+import torch
+
+from conftest import hidden_near_rows, peaked_head
+from vllm_csv import CertifiedHead, HeadConfig, build_index
+from vllm_csv.sampling.certificate import certify_draw
+from vllm_csv.sampling.head_adapter import HeadAdapter
+from vllm_csv.sampling.rows import certify_rows
+
+pytest.importorskip("vllm")
+import vllm._custom_ops  # noqa: E402,F401
+
+kernel = torch.ops._C.fused_gumbel_argmax
+
+
+def make_head(W, b=None, screen="fp16", **kw):
+    idx = build_index(W.float(), None if b is None else b.float(), progress=False) if screen == "ball" else None
+    return CertifiedHead(W, b, config=HeadConfig(screen=screen, budget=kw.pop("budget", 0.5), off_switch=False),
+                         index=idx, **kw)
+
+
+def temperature_process(T, greedy):
+    """vLLM's Sampler.apply_temperature on fp32 rows (greedy rows divided by 1)."""
+    t = torch.where(greedy, torch.ones_like(T), T)
+
+    def process(lo, hi):
+        return lo.float() / t[:, None], hi.float() / t[:, None]
+    return process
+
+
+def draw(x, T, greedy, seeds):
+    """vLLM's CPU draw: greedy_argmax on greedy rows, Gumbel kernel on x / T otherwise."""
+    x = x.float()
+    tg = torch.ops._C.greedy_argmax(x) if x.shape[0] > 1 else x.argmax(1)
+    t = torch.where(greedy, torch.ones_like(T), T)
+    ts = kernel((x / t[:, None]).contiguous(), seeds)
+    return torch.where(greedy, tg, ts)
+
+
+def check(head, h, T, greedy, seeds, masked=None, adapter=None):
+    adapter = adapter or HeadAdapter(head)
+    res = certify_rows(adapter, h, temperature_process(T, greedy), seeds, greedy, masked)
+    dense = head.dense_logits(h).float()
+    if masked is not None:
+        dense = dense.masked_fill(masked, -math.inf)
+    want = draw(dense, T, greedy, seeds)
+    got = draw(res.values.float(), T, greedy, seeds)
+    c = res.certified
+    mismatches = int((want[c] != got[c]).sum() + (want[c] != res.winner[c]).sum())
+    return mismatches, float(c.float().mean())
+
+
+CASES = [(s, dt, T) for s in ("fp16", "int8", "ball") for dt in (torch.float32, torch.bfloat16)
+         for T in (1e-6, 0.3, 1.0, 1e4)]
+
+
+@pytest.mark.parametrize("screen,dtype,T", CASES)
+def test_certified_draw_equals_dense_draw(screen, dtype, T):
+    V, d, B = 2048, 64, 96
+    W, g = peaked_head(V, d, seed=11, dtype=dtype)
+    h = torch.cat([hidden_near_rows(W, B - 16, g, scale=2.0), torch.randn(16, d, generator=g).to(dtype)])
+    head = make_head(W, screen=screen)
+    seeds = torch.randint(0, 2**31, (B,), generator=g)
+    greedy = torch.arange(B) % 5 == 0
+    mism, rate = check(head, h, torch.full((B,), T), greedy, seeds)
+    assert mism == 0
+    if screen != "ball":
+        assert rate > 0.5, rate
+
+
+def test_many_seeds_one_row_each():
+    """The same hidden state under 2000 seeds: every certified draw matches."""
+    V, d = 1024, 32
+    W, g = peaked_head(V, d, seed=3, dtype=torch.bfloat16)
+    h = hidden_near_rows(W, 4, g, scale=1.0).repeat(500, 1)
+    seeds = torch.randint(0, 2**31, (2000,), generator=g)
+    mism, rate = check(make_head(W), h, torch.full((2000,), 0.7), torch.zeros(2000, dtype=torch.bool), seeds)
+    assert mism == 0 and rate > 0.9, rate
+
+
+def test_adversarial_ties_bias_softcap_masks():
+    V, d, B = 1500, 48, 64
+    W, g = peaked_head(V, d, seed=5, dtype=torch.bfloat16)
+    W[100:120] = W[7]  # duplicate rows: exact ties in the logits, the noise decides
+    b = (torch.randn(V, generator=g) * 0.1).to(torch.bfloat16)
+    h = torch.cat([hidden_near_rows(W, B - 8, g, scale=1.5), torch.zeros(4, d, dtype=torch.bfloat16),
+                   (W[7:8].float() * 50).repeat(4, 1).to(torch.bfloat16)])
+    masked = torch.rand(B, V, generator=g) < 0.3
+    masked[:, 7] = True  # the favourite is masked
+    seeds = torch.randint(0, 2**31, (B,), generator=g)
+    for head in (make_head(W, b), make_head(W, b, softcap=2.0, scale=0.5)):
+        for T in (1e-6, 0.9, 1e4):
+            greedy = torch.arange(B) % 3 == 0
+            mism, _ = check(head, h, torch.full((B,), T), greedy, seeds, masked)
+            assert mism == 0
+
+
+def test_nonfinite_rows_are_not_certified():
+    V, d = 512, 16
+    W, g = peaked_head(V, d, seed=7)
+    h = torch.randn(4, d, generator=g)
+    h[1, 3] = math.nan
+    h[2, 0] = math.inf
+    res = certify_rows(HeadAdapter(make_head(W)), h, temperature_process(torch.ones(4), torch.zeros(4, dtype=torch.bool)),
+                       torch.arange(4), torch.zeros(4, dtype=torch.bool))
+    assert not res.certified[1] and not res.certified[2]
+    assert res.reason[1] == res.reason[2] == "nonfinite"
+
+
+def test_draw_certificate_refuses_overlapping_bounds():
+    """Token 1's noisy interval straddles token 0's noisy score: undecided, never certified;
+    once its interval lies below, certified for token 0."""
+    from vllm_csv.sampling.gumbel import gumbel_noise
+
+    seeds = torch.tensor([123])
+    g = gumbel_noise(seeds, torch.arange(2))[0]
+    a = float(g[0] - g[1])  # y_1 = a ties token 0's noisy score (y_0 = 0)
+    cert = certify_draw(torch.tensor([[0.0, a - 1e-3]]), torch.tensor([[0.0, a + 1e-3]]), seeds,
+                        torch.tensor([False]))
+    assert not bool(cert.certified[0]) and cert.contenders[0].tolist() == [True, True]
+    cert = certify_draw(torch.tensor([[0.0, a - 2e-3]]), torch.tensor([[0.0, a - 1e-3]]), seeds,
+                        torch.tensor([False]))
+    assert bool(cert.certified[0]) and int(cert.winner[0]) == 0
+
+
+class _BrokenAdapter(HeadAdapter):
+    """Bounds of even tokens lowered by 3: wrong; the comparison with the dense draw must notice."""
+
+    def intervals(self, hidden):
+        lo, hi, hnorm, finite = super().intervals(hidden)
+        lo[:, ::2] -= 3.0
+        hi[:, ::2] -= 3.0
+        return lo, hi, hnorm, finite
+
+
+def test_broken_bound_is_caught():
+    V, d, B = 2048, 64, 256
+    W, g = peaked_head(V, d, seed=13, dtype=torch.bfloat16)
+    h = hidden_near_rows(W, B, g, scale=0.7)
+    head = make_head(W)
+    seeds = torch.randint(0, 2**31, (B,), generator=g)
+    mism, _ = check(head, h, torch.full((B,), 1.0), torch.zeros(B, dtype=torch.bool), seeds,
+                    adapter=_BrokenAdapter(head))
+    assert mism > 0

@@ -1,0 +1,10 @@
+"""Exact sampling on the certified path: vLLM's CPU Gumbel-max, replayed per token.
+
+* :mod:`.gumbel` -- the noise ``fused_gumbel_argmax`` adds, for any token of a row.
+* :mod:`.certificate` -- which token the draw picks, certified from bounds on every token's
+  sampler input (pure math, no vLLM).
+* :mod:`.nucleus` -- min-p / top-p keep-drop decisions from the same bounds.
+* :mod:`.rows` -- the loop: bounds, vLLM's processors on them, certificate, exact scoring of
+  the contenders.
+* :mod:`.head_adapter` -- the only place that calls the certified head's internals.
+"""

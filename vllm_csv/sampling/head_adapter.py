@@ -1,0 +1,66 @@
+"""The one place that calls the certified head's internals (``CertifiedHead._intervals``,
+``_score``, ``transform``): the sampling certificate sees the head only through
+:class:`HeadAdapter`. When the head exposes public ``intervals`` / ``score`` with the same
+meaning, only :meth:`HeadAdapter._raw_intervals` and :meth:`HeadAdapter._raw_score` change.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+
+class HeadAdapter:
+    """Bounds on the values the dense head hands to vLLM's sampler, after soft-cap and scale.
+
+    The head bounds the dense engine's pre-transform logit ``zt`` (model dtype); vLLM then
+    applies ``f`` (soft-cap, scale) op by op in the model dtype. Those ops are monotone up to
+    ``tanh``'s last ulps, so the bounds carried through the engine's own ops with the ``tanh``
+    output stepped outwards (:meth:`~vllm_csv.dense_engine.DenseEngine.bound`) bound what the
+    engine hands the sampler, rounding, underflow and overflow included. Without a transform
+    the engine hands ``zt`` itself to the sampler and no margin is added.
+    """
+
+    def __init__(self, head):
+        self.head = head
+        self.vocab_size = head.vocab_size
+        self.dtype = head.dtype
+        self.budget = head.config.budget
+        self._identity = head.softcap is None and head.scale == 1.0
+
+    # ---- the head's internals: the only calls into them -----------------------------
+    def _raw_intervals(self, hidden):
+        return self.head._intervals(hidden)
+
+    def _raw_score(self, hidden, ids, hnorm):
+        return self.head._score(hidden, ids, hnorm)
+
+    # ---- bounds after the transform --------------------------------------------------
+    def _post(self, lo: torch.Tensor | None, hi: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor]:
+        """Bounds carried through the engine's own soft-cap and scale in the model dtype, op by
+        op (:meth:`~vllm_csv.dense_engine.DenseEngine.bound`: rounding, underflow and overflow
+        included), not in fp32."""
+        if self._identity:
+            return lo, hi
+        fh = self.head.engine.bound(hi, up=True)
+        return (None if lo is None else self.head.engine.bound(lo, up=False)), fh
+
+    def intervals(self, hidden: torch.Tensor):
+        """``(lo, hi, hnorm, finite)``: ``lo, hi [B, V]`` float32 bound the value the dense head
+        hands to the sampler for every token (``lo`` is None for one-sided screens);
+        ``finite [B]`` says which rows have usable bounds."""
+        lo, hi, hnorm, finite = self._raw_intervals(hidden)
+        lo, hi = self._post(lo, hi)
+        return lo, hi, hnorm, finite
+
+    def score(self, hidden: torch.Tensor, ids: torch.Tensor, hnorm: torch.Tensor):
+        """``(values, lower, upper)`` on columns ``ids``: ``values [B, n]`` (model dtype) is
+        what the certified row hands to the sampler, ``lower <= dense <= upper`` (float32)
+        bound what the dense head would have handed it, and ``values`` lies in between."""
+        z, lower, upper = self._raw_score(hidden, ids, hnorm)
+        values = self.head.transform(z)
+        lower, upper = self._post(lower, upper)
+        lower = torch.minimum(lower, values.float())  # both come from the same rounding; keep it explicit
+        upper = torch.maximum(upper, values.float())
+        return values, lower, upper
+

@@ -1,0 +1,140 @@
+"""Certify a batch of rows for vLLM's draw: grow the scored set until the draw is decided.
+
+Pipeline (per batch of rows that the sampler will draw from):
+
+1. bounds on every token's sampler input from the head's screen (:class:`.HeadAdapter`);
+2. ``process``: the caller's map from head values to the draw's inputs (vLLM's own logits
+   processors, penalties and temperature, run on the bounds; every step is monotone
+   non-decreasing per token, so bounds map to bounds);
+3. :func:`~.certificate.certify_draw`; the contenders not yet scored are scored exactly
+   (their bounds shrink to the rounding interval of the dense value) and 2-3 repeat, until
+   every row is decided, nothing is left to score, or the budget is spent.
+
+A certified row is handed to the sampler as exact values on the scored set ``S`` and
+``-inf`` elsewhere (and on tokens ``process`` rules out): the sampler then runs vLLM's
+unchanged code on it. Every finite value of the row lies within its token's bounds and was
+beaten by the winner, so the row's draw returns the certified winner too.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from .certificate import certify_draw
+from .head_adapter import HeadAdapter
+
+MAX_ROUNDS = 4
+FIRST_GUESS = 8  # one-sided screens (no lower bounds): score the 8 highest upper bounds first
+
+
+@dataclass
+class RowsResult:
+    values: torch.Tensor  # [R, V] model dtype: exact on S, -inf elsewhere and on masked tokens
+    certified: torch.Tensor  # [R] bool
+    winner: torch.Tensor  # [R] int64, the certified token (meaningful where certified)
+    reason: list[str | None]  # None if certified, else "uncertified" / "budget" / "nonfinite"
+    scored: int  # |S| (shared by the rows)
+
+
+Process = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+
+
+def certify_rows(adapter: HeadAdapter, hidden: torch.Tensor, process: Process, seeds: torch.Tensor,
+                 greedy: torch.Tensor, masked: torch.Tensor | None = None) -> RowsResult:
+    """Certify the draw of each row of ``hidden [R, d]``.
+
+    Parameters
+    ----------
+    adapter : HeadAdapter
+    hidden : torch.Tensor
+        ``[R, d]`` model dtype, the rows' final hidden states.
+    process : callable
+        ``(lo, hi) -> (ylo, yhi)``, all ``[R, V]`` float32: maps bounds on the head's values
+        to bounds on the draw's inputs (monotone per token).
+    seeds : torch.Tensor
+        ``[R]`` int64, the seeds the sampler will draw with (ignored for greedy rows).
+    greedy : torch.Tensor
+        ``[R]`` bool.
+    masked : torch.Tensor, optional
+        ``[R, V]`` bool, tokens already set to ``-inf`` upstream (grammar bitmask).
+    """
+    R, V = hidden.shape[0], adapter.vocab_size
+    dev = hidden.device
+    lo, hi, hnorm, finite = adapter.intervals(hidden)
+    one_sided = lo is None
+    if one_sided:
+        lo = torch.full_like(hi, -math.inf)
+    if masked is not None:
+        lo.masked_fill_(masked, -math.inf)
+        hi.masked_fill_(masked, -math.inf)
+    values = torch.full((R, V), -math.inf, dtype=adapter.dtype, device=dev)
+    scored = torch.zeros(V, dtype=torch.bool, device=dev)
+    budget = max(1, math.ceil(adapter.budget * V))
+    certified = torch.zeros(R, dtype=torch.bool, device=dev)
+    winner = torch.zeros(R, dtype=torch.long, device=dev)
+    over_budget = torch.zeros(R, dtype=torch.bool, device=dev)
+
+    def add(ids: torch.Tensor) -> None:
+        v, lower, upper = adapter.score(hidden, ids, hnorm)
+        values[:, ids] = v
+        lo[:, ids], hi[:, ids] = lower, upper
+        if masked is not None:
+            m = masked[:, ids]
+            lo[:, ids] = lo[:, ids].masked_fill(m, -math.inf)
+            hi[:, ids] = hi[:, ids].masked_fill(m, -math.inf)
+        scored[ids] = True
+
+    if one_sided and bool(finite.any()):
+        add(hi[finite].topk(min(FIRST_GUESS, V), dim=1).indices.unique())
+    for rnd in range(MAX_ROUNDS + 1):
+        ylo, yhi = process(lo, hi)
+        cert = certify_draw(ylo, yhi, seeds, greedy)
+        winner = cert.winner
+        certified = cert.certified & finite & scored[winner]
+        open_rows = finite & ~certified & ~over_budget
+        need = cert.contenders[open_rows].any(0) & ~scored
+        # rows where no token is certainly kept yet (e.g. min-p / top-p undecided on screen
+        # bounds): score their highest upper bounds first
+        blind = open_rows & ~cert.finite & (yhi > -math.inf).any(1)
+        if bool(blind.any()):
+            top = yhi[blind].topk(min(FIRST_GUESS, V), dim=1)
+            need[top.indices[top.values > -math.inf]] = True
+            need &= ~scored
+            cert.contenders[blind] = False
+            cert.contenders[blind.nonzero().squeeze(1)[:, None], top.indices] = top.values > -math.inf
+        if not bool(need.any()):
+            break
+        if rnd == MAX_ROUNDS:
+            break
+        new = need.nonzero().squeeze(1)
+        room = budget - int(scored.sum())
+        if new.numel() > room:
+            # Not every open row fits: rows whose own contenders cannot fit go dense; of the
+            # rest, those with the fewest contenders are served first (the sum of their
+            # counts bounds the union), the others wait for the next round.
+            own = (cert.contenders & ~scored[None]).sum(1)
+            over_budget |= open_rows & (own > room)
+            idx = (open_rows & ~over_budget).nonzero().squeeze(1)
+            order = own[idx].argsort()
+            take = idx[order[own[idx][order].cumsum(0) <= room]]
+            if take.numel() == 0:
+                over_budget |= open_rows
+                break
+            new = (cert.contenders[take].any(0) & ~scored).nonzero().squeeze(1)
+        add(new)
+    if masked is not None:
+        values.masked_fill_(masked, -math.inf)
+    # A token whose upper bound after ``process`` is -inf (masked, or certainly dropped by
+    # min-p / top-p) was never compared with the winner: it must not compete on the row the
+    # sampler gets either (the sampler may not drop it again: top-p is not re-applied to a
+    # certified row, and min-p on a partial row keeps at least what it keeps on the full row).
+    values.masked_fill_(yhi == -math.inf, -math.inf)
+    open_rows = finite & ~certified & ~over_budget
+    over_budget |= open_rows & (cert.contenders & ~scored[None]).any(1)  # still waiting for room
+    reason = [None if c else ("nonfinite" if not f else ("budget" if b else "uncertified"))
+              for c, f, b in zip(certified.tolist(), finite.tolist(), over_budget.tolist())]
+    return RowsResult(values, certified, winner, reason, int(scored.sum()))

@@ -1,0 +1,235 @@
+"""Certify rows of vLLM's V1 sampler with the seeds it is about to draw.
+
+Rows planned :data:`~.step_plan.DEFER` (plain temperature sampling; greedy or plain sampling
+with penalties, ``logit_bias``, ``allowed_token_ids``, bad words, ``min_tokens``) cannot be
+certified in the LM head: the Gumbel draw's seed is drawn by the sampler, after the head,
+and the processors' inputs (output tokens, biases) live in the sampler's metadata. So the
+head leaves those rows as placeholders (0.0) and :func:`defer` stashes their hidden states;
+the wrapped ``Sampler.forward`` then, before vLLM's own code runs:
+
+1. peeks the seeds ``TopKTopPSampler.forward_cpu`` will draw (saves the global RNG state and
+   each request generator's, replays its ``randint`` calls, restores the states: the draw
+   then produces the very same seeds; nothing between the entry of ``Sampler.forward`` and
+   that ``randint`` consumes random numbers: logits processors, penalties, greedy argmax,
+   temperature, min-p and top-k/top-p masks are deterministic);
+2. runs vLLM's own ``Sampler.apply_logits_processors`` and ``apply_temperature`` on lower
+   and upper bounds of the rows (every step is monotone non-decreasing per token: masks to
+   ``-inf``, additions, the repetition penalty's ``x / r`` or ``x r``, division by ``T > 0``,
+   each rounded to nearest in fp32), and certifies the draw
+   (:func:`vllm_csv.sampling.rows.certify_rows`);
+3. writes certified rows (exact values on the scored set, ``-inf`` elsewhere) and dense rows
+   (the dense head on the whole batch, as without CSV) into the logits, keeping the grammar
+   bitmask's ``-inf`` (a placeholder at ``-inf`` is a token the bitmask removed).
+
+vLLM's unchanged sampler then draws from those logits. On a certified row its draw returns
+the certified token (every finite value lies within its token's bounds; the tokens outside
+the scored set are ``-inf``; a top-p of 1.0 or min-p of 0 that vLLM applies batch-wide
+removes no token within 41 of the row's maximum, and the winner is within 41.1, the width of
+the noise). Anything this hook cannot reason about (speculative decoding, fp64 Gumbel,
+a thinking budget, custom logits processors, min_tokens with a grammar, a non-CPU sampler)
+makes every deferred row dense.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+from vllm.logger import init_logger
+
+from ..sampling.head_adapter import HeadAdapter
+from ..sampling.nucleus import min_p_bounds, top_p_bounds
+from ..sampling.rows import certify_rows
+
+logger = init_logger("vllm.csv_decode")
+_SAMPLING_EPS = 1e-5
+PLACEHOLDER = 0.0
+
+
+@dataclass
+class Deferred:
+    """What the head leaves for the sampler: one step's deferred rows."""
+
+    logits: torch.Tensor  # [B, V] what the head returned (placeholder rows at ``rows``)
+    hidden: torch.Tensor  # [R, d] the deferred rows' hidden states (a copy)
+    rows: torch.Tensor  # [R] int64, CPU
+    modes: list[str]  # per deferred row
+    adapter: HeadAdapter
+    dense: Callable[[], torch.Tensor]  # the dense head on the whole batch: [B, V]
+    done: Callable[["DeferredStats"], None]  # metrics / off-switch accounting
+    seconds: float = 0.0  # head time spent on them
+
+
+@dataclass
+class DeferredStats:
+    rows: int = 0
+    certified: dict[str, int] = field(default_factory=dict)  # by mode
+    fallbacks: dict[str, int] = field(default_factory=dict)
+    scored: int = 0
+    seconds: float = 0.0
+
+
+_logged: set[str] = set()
+_pending: Deferred | None = None  # one slot: a step's head call is followed by its sampler call
+
+
+def defer(d: Deferred) -> None:
+    global _pending
+    _pending = d
+
+
+def _take(logits: torch.Tensor) -> Deferred | None:
+    global _pending
+    d, _pending = _pending, None
+    if d is None:
+        return None
+    if tuple(logits.shape) != tuple(d.logits.shape):
+        raise RuntimeError(f"vllm-csv: the sampler got logits of shape {tuple(logits.shape)} after the head "
+                           f"returned {tuple(d.logits.shape)} with rows left to certify; refusing to sample "
+                           "from placeholders")
+    return d
+
+
+def peek_seeds(batch_size: int, generators: dict[int, torch.Generator]) -> torch.Tensor:
+    """The seeds ``TopKTopPSampler.forward_cpu`` draws next, without consuming them."""
+    state = torch.get_rng_state()
+    seeds = torch.randint(0, 2**31, (batch_size,), dtype=torch.long)
+    torch.set_rng_state(state)
+    for i, gen in generators.items():
+        st = gen.get_state()
+        seeds[i] = torch.randint(0, 2**31, (1,), generator=gen, dtype=torch.long).item()
+        gen.set_state(st)
+    return seeds
+
+
+def _unsupported(sampler, md, predict_bonus_token: bool) -> str | None:
+    from vllm.v1.sample.logits_processor.builtin import (LogitBiasLogitsProcessor, MinPLogitsProcessor,
+                                                         MinTokensLogitsProcessor)
+    from vllm.v1.sample.ops.topk_topp_sampler import TopKTopPSampler
+
+    tts = sampler.topk_topp_sampler
+    if getattr(tts.forward, "__func__", None) is not TopKTopPSampler.forward_cpu or tts.use_fp64_gumbel:
+        return "the sampler is not vLLM's CPU Gumbel sampler"
+    if predict_bonus_token or any(md.spec_token_ids or ()):
+        return "speculative decoding"
+    holder = md.thinking_budget_state_holder
+    if holder is not None and holder.has_tracked_requests():
+        return "a thinking budget (its state advances on every application)"
+    for p in md.logitsprocs.argmax_invariant:
+        if not isinstance(p, MinPLogitsProcessor):
+            return f"logits processor {type(p).__name__}"
+    for p in md.logitsprocs.non_argmax_invariant:
+        if not isinstance(p, (LogitBiasLogitsProcessor, MinTokensLogitsProcessor)):
+            return f"logits processor {type(p).__name__}"
+        if isinstance(p, MinTokensLogitsProcessor) and p.min_toks and p.restore_logits_slice[0].numel():
+            return "min_tokens with structured output (its restore step is not per token)"
+    return None
+
+
+def _min_p(md, rows: torch.Tensor) -> torch.Tensor:
+    for p in md.logitsprocs.argmax_invariant:
+        if getattr(p, "min_p_count", 0):
+            return torch.tensor([p.get_min_p_by_index(int(i)) for i in rows], dtype=torch.float32)
+    return torch.zeros(rows.numel())
+
+
+def resolve(sampler, d: Deferred, logits: torch.Tensor, md, predict_bonus_token: bool = False
+            ) -> tuple[DeferredStats, torch.Tensor]:
+    """Fill ``logits``' deferred rows (certified or dense) in place; see the module docstring.
+    Returns the stats and the certified rows whose top-p vLLM must not apply again: on the
+    partial row (exact on ``S``, ``-inf`` elsewhere) its cumulative sums are not the full row's,
+    so the caller sets their ``top_p`` to 1 for this draw (the certificate already decided
+    it: the winner is kept and beats every token that may be kept). Min-p needs no such
+    step: on the partial row the maximum is at most the full row's, so the winner stays kept,
+    and dropping other tokens cannot change a certified draw."""
+    t0 = time.perf_counter()
+    rows = d.rows
+    R = rows.numel()
+    st = DeferredStats(rows=R)
+    dev_rows = rows.to(logits.device)
+    masked = logits[dev_rows] == -math.inf  # the grammar bitmask (placeholders are finite)
+    why = _unsupported(sampler, md, predict_bonus_token)
+    certified = torch.zeros(R, dtype=torch.bool)
+    if why is None:
+        B = logits.shape[0]
+        if md.all_greedy or md.temperature is None:
+            greedy = torch.ones(R, dtype=torch.bool)
+        else:
+            greedy = md.temperature.cpu()[rows] < _SAMPLING_EPS
+        seeds = peek_seeds(B, md.generators)[rows] if bool((~greedy).any()) else torch.zeros(R, dtype=torch.long)
+        base = logits.float()
+        min_p = _min_p(md, rows)
+        top_p = md.top_p.cpu()[rows].float() if md.top_p is not None else torch.ones(R)
+
+        def process(lo: torch.Tensor, hi: torch.Tensor):
+            out = []
+            for x in (lo, hi):
+                full = base.clone()
+                full[dev_rows] = x
+                full = sampler.apply_logits_processors(full, md, predict_bonus_token)
+                pre = full[dev_rows]
+                if not md.all_greedy and md.temperature is not None:
+                    post = sampler.apply_temperature(full, md.temperature, md.all_random)[dev_rows]
+                    pre = torch.where(greedy.to(pre.device)[:, None], pre, post)
+                out.append(pre)
+            ylo, yhi = min_p_bounds(out[0], out[1], min_p.to(out[0].device))
+            return top_p_bounds(ylo, yhi, top_p.to(out[0].device))
+
+        res = certify_rows(d.adapter, d.hidden, process, seeds.to(logits.device), greedy.to(logits.device),
+                           masked)
+        certified = res.certified.cpu()
+        if bool(certified.any()):
+            idx = dev_rows[certified.to(logits.device)]
+            logits[idx] = res.values[certified.to(logits.device)].to(logits.dtype)
+        for r in res.reason:
+            if r is not None:
+                st.fallbacks[r] = st.fallbacks.get(r, 0) + 1
+        st.scored = res.scored
+    else:
+        if why not in _logged:
+            _logged.add(why)
+            logger.info("CSV-Decode: rows to certify in the sampler take the dense path: %s", why)
+        st.fallbacks["unsupported"] = R
+    if not bool(certified.all()):
+        dense_rows = dev_rows[~certified.to(logits.device)]
+        # the dense head on the whole batch: bit for bit what vLLM computes without CSV
+        logits[dense_rows] = d.dense()[dense_rows].to(logits.dtype).masked_fill(
+            masked[~certified.to(logits.device)], -math.inf)
+    for m, c in zip(d.modes, certified.tolist()):
+        if c:
+            st.certified[m] = st.certified.get(m, 0) + 1
+    st.seconds = d.seconds + time.perf_counter() - t0
+    no_top_p = rows[certified & (top_p < 1.0)] if why is None else rows[:0]
+    return st, no_top_p
+
+
+def install() -> None:
+    """Wrap ``Sampler.forward`` (V1) once per process."""
+    from vllm.v1.sample.sampler import Sampler
+
+    if getattr(Sampler, "_csv_wrapped", False):
+        return
+    orig = Sampler.forward
+
+    def forward(self, logits, sampling_metadata, predict_bonus_token=False, logprobs_mode_override=None):
+        d = _take(logits)
+        if d is None:
+            return orig(self, logits, sampling_metadata, predict_bonus_token, logprobs_mode_override)
+        st, no_top_p = resolve(self, d, logits, sampling_metadata, predict_bonus_token)
+        d.done(st)
+        top_p = sampling_metadata.top_p
+        if no_top_p.numel() == 0 or top_p is None:
+            return orig(self, logits, sampling_metadata, predict_bonus_token, logprobs_mode_override)
+        idx = no_top_p.to(top_p.device)
+        saved = top_p[idx].clone()
+        top_p[idx] = 1.0  # decided by the certificate (see resolve); vLLM's own value is restored after
+        try:
+            return orig(self, logits, sampling_metadata, predict_bonus_token, logprobs_mode_override)
+        finally:
+            top_p[idx] = saved
+
+    Sampler.forward = forward
+    Sampler._csv_wrapped = True
