@@ -80,7 +80,7 @@ def run_server(model: str, csv: bool, args) -> dict:
         served = json.loads(_get(base + "/v1/models"))["data"][0]["id"]
 
         def complete(params: dict) -> dict:
-            return _post(base + "/v1/completions", {"model": served, "prompt": PROMPTS,
+            return _post(base + "/v1/completions", {"model": served, "prompt": PROMPTS[: args.prompts],
                                                      "max_tokens": args.max_tokens, **params}, timeout=900)
 
         complete({"temperature": 0, "max_tokens": 4})  # warm-up
@@ -157,6 +157,8 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default=None, help="Hugging Face model directory (default: the demo model)")
     p.add_argument("--rounds", type=int, default=3, help="batched requests per workload")
+    p.add_argument("--prompts", type=int, default=len(PROMPTS),
+                   help=f"prompts per batched request, i.e. sequences decoded together (1 to {len(PROMPTS)})")
     p.add_argument("--max-tokens", type=int, default=48)
     p.add_argument("--port", type=int, default=8110)
     p.add_argument("--timeout", type=float, default=900)
@@ -178,7 +180,7 @@ def main(argv=None) -> int:
     csv = run_server(args.model, True, args)
     s = summary(dense, csv)
     machine = f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores"
-    Path(args.json).write_text(json.dumps({"machine": machine, "model": args.model, **s}, indent=1))
+    Path(args.json).write_text(json.dumps({"machine": machine, "model": args.model, "prompts": args.prompts, "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=Path(__file__).parent).stdout.strip(), "vllm_args": args.vllm_args, **s}, indent=1))
     md = markdown(s, machine, Path(args.model).name)
     Path(args.json).with_suffix(".md").write_text(md)
     print(md)
