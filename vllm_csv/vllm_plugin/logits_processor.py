@@ -199,3 +199,15 @@ def _metrics(model_name: str, head, index, rank: int | None = None):
     if index is not None:
         info.update(clusters=index.num_clusters, fingerprint=index.fingerprint)
     return CSVMetrics(model_name, info, rank=rank)
+
+
+def _merge(stats, st):
+    """The step's head-time stats plus its deferred rows (resolved in the sampler)."""
+    out = csv_head.StepStats(rows=stats.rows + st.rows, csv_rows=stats.csv_rows + st.rows,
+                             certified=stats.certified + sum(st.certified.values()),
+                             fallbacks=dict(stats.fallbacks), scored=list(stats.scored),
+                             seconds=stats.seconds + st.seconds, screen=stats.screen)
+    for r, n in st.fallbacks.items():
+        out.fallbacks[r] = out.fallbacks.get(r, 0) + n
+    out.scored += [st.scored] * sum(st.certified.values())
+    return out
