@@ -72,3 +72,18 @@ def test_plan_is_used_once_and_only_for_its_row_count():
         assert take_plan(3) is None
         assert take_plan(2).topk == [1, 0]
         assert take_plan(2) is None
+
+
+def test_max_topk_comes_from_the_runners_config():
+    """--csv-max-topk is read from the runner's engine config (once), not from vLLM's
+    current-config context, which is not set while the runner steps."""
+    from types import SimpleNamespace
+
+    pytest.importorskip("vllm")
+    from vllm_csv.vllm_plugin import _max_topk
+
+    runner = SimpleNamespace(vllm_config=SimpleNamespace(additional_config={"csv_decode": {"max_topk": 7}}))
+    assert _max_topk(runner) == 7 and runner._csv_max_topk == 7
+    runner.vllm_config.additional_config["csv_decode"]["max_topk"] = 9
+    assert _max_topk(runner) == 7  # cached per runner
+    assert _max_topk(SimpleNamespace(vllm_config=SimpleNamespace(additional_config=None))) == 64

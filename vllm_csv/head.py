@@ -565,8 +565,9 @@ class CertifiedHead:
                     stats.fallbacks[r] += 1
             stats.scored = sel.scored[sel.certified].tolist()
             dense_rows[rows[~certified]] = True
-        else:
-            out = torch.empty((B, self.vocab_size), dtype=self.dtype, device=dev)
+        else:  # every row dense: the engine's own output, not a copy of it
+            out = dense_fn(hidden).to(self.dtype)
+            dense_rows[:] = False
         if bool(dense_rows.any()):
             idx = dense_rows.nonzero().squeeze(1).to(dev)
             # Dense rows come from the dense head run on the *whole* batch: bit for bit what the

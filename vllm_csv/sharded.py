@@ -381,8 +381,9 @@ class ShardedHead:
                     stats.fallbacks[r] += 1
             stats.scored = sel.scored[sel.certified].tolist()
             dense_rows[rows[~certified]] = True
-        else:
-            out = torch.empty((B, self.vocab_size), dtype=self.dtype, device=dev)
+        else:  # every row dense (on every rank): the engine's own output, not a copy of it
+            out = dense_fn(hidden).to(self.dtype)
+            dense_rows[:] = False
             self.last_certified = torch.zeros(B, dtype=torch.bool)
         if bool(dense_rows.any()):  # the same on every rank: all of them run the collective dense path
             idx = dense_rows.nonzero().squeeze(1).to(dev)

@@ -44,17 +44,24 @@ def register() -> None:
     from .logits_processor import CSVLogitsProcessor
 
     cli_args.install()
-    step_plan.install(lambda: _max_topk())
+    step_plan.install(_max_topk)
     sampler_hook.install()
     LogitsProcessor.register_oot(CSVLogitsProcessor)
 
 
-def _max_topk() -> int:
-    from vllm.config import get_current_vllm_config
+def _max_topk(runner=None) -> int:
+    """``--csv-max-topk`` of the runner's engine, read once per runner. (The runner's step
+    runs outside vLLM's ``set_current_vllm_config`` context, where the old global look-up
+    raised every step and silently fell back to the default.)"""
+    cached = getattr(runner, "_csv_max_topk", None)
+    if cached is not None:
+        return cached
+    from vllm.config import get_current_vllm_config_or_none
 
     from .config import from_additional_config
 
-    try:
-        return from_additional_config(get_current_vllm_config().additional_config).max_topk
-    except Exception:  # no current config in this context: the default
-        return 64
+    vc = getattr(runner, "vllm_config", None) or get_current_vllm_config_or_none()
+    value = from_additional_config(getattr(vc, "additional_config", None)).max_topk
+    if runner is not None:
+        runner._csv_max_topk = value
+    return value

@@ -110,7 +110,8 @@ class CSVLogitsProcessor(LogitsProcessor):
                 self._log_first(head, stats)
                 return logits
         self._log_first(head, stats)
-        self._record(head, stats, self._head_modes(logits, ks, modes, in_head if deferred else range(B)), None)
+        modes_seen = self._head_modes(logits, ks, modes, in_head if deferred else range(B)) if stats.certified else {}
+        self._record(head, stats, modes_seen, None)
         return logits
 
     def _adapter(self, head):

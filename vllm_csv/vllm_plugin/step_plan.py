@@ -124,7 +124,8 @@ def _v1_plan(runner, max_topk: int) -> Plan | None:
 
 
 def install(max_topk_getter) -> None:
-    """Wrap the V1 and V2 runners (idempotent; each import is optional)."""
+    """Wrap the V1 and V2 runners (idempotent; each import is optional). ``max_topk_getter(runner)``
+    gives the runner's ``--csv-max-topk``."""
     try:
         from vllm.v1.worker.gpu_model_runner import GPUModelRunner
     except ImportError:
@@ -135,7 +136,7 @@ def install(max_topk_getter) -> None:
         def execute_model(self, scheduler_output, *a, **k):
             # execute_model updates the batch from scheduler_output first; the plan is
             # built lazily (at the logits call) so that it sees the updated batch.
-            with active_plan(_LazyPlan(self, _v1_plan, max_topk_getter())):
+            with active_plan(_LazyPlan(self, _v1_plan, max_topk_getter(self))):
                 return orig(self, scheduler_output, *a, **k)
 
         GPUModelRunner.execute_model = execute_model
@@ -160,7 +161,7 @@ def install(max_topk_getter) -> None:
             if (_no_spec(self) and getattr(self, "batch_sharder", None) is None
                     and getattr(input_batch, "num_draft_tokens", 0) == 0):
                 params = self.__dict__.get("_csv_sampling_params", {})
-                m = max_topk_getter()
+                m = max_topk_getter(self)
                 # The V2 runner's sampler is not hooked: rows to certify in the sampler stay dense.
                 ks = [max(plan_row(params.get(r), m)[0], 0) for r in input_batch.req_ids]
                 plan = Plan(list(input_batch.req_ids), ks,
