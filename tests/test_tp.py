@@ -345,10 +345,10 @@ def test_shared_off_switch_is_common(monkeypatch):
     """Rank 1's CSV steps take 50 ms more than rank 0's; the dense head is set to 10 ms. Alone,
     rank 0 would always try CSV and rank 1 would turn it off: shared, both take the same
     CSV/dense decision every step (off, then retried)."""
-    import vllm_csv.sharded as sharded
+    import vllm_csv.head as head_module  # the step (and its dense timing) is CertifiedHead's
 
-    real_time = sharded._time
-    monkeypatch.setattr(sharded, "_time", lambda fn, like: (real_time(fn, like), 0.01)[1])
+    real_time = head_module._time
+    monkeypatch.setattr(head_module, "_time", lambda fn, like: (real_time(fn, like), 0.01)[1])
     case = learned_case(V=500, B=4)
 
     def rank(r, comm):

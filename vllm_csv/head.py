@@ -307,6 +307,15 @@ class CertifiedHead:
                 ok |= by_tie
         return ok, in_top
 
+    @property
+    def screen_name(self) -> str:
+        return self.screen.name
+
+    def _step_select(self, hidden, k, need_values) -> _Selection:
+        """The selection of one :meth:`sampler_logits` step (the sharded head adds its
+        collectives here)."""
+        return self._select(hidden, k, need_values)
+
     def _select(self, hidden: torch.Tensor, k: torch.Tensor, need_values: torch.Tensor) -> _Selection:
         sel = (self._select_two_sided if self.screen.two_sided else self._select_one_sided)
         return sel(hidden, k, need_values)
@@ -537,7 +546,7 @@ class CertifiedHead:
         dense_fn = dense_fn or self.dense_logits
         B, dev = hidden.shape[0], hidden.device
         topk = topk.cpu().long()  # per-row plans are decided on the host: no device sync
-        stats = StepStats(rows=B, screen=self.screen.name)
+        stats = StepStats(rows=B, screen=self.screen_name)
         want = topk > 0
         stats.csv_rows = int(want.sum())
         unsupported = want & (topk > min(self.config.max_topk, self.vocab_size))
@@ -552,7 +561,7 @@ class CertifiedHead:
         if tried:
             rows = want.nonzero().squeeze(1)
             k = topk[rows]
-            sel = self._select(hidden[rows.to(dev)], k.to(dev), (k >= 2).to(dev))
+            sel = self._step_select(hidden[rows.to(dev)], k.to(dev), (k >= 2).to(dev))
             certified = sel.certified.cpu()
             if bool(want.all()):
                 out = self._output(sel.exact)
@@ -560,6 +569,8 @@ class CertifiedHead:
                 out = torch.empty((B, self.vocab_size), dtype=self.dtype, device=dev)
                 out[rows.to(dev)] = self._output(sel.exact)
             stats.certified = int(certified.sum())
+            self.last_certified = torch.zeros(B, dtype=torch.bool)
+            self.last_certified[rows] = certified
             for r in sel.reason:
                 if r is not None:
                     stats.fallbacks[r] += 1
@@ -568,6 +579,7 @@ class CertifiedHead:
         else:  # every row dense: the engine's own output, not a copy of it
             out = dense_fn(hidden).to(self.dtype)
             dense_rows[:] = False
+            self.last_certified = torch.zeros(B, dtype=torch.bool)
         if bool(dense_rows.any()):
             idx = dense_rows.nonzero().squeeze(1).to(dev)
             # Dense rows come from the dense head run on the *whole* batch: bit for bit what the

@@ -42,7 +42,6 @@ covers the whole vocabulary.
 from __future__ import annotations
 
 import math
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Protocol
@@ -52,7 +51,7 @@ import torch
 from .dense_engine import DenseEngine
 from .errors import CSVError
 from .fp import FP32_UNIT_ROUNDOFF
-from .head import CertifiedHead, HeadConfig, StepStats, _block_cols, _block_max, _reasons, _Selection, _time
+from .head import CertifiedHead, HeadConfig, _block_cols, _block_max, _reasons, _Selection
 from .off_switch import OffSwitch
 
 VOCAB_PADDING = 64  # vLLM's DEFAULT_VOCAB_PADDING_SIZE
@@ -338,59 +337,18 @@ class ShardedHead:
     def softcap(self):
         return self.engine.softcap
 
-    def sampler_logits(self, hidden: torch.Tensor, topk: torch.Tensor,
-                       dense_fn: Callable[[torch.Tensor], torch.Tensor],
-                       t0: float | None = None) -> tuple[torch.Tensor, StepStats]:
-        """:meth:`CertifiedHead.sampler_logits` over the sharded head: the same ``[B, V]`` on
-        every rank. ``dense_fn`` is the collective dense path (vLLM: ``LogitsProcessor.forward``,
-        which all-gathers); it is called by all ranks or by none. ``StepStats`` counts the global
-        decision (the same on every rank); ``seconds`` is this rank's."""
-        t0 = time.perf_counter() if t0 is None else t0
-        B, dev = hidden.shape[0], hidden.device
-        topk = topk.cpu().long()
-        stats = StepStats(rows=B, screen=self.screen_name)
-        want = topk > 0
-        stats.csv_rows = int(want.sum())
-        unsupported = want & (topk > min(self.config.max_topk, self.vocab_size))
-        want &= ~unsupported
-        stats.fallbacks["unsupported"] = int(unsupported.sum())
+    def _step_select(self, hidden, k, need_values) -> _Selection:
+        """One step's selection for :meth:`sampler_logits`, with the off-switch's pending step
+        time folded in through the first collective (so every rank keeps the same ledger)."""
         sw = self.off_switch
-        tried = bool(want.any())
-        if tried and sw is not None and not sw.allow(B, lambda: _time(lambda: dense_fn(hidden), hidden)):
-            stats.fallbacks["off_switch"] = int(want.sum())
-            want[:], tried = False, False
-        dense_rows = ~want
-        if tried:
-            rows = want.nonzero().squeeze(1)
-            k = topk[rows]
-            sel, pend = self._select(hidden[rows.to(dev)], k.to(dev), (k >= 2).to(dev),
-                                     -1.0 if sw is None else sw.pending())
-            if sw is not None:
-                sw.fold(pend.cpu())
-            certified = sel.certified.cpu()
-            if bool(want.all()):
-                out = self._output(sel.exact)
-            else:
-                out = torch.empty((B, self.vocab_size), dtype=self.dtype, device=dev)
-                out[rows.to(dev)] = self._output(sel.exact)
-            stats.certified = int(certified.sum())
-            self.last_certified = torch.zeros(B, dtype=torch.bool)
-            self.last_certified[rows] = certified
-            for r in sel.reason:
-                if r is not None:
-                    stats.fallbacks[r] += 1
-            stats.scored = sel.scored[sel.certified].tolist()
-            dense_rows[rows[~certified]] = True
-        else:  # every row dense (on every rank): the engine's own output, not a copy of it
-            out = dense_fn(hidden).to(self.dtype)
-            dense_rows[:] = False
-            self.last_certified = torch.zeros(B, dtype=torch.bool)
-        if bool(dense_rows.any()):  # the same on every rank: all of them run the collective dense path
-            idx = dense_rows.nonzero().squeeze(1).to(dev)
-            out[idx] = dense_fn(hidden)[idx].to(self.dtype)
-        if hidden.is_cuda:
-            torch.cuda.synchronize(dev)
-        stats.seconds = time.perf_counter() - t0
-        if tried and sw is not None:
-            sw.observe(B, stats.seconds)
-        return out, stats
+        sel, pend = self._select(hidden, k, need_values, -1.0 if sw is None else sw.pending())
+        if sw is not None:
+            sw.fold(pend.cpu())
+        return sel
+
+    # :meth:`CertifiedHead.sampler_logits` over the sharded head: the same ``[B, V]`` on every
+    # rank. ``dense_fn`` (required here) is the collective dense path (vLLM:
+    # ``LogitsProcessor.forward``, which all-gathers); every decision that leads to it is the
+    # same on every rank, so it is called by all ranks or by none. ``StepStats`` counts the
+    # global decision; ``seconds`` is this rank's.
+    sampler_logits = CertifiedHead.sampler_logits
