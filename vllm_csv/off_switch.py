@@ -2,8 +2,8 @@
 
 A ledger over the whole run, in seconds of LM-head time:
 
-* ``dense_total``: the dense head's time for every step seen, CSV or not (estimated per
-  batch size, measured once, best of two);
+* ``dense_total``: the dense head's time for every step seen, CSV or not (the current
+  estimate for that batch size, :attr:`OffSwitch.dense_seconds`);
 * ``excess``: over the steps that tried CSV, ``CSV time - dense time`` (negative when CSV
   saved time; savings are banked up to ``credit_steps`` dense steps, so that a model that
   turns slow spends at most that much of them).
@@ -15,22 +15,41 @@ slower than the dense head, up to one step, plus the first CSV step of each batc
 which is a warm-up (first calls of kernels, allocator growth) and is not charged. A CSV
 path that is ``r`` times slower than dense is retried once every ``(r - 1) / tolerance``
 steps; a faster one is never stopped.
+
+The promise is only as good as the dense estimate, so the estimate is measured *in place*:
+the median of the last :data:`WINDOW` dense steps of that batch size timed exactly as CSV
+steps are (same span of the same layer, in the serving loop, with the caches as the model's
+other layers leave them). A dense head timed alone runs on warm caches and a quiet machine
+and can be off by 2x either way; that stand-alone time is only the first guess, until a
+batch size has in-place samples. Dense steps come for free while CSV is off; while CSV is on
+the switch makes a *probe*: the second step of a batch size, then one step in every
+``probe_every``, runs dense and is timed (:meth:`allow` returns False; the caller times the
+step and reports it with :meth:`observe_dense`). A probe costs what CSV would have saved on
+that step, at most ``1 / probe_every`` of the savings.
 """
 
 from __future__ import annotations
 
+import statistics
+from collections import deque
 from collections.abc import Callable
+
+WINDOW = 8  # in-place dense samples kept per batch size (their median is the estimate)
 
 
 class OffSwitch:
-    def __init__(self, tolerance: float = 0.02, credit_steps: int = 64):
-        self.tolerance, self.credit_steps = tolerance, credit_steps
-        self.dense_seconds: dict[int, float] = {}
+    def __init__(self, tolerance: float = 0.02, credit_steps: int = 64, probe_every: int = 32):
+        self.tolerance, self.credit_steps, self.probe_every = tolerance, credit_steps, probe_every
+        self.dense_seconds: dict[int, float] = {}  # current estimate per batch size
         self.dense_total = 0.0
         self.excess = 0.0
         self.times_tripped = 0  # transitions from trying CSV to not trying
+        self.probes = 0  # steps run dense to measure the dense head in place
         self._on = True
         self._warm: set[int] = set()
+        self._samples: dict[int, deque[float]] = {}
+        self._since_probe: dict[int, int] = {}  # CSV steps since the batch size's last probe
+        self._probed: set[int] = set()
 
     def dense_estimate(self, batch: int, measure: Callable[[], float]) -> float:
         if batch not in self.dense_seconds:
@@ -38,21 +57,37 @@ class OffSwitch:
         return self.dense_seconds[batch]
 
     def allow(self, batch: int, measure_dense: Callable[[], float]) -> bool:
-        """Start a step of ``batch`` rows: whether it may try CSV (else it runs dense)."""
+        """Start a step of ``batch`` rows: whether it may try CSV (else it runs dense, and the
+        caller reports its time with :meth:`observe_dense`)."""
         self.dense_total += self.dense_estimate(batch, measure_dense)
         on = self.excess <= self.tolerance * self.dense_total
         if self._on and not on:
             self.times_tripped += 1
         self._on = on
+        if on and self.probe_every:
+            n = self._since_probe.get(batch)
+            if n is not None and n >= (self.probe_every if batch in self._probed else 1):
+                self._since_probe[batch] = 0
+                self._probed.add(batch)
+                self.probes += 1
+                return False
         return on
 
     def observe(self, batch: int, seconds: float) -> None:
         """Account a step that tried CSV and took ``seconds`` (after :meth:`allow`)."""
+        self._since_probe[batch] = self._since_probe.get(batch, 0) + 1
         if batch not in self._warm:
             self._warm.add(batch)
             return
         dense = self.dense_seconds[batch]
         self.excess = max(self.excess + seconds - dense, -self.credit_steps * dense)
+
+    def observe_dense(self, batch: int, seconds: float) -> None:
+        """A dense step of ``batch`` rows timed in place (a probe, or CSV off): updates the
+        batch size's estimate (median of the last :data:`WINDOW`)."""
+        s = self._samples.setdefault(batch, deque(maxlen=WINDOW))
+        s.append(seconds)
+        self.dense_seconds[batch] = statistics.median(s)
 
     def charge(self, seconds: float) -> None:
         """Add CSV work done outside an observed step (deferred rows certified in the sampler,

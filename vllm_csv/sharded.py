@@ -138,12 +138,14 @@ class SharedOffSwitch:
     time enters the ledger at the next CSV step, from collective 1 (the slowest rank's).
     :meth:`allow` then reads only common numbers. The bound of the single-rank switch holds
     with one more step of lag: CSV costs at most ``tolerance`` more head time, up to two
-    steps, plus the warm-up step of each batch size.
+    steps, plus the warm-up step of each batch size. Dense steps are not sampled in place
+    (each rank's time would have to be made common by one more collective on a dense step):
+    the dense estimate stays the stand-alone one, and the switch makes no probes.
     """
 
     def __init__(self, comm: Collective, tolerance: float = 0.02):
         self.comm = comm
-        self.switch = OffSwitch(tolerance)
+        self.switch = OffSwitch(tolerance, probe_every=0)
         self._pending: tuple[int, float] | None = None  # (batch, seconds) of the last CSV step
 
     @property
@@ -169,6 +171,9 @@ class SharedOffSwitch:
 
     def observe(self, batch: int, seconds: float) -> None:
         self._pending = (batch, seconds)
+
+    def observe_dense(self, batch: int, seconds: float) -> None:
+        """Not sampled under tensor parallelism (see the class docstring)."""
 
 
 class ShardedHead:

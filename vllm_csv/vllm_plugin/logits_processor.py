@@ -61,9 +61,12 @@ class CSVLogitsProcessor(LogitsProcessor):
         if plan is None or skip_gather or hidden_states.dim() != 2:
             return super().forward(lm_head, hidden_states, embedding_bias, skip_gather)
         if not any(plan.topk):  # every row dense by its sampling parameters: count the rows
+            out = super().forward(lm_head, hidden_states, embedding_bias, skip_gather)
+            if head.off_switch is not None and not hidden_states.is_cuda:  # (CUDA: no sync to time it)
+                head.off_switch.observe_dense(hidden_states.shape[0], time.perf_counter() - t0)
             if self.csv_metrics is not None:
                 self.csv_metrics.record(csv_head.StepStats(rows=hidden_states.shape[0]))
-            return super().forward(lm_head, hidden_states, embedding_bias, skip_gather)
+            return out
         B = hidden_states.shape[0]
         dense_full = lambda: self._dense(lm_head, hidden_states, embedding_bias)  # noqa: E731
         ks = list(plan.topk)
