@@ -24,8 +24,8 @@ def shrink_radius(head, factor):
     """Make the screen report ``factor`` times its proven radius."""
     honest = head.screen.center_radius
 
-    def broken(h):
-        out = honest(h)
+    def broken(h, **kw):
+        out = honest(h, **kw)
         out.radius = out.radius * factor
         out.rel *= factor
         if out.n is not None:

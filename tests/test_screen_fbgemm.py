@@ -111,6 +111,25 @@ def test_nonfinite_rows_do_not_disturb_the_others():
     assert not torch.isfinite(out.e[[0, 3, 4]]).any()  # the runtime's finite check sends them dense
 
 
+def test_deferred_row_scale_is_the_same_product():
+    """``defer_row_scale``: rows with different exponents (huge, tiny: subnormal products
+    included) come back unscaled; ``fl(y * row_scale)`` is bit for bit the scaled center, and
+    the bound terms are unchanged."""
+    g = torch.Generator().manual_seed(4)
+    W = torch.randn(777, 48, generator=g)
+    W[5] *= 1e-30  # tiny scales: products that may underflow
+    screen = FbgemmInt8Screen(W, None)
+    h = torch.randn(6, 48, generator=g) * torch.tensor([1.0, 1e3, 1e-3, 2.0**-100, 7.5, 0.0])[:, None]
+    full = screen.center_radius(h)
+    lazy = screen.center_radius(h, defer_row_scale=True)
+    assert full.row_scale is None and lazy.row_scale is not None
+    assert torch.equal(lazy.y * lazy.row_scale[:, None], full.y) and torch.equal(lazy.e, full.e)
+    one = screen.center_radius(h[:1], defer_row_scale=True)  # one exponent: folded into the GEMM
+    assert one.row_scale is None and torch.equal(one.y, full.y[:1])
+    with_bias = FbgemmInt8Screen(W, torch.randn(777, generator=g))  # the bias is added to the center
+    assert with_bias.center_radius(h, defer_row_scale=True).row_scale is None
+
+
 @pytest.mark.parametrize("d", [64, 2053, 4099])  # d > 2064: fl(<p, q>) rounds, same bits as torch
 def test_integer_gemm_is_bit_exact(d):
     g = torch.Generator().manual_seed(d)
@@ -215,8 +234,8 @@ def test_broken_bounds_are_caught():
     assert wrong_tokens(head, W, h) == 0
     honest = head.screen.center_radius
 
-    def shrunk(x):
-        out = honest(x)
+    def shrunk(x, **kw):
+        out = honest(x, **kw)
         out.radius, out.n, out.rel = out.radius * 0, out.n * 0, 0.0
         return out
 

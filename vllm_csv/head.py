@@ -138,6 +138,8 @@ class CertifiedHead:
         g = gamma(self.hidden_size + 2, self.config.unit_roundoff)
         self.acc_err = (g * self.weight.double().norm(dim=1)).float() * (1 + 4 * FP32_UNIT_ROUNDOFF)
         self.screen = make_screen(self.config.screen, self.weight, self.bias, index)
+        # screens that can leave a per-row power-of-two scale to the selection (one [B, V] pass less)
+        self._defer = {"defer_row_scale": True} if getattr(self.screen, "defers_row_scale", False) else {}
         self._delta = 2.0 ** (2 - significand_bits(self.dtype)) + 8 * FP32_UNIT_ROUNDOFF
         self._tiny = 2 * torch.finfo(self.dtype).tiny
         self._tiny32 = 2 * torch.finfo(torch.float32).tiny
@@ -197,7 +199,7 @@ class CertifiedHead:
         """``(hidden, ||h|| rounded up, ok)``: rows with NaN/inf (or an overflowing norm) are
         zeroed so that they add no candidates, and are never certified (``ok`` False)."""
         hnorm = hidden_norm_upper(hidden)
-        ok = torch.isfinite(hidden).all(1) & torch.isfinite(hnorm)
+        ok = torch.isfinite(hnorm)  # NaN/inf in h_b make ||h_b|| NaN/inf (float64: no overflow)
         if not self.certifiable:
             ok = torch.zeros_like(ok)
         return hidden.masked_fill(~ok[:, None], 0), hnorm.masked_fill(~ok, 0), ok
@@ -339,13 +341,15 @@ class CertifiedHead:
         B, V = hidden.shape[0], self.vocab_size
         dev = hidden.device
         hidden, hnorm, ok = self._prepare(hidden)
-        out = self.screen.center_radius(hidden)
-        y = out.y
+        out = self.screen.center_radius(hidden, **self._defer)
+        y, rs = out.y, out.row_scale  # the center is fl(y * rs) (rs None: y); the product is monotone
         self._rad_total(out.radius)  # sets rad_max (cached while the screen's radius is the same tensor)
         delta = self._delta + out.rel
         act = (self._max_of(out.n) * (1 + delta) * out.e) if out.n is not None else 0.0
         kmax = int(k.max())
         bmax = _block_max(y)  # [B, nb]: the one full read of y
+        if rs is not None:
+            bmax = bmax * rs[:, None]  # = the block maxima of fl(y * rs): exact and monotone
         if kmax == 1:
             y1 = yk = bmax.amax(1)
         elif kmax <= bmax.shape[1]:
@@ -353,6 +357,8 @@ class CertifiedHead:
             y1, yk = top[:, 0], top.gather(1, (k - 1)[:, None])[:, 0]
         else:  # fewer blocks than k (a small vocabulary): the exact k-th value
             top = y.topk(kmax, dim=1).values
+            if rs is not None:
+                top = top * rs[:, None]
             y1, yk = top[:, 0], top.gather(1, (k - 1)[:, None])[:, 0]
         spread = self._rad_max * hnorm + act + self._tiny + self._bias_slack(out.rel)[1]
         ok &= (y1 + delta * y1.abs() + spread + self._babs_max) <= self.engine.limit  # False on NaN
@@ -365,7 +371,7 @@ class CertifiedHead:
         blocks = bmax >= thr  # [B, nb]: blocks that hold a candidate
         live = blocks.sum(1) <= budget  # each such block holds at least one candidate
         cols = _block_cols((blocks[live] if B > 1 else blocks).any(0).nonzero().squeeze(1), V)
-        cand = y[:, cols] >= thr
+        cand = (y[:, cols] if rs is None else y[:, cols] * rs[:, None]) >= thr
         live &= cand.sum(1) <= budget
         ids = cols[(cand[live] if B > 1 else cand).any(0)]
         exact = torch.full((B, V), -math.inf, dtype=self.dtype, device=dev)

@@ -46,6 +46,7 @@ class ScreenOut:
     n: torch.Tensor | None = None  # [V], coefficient of e_b (e.g. ||deq_i||)
     e: torch.Tensor | None = None  # [B], e.g. the norm of the activation quantisation residual
     rel: float = 0.0  # plus rel * |y| (e.g. a half-precision rounding of the GEMM's output)
+    row_scale: torch.Tensor | None = None  # [B]: when set, the center is fl(y * row_scale[:, None])
 
 
 from .ball import BallScreen  # noqa: E402

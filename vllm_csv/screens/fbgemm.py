@@ -46,6 +46,8 @@ so there is no call-time refusal.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from ..errors import CSVError
@@ -87,6 +89,7 @@ class FbgemmInt8Screen:
     name = "int8"
     backend = "fbgemm"
     two_sided = True
+    defers_row_scale = True  # center_radius(h, defer_row_scale=True) is understood
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, chunk: int = 8192):
         if weight.device.type != "cpu":
@@ -133,35 +136,51 @@ class FbgemmInt8Screen:
             return None
         return c
 
-    def center_radius(self, h: torch.Tensor):
-        """Screen values for ``h [B, d]``: ``ScreenOut(y [B, V] fp32, r [V], n [V], e [B], rel)``."""
+    def center_radius(self, h: torch.Tensor, defer_row_scale: bool = False):
+        """Screen values for ``h [B, d]``: ``ScreenOut(y [B, V] fp32, r [V], n [V], e [B], rel)``.
+
+        With ``defer_row_scale`` (and no bias), rows quantised with different exponents are
+        returned unscaled, ``y_raw = fl(fl(A) s_i)``, with ``row_scale [B] = t_b / 64``: the
+        center is ``fl(y_raw * row_scale)``, the very product this method would otherwise take
+        over all of ``[B, V]``; a caller that needs only a few columns (or block maxima: the
+        product is monotone) saves that pass."""
         from . import ScreenOut
 
         hd = h.double()
-        if hd.shape[0] == 0:
+        B = hd.shape[0]
+        if B == 0:
             y = torch.empty((0, self.s.shape[0])) if self.bias is None else self.bias.expand(0, -1).clone()
             return ScreenOut(y, self.radius, True, self.n, torch.empty(0), REL)
-        amax = hd.abs().amax(1)
-        m, k = torch.frexp(amax)  # amax = m 2^k, m in [0.5, 1): t = 2^k >= amax (2^(k-1) if m = 0.5)
-        k = torch.where(m == 0.5, k - 1, k)
-        live = torch.isfinite(amax) & (amax > 0) & (k >= K_MIN)
-        k = torch.where(live, k, torch.zeros_like(k))
-        scale = torch.ldexp(torch.ones_like(amax), k - 6)  # t_b / 64, float64, exact
+        # Per-row exponents on the host (B numbers; this screen runs on the CPU, nothing to
+        # sync with): t_b = 2^k >= max|h_b| (frexp: amax = m 2^k, m in [0.5, 1); 2^(k-1) if
+        # m = 0.5). Rows that are zero, non-finite or below 2^K_MIN are not quantised.
+        ks = []
+        for a in hd.abs().amax(1).tolist():
+            m, k = math.frexp(a) if math.isfinite(a) and a > 0 else (0.0, None)
+            ks.append(None if k is None or k - (m == 0.5) < K_MIN else k - (m == 0.5))
+        live = [k is not None for k in ks]
+        kk = [0 if k is None else k for k in ks]
+        scale_l = [math.ldexp(1.0, k - 6) for k in kk]  # t_b / 64, exact
+        scale = torch.tensor(scale_l, dtype=torch.float64)
         p = torch.round(hd / scale[:, None]).clamp_(ACT_MIN, ACT_MAX)
-        p = torch.where(live[:, None], p, torch.zeros_like(p))
+        if not all(live):
+            p[torch.tensor(live).logical_not_()] = 0
         f = (hd - p * scale[:, None]).norm(dim=1)  # exact residual, norm in float64
-        # The host reads k: the plan (one GEMM call, fold or not) is decided on the CPU, which is
-        # where this screen runs anyway (no device to sync with).
-        k_lo, k_hi = int(k.min()), int(k.max())
-        c = self._fold_scale(k_lo) if k_lo == k_hi else None
+        c = self._fold_scale(kk[0]) if min(kk) == max(kk) else None
+        row_scale = None
         if c is not None:
             y = self.gemm(p.float(), c)
         else:
-            y = self.gemm(p.float(), 1.0).mul_(scale.float()[:, None])  # exact unless subnormal
-            may_underflow = self.s_min * scale < S_MIN
-            f = torch.where(may_underflow, f + 2.0**-149 / self.s_min, f)
+            y = self.gemm(p.float(), 1.0)
+            row_scale = scale.float()
+            if not defer_row_scale or self.bias is not None:
+                y.mul_(row_scale[:, None])  # exact unless subnormal
+                row_scale = None
+            if any(self.s_min * x < S_MIN for x in scale_l):
+                f = f + torch.tensor([2.0**-149 / self.s_min if self.s_min * x < S_MIN else 0.0 for x in scale_l],
+                                     dtype=torch.float64)
         e = _round_up(f) * (1 + 4 * FP32_UNIT_ROUNDOFF)
-        out = ScreenOut(y, self.radius, True, self.n, e, REL)
+        out = ScreenOut(y, self.radius, True, self.n, e, REL, row_scale)
         if self.bias is not None:
             out.y += self.bias
         return out
