@@ -76,7 +76,7 @@ def _fp32_transform(head):
     """Soft-cap and scale evaluated in fp32 with two output ulps of margin (before the fix)."""
     e = head.engine
 
-    def separated(low, high):
+    def separated(low, high, temperature=None):
         ok = low > high
         fl, fh = e.transform(low), e.transform(high)
         return ok & (fl - 2 * ulp(fl, e.dtype) > fh + 2 * ulp(fh, e.dtype))

@@ -5,7 +5,8 @@ import pytest
 pytest.importorskip("vllm")
 from vllm import SamplingParams  # noqa: E402
 
-from vllm_csv.vllm_plugin.step_plan import DEFER, active_plan, Plan, plan_row, row_mode, take_plan  # noqa: E402
+from vllm_csv.vllm_plugin.step_plan import (  # noqa: E402
+    DEFER, active_plan, Plan, plan_row, row_mode, row_temperature, take_plan)
 
 CERTIFIED = {
     "greedy": (SamplingParams(temperature=0), 1),
@@ -52,6 +53,15 @@ def test_modes():
     assert row_mode(SamplingParams(temperature=0, presence_penalty=0.1), DEFER) == "processed"
     assert row_mode(SamplingParams(temperature=1.0, top_p=0.9), DEFER) == "top_p"
     assert row_mode(SamplingParams(temperature=1.0, min_p=0.2), DEFER) == "min_p"
+
+
+def test_row_temperature_is_what_vllm_divides_by():
+    """Sampled rows carry their temperature to the head (ties made by the division); greedy
+    rows (below vLLM's 1e-5) carry 0: no division, argmax."""
+    assert row_temperature(SamplingParams(temperature=0.7, top_k=5)) == 0.7
+    tiny = SamplingParams(temperature=1e-6, top_k=5)  # vLLM raises it to 0.01: that is the divisor
+    assert row_temperature(tiny) == tiny.temperature > 0
+    assert row_temperature(SamplingParams(temperature=0)) == 0.0 and row_temperature(None) == 0.0
 
 
 @pytest.mark.parametrize("name", sorted(DENSE))

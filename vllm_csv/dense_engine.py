@@ -93,10 +93,11 @@ class DenseEngine:
         return z.float()
 
     # ---- sound comparisons ---------------------------------------------------------------
-    def separated(self, low: torch.Tensor, high: torch.Tensor) -> torch.Tensor:
+    def separated(self, low: torch.Tensor, high: torch.Tensor, temperature: torch.Tensor | None = None
+                  ) -> torch.Tensor:
         """``[B]`` bool: every dense value ``>= low`` beats every dense value ``<= high`` strictly,
-        before and after the transform, with ties (also ties made by overflow or saturation)
-        never accepted.
+        before and after the transform (and the temperature), with ties (also ties made by
+        overflow, saturation or underflow) never accepted.
 
         Parameters
         ----------
@@ -105,11 +106,18 @@ class DenseEngine:
         high : torch.Tensor
             ``[B]`` fp32, any real upper bound of every other token's *rounded* dense value
             (rounded here: ``fl_dtype`` is monotone, so ``fl_dtype(high)`` bounds it too).
+        temperature : torch.Tensor, optional
+            ``[B]`` fp32: rows with ``t > 0`` are compared as vLLM's sampler sees them,
+            ``fl32(fl32(x) / t)`` (monotone in ``x``) of the transformed bounds.
         """
         high = self.round(high)
         ok = low > high
-        if self.softcap is not None or self.scale != 1.0:
-            ok &= self.bound(low, up=False) > self.bound(high, up=True)
+        if self.softcap is not None or self.scale != 1.0 or temperature is not None:
+            lo_t, hi_t = self.bound(low, up=False), self.bound(high, up=True)
+            ok &= lo_t > hi_t
+            if temperature is not None:
+                t = torch.where(temperature > 0, temperature, 1.0).to(torch.float32)
+                ok &= (lo_t / t > hi_t / t) | (temperature <= 0)
         return ok & torch.isfinite(low)
 
     @staticmethod

@@ -257,7 +257,7 @@ class CertifiedHead:
         return z, lower, upper
 
     # ---- certification ----------------------------------------------------------------
-    def _certify(self, z, lower, upper, k, outside_high, need_values, ids):
+    def _certify(self, z, lower, upper, k, outside_high, need_values, ids, temp=None):
         """Top-k certificate on the scored columns.
 
         Parameters
@@ -272,19 +272,27 @@ class CertifiedHead:
             ``[B]`` bool: the row's values are read later (they must be the dense bits).
         ids : torch.Tensor
             ``[S]`` or ``[B, S]``: the token id of each column (per row where rows differ).
+        temp : torch.Tensor, optional
+            ``[B]`` fp32: the temperature a sampled row's logits are divided by before vLLM's
+            top-k mask (``0``: a greedy row, read by argmax; ``None``: every row greedy).
 
         Returns
         -------
         (certified [B] bool, in_top [B, S] bool): ``T`` = the ``k`` columns of largest ``z``.
         With ``L`` the smallest lower bound in ``T`` and ``U`` the largest upper bound of the
-        rest, ``L`` beats ``max(U, outside_high)`` strictly through the engine's arithmetic.
+        rest, ``L`` beats ``max(U, outside_high)`` strictly through the engine's arithmetic,
+        and on sampled rows also after the fp32 division by the temperature (vLLM's top-k
+        keeps every token equal to the k-th value, and ``fl(x / t)`` can make equal what was
+        not: overflow to ``inf``, underflow).
 
-        Replayed ties (``k = 1``, no soft-cap). Where the best value ``v`` is known bit for bit
-        for every column that holds it, and every other token is strictly below ``v`` through
-        the engine's arithmetic, the dense argmax is the lowest id holding ``v``: equal inputs
-        give equal outputs under ``scale`` (one correctly rounded product), and the dense
-        argmax takes the first maximum. (Soft-cap's ``tanh`` may differ by an ulp between its
-        vectorised and scalar code paths, so a tie there is not replayed.)
+        Replayed ties (greedy rows with ``k = 1``, no soft-cap). Where the best value ``v`` is
+        known bit for bit for every column that holds it, and every other token is strictly
+        below ``v`` through the engine's arithmetic, the dense argmax is the lowest id holding
+        ``v``: equal inputs give equal outputs under ``scale`` (one correctly rounded
+        product), and the dense argmax takes the first maximum. (Soft-cap's ``tanh`` may
+        differ by an ulp between its vectorised and scalar code paths, so a tie there is not
+        replayed. A sampled ``top_k = 1`` row keeps every tied token and draws among them:
+        never replayed.)
         """
         kmax = int(k.max())
         top = z.float().topk(kmax, dim=1).indices
@@ -292,7 +300,7 @@ class CertifiedHead:
             1, top, torch.arange(kmax, device=z.device)[None] < k[:, None])
         low = lower.masked_fill(~in_top, math.inf).amin(1)
         high = upper.masked_fill(in_top, -math.inf).amax(1)
-        ok = self.engine.separated(low, torch.maximum(high, outside_high))
+        ok = self.engine.separated(low, torch.maximum(high, outside_high), temp)
         known = DenseEngine.single_valued(lower, upper)
         ok &= (known | ~in_top).all(1) | ~need_values
         if self.softcap is None and kmax == 1:
@@ -301,6 +309,8 @@ class CertifiedHead:
             tie = known & (zf == v[:, None])
             rest = upper.masked_fill(tie, -math.inf).amax(1)
             by_tie = ~ok & self.engine.separated(v, torch.maximum(rest, outside_high))
+            if temp is not None:
+                by_tie &= temp == 0
             if bool(by_tie.any()):
                 rid = ids if ids.dim() == 2 else ids[None]
                 first = torch.where(tie, rid, rid.max() + 1).argmin(1)
@@ -313,16 +323,17 @@ class CertifiedHead:
     def screen_name(self) -> str:
         return self.screen.name
 
-    def _step_select(self, hidden, k, need_values) -> _Selection:
+    def _step_select(self, hidden, k, need_values, temp=None) -> _Selection:
         """The selection of one :meth:`sampler_logits` step (the sharded head adds its
         collectives here)."""
-        return self._select(hidden, k, need_values)
+        return self._select(hidden, k, need_values, temp)
 
-    def _select(self, hidden: torch.Tensor, k: torch.Tensor, need_values: torch.Tensor) -> _Selection:
+    def _select(self, hidden: torch.Tensor, k: torch.Tensor, need_values: torch.Tensor,
+                temp: torch.Tensor | None = None) -> _Selection:
         sel = (self._select_two_sided if self.screen.two_sided else self._select_one_sided)
-        return sel(hidden, k, need_values)
+        return sel(hidden, k, need_values, temp)
 
-    def _select_two_sided(self, hidden, k, need_values) -> _Selection:
+    def _select_two_sided(self, hidden, k, need_values, temp=None) -> _Selection:
         """Certify with a threshold on the screen values: one read of ``y [B, V]`` (block
         maxima), the rest on the few candidate blocks.
 
@@ -378,13 +389,13 @@ class CertifiedHead:
         certified = torch.zeros(B, dtype=torch.bool, device=dev)
         if ids.numel() >= kmax:
             z, lower, upper = self._score(hidden, ids, hnorm)
-            cert, in_top = self._certify(z, lower, upper, k, tau, need_values, ids)
+            cert, in_top = self._certify(z, lower, upper, k, tau, need_values, ids, temp)
             certified = ok & live & cert
             exact[:, ids] = z.masked_fill(~in_top, -math.inf)
         return _Selection(exact, torch.full((B,), ids.numel(), device=dev), certified,
                           _reasons(certified, ok, live))
 
-    def _select_one_sided(self, hidden, k, need_values) -> _Selection:
+    def _select_one_sided(self, hidden, k, need_values, temp=None) -> _Selection:
         """Grow ``S`` per row until the top-k certificate holds or ``budget`` is reached.
 
         First ``S`` of a row: every token with ``hi >= tau``, ``tau`` the k-th largest ``lo``
@@ -434,7 +445,7 @@ class CertifiedHead:
                 done[new] = True
                 hi.index_fill_(1, new, -math.inf)
             if zs.shape[1] >= kmax:
-                cert, in_top = self._certify(zs, lower, upper, k, hi.amax(1), need_values, cols)
+                cert, in_top = self._certify(zs, lower, upper, k, hi.amax(1), need_values, cols, temp)
                 certified |= active & cert
             active &= ~certified & (m < budget) & ~done.all()
             m = torch.where(active, torch.clamp(m * 2, max=budget), m)
@@ -525,7 +536,8 @@ class CertifiedHead:
 
     def sampler_logits(self, hidden: torch.Tensor, topk: torch.Tensor,
                        dense_fn: Callable[[torch.Tensor], torch.Tensor] | None = None,
-                       t0: float | None = None) -> tuple[torch.Tensor, StepStats]:
+                       t0: float | None = None, temperature: torch.Tensor | None = None
+                       ) -> tuple[torch.Tensor, StepStats]:
         """Logits for a sampler.
 
         Parameters
@@ -542,6 +554,11 @@ class CertifiedHead:
         t0 : float, optional
             ``time.perf_counter()`` at the start of the caller's step: the step's time (what
             the off-switch charges, ``StepStats.seconds``) counts from there (default: now).
+        temperature : torch.Tensor, optional
+            ``[B]`` fp32 (host): the temperature of each *sampled* row (its logits are divided
+            by it before the top-k mask and the draw), ``0`` for greedy rows (argmax).
+            Default: every row greedy. A sampler that draws from top-k rows must pass it: ties
+            made by the division, and exact ties at the k-th value, are kept by the sampler.
 
         Returns
         -------
@@ -567,7 +584,8 @@ class CertifiedHead:
         if tried:
             rows = want.nonzero().squeeze(1)
             k = topk[rows]
-            sel = self._step_select(hidden[rows.to(dev)], k.to(dev), (k >= 2).to(dev))
+            temp = None if temperature is None else temperature.cpu().float()[rows].to(dev)
+            sel = self._step_select(hidden[rows.to(dev)], k.to(dev), (k >= 2).to(dev), temp)
             certified = sel.certified.cpu()
             if bool(want.all()):
                 out = self._output(sel.exact)

@@ -223,7 +223,7 @@ class ShardedHead:
 
     # ---- one step ---------------------------------------------------------------------------
     def _select(self, hidden: torch.Tensor, k: torch.Tensor, need_values: torch.Tensor,
-                pending: float = -1.0) -> tuple[_Selection, torch.Tensor]:
+                pending: float = -1.0, temp: torch.Tensor | None = None) -> tuple[_Selection, torch.Tensor]:
         """Steps 1-3 of the module docstring. Returns the selection (global ``[B, V]``) and the
         gathered off-switch times ``[size]``."""
         B, V, dev = hidden.shape[0], self.vocab_size, hidden.device
@@ -283,7 +283,7 @@ class ShardedHead:
         outside = self._outside(tau, g2[:, :, 4 * kmax])
         live_all = (g2[:, :, 4 * kmax + 2] > 0.5).all(1) & (g2[:, :, 4 * kmax + 1].sum(1) <= budget)
         # ---- 3. the same certificate on every rank -------------------------------------------
-        cert, in_top = CertifiedHead._certify(self, gz.to(self.dtype), glo, gup, k, outside, need_values, gid)
+        cert, in_top = CertifiedHead._certify(self, gz.to(self.dtype), glo, gup, k, outside, need_values, gid, temp)
         certified = okg & live_all & cert
         exact = torch.full((B, V), -math.inf, dtype=self.dtype, device=dev)
         put = in_top & (gid >= 0) & certified[:, None]
@@ -342,11 +342,11 @@ class ShardedHead:
     def softcap(self):
         return self.engine.softcap
 
-    def _step_select(self, hidden, k, need_values) -> _Selection:
+    def _step_select(self, hidden, k, need_values, temp=None) -> _Selection:
         """One step's selection for :meth:`sampler_logits`, with the off-switch's pending step
         time folded in through the first collective (so every rank keeps the same ledger)."""
         sw = self.off_switch
-        sel, pend = self._select(hidden, k, need_values, -1.0 if sw is None else sw.pending())
+        sel, pend = self._select(hidden, k, need_values, -1.0 if sw is None else sw.pending(), temp)
         if sw is not None:
             sw.fold(pend.cpu())
         return sel

@@ -77,15 +77,19 @@ class CSVLogitsProcessor(LogitsProcessor):
         in_head = [i for i, k in enumerate(ks) if k != step_plan.DEFER]
         sw = head.off_switch
         own_switch = False  # whether this step asked the off-switch itself (no head-time CSV row)
+        temps = list(plan.temps) if plan.temps is not None else [0.0] * B
         if not deferred:
             logits, stats = head.sampler_logits(hidden_states, torch.tensor(ks, dtype=torch.long),
-                                                lambda h: dense_full(), t0=t0)
+                                                lambda h: dense_full(), t0=t0,
+                                                temperature=torch.tensor(temps, dtype=torch.float32))
         else:
             logits = torch.empty((B, head.vocab_size), dtype=head.dtype, device=hidden_states.device)
             sub = torch.tensor(in_head, dtype=torch.long, device=hidden_states.device)
             if any(ks[i] > 0 for i in in_head):
                 part, stats = head.sampler_logits(hidden_states[sub], torch.tensor([ks[i] for i in in_head]),
-                                                  lambda h: dense_full()[sub], t0=t0)
+                                                  lambda h: dense_full()[sub], t0=t0,
+                                                  temperature=torch.tensor([temps[i] for i in in_head],
+                                                                           dtype=torch.float32))
                 logits[sub] = part
                 off = stats.fallbacks["off_switch"] > 0
             else:

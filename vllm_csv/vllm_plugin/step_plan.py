@@ -33,6 +33,7 @@ class Plan:
     req_ids: list[str]
     topk: list[int]  # per row: k > 0, DEFER or 0 (dense)
     modes: list[str] | None = None  # per row, row_mode (None: greedy for k == 1, else top_k)
+    temps: list[float] | None = None  # per row: temperature of a sampled row, 0.0 greedy (None: all greedy)
 
 
 def _processed(sp) -> bool:
@@ -71,6 +72,13 @@ def plan_row(sp, max_topk: int) -> tuple[int, str]:
     if no_top_k:
         return DEFER, ""
     return 0, "unsupported"
+
+
+def row_temperature(sp) -> float:
+    """What vLLM divides a sampled row's logits by before its top-k mask; ``0.0`` for a
+    greedy row (argmax, no division) or no parameters."""
+    t = 0.0 if sp is None else float(sp.temperature)
+    return t if t >= _SAMPLING_EPS else 0.0
 
 
 def row_mode(sp, k: int) -> str:
@@ -120,7 +128,8 @@ def _v1_plan(runner, max_topk: int) -> Plan | None:
     req_ids = list(batch.req_ids)
     sps = [getattr(runner.requests.get(r), "sampling_params", None) for r in req_ids]
     ks = [plan_row(sp, max_topk)[0] for sp in sps]
-    return Plan(req_ids, ks, [row_mode(sp, k) if k else "" for sp, k in zip(sps, ks)])
+    return Plan(req_ids, ks, [row_mode(sp, k) if k else "" for sp, k in zip(sps, ks)],
+                [row_temperature(sp) for sp in sps])
 
 
 def install(max_topk_getter) -> None:
@@ -165,7 +174,8 @@ def install(max_topk_getter) -> None:
                 # The V2 runner's sampler is not hooked: rows to certify in the sampler stay dense.
                 ks = [max(plan_row(params.get(r), m)[0], 0) for r in input_batch.req_ids]
                 plan = Plan(list(input_batch.req_ids), ks,
-                            [row_mode(params.get(r), k) if k else "" for r, k in zip(input_batch.req_ids, ks)])
+                            [row_mode(params.get(r), k) if k else "" for r, k in zip(input_batch.req_ids, ks)],
+                            [row_temperature(params.get(r)) for r in input_batch.req_ids])
             with active_plan(plan):
                 return orig_sample(self, hidden_states, input_batch, grammar_output, *a, **k)
 
@@ -196,3 +206,7 @@ class _LazyPlan(Plan):
     @property
     def modes(self):
         return self._get().modes
+
+    @property
+    def temps(self):
+        return self._get().temps

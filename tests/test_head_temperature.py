@@ -1,0 +1,97 @@
+"""Sampled top-k rows: what vLLM's sampler keeps after dividing by the temperature.
+
+vLLM divides a sampled row's fp32 logits by its temperature, then keeps every token whose
+value is *at least* the k-th largest (``apply_top_k_only``: ties at the k-th value are kept,
+and the Gumbel draw picks among them). So for a sampled row the certified output must give
+exactly the kept set and values that the dense logits give, including
+
+* exact ties at the k-th value (a greedy row replays them: the argmax takes the lowest id;
+  a sampled ``top_k = 1`` row must not);
+* ties the division makes: ``fl(x / t)`` overflows to ``inf`` for huge logits and tiny
+  temperatures, and loses precision in the subnormal range for tiny logits and huge ones.
+"""
+
+import pytest
+import torch
+
+from conftest import hidden_near_rows, peaked_head
+from vllm_csv import CertifiedHead, HeadConfig
+
+apply_top_k_only = pytest.importorskip("vllm.v1.sample.ops.topk_topp_sampler").apply_top_k_only
+
+
+def kept(logits: torch.Tensor, k: torch.Tensor, temp: torch.Tensor) -> torch.Tensor:
+    """vLLM's CPU sampler up to the draw: fp32, divide by the temperature, top-k mask."""
+    x = logits.float().div_(temp[:, None])
+    return apply_top_k_only(x, k.clone())
+
+
+def check(head, W, h, k, temp):
+    B = h.shape[0]
+    ks = torch.full((B,), k, dtype=torch.long)
+    t = torch.full((B,), temp, dtype=torch.float32)
+    out, stats = head.sampler_logits(h, ks, temperature=t)
+    dense = torch.nn.functional.linear(h, W)
+    a, b = kept(out, ks, t), kept(dense, ks, t)
+    assert torch.equal(torch.isfinite(a), torch.isfinite(b)) and torch.equal(a, b)
+    return stats
+
+
+def tie_head(dtype=torch.bfloat16):
+    """Rows 3 and 7 equal: an exact tie at the top for ``h = e_0``; row 5 third."""
+    W = torch.zeros(512, 8)
+    W[:, 1:] = torch.randn(512, 7, generator=torch.Generator().manual_seed(0)) * 0.01
+    W[3, 0] = W[7, 0] = 4.0
+    W[7, 1:] = W[3, 1:]
+    W[5, 0] = 3.0
+    return W.to(dtype)
+
+
+def test_exact_tie_is_replayed_for_greedy_rows_only():
+    W = tie_head()
+    h = torch.zeros(2, 8, dtype=W.dtype)
+    h[:, 0] = 1
+    head = CertifiedHead(W, config=HeadConfig(screen="int8", off_switch=False))
+    out, stats = head.sampler_logits(h, torch.ones(2, dtype=torch.long), temperature=torch.zeros(2))
+    assert stats.certified == 2 and torch.isfinite(out).sum(1).tolist() == [1, 1] and out.argmax(1).tolist() == [3, 3]
+    stats = check(head, W, h, 1, 0.7)  # sampled top_k = 1: both tied tokens are kept by vLLM
+    assert stats.certified == 0
+    check(head, W, h, 2, 0.7)  # the tie is inside the top 2: certified or not, the same kept set
+
+
+@pytest.mark.parametrize("k", [1, 2, 5])
+def test_overflow_made_by_the_temperature(k):
+    """Logits near 2e34 (far below the bf16 overflow guard) divided by 1e-5 overflow fp32: the
+    top tokens all become ``inf`` and vLLM keeps them all."""
+    W, g = peaked_head(1024, 16, seed=1, dtype=torch.float32)
+    W[:8, 0] = torch.linspace(2.0e34, 1.5e34, 8)
+    W = W.to(torch.bfloat16)
+    h = torch.zeros(3, 16, dtype=W.dtype)
+    h[:, 0] = 1
+    head = CertifiedHead(W, config=HeadConfig(screen="int8", off_switch=False))
+    stats = check(head, W, h, k, 1e-5)
+    assert stats.certified == 0
+    stats = check(head, W, h, k, 1.0)  # no overflow: the same rows certify
+    assert stats.certified == 3 or k != 1
+
+
+def test_underflow_made_by_the_temperature():
+    """Logits near 1e-30 divided by 1e13 are fp32 subnormals: neighbouring bf16 values merge."""
+    W = torch.zeros(256, 4)
+    W[:6, 0] = torch.tensor([1.0, 0.99609375, 0.9921875, 0.98828125, 0.984375, 0.98046875]) * 1e-30
+    W[6:, 0] = -1e-30
+    W = W.to(torch.bfloat16)
+    h = torch.zeros(2, 4, dtype=W.dtype)
+    h[:, 0] = 1
+    head = CertifiedHead(W, config=HeadConfig(screen="int8", off_switch=False))
+    for k in (1, 2, 3):
+        check(head, W, h, k, 1e13)
+
+
+@pytest.mark.parametrize("temp", [0.3, 1.0, 1.7])
+def test_ordinary_temperatures_still_certify(temp):
+    W, g = peaked_head(4096, 64, seed=2, dtype=torch.bfloat16)
+    h = hidden_near_rows(W, 16, g)
+    head = CertifiedHead(W, config=HeadConfig(screen="int8", off_switch=False))
+    stats = check(head, W, h, 1, temp)
+    assert stats.certified >= 14
