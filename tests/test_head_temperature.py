@@ -54,9 +54,24 @@ def test_exact_tie_is_replayed_for_greedy_rows_only():
     head = CertifiedHead(W, config=HeadConfig(screen="int8", off_switch=False))
     out, stats = head.sampler_logits(h, torch.ones(2, dtype=torch.long), temperature=torch.zeros(2))
     assert stats.certified == 2 and torch.isfinite(out).sum(1).tolist() == [1, 1] and out.argmax(1).tolist() == [3, 3]
-    stats = check(head, W, h, 1, 0.7)  # sampled top_k = 1: both tied tokens are kept by vLLM
-    assert stats.certified == 0
+    out, stats = head.sampler_logits(h, torch.ones(2, dtype=torch.long), temperature=torch.full((2,), 0.7))
+    assert torch.isfinite(out).sum(1).tolist() == [2, 2]  # sampled top_k = 1: vLLM keeps both tied tokens
+    stats = check(head, W, h, 1, 0.7)
     check(head, W, h, 2, 0.7)  # the tie is inside the top 2: certified or not, the same kept set
+
+
+def test_tie_at_the_kth_value_is_kept_and_certified():
+    """Token 9 first, tokens 3 and 7 tied second: for ``top_k = 2`` vLLM keeps all three. The
+    kept-set certificate returns exactly those (the strict one could not separate 3 from 7)."""
+    W = tie_head(torch.float32)
+    W[9, 0] = 5.0
+    W = W.to(torch.bfloat16)
+    h = torch.zeros(2, 8, dtype=W.dtype)
+    h[:, 0] = 1
+    head = CertifiedHead(W, config=HeadConfig(screen="int8", budget=1.0, off_switch=False))
+    stats = check(head, W, h, 2, 0.9)
+    out, _ = head.sampler_logits(h, torch.full((2,), 2), temperature=torch.full((2,), 0.9))
+    assert stats.certified == 2 and torch.isfinite(out[0]).nonzero().squeeze(1).tolist() == [3, 7, 9]
 
 
 @pytest.mark.parametrize("k", [1, 2, 5])
@@ -95,3 +110,17 @@ def test_ordinary_temperatures_still_certify(temp):
     head = CertifiedHead(W, config=HeadConfig(screen="int8", off_switch=False))
     stats = check(head, W, h, 1, temp)
     assert stats.certified >= 14
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("k", [2, 5, 20])
+def test_sampled_top_k_matches_vllms_mask(k, dtype):
+    """Many rows, coarse weights (bf16/fp16 ties are frequent), several temperatures: the kept
+    set and its values are vLLM's, certified or not."""
+    W, g = peaked_head(2048, 32, seed=k, dtype=torch.float32)
+    W = (W * 8).round() / 8  # few distinct values: ties at every rank
+    W = W.to(dtype)
+    h = torch.cat([hidden_near_rows(W, 48, g, noise=0.0), hidden_near_rows(W, 16, g)]).to(dtype)
+    head = CertifiedHead(W, config=HeadConfig(screen="int8", budget=1.0, off_switch=False))
+    certified = sum(check(head, W, h, k, t).certified for t in (0.25, 1.0, 3.0))
+    assert certified > 0

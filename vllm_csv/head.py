@@ -317,7 +317,34 @@ class CertifiedHead:
                 one = torch.zeros_like(in_top).scatter_(1, first[:, None], True)
                 in_top = torch.where(by_tie[:, None], one, in_top)
                 ok |= by_tie
+        if temp is not None and self.softcap is None:
+            kept_ok, kept = self._certify_kept(z, lower, upper, k, kmax, outside_high, known, temp)
+            use = kept_ok & ~ok
+            in_top = torch.where(use[:, None], kept, in_top)
+            ok |= use
         return ok, in_top
+
+    def _certify_kept(self, z, lower, upper, k, kmax, outside_high, known, temp):
+        """The kept-set certificate of sampled rows (``temp > 0``; no soft-cap).
+
+        vLLM's sampler divides the row by ``t`` in fp32 and keeps every token whose
+        ``x = fl32(fl32(zt) / t)`` is at least the k-th largest ``x``, ties included, then
+        draws among them. Without soft-cap ``zt`` (one correctly rounded product by ``scale``)
+        and ``x`` are replayed exactly on tokens whose value is known bit for bit. With
+        ``x_k`` the k-th largest of those, the row is certified when every other token (a
+        scored one with an unknown value, any unscored one) is bounded strictly below ``x_k``
+        through the same ops (monotone: :meth:`DenseEngine.bound`, then ``/ t``). Then the
+        dense row's kept set is exactly the known tokens with ``x >= x_k``, with the same
+        values, and the rest of the row is masked either way. Returns ``(certified [B],
+        kept [B, S])``; a tie at the k-th value (common deep in a bf16 row) is no obstacle.
+        """
+        sampled = temp > 0
+        t = torch.where(sampled, temp, 1.0).to(torch.float32)
+        x = self.engine.transform(z).float() / t[:, None]
+        xk = x.masked_fill(~known, -math.inf).topk(kmax, dim=1).values.gather(1, (k - 1)[:, None])[:, 0]
+        high = self.engine.round(torch.maximum(upper.masked_fill(known, -math.inf).amax(1), outside_high))
+        x_hi = self.engine.bound(high, up=True) / t
+        return sampled & (xk > x_hi), known & (x >= xk[:, None])
 
     @property
     def screen_name(self) -> str:
