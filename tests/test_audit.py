@@ -30,6 +30,14 @@ def test_certified_rows_match_dense(family, seed, dtype, screen):
     assert with_values.wrong_ids == 0 and with_values.wrong_values == 0
 
 
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(family=st.sampled_from(sorted(audit.FAMILIES)), seed=st.integers(0, 2**31 - 1),
+       dtype=st.sampled_from(audit.DTYPES), screen=st.sampled_from(SCREENS[:3]))
+def test_sampled_rows_give_the_sampler_what_dense_gives(family, seed, dtype, screen):
+    out = audit.run_sampled_case(family, seed, dtype, screen)
+    assert out.wrong_ids == 0 and out.wrong_values == 0
+
+
 @pytest.mark.parametrize("screen", SCREENS[:3])
 def test_regressions_are_not_certified_wrong(screen):
     for case in audit.regressions():
@@ -145,3 +153,15 @@ def test_nonfinite_head_is_never_certified(where):
     assert stats.certified == 0 and stats.fallbacks["nonfinite"] == case.hidden.shape[0]
     head.certifiable = True
     assert not head.topk(case.hidden, 2).certified.any()
+
+
+def test_mutation_sampled_rows_read_as_greedy_are_caught(monkeypatch):
+    """Certify sampled rows as greedy ones (no temperature: tie replay, no division): the
+    sampled check finds rows whose kept set is not vLLM's."""
+    from vllm_csv.head import CertifiedHead
+
+    honest = CertifiedHead._certify
+    monkeypatch.setattr(CertifiedHead, "_certify", lambda self, *a: honest(self, *a[:7], None))
+    wrong = sum(audit.run_sampled_case(fam, seed, torch.bfloat16, "int8").wrong_ids
+                for seed in range(20) for fam in ("ties", "overflow"))
+    assert wrong > 0

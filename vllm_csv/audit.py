@@ -22,7 +22,8 @@ norms          hidden-state norms from 1e-30 to 1e30 and outlier dimensions
 :func:`check` runs a :class:`~vllm_csv.head.CertifiedHead` on a case and compares each
 certified row with the dense head (``F.linear`` on the same batch, then vLLM's soft-cap and
 scale written out here independently): the ids always, and the values bit for bit where the
-head was asked for values. The CI property suite (``tests/test_audit.py``) and the long
+head was asked for values. :func:`check_sampled` does the same for sampled top-k rows: what
+vLLM's sampler keeps after the temperature division and its top-k mask, bit for bit. The CI property suite (``tests/test_audit.py``) and the long
 campaign (``benchmarks/audit.py``) both use this module.
 """
 
@@ -88,6 +89,32 @@ def check(head, case: Case, values: bool) -> Outcome:
     wrong_ids = int(((ids != di).any(1) & c).sum())
     wrong_values = int(((_bits(res.values) != _bits(dv)).any(1) & c).sum()) if values else 0
     return Outcome(case.hidden.shape[0], int(c.sum()), wrong_ids, wrong_values)
+
+
+def sampler_kept(logits: torch.Tensor, k: torch.Tensor, temp: torch.Tensor) -> torch.Tensor:
+    """What vLLM's CPU sampler draws from for top-k rows, written out here independently:
+    fp32, divided by the row's temperature, every token below the k-th largest value masked
+    to ``-inf`` (ties at the k-th value kept)."""
+    x = logits.float() / temp[:, None]
+    kth = x.topk(int(k.max()), dim=1).values.gather(1, (k - 1)[:, None])
+    return x.masked_fill(x < kth, -math.inf)
+
+
+def check_sampled(head, case: Case, temp: float) -> Outcome:
+    """Sampled top-k: every certified row of ``head.sampler_logits`` (temperature ``temp``)
+    must give vLLM's sampler the same kept tokens as the dense row (else ``wrong_ids``) and,
+    where it keeps more than one, the same bits (else ``wrong_values``: the draw reads them;
+    a single kept token is drawn whatever its value)."""
+    B = case.hidden.shape[0]
+    k = torch.full((B,), case.k, dtype=torch.long)
+    t = torch.full((B,), temp, dtype=torch.float32)
+    out, _ = head.sampler_logits(case.hidden, k, temperature=t)
+    c = head.last_certified
+    a, b = sampler_kept(out, k, t), sampler_kept(dense_reference(case), k, t)
+    ka, kb = a != -math.inf, b != -math.inf  # kept (+inf kept too: overflow by the division)
+    wrong_set = (ka != kb).any(1) & c
+    wrong_bits = (_bits(a) != _bits(b)).any(1) & c & (kb.sum(1) > 1)
+    return Outcome(B, int(c.sum()), int(wrong_set.sum()), int(wrong_bits.sum()))
 
 
 # ---- families -------------------------------------------------------------------------------
@@ -253,6 +280,25 @@ def make_head(case: Case, screen: str, budget: float = 1.0):
     cfg = HeadConfig(screen=screen, budget=budget, off_switch=False)
     return CertifiedHead(case.weight, case.bias, config=cfg, index=index, softcap=case.softcap,
                          scale=case.scale)
+
+
+TEMPERATURES = (1e-2, 0.7, 1.0, 3.0, 1e4)  # vLLM's smallest sampled temperature is 0.01
+
+
+def run_sampled_case(family: str, seed: int, dtype: torch.dtype, screen: str) -> Outcome:
+    """One case as sampled top-k rows, at a temperature drawn from :data:`TEMPERATURES`."""
+    g = torch.Generator().manual_seed(seed)
+    case = FAMILIES[family](g, dtype)
+    temp = _pick(g, TEMPERATURES)
+    try:
+        head = make_head(case, screen)
+    except Exception as e:
+        from .errors import CSVError
+
+        if isinstance(e, CSVError):
+            return Outcome(case.hidden.shape[0], 0, 0, 0)
+        raise
+    return check_sampled(head, case, temp)
 
 
 def run_case(family: str, seed: int, dtype: torch.dtype, screen: str) -> tuple[Outcome, Outcome]:

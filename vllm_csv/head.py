@@ -303,7 +303,10 @@ class CertifiedHead:
         ok = self.engine.separated(low, torch.maximum(high, outside_high), temp)
         known = DenseEngine.single_valued(lower, upper)
         ok &= (known | ~in_top).all(1) | ~need_values
-        if self.softcap is None and kmax == 1:
+        # The host reads whether any row is left (CPU: no device; CUDA: this step syncs anyway,
+        # issue 9): the fallbacks below are skipped when every row already holds.
+        left = not bool(ok.all())
+        if left and self.softcap is None and kmax == 1:
             zf = z.float()
             v = zf.masked_fill(~known, -math.inf).amax(1)
             tie = known & (zf == v[:, None])
@@ -317,7 +320,7 @@ class CertifiedHead:
                 one = torch.zeros_like(in_top).scatter_(1, first[:, None], True)
                 in_top = torch.where(by_tie[:, None], one, in_top)
                 ok |= by_tie
-        if temp is not None and self.softcap is None:
+        if left and temp is not None and self.softcap is None:
             kept_ok, kept = self._certify_kept(z, lower, upper, k, kmax, outside_high, known, temp)
             use = kept_ok & ~ok
             in_top = torch.where(use[:, None], kept, in_top)
