@@ -27,10 +27,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from vllm_csv.audit import DTYPES, FAMILIES, run_case  # noqa: E402
+from vllm_csv.audit import DTYPES, FAMILIES, run_case, run_sampled_case  # noqa: E402
 
 SCREENS = ("int8", "int4", "fp16", "ball")
-FIELDS = ("rows", "certified_ids", "certified_values", "wrong_ids", "wrong_values")
+FIELDS = ("rows", "certified_ids", "certified_values", "certified_sampled", "wrong_ids", "wrong_values")
 
 
 def commit() -> str:
@@ -51,6 +51,7 @@ def campaign(target: int, screens, log_every: float = 30.0) -> dict:
             for dt in DTYPES:
                 for sc in screens:
                     a, b = run_case(fam, seed, dt, sc)
+                    c = run_sampled_case(fam, seed, dt, sc) if sc != "ball" else None
                     row = table[(fam, str(dt).removeprefix("torch."), sc)]
                     for t in (row, total):
                         t["rows"] += a.rows
@@ -58,6 +59,11 @@ def campaign(target: int, screens, log_every: float = 30.0) -> dict:
                         t["certified_values"] += b.certified
                         t["wrong_ids"] += a.wrong_ids + b.wrong_ids
                         t["wrong_values"] += b.wrong_values
+                        if c is not None:  # sampled top-k rows (vLLM's kept set after the temperature)
+                            t["rows"] += c.rows
+                            t["certified_sampled"] += c.certified
+                            t["wrong_ids"] += c.wrong_ids
+                            t["wrong_values"] += c.wrong_values
         seed += 1
         if time.perf_counter() - last > log_every:
             last = time.perf_counter()
@@ -71,16 +77,17 @@ def markdown(res: dict) -> str:
     lines = [f"Adversarial campaign: {res['seeds']} seeds x {len(FAMILIES)} families x {len(DTYPES)} dtypes "
              f"x {len(res['screens'])} screens, {res['seconds']} s on {res['machine']} (commit {res['commit']}).", "",
              f"**Total: {t['certified_ids']} certified rows checked for ids, {t['certified_values']} for ids and "
-             f"value bits, of {t['rows']} rows; {t['wrong_ids']} wrong ids, {t['wrong_values']} wrong values.**", "",
-             "| family | dtype | rows | certified (ids) | certified (ids + values) | wrong ids | wrong values |",
-             "|---|---|---|---|---|---|---|"]
+             f"value bits, {t['certified_sampled']} sampled top-k rows for the sampler's kept set and bits, of "
+             f"{t['rows']} rows; {t['wrong_ids']} wrong ids, {t['wrong_values']} wrong values.**", "",
+             "| family | dtype | rows | certified (ids) | certified (ids + values) | certified (sampled) | wrong ids | wrong values |",
+             "|---|---|---|---|---|---|---|---|"]
     agg: dict[tuple[str, str], dict[str, int]] = defaultdict(lambda: dict.fromkeys(FIELDS, 0))
     for c in res["cases"]:
         for k in FIELDS:
             agg[(c["family"], c["dtype"])][k] += c[k]
     for (f, d), v in sorted(agg.items()):
         lines.append(f"| {f} | {d} | {v['rows']} | {v['certified_ids']} | {v['certified_values']} | "
-                     f"{v['wrong_ids']} | {v['wrong_values']} |")
+                     f"{v['certified_sampled']} | {v['wrong_ids']} | {v['wrong_values']} |")
     return "\n".join(lines) + "\n"
 
 
