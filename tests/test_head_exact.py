@@ -119,7 +119,10 @@ def test_sampler_logits_rows_and_sampling():
     assert torch.equal(logits[dense_rows], dense[dense_rows])
     assert stats.fallbacks["unsupported"] == 1 and torch.equal(logits[11], dense[11])
     finite = torch.isfinite(logits)
-    assert torch.equal(logits[finite], dense[finite])  # exact values wherever scored
+    reads = (topk >= 2)[:, None] & finite  # values read by top-k sampling: the dense bits
+    assert torch.equal(logits[reads], dense[reads])
+    # greedy rows: the argmax's value is only known to its rounding interval (README)
+    assert torch.allclose(logits[finite], dense[finite], rtol=1e-5, atol=0)
     assert torch.equal(logits.argmax(1), dense.argmax(1))
     # top-k sampling with the same random draw picks the same token
     for row in range(12):

@@ -44,3 +44,15 @@ def round_up_f32(x: float) -> float:
     if t.item() < x:
         t = torch.nextafter(t, torch.tensor(math.inf))
     return t.item()
+
+
+def round_up32(x64: torch.Tensor) -> torch.Tensor:
+    """fp64 -> fp32, rounding up (an upper bound stays an upper bound; ``inf`` past the range)."""
+    x32 = x64.float()
+    return torch.where(x32.double() < x64, torch.nextafter(x32, torch.full_like(x32, math.inf)), x32)
+
+
+def round_down32(x64: torch.Tensor) -> torch.Tensor:
+    """fp64 -> fp32, rounding down (a lower bound stays a lower bound; ``-inf`` past the range)."""
+    x32 = x64.float()
+    return torch.where(x32.double() > x64, torch.nextafter(x32, torch.full_like(x32, -math.inf)), x32)

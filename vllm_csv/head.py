@@ -42,7 +42,7 @@ import torch.nn.functional as F
 from .cpu_malloc import tune_malloc
 from .dense_engine import DenseEngine
 from .errors import CSVError
-from .fp import FP32_UNIT_ROUNDOFF, gamma, significand_bits
+from .fp import FP32_UNIT_ROUNDOFF, gamma, round_down32, round_up32, significand_bits
 from .off_switch import OffSwitch
 from .screens import DEFAULT_SCREEN, SCREENS, hidden_norm_upper, make_screen
 
@@ -144,6 +144,7 @@ class CertifiedHead:
         self._tiny = 2 * torch.finfo(self.dtype).tiny
         self._tiny32 = 2 * torch.finfo(torch.float32).tiny
         self._gamma = g
+        self._gamma64 = 4 * gamma(self.hidden_size + 2, 2.0**-53)  # float64 sums of _score
         self._rad_cache = self._nmax_cache = None
         self._wmax = float(self.weight.float().norm(dim=1).max()) if V else 0.0
         self._rad_total(self.screen.radius)
@@ -233,27 +234,35 @@ class CertifiedHead:
         """Score columns ``ids``: ``(z, lower, upper)``, ``z`` in the model dtype (what the
         sampler gets) and ``lower <= zt <= upper`` for the dense engine's value ``zt``.
 
-        ``a = fl32(<w_j, h>)`` is within ``e_j`` of the real product in any fp32 accumulation
-        order, so the dense accumulator lies in ``[a - 2e, a + 2e]`` (with the bias inside
-        the accumulation: ``[a + b - R, a + b + R]``, ``R`` adding ``gamma |b|`` and this very
-        rounding). The engine rounds that to the model dtype, adding the bias before or after
-        the rounding; each way is monotone in the accumulator, so ``zt`` lies between the two
-        ways applied to the two ends (overflow to ``inf`` included). In bf16/fp16 both ends
-        nearly always round to the same value: ``zt`` is then known exactly, and ``z`` is it."""
-        a = F.linear(hidden.float(), self.weight[ids].float())
-        r = 2 * self.acc_err[ids][None] * hnorm[:, None]
-        r = r + a.abs() * (2 * FP32_UNIT_ROUNDOFF) + self._tiny32
+        In float64, ``a = <w_j, h>`` and ``A = sum_i |w_ji h_i|`` (products of model-dtype
+        numbers are exact in float64; each sum is within ``gamma64_d A`` of the real one). The
+        dense fp32 accumulator, in any order, is within ``gamma_(d+2) A`` of the real product
+        (plus ``2^-125`` for subnormal partial sums), so it lies in ``[a - E, a + E]`` with
+        ``E = (gamma_(d+2) + 4 gamma64_d) A + 2^-125``, the ends rounded outwards to fp32 (the
+        accumulator is an fp32 number). With the bias inside the accumulation the interval is
+        ``[a + b - R, a + b + R]``, ``R`` adding ``gamma |b|``. The engine rounds that to the
+        model dtype, adding the bias before or after the rounding; each way is monotone in the
+        accumulator, so ``zt`` lies between the two ways applied to the two ends (overflow to
+        ``inf`` included). In bf16/fp16 both ends usually round to the same value: ``zt`` is
+        then known exactly, and ``z`` is it. (``hnorm`` is not needed: ``A <= ||w_j|| ||h||``
+        is the tighter bound, computed per column.)"""
+        hd, wd = hidden.double(), self.weight[ids].double()
+        a = F.linear(hd, wd)
+        E = F.linear(hd.abs(), wd.abs()).mul_(self._gamma + self._gamma64).add_(self._tiny32)
+        E.add_(a.abs(), alpha=2.0**-52)  # the roundings of a - E and a + E in float64
         rnd = self.engine.round
+        lo32, hi32 = round_down32(a - E), round_up32(a + E)
         if self.bias is None:
             c = a
-            lower, upper = rnd(a - r), rnd(a + r)
+            lower, upper = rnd(lo32), rnd(hi32)
         else:
             b = self.bias[ids]
-            c = a + b.float()
-            R = r + self._gamma * b.float().abs()[None] + c.abs() * (2 * FP32_UNIT_ROUNDOFF)
-            lower = torch.minimum(rnd(c - R), rnd((a - r).to(self.dtype) + b))
-            upper = torch.maximum(rnd(c + R), rnd((a + r).to(self.dtype) + b))
-        z = torch.where(DenseEngine.single_valued(lower, upper), lower, c).to(self.dtype)
+            c = a + b.double()
+            R = E + self._gamma * b.double().abs()[None]
+            R.add_(c.abs(), alpha=2.0**-52)
+            lower = torch.minimum(rnd(round_down32(c - R)), rnd(lo32.to(self.dtype) + b))
+            upper = torch.maximum(rnd(round_up32(c + R)), rnd(hi32.to(self.dtype) + b))
+        z = torch.where(DenseEngine.single_valued(lower, upper), lower, c.float()).to(self.dtype)
         return z, lower, upper
 
     # ---- certification ----------------------------------------------------------------

@@ -22,6 +22,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from .errors import CSVError
+from .fp import round_up32
 from .kmeans import KMEANS
 
 FORMAT_VERSION = "1"
@@ -200,7 +201,4 @@ def build_index(
     return CSVIndex(perm, offsets, centroids, radii, bmax, wmax, fingerprint_weights(weight, bias), meta)
 
 
-def _round_up(x64: torch.Tensor) -> torch.Tensor:
-    """fp64 -> fp32, rounding up so that an upper bound stays an upper bound."""
-    x32 = x64.float()
-    return torch.where(x32.double() < x64, torch.nextafter(x32, torch.tensor(torch.inf, device=x32.device)), x32)
+_round_up = round_up32  # (the screens' name for it)

@@ -109,7 +109,7 @@ class CSVLogitsProcessor(LogitsProcessor):
                 sampler_hook.defer(sampler_hook.Deferred(
                     logits, hidden_states[rows.to(hidden_states.device)].clone(), rows,
                     [modes[i] for i in deferred], self._adapter(head), dense_full,
-                    lambda st, stats=stats, hm=self._head_modes(logits, ks, modes, in_head):
+                    lambda st, stats=stats, hm=self._head_modes(head, stats, ks, modes, in_head):
                         self._record(head, _merge(stats, st), {k: hm.get(k, 0) + st.certified.get(k, 0)
                                                               for k in set(hm) | set(st.certified)},
                                      B if own_switch else None, 0.0 if own_switch else st.seconds),
@@ -117,7 +117,7 @@ class CSVLogitsProcessor(LogitsProcessor):
                 self._log_first(head, stats)
                 return logits
         self._log_first(head, stats)
-        modes_seen = self._head_modes(logits, ks, modes, in_head if deferred else range(B)) if stats.certified else {}
+        modes_seen = self._head_modes(head, stats, ks, modes, in_head if deferred else range(B))
         self._record(head, stats, modes_seen, None)
         return logits
 
@@ -129,17 +129,16 @@ class CSVLogitsProcessor(LogitsProcessor):
         return self._csv_adapter
 
     @staticmethod
-    def _head_modes(logits: torch.Tensor, ks: list[int], modes: list[str], rows) -> dict[str, int]:
-        """Certified head-time rows by mode. ``sampler_logits`` reports a count, not which rows:
-        a certified row is ``-inf`` off its scored set, a dense row is the dense head's
-        (finite) output, so a row holding ``-inf`` is a certified one."""
-        rows = [i for i in rows if ks[i] > 0]
+    def _head_modes(head, stats, ks: list[int], modes: list[str], rows) -> dict[str, int]:
+        """Certified head-time rows by mode: ``rows`` are the rows the head's last
+        ``sampler_logits`` call saw, in order (its ``last_certified``, a host tensor: no pass
+        over the ``[B, V]`` logits)."""
+        if not stats.certified:
+            return {}
         out: dict[str, int] = {}
-        if rows:
-            cert = torch.isneginf(logits[torch.tensor(rows, device=logits.device)]).any(1).tolist()
-            for i, c in zip(rows, cert):
-                if c:
-                    out[modes[i]] = out.get(modes[i], 0) + 1
+        for i, c in zip(rows, head.last_certified.tolist()):
+            if c and ks[i] > 0:
+                out[modes[i]] = out.get(modes[i], 0) + 1
         return out
 
     def _log_first(self, head, stats) -> None:
