@@ -75,14 +75,21 @@ def test_nonfinite_hidden_states_mid_run(mode, csv_server, dense_server):
 def ball_server(demo_model_dir, tmp_path_factory):
     """Screen ``ball`` with ``--csv-index`` (budget 1: rows certify, so the index is in use
     every step) and PROMETHEUS_MULTIPROC_DIR set to a path that cannot hold files."""
-    from vllm_csv.cli import main
+    import torch
+
+    from vllm_csv import build_index
+    from vllm_csv.hf_head import load_lm_head
 
     d = tmp_path_factory.mktemp("ball")
     index = d / "demo-index.safetensors"
-    assert main(["build-index", demo_model_dir, "--output", str(index), "--clusters", "128", "--quiet"]) == 0
+    # The demo checkpoint is fp32 and vLLM-CPU serves it in bf16 (--dtype bfloat16 below): the
+    # index must be built from the weights as served (their fingerprint is checked).
+    head = load_lm_head(demo_model_dir)
+    w = head.weight[: head.vocab_size].to(torch.bfloat16)
+    build_index(w, None, 128, progress=False).save(index)
     (d / "a_file").write_text("")
     env = {"PROMETHEUS_MULTIPROC_DIR": str(d / "a_file" / "prom")}
-    args = ["--enable-csv-decode", "--csv-screen", "ball", "--csv-index", str(index), "--csv-budget", "1.0",
+    args = ["--dtype", "bfloat16", "--enable-csv-decode", "--csv-screen", "ball", "--csv-index", str(index), "--csv-budget", "1.0",
             "--additional-config", '{"csv_decode": {"off_switch": false}}']
     s = start_server(demo_model_dir, args, d / "ball.log", env=env)
     s.index, s.args, s.env = index, args, env
@@ -128,7 +135,7 @@ def test_restart_with_a_damaged_index_is_one_line(ball_server, damage):
     r = subprocess.run([*vllm_command(), "serve", s.model, "--max-model-len", "1024", *s.args],
                        capture_output=True, text=True, timeout=300, env=server_env(s.env))
     out = r.stdout + r.stderr
-    errors = [ln for ln in out.splitlines() if "error" in ln.lower()]
+    errors = [ln for ln in out.splitlines() if ln.startswith("vllm serve: error:") or " ERROR " in ln]
     assert r.returncode == 2 and "Traceback" not in out, out[-3000:]
     assert len(errors) == 1 and errors[0].startswith("vllm serve: error: CSV index "), errors
     assert ("corrupt" if damage == "corrupt" else "not found") in errors[0]
