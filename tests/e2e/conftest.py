@@ -128,6 +128,7 @@ def default_csv_server(demo_model_dir, tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def dense_server(demo_model_dir, tmp_path_factory):
-    s = start_server(demo_model_dir, [], tmp_path_factory.mktemp("logs") / "dense.log")
+    # The same fault injector as csv_server's: a poisoned prompt gets plain vLLM's answer to it.
+    s = start_server(demo_model_dir, [], tmp_path_factory.mktemp("logs") / "dense.log", env=fault_env())
     yield s
     s.stop()

@@ -2,8 +2,9 @@
 rewritten while serving and before a restart, an unusable metrics directory.
 
 NaN/inf come from the test-only plugin ``tests/e2e/faults/csv_test_faults.py``, loaded into the
-shared CSV server (``conftest.POISON``): it poisons the LM-head input of prompts that start with
-its marker tokens, while they produce their output tokens 2 to 4, and touches nothing else.
+shared CSV and dense servers (``conftest.POISON``): it poisons the LM-head input of prompts that
+start with its marker tokens, while they produce their output tokens 2 to 4, and touches nothing
+else.
 """
 
 from __future__ import annotations
@@ -48,25 +49,25 @@ def complete(server, prompts, **kw) -> list[str]:
 @pytest.mark.parametrize("mode", sorted(MODES))
 def test_nonfinite_hidden_states_mid_run(mode, csv_server, dense_server):
     """Two of six batched prompts get NaN and +inf LM-head inputs for three steps in the middle
-    of their run: exactly those rows go dense and are counted (reason ``nonfinite``), the other
-    four prompts answer exactly as plain vLLM does, certified rows keep being certified, and
-    the server keeps serving."""
+    of their run, on the CSV server and on plain vLLM alike: exactly those rows go dense and
+    are counted (reason ``nonfinite``), every prompt (the poisoned ones included) answers
+    exactly as on plain vLLM, certified rows keep being certified, and the server keeps
+    serving."""
     toks = [tokens(csv_server, p) for p in PROMPTS]
     batch = [POISON["nan"] + toks[0], toks[1], POISON["inf"] + toks[2], *toks[3:]]
     poisoned = {0, 2}
     steps = POISON["steps"][1] - POISON["steps"][0]
+    logs = [(s, len(s.log())) for s in (csv_server, dense_server)]
     before = metrics(csv_server)
     got = complete(csv_server, batch, **MODES[mode])
     after = metrics(csv_server)
-    want = complete(dense_server, batch, **MODES[mode])  # the dense server is not poisoned
+    want = complete(dense_server, batch, **MODES[mode])
     grew = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
     assert grew.get("csv_decode_fallbacks_total[nonfinite]", 0) == steps * len(poisoned), grew
     assert grew.get(f"csv_decode_rows_certified_total[{mode}]", 0) > 0, grew
-    for i in range(len(batch)):
-        if i in poisoned:
-            assert got[i] != want[i], (i, got[i])  # the fault did happen
-        else:
-            assert got[i] == want[i], (i, got[i], want[i])
+    assert got == want
+    for server, start in logs:  # the injector's own count: it acted on both servers
+        assert server.log()[start:].count("csv_test_faults: poisoned") == steps * len(poisoned), server.log_path
     again = complete(csv_server, [toks[1]], temperature=0)
     assert again == complete(dense_server, [toks[1]], temperature=0)
 

@@ -11,7 +11,8 @@ and the worker, as it loads vllm-csv itself.
 ids start with the ``nan`` (``inf``) marker gets its LM-head row set to NaN (``+inf``) on the
 steps that produce its output tokens ``steps[0] .. steps[1] - 1`` (the middle of its run); every
 other row, request and step passes through untouched (the wrapper then calls the original
-method with the same arguments). Without the variable ``register`` does nothing.
+method with the same arguments). Each poisoned row prints one ``csv_test_faults: poisoned``
+line to the server's log. Without the variable ``register`` does nothing.
 """
 
 from __future__ import annotations
@@ -57,10 +58,12 @@ def _wrap_forward(cls, cfg: dict) -> None:
         runner = getattr(_local, "runner", None)
         if runner is not None and hidden_states.dim() == 2:
             rows = poison_rows(runner, hidden_states.shape[0], cfg)
-            if rows:
+            if rows and not getattr(hidden_states, "_csv_test_poisoned", False):
                 hidden_states = hidden_states.clone()
                 for row, value in rows.items():
                     hidden_states[row] = value
+                    print(f"csv_test_faults: poisoned row {row} with {value}", flush=True)
+                hidden_states._csv_test_poisoned = True  # CSV's dense path calls vLLM's layer with it
         return orig(self, lm_head, hidden_states, *args, **kwargs)
 
     cls.forward = forward
