@@ -45,7 +45,10 @@ def server_env(extra: dict | None = None) -> dict:
 def fault_env() -> dict:
     """Environment that loads the test-only fault injector (:data:`POISON`) into a server."""
     path = os.pathsep.join(p for p in (str(FAULTS_DIR), os.environ.get("PYTHONPATH")) if p)
-    return {"PYTHONPATH": path, "VLLM_CSV_TEST_FAULTS": json.dumps(POISON)}
+    env = {"PYTHONPATH": path, "VLLM_CSV_TEST_FAULTS": json.dumps(POISON)}
+    if os.environ.get("VLLM_PLUGINS"):  # an allow-list: add the injector to it
+        env["VLLM_PLUGINS"] = os.environ["VLLM_PLUGINS"] + ",csv_test_faults"
+    return env
 
 
 @dataclass
