@@ -9,6 +9,7 @@ import torch
 from safetensors.torch import save_file
 
 from vllm_csv import CSVError, CSVIndex, build_index, fingerprint_weights
+from vllm_csv.index import FORMAT_VERSION, tensors_digest
 from vllm_csv.cli import main
 from vllm_csv.hf_head import load_lm_head
 
@@ -55,14 +56,92 @@ def test_corrupt_and_inconsistent_files(head, tmp_path):
     with pytest.raises(CSVError, match="not found"):
         CSVIndex.load(tmp_path / "missing.safetensors")
     t = CSVIndex.load(p)
-    save_file({"perm": t.perm.flip(0)[:-1], "offsets": t.offsets, "centroids": t.centroids, "radii": t.radii,
-               "bias_max": t.bias_max, "row_norm_max": t.row_norm_max}, str(tmp_path / "bad.safetensors"),
-              metadata={"format_version": "1", "fingerprint": "x"})
+    bad = {"perm": t.perm.flip(0)[:-1], "offsets": t.offsets, "centroids": t.centroids, "radii": t.radii,
+           "bias_max": t.bias_max, "row_norm_max": t.row_norm_max}
+    save_file(bad, str(tmp_path / "bad.safetensors"),
+              metadata={"format_version": FORMAT_VERSION, "fingerprint": "x", "digest": tensors_digest(bad)})
     with pytest.raises(CSVError, match="inconsistent"):
         CSVIndex.load(tmp_path / "bad.safetensors")
     save_file({"perm": t.perm}, str(tmp_path / "v0.safetensors"), metadata={"format_version": "0"})
     with pytest.raises(CSVError, match="format version"):
         CSVIndex.load(tmp_path / "v0.safetensors")
+
+
+def flip_bit(path, offset_from_end: int) -> None:
+    raw = bytearray(path.read_bytes())
+    raw[-offset_from_end] ^= 0x01
+    path.write_bytes(bytes(raw))
+
+
+def test_damaged_tensor_bytes_are_refused(head, tmp_path):
+    """A bit flipped in the tensors' bytes (the end of the file) leaves a readable file that
+    may pass the consistency checks with an unsound bound: the digest refuses it."""
+    W, b = head
+    p = build_index(W, b, 10, progress=False).save(tmp_path / "i.safetensors")
+    CSVIndex.load(p)
+    for offset in (1, 7, 41):
+        q = tmp_path / f"flip{offset}.safetensors"
+        q.write_bytes(p.read_bytes())
+        flip_bit(q, offset)
+        with pytest.raises(CSVError, match="do not match the digest"):
+            CSVIndex.load(q)
+
+
+def test_index_at_start_up_deleted_or_damaged(head, tmp_path, monkeypatch, caplog):
+    """``index_loader``: a given file that is missing or damaged stops start-up with a CSVError;
+    a cached one is rebuilt (one warning) and written back."""
+    pytest.importorskip("vllm")
+    from types import SimpleNamespace
+
+    from vllm_csv.cache import index_path
+    from vllm_csv.vllm_plugin.index_loader import load_or_build_index
+
+    W, b = head
+    monkeypatch.setenv("VLLM_CSV_CACHE", str(tmp_path / "cache"))
+    given = build_index(W, b, 10, progress=False).save(tmp_path / "given.safetensors")
+    cfg = SimpleNamespace(index=str(given), clusters=None)
+    assert load_or_build_index(W, b, cfg).fingerprint == fingerprint_weights(W, b)
+    flip_bit(given, 3)
+    with pytest.raises(CSVError, match="corrupt"):
+        load_or_build_index(W, b, cfg)
+    given.unlink()
+    with pytest.raises(CSVError, match="not found"):
+        load_or_build_index(W, b, cfg)
+
+    cfg = SimpleNamespace(index=None, clusters=10)
+    built = load_or_build_index(W, b, cfg)  # no cache yet: built and cached
+    cached = index_path(fingerprint_weights(W, b), 10)
+    assert cached.is_file()
+    for damage in ("flip", "garbage", "delete"):
+        if damage == "flip":
+            flip_bit(cached, 5)
+        elif damage == "garbage":
+            cached.write_bytes(b"not an index")
+        else:
+            cached.unlink()
+        caplog.clear()
+        again = load_or_build_index(W, b, cfg)
+        assert torch.equal(again.radii, built.radii) and CSVIndex.load(cached).fingerprint == built.fingerprint
+        assert (damage == "delete") != any("unusable" in r.getMessage() for r in caplog.records), damage
+
+
+def test_a_head_does_not_read_its_index_file_again(head, tmp_path):
+    """The index is read once, at start-up: deleting or overwriting the file while serving
+    changes nothing."""
+    from vllm_csv import CertifiedHead, HeadConfig
+
+    W, b = head
+    p = build_index(W, b, 10, progress=False).save(tmp_path / "i.safetensors")
+    h = CertifiedHead(W, b, config=HeadConfig(screen="ball", budget=1.0, off_switch=False), index=CSVIndex.load(p))
+    x = torch.randn(6, W.shape[1], generator=torch.Generator().manual_seed(1)) * 4
+    k = torch.ones(6, dtype=torch.long)
+    before, _ = h.sampler_logits(x, k)
+    p.write_bytes(b"garbage")
+    after, _ = h.sampler_logits(x, k)
+    p.unlink()
+    last, stats = h.sampler_logits(x, k)
+    assert torch.equal(before, after) and torch.equal(before, last) and stats.certified > 0
+    assert torch.equal(last.argmax(1), (x @ W.T + b).argmax(1))
 
 
 def test_bad_input_to_build(head):
@@ -116,6 +195,11 @@ def test_cli_build_index(head, tmp_path, capsys):
     idx = CSVIndex.load(out, expect_fingerprint=fingerprint_weights(W * 2, b))
     assert idx.num_clusters <= 12
     assert "12 clusters" in capsys.readouterr().err or idx.num_clusters < 12
+    # An fp32 checkpoint served in bf16: the index of the weights as served
+    assert main(["build-index", str(m), "--clusters", "12", "--output", str(out), "--quiet", "--dtype", "bfloat16"]) == 0
+    CSVIndex.load(out, expect_fingerprint=fingerprint_weights((W * 2).bfloat16(), b.bfloat16()))
+    with pytest.raises(CSVError, match="built for other weights"):
+        CSVIndex.load(out, expect_fingerprint=fingerprint_weights(W * 2, b))
 
 
 def test_cli_errors_are_one_line_and_leave_no_file(head, tmp_path):

@@ -92,3 +92,70 @@ def test_metrics_go_to_ray_under_ray():
     """)
     out = subprocess.run([sys.executable, "-c", code], check=True, timeout=180, capture_output=True, text=True)
     assert "ray metrics ok" in out.stdout
+
+
+def _run(code: str, env: dict) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env={**os.environ, **env},
+                          capture_output=True, text=True, timeout=120)
+
+
+def test_unusable_multiprocess_dir_is_replaced_with_one_warning(tmp_path):
+    """PROMETHEUS_MULTIPROC_DIR set to a path that cannot hold files (here under a regular file,
+    which even root cannot write): the API server's set-up swaps in a fresh directory with one
+    warning, and metrics created afterwards (vLLM's and CSV's) work there."""
+    (tmp_path / "a_file").write_text("")
+    bad = str(tmp_path / "a_file" / "prom")
+    code = """
+        import os
+        from prometheus_client import Counter
+        from vllm_csv.head import StepStats
+        from vllm_csv.metrics import CSVMetrics, ensure_multiprocess_dir
+        path = ensure_multiprocess_dir()
+        assert path and os.environ["PROMETHEUS_MULTIPROC_DIR"] == path != %r, path
+        Counter("vllm_like_total", "a metric of vLLM's own").inc()
+        CSVMetrics("demo", {"screen": "int8"}).record(StepStats(rows=2, csv_rows=2, certified=1, seconds=0.001))
+        print(sorted(os.listdir(path)))
+    """ % bad
+    r = _run(code, {"PROMETHEUS_MULTIPROC_DIR": bad})
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "counter_" in r.stdout
+    warnings = [ln for ln in r.stderr.splitlines() if "is unusable" in ln]
+    assert len(warnings) == 1 and "Not a directory" in warnings[0], r.stderr[-3000:]
+    good = tmp_path / "good"
+    good.mkdir()
+    r = _run("from vllm_csv.metrics import ensure_multiprocess_dir; print(ensure_multiprocess_dir())",
+             {"PROMETHEUS_MULTIPROC_DIR": str(good)})
+    assert r.returncode == 0 and r.stdout.strip() == str(good) and "unusable" not in r.stderr, r.stderr
+
+
+def test_no_directory_at_all_turns_multiprocess_metrics_off(tmp_path):
+    (tmp_path / "a_file").write_text("")
+    code = """
+        import os, tempfile
+        from prometheus_client import Counter, REGISTRY, values
+        def refuse(*a, **k):
+            raise OSError(28, "No space left on device")
+        tempfile.mkdtemp = refuse
+        from vllm_csv.metrics import ensure_multiprocess_dir
+        assert ensure_multiprocess_dir() is None
+        assert "PROMETHEUS_MULTIPROC_DIR" not in os.environ and values.ValueClass is values.MutexValue
+        c = Counter("vllm_like_total", "a metric of vLLM's own")
+        c.inc()
+        print(REGISTRY.get_sample_value("vllm_like_total"))
+    """
+    r = _run(code, {"PROMETHEUS_MULTIPROC_DIR": str(tmp_path / "a_file" / "prom")})
+    assert r.returncode == 0 and r.stdout.strip() == "1.0", r.stderr[-3000:]
+    assert sum("metrics of the engine processes, CSV-Decode's included, are off" in ln
+               for ln in r.stderr.splitlines()) == 1, r.stderr[-3000:]
+
+
+def test_worker_that_cannot_create_metric_files_serves_without_metrics(tmp_path):
+    """The directory vanished between the API server's check and the worker's first head:
+    ``create_metrics`` returns None with one warning instead of failing the start-up."""
+    code = """
+        from vllm_csv.metrics import create_metrics
+        print(create_metrics("demo", {"screen": "int8"}))
+    """
+    r = _run(code, {"PROMETHEUS_MULTIPROC_DIR": str(tmp_path / "gone")})
+    assert r.returncode == 0 and r.stdout.strip() == "None", r.stderr[-3000:]
+    assert sum("CSV-Decode metrics are off in this process" in ln for ln in r.stderr.splitlines()) == 1, r.stderr

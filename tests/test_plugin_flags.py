@@ -65,3 +65,34 @@ def test_config_validation_and_version_check():
     assert apply_csv_args(argparse.Namespace(), {"x": 1}) == {"x": 1}
     assert check_vllm_version("0.32.0") is None and check_vllm_version("0.32.1+cpu") is None
     assert "supports vLLM 0.32" in check_vllm_version("0.33.0")
+
+
+@pytest.mark.parametrize("damage,msg", [("missing", "not found"), ("garbage", "not a safetensors file"),
+                                        ("flipped", "do not match the digest"), (None, None)])
+def test_deleted_or_damaged_index_stops_serve_with_one_line(serve_parser, tmp_path, capsys, damage, msg):
+    """``--csv-index`` is loaded in the API server, before any engine process starts: a file
+    deleted or damaged before a restart is one line and exit code 2, not the worker's traceback
+    relayed through the engine core and the API server."""
+    import torch
+
+    from vllm_csv import build_index
+
+    p = tmp_path / "i.safetensors"
+    build_index(torch.randn(300, 16, generator=torch.Generator().manual_seed(0)), None, 5, progress=False).save(p)
+    if damage == "missing":
+        p.unlink()
+    elif damage == "garbage":
+        p.write_bytes(b"not an index")
+    elif damage == "flipped":
+        raw = bytearray(p.read_bytes())
+        raw[-3] ^= 0x10
+        p.write_bytes(bytes(raw))
+    argv = ["--model", "m", "--csv-screen", "ball", "--csv-index", str(p)]
+    if damage is None:
+        assert from_additional_config(engine_args(serve_parser, argv).additional_config).index == str(p)
+        return
+    with pytest.raises(SystemExit) as e:
+        engine_args(serve_parser, argv)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == 2 and len(err) == 1, err
+    assert err[0].startswith("vllm serve: error: CSV index ") and str(p) in err[0] and msg in err[0], err

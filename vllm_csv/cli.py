@@ -18,6 +18,11 @@ def _build_index(args) -> int:
     head = load_lm_head(args.model_dir)
     w = head.weight[: head.vocab_size]
     b = None if head.bias is None else head.bias[: head.vocab_size]
+    if args.dtype:  # the weights as vLLM serves them: the index is fingerprinted (and bounds) those
+        import torch
+
+        dt = getattr(torch, args.dtype)
+        w, b = w.to(dt), None if b is None else b.to(dt)
     C = default_num_clusters(w.shape[0]) if args.clusters is None else args.clusters
     print(f"LM head {head.source}: V={w.shape[0]} d={w.shape[1]} {w.dtype}, bias={'yes' if b is not None else 'no'}; "
           f"clustering into {C} ({args.method} k-means)", file=sys.stderr)
@@ -44,6 +49,10 @@ def parser() -> argparse.ArgumentParser:
     b.add_argument("model_dir", help="directory with config.json and *.safetensors")
     b.add_argument("--clusters", type=int, default=None, help="number of clusters (default 0.015 x V)")
     b.add_argument("--output", default=None, help="index file (default: the cache, keyed by fingerprint)")
+    b.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), default=None,
+                   help="dtype the model is served in (vllm serve --dtype; default: the checkpoint's). An index "
+                        "is valid only for the weights as served, e.g. an fp32 checkpoint served in bf16 needs "
+                        "--dtype bfloat16")
     b.add_argument("--method", choices=("torch", "sklearn"), default="torch", help="k-means implementation")
     b.add_argument("--iters", type=int, default=25, help="Lloyd iterations (default 25)")
     b.add_argument("--seed", type=int, default=0)

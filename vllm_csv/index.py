@@ -4,7 +4,9 @@ For cluster ``c`` with centroid ``mu_c`` the index stores the radius
 ``R_c = max_{i in c} ||w_i - mu_c||`` (computed in float64 from the stored fp32
 centroid, then rounded up), ``bmax_c = max_{i in c} b_i`` and ``wmax_c = max ||w_i||``,
 so that ``<w_i, h> + b_i <= <mu_c, h> + R_c ||h|| + bmax_c`` holds for every token
-(Cauchy-Schwarz). The file is fingerprinted against the weights it was built from.
+(Cauchy-Schwarz). The file is fingerprinted against the weights it was built from, and
+carries a digest of its own tensors: a file damaged after it was written (a flipped bit in a
+radius would make the bound unsound without making the file unreadable) is refused at load.
 """
 
 from __future__ import annotations
@@ -25,7 +27,8 @@ from .errors import CSVError
 from .fp import round_up32
 from .kmeans import KMEANS
 
-FORMAT_VERSION = "1"
+FORMAT_VERSION = "2"  # 2: the file carries a digest of its tensors
+TENSORS = ("perm", "offsets", "centroids", "radii", "bias_max", "row_norm_max")
 DEFAULT_CLUSTER_FRACTION = 0.015  # C = 0.015 V, as in the paper
 
 
@@ -39,6 +42,17 @@ def fingerprint_weights(weight: torch.Tensor, bias: torch.Tensor | None = None) 
             continue
         t = t.detach().float().contiguous().cpu()
         hsh.update(json.dumps([list(t.shape), str(t.dtype)]).encode())
+        hsh.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    return hsh.hexdigest()
+
+
+def tensors_digest(tensors: dict[str, torch.Tensor]) -> str:
+    """blake2b over the index tensors (name, dtype, shape, bytes): written into the file at
+    :meth:`CSVIndex.save` and checked at :meth:`CSVIndex.load`."""
+    hsh = hashlib.blake2b(digest_size=16)
+    for name in TENSORS:
+        t = tensors[name].detach().contiguous().cpu()
+        hsh.update(json.dumps([name, list(t.shape), str(t.dtype)]).encode())
         hsh.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
     return hsh.hexdigest()
 
@@ -92,10 +106,9 @@ class CSVIndex:
     def save(self, path: str | os.PathLike) -> Path:
         """Write atomically: a temp file in the same directory, then ``os.replace``."""
         path = Path(path)
-        tensors = {"perm": self.perm, "offsets": self.offsets, "centroids": self.centroids,
-                   "radii": self.radii, "bias_max": self.bias_max, "row_norm_max": self.row_norm_max}
+        tensors = {k: getattr(self, k).contiguous().cpu() for k in TENSORS}
         meta = {k: str(v) for k, v in self.meta.items()}
-        meta.update(format_version=FORMAT_VERSION, fingerprint=self.fingerprint)
+        meta.update(format_version=FORMAT_VERSION, fingerprint=self.fingerprint, digest=tensors_digest(tensors))
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
             fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
@@ -103,7 +116,7 @@ class CSVIndex:
         except OSError as e:
             raise CSVError(f"cannot write index to {path}: {e.strerror or e}") from None
         try:
-            save_file({k: v.contiguous().cpu() for k, v in tensors.items()}, tmp, metadata=meta)
+            save_file(tensors, tmp, metadata=meta)
             os.replace(tmp, path)
         except OSError as e:
             raise CSVError(f"cannot write index to {path}: {e.strerror or e}") from None
@@ -114,26 +127,30 @@ class CSVIndex:
 
     @classmethod
     def load(cls, path: str | os.PathLike, expect_fingerprint: str | None = None) -> "CSVIndex":
-        """Load and validate; raise :class:`CSVError` if the file is missing, corrupt,
-        of another format version, inconsistent, or built from other weights."""
+        """Load and validate; raise :class:`CSVError` if the file is missing, corrupt (unreadable,
+        or its tensors differ from the digest saved with them), of another format version,
+        inconsistent, or built from other weights."""
         path = Path(path)
         if not path.is_file():
             raise CSVError(f"CSV index not found: {path}")
         try:
             with safe_open(str(path), framework="pt") as f:
                 meta = f.metadata() or {}
-                t = {k: f.get_tensor(k) for k in f.keys()}
+                # Copies: safetensors' tensors may share the file's memory map, and a file
+                # replaced or rewritten in place while serving would then change the bound
+                # under the running head (or kill it with SIGBUS when truncated).
+                t = {k: f.get_tensor(k).clone() for k in f.keys()}
         except Exception as e:  # safetensors raises several types for corrupt files
             raise CSVError(f"CSV index {path} is corrupt or not a safetensors file ({e})") from None
         if meta.get("format_version") != FORMAT_VERSION:
             raise CSVError(f"CSV index {path} has format version {meta.get('format_version')!r}, "
                            f"expected {FORMAT_VERSION!r}; rebuild it with `vllm-csv build-index`")
-        needed = ("perm", "offsets", "centroids", "radii", "bias_max", "row_norm_max")
-        if any(k not in t for k in needed):
-            raise CSVError(f"CSV index {path} is corrupt: missing tensors {sorted(set(needed) - set(t))}")
-        idx = cls(t["perm"], t["offsets"], t["centroids"], t["radii"], t["bias_max"],
-                  t["row_norm_max"], meta.get("fingerprint", ""),
-                  {k: v for k, v in meta.items() if k not in ("format_version", "fingerprint")})
+        if any(k not in t for k in TENSORS):
+            raise CSVError(f"CSV index {path} is corrupt: missing tensors {sorted(set(TENSORS) - set(t))}")
+        if meta.get("digest") != tensors_digest(t):
+            raise CSVError(f"CSV index {path} is corrupt: its tensors do not match the digest written with them")
+        idx = cls(*(t[k] for k in TENSORS), meta.get("fingerprint", ""),
+                  {k: v for k, v in meta.items() if k not in ("format_version", "fingerprint", "digest")})
         idx._validate(path)
         if expect_fingerprint is not None and idx.fingerprint != expect_fingerprint:
             raise CSVError(f"CSV index {path} was built for other weights (fingerprint {idx.fingerprint}, "

@@ -18,30 +18,64 @@ across ranks show the ranks agreed.
 
 from __future__ import annotations
 
+import logging
 import os
 
+logger = logging.getLogger("vllm.csv_decode")
 PREFIX = "csv_decode"
 MODES = ("greedy", "top_k", "sampling", "top_p", "min_p", "processed")  # = vllm_plugin.step_plan.MODES (no vLLM import here)
 SCORED_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 65536, 262144)
 SECONDS_BUCKETS = (1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25, 0.5, 1.0)
 
 
-def ensure_multiprocess_dir() -> None:
+def ensure_multiprocess_dir() -> str | None:
     """Turn on prometheus-client's multiprocess mode in this (API server) process, as
-    ``vllm serve --api-server-count N`` does, unless it is on already. The directory is
-    removed when this process exits."""
-    if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
-        return
+    ``vllm serve --api-server-count N`` does, unless it is on already; returns the directory
+    (None: metrics of the engine processes stay off).
+
+    A ``PROMETHEUS_MULTIPROC_DIR`` that is set but cannot hold files (missing, not a directory,
+    read-only) would crash vLLM's own metrics at start-up with a traceback; it is replaced by a
+    fresh temporary directory, with one warning. Where no temporary directory can be made
+    either, multiprocess mode is switched off (one warning): the server serves, vLLM's own
+    metrics stay on ``/metrics``, and the LM head's (counted in the workers) do not reach it.
+    The directory made here is removed when this process exits."""
     import atexit
     import shutil
     import tempfile
 
     from prometheus_client import values
 
-    path = tempfile.mkdtemp(prefix="vllm-csv-prometheus-")
+    user = os.environ.get("PROMETHEUS_MULTIPROC_DIR")
+    if user:
+        problem = unwritable(user)
+        if problem is None:
+            return user
+    try:
+        path = tempfile.mkdtemp(prefix="vllm-csv-prometheus-")
+    except OSError as e:
+        os.environ.pop("PROMETHEUS_MULTIPROC_DIR", None)
+        values.ValueClass = values.MutexValue
+        logger.warning("cannot create a metrics directory (%s): metrics of the engine processes, CSV-Decode's "
+                       "included, are off%s", e.strerror or e,
+                       f" (PROMETHEUS_MULTIPROC_DIR={user} is unusable: {problem})" if user else "")
+        return None
     atexit.register(shutil.rmtree, path, ignore_errors=True)
     os.environ["PROMETHEUS_MULTIPROC_DIR"] = path
     values.ValueClass = values.get_value_class()  # metrics created from now on are file-backed
+    if user:
+        logger.warning("PROMETHEUS_MULTIPROC_DIR=%s is unusable (%s); metrics go to %s instead", user, problem, path)
+    return path
+
+
+def unwritable(path: str) -> str | None:
+    """Why prometheus-client cannot keep its files in ``path`` (None: it can)."""
+    import tempfile
+
+    try:
+        with tempfile.TemporaryFile(dir=path):
+            return None
+    except OSError as e:
+        return e.strerror or str(e)
 
 
 def ray_active() -> bool:
@@ -53,6 +87,18 @@ def ray_active() -> bool:
 
     ray = sys.modules.get("ray")  # never imported here: only a process that runs Ray has it
     return ray is not None and bool(getattr(ray, "is_initialized", lambda: False)())
+
+
+def create_metrics(model_name: str, info: dict, rank: int | None = None) -> "CSVMetrics | None":
+    """:class:`CSVMetrics` for this process, or None (one warning) where its multiprocess files
+    cannot be created (the directory went missing or read-only after start-up): the head then
+    serves without metrics rather than failing."""
+    try:
+        return CSVMetrics(model_name, info, rank=rank)
+    except OSError as e:
+        logger.warning("CSV-Decode metrics are off in this process: cannot create their files in "
+                       "PROMETHEUS_MULTIPROC_DIR=%s (%s)", os.environ.get("PROMETHEUS_MULTIPROC_DIR"), e.strerror or e)
+        return None
 
 
 class CSVMetrics:

@@ -11,10 +11,15 @@ A ledger over the whole run, in seconds of LM-head time:
 A step may try CSV only while ``excess <= tolerance * dense_total``. Each tried step adds
 one step's excess at most, so at every moment ``excess <= tolerance * dense_total + x``
 with ``x`` the excess of a single step: over any run, CSV is never more than ``tolerance``
-slower than the dense head, up to one step, plus the first CSV step of each batch size,
-which is a warm-up (first calls of kernels, allocator growth) and is not charged. A CSV
-path that is ``r`` times slower than dense is retried once every ``(r - 1) / tolerance``
-steps; a faster one is never stopped.
+slower than the dense head, up to one step, plus, once per batch size, its first CSV step,
+which is a warm-up (first calls of kernels, allocator growth) and is not charged, and the two
+dense-head runs that give the first guess of its dense time. This holds for any sequence of
+steps (the floor on ``excess`` only ever raises it), workloads that alternate between steps
+CSV pays for and steps it does not included (``tests/test_off_switch.py``). A CSV path that
+is ``r`` times slower than dense is retried once every ``(r - 1) / tolerance`` steps; a
+faster one is never stopped. The ledger is one for all batch sizes: after a costly step of
+dense time ``d1``, a batch of dense time ``d2`` waits up to ``(r - 1) d1 / (tolerance d2)``
+steps for its retry.
 
 The promise is only as good as the dense estimate, so the estimate is measured *in place*:
 the median of the last :data:`WINDOW` dense steps of that batch size timed exactly as CSV

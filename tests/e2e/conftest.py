@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -17,6 +18,10 @@ import pytest
 
 pytest.importorskip("vllm")
 STARTUP_TIMEOUT = float(os.environ.get("VLLM_CSV_E2E_STARTUP_TIMEOUT", "600"))
+FAULTS_DIR = Path(__file__).with_name("faults")  # the test-only plugin csv_test_faults (never shipped)
+# Prompts starting with these token ids get NaN / +inf LM-head inputs while producing their
+# output tokens 2, 3 and 4 (tests/e2e/faults/csv_test_faults.py); no other request is touched.
+POISON = {"nan": [8191, 8190, 8189], "inf": [8188, 8187, 8186], "steps": [2, 5]}
 
 
 def free_port() -> int:
@@ -34,6 +39,15 @@ def server_env(extra: dict | None = None) -> dict:
     env = dict(os.environ)
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     env.update(extra or {})
+    return env
+
+
+def fault_env() -> dict:
+    """Environment that loads the test-only fault injector (:data:`POISON`) into a server."""
+    path = os.pathsep.join(p for p in (str(FAULTS_DIR), os.environ.get("PYTHONPATH")) if p)
+    env = {"PYTHONPATH": path, "VLLM_CSV_TEST_FAULTS": json.dumps(POISON)}
+    if os.environ.get("VLLM_PLUGINS"):  # an allow-list: add the injector to it
+        env["VLLM_PLUGINS"] = os.environ["VLLM_PLUGINS"] + ",csv_test_faults"
     return env
 
 
@@ -98,9 +112,10 @@ def demo_model_dir() -> str:
 def csv_server(demo_model_dir, tmp_path_factory):
     # Off-switch disabled: the demo head is too small for CSV to pay on a CPU, so with it on CSV
     # would stop trying after a few steps and the comparisons would test the dense path.
+    # The fault injector is loaded (test_faults.py); it touches only prompts carrying its markers.
     s = start_server(demo_model_dir, ["--enable-csv-decode", "--additional-config",
                                       '{"csv_decode": {"off_switch": false}}'],
-                     tmp_path_factory.mktemp("logs") / "csv.log")
+                     tmp_path_factory.mktemp("logs") / "csv.log", env=fault_env())
     yield s
     s.stop()
 
@@ -116,6 +131,7 @@ def default_csv_server(demo_model_dir, tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def dense_server(demo_model_dir, tmp_path_factory):
-    s = start_server(demo_model_dir, [], tmp_path_factory.mktemp("logs") / "dense.log")
+    # The same fault injector as csv_server's: a poisoned prompt gets plain vLLM's answer to it.
+    s = start_server(demo_model_dir, [], tmp_path_factory.mktemp("logs") / "dense.log", env=fault_env())
     yield s
     s.stop()

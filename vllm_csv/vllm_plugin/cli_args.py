@@ -6,7 +6,8 @@ calls ``EngineArgs.add_cli_args``; wrapping that static method adds our argument
 to the same parser, and wrapping ``EngineArgs.from_cli_args`` (which every entry point
 uses to turn the namespace into engine arguments) moves the flags into
 ``additional_config``, where the engine core and the workers read them. Values are
-validated here, so a bad flag stops ``vllm serve`` before any model is loaded.
+validated here, so a bad flag, or a ``--csv-index`` file that is missing or corrupt, stops
+``vllm serve`` with one line before any model is loaded.
 """
 
 from __future__ import annotations
@@ -54,6 +55,17 @@ def apply_csv_args(args: argparse.Namespace, additional: dict | None) -> dict:
     return out
 
 
+def check_index_file(cfg) -> None:
+    """A given ``--csv-index`` must exist and load (format, consistent clusters) before any
+    engine process starts: a deleted or corrupt file is then one line, not the worker's
+    traceback relayed by the engine core and the API server. Whether it was built for the
+    served weights needs the weights as loaded: the worker checks that (``index_loader``)."""
+    if cfg.enabled and cfg.index:
+        from ..index import CSVIndex
+
+        CSVIndex.load(cfg.index)
+
+
 def install() -> None:
     """Wrap ``EngineArgs.add_cli_args`` / ``from_cli_args`` once per process."""
     from vllm.engine.arg_utils import EngineArgs
@@ -73,6 +85,7 @@ def install() -> None:
         engine_args = orig_from(cls, args)
         try:
             engine_args.additional_config = apply_csv_args(args, engine_args.additional_config)
+            check_index_file(from_additional_config(engine_args.additional_config))
         except CSVError as e:
             print(f"vllm serve: error: {e}", file=sys.stderr)
             raise SystemExit(2) from None

@@ -199,13 +199,13 @@ def _unsupported(vc, layer) -> str | None:
 
 
 def _metrics(model_name: str, head, index, rank: int | None = None):
-    from ..metrics import CSVMetrics
+    from ..metrics import create_metrics
 
     screen = getattr(head, "screen_name", None) or head.screen.name
     info = {"screen": screen, "vocab_size": head.vocab_size, "hidden_size": head.hidden_size}
     if index is not None:
         info.update(clusters=index.num_clusters, fingerprint=index.fingerprint)
-    return CSVMetrics(model_name, info, rank=rank)
+    return create_metrics(model_name, info, rank=rank)  # None (one warning) if its files cannot be made
 
 
 def _merge(stats, st):
