@@ -607,44 +607,49 @@ class CertifiedHead:
         t0 = time.perf_counter() if t0 is None else t0
         dense_fn = dense_fn or self.dense_logits
         B, dev = hidden.shape[0], hidden.device
-        topk = topk.cpu().long()  # per-row plans are decided on the host: no device sync
+        # Per-row plans are decided on the host, as Python lists (B numbers; no device sync).
+        ks = topk.tolist()
         stats = StepStats(rows=B, screen=self.screen_name)
-        want = topk > 0
-        stats.csv_rows = int(want.sum())
-        unsupported = want & (topk > min(self.config.max_topk, self.vocab_size))
-        want &= ~unsupported
-        stats.fallbacks["unsupported"] = int(unsupported.sum())
+        kmax_ok = min(self.config.max_topk, self.vocab_size)
+        rows = [i for i, k in enumerate(ks) if 0 < k <= kmax_ok]
+        stats.csv_rows = sum(k > 0 for k in ks)
+        stats.fallbacks["unsupported"] = stats.csv_rows - len(rows)
         sw = self.off_switch
-        tried = bool(want.any())
+        tried = bool(rows)
         if tried and sw is not None and not sw.allow(B, lambda: _time(lambda: dense_fn(hidden), hidden)):
-            stats.fallbacks["off_switch"] = int(want.sum())
-            want[:], tried = False, False
-        dense_rows = ~want
+            stats.fallbacks["off_switch"] = len(rows)
+            tried = False
+        self.last_certified = torch.zeros(B, dtype=torch.bool)
+        dense_rows = list(range(B))
         if tried:
-            rows = want.nonzero().squeeze(1)
-            k = topk[rows]
-            temp = None if temperature is None else temperature.cpu().float()[rows].to(dev)
-            sel = self._step_select(hidden[rows.to(dev)], k.to(dev), (k >= 2).to(dev), temp)
+            every = len(rows) == B  # (then no gather of the rows)
+            ridx = None if every else torch.tensor(rows, device=dev)
+            k = torch.tensor([ks[i] for i in rows], device=dev)
+            temp = None if temperature is None else temperature.cpu().float()
+            if temp is not None and not every:
+                temp = temp[torch.tensor(rows)]
+            sel = self._step_select(hidden if every else hidden[ridx], k, k >= 2,
+                                    None if temp is None else temp.to(dev))
             certified = sel.certified.cpu()
-            if bool(want.all()):
+            if every:
                 out = self._output(sel.exact)
             else:
                 out = torch.empty((B, self.vocab_size), dtype=self.dtype, device=dev)
-                out[rows.to(dev)] = self._output(sel.exact)
-            stats.certified = int(certified.sum())
-            self.last_certified = torch.zeros(B, dtype=torch.bool)
+                out[ridx] = self._output(sel.exact)
+            cert = certified.tolist()
+            stats.certified = sum(cert)
             self.last_certified[rows] = certified
             for r in sel.reason:
                 if r is not None:
                     stats.fallbacks[r] += 1
             stats.scored = sel.scored[sel.certified].tolist()
-            dense_rows[rows[~certified]] = True
+            done = {i for i, c in zip(rows, cert) if c}
+            dense_rows = [i for i in range(B) if i not in done]
         else:  # every row dense: the engine's own output, not a copy of it
             out = dense_fn(hidden).to(self.dtype)
-            dense_rows[:] = False
-            self.last_certified = torch.zeros(B, dtype=torch.bool)
-        if bool(dense_rows.any()):
-            idx = dense_rows.nonzero().squeeze(1).to(dev)
+            dense_rows = []
+        if dense_rows:
+            idx = torch.tensor(dense_rows, device=dev)
             # Dense rows come from the dense head run on the *whole* batch: bit for bit what the
             # engine computes without CSV (GEMM rounding depends on the batch shape), and no
             # dearer than on a few rows, since reading W dominates a skinny GEMM.
