@@ -97,7 +97,7 @@ def dense_tp(comm, w, b, V, engine):
     return fn
 
 
-def run_case(case: audit.Case, size: int, screen: str, k_rows=None, hidden_of=None, patch=None):
+def run_case(case: audit.Case, size: int, screen: str, k_rows=None, hidden_of=None, patch=None, temp=None):
     """Every rank's ``(out, certified, stats)`` and the dense TP logits of rank 0."""
     V = case.weight.shape[0]
     B = case.hidden.shape[0]
@@ -112,7 +112,8 @@ def run_case(case: audit.Case, size: int, screen: str, k_rows=None, hidden_of=No
             patch(r, head)
         dense = dense_tp(comm, w, b, V, head.engine)
         hidden = case.hidden if hidden_of is None else hidden_of(r)
-        out, stats = head.sampler_logits(hidden, topk, dense)
+        t = None if temp is None else torch.full((B,), temp)
+        out, stats = head.sampler_logits(hidden, topk, dense, temperature=t)
         ref = dense(hidden)
         return out, head.last_certified, stats, ref
 
@@ -158,6 +159,33 @@ def audit_run(family, seed, dtype, screen, size):
     out, cert, _, dense = res[0]
     wrong = check_rows(out, cert, dense, case.k, audit.dense_reference(case))
     return case.hidden.shape[0], int(cert.sum()), wrong
+
+
+@pytest.mark.parametrize("size", (2, 4))
+def test_sharded_sampled_rows_keep_what_dense_keeps(size):
+    """Sampled top-k rows under TP: vLLM's kept set after the temperature (ties kept) and its
+    bits, as on the dense TP logits, the same on every rank."""
+    rows = cert = 0
+    for family in sorted(audit.FAMILIES):
+        for seed in range(6):
+            g = torch.Generator().manual_seed(seed)
+            case = audit.FAMILIES[family](g, audit.DTYPES[seed % 2])
+            temp = audit.TEMPERATURES[seed % len(audit.TEMPERATURES)]
+            try:
+                res = run_case(case, size, "int8", temp=temp)
+            except CSVError:
+                continue
+            for r in res[1:]:
+                assert torch.equal(bits(r[0]), bits(res[0][0])) and torch.equal(r[1], res[0][1])
+            out, c, _, dense = res[0]
+            B = out.shape[0]
+            k, t = torch.full((B,), case.k), torch.full((B,), temp)
+            a, b = audit.sampler_kept(out, k, t), audit.sampler_kept(dense, k, t)
+            kept = b != -math.inf
+            assert not bool((((a != -math.inf) != kept).any(1) & c).any()), (family, seed)
+            assert not bool(((bits(a) != bits(b)).any(1) & c & (kept.sum(1) > 1)).any()), (family, seed)
+            rows, cert = rows + B, cert + int(c.sum())
+    assert cert > 0.2 * rows, (cert, rows)
 
 
 @pytest.mark.parametrize("size", (2, 4))

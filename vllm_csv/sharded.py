@@ -357,3 +357,4 @@ class ShardedHead:
     # same on every rank, so it is called by all ranks or by none. ``StepStats`` counts the
     # global decision; ``seconds`` is this rank's.
     sampler_logits = CertifiedHead.sampler_logits
+    _certify_kept = CertifiedHead._certify_kept  # (CertifiedHead._certify, on the gathered columns, calls it)
