@@ -15,9 +15,14 @@ Sampled rows (``fused_gumbel_argmax``, :mod:`.gumbel`). The draw maximises
 ``w = argmax nlo`` and ``best = nlo_w``: if ``nhi_j < best - 2 delta`` for every
 ``j != w``, the real ``s_w - s_j > 2 delta - delta / 8``, more than the kernel's
 comparison error (``<= delta / 16``, :func:`~vllm_csv.sampling.gumbel.noise_margin`),
-so the kernel returns ``w`` whatever order it compares in. Noise is computed only where it
-can matter: ``g >= GUMBEL_MIN`` gives ``best >= max ylo + GUMBEL_MIN =: L0``, and a token
-with ``yhi_j + GUMBEL_MAX < L0 - 2 delta`` has ``nhi_j < best - 2 delta`` whatever its noise.
+so the kernel returns ``w`` whatever order it compares in.
+
+Noise is turned into ``g`` only where it can matter. ``L`` = the largest ``nlo_i`` over a
+few tokens of highest ``ylo`` (``TOP_FIRST``; their noise computed first) is at most
+``best``; a token with ``yhi_j + g_j < L - 2 delta`` has ``nhi_j < best - 2 delta``: not a
+contender, and not the winner. Since ``yhi_j <= max yhi``, every token with
+``g_j < t := L - 2 delta - max yhi`` is such a token; those are found from the raw hash bits
+alone (:func:`~vllm_csv.sampling.gumbel.bits_below`), and ``g`` is computed for the others.
 
 Rows with ``+inf`` or NaN bounds, or with no finite token, are never certified.
 """
@@ -29,7 +34,9 @@ from dataclasses import dataclass
 
 import torch
 
-from .gumbel import GUMBEL_MAX, GUMBEL_MIN, gumbel_noise, noise_margin
+from .gumbel import RowNoise, bits_below, noise_margin
+
+TOP_FIRST = 4  # tokens of highest lower bound whose noise sets the first threshold
 
 
 @dataclass
@@ -40,8 +47,8 @@ class DrawCertificate:
     finite: torch.Tensor  # [R] bool: bounds usable (no +inf / NaN, at least one finite token)
 
 
-def certify_draw(ylo: torch.Tensor, yhi: torch.Tensor, seeds: torch.Tensor, greedy: torch.Tensor
-                 ) -> DrawCertificate:
+def certify_draw(ylo: torch.Tensor, yhi: torch.Tensor, seeds: torch.Tensor, greedy: torch.Tensor,
+                 noise: RowNoise | None = None) -> DrawCertificate:
     """Certify the token of each row's draw from bounds on its inputs.
 
     Parameters
@@ -53,6 +60,8 @@ def certify_draw(ylo: torch.Tensor, yhi: torch.Tensor, seeds: torch.Tensor, gree
         for greedy rows).
     greedy : torch.Tensor
         ``[R]`` bool, rows drawn by ``greedy_argmax`` rather than the Gumbel kernel.
+    noise : RowNoise, optional
+        The rows' noise (``RowNoise(seeds, V)``), to share its hash between calls of a step.
 
     Returns
     -------
@@ -62,11 +71,11 @@ def certify_draw(ylo: torch.Tensor, yhi: torch.Tensor, seeds: torch.Tensor, gree
     """
     R, V = ylo.shape
     dev = ylo.device
-    neg = torch.tensor(-math.inf, device=dev)
     finite = (~torch.isnan(ylo).any(1) & ~torch.isnan(yhi).any(1) & ~torch.isposinf(yhi).any(1)
               & (ylo > -math.inf).any(1))
-    ylo = torch.where(finite[:, None], ylo, neg)
-    yhi = torch.where(finite[:, None], yhi, neg)
+    if not bool(finite.all()):
+        ylo = ylo.masked_fill(~finite[:, None], -math.inf)
+        yhi = yhi.masked_fill(~finite[:, None], -math.inf)
     lmax = ylo.amax(1)
     winner = ylo.argmax(1)  # first maximum: the greedy winner candidate
     contenders = yhi >= lmax[:, None]  # greedy rows: j with yhi_j >= ylo_w
@@ -74,21 +83,23 @@ def certify_draw(ylo: torch.Tensor, yhi: torch.Tensor, seeds: torch.Tensor, gree
     samp = finite & ~greedy
     if bool(samp.any()):
         rows = samp.nonzero().squeeze(1)
+        noise = (noise or RowNoise(seeds, V)).rows(rows)
         lo_r, hi_r = ylo[rows], yhi[rows]
         absmax = torch.maximum(lo_r.masked_fill(lo_r == -math.inf, 0).abs().amax(1),
                                hi_r.masked_fill(hi_r == -math.inf, 0).abs().amax(1))
         delta = noise_margin(absmax)  # [r] float64
-        L0 = lmax[rows].double() + GUMBEL_MIN
-        pre = (hi_r.double() + GUMBEL_MAX) >= (L0 - 2 * delta)[:, None]
-        cols = pre.any(0).nonzero().squeeze(1)
-        g = gumbel_noise(seeds[rows], cols)  # [r, n] float64
-        nlo = lo_r[:, cols].double() + g
-        nhi = (hi_r[:, cols].double() + g).masked_fill(~pre[:, cols], -math.inf)
-        nlo = nlo.masked_fill(~pre[:, cols], -math.inf)
+        # first threshold: the noisy lower bounds of the TOP_FIRST highest lower bounds
+        top = lo_r.topk(min(TOP_FIRST, V), dim=1)
+        first = torch.zeros_like(lo_r, dtype=torch.bool).scatter_(1, top.indices, top.values > -math.inf)
+        L = (lo_r.double() + noise.noise_where(first)).amax(1)  # <= best
+        t = L - 2 * delta - hi_r.amax(1).double()
+        pre = ((noise.bits >= bits_below(t)[:, None]) | first) & (hi_r > -math.inf)
+        g = noise.noise_where(pre)  # -inf off pre
+        nhi = hi_r.double() + g
+        nlo = lo_r.double() + g  # -inf off pre and where ylo = -inf
         best, w = nlo.max(1)
-        cont = torch.zeros((rows.numel(), V), dtype=torch.bool, device=dev)
-        cont[:, cols] = nhi >= (best - 2 * delta)[:, None]
-        winner[rows] = cols[w]
+        cont = nhi >= (best - 2 * delta)[:, None]
+        winner[rows] = w
         contenders[rows] = cont
         certified[rows] = (cont.sum(1) == 1) & (best > -math.inf)
     contenders &= finite[:, None]
