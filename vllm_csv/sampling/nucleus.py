@@ -26,6 +26,20 @@ first set and ``R_lo`` the lower masses of the others (``i`` included), and
 ``A_lo = N_lo / (N_lo + R_hi)`` likewise. fp32 softmax and a sequential cumulative sum of
 ``n <= V`` terms in ``[0, 1]`` are within ``2 gamma_V + 4u`` of the real sums: kept if
 ``A_hi < p - eps``, dropped if ``A_lo > p + eps``, ``eps = 2 gamma_V + 1e-6``.
+
+The tail (top-p, the cost): sorting all ``V`` tokens per row is what vLLM itself does, and
+most of them are far out of the nucleus. With ``t = ylo_k``, the ``k``-th highest lower
+bound, the ``k`` tokens of highest lower bounds sort after every ``j`` with ``yhi_j < t``
+(strictly), so ``A_j >= N / (N + tot_h - H)`` (:func:`_tail_bound`: ``N`` their lower
+masses, ``H`` their upper masses, ``tot_h - H`` the upper mass of all the rest, ``j``
+included). If that exceeds ``p + eps`` for some ``k <=`` :data:`TAIL_SCAN`, every token with
+``yhi_j < t`` is dropped as a block (the smallest such ``k``: the highest ``t``). The others
+(``yhi_i >= t``) are decided as above over themselves, the tail's masses added where they may
+count: a tail token may sort after ``i`` unless ``ylo_i >= t``, so ``N_hi`` gains the tail's
+upper mass if ``ylo_i < t`` and ``R_lo`` its lower mass otherwise; it never must sort after
+``i`` (``ylo_j <= yhi_j < t <= yhi_i``), so ``N_lo`` gains nothing and ``R_hi`` its upper
+mass. Each bound is the one of the whole row with the tail's terms bounded, so decisions stay
+sound; only tokens with ``ylo_i < t <= yhi_i`` may be left undecided more often.
 """
 
 from __future__ import annotations
@@ -38,6 +52,7 @@ from ..fp import gamma
 
 _U = 2.0**-24
 MIN_P_FLOOR = 1e-20
+TAIL_SCAN = 256  # lower bounds scanned for the tail threshold (top-p)
 
 
 def min_p_bounds(ylo: torch.Tensor, yhi: torch.Tensor, min_p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -66,6 +81,65 @@ def _prefix_before(sorted_vals: torch.Tensor, cums: torch.Tensor, thr: torch.Ten
     return padded.gather(1, k)
 
 
+def _masses(lo: torch.Tensor, hi: torch.Tensor, el: torch.Tensor, eh: torch.Tensor):
+    """For every token ``i`` of ``[r, n]`` float64 bounds (``el = e^lo``, ``eh = e^hi``, shifted):
+    ``(n_hi, r_lo, n_lo, r_hi)`` = upper masses of the tokens that may sort after ``i``
+    (``hi_j >= lo_i``, ``j != i``), lower masses of the others (``i`` included), lower masses
+    of the tokens that must sort after it (``lo_j > hi_i``), upper masses of the others."""
+    tot_h = eh.sum(1, keepdim=True)
+    hs, oh = hi.sort(1)
+    below_h = _prefix_before(hs, eh.gather(1, oh).cumsum(1), lo, right=False)  # eh over yhi_j < ylo_i
+    below_l = _prefix_before(hs, el.gather(1, oh).cumsum(1), lo, right=False)  # el over yhi_j < ylo_i
+    ls, ol = lo.sort(1)
+    n_lo = (el.sum(1, keepdim=True) - _prefix_before(ls, el.gather(1, ol).cumsum(1), hi, right=True)).clamp_min(0)
+    r_hi = _prefix_before(ls, eh.gather(1, ol).cumsum(1), hi, right=True)  # eh over ylo_j <= yhi_i (i included)
+    return (tot_h - below_h - eh).clamp_min(0), el + below_l, n_lo, r_hi
+
+
+def _decide(n_hi, r_lo, n_lo, r_hi, lo, p, eps):
+    a_hi = torch.where(n_hi == 0, 0.0, n_hi / (n_hi + r_lo))  # nothing can sort after i: A = 0
+    a_lo = torch.where(n_lo == 0, 0.0, n_lo / (n_lo + r_hi))
+    return (a_hi < p - eps) & (lo > -math.inf), a_lo > p + eps
+
+
+def _tail_bound(n_top: torch.Tensor, h_top: torch.Tensor, tot_h: torch.Tensor) -> torch.Tensor:
+    """Lower bound on ``A_j`` for every ``j`` below the ``k``-th highest lower bound, per ``k``:
+    ``N / (N + tot_h - H)`` (module docstring, "the tail")."""
+    return n_top / (n_top + (tot_h - h_top).clamp_min(0))
+
+
+def _decide_packed(lo, hi, el, eh, t, p, eps) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(keep, drop)`` ``[r, V]``: the tail ``yhi < t`` dropped, the other tokens packed into
+    ``[r, n]`` (``-inf`` padding: no mass) and decided with the tail's masses added where they
+    may count (module docstring, "the tail")."""
+    r, V = lo.shape
+    tail = hi < t[:, None]
+    head = ~tail & (hi > -math.inf)
+    n = int(head.sum(1).max())
+    drop = tail
+    if n == 0:
+        return torch.zeros_like(tail), drop
+    pos = head.cumsum(1).sub_(1).masked_fill_(~head, n)  # column in the packed rows; n: discarded
+    cols = torch.full((r, n + 1), V, dtype=torch.long, device=lo.device)
+    cols.scatter_(1, pos, torch.arange(V, device=lo.device).expand(r, V))
+    cols = cols[:, :n]  # V: padding
+    valid = cols < V
+    gcols = cols.clamp_max(V - 1)
+    plo = lo.gather(1, gcols).masked_fill_(~valid, -math.inf)
+    phi = hi.gather(1, gcols).masked_fill_(~valid, -math.inf)
+    pel, peh = el.gather(1, gcols).masked_fill_(~valid, 0), eh.gather(1, gcols).masked_fill_(~valid, 0)
+    tail_l = (el * tail).sum(1, keepdim=True)
+    tail_h = (eh * tail).sum(1, keepdim=True)
+    n_hi, r_lo, n_lo, r_hi = _masses(plo, phi, pel, peh)
+    above = plo >= t[:, None]  # the whole tail sorts before i
+    n_hi = n_hi + torch.where(above, 0.0, tail_h)
+    r_lo = r_lo + torch.where(above, tail_l, 0.0)
+    r_hi = r_hi + tail_h
+    k, d = _decide(n_hi, r_lo, n_lo, r_hi, plo, p, eps)
+    wide = torch.zeros((r, V + 1), dtype=torch.bool, device=lo.device)  # column V: padding
+    return wide.scatter(1, cols, k)[:, :V], drop | wide.scatter(1, cols, d)[:, :V]
+
+
 def top_p_bounds(ylo: torch.Tensor, yhi: torch.Tensor, top_p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Apply top-p (``[R]`` float32, ``1`` = off) to bounds; see the module docstring."""
     on = top_p < 1.0
@@ -73,30 +147,29 @@ def top_p_bounds(ylo: torch.Tensor, yhi: torch.Tensor, top_p: torch.Tensor) -> t
         return ylo, yhi
     rows = on.nonzero().squeeze(1)
     lo, hi = ylo[rows].double(), yhi[rows].double()
-    V = lo.shape[1]
+    r, V = lo.shape
     c = hi.masked_fill(hi == math.inf, -math.inf).amax(1, keepdim=True)
     c = torch.where(torch.isfinite(c), c, torch.zeros_like(c))
     el, eh = torch.exp(lo - c), torch.exp(hi - c)  # -inf -> 0
-    tot_h = eh.sum(1, keepdim=True)
-    # sorted by yhi: masses of tokens with yhi_j < t
-    hs, oh = hi.sort(1)
-    cum_h_by_h, cum_l_by_h = eh.gather(1, oh).cumsum(1), el.gather(1, oh).cumsum(1)
-    below_h = _prefix_before(hs, cum_h_by_h, lo, right=False)  # sum eh over yhi_j < ylo_i
-    below_l = _prefix_before(hs, cum_l_by_h, lo, right=False)  # sum el over yhi_j < ylo_i
-    n_hi = (tot_h - below_h - eh).clamp_min(0)
-    r_lo = el + below_l
-    a_hi = torch.where(n_hi == 0, 0.0, n_hi / (n_hi + r_lo))  # nothing can sort after i: A = 0
-    # sorted by ylo: masses of tokens with ylo_j > t
-    ls, ol = lo.sort(1)
-    cum_l_by_l, cum_h_by_l = el.gather(1, ol).cumsum(1), eh.gather(1, ol).cumsum(1)
-    tot_l = el.sum(1, keepdim=True)
-    n_lo = (tot_l - _prefix_before(ls, cum_l_by_l, hi, right=True)).clamp_min(0)
-    r_hi = _prefix_before(ls, cum_h_by_l, hi, right=True)  # eh over ylo_j <= yhi_i (i included)
-    a_lo = torch.where(n_lo == 0, 0.0, n_lo / (n_lo + r_hi))
     eps = 2 * gamma(V) + 1e-6
     p = top_p[rows].double()[:, None]
-    keep = (a_hi < p - eps) & (lo > -math.inf)
-    drop = a_lo > p + eps
+    tot_h = eh.sum(1, keepdim=True)
+    # the tail: tokens certainly dropped as a block (module docstring, "the tail")
+    t = torch.full((r,), -math.inf, dtype=lo.dtype, device=lo.device)
+    if min(TAIL_SCAN, V) > 0:
+        vals, idx = lo.topk(min(TAIL_SCAN, V), dim=1)
+        n_top = el.gather(1, idx).cumsum(1)
+        h_top = eh.gather(1, idx).cumsum(1)
+        ok = (_tail_bound(n_top, h_top, tot_h) > p + eps) & (vals > -math.inf)
+        first = vals.gather(1, ok.to(torch.uint8).argmax(1, keepdim=True)).squeeze(1)  # smallest k: highest t
+        t = torch.where(ok.any(1), first, t)
+    keep = torch.zeros_like(lo, dtype=torch.bool)
+    drop = torch.zeros_like(keep)
+    found = t > -math.inf
+    for group in (found, ~found):  # packed widths differ: rows with a tail, rows without
+        if bool(group.any()):
+            gi = group.nonzero().squeeze(1)
+            keep[gi], drop[gi] = _decide_packed(lo[gi], hi[gi], el[gi], eh[gi], t[gi], p[gi], eps)
     out_lo, out_hi = ylo.clone(), yhi.clone()
     out_lo[rows] = torch.where(keep, ylo[rows], -math.inf)
     out_hi[rows] = torch.where(drop, -math.inf, yhi[rows])
