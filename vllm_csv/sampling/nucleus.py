@@ -32,7 +32,7 @@ most of them are far out of the nucleus. With ``t = ylo_k``, the ``k``-th highes
 bound, the ``k`` tokens of highest lower bounds sort after every ``j`` with ``yhi_j < t``
 (strictly), so ``A_j >= N / (N + tot_h - H)`` (:func:`_tail_bound`: ``N`` their lower
 masses, ``H`` their upper masses, ``tot_h - H`` the upper mass of all the rest, ``j``
-included). If that exceeds ``p + eps`` for some ``k <=`` :data:`TAIL_SCAN`, every token with
+included). If that exceeds ``p + eps`` for some ``k`` (up to :data:`TAIL_SCAN`), every token with
 ``yhi_j < t`` is dropped as a block (the smallest such ``k``: the highest ``t``). The others
 (``yhi_i >= t``) are decided as above over themselves, the tail's masses added where they may
 count: a tail token may sort after ``i`` unless ``ylo_i >= t``, so ``N_hi`` gains the tail's
@@ -52,7 +52,7 @@ from ..fp import gamma
 
 _U = 2.0**-24
 MIN_P_FLOOR = 1e-20
-TAIL_SCAN = 256  # lower bounds scanned for the tail threshold (top-p)
+TAIL_SCAN = (256, 4096)  # highest lower bounds scanned for the tail threshold (top-p), in turn
 
 
 def min_p_bounds(ylo: torch.Tensor, yhi: torch.Tensor, min_p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -81,19 +81,46 @@ def _prefix_before(sorted_vals: torch.Tensor, cums: torch.Tensor, thr: torch.Ten
     return padded.gather(1, k)
 
 
+def _tagged_keys(x: torch.Tensor) -> torch.Tensor:
+    """int64 keys of ``x = [lo | hi]`` (``[r, 2n]`` float32) whose order is the values' order with
+    every lower bound before every upper bound of equal value: the float's bits made
+    order-preserving (``-0.0`` made ``+0.0`` first: they are equal), times 2, plus 1 for the
+    upper half. (An unstable int64 sort of these is faster than a stable float sort.)"""
+    bits = (x + 0.0).view(torch.int32)  # -0.0 + 0.0 = +0.0
+    key = (bits ^ ((bits >> 31) & 0x7FFFFFFF)).long() * 2
+    key[:, x.shape[1] // 2:] += 1
+    return key
+
+
 def _masses(lo: torch.Tensor, hi: torch.Tensor, el: torch.Tensor, eh: torch.Tensor):
     """For every token ``i`` of ``[r, n]`` float64 bounds (``el = e^lo``, ``eh = e^hi``, shifted):
     ``(n_hi, r_lo, n_lo, r_hi)`` = upper masses of the tokens that may sort after ``i``
     (``hi_j >= lo_i``, ``j != i``), lower masses of the others (``i`` included), lower masses
-    of the tokens that must sort after it (``lo_j > hi_i``), upper masses of the others."""
-    tot_h = eh.sum(1, keepdim=True)
-    hs, oh = hi.sort(1)
-    below_h = _prefix_before(hs, eh.gather(1, oh).cumsum(1), lo, right=False)  # eh over yhi_j < ylo_i
-    below_l = _prefix_before(hs, el.gather(1, oh).cumsum(1), lo, right=False)  # el over yhi_j < ylo_i
-    ls, ol = lo.sort(1)
-    n_lo = (el.sum(1, keepdim=True) - _prefix_before(ls, el.gather(1, ol).cumsum(1), hi, right=True)).clamp_min(0)
-    r_hi = _prefix_before(ls, eh.gather(1, ol).cumsum(1), hi, right=True)  # eh over ylo_j <= yhi_i (i included)
-    return (tot_h - below_h - eh).clamp_min(0), el + below_l, n_lo, r_hi
+    of the tokens that must sort after it (``lo_j > hi_i``), upper masses of the others.
+
+    One stable sort of the ``2n`` bounds together, lower bounds first: among equal values
+    every lower bound precedes every upper bound, so at token ``i``'s lower bound the upper
+    bounds before it are exactly those with ``hi_j < lo_i``, and at its upper bound the lower
+    bounds before it are exactly those with ``lo_j <= hi_i``. (The bounds are fp32 values:
+    the sort runs on fp32 values, the masses in float64.)"""
+    r, n = lo.shape
+    order = _tagged_keys(torch.cat([lo, hi], 1).float()).sort(dim=1).indices
+    is_hi = order >= n
+    tok = order - n * is_hi  # the token of each sorted bound
+    zero = torch.zeros((), dtype=lo.dtype, device=lo.device)
+    # prefix sums, exclusive, of the masses of upper bounds (eh, el) and lower bounds (el, eh)
+    pre = []
+    for src, mask in ((eh, is_hi), (el, is_hi), (el, ~is_hi), (eh, ~is_hi)):
+        w = torch.where(mask, src.gather(1, tok), zero)
+        pre.append(w.cumsum(1) - w)
+    back = torch.empty((r, 2 * n), dtype=lo.dtype, device=lo.device)
+
+    def at(x, hi_side):  # prefix values at each token's lower (or upper) bound
+        return back.scatter(1, order, x)[:, n:] if hi_side else back.scatter(1, order, x)[:, :n]
+    below_h, below_l = at(pre[0], False), at(pre[1], False)  # over hi_j < lo_i
+    upto_l, upto_h = at(pre[2], True), at(pre[3], True)  # over lo_j <= hi_i (i included: lo_i comes first)
+    n_lo = (el.sum(1, keepdim=True) - upto_l).clamp_min(0)
+    return (eh.sum(1, keepdim=True) - below_h - eh).clamp_min(0), el + below_l, n_lo, upto_h
 
 
 def _decide(n_hi, r_lo, n_lo, r_hi, lo, p, eps):
@@ -156,13 +183,18 @@ def top_p_bounds(ylo: torch.Tensor, yhi: torch.Tensor, top_p: torch.Tensor) -> t
     tot_h = eh.sum(1, keepdim=True)
     # the tail: tokens certainly dropped as a block (module docstring, "the tail")
     t = torch.full((r,), -math.inf, dtype=lo.dtype, device=lo.device)
-    if min(TAIL_SCAN, V) > 0:
-        vals, idx = lo.topk(min(TAIL_SCAN, V), dim=1)
-        n_top = el.gather(1, idx).cumsum(1)
-        h_top = eh.gather(1, idx).cumsum(1)
-        ok = (_tail_bound(n_top, h_top, tot_h) > p + eps) & (vals > -math.inf)
+    for scan in TAIL_SCAN:  # a short scan first, a longer one for the rows it leaves
+        todo = (t == -math.inf).nonzero().squeeze(1)
+        if min(scan, V) == 0 or todo.numel() == 0:
+            break
+        vals, idx = lo[todo].topk(min(scan, V), dim=1)
+        n_top = el[todo].gather(1, idx).cumsum(1)
+        h_top = eh[todo].gather(1, idx).cumsum(1)
+        ok = (_tail_bound(n_top, h_top, tot_h[todo]) > p[todo] + eps) & (vals > -math.inf)
         first = vals.gather(1, ok.to(torch.uint8).argmax(1, keepdim=True)).squeeze(1)  # smallest k: highest t
-        t = torch.where(ok.any(1), first, t)
+        t[todo] = torch.where(ok.any(1), first, t[todo])
+        if scan >= V:
+            break
     keep = torch.zeros_like(lo, dtype=torch.bool)
     drop = torch.zeros_like(keep)
     found = t > -math.inf
