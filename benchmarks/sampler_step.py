@@ -189,7 +189,7 @@ def main(argv=None) -> int:
             for s in range(a.steps):
                 csv_step(s)
             pr.disable()
-            pstats.Stats(pr).sort_stats("cumulative").print_stats(35)
+            pstats.Stats(pr).sort_stats(os.environ.get("SORT", "cumulative")).print_stats(35)
     results["loadavg_after"] = os.getloadavg()
     if a.json:
         Path(a.json).write_text(json.dumps(results, indent=1))

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .gumbel import RowNoise, bits_below, noise_margin
+from .gumbel import RowNoise, bits_below, noise_margin, noise_of_bits
 
 TOP_FIRST = 4  # tokens of highest lower bound whose noise sets the first threshold
 
@@ -83,20 +83,21 @@ def certify_draw(ylo: torch.Tensor, yhi: torch.Tensor, seeds: torch.Tensor, gree
     samp = finite & ~greedy
     if bool(samp.any()):
         rows = samp.nonzero().squeeze(1)
-        noise = (noise or RowNoise(seeds, V)).rows(rows)
+        bits = (noise or RowNoise(seeds, V)).rows(rows)  # [r, V] int64
         lo_r, hi_r = ylo[rows], yhi[rows]
         absmax = torch.maximum(lo_r.masked_fill(lo_r == -math.inf, 0).abs().amax(1),
                                hi_r.masked_fill(hi_r == -math.inf, 0).abs().amax(1))
         delta = noise_margin(absmax)  # [r] float64
         # first threshold: the noisy lower bounds of the TOP_FIRST highest lower bounds
         top = lo_r.topk(min(TOP_FIRST, V), dim=1)
-        first = torch.zeros_like(lo_r, dtype=torch.bool).scatter_(1, top.indices, top.values > -math.inf)
-        L = (lo_r.double() + noise.noise_where(first)).amax(1)  # <= best
+        L = (top.values.double() + noise_of_bits(bits.gather(1, top.indices))).amax(1)  # <= best
         t = L - 2 * delta - hi_r.amax(1).double()
-        pre = ((noise.bits >= bits_below(t)[:, None]) | first) & (hi_r > -math.inf)
-        g = noise.noise_where(pre)  # -inf off pre
-        nhi = hi_r.double() + g
-        nlo = lo_r.double() + g  # -inf off pre and where ylo = -inf
+        pre = (bits >= bits_below(t)[:, None]).logical_and_(hi_r > -math.inf)
+        pre |= torch.zeros_like(pre).scatter_(1, top.indices, top.values > -math.inf)  # best is over them too
+        g = torch.full(pre.shape, -math.inf, dtype=torch.float64, device=dev)
+        g[pre] = noise_of_bits(bits[pre])  # -inf off pre
+        nhi = hi_r.double().add_(g)
+        nlo = lo_r.double().add_(g)  # -inf off pre and where ylo = -inf
         best, w = nlo.max(1)
         cont = nhi >= (best - 2 * delta)[:, None]
         winner[rows] = w

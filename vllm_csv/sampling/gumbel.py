@@ -79,40 +79,33 @@ def bits_below(t: torch.Tensor) -> torch.Tensor:
     ``u < exp(-exp(-t'))`` with room for the double roundings of this threshold, so the real
     ``g < t - 1e-6``, and the computed ``g`` (within a few ulps, ``<= 1e-13`` for
     ``|g| <= 38``) is below ``t``. ``b <= 0`` (no token skipped) when ``t`` is below the
-    noise's range."""
-    u = torch.exp(-torch.exp(-(t.double() - 1e-6)))
+    noise's range (or NaN)."""
+    t = torch.nan_to_num(t.double(), nan=-math.inf, posinf=math.inf)  # NaN: skip nothing
+    u = torch.exp(-torch.exp(-(t - 1e-6)))
     return (torch.floor(u * 2.0**53 - 0.5) - 2).clamp(-1, 2.0**53).long()
 
 
 class RowNoise:
-    """The noise of one step's rows, hashed once and turned into ``g`` only where asked.
+    """The noise of one step's rows, hashed once per row and turned into ``g`` only where asked.
 
-    ``bits`` (``[B, V]`` int64) is computed at the first use; :meth:`noise_where` returns ``g``
-    on the entries of a mask and ``-inf`` elsewhere. The certificate asks for the tokens
-    whose noise may reach a row's threshold (:func:`bits_below`): the two logarithms, the
-    costly part, run on those alone."""
+    A row's bits (``[V]`` int64) are hashed the first time the row is asked for
+    (:meth:`rows`) and kept for the step's later rounds; the certificate then takes ``g``
+    (the two logarithms, the costly part) only for the tokens whose noise may reach the
+    row's threshold (:func:`bits_below`)."""
 
     def __init__(self, seeds: torch.Tensor, vocab_size: int):
         self.seeds, self.vocab_size = seeds, vocab_size
-        self._bits: torch.Tensor | None = None
+        self._bits = torch.empty((seeds.shape[0], vocab_size), dtype=torch.long, device=seeds.device)
+        self._have = torch.zeros(seeds.shape[0], dtype=torch.bool, device=seeds.device)
 
-    @property
-    def bits(self) -> torch.Tensor:
-        if self._bits is None:
-            self._bits = noise_bits(self.seeds, torch.arange(self.vocab_size, device=self.seeds.device))
-        return self._bits
-
-    def rows(self, rows: torch.Tensor) -> "RowNoise":
-        sub = RowNoise(self.seeds[rows], self.vocab_size)
-        if self._bits is not None:
-            sub._bits = self._bits[rows]
-        return sub
-
-    def noise_where(self, mask: torch.Tensor) -> torch.Tensor:
-        """``[B, V]`` float64: ``g`` where ``mask`` (``[B, V]`` bool), ``-inf`` elsewhere."""
-        out = torch.full(mask.shape, -math.inf, dtype=torch.float64, device=mask.device)
-        out[mask] = noise_of_bits(self.bits[mask])
-        return out
+    def rows(self, rows: torch.Tensor) -> torch.Tensor:
+        """``[r, V]`` int64, the bits of ``rows``."""
+        missing = rows[~self._have[rows]]
+        if missing.numel():
+            self._bits[missing] = noise_bits(self.seeds[missing],
+                                             torch.arange(self.vocab_size, device=self.seeds.device))
+            self._have[missing] = True
+        return self._bits[rows] if rows.numel() != self._bits.shape[0] else self._bits
 
 
 def gumbel_noise(seeds: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
