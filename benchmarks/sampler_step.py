@@ -138,13 +138,11 @@ def main(argv=None) -> int:
                 gen.manual_seed(100 + i + s)
 
         def dense_step(s):
-            reset(s)
             return sampler(logits=vhead(hs[s]), sampling_metadata=md).sampled_token_ids[:, 0]
 
         stats = []
 
         def csv_step(s):
-            reset(s)
             h = hs[s]
             logits = torch.empty((B, V), dtype=W.dtype)
             rows = torch.arange(B)
@@ -153,18 +151,23 @@ def main(argv=None) -> int:
                                                      lambda: vhead(h), stats.append))
             return sampler(logits=logits, sampling_metadata=md).sampled_token_ids[:, 0]
 
-        mism = sum(int((dense_step(s) != csv_step(s)).sum()) for s in range(a.steps))  # warm-up and check
-        stats.clear()
-        td, tc = [], []
-        for _ in range(a.repeats):
+        td, tc, mism = [], [], 0
+        for rep in range(a.repeats + 1):  # the first pass warms up
             for s in range(a.steps):
+                reset(s)  # the same seeds and outputs for both (untimed: manual_seed is slow)
                 t0 = time.perf_counter()
-                dense_step(s)
+                want = dense_step(s)
                 t1 = time.perf_counter()
-                csv_step(s)
+                reset(s)
                 t2 = time.perf_counter()
-                td.append((t1 - t0) * 1e3)
-                tc.append((t2 - t1) * 1e3)
+                got = csv_step(s)
+                t3 = time.perf_counter()
+                mism += int((want != got).sum())
+                if rep:
+                    td.append((t1 - t0) * 1e3)
+                    tc.append((t3 - t2) * 1e3)
+                else:
+                    stats.clear()
         cert = sum(sum(st.certified.values()) for st in stats)
         row = {"batch": B, "dense_ms": statistics.median(td), "csv_ms": statistics.median(tc),
                "dense_min_ms": min(td), "csv_min_ms": min(tc),
@@ -177,16 +180,19 @@ def main(argv=None) -> int:
         if a.profile:
             with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
                 for s in range(a.steps):
+                    reset(s)
                     csv_step(s)
             print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=30))
             with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
                 for s in range(a.steps):
+                    reset(s)
                     dense_step(s)
             print("dense:\n" + prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=12))
         if a.cprofile:
             pr = cProfile.Profile()
             pr.enable()
             for s in range(a.steps):
+                reset(s)
                 csv_step(s)
             pr.disable()
             pstats.Stats(pr).sort_stats(os.environ.get("SORT", "cumulative")).print_stats(35)
