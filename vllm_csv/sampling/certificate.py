@@ -71,12 +71,12 @@ def certify_draw(ylo: torch.Tensor, yhi: torch.Tensor, seeds: torch.Tensor, gree
     """
     R, V = ylo.shape
     dev = ylo.device
-    finite = (~torch.isnan(ylo).any(1) & ~torch.isnan(yhi).any(1) & ~torch.isposinf(yhi).any(1)
-              & (ylo > -math.inf).any(1))
+    lmax, hmax = ylo.amax(1), yhi.amax(1)  # NaN propagates through amax
+    finite = (lmax > -math.inf) & (hmax < math.inf) & ~torch.isnan(lmax) & ~torch.isnan(hmax)
     if not bool(finite.all()):
         ylo = ylo.masked_fill(~finite[:, None], -math.inf)
         yhi = yhi.masked_fill(~finite[:, None], -math.inf)
-    lmax = ylo.amax(1)
+        lmax, hmax = lmax.masked_fill(~finite, -math.inf), hmax.masked_fill(~finite, -math.inf)
     winner = ylo.argmax(1)  # first maximum: the greedy winner candidate
     contenders = yhi >= lmax[:, None]  # greedy rows: j with yhi_j >= ylo_w
     certified = finite & (contenders.sum(1) == 1)  # only w itself (yhi_w >= ylo_w always)
@@ -91,11 +91,12 @@ def certify_draw(ylo: torch.Tensor, yhi: torch.Tensor, seeds: torch.Tensor, gree
         # first threshold: the noisy lower bounds of the TOP_FIRST highest lower bounds
         top = lo_r.topk(min(TOP_FIRST, V), dim=1)
         L = (top.values.double() + noise_of_bits(bits.gather(1, top.indices))).amax(1)  # <= best
-        t = L - 2 * delta - hi_r.amax(1).double()
+        t = L - 2 * delta - hmax[rows].double()
         pre = (bits >= bits_below(t)[:, None]).logical_and_(hi_r > -math.inf)
-        pre |= torch.zeros_like(pre).scatter_(1, top.indices, top.values > -math.inf)  # best is over them too
+        pre.scatter_(1, top.indices, (top.values > -math.inf) | pre.gather(1, top.indices))  # best is over them too
+        at = pre.view(-1).nonzero().squeeze(1)  # one pass; the noise is taken there only
         g = torch.full(pre.shape, -math.inf, dtype=torch.float64, device=dev)
-        g[pre] = noise_of_bits(bits[pre])  # -inf off pre
+        g.view(-1)[at] = noise_of_bits(bits.reshape(-1)[at])  # -inf off pre
         nhi = hi_r.double().add_(g)
         nlo = lo_r.double().add_(g)  # -inf off pre and where ylo = -inf
         best, w = nlo.max(1)

@@ -60,6 +60,12 @@ def min_p_bounds(ylo: torch.Tensor, yhi: torch.Tensor, min_p: torch.Tensor) -> t
     on = min_p > 0
     if not bool(on.any()):
         return ylo, yhi
+    if not bool(on.all()):  # the rows with min-p only
+        rows = on.nonzero().squeeze(1)
+        lo_r, hi_r = min_p_bounds(ylo[rows], yhi[rows], min_p[rows])
+        out_lo, out_hi = ylo.clone(), yhi.clone()
+        out_lo[rows], out_hi[rows] = lo_r, hi_r
+        return out_lo, out_hi
     mlo = ylo.amax(1, keepdim=True)
     mhi = yhi.amax(1, keepdim=True)
     logmp = torch.log(min_p.double().clamp_min(MIN_P_FLOOR))[:, None]

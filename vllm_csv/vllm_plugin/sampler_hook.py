@@ -162,21 +162,26 @@ def resolve(sampler, d: Deferred, logits: torch.Tensor, md, predict_bonus_token:
         else:
             greedy = md.temperature.cpu()[rows] < _SAMPLING_EPS
         seeds = peek_seeds(B, md.generators)[rows] if bool((~greedy).any()) else torch.zeros(R, dtype=torch.long)
-        base = logits.float()
         min_p = _min_p(md, rows)
         top_p = md.top_p.cpu()[rows].float() if md.top_p is not None else torch.ones(R)
+
+        every_row = R == B and torch.equal(rows, torch.arange(B))  # the batch itself: no scatter / gather
+        base = None if every_row else logits.float()
 
         def process(lo: torch.Tensor, hi: torch.Tensor):
             out = []
             for x in (lo, hi):
-                full = base.clone()
-                full[dev_rows] = x
+                if every_row:
+                    full = x.clone()  # vLLM's processors work in place
+                else:
+                    full = base.clone()
+                    full[dev_rows] = x
                 full = sampler.apply_logits_processors(full, md, predict_bonus_token)
-                pre = full[dev_rows]
                 if not md.all_greedy and md.temperature is not None:
-                    post = sampler.apply_temperature(full, md.temperature, md.all_random)[dev_rows]
-                    pre = torch.where(greedy.to(pre.device)[:, None], pre, post)
-                out.append(pre)
+                    # in place; greedy rows are divided by exactly 1.0 (x / 1.0 == x, bit for bit):
+                    # their values stay those greedy_argmax sees
+                    full = sampler.apply_temperature(full, md.temperature, md.all_random)
+                out.append(full if every_row else full[dev_rows])
             ylo, yhi = min_p_bounds(out[0], out[1], min_p.to(out[0].device))
             return top_p_bounds(ylo, yhi, top_p.to(out[0].device))
 
