@@ -20,9 +20,10 @@ so the kernel returns ``w`` whatever order it compares in.
 Noise is turned into ``g`` only where it can matter. ``L`` = the largest ``nlo_i`` over a
 few tokens of highest ``ylo`` (``TOP_FIRST``; their noise computed first) is at most
 ``best``; a token with ``yhi_j + g_j < L - 2 delta`` has ``nhi_j < best - 2 delta``: not a
-contender, and not the winner. Since ``yhi_j <= max yhi``, every token with
-``g_j < t := L - 2 delta - max yhi`` is such a token; those are found from the raw hash bits
-alone (:func:`~vllm_csv.sampling.gumbel.bits_below`), and ``g`` is computed for the others.
+contender, and not the winner. Every token with ``max yhi - yhi_j >= k LEVEL`` and
+``g_j < t + k LEVEL``, ``t := L - 2 delta - max yhi``, is such a token; those are found
+from the raw hash bits alone (:func:`~vllm_csv.sampling.gumbel.bits_below`, one threshold per
+level ``k``: :data:`LEVEL`, :data:`LEVELS`), and ``g`` is computed for the others.
 
 Rows with ``+inf`` or NaN bounds, or with no finite token, are never certified.
 """
@@ -37,6 +38,7 @@ import torch
 from .gumbel import RowNoise, bits_below, noise_margin, noise_of_bits
 
 TOP_FIRST = 4  # tokens of highest lower bound whose noise sets the first threshold
+LEVEL, LEVELS = 0.5, 48  # noise thresholds by steps of 0.5 below the row's highest upper bound
 
 
 @dataclass
@@ -92,17 +94,29 @@ def certify_draw(ylo: torch.Tensor, yhi: torch.Tensor, seeds: torch.Tensor, gree
         top = lo_r.topk(min(TOP_FIRST, V), dim=1)
         L = (top.values.double() + noise_of_bits(bits.gather(1, top.indices))).amax(1)  # <= best
         t = L - 2 * delta - hmax[rows].double()
-        pre = (bits >= bits_below(t)[:, None]).logical_and_(hi_r > -math.inf)
+        # token j needs g_j >= t + (max yhi - yhi_j): by levels of LEVEL below the row's max
+        # (computed in float64: the difference of two fp32 is exact to 2^-52 relative, so level
+        # k means max yhi - yhi_j >= (k - 0.01) LEVEL), each level's threshold from bits alone
+        gap = (hmax[rows].double()[:, None] - hi_r.double()).mul_(1 / LEVEL).floor_().clamp_(0, LEVELS)
+        k = torch.arange(LEVELS + 1, dtype=torch.float64, device=dev)
+        table = bits_below(t[:, None] + (k - 0.01).clamp_min(0) * LEVEL)  # [r, LEVELS + 1]
+        pre = (bits >= table.gather(1, gap.long())).logical_and_(hi_r > -math.inf)
         pre.scatter_(1, top.indices, (top.values > -math.inf) | pre.gather(1, top.indices))  # best is over them too
-        at = pre.view(-1).nonzero().squeeze(1)  # one pass; the noise is taken there only
-        g = torch.full(pre.shape, -math.inf, dtype=torch.float64, device=dev)
-        g.view(-1)[at] = noise_of_bits(bits.reshape(-1)[at])  # -inf off pre
-        nhi = hi_r.double().add_(g)
-        nlo = lo_r.double().add_(g)  # -inf off pre and where ylo = -inf
-        best, w = nlo.max(1)
-        cont = nhi >= (best - 2 * delta)[:, None]
-        winner[rows] = w
-        contenders[rows] = cont
-        certified[rows] = (cont.sum(1) == 1) & (best > -math.inf)
+        # the noisy scores on pre only, flat (pre is a few percent of the row once bounds are tight)
+        ri, ci = pre.nonzero().unbind(1)
+        g = noise_of_bits(bits[ri, ci])
+        nlo = lo_r[ri, ci].double().add_(g)  # -inf where ylo = -inf
+        nhi = hi_r[ri, ci].double().add_(g)
+        r = rows.numel()
+        best = torch.full((r,), -math.inf, dtype=torch.float64, device=dev).scatter_reduce_(0, ri, nlo, "amax")
+        top_at = nlo == best[ri]
+        w = torch.full((r,), V, dtype=torch.long, device=dev).scatter_reduce_(0, ri[top_at], ci[top_at], "amin")
+        cont = nhi >= (best - 2 * delta)[ri]
+        n_cont = torch.zeros(r, dtype=torch.long, device=dev).index_add_(0, ri, cont.long())
+        cont_rows = torch.zeros((r, V), dtype=torch.bool, device=dev)
+        cont_rows[ri[cont], ci[cont]] = True
+        winner[rows] = w.clamp_max(V - 1)  # V: no finite noisy score (never certified)
+        contenders[rows] = cont_rows
+        certified[rows] = (n_cont == 1) & (best > -math.inf)
     contenders &= finite[:, None]
     return DrawCertificate(winner, certified, contenders, finite)

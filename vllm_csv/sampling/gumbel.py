@@ -97,15 +97,20 @@ class RowNoise:
         self.seeds, self.vocab_size = seeds, vocab_size
         self._bits = torch.empty((seeds.shape[0], vocab_size), dtype=torch.long, device=seeds.device)
         self._have = torch.zeros(seeds.shape[0], dtype=torch.bool, device=seeds.device)
+        self._last: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def rows(self, rows: torch.Tensor) -> torch.Tensor:
         """``[r, V]`` int64, the bits of ``rows``."""
+        if self._last is not None and torch.equal(self._last[0], rows):
+            return self._last[1]  # the same rows as the last round: no copy
         missing = rows[~self._have[rows]]
         if missing.numel():
             self._bits[missing] = noise_bits(self.seeds[missing],
                                              torch.arange(self.vocab_size, device=self.seeds.device))
             self._have[missing] = True
-        return self._bits[rows] if rows.numel() != self._bits.shape[0] else self._bits
+        out = self._bits[rows] if rows.numel() != self._bits.shape[0] else self._bits
+        self._last = (rows.clone(), out)
+        return out
 
 
 def gumbel_noise(seeds: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
