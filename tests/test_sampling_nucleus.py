@@ -87,7 +87,7 @@ def test_top_p_tail_is_dropped_as_a_block_soundly(width, monkeypatch):
     lo, hi = top_p_bounds(y - width, y + width, p)
     k, d = decisions(lo, hi, y)
     assert not (k & ~kept).any() and not (d & kept).any()
-    monkeypatch.setattr(nucleus, "TAIL_SCAN", (0,))  # no tail: the full computation on every token
+    monkeypatch.setattr(nucleus, "TAIL_SCAN", 0)  # no tail: the full computation on every token
     k0, d0 = decisions(*top_p_bounds(y - width, y + width, p), y)
     assert not (k0 & ~kept).any() and not (d0 & kept).any()
     assert not (k0 & ~k).any()  # tokens kept for sure stay kept for sure (|ylo - t| is far)

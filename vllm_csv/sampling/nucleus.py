@@ -32,7 +32,8 @@ most of them are far out of the nucleus. With ``t = ylo_k``, the ``k``-th highes
 bound, the ``k`` tokens of highest lower bounds sort after every ``j`` with ``yhi_j < t``
 (strictly), so ``A_j >= N / (N + tot_h - H)`` (:func:`_tail_bound`: ``N`` their lower
 masses, ``H`` their upper masses, ``tot_h - H`` the upper mass of all the rest, ``j``
-included). If that exceeds ``p + eps`` for some ``k`` (up to :data:`TAIL_SCAN`), every token with
+included). If that exceeds ``p + eps`` for some ``k <=`` :data:`TAIL_SCAN` (or, past those, at a
+``t`` found by bisection: the bound holds for any real ``t``, and grows as ``t`` falls), every token with
 ``yhi_j < t`` is dropped as a block (the smallest such ``k``: the highest ``t``). The others
 (``yhi_i >= t``) are decided as above over themselves, the tail's masses added where they may
 count: a tail token may sort after ``i`` unless ``ylo_i >= t``, so ``N_hi`` gains the tail's
@@ -52,7 +53,8 @@ from ..fp import gamma
 
 _U = 2.0**-24
 MIN_P_FLOOR = 1e-20
-TAIL_SCAN = (256, 4096)  # highest lower bounds scanned for the tail threshold (top-p), in turn
+TAIL_SCAN = 256  # highest lower bounds scanned one by one for the tail threshold (top-p)
+BISECT_STEPS = 12  # then bisection on the threshold, for rows with broad nuclei
 
 
 def min_p_bounds(ylo: torch.Tensor, yhi: torch.Tensor, min_p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -173,6 +175,25 @@ def _decide_packed(lo, hi, el, eh, t, p, eps) -> tuple[torch.Tensor, torch.Tenso
     return wide.scatter(1, cols, k)[:, :V], drop | wide.scatter(1, cols, d)[:, :V]
 
 
+def _bisect_tail(lo, el, eh, tot_h, need, upper) -> torch.Tensor:
+    """Per row, a ``t < upper`` (found by bisection) at which the tail bound, evaluated at
+    ``t`` itself (``N``, ``H`` over the tokens with ``ylo >= t``), exceeds ``need``; ``-inf``
+    where none is found. The bound grows as ``t`` decreases, so bisection finds a high one."""
+    fin = lo > -math.inf
+    a = lo.masked_fill(~fin, math.inf).amin(1) - 1.0  # below every finite lower bound: N = all
+    b = upper.clone()
+    good = torch.full_like(a, -math.inf)
+    for _ in range(BISECT_STEPS):
+        m = torch.where(good > -math.inf, (good + b) / 2, torch.where(torch.isfinite(a), (a + b) / 2, a))
+        above = lo >= m[:, None]
+        n = (el * above).sum(1, keepdim=True)
+        h = (eh * above).sum(1, keepdim=True)
+        ok = (_tail_bound(n, h, tot_h) > need).squeeze(1) & torch.isfinite(m)
+        good = torch.where(ok, m, good)
+        b = torch.where(ok, b, m)
+    return good
+
+
 def top_p_bounds(ylo: torch.Tensor, yhi: torch.Tensor, top_p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Apply top-p (``[R]`` float32, ``1`` = off) to bounds; see the module docstring."""
     on = top_p < 1.0
@@ -189,18 +210,17 @@ def top_p_bounds(ylo: torch.Tensor, yhi: torch.Tensor, top_p: torch.Tensor) -> t
     tot_h = eh.sum(1, keepdim=True)
     # the tail: tokens certainly dropped as a block (module docstring, "the tail")
     t = torch.full((r,), -math.inf, dtype=lo.dtype, device=lo.device)
-    for scan in TAIL_SCAN:  # a short scan first, a longer one for the rows it leaves
-        todo = (t == -math.inf).nonzero().squeeze(1)
-        if min(scan, V) == 0 or todo.numel() == 0:
-            break
-        vals, idx = lo[todo].topk(min(scan, V), dim=1)
-        n_top = el[todo].gather(1, idx).cumsum(1)
-        h_top = eh[todo].gather(1, idx).cumsum(1)
-        ok = (_tail_bound(n_top, h_top, tot_h[todo]) > p[todo] + eps) & (vals > -math.inf)
+    scan = min(TAIL_SCAN, V)
+    if scan > 0:  # the highest TAIL_SCAN lower bounds, one at a time
+        vals, idx = lo.topk(scan, dim=1)
+        n_top = el.gather(1, idx).cumsum(1)
+        h_top = eh.gather(1, idx).cumsum(1)
+        ok = (_tail_bound(n_top, h_top, tot_h) > p + eps) & (vals > -math.inf)
         first = vals.gather(1, ok.to(torch.uint8).argmax(1, keepdim=True)).squeeze(1)  # smallest k: highest t
-        t[todo] = torch.where(ok.any(1), first, t[todo])
-        if scan >= V:
-            break
+        t = torch.where(ok.any(1), first, t)
+        todo = (t == -math.inf).nonzero().squeeze(1)
+        if todo.numel() and scan < V and BISECT_STEPS:  # broad nuclei: bisect on t below the scan
+            t[todo] = _bisect_tail(lo[todo], el[todo], eh[todo], tot_h[todo], p[todo] + eps, vals[todo, -1])
     keep = torch.zeros_like(lo, dtype=torch.bool)
     drop = torch.zeros_like(keep)
     found = t > -math.inf
