@@ -223,11 +223,9 @@ def top_p_bounds(ylo: torch.Tensor, yhi: torch.Tensor, top_p: torch.Tensor) -> t
             t[todo] = _bisect_tail(lo[todo], el[todo], eh[todo], tot_h[todo], p[todo] + eps, vals[todo, -1])
     keep = torch.zeros_like(lo, dtype=torch.bool)
     drop = torch.zeros_like(keep)
-    found = t > -math.inf
-    for group in (found, ~found):  # packed widths differ: rows with a tail, rows without
-        if bool(group.any()):
-            gi = group.nonzero().squeeze(1)
-            keep[gi], drop[gi] = _decide_packed(lo[gi], hi[gi], el[gi], eh[gi], t[gi], p[gi], eps)
+    for i in range(r):  # one row at a time: packed widths differ widely between rows
+        keep[i:i + 1], drop[i:i + 1] = _decide_packed(lo[i:i + 1], hi[i:i + 1], el[i:i + 1], eh[i:i + 1],
+                                                      t[i:i + 1], p[i:i + 1], eps)
     out_lo, out_hi = ylo.clone(), yhi.clone()
     out_lo[rows] = torch.where(keep, ylo[rows], -math.inf)
     out_hi[rows] = torch.where(drop, -math.inf, yhi[rows])
