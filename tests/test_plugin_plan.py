@@ -46,6 +46,17 @@ def test_certified(name):
     assert plan_row(sp, 64) == (k, "")
 
 
+def test_top_p_of_one_is_plain_sampling():
+    """vLLM treats top_p = 1.0 as no top-p: the row takes the plain-sampling path and mode."""
+    for sp, plain in ((SamplingParams(temperature=0.8, top_p=1.0, seed=2), SamplingParams(temperature=0.8, seed=2)),
+                      (SamplingParams(temperature=0.8, top_p=1.0, top_k=5), SamplingParams(temperature=0.8, top_k=5)),
+                      (SamplingParams(temperature=0, top_p=1.0), SamplingParams(temperature=0))):
+        assert plan_row(sp, 64) == plan_row(plain, 64)
+        k = plan_row(sp, 64)[0]
+        assert row_mode(sp, k) == row_mode(plain, k)
+    assert row_mode(SamplingParams(temperature=0.8, top_p=1.0), DEFER) == "sampling"
+
+
 def test_modes():
     assert row_mode(SamplingParams(temperature=0), 1) == "greedy"
     assert row_mode(SamplingParams(temperature=1.0, top_k=4), 4) == "top_k"

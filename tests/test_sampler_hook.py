@@ -135,3 +135,67 @@ def test_sampler_refuses_a_mismatched_batch():
     md = metadata(g, [1.0] * B, [], False, False, False, False)
     with pytest.raises(RuntimeError, match="refusing to sample from placeholders"):
         Sampler()(logits=torch.zeros(B, V), sampling_metadata=md)
+
+
+def _spy_top_p(monkeypatch):
+    """Record the ``p`` vLLM's CPU sampler hands to apply_top_k_top_p, per draw."""
+    from vllm.v1.sample.ops import topk_topp_sampler as tts
+
+    seen, orig = [], tts.apply_top_k_top_p
+
+    def spy(logits, k, p):
+        seen.append(None if p is None else p.clone())
+        return orig(logits, k, p)
+    monkeypatch.setattr(tts, "apply_top_k_top_p", spy)
+    return seen
+
+
+def _hooked(head, h, dense, md, rows, seed=5):
+    logits = dense.clone()
+    logits[rows] = sampler_hook.PLACEHOLDER
+    seen = []
+    modes = ["top_p" if md.top_p is not None and md.top_p[i] < 1 else "sampling" for i in rows.tolist()]
+    sampler_hook.defer(sampler_hook.Deferred(logits, h[rows].clone(), rows, modes, HeadAdapter(head),
+                                             lambda: head.dense_logits(h), seen.append))
+    return run(Sampler(), logits, md, seed)[0], seen[0]
+
+
+@pytest.mark.parametrize("all_top_p_deferred", [True, False])
+def test_vllm_top_p_is_skipped_only_when_every_top_p_row_is_certified(all_top_p_deferred, monkeypatch):
+    """Every top-p row certified: vLLM's draw runs without top-p (no full-vocabulary sort) and
+    draws what the dense sampler draws. A top-p row left dense (here: not deferred) keeps it."""
+    sampler_hook.install()
+    g = torch.Generator().manual_seed(8)
+    W, _ = peaked_head(V, D, seed=19, dtype=torch.bfloat16)
+    head = CertifiedHead(W, config=HeadConfig(screen="fp16", budget=0.5, off_switch=False))
+    h = hidden_near_rows(W, B, g, scale=3.0)  # confident rows: every one certifies
+    md = metadata(g, [0.8] * B, seeded=range(0, B, 2), penalties=False, bias=False, allowed=False, bad=False,
+                  top_p=0.7)
+    dense = head.dense_logits(h)
+    want = run(Sampler(), dense.clone(), md, seed=5)[0]
+    seen_p = _spy_top_p(monkeypatch)
+    rows = torch.arange(B) if all_top_p_deferred else torch.arange(B)[md.top_p == 1.0]  # top-p rows dense
+    got, st = _hooked(head, h, dense, md, rows)
+    assert torch.equal(got, want)
+    assert sum(st.certified.values()) == rows.numel()
+    assert (seen_p[-1] is None) == all_top_p_deferred
+
+
+def test_rows_with_top_p_of_one_draw_like_vllm(monkeypatch):
+    """top_p = 1.0 (vLLM's "no top-p") on deferred rows, beside a dense row with top_p < 1, so that
+    vLLM applies its top-p to the whole batch: plain-sampling certificate, same draw as vLLM."""
+    sampler_hook.install()
+    g = torch.Generator().manual_seed(9)
+    W, _ = peaked_head(V, D, seed=23, dtype=torch.bfloat16)
+    head = CertifiedHead(W, config=HeadConfig(screen="fp16", budget=0.5, off_switch=False))
+    h = hidden_near_rows(W, B, g, scale=1.5)
+    md = metadata(g, [0.8] * B, seeded=range(0, B, 3), penalties=False, bias=False, allowed=False, bad=False)
+    md.top_p = torch.ones(B)
+    md.top_p[0] = 0.5  # row 0: dense, with top-p
+    dense = head.dense_logits(h)
+    want = run(Sampler(), dense.clone(), md, seed=5)[0]
+    seen_p = _spy_top_p(monkeypatch)
+    got, st = _hooked(head, h, dense, md, torch.arange(1, B))
+    assert torch.equal(got, want)
+    assert set(st.certified) == {"sampling"} and sum(st.certified.values()) > B // 2
+    assert seen_p[-1] is not None and torch.equal(seen_p[-1], md.top_p)  # vLLM's top-p, as without CSV

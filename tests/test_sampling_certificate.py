@@ -146,3 +146,21 @@ def test_broken_bound_is_caught():
     mism, _ = check(head, h, torch.full((B,), 1.0), torch.zeros(B, dtype=torch.bool), seeds,
                     adapter=_BrokenAdapter(head))
     assert mism > 0
+
+
+def test_a_loose_noise_threshold_is_caught(monkeypatch):
+    """Broken bound: tokens whose noise lies within 2 above the certificate's threshold are
+    skipped (never turned into noise): some certified draws differ from the dense draw."""
+    from vllm_csv.sampling import certificate, gumbel
+
+    monkeypatch.setattr(certificate, "bits_below", lambda t: gumbel.bits_below(t + 2.0))
+    V, d, B = 2048, 64, 256
+    W, g = peaked_head(V, d, seed=21, dtype=torch.bfloat16)
+    h = hidden_near_rows(W, B, g, scale=0.2)  # flat rows: many tokens near the top
+    seeds = torch.randint(0, 2**31, (B,), generator=g)
+    T = torch.full((B,), 3.0)
+    monkeypatch.undo()
+    assert check(make_head(W), h, T, torch.zeros(B, dtype=torch.bool), seeds)[0] == 0  # the real threshold
+    monkeypatch.setattr(certificate, "bits_below", lambda t: gumbel.bits_below(t + 2.0))
+    mism, _ = check(make_head(W), h, T, torch.zeros(B, dtype=torch.bool), seeds)
+    assert mism > 0

@@ -81,3 +81,42 @@ def test_a_wrong_noise_is_caught():
     seeds = _seeds(10_000, gen)
     wrong = (x.double() + gumbel_noise(seeds, torch.arange(1, 65))).argmax(1)
     assert not torch.equal(wrong, kernel(x, seeds))
+
+
+def test_in_place_hash_is_splitmix64():
+    """noise_bits (in place, one buffer) == the out-of-place SplitMix64 of the module docstring."""
+    from vllm_csv.sampling.gumbel import GOLDEN, _i64, _shr, noise_bits, splitmix64
+
+    gen = torch.Generator().manual_seed(5)
+    seeds = torch.cat([_seeds(30, gen), torch.tensor([0, 2**31 - 1])])
+    ids = torch.arange(5000)
+    want = _shr(splitmix64(splitmix64(seeds)[:, None] + (ids[None] + 1) * _i64(GOLDEN)), 11)
+    assert torch.equal(noise_bits(seeds, ids), want)
+
+
+def test_bits_below_skips_only_noise_below_the_threshold():
+    """Every token whose bits are below bits_below(t) has noise < t (thresholds across the noise's
+    range and past both ends), and the cut is tight: few tokens at or above it have noise < t."""
+    from vllm_csv.sampling.gumbel import bits_below, noise_bits, noise_of_bits
+
+    gen = torch.Generator().manual_seed(6)
+    seeds = _seeds(64, gen)
+    bits = noise_bits(seeds, torch.arange(20_000))
+    g = noise_of_bits(bits)
+    t = torch.linspace(-6.0, 40.0, 64, dtype=torch.float64)
+    t[::9] = g[::9].max(1).values  # thresholds at a token's exact noise
+    b = bits_below(t)[:, None]
+    assert not ((g >= t[:, None]) & (bits < b)).any()
+    assert int(((bits >= b) & (g < t[:, None])).sum(1).max()) <= 2
+    assert bool((bits_below(torch.tensor([-10.0, math.nan])) <= 0).all())  # nothing skipped
+
+
+def test_row_noise_hashes_each_row_once():
+    from vllm_csv.sampling.gumbel import RowNoise, noise_bits
+
+    seeds = torch.tensor([11, 22, 33, 44])
+    rn = RowNoise(seeds, 300)
+    a = rn.rows(torch.tensor([1, 3]))
+    assert rn._have.tolist() == [False, True, False, True]
+    full = rn.rows(torch.arange(4))
+    assert torch.equal(full, noise_bits(seeds, torch.arange(300))) and torch.equal(a, full[[1, 3]])

@@ -64,3 +64,42 @@ def test_a_negative_margin_is_caught(monkeypatch):
     kept = torch.isfinite(apply_top_k_top_p_pytorch(y.clone(), None, p))
     k, d = decisions(*top_p_bounds(y, y, p), y)
     assert (k & ~kept).any() or (d & kept).any()
+
+
+def peaked_rows(seed, R=48, V=8192):
+    """Rows shaped like a learned head's after temperature: a few leading tokens over a long tail."""
+    g = torch.Generator().manual_seed(seed)
+    y = torch.randn(R, V, generator=g) * 2
+    lead = torch.randint(0, V, (R, 8), generator=g)
+    y.scatter_(1, lead, torch.rand(R, 8, generator=g) * 12 + 4)
+    y[:, :5] = y[:, 5:10]  # exact ties
+    return y, g
+
+
+@pytest.mark.parametrize("width", [0.0, 1e-3, 0.3])
+def test_top_p_tail_is_dropped_as_a_block_soundly(width, monkeypatch):
+    """The tail path (most of V dropped as one block) decides like vLLM's full sort, and as much
+    as the full computation (TAIL_SCAN = 0: every token decided on its own)."""
+    y, g = peaked_rows(3)
+    p = torch.rand(y.shape[0], generator=g) * 0.98 + 0.01
+    p[::6] = 0.999
+    kept = torch.isfinite(apply_top_k_top_p_pytorch(y.clone(), None, p))
+    lo, hi = top_p_bounds(y - width, y + width, p)
+    k, d = decisions(lo, hi, y)
+    assert not (k & ~kept).any() and not (d & kept).any()
+    monkeypatch.setattr(nucleus, "TAIL_SCAN", 0)  # no tail: the full computation on every token
+    k0, d0 = decisions(*top_p_bounds(y - width, y + width, p), y)
+    assert not (k0 & ~kept).any() and not (d0 & kept).any()
+    assert not (k0 & ~k).any()  # tokens kept for sure stay kept for sure (|ylo - t| is far)
+    assert (d | k).sum() >= 0.999 * (d0 | k0).sum()
+
+
+def test_a_wrong_tail_bound_is_caught(monkeypatch):
+    """Broken bound: the tail's mass bound ignoring the rest of the row (A_j >= 1): kept tokens
+    are dropped as part of the tail."""
+    monkeypatch.setattr(nucleus, "_tail_bound", lambda n, h, tot: n / n)
+    y, g = peaked_rows(4)
+    p = torch.rand(y.shape[0], generator=g) * 0.98 + 0.01
+    kept = torch.isfinite(apply_top_k_top_p_pytorch(y.clone(), None, p))
+    k, d = decisions(*top_p_bounds(y, y, p), y)
+    assert (d & kept).any()

@@ -15,9 +15,15 @@ Sampled rows (``fused_gumbel_argmax``, :mod:`.gumbel`). The draw maximises
 ``w = argmax nlo`` and ``best = nlo_w``: if ``nhi_j < best - 2 delta`` for every
 ``j != w``, the real ``s_w - s_j > 2 delta - delta / 8``, more than the kernel's
 comparison error (``<= delta / 16``, :func:`~vllm_csv.sampling.gumbel.noise_margin`),
-so the kernel returns ``w`` whatever order it compares in. Noise is computed only where it
-can matter: ``g >= GUMBEL_MIN`` gives ``best >= max ylo + GUMBEL_MIN =: L0``, and a token
-with ``yhi_j + GUMBEL_MAX < L0 - 2 delta`` has ``nhi_j < best - 2 delta`` whatever its noise.
+so the kernel returns ``w`` whatever order it compares in.
+
+Noise is turned into ``g`` only where it can matter. ``L`` = the largest ``nlo_i`` over a
+few tokens of highest ``ylo`` (``TOP_FIRST``; their noise computed first) is at most
+``best``; a token with ``yhi_j + g_j < L - 2 delta`` has ``nhi_j < best - 2 delta``: not a
+contender, and not the winner. Every token with ``max yhi - yhi_j >= k LEVEL`` and
+``g_j < t + k LEVEL``, ``t := L - 2 delta - max yhi``, is such a token; those are found
+from the raw hash bits alone (:func:`~vllm_csv.sampling.gumbel.bits_below`, one threshold per
+level ``k``: :data:`LEVEL`, :data:`LEVELS`), and ``g`` is computed for the others.
 
 Rows with ``+inf`` or NaN bounds, or with no finite token, are never certified.
 """
@@ -29,7 +35,10 @@ from dataclasses import dataclass
 
 import torch
 
-from .gumbel import GUMBEL_MAX, GUMBEL_MIN, gumbel_noise, noise_margin
+from .gumbel import RowNoise, bits_below, noise_margin, noise_of_bits
+
+TOP_FIRST = 4  # tokens of highest lower bound whose noise sets the first threshold
+LEVEL, LEVELS = 0.5, 48  # noise thresholds by steps of 0.5 below the row's highest upper bound
 
 
 @dataclass
@@ -40,8 +49,8 @@ class DrawCertificate:
     finite: torch.Tensor  # [R] bool: bounds usable (no +inf / NaN, at least one finite token)
 
 
-def certify_draw(ylo: torch.Tensor, yhi: torch.Tensor, seeds: torch.Tensor, greedy: torch.Tensor
-                 ) -> DrawCertificate:
+def certify_draw(ylo: torch.Tensor, yhi: torch.Tensor, seeds: torch.Tensor, greedy: torch.Tensor,
+                 noise: RowNoise | None = None) -> DrawCertificate:
     """Certify the token of each row's draw from bounds on its inputs.
 
     Parameters
@@ -53,6 +62,8 @@ def certify_draw(ylo: torch.Tensor, yhi: torch.Tensor, seeds: torch.Tensor, gree
         for greedy rows).
     greedy : torch.Tensor
         ``[R]`` bool, rows drawn by ``greedy_argmax`` rather than the Gumbel kernel.
+    noise : RowNoise, optional
+        The rows' noise (``RowNoise(seeds, V)``), to share its hash between calls of a step.
 
     Returns
     -------
@@ -62,34 +73,50 @@ def certify_draw(ylo: torch.Tensor, yhi: torch.Tensor, seeds: torch.Tensor, gree
     """
     R, V = ylo.shape
     dev = ylo.device
-    neg = torch.tensor(-math.inf, device=dev)
-    finite = (~torch.isnan(ylo).any(1) & ~torch.isnan(yhi).any(1) & ~torch.isposinf(yhi).any(1)
-              & (ylo > -math.inf).any(1))
-    ylo = torch.where(finite[:, None], ylo, neg)
-    yhi = torch.where(finite[:, None], yhi, neg)
-    lmax = ylo.amax(1)
+    lmax, hmax = ylo.amax(1), yhi.amax(1)  # NaN propagates through amax
+    finite = (lmax > -math.inf) & (hmax < math.inf) & ~torch.isnan(lmax) & ~torch.isnan(hmax)
+    if not bool(finite.all()):
+        ylo = ylo.masked_fill(~finite[:, None], -math.inf)
+        yhi = yhi.masked_fill(~finite[:, None], -math.inf)
+        lmax, hmax = lmax.masked_fill(~finite, -math.inf), hmax.masked_fill(~finite, -math.inf)
     winner = ylo.argmax(1)  # first maximum: the greedy winner candidate
     contenders = yhi >= lmax[:, None]  # greedy rows: j with yhi_j >= ylo_w
     certified = finite & (contenders.sum(1) == 1)  # only w itself (yhi_w >= ylo_w always)
     samp = finite & ~greedy
     if bool(samp.any()):
         rows = samp.nonzero().squeeze(1)
+        bits = (noise or RowNoise(seeds, V)).rows(rows)  # [r, V] int64
         lo_r, hi_r = ylo[rows], yhi[rows]
         absmax = torch.maximum(lo_r.masked_fill(lo_r == -math.inf, 0).abs().amax(1),
                                hi_r.masked_fill(hi_r == -math.inf, 0).abs().amax(1))
         delta = noise_margin(absmax)  # [r] float64
-        L0 = lmax[rows].double() + GUMBEL_MIN
-        pre = (hi_r.double() + GUMBEL_MAX) >= (L0 - 2 * delta)[:, None]
-        cols = pre.any(0).nonzero().squeeze(1)
-        g = gumbel_noise(seeds[rows], cols)  # [r, n] float64
-        nlo = lo_r[:, cols].double() + g
-        nhi = (hi_r[:, cols].double() + g).masked_fill(~pre[:, cols], -math.inf)
-        nlo = nlo.masked_fill(~pre[:, cols], -math.inf)
-        best, w = nlo.max(1)
-        cont = torch.zeros((rows.numel(), V), dtype=torch.bool, device=dev)
-        cont[:, cols] = nhi >= (best - 2 * delta)[:, None]
-        winner[rows] = cols[w]
-        contenders[rows] = cont
-        certified[rows] = (cont.sum(1) == 1) & (best > -math.inf)
+        # first threshold: the noisy lower bounds of the TOP_FIRST highest lower bounds
+        top = lo_r.topk(min(TOP_FIRST, V), dim=1)
+        L = (top.values.double() + noise_of_bits(bits.gather(1, top.indices))).amax(1)  # <= best
+        t = L - 2 * delta - hmax[rows].double()
+        # token j needs g_j >= t + (max yhi - yhi_j): by levels of LEVEL below the row's max
+        # (computed in float64: the difference of two fp32 is exact to 2^-52 relative, so level
+        # k means max yhi - yhi_j >= (k - 0.01) LEVEL), each level's threshold from bits alone
+        gap = (hmax[rows].double()[:, None] - hi_r.double()).mul_(1 / LEVEL).floor_().clamp_(0, LEVELS)
+        k = torch.arange(LEVELS + 1, dtype=torch.float64, device=dev)
+        table = bits_below(t[:, None] + (k - 0.01).clamp_min(0) * LEVEL)  # [r, LEVELS + 1]
+        pre = (bits >= table.gather(1, gap.long())).logical_and_(hi_r > -math.inf)
+        pre.scatter_(1, top.indices, (top.values > -math.inf) | pre.gather(1, top.indices))  # best is over them too
+        # the noisy scores on pre only, flat (pre is a few percent of the row once bounds are tight)
+        ri, ci = pre.nonzero().unbind(1)
+        g = noise_of_bits(bits[ri, ci])
+        nlo = lo_r[ri, ci].double().add_(g)  # -inf where ylo = -inf
+        nhi = hi_r[ri, ci].double().add_(g)
+        r = rows.numel()
+        best = torch.full((r,), -math.inf, dtype=torch.float64, device=dev).scatter_reduce_(0, ri, nlo, "amax")
+        top_at = nlo == best[ri]
+        w = torch.full((r,), V, dtype=torch.long, device=dev).scatter_reduce_(0, ri[top_at], ci[top_at], "amin")
+        cont = nhi >= (best - 2 * delta)[ri]
+        n_cont = torch.zeros(r, dtype=torch.long, device=dev).index_add_(0, ri, cont.long())
+        cont_rows = torch.zeros((r, V), dtype=torch.bool, device=dev)
+        cont_rows[ri[cont], ci[cont]] = True
+        winner[rows] = w.clamp_max(V - 1)  # V: no finite noisy score (never certified)
+        contenders[rows] = cont_rows
+        certified[rows] = (n_cont == 1) & (best > -math.inf)
     contenders &= finite[:, None]
     return DrawCertificate(winner, certified, contenders, finite)

@@ -46,6 +46,73 @@ def splitmix64(z: torch.Tensor) -> torch.Tensor:
     return z ^ _shr(z, 31)
 
 
+def noise_bits(seeds: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """The 53 random bits behind token ``ids``' noise in rows seeded ``seeds``: ``[B, n]`` int64
+    (``ids`` ``[B, n]`` or ``[n]``). The hash of :func:`splitmix64` in place on one buffer
+    (each out-of-place op of a ``[B, V]`` int64 tensor costs an allocation as long as the op)."""
+    key = splitmix64(seeds.long())[:, None]
+    ids = ids.long()
+    if ids.dim() == 1:
+        ids = ids[None]
+    z = torch.add(key, (ids + 1).mul_(_i64(GOLDEN)))  # [B, n]
+    tmp = torch.empty_like(z)
+    for shift, mult in ((30, _i64(0xBF58476D1CE4E5B9)), (27, _i64(0x94D049BB133111EB)), (31, None)):
+        torch.bitwise_right_shift(z, shift, out=tmp).bitwise_and_((1 << (64 - shift)) - 1)
+        z.bitwise_xor_(tmp)
+        if mult is not None:
+            z.mul_(mult)
+    return z.bitwise_right_shift_(11).bitwise_and_((1 << 53) - 1)
+
+
+def noise_of_bits(bits: torch.Tensor) -> torch.Tensor:
+    """``g = -log(-log u)``, ``u = (bits + 0.5) 2^-53``, in float64 (same shape)."""
+    u = (bits.double() + 0.5).mul_(2.0**-53)
+    return u.log_().neg_().log_().neg_()
+
+
+def bits_below(t: torch.Tensor) -> torch.Tensor:
+    """Per row, an int64 ``b`` such that every token whose bits are ``< b`` has noise ``< t``
+    (``t`` ``[B]`` float64), exactly and as :func:`noise_of_bits` computes it.
+
+    ``g`` increases with ``u``: ``g < t`` iff ``u < exp(-exp(-t))``. We take
+    ``t' = t - 1e-6`` and ``b = floor(exp(-exp(-t')) 2^53 - 0.5) - 2``: ``bits < b`` gives
+    ``u < exp(-exp(-t'))`` with room for the double roundings of this threshold, so the real
+    ``g < t - 1e-6``, and the computed ``g`` (within a few ulps, ``<= 1e-13`` for
+    ``|g| <= 38``) is below ``t``. ``b <= 0`` (no token skipped) when ``t`` is below the
+    noise's range (or NaN)."""
+    t = torch.nan_to_num(t.double(), nan=-math.inf, posinf=math.inf)  # NaN: skip nothing
+    u = torch.exp(-torch.exp(-(t - 1e-6)))
+    return (torch.floor(u * 2.0**53 - 0.5) - 2).clamp(-1, 2.0**53).long()
+
+
+class RowNoise:
+    """The noise of one step's rows, hashed once per row and turned into ``g`` only where asked.
+
+    A row's bits (``[V]`` int64) are hashed the first time the row is asked for
+    (:meth:`rows`) and kept for the step's later rounds; the certificate then takes ``g``
+    (the two logarithms, the costly part) only for the tokens whose noise may reach the
+    row's threshold (:func:`bits_below`)."""
+
+    def __init__(self, seeds: torch.Tensor, vocab_size: int):
+        self.seeds, self.vocab_size = seeds, vocab_size
+        self._bits = torch.empty((seeds.shape[0], vocab_size), dtype=torch.long, device=seeds.device)
+        self._have = torch.zeros(seeds.shape[0], dtype=torch.bool, device=seeds.device)
+        self._last: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def rows(self, rows: torch.Tensor) -> torch.Tensor:
+        """``[r, V]`` int64, the bits of ``rows``."""
+        if self._last is not None and torch.equal(self._last[0], rows):
+            return self._last[1]  # the same rows as the last round: no copy
+        missing = rows[~self._have[rows]]
+        if missing.numel():
+            self._bits[missing] = noise_bits(self.seeds[missing],
+                                             torch.arange(self.vocab_size, device=self.seeds.device))
+            self._have[missing] = True
+        out = self._bits[rows] if rows.numel() != self._bits.shape[0] else self._bits
+        self._last = (rows.clone(), out)
+        return out
+
+
 def gumbel_noise(seeds: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     """The noise ``g`` that ``fused_gumbel_argmax`` adds to tokens ``ids`` of rows seeded ``seeds``.
 
@@ -62,13 +129,7 @@ def gumbel_noise(seeds: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         ``[B, n]`` float64. ``torch.log`` may differ from the kernel's ``std::log`` by an
         ulp or two; :func:`noise_margin` covers that.
     """
-    key = splitmix64(seeds.long())[:, None]
-    ids = ids.long()
-    if ids.dim() == 1:
-        ids = ids[None]
-    bits = _shr(splitmix64(key + (ids + 1) * _i64(GOLDEN)), 11)
-    u = (bits.double() + 0.5) * 2.0**-53
-    return -torch.log(-torch.log(u))
+    return noise_of_bits(noise_bits(seeds, ids))
 
 
 def noisy_scores(x: torch.Tensor, seeds: torch.Tensor, ids: torch.Tensor | None = None) -> torch.Tensor:

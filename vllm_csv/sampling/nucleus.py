@@ -26,6 +26,21 @@ first set and ``R_lo`` the lower masses of the others (``i`` included), and
 ``A_lo = N_lo / (N_lo + R_hi)`` likewise. fp32 softmax and a sequential cumulative sum of
 ``n <= V`` terms in ``[0, 1]`` are within ``2 gamma_V + 4u`` of the real sums: kept if
 ``A_hi < p - eps``, dropped if ``A_lo > p + eps``, ``eps = 2 gamma_V + 1e-6``.
+
+The tail (top-p, the cost): sorting all ``V`` tokens per row is what vLLM itself does, and
+most of them are far out of the nucleus. With ``t = ylo_k``, the ``k``-th highest lower
+bound, the ``k`` tokens of highest lower bounds sort after every ``j`` with ``yhi_j < t``
+(strictly), so ``A_j >= N / (N + tot_h - H)`` (:func:`_tail_bound`: ``N`` their lower
+masses, ``H`` their upper masses, ``tot_h - H`` the upper mass of all the rest, ``j``
+included). If that exceeds ``p + eps`` for some ``k <=`` :data:`TAIL_SCAN` (or, past those, at a
+``t`` found by bisection: the bound holds for any real ``t``, and grows as ``t`` falls), every token with
+``yhi_j < t`` is dropped as a block (the smallest such ``k``: the highest ``t``). The others
+(``yhi_i >= t``) are decided as above over themselves, the tail's masses added where they may
+count: a tail token may sort after ``i`` unless ``ylo_i >= t``, so ``N_hi`` gains the tail's
+upper mass if ``ylo_i < t`` and ``R_lo`` its lower mass otherwise; it never must sort after
+``i`` (``ylo_j <= yhi_j < t <= yhi_i``), so ``N_lo`` gains nothing and ``R_hi`` its upper
+mass. Each bound is the one of the whole row with the tail's terms bounded, so decisions stay
+sound; only tokens with ``ylo_i < t <= yhi_i`` may be left undecided more often.
 """
 
 from __future__ import annotations
@@ -38,6 +53,8 @@ from ..fp import gamma
 
 _U = 2.0**-24
 MIN_P_FLOOR = 1e-20
+TAIL_SCAN = 256  # highest lower bounds scanned one by one for the tail threshold (top-p)
+BISECT_STEPS = 12  # then bisection on the threshold, for rows with broad nuclei
 
 
 def min_p_bounds(ylo: torch.Tensor, yhi: torch.Tensor, min_p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -45,6 +62,12 @@ def min_p_bounds(ylo: torch.Tensor, yhi: torch.Tensor, min_p: torch.Tensor) -> t
     on = min_p > 0
     if not bool(on.any()):
         return ylo, yhi
+    if not bool(on.all()):  # the rows with min-p only
+        rows = on.nonzero().squeeze(1)
+        lo_r, hi_r = min_p_bounds(ylo[rows], yhi[rows], min_p[rows])
+        out_lo, out_hi = ylo.clone(), yhi.clone()
+        out_lo[rows], out_hi[rows] = lo_r, hi_r
+        return out_lo, out_hi
     mlo = ylo.amax(1, keepdim=True)
     mhi = yhi.amax(1, keepdim=True)
     logmp = torch.log(min_p.double().clamp_min(MIN_P_FLOOR))[:, None]
@@ -66,6 +89,111 @@ def _prefix_before(sorted_vals: torch.Tensor, cums: torch.Tensor, thr: torch.Ten
     return padded.gather(1, k)
 
 
+def _tagged_keys(x: torch.Tensor) -> torch.Tensor:
+    """int64 keys of ``x = [lo | hi]`` (``[r, 2n]`` float32) whose order is the values' order with
+    every lower bound before every upper bound of equal value: the float's bits made
+    order-preserving (``-0.0`` made ``+0.0`` first: they are equal), times 2, plus 1 for the
+    upper half. (An unstable int64 sort of these is faster than a stable float sort.)"""
+    bits = (x + 0.0).view(torch.int32)  # -0.0 + 0.0 = +0.0
+    key = (bits ^ ((bits >> 31) & 0x7FFFFFFF)).long() * 2
+    key[:, x.shape[1] // 2:] += 1
+    return key
+
+
+def _masses(lo: torch.Tensor, hi: torch.Tensor, el: torch.Tensor, eh: torch.Tensor):
+    """For every token ``i`` of ``[r, n]`` float64 bounds (``el = e^lo``, ``eh = e^hi``, shifted):
+    ``(n_hi, r_lo, n_lo, r_hi)`` = upper masses of the tokens that may sort after ``i``
+    (``hi_j >= lo_i``, ``j != i``), lower masses of the others (``i`` included), lower masses
+    of the tokens that must sort after it (``lo_j > hi_i``), upper masses of the others.
+
+    One stable sort of the ``2n`` bounds together, lower bounds first: among equal values
+    every lower bound precedes every upper bound, so at token ``i``'s lower bound the upper
+    bounds before it are exactly those with ``hi_j < lo_i``, and at its upper bound the lower
+    bounds before it are exactly those with ``lo_j <= hi_i``. (The bounds are fp32 values:
+    the sort runs on fp32 values, the masses in float64.)"""
+    r, n = lo.shape
+    order = _tagged_keys(torch.cat([lo, hi], 1).float()).sort(dim=1).indices
+    is_hi = order >= n
+    tok = order - n * is_hi  # the token of each sorted bound
+    zero = torch.zeros((), dtype=lo.dtype, device=lo.device)
+    # prefix sums, exclusive, of the masses of upper bounds (eh, el) and lower bounds (el, eh)
+    pre = []
+    for src, mask in ((eh, is_hi), (el, is_hi), (el, ~is_hi), (eh, ~is_hi)):
+        w = torch.where(mask, src.gather(1, tok), zero)
+        pre.append(w.cumsum(1) - w)
+    back = torch.empty((r, 2 * n), dtype=lo.dtype, device=lo.device)
+
+    def at(x, hi_side):  # prefix values at each token's lower (or upper) bound
+        return back.scatter(1, order, x)[:, n:] if hi_side else back.scatter(1, order, x)[:, :n]
+    below_h, below_l = at(pre[0], False), at(pre[1], False)  # over hi_j < lo_i
+    upto_l, upto_h = at(pre[2], True), at(pre[3], True)  # over lo_j <= hi_i (i included: lo_i comes first)
+    n_lo = (el.sum(1, keepdim=True) - upto_l).clamp_min(0)
+    return (eh.sum(1, keepdim=True) - below_h - eh).clamp_min(0), el + below_l, n_lo, upto_h
+
+
+def _decide(n_hi, r_lo, n_lo, r_hi, lo, p, eps):
+    a_hi = torch.where(n_hi == 0, 0.0, n_hi / (n_hi + r_lo))  # nothing can sort after i: A = 0
+    a_lo = torch.where(n_lo == 0, 0.0, n_lo / (n_lo + r_hi))
+    return (a_hi < p - eps) & (lo > -math.inf), a_lo > p + eps
+
+
+def _tail_bound(n_top: torch.Tensor, h_top: torch.Tensor, tot_h: torch.Tensor) -> torch.Tensor:
+    """Lower bound on ``A_j`` for every ``j`` below the ``k``-th highest lower bound, per ``k``:
+    ``N / (N + tot_h - H)`` (module docstring, "the tail")."""
+    return n_top / (n_top + (tot_h - h_top).clamp_min(0))
+
+
+def _decide_packed(lo, hi, el, eh, t, p, eps) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(keep, drop)`` ``[r, V]``: the tail ``yhi < t`` dropped, the other tokens packed into
+    ``[r, n]`` (``-inf`` padding: no mass) and decided with the tail's masses added where they
+    may count (module docstring, "the tail")."""
+    r, V = lo.shape
+    tail = hi < t[:, None]
+    head = ~tail & (hi > -math.inf)
+    n = int(head.sum(1).max())
+    drop = tail
+    if n == 0:
+        return torch.zeros_like(tail), drop
+    pos = head.cumsum(1).sub_(1).masked_fill_(~head, n)  # column in the packed rows; n: discarded
+    cols = torch.full((r, n + 1), V, dtype=torch.long, device=lo.device)
+    cols.scatter_(1, pos, torch.arange(V, device=lo.device).expand(r, V))
+    cols = cols[:, :n]  # V: padding
+    valid = cols < V
+    gcols = cols.clamp_max(V - 1)
+    plo = lo.gather(1, gcols).masked_fill_(~valid, -math.inf)
+    phi = hi.gather(1, gcols).masked_fill_(~valid, -math.inf)
+    pel, peh = el.gather(1, gcols).masked_fill_(~valid, 0), eh.gather(1, gcols).masked_fill_(~valid, 0)
+    tail_l = (el * tail).sum(1, keepdim=True)
+    tail_h = (eh * tail).sum(1, keepdim=True)
+    n_hi, r_lo, n_lo, r_hi = _masses(plo, phi, pel, peh)
+    above = plo >= t[:, None]  # the whole tail sorts before i
+    n_hi = n_hi + torch.where(above, 0.0, tail_h)
+    r_lo = r_lo + torch.where(above, tail_l, 0.0)
+    r_hi = r_hi + tail_h
+    k, d = _decide(n_hi, r_lo, n_lo, r_hi, plo, p, eps)
+    wide = torch.zeros((r, V + 1), dtype=torch.bool, device=lo.device)  # column V: padding
+    return wide.scatter(1, cols, k)[:, :V], drop | wide.scatter(1, cols, d)[:, :V]
+
+
+def _bisect_tail(lo, el, eh, tot_h, need, upper) -> torch.Tensor:
+    """Per row, a ``t < upper`` (found by bisection) at which the tail bound, evaluated at
+    ``t`` itself (``N``, ``H`` over the tokens with ``ylo >= t``), exceeds ``need``; ``-inf``
+    where none is found. The bound grows as ``t`` decreases, so bisection finds a high one."""
+    fin = lo > -math.inf
+    a = lo.masked_fill(~fin, math.inf).amin(1) - 1.0  # below every finite lower bound: N = all
+    b = upper.clone()
+    good = torch.full_like(a, -math.inf)
+    for _ in range(BISECT_STEPS):
+        m = torch.where(good > -math.inf, (good + b) / 2, torch.where(torch.isfinite(a), (a + b) / 2, a))
+        above = lo >= m[:, None]
+        n = (el * above).sum(1, keepdim=True)
+        h = (eh * above).sum(1, keepdim=True)
+        ok = (_tail_bound(n, h, tot_h) > need).squeeze(1) & torch.isfinite(m)
+        good = torch.where(ok, m, good)
+        b = torch.where(ok, b, m)
+    return good
+
+
 def top_p_bounds(ylo: torch.Tensor, yhi: torch.Tensor, top_p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Apply top-p (``[R]`` float32, ``1`` = off) to bounds; see the module docstring."""
     on = top_p < 1.0
@@ -73,30 +201,31 @@ def top_p_bounds(ylo: torch.Tensor, yhi: torch.Tensor, top_p: torch.Tensor) -> t
         return ylo, yhi
     rows = on.nonzero().squeeze(1)
     lo, hi = ylo[rows].double(), yhi[rows].double()
-    V = lo.shape[1]
+    r, V = lo.shape
     c = hi.masked_fill(hi == math.inf, -math.inf).amax(1, keepdim=True)
     c = torch.where(torch.isfinite(c), c, torch.zeros_like(c))
     el, eh = torch.exp(lo - c), torch.exp(hi - c)  # -inf -> 0
-    tot_h = eh.sum(1, keepdim=True)
-    # sorted by yhi: masses of tokens with yhi_j < t
-    hs, oh = hi.sort(1)
-    cum_h_by_h, cum_l_by_h = eh.gather(1, oh).cumsum(1), el.gather(1, oh).cumsum(1)
-    below_h = _prefix_before(hs, cum_h_by_h, lo, right=False)  # sum eh over yhi_j < ylo_i
-    below_l = _prefix_before(hs, cum_l_by_h, lo, right=False)  # sum el over yhi_j < ylo_i
-    n_hi = (tot_h - below_h - eh).clamp_min(0)
-    r_lo = el + below_l
-    a_hi = torch.where(n_hi == 0, 0.0, n_hi / (n_hi + r_lo))  # nothing can sort after i: A = 0
-    # sorted by ylo: masses of tokens with ylo_j > t
-    ls, ol = lo.sort(1)
-    cum_l_by_l, cum_h_by_l = el.gather(1, ol).cumsum(1), eh.gather(1, ol).cumsum(1)
-    tot_l = el.sum(1, keepdim=True)
-    n_lo = (tot_l - _prefix_before(ls, cum_l_by_l, hi, right=True)).clamp_min(0)
-    r_hi = _prefix_before(ls, cum_h_by_l, hi, right=True)  # eh over ylo_j <= yhi_i (i included)
-    a_lo = torch.where(n_lo == 0, 0.0, n_lo / (n_lo + r_hi))
     eps = 2 * gamma(V) + 1e-6
     p = top_p[rows].double()[:, None]
-    keep = (a_hi < p - eps) & (lo > -math.inf)
-    drop = a_lo > p + eps
+    tot_h = eh.sum(1, keepdim=True)
+    # the tail: tokens certainly dropped as a block (module docstring, "the tail")
+    t = torch.full((r,), -math.inf, dtype=lo.dtype, device=lo.device)
+    scan = min(TAIL_SCAN, V)
+    if scan > 0:  # the highest TAIL_SCAN lower bounds, one at a time
+        vals, idx = lo.topk(scan, dim=1)
+        n_top = el.gather(1, idx).cumsum(1)
+        h_top = eh.gather(1, idx).cumsum(1)
+        ok = (_tail_bound(n_top, h_top, tot_h) > p + eps) & (vals > -math.inf)
+        first = vals.gather(1, ok.to(torch.uint8).argmax(1, keepdim=True)).squeeze(1)  # smallest k: highest t
+        t = torch.where(ok.any(1), first, t)
+        todo = (t == -math.inf).nonzero().squeeze(1)
+        if todo.numel() and scan < V and BISECT_STEPS:  # broad nuclei: bisect on t below the scan
+            t[todo] = _bisect_tail(lo[todo], el[todo], eh[todo], tot_h[todo], p[todo] + eps, vals[todo, -1])
+    keep = torch.zeros_like(lo, dtype=torch.bool)
+    drop = torch.zeros_like(keep)
+    for i in range(r):  # one row at a time: packed widths differ widely between rows
+        keep[i:i + 1], drop[i:i + 1] = _decide_packed(lo[i:i + 1], hi[i:i + 1], el[i:i + 1], eh[i:i + 1],
+                                                      t[i:i + 1], p[i:i + 1], eps)
     out_lo, out_hi = ylo.clone(), yhi.clone()
     out_lo[rows] = torch.where(keep, ylo[rows], -math.inf)
     out_hi[rows] = torch.where(drop, -math.inf, yhi[rows])

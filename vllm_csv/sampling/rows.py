@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from .certificate import certify_draw
+from .gumbel import RowNoise
 from .head_adapter import HeadAdapter
 
 MAX_ROUNDS = 4
@@ -90,9 +91,10 @@ def certify_rows(adapter: HeadAdapter, hidden: torch.Tensor, process: Process, s
 
     if one_sided and bool(finite.any()):
         add(hi[finite].topk(min(FIRST_GUESS, V), dim=1).indices.unique())
+    noise = RowNoise(seeds, V)  # hashed once for the step's rounds
     for rnd in range(MAX_ROUNDS + 1):
         ylo, yhi = process(lo, hi)
-        cert = certify_draw(ylo, yhi, seeds, greedy)
+        cert = certify_draw(ylo, yhi, seeds, greedy, noise)
         winner = cert.winner
         certified = cert.certified & finite & scored[winner]
         open_rows = finite & ~certified & ~over_budget

@@ -25,13 +25,15 @@ vLLM's unchanged sampler then draws from those logits. On a certified row its dr
 the certified token (every finite value lies within its token's bounds; the tokens outside
 the scored set are ``-inf``; a top-p of 1.0 or min-p of 0 that vLLM applies batch-wide
 removes no token within 41 of the row's maximum, and the winner is within 41.1, the width of
-the noise). Anything this hook cannot reason about (speculative decoding, fp64 Gumbel,
+the noise). When every top-p row of the batch was certified, vLLM's top-p is skipped for the
+draw (:func:`_top_p_off`): its full-vocabulary sort was the dense step's largest cost. Anything this hook cannot reason about (speculative decoding, fp64 Gumbel,
 a thinking budget, custom logits processors, min_tokens with a grammar, a non-CPU sampler)
 makes every deferred row dense.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from collections.abc import Callable
@@ -160,21 +162,26 @@ def resolve(sampler, d: Deferred, logits: torch.Tensor, md, predict_bonus_token:
         else:
             greedy = md.temperature.cpu()[rows] < _SAMPLING_EPS
         seeds = peek_seeds(B, md.generators)[rows] if bool((~greedy).any()) else torch.zeros(R, dtype=torch.long)
-        base = logits.float()
         min_p = _min_p(md, rows)
         top_p = md.top_p.cpu()[rows].float() if md.top_p is not None else torch.ones(R)
+
+        every_row = R == B and torch.equal(rows, torch.arange(B))  # the batch itself: no scatter / gather
+        base = None if every_row else logits.float()
 
         def process(lo: torch.Tensor, hi: torch.Tensor):
             out = []
             for x in (lo, hi):
-                full = base.clone()
-                full[dev_rows] = x
+                if every_row:
+                    full = x.clone()  # vLLM's processors work in place
+                else:
+                    full = base.clone()
+                    full[dev_rows] = x
                 full = sampler.apply_logits_processors(full, md, predict_bonus_token)
-                pre = full[dev_rows]
                 if not md.all_greedy and md.temperature is not None:
-                    post = sampler.apply_temperature(full, md.temperature, md.all_random)[dev_rows]
-                    pre = torch.where(greedy.to(pre.device)[:, None], pre, post)
-                out.append(pre)
+                    # in place; greedy rows are divided by exactly 1.0 (x / 1.0 == x, bit for bit):
+                    # their values stay those greedy_argmax sees
+                    full = sampler.apply_temperature(full, md.temperature, md.all_random)
+                out.append(full if every_row else full[dev_rows])
             ylo, yhi = min_p_bounds(out[0], out[1], min_p.to(out[0].device))
             return top_p_bounds(ylo, yhi, top_p.to(out[0].device))
 
@@ -206,6 +213,20 @@ def resolve(sampler, d: Deferred, logits: torch.Tensor, md, predict_bonus_token:
     return st, no_top_p
 
 
+def _top_p_off(sampler, md) -> bool:
+    """Whether vLLM's top-p may be skipped for this draw (``top_p=None``), once the certified
+    rows' values are 1: every row's ``top_p`` is 1, no top-k, and no processed logprobs to
+    return. A top-p of 1 only drops tokens of fp32 probability 0 (``y < max y - 87``), which
+    no draw picks (a Gumbel winner is within 41.1 of the row's maximum, and greedy rows take
+    their argmax before top-p): the draw is the same, without vLLM's full-vocabulary sort.
+    (One host read of ``top_p``: on the CPU sampler, where it lives.)"""
+    if md.top_k is not None or not bool((md.top_p == 1.0).all()):
+        return False
+    wants_logprobs = md.max_num_logprobs is not None or bool(getattr(md, "logprob_token_ids", None))
+    return not wants_logprobs or sampler.topk_topp_sampler.logprobs_mode not in ("processed_logits",
+                                                                                 "processed_logprobs")
+
+
 def install() -> None:
     """Wrap ``Sampler.forward`` (V1) once per process."""
     from vllm.v1.sample.sampler import Sampler
@@ -227,7 +248,10 @@ def install() -> None:
         saved = top_p[idx].clone()
         top_p[idx] = 1.0  # decided by the certificate (see resolve); vLLM's own value is restored after
         try:
-            return orig(self, logits, sampling_metadata, predict_bonus_token, logprobs_mode_override)
+            md = sampling_metadata
+            if _top_p_off(self, md):
+                md = dataclasses.replace(md, top_p=None)
+            return orig(self, logits, md, predict_bonus_token, logprobs_mode_override)
         finally:
             top_p[idx] = saved
 

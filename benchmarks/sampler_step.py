@@ -1,0 +1,206 @@
+"""One deferred sampler step (rows certified in vLLM's sampler) against vLLM's dense step, standalone.
+
+    python benchmarks/sampler_step.py --batches 1 8 --threads 1 --json out.json
+    python benchmarks/sampler_step.py --batches 8 --profile          # torch.profiler table
+    python benchmarks/sampler_step.py --batches 8 --cprofile         # cProfile (Python time)
+
+Rows: the deferred modes of ``benchmarks/serve.py``'s MIXED workload in turn (temperature,
+top-p, min-p, penalties on greedy rows, logit_bias), on real hidden states of the learned
+fixture (``benchmarks/fixtures.py``, bf16 head, the server's default screen).
+
+* dense: vLLM's own head (:class:`lm_head.VllmDenseHead`, oneDNN on CPU) and then vLLM's
+  ``Sampler.forward`` on the dense logits -- what a server without CSV does for these rows;
+* CSV: the placeholder rows the plugin's head leaves, then the wrapped ``Sampler.forward``
+  (:mod:`vllm_csv.vllm_plugin.sampler_hook`: screen, certificate, exact scoring, vLLM's
+  sampler on the certified rows; dense head for the rows it cannot certify).
+
+Both see the same metadata and the same seeds; the script checks they draw the same tokens.
+Timings are medians over ``--repeats`` interleaved runs, on whatever else the machine runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import json
+import os
+import pstats
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+MODES = ("temperature", "top_p", "min_p", "penalties", "logit_bias")
+
+
+def metadata(B: int, V: int, out_tokens: list[list[int]], prompt: torch.Tensor):
+    """vLLM's SamplingMetadata for ``B`` rows cycling through :data:`MODES`, with the parameters
+    of serve.py's MIXED workload, as ``InputBatch`` builds it on CPU."""
+    from vllm.v1.sample.logits_processor import LogitsProcessors
+    from vllm.v1.sample.logits_processor.builtin import LogitBiasLogitsProcessor, MinPLogitsProcessor
+    from vllm.v1.sample.metadata import SamplingMetadata
+
+    modes = [MODES[i % len(MODES)] for i in range(B)]
+    temp = torch.tensor([0.0 if m == "penalties" else 0.8 for m in modes])
+    top_p = torch.tensor([0.9 if m == "top_p" else 1.0 for m in modes])
+    min_p = torch.tensor([0.1 if m == "min_p" else 0.0 for m in modes])
+    mp = MinPLogitsProcessor.__new__(MinPLogitsProcessor)
+    mp.min_p_cpu_tensor = min_p
+    mp.min_p_cpu = min_p.numpy()
+    mp.min_p_count = int((min_p > 0).sum())
+    mp.use_double_tensor = False
+    mp.min_p_device = min_p
+    mp.min_p = min_p.unsqueeze(1)
+    lb = LogitBiasLogitsProcessor(None, torch.device("cpu"), False)
+    lb.biases = {i: {10: 3.0, 50: -5.0, 300: 2.0} for i, m in enumerate(modes) if m == "logit_bias"}
+    reqs = [r for r, d in lb.biases.items() for _ in d]
+    toks = [t for d in lb.biases.values() for t in d]
+    lb.bias_tensor = torch.tensor([v for d in lb.biases.values() for v in d.values()])
+    lb.logits_slice = (torch.tensor(reqs, dtype=torch.int32), torch.tensor(toks, dtype=torch.int32))
+    pen = [m == "penalties" for m in modes]
+    gens = {i: torch.Generator().manual_seed(100 + i) for i in range(B) if temp[i] > 0}
+    return modes, SamplingMetadata(
+        temperature=temp, all_greedy=bool((temp == 0).all()), all_random=bool((temp > 0).all()),
+        top_p=top_p if bool((top_p < 1).any()) else None, top_k=None, generators=gens,
+        max_num_logprobs=None, no_penalties=not any(pen), prompt_token_ids=prompt,
+        frequency_penalties=torch.tensor([0.3 if p else 0.0 for p in pen]),
+        presence_penalties=torch.tensor([0.5 if p else 0.0 for p in pen]),
+        repetition_penalties=torch.tensor([1.2 if p else 1.0 for p in pen]),
+        output_token_ids=out_tokens, allowed_token_ids_mask=None, bad_words_token_ids={},
+        logitsprocs=LogitsProcessors([mp, lb]), spec_token_ids=[[] for _ in range(B)])
+
+
+def _commit() -> str:
+    try:
+        root = Path(__file__).resolve().parents[1]
+        c = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True).stdout
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root,
+                               capture_output=True, text=True).stdout.strip()
+        return c.strip() + ("+dirty" if dirty else "")
+    except OSError:
+        return "unknown"
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--hidden", type=int, default=512, help="fixture hidden size")
+    p.add_argument("--batches", type=int, nargs="+", default=[1, 8])
+    p.add_argument("--steps", type=int, default=40, help="distinct hidden-state batches (positions / B)")
+    p.add_argument("--repeats", type=int, default=3, help="passes over the steps")
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--screen", default="auto")
+    p.add_argument("--profile", action="store_true", help="torch.profiler table of the CSV step")
+    p.add_argument("--cprofile", action="store_true", help="cProfile of the CSV step")
+    p.add_argument("--json", default=None)
+    a = p.parse_args(argv)
+    torch.set_num_threads(a.threads)
+
+    from fixtures import fixture
+    from lm_head import VllmDenseHead, hidden_states, machine
+    from vllm.v1.sample.sampler import Sampler
+
+    from vllm_csv import CertifiedHead, HeadConfig
+    from vllm_csv.hf_head import load_lm_head
+    from vllm_csv.sampling.head_adapter import HeadAdapter
+    from vllm_csv.vllm_plugin import sampler_hook
+
+    model = fixture(a.hidden)
+    lm = load_lm_head(model)
+    W = lm.weight.to(torch.bfloat16)
+    npos = a.steps * max(a.batches)
+    H = hidden_states(model, npos, "cpu").to(torch.bfloat16)
+    head = CertifiedHead(W, config=HeadConfig(screen=a.screen, off_switch=False))
+    vhead = VllmDenseHead(W)
+    adapter = HeadAdapter(head)
+    sampler_hook.install()
+    sampler = Sampler()
+    V = head.vocab_size
+    g = torch.Generator().manual_seed(0)
+    results = {"machine": machine("cpu"), "commit": _commit(), "threads": a.threads, "screen": head.screen.name,
+               "model": model.name, "command": " ".join(sys.argv), "loadavg_before": os.getloadavg(), "rows": []}
+
+    for B in a.batches:
+        hs = [H[i * B:(i + 1) * B] for i in range(a.steps)]
+        outs = [[torch.randint(0, V, (20,), generator=g).tolist() for _ in range(B)] for _ in range(a.steps)]
+        prompt = torch.randint(0, V, (B, 16), generator=g)
+        modes, md = metadata(B, V, outs[0], prompt)
+
+        def reset(s):
+            md.output_token_ids[:] = outs[s]
+            torch.manual_seed(s)
+            for i, gen in md.generators.items():
+                gen.manual_seed(100 + i + s)
+
+        def dense_step(s):
+            return sampler(logits=vhead(hs[s]), sampling_metadata=md).sampled_token_ids[:, 0]
+
+        stats = []
+
+        def csv_step(s):
+            h = hs[s]
+            logits = torch.empty((B, V), dtype=W.dtype)
+            rows = torch.arange(B)
+            logits[rows] = sampler_hook.PLACEHOLDER
+            sampler_hook.defer(sampler_hook.Deferred(logits, h.clone(), rows, modes, adapter,
+                                                     lambda: vhead(h), stats.append))
+            return sampler(logits=logits, sampling_metadata=md).sampled_token_ids[:, 0]
+
+        td, tc, mism = [], [], 0
+        for rep in range(a.repeats + 1):  # the first pass warms up
+            for s in range(a.steps):
+                reset(s)  # the same seeds and outputs for both (untimed: manual_seed is slow)
+                t0 = time.perf_counter()
+                want = dense_step(s)
+                t1 = time.perf_counter()
+                reset(s)
+                t2 = time.perf_counter()
+                got = csv_step(s)
+                t3 = time.perf_counter()
+                mism += int((want != got).sum())
+                if rep:
+                    td.append((t1 - t0) * 1e3)
+                    tc.append((t3 - t2) * 1e3)
+                else:
+                    stats.clear()
+        cert = sum(sum(st.certified.values()) for st in stats)
+        row = {"batch": B, "dense_ms": statistics.median(td), "csv_ms": statistics.median(tc),
+               "dense_min_ms": min(td), "csv_min_ms": min(tc),
+               "certified_share": cert / max(1, sum(st.rows for st in stats)),
+               "scored_mean": statistics.mean(st.scored for st in stats), "mismatches": mism}
+        row["speedup"] = row["dense_ms"] / row["csv_ms"]
+        results["rows"].append(row)
+        print(f"B={B}: dense {row['dense_ms']:.3f} ms, CSV {row['csv_ms']:.3f} ms ({row['speedup']:.2f}x), "
+              f"certified {row['certified_share']:.1%}, |S| mean {row['scored_mean']:.1f}, mismatches {mism}")
+        if a.profile:
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+                for s in range(a.steps):
+                    reset(s)
+                    csv_step(s)
+            print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=30))
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+                for s in range(a.steps):
+                    reset(s)
+                    dense_step(s)
+            print("dense:\n" + prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=12))
+        if a.cprofile:
+            pr = cProfile.Profile()
+            pr.enable()
+            for s in range(a.steps):
+                reset(s)
+                csv_step(s)
+            pr.disable()
+            pstats.Stats(pr).sort_stats(os.environ.get("SORT", "cumulative")).print_stats(35)
+    results["loadavg_after"] = os.getloadavg()
+    if a.json:
+        Path(a.json).write_text(json.dumps(results, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
