@@ -233,3 +233,24 @@ def test_cli_serve_arguments(monkeypatch):
     assert seen == [("M", True, []), (None, True, ["--dtype", "bfloat16"]), ("M", False, ["--once"])]
     with pytest.raises(SystemExit):
         cli.main(["build-index", "X", "--", "--y"])
+
+
+def test_serve_forwards_output_and_drops_only_teardown_noise():
+    """The main job copies the server's output; once it has asked the server to stop, the
+    known teardown reports (triton's nanobind leak lists, the resource tracker's) are counted,
+    not printed; anything else (an error) still shows."""
+    import io
+
+    from vllm_csv.serve import _Forward
+
+    lines = ["INFO started\n", "nanobind: leaked 3 types!\n", "ERROR real problem\n"]
+    out = io.StringIO()
+    f = _Forward(iter(lines), out)
+    f.close()
+    assert out.getvalue() == "".join(lines)  # while serving: everything
+    out = io.StringIO()
+    f = _Forward(iter([]), out)
+    f.thread.join()
+    f.stream, f.stop = iter(lines + [" - leaked type \"x\"\n", "See https://nanobind.readthedocs.io\n"]), True
+    f._run()
+    assert out.getvalue() == "INFO started\nERROR real problem\n" and f.dropped == 3

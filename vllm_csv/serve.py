@@ -18,6 +18,41 @@ from pathlib import Path
 from .errors import CSVError
 
 DEMO_PROMPT = "def fibonacci(n):\n"
+# Teardown reports that plain `vllm serve` prints too when it is stopped (triton's nanobind
+# bindings list their objects alive at interpreter exit; multiprocessing's resource tracker
+# its semaphores): harmless, hundreds of lines. Dropped once the server was asked to stop.
+TEARDOWN_NOISE = ("nanobind: ", " - leaked ", " - ... skipped remainder", "See https://nanobind",
+                  "resource_tracker: There appear to be", "  warnings.warn('resource_tracker")
+
+
+class _Forward:
+    """Copies the server's output to ours, line by line; after :meth:`stopping`, the lines of
+    :data:`TEARDOWN_NOISE` are counted instead of printed."""
+
+    def __init__(self, stream, out=None):
+        import threading
+
+        self.stream, self.out = stream, out or sys.stdout
+        self.stop, self.dropped = False, 0
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self):
+        for line in self.stream:
+            if self.stop and any(n in line for n in TEARDOWN_NOISE):
+                self.dropped += 1
+            else:
+                self.out.write(line)
+                self.out.flush()
+
+    def stopping(self):
+        self.stop = True
+
+    def close(self, timeout: float = 10.0) -> None:
+        self.thread.join(timeout)
+        if self.dropped:
+            print(f"[vllm-csv] server stopped ({self.dropped} lines of triton/multiprocessing teardown "
+                  "reports not shown)", file=sys.stderr)
 
 
 def _vllm_command() -> list[str]:
@@ -78,7 +113,9 @@ def serve(model: str | None, host: str, port: int, once: bool, extra: list[str],
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     cmd = [*_vllm_command(), "serve", model, "--enable-csv-decode", "--host", host, "--port", str(port), *extra]
     print("[vllm-csv] " + " ".join(cmd), file=sys.stderr)
-    proc = subprocess.Popen(cmd, env=env)
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            errors="replace")
+    fwd = _Forward(proc.stdout)
     base = f"http://{host}:{port}"
     try:
         wait_healthy(proc, base, timeout)
@@ -96,9 +133,11 @@ def serve(model: str | None, host: str, port: int, once: bool, extra: list[str],
     except KeyboardInterrupt:
         return 130
     finally:
+        fwd.stopping()
         if proc.poll() is None:
-            proc.send_signal(signal.SIGINT)
+            proc.send_signal(signal.SIGINT)  # vLLM's own clean shutdown (as Ctrl-C)
             try:
                 proc.wait(timeout=30)
             except subprocess.TimeoutExpired:
                 proc.kill()
+        fwd.close()
