@@ -68,7 +68,13 @@ class CSVLogitsProcessor(LogitsProcessor):
                 self.csv_metrics.record(csv_head.StepStats(rows=hidden_states.shape[0]))
             return out
         B = hidden_states.shape[0]
-        dense_full = lambda: self._dense(lm_head, hidden_states, embedding_bias)  # noqa: E731
+        memo: list[torch.Tensor] = []
+
+        def dense_full() -> torch.Tensor:
+            """vLLM's dense logits of the whole batch, computed at most once a step."""
+            if not memo:
+                memo.append(self._dense(lm_head, hidden_states, embedding_bias))
+            return memo[0]
         ks = list(plan.topk)
         if not isinstance(head, csv_head.CertifiedHead):  # sharded head: the sampler hook has no adapter
             ks = [0 if k == step_plan.DEFER else k for k in ks]
@@ -83,28 +89,32 @@ class CSVLogitsProcessor(LogitsProcessor):
                                                 lambda h: dense_full(), t0=t0,
                                                 temperature=torch.tensor(temps, dtype=torch.float32))
         else:
-            logits = torch.empty((B, head.vocab_size), dtype=head.dtype, device=hidden_states.device)
             sub = torch.tensor(in_head, dtype=torch.long, device=hidden_states.device)
+            part = None
             if any(ks[i] > 0 for i in in_head):
                 part, stats = head.sampler_logits(hidden_states[sub], torch.tensor([ks[i] for i in in_head]),
                                                   lambda h: dense_full()[sub], t0=t0,
                                                   temperature=torch.tensor([temps[i] for i in in_head],
                                                                            dtype=torch.float32))
-                logits[sub] = part
                 off = stats.fallbacks["off_switch"] > 0
             else:
                 stats = csv_head.StepStats(rows=len(in_head), screen=head.screen.name)
-                if in_head:
-                    logits[sub] = dense_full()[sub].to(head.dtype)
                 own_switch = sw is not None
                 off = own_switch and not sw.allow(B, lambda: csv_head._time(dense_full, hidden_states))
             rows = torch.tensor(deferred, dtype=torch.long)
-            if off:
-                logits[rows.to(logits.device)] = dense_full()[rows.to(logits.device)].to(head.dtype)
+            if off:  # the whole step is dense: vLLM's own output, one GEMM, no copies
+                logits = dense_full().to(head.dtype)
+                if own_switch and not hidden_states.is_cuda:  # (CUDA: no sync to time it)
+                    sw.observe_dense(B, time.perf_counter() - t0)
                 stats.rows += len(deferred)
                 stats.csv_rows += len(deferred)
                 stats.fallbacks["off_switch"] += len(deferred)
             else:
+                logits = torch.empty((B, head.vocab_size), dtype=head.dtype, device=hidden_states.device)
+                if part is not None:
+                    logits[sub] = part
+                elif in_head:
+                    logits[sub] = dense_full()[sub].to(head.dtype)
                 logits[rows.to(logits.device)] = sampler_hook.PLACEHOLDER
                 sampler_hook.defer(sampler_hook.Deferred(
                     logits, hidden_states[rows.to(hidden_states.device)].clone(), rows,
