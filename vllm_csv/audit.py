@@ -110,11 +110,20 @@ def check_sampled(head, case: Case, temp: float) -> Outcome:
     t = torch.full((B,), temp, dtype=torch.float32)
     out, _ = head.sampler_logits(case.hidden, k, temperature=t)
     c = head.last_certified
-    a, b = sampler_kept(out, k, t), sampler_kept(dense_reference(case), k, t)
-    ka, kb = a != -math.inf, b != -math.inf  # kept (+inf kept too: overflow by the division)
-    wrong_set = (ka != kb).any(1) & c
-    wrong_bits = (_bits(a) != _bits(b)).any(1) & c & (kb.sum(1) > 1)
+    wrong_set, wrong_bits = sampled_mismatch(out, dense_reference(case), k, t, c)
     return Outcome(B, int(c.sum()), int(wrong_set.sum()), int(wrong_bits.sum()))
+
+
+def sampled_mismatch(out: torch.Tensor, dense: torch.Tensor, k: torch.Tensor, temp: torch.Tensor,
+                     certified: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(wrong_set [B], wrong_bits [B])`` bool: certified rows of ``out`` whose kept set under
+    :func:`sampler_kept` differs from the dense row's, and those keeping more than one token
+    whose bits differ."""
+    a, b = sampler_kept(out, k, temp), sampler_kept(dense, k, temp)
+    ka, kb = a != -math.inf, b != -math.inf  # kept (+inf kept too: overflow by the division)
+    wrong_set = (ka != kb).any(1) & certified
+    wrong_bits = (_bits(a) != _bits(b)).any(1) & certified & (kb.sum(1) > 1)
+    return wrong_set, wrong_bits
 
 
 # ---- families -------------------------------------------------------------------------------

@@ -206,16 +206,14 @@ def build_index(
     w64 = w.cpu().double()
     dist = (w64 - centroids.double()[labels]).norm(dim=1)
     radii = torch.zeros(C, dtype=torch.float64).scatter_reduce(0, labels, dist, "amax")
-    radii = _round_up(radii)
-    wmax = _round_up(torch.zeros(C, dtype=torch.float64).scatter_reduce(0, labels, w64.norm(dim=1), "amax"))
+    radii = round_up32(radii)
+    wmax = round_up32(torch.zeros(C, dtype=torch.float64).scatter_reduce(0, labels, w64.norm(dim=1), "amax"))
     if bias is None:
         bmax = torch.zeros(C)
     else:
-        bmax = _round_up(torch.full((C,), -torch.inf, dtype=torch.float64).scatter_reduce(
+        bmax = round_up32(torch.full((C,), -torch.inf, dtype=torch.float64).scatter_reduce(
             0, labels, bias.detach().cpu().double(), "amax"))
     meta = {"vocab_size": V, "hidden_size": d, "num_clusters": C, "method": method, "seed": seed,
             "build_seconds": round(time.perf_counter() - t0, 3)}
     return CSVIndex(perm, offsets, centroids, radii, bmax, wmax, fingerprint_weights(weight, bias), meta)
 
-
-_round_up = round_up32  # (the screens' name for it)

@@ -51,8 +51,7 @@ import math
 import torch
 
 from ..errors import CSVError
-from ..fp import FP32_UNIT_ROUNDOFF
-from ..index import _round_up
+from ..fp import FP32_UNIT_ROUNDOFF, round_up32
 from ..ops.fbgemm import ACT_MAX, ACT_MIN, C_MAX_LOG2, C_MIN_LOG2, PackedInt8Linear, packed_int8_linear_ref
 from .copy_error import copy_error_norms
 from .quantized import quantize
@@ -102,8 +101,8 @@ class FbgemmInt8Screen:
         self.s = s
         r, n = copy_error_norms(weight, lambda a, b: q[a:b].double() * s[a:b, None].double(), chunk)
         slack = 1 + 4 * FP32_UNIT_ROUNDOFF
-        self.radius = _round_up(r) * slack
-        self.n = _round_up(n) * slack
+        self.radius = round_up32(r) * slack
+        self.n = round_up32(n) * slack
         self.s_min, self.s_max = float(s.min()), float(s.max())
         self.bias = None if bias is None else bias.float()
         self.extra_bytes = V * (d + 2) + V * 4 * 5  # packed int8; col offsets, scales, zero points, r, n
@@ -179,7 +178,7 @@ class FbgemmInt8Screen:
             if any(self.s_min * x < S_MIN for x in scale_l):
                 f = f + torch.tensor([2.0**-149 / self.s_min if self.s_min * x < S_MIN else 0.0 for x in scale_l],
                                      dtype=torch.float64)
-        e = _round_up(f) * (1 + 4 * FP32_UNIT_ROUNDOFF)
+        e = round_up32(f) * (1 + 4 * FP32_UNIT_ROUNDOFF)
         out = ScreenOut(y, self.radius, True, self.n, e, REL, row_scale)
         if self.bias is not None:
             out.y += self.bias

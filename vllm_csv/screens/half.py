@@ -23,8 +23,7 @@ import math
 import torch
 
 from ..errors import CSVError
-from ..fp import FP32_UNIT_ROUNDOFF, gamma
-from ..index import _round_up
+from ..fp import FP32_UNIT_ROUNDOFF, gamma, round_up32
 from .copy_error import copy_error_norms
 
 FP16_REL = 2.0**-11 * (1 + 2.0**-10)
@@ -41,8 +40,8 @@ class HalfScreen:
         if not bool(torch.isfinite(self.w16).all()) or float(n.max()) * math.sqrt(d) * (1 + gamma(d)) >= 60000:
             raise CSVError("screen 'fp16': LM head rows too large for fp16 (use --csv-screen int8)")
         slack = 1 + 4 * FP32_UNIT_ROUNDOFF
-        self.radius = _round_up(r + 2.0**-24) * slack
-        self.n = _round_up(n) * slack
+        self.radius = round_up32(r + 2.0**-24) * slack
+        self.n = round_up32(n) * slack
         self.gamma = gamma(d)
         self.bias = None if bias is None else bias.float()
         self.extra_bytes = self.w16.numel() * 2 + V * 8
@@ -60,4 +59,4 @@ class HalfScreen:
         y = torch.mul(y16, t) if self.bias is None else torch.addcmul(self.bias, y16, t)
         f = (h.double() - t.double() * h16.double()).norm(dim=1)
         e = f + self.gamma * t[:, 0].double() * h16.double().norm(dim=1)
-        return ScreenOut(y, self.radius, True, self.n, _round_up(e) * (1 + 4 * FP32_UNIT_ROUNDOFF), FP16_REL)
+        return ScreenOut(y, self.radius, True, self.n, round_up32(e) * (1 + 4 * FP32_UNIT_ROUNDOFF), FP16_REL)

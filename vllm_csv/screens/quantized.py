@@ -16,8 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from ..fp import FP32_UNIT_ROUNDOFF, gamma
-from ..index import _round_up
+from ..fp import FP32_UNIT_ROUNDOFF, gamma, round_up32
 from .copy_error import copy_error_norms
 
 GROUP = 32
@@ -71,9 +70,9 @@ class QuantizedScreen:
         r, n = copy_error_norms(  # deq = q * s, exact in float64
             weight, lambda a, b: self.q[a:b].double() * _expand(self.s[a:b], d).double(), chunk)
         slack = 1 + 4 * FP32_UNIT_ROUNDOFF
-        self.r_exact = _round_up(r) * slack  # exact-integer path: radius without accumulation error
-        self.n = _round_up(n) * slack
-        self.radius = _round_up(r + gamma(d + 2) * n) * slack  # fp32-accumulation paths
+        self.r_exact = round_up32(r) * slack  # exact-integer path: radius without accumulation error
+        self.n = round_up32(n) * slack
+        self.radius = round_up32(r + gamma(d + 2) * n) * slack  # fp32-accumulation paths
         self.bias = None if bias is None else bias.float()
         self.int_gemm = bits == 8 and weight.device.type in ("cpu", "cuda") and d * 127 * 127 < 2**31
         if self.int_gemm:  # padded for cuBLASLt on CUDA; self.q stays a view of it
@@ -100,7 +99,7 @@ class QuantizedScreen:
             acc = int8_gemm(p, self.q_gemm, self.q.shape[0])  # exact
             y = acc.float().mul_(t).mul_(self.s_row)
             f = (h.double() - t.double() * p.double()).norm(dim=1)
-            e = _round_up(f) * (1 + 4 * FP32_UNIT_ROUNDOFF)
+            e = round_up32(f) * (1 + 4 * FP32_UNIT_ROUNDOFF)
             out = ScreenOut(y, self.r_exact, True, self.n, e)
         elif self.bits == 8:
             from ..ops import int8_screen
