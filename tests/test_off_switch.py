@@ -262,3 +262,13 @@ def test_head_alternating_certifiable_and_tied_rows(monkeypatch):
     warm = SCREEN + 2 * DENSE  # the first step: a warm-up, which also measured the dense head twice
     assert clock.now - dense_total <= sw.tolerance * dense_total + one_step + warm, (clock.now, untried)
     assert sw.times_tripped >= 1 and all(off <= one_step / (sw.tolerance * DENSE) + 1 for off in untried[::2]), untried
+
+
+def test_first_guess_times_one_dense_call():
+    """The plugin's dense function keeps its output for the step, so a second call times
+    nothing: the first guess must be the one real call (a min over two calls gave ~0, and
+    a CSV step that saved time looked like pure excess)."""
+    calls = iter([0.010, 0.0])
+    sw = OffSwitch()
+    assert sw.dense_estimate(4, lambda: next(calls)) == 0.010
+    assert sw.dense_estimate(4, lambda: next(calls)) == 0.010  # measured once per batch size

@@ -12,8 +12,8 @@ A step may try CSV only while ``excess <= tolerance * dense_total``. Each tried 
 one step's excess at most, so at every moment ``excess <= tolerance * dense_total + x``
 with ``x`` the excess of a single step: over any run, CSV is never more than ``tolerance``
 slower than the dense head, up to one step, plus, once per batch size, its first CSV step,
-which is a warm-up (first calls of kernels, allocator growth) and is not charged, and the two
-dense-head runs that give the first guess of its dense time. This holds for any sequence of
+which is a warm-up (first calls of kernels, allocator growth) and is not charged, and the
+dense-head run that gives the first guess of its dense time. This holds for any sequence of
 steps (the floor on ``excess`` only ever raises it), workloads that alternate between steps
 CSV pays for and steps it does not included (``tests/test_off_switch.py``). A CSV path that
 is ``r`` times slower than dense is retried once every ``(r - 1) / tolerance`` steps; a
@@ -57,8 +57,12 @@ class OffSwitch:
         self._probed: set[int] = set()
 
     def dense_estimate(self, batch: int, measure: Callable[[], float]) -> float:
+        """The batch size's estimate; the first guess is one timed call of ``measure``. Once
+        only: the plugin's dense function keeps its output for the step (a second call would
+        time nothing: that made the first guess about 0 and CSV look slower than it is), and
+        the guess only stands until the probe of the batch size's second step replaces it."""
         if batch not in self.dense_seconds:
-            self.dense_seconds[batch] = min(measure(), measure())
+            self.dense_seconds[batch] = measure()
         return self.dense_seconds[batch]
 
     def allow(self, batch: int, measure_dense: Callable[[], float]) -> bool:

@@ -155,7 +155,7 @@ class SharedOffSwitch:
     def allow(self, batch: int, measure_dense: Callable[[], float]) -> bool:
         sw = self.switch
         if batch not in sw.dense_seconds:
-            t = torch.tensor([min(measure_dense(), measure_dense())], dtype=torch.float32)  # shm all-gather: no fp64
+            t = torch.tensor([measure_dense()], dtype=torch.float32)  # once: see OffSwitch.dense_estimate; no fp64 (shm)
             sw.dense_seconds[batch] = float(self.comm.all_gather(t).max())  # one-off per batch size
         return sw.allow(batch, lambda: sw.dense_seconds[batch])
 
