@@ -9,8 +9,9 @@ first plain, then with ``--enable-csv-decode``. Each client loops until the time
 fixed, seeded schedule of requests (greedy, seeded temperature, top-k, top-p, min-p,
 penalties, logit_bias; streaming and not; ``n > 1``; stop strings; short and long prompts).
 Reports per server: requests, errors, generated tokens/s, TTFT and inter-token latency
-percentiles (streaming requests), the server's resident memory after warm-up and at the end,
-and for CSV its certified share from ``/metrics``. Deterministic requests (greedy or seeded)
+percentiles (streaming requests), the server's resident memory (sampled every 10 s after a
+warm-up at full load; its growth over the run and over its second half), and for CSV its
+certified share from ``/metrics``. Deterministic requests (greedy or seeded)
 that both servers answered are compared: the number that differ must be 0.
 """
 
@@ -21,7 +22,6 @@ import asyncio
 import contextlib
 import json
 import os
-import re
 import signal
 import statistics
 import subprocess
@@ -31,6 +31,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+RSS_EVERY = 10.0  # seconds between RSS samples of the server
 PROMPTS = ["def fibonacci(n):\n", "import os\nimport sys\n", "class Parser:\n    def __init__(self",
            "# Copyright 2024\n" + "x = 1\n" * 40, "for i in range(", "    return self."]
 MODES = [
@@ -148,17 +149,43 @@ def compare(csv: list[dict], dense: list[dict]) -> dict:
 
 
 def measure(url: str, pid: int | None, args) -> dict:
-    asyncio.run(run_load(url, min(args.clients, 8), min(10.0, args.seconds)))  # warm-up
-    rss0 = server_rss_mb(pid) if pid else None
+    """Warm up with every client for ``args.warmup`` seconds (the KV cache's pages and the
+    allocators' pools fill up to the load's working set), then measure ``args.seconds``,
+    sampling the server's RSS every ``RSS_EVERY`` seconds."""
+    import threading
+
+    asyncio.run(run_load(url, args.clients, args.warmup))
+    series: list[tuple[float, float]] = []
+    stop = threading.Event()
+
+    def sample():
+        while True:
+            series.append((round(time.perf_counter() - t0, 1), round(server_rss_mb(pid), 1)))
+            if stop.wait(RSS_EVERY):
+                return
+
     t0 = time.perf_counter()
+    sampler = threading.Thread(target=sample, daemon=True) if pid else None
+    if sampler:
+        sampler.start()
     results = asyncio.run(run_load(url, args.clients, args.seconds))
     out = summarize(results, time.perf_counter() - t0)
-    if pid:
-        rss1 = server_rss_mb(pid)
-        out.update(rss_mb_after_warmup=round(rss0, 1), rss_mb_end=round(rss1, 1),
-                   rss_growth=round(rss1 / rss0 - 1, 4))
+    if sampler:
+        stop.set()
+        sampler.join()
+        series.append((round(time.perf_counter() - t0, 1), round(server_rss_mb(pid), 1)))
+        out.update(rss_growth(series))
     out["results"] = results
     return out
+
+
+def rss_growth(series: list[tuple[float, float]]) -> dict:
+    """RSS after warm-up and at the end, their ratio, and the growth over the second half of
+    the run (a leak keeps growing; a pool filling up flattens)."""
+    rss0, rss1 = series[0][1], series[-1][1]
+    mid = min(series, key=lambda x: abs(x[0] - series[-1][0] / 2))[1]
+    return {"rss_mb_after_warmup": rss0, "rss_mb_end": rss1, "rss_growth": round(rss1 / rss0 - 1, 4),
+            "rss_growth_second_half": round(rss1 / mid - 1, 4), "rss_mb_series": series}
 
 
 @contextlib.contextmanager
@@ -187,22 +214,16 @@ def started_server(args, csv: bool):
 
 def csv_share(base: str) -> dict:
     """CSV's counters from ``/metrics``: rows on the CSV path, certified, fallbacks by reason."""
-    from vllm_csv.serve import _get
+    from vllm_csv.serve import csv_metrics
 
-    out: dict[str, float] = {}
-    for line in _get(base + "/metrics").decode().splitlines():
-        if line.startswith("csv_decode_") and "_bucket" not in line and not line.startswith("#"):
-            name, value = line.rsplit(" ", 1)
-            name = re.sub(r'model_name="[^"]*",?', "", name).replace(",}", "}").replace("{}", "")
-            for key in {name, name.split("{")[0]}:  # each label set, and the sum over labels
-                out[key] = out.get(key, 0.0) + float(value)
-    return out
+    return csv_metrics(base)
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--clients", type=int, default=64)
     p.add_argument("--seconds", type=float, default=300)
+    p.add_argument("--warmup", type=float, default=60, help="seconds of full load before measuring")
     p.add_argument("--model", default=None, help="model directory (default: the demo model)")
     p.add_argument("--csv-url", default=None)
     p.add_argument("--dense-url", default=None)

@@ -16,7 +16,6 @@ import argparse
 import json
 import os
 import platform
-import re
 import subprocess
 import sys
 import time
@@ -25,7 +24,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from vllm_csv.serve import _get, _post, _vllm_command, wait_healthy  # noqa: E402
+from vllm_csv.serve import _get, _post, _vllm_command, csv_metrics, wait_healthy  # noqa: E402
 
 PROMPTS = [
     "import os\nimport sys\n", "def fibonacci(n):\n", "class Parser:\n    def __init__(self", "for i in range(",
@@ -50,18 +49,6 @@ MIXED = {
     "penalties": {"temperature": 0, "presence_penalty": 0.5, "frequency_penalty": 0.3, "repetition_penalty": 1.2},
     "logit_bias": {"temperature": 0.8, "seed": 6, "logit_bias": {"10": 3.0, "50": -5.0, "300": 2.0}},
 }
-
-
-def metric_values(text: str) -> dict[str, float]:
-    """``name{labels}`` -> value for the csv_decode_ samples of a /metrics page (summed over
-    model names)."""
-    out: dict[str, float] = {}
-    for line in text.splitlines():
-        m = re.match(r"^(csv_decode_\w+)(\{[^}]*\})? ([0-9.eE+-]+)$", line)
-        if m and "model_name" in (m.group(2) or ""):
-            labels = re.sub(r'model_name="[^"]*",?', "", m.group(2)).replace("{}", "").replace(",}", "}")
-            out[m.group(1) + labels] = out.get(m.group(1) + labels, 0.0) + float(m.group(3))
-    return out
 
 
 def run_server(model: str, csv: bool, args) -> dict:
@@ -102,7 +89,7 @@ def run_server(model: str, csv: bool, args) -> dict:
             secs = time.perf_counter() - t0
             res[name] = {"tokens": tokens, "seconds": round(secs, 2), "tokens_per_s": round(tokens / secs, 1),
                          "texts": texts}
-        res["metrics"] = metric_values(_get(base + "/metrics").decode()) if csv else {}
+        res["metrics"] = csv_metrics(base) if csv else {}
         return res
     finally:
         proc.send_signal(2)
@@ -127,16 +114,19 @@ def summary(dense: dict, csv: dict) -> dict:
     out["rows_total"] = m.get("csv_decode_rows_total", 0.0)
     out["csv_rows"] = csv_rows
     by_mode = {k.split('mode="')[1].split('"')[0]: v for k, v in m.items()
-               if k.startswith("csv_decode_rows_certified_total")}
+               if k.startswith("csv_decode_rows_certified_total{")}
     cert = sum(by_mode.values())
     out["certified_by_mode"] = by_mode
     out["certified_share_of_csv_rows"] = cert / csv_rows if csv_rows else 0.0
     out["certified_share_of_all_rows"] = cert / out["rows_total"] if out["rows_total"] else 0.0
     out["fallbacks"] = {k.split('reason="')[1].rstrip('"}'): v for k, v in m.items()
-                        if k.startswith("csv_decode_fallbacks_total")}
+                        if k.startswith("csv_decode_fallbacks_total{")}
     n = m.get("csv_decode_head_seconds_count", 0.0)
     out["csv_head_ms_mean"] = round(1e3 * m.get("csv_decode_head_seconds_sum", 0.0) / n, 3) if n else None
     out["head_seconds_saved_total"] = m.get("csv_decode_head_seconds_saved_total")
+    csv_s = m.get("csv_decode_head_seconds_csv_total", 0.0)  # steps that ran CSV, and their dense estimate
+    out["head_speedup_on_csv_steps"] = round(m["csv_decode_head_seconds_dense_estimate_total"] / csv_s, 3) \
+        if csv_s else None
     return out
 
 

@@ -17,22 +17,36 @@ def test_worker_metrics_reach_a_multiprocess_registry(tmp_path):
         s.fallbacks["budget"] = 1
         m.record(s, dense_seconds=0.005, modes={"greedy": 1, "sampling": 1})
         m.record(StepStats(rows=2, csv_rows=0, seconds=0.001))
+        off = StepStats(rows=2, csv_rows=2, seconds=0.004, screen="int8")  # CSV off: dense, not a CSV step
+        off.fallbacks["off_switch"] = 2
+        m.record(off, dense_seconds=0.004)
     """)
     env = dict(os.environ, PROMETHEUS_MULTIPROC_DIR=str(tmp_path))
     subprocess.run([sys.executable, "-c", worker], env=env, check=True)
     reg = CollectorRegistry()
     multiprocess.MultiProcessCollector(reg, path=str(tmp_path))
     text = generate_latest(reg).decode()
-    assert 'csv_decode_rows_total{model_name="demo"} 6.0' in text
-    assert 'csv_decode_csv_rows_total{model_name="demo"} 3.0' in text
+    assert 'csv_decode_rows_total{model_name="demo"} 8.0' in text
+    assert 'csv_decode_csv_rows_total{model_name="demo"} 5.0' in text
     assert 'csv_decode_rows_certified_total{mode="greedy",model_name="demo"} 1.0' in text
     assert 'csv_decode_rows_certified_total{mode="sampling",model_name="demo"} 1.0' in text
     assert 'csv_decode_fallbacks_total{model_name="demo",reason="budget"} 1.0' in text
-    assert 'csv_decode_steps_total{model_name="demo"} 1.0' in text
+    assert 'csv_decode_steps_total{model_name="demo"} 2.0' in text
     assert 'csv_decode_scored_tokens_bucket{le="4.0",model_name="demo"} 1.0' in text
     assert 'csv_decode_scored_tokens_count{model_name="demo"} 2.0' in text
     assert 'csv_decode_head_seconds_saved_total{model_name="demo"} 0.003' in text
+    # the head speed-up of the steps that ran CSV: dense estimate / CSV time, the off step left out
+    assert 'csv_decode_head_seconds_csv_total{model_name="demo"} 0.002' in text
+    assert 'csv_decode_head_seconds_dense_estimate_total{model_name="demo"} 0.005' in text
     assert 'screen="int8"' in text and "csv_decode_info" in text
+    # what `vllm-csv serve` prints after its request, read back from the same page
+    from vllm_csv.serve import parse_csv_metrics, summary
+
+    m = parse_csv_metrics(text)
+    assert m["csv_decode_rows_certified_total"] == 2.0  # summed over the mode label
+    assert summary(m) == ("2 of 8 rows certified (25.0%); on the steps that ran CSV the head took 2.0 ms "
+                          "against 5.0 ms dense (measured in place): 2.50x; 2 rows dense by the off-switch")
+    assert summary({}) == "no rows yet; no step ran CSV (0 rows dense by the off-switch)"
 
 
 def test_no_metrics_until_a_head_exists():

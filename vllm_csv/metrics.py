@@ -127,6 +127,8 @@ class CSVMetrics:
         self.fraction = fam["fraction"].labels(**m)
         self.seconds = fam["seconds"].labels(**m)
         self.saved = fam["saved"].labels(**m)
+        self.csv_seconds = fam["csv_seconds"].labels(**m)
+        self.dense_seconds = fam["dense_seconds"].labels(**m)
         self.vocab_size = int(info.get("vocab_size", 0)) or 1
         fam["info"].labels(**m, **{k: str(info.get(k, "")) for k in ("screen", "vocab_size", "hidden_size",
                                                                        "clusters", "fingerprint")}).set(1)
@@ -156,7 +158,11 @@ class CSVMetrics:
                 "seconds": Histogram(f"{PREFIX}_head_seconds", "Time in the LM head per step", lab,
                                      buckets=SECONDS_BUCKETS),
                 "saved": Counter(f"{PREFIX}_head_seconds_saved",
-                                 "Dense-head time (measured once per batch size) minus CSV head time", lab),
+                                 "Dense-head time (measured in place per batch size) minus CSV head time", lab),
+                "csv_seconds": Counter(f"{PREFIX}_head_seconds_csv",
+                                       "Head time of the steps that ran CSV (off-switch on, dense time known)", lab),
+                "dense_seconds": Counter(f"{PREFIX}_head_seconds_dense_estimate",
+                                         "The dense head's time measured in place, for the same steps", lab),
                 "rank_rows": Counter(f"{PREFIX}_rank_rows", "Rows through this TP rank's LM head shard",
                                      lab + ["rank"]),
                 "rank_certified": Counter(f"{PREFIX}_rank_rows_certified",
@@ -197,3 +203,6 @@ class CSVMetrics:
         self.seconds.observe(stats.seconds)
         if dense_seconds is not None:
             self.saved.inc(max(0.0, dense_seconds - stats.seconds))
+            if not stats.fallbacks.get("off_switch"):  # the step ran CSV: head speed-up = dense / csv
+                self.csv_seconds.inc(stats.seconds)
+                self.dense_seconds.inc(dense_seconds)

@@ -95,12 +95,43 @@ def demo_request(base: str, model: str, prompt: str = DEMO_PROMPT, max_tokens: i
     return out["choices"][0]["text"]
 
 
-def csv_metric_lines(base: str) -> list[str]:
+def csv_metrics(base: str) -> dict[str, float]:
+    """:func:`parse_csv_metrics` of the server's ``/metrics``; empty if it does not answer."""
     try:
-        text = _get(base + "/metrics").decode()
+        return parse_csv_metrics(_get(base + "/metrics").decode())
     except (urllib.error.URLError, OSError):
-        return []
-    return [ln for ln in text.splitlines() if ln.startswith("csv_decode_") and "_bucket" not in ln]
+        return {}
+
+
+def parse_csv_metrics(text: str) -> dict[str, float]:
+    """The ``csv_decode_*`` samples of a ``/metrics`` page (histogram buckets left out), keyed
+    by name with its labels (``model_name`` dropped) and by bare name (summed over labels)."""
+    import re
+
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if line.startswith("csv_decode_") and "_bucket" not in line:
+            name, value = line.rsplit(" ", 1)
+            name = re.sub(r'model_name="[^"]*",?', "", name).replace(",}", "}").replace("{}", "")
+            for key in {name, name.split("{")[0]}:
+                out[key] = out.get(key, 0.0) + float(value)
+    return out
+
+
+def summary(m: dict[str, float]) -> str:
+    """What CSV did so far, from :func:`csv_metrics`: rows certified, and the head's speed-up
+    on the steps that ran CSV (the dense head's time there is the off-switch's estimate,
+    measured in place by dense steps of the same batch size)."""
+    rows, cert = m.get("csv_decode_rows_total", 0.0), m.get("csv_decode_rows_certified_total", 0.0)
+    off = m.get('csv_decode_fallbacks_total{reason="off_switch"}', 0.0)
+    csv_s, dense_s = m.get("csv_decode_head_seconds_csv_total", 0.0), m.get(
+        "csv_decode_head_seconds_dense_estimate_total", 0.0)
+    share = f"{cert:.0f} of {rows:.0f} rows certified ({100 * cert / rows:.1f}%)" if rows else "no rows yet"
+    if not csv_s:
+        return f"{share}; no step ran CSV ({off:.0f} rows dense by the off-switch)"
+    return (f"{share}; on the steps that ran CSV the head took {1e3 * csv_s:.1f} ms against "
+            f"{1e3 * dense_s:.1f} ms dense (measured in place): {dense_s / csv_s:.2f}x"
+            + (f"; {off:.0f} rows dense by the off-switch" if off else ""))
 
 
 def serve(model: str | None, host: str, port: int, once: bool, extra: list[str], timeout: float) -> int:
@@ -124,8 +155,7 @@ def serve(model: str | None, host: str, port: int, once: bool, extra: list[str],
         text = demo_request(base, served)
         print(f"\n[vllm-csv] request answered in {time.perf_counter() - t0:.2f}s (greedy, CSV path):\n"
               f"{DEMO_PROMPT}{text}\n")
-        for line in csv_metric_lines(base):
-            print(f"[vllm-csv] {line}")
+        print(f"[vllm-csv] {summary(csv_metrics(base))}")
         if once:
             return 0
         print(f"[vllm-csv] serving the OpenAI API on {base} (Ctrl-C to stop)", file=sys.stderr)
