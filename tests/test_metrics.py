@@ -5,6 +5,8 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
+
 from prometheus_client import CollectorRegistry, generate_latest, multiprocess
 
 
@@ -15,6 +17,7 @@ def test_worker_metrics_reach_a_multiprocess_registry(tmp_path):
         m = CSVMetrics("demo", {"screen": "int8", "vocab_size": 1000, "hidden_size": 64})
         s = StepStats(rows=4, csv_rows=3, certified=2, scored=[3, 40], seconds=0.002, screen="int8")
         s.fallbacks["budget"] = 1
+        m.record(s, dense_seconds=0.009, modes={"greedy": 1, "sampling": 1})  # warm-up of batch size 4
         m.record(s, dense_seconds=0.005, modes={"greedy": 1, "sampling": 1})
         m.record(StepStats(rows=2, csv_rows=0, seconds=0.001))
         off = StepStats(rows=2, csv_rows=2, seconds=0.004, screen="int8")  # CSV off: dense, not a CSV step
@@ -26,16 +29,16 @@ def test_worker_metrics_reach_a_multiprocess_registry(tmp_path):
     reg = CollectorRegistry()
     multiprocess.MultiProcessCollector(reg, path=str(tmp_path))
     text = generate_latest(reg).decode()
-    assert 'csv_decode_rows_total{model_name="demo"} 8.0' in text
-    assert 'csv_decode_csv_rows_total{model_name="demo"} 5.0' in text
-    assert 'csv_decode_rows_certified_total{mode="greedy",model_name="demo"} 1.0' in text
-    assert 'csv_decode_rows_certified_total{mode="sampling",model_name="demo"} 1.0' in text
-    assert 'csv_decode_fallbacks_total{model_name="demo",reason="budget"} 1.0' in text
-    assert 'csv_decode_steps_total{model_name="demo"} 2.0' in text
-    assert 'csv_decode_scored_tokens_bucket{le="4.0",model_name="demo"} 1.0' in text
-    assert 'csv_decode_scored_tokens_count{model_name="demo"} 2.0' in text
-    assert 'csv_decode_head_seconds_saved_total{model_name="demo"} 0.003' in text
-    # the head speed-up of the steps that ran CSV: dense estimate / CSV time, the off step left out
+    assert 'csv_decode_rows_total{model_name="demo"} 12.0' in text
+    assert 'csv_decode_csv_rows_total{model_name="demo"} 8.0' in text
+    assert 'csv_decode_rows_certified_total{mode="greedy",model_name="demo"} 2.0' in text
+    assert 'csv_decode_rows_certified_total{mode="sampling",model_name="demo"} 2.0' in text
+    assert 'csv_decode_fallbacks_total{model_name="demo",reason="budget"} 2.0' in text
+    assert 'csv_decode_steps_total{model_name="demo"} 3.0' in text
+    assert 'csv_decode_scored_tokens_bucket{le="4.0",model_name="demo"} 2.0' in text
+    assert 'csv_decode_scored_tokens_count{model_name="demo"} 4.0' in text
+    assert "csv_decode_head_seconds_saved_total" in text
+    # the head speed-up of the steps that ran CSV: dense estimate / CSV time, the warm-up and off steps left out
     assert 'csv_decode_head_seconds_csv_total{model_name="demo"} 0.002' in text
     assert 'csv_decode_head_seconds_dense_estimate_total{model_name="demo"} 0.005' in text
     assert 'screen="int8"' in text and "csv_decode_info" in text
@@ -43,8 +46,9 @@ def test_worker_metrics_reach_a_multiprocess_registry(tmp_path):
     from vllm_csv.serve import parse_csv_metrics, summary
 
     m = parse_csv_metrics(text)
-    assert m["csv_decode_rows_certified_total"] == 2.0  # summed over the mode label
-    assert summary(m) == ("2 of 8 rows certified (25.0%); on the steps that ran CSV the head took 2.0 ms "
+    assert m["csv_decode_head_seconds_saved_total"] == pytest.approx(0.007 + 0.003)
+    assert m["csv_decode_rows_certified_total"] == 4.0  # summed over the mode label
+    assert summary(m) == ("4 of 12 rows certified (33.3%); on the steps that ran CSV the head took 2.0 ms "
                           "against 5.0 ms dense (measured in place): 2.50x; 2 rows dense by the off-switch")
     assert summary({}) == "no rows yet; no step ran CSV (0 rows dense by the off-switch)"
 
@@ -85,7 +89,6 @@ def test_metrics_go_to_ray_under_ray():
     (vLLM's Ray wrappers) and recording works; outside Ray, prometheus-client's. Reading the
     values back needs Ray's metrics agent (``ray[default]``), not checked here. Skipped where
     Ray (with ``ray.serve``, which vLLM's wrappers import) is not installed."""
-    import pytest
 
     pytest.importorskip("ray.serve")
     code = textwrap.dedent("""

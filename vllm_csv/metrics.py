@@ -129,6 +129,7 @@ class CSVMetrics:
         self.saved = fam["saved"].labels(**m)
         self.csv_seconds = fam["csv_seconds"].labels(**m)
         self.dense_seconds = fam["dense_seconds"].labels(**m)
+        self._warm: set[int] = set()  # batch sizes whose first CSV step was seen
         self.vocab_size = int(info.get("vocab_size", 0)) or 1
         fam["info"].labels(**m, **{k: str(info.get(k, "")) for k in ("screen", "vocab_size", "hidden_size",
                                                                        "clusters", "fingerprint")}).set(1)
@@ -203,6 +204,11 @@ class CSVMetrics:
         self.seconds.observe(stats.seconds)
         if dense_seconds is not None:
             self.saved.inc(max(0.0, dense_seconds - stats.seconds))
-            if not stats.fallbacks.get("off_switch"):  # the step ran CSV: head speed-up = dense / csv
-                self.csv_seconds.inc(stats.seconds)
-                self.dense_seconds.inc(dense_seconds)
+            # A step that ran CSV: head speed-up = dense / csv. A batch size's first CSV step is a
+            # warm-up (first kernel calls; its dense time a first guess), left out as the off-switch
+            # leaves it out of its ledger.
+            if not stats.fallbacks.get("off_switch"):
+                if stats.rows in self._warm:
+                    self.csv_seconds.inc(stats.seconds)
+                    self.dense_seconds.inc(dense_seconds)
+                self._warm.add(stats.rows)

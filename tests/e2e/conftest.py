@@ -1,4 +1,4 @@
-"""Real `vllm serve` subprocesses on the locally trained demo model (shared per session)."""
+"""Real `vllm serve` subprocesses on the locally trained test model (vllm_csv.demo_model.TEST) (shared per session)."""
 
 from __future__ import annotations
 
@@ -102,18 +102,18 @@ def start_server(model: str, args: list[str], log_path: Path, env: dict | None =
 
 
 @pytest.fixture(scope="session")
-def demo_model_dir() -> str:
-    from vllm_csv.demo_model import ensure_demo_model
+def test_model_dir() -> str:
+    from vllm_csv.demo_model import ensure_test_model
 
-    return str(ensure_demo_model(progress=False))
+    return str(ensure_test_model(progress=False))
 
 
 @pytest.fixture(scope="session")
-def csv_server(demo_model_dir, tmp_path_factory):
-    # Off-switch disabled: the demo head is too small for CSV to pay on a CPU, so with it on CSV
+def csv_server(test_model_dir, tmp_path_factory):
+    # Off-switch disabled: the test model's head is too small for CSV to pay on a CPU, so with it on CSV
     # would stop trying after a few steps and the comparisons would test the dense path.
     # The fault injector is loaded (test_faults.py); it touches only prompts carrying its markers.
-    s = start_server(demo_model_dir, ["--enable-csv-decode", "--additional-config",
+    s = start_server(test_model_dir, ["--enable-csv-decode", "--additional-config",
                                       '{"csv_decode": {"off_switch": false}}'],
                      tmp_path_factory.mktemp("logs") / "csv.log", env=fault_env())
     yield s
@@ -121,17 +121,17 @@ def csv_server(demo_model_dir, tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
-def default_csv_server(demo_model_dir, tmp_path_factory):
-    """`--enable-csv-decode` as users run it (off-switch on): on the demo model CSV certifies its
+def default_csv_server(test_model_dir, tmp_path_factory):
+    """`--enable-csv-decode` as users run it (off-switch on): on the test model CSV certifies its
     first steps and then the off-switch sends steps dense."""
-    s = start_server(demo_model_dir, ["--enable-csv-decode"], tmp_path_factory.mktemp("logs") / "csv-default.log")
+    s = start_server(test_model_dir, ["--enable-csv-decode"], tmp_path_factory.mktemp("logs") / "csv-default.log")
     yield s
     s.stop()
 
 
 @pytest.fixture(scope="session")
-def dense_server(demo_model_dir, tmp_path_factory):
+def dense_server(test_model_dir, tmp_path_factory):
     # The same fault injector as csv_server's: a poisoned prompt gets plain vLLM's answer to it.
-    s = start_server(demo_model_dir, [], tmp_path_factory.mktemp("logs") / "dense.log", env=fault_env())
+    s = start_server(test_model_dir, [], tmp_path_factory.mktemp("logs") / "dense.log", env=fault_env())
     yield s
     s.stop()

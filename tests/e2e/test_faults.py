@@ -73,22 +73,22 @@ def test_nonfinite_hidden_states_mid_run(mode, csv_server, dense_server):
 
 
 @pytest.fixture(scope="module")
-def ball_server(demo_model_dir, tmp_path_factory):
+def ball_server(test_model_dir, tmp_path_factory):
     """Screen ``ball`` with ``--csv-index`` (budget 1: rows certify, so the index is in use
     every step) and PROMETHEUS_MULTIPROC_DIR set to a path that cannot hold files."""
     from vllm_csv.cli import main
 
     d = tmp_path_factory.mktemp("ball")
-    index = d / "demo-index.safetensors"
-    # The demo checkpoint is fp32, served in bf16 (--dtype bfloat16 below): the index is built
+    index = d / "test-index.safetensors"
+    # The test checkpoint is fp32, served in bf16 (--dtype bfloat16 below): the index is built
     # from the weights as served (their fingerprint is checked at start-up).
-    assert main(["build-index", demo_model_dir, "--output", str(index), "--clusters", "128", "--dtype", "bfloat16",
+    assert main(["build-index", test_model_dir, "--output", str(index), "--clusters", "128", "--dtype", "bfloat16",
                  "--quiet"]) == 0
     (d / "a_file").write_text("")
     env = {"PROMETHEUS_MULTIPROC_DIR": str(d / "a_file" / "prom")}
     args = ["--dtype", "bfloat16", "--enable-csv-decode", "--csv-screen", "ball", "--csv-index", str(index), "--csv-budget", "1.0",
             "--additional-config", '{"csv_decode": {"off_switch": false}}']
-    s = start_server(demo_model_dir, args, d / "ball.log", env=env)
+    s = start_server(test_model_dir, args, d / "ball.log", env=env)
     s.index, s.args, s.env = index, args, env
     yield s
     s.stop()

@@ -94,7 +94,7 @@ def test_identical_to_dense(feature, csv_server, dense_server):
 def test_seeded_long_completion_certified_and_dense_steps(default_csv_server, dense_server):
     """A seeded sampled request of 200 tokens: identical with and without CSV while some of
     its steps are certified (in the sampler) and others go dense (the off-switch, on by
-    default, stops CSV after its first steps on the demo model), so the RNG streams stay in
+    default, stops CSV after its first steps on the test model), so the RNG streams stay in
     step across both kinds of steps."""
     csv = default_csv_server
     before = metrics(csv)
@@ -139,8 +139,8 @@ def test_invalid_request_gets_400_and_server_keeps_serving(csv_server):
     assert ok.choices[0].text is not None
 
 
-def test_bad_flag_stops_startup(demo_model_dir):
-    r = subprocess.run([*vllm_command(), "serve", demo_model_dir, "--enable-csv-decode", "--csv-budget", "2"],
+def test_bad_flag_stops_startup(test_model_dir):
+    r = subprocess.run([*vllm_command(), "serve", test_model_dir, "--enable-csv-decode", "--csv-budget", "2"],
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 2
     assert "invalid csv_decode configuration: budget" in r.stderr, r.stderr[-3000:]

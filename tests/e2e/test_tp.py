@@ -27,13 +27,13 @@ TP_ARGS = ["--tensor-parallel-size", "2", "--enforce-eager"]
 
 @pytest.fixture(scope="module")
 def tp_model() -> str:
-    """The learned fixture (V = 32768) when it is cached, else the demo model."""
+    """The learned fixture (V = 32768) when it is cached, else the test model."""
     found = sorted(Path.home().glob(".cache/vllm_csv/models/fixture-v32768-d256-*/config.json"))
     if found:
         return str(found[0].parent)
-    from vllm_csv.demo_model import ensure_demo_model
+    from vllm_csv.demo_model import ensure_test_model
 
-    return str(ensure_demo_model(progress=False))
+    return str(ensure_test_model(progress=False))
 
 
 @pytest.fixture(scope="module")
