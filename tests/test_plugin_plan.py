@@ -108,3 +108,35 @@ def test_max_topk_comes_from_the_runners_config():
     runner.vllm_config.additional_config["csv_decode"]["max_topk"] = 9
     assert _max_topk(runner) == 7  # cached per runner
     assert _max_topk(SimpleNamespace(vllm_config=SimpleNamespace(additional_config=None))) == 64
+
+
+def test_v1_plan_rows_in_batch_order_kept_per_request():
+    """The runner's plan: one entry per row in the batch's order, computed once per request
+    (kept on vLLM's per-request state) and recomputed when ``max_topk`` differs; a row whose
+    request is unknown is dense."""
+    from types import SimpleNamespace
+
+    from vllm_csv.vllm_plugin import step_plan
+
+    sps = {"a": SamplingParams(temperature=0), "b": SamplingParams(temperature=0.7, top_k=5, seed=1),
+           "c": SamplingParams(temperature=0.8, top_p=0.9)}
+    states = {r: SimpleNamespace(sampling_params=sp) for r, sp in sps.items()}
+    runner = SimpleNamespace(input_batch=SimpleNamespace(req_ids=["c", "a", "x", "b"]), requests=states,
+                             speculative_config=None)
+    calls = []
+    real = step_plan.plan_row
+
+    def counting(sp, m):
+        calls.append(sp)
+        return real(sp, m)
+
+    step_plan.plan_row, saved = counting, step_plan.plan_row
+    try:
+        p = step_plan._v1_plan(runner, 64)
+        assert p.topk == [DEFER, 1, 0, 5] and p.modes == ["top_p", "greedy", "", "top_k"]
+        assert p.temps == [pytest.approx(0.8), 0.0, 0.0, pytest.approx(0.7)]
+        n = len(calls)
+        assert step_plan._v1_plan(runner, 64).topk == p.topk and len(calls) == n + 1  # only the unknown row
+        assert step_plan._v1_plan(runner, 4).topk == [DEFER, 1, 0, 0]  # top_k 5 > max_topk 4: dense
+    finally:
+        step_plan.plan_row = saved

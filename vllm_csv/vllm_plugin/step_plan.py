@@ -126,10 +126,23 @@ def _v1_plan(runner, max_topk: int) -> Plan | None:
     if not _no_spec(runner) or getattr(batch, "num_prompt_logprobs", None):
         return None
     req_ids = list(batch.req_ids)
-    sps = [getattr(runner.requests.get(r), "sampling_params", None) for r in req_ids]
-    ks = [plan_row(sp, max_topk)[0] for sp in sps]
-    return Plan(req_ids, ks, [row_mode(sp, k) if k else "" for sp, k in zip(sps, ks)],
-                [row_temperature(sp) for sp in sps])
+    rows = [_row(runner.requests.get(r), max_topk) for r in req_ids]
+    return Plan(req_ids, [r[0] for r in rows], [r[1] for r in rows], [r[2] for r in rows])
+
+
+def _row(state, max_topk: int) -> tuple[int, str, float]:
+    """``(k, mode, temperature)`` of a request's row: a function of its sampling parameters
+    alone, so it is computed once and kept on vLLM's per-request state (which lives as long
+    as the request) instead of every step (about 10 us a row, 0.6 ms a step at 64 rows)."""
+    cached = getattr(state, "_csv_row", None)
+    if cached is not None and cached[0] == max_topk:
+        return cached[1]
+    sp = getattr(state, "sampling_params", None)
+    k = plan_row(sp, max_topk)[0]
+    row = (k, row_mode(sp, k) if k else "", row_temperature(sp))
+    if state is not None:
+        state._csv_row = (max_topk, row)
+    return row
 
 
 def install(max_topk_getter) -> None:
