@@ -272,3 +272,19 @@ def test_first_guess_times_one_dense_call():
     sw = OffSwitch()
     assert sw.dense_estimate(4, lambda: next(calls)) == 0.010
     assert sw.dense_estimate(4, lambda: next(calls)) == 0.010  # measured once per batch size
+
+
+def test_head_leaves_the_switch_to_a_caller_that_asked_it():
+    """``use_switch=False`` (the plugin's steps with rows certified in the sampler: it asks the
+    switch once for all B rows): the head neither asks nor feeds the switch, and certifies."""
+    g = torch.Generator().manual_seed(0)
+    W = torch.randn(2048, 32, generator=g)
+    h = torch.randn(4, 32, generator=g)
+    head = CertifiedHead(W, config=HeadConfig(budget=1.0))
+    head.off_switch.dense_seconds[4] = 1e-9  # the switch would send every step dense
+    for _ in range(4):
+        logits, stats = head.sampler_logits(h, torch.ones(4, dtype=torch.long), use_switch=False)
+        assert stats.fallbacks["off_switch"] == 0 and stats.certified == 4
+        assert torch.equal(logits.argmax(1), (h @ W.T).argmax(1))
+    sw = head.off_switch
+    assert sw.dense_total == 0.0 and sw.excess == 0.0 and not sw._samples and sw.dense_seconds == {4: 1e-9}

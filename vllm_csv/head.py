@@ -575,8 +575,8 @@ class CertifiedHead:
 
     def sampler_logits(self, hidden: torch.Tensor, topk: torch.Tensor,
                        dense_fn: Callable[[torch.Tensor], torch.Tensor] | None = None,
-                       t0: float | None = None, temperature: torch.Tensor | None = None
-                       ) -> tuple[torch.Tensor, StepStats]:
+                       t0: float | None = None, temperature: torch.Tensor | None = None,
+                       use_switch: bool = True) -> tuple[torch.Tensor, StepStats]:
         """Logits for a sampler.
 
         Parameters
@@ -598,6 +598,9 @@ class CertifiedHead:
             by it before the top-k mask and the draw), ``0`` for greedy rows (argmax).
             Default: every row greedy. A sampler that draws from top-k rows must pass it: ties
             made by the division, and exact ties at the k-th value, are kept by the sampler.
+        use_switch : bool
+            ``False``: the caller asked the off-switch for its whole step and accounts the step
+            itself (the plugin, for a step with rows certified in the sampler).
 
         Returns
         -------
@@ -614,7 +617,7 @@ class CertifiedHead:
         rows = [i for i, k in enumerate(ks) if 0 < k <= kmax_ok]
         stats.csv_rows = sum(k > 0 for k in ks)
         stats.fallbacks["unsupported"] = stats.csv_rows - len(rows)
-        sw = self.off_switch
+        sw = self.off_switch if use_switch else None
         tried = bool(rows)
         if tried and sw is not None and not sw.allow(B, lambda: _time(lambda: dense_fn(hidden), hidden)):
             stats.fallbacks["off_switch"] = len(rows)

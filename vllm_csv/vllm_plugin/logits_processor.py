@@ -82,50 +82,53 @@ class CSVLogitsProcessor(LogitsProcessor):
         deferred = [i for i, k in enumerate(ks) if k == step_plan.DEFER]
         in_head = [i for i, k in enumerate(ks) if k != step_plan.DEFER]
         sw = head.off_switch
-        own_switch = False  # whether this step asked the off-switch itself (no head-time CSV row)
         temps = list(plan.temps) if plan.temps is not None else [0.0] * B
         if not deferred:
             logits, stats = head.sampler_logits(hidden_states, torch.tensor(ks, dtype=torch.long),
                                                 lambda h: dense_full(), t0=t0,
                                                 temperature=torch.tensor(temps, dtype=torch.float32))
         else:
+            # Rows certified in the sampler: the off-switch decides for the whole step here (the
+            # head's rows and the sampler's, which it charges together against the dense time of
+            # all B rows), so the head does not ask it again for its rows.
+            own_switch = sw is not None
+            if own_switch and not sw.allow(B, lambda: csv_head._time(dense_full, hidden_states)):
+                logits = dense_full().to(head.dtype)  # vLLM's own output: one GEMM, no copies
+                if not hidden_states.is_cuda:  # (CUDA: no sync to time it)
+                    sw.observe_dense(B, time.perf_counter() - t0)
+                kmax_ok = min(head.config.max_topk, head.vocab_size)
+                stats = csv_head.StepStats(rows=B, csv_rows=sum(k != 0 for k in ks), screen=head.screen_name)
+                stats.fallbacks["unsupported"] = sum(k > kmax_ok for k in ks)
+                stats.fallbacks["off_switch"] = stats.csv_rows - stats.fallbacks["unsupported"]
+                self._record(head, stats, {}, None)
+                return logits
             sub = torch.tensor(in_head, dtype=torch.long, device=hidden_states.device)
             part = None
             if any(ks[i] > 0 for i in in_head):
                 part, stats = head.sampler_logits(hidden_states[sub], torch.tensor([ks[i] for i in in_head]),
                                                   lambda h: dense_full()[sub], t0=t0,
                                                   temperature=torch.tensor([temps[i] for i in in_head],
-                                                                           dtype=torch.float32))
-                off = stats.fallbacks["off_switch"] > 0
+                                                                           dtype=torch.float32),
+                                                  use_switch=False)
             else:
-                stats = csv_head.StepStats(rows=len(in_head), screen=head.screen.name)
-                own_switch = sw is not None
-                off = own_switch and not sw.allow(B, lambda: csv_head._time(dense_full, hidden_states))
+                stats = csv_head.StepStats(rows=len(in_head), screen=head.screen_name)
             rows = torch.tensor(deferred, dtype=torch.long)
-            if off:  # the whole step is dense: vLLM's own output, one GEMM, no copies
-                logits = dense_full().to(head.dtype)
-                if own_switch and not hidden_states.is_cuda:  # (CUDA: no sync to time it)
-                    sw.observe_dense(B, time.perf_counter() - t0)
-                stats.rows += len(deferred)
-                stats.csv_rows += len(deferred)
-                stats.fallbacks["off_switch"] += len(deferred)
-            else:
-                logits = torch.empty((B, head.vocab_size), dtype=head.dtype, device=hidden_states.device)
-                if part is not None:
-                    logits[sub] = part
-                elif in_head:
-                    logits[sub] = dense_full()[sub].to(head.dtype)
-                logits[rows.to(logits.device)] = sampler_hook.PLACEHOLDER
-                sampler_hook.defer(sampler_hook.Deferred(
-                    logits, hidden_states[rows.to(hidden_states.device)].clone(), rows,
-                    [modes[i] for i in deferred], self._adapter(head), dense_full,
-                    lambda st, stats=stats, hm=self._head_modes(head, stats, ks, modes, in_head):
-                        self._record(head, _merge(stats, st), {k: hm.get(k, 0) + st.certified.get(k, 0)
-                                                              for k in set(hm) | set(st.certified)},
-                                     B if own_switch else None, 0.0 if own_switch else st.seconds),
-                    seconds=time.perf_counter() - t0 - stats.seconds))
-                self._log_first(head, stats)
-                return logits
+            logits = torch.empty((B, head.vocab_size), dtype=head.dtype, device=hidden_states.device)
+            if part is not None:
+                logits[sub] = part
+            elif in_head:
+                logits[sub] = dense_full()[sub].to(head.dtype)
+            logits[rows.to(logits.device)] = sampler_hook.PLACEHOLDER
+            sampler_hook.defer(sampler_hook.Deferred(
+                logits, hidden_states[rows.to(hidden_states.device)].clone(), rows,
+                [modes[i] for i in deferred], self._adapter(head), dense_full,
+                lambda st, stats=stats, hm=self._head_modes(head, stats, ks, modes, in_head):
+                    self._record(head, _merge(stats, st), {k: hm.get(k, 0) + st.certified.get(k, 0)
+                                                          for k in set(hm) | set(st.certified)},
+                                 B if own_switch else None),
+                seconds=time.perf_counter() - t0 - stats.seconds))
+            self._log_first(head, stats)
+            return logits
         self._log_first(head, stats)
         modes_seen = self._head_modes(head, stats, ks, modes, in_head if deferred else range(B))
         self._record(head, stats, modes_seen, None)
@@ -157,15 +160,12 @@ class CSVLogitsProcessor(LogitsProcessor):
                         stats.screen, head.vocab_size, head.hidden_size, stats.certified, stats.rows)
             self._csv_logged = True
 
-    def _record(self, head, stats, modes: dict[str, int], switch_batch: int | None,
-                extra_seconds: float = 0.0) -> None:
+    def _record(self, head, stats, modes: dict[str, int], switch_batch: int | None) -> None:
         """Metrics of a step; the off-switch sees the step here when the head did not
-        (``switch_batch``), else is charged the sampler-side time of deferred rows
-        (``extra_seconds``: work the dense path would not have done)."""
+        (``switch_batch``: a step with rows certified in the sampler, whose time
+        ``stats.seconds`` includes that work)."""
         if switch_batch is not None:
             head.off_switch.observe(switch_batch, stats.seconds)
-        elif extra_seconds and head.off_switch is not None:
-            head.off_switch.charge(extra_seconds)
         if self.csv_metrics is not None:  # under TP: the global decision (rank 0) and per-rank counts
             sw = head.off_switch
             self.csv_metrics.record(stats, None if sw is None else sw.dense_seconds.get(stats.rows), modes)
