@@ -4,7 +4,11 @@ Each decoding step allocates a few ``[B, V]`` tensors. glibc serves blocks above
 ``M_MMAP_THRESHOLD`` with fresh ``mmap`` pages and returns them on free, so every step
 pays a page fault per 4 KiB (measured: a ``[64, 32768]`` fp32 step spends about half of
 its time faulting). Raising the mmap and trim thresholds lets the heap reuse those
-pages. Set ``VLLM_CSV_MALLOC_TUNING=0`` to leave the allocator alone.
+pages. The heap keeps at most :data:`TRIM` of free memory at its top (a few steps' buffers,
+``[64, 151936]`` fp32 is 39 MB) and grows by :data:`TOP_PAD` at a time: with the trim
+threshold at 2 GiB and 64 MiB of padding, a server under load kept about 65 MB more than
+plain vLLM (64 clients, 5 minutes: RSS +6.1% against +4.5%). Set
+``VLLM_CSV_MALLOC_TUNING=0`` to leave the allocator alone.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ import ctypes.util
 import os
 
 M_TRIM_THRESHOLD, M_TOP_PAD, M_MMAP_THRESHOLD = -1, -2, -3
+TRIM, TOP_PAD = 256 << 20, 16 << 20  # bytes
 _done = False
 
 
@@ -26,8 +31,8 @@ def tune_malloc() -> bool:
     try:
         libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
         ok = libc.mallopt(M_MMAP_THRESHOLD, 1 << 30) == 1  # glibc caps this at 32 MiB on 64-bit
-        ok &= libc.mallopt(M_TRIM_THRESHOLD, 1 << 31) == 1
-        ok &= libc.mallopt(M_TOP_PAD, 64 << 20) == 1
+        ok &= libc.mallopt(M_TRIM_THRESHOLD, TRIM) == 1
+        ok &= libc.mallopt(M_TOP_PAD, TOP_PAD) == 1
         return bool(ok)
     except (OSError, AttributeError):  # not glibc (musl, macOS): nothing to tune
         return False
