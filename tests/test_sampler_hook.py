@@ -34,7 +34,8 @@ def min_p_processor(values):
     return p
 
 
-def metadata(g, temps, seeded, penalties, bias, allowed, bad, top_p=None, min_p=None):
+def metadata(g, temps, seeded, penalties, bias, allowed, bad, top_p=None, min_p=None, V=V):
+    B = len(temps)
     temp = torch.tensor(temps, dtype=torch.float32)
     greedy = temp < 1e-5
     gens = {i: torch.Generator().manual_seed(1000 + i) for i in seeded}

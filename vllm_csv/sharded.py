@@ -147,6 +147,7 @@ class SharedOffSwitch:
         self.comm = comm
         self.switch = OffSwitch(tolerance, probe_every=0)
         self._pending: tuple[int, float] | None = None  # (batch, seconds) of the last CSV step
+        self._charge = 0.0  # sampler-side CSV work not yet charged (OffSwitch.charge)
 
     @property
     def dense_seconds(self) -> dict[int, float]:
@@ -159,18 +160,30 @@ class SharedOffSwitch:
             sw.dense_seconds[batch] = float(self.comm.all_gather(t).max())  # one-off per batch size
         return sw.allow(batch, lambda: sw.dense_seconds[batch])
 
-    def pending(self) -> float:
-        """This rank's time of the last CSV step not yet in the ledger (``-1``: none)."""
-        return -1.0 if self._pending is None else self._pending[1]
+    def pending_tensor(self) -> torch.Tensor:
+        """``[2]`` float32: this rank's time of the last CSV step not yet in the ledger (``-1``:
+        none) and its sampler-side work not yet charged. Rides on a collective of the next
+        CSV step (the head's first, or the sampler's first)."""
+        return torch.tensor([-1.0 if self._pending is None else self._pending[1], self._charge])
 
     def fold(self, gathered: torch.Tensor) -> None:
-        """Account the pending step with the slowest rank's time (``gathered [size]``)."""
+        """Account the pending step and charge with the slowest rank's numbers
+        (``gathered [size, 2]``, every rank's :meth:`pending_tensor`). Whether a step is
+        pending is the same on every rank (the decisions that lead to it are)."""
         if self._pending is not None:
-            self.switch.observe(self._pending[0], float(gathered.max()))
+            self.switch.observe(self._pending[0], float(gathered[:, 0].max()))
             self._pending = None
+        charge = float(gathered[:, 1].max())  # decided from the gathered numbers, not this rank's
+        if charge > 0:
+            self.switch.charge(charge)
+        self._charge = 0.0
 
     def observe(self, batch: int, seconds: float) -> None:
         self._pending = (batch, seconds)
+
+    def charge(self, seconds: float) -> None:
+        """Sampler-side CSV work (deferred rows), charged at the next fold."""
+        self._charge += seconds
 
     def observe_dense(self, batch: int, seconds: float) -> None:
         """Not sampled under tensor parallelism (see the class docstring)."""
@@ -223,9 +236,10 @@ class ShardedHead:
 
     # ---- one step ---------------------------------------------------------------------------
     def _select(self, hidden: torch.Tensor, k: torch.Tensor, need_values: torch.Tensor,
-                pending: float = -1.0, temp: torch.Tensor | None = None) -> tuple[_Selection, torch.Tensor]:
+                pending: torch.Tensor | None = None, temp: torch.Tensor | None = None
+                ) -> tuple[_Selection, torch.Tensor]:
         """Steps 1-3 of the module docstring. Returns the selection (global ``[B, V]``) and the
-        gathered off-switch times ``[size]``."""
+        gathered off-switch numbers ``[size, 2]`` (:meth:`SharedOffSwitch.pending_tensor`)."""
         B, V, dev = hidden.shape[0], self.vocab_size, hidden.device
         kmax = int(k.max())
         budget = max(kmax, math.ceil(self.config.budget * V))
@@ -239,12 +253,13 @@ class ShardedHead:
         else:
             ok = torch.ones(B, dtype=torch.bool, device=dev)
             lbs = torch.full((B, kmax), -math.inf, device=dev)
-        p1 = torch.cat([lbs.reshape(-1), ok.float(), torch.tensor([pending], device=dev)])
-        g1 = self.comm.all_gather(p1)  # collective 1: [size, B k + B + 1]
+        pending = torch.tensor([-1.0, 0.0]) if pending is None else pending
+        p1 = torch.cat([lbs.reshape(-1), ok.float(), pending.to(dev)])
+        g1 = self.comm.all_gather(p1)  # collective 1: [size, B k + B + 2]
         size = g1.shape[0]
         glbs = g1[:, : B * kmax].reshape(size, B, kmax).permute(1, 0, 2).reshape(B, size * kmax)
         okg = (g1[:, B * kmax : B * kmax + B] > 0.5).all(0)
-        gathered_pending = g1[:, -1]
+        gathered_pending = g1[:, -2:]
         tau = glbs.topk(kmax, dim=1).values.gather(1, (k - 1)[:, None])[:, 0]  # same on every rank
         # ---- 2. local candidates, scored exactly; the shard's k best -------------------------
         F = 4 * kmax + 3
@@ -346,7 +361,7 @@ class ShardedHead:
         """One step's selection for :meth:`sampler_logits`, with the off-switch's pending step
         time folded in through the first collective (so every rank keeps the same ledger)."""
         sw = self.off_switch
-        sel, pend = self._select(hidden, k, need_values, -1.0 if sw is None else sw.pending(), temp)
+        sel, pend = self._select(hidden, k, need_values, None if sw is None else sw.pending_tensor(), temp)
         if sw is not None:
             sw.fold(pend.cpu())
         return sel

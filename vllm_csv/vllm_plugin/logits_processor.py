@@ -9,8 +9,9 @@ weights, and each step's rows take the certified path or vLLM's dense code
 With tensor parallelism the head is a :class:`~vllm_csv.sharded.ShardedHead` over this
 rank's shard: every rank reaches the same decision, and dense rows take vLLM's all-gather.
 Rows planned ``DEFER`` (certified with the seed the sampler draws) are left as placeholders
-and handed to :mod:`.sampler_hook`, which fills them before vLLM's sampler reads them
-(single-rank heads only: under tensor parallelism they are dense).
+and handed to :mod:`.sampler_hook`, which fills them before vLLM's sampler reads them (under
+tensor parallelism through a :class:`~vllm_csv.sampling.sharded_rows.ShardedAdapter`: the
+same decision on every rank).
 """
 
 from __future__ import annotations
@@ -76,8 +77,6 @@ class CSVLogitsProcessor(LogitsProcessor):
                 memo.append(self._dense(lm_head, hidden_states, embedding_bias))
             return memo[0]
         ks = list(plan.topk)
-        if not isinstance(head, csv_head.CertifiedHead):  # sharded head: the sampler hook has no adapter
-            ks = [0 if k == step_plan.DEFER else k for k in ks]
         modes = list(plan.modes or ["greedy" if k == 1 else "top_k" for k in ks])
         deferred = [i for i, k in enumerate(ks) if k == step_plan.DEFER]
         in_head = [i for i, k in enumerate(ks) if k != step_plan.DEFER]
@@ -98,7 +97,7 @@ class CSVLogitsProcessor(LogitsProcessor):
                                                                            dtype=torch.float32))
                 off = stats.fallbacks["off_switch"] > 0
             else:
-                stats = csv_head.StepStats(rows=len(in_head), screen=head.screen.name)
+                stats = csv_head.StepStats(rows=len(in_head), screen=head.screen_name)
                 own_switch = sw is not None
                 off = own_switch and not sw.allow(B, lambda: csv_head._time(dense_full, hidden_states))
             rows = torch.tensor(deferred, dtype=torch.long)
@@ -133,9 +132,11 @@ class CSVLogitsProcessor(LogitsProcessor):
 
     def _adapter(self, head):
         from ..sampling.head_adapter import HeadAdapter
+        from ..sampling.sharded_rows import ShardedAdapter
 
         if getattr(self, "_csv_adapter", None) is None or self._csv_adapter.head is not head:
-            self._csv_adapter = HeadAdapter(head)
+            sharded = not isinstance(head, csv_head.CertifiedHead)
+            self._csv_adapter = ShardedAdapter(head) if sharded else HeadAdapter(head)
         return self._csv_adapter
 
     @staticmethod
