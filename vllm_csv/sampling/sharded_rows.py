@@ -52,6 +52,7 @@ from .outside import Outside
 from .rows import FIRST_GUESS, MAX_ROUNDS, Process, RowsResult
 
 EXPLICIT = 16  # tokens a rank sends per row and key (highest yhi; highest yhi + g)
+NOISY_KEY = True  # the second key: yhi + g on sampled rows (False: yhi again; sound, certifies less)
 _SUMMARIES = 6  # hi, noisy, lel, leh, absmax, finite
 
 
@@ -104,7 +105,7 @@ def _explicit_and_block(plo, phi, vals, g, samp, finite, start):
         return torch.cat([ex.reshape(-1), block.reshape(-1)])
     m1 = min(EXPLICIT, n)
     i1 = phi.topk(m1, dim=1).indices
-    key2 = torch.where(samp[:, None], phi.double() + g, phi.double()).scatter_(1, i1, -math.inf)
+    key2 = torch.where(samp[:, None] & NOISY_KEY, phi.double() + g, phi.double()).scatter_(1, i1, -math.inf)
     m2 = min(EXPLICIT, n - m1)
     sel = torch.cat([i1, key2.topk(m2, dim=1).indices], 1) if m2 else i1
     m = sel.shape[1]
