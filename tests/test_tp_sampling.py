@@ -32,7 +32,7 @@ PEEK = sampler_hook.peek_seeds  # the real one (tests replace it for the threads
 
 
 def resolve_tp(W, bias, h, md, rows, size, monkeypatch, screen="int8", softcap=None, scale=1.0, patch=None,
-               budget=0.5):
+               budget=0.5, off_switch=False):
     """Every rank's ``(logits, stats, no_top_p, dense TP logits, dense calls)``."""
     V, B = W.shape[0], h.shape[0]
     torch.manual_seed(5)
@@ -44,7 +44,7 @@ def resolve_tp(W, bias, h, md, rows, size, monkeypatch, screen="int8", softcap=N
     def rank(r, comm):
         shard = Shard.vllm_layout(V, r, size)
         w, b = shard_of(W, bias, shard)
-        head = ShardedHead(w, b, shard, comm, config=HeadConfig(screen=screen, budget=budget, off_switch=False),
+        head = ShardedHead(w, b, shard, comm, config=HeadConfig(screen=screen, budget=budget, off_switch=off_switch),
                            softcap=softcap, scale=scale)
         if patch is not None:
             patch(r, head)
@@ -56,7 +56,7 @@ def resolve_tp(W, bias, h, md, rows, size, monkeypatch, screen="int8", softcap=N
         d = sampler_hook.Deferred(logits, h[rows].clone(), rows, ["sampling"] * rows.numel(), ShardedAdapter(head),
                                   lambda: calls.append(1) or dense(h), lambda st: None)
         st, no_top_p = sampler_hook.resolve(Sampler(), d, logits, md)
-        return logits, st, no_top_p, ref, len(calls)
+        return logits, st, no_top_p, ref, len(calls), head
 
     return run_ranks(size, rank)[0]
 
@@ -75,7 +75,7 @@ def draw(logits, md, no_top_p):
 def check_same_and_exact(res, md, rows):
     """Every rank wrote the same logits and stats; the draw is vLLM's dense TP draw. Returns
     the certified count."""
-    logits, st, no_top_p, ref, calls = res[0]
+    logits, st, no_top_p, ref, calls, _ = res[0]
     for r in res[1:]:
         assert torch.equal(bits(r[0]), bits(logits)) and torch.equal(r[2], no_top_p)
         assert r[1].certified == st.certified and r[1].fallbacks == st.fallbacks and r[4] == calls
@@ -162,7 +162,7 @@ def test_tp_disagreeing_ranks_go_dense_together(monkeypatch):
 
     res = resolve_tp(W, None, h, md, torch.arange(B), 2, monkeypatch, patch=patch)
     check_same_and_exact(res, md, torch.arange(B))
-    (l0, s0, _, ref, calls0), (l1, s1, _, _, calls1) = res
+    (l0, s0, _, ref, calls0, _), (l1, s1, _, _, calls1, _) = res
     assert calls0 == calls1 == 1
     assert torch.equal(bits(l0[:2]), bits(ref[:2]))  # dense rows: vLLM's dense TP rows
     assert s0.fallbacks.get("nonfinite", 0) == 1 and s0.fallbacks.get("uncertified", 0) >= 1
@@ -182,7 +182,7 @@ def _mutation_mismatches(monkeypatch, mutate, families=("near_tie", "peaked", "n
                 md.top_p = None if md.top_p is None else torch.full((B,), 0.95)
                 res = resolve_tp(case.weight, case.bias, case.hidden, md, torch.arange(B), 2, monkeypatch,
                                  screen="int4", budget=1.0)
-                logits, _, no_top_p, ref, _ = res[0]
+                logits, _, no_top_p, ref, _, _ = res[0]
                 wrong += int((draw(logits, md, no_top_p) != run(Sampler(), ref.clone(), md, seed=5)[0]).sum())
             if wrong:
                 return wrong
@@ -219,3 +219,28 @@ def test_small_explicit_set_stays_exact(noisy_key, monkeypatch):
     monkeypatch.setattr(sharded_rows, "EXPLICIT", 2)
     monkeypatch.setattr(sharded_rows, "NOISY_KEY", noisy_key)
     assert _mutation_mismatches(monkeypatch, lambda mp: None) == 0
+
+
+def test_tp_sampler_keeps_the_off_switch_ledger_common(monkeypatch):
+    """The shared off-switch's pending step and sampler-side charge, different on each rank, are
+    folded on the sampler's first gather: both ranks' ledgers take the slowest rank's numbers."""
+    from conftest import hidden_near_rows, peaked_head
+
+    V, D, B = 500, 32, 4
+    g = torch.Generator().manual_seed(2)
+    W, _ = peaked_head(V, D, seed=3, dtype=torch.bfloat16)
+    h = hidden_near_rows(W, B, g, scale=2.0)
+    md = metadata(g, [0.9] * B, seeded=range(B), V=V, **CASES["temperature"])
+
+    def patch(r, head):
+        sw = head.off_switch
+        sw.switch.dense_seconds[B] = 0.01
+        sw.switch._warm.add(B)
+        sw.observe(B, 0.02 + 0.01 * r)  # a CSV step: 10 or 20 ms over dense
+        sw.charge(0.001 * (r + 1))  # sampler-side work: 1 or 2 ms
+
+    res = resolve_tp(W, None, h, md, torch.arange(B), 2, monkeypatch, patch=patch, off_switch=True)
+    check_same_and_exact(res, md, torch.arange(B))
+    ledgers = [r[5].off_switch.switch.excess for r in res]
+    assert ledgers[0] == ledgers[1] == pytest.approx(0.02 + 0.002)
+    assert all(r[5].off_switch.pending_tensor().tolist() == [-1.0, 0.0] for r in res)
