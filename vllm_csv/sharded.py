@@ -35,8 +35,10 @@ The decision is a function of the gathered tensors only, computed by the same op
 rank: the ranks cannot split. Each rank bounds its own shard with its own hidden state, so
 the certificate also holds if the ranks' hidden states differ in the last bits.
 Communication: ``O(B k tp)`` numbers in two all-gathers per step. The off-switch's ledger
-is the same on every rank (:class:`SharedOffSwitch`). Screen ``ball`` is refused: its index
-covers the whole vocabulary.
+is the same on every rank (:class:`SharedOffSwitch`). Screen ``ball`` runs on an index per
+shard (built over the shard's real rows and fingerprinted on them), in its two-sided form
+(:mod:`vllm_csv.screens.ball`). Rows certified in the sampler (temperature, top-p, min-p,
+penalties, ...) go through :mod:`vllm_csv.sampling.sharded_rows` (one more all-gather a round).
 """
 
 from __future__ import annotations
@@ -206,14 +208,20 @@ class ShardedHead:
     config, softcap, scale
         As :class:`~vllm_csv.head.CertifiedHead`; ``budget`` is a share of the *global*
         vocabulary.
+    index : CSVIndex, optional
+        Screen ``ball``: the index of this shard's real rows (fingerprinted on them; see
+        :func:`~vllm_csv.vllm_plugin.index_loader.load_or_build_index`). The ball is used in
+        its two-sided form (:mod:`vllm_csv.screens.ball`).
     """
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, shard: Shard, comm: Collective, *,
-                 config: HeadConfig | None = None, softcap: float | None = None, scale: float = 1.0):
+                 config: HeadConfig | None = None, softcap: float | None = None, scale: float = 1.0,
+                 index=None):
         self.config = config or HeadConfig()
-        if self.config.screen == "ball":
-            raise CSVError("screen 'ball' is not supported with tensor parallelism (its index covers the "
-                           "whole vocabulary); use --csv-screen auto, int8, int4 or fp16")
+        if self.config.screen == "ball" and index is None and shard.real:
+            raise CSVError(f"screen 'ball' with tensor parallelism needs the index of this rank's shard "
+                           f"(rank {shard.rank} of {shard.size}, vocabulary rows {shard.start}..."
+                           f"{shard.start + shard.real})")
         if weight.dim() != 2 or weight.shape[0] != shard.rows or comm.size != shard.size or comm.rank != shard.rank:
             raise CSVError(f"shard {shard} does not match a {tuple(weight.shape)} head on rank "
                            f"{comm.rank} of {comm.size}")
@@ -225,7 +233,8 @@ class ShardedHead:
         local_cfg = replace(self.config, off_switch=False, budget=1.0)
         # the single-rank head over the shard's real rows: screen, bounds, exact scoring
         self.local = None if n == 0 else CertifiedHead(
-            weight[:n], None if bias is None else bias[:n], config=local_cfg, softcap=softcap, scale=scale)
+            weight[:n], None if bias is None else bias[:n], config=local_cfg, softcap=softcap, scale=scale,
+            index=index, two_sided=True)
         if self.local is not None and not self.local.screen.two_sided:
             raise CSVError(f"screen {self.local.screen.name!r} is not supported with tensor parallelism")
         self.screen_name = "none" if self.local is None else self.local.screen.name

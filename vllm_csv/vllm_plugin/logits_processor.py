@@ -181,10 +181,16 @@ class CSVLogitsProcessor(LogitsProcessor):
             if getattr(lm_head, "tp_size", 1) > 1:  # vocab-sharded head: one decision on every rank
                 from ..sharded import Shard, ShardedHead, VllmTPGroup
 
+                shard = Shard.of_lm_head(lm_head, V)
+                index = None
+                if (self.csv_config.screen == "ball" or self.csv_config.index) and shard.real:
+                    n = shard.real  # the shard's real rows: its index is fingerprinted on them
+                    index = load_or_build_index(weight[:n], None if bias is None else bias[:n], self.csv_config,
+                                                shard)
                 self.csv_head = ShardedHead(
-                    weight, bias, Shard.of_lm_head(lm_head, V), VllmTPGroup(),
-                    config=self.csv_config.head_config(), softcap=self.soft_cap, scale=self.scale)
-                self.csv_metrics = _metrics(self.csv_model_name, self.csv_head, None, lm_head.tp_rank)
+                    weight, bias, shard, VllmTPGroup(), config=self.csv_config.head_config(),
+                    softcap=self.soft_cap, scale=self.scale, index=index)
+                self.csv_metrics = _metrics(self.csv_model_name, self.csv_head, index, lm_head.tp_rank)
                 return self.csv_head
             index = None
             if self.csv_config.screen == "ball" or self.csv_config.index:  # a given index is always checked
