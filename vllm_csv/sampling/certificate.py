@@ -27,12 +27,12 @@ level ``k``: :data:`LEVEL`, :data:`LEVELS`), and ``g`` is computed for the other
 
 Rows with ``+inf`` or NaN bounds, or with no finite token, are never certified.
 
-An outside block (:class:`~.outside.Outside`, tensor parallelism: tokens known only through
-per-row summaries, ``-inf`` on both sides in ``ylo, yhi``) adds one condition. Greedy: its
-``hi < ylo_w``, so every block token has ``y_j <= hi < ylo_w <= y_w``. Sampled: the block's
-``noisy < best - 2 delta``, with ``delta`` taken over ``max(|y|)`` of the block too
-(``absmax``); each block token's computed ``yhi_j + g_j`` is at most ``noisy`` and within
-``delta / 16`` of the real sum, which is all the proof above uses of ``nhi_j``.
+Outside blocks (:class:`~.outside.Outside`, tensor parallelism: tokens known only through
+per-row summaries, ``-inf`` on both sides in ``ylo, yhi``) add one condition. Greedy: every
+block's ``hi < ylo_w``, so every block token has ``y_j <= hi < ylo_w <= y_w``. Sampled: every
+block's ``noisy < best - 2 delta``, with ``delta`` taken over ``max(|y|)`` of the blocks too
+(``absmax``); each block token's computed ``yhi_j + g_j`` is at most its block's ``noisy`` and
+within ``delta / 16`` of the real sum, which is all the proof above uses of ``nhi_j``.
 """
 
 from __future__ import annotations
@@ -96,7 +96,7 @@ def certify_draw(ylo: torch.Tensor, yhi: torch.Tensor, seeds: torch.Tensor, gree
     contenders = yhi >= lmax[:, None]  # greedy rows: j with yhi_j >= ylo_w
     certified = finite & (contenders.sum(1) == 1)  # only w itself (yhi_w >= ylo_w always)
     if outside is not None:  # every block token: y_j <= hi < ylo_w <= y_w
-        certified &= outside.hi < lmax.double()
+        certified &= outside.max_hi() < lmax.double()
     samp = finite & ~greedy
     if bool(samp.any()):
         rows = samp.nonzero().squeeze(1)
@@ -105,7 +105,7 @@ def certify_draw(ylo: torch.Tensor, yhi: torch.Tensor, seeds: torch.Tensor, gree
         absmax = torch.maximum(lo_r.masked_fill(lo_r == -math.inf, 0).abs().amax(1),
                                hi_r.masked_fill(hi_r == -math.inf, 0).abs().amax(1))
         if outside is not None:
-            absmax = torch.maximum(absmax.double(), outside.absmax[rows])
+            absmax = torch.maximum(absmax.double(), outside.absmax[rows].amax(1))
         delta = noise_margin(absmax)  # [r] float64
         # first threshold: the noisy lower bounds of the TOP_FIRST highest lower bounds
         top = lo_r.topk(min(TOP_FIRST, V), dim=1)
@@ -136,7 +136,7 @@ def certify_draw(ylo: torch.Tensor, yhi: torch.Tensor, seeds: torch.Tensor, gree
         contenders[rows] = cont_rows
         ok = (n_cont == 1) & (best > -math.inf)
         if outside is not None:  # every block token's computed noisy bound is below best - 2 delta
-            ok &= outside.noisy[rows] < best - 2 * delta
+            ok &= outside.noisy[rows].amax(1) < best - 2 * delta
         certified[rows] = ok & finite[rows]
     contenders &= finite[:, None]
     return DrawCertificate(winner, certified, contenders, finite)

@@ -42,11 +42,11 @@ upper mass if ``ylo_i < t`` and ``R_lo`` its lower mass otherwise; it never must
 mass. Each bound is the one of the whole row with the tail's terms bounded, so decisions stay
 sound; only tokens with ``ylo_i < t <= yhi_i`` may be left undecided more often.
 
-The outside block (:class:`~.outside.Outside`, tensor parallelism: tokens known through
-per-row summaries only, ``-inf`` on both sides in ``ylo, yhi``). min-p: the maximum ``m`` may
-be a block token, so ``m <= max(max yhi, hi)``; the block is dropped as a whole when
-``hi - max ylo < log(min_p) - eps_b``, ``eps_b = 1e-5 + 2^-21 (absmax + |m|max)`` (at least
-every block token's own margin: ``|y_j| <= absmax``). top-p: the block's masses
+The outside blocks (:class:`~.outside.Outside`, tensor parallelism: tokens known through
+per-row, per-block summaries only, ``-inf`` on both sides in ``ylo, yhi``). min-p: the maximum
+``m`` may be a block token, so ``m <= max(max yhi, max hi)``; a block is dropped as a whole
+when ``hi - max ylo < log(min_p) - eps_b``, ``eps_b = 1e-5 + 2^-21 (absmax + |m|max)`` (at
+least every block token's own margin: ``|y_j| <= absmax``). top-p: each block's masses
 (``e^lel``, ``e^leh``, shifted like the others) enter ``tot_h`` (the tail bound's "upper mass
 of all the rest") and every token's four sums as the tail's do, with the block's own
 threshold: every block token has ``yhi_j <= hi``, so it sorts before ``i`` when ``ylo_i > hi``
@@ -73,7 +73,7 @@ BISECT_STEPS = 12  # then bisection on the threshold, for rows with broad nuclei
 def min_p_bounds(ylo: torch.Tensor, yhi: torch.Tensor, min_p: torch.Tensor, outside: Outside | None = None):
     """Apply min-p (``[R]`` float32, ``0`` = off) to bounds; see the module docstring.
     Returns ``(ylo, yhi)``, or ``(ylo, yhi, outside)`` when an outside block is given (see
-    "the outside block" in the module docstring)."""
+    "the outside blocks" in the module docstring)."""
     on = min_p > 0
     if not bool(on.any()):
         return (ylo, yhi) if outside is None else (ylo, yhi, outside)
@@ -85,8 +85,8 @@ def min_p_bounds(ylo: torch.Tensor, yhi: torch.Tensor, min_p: torch.Tensor, outs
         return (out_lo, out_hi) if outside is None else (out_lo, out_hi, outside.put(rows, res[2]))
     mlo = ylo.amax(1, keepdim=True)
     mhi = yhi.amax(1, keepdim=True)
-    if outside is not None:  # the block may hold the maximum: m <= max(max yhi, outside.hi)
-        mhi = round_up32(torch.maximum(mhi.double(), outside.hi[:, None]))
+    if outside is not None:  # a block may hold the maximum: m <= max(max yhi, its hi)
+        mhi = round_up32(torch.maximum(mhi.double(), outside.max_hi()[:, None]))
     logmp = torch.log(min_p.double().clamp_min(MIN_P_FLOOR))[:, None]
     ym = torch.maximum(mlo.abs(), mhi.abs()).double()
     eps = 1e-5 + 2.0**-21 * (torch.maximum(ylo.abs(), yhi.abs()).double() + ym)
@@ -99,10 +99,10 @@ def min_p_bounds(ylo: torch.Tensor, yhi: torch.Tensor, min_p: torch.Tensor, outs
     out = torch.where(on[:, None], new_lo, ylo), torch.where(on[:, None], new_hi, yhi)
     if outside is None:
         return out
-    # the block as one token: every y_j <= outside.hi and |y_j| <= outside.absmax
-    eps_b = 1e-5 + 2.0**-21 * (outside.absmax + ym[:, 0])
-    drop_b = (outside.hi - mlo[:, 0].double()) < logmp[:, 0] - eps_b
-    return (*out, outside.drop(drop_b & usable & on))
+    # each block as one token: every y_j <= its hi and |y_j| <= its absmax
+    eps_b = 1e-5 + 2.0**-21 * (outside.absmax + ym)
+    drop_b = (outside.hi - mlo.double()) < logmp - eps_b
+    return (*out, outside.drop(drop_b & (usable & on)[:, None]))
 
 
 def _prefix_before(sorted_vals: torch.Tensor, cums: torch.Tensor, thr: torch.Tensor, right: bool) -> torch.Tensor:
@@ -169,8 +169,8 @@ def _tail_bound(n_top: torch.Tensor, h_top: torch.Tensor, tot_h: torch.Tensor) -
 def _decide_packed(lo, hi, el, eh, t, p, eps, block=None) -> tuple[torch.Tensor, torch.Tensor]:
     """``(keep, drop)`` ``[r, V]``: the tail ``yhi < t`` dropped, the other tokens packed into
     ``[r, n]`` (``-inf`` padding: no mass) and decided with the tail's masses added where they
-    may count (module docstring, "the tail"), and the outside block's (``block = (hi [r],
-    lower mass [r, 1], upper mass [r, 1])``, module docstring, "the outside block")."""
+    may count (module docstring, "the tail"), and the outside blocks' (``block = (hi, lower
+    mass, upper mass)``, each ``[r, L]``, module docstring, "the outside blocks")."""
     r, V = lo.shape
     tail = hi < t[:, None]
     head = ~tail & (hi > -math.inf)
@@ -195,11 +195,11 @@ def _decide_packed(lo, hi, el, eh, t, p, eps, block=None) -> tuple[torch.Tensor,
     r_lo = r_lo + torch.where(above, tail_l, 0.0)
     r_hi = r_hi + tail_h
     if block is not None:
-        bhi, bel, beh = block
-        before = plo > bhi[:, None]  # every block token has yhi_j <= bhi < ylo_i: sorts before i
-        n_hi = n_hi + torch.where(before, 0.0, beh)
-        r_lo = r_lo + torch.where(before, bel, 0.0)
-        r_hi = r_hi + beh
+        bhi, bel, beh = (x[:, None, :] for x in block)  # [r, 1, L]
+        before = plo[:, :, None] > bhi  # every block token has yhi_j <= bhi < ylo_i: sorts before i
+        n_hi = n_hi + torch.where(before, 0.0, beh).sum(2)
+        r_lo = r_lo + torch.where(before, bel, 0.0).sum(2)
+        r_hi = r_hi + beh.sum(2)
     k, d = _decide(n_hi, r_lo, n_lo, r_hi, plo, p, eps)
     wide = torch.zeros((r, V + 1), dtype=torch.bool, device=lo.device)  # column V: padding
     return wide.scatter(1, cols, k)[:, :V], drop | wide.scatter(1, cols, d)[:, :V]
@@ -227,7 +227,7 @@ def _bisect_tail(lo, el, eh, tot_h, need, upper) -> torch.Tensor:
 def top_p_bounds(ylo: torch.Tensor, yhi: torch.Tensor, top_p: torch.Tensor, outside: Outside | None = None):
     """Apply top-p (``[R]`` float32, ``1`` = off) to bounds; see the module docstring.
     Returns ``(ylo, yhi)``, or ``(ylo, yhi, outside)`` when an outside block is given (see
-    "the outside block" in the module docstring)."""
+    "the outside blocks" in the module docstring)."""
     on = top_p < 1.0
     if not bool(on.any()):
         return (ylo, yhi) if outside is None else (ylo, yhi, outside)
@@ -237,15 +237,15 @@ def top_p_bounds(ylo: torch.Tensor, yhi: torch.Tensor, top_p: torch.Tensor, outs
     r, V = lo.shape
     c = hi.masked_fill(hi == math.inf, -math.inf).amax(1, keepdim=True)
     if ob is not None:
-        c = torch.maximum(c, ob.hi.masked_fill(ob.hi == math.inf, -math.inf)[:, None])
+        c = torch.maximum(c, ob.hi.masked_fill(ob.hi == math.inf, -math.inf).amax(1, keepdim=True))
     c = torch.where(torch.isfinite(c), c, torch.zeros_like(c))
     el, eh = torch.exp(lo - c), torch.exp(hi - c)  # -inf -> 0
     eps = 2 * gamma(V) + 1e-6
     p = top_p[rows].double()[:, None]
     tot_h = eh.sum(1, keepdim=True)
-    if ob is not None:  # the block's masses, shifted like the others
-        b_el, b_eh = torch.exp(ob.lel - c[:, 0])[:, None], torch.exp(ob.leh - c[:, 0])[:, None]
-        tot_h = tot_h + b_eh
+    if ob is not None:  # the blocks' masses [r, L], shifted like the others
+        b_el, b_eh = torch.exp(ob.lel - c), torch.exp(ob.leh - c)
+        tot_h = tot_h + b_eh.sum(1, keepdim=True)
     # the tail: tokens certainly dropped as a block (module docstring, "the tail")
     t = torch.full((r,), -math.inf, dtype=lo.dtype, device=lo.device)
     scan = min(TAIL_SCAN, V)
@@ -271,4 +271,4 @@ def top_p_bounds(ylo: torch.Tensor, yhi: torch.Tensor, top_p: torch.Tensor, outs
     if outside is None:
         return out_lo, out_hi
     # a block below the dropped tail's threshold is dropped with it (every yhi_j <= hi < t)
-    return out_lo, out_hi, outside.put(rows, ob.drop(ob.hi < t))
+    return out_lo, out_hi, outside.put(rows, ob.drop(ob.hi < t[:, None]))

@@ -15,15 +15,17 @@ is itself decided from gathered numbers):
 2. per rank and row, the :data:`EXPLICIT` tokens of highest processed upper bound ``yhi`` and
    :data:`EXPLICIT` more of highest noisy upper bound ``yhi + g`` (sampled rows; ``g`` the
    Gumbel noise of the token's *global* id) are sent one by one: ``(id, ylo, yhi, value)``
-   (``value`` the exact score, NaN while unscored). Every other token of the shard is summed
-   up in the row's :class:`~.outside.Outside` summaries (largest ``yhi``, largest
-   ``fl64(yhi + g)`` rounded up, log-masses rounded outwards, largest ``|bound|``);
-3. **one all-gather** of ``[R, 2 EXPLICIT, 4] + [R, 6] + 1`` numbers per rank (fp32; token
-   ids are exact below ``2^24``): ``O(R k tp)``;
+   (``value`` the exact score, NaN while unscored). Every other token of the shard goes into
+   one of ``len(LEVELS) + 1`` blocks by how far its ``yhi`` lies below the largest of them
+   (:data:`LEVELS`; any split is sound, this one keeps top-p's masses sharp), each summed up
+   in :class:`~.outside.Outside` summaries (largest ``yhi``, largest ``fl64(yhi + g)``
+   rounded up, log-masses rounded outwards, largest ``|bound|``);
+3. **one all-gather** of ``[R, 2 EXPLICIT, 4] + [R, len(LEVELS) + 1, 5] + R + 1`` numbers per
+   rank (fp32; token ids are exact below ``2^24``): ``O(R k tp)``;
 4. every rank builds the same ``[R, V]`` bounds (the explicit tokens; ``-inf`` elsewhere), the
-   same outside block (max, or log-sum-exp, over ranks, rounded outwards), applies min-p and
-   top-p (:mod:`.nucleus`) and the draw certificate (:func:`~.certificate.certify_draw`), all
-   with the block. A row is certified when its winner is explicit and scored, every rank could
+   same outside blocks (every rank's), applies min-p and top-p (:mod:`.nucleus`) and the draw
+   certificate (:func:`~.certificate.certify_draw`), all with the blocks. A row is certified
+   when its winner is explicit and scored, every rank could
    bound the row (``finite``) and the certificate holds. The contenders not yet scored are
    scored exactly by their owners (the same list on every rank; each scores its own columns)
    and the round repeats, up to :data:`~.rows.MAX_ROUNDS` more times and the budget.
@@ -53,7 +55,8 @@ from .rows import FIRST_GUESS, MAX_ROUNDS, Process, RowsResult
 
 EXPLICIT = 16  # tokens a rank sends per row and key (highest yhi; highest yhi + g)
 NOISY_KEY = True  # the second key: yhi + g on sampled rows (False: yhi again; sound, certifies less)
-_SUMMARIES = 6  # hi, noisy, lel, leh, absmax, finite
+LEVELS = (1.0, 2.0, 4.0, 8.0, 16.0, 32.0)  # a rank's other tokens in blocks by yhi, this far below its largest
+_SUMMARIES = 5  # a block's hi, noisy, lel, leh, absmax
 
 
 def _lse_pad(x: torch.Tensor) -> torch.Tensor:
@@ -89,20 +92,19 @@ class ShardedAdapter:
 
 
 def _explicit_and_block(plo, phi, vals, g, samp, finite, start):
-    """One rank's payload (step 2 of the module docstring): ``[R, 2E, 4]`` explicit tokens and
-    ``[R, 6]`` summaries, flattened (fp32)."""
+    """One rank's payload (step 2 of the module docstring): ``[R, 2E, 4]`` explicit tokens,
+    ``[R, L, 5]`` block summaries and ``[R]`` finite, flattened (fp32)."""
     R, n = phi.shape
     dev = phi.device
-    E2 = 2 * EXPLICIT
+    E2, L = 2 * EXPLICIT, len(LEVELS) + 1
     ex = torch.full((R, E2, 4), -math.inf, device=dev)
     ex[:, :, 0] = -1.0  # no token
     ex[:, :, 3] = math.nan
-    block = torch.empty((R, _SUMMARIES), device=dev)
-    block[:, :4] = -math.inf
-    block[:, 4] = 0.0
-    block[:, 5] = finite.float()
+    block = torch.empty((R, L, _SUMMARIES), device=dev)
+    block[..., :4] = -math.inf
+    block[..., 4] = 0.0
     if n == 0:
-        return torch.cat([ex.reshape(-1), block.reshape(-1)])
+        return torch.cat([ex.reshape(-1), block.reshape(-1), finite.float()])
     m1 = min(EXPLICIT, n)
     i1 = phi.topk(m1, dim=1).indices
     key2 = torch.where(samp[:, None] & NOISY_KEY, phi.double() + g, phi.double()).scatter_(1, i1, -math.inf)
@@ -113,25 +115,34 @@ def _explicit_and_block(plo, phi, vals, g, samp, finite, start):
     ex[:, :m, 1] = plo.gather(1, sel)
     ex[:, :m, 2] = phi.gather(1, sel)
     ex[:, :m, 3] = vals.gather(1, sel)
-    live = torch.ones((R, n), dtype=torch.bool, device=dev).scatter_(1, sel, False) & (phi > -math.inf)
+    live = torch.ones((R, n), dtype=torch.bool, device=dev).scatter_(1, sel, False) & ~(phi == -math.inf)
     if bool(live.any()):
-        block[:, 0] = phi.masked_fill(~live, -math.inf).amax(1)  # NaN propagates: not usable
-        noisy = (phi.double() + g).masked_fill(~live, -math.inf).amax(1)
-        block[:, 1] = round_up32(torch.where(samp, noisy, -math.inf))
-        lel = torch.logsumexp(plo.double().masked_fill(~live, -math.inf), 1)
-        leh = torch.logsumexp(phi.double().masked_fill(~live, -math.inf), 1)
-        block[:, 2] = round_down32(lel - _lse_pad(lel))
-        block[:, 3] = round_up32(leh + _lse_pad(leh))
+        # every live token in exactly one block (NaN / inf gaps in block 0: its hi is then NaN / inf)
+        gap = phi.masked_fill(~live, -math.inf).amax(1, keepdim=True) - phi
+        lvl = torch.bucketize(gap.nan_to_num(nan=0.0), torch.tensor(LEVELS, device=dev)).clamp_(0, L - 1)
+        noisy_all = phi.double() + g
         mag = torch.maximum(plo.abs(), phi.abs())  # plo = -inf: inf (nothing is known of |y|)
-        block[:, 4] = mag.masked_fill(~live, 0.0).amax(1)
-    return torch.cat([ex.reshape(-1), block.reshape(-1)])
+        for lv in range(L):
+            m = live & (lvl == lv)
+            if not bool(m.any()):
+                continue
+            block[:, lv, 0] = phi.masked_fill(~m, -math.inf).amax(1)  # NaN propagates: not usable
+            noisy = noisy_all.masked_fill(~m, -math.inf).amax(1)
+            block[:, lv, 1] = round_up32(torch.where(samp, noisy, -math.inf))
+            lel = torch.logsumexp(plo.double().masked_fill(~m, -math.inf), 1)
+            leh = torch.logsumexp(phi.double().masked_fill(~m, -math.inf), 1)
+            block[:, lv, 2] = round_down32(lel - _lse_pad(lel))
+            block[:, lv, 3] = round_up32(leh + _lse_pad(leh))
+            block[:, lv, 4] = mag.masked_fill(~m, 0.0).amax(1)
+    return torch.cat([ex.reshape(-1), block.reshape(-1), finite.float()])
 
 
 def _combine(G: torch.Tensor, R: int, V: int):
-    """Step 4's inputs from the gathered ``[size, L]``: ``ylo, yhi, val [R, V]`` (val NaN where
-    not an explicit scored token), the outside block, ``finite [R]`` and the scored count."""
+    """Step 4's inputs from the gathered ``[size, len]``: ``ylo, yhi, val [R, V]`` (val NaN where
+    not an explicit scored token), the outside blocks (every rank's: ``[R, size L]``),
+    ``finite [R]`` and the scored count."""
     size = G.shape[0]
-    E2 = 2 * EXPLICIT
+    E2, L = 2 * EXPLICIT, len(LEVELS) + 1
     ne = R * E2 * 4
     ex = G[:, :ne].reshape(size, R, E2, 4).permute(1, 0, 2, 3).reshape(R, size * E2, 4)
     ids = ex[:, :, 0].long()
@@ -140,11 +151,10 @@ def _combine(G: torch.Tensor, R: int, V: int):
     for j, fill in ((1, -math.inf), (2, -math.inf), (3, math.nan)):
         t = torch.full((R, V + 1), fill, device=G.device)
         out.append(t.scatter_(1, cols, ex[:, :, j])[:, :V])
-    bl = G[:, ne : ne + R * _SUMMARIES].reshape(size, R, _SUMMARIES).double()
-    lel, leh = torch.logsumexp(bl[:, :, 2], 0), torch.logsumexp(bl[:, :, 3], 0)
-    outside = Outside(hi=bl[:, :, 0].amax(0), noisy=bl[:, :, 1].amax(0), lel=lel - _lse_pad(lel),
-                      leh=leh + _lse_pad(leh), absmax=bl[:, :, 4].amax(0))
-    finite = (bl[:, :, 5] > 0.5).all(0)
+    nb = R * L * _SUMMARIES
+    bl = G[:, ne : ne + nb].reshape(size, R, L, _SUMMARIES).permute(1, 0, 2, 3).reshape(R, size * L, _SUMMARIES)
+    outside = Outside(*bl.double().unbind(2))
+    finite = (G[:, ne + nb : ne + nb + R] > 0.5).all(0)
     return out[0], out[1], out[2], outside, finite, int(G[:, -1].sum())
 
 
