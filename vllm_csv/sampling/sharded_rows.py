@@ -55,7 +55,7 @@ from .rows import FIRST_GUESS, MAX_ROUNDS, Process, RowsResult
 
 EXPLICIT = 16  # tokens a rank sends per row and key (highest yhi; highest yhi + g)
 NOISY_KEY = True  # the second key: yhi + g on sampled rows (False: yhi again; sound, certifies less)
-LEVELS = (1.0, 2.0, 4.0, 8.0, 16.0, 32.0)  # a rank's other tokens in blocks by yhi, this far below its largest
+LEVELS = (0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, 8.0, 12.0, 16.0, 32.0)  # a rank's other tokens in blocks by yhi, this far below its largest
 _SUMMARIES = 5  # a block's hi, noisy, lel, leh, absmax
 
 
