@@ -10,6 +10,7 @@ vLLM's sampler on those logits must draw what it draws on vLLM's dense TP logits
 from __future__ import annotations
 
 import math
+import threading
 
 import pytest
 import torch
@@ -129,10 +130,10 @@ def test_tp_deferred_rows_on_adversarial_families(size, monkeypatch):
 
 
 def test_tp_disagreeing_ranks_go_dense_together(monkeypatch):
-    """Rank 1 alone cannot bound row 0 (as with a NaN in its hidden state there) and its exact
-    scores of row 1 come with a useless upper bound: those rows are dense on *every* rank (the
-    collective dense path runs once on each), the others certified, the logits the same
-    everywhere."""
+    """Rank 1 alone cannot bound row 0 (as with a NaN in its hidden state there), its exact
+    scores of row 1 come with a useless upper bound, and it would draw row 2 with another seed:
+    those rows are dense on *every* rank (the collective dense path runs once on each), the
+    others certified, the logits the same everywhere."""
     from conftest import hidden_near_rows, peaked_head
 
     V, D, B = 777, 40, 8
@@ -140,6 +141,8 @@ def test_tp_disagreeing_ranks_go_dense_together(monkeypatch):
     W, _ = peaked_head(V, D, seed=5, dtype=torch.bfloat16)
     h = hidden_near_rows(W, B, g, scale=2.5)
     md = metadata(g, [0.7] * B, seeded=range(B), V=V, **CASES["top_p"])
+
+    rank1 = []
 
     def patch(r, head):
         if r != 1:
@@ -159,13 +162,24 @@ def test_tp_disagreeing_ranks_go_dense_together(monkeypatch):
             return z, lower, upper
 
         head.local._intervals, head.local._score = broken, broken_score
+        peek = sampler_hook.peek_seeds
+
+        def other_seed(n, gens):  # (each thread reads the module's function when it resolves)
+            s = peek(n, gens)
+            if threading.current_thread() is rank1[0]:
+                s[2] += 1
+            return s
+
+        rank1.append(threading.current_thread())
+        monkeypatch.setattr(sampler_hook, "peek_seeds", other_seed)
 
     res = resolve_tp(W, None, h, md, torch.arange(B), 2, monkeypatch, patch=patch)
     check_same_and_exact(res, md, torch.arange(B))
     (l0, s0, _, ref, calls0, _), (l1, s1, _, _, calls1, _) = res
     assert calls0 == calls1 == 1
     assert torch.equal(bits(l0[:2]), bits(ref[:2]))  # dense rows: vLLM's dense TP rows
-    assert s0.fallbacks.get("nonfinite", 0) == 1 and s0.fallbacks.get("uncertified", 0) >= 1
+    assert torch.equal(bits(l0[:3]), bits(ref[:3]))
+    assert s0.fallbacks.get("nonfinite", 0) == 2 and s0.fallbacks.get("uncertified", 0) >= 1
     assert sum(s0.certified.values()) >= B - 3
 
 

@@ -32,7 +32,8 @@ is itself decided from gathered numbers):
 
 The decision is a function of the gathered tensor only, computed by the same code on every
 rank: the ranks cannot split, whatever their local numbers are (each rank's local numbers are
-only *inputs* to the gather). A certified row is handed to the sampler as the exact values of
+only *inputs* to the gather). The seeds are among them: vLLM keeps the ranks' RNGs in step,
+and a row whose seeds differ between ranks would go dense on every rank rather than split. A certified row is handed to the sampler as the exact values of
 its explicit scored tokens and ``-inf`` elsewhere (and where min-p / top-p certainly drop):
 every finite value lies within its token's bounds and was beaten by the winner, every other
 token (explicit or in the block) was compared through its bounds, so vLLM's draw returns the
@@ -211,8 +212,15 @@ def certify_rows_sharded(adapter: ShardedAdapter, hidden: torch.Tensor, process:
         full_lo[:, own], full_hi[:, own] = lo, hi
         plo, phi = (x[:, own] for x in process(full_lo, full_hi))
         payload = _explicit_and_block(plo, phi, vals, g, samp, finite_l, s0)
+        if rnd == 0:  # the seeds, in 16-bit halves (exact in fp32): rows whose seeds differ go dense
+            payload = torch.cat([payload, (seeds >> 16).float(), (seeds & 0xFFFF).float()])
         G = adapter.gather(torch.cat([payload, torch.tensor([float(scored_here)], device=dev)]), rnd == 0)
+        if rnd == 0:
+            sd = G[:, -1 - 2 * R : -1]
+            same_seeds = (sd == sd[:1]).all(0).reshape(2, R).all(0)  # vLLM keeps the ranks' RNGs in step
+            G = torch.cat([G[:, : -1 - 2 * R], G[:, -1:]], 1)
         ylo, yhi, val, outside, finite, total = _combine(G, R, V)  # the same on every rank
+        finite &= same_seeds
         ylo, yhi, outside = min_p_bounds(ylo, yhi, min_p.to(dev), outside)
         ylo, yhi, outside = top_p_bounds(ylo, yhi, top_p.to(dev), outside)
         cert = certify_draw(ylo, yhi, seeds, greedy, noise, outside)
