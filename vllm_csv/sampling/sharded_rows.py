@@ -98,6 +98,7 @@ def _explicit_and_block(plo, phi, vals, g, samp, finite, start):
     R, n = phi.shape
     dev = phi.device
     E2, L = 2 * EXPLICIT, len(LEVELS) + 1
+    finite = finite & ~(torch.isnan(plo).any(1) | torch.isnan(phi).any(1))  # (the block maxima skip NaN)
     ex = torch.full((R, E2, 4), -math.inf, device=dev)
     ex[:, :, 0] = -1.0  # no token
     ex[:, :, 3] = math.nan
@@ -118,24 +119,38 @@ def _explicit_and_block(plo, phi, vals, g, samp, finite, start):
     ex[:, :m, 3] = vals.gather(1, sel)
     live = torch.ones((R, n), dtype=torch.bool, device=dev).scatter_(1, sel, False) & ~(phi == -math.inf)
     if bool(live.any()):
-        # every live token in exactly one block (NaN / inf gaps in block 0: its hi is then NaN / inf)
+        # every live token in exactly one block (NaN / inf gaps in block 0)
         gap = phi.masked_fill(~live, -math.inf).amax(1, keepdim=True) - phi
         lvl = torch.bucketize(gap.nan_to_num(nan=0.0), torch.tensor(LEVELS, device=dev)).clamp_(0, L - 1)
-        noisy_all = phi.double() + g
+        idx = lvl.masked_fill_(~live, L)  # column L: the tokens in no block (explicit, or -inf)
+        block[..., 0] = _seg_max(phi, idx, L)
+        noisy = _seg_max(phi.double() + g, idx, L)
+        block[..., 1] = round_up32(torch.where(samp[:, None], noisy, -math.inf))
+        lel, leh = _seg_logsumexp(plo.double(), idx, L), _seg_logsumexp(phi.double(), idx, L)
+        block[..., 2] = round_down32(lel - _lse_pad(lel))
+        block[..., 3] = round_up32(leh + _lse_pad(leh))
         mag = torch.maximum(plo.abs(), phi.abs())  # plo = -inf: inf (nothing is known of |y|)
-        for lv in range(L):
-            m = live & (lvl == lv)
-            if not bool(m.any()):
-                continue
-            block[:, lv, 0] = phi.masked_fill(~m, -math.inf).amax(1)  # NaN propagates: not usable
-            noisy = noisy_all.masked_fill(~m, -math.inf).amax(1)
-            block[:, lv, 1] = round_up32(torch.where(samp, noisy, -math.inf))
-            lel = torch.logsumexp(plo.double().masked_fill(~m, -math.inf), 1)
-            leh = torch.logsumexp(phi.double().masked_fill(~m, -math.inf), 1)
-            block[:, lv, 2] = round_down32(lel - _lse_pad(lel))
-            block[:, lv, 3] = round_up32(leh + _lse_pad(leh))
-            block[:, lv, 4] = mag.masked_fill(~m, 0.0).amax(1)
+        block[..., 4] = _seg_max(mag, idx, L).clamp_min(0.0)  # an empty block: 0
     return torch.cat([ex.reshape(-1), block.reshape(-1), finite.float()])
+
+
+def _seg_max(x: torch.Tensor, idx: torch.Tensor, L: int) -> torch.Tensor:
+    """``[R, L]``: per row, the largest ``x [R, n]`` of each block ``idx [R, n]`` (``L``: none;
+    ``-inf`` for an empty block; NaN entries are skipped: rows with NaN are not ``finite``)."""
+    out = torch.full((x.shape[0], L + 1), -math.inf, dtype=x.dtype, device=x.device)
+    return out.scatter_reduce_(1, idx, x, "amax")[:, :L]
+
+
+def _seg_logsumexp(x: torch.Tensor, idx: torch.Tensor, L: int) -> torch.Tensor:
+    """``[R, L]`` float64 ``log sum exp`` of each block, computed as ``torch.logsumexp`` does
+    (shift by the block's maximum, sum, log: :func:`_lse_pad` bounds the error); ``-inf`` for an
+    empty block or one of ``-inf`` terms only."""
+    m = _seg_max(x, idx, L)
+    shift = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+    shift = torch.cat([shift, torch.zeros_like(shift[:, :1])], 1)
+    e = torch.exp(x - shift.gather(1, idx))
+    tot = torch.zeros((x.shape[0], L + 1), dtype=x.dtype, device=x.device).scatter_add_(1, idx, e)[:, :L]
+    return shift[:, :L] + torch.log(tot)
 
 
 def _combine(G: torch.Tensor, R: int, V: int):
