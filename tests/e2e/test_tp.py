@@ -93,7 +93,8 @@ def test_tp2_identical_to_dense_and_ranks_agree(tp_dense_answers, tp_csv):
     csv_rows = metric(text, "csv_decode_csv_rows_total")
     r0 = metric(text, "csv_decode_rank_rows_certified_total", rank="0")
     r1 = metric(text, "csv_decode_rank_rows_certified_total", rank="1")
+    by_mode = {m: metric(text, "csv_decode_rows_certified_total", mode=m) for m in REQUESTS}
     print(f"TP=2: {certified:.0f} of {csv_rows:.0f} CSV rows certified ({certified / max(csv_rows, 1):.1%}); "
-          f"rank 0 {r0:.0f}, rank 1 {r1:.0f}")
+          f"rank 0 {r0:.0f}, rank 1 {r1:.0f}; by mode {by_mode}")
     assert certified > 0 and r0 == r1 == certified, text[-3000:]
     assert "CSV-Decode is off" not in tp_csv.log()

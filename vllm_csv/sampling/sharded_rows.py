@@ -21,7 +21,8 @@ is itself decided from gathered numbers):
    in :class:`~.outside.Outside` summaries (largest ``yhi``, largest ``fl64(yhi + g)``
    rounded up, log-masses rounded outwards, largest ``|bound|``);
 3. **one all-gather** of ``[R, 2 EXPLICIT, 4] + [R, len(LEVELS) + 1, 5] + R + 1`` numbers per
-   rank (fp32; token ids are exact below ``2^24``): ``O(R k tp)``;
+   rank (fp32; token ids are exact below ``2^24``): ``O(R k tp)``; the first round's also
+   carries the seeds (``2 R``) and the shared off-switch's pending numbers (``2``);
 4. every rank builds the same ``[R, V]`` bounds (the explicit tokens; ``-inf`` elsewhere), the
    same outside blocks (every rank's), applies min-p and top-p (:mod:`.nucleus`) and the draw
    certificate (:func:`~.certificate.certify_draw`), all with the blocks. A row is certified
