@@ -2,8 +2,6 @@
 with temperature, seeded generators, penalties, logit_bias, allowed ids and bad words; the
 RNG streams stay in step."""
 
-import math
-
 import pytest
 import torch
 
