@@ -261,3 +261,29 @@ def test_tp_sampler_keeps_the_off_switch_ledger_common(monkeypatch):
     ledgers = [r[5].off_switch.switch.excess for r in res]
     assert ledgers[0] == ledgers[1] == pytest.approx(0.02 + 0.002)
     assert all(r[5].off_switch.pending_tensor().tolist() == [-1.0, 0.0] for r in res)
+
+
+def test_shared_off_switch_measures_a_memoized_dense_step_once():
+    """The plugin's dense function is computed at most once a step: a second call returns the
+    memo at once. The shared switch's first guess of the dense time is the real computation's,
+    not the memo's (``min`` of two calls would keep ~0 and turn CSV off for good under TP,
+    where in-place dense samples are not taken)."""
+    from vllm_csv.sharded import SharedOffSwitch
+
+    class Solo:
+        rank, size = 0, 1
+
+        def all_gather(self, x):
+            return x[None]
+
+    memo = []
+
+    def measure():
+        if memo:
+            return 1e-7  # the memo
+        memo.append(1)
+        return 0.01
+
+    sw = SharedOffSwitch(Solo())
+    sw.allow(8, measure)
+    assert sw.dense_seconds[8] == pytest.approx(0.01)

@@ -158,7 +158,9 @@ class SharedOffSwitch:
     def allow(self, batch: int, measure_dense: Callable[[], float]) -> bool:
         sw = self.switch
         if batch not in sw.dense_seconds:
-            t = torch.tensor([min(measure_dense(), measure_dense())], dtype=torch.float32)  # shm all-gather: no fp64
+            # one measurement: the plugin's dense function is computed at most once a step (a
+            # second call returns the step's memo in microseconds, and min() would keep that)
+            t = torch.tensor([measure_dense()], dtype=torch.float32)  # shm all-gather: no fp64
             sw.dense_seconds[batch] = float(self.comm.all_gather(t).max())  # one-off per batch size
         return sw.allow(batch, lambda: sw.dense_seconds[batch])
 

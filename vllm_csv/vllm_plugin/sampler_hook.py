@@ -35,7 +35,8 @@ runs vLLM's processors on each rank's shard and the certificate on gathered summ
 (:func:`~vllm_csv.sampling.sharded_rows.certify_rows_sharded`): every rank reaches the same
 decision and writes the same rows; rows left dense take vLLM's dense TP path (its
 all-gather) on every rank. The seeds are peeked from each rank's own RNG, which vLLM keeps in
-step on every rank (every rank samples; nothing here draws from it).
+step on every rank (every rank samples; nothing here draws from it); they ride on the first
+gather, and a row whose seeds differ between ranks goes dense on every rank.
 """
 
 from __future__ import annotations
