@@ -2,8 +2,14 @@
 
     python benchmarks/tp_head.py --hidden 256 --tp 1 2 --batches 1 8 --json results/tp_head.json
 
+    python benchmarks/tp_head.py --hidden 256 --tp 1 2 --batches 8 --mode top_p --temperature 1.0
+
 For each tensor-parallel size it reports the certified share of greedy rows (top-1, the
-default budget) over held-out positions, and the LM-head step time of the CSV path
+default budget) over held-out positions (``--mode sampling|top_p|min_p``: of rows certified
+in the sampler instead, :func:`~vllm_csv.sampling.rows.certify_rows` at TP = 1 and
+:func:`~vllm_csv.sampling.sharded_rows.certify_rows_sharded` at TP > 1, with the temperature
+as the only processing, one seed a row; there the time reported is the certification's, and
+``dense_ms`` is the dense head's alone, not the dense sampler's), and the LM-head step time of the CSV path
 (:meth:`ShardedHead.sampler_logits` / :meth:`CertifiedHead.sampler_logits`) against the dense
 path of the same TP size, measured in the same run: at TP = 1 ``F.linear`` (+ the engine's
 transform), at TP > 1 vLLM's dense TP head written out (shard GEMM, gloo all-gather of the
@@ -42,7 +48,34 @@ def median_ms(fn, repeats: int) -> float:
     return statistics.median(times)
 
 
-def run(rank: int, size: int, W, b, H, batches, screen, repeats, store: str | None, threads: int, q=None):
+def sampler_rows(head, size: int, hb: torch.Tensor, mode: str, temperature: float, seed: int):
+    """One batch of rows certified in the sampler: ``(certified count, scored)``."""
+    from vllm_csv.sampling.head_adapter import HeadAdapter
+    from vllm_csv.sampling.nucleus import min_p_bounds, top_p_bounds
+    from vllm_csv.sampling.rows import certify_rows
+    from vllm_csv.sampling.sharded_rows import ShardedAdapter, certify_rows_sharded
+
+    B = hb.shape[0]
+    seeds = torch.randint(0, 2**31, (B,), generator=torch.Generator().manual_seed(seed))
+    greedy = torch.zeros(B, dtype=torch.bool)
+    min_p = torch.full((B,), 0.1 if mode == "min_p" else 0.0)
+    top_p = torch.full((B,), 0.9 if mode == "top_p" else 1.0)
+
+    def temp(lo, hi):
+        return lo / temperature, hi / temperature
+
+    if size == 1:
+        def process(lo, hi):
+            ylo, yhi = min_p_bounds(*temp(lo, hi), min_p)
+            return top_p_bounds(ylo, yhi, top_p)
+        res = certify_rows(HeadAdapter(head), hb, process, seeds, greedy)
+    else:
+        res = certify_rows_sharded(ShardedAdapter(head), hb, temp, min_p, top_p, seeds, greedy)
+    return int(res.certified.sum()), res.scored
+
+
+def run(rank: int, size: int, W, b, H, batches, screen, repeats, store: str | None, threads: int, q=None,
+        mode: str = "greedy", temperature: float = 1.0):
     torch.set_num_threads(threads)
     V = W.shape[0]
     cfg = HeadConfig(screen=screen, off_switch=False)
@@ -75,11 +108,19 @@ def run(rank: int, size: int, W, b, H, batches, screen, repeats, store: str | No
         scored = []
         for s in range(0, H.shape[0] - B + 1, B):
             ones = torch.ones(B, dtype=torch.long)
+            if mode != "greedy":
+                c, n = sampler_rows(head, size, H[s : s + B], mode, temperature, s)
+                cert, rows = cert + c, rows + B
+                scored += [n] * c
+                continue
             logits, st = head.sampler_logits(H[s : s + B], ones, dense)
             cert, rows = cert + st.certified, rows + B
             scored += st.scored
         hb, ones = H[:B], torch.ones(B, dtype=torch.long)
-        csv_ms = median_ms(lambda: head.sampler_logits(hb, ones, dense), repeats)
+        if mode != "greedy":
+            csv_ms = median_ms(lambda: sampler_rows(head, size, hb, mode, temperature, 0), repeats)
+        else:
+            csv_ms = median_ms(lambda: head.sampler_logits(hb, ones, dense), repeats)
         dense_ms = median_ms(lambda: dense(hb), repeats)
         out[str(B)] = {"certified": cert, "rows": rows, "certified_share": cert / rows,
                        "scored_mean": statistics.mean(scored) if scored else None,
@@ -104,6 +145,9 @@ def main(argv=None) -> int:
     p.add_argument("--screen", default="auto")
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--repeats", type=int, default=20)
+    p.add_argument("--mode", choices=("greedy", "sampling", "top_p", "min_p"), default="greedy",
+                   help="rows certified in the head (greedy) or in the sampler (top_p 0.9, min_p 0.1)")
+    p.add_argument("--temperature", type=float, default=1.0, help="sampler modes' temperature")
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
     from lm_head import hidden_states  # benchmarks/lm_head.py: held-out text through the model
@@ -121,10 +165,12 @@ def main(argv=None) -> int:
     H = hidden_states(model_dir, args.positions, "cpu").to(dtype)
     threads = torch.get_num_threads()
     results = {"model": model_dir.name, "V": W.shape[0], "d": W.shape[1], "dtype": args.dtype,
-               "screen": args.screen, "positions": int(H.shape[0]), "threads": threads, "tp": {}}
+               "screen": args.screen, "positions": int(H.shape[0]), "threads": threads, "mode": args.mode,
+               "temperature": args.temperature, "tp": {}}
     for size in args.tp:
         if size == 1:
-            res = run(0, 1, W, b, H, args.batches, args.screen, args.repeats, None, threads)
+            res = run(0, 1, W, b, H, args.batches, args.screen, args.repeats, None, threads, None, args.mode,
+                      args.temperature)
         else:
             import torch.multiprocessing as mp
 
@@ -132,7 +178,8 @@ def main(argv=None) -> int:
             q = ctx.Queue()
             store = tempfile.mktemp(prefix="tp-head-store-")
             procs = [ctx.Process(target=run, args=(r, size, W, b, H, args.batches, args.screen, args.repeats,
-                                                   store, max(1, threads // size), q)) for r in range(size)]
+                                                   store, max(1, threads // size), q, args.mode,
+                                                   args.temperature)) for r in range(size)]
             for pr in procs:
                 pr.start()
             got = dict(q.get(timeout=1800) for _ in procs)

@@ -202,6 +202,29 @@ def test_cli_build_index(head, tmp_path, capsys):
         CSVIndex.load(out, expect_fingerprint=fingerprint_weights(W * 2, b))
 
 
+def test_cli_build_index_per_tp_shard(head, tmp_path, capsys):
+    """``--tensor-parallel-size 2``: one file per shard (vLLM's layout), named as the server reads
+    them, each fingerprinted on its shard's real rows."""
+    from vllm_csv.cache import shard_index_path
+    from vllm_csv.sharded import Shard
+
+    W, b = head
+    m = write_model(tmp_path / "m", W, b)
+    out = tmp_path / "x.safetensors"
+    assert main(["build-index", str(m), "--clusters", "4", "--output", str(out), "--quiet",
+                 "--tensor-parallel-size", "2"]) == 0
+    printed = capsys.readouterr().out.split()
+    V = W.shape[0]
+    for r in range(2):
+        sh = Shard.vllm_layout(V, r, 2)
+        rows = slice(sh.start, sh.start + sh.real)
+        path = shard_index_path(out, r, 2)
+        assert str(path) in printed
+        idx = CSVIndex.load(path, expect_fingerprint=fingerprint_weights((W * 2)[rows], b[rows]))
+        assert idx.vocab_size == sh.real
+    assert not out.exists()
+
+
 def test_cli_errors_are_one_line_and_leave_no_file(head, tmp_path):
     W, b = head
     m = write_model(tmp_path / "m", W, b)

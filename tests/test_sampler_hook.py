@@ -2,8 +2,6 @@
 with temperature, seeded generators, penalties, logit_bias, allowed ids and bad words; the
 RNG streams stay in step."""
 
-import math
-
 import pytest
 import torch
 
@@ -34,7 +32,8 @@ def min_p_processor(values):
     return p
 
 
-def metadata(g, temps, seeded, penalties, bias, allowed, bad, top_p=None, min_p=None):
+def metadata(g, temps, seeded, penalties, bias, allowed, bad, top_p=None, min_p=None, V=V):
+    B = len(temps)
     temp = torch.tensor(temps, dtype=torch.float32)
     greedy = temp < 1e-5
     gens = {i: torch.Generator().manual_seed(1000 + i) for i in seeded}

@@ -21,7 +21,8 @@ import torch.nn.functional as F
 
 from vllm_csv import audit
 from vllm_csv.errors import CSVError
-from vllm_csv.head import HeadConfig
+from vllm_csv.head import CertifiedHead, HeadConfig
+from vllm_csv.index import build_index
 from vllm_csv.sharded import Shard, ShardedHead, TorchGroup
 
 
@@ -97,6 +98,14 @@ def dense_tp(comm, w, b, V, engine):
     return fn
 
 
+def shard_index(w, b, shard: Shard):
+    """The ball's index of a shard's real rows (as the plugin builds it on each rank)."""
+    n = shard.real
+    if not n:
+        return None
+    return build_index(w[:n].float(), None if b is None else b[:n].float(), max(1, n // 16), progress=False)
+
+
 def run_case(case: audit.Case, size: int, screen: str, k_rows=None, hidden_of=None, patch=None, temp=None):
     """Every rank's ``(out, certified, stats)`` and the dense TP logits of rank 0."""
     V = case.weight.shape[0]
@@ -107,7 +116,8 @@ def run_case(case: audit.Case, size: int, screen: str, k_rows=None, hidden_of=No
         shard = Shard.vllm_layout(V, r, size)
         w, b = shard_of(case.weight, case.bias, shard)
         cfg = HeadConfig(screen=screen, budget=1.0, off_switch=False)
-        head = ShardedHead(w, b, shard, comm, config=cfg, softcap=case.softcap, scale=case.scale)
+        index = shard_index(w, b, shard) if screen == "ball" else None
+        head = ShardedHead(w, b, shard, comm, config=cfg, softcap=case.softcap, scale=case.scale, index=index)
         if patch is not None:
             patch(r, head)
         dense = dense_tp(comm, w, b, V, head.engine)
@@ -187,16 +197,16 @@ def test_sharded_sampled_rows_keep_what_dense_keeps(size):
 
 
 @pytest.mark.parametrize("size", (2, 4))
-@pytest.mark.parametrize("screen", ("int8", "int4", "fp16"))
+@pytest.mark.parametrize("screen", ("int8", "int4", "fp16", "ball"))
 def test_sharded_matches_dense_on_audit_families(screen, size):
     rows = cert = 0
     for family in sorted(audit.FAMILIES):
-        for seed in range(9):
+        for seed in range(9 if screen != "ball" else 4):
             dtype = audit.DTYPES[seed % 3]
             n, c, wrong = audit_run(family, seed, dtype, screen, size)
             assert wrong == 0, (family, seed, dtype)
             rows, cert = rows + n, cert + c
-    assert cert > 0.3 * rows, (cert, rows)  # the certificate is not simply off
+    assert cert > (0.3 if screen != "ball" else 0.1) * rows, (cert, rows)  # the certificate is not simply off
 
 
 def test_regressions_sharded():
@@ -353,7 +363,7 @@ def test_broken_outside_bound_is_caught(monkeypatch):
     assert wrong > 0
 
 
-def test_ball_refused_and_bad_shard():
+def test_ball_needs_the_shards_index_and_bad_shard():
     case = learned_case(V=128)
     shard = Shard.vllm_layout(128, 0, 2)
     w, b = shard_of(case.weight, None, shard)
@@ -361,10 +371,73 @@ def test_ball_refused_and_bad_shard():
     class Solo:
         rank, size = 0, 2
 
-    with pytest.raises(CSVError, match="ball"):
+    with pytest.raises(CSVError, match="ball.*index of this rank's shard"):
         ShardedHead(w, b, shard, Solo(), config=HeadConfig(screen="ball"))
+    whole = build_index(case.weight.float(), None, 8, progress=False)  # the whole head's: not this shard's
+    with pytest.raises(CSVError, match="CSV index is for a 128x48 head"):
+        ShardedHead(w, b, shard, Solo(), config=HeadConfig(screen="ball"), index=whole)
     with pytest.raises(CSVError, match="shard"):
         ShardedHead(w[:10], b, shard, Solo())
+
+
+def ball_bound_violations(offset_of=None) -> int:
+    """Tokens whose exact logit (float64) leaves the two-sided ball's ``[lo, hi]`` (the head's
+    intervals over the screen), over heads with a per-token bias (near-equal and spread) and
+    hidden states near rows, far from every row, and large. ``offset_of(screen)`` replaces the
+    per-token offset of the center (a mutation)."""
+    bad = 0
+    for seed in range(4):
+        g = torch.Generator().manual_seed(seed)
+        V, d = 300, 24
+        W = torch.randn(V, d, generator=g) / d**0.5
+        bias = torch.randn(V, generator=g) * (0.01 if seed % 2 else 3.0)
+        idx = build_index(W, bias, 12, progress=False)
+        head = CertifiedHead(W, bias, config=HeadConfig(screen="ball", off_switch=False), index=idx, two_sided=True)
+        assert head.screen.two_sided
+        if offset_of is not None:
+            head.screen.offset = offset_of(head.screen)
+        h = torch.cat([audit._near_rows(W, 16, g), torch.randn(8, d, generator=g), 40 * torch.randn(4, d, generator=g)])
+        lo, hi, _, ok = head._intervals(h)
+        z = h.double() @ W.double().T + bias.double()
+        bad += int(((z < lo.double()) | (z > hi.double()))[ok].sum())
+    return bad
+
+
+def test_two_sided_ball_bounds_every_logit():
+    assert ball_bound_violations() == 0
+
+
+def test_broken_two_sided_ball_is_caught():
+    """Mutation: the paper's offset ``bmax_c`` as the center's offset, with the two-sided
+    radius: every token whose bias is below its cluster's maximum gets a lower bound above its
+    logit."""
+    assert ball_bound_violations(lambda sc: sc.bmax[sc.cluster_of]) > 0
+
+
+def test_shard_index_file_per_rank_and_clear_mismatch(tmp_path):
+    """``--csv-index PATH`` under TP: rank r reads PATH's ``.tpN-rankR`` file, fingerprinted on its
+    shard; ``vllm-csv build-index --tensor-parallel-size N`` writes them. The whole head's file,
+    or another rank's, is refused with the path, the rows and the command to run."""
+    pytest.importorskip("vllm")
+    from vllm_csv.cache import shard_index_path
+    from vllm_csv.vllm_plugin.config import CSVDecodeConfig
+    from vllm_csv.vllm_plugin.index_loader import load_or_build_index
+
+    case = learned_case(V=200)
+    W = case.weight.float()
+    path = tmp_path / "head.safetensors"
+    assert shard_index_path(path, 1, 2) == tmp_path / "head.tp2-rank1.safetensors"
+    shards = [Shard.vllm_layout(200, r, 2) for r in range(2)]
+    for sh in shards:  # what build-index --tensor-parallel-size 2 --output PATH writes
+        build_index(W[sh.start : sh.start + sh.real], None, 4, progress=False).save(shard_index_path(path, sh.rank, 2))
+    cfg = CSVDecodeConfig(enabled=True, screen="ball", index=str(path))
+    for sh in shards:
+        idx = load_or_build_index(W[sh.start : sh.start + sh.real], None, cfg, sh)
+        assert idx.vocab_size == sh.real
+    build_index(W, None, 4, progress=False).save(shard_index_path(path, 0, 2))  # the whole head's, as rank 0's
+    with pytest.raises(CSVError, match=r"rank 0 reads the index of its shard \(vocabulary rows 0...128\).*"
+                                       r"--tensor-parallel-size 2"):
+        load_or_build_index(W[:128], None, cfg, shards[0])
 
 
 def test_shared_off_switch_is_common(monkeypatch):

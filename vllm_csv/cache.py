@@ -13,3 +13,10 @@ def cache_root() -> Path:
 def index_path(fingerprint: str, num_clusters: int) -> Path:
     """The cached index of the head with this fingerprint, clustered ``num_clusters`` ways."""
     return cache_root() / "index" / f"{fingerprint}-C{num_clusters}.safetensors"
+
+
+def shard_index_path(path: str | Path, rank: int, size: int) -> Path:
+    """The file of rank ``rank``'s shard for the index ``path`` given to a TP=``size`` server:
+    ``head.csvindex`` -> ``head.tp2-rank0.csvindex``."""
+    p = Path(path)
+    return p.with_name(f"{p.stem}.tp{size}-rank{rank}{p.suffix}")

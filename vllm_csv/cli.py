@@ -23,16 +23,33 @@ def _build_index(args) -> int:
 
         dt = getattr(torch, args.dtype)
         w, b = w.to(dt), None if b is None else b.to(dt)
-    C = default_num_clusters(w.shape[0]) if args.clusters is None else args.clusters
-    print(f"LM head {head.source}: V={w.shape[0]} d={w.shape[1]} {w.dtype}, bias={'yes' if b is not None else 'no'}; "
-          f"clustering into {C} ({args.method} k-means)", file=sys.stderr)
-    idx = build_index(w, b, C, method=args.method, iters=args.iters, seed=args.seed, progress=not args.quiet)
-    out = idx.save(args.output or index_path(idx.fingerprint, C))
-    s = idx.sizes.float()
-    print(f"wrote {out} in {time.perf_counter() - t0:.1f}s: {idx.num_clusters} clusters, size "
-          f"min/median/max {int(s.min())}/{int(s.median())}/{int(s.max())}, radius median "
-          f"{idx.radii.median():.4g} max {idx.radii.max():.4g}, fingerprint {idx.fingerprint}", file=sys.stderr)
-    print(out)
+    parts = [(None, w, b)]
+    if args.tensor_parallel_size > 1:  # one index per shard, over its real rows (vLLM's layout)
+        from .sharded import Shard
+
+        parts = []
+        for r in range(args.tensor_parallel_size):
+            sh = Shard.vllm_layout(w.shape[0], r, args.tensor_parallel_size)
+            if sh.real:
+                rows = slice(sh.start, sh.start + sh.real)
+                parts.append((sh, w[rows], None if b is None else b[rows]))
+    for sh, pw, pb in parts:
+        C = default_num_clusters(pw.shape[0]) if args.clusters is None else args.clusters
+        where = "" if sh is None else f" shard {sh.rank} of {sh.size} (rows {sh.start}...{sh.start + sh.real})"
+        print(f"LM head {head.source}{where}: V={pw.shape[0]} d={pw.shape[1]} {pw.dtype}, "
+              f"bias={'yes' if pb is not None else 'no'}; clustering into {C} ({args.method} k-means)", file=sys.stderr)
+        idx = build_index(pw, pb, C, method=args.method, iters=args.iters, seed=args.seed, progress=not args.quiet)
+        out = args.output
+        if out and sh is not None:
+            from .cache import shard_index_path
+
+            out = shard_index_path(out, sh.rank, sh.size)
+        out = idx.save(out or index_path(idx.fingerprint, C))
+        s = idx.sizes.float()
+        print(f"wrote {out} in {time.perf_counter() - t0:.1f}s: {idx.num_clusters} clusters, size "
+              f"min/median/max {int(s.min())}/{int(s.median())}/{int(s.max())}, radius median "
+              f"{idx.radii.median():.4g} max {idx.radii.max():.4g}, fingerprint {idx.fingerprint}", file=sys.stderr)
+        print(out)
     return 0
 
 
@@ -53,6 +70,9 @@ def parser() -> argparse.ArgumentParser:
                    help="dtype the model is served in (vllm serve --dtype; default: the checkpoint's). An index "
                         "is valid only for the weights as served, e.g. an fp32 checkpoint served in bf16 needs "
                         "--dtype bfloat16")
+    b.add_argument("--tensor-parallel-size", type=int, default=1,
+                   help="write one index per vocabulary shard of vllm serve --tensor-parallel-size N (with "
+                        "--output PATH: PATH's name gets .tpN-rankR; the cache needs no name)")
     b.add_argument("--method", choices=("torch", "sklearn"), default="torch", help="k-means implementation")
     b.add_argument("--iters", type=int, default=25, help="Lloyd iterations (default 25)")
     b.add_argument("--seed", type=int, default=0)

@@ -117,7 +117,7 @@ class CertifiedHead:
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
                  vocab_size: int | None = None, config: HeadConfig | None = None, index=None,
-                 softcap: float | None = None, scale: float = 1.0):
+                 softcap: float | None = None, scale: float = 1.0, two_sided: bool = False):
         self.config = config or HeadConfig()
         if weight.device.type == "cpu":
             tune_malloc()
@@ -137,7 +137,7 @@ class CertifiedHead:
             self.bias is None or bool(torch.isfinite(self.bias).all()))
         g = gamma(self.hidden_size + 2, self.config.unit_roundoff)
         self.acc_err = (g * self.weight.double().norm(dim=1)).float() * (1 + 4 * FP32_UNIT_ROUNDOFF)
-        self.screen = make_screen(self.config.screen, self.weight, self.bias, index)
+        self.screen = make_screen(self.config.screen, self.weight, self.bias, index, two_sided)  # (ball's form)
         # screens that can leave a per-row power-of-two scale to the selection (one [B, V] pass less)
         self._defer = {"defer_row_scale": True} if getattr(self.screen, "defers_row_scale", False) else {}
         self._delta = 2.0 ** (2 - significand_bits(self.dtype)) + 8 * FP32_UNIT_ROUNDOFF

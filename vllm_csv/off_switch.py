@@ -97,8 +97,3 @@ class OffSwitch:
         s = self._samples.setdefault(batch, deque(maxlen=WINDOW))
         s.append(seconds)
         self.dense_seconds[batch] = statistics.median(s)
-
-    def charge(self, seconds: float) -> None:
-        """Add CSV work done outside an observed step (deferred rows certified in the sampler,
-        which the dense path would not have done) to the excess."""
-        self.excess += seconds

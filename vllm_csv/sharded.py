@@ -35,8 +35,10 @@ The decision is a function of the gathered tensors only, computed by the same op
 rank: the ranks cannot split. Each rank bounds its own shard with its own hidden state, so
 the certificate also holds if the ranks' hidden states differ in the last bits.
 Communication: ``O(B k tp)`` numbers in two all-gathers per step. The off-switch's ledger
-is the same on every rank (:class:`SharedOffSwitch`). Screen ``ball`` is refused: its index
-covers the whole vocabulary.
+is the same on every rank (:class:`SharedOffSwitch`). Screen ``ball`` runs on an index per
+shard (built over the shard's real rows and fingerprinted on them), in its two-sided form
+(:mod:`vllm_csv.screens.ball`). Rows certified in the sampler (temperature, top-p, min-p,
+penalties, ...) go through :mod:`vllm_csv.sampling.sharded_rows` (one more all-gather a round).
 """
 
 from __future__ import annotations
@@ -155,18 +157,24 @@ class SharedOffSwitch:
     def allow(self, batch: int, measure_dense: Callable[[], float]) -> bool:
         sw = self.switch
         if batch not in sw.dense_seconds:
-            t = torch.tensor([measure_dense()], dtype=torch.float32)  # once: see OffSwitch.dense_estimate; no fp64 (shm)
+            # one measurement: the plugin's dense function is computed at most once a step (a
+            # second call returns the step's memo in microseconds, and min() would keep that)
+            t = torch.tensor([measure_dense()], dtype=torch.float32)  # shm all-gather: no fp64
             sw.dense_seconds[batch] = float(self.comm.all_gather(t).max())  # one-off per batch size
         return sw.allow(batch, lambda: sw.dense_seconds[batch])
 
-    def pending(self) -> float:
-        """This rank's time of the last CSV step not yet in the ledger (``-1``: none)."""
-        return -1.0 if self._pending is None else self._pending[1]
+    def pending_tensor(self) -> torch.Tensor:
+        """``[1]`` float32: this rank's time of the last CSV step not yet in the ledger (``-1``:
+        none; a step with rows certified in the sampler counts that work too). Rides on a
+        collective of the next CSV step (the head's first, or the sampler's first)."""
+        return torch.tensor([-1.0 if self._pending is None else self._pending[1]])
 
     def fold(self, gathered: torch.Tensor) -> None:
-        """Account the pending step with the slowest rank's time (``gathered [size]``)."""
+        """Account the pending step with the slowest rank's time (``gathered [size, 1]``, every
+        rank's :meth:`pending_tensor`). Whether a step is pending is the same on every rank
+        (the decisions that lead to it are)."""
         if self._pending is not None:
-            self.switch.observe(self._pending[0], float(gathered.max()))
+            self.switch.observe(self._pending[0], float(gathered[:, 0].max()))
             self._pending = None
 
     def observe(self, batch: int, seconds: float) -> None:
@@ -193,14 +201,20 @@ class ShardedHead:
     config, softcap, scale
         As :class:`~vllm_csv.head.CertifiedHead`; ``budget`` is a share of the *global*
         vocabulary.
+    index : CSVIndex, optional
+        Screen ``ball``: the index of this shard's real rows (fingerprinted on them; see
+        :func:`~vllm_csv.vllm_plugin.index_loader.load_or_build_index`). The ball is used in
+        its two-sided form (:mod:`vllm_csv.screens.ball`).
     """
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, shard: Shard, comm: Collective, *,
-                 config: HeadConfig | None = None, softcap: float | None = None, scale: float = 1.0):
+                 config: HeadConfig | None = None, softcap: float | None = None, scale: float = 1.0,
+                 index=None):
         self.config = config or HeadConfig()
-        if self.config.screen == "ball":
-            raise CSVError("screen 'ball' is not supported with tensor parallelism (its index covers the "
-                           "whole vocabulary); use --csv-screen auto, int8, int4 or fp16")
+        if self.config.screen == "ball" and index is None and shard.real:
+            raise CSVError(f"screen 'ball' with tensor parallelism needs the index of this rank's shard "
+                           f"(rank {shard.rank} of {shard.size}, vocabulary rows {shard.start}..."
+                           f"{shard.start + shard.real})")
         if weight.dim() != 2 or weight.shape[0] != shard.rows or comm.size != shard.size or comm.rank != shard.rank:
             raise CSVError(f"shard {shard} does not match a {tuple(weight.shape)} head on rank "
                            f"{comm.rank} of {comm.size}")
@@ -212,7 +226,8 @@ class ShardedHead:
         local_cfg = replace(self.config, off_switch=False, budget=1.0)
         # the single-rank head over the shard's real rows: screen, bounds, exact scoring
         self.local = None if n == 0 else CertifiedHead(
-            weight[:n], None if bias is None else bias[:n], config=local_cfg, softcap=softcap, scale=scale)
+            weight[:n], None if bias is None else bias[:n], config=local_cfg, softcap=softcap, scale=scale,
+            index=index, two_sided=True)
         if self.local is not None and not self.local.screen.two_sided:
             raise CSVError(f"screen {self.local.screen.name!r} is not supported with tensor parallelism")
         self.screen_name = "none" if self.local is None else self.local.screen.name
@@ -223,9 +238,10 @@ class ShardedHead:
 
     # ---- one step ---------------------------------------------------------------------------
     def _select(self, hidden: torch.Tensor, k: torch.Tensor, need_values: torch.Tensor,
-                pending: float = -1.0, temp: torch.Tensor | None = None) -> tuple[_Selection, torch.Tensor]:
+                pending: torch.Tensor | None = None, temp: torch.Tensor | None = None
+                ) -> tuple[_Selection, torch.Tensor]:
         """Steps 1-3 of the module docstring. Returns the selection (global ``[B, V]``) and the
-        gathered off-switch times ``[size]``."""
+        gathered off-switch numbers ``[size, 1]`` (:meth:`SharedOffSwitch.pending_tensor`)."""
         B, V, dev = hidden.shape[0], self.vocab_size, hidden.device
         kmax = int(k.max())
         budget = max(kmax, math.ceil(self.config.budget * V))
@@ -239,12 +255,13 @@ class ShardedHead:
         else:
             ok = torch.ones(B, dtype=torch.bool, device=dev)
             lbs = torch.full((B, kmax), -math.inf, device=dev)
-        p1 = torch.cat([lbs.reshape(-1), ok.float(), torch.tensor([pending], device=dev)])
-        g1 = self.comm.all_gather(p1)  # collective 1: [size, B k + B + 1]
+        pending = torch.tensor([-1.0]) if pending is None else pending
+        p1 = torch.cat([lbs.reshape(-1), ok.float(), pending.to(dev)])
+        g1 = self.comm.all_gather(p1)  # collective 1: [size, B k + B + 2]
         size = g1.shape[0]
         glbs = g1[:, : B * kmax].reshape(size, B, kmax).permute(1, 0, 2).reshape(B, size * kmax)
         okg = (g1[:, B * kmax : B * kmax + B] > 0.5).all(0)
-        gathered_pending = g1[:, -1]
+        gathered_pending = g1[:, -1:]
         tau = glbs.topk(kmax, dim=1).values.gather(1, (k - 1)[:, None])[:, 0]  # same on every rank
         # ---- 2. local candidates, scored exactly; the shard's k best -------------------------
         F = 4 * kmax + 3
@@ -346,7 +363,7 @@ class ShardedHead:
         """One step's selection for :meth:`sampler_logits`, with the off-switch's pending step
         time folded in through the first collective (so every rank keeps the same ledger)."""
         sw = self.off_switch
-        sel, pend = self._select(hidden, k, need_values, -1.0 if sw is None else sw.pending(), temp)
+        sel, pend = self._select(hidden, k, need_values, None if sw is None else sw.pending_tensor(), temp)
         if sw is not None:
             sw.fold(pend.cpu())
         return sel

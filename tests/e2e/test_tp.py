@@ -1,10 +1,11 @@
 """Tensor parallelism (issue 11): `vllm serve --tensor-parallel-size 2 --enable-csv-decode` answers
 exactly as `vllm serve --tensor-parallel-size 2`, and both ranks certify the same rows.
 
-Two servers (one dense, one CSV; module-scoped: each takes a minute or two on two cores).
-vLLM-CPU needs one OpenMP core a rank (``VLLM_CPU_OMP_THREADS_BIND='0|1'``); both servers run
-``--enforce-eager``. The CSV server runs without the off-switch so that the certified share
-does not depend on the machine's load.
+Two servers, one after the other (the dense one answers every request of :data:`REQUESTS` and
+stops, then the CSV one starts; each takes a minute or two on two cores, and two TP servers at
+once would share two cores between four ranks). vLLM-CPU needs one OpenMP core a rank
+(``VLLM_CPU_OMP_THREADS_BIND='0|1'``); both servers run ``--enforce-eager``. The CSV server
+runs without the off-switch so that the certified share does not depend on the machine's load.
 """
 
 from __future__ import annotations
@@ -37,10 +38,13 @@ def tp_model() -> str:
 
 
 @pytest.fixture(scope="module")
-def tp_dense(tp_model, tmp_path_factory):
+def tp_dense_answers(tp_model, tmp_path_factory) -> dict:
+    """The dense TP=2 server's answer to every request of :data:`REQUESTS` (then it stops)."""
     s = start_server(tp_model, TP_ARGS, tmp_path_factory.mktemp("logs") / "tp-dense.log", TP_ENV)
-    yield s
-    s.stop()
+    try:
+        return {name: complete(s, **dict(kw)) for name, kw in REQUESTS.items()}
+    finally:
+        s.stop()
 
 
 @pytest.fixture(scope="module")
@@ -52,10 +56,13 @@ def tp_csv(tp_model, tmp_path_factory):
     s.stop()
 
 
-REQUESTS = {
+REQUESTS = {  # the metric mode whose certified count must grow: request
     "greedy": dict(temperature=0, max_tokens=24),
     "top_k": dict(temperature=1.0, extra_body={"top_k": 5}, seed=7, max_tokens=24),
-    "top_p_dense_rows": dict(temperature=1.0, top_p=0.9, seed=3, max_tokens=12),
+    # certified in the sampler (deferred rows), from gathered per-rank summaries
+    "sampling": dict(temperature=0.8, seed=11, max_tokens=12),
+    "top_p": dict(temperature=1.0, top_p=0.9, seed=3, max_tokens=12),
+    "min_p": dict(temperature=0.7, extra_body={"min_p": 0.1}, seed=5, max_tokens=12),
 }
 
 
@@ -68,16 +75,26 @@ def metric(text: str, name: str, **labels) -> float:
     return total
 
 
-def test_tp2_identical_to_dense_and_ranks_agree(tp_csv, tp_dense):
+def metrics_text(server) -> str:
+    with urllib.request.urlopen(server.base_url + "/metrics", timeout=10) as r:
+        return r.read().decode()
+
+
+def test_tp2_identical_to_dense_and_ranks_agree(tp_dense_answers, tp_csv):
+    """Identical answers for every request; each request's mode is certified meanwhile (its
+    certified-rows counter grows: the CSV path was taken, in the head or in the sampler)."""
     for name, kw in REQUESTS.items():
-        assert complete(tp_csv, **dict(kw)) == complete(tp_dense, **dict(kw)), name
-    with urllib.request.urlopen(tp_csv.base_url + "/metrics", timeout=10) as r:
-        text = r.read().decode()
+        before = metric(metrics_text(tp_csv), "csv_decode_rows_certified_total", mode=name)
+        assert complete(tp_csv, **dict(kw)) == tp_dense_answers[name], name
+        after = metric(metrics_text(tp_csv), "csv_decode_rows_certified_total", mode=name)
+        assert after > before, (name, before, after)
+    text = metrics_text(tp_csv)
     certified = metric(text, "csv_decode_rows_certified_total")
     csv_rows = metric(text, "csv_decode_csv_rows_total")
     r0 = metric(text, "csv_decode_rank_rows_certified_total", rank="0")
     r1 = metric(text, "csv_decode_rank_rows_certified_total", rank="1")
+    by_mode = {m: metric(text, "csv_decode_rows_certified_total", mode=m) for m in REQUESTS}
     print(f"TP=2: {certified:.0f} of {csv_rows:.0f} CSV rows certified ({certified / max(csv_rows, 1):.1%}); "
-          f"rank 0 {r0:.0f}, rank 1 {r1:.0f}")
+          f"rank 0 {r0:.0f}, rank 1 {r1:.0f}; by mode {by_mode}")
     assert certified > 0 and r0 == r1 == certified, text[-3000:]
     assert "CSV-Decode is off" not in tp_csv.log()

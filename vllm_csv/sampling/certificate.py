@@ -26,6 +26,13 @@ from the raw hash bits alone (:func:`~vllm_csv.sampling.gumbel.bits_below`, one 
 level ``k``: :data:`LEVEL`, :data:`LEVELS`), and ``g`` is computed for the others.
 
 Rows with ``+inf`` or NaN bounds, or with no finite token, are never certified.
+
+Outside blocks (:class:`~.outside.Outside`, tensor parallelism: tokens known only through
+per-row summaries, ``-inf`` on both sides in ``ylo, yhi``) add one condition. Greedy: every
+block's ``hi < ylo_w``, so every block token has ``y_j <= hi < ylo_w <= y_w``. Sampled: every
+block's ``noisy < best - 2 delta``, with ``delta`` taken over ``max(|y|)`` of the blocks too
+(``absmax``); each block token's computed ``yhi_j + g_j`` is at most its block's ``noisy`` and
+within ``delta / 16`` of the real sum, which is all the proof above uses of ``nhi_j``.
 """
 
 from __future__ import annotations
@@ -36,6 +43,7 @@ from dataclasses import dataclass
 import torch
 
 from .gumbel import RowNoise, bits_below, noise_margin, noise_of_bits
+from .outside import Outside
 
 TOP_FIRST = 4  # tokens of highest lower bound whose noise sets the first threshold
 LEVEL, LEVELS = 0.5, 48  # noise thresholds by steps of 0.5 below the row's highest upper bound
@@ -50,7 +58,7 @@ class DrawCertificate:
 
 
 def certify_draw(ylo: torch.Tensor, yhi: torch.Tensor, seeds: torch.Tensor, greedy: torch.Tensor,
-                 noise: RowNoise | None = None) -> DrawCertificate:
+                 noise: RowNoise | None = None, outside: Outside | None = None) -> DrawCertificate:
     """Certify the token of each row's draw from bounds on its inputs.
 
     Parameters
@@ -64,6 +72,9 @@ def certify_draw(ylo: torch.Tensor, yhi: torch.Tensor, seeds: torch.Tensor, gree
         ``[R]`` bool, rows drawn by ``greedy_argmax`` rather than the Gumbel kernel.
     noise : RowNoise, optional
         The rows' noise (``RowNoise(seeds, V)``), to share its hash between calls of a step.
+    outside : Outside, optional
+        ``[R]`` summaries of the tokens not in ``ylo, yhi`` (module docstring); they are
+        never the winner nor listed as contenders: a row they may contend in is not certified.
 
     Returns
     -------
@@ -75,6 +86,8 @@ def certify_draw(ylo: torch.Tensor, yhi: torch.Tensor, seeds: torch.Tensor, gree
     dev = ylo.device
     lmax, hmax = ylo.amax(1), yhi.amax(1)  # NaN propagates through amax
     finite = (lmax > -math.inf) & (hmax < math.inf) & ~torch.isnan(lmax) & ~torch.isnan(hmax)
+    if outside is not None:
+        finite &= outside.usable()
     if not bool(finite.all()):
         ylo = ylo.masked_fill(~finite[:, None], -math.inf)
         yhi = yhi.masked_fill(~finite[:, None], -math.inf)
@@ -82,6 +95,8 @@ def certify_draw(ylo: torch.Tensor, yhi: torch.Tensor, seeds: torch.Tensor, gree
     winner = ylo.argmax(1)  # first maximum: the greedy winner candidate
     contenders = yhi >= lmax[:, None]  # greedy rows: j with yhi_j >= ylo_w
     certified = finite & (contenders.sum(1) == 1)  # only w itself (yhi_w >= ylo_w always)
+    if outside is not None:  # every block token: y_j <= hi < ylo_w <= y_w
+        certified &= outside.max_hi() < lmax.double()
     samp = finite & ~greedy
     if bool(samp.any()):
         rows = samp.nonzero().squeeze(1)
@@ -89,6 +104,8 @@ def certify_draw(ylo: torch.Tensor, yhi: torch.Tensor, seeds: torch.Tensor, gree
         lo_r, hi_r = ylo[rows], yhi[rows]
         absmax = torch.maximum(lo_r.masked_fill(lo_r == -math.inf, 0).abs().amax(1),
                                hi_r.masked_fill(hi_r == -math.inf, 0).abs().amax(1))
+        if outside is not None:
+            absmax = torch.maximum(absmax.double(), outside.absmax[rows].amax(1))
         delta = noise_margin(absmax)  # [r] float64
         # first threshold: the noisy lower bounds of the TOP_FIRST highest lower bounds
         top = lo_r.topk(min(TOP_FIRST, V), dim=1)
@@ -117,6 +134,9 @@ def certify_draw(ylo: torch.Tensor, yhi: torch.Tensor, seeds: torch.Tensor, gree
         cont_rows[ri[cont], ci[cont]] = True
         winner[rows] = w.clamp_max(V - 1)  # V: no finite noisy score (never certified)
         contenders[rows] = cont_rows
-        certified[rows] = (n_cont == 1) & (best > -math.inf)
+        ok = (n_cont == 1) & (best > -math.inf)
+        if outside is not None:  # every block token's computed noisy bound is below best - 2 delta
+            ok &= outside.noisy[rows].amax(1) < best - 2 * delta
+        certified[rows] = ok & finite[rows]
     contenders &= finite[:, None]
     return DrawCertificate(winner, certified, contenders, finite)

@@ -41,6 +41,18 @@ upper mass if ``ylo_i < t`` and ``R_lo`` its lower mass otherwise; it never must
 ``i`` (``ylo_j <= yhi_j < t <= yhi_i``), so ``N_lo`` gains nothing and ``R_hi`` its upper
 mass. Each bound is the one of the whole row with the tail's terms bounded, so decisions stay
 sound; only tokens with ``ylo_i < t <= yhi_i`` may be left undecided more often.
+
+The outside blocks (:class:`~.outside.Outside`, tensor parallelism: tokens known through
+per-row, per-block summaries only, ``-inf`` on both sides in ``ylo, yhi``). min-p: the maximum
+``m`` may be a block token, so ``m <= max(max yhi, max hi)``; a block is dropped as a whole
+when ``hi - max ylo < log(min_p) - eps_b``, ``eps_b = 1e-5 + 2^-21 (absmax + |m|max)`` (at
+least every block token's own margin: ``|y_j| <= absmax``). top-p: each block's masses
+(``e^lel``, ``e^leh``, shifted like the others) enter ``tot_h`` (the tail bound's "upper mass
+of all the rest") and every token's four sums as the tail's do, with the block's own
+threshold: every block token has ``yhi_j <= hi``, so it sorts before ``i`` when ``ylo_i > hi``
+(strictly: ties may sort either way), and may sort after it otherwise; it never must. A block
+whose ``hi`` is below a dropped tail's ``t`` is dropped with the tail. Block tokens are never
+certainly kept (their lower bounds are not known one by one).
 """
 
 from __future__ import annotations
@@ -49,7 +61,8 @@ import math
 
 import torch
 
-from ..fp import gamma
+from ..fp import gamma, round_up32
+from .outside import Outside
 
 _U = 2.0**-24
 MIN_P_FLOOR = 1e-20
@@ -57,19 +70,23 @@ TAIL_SCAN = 256  # highest lower bounds scanned one by one for the tail threshol
 BISECT_STEPS = 12  # then bisection on the threshold, for rows with broad nuclei
 
 
-def min_p_bounds(ylo: torch.Tensor, yhi: torch.Tensor, min_p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Apply min-p (``[R]`` float32, ``0`` = off) to bounds; see the module docstring."""
+def min_p_bounds(ylo: torch.Tensor, yhi: torch.Tensor, min_p: torch.Tensor, outside: Outside | None = None):
+    """Apply min-p (``[R]`` float32, ``0`` = off) to bounds; see the module docstring.
+    Returns ``(ylo, yhi)``, or ``(ylo, yhi, outside)`` when an outside block is given (see
+    "the outside blocks" in the module docstring)."""
     on = min_p > 0
     if not bool(on.any()):
-        return ylo, yhi
+        return (ylo, yhi) if outside is None else (ylo, yhi, outside)
     if not bool(on.all()):  # the rows with min-p only
         rows = on.nonzero().squeeze(1)
-        lo_r, hi_r = min_p_bounds(ylo[rows], yhi[rows], min_p[rows])
+        res = min_p_bounds(ylo[rows], yhi[rows], min_p[rows], None if outside is None else outside.rows(rows))
         out_lo, out_hi = ylo.clone(), yhi.clone()
-        out_lo[rows], out_hi[rows] = lo_r, hi_r
-        return out_lo, out_hi
+        out_lo[rows], out_hi[rows] = res[0], res[1]
+        return (out_lo, out_hi) if outside is None else (out_lo, out_hi, outside.put(rows, res[2]))
     mlo = ylo.amax(1, keepdim=True)
     mhi = yhi.amax(1, keepdim=True)
+    if outside is not None:  # a block may hold the maximum: m <= max(max yhi, its hi)
+        mhi = round_up32(torch.maximum(mhi.double(), outside.max_hi()[:, None]))
     logmp = torch.log(min_p.double().clamp_min(MIN_P_FLOOR))[:, None]
     ym = torch.maximum(mlo.abs(), mhi.abs()).double()
     eps = 1e-5 + 2.0**-21 * (torch.maximum(ylo.abs(), yhi.abs()).double() + ym)
@@ -79,7 +96,13 @@ def min_p_bounds(ylo: torch.Tensor, yhi: torch.Tensor, min_p: torch.Tensor) -> t
     new_lo = torch.where(keep, ylo, -math.inf)
     new_lo = torch.where(usable[:, None], new_lo, torch.full_like(ylo, -math.inf))
     new_hi = torch.where(drop & usable[:, None], -math.inf, yhi)
-    return torch.where(on[:, None], new_lo, ylo), torch.where(on[:, None], new_hi, yhi)
+    out = torch.where(on[:, None], new_lo, ylo), torch.where(on[:, None], new_hi, yhi)
+    if outside is None:
+        return out
+    # each block as one token: every y_j <= its hi and |y_j| <= its absmax
+    eps_b = 1e-5 + 2.0**-21 * (outside.absmax + ym)
+    drop_b = (outside.hi - mlo.double()) < logmp - eps_b
+    return (*out, outside.drop(drop_b & (usable & on)[:, None]))
 
 
 def _prefix_before(sorted_vals: torch.Tensor, cums: torch.Tensor, thr: torch.Tensor, right: bool) -> torch.Tensor:
@@ -143,10 +166,11 @@ def _tail_bound(n_top: torch.Tensor, h_top: torch.Tensor, tot_h: torch.Tensor) -
     return n_top / (n_top + (tot_h - h_top).clamp_min(0))
 
 
-def _decide_packed(lo, hi, el, eh, t, p, eps) -> tuple[torch.Tensor, torch.Tensor]:
+def _decide_packed(lo, hi, el, eh, t, p, eps, block=None) -> tuple[torch.Tensor, torch.Tensor]:
     """``(keep, drop)`` ``[r, V]``: the tail ``yhi < t`` dropped, the other tokens packed into
     ``[r, n]`` (``-inf`` padding: no mass) and decided with the tail's masses added where they
-    may count (module docstring, "the tail")."""
+    may count (module docstring, "the tail"), and the outside blocks' (``block = (hi, lower
+    mass, upper mass)``, each ``[r, L]``, module docstring, "the outside blocks")."""
     r, V = lo.shape
     tail = hi < t[:, None]
     head = ~tail & (hi > -math.inf)
@@ -170,6 +194,12 @@ def _decide_packed(lo, hi, el, eh, t, p, eps) -> tuple[torch.Tensor, torch.Tenso
     n_hi = n_hi + torch.where(above, 0.0, tail_h)
     r_lo = r_lo + torch.where(above, tail_l, 0.0)
     r_hi = r_hi + tail_h
+    if block is not None:
+        bhi, bel, beh = (x[:, None, :] for x in block)  # [r, 1, L]
+        before = plo[:, :, None] > bhi  # every block token has yhi_j <= bhi < ylo_i: sorts before i
+        n_hi = n_hi + torch.where(before, 0.0, beh).sum(2)
+        r_lo = r_lo + torch.where(before, bel, 0.0).sum(2)
+        r_hi = r_hi + beh.sum(2)
     k, d = _decide(n_hi, r_lo, n_lo, r_hi, plo, p, eps)
     wide = torch.zeros((r, V + 1), dtype=torch.bool, device=lo.device)  # column V: padding
     return wide.scatter(1, cols, k)[:, :V], drop | wide.scatter(1, cols, d)[:, :V]
@@ -194,20 +224,28 @@ def _bisect_tail(lo, el, eh, tot_h, need, upper) -> torch.Tensor:
     return good
 
 
-def top_p_bounds(ylo: torch.Tensor, yhi: torch.Tensor, top_p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Apply top-p (``[R]`` float32, ``1`` = off) to bounds; see the module docstring."""
+def top_p_bounds(ylo: torch.Tensor, yhi: torch.Tensor, top_p: torch.Tensor, outside: Outside | None = None):
+    """Apply top-p (``[R]`` float32, ``1`` = off) to bounds; see the module docstring.
+    Returns ``(ylo, yhi)``, or ``(ylo, yhi, outside)`` when an outside block is given (see
+    "the outside blocks" in the module docstring)."""
     on = top_p < 1.0
     if not bool(on.any()):
-        return ylo, yhi
+        return (ylo, yhi) if outside is None else (ylo, yhi, outside)
     rows = on.nonzero().squeeze(1)
     lo, hi = ylo[rows].double(), yhi[rows].double()
+    ob = None if outside is None else outside.rows(rows)
     r, V = lo.shape
     c = hi.masked_fill(hi == math.inf, -math.inf).amax(1, keepdim=True)
+    if ob is not None:
+        c = torch.maximum(c, ob.hi.masked_fill(ob.hi == math.inf, -math.inf).amax(1, keepdim=True))
     c = torch.where(torch.isfinite(c), c, torch.zeros_like(c))
     el, eh = torch.exp(lo - c), torch.exp(hi - c)  # -inf -> 0
     eps = 2 * gamma(V) + 1e-6
     p = top_p[rows].double()[:, None]
     tot_h = eh.sum(1, keepdim=True)
+    if ob is not None:  # the blocks' masses [r, L], shifted like the others
+        b_el, b_eh = torch.exp(ob.lel - c), torch.exp(ob.leh - c)
+        tot_h = tot_h + b_eh.sum(1, keepdim=True)
     # the tail: tokens certainly dropped as a block (module docstring, "the tail")
     t = torch.full((r,), -math.inf, dtype=lo.dtype, device=lo.device)
     scan = min(TAIL_SCAN, V)
@@ -224,9 +262,13 @@ def top_p_bounds(ylo: torch.Tensor, yhi: torch.Tensor, top_p: torch.Tensor) -> t
     keep = torch.zeros_like(lo, dtype=torch.bool)
     drop = torch.zeros_like(keep)
     for i in range(r):  # one row at a time: packed widths differ widely between rows
-        keep[i:i + 1], drop[i:i + 1] = _decide_packed(lo[i:i + 1], hi[i:i + 1], el[i:i + 1], eh[i:i + 1],
-                                                      t[i:i + 1], p[i:i + 1], eps)
+        s = slice(i, i + 1)
+        block = None if ob is None else (ob.hi[s], b_el[s], b_eh[s])
+        keep[s], drop[s] = _decide_packed(lo[s], hi[s], el[s], eh[s], t[s], p[s], eps, block)
     out_lo, out_hi = ylo.clone(), yhi.clone()
     out_lo[rows] = torch.where(keep, ylo[rows], -math.inf)
     out_hi[rows] = torch.where(drop, -math.inf, yhi[rows])
-    return out_lo, out_hi
+    if outside is None:
+        return out_lo, out_hi
+    # a block below the dropped tail's threshold is dropped with it (every yhi_j <= hi < t)
+    return out_lo, out_hi, outside.put(rows, ob.drop(ob.hi < t[:, None]))

@@ -14,6 +14,7 @@ that adds another per-token constant than the head's bias, as the ball's ``bmax`
 name      bound                                                        extra memory
 ========  ===========================================================  =====================
 ball      paper's cluster bound ``<mu_c,h> + R_c ||h|| + bmax_c``      ``C (d + 3)`` fp32
+          (two-sided form ``|z_i - <mu_c,h> - b_i| <= R_c ||h||`` under TP)
 int8      per-row int8 copy, ``|<w_i - s_i q_i, h>| <= r_i ||h||``     ``V d`` bytes + ``8 V``
           (+ the activation's quantisation residual); backends: FBGEMM
           on x86 CPUs (:mod:`.fbgemm`), cuBLASLt on CUDA, torch elsewhere
@@ -70,10 +71,11 @@ def _fbgemm_int8(weight: torch.Tensor, bias: torch.Tensor | None):
         return None
 
 
-def make_screen(name: str, weight: torch.Tensor, bias: torch.Tensor | None, index=None):
+def make_screen(name: str, weight: torch.Tensor, bias: torch.Tensor | None, index=None, two_sided: bool = False):
     """Build the screen ``name`` for the head ``weight [V, d]`` (and ``bias``); ``auto`` is
     ``int8`` with an exact fast GEMM (FBGEMM on CPU, cuBLASLt on CUDA), else ``fp16``, else
-    the ``int8`` torch reference (module docstring)."""
+    the ``int8`` torch reference (module docstring). ``two_sided`` asks the ball for its
+    two-sided form (every other screen is two-sided)."""
     if name not in SCREENS:
         raise CSVError(f"unknown screen {name!r}; choose one of {', '.join(SCREENS)}")
     on_cpu = weight.device.type == "cpu"
@@ -92,7 +94,7 @@ def make_screen(name: str, weight: torch.Tensor, bias: torch.Tensor | None, inde
     if name == "ball":
         if index is None:
             raise CSVError("screen 'ball' needs a CSV index (--csv-index, or let vllm-csv build one)")
-        return BallScreen(index, weight, bias)
+        return BallScreen(index, weight, bias, two_sided=two_sided)
     if name == "fp16":
         return HalfScreen(weight, bias)
     return QuantizedScreen(weight, bias, bits=int(name[3:]))

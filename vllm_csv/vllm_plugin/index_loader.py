@@ -1,21 +1,39 @@
-"""The index at start-up (screen 'ball'): the given file, else the cache, else build it."""
+"""The index at start-up (screen 'ball'): the given file, else the cache, else build it.
+
+Under tensor parallelism each rank's index covers its shard's real rows only (the ball bound
+of a token needs only its own cluster, so a shard's index is the index of a smaller head):
+it is fingerprinted on those rows, so the cache keeps one file per shard, and a given
+``--csv-index PATH`` is read per rank from :func:`shard_index_path` (``vllm-csv build-index
+--tensor-parallel-size N`` writes those files).
+"""
 
 from __future__ import annotations
 
 import torch
 from vllm.logger import init_logger
 
-from ..cache import index_path
+from ..cache import index_path, shard_index_path
 from ..errors import CSVError
 from ..index import CSVIndex, build_index, default_num_clusters, fingerprint_weights
 
 logger = init_logger("vllm.csv_decode")
 
 
-def load_or_build_index(weight: torch.Tensor, bias: torch.Tensor | None, cfg) -> CSVIndex:
+def load_or_build_index(weight: torch.Tensor, bias: torch.Tensor | None, cfg, shard=None) -> CSVIndex:
+    """The index of ``weight`` (``shard``: a :class:`~vllm_csv.sharded.Shard` whose real rows
+    ``weight`` are). A given file that does not match these rows is a :class:`CSVError`."""
     fp = fingerprint_weights(weight.cpu(), None if bias is None else bias.cpu())
     if cfg.index:
-        return CSVIndex.load(cfg.index, expect_fingerprint=fp)  # mismatch or corruption: CSVError
+        if shard is None:
+            return CSVIndex.load(cfg.index, expect_fingerprint=fp)  # mismatch or corruption: CSVError
+        path = shard_index_path(cfg.index, shard.rank, shard.size)
+        try:
+            return CSVIndex.load(path, expect_fingerprint=fp)
+        except CSVError as e:
+            raise CSVError(f"{e}. With --tensor-parallel-size {shard.size}, rank {shard.rank} reads the index of "
+                           f"its shard (vocabulary rows {shard.start}...{shard.start + shard.real}) from {path}; "
+                           f"write those files with `vllm-csv build-index MODEL --output {cfg.index} "
+                           f"--tensor-parallel-size {shard.size}`") from None
     C = cfg.clusters or default_num_clusters(weight.shape[0])
     path = index_path(fp, C)
     if path.is_file():
@@ -23,7 +41,8 @@ def load_or_build_index(weight: torch.Tensor, bias: torch.Tensor | None, cfg) ->
             return CSVIndex.load(path, expect_fingerprint=fp)
         except CSVError as e:
             logger.warning("cached CSV index unusable (%s); rebuilding", e)
-    logger.info("building the CSV index (%d clusters) for this LM head; cached at %s", C, path)
+    logger.info("building the CSV index (%d clusters) for this LM head%s; cached at %s", C,
+                "" if shard is None else f" shard (rank {shard.rank} of {shard.size})", path)
     idx = build_index(weight.float().cpu(), None if bias is None else bias.float().cpu(), C, progress=True)
     idx.save(path)
     return idx

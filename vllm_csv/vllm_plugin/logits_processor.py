@@ -9,8 +9,9 @@ weights, and each step's rows take the certified path or vLLM's dense code
 With tensor parallelism the head is a :class:`~vllm_csv.sharded.ShardedHead` over this
 rank's shard: every rank reaches the same decision, and dense rows take vLLM's all-gather.
 Rows planned ``DEFER`` (certified with the seed the sampler draws) are left as placeholders
-and handed to :mod:`.sampler_hook`, which fills them before vLLM's sampler reads them
-(single-rank heads only: under tensor parallelism they are dense).
+and handed to :mod:`.sampler_hook`, which fills them before vLLM's sampler reads them (under
+tensor parallelism through a :class:`~vllm_csv.sampling.sharded_rows.ShardedAdapter`: the
+same decision on every rank).
 """
 
 from __future__ import annotations
@@ -76,8 +77,6 @@ class CSVLogitsProcessor(LogitsProcessor):
                 memo.append(self._dense(lm_head, hidden_states, embedding_bias))
             return memo[0]
         ks = list(plan.topk)
-        if not isinstance(head, csv_head.CertifiedHead):  # sharded head: the sampler hook has no adapter
-            ks = [0 if k == step_plan.DEFER else k for k in ks]
         modes = list(plan.modes or ["greedy" if k == 1 else "top_k" for k in ks])
         deferred = [i for i, k in enumerate(ks) if k == step_plan.DEFER]
         in_head = [i for i, k in enumerate(ks) if k != step_plan.DEFER]
@@ -136,9 +135,11 @@ class CSVLogitsProcessor(LogitsProcessor):
 
     def _adapter(self, head):
         from ..sampling.head_adapter import HeadAdapter
+        from ..sampling.sharded_rows import ShardedAdapter
 
         if getattr(self, "_csv_adapter", None) is None or self._csv_adapter.head is not head:
-            self._csv_adapter = HeadAdapter(head)
+            sharded = not isinstance(head, csv_head.CertifiedHead)
+            self._csv_adapter = ShardedAdapter(head) if sharded else HeadAdapter(head)
         return self._csv_adapter
 
     @staticmethod
@@ -180,10 +181,16 @@ class CSVLogitsProcessor(LogitsProcessor):
             if getattr(lm_head, "tp_size", 1) > 1:  # vocab-sharded head: one decision on every rank
                 from ..sharded import Shard, ShardedHead, VllmTPGroup
 
+                shard = Shard.of_lm_head(lm_head, V)
+                index = None
+                if (self.csv_config.screen == "ball" or self.csv_config.index) and shard.real:
+                    n = shard.real  # the shard's real rows: its index is fingerprinted on them
+                    index = load_or_build_index(weight[:n], None if bias is None else bias[:n], self.csv_config,
+                                                shard)
                 self.csv_head = ShardedHead(
-                    weight, bias, Shard.of_lm_head(lm_head, V), VllmTPGroup(),
-                    config=self.csv_config.head_config(), softcap=self.soft_cap, scale=self.scale)
-                self.csv_metrics = _metrics(self.csv_model_name, self.csv_head, None, lm_head.tp_rank)
+                    weight, bias, shard, VllmTPGroup(), config=self.csv_config.head_config(),
+                    softcap=self.soft_cap, scale=self.scale, index=index)
+                self.csv_metrics = _metrics(self.csv_model_name, self.csv_head, index, lm_head.tp_rank)
                 return self.csv_head
             index = None
             if self.csv_config.screen == "ball" or self.csv_config.index:  # a given index is always checked

@@ -29,6 +29,14 @@ the noise). When every top-p row of the batch was certified, vLLM's top-p is ski
 draw (:func:`_top_p_off`): its full-vocabulary sort was the dense step's largest cost. Anything this hook cannot reason about (speculative decoding, fp64 Gumbel,
 a thinking budget, custom logits processors, min_tokens with a grammar, a non-CPU sampler)
 makes every deferred row dense.
+
+Under tensor parallelism (a :class:`~vllm_csv.sampling.sharded_rows.ShardedAdapter`) step 2
+runs vLLM's processors on each rank's shard and the certificate on gathered summaries
+(:func:`~vllm_csv.sampling.sharded_rows.certify_rows_sharded`): every rank reaches the same
+decision and writes the same rows; rows left dense take vLLM's dense TP path (its
+all-gather) on every rank. The seeds are peeked from each rank's own RNG, which vLLM keeps in
+step on every rank (every rank samples; nothing here draws from it); they ride on the first
+gather, and a row whose seeds differ between ranks goes dense on every rank.
 """
 
 from __future__ import annotations
@@ -45,6 +53,7 @@ from vllm.logger import init_logger
 from ..sampling.head_adapter import HeadAdapter
 from ..sampling.nucleus import min_p_bounds, top_p_bounds
 from ..sampling.rows import certify_rows
+from ..sampling.sharded_rows import ShardedAdapter, certify_rows_sharded
 
 logger = init_logger("vllm.csv_decode")
 _SAMPLING_EPS = 1e-5
@@ -59,8 +68,8 @@ class Deferred:
     hidden: torch.Tensor  # [R, d] the deferred rows' hidden states (a copy)
     rows: torch.Tensor  # [R] int64, CPU
     modes: list[str]  # per deferred row
-    adapter: HeadAdapter
-    dense: Callable[[], torch.Tensor]  # the dense head on the whole batch: [B, V]
+    adapter: HeadAdapter | ShardedAdapter
+    dense: Callable[[], torch.Tensor]  # the dense head on the whole batch: [B, V] (under TP: collective)
     done: Callable[["DeferredStats"], None]  # metrics / off-switch accounting
     seconds: float = 0.0  # head time spent on them
 
@@ -168,7 +177,7 @@ def resolve(sampler, d: Deferred, logits: torch.Tensor, md, predict_bonus_token:
         every_row = R == B and torch.equal(rows, torch.arange(B))  # the batch itself: no scatter / gather
         base = None if every_row else logits.float()
 
-        def process(lo: torch.Tensor, hi: torch.Tensor):
+        def elementwise(lo: torch.Tensor, hi: torch.Tensor):
             out = []
             for x in (lo, hi):
                 if every_row:
@@ -182,11 +191,19 @@ def resolve(sampler, d: Deferred, logits: torch.Tensor, md, predict_bonus_token:
                     # their values stay those greedy_argmax sees
                     full = sampler.apply_temperature(full, md.temperature, md.all_random)
                 out.append(full if every_row else full[dev_rows])
-            ylo, yhi = min_p_bounds(out[0], out[1], min_p.to(out[0].device))
-            return top_p_bounds(ylo, yhi, top_p.to(out[0].device))
+            return out[0], out[1]
 
-        res = certify_rows(d.adapter, d.hidden, process, seeds.to(logits.device), greedy.to(logits.device),
-                           masked)
+        def process(lo: torch.Tensor, hi: torch.Tensor):
+            ylo, yhi = elementwise(lo, hi)
+            ylo, yhi = min_p_bounds(ylo, yhi, min_p.to(ylo.device))
+            return top_p_bounds(ylo, yhi, top_p.to(ylo.device))
+
+        if isinstance(d.adapter, ShardedAdapter):  # tensor parallelism: one decision from gathered numbers
+            res = certify_rows_sharded(d.adapter, d.hidden, elementwise, min_p, top_p, seeds.to(logits.device),
+                                       greedy.to(logits.device), masked)
+        else:
+            res = certify_rows(d.adapter, d.hidden, process, seeds.to(logits.device), greedy.to(logits.device),
+                               masked)
         certified = res.certified.cpu()
         if bool(certified.any()):
             idx = dev_rows[certified.to(logits.device)]

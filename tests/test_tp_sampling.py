@@ -1,0 +1,288 @@
+"""Tensor parallelism (issue 11): deferred rows (the sampler's draw: temperature, top-p, min-p,
+penalties, logit_bias, ...) certified over a sharded head, simulated in one process.
+
+Each rank runs ``sampler_hook.resolve`` in its own thread (tests/test_tp.py's ThreadGroup) over
+its own shard in vLLM's layout; the seeds are peeked once (the ranks' RNGs are in step in vLLM;
+threads share one here). Every rank must write the same logits and take the same decision;
+vLLM's sampler on those logits must draw what it draws on vLLM's dense TP logits.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+
+import pytest
+import torch
+
+from test_sampler_hook import CASES, metadata, run
+from test_tp import bits, dense_tp, run_ranks, shard_of
+
+pytest.importorskip("vllm")
+from vllm.v1.sample.sampler import Sampler  # noqa: E402
+
+from vllm_csv import audit  # noqa: E402
+from vllm_csv.errors import CSVError  # noqa: E402
+from vllm_csv.head import HeadConfig  # noqa: E402
+from vllm_csv.sampling import sharded_rows  # noqa: E402
+from vllm_csv.sampling.sharded_rows import ShardedAdapter  # noqa: E402
+from vllm_csv.sharded import Shard, ShardedHead  # noqa: E402
+from vllm_csv.vllm_plugin import sampler_hook  # noqa: E402
+
+PEEK = sampler_hook.peek_seeds  # the real one (tests replace it for the threads)
+
+
+def resolve_tp(W, bias, h, md, rows, size, monkeypatch, screen="int8", softcap=None, scale=1.0, patch=None,
+               budget=0.5, off_switch=False):
+    """Every rank's ``(logits, stats, no_top_p, dense TP logits, dense calls)``."""
+    V, B = W.shape[0], h.shape[0]
+    torch.manual_seed(5)
+    for i, gen in md.generators.items():
+        gen.manual_seed(1000 + i)
+    seeds = PEEK(B, md.generators)
+    monkeypatch.setattr(sampler_hook, "peek_seeds", lambda n, gens: seeds.clone())
+
+    def rank(r, comm):
+        shard = Shard.vllm_layout(V, r, size)
+        w, b = shard_of(W, bias, shard)
+        head = ShardedHead(w, b, shard, comm, config=HeadConfig(screen=screen, budget=budget, off_switch=off_switch),
+                           softcap=softcap, scale=scale)
+        if patch is not None:
+            patch(r, head)
+        dense = dense_tp(comm, w, b, V, head.engine)
+        ref = dense(h)
+        logits = ref.clone()
+        logits[rows] = sampler_hook.PLACEHOLDER
+        calls = []
+        d = sampler_hook.Deferred(logits, h[rows].clone(), rows, ["sampling"] * rows.numel(), ShardedAdapter(head),
+                                  lambda: calls.append(1) or dense(h), lambda st: None)
+        st, no_top_p = sampler_hook.resolve(Sampler(), d, logits, md)
+        return logits, st, no_top_p, ref, len(calls), head
+
+    return run_ranks(size, rank)[0]
+
+
+def draw(logits, md, no_top_p):
+    saved = None if md.top_p is None else md.top_p.clone()
+    if md.top_p is not None and no_top_p.numel():
+        md.top_p[no_top_p] = 1.0  # as the hook does for certified top-p rows
+    try:
+        return run(Sampler(), logits, md, seed=5)[0]
+    finally:
+        if saved is not None:
+            md.top_p.copy_(saved)
+
+
+def check_same_and_exact(res, md, rows):
+    """Every rank wrote the same logits and stats; the draw is vLLM's dense TP draw. Returns
+    the certified count."""
+    logits, st, no_top_p, ref, calls, _ = res[0]
+    for r in res[1:]:
+        assert torch.equal(bits(r[0]), bits(logits)) and torch.equal(r[2], no_top_p)
+        assert r[1].certified == st.certified and r[1].fallbacks == st.fallbacks and r[4] == calls
+    want = run(Sampler(), ref.clone(), md, seed=5)[0]
+    got = draw(logits, md, no_top_p)
+    assert torch.equal(got, want), (got, want)
+    return sum(st.certified.values())
+
+
+@pytest.mark.parametrize("size", (2, 4))
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_tp_deferred_rows_draw_like_dense(case, size, monkeypatch):
+    """A learned-like head, V not a multiple of 64 (padding rows on the last shard), every
+    processing case of the single-rank hook test, sampled and greedy rows, seeded or not."""
+    from conftest import hidden_near_rows, peaked_head
+
+    V, D, B = 1000, 48, 16
+    g = torch.Generator().manual_seed(3 + size)
+    W, _ = peaked_head(V, D, seed=17, dtype=torch.bfloat16)
+    h = hidden_near_rows(W, B, g, scale=1.5)
+    temps = [0.0 if i % 4 == 0 else 0.8 for i in range(B)]
+    md = metadata(g, temps, seeded=range(1, B, 2), V=V, **CASES[case])
+    certified = 0
+    for rows in (torch.arange(B), torch.arange(0, B, 3)):
+        certified += check_same_and_exact(resolve_tp(W, None, h, md, rows, size, monkeypatch), md, rows)
+    assert certified > B // 2, certified
+
+
+@pytest.mark.parametrize("size", (2, 4))
+def test_tp_deferred_rows_on_adversarial_families(size, monkeypatch):
+    """The audit's adversarial heads (near ties, exact ties, overflow, soft-cap, bias
+    cancellation, non-finite hidden states, norms) at its temperatures, with top-p / min-p."""
+    rows_total = cert_total = 0
+    for family in sorted(audit.FAMILIES):
+        for seed in range(3):
+            g = torch.Generator().manual_seed(100 * seed + size)
+            case = audit.FAMILIES[family](g, audit.DTYPES[seed % 3])
+            V, B = case.weight.shape[0], case.hidden.shape[0]
+            T = audit.TEMPERATURES[(seed + len(family)) % len(audit.TEMPERATURES)]
+            temps = [0.0 if i % 3 == 0 else T for i in range(B)]
+            kind = ("top_p", "min_p", "temperature")[seed]
+            md = metadata(g, temps, seeded=range(0, B, 2), V=V, **CASES[kind])
+            try:
+                res = resolve_tp(case.weight, case.bias, case.hidden, md, torch.arange(B), size, monkeypatch,
+                                 softcap=case.softcap, scale=case.scale)
+            except CSVError:  # a screen may refuse a head (fp16 overflow) on some rank
+                continue
+            cert_total += check_same_and_exact(res, md, torch.arange(B))
+            rows_total += B
+    assert cert_total > 0.2 * rows_total, (cert_total, rows_total)
+
+
+def test_tp_disagreeing_ranks_go_dense_together(monkeypatch):
+    """Rank 1 alone cannot bound row 0 (as with a NaN in its hidden state there), its exact
+    scores of row 1 come with a useless upper bound, it would draw row 2 with another seed, and
+    one of its tokens has a NaN bound in row 3:
+    those rows are dense on *every* rank (the collective dense path runs once on each), the
+    others certified, the logits the same everywhere."""
+    from conftest import hidden_near_rows, peaked_head
+
+    V, D, B = 777, 40, 8
+    g = torch.Generator().manual_seed(11)
+    W, _ = peaked_head(V, D, seed=5, dtype=torch.bfloat16)
+    h = hidden_near_rows(W, B, g, scale=2.5)
+    md = metadata(g, [0.7] * B, seeded=range(B), V=V, **CASES["top_p"])
+
+    rank1 = []
+
+    def patch(r, head):
+        if r != 1:
+            return
+        real, score = head.local._intervals, head.local._score
+
+        def broken(hidden):
+            lo, hi, hnorm, ok = real(hidden)
+            ok = ok.clone()
+            ok[0] = False  # as a NaN in row 0 would make it
+            hi = hi.clone()
+            hi[3, -1] = math.nan  # a NaN bound on one token (in a block, not sent one by one)
+            return lo, hi, hnorm, ok
+
+        def broken_score(hidden, ids, hnorm):
+            z, lower, upper = score(hidden, ids, hnorm)
+            upper = upper.clone()
+            upper[1] = math.inf  # this rank cannot bound row 1 from above
+            return z, lower, upper
+
+        head.local._intervals, head.local._score = broken, broken_score
+        peek = sampler_hook.peek_seeds
+
+        def other_seed(n, gens):  # (each thread reads the module's function when it resolves)
+            s = peek(n, gens)
+            if threading.current_thread() is rank1[0]:
+                s[2] += 1
+            return s
+
+        rank1.append(threading.current_thread())
+        monkeypatch.setattr(sampler_hook, "peek_seeds", other_seed)
+
+    res = resolve_tp(W, None, h, md, torch.arange(B), 2, monkeypatch, patch=patch)
+    check_same_and_exact(res, md, torch.arange(B))
+    (l0, s0, _, ref, calls0, _), (l1, s1, _, _, calls1, _) = res
+    assert calls0 == calls1 == 1
+    assert torch.equal(bits(l0[:2]), bits(ref[:2]))  # dense rows: vLLM's dense TP rows
+    assert torch.equal(bits(l0[:4]), bits(ref[:4]))
+    assert s0.fallbacks.get("nonfinite", 0) == 3 and s0.fallbacks.get("uncertified", 0) >= 1
+    assert sum(s0.certified.values()) >= B - 4
+
+
+def _mutation_mismatches(monkeypatch, mutate, families=("near_tie", "peaked", "norms"), seeds=6) -> int:
+    mutate(monkeypatch)
+    wrong = 0
+    for family in families:
+        for seed in range(seeds):
+            g = torch.Generator().manual_seed(seed)
+            case = audit.FAMILIES[family](g, torch.float32)
+            V, B = case.weight.shape[0], case.hidden.shape[0]
+            for kind, T in (("top_p", 3.0), ("temperature", 1.0), ("temperature", 1e-6)):
+                md = metadata(g, [T] * B, seeded=range(B), V=V, **CASES[kind])
+                md.top_p = None if md.top_p is None else torch.full((B,), 0.95)
+                res = resolve_tp(case.weight, case.bias, case.hidden, md, torch.arange(B), 2, monkeypatch,
+                                 screen="int4", budget=1.0)
+                logits, _, no_top_p, ref, _, _ = res[0]
+                wrong += int((draw(logits, md, no_top_p) != run(Sampler(), ref.clone(), md, seed=5)[0]).sum())
+            if wrong:
+                return wrong
+    return wrong
+
+
+def _weaken_block(field, value):
+    def mutate(monkeypatch):
+        real = sharded_rows._combine
+
+        def weak(G, R, V):
+            out = list(real(G, R, V))
+            setattr(out[3], field, torch.full_like(getattr(out[3], field), value))
+            return tuple(out)
+
+        monkeypatch.setattr(sharded_rows, "EXPLICIT", 2)  # a small explicit set: the block matters
+        monkeypatch.setattr(sharded_rows, "_combine", weak)
+    return mutate
+
+
+@pytest.mark.parametrize("field", ("hi", "noisy", "leh"))
+def test_broken_outside_block_is_caught(field, monkeypatch):
+    """Mutation: one summary of the outside block dropped (greedy rows' largest bound, sampled
+    rows' largest noisy bound, top-p's upper mass): the draw differs from the dense draw. (For
+    the noisy bound, the explicit tokens are chosen by ``yhi`` alone, a sound but weaker
+    choice, so that the draw's winner is sometimes in the block.)"""
+    monkeypatch.setattr(sharded_rows, "NOISY_KEY", field != "noisy")
+    assert _mutation_mismatches(monkeypatch, _weaken_block(field, -math.inf)) > 0
+
+
+@pytest.mark.parametrize("noisy_key", (True, False))
+def test_small_explicit_set_stays_exact(noisy_key, monkeypatch):
+    """The same runs as the mutation tests, unmutated (2 explicit tokens a key): no mismatch."""
+    monkeypatch.setattr(sharded_rows, "EXPLICIT", 2)
+    monkeypatch.setattr(sharded_rows, "NOISY_KEY", noisy_key)
+    assert _mutation_mismatches(monkeypatch, lambda mp: None) == 0
+
+
+def test_tp_sampler_keeps_the_off_switch_ledger_common(monkeypatch):
+    """The shared off-switch's pending step time, different on each rank, is folded on the
+    sampler's first gather: both ranks' ledgers take the slowest rank's time."""
+    from conftest import hidden_near_rows, peaked_head
+
+    V, D, B = 500, 32, 4
+    g = torch.Generator().manual_seed(2)
+    W, _ = peaked_head(V, D, seed=3, dtype=torch.bfloat16)
+    h = hidden_near_rows(W, B, g, scale=2.0)
+    md = metadata(g, [0.9] * B, seeded=range(B), V=V, **CASES["temperature"])
+
+    def patch(r, head):
+        sw = head.off_switch
+        sw.switch.dense_seconds[B] = 0.01
+        sw.switch._warm.add(B)
+        sw.observe(B, 0.02 + 0.01 * r)  # a CSV step: 10 or 20 ms over dense
+
+    res = resolve_tp(W, None, h, md, torch.arange(B), 2, monkeypatch, patch=patch, off_switch=True)
+    check_same_and_exact(res, md, torch.arange(B))
+    ledgers = [r[5].off_switch.switch.excess for r in res]
+    assert ledgers[0] == ledgers[1] == pytest.approx(0.02)
+    assert all(r[5].off_switch.pending_tensor().tolist() == [-1.0] for r in res)
+
+
+def test_shared_off_switch_measures_a_memoized_dense_step_once():
+    """The plugin's dense function is computed at most once a step: a second call returns the
+    memo at once. The shared switch's first guess of the dense time is the real computation's,
+    not the memo's (``min`` of two calls would keep ~0 and turn CSV off for good under TP,
+    where in-place dense samples are not taken)."""
+    from vllm_csv.sharded import SharedOffSwitch
+
+    class Solo:
+        rank, size = 0, 1
+
+        def all_gather(self, x):
+            return x[None]
+
+    memo = []
+
+    def measure():
+        if memo:
+            return 1e-7  # the memo
+        memo.append(1)
+        return 0.01
+
+    sw = SharedOffSwitch(Solo())
+    sw.allow(8, measure)
+    assert sw.dense_seconds[8] == pytest.approx(0.01)

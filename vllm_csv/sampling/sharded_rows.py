@@ -1,0 +1,288 @@
+"""Certify the sampler's draw under tensor parallelism: one decision, from gathered numbers.
+
+:func:`~.rows.certify_rows` over a vocabulary-sharded head (:class:`~vllm_csv.sharded.ShardedHead`).
+Each rank bounds only its shard; the draw must be decided identically on every rank (the
+ranks then sample from the same logits with the same seeds, so vLLM's unchanged sampler draws
+the same token everywhere). A round, run by every rank in the same order (the number of rounds
+is itself decided from gathered numbers):
+
+1. per rank, on its shard's real rows (padding excluded): bounds of the values the dense head
+   hands to the sampler (:class:`.HeadAdapter` over the shard: screen bounds, or the exact
+   scores' rounding intervals once scored), then the caller's ``process`` (vLLM's logits
+   processors, penalties and temperature, run on a ``[R, V]`` copy whose other ranks' columns
+   are ``-inf``: every such step is elementwise per (row, token) and maps ``-inf`` to
+   ``-inf``, so the shard's columns come out as on the full row);
+2. per rank and row, the :data:`EXPLICIT` tokens of highest processed upper bound ``yhi`` and
+   :data:`EXPLICIT` more of highest noisy upper bound ``yhi + g`` (sampled rows; ``g`` the
+   Gumbel noise of the token's *global* id) are sent one by one: ``(id, ylo, yhi, value)``
+   (``value`` the exact score, NaN while unscored). Every other token of the shard goes into
+   one of ``len(LEVELS) + 1`` blocks by how far its ``yhi`` lies below the largest of them
+   (:data:`LEVELS`; any split is sound, this one keeps top-p's masses sharp), each summed up
+   in :class:`~.outside.Outside` summaries (largest ``yhi``, largest ``fl64(yhi + g)``
+   rounded up, log-masses rounded outwards, largest ``|bound|``);
+3. **one all-gather** of ``[R, 2 EXPLICIT, 4] + [R, len(LEVELS) + 1, 5] + R + 1`` numbers per
+   rank (fp32; token ids are exact below ``2^24``): ``O(R k tp)``; the first round's also
+   carries the seeds (``2 R``) and the shared off-switch's pending step time (``1``);
+4. every rank builds the same ``[R, V]`` bounds (the explicit tokens; ``-inf`` elsewhere), the
+   same outside blocks (every rank's), applies min-p and top-p (:mod:`.nucleus`) and the draw
+   certificate (:func:`~.certificate.certify_draw`), all with the blocks. A row is certified
+   when its winner is explicit and scored, every rank could
+   bound the row (``finite``) and the certificate holds. The contenders not yet scored are
+   scored exactly by their owners (the same list on every rank; each scores its own columns)
+   and the round repeats, up to :data:`~.rows.MAX_ROUNDS` more times and the budget.
+
+The decision is a function of the gathered tensor only, computed by the same code on every
+rank: the ranks cannot split, whatever their local numbers are (each rank's local numbers are
+only *inputs* to the gather). The seeds are among them: vLLM keeps the ranks' RNGs in step,
+and a row whose seeds differ between ranks would go dense on every rank rather than split. A certified row is handed to the sampler as the exact values of
+its explicit scored tokens and ``-inf`` elsewhere (and where min-p / top-p certainly drop):
+every finite value lies within its token's bounds and was beaten by the winner, every other
+token (explicit or in the block) was compared through its bounds, so vLLM's draw returns the
+winner (the argument of :mod:`.rows` and :mod:`vllm_csv.vllm_plugin.sampler_hook`). Rows
+that are not certified are dense on every rank (the caller's collective dense path).
+"""
+
+from __future__ import annotations
+
+import math
+import torch
+
+from ..fp import round_down32, round_up32
+from .certificate import certify_draw
+from .gumbel import RowNoise, noise_bits, noise_of_bits
+from .head_adapter import HeadAdapter
+from .nucleus import min_p_bounds, top_p_bounds
+from .outside import Outside
+from .rows import FIRST_GUESS, MAX_ROUNDS, Process, RowsResult
+
+EXPLICIT = 16  # tokens a rank sends per row and key (highest yhi; highest yhi + g)
+NOISY_KEY = True  # the second key: yhi + g on sampled rows (False: yhi again; sound, certifies less)
+LEVELS = (0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, 8.0, 12.0, 16.0, 32.0)  # a rank's other tokens in blocks by yhi, this far below its largest
+_SUMMARIES = 5  # a block's hi, noisy, lel, leh, absmax
+
+
+def _lse_pad(x: torch.Tensor) -> torch.Tensor:
+    """An upper bound on the error of a float64 ``logsumexp`` of at most ``2^24`` terms with
+    value ``x``: each ``exp`` within ``2^-52`` relative, the positive sum within
+    ``gamma_(2^24) <= 2^-28`` relative (``log`` turns that into ``<= 2^-27`` absolute), the
+    final ``m + log(.)`` and the ``log`` within ``2^-51 |x|``; ``1e-8 + 1e-15 |x|`` covers it."""
+    return 1e-8 + 1e-15 * x.abs().nan_to_num(posinf=0.0, neginf=0.0)
+
+
+class ShardedAdapter:
+    """The sampler's view of a :class:`~vllm_csv.sharded.ShardedHead`: its shard's
+    :class:`.HeadAdapter` (global ids ``start ... start + n``), the group, and the head's
+    shared off-switch, whose pending step time rides on the step's first gather (so every
+    rank keeps the same ledger)."""
+
+    def __init__(self, head):
+        self.head = head
+        self.local = None if head.local is None else HeadAdapter(head.local)
+        self.vocab_size, self.dtype = head.vocab_size, head.dtype
+        self.budget = head.config.budget
+        self.start, self.n = head.shard.start, head.shard.real
+        self.comm = head.comm
+
+    def gather(self, x: torch.Tensor, first: bool) -> torch.Tensor:
+        """``[size, len(x)]``; the off-switch's pending time folded in on the step's first gather."""
+        sw = self.head.off_switch
+        if not first or sw is None:
+            return self.comm.all_gather(x)
+        g = self.comm.all_gather(torch.cat([x, sw.pending_tensor().to(x.device)]))
+        sw.fold(g[:, -1:].cpu())
+        return g[:, :-1]
+
+
+def _explicit_and_block(plo, phi, vals, g, samp, finite, start):
+    """One rank's payload (step 2 of the module docstring): ``[R, 2E, 4]`` explicit tokens,
+    ``[R, L, 5]`` block summaries and ``[R]`` finite, flattened (fp32)."""
+    R, n = phi.shape
+    dev = phi.device
+    E2, L = 2 * EXPLICIT, len(LEVELS) + 1
+    finite = finite & ~(torch.isnan(plo).any(1) | torch.isnan(phi).any(1))  # (the block maxima skip NaN)
+    ex = torch.full((R, E2, 4), -math.inf, device=dev)
+    ex[:, :, 0] = -1.0  # no token
+    ex[:, :, 3] = math.nan
+    block = torch.empty((R, L, _SUMMARIES), device=dev)
+    block[..., :4] = -math.inf
+    block[..., 4] = 0.0
+    if n == 0:
+        return torch.cat([ex.reshape(-1), block.reshape(-1), finite.float()])
+    m1 = min(EXPLICIT, n)
+    i1 = phi.topk(m1, dim=1).indices
+    key2 = torch.where(samp[:, None] & NOISY_KEY, phi.double() + g, phi.double()).scatter_(1, i1, -math.inf)
+    m2 = min(EXPLICIT, n - m1)
+    sel = torch.cat([i1, key2.topk(m2, dim=1).indices], 1) if m2 else i1
+    m = sel.shape[1]
+    ex[:, :m, 0] = (sel + start).float()
+    ex[:, :m, 1] = plo.gather(1, sel)
+    ex[:, :m, 2] = phi.gather(1, sel)
+    ex[:, :m, 3] = vals.gather(1, sel)
+    live = torch.ones((R, n), dtype=torch.bool, device=dev).scatter_(1, sel, False) & ~(phi == -math.inf)
+    if bool(live.any()):
+        # every live token in exactly one block (NaN / inf gaps in block 0)
+        gap = phi.masked_fill(~live, -math.inf).amax(1, keepdim=True) - phi
+        lvl = torch.bucketize(gap.nan_to_num(nan=0.0), torch.tensor(LEVELS, device=dev)).clamp_(0, L - 1)
+        idx = lvl.masked_fill_(~live, L)  # column L: the tokens in no block (explicit, or -inf)
+        block[..., 0] = _seg_max(phi, idx, L)
+        noisy = _seg_max(phi.double() + g, idx, L)
+        block[..., 1] = round_up32(torch.where(samp[:, None], noisy, -math.inf))
+        lel, leh = _seg_logsumexp(plo.double(), idx, L), _seg_logsumexp(phi.double(), idx, L)
+        block[..., 2] = round_down32(lel - _lse_pad(lel))
+        block[..., 3] = round_up32(leh + _lse_pad(leh))
+        mag = torch.maximum(plo.abs(), phi.abs())  # plo = -inf: inf (nothing is known of |y|)
+        block[..., 4] = _seg_max(mag, idx, L).clamp_min(0.0)  # an empty block: 0
+    return torch.cat([ex.reshape(-1), block.reshape(-1), finite.float()])
+
+
+def _seg_max(x: torch.Tensor, idx: torch.Tensor, L: int) -> torch.Tensor:
+    """``[R, L]``: per row, the largest ``x [R, n]`` of each block ``idx [R, n]`` (``L``: none;
+    ``-inf`` for an empty block; NaN entries are skipped: rows with NaN are not ``finite``)."""
+    out = torch.full((x.shape[0], L + 1), -math.inf, dtype=x.dtype, device=x.device)
+    return out.scatter_reduce_(1, idx, x, "amax")[:, :L]
+
+
+def _seg_logsumexp(x: torch.Tensor, idx: torch.Tensor, L: int) -> torch.Tensor:
+    """``[R, L]`` float64 ``log sum exp`` of each block, computed as ``torch.logsumexp`` does
+    (shift by the block's maximum, sum, log: :func:`_lse_pad` bounds the error); ``-inf`` for an
+    empty block or one of ``-inf`` terms only."""
+    m = _seg_max(x, idx, L)
+    shift = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+    shift = torch.cat([shift, torch.zeros_like(shift[:, :1])], 1)
+    e = torch.exp(x - shift.gather(1, idx))
+    tot = torch.zeros((x.shape[0], L + 1), dtype=x.dtype, device=x.device).scatter_add_(1, idx, e)[:, :L]
+    return shift[:, :L] + torch.log(tot)
+
+
+def _combine(G: torch.Tensor, R: int, V: int):
+    """Step 4's inputs from the gathered ``[size, len]``: ``ylo, yhi, val [R, V]`` (val NaN where
+    not an explicit scored token), the outside blocks (every rank's: ``[R, size L]``),
+    ``finite [R]`` and the scored count."""
+    size = G.shape[0]
+    E2, L = 2 * EXPLICIT, len(LEVELS) + 1
+    ne = R * E2 * 4
+    ex = G[:, :ne].reshape(size, R, E2, 4).permute(1, 0, 2, 3).reshape(R, size * E2, 4)
+    ids = ex[:, :, 0].long()
+    cols = torch.where(ids >= 0, ids, V)  # column V: the slots without a token
+    out = []
+    for j, fill in ((1, -math.inf), (2, -math.inf), (3, math.nan)):
+        t = torch.full((R, V + 1), fill, device=G.device)
+        out.append(t.scatter_(1, cols, ex[:, :, j])[:, :V])
+    nb = R * L * _SUMMARIES
+    bl = G[:, ne : ne + nb].reshape(size, R, L, _SUMMARIES).permute(1, 0, 2, 3).reshape(R, size * L, _SUMMARIES)
+    outside = Outside(*bl.double().unbind(2))
+    finite = (G[:, ne + nb : ne + nb + R] > 0.5).all(0)
+    return out[0], out[1], out[2], outside, finite, int(G[:, -1].sum())
+
+
+def certify_rows_sharded(adapter: ShardedAdapter, hidden: torch.Tensor, process: Process,
+                         min_p: torch.Tensor, top_p: torch.Tensor, seeds: torch.Tensor, greedy: torch.Tensor,
+                         masked: torch.Tensor | None = None) -> RowsResult:
+    """Certify the draw of each row of ``hidden [R, d]`` (module docstring).
+
+    Parameters
+    ----------
+    adapter : ShardedAdapter
+        This rank's view; every rank of the group calls with the same rows, seeds, processing
+        and masks (vLLM's ranks run the same sampler on the same metadata).
+    hidden : torch.Tensor
+        ``[R, d]`` model dtype.
+    process : callable
+        ``(lo, hi) -> (ylo, yhi)``, ``[R, V]`` float32: vLLM's processors, penalties and
+        temperature on bounds (elementwise per token, monotone; **without** min-p / top-p).
+    min_p, top_p : torch.Tensor
+        ``[R]`` float32 (``0`` / ``1``: off).
+    seeds, greedy, masked
+        As :func:`~.rows.certify_rows`.
+
+    Returns
+    -------
+    RowsResult
+        The same on every rank; ``values`` exact on the certified rows' explicit scored
+        tokens, ``-inf`` elsewhere.
+    """
+    R, V, dev = hidden.shape[0], adapter.vocab_size, hidden.device
+    s0, n = adapter.start, adapter.n
+    own = slice(s0, s0 + n)
+    if adapter.local is not None:
+        lo, hi, hnorm, finite_l = adapter.local.intervals(hidden)
+        lo = torch.full_like(hi, -math.inf) if lo is None else lo
+        if masked is not None:
+            lo.masked_fill_(masked[:, own], -math.inf)
+            hi.masked_fill_(masked[:, own], -math.inf)
+    else:
+        lo = hi = torch.empty((R, 0), device=dev)
+        finite_l = torch.ones(R, dtype=torch.bool, device=dev)
+    vals = torch.full((R, n), math.nan, device=dev)  # exact scores (model dtype values), NaN: unscored
+    scored_here = 0
+    samp = ~greedy
+    g = torch.zeros((R, n), dtype=torch.float64, device=dev)
+    if n and bool(samp.any()):
+        g[samp] = noise_of_bits(noise_bits(seeds[samp], torch.arange(s0, s0 + n, device=dev)))
+    budget = max(1, math.ceil(adapter.budget * V))
+    noise = RowNoise(seeds, V)
+    over_budget = torch.zeros(R, dtype=torch.bool, device=dev)
+    for rnd in range(MAX_ROUNDS + 1):
+        full_lo = torch.full((R, V), -math.inf, device=dev)
+        full_hi = full_lo.clone()
+        full_lo[:, own], full_hi[:, own] = lo, hi
+        plo, phi = (x[:, own] for x in process(full_lo, full_hi))
+        payload = _explicit_and_block(plo, phi, vals, g, samp, finite_l, s0)
+        if rnd == 0:  # the seeds, in 16-bit halves (exact in fp32): rows whose seeds differ go dense
+            payload = torch.cat([payload, (seeds >> 16).float(), (seeds & 0xFFFF).float()])
+        G = adapter.gather(torch.cat([payload, torch.tensor([float(scored_here)], device=dev)]), rnd == 0)
+        if rnd == 0:
+            sd = G[:, -1 - 2 * R : -1]
+            same_seeds = (sd == sd[:1]).all(0).reshape(2, R).all(0)  # vLLM keeps the ranks' RNGs in step
+            G = torch.cat([G[:, : -1 - 2 * R], G[:, -1:]], 1)
+        ylo, yhi, val, outside, finite, total = _combine(G, R, V)  # the same on every rank
+        finite &= same_seeds
+        ylo, yhi, outside = min_p_bounds(ylo, yhi, min_p.to(dev), outside)
+        ylo, yhi, outside = top_p_bounds(ylo, yhi, top_p.to(dev), outside)
+        cert = certify_draw(ylo, yhi, seeds, greedy, noise, outside)
+        scored = ~torch.isnan(val)  # [R, V]: explicit and scored (a column is scored for every row)
+        winner = cert.winner
+        certified = cert.certified & finite & scored.gather(1, winner[:, None])[:, 0]
+        open_rows = finite & ~certified & ~over_budget
+        scored_col = scored.any(0)
+        need = (cert.contenders & ~scored)[open_rows].any(0)
+        blind = open_rows & ~cert.finite & (yhi > -math.inf).any(1)
+        if bool(blind.any()):  # as certify_rows: no token certainly kept yet
+            top = yhi[blind].topk(min(FIRST_GUESS, V), dim=1)
+            need[top.indices[top.values > -math.inf]] = True
+            need &= ~scored_col
+            cert.contenders[blind] = False
+            cert.contenders[blind.nonzero().squeeze(1)[:, None], top.indices] = top.values > -math.inf
+        if not bool(need.any()) or rnd == MAX_ROUNDS:
+            break
+        new = need.nonzero().squeeze(1)
+        room = budget - total
+        if new.numel() > room:  # as certify_rows
+            mine = (cert.contenders & ~scored).sum(1)
+            over_budget |= open_rows & (mine > room)
+            idx = (open_rows & ~over_budget).nonzero().squeeze(1)
+            order = mine[idx].argsort()
+            take = idx[order[mine[idx][order].cumsum(0) <= room]]
+            if take.numel() == 0:
+                over_budget |= open_rows
+                break
+            new = (cert.contenders[take].any(0) & ~scored_col).nonzero().squeeze(1)
+        ids = new[(new >= s0) & (new < s0 + n)] - s0  # this rank's columns
+        if ids.numel():
+            v, lower, upper = adapter.local.score(hidden, ids, hnorm)
+            vals[:, ids] = v.float()
+            lo[:, ids], hi[:, ids] = lower, upper
+            if masked is not None:
+                m = masked[:, own][:, ids]
+                lo[:, ids] = lo[:, ids].masked_fill(m, -math.inf)
+                hi[:, ids] = hi[:, ids].masked_fill(m, -math.inf)
+            scored_here += ids.numel()
+    values = torch.where(scored & (yhi > -math.inf), val, -math.inf).to(adapter.dtype)
+    if masked is not None:
+        values.masked_fill_(masked, -math.inf)
+    open_rows = finite & ~certified & ~over_budget
+    over_budget |= open_rows & (cert.contenders & ~scored).any(1)
+    reason = [None if c else ("nonfinite" if not f else ("budget" if b else "uncertified"))
+              for c, f, b in zip(certified.tolist(), finite.tolist(), over_budget.tolist())]
+    return RowsResult(values, certified, winner, reason, total)
+
