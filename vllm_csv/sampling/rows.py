@@ -44,6 +44,31 @@ class RowsResult:
 Process = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 
 
+def within_budget(own: torch.Tensor, open_rows: torch.Tensor, over_budget: torch.Tensor,
+                  room: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Which open rows get their contenders scored this round, ``room`` tokens at most.
+
+    Parameters
+    ----------
+    own : torch.Tensor
+        ``[R]`` int64, each row's contenders not yet scored.
+    open_rows, over_budget : torch.Tensor
+        ``[R]`` bool: rows still undecided; rows already past the budget.
+    room : int
+        Tokens that may still be scored.
+
+    Returns
+    -------
+    (take, over_budget): ``take`` the indices of the rows served, fewest contenders first while
+    the sum of their counts (a bound on the union) fits; ``over_budget`` plus the open rows
+    whose own contenders alone do not fit.
+    """
+    over_budget = over_budget | (open_rows & (own > room))
+    idx = (open_rows & ~over_budget).nonzero().squeeze(1)
+    order = own[idx].argsort()
+    return idx[order[own[idx][order].cumsum(0) <= room]], over_budget
+
+
 def certify_rows(adapter: HeadAdapter, hidden: torch.Tensor, process: Process, seeds: torch.Tensor,
                  greedy: torch.Tensor, masked: torch.Tensor | None = None) -> RowsResult:
     """Certify the draw of each row of ``hidden [R, d]``.
@@ -118,11 +143,8 @@ def certify_rows(adapter: HeadAdapter, hidden: torch.Tensor, process: Process, s
             # Not every open row fits: rows whose own contenders cannot fit go dense; of the
             # rest, those with the fewest contenders are served first (the sum of their
             # counts bounds the union), the others wait for the next round.
-            own = (cert.contenders & ~scored[None]).sum(1)
-            over_budget |= open_rows & (own > room)
-            idx = (open_rows & ~over_budget).nonzero().squeeze(1)
-            order = own[idx].argsort()
-            take = idx[order[own[idx][order].cumsum(0) <= room]]
+            take, over_budget = within_budget((cert.contenders & ~scored[None]).sum(1), open_rows,
+                                              over_budget, room)
             if take.numel() == 0:
                 over_budget |= open_rows
                 break

@@ -53,7 +53,7 @@ from .gumbel import RowNoise, noise_bits, noise_of_bits
 from .head_adapter import HeadAdapter
 from .nucleus import min_p_bounds, top_p_bounds
 from .outside import Outside
-from .rows import FIRST_GUESS, MAX_ROUNDS, Process, RowsResult
+from .rows import FIRST_GUESS, MAX_ROUNDS, Process, RowsResult, within_budget
 
 EXPLICIT = 16  # tokens a rank sends per row and key (highest yhi; highest yhi + g)
 NOISY_KEY = True  # the second key: yhi + g on sampled rows (False: yhi again; sound, certifies less)
@@ -258,11 +258,7 @@ def certify_rows_sharded(adapter: ShardedAdapter, hidden: torch.Tensor, process:
         new = need.nonzero().squeeze(1)
         room = budget - total
         if new.numel() > room:  # as certify_rows
-            mine = (cert.contenders & ~scored).sum(1)
-            over_budget |= open_rows & (mine > room)
-            idx = (open_rows & ~over_budget).nonzero().squeeze(1)
-            order = mine[idx].argsort()
-            take = idx[order[mine[idx][order].cumsum(0) <= room]]
+            take, over_budget = within_budget((cert.contenders & ~scored).sum(1), open_rows, over_budget, room)
             if take.numel() == 0:
                 over_budget |= open_rows
                 break
