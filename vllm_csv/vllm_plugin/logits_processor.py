@@ -93,10 +93,12 @@ class CSVLogitsProcessor(LogitsProcessor):
             own_switch = sw is not None
             if own_switch and not sw.allow(B, lambda: csv_head._time(dense_full, hidden_states)):
                 logits = dense_full().to(head.dtype)  # vLLM's own output: one GEMM, no copies
+                seconds = time.perf_counter() - t0
                 if not hidden_states.is_cuda:  # (CUDA: no sync to time it)
-                    sw.observe_dense(B, time.perf_counter() - t0)
+                    sw.observe_dense(B, seconds)
                 kmax_ok = min(head.config.max_topk, head.vocab_size)
-                stats = csv_head.StepStats(rows=B, csv_rows=sum(k != 0 for k in ks), screen=head.screen_name)
+                stats = csv_head.StepStats(rows=B, csv_rows=sum(k != 0 for k in ks), seconds=seconds,
+                                           screen=head.screen_name)
                 stats.fallbacks["unsupported"] = sum(k > kmax_ok for k in ks)
                 stats.fallbacks["off_switch"] = stats.csv_rows - stats.fallbacks["unsupported"]
                 self._record(head, stats, {}, None)
