@@ -212,13 +212,6 @@ def started_server(args, csv: bool):
         log.close()
 
 
-def csv_share(base: str) -> dict:
-    """CSV's counters from ``/metrics``: rows on the CSV path, certified, fallbacks by reason."""
-    from vllm_csv.serve import csv_metrics
-
-    return csv_metrics(base)
-
-
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--clients", type=int, default=64)
@@ -234,6 +227,8 @@ def main(argv=None) -> int:
         from vllm_csv.demo_model import ensure_demo_model
 
         args.model = str(ensure_demo_model())
+    from vllm_csv.serve import csv_metrics
+
     runs = {}
     for name, url in (("dense", args.dense_url), ("csv", args.csv_url)):
         if url:
@@ -242,7 +237,7 @@ def main(argv=None) -> int:
         with started_server(args, csv=name == "csv") as (base, pid):
             runs[name] = measure(base, pid, args)
             if name == "csv":
-                runs[name]["csv_metrics"] = csv_share(base)
+                runs[name]["csv_metrics"] = csv_metrics(base)
     cmp = compare(runs["csv"].pop("results"), runs["dense"].pop("results"))
     report = {"clients": args.clients, "seconds": args.seconds, "machine": f"{os.cpu_count()} cores",
               **runs, "deterministic": cmp}

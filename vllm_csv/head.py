@@ -573,6 +573,12 @@ class CertifiedHead:
         probs = torch.softmax(out.float() / temperature, dim=1)
         return EpsResult(probs, cert, tv)
 
+    @property
+    def max_certified_k(self) -> int:
+        """The largest ``top_k`` certified in the head; rows planned above it are dense
+        (``unsupported``)."""
+        return min(self.config.max_topk, self.vocab_size)
+
     def sampler_logits(self, hidden: torch.Tensor, topk: torch.Tensor,
                        dense_fn: Callable[[torch.Tensor], torch.Tensor] | None = None,
                        t0: float | None = None, temperature: torch.Tensor | None = None,
@@ -613,7 +619,7 @@ class CertifiedHead:
         # Per-row plans are decided on the host, as Python lists (B numbers; no device sync).
         ks = topk.tolist()
         stats = StepStats(rows=B, screen=self.screen_name)
-        kmax_ok = min(self.config.max_topk, self.vocab_size)
+        kmax_ok = self.max_certified_k
         rows = [i for i, k in enumerate(ks) if 0 < k <= kmax_ok]
         stats.csv_rows = sum(k > 0 for k in ks)
         stats.fallbacks["unsupported"] = stats.csv_rows - len(rows)

@@ -257,7 +257,7 @@ class ShardedHead:
             lbs = torch.full((B, kmax), -math.inf, device=dev)
         pending = torch.tensor([-1.0]) if pending is None else pending
         p1 = torch.cat([lbs.reshape(-1), ok.float(), pending.to(dev)])
-        g1 = self.comm.all_gather(p1)  # collective 1: [size, B k + B + 2]
+        g1 = self.comm.all_gather(p1)  # collective 1: [size, B k + B + 1]
         size = g1.shape[0]
         glbs = g1[:, : B * kmax].reshape(size, B, kmax).permute(1, 0, 2).reshape(B, size * kmax)
         okg = (g1[:, B * kmax : B * kmax + B] > 0.5).all(0)
@@ -374,4 +374,5 @@ class ShardedHead:
     # same on every rank, so it is called by all ranks or by none. ``StepStats`` counts the
     # global decision; ``seconds`` is this rank's.
     sampler_logits = CertifiedHead.sampler_logits
+    max_certified_k = CertifiedHead.max_certified_k
     _certify_kept = CertifiedHead._certify_kept  # (CertifiedHead._certify, on the gathered columns, calls it)

@@ -18,10 +18,12 @@ pytestmark = pytest.mark.e2e
 def test_mixed_load(csv_server, dense_server):
     import load
 
-    before = load.csv_share(csv_server.base_url)
+    from vllm_csv.serve import csv_metrics
+
+    before = csv_metrics(csv_server.base_url)
     csv = asyncio.run(load.run_load(csv_server.base_url, clients=8, seconds=30))
     dense = asyncio.run(load.run_load(dense_server.base_url, clients=8, seconds=30))
-    after = load.csv_share(csv_server.base_url)
+    after = csv_metrics(csv_server.base_url)
     s = load.summarize(csv, 30)
     assert s["errors"] == 0, s["error_samples"]
     assert s["requests"] >= 8 and s["tokens"] > 0

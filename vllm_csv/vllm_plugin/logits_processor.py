@@ -96,10 +96,9 @@ class CSVLogitsProcessor(LogitsProcessor):
                 seconds = time.perf_counter() - t0
                 if not hidden_states.is_cuda:  # (CUDA: no sync to time it)
                     sw.observe_dense(B, seconds)
-                kmax_ok = min(head.config.max_topk, head.vocab_size)
                 stats = csv_head.StepStats(rows=B, csv_rows=sum(k != 0 for k in ks), seconds=seconds,
                                            screen=head.screen_name)
-                stats.fallbacks["unsupported"] = sum(k > kmax_ok for k in ks)
+                stats.fallbacks["unsupported"] = sum(k > head.max_certified_k for k in ks)
                 stats.fallbacks["off_switch"] = stats.csv_rows - stats.fallbacks["unsupported"]
                 self._record(head, stats, {}, None)
                 return logits

@@ -121,6 +121,13 @@ def _no_spec(runner) -> bool:
         getattr(getattr(runner, "vllm_config", None), "speculative_config", None) is None
 
 
+def row_plan(sp, max_topk: int) -> tuple[int, str, float]:
+    """A row's plan entry ``(k, mode, temperature)``: :func:`plan_row`'s ``k``, its
+    :func:`row_mode` (``""`` for a dense row) and :func:`row_temperature`."""
+    k = plan_row(sp, max_topk)[0]
+    return k, row_mode(sp, k) if k else "", row_temperature(sp)
+
+
 def _v1_plan(runner, max_topk: int) -> Plan | None:
     batch = runner.input_batch
     if not _no_spec(runner) or getattr(batch, "num_prompt_logprobs", None):
@@ -137,9 +144,7 @@ def _row(state, max_topk: int) -> tuple[int, str, float]:
     cached = getattr(state, "_csv_row", None)
     if cached is not None and cached[0] == max_topk:
         return cached[1]
-    sp = getattr(state, "sampling_params", None)
-    k = plan_row(sp, max_topk)[0]
-    row = (k, row_mode(sp, k) if k else "", row_temperature(sp))
+    row = row_plan(getattr(state, "sampling_params", None), max_topk)
     if state is not None:
         state._csv_row = (max_topk, row)
     return row
@@ -184,11 +189,10 @@ def install(max_topk_getter) -> None:
                     and getattr(input_batch, "num_draft_tokens", 0) == 0):
                 params = self.__dict__.get("_csv_sampling_params", {})
                 m = max_topk_getter(self)
+                rows = [row_plan(params.get(r), m) for r in input_batch.req_ids]
                 # The V2 runner's sampler is not hooked: rows to certify in the sampler stay dense.
-                ks = [max(plan_row(params.get(r), m)[0], 0) for r in input_batch.req_ids]
-                plan = Plan(list(input_batch.req_ids), ks,
-                            [row_mode(params.get(r), k) if k else "" for r, k in zip(input_batch.req_ids, ks)],
-                            [row_temperature(params.get(r)) for r in input_batch.req_ids])
+                plan = Plan(list(input_batch.req_ids), [max(k, 0) for k, _, _ in rows],
+                            [mode if k > 0 else "" for k, mode, _ in rows], [t for _, _, t in rows])
             with active_plan(plan):
                 return orig_sample(self, hidden_states, input_batch, grammar_output, *a, **k)
 
