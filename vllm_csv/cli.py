@@ -31,11 +31,11 @@ def _build_index(args) -> int:
         for r in range(args.tensor_parallel_size):
             sh = Shard.vllm_layout(w.shape[0], r, args.tensor_parallel_size)
             if sh.real:
-                rows = slice(sh.start, sh.start + sh.real)
+                rows = sh.real_rows
                 parts.append((sh, w[rows], None if b is None else b[rows]))
     for sh, pw, pb in parts:
         C = default_num_clusters(pw.shape[0]) if args.clusters is None else args.clusters
-        where = "" if sh is None else f" shard {sh.rank} of {sh.size} (rows {sh.start}...{sh.start + sh.real})"
+        where = "" if sh is None else f" shard {sh.rank} of {sh.size} (rows {sh.real_rows.start}...{sh.real_rows.stop})"
         print(f"LM head {head.source}{where}: V={pw.shape[0]} d={pw.shape[1]} {pw.dtype}, "
               f"bias={'yes' if pb is not None else 'no'}; clustering into {C} ({args.method} k-means)", file=sys.stderr)
         idx = build_index(pw, pb, C, method=args.method, iters=args.iters, seed=args.seed, progress=not args.quiet)

@@ -113,6 +113,11 @@ class Shard:
         """Real (non-padding) rows of this shard: its first ``real`` rows."""
         return max(0, min(self.rows, self.vocab_size - self.start))
 
+    @property
+    def real_rows(self) -> slice:
+        """The shard's real rows as global vocabulary ids (``start ... start + real``)."""
+        return slice(self.start, self.start + self.real)
+
     @classmethod
     def vllm_layout(cls, vocab_size: int, rank: int, size: int, pad_to: int = VOCAB_PADDING) -> Shard:
         """vLLM's layout (``VocabParallelEmbedding._get_indices``, no added vocabulary)."""
@@ -213,8 +218,8 @@ class ShardedHead:
         self.config = config or HeadConfig()
         if self.config.screen == "ball" and index is None and shard.real:
             raise CSVError(f"screen 'ball' with tensor parallelism needs the index of this rank's shard "
-                           f"(rank {shard.rank} of {shard.size}, vocabulary rows {shard.start}..."
-                           f"{shard.start + shard.real})")
+                           f"(rank {shard.rank} of {shard.size}, vocabulary rows {shard.real_rows.start}..."
+                           f"{shard.real_rows.stop})")
         if weight.dim() != 2 or weight.shape[0] != shard.rows or comm.size != shard.size or comm.rank != shard.rank:
             raise CSVError(f"shard {shard} does not match a {tuple(weight.shape)} head on rank "
                            f"{comm.rank} of {comm.size}")

@@ -31,7 +31,7 @@ def load_or_build_index(weight: torch.Tensor, bias: torch.Tensor | None, cfg, sh
             return CSVIndex.load(path, expect_fingerprint=fp)
         except CSVError as e:
             raise CSVError(f"{e}. With --tensor-parallel-size {shard.size}, rank {shard.rank} reads the index of "
-                           f"its shard (vocabulary rows {shard.start}...{shard.start + shard.real}) from {path}; "
+                           f"its shard (vocabulary rows {shard.real_rows.start}...{shard.real_rows.stop}) from {path}; "
                            f"write those files with `vllm-csv build-index MODEL --output {cfg.index} "
                            f"--tensor-parallel-size {shard.size}`") from None
     C = cfg.clusters or default_num_clusters(weight.shape[0])
