@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import json
 import platform
-import subprocess
 import sys
 import time
 from collections import defaultdict
@@ -29,16 +28,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from vllm_csv.audit import DTYPES, FAMILIES, run_case, run_sampled_case  # noqa: E402
 
+from provenance import commit, machine  # noqa: E402  (benchmarks/provenance.py)
+
 SCREENS = ("int8", "int4", "fp16", "ball")
 FIELDS = ("rows", "certified_ids", "certified_values", "certified_sampled", "wrong_ids", "wrong_values")
-
-
-def commit() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                              cwd=Path(__file__).parent).stdout.strip()
-    except OSError:
-        return ""
 
 
 def campaign(target: int, screens, log_every: float = 30.0) -> dict:
@@ -100,7 +93,7 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     res = campaign(args.rows, args.screens)
-    res.update(screens=args.screens, commit=commit(), torch=torch.__version__,
+    res.update(screens=args.screens, commit=commit(), torch=torch.__version__, provenance=machine(),
                machine=f"{platform.machine()}, {args.threads} thread(s)")
     out = Path(args.json)
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -34,9 +34,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
-import subprocess
 import sys
 import sysconfig
 import time
@@ -51,38 +49,7 @@ from vllm_csv import CertifiedHead, HeadConfig, build_index  # noqa: E402
 from vllm_csv.screens import SCREENS  # noqa: E402
 from vllm_csv.hf_head import load_lm_head  # noqa: E402
 
-
-def machine(device: str) -> dict:
-    cpu, flags = platform.processor(), []
-    if Path("/proc/cpuinfo").exists():
-        lines = open("/proc/cpuinfo").read().splitlines()
-        cpu = next((ln.split(":", 1)[1].strip() for ln in lines if ln.startswith("model name")), cpu)
-        have = set(next((ln.split(":", 1)[1].split() for ln in lines if ln.startswith("flags")), []))
-        flags = [f for f in ("avx2", "avx512f", "avx512_vnni", "avx512_bf16", "amx_int8") if f in have]
-    out = {"cpu": cpu, "cpu_flags": flags, "cores": os.cpu_count(), "threads": torch.get_num_threads(),
-           "torch": torch.__version__, "quantized_engine": torch.backends.quantized.engine,
-           "device": device, "commit": _commit(), "loadavg_start": os.getloadavg(),
-           "note": "shared machine: other sessions may have been running"}
-    try:
-        import vllm
-
-        out["vllm"] = vllm.__version__
-    except ImportError:
-        pass
-    if device == "cuda":
-        out["gpu"] = torch.cuda.get_device_name()
-    return out
-
-
-def _commit() -> str:
-    root = Path(__file__).resolve().parents[1]
-    try:
-        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root,
-                               capture_output=True, text=True).stdout.strip()
-        return head + ("-dirty" if dirty else "")
-    except OSError:
-        return "unknown"
+from provenance import machine  # noqa: E402  (benchmarks/provenance.py)
 
 
 class VllmDenseHead:

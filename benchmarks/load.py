@@ -239,7 +239,9 @@ def main(argv=None) -> int:
             if name == "csv":
                 runs[name]["csv_metrics"] = csv_metrics(base)
     cmp = compare(runs["csv"].pop("results"), runs["dense"].pop("results"))
-    report = {"clients": args.clients, "seconds": args.seconds, "machine": f"{os.cpu_count()} cores",
+    from provenance import machine
+
+    report = {"clients": args.clients, "seconds": args.seconds, "machine": machine(),
               **runs, "deterministic": cmp}
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps(report, indent=1))

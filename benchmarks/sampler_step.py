@@ -26,7 +26,6 @@ import json
 import os
 import pstats
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -76,17 +75,6 @@ def metadata(B: int, V: int, out_tokens: list[list[int]], prompt: torch.Tensor):
         logitsprocs=LogitsProcessors([mp, lb]), spec_token_ids=[[] for _ in range(B)])
 
 
-def _commit() -> str:
-    try:
-        root = Path(__file__).resolve().parents[1]
-        c = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True).stdout
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root,
-                               capture_output=True, text=True).stdout.strip()
-        return c.strip() + ("+dirty" if dirty else "")
-    except OSError:
-        return "unknown"
-
-
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--hidden", type=int, default=512, help="fixture hidden size")
@@ -102,7 +90,8 @@ def main(argv=None) -> int:
     torch.set_num_threads(a.threads)
 
     from fixtures import fixture
-    from lm_head import VllmDenseHead, hidden_states, machine
+    from lm_head import VllmDenseHead, hidden_states
+    from provenance import commit, machine
     from vllm.v1.sample.sampler import Sampler
 
     from vllm_csv import CertifiedHead, HeadConfig
@@ -122,7 +111,7 @@ def main(argv=None) -> int:
     sampler = Sampler()
     V = head.vocab_size
     g = torch.Generator().manual_seed(0)
-    results = {"machine": machine("cpu"), "commit": _commit(), "threads": a.threads, "screen": head.screen.name,
+    results = {"machine": machine("cpu"), "commit": commit(), "threads": a.threads, "screen": head.screen.name,
                "model": model.name, "command": " ".join(sys.argv), "loadavg_before": os.getloadavg(), "rows": []}
 
     for B in a.batches:

@@ -26,6 +26,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from vllm_csv.serve import _get, _post, _vllm_command, csv_metrics, wait_healthy  # noqa: E402
 
+from provenance import commit, machine as provenance  # noqa: E402  (benchmarks/provenance.py)
+
 PROMPTS = [
     "import os\nimport sys\n", "def fibonacci(n):\n", "class Parser:\n    def __init__(self", "for i in range(",
     "# Copyright", "    return self.", "if __name__ == ", "def test_", "from collections import",
@@ -170,7 +172,7 @@ def main(argv=None) -> int:
     csv = run_server(args.model, True, args)
     s = summary(dense, csv)
     machine = f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores"
-    Path(args.json).write_text(json.dumps({"machine": machine, "model": args.model, "prompts": args.prompts, "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=Path(__file__).parent).stdout.strip(), "vllm_args": args.vllm_args, **s}, indent=1))
+    Path(args.json).write_text(json.dumps({"machine": machine, "model": args.model, "prompts": args.prompts, "commit": commit(), "provenance": provenance(), "vllm_args": args.vllm_args, **s}, indent=1))
     md = markdown(s, machine, Path(args.model).name)
     Path(args.json).with_suffix(".md").write_text(md)
     print(md)

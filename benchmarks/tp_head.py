@@ -164,7 +164,9 @@ def main(argv=None) -> int:
     b = None if lm.bias is None else lm.bias[: lm.vocab_size].to(dtype)
     H = hidden_states(model_dir, args.positions, "cpu").to(dtype)
     threads = torch.get_num_threads()
-    results = {"model": model_dir.name, "V": W.shape[0], "d": W.shape[1], "dtype": args.dtype,
+    from provenance import machine
+
+    results = {"provenance": machine(), "model": model_dir.name, "V": W.shape[0], "d": W.shape[1], "dtype": args.dtype,
                "screen": args.screen, "positions": int(H.shape[0]), "threads": threads, "mode": args.mode,
                "temperature": args.temperature, "tp": {}}
     for size in args.tp:
