@@ -277,3 +277,48 @@ def test_serve_forwards_output_and_drops_only_teardown_noise():
     f.stream, f.stop = iter(lines + [" - leaked type \"x\"\n", "See https://nanobind.readthedocs.io\n"]), True
     f._run()
     assert out.getvalue() == "INFO started\nERROR real problem\n" and f.dropped == 3
+
+
+
+# vLLM 0.32's shutdown race report, as the API server logged it after a `vllm-csv serve --once`.
+_RACE = [f"(APIServer pid=1) ERROR 11-23 17:04:38 [async_llm.py:906] {t}\n" for t in (
+    "AsyncLLM output_handler failed.", "Traceback (most recent call last):",
+    '  File "vllm/v1/engine/core_client.py", line 1235, in get_output_async',
+    "    raise self._format_exception(outputs) from None",
+    "vllm.v1.engine.exceptions.EngineDeadError: EngineCore encountered an issue.")]
+
+
+def _forward_after_stop(lines):
+    import io
+
+    from vllm_csv.serve import _Forward
+
+    out = io.StringIO()
+    f = _Forward(iter([]), out)
+    f.thread.join()
+    f.stream, f.stop = iter(lines), True
+    f._run()
+    return out.getvalue(), f
+
+
+@pytest.mark.parametrize("after", [["(APIServer pid=1) INFO [launcher.py:279] engine client stopped\n"], []])
+def test_serve_counts_vllms_shutdown_race_after_the_stop_only(after):
+    """Once the wrapper has asked the server to stop, vLLM's known shutdown race report
+    (`output_handler failed` ending in EngineDeadError, vllm-project/vllm#48745) is counted, the
+    lines around it are printed; the same report while serving is printed, and so is an
+    `output_handler failed` ending in any other error, or one cut off before its end."""
+    import io
+
+    from vllm_csv.serve import _Forward
+
+    head = ["(APIServer pid=1) INFO [core_client.py:777] MPClient: complete\n"]
+    text, f = _forward_after_stop(head + _RACE + after)
+    assert text == "".join(head + after) and f.race == 1
+    other = [line.replace("vllm.v1.engine.exceptions.EngineDeadError", "ValueError") for line in _RACE]
+    text, f = _forward_after_stop(head + other + after)
+    assert text == "".join(head + other + after) and f.race == 0
+    text, f = _forward_after_stop(head + _RACE[:-1])
+    assert text == "".join(head + _RACE[:-1]) and f.race == 0
+    out = io.StringIO()
+    _Forward(iter(_RACE + after), out).close()
+    assert out.getvalue() == "".join(_RACE + after)

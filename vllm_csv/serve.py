@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -25,25 +26,56 @@ TEARDOWN_NOISE = ("nanobind: ", " - leaked ", " - ... skipped remainder", "See h
                   "resource_tracker: There appear to be", "  warnings.warn('resource_tracker")
 
 
+# vLLM 0.32's own shutdown race (vllm-project/vllm#48745, fix proposed in #49000): AsyncLLM
+# tears the engine core down before it cancels its output handler, which may first see the
+# client's "engine dead" pill and log it as `AsyncLLM output_handler failed` with an
+# EngineDeadError traceback, although the shutdown it was asked for completes normally.
+SHUTDOWN_RACE = ("AsyncLLM output_handler failed", "EngineDeadError")
+
+
 class _Forward:
-    """Copies the server's output to ours, line by line; after :meth:`stopping`, the lines of
-    :data:`TEARDOWN_NOISE` are counted instead of printed."""
+    """Copies the server's output to ours, line by line. After :meth:`stopping`, the lines of
+    :data:`TEARDOWN_NOISE` are counted instead of printed, and so is vLLM's report of its
+    shutdown race (:data:`SHUTDOWN_RACE`: the `output_handler failed` block, only when it ends
+    in an EngineDeadError; any other error after the stop is printed in full)."""
 
     def __init__(self, stream, out=None):
         import threading
 
         self.stream, self.out = stream, out or sys.stdout
-        self.stop, self.dropped = False, 0
+        self.stop, self.dropped, self.race = False, 0, 0
         self.thread = threading.Thread(target=self._run, daemon=True)
         self.thread.start()
 
+    def _write(self, lines):
+        self.out.write("".join(lines))
+        self.out.flush()
+
     def _run(self):
+        block: list[str] = []  # the lines of an `output_handler failed` report seen after the stop
+        tag = ""  # its logger prefix (`[async_llm.py:906]`), carried by each line of the report
         for line in self.stream:
-            if self.stop and any(n in line for n in TEARDOWN_NOISE):
+            if block and tag in line:
+                block.append(line)
+                continue
+            block = self._end(block)
+            if self.stop and SHUTDOWN_RACE[0] in line:
+                m = re.search(r"\[[\w.]+:\d+\]", line)
+                block, tag = [line], (m.group(0) if m else SHUTDOWN_RACE[0])
+            elif self.stop and any(n in line for n in TEARDOWN_NOISE):
                 self.dropped += 1
             else:
-                self.out.write(line)
-                self.out.flush()
+                self._write([line])
+        self._end(block)
+
+    def _end(self, block: list[str]) -> list[str]:
+        """A report of :data:`SHUTDOWN_RACE` ended: counted if its last line (the exception)
+        is the EngineDeadError, else printed (another error, or a report cut off)."""
+        if block and SHUTDOWN_RACE[1] in block[-1]:
+            self.race += 1
+        elif block:
+            self._write(block)
+        return []
 
     def stopping(self):
         self.stop = True
@@ -53,6 +85,10 @@ class _Forward:
         if self.dropped:
             print(f"[vllm-csv] server stopped ({self.dropped} lines of triton/multiprocessing teardown "
                   "reports not shown)", file=sys.stderr)
+        if self.race:
+            print("[vllm-csv] vLLM reported its known shutdown race (an EngineDeadError from its "
+                  "output handler after the engine stopped as asked; vllm-project/vllm#48745): "
+                  "not shown", file=sys.stderr)
 
 
 def _vllm_command() -> list[str]:
