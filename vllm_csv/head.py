@@ -44,7 +44,8 @@ from .dense_engine import DenseEngine
 from .errors import CSVError
 from .fp import FP32_UNIT_ROUNDOFF, gamma, round_down32, round_up32, significand_bits
 from .off_switch import OffSwitch
-from .screens import DEFAULT_SCREEN, SCREENS, hidden_norm_upper, make_screen
+from .ops import cpu_step
+from .screens import DEFAULT_SCREEN, SCREENS, make_screen
 
 FALLBACK_REASONS = ("uncertified", "budget", "unsupported", "nonfinite", "off_switch")
 
@@ -199,11 +200,7 @@ class CertifiedHead:
     def _prepare(self, hidden: torch.Tensor):
         """``(hidden, ||h|| rounded up, ok)``: rows with NaN/inf (or an overflowing norm) are
         zeroed so that they add no candidates, and are never certified (``ok`` False)."""
-        hnorm = hidden_norm_upper(hidden)
-        ok = torch.isfinite(hnorm)  # NaN/inf in h_b make ||h_b|| NaN/inf (float64: no overflow)
-        if not self.certifiable:
-            ok = torch.zeros_like(ok)
-        return hidden.masked_fill(~ok[:, None], 0), hnorm.masked_fill(~ok, 0), ok
+        return cpu_step.prepare_rows(hidden, self.certifiable)  # one fused kernel on the CPU
 
     def _intervals(self, hidden: torch.Tensor):
         """``lo, hi [B, V]`` around the dense engine's rounded pre-transform logit (``lo`` is None
@@ -246,12 +243,9 @@ class CertifiedHead:
         ``inf`` included). In bf16/fp16 both ends usually round to the same value: ``zt`` is
         then known exactly, and ``z`` is it. (``hnorm`` is not needed: ``A <= ||w_j|| ||h||``
         is the tighter bound, computed per column.)"""
-        hd, wd = hidden.double(), self.weight[ids].double()
-        a = F.linear(hd, wd)
-        E = F.linear(hd.abs(), wd.abs()).mul_(self._gamma + self._gamma64).add_(self._tiny32)
-        E.add_(a.abs(), alpha=2.0**-52)  # the roundings of a - E and a + E in float64
+        # a, and [a - E, a + E] rounded outwards to fp32 (one fused kernel on the CPU)
+        a, E, lo32, hi32 = cpu_step.score_intervals(hidden, self.weight, ids, self._gamma + self._gamma64, self._tiny32)
         rnd = self.engine.round
-        lo32, hi32 = round_down32(a - E), round_up32(a + E)
         if self.bias is None:
             c = a
             lower, upper = rnd(lo32), rnd(hi32)
@@ -395,35 +389,14 @@ class CertifiedHead:
         y, rs = out.y, out.row_scale  # the center is fl(y * rs) (rs None: y); the product is monotone
         self._rad_total(out.radius)  # sets rad_max (cached while the screen's radius is the same tensor)
         delta = self._delta + out.rel
-        act = (self._max_of(out.n) * (1 + delta) * out.e) if out.n is not None else 0.0
         kmax = int(k.max())
-        bmax = _block_max(y)  # [B, nb]: the one full read of y
-        if rs is not None:
-            bmax = bmax * rs[:, None]  # = the block maxima of fl(y * rs): exact and monotone
-        if kmax == 1:
-            y1 = yk = bmax.amax(1)
-        elif kmax <= bmax.shape[1]:
-            top = bmax.topk(kmax, dim=1).values
-            y1, yk = top[:, 0], top.gather(1, (k - 1)[:, None])[:, 0]
-        else:  # fewer blocks than k (a small vocabulary): the exact k-th value
-            top = y.topk(kmax, dim=1).values
-            if rs is not None:
-                top = top * rs[:, None]
-            y1, yk = top[:, 0], top.gather(1, (k - 1)[:, None])[:, 0]
-        spread = self._rad_max * hnorm + act + self._tiny + self._bias_slack(out.rel)[1]
-        ok &= (y1 + delta * y1.abs() + spread + self._babs_max) <= self.engine.limit  # False on NaN
-        tau = yk - delta * yk.abs() - spread
-        s = tau - spread
-        thr = torch.where(s >= 0, s / (1 + delta), s / (1 - delta))
-        thr = thr - thr.abs() * (8 * FP32_UNIT_ROUNDOFF) - self._tiny  # rounding of this very line
-        thr = thr.masked_fill(~ok, math.nan)[:, None]  # rows that cannot be certified add no candidates
         budget = max(kmax, math.ceil(self.config.budget * V))
-        blocks = bmax >= thr  # [B, nb]: blocks that hold a candidate
-        live = blocks.sum(1) <= budget  # each such block holds at least one candidate
-        cols = _block_cols((blocks[live] if B > 1 else blocks).any(0).nonzero().squeeze(1), V)
-        cand = (y[:, cols] if rs is None else y[:, cols] * rs[:, None]) >= thr
-        live &= cand.sum(1) <= budget
-        ids = cols[(cand[live] if B > 1 else cand).any(0)]
+        act_coef = self._max_of(out.n) * (1 + delta) if out.n is not None else 0.0
+        # tau, thr, the candidate blocks and columns (cpu_step.select_candidates_ref is this
+        # docstring's search, step by step; one fused kernel on the CPU)
+        ids, tau, ok, live = cpu_step.select_candidates(
+            y, rs, k, hnorm, out.e if out.n is not None else None, ok, self._rad_max, act_coef, self._tiny,
+            self._bias_slack(out.rel)[1], delta, self.engine.limit, self._babs_max, budget)
         exact = torch.full((B, V), -math.inf, dtype=self.dtype, device=dev)
         certified = torch.zeros(B, dtype=torch.bool, device=dev)
         if ids.numel() >= kmax:
@@ -669,25 +642,6 @@ class CertifiedHead:
         if sw is not None:  # a dense step timed in place is the switch's dense sample
             (sw.observe if tried else sw.observe_dense)(B, stats.seconds)
         return out, stats
-
-
-BLOCK = 256  # tokens a block: the candidate search reads y once, as block maxima
-
-
-def _block_max(y: torch.Tensor) -> torch.Tensor:
-    """``[B, ceil(V / BLOCK)]`` maxima of consecutive blocks of ``y [B, V]`` (NaN propagates)."""
-    B, V = y.shape
-    full = V // BLOCK * BLOCK
-    parts = [y[:, :full].reshape(B, -1, BLOCK).amax(2)] if full else []
-    if full < V:
-        parts.append(y[:, full:].amax(1, keepdim=True))
-    return parts[0] if len(parts) == 1 else torch.cat(parts, 1)
-
-
-def _block_cols(blocks: torch.Tensor, V: int) -> torch.Tensor:
-    """The token ids of ``blocks`` (ascending)."""
-    cols = (blocks[:, None] * BLOCK + torch.arange(BLOCK, device=blocks.device)[None]).reshape(-1)
-    return cols[cols < V]
 
 
 def _reasons(certified: torch.Tensor, ok: torch.Tensor, live: torch.Tensor) -> list[str | None]:

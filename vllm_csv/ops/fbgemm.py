@@ -100,6 +100,11 @@ class PackedInt8Linear:
         torch.mul(p, c, out=x[:, :d])  # exact: 7-bit integers times a power of two
         x[:, d] = ACT_MIN * c
         x[:, d + 1] = ACT_MAX * c
+        return self.linear(x)
+
+    def linear(self, x: torch.Tensor) -> torch.Tensor:
+        """The GEMM on an input already laid out as :meth:`__call__` lays it out, ``[B, d + 2]``
+        fp32 (:func:`vllm_csv.ops.cpu_step.quantize_act7` builds it in one pass)."""
         return self._linear(x, self.packed, True)
 
 

