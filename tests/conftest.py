@@ -39,3 +39,13 @@ def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
 def _private_cache(tmp_path_factory, monkeypatch):
     """Tests never write to the user's cache."""
     monkeypatch.setenv("VLLM_CSV_CACHE", str(tmp_path_factory.getbasetemp() / "cache"))
+
+
+@pytest.fixture
+def torch_reference_step(monkeypatch):
+    """The certified step's torch reference instead of the fused CPU kernels
+    (:mod:`vllm_csv.ops.cpu_step`), for tests that mutate the reference's Python arithmetic
+    (the kernels are checked against that reference in ``tests/test_cpu_step.py``)."""
+    from vllm_csv.ops import cpu_step
+
+    monkeypatch.setitem(cpu_step._state, "ops", None)

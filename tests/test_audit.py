@@ -93,13 +93,13 @@ def _fp32_transform(head):
     e.limit = math.inf
 
 
-def test_mutation_overflow_in_fp32_certifies_a_wrong_token():
+def test_mutation_overflow_in_fp32_certifies_a_wrong_token(torch_reference_step):
     cases = _regression("fp16_overflow")
     assert _wrong(cases, ["int8", "fp16"], lambda h: None) == 0
     assert _wrong(cases, ["int8", "fp16"], _fp32_arithmetic) > 0
 
 
-def test_mutation_transform_in_fp32_certifies_a_wrong_token():
+def test_mutation_transform_in_fp32_certifies_a_wrong_token(torch_reference_step):
     cases = _regression("softcap_underflow") + _regression("scale_overflow")
     assert _wrong(cases, ["int8", "fp16"], lambda h: None) == 0
     assert _wrong(_regression("softcap_underflow"), ["int8", "fp16"], _fp32_transform) > 0
@@ -108,7 +108,7 @@ def test_mutation_transform_in_fp32_certifies_a_wrong_token():
     assert _wrong(_regression("scale_overflow"), ["ball"], _fp32_transform) > 0
 
 
-def test_mutation_bias_slack_removed_certifies_a_wrong_token():
+def test_mutation_bias_slack_removed_certifies_a_wrong_token(torch_reference_step):
     def no_slack(head):
         head._babs = torch.zeros_like(head._babs)
         head._babs_max = 0.0
@@ -119,7 +119,7 @@ def test_mutation_bias_slack_removed_certifies_a_wrong_token():
     assert _wrong(cases, ["fp16"], no_slack) > 0
 
 
-def test_mutation_values_not_required_known_returns_wrong_values(monkeypatch):
+def test_mutation_values_not_required_known_returns_wrong_values(monkeypatch, torch_reference_step):
     cases = [audit.FAMILIES[f](torch.Generator().manual_seed(s), dt) for s in range(6)
              for f in ("peaked", "near_tie") for dt in audit.DTYPES]
     assert _wrong(cases, ["int8"], lambda h: None, values=True) == 0
@@ -127,7 +127,7 @@ def test_mutation_values_not_required_known_returns_wrong_values(monkeypatch):
     assert _wrong(cases, ["int8"], lambda h: None, values=True) > 0
 
 
-def test_mutation_sign_of_zero_ignored_returns_minus_zero(monkeypatch):
+def test_mutation_sign_of_zero_ignored_returns_minus_zero(monkeypatch, torch_reference_step):
     """``<w, h> = 0`` exactly: the dense head gives ``+0.0``; the scored interval spans zero,
     so its ends are ``-0.0`` and ``+0.0``: equal values, not the same bits."""
     case = audit.Case("zero", torch.tensor([[1.0], [0.0], [-1.0]], dtype=torch.float16), None,
@@ -155,7 +155,7 @@ def test_nonfinite_head_is_never_certified(where):
     assert not head.topk(case.hidden, 2).certified.any()
 
 
-def test_mutation_sampled_rows_read_as_greedy_are_caught(monkeypatch):
+def test_mutation_sampled_rows_read_as_greedy_are_caught(monkeypatch, torch_reference_step):
     """Certify sampled rows as greedy ones (no temperature: tie replay, no division): the
     sampled check finds rows whose kept set is not vLLM's."""
     from vllm_csv.head import CertifiedHead

@@ -166,9 +166,16 @@ def test_score_intervals_hold_every_fp32_accumulation(dtype, d):
     ids = torch.tensor([7, 0, 49, 7, 13])
     u = 2.0**-24
     gam = (d + 2) * u / (1 - (d + 2) * u) + 4 * (d + 2) * 2.0**-53 / (1 - (d + 2) * 2.0**-53)
-    a, E, lo, hi = K.score_intervals(h, w, ids, gam, 2 * 1.17549435e-38)
-    ra, rE, rlo, rhi = C.score_intervals_ref(h, w, ids, gam, 2 * 1.17549435e-38)
+    a, E, lo, hi, lower, upper, z = K.score_intervals(h, w, ids, gam, 2 * 1.17549435e-38)
+    ra, rE, rlo, rhi, rlower, rupper, rz = C.score_intervals_ref(h, w, ids, gam, 2 * 1.17549435e-38)
     assert torch.allclose(E, rE, rtol=1e-12, atol=0)
+    # the engine's rounding of the ends, and z, from the same lo/hi: bit for bit
+    assert torch.equal(lower, lo.to(dtype).float()) and torch.equal(upper, hi.to(dtype).float())
+    known = C.single_valued(lower, upper)
+    assert z.dtype == dtype and torch.equal(z[known], lower[known].to(dtype))
+    assert torch.equal(z[~known], a[~known].float().to(dtype))
+    if _ulps_apart(lo, rlo) == 0 and _ulps_apart(hi, rhi) == 0 and torch.equal(a, ra):
+        assert torch.equal(z, rz) and torch.equal(lower, rlower) and torch.equal(upper, rupper)
     assert _ulps_apart(lo, rlo) <= 1 and _ulps_apart(hi, rhi) <= 1
     assert torch.allclose(a, ra, rtol=1e-12, atol=1e-300)
     hf, wf = h.float(), w[ids].float()
@@ -216,3 +223,35 @@ def test_select_candidates_at_the_threshold_bit_for_bit(with_scale):
         y[b, 10 : 10 + len(vals)] = torch.stack(vals)
     ids, *_ = _check_select(tuple(args))
     assert 10 < ids.numel() < 10 + 2 * 601
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("S", [1, 2, 7, 40])
+def test_certify_topk_matches_reference(dtype, S):
+    """Random and adversarial scored rows (ties, unknown values, zeros of both signs, -inf,
+    NaN bounds, an outside bound at the edge): the same decision, and the same top set on
+    every certified row."""
+    g = torch.Generator().manual_seed(S)
+    for trial in range(40):
+        B = 5
+        z = (torch.randn(B, S, generator=g) * 4).to(dtype)
+        if trial % 4 == 1:
+            z = z.float().round().to(dtype)  # ties
+        zf = z.float()
+        width = torch.rand(B, S, generator=g) * (0.05 if trial % 3 else 0.0)
+        lower, upper = (zf - width).to(dtype).float(), (zf + width).to(dtype).float()
+        if trial % 5 == 2 and S > 1:
+            lower[0, 0], upper[0, 0], z[0, 0] = -0.0, 0.0, 0.0
+            lower[1, 1], upper[1, 1] = math.nan, math.nan
+        if trial % 7 == 3:
+            lower[2], upper[2], z[2] = -math.inf, -math.inf, -math.inf
+        k = torch.randint(1, S + 1, (B,), generator=g)
+        oh = zf.max(1).values - torch.rand(B, generator=g) * 3
+        oh[3] = zf[3].max()  # the edge: equal to the best value
+        oh[4] = math.nan if trial % 6 == 0 else oh[4]
+        need = torch.rand(B, generator=g) < 0.5
+        ok, top = K.certify_topk(z, lower, upper, k, oh, need)
+        rok, rtop = C.certify_topk_ref(z, lower, upper, k, oh, need)
+        assert torch.equal(ok, rok), (trial, ok, rok)
+        assert torch.equal(top[ok], rtop[ok])
+        assert torch.equal(top.sum(1), k)

@@ -31,6 +31,8 @@ import math
 
 import torch
 
+from .ops.cpu_step import single_valued
+
 # Steps of nextafter applied to a tanh output: covers the implementation's error (one fp32
 # ulp each way, and a differing vectorised/scalar path) in every dtype.
 TANH_ULPS = 2
@@ -120,9 +122,5 @@ class DenseEngine:
                 ok &= (lo_t / t > hi_t / t) | (temperature <= 0)
         return ok & torch.isfinite(low)
 
-    @staticmethod
-    def single_valued(lower: torch.Tensor, upper: torch.Tensor) -> torch.Tensor:
-        """Where the dense value is known bit for bit: ``lower`` and ``upper`` are the same
-        value *and* the same sign of zero (a GEMM that cancels to ``+0.0`` and one that
-        underflows from below to ``-0.0`` compare equal, but are not the same bits)."""
-        return (lower == upper) & (torch.signbit(lower) == torch.signbit(upper))
+    # Where the dense value is known bit for bit (same value, same sign of zero).
+    single_valued = staticmethod(single_valued)

@@ -158,6 +158,11 @@ class CertifiedHead:
         self._slack_cache: dict[float, tuple[torch.Tensor, float]] = {}
         self.off_switch = OffSwitch() if self.config.off_switch else None
 
+    @property
+    def _plain(self) -> bool:
+        """No soft-cap, no scale: the engine's comparisons are plain ones (cpu_step.certify_topk)."""
+        return self.engine.softcap is None and self.engine.scale == 1.0
+
     # ---- the dense engine's computation ------------------------------------------------
     def transform(self, z: torch.Tensor) -> torch.Tensor:
         """vLLM's soft-cap and scale, exactly as its ``LogitsProcessor`` applies them."""
@@ -244,7 +249,12 @@ class CertifiedHead:
         then known exactly, and ``z`` is it. (``hnorm`` is not needed: ``A <= ||w_j|| ||h||``
         is the tighter bound, computed per column.)"""
         # a, and [a - E, a + E] rounded outwards to fp32 (one fused kernel on the CPU)
-        a, E, lo32, hi32 = cpu_step.score_intervals(hidden, self.weight, ids, self._gamma + self._gamma64, self._tiny32)
+        coef = self._gamma + self._gamma64
+        if self.bias is None and cpu_step.uses_kernels(hidden) and hidden.dtype == self.dtype == self.weight.dtype:
+            # one fused kernel on the CPU, the engine's rounding included (cpu_step.score_intervals)
+            *_, lower, upper, z = cpu_step.score_intervals(hidden, self.weight, ids, coef, self._tiny32)
+            return z, lower, upper
+        a, E, lo32, hi32 = cpu_step.score_bounds_ref(hidden, self.weight, ids, coef, self._tiny32)
         rnd = self.engine.round
         if self.bias is None:
             c = a
@@ -298,17 +308,20 @@ class CertifiedHead:
         never replayed.)
         """
         kmax = int(k.max())
-        top = z.float().topk(kmax, dim=1).indices
-        in_top = torch.zeros(z.shape, dtype=torch.bool, device=z.device).scatter_(
-            1, top, torch.arange(kmax, device=z.device)[None] < k[:, None])
-        low = lower.masked_fill(~in_top, math.inf).amin(1)
-        high = upper.masked_fill(in_top, -math.inf).amax(1)
-        ok = self.engine.separated(low, torch.maximum(high, outside_high), temp)
-        known = DenseEngine.single_valued(lower, upper)
-        ok &= (known | ~in_top).all(1) | ~need_values
+        if self._plain and temp is None and cpu_step.uses_kernels(z):  # the common case: one fused kernel
+            ok, in_top = cpu_step.certify_topk(z, lower, upper, k, outside_high, need_values)
+        else:
+            top = z.float().topk(kmax, dim=1).indices
+            in_top = torch.zeros(z.shape, dtype=torch.bool, device=z.device).scatter_(
+                1, top, torch.arange(kmax, device=z.device)[None] < k[:, None])
+            low = lower.masked_fill(~in_top, math.inf).amin(1)
+            high = upper.masked_fill(in_top, -math.inf).amax(1)
+            ok = self.engine.separated(low, torch.maximum(high, outside_high), temp)
+            ok &= (DenseEngine.single_valued(lower, upper) | ~in_top).all(1) | ~need_values
         # The host reads whether any row is left (CPU: no device; CUDA: this step syncs anyway,
         # issue 9): the fallbacks below are skipped when every row already holds.
         left = not bool(ok.all())
+        known = DenseEngine.single_valued(lower, upper) if left else None
         if left and self.softcap is None and kmax == 1:
             zf = z.float()
             v = zf.masked_fill(~known, -math.inf).amax(1)

@@ -382,3 +382,4 @@ class ShardedHead:
     sampler_logits = CertifiedHead.sampler_logits
     max_certified_k = CertifiedHead.max_certified_k
     _certify_kept = CertifiedHead._certify_kept  # (CertifiedHead._certify, on the gathered columns, calls it)
+    _plain = CertifiedHead._plain  # (and reads this)

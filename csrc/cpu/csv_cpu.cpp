@@ -311,8 +311,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> select_candidates(
 }
 
 // ---- score_intervals ------------------------------------------------------------------------
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> score_intervals(const at::Tensor& h_in, const at::Tensor& w_in,
-                                                               const at::Tensor& ids_in, double coef, double tiny32) {
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> score_intervals(
+    const at::Tensor& h_in, const at::Tensor& w_in, const at::Tensor& ids_in, double coef, double tiny32) {
   TORCH_CHECK(h_in.dim() == 2 && w_in.dim() == 2 && h_in.size(1) == w_in.size(1) && h_in.device().is_cpu(),
               "score_intervals: h [B, d] and w [V, d] on the CPU");
   TORCH_CHECK(h_in.scalar_type() == w_in.scalar_type(), "score_intervals: h and w of one dtype");
@@ -325,13 +325,19 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> score_intervals(const
   double* Ep = E_t.data_ptr<double>();
   at::Tensor lo_t = at::empty({B, S}, h.options().dtype(at::kFloat));
   at::Tensor hi_t = at::empty({B, S}, h.options().dtype(at::kFloat));
+  at::Tensor lower_t = at::empty({B, S}, h.options().dtype(at::kFloat));
+  at::Tensor upper_t = at::empty({B, S}, h.options().dtype(at::kFloat));
+  at::Tensor z_t = at::empty({B, S}, h.options());
   double* ap = a_t.data_ptr<double>();
   float* lo = lo_t.data_ptr<float>();
   float* hi = hi_t.data_ptr<float>();
+  float* lw = lower_t.data_ptr<float>();
+  float* up = upper_t.data_ptr<float>();
   const double eps52 = std::ldexp(1.0, -52);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, h.scalar_type(), "score_intervals", [&] {
     const scalar_t* hp = h.data_ptr<scalar_t>();
     const scalar_t* wp = w.data_ptr<scalar_t>();
+    scalar_t* zp = z_t.data_ptr<scalar_t>();
     std::vector<double> hd(B * d), ha(B * d);
     for (int64_t q = 0; q < B * d; ++q) {
       hd[q] = at64(hp, q);
@@ -355,12 +361,79 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> score_intervals(const
         E = E + std::fabs(a) * eps52;
         ap[b * S + s] = a;
         Ep[b * S + s] = E;
-        lo[b * S + s] = round_down32(a - E);
-        hi[b * S + s] = round_up32(a + E);
+        const int64_t o = b * S + s;
+        lo[o] = round_down32(a - E);
+        hi[o] = round_up32(a + E);
+        // Without a bias: the engine's rounding of each end (monotone), and z, the value
+        // itself where both ends agree bit for bit, else a rounded to fp32, then to the dtype.
+        lw[o] = static_cast<float>(static_cast<scalar_t>(lo[o]));
+        up[o] = static_cast<float>(static_cast<scalar_t>(hi[o]));
+        const bool known = lw[o] == up[o] && std::signbit(lw[o]) == std::signbit(up[o]);
+        zp[o] = known ? static_cast<scalar_t>(lw[o]) : static_cast<scalar_t>(static_cast<float>(a));
       }
     }
   });
-  return {a_t, E_t, lo_t, hi_t};
+  return {a_t, E_t, lo_t, hi_t, lower_t, upper_t, z_t};
+}
+
+// ---- certify_topk ---------------------------------------------------------------------------
+template <typename T>
+inline float round_to(float x) {
+  return static_cast<float>(static_cast<T>(x));
+}
+
+std::tuple<at::Tensor, at::Tensor> certify_topk(const at::Tensor& z_in, const at::Tensor& lower_in,
+                                                const at::Tensor& upper_in, const at::Tensor& k_in,
+                                                const at::Tensor& oh_in, const at::Tensor& need_in) {
+  TORCH_CHECK(z_in.dim() == 2 && z_in.device().is_cpu(), "certify_topk: z [B, S] on the CPU");
+  at::Tensor z = z_in.contiguous();
+  at::Tensor lower = lower_in.to(at::kFloat).contiguous(), upper = upper_in.to(at::kFloat).contiguous();
+  at::Tensor kt = k_in.to(at::kLong).contiguous(), oh = oh_in.to(at::kFloat).contiguous();
+  at::Tensor need = need_in.to(at::kBool).contiguous();
+  const int64_t B = z.size(0), S = z.size(1);
+  at::Tensor ok_t = at::empty({B}, need.options());
+  at::Tensor top_t = at::zeros({B, S}, need.options());
+  bool* okp = ok_t.data_ptr<bool>();
+  bool* tp = top_t.data_ptr<bool>();
+  const float* lw = lower.data_ptr<float>();
+  const float* up = upper.data_ptr<float>();
+  const int64_t* kp = kt.data_ptr<int64_t>();
+  const float* ohp = oh.data_ptr<float>();
+  const bool* np = need.data_ptr<bool>();
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, z.scalar_type(), "certify_topk", [&] {
+    const scalar_t* zp = z.data_ptr<scalar_t>();
+    std::vector<int64_t> order(S);
+    for (int64_t b = 0; b < B; ++b) {
+      const int64_t k = kp[b];
+      TORCH_CHECK(1 <= k && k <= S, "certify_topk: 1 <= k <= S");
+      const scalar_t* zr = zp + b * S;
+      for (int64_t s = 0; s < S; ++s) order[s] = s;
+      // T: k columns of largest z (ties broken by the lower index; any choice is sound, and
+      // a tie across T's edge is never certified: the tied values bound each other)
+      std::partial_sort(order.begin(), order.begin() + k, order.end(), [&](int64_t i, int64_t j) {
+        const float a = static_cast<float>(zr[i]), c = static_cast<float>(zr[j]);
+        return a > c || (a == c && i < j);
+      });
+      bool* tr = tp + b * S;
+      for (int64_t q = 0; q < k; ++q) tr[order[q]] = true;
+      float low = INF32, high = -INF32;
+      bool all_known = true;
+      for (int64_t s = 0; s < S; ++s) {
+        const float l = lw[b * S + s], u = up[b * S + s];
+        if (tr[s]) {
+          low = (l < low || l != l) ? l : low;  // NaN propagates (torch amin)
+          all_known &= l == u && std::signbit(l) == std::signbit(u);
+        } else {
+          high = (u > high || u != u) ? u : high;
+        }
+      }
+      float hh = ohp[b];
+      hh = (high != high || hh != hh) ? NAN32 : std::max(high, hh);
+      hh = round_to<scalar_t>(hh);  // the engine's rounding of any value below it (monotone)
+      okp[b] = low > hh && std::isfinite(low) && (all_known || !np[b]);
+    }
+  });
+  return {ok_t, top_t};
 }
 
 }  // namespace
@@ -372,7 +445,11 @@ TORCH_LIBRARY(vllm_csv_cpu, m) {
       "select_candidates(Tensor y, Tensor? row_scale, Tensor k, Tensor hnorm, Tensor? e, Tensor ok, float rad_max, "
       "float act_coef, float tiny, float bslack_max, float delta, float limit, float babs_max, int budget) "
       "-> (Tensor, Tensor, Tensor, Tensor)");
-  m.def("score_intervals(Tensor h, Tensor w, Tensor ids, float coef, float tiny32) -> (Tensor, Tensor, Tensor, Tensor)");
+  m.def(
+      "certify_topk(Tensor z, Tensor lower, Tensor upper, Tensor k, Tensor outside_high, Tensor need_values) "
+      "-> (Tensor, Tensor)");
+  m.def("score_intervals(Tensor h, Tensor w, Tensor ids, float coef, float tiny32) "
+      "-> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(vllm_csv_cpu, CPU, m) {
@@ -380,4 +457,5 @@ TORCH_LIBRARY_IMPL(vllm_csv_cpu, CPU, m) {
   m.impl("quantize_act7", &quantize_act7);
   m.impl("select_candidates", &select_candidates);
   m.impl("score_intervals", &score_intervals);
+  m.impl("certify_topk", &certify_topk);
 }

@@ -5,7 +5,7 @@ Why fused: the screen's GEMM streams the whole int8 head (50-150 MB) through the
 evicts the code of the torch ops that follow; each distinct op then runs cold (30-200 us
 instead of 2-10 us), and the reference path below runs about 60 of them around each GEMM:
 1-2 ms a step, as much as half the GEMM itself at V = 65536. The kernels compute the same
-numbers in three calls. They are built once per machine with torch's C++ extension loader (a
+numbers in five calls. They are built once per machine with torch's C++ extension loader (a
 C++ compiler and ninja, both already needed by vLLM-CPU's own builds; about 15 s, cached in
 ``TORCH_EXTENSIONS_DIR``). Where that fails, or with ``VLLM_CSV_CPU_KERNELS=0``, every call takes
 the torch reference, and one log line says why.
@@ -18,7 +18,9 @@ Ops (registered as ``torch.ops.vllm_csv_cpu.*`` with fake implementations, so th
 * :func:`select_candidates`: the two-sided threshold search of
   :meth:`vllm_csv.head.CertifiedHead._select_two_sided`;
 * :func:`score_intervals`: the float64 dot products and their fp32 interval of
-  :meth:`vllm_csv.head.CertifiedHead._score`.
+  :meth:`vllm_csv.head.CertifiedHead._score` (and, without a bias, the engine's rounding);
+* :func:`certify_topk`: the top-k certificate of :meth:`vllm_csv.head.CertifiedHead._certify`
+  for a plain engine (no soft-cap or scale) and greedy rows.
 
 Each kernel follows its reference operation by operation (fp32 where the reference is fp32,
 scalars rounded to fp32 as torch rounds a Python number), so the outputs agree bit for bit,
@@ -243,14 +245,24 @@ def select_candidates(y, row_scale, k, hnorm, e, ok, rad_max, act_coef, tiny, bs
 
 # ---- score_intervals ------------------------------------------------------------------------
 def score_intervals_ref(h: torch.Tensor, w: torch.Tensor, ids: torch.Tensor, coef: float, tiny32: float):
-    """``(a [B, S] float64, E [B, S] float64, lo [B, S] fp32, hi [B, S] fp32)`` for the rows
-    ``w[ids]`` of the head.
+    """``(a, E, lo, hi, lower, upper, z)`` for the rows ``w[ids]`` of the head, each ``[B, S]``.
 
     ``a = <w_j, h_b>`` in float64 (products of model-dtype numbers are exact; the sum is within
     ``gamma64_d A`` of the real one, ``A = sum_i |w_ji h_bi|``, in any order), and with
-    ``E = coef A + tiny32 + 2^-52 |a|`` (``coef`` = the fp32 accumulation's ``gamma_(d+2)``
-    plus ``4 gamma64_d``: :meth:`vllm_csv.head.CertifiedHead._score`), ``[lo, hi]`` =
-    ``[a - E, a + E]`` rounded outwards to fp32 holds every fp32 accumulator of the product."""
+    ``E = coef A + tiny32 + 2^-52 |a|`` (float64; ``coef`` = the fp32 accumulation's
+    ``gamma_(d+2)`` plus ``4 gamma64_d``: :meth:`vllm_csv.head.CertifiedHead._score`),
+    ``[lo, hi]`` (fp32) = ``[a - E, a + E]`` rounded outwards holds every fp32 accumulator of
+    the product. Without a bias the engine rounds the accumulator to the model dtype
+    (``w.dtype``), monotone: ``lower, upper`` (fp32) = the rounded ends, and ``z`` (model dtype) =
+    that value where the two agree bit for bit, else ``a`` rounded to fp32 and then to the dtype."""
+    a, E, lo, hi = score_bounds_ref(h, w, ids, coef, tiny32)
+    lower, upper = lo.to(w.dtype).float(), hi.to(w.dtype).float()
+    z = torch.where(single_valued(lower, upper), lower, a.float()).to(w.dtype)
+    return a, E, lo, hi, lower, upper, z
+
+
+def score_bounds_ref(h: torch.Tensor, w: torch.Tensor, ids: torch.Tensor, coef: float, tiny32: float):
+    """The first four outputs of :func:`score_intervals_ref`: ``(a, E, lo, hi)``."""
     hd, wd = h.double(), w[ids].double()
     a = F.linear(hd, wd)
     E = F.linear(hd.abs(), wd.abs()).mul_(coef).add_(tiny32)
@@ -262,6 +274,43 @@ def score_intervals(h: torch.Tensor, w: torch.Tensor, ids: torch.Tensor, coef: f
     if _use(h) and h.dtype == w.dtype:
         return torch.ops.vllm_csv_cpu.score_intervals(h, w, ids, coef, tiny32)
     return score_intervals_ref(h, w, ids, coef, tiny32)
+
+
+def uses_kernels(t: torch.Tensor) -> bool:
+    """Whether the ops on ``t`` run the fused kernels (else their torch references)."""
+    return _use(t)
+
+
+def single_valued(lower: torch.Tensor, upper: torch.Tensor) -> torch.Tensor:
+    """Where the dense value is known bit for bit: ``lower`` and ``upper`` are the same value
+    *and* the same sign of zero (a GEMM that cancels to ``+0.0`` and one that underflows from
+    below to ``-0.0`` compare equal, but are not the same bits)."""
+    return (lower == upper) & (torch.signbit(lower) == torch.signbit(upper))
+
+
+# ---- certify_topk --------------------------------------------------------------------------
+def certify_topk_ref(z, lower, upper, k, outside_high, need_values):
+    """The top-k certificate of :meth:`vllm_csv.head.CertifiedHead._certify` for an engine
+    without soft-cap or scale and greedy rows (no temperature): ``(ok [B], in_top [B, S])``.
+
+    ``T`` = the ``k_b`` columns of largest ``z`` (``[B, S]``, model dtype); ``ok`` when the
+    smallest ``lower`` in ``T`` beats strictly the engine's rounding (to ``z.dtype``) of the
+    largest ``upper`` outside ``T`` and of ``outside_high`` (an upper bound of every unscored
+    token), is finite, and, where ``need_values``, every value in ``T`` is known bit for bit."""
+    kmax = int(k.max())
+    top = z.float().topk(kmax, dim=1).indices
+    in_top = torch.zeros(z.shape, dtype=torch.bool, device=z.device).scatter_(
+        1, top, torch.arange(kmax, device=z.device)[None] < k[:, None])
+    low = lower.masked_fill(~in_top, math.inf).amin(1)
+    high = upper.masked_fill(in_top, -math.inf).amax(1)
+    ok = (low > torch.maximum(high, outside_high).to(z.dtype).float()) & torch.isfinite(low)
+    ok &= (single_valued(lower, upper) | ~in_top).all(1) | ~need_values
+    return ok, in_top
+
+
+def certify_topk(z, lower, upper, k, outside_high, need_values):
+    fn = torch.ops.vllm_csv_cpu.certify_topk if _use(z) else certify_topk_ref
+    return fn(z, lower, upper, k, outside_high, need_values)
 
 
 # ---- fake implementations (shapes only: tracing, torch.compile) -------------------------------
@@ -293,6 +342,11 @@ def _register_fakes() -> None:
         B, S = h.shape[0], ids.shape[0]
         f64, f32 = torch.float64, torch.float32
         return (h.new_empty(B, S, dtype=f64), h.new_empty(B, S, dtype=f64), h.new_empty(B, S, dtype=f32),
-                h.new_empty(B, S, dtype=f32))
+                h.new_empty(B, S, dtype=f32), h.new_empty(B, S, dtype=f32), h.new_empty(B, S, dtype=f32),
+                h.new_empty(B, S))
+
+    @torch.library.register_fake(lib + "certify_topk")
+    def _(z, lower, upper, k, outside_high, need_values):
+        return z.new_empty(z.shape[0], dtype=torch.bool), z.new_empty(z.shape, dtype=torch.bool)
 
     _state["fakes"] = True
