@@ -255,3 +255,19 @@ def test_certify_topk_matches_reference(dtype, S):
         assert torch.equal(ok, rok), (trial, ok, rok)
         assert torch.equal(top[ok], rtop[ok])
         assert torch.equal(top.sum(1), k)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_finish_selection_matches_reference(dtype):
+    g = torch.Generator().manual_seed(9)
+    for B, V, S in ((1, 10, 3), (4, 300, 17), (3, 5, 0)):
+        ids = torch.randperm(V, generator=g)[:S].sort().values
+        z = torch.randn(B, S, generator=g).to(dtype)
+        if S:
+            z[0, 0] = -0.0
+        in_top = torch.rand(B, S, generator=g) < 0.5
+        ok, live, cert = (torch.rand(B, generator=g) < 0.7 for _ in range(3))
+        got = K.finish_selection(V, ids, z, in_top, ok, live, cert)
+        want = C.finish_selection_ref(V, ids, z, in_top, ok, live, cert)
+        assert got[0].dtype == dtype and torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+        assert torch.equal(got[0].signbit(), want[0].signbit())

@@ -410,15 +410,17 @@ class CertifiedHead:
         ids, tau, ok, live = cpu_step.select_candidates(
             y, rs, k, hnorm, out.e if out.n is not None else None, ok, self._rad_max, act_coef, self._tiny,
             self._bias_slack(out.rel)[1], delta, self.engine.limit, self._babs_max, budget)
-        exact = torch.full((B, V), -math.inf, dtype=self.dtype, device=dev)
-        certified = torch.zeros(B, dtype=torch.bool, device=dev)
-        if ids.numel() >= kmax:
+        n_scored = ids.numel()
+        if n_scored >= kmax:
             z, lower, upper = self._score(hidden, ids, hnorm)
             cert, in_top = self._certify(z, lower, upper, k, tau, need_values, ids, temp)
-            certified = ok & live & cert
-            exact[:, ids] = z.masked_fill(~in_top, -math.inf)
-        return _Selection(exact, torch.full((B,), ids.numel(), device=dev), certified,
-                          _reasons(certified, ok, live))
+        else:  # fewer candidates than k: nothing to certify (every row's outcome below)
+            z = torch.empty((B, 0), dtype=self.dtype, device=dev)
+            in_top = torch.empty((B, 0), dtype=torch.bool, device=dev)
+            cert, ids = torch.zeros(B, dtype=torch.bool, device=dev), ids[:0]
+        exact, code = cpu_step.finish_selection(V, ids, z, in_top, ok, live, cert)  # fused on the CPU
+        reason = [cpu_step.REASONS[c] for c in code.tolist()]  # one host transfer for the batch
+        return _Selection(exact, torch.full((B,), n_scored, device=dev), code == 0, reason)
 
     def _select_one_sided(self, hidden, k, need_values, temp=None) -> _Selection:
         """Grow ``S`` per row until the top-k certificate holds or ``budget`` is reached.
@@ -661,8 +663,7 @@ def _reasons(certified: torch.Tensor, ok: torch.Tensor, live: torch.Tensor) -> l
     """Per row: None if certified, else ``nonfinite`` (inputs or bounds unusable), ``budget``
     (too many candidates) or ``uncertified``. One host transfer for the batch."""
     code = torch.where(certified, 0, torch.where(~ok, 1, torch.where(~live, 2, 3)))
-    names = (None, "nonfinite", "budget", "uncertified")
-    return [names[c] for c in code.tolist()]
+    return [cpu_step.REASONS[c] for c in code.tolist()]
 
 
 def _stable_topk(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -436,6 +436,34 @@ std::tuple<at::Tensor, at::Tensor> certify_topk(const at::Tensor& z_in, const at
   return {ok_t, top_t};
 }
 
+// ---- finish_selection ---------------------------------------------------------------------
+std::tuple<at::Tensor, at::Tensor> finish_selection(int64_t V, const at::Tensor& ids_in, const at::Tensor& z_in,
+                                                    const at::Tensor& top_in, const at::Tensor& ok_in,
+                                                    const at::Tensor& live_in, const at::Tensor& cert_in) {
+  at::Tensor ids = ids_in.to(at::kLong).contiguous(), z = z_in.contiguous();
+  at::Tensor top = top_in.to(at::kBool).contiguous(), ok = ok_in.to(at::kBool).contiguous();
+  at::Tensor live = live_in.to(at::kBool).contiguous(), cert = cert_in.to(at::kBool).contiguous();
+  const int64_t B = ok.size(0), S = ids.size(0);
+  TORCH_CHECK(z.dim() == 2 && z.size(0) == B && z.size(1) == S && top.sizes() == z.sizes(),
+              "finish_selection: z and in_top [B, S]");
+  at::Tensor exact = at::full({B, V}, -std::numeric_limits<double>::infinity(), z.options());
+  at::Tensor code = at::empty({B}, ids.options());
+  const int64_t* ip = ids.data_ptr<int64_t>();
+  const bool* tp = top.data_ptr<bool>();
+  const bool *okp = ok.data_ptr<bool>(), *lp = live.data_ptr<bool>(), *cp = cert.data_ptr<bool>();
+  int64_t* codep = code.data_ptr<int64_t>();
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, z.scalar_type(), "finish_selection", [&] {
+    const scalar_t* zp = z.data_ptr<scalar_t>();
+    scalar_t* ep = exact.data_ptr<scalar_t>();
+    for (int64_t b = 0; b < B; ++b)
+      for (int64_t s = 0; s < S; ++s)
+        if (tp[b * S + s]) ep[b * V + ip[s]] = zp[b * S + s];
+  });
+  for (int64_t b = 0; b < B; ++b)
+    codep[b] = (okp[b] && lp[b] && cp[b]) ? 0 : !okp[b] ? 1 : !lp[b] ? 2 : 3;
+  return {exact, code};
+}
+
 }  // namespace
 
 TORCH_LIBRARY(vllm_csv_cpu, m) {
@@ -448,6 +476,9 @@ TORCH_LIBRARY(vllm_csv_cpu, m) {
   m.def(
       "certify_topk(Tensor z, Tensor lower, Tensor upper, Tensor k, Tensor outside_high, Tensor need_values) "
       "-> (Tensor, Tensor)");
+  m.def(
+      "finish_selection(int V, Tensor ids, Tensor z, Tensor in_top, Tensor ok, Tensor live, Tensor cert) "
+      "-> (Tensor, Tensor)");
   m.def("score_intervals(Tensor h, Tensor w, Tensor ids, float coef, float tiny32) "
       "-> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)");
 }
@@ -458,4 +489,5 @@ TORCH_LIBRARY_IMPL(vllm_csv_cpu, CPU, m) {
   m.impl("select_candidates", &select_candidates);
   m.impl("score_intervals", &score_intervals);
   m.impl("certify_topk", &certify_topk);
+  m.impl("finish_selection", &finish_selection);
 }

@@ -5,7 +5,7 @@ Why fused: the screen's GEMM streams the whole int8 head (50-150 MB) through the
 evicts the code of the torch ops that follow; each distinct op then runs cold (30-200 us
 instead of 2-10 us), and the reference path below runs about 60 of them around each GEMM:
 1-2 ms a step, as much as half the GEMM itself at V = 65536. The kernels compute the same
-numbers in five calls. They are built once per machine with torch's C++ extension loader (a
+numbers in six calls. They are built once per machine with torch's C++ extension loader (a
 C++ compiler and ninja, both already needed by vLLM-CPU's own builds; about 15 s, cached in
 ``TORCH_EXTENSIONS_DIR``). Where that fails, or with ``VLLM_CSV_CPU_KERNELS=0``, every call takes
 the torch reference, and one log line says why.
@@ -20,7 +20,8 @@ Ops (registered as ``torch.ops.vllm_csv_cpu.*`` with fake implementations, so th
 * :func:`score_intervals`: the float64 dot products and their fp32 interval of
   :meth:`vllm_csv.head.CertifiedHead._score` (and, without a bias, the engine's rounding);
 * :func:`certify_topk`: the top-k certificate of :meth:`vllm_csv.head.CertifiedHead._certify`
-  for a plain engine (no soft-cap or scale) and greedy rows.
+  for a plain engine (no soft-cap or scale) and greedy rows;
+* :func:`finish_selection`: the ``[B, V]`` output of the certified rows and each row's outcome.
 
 Each kernel follows its reference operation by operation (fp32 where the reference is fp32,
 scalars rounded to fp32 as torch rounds a Python number), so the outputs agree bit for bit,
@@ -313,6 +314,28 @@ def certify_topk(z, lower, upper, k, outside_high, need_values):
     return fn(z, lower, upper, k, outside_high, need_values)
 
 
+# ---- finish_selection ----------------------------------------------------------------------
+REASONS = (None, "nonfinite", "budget", "uncertified")  # finish_selection's codes, in order
+
+
+def finish_selection_ref(V: int, ids, z, in_top, ok, live, cert):
+    """``(exact [B, V] z.dtype, code [B] int64)``: ``exact`` holds ``z`` on the columns ``ids``
+    where ``in_top``, ``-inf`` elsewhere; ``code`` indexes :data:`REASONS`: 0 certified
+    (``ok & live & cert``), else 1 not ``ok`` (inputs or bounds unusable), 2 not ``live`` (too
+    many candidates), 3 not certified."""
+    B = ok.shape[0]
+    exact = torch.full((B, V), -math.inf, dtype=z.dtype, device=z.device)
+    exact[:, ids] = z.masked_fill(~in_top, -math.inf)
+    certified = ok & live & cert
+    code = torch.where(certified, 0, torch.where(~ok, 1, torch.where(~live, 2, 3)))
+    return exact, code
+
+
+def finish_selection(V: int, ids, z, in_top, ok, live, cert):
+    fn = torch.ops.vllm_csv_cpu.finish_selection if _use(z) else finish_selection_ref
+    return fn(V, ids, z, in_top, ok, live, cert)
+
+
 # ---- fake implementations (shapes only: tracing, torch.compile) -------------------------------
 def _register_fakes() -> None:
     if _state.get("fakes"):
@@ -344,6 +367,10 @@ def _register_fakes() -> None:
         return (h.new_empty(B, S, dtype=f64), h.new_empty(B, S, dtype=f64), h.new_empty(B, S, dtype=f32),
                 h.new_empty(B, S, dtype=f32), h.new_empty(B, S, dtype=f32), h.new_empty(B, S, dtype=f32),
                 h.new_empty(B, S))
+
+    @torch.library.register_fake(lib + "finish_selection")
+    def _(V, ids, z, in_top, ok, live, cert):
+        return z.new_empty(ok.shape[0], V), ids.new_empty(ok.shape[0])
 
     @torch.library.register_fake(lib + "certify_topk")
     def _(z, lower, upper, k, outside_high, need_values):
