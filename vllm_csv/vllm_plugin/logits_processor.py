@@ -84,8 +84,7 @@ class CSVLogitsProcessor(LogitsProcessor):
         temps = list(plan.temps) if plan.temps is not None else [0.0] * B
         if not deferred:
             logits, stats = head.sampler_logits(hidden_states, torch.tensor(ks, dtype=torch.long),
-                                                lambda h: dense_full(), t0=t0,
-                                                temperature=torch.tensor(temps, dtype=torch.float32))
+                                                lambda h: dense_full(), t0=t0, temperature=_temps(temps))
         else:
             # Rows certified in the sampler: the off-switch decides for the whole step here (the
             # head's rows and the sampler's, which it charges together against the dense time of
@@ -107,8 +106,7 @@ class CSVLogitsProcessor(LogitsProcessor):
             if any(ks[i] > 0 for i in in_head):
                 part, stats = head.sampler_logits(hidden_states[sub], torch.tensor([ks[i] for i in in_head]),
                                                   lambda h: dense_full()[sub], t0=t0,
-                                                  temperature=torch.tensor([temps[i] for i in in_head],
-                                                                           dtype=torch.float32),
+                                                  temperature=_temps([temps[i] for i in in_head]),
                                                   use_switch=False)
             else:
                 stats = csv_head.StepStats(rows=len(in_head), screen=head.screen_name)
@@ -236,3 +234,9 @@ def _merge(stats, st):
         out.fallbacks[r] = out.fallbacks.get(r, 0) + n
     out.scored += [st.scored] * sum(st.certified.values())
     return out
+
+
+def _temps(temps: list[float]) -> torch.Tensor | None:
+    """The head's ``temperature`` argument: None when every row is greedy (``0``), which the
+    head reads as the same thing and certifies with its plain comparisons (fused on the CPU)."""
+    return torch.tensor(temps, dtype=torch.float32) if any(t > 0 for t in temps) else None
