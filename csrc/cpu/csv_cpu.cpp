@@ -154,6 +154,32 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, double> quantize_act7(const at::T
 }
 
 // ---- select_candidates ---------------------------------------------------------------------
+// max of r[0, n) (NaN if any is NaN), in LANES independent lanes so that the compiler
+// vectorises it (a single running max is a loop-carried dependence it will not reorder).
+constexpr int LANES = 16;
+
+__attribute__((target_clones("avx512f", "avx2", "default"))) float block_max(const float* r, int64_t n) {
+  float m[LANES], bad[LANES];
+  for (int l = 0; l < LANES; ++l) m[l] = -INF32, bad[l] = 0.0f;
+  int64_t i = 0;
+  for (; i + LANES <= n; i += LANES)
+    for (int l = 0; l < LANES; ++l) {
+      const float v = r[i + l];
+      m[l] = v > m[l] ? v : m[l];
+      bad[l] += v - v;  // 0, or NaN where v is NaN or infinite
+    }
+  float out = -INF32, any_bad = 0.0f;
+  for (int l = 0; l < LANES; ++l) out = m[l] > out ? m[l] : out, any_bad += bad[l];
+  for (; i < n; ++i) {
+    out = r[i] > out ? r[i] : out;
+    any_bad += r[i] - r[i];
+  }
+  if (any_bad != any_bad)  // a NaN or an infinity: NaN propagates (infinities are maxima already)
+    for (int64_t q = 0; q < n; ++q)
+      if (r[q] != r[q]) return NAN32;
+  return out;
+}
+
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> select_candidates(
     const at::Tensor& y_in, const c10::optional<at::Tensor>& row_scale, const at::Tensor& k_in,
     const at::Tensor& hnorm_in, const c10::optional<at::Tensor>& e_in, const at::Tensor& ok_in, double rad_max,
@@ -201,14 +227,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> select_candidates(
       const int64_t b = q / nb, j = q % nb;
       const float* r = yp + b * V + j * BLOCK;
       const int64_t n = std::min(BLOCK, V - j * BLOCK);
-      float m = -INF32;
-      bool nan = false;
-      for (int64_t i = 0; i < n; ++i) {
-        const float v = r[i];
-        nan |= v != v;
-        m = v > m ? v : m;
-      }
-      m = nan ? NAN32 : m;
+      float m = block_max(r, n);
       bmax[q] = rsp ? m * rsp[b] : m;
     }
   });
