@@ -635,11 +635,14 @@ class CertifiedHead:
                 out[ridx] = self._output(sel.exact)
             cert = certified.tolist()
             stats.certified = sum(cert)
-            self.last_certified[rows] = certified
+            if every:
+                self.last_certified = certified
+            else:
+                self.last_certified[rows] = certified
             for r in sel.reason:
                 if r is not None:
                     stats.fallbacks[r] += 1
-            stats.scored = sel.scored[sel.certified].tolist()
+            stats.scored = [n for n, c in zip(sel.scored.tolist(), cert) if c]
             done = {i for i, c in zip(rows, cert) if c}
             dense_rows = [i for i in range(B) if i not in done]
         else:  # every row dense: the engine's own output, not a copy of it
