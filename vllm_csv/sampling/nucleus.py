@@ -170,7 +170,7 @@ def _decide_packed(lo, hi, el, eh, t, p, eps, block=None) -> tuple[torch.Tensor,
     """``(keep, drop)`` ``[r, V]``: the tail ``yhi < t`` dropped, the other tokens packed into
     ``[r, n]`` (``-inf`` padding: no mass) and decided with the tail's masses added where they
     may count (module docstring, "the tail"), and the outside blocks' (``block = (hi, lower
-    mass, upper mass)``, each ``[r, L]``, module docstring, "the outside blocks")."""
+    lower bound, lower mass, upper mass)``, each ``[r, L]``, module docstring, "the outside blocks")."""
     r, V = lo.shape
     tail = hi < t[:, None]
     head = ~tail & (hi > -math.inf)
@@ -195,11 +195,13 @@ def _decide_packed(lo, hi, el, eh, t, p, eps, block=None) -> tuple[torch.Tensor,
     r_lo = r_lo + torch.where(above, tail_l, 0.0)
     r_hi = r_hi + tail_h
     if block is not None:
-        bhi, bel, beh = (x[:, None, :] for x in block)  # [r, 1, L]
+        bhi, blo, bel, beh = (x[:, None, :] for x in block)  # [r, 1, L]
         before = plo[:, :, None] > bhi  # every block token has yhi_j <= bhi < ylo_i: sorts before i
+        after = blo > phi[:, :, None]  # every block token has ylo_j >= blo > yhi_i: sorts after i
         n_hi = n_hi + torch.where(before, 0.0, beh).sum(2)
         r_lo = r_lo + torch.where(before, bel, 0.0).sum(2)
-        r_hi = r_hi + beh.sum(2)
+        n_lo = n_lo + torch.where(after, bel, 0.0).sum(2)
+        r_hi = r_hi + torch.where(after, 0.0, beh).sum(2)
     k, d = _decide(n_hi, r_lo, n_lo, r_hi, plo, p, eps)
     wide = torch.zeros((r, V + 1), dtype=torch.bool, device=lo.device)  # column V: padding
     return wide.scatter(1, cols, k)[:, :V], drop | wide.scatter(1, cols, d)[:, :V]
@@ -263,7 +265,7 @@ def top_p_bounds(ylo: torch.Tensor, yhi: torch.Tensor, top_p: torch.Tensor, outs
     drop = torch.zeros_like(keep)
     for i in range(r):  # one row at a time: packed widths differ widely between rows
         s = slice(i, i + 1)
-        block = None if ob is None else (ob.hi[s], b_el[s], b_eh[s])
+        block = None if ob is None else (ob.hi[s], ob.lo[s], b_el[s], b_eh[s])
         keep[s], drop[s] = _decide_packed(lo[s], hi[s], el[s], eh[s], t[s], p[s], eps, block)
     out_lo, out_hi = ylo.clone(), yhi.clone()
     out_lo[rows] = torch.where(keep, ylo[rows], -math.inf)

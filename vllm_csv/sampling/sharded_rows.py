@@ -58,7 +58,9 @@ from .rows import FIRST_GUESS, MAX_ROUNDS, Process, RowsResult, within_budget
 EXPLICIT = 16  # tokens a rank sends per row and key (highest yhi; highest yhi + g)
 NOISY_KEY = True  # the second key: yhi + g on sampled rows (False: yhi again; sound, certifies less)
 LEVELS = (0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, 8.0, 12.0, 16.0, 32.0)  # a rank's other tokens in blocks by yhi, this far below its largest
-_SUMMARIES = 5  # a block's hi, noisy, lel, leh, absmax
+MASS_BLOCKS = 32  # and at every 1/MASS_BLOCKS of the rank's upper mass outside its explicit tokens
+FINE = 16  # block boundaries on a grid of 1 / FINE below the rank's largest yhi (up to the last level)
+_SUMMARIES = 6  # a block's hi, noisy, lel, leh, absmax, lo
 
 
 def _lse_pad(x: torch.Tensor) -> torch.Tensor:
@@ -98,7 +100,7 @@ def _explicit_and_block(plo, phi, vals, g, samp, finite, start):
     ``[R, L, 5]`` block summaries and ``[R]`` finite, flattened (fp32)."""
     R, n = phi.shape
     dev = phi.device
-    E2, L = 2 * EXPLICIT, len(LEVELS) + 1
+    E2, L = 2 * EXPLICIT, len(LEVELS) + MASS_BLOCKS
     finite = finite & ~(torch.isnan(plo).any(1) | torch.isnan(phi).any(1))  # (the block maxima skip NaN)
     ex = torch.full((R, E2, 4), -math.inf, device=dev)
     ex[:, :, 0] = -1.0  # no token
@@ -106,6 +108,7 @@ def _explicit_and_block(plo, phi, vals, g, samp, finite, start):
     block = torch.empty((R, L, _SUMMARIES), device=dev)
     block[..., :4] = -math.inf
     block[..., 4] = 0.0
+    block[..., 5] = math.inf
     if n == 0:
         return torch.cat([ex.reshape(-1), block.reshape(-1), finite.float()])
     m1 = min(EXPLICIT, n)
@@ -122,7 +125,7 @@ def _explicit_and_block(plo, phi, vals, g, samp, finite, start):
     if bool(live.any()):
         # every live token in exactly one block (NaN / inf gaps in block 0)
         gap = phi.masked_fill(~live, -math.inf).amax(1, keepdim=True) - phi
-        lvl = torch.bucketize(gap.nan_to_num(nan=0.0), torch.tensor(LEVELS, device=dev)).clamp_(0, L - 1)
+        lvl = _block_of(phi, gap.nan_to_num(nan=0.0), live)
         idx = lvl.masked_fill_(~live, L)  # column L: the tokens in no block (explicit, or -inf)
         block[..., 0] = _seg_max(phi, idx, L)
         noisy = _seg_max(phi.double() + g, idx, L)
@@ -132,7 +135,36 @@ def _explicit_and_block(plo, phi, vals, g, samp, finite, start):
         block[..., 3] = round_up32(leh + _lse_pad(leh))
         mag = torch.maximum(plo.abs(), phi.abs())  # plo = -inf: inf (nothing is known of |y|)
         block[..., 4] = _seg_max(mag, idx, L).clamp_min(0.0)  # an empty block: 0
+        block[..., 5] = -_seg_max(-plo, idx, L)  # the smallest ylo (exact: a min of fp32); empty: +inf
     return torch.cat([ex.reshape(-1), block.reshape(-1), finite.float()])
+
+
+def _block_of(phi: torch.Tensor, gap: torch.Tensor, live: torch.Tensor) -> torch.Tensor:
+    """``[R, n]`` int64: each live token's block in ``[0, len(LEVELS) + MASS_BLOCKS)``.
+
+    ``gap`` (``>= 0``) is how far the token's ``yhi`` lies below the rank's largest. Tokens
+    are first put in bins of ``1 / FINE`` of gap (one bin past the last level); a bin's
+    block is the number of :data:`LEVELS` at or below its start plus how many
+    ``1 / MASS_BLOCKS`` shares of the live upper mass lie in the bins before it. Both parts grow
+    with the gap: each block is a range of ``yhi``, cut at every level and wherever the
+    mass ahead crosses a share (any partition is sound; this one keeps each block's mass,
+    hence what a token's top-p decision cannot place, under one share, and the deep tail,
+    which holds little mass but the largest noise, apart by level).
+    """
+    R, n = phi.shape
+    dev = phi.device
+    nb = int(LEVELS[-1] * FINE) + 1
+    fine = (gap * FINE).floor_().clamp_(0, nb - 1).long()
+    fine.masked_fill_(~live, nb)
+    starts = torch.arange(nb, dtype=torch.float64, device=dev) / FINE
+    lpart = torch.bucketize(starts, torch.tensor(LEVELS, dtype=torch.float64, device=dev), right=True)
+    key = phi.masked_fill(~live, -math.inf).double()
+    w = torch.exp(key - key.amax(1, keepdim=True)).nan_to_num_(nan=0.0)  # live: in (0, 1]
+    mass = torch.zeros((R, nb + 1), dtype=torch.float64, device=dev).scatter_add_(1, fine, w)[:, :nb]
+    ahead = (mass.cumsum(1) - mass) / mass.sum(1, keepdim=True).clamp_min(1e-300)
+    mpart = (ahead * MASS_BLOCKS).floor_().long().clamp_(0, MASS_BLOCKS - 1)
+    table = torch.cat([lpart[None] + mpart, torch.zeros((R, 1), dtype=torch.long, device=dev)], 1)
+    return table.gather(1, fine)
 
 
 def _seg_max(x: torch.Tensor, idx: torch.Tensor, L: int) -> torch.Tensor:
@@ -159,7 +191,7 @@ def _combine(G: torch.Tensor, R: int, V: int):
     not an explicit scored token), the outside blocks (every rank's: ``[R, size L]``),
     ``finite [R]`` and the scored count."""
     size = G.shape[0]
-    E2, L = 2 * EXPLICIT, len(LEVELS) + 1
+    E2, L = 2 * EXPLICIT, len(LEVELS) + MASS_BLOCKS
     ne = R * E2 * 4
     ex = G[:, :ne].reshape(size, R, E2, 4).permute(1, 0, 2, 3).reshape(R, size * E2, 4)
     ids = ex[:, :, 0].long()
