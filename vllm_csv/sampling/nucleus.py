@@ -15,6 +15,13 @@ while nothing underflows; we decide with the margin ``1e-5 + 2^-21 (|y_i| + |m|)
 certify nothing for ``min_p < 1e-20`` (its threshold could be subnormal).
 ``m`` lies in ``[max ylo, max yhi]``.
 
+min-p on part of the row (:func:`min_p_drops_on_part`, tensor parallelism: a rank sees its
+shard only). The part's ``m0 = max ylo`` over it is at most ``m``. Token ``i`` is dropped
+for every ``m >= m0`` once ``yhi_i - m0 < log(min_p) - eps`` with ``eps`` as above, ``|m|``
+replaced by ``ym0 >= |m0|``: what vLLM's evaluation must keep below 0,
+``yhi_i - m - log(min_p) + 8u + u(|y_i| + |m|)``, does not grow with ``m`` (its
+``u |m| - m`` has slope ``-1 +- u``), and it is below 0 at ``m0``.
+
 top-p (``apply_top_k_top_p_pytorch``): sorted ascending, token ``i`` is dropped iff the
 fp32 cumulative sum of probabilities up to and including it is ``<= 1 - p`` (the largest is
 always kept). In real arithmetic that sum is ``1 - A_i``, ``A_i`` the mass of the tokens
@@ -103,6 +110,20 @@ def min_p_bounds(ylo: torch.Tensor, yhi: torch.Tensor, min_p: torch.Tensor, outs
     eps_b = 1e-5 + 2.0**-21 * (outside.absmax + ym)
     drop_b = (outside.hi - mlo.double()) < logmp - eps_b
     return (*out, outside.drop(drop_b & (usable & on)[:, None]))
+
+
+def min_p_drops_on_part(ylo: torch.Tensor, yhi: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """``[R, n]`` bool: tokens of part of each row (``ylo, yhi`` ``[R, n]`` float32, the rest
+    of the row unseen) that min-p (``[R]`` float32, ``0`` = off) drops whatever the rest holds
+    (module docstring, "min-p on part of the row")."""
+    usable = (min_p > 0) & (min_p >= MIN_P_FLOOR)
+    if ylo.shape[1] == 0 or not bool(usable.any()):
+        return torch.zeros_like(yhi, dtype=torch.bool)
+    m0 = ylo.amax(1, keepdim=True).double()
+    ym0 = torch.maximum(m0.abs(), yhi.amax(1, keepdim=True).double().abs())
+    logmp = torch.log(min_p.double().clamp_min(MIN_P_FLOOR))[:, None]
+    eps = 1e-5 + 2.0**-21 * (torch.maximum(ylo.abs(), yhi.abs()).double() + ym0)
+    return ((yhi.double() - m0) < logmp - eps) & usable[:, None]
 
 
 def _prefix_before(sorted_vals: torch.Tensor, cums: torch.Tensor, thr: torch.Tensor, right: bool) -> torch.Tensor:

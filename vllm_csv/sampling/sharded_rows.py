@@ -51,7 +51,7 @@ from ..fp import round_down32, round_up32
 from .certificate import certify_draw
 from .gumbel import RowNoise, noise_bits, noise_of_bits
 from .head_adapter import HeadAdapter
-from .nucleus import min_p_bounds, top_p_bounds
+from .nucleus import min_p_bounds, min_p_drops_on_part, top_p_bounds
 from .outside import Outside
 from .rows import FIRST_GUESS, MAX_ROUNDS, Process, RowsResult, within_budget
 
@@ -95,10 +95,12 @@ class ShardedAdapter:
         return g[:, :-1]
 
 
-def _explicit_and_block(plo, phi, vals, g, samp, finite, start):
+def _explicit_and_block(plo, phi, vals, g, samp, finite, start, min_p):
     """One rank's payload (step 2 of the module docstring): ``[R, 2E, 4]`` explicit tokens,
-    ``[R, L, 5]`` block summaries and ``[R]`` finite, flattened (fp32)."""
+    ``[R, L, 6]`` block summaries and ``[R]`` finite, flattened (fp32)."""
     R, n = phi.shape
+    dead = min_p_drops_on_part(plo, phi, min_p)  # dropped by min-p whatever the other ranks hold
+    plo, phi = plo.masked_fill(dead, -math.inf), phi.masked_fill(dead, -math.inf)
     dev = phi.device
     E2, L = 2 * EXPLICIT, len(LEVELS) + MASS_BLOCKS
     finite = finite & ~(torch.isnan(plo).any(1) | torch.isnan(phi).any(1))  # (the block maxima skip NaN)
@@ -259,7 +261,7 @@ def certify_rows_sharded(adapter: ShardedAdapter, hidden: torch.Tensor, process:
         full_hi = full_lo.clone()
         full_lo[:, own], full_hi[:, own] = lo, hi
         plo, phi = (x[:, own] for x in process(full_lo, full_hi))
-        payload = _explicit_and_block(plo, phi, vals, g, samp, finite_l, s0)
+        payload = _explicit_and_block(plo, phi, vals, g, samp, finite_l, s0, min_p.to(dev))
         if rnd == 0:  # the seeds, in 16-bit halves (exact in fp32): rows whose seeds differ go dense
             payload = torch.cat([payload, (seeds >> 16).float(), (seeds & 0xFFFF).float()])
         G = adapter.gather(torch.cat([payload, torch.tensor([float(scored_here)], device=dev)]), rnd == 0)
