@@ -59,6 +59,7 @@ EXPLICIT = 16  # tokens a rank sends per row and key (highest yhi; highest yhi +
 NOISY_KEY = True  # the second key: yhi + g on sampled rows (False: yhi again; sound, certifies less)
 LEVELS = (0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, 8.0, 12.0, 16.0, 32.0)  # a rank's other tokens in blocks by yhi, this far below its largest
 MASS_BLOCKS = 32  # and at every 1/MASS_BLOCKS of the rank's upper mass outside its explicit tokens
+CUTS = 8  # block boundaries at the lower bounds of a row's undecided contenders (top-p), from the last round
 FINE = 16  # block boundaries on a grid of 1 / FINE below the rank's largest yhi (up to the last level)
 _SUMMARIES = 6  # a block's hi, noisy, lel, leh, absmax, lo
 
@@ -95,14 +96,14 @@ class ShardedAdapter:
         return g[:, :-1]
 
 
-def _explicit_and_block(plo, phi, vals, g, samp, finite, start, min_p):
+def _explicit_and_block(plo, phi, vals, g, samp, finite, start, min_p, cuts):
     """One rank's payload (step 2 of the module docstring): ``[R, 2E, 4]`` explicit tokens,
     ``[R, L, 6]`` block summaries and ``[R]`` finite, flattened (fp32)."""
     R, n = phi.shape
     dead = min_p_drops_on_part(plo, phi, min_p)  # dropped by min-p whatever the other ranks hold
     plo, phi = plo.masked_fill(dead, -math.inf), phi.masked_fill(dead, -math.inf)
     dev = phi.device
-    E2, L = 2 * EXPLICIT, len(LEVELS) + MASS_BLOCKS
+    E2, L = 2 * EXPLICIT, len(LEVELS) + MASS_BLOCKS + CUTS
     finite = finite & ~(torch.isnan(plo).any(1) | torch.isnan(phi).any(1))  # (the block maxima skip NaN)
     ex = torch.full((R, E2, 4), -math.inf, device=dev)
     ex[:, :, 0] = -1.0  # no token
@@ -127,7 +128,7 @@ def _explicit_and_block(plo, phi, vals, g, samp, finite, start, min_p):
     if bool(live.any()):
         # every live token in exactly one block (NaN / inf gaps in block 0)
         gap = phi.masked_fill(~live, -math.inf).amax(1, keepdim=True) - phi
-        lvl = _block_of(phi, gap.nan_to_num(nan=0.0), live)
+        lvl = _block_of(phi, gap.nan_to_num(nan=0.0), live, cuts)
         idx = lvl.masked_fill_(~live, L)  # column L: the tokens in no block (explicit, or -inf)
         block[..., 0] = _seg_max(phi, idx, L)
         noisy = _seg_max(phi.double() + g, idx, L)
@@ -141,8 +142,8 @@ def _explicit_and_block(plo, phi, vals, g, samp, finite, start, min_p):
     return torch.cat([ex.reshape(-1), block.reshape(-1), finite.float()])
 
 
-def _block_of(phi: torch.Tensor, gap: torch.Tensor, live: torch.Tensor) -> torch.Tensor:
-    """``[R, n]`` int64: each live token's block in ``[0, len(LEVELS) + MASS_BLOCKS)``.
+def _block_of(phi: torch.Tensor, gap: torch.Tensor, live: torch.Tensor, cuts: torch.Tensor) -> torch.Tensor:
+    """``[R, n]`` int64: each live token's block in ``[0, len(LEVELS) + MASS_BLOCKS + CUTS)``.
 
     ``gap`` (``>= 0``) is how far the token's ``yhi`` lies below the rank's largest. Tokens
     are first put in bins of ``1 / FINE`` of gap (one bin past the last level); a bin's
@@ -166,7 +167,23 @@ def _block_of(phi: torch.Tensor, gap: torch.Tensor, live: torch.Tensor) -> torch
     ahead = (mass.cumsum(1) - mass) / mass.sum(1, keepdim=True).clamp_min(1e-300)
     mpart = (ahead * MASS_BLOCKS).floor_().long().clamp_(0, MASS_BLOCKS - 1)
     table = torch.cat([lpart[None] + mpart, torch.zeros((R, 1), dtype=torch.long, device=dev)], 1)
-    return table.gather(1, fine)
+    cpart = CUTS - torch.searchsorted(cuts.sort(1).values.contiguous(), phi.contiguous(), right=True)  # cuts > yhi
+    return table.gather(1, fine) + cpart
+
+
+def _focus(kept_lo, ylo, yhi, contenders, rows) -> torch.Tensor:
+    """``[R, CUTS]`` float32: the next round's block cuts (``-inf``: none), the same on every rank
+    (from gathered numbers): per row of ``rows``, the lower bounds before top-p (``kept_lo``) of
+    the contenders that top-p left undecided, highest ``yhi`` first. A block cut at a token's
+    ``ylo_i`` is never counted as possibly sorting after it unless it does (every token of the
+    blocks above has ``yhi_j >= ylo_i``, every one below ``yhi_j < ylo_i``)."""
+    und = contenders & (ylo == -math.inf) & (kept_lo > -math.inf) & rows[:, None]
+    key = yhi.masked_fill(~und, -math.inf)
+    k = min(CUTS, key.shape[1])
+    top = key.topk(k, dim=1)
+    cuts = torch.full((key.shape[0], CUTS), -math.inf, device=key.device)
+    cuts[:, :k] = torch.where(top.values > -math.inf, kept_lo.gather(1, top.indices), -math.inf)
+    return cuts
 
 
 def _seg_max(x: torch.Tensor, idx: torch.Tensor, L: int) -> torch.Tensor:
@@ -193,7 +210,7 @@ def _combine(G: torch.Tensor, R: int, V: int):
     not an explicit scored token), the outside blocks (every rank's: ``[R, size L]``),
     ``finite [R]`` and the scored count."""
     size = G.shape[0]
-    E2, L = 2 * EXPLICIT, len(LEVELS) + MASS_BLOCKS
+    E2, L = 2 * EXPLICIT, len(LEVELS) + MASS_BLOCKS + CUTS
     ne = R * E2 * 4
     ex = G[:, :ne].reshape(size, R, E2, 4).permute(1, 0, 2, 3).reshape(R, size * E2, 4)
     ids = ex[:, :, 0].long()
@@ -256,12 +273,13 @@ def certify_rows_sharded(adapter: ShardedAdapter, hidden: torch.Tensor, process:
     budget = max(1, math.ceil(adapter.budget * V))
     noise = RowNoise(seeds, V)
     over_budget = torch.zeros(R, dtype=torch.bool, device=dev)
+    cuts = torch.full((R, CUTS), -math.inf, device=dev)
     for rnd in range(MAX_ROUNDS + 1):
         full_lo = torch.full((R, V), -math.inf, device=dev)
         full_hi = full_lo.clone()
         full_lo[:, own], full_hi[:, own] = lo, hi
         plo, phi = (x[:, own] for x in process(full_lo, full_hi))
-        payload = _explicit_and_block(plo, phi, vals, g, samp, finite_l, s0, min_p.to(dev))
+        payload = _explicit_and_block(plo, phi, vals, g, samp, finite_l, s0, min_p.to(dev), cuts)
         if rnd == 0:  # the seeds, in 16-bit halves (exact in fp32): rows whose seeds differ go dense
             payload = torch.cat([payload, (seeds >> 16).float(), (seeds & 0xFFFF).float()])
         G = adapter.gather(torch.cat([payload, torch.tensor([float(scored_here)], device=dev)]), rnd == 0)
@@ -272,6 +290,7 @@ def certify_rows_sharded(adapter: ShardedAdapter, hidden: torch.Tensor, process:
         ylo, yhi, val, outside, finite, total = _combine(G, R, V)  # the same on every rank
         finite &= same_seeds
         ylo, yhi, outside = min_p_bounds(ylo, yhi, min_p.to(dev), outside)
+        kept_lo = ylo
         ylo, yhi, outside = top_p_bounds(ylo, yhi, top_p.to(dev), outside)
         cert = certify_draw(ylo, yhi, seeds, greedy, noise, outside)
         scored = ~torch.isnan(val)  # [R, V]: explicit and scored (a column is scored for every row)
@@ -287,8 +306,13 @@ def certify_rows_sharded(adapter: ShardedAdapter, hidden: torch.Tensor, process:
             need &= ~scored_col
             cert.contenders[blind] = False
             cert.contenders[blind.nonzero().squeeze(1)[:, None], top.indices] = top.values > -math.inf
-        if not bool(need.any()) or rnd == MAX_ROUNDS:
+        new_cuts = _focus(kept_lo, ylo, yhi, cert.contenders, open_rows & (top_p.to(dev) < 1.0))
+        refocus = not torch.equal(new_cuts, cuts) and bool((new_cuts > -math.inf).any())
+        cuts = new_cuts
+        if not (bool(need.any()) or refocus) or rnd == MAX_ROUNDS:
             break
+        if not bool(need.any()):
+            continue
         new = need.nonzero().squeeze(1)
         room = budget - total
         if new.numel() > room:  # as certify_rows
