@@ -103,3 +103,48 @@ def test_a_wrong_tail_bound_is_caught(monkeypatch):
     kept = torch.isfinite(apply_top_k_top_p_pytorch(y.clone(), None, p))
     k, d = decisions(*top_p_bounds(y, y, p), y)
     assert (d & kept).any()
+
+
+def _part_case(seed, shift):
+    """Rows (dense near their maximum, and peaked), asymmetric bounds, min-p, and the first half
+    of the columns as the part one rank sees; the other half moved by ``shift`` (so the row's
+    maximum may lie outside the part)."""
+    y, g = rows(seed, R=64, V=4096)
+    y[::2] = peaked_rows(seed, R=32, V=4096)[0]
+    y[:, 2048:] += shift
+    w1 = torch.rand(y.shape, generator=g) * 0.3
+    w2 = torch.rand(y.shape, generator=g) * 0.3
+    mp = torch.rand(y.shape[0], generator=g) * 0.5
+    mp[::5] = 0.0
+    return y, (y - w1)[:, :2048], (y + w2)[:, :2048], mp
+
+
+@pytest.mark.parametrize("shift", [-8.0, 0.0, 3.0, 30.0])
+def test_min_p_drops_on_part_are_sound(shift):
+    """Tokens a rank drops from its part alone are dropped by vLLM's min-p on the whole row,
+    wherever the row's maximum lies; and the rule drops most of what the whole row's bounds drop."""
+    y, lo, hi, mp = _part_case(5, shift)
+    kept = vllm_min_p(y, mp)[:, :2048]
+    d = nucleus.min_p_drops_on_part(lo, hi, mp)
+    assert not (d & kept).any()
+    assert not d[mp == 0].any()
+    whole = ~torch.isfinite(min_p_bounds(torch.cat([lo, y[:, 2048:]], 1), torch.cat([hi, y[:, 2048:]], 1), mp)[1])
+    if shift <= 0:  # the part holds the maximum: as much as the whole row's bounds
+        assert d.sum() >= 0.95 * whole[:, :2048].sum() > 0
+
+
+def test_min_p_drops_on_part_with_a_wrong_maximum_are_caught():
+    """Broken bound: the part's maximum taken over its *upper* bounds (not a lower bound on the
+    row's maximum: the rule's premise): tokens that vLLM keeps are dropped."""
+    y, lo, hi, mp = _part_case(6, -8.0)
+    kept = vllm_min_p(y, mp)[:, :2048]
+    assert (nucleus.min_p_drops_on_part(hi, hi, mp) & kept).any()
+
+
+def test_a_negative_min_p_margin_is_caught(monkeypatch):
+    """Broken bound: min-p's margin made negative: the part rule drops tokens vLLM keeps."""
+    monkeypatch.setattr(nucleus, "_min_p_margin", lambda y_abs, m_abs: torch.full_like(y_abs, -0.05))
+    y, _, _, mp = _part_case(7, -8.0)
+    kept = vllm_min_p(y, mp)[:, :2048]
+    part = y[:, :2048]
+    assert (nucleus.min_p_drops_on_part(part, part, mp) & kept).any()

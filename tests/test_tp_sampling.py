@@ -220,14 +220,17 @@ def _weaken_block(field, value):
     return mutate
 
 
-@pytest.mark.parametrize("field", ("hi", "noisy", "leh"))
-def test_broken_outside_block_is_caught(field, monkeypatch):
-    """Mutation: one summary of the outside block dropped (greedy rows' largest bound, sampled
-    rows' largest noisy bound, top-p's upper mass): the draw differs from the dense draw. (For
-    the noisy bound, the explicit tokens are chosen by ``yhi`` alone, a sound but weaker
-    choice, so that the draw's winner is sometimes in the block.)"""
+@pytest.mark.parametrize("field,value", (("hi", -math.inf), ("noisy", -math.inf), ("leh", -math.inf),
+                                         ("lel", 0.0), ("lo", math.inf)))
+def test_broken_outside_block_is_caught(field, value, monkeypatch):
+    """Mutation: one summary of the outside block made wrong (greedy rows' largest bound,
+    sampled rows' largest noisy bound, top-p's upper mass dropped; top-p's lower mass raised;
+    its smallest lower bound raised, so that every block sorts after every token): the draw
+    differs from the dense draw. (For the noisy bound, the explicit tokens are chosen by
+    ``yhi`` alone, a sound but weaker choice, so that the draw's winner is sometimes in the
+    block.)"""
     monkeypatch.setattr(sharded_rows, "NOISY_KEY", field != "noisy")
-    assert _mutation_mismatches(monkeypatch, _weaken_block(field, -math.inf)) > 0
+    assert _mutation_mismatches(monkeypatch, _weaken_block(field, value)) > 0
 
 
 @pytest.mark.parametrize("noisy_key", (True, False))

@@ -77,6 +77,13 @@ TAIL_SCAN = 256  # highest lower bounds scanned one by one for the tail threshol
 BISECT_STEPS = 12  # then bisection on the threshold, for rows with broad nuclei
 
 
+def _min_p_margin(y_abs: torch.Tensor, m_abs: torch.Tensor) -> torch.Tensor:
+    """min-p's decision margin for tokens with ``|y_i| <= y_abs`` when ``|m| <= m_abs`` (float64):
+    ``1e-5 + 2^-21 (|y_i| + |m|)``, above vLLM's fp32 error ``8u + u(|y_i| + |m|)`` (module
+    docstring)."""
+    return 1e-5 + 2.0**-21 * (y_abs + m_abs)
+
+
 def min_p_bounds(ylo: torch.Tensor, yhi: torch.Tensor, min_p: torch.Tensor, outside: Outside | None = None):
     """Apply min-p (``[R]`` float32, ``0`` = off) to bounds; see the module docstring.
     Returns ``(ylo, yhi)``, or ``(ylo, yhi, outside)`` when an outside block is given (see
@@ -96,7 +103,7 @@ def min_p_bounds(ylo: torch.Tensor, yhi: torch.Tensor, min_p: torch.Tensor, outs
         mhi = round_up32(torch.maximum(mhi.double(), outside.max_hi()[:, None]))
     logmp = torch.log(min_p.double().clamp_min(MIN_P_FLOOR))[:, None]
     ym = torch.maximum(mlo.abs(), mhi.abs()).double()
-    eps = 1e-5 + 2.0**-21 * (torch.maximum(ylo.abs(), yhi.abs()).double() + ym)
+    eps = _min_p_margin(torch.maximum(ylo.abs(), yhi.abs()).double(), ym)
     keep = (ylo.double() - mhi.double()) >= logmp + eps
     drop = (yhi.double() - mlo.double()) < logmp - eps
     usable = on & (min_p >= MIN_P_FLOOR)
@@ -107,7 +114,7 @@ def min_p_bounds(ylo: torch.Tensor, yhi: torch.Tensor, min_p: torch.Tensor, outs
     if outside is None:
         return out
     # each block as one token: every y_j <= its hi and |y_j| <= its absmax
-    eps_b = 1e-5 + 2.0**-21 * (outside.absmax + ym)
+    eps_b = _min_p_margin(outside.absmax, ym)
     drop_b = (outside.hi - mlo.double()) < logmp - eps_b
     return (*out, outside.drop(drop_b & (usable & on)[:, None]))
 
@@ -122,7 +129,7 @@ def min_p_drops_on_part(ylo: torch.Tensor, yhi: torch.Tensor, min_p: torch.Tenso
     m0 = ylo.amax(1, keepdim=True).double()
     ym0 = torch.maximum(m0.abs(), yhi.amax(1, keepdim=True).double().abs())
     logmp = torch.log(min_p.double().clamp_min(MIN_P_FLOOR))[:, None]
-    eps = 1e-5 + 2.0**-21 * (torch.maximum(ylo.abs(), yhi.abs()).double() + ym0)
+    eps = _min_p_margin(torch.maximum(ylo.abs(), yhi.abs()).double(), ym0)
     return ((yhi.double() - m0) < logmp - eps) & usable[:, None]
 
 
