@@ -19,12 +19,14 @@ from test_sampler_hook import CASES, metadata, run
 from test_tp import bits, dense_tp, run_ranks, shard_of
 
 pytest.importorskip("vllm")
+from vllm.v1.sample.ops.topk_topp_sampler import apply_top_k_top_p_pytorch  # noqa: E402
 from vllm.v1.sample.sampler import Sampler  # noqa: E402
 
 from vllm_csv import audit  # noqa: E402
 from vllm_csv.errors import CSVError  # noqa: E402
 from vllm_csv.head import HeadConfig  # noqa: E402
 from vllm_csv.sampling import sharded_rows  # noqa: E402
+from vllm_csv.sampling.nucleus import min_p_bounds, top_p_bounds  # noqa: E402
 from vllm_csv.sampling.sharded_rows import ShardedAdapter  # noqa: E402
 from vllm_csv.sharded import Shard, ShardedHead  # noqa: E402
 from vllm_csv.vllm_plugin import sampler_hook  # noqa: E402
@@ -289,3 +291,126 @@ def test_shared_off_switch_measures_a_memoized_dense_step_once():
     sw = SharedOffSwitch(Solo())
     sw.allow(8, measure)
     assert sw.dense_seconds[8] == pytest.approx(0.01)
+
+
+def _gathered(lo, hi, size, min_p, cuts):
+    """Every rank's payload (contiguous shards of ``lo, hi`` ``[R, V]``, no token scored, greedy
+    rows) gathered and combined as :func:`~vllm_csv.sampling.sharded_rows.certify_rows_sharded`
+    does; returns ``(ylo, yhi, outside)`` and the shards' bounds."""
+    R, V = lo.shape
+    rows = []
+    for r in range(size):
+        a, b = r * V // size, (r + 1) * V // size
+        p = sharded_rows._explicit_and_block(lo[:, a:b], hi[:, a:b], torch.full((R, b - a), math.nan),
+                                             torch.zeros((R, b - a), dtype=torch.float64),
+                                             torch.zeros(R, dtype=torch.bool), torch.ones(R, dtype=torch.bool),
+                                             a, min_p, cuts)
+        rows.append(torch.cat([p, torch.zeros(1)]))
+    ylo, yhi, _, outside, finite, _ = sharded_rows._combine(torch.stack(rows), R, V)
+    assert finite.all()
+    return ylo, yhi, outside
+
+
+def _nucleus_case(seed, R=24, V=6000):
+    g = torch.Generator().manual_seed(seed)
+    y = torch.randn(R, V, generator=g) * torch.tensor([0.5, 1.0, 2.0])[torch.arange(R) % 3][:, None]
+    lead = torch.randint(0, V, (R, 6), generator=g)
+    y.scatter_(1, lead, torch.rand(R, 6, generator=g) * 6 + 2)
+    width = torch.where(torch.rand(y.shape, generator=g) < 0.5, 0.0, 0.05)  # half scored (exact)
+    lo = y - torch.rand(y.shape, generator=g) * width
+    hi = y + torch.rand(y.shape, generator=g) * width
+    mp = torch.where(torch.arange(R) % 2 == 0, 0.0, 0.02)
+    tp = torch.rand(R, generator=g) * 0.5 + 0.45
+    return y, lo, hi, mp, tp
+
+
+def _blocks_case(size):
+    """min-p then top-p on the gathered numbers of :func:`_gathered`, without cuts and then with
+    the cuts the next round would take: ``(wrong decisions, undecided explicit tokens)`` per pass."""
+    y, lo, hi, mp, tp = _nucleus_case(size)
+    R, V = y.shape
+    after_min_p = torch.where(vllm_min_p_mask(y, mp), y, -math.inf)
+    kept = torch.isfinite(apply_top_k_top_p_pytorch(after_min_p.clone(), None, tp))
+    cuts = torch.full((R, sharded_rows.CUTS), -math.inf)
+    wrong, undecided = [], []
+    for _ in range(2):
+        ylo, yhi, outside = _gathered(lo, hi, size, mp, cuts)
+        explicit = yhi > -math.inf
+        mlo, mhi, outside = min_p_bounds(ylo, yhi, mp, outside)
+        tlo, thi, outside = top_p_bounds(mlo, mhi, tp, outside)
+        bad = int((torch.isfinite(tlo) & ~kept).sum()) + int((explicit & ~torch.isfinite(thi) & kept).sum())
+        L = outside.hi.shape[1] // size
+        for r in range(size):
+            a, b = r * V // size, (r + 1) * V // size
+            inside = kept[:, a:b] & ~explicit[:, a:b]  # kept tokens of rank r known only through its blocks
+            top = hi[:, a:b].masked_fill(~inside, -math.inf).amax(1)
+            bad += int((top > outside.hi[:, r * L:(r + 1) * L].amax(1)).sum())
+        wrong.append(bad)
+        undecided.append(int((explicit & ~torch.isfinite(tlo) & torch.isfinite(thi)).sum()))
+        # the next round's cuts, as certify_rows_sharded computes them
+        cuts = sharded_rows._focus(mlo, tlo, thi, torch.ones_like(thi, dtype=torch.bool), torch.ones(R, dtype=torch.bool))
+        assert (cuts > -math.inf).any()
+    return wrong, undecided
+
+
+@pytest.mark.parametrize("size", (2, 4))
+def test_blocks_and_cuts_decide_top_p_soundly(size):
+    """Explicit tokens and blocks (levels, mass shares, cuts at undecided tokens' lower bounds)
+    from every rank: min-p then top-p on the gathered numbers never contradict vLLM's masks on
+    the whole row (an explicit token kept / dropped for sure; a dropped block holds no kept
+    token). The cuts, taken at the undecided explicit tokens as the next round takes them,
+    decide more tokens."""
+    wrong, undecided = _blocks_case(size)
+    assert wrong == [0, 0]
+    assert undecided[1] < undecided[0], undecided
+
+
+def vllm_min_p_mask(y, min_p):
+    probs = torch.softmax(y, dim=-1)
+    return ~(probs < probs.amax(-1, keepdim=True) * min_p[:, None])
+
+
+def test_a_cut_separates_the_blocks():
+    """Tokens whose upper bounds lie on either side of a cut never share a block; blocks are
+    ranges of ``yhi``."""
+    g = torch.Generator().manual_seed(0)
+    phi = torch.randn(4, 3000, generator=g) * 3
+    live = torch.rand(phi.shape, generator=g) > 0.1
+    cuts = torch.full((4, sharded_rows.CUTS), -math.inf)
+    cuts[:, :3] = phi[:, :3]  # at tokens' own values (ties)
+    gap = phi.masked_fill(~live, -math.inf).amax(1, keepdim=True) - phi
+    idx = sharded_rows._block_of(phi, gap, live, cuts)
+    L = len(sharded_rows.LEVELS) + sharded_rows.MASS_BLOCKS + sharded_rows.CUTS
+    assert ((idx >= 0) & (idx < L))[live].all()
+    for r in range(4):
+        b, v = idx[r][live[r]], phi[r][live[r]]
+        for c in cuts[r][cuts[r] > -math.inf]:
+            assert not (set(b[v >= c].tolist()) & set(b[v < c].tolist()))
+        order = v.argsort(descending=True)
+        assert (b[order].diff() >= 0).all()  # non-decreasing down the yhi order: ranges
+
+
+@pytest.mark.parametrize("field,change", (("lo", lambda t: t + 1.0), ("leh", lambda t: t - 0.5),
+                                          ("lel", lambda t: t + 0.5)))
+def test_blocks_with_a_broken_summary_are_caught(field, change, monkeypatch):
+    """Mutation of the test above: the blocks' smallest lower bound raised, upper mass lowered
+    or lower mass raised: top-p decides against vLLM's mask."""
+    real = sharded_rows._combine
+
+    def weak(G, R, V):
+        out = list(real(G, R, V))
+        setattr(out[3], field, change(getattr(out[3], field)))
+        return tuple(out)
+
+    monkeypatch.setattr(sharded_rows, "_combine", weak)
+    assert sum(_blocks_case(2)[0]) > 0
+
+
+def test_a_block_min_p_may_thin_keeping_its_lower_side_is_caught(monkeypatch):
+    """Broken bound: a block that min-p may thin (not kept as a whole) keeps its lower mass and
+    smallest lower bound for top-p (as before this check existed): tokens vLLM drops are kept
+    for sure (a row with min-p 0.02 and top-p about 0.8 at TP = 4)."""
+    from vllm_csv.sampling.outside import Outside
+
+    monkeypatch.setattr(Outside, "forget_lower", lambda self, blocks: self)
+    assert sum(_blocks_case(4)[0]) > 0

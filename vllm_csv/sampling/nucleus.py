@@ -53,7 +53,12 @@ The outside blocks (:class:`~.outside.Outside`, tensor parallelism: tokens known
 per-row, per-block summaries only, ``-inf`` on both sides in ``ylo, yhi``). min-p: the maximum
 ``m`` may be a block token, so ``m <= max(max yhi, max hi)``; a block is dropped as a whole
 when ``hi - max ylo < log(min_p) - eps_b``, ``eps_b = 1e-5 + 2^-21 (absmax + |m|max)`` (at
-least every block token's own margin: ``|y_j| <= absmax``). top-p: each block's masses
+least every block token's own margin: ``|y_j| <= absmax``), and kept as a whole when
+``lo - m_hi >= log(min_p) + eps_b`` (every token's ``ylo_j >= lo``). A block not kept as a
+whole may lose tokens (their ``ylo_j`` becomes ``-inf``, as a single token's does): its lower
+mass is then only ``>= 0`` and its smallest lower bound ``-inf`` (``lel = lo = -inf``; its
+upper side stays an upper bound), so top-p neither counts its lower mass before a token nor
+places it after one. top-p: each block's masses
 (``e^lel``, ``e^leh``, shifted like the others) enter ``tot_h`` (the tail bound's "upper mass
 of all the rest") and every token's four sums as the tail's do, with the block's own
 threshold: every block token has ``yhi_j <= hi``, so it sorts before ``i`` when ``ylo_i > hi``
@@ -113,10 +118,12 @@ def min_p_bounds(ylo: torch.Tensor, yhi: torch.Tensor, min_p: torch.Tensor, outs
     out = torch.where(on[:, None], new_lo, ylo), torch.where(on[:, None], new_hi, yhi)
     if outside is None:
         return out
-    # each block as one token: every y_j <= its hi and |y_j| <= its absmax
+    # each block as one token: every y_j <= its hi, lo <= ylo_j and |y_j| <= its absmax
     eps_b = _min_p_margin(outside.absmax, ym)
     drop_b = (outside.hi - mlo.double()) < logmp - eps_b
-    return (*out, outside.drop(drop_b & (usable & on)[:, None]))
+    keep_b = (outside.lo - mhi.double()) >= logmp + eps_b
+    unsure = ~(keep_b & usable[:, None]) & on[:, None]  # may lose tokens: its lower side is unknown
+    return (*out, outside.drop(drop_b & (usable & on)[:, None]).forget_lower(unsure))
 
 
 def min_p_drops_on_part(ylo: torch.Tensor, yhi: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:

@@ -66,6 +66,12 @@ class Outside:
         empty = {"absmax": 0.0, "lo": math.inf}
         return self._map(lambda name, t: t.masked_fill(blocks, empty.get(name, -math.inf)))
 
+    def forget_lower(self, blocks: torch.Tensor) -> Outside:
+        """The blocks ``blocks`` (``[R, L]`` bool) may have lost tokens to min-p (each such token's
+        ``ylo`` is then ``-inf``): their lower mass is only known to be ``>= 0`` and their
+        smallest lower bound ``>= -inf``."""
+        return self._map(lambda name, t: t.masked_fill(blocks, -math.inf) if name in ("lel", "lo") else t)
+
     def max_hi(self) -> torch.Tensor:
         """``[R]``: every block token's ``yhi`` is at most this."""
         return self.hi.amax(1)
