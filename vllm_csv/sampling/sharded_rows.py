@@ -12,24 +12,35 @@ is itself decided from gathered numbers):
    processors, penalties and temperature, run on a ``[R, V]`` copy whose other ranks' columns
    are ``-inf``: every such step is elementwise per (row, token) and maps ``-inf`` to
    ``-inf``, so the shard's columns come out as on the full row);
-2. per rank and row, the :data:`EXPLICIT` tokens of highest processed upper bound ``yhi`` and
+2. per rank and row, the tokens that min-p drops whatever the other ranks hold are left out
+   (:func:`~.nucleus.min_p_drops_on_part`: the rank's own largest lower bound is at most the
+   row's maximum; min-p's ``-inf`` is then exactly what the dense row has for them). Of the
+   others, the :data:`EXPLICIT` tokens of highest processed upper bound ``yhi`` and
    :data:`EXPLICIT` more of highest noisy upper bound ``yhi + g`` (sampled rows; ``g`` the
    Gumbel noise of the token's *global* id) are sent one by one: ``(id, ylo, yhi, value)``
    (``value`` the exact score, NaN while unscored). Every other token of the shard goes into
-   one of ``len(LEVELS) + 1`` blocks by how far its ``yhi`` lies below the largest of them
-   (:data:`LEVELS`; any split is sound, this one keeps top-p's masses sharp), each summed up
-   in :class:`~.outside.Outside` summaries (largest ``yhi``, largest ``fl64(yhi + g)``
-   rounded up, log-masses rounded outwards, largest ``|bound|``);
-3. **one all-gather** of ``[R, 2 EXPLICIT, 4] + [R, len(LEVELS) + 1, 5] + R + 1`` numbers per
-   rank (fp32; token ids are exact below ``2^24``): ``O(R k tp)``; the first round's also
-   carries the seeds (``2 R``) and the shared off-switch's pending step time (``1``);
+   one of ``L = len(LEVELS) + MASS_BLOCKS + CUTS`` blocks, each a range of ``yhi``
+   (:func:`_block_of`): cut where the gap below the rank's largest ``yhi`` crosses one of
+   :data:`LEVELS`, where the upper mass ahead crosses one of :data:`MASS_BLOCKS` equal shares
+   (on a grid of ``1 / FINE``), and at the row's ``cuts`` (below). Each block is summed up in
+   :class:`~.outside.Outside` summaries (largest ``yhi``, largest ``fl64(yhi + g)`` rounded
+   up, log-masses rounded outwards, largest ``|bound|``, smallest ``ylo``). Any partition is
+   sound; this one keeps what a token's top-p decision cannot place (the block its bounds
+   fall in) under one share of the mass;
+3. **one all-gather** of ``[R, 2 EXPLICIT, 4] + [R, L, 6] + R + 1`` numbers per rank (fp32;
+   token ids are exact below ``2^24``; ``435 R + 1`` with the defaults): ``O(R k tp)``;
+   the first round's also carries the seeds (``2 R``) and the shared off-switch's pending step
+   time (``1``);
 4. every rank builds the same ``[R, V]`` bounds (the explicit tokens; ``-inf`` elsewhere), the
    same outside blocks (every rank's), applies min-p and top-p (:mod:`.nucleus`) and the draw
    certificate (:func:`~.certificate.certify_draw`), all with the blocks. A row is certified
    when its winner is explicit and scored, every rank could
    bound the row (``finite``) and the certificate holds. The contenders not yet scored are
-   scored exactly by their owners (the same list on every rank; each scores its own columns)
-   and the round repeats, up to :data:`~.rows.MAX_ROUNDS` more times and the budget.
+   scored exactly by their owners (the same list on every rank; each scores its own columns),
+   and the next round's ``cuts`` are taken (:func:`_focus`: on top-p rows, the lower bounds of
+   the contenders top-p left undecided, so that no block straddles them); the round repeats
+   while there is something to score or the cuts changed, up to :data:`~.rows.MAX_ROUNDS`
+   more times and the budget.
 
 The decision is a function of the gathered tensor only, computed by the same code on every
 rank: the ranks cannot split, whatever their local numbers are (each rank's local numbers are
@@ -57,10 +68,11 @@ from .rows import FIRST_GUESS, MAX_ROUNDS, Process, RowsResult, within_budget
 
 EXPLICIT = 16  # tokens a rank sends per row and key (highest yhi; highest yhi + g)
 NOISY_KEY = True  # the second key: yhi + g on sampled rows (False: yhi again; sound, certifies less)
-LEVELS = (0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, 8.0, 12.0, 16.0, 32.0)  # a rank's other tokens in blocks by yhi, this far below its largest
-MASS_BLOCKS = 32  # and at every 1/MASS_BLOCKS of the rank's upper mass outside its explicit tokens
-CUTS = 8  # block boundaries at the lower bounds of a row's undecided contenders (top-p), from the last round
-FINE = 16  # block boundaries on a grid of 1 / FINE below the rank's largest yhi (up to the last level)
+# A rank's other tokens in blocks (_block_of), cut where yhi lies this far below the rank's largest,
+LEVELS = (0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, 8.0, 12.0, 16.0, 32.0)
+MASS_BLOCKS = 32  # where the upper mass ahead crosses each 1 / MASS_BLOCKS of the blocks' total,
+FINE = 16  # (both on a grid of 1 / FINE below the largest yhi, up to the last level)
+CUTS = 8  # and at the lower bounds of up to CUTS undecided contenders (top-p) of the last round
 _SUMMARIES = 6  # a block's hi, noisy, lel, leh, absmax, lo
 
 
@@ -145,14 +157,16 @@ def _explicit_and_block(plo, phi, vals, g, samp, finite, start, min_p, cuts):
 def _block_of(phi: torch.Tensor, gap: torch.Tensor, live: torch.Tensor, cuts: torch.Tensor) -> torch.Tensor:
     """``[R, n]`` int64: each live token's block in ``[0, len(LEVELS) + MASS_BLOCKS + CUTS)``.
 
-    ``gap`` (``>= 0``) is how far the token's ``yhi`` lies below the rank's largest. Tokens
-    are first put in bins of ``1 / FINE`` of gap (one bin past the last level); a bin's
-    block is the number of :data:`LEVELS` at or below its start plus how many
-    ``1 / MASS_BLOCKS`` shares of the live upper mass lie in the bins before it. Both parts grow
-    with the gap: each block is a range of ``yhi``, cut at every level and wherever the
-    mass ahead crosses a share (any partition is sound; this one keeps each block's mass,
-    hence what a token's top-p decision cannot place, under one share, and the deep tail,
-    which holds little mass but the largest noise, apart by level).
+    ``gap`` (``>= 0``) is how far the token's ``yhi`` lies below the rank's largest; ``cuts``
+    ``[R, CUTS]`` (``-inf``: none). Tokens are first put in bins of ``1 / FINE`` of gap (one
+    bin past the last level); the block is the number of :data:`LEVELS` at or below the bin's
+    start, plus how many ``1 / MASS_BLOCKS`` shares of the live upper mass lie in the bins
+    before it, plus how many cuts lie above the token's ``yhi`` (strictly). Each part grows
+    as ``yhi`` falls, so each block is a range of ``yhi`` with every level, share and cut as
+    a boundary: tokens with ``yhi >= c`` and ``yhi < c`` never share a block. (Any partition
+    is sound. This one keeps a block's mass, hence what a token's top-p decision cannot
+    place, within one share and one bin; puts no block across a cut token's ``ylo``; and
+    keeps the deep tail, little mass but the largest noise, apart by level.)
     """
     R, n = phi.shape
     dev = phi.device
