@@ -148,3 +148,33 @@ def test_a_negative_min_p_margin_is_caught(monkeypatch):
     kept = vllm_min_p(y, mp)[:, :2048]
     part = y[:, :2048]
     assert (nucleus.min_p_drops_on_part(part, part, mp) & kept).any()
+
+
+@pytest.mark.parametrize("finite_cols", [40, 256, 300, 1500])
+def test_top_p_on_live_columns_decides_as_on_the_whole_row(finite_cols, monkeypatch):
+    """Rows that are ``-inf`` but for a few columns (tensor parallelism's gathered rows), some of
+    those ``-inf`` in some rows too: deciding on the live columns only (fewer, more or many more
+    than TAIL_SCAN of them, or exactly as many) gives bit for bit what deciding on every column gives."""
+    from vllm_csv.sampling.outside import Outside
+
+    y, g = peaked_rows(9, R=32, V=8192)
+    cols = torch.randperm(8192, generator=g)[:finite_cols]
+    dead = torch.ones_like(y, dtype=torch.bool)
+    dead[:, cols] = torch.rand(32, finite_cols, generator=g) < 0.2
+    dead[:4, cols] = False  # rows with every live column finite (at 256: the tail scan sees them all)
+    p_broad = 0.999  # rows 0-3: broad nuclei, so the scan finds no tail and the bisection runs
+    lo = (y - torch.rand(y.shape, generator=g) * 0.2).masked_fill(dead, -math.inf)
+    hi = (y + torch.rand(y.shape, generator=g) * 0.2).masked_fill(dead, -math.inf)
+    p = torch.rand(32, generator=g) * 0.9 + 0.05
+    p[:4] = p_broad
+    L = 5
+    hb = torch.rand(32, L, generator=g).double() * 4 - 2
+    outside = Outside(hi=hb, noisy=hb + 3, lel=hb - 1.5, leh=hb - 1.0, absmax=hb.abs() + 1, lo=hb - 0.7)
+    got = [top_p_bounds(lo, hi, p), top_p_bounds(lo, hi, p, outside)]
+    monkeypatch.setattr(nucleus, "COMPACT_BELOW", 0.0)  # never compact
+    want = [top_p_bounds(lo, hi, p), top_p_bounds(lo, hi, p, outside)]
+    for a, b in zip(got, want):
+        for x, z in zip(a[:2], b[:2]):
+            assert torch.equal(x, z)
+    assert torch.equal(got[1][2].hi, want[1][2].hi)
+    assert torch.isfinite(got[0][0]).any() and (~torch.isfinite(got[0][1]) & ~dead).any()  # decides both ways

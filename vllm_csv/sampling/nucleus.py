@@ -80,6 +80,7 @@ _U = 2.0**-24
 MIN_P_FLOOR = 1e-20
 TAIL_SCAN = 256  # highest lower bounds scanned one by one for the tail threshold (top-p)
 BISECT_STEPS = 12  # then bisection on the threshold, for rows with broad nuclei
+COMPACT_BELOW = 0.5  # decide on the columns not -inf in every row when fewer than this share (TP rows)
 
 
 def _min_p_margin(y_abs: torch.Tensor, m_abs: torch.Tensor) -> torch.Tensor:
@@ -261,6 +262,23 @@ def _bisect_tail(lo, el, eh, tot_h, need, upper) -> torch.Tensor:
     return good
 
 
+def _live_columns(hi: torch.Tensor) -> torch.Tensor | None:
+    """The columns of ``hi [r, V]`` to decide on, or ``None`` for all: under tensor parallelism
+    the rows are ``-inf`` but for the explicit tokens (:mod:`.sharded_rows`). A column whose
+    ``yhi`` is ``-inf`` in every row has no mass, is never kept and stays ``-inf``; leaving it
+    out changes no decision so long as at least ``TAIL_SCAN + 1`` columns stay (the tail scan
+    and its bisection then see the same ``TAIL_SCAN`` highest lower bounds, ``-inf`` included)."""
+    V = hi.shape[1]
+    live = (hi != -math.inf).any(0)  # (NaN stays)
+    n = int(live.sum())
+    if n >= COMPACT_BELOW * V:
+        return None
+    short = min(TAIL_SCAN + 1, V) - n
+    if short > 0:
+        live[(~live).nonzero().squeeze(1)[:short]] = True
+    return live.nonzero().squeeze(1)
+
+
 def top_p_bounds(ylo: torch.Tensor, yhi: torch.Tensor, top_p: torch.Tensor, outside: Outside | None = None):
     """Apply top-p (``[R]`` float32, ``1`` = off) to bounds; see the module docstring.
     Returns ``(ylo, yhi)``, or ``(ylo, yhi, outside)`` when an outside block is given (see
@@ -271,13 +289,17 @@ def top_p_bounds(ylo: torch.Tensor, yhi: torch.Tensor, top_p: torch.Tensor, outs
     rows = on.nonzero().squeeze(1)
     lo, hi = ylo[rows].double(), yhi[rows].double()
     ob = None if outside is None else outside.rows(rows)
-    r, V = lo.shape
+    r, V_row = lo.shape
+    cols = _live_columns(hi)
+    if cols is not None:
+        lo, hi = lo[:, cols], hi[:, cols]
+    V = lo.shape[1]
     c = hi.masked_fill(hi == math.inf, -math.inf).amax(1, keepdim=True)
     if ob is not None:
         c = torch.maximum(c, ob.hi.masked_fill(ob.hi == math.inf, -math.inf).amax(1, keepdim=True))
     c = torch.where(torch.isfinite(c), c, torch.zeros_like(c))
     el, eh = torch.exp(lo - c), torch.exp(hi - c)  # -inf -> 0
-    eps = 2 * gamma(V) + 1e-6
+    eps = 2 * gamma(V_row) + 1e-6  # vLLM sums over the whole row
     p = top_p[rows].double()[:, None]
     tot_h = eh.sum(1, keepdim=True)
     if ob is not None:  # the blocks' masses [r, L], shifted like the others
@@ -302,6 +324,9 @@ def top_p_bounds(ylo: torch.Tensor, yhi: torch.Tensor, top_p: torch.Tensor, outs
         s = slice(i, i + 1)
         block = None if ob is None else (ob.hi[s], ob.lo[s], b_el[s], b_eh[s])
         keep[s], drop[s] = _decide_packed(lo[s], hi[s], el[s], eh[s], t[s], p[s], eps, block)
+    if cols is not None:
+        keep = torch.zeros((r, V_row), dtype=torch.bool, device=lo.device).index_copy_(1, cols, keep)
+        drop = torch.ones((r, V_row), dtype=torch.bool, device=lo.device).index_copy_(1, cols, drop)
     out_lo, out_hi = ylo.clone(), yhi.clone()
     out_lo[rows] = torch.where(keep, ylo[rows], -math.inf)
     out_hi[rows] = torch.where(drop, -math.inf, yhi[rows])
