@@ -293,10 +293,10 @@ def test_shared_off_switch_measures_a_memoized_dense_step_once():
     assert sw.dense_seconds[8] == pytest.approx(0.01)
 
 
-def _gathered(lo, hi, size, min_p, cuts):
+def _gathered(lo, hi, size, min_p):
     """Every rank's payload (contiguous shards of ``lo, hi`` ``[R, V]``, no token scored, greedy
     rows) gathered and combined as :func:`~vllm_csv.sampling.sharded_rows.certify_rows_sharded`
-    does; returns ``(ylo, yhi, outside)`` and the shards' bounds."""
+    does; returns ``(ylo, yhi, outside)``."""
     R, V = lo.shape
     rows = []
     for r in range(size):
@@ -304,7 +304,7 @@ def _gathered(lo, hi, size, min_p, cuts):
         p = sharded_rows._explicit_and_block(lo[:, a:b], hi[:, a:b], torch.full((R, b - a), math.nan),
                                              torch.zeros((R, b - a), dtype=torch.float64),
                                              torch.zeros(R, dtype=torch.bool), torch.ones(R, dtype=torch.bool),
-                                             a, min_p, cuts)
+                                             a, min_p)
         rows.append(torch.cat([p, torch.zeros(1)]))
     ylo, yhi, _, outside, finite, _ = sharded_rows._combine(torch.stack(rows), R, V)
     assert finite.all()
@@ -324,77 +324,73 @@ def _nucleus_case(seed, R=24, V=6000):
     return y, lo, hi, mp, tp
 
 
-def _blocks_case(size):
-    """min-p then top-p on the gathered numbers of :func:`_gathered`, without cuts and then with
-    the cuts the next round would take: ``(wrong decisions, undecided explicit tokens)`` per pass."""
-    y, lo, hi, mp, tp = _nucleus_case(size)
-    R, V = y.shape
-    after_min_p = torch.where(vllm_min_p_mask(y, mp), y, -math.inf)
-    kept = torch.isfinite(apply_top_k_top_p_pytorch(after_min_p.clone(), None, tp))
-    cuts = torch.full((R, sharded_rows.CUTS), -math.inf)
-    wrong, undecided = [], []
-    for _ in range(2):
-        ylo, yhi, outside = _gathered(lo, hi, size, mp, cuts)
-        explicit = yhi > -math.inf
-        mlo, mhi, outside = min_p_bounds(ylo, yhi, mp, outside)
-        tlo, thi, outside = top_p_bounds(mlo, mhi, tp, outside)
-        bad = int((torch.isfinite(tlo) & ~kept).sum()) + int((explicit & ~torch.isfinite(thi) & kept).sum())
-        L = outside.hi.shape[1] // size
-        for r in range(size):
-            a, b = r * V // size, (r + 1) * V // size
-            inside = kept[:, a:b] & ~explicit[:, a:b]  # kept tokens of rank r known only through its blocks
-            top = hi[:, a:b].masked_fill(~inside, -math.inf).amax(1)
-            bad += int((top > outside.hi[:, r * L:(r + 1) * L].amax(1)).sum())
-        wrong.append(bad)
-        undecided.append(int((explicit & ~torch.isfinite(tlo) & torch.isfinite(thi)).sum()))
-        # the next round's cuts, as certify_rows_sharded computes them
-        cuts = sharded_rows._focus(mlo, tlo, thi, torch.ones_like(thi, dtype=torch.bool), torch.ones(R, dtype=torch.bool))
-        assert (cuts > -math.inf).any()
-    return wrong, undecided
-
-
-@pytest.mark.parametrize("size", (2, 4))
-def test_blocks_and_cuts_decide_top_p_soundly(size):
-    """Explicit tokens and blocks (levels, mass shares, cuts at undecided tokens' lower bounds)
-    from every rank: min-p then top-p on the gathered numbers never contradict vLLM's masks on
-    the whole row (an explicit token kept / dropped for sure; a dropped block holds no kept
-    token). The cuts, taken at the undecided explicit tokens as the next round takes them,
-    decide more tokens."""
-    wrong, undecided = _blocks_case(size)
-    assert wrong == [0, 0]
-    assert undecided[1] < undecided[0], undecided
-
-
 def vllm_min_p_mask(y, min_p):
     probs = torch.softmax(y, dim=-1)
     return ~(probs < probs.amax(-1, keepdim=True) * min_p[:, None])
 
 
-def test_a_cut_separates_the_blocks():
-    """Tokens whose upper bounds lie on either side of a cut never share a block; blocks are
-    ranges of ``yhi``."""
+def _blocks_case(size):
+    """min-p then top-p on the gathered numbers of :func:`_gathered`: ``(wrong decisions,
+    explicit tokens decided, the same tokens decided from every token's own bounds)``."""
+    y, lo, hi, mp, tp = _nucleus_case(size)
+    R, V = y.shape
+    after_min_p = torch.where(vllm_min_p_mask(y, mp), y, -math.inf)
+    kept = torch.isfinite(apply_top_k_top_p_pytorch(after_min_p.clone(), None, tp))
+    ylo, yhi, outside = _gathered(lo, hi, size, mp)
+    explicit = yhi > -math.inf
+    mlo, mhi, outside = min_p_bounds(ylo, yhi, mp, outside)
+    tlo, thi, outside = top_p_bounds(mlo, mhi, tp, outside)
+    wrong = int((torch.isfinite(tlo) & ~kept).sum()) + int((explicit & ~torch.isfinite(thi) & kept).sum())
+    L = outside.hi.shape[1] // size
+    for r in range(size):
+        a, b = r * V // size, (r + 1) * V // size
+        inside = kept[:, a:b] & ~explicit[:, a:b]  # kept tokens of rank r known only through its blocks
+        top = hi[:, a:b].masked_fill(~inside, -math.inf).amax(1)
+        wrong += int((top > outside.hi[:, r * L:(r + 1) * L].amax(1)).sum())
+    one_lo, one_hi = top_p_bounds(*min_p_bounds(lo, hi, mp), tp)  # TP = 1: every token's own bounds
+    decided = explicit & (torch.isfinite(tlo) | ~torch.isfinite(thi))
+    decided_one = explicit & (torch.isfinite(one_lo) | ~torch.isfinite(one_hi))
+    return wrong, int(decided.sum()), int(decided_one.sum())
+
+
+@pytest.mark.parametrize("size", (2, 4))
+def test_blocks_decide_min_p_and_top_p_soundly(size):
+    """Explicit tokens and blocks from every rank: min-p then top-p on the gathered numbers never
+    contradict vLLM's masks on the whole row (an explicit token kept / dropped for sure; a
+    dropped block holds no kept token), and decide nearly every explicit token that the whole
+    row's bounds decide (TP = 1: 99.1% and 99.8% here; blocks by level alone, MASS_BLOCKS = 1,
+    97.3% and 98.0%)."""
+    wrong, decided, decided_one = _blocks_case(size)
+    assert wrong == 0
+    assert decided >= 0.985 * decided_one > 0, (decided, decided_one)
+
+
+def test_blocks_are_ranges_of_yhi():
+    """Every live token is in a block; blocks are ranges of ``yhi`` (block ids do not decrease
+    down the ``yhi`` order), and no block holds more than a share of the upper mass and a bin."""
     g = torch.Generator().manual_seed(0)
     phi = torch.randn(4, 3000, generator=g) * 3
     live = torch.rand(phi.shape, generator=g) > 0.1
-    cuts = torch.full((4, sharded_rows.CUTS), -math.inf)
-    cuts[:, :3] = phi[:, :3]  # at tokens' own values (ties)
     gap = phi.masked_fill(~live, -math.inf).amax(1, keepdim=True) - phi
-    idx = sharded_rows._block_of(phi, gap, live, cuts)
-    L = len(sharded_rows.LEVELS) + sharded_rows.MASS_BLOCKS + sharded_rows.CUTS
+    idx = sharded_rows._block_of(gap, phi, live)
+    L = len(sharded_rows.LEVELS) + sharded_rows.MASS_BLOCKS
     assert ((idx >= 0) & (idx < L))[live].all()
     for r in range(4):
         b, v = idx[r][live[r]], phi[r][live[r]]
-        for c in cuts[r][cuts[r] > -math.inf]:
-            assert not (set(b[v >= c].tolist()) & set(b[v < c].tolist()))
         order = v.argsort(descending=True)
-        assert (b[order].diff() >= 0).all()  # non-decreasing down the yhi order: ranges
+        assert (b[order].diff() >= 0).all()
+        w = torch.exp(v.double() - v.max())
+        mass = torch.zeros(L, dtype=torch.float64).index_add_(0, b, w) / w.sum()
+        fine = (gap[r][live[r]] * sharded_rows.FINE).floor().long()
+        binmass = torch.zeros(int(fine.max()) + 1, dtype=torch.float64).index_add_(0, fine, w) / w.sum()
+        assert mass.max() <= 1 / sharded_rows.MASS_BLOCKS + binmass.max() + 1e-12
 
 
 @pytest.mark.parametrize("field,change", (("lo", lambda t: t + 1.0), ("leh", lambda t: t - 0.5),
                                           ("lel", lambda t: t + 0.5)))
 def test_blocks_with_a_broken_summary_are_caught(field, change, monkeypatch):
-    """Mutation of the test above: the blocks' smallest lower bound raised, upper mass lowered
-    or lower mass raised: top-p decides against vLLM's mask."""
+    """Mutation of :func:`test_blocks_decide_min_p_and_top_p_soundly`: the blocks' smallest lower
+    bound raised, upper mass lowered or lower mass raised: top-p decides against vLLM's mask."""
     real = sharded_rows._combine
 
     def weak(G, R, V):
@@ -403,7 +399,7 @@ def test_blocks_with_a_broken_summary_are_caught(field, change, monkeypatch):
         return tuple(out)
 
     monkeypatch.setattr(sharded_rows, "_combine", weak)
-    assert sum(_blocks_case(2)[0]) > 0
+    assert _blocks_case(2)[0] > 0
 
 
 def test_a_block_min_p_may_thin_keeping_its_lower_side_is_caught(monkeypatch):
@@ -413,4 +409,4 @@ def test_a_block_min_p_may_thin_keeping_its_lower_side_is_caught(monkeypatch):
     from vllm_csv.sampling.outside import Outside
 
     monkeypatch.setattr(Outside, "forget_lower", lambda self, blocks: self)
-    assert sum(_blocks_case(4)[0]) > 0
+    assert _blocks_case(4)[0] > 0

@@ -19,16 +19,16 @@ is itself decided from gathered numbers):
    :data:`EXPLICIT` more of highest noisy upper bound ``yhi + g`` (sampled rows; ``g`` the
    Gumbel noise of the token's *global* id) are sent one by one: ``(id, ylo, yhi, value)``
    (``value`` the exact score, NaN while unscored). Every other token of the shard goes into
-   one of ``L = len(LEVELS) + MASS_BLOCKS + CUTS`` blocks, each a range of ``yhi``
+   one of ``L = len(LEVELS) + MASS_BLOCKS`` blocks, each a range of ``yhi``
    (:func:`_block_of`): cut where the gap below the rank's largest ``yhi`` crosses one of
-   :data:`LEVELS`, where the upper mass ahead crosses one of :data:`MASS_BLOCKS` equal shares
-   (on a grid of ``1 / FINE``), and at the row's ``cuts`` (below). Each block is summed up in
+   :data:`LEVELS` and where the upper mass ahead crosses one of :data:`MASS_BLOCKS` equal
+   shares (on a grid of ``1 / FINE``). Each block is summed up in
    :class:`~.outside.Outside` summaries (largest ``yhi``, largest ``fl64(yhi + g)`` rounded
    up, log-masses rounded outwards, largest ``|bound|``, smallest ``ylo``). Any partition is
-   sound; this one keeps what a token's top-p decision cannot place (the block its bounds
-   fall in) under one share of the mass;
+   sound; this one keeps what a token's top-p decision cannot place (the block its lower
+   bound falls in) within one share of the mass and one bin;
 3. **one all-gather** of ``[R, 2 EXPLICIT, 4] + [R, L, 6] + R + 1`` numbers per rank (fp32;
-   token ids are exact below ``2^24``; ``435 R + 1`` with the defaults): ``O(R k tp)``;
+   token ids are exact below ``2^24``; ``771 R + 1`` with the defaults): ``O(R (k + L) tp)``;
    the first round's also carries the seeds (``2 R``) and the shared off-switch's pending step
    time (``1``);
 4. every rank builds the same ``[R, V]`` bounds (the explicit tokens; ``-inf`` elsewhere), the
@@ -36,11 +36,8 @@ is itself decided from gathered numbers):
    certificate (:func:`~.certificate.certify_draw`), all with the blocks. A row is certified
    when its winner is explicit and scored, every rank could
    bound the row (``finite``) and the certificate holds. The contenders not yet scored are
-   scored exactly by their owners (the same list on every rank; each scores its own columns),
-   and the next round's ``cuts`` are taken (:func:`_focus`: on top-p rows, the lower bounds of
-   the contenders top-p left undecided, so that no block straddles them); the round repeats
-   while there is something to score or the cuts changed, up to :data:`~.rows.MAX_ROUNDS`
-   more times and the budget.
+   scored exactly by their owners (the same list on every rank; each scores its own columns)
+   and the round repeats, up to :data:`~.rows.MAX_ROUNDS` more times and the budget.
 
 The decision is a function of the gathered tensor only, computed by the same code on every
 rank: the ranks cannot split, whatever their local numbers are (each rank's local numbers are
@@ -70,9 +67,8 @@ EXPLICIT = 16  # tokens a rank sends per row and key (highest yhi; highest yhi +
 NOISY_KEY = True  # the second key: yhi + g on sampled rows (False: yhi again; sound, certifies less)
 # A rank's other tokens in blocks (_block_of), cut where yhi lies this far below the rank's largest,
 LEVELS = (0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, 8.0, 12.0, 16.0, 32.0)
-MASS_BLOCKS = 32  # where the upper mass ahead crosses each 1 / MASS_BLOCKS of the blocks' total,
+MASS_BLOCKS = 96  # and where the upper mass ahead crosses each 1 / MASS_BLOCKS of the blocks' total
 FINE = 16  # (both on a grid of 1 / FINE below the largest yhi, up to the last level)
-CUTS = 8  # and at the lower bounds of up to CUTS undecided contenders (top-p) of the last round
 _SUMMARIES = 6  # a block's hi, noisy, lel, leh, absmax, lo
 
 
@@ -108,14 +104,14 @@ class ShardedAdapter:
         return g[:, :-1]
 
 
-def _explicit_and_block(plo, phi, vals, g, samp, finite, start, min_p, cuts):
+def _explicit_and_block(plo, phi, vals, g, samp, finite, start, min_p):
     """One rank's payload (step 2 of the module docstring): ``[R, 2E, 4]`` explicit tokens,
     ``[R, L, 6]`` block summaries and ``[R]`` finite, flattened (fp32)."""
     R, n = phi.shape
     dead = min_p_drops_on_part(plo, phi, min_p)  # dropped by min-p whatever the other ranks hold
     plo, phi = plo.masked_fill(dead, -math.inf), phi.masked_fill(dead, -math.inf)
     dev = phi.device
-    E2, L = 2 * EXPLICIT, len(LEVELS) + MASS_BLOCKS + CUTS
+    E2, L = 2 * EXPLICIT, len(LEVELS) + MASS_BLOCKS
     finite = finite & ~(torch.isnan(plo).any(1) | torch.isnan(phi).any(1))  # (the block maxima skip NaN)
     ex = torch.full((R, E2, 4), -math.inf, device=dev)
     ex[:, :, 0] = -1.0  # no token
@@ -140,7 +136,7 @@ def _explicit_and_block(plo, phi, vals, g, samp, finite, start, min_p, cuts):
     if bool(live.any()):
         # every live token in exactly one block (NaN / inf gaps in block 0)
         gap = phi.masked_fill(~live, -math.inf).amax(1, keepdim=True) - phi
-        lvl = _block_of(phi, gap.nan_to_num(nan=0.0), live, cuts)
+        lvl = _block_of(gap.nan_to_num(nan=0.0), phi, live)
         idx = lvl.masked_fill_(~live, L)  # column L: the tokens in no block (explicit, or -inf)
         block[..., 0] = _seg_max(phi, idx, L)
         noisy = _seg_max(phi.double() + g, idx, L)
@@ -154,19 +150,17 @@ def _explicit_and_block(plo, phi, vals, g, samp, finite, start, min_p, cuts):
     return torch.cat([ex.reshape(-1), block.reshape(-1), finite.float()])
 
 
-def _block_of(phi: torch.Tensor, gap: torch.Tensor, live: torch.Tensor, cuts: torch.Tensor) -> torch.Tensor:
-    """``[R, n]`` int64: each live token's block in ``[0, len(LEVELS) + MASS_BLOCKS + CUTS)``.
+def _block_of(gap: torch.Tensor, phi: torch.Tensor, live: torch.Tensor) -> torch.Tensor:
+    """``[R, n]`` int64: each live token's block in ``[0, len(LEVELS) + MASS_BLOCKS)``.
 
-    ``gap`` (``>= 0``) is how far the token's ``yhi`` lies below the rank's largest; ``cuts``
-    ``[R, CUTS]`` (``-inf``: none). Tokens are first put in bins of ``1 / FINE`` of gap (one
-    bin past the last level); the block is the number of :data:`LEVELS` at or below the bin's
-    start, plus how many ``1 / MASS_BLOCKS`` shares of the live upper mass lie in the bins
-    before it, plus how many cuts lie above the token's ``yhi`` (strictly). Each part grows
-    as ``yhi`` falls, so each block is a range of ``yhi`` with every level, share and cut as
-    a boundary: tokens with ``yhi >= c`` and ``yhi < c`` never share a block. (Any partition
-    is sound. This one keeps a block's mass, hence what a token's top-p decision cannot
-    place, within one share and one bin; puts no block across a cut token's ``ylo``; and
-    keeps the deep tail, little mass but the largest noise, apart by level.)
+    ``gap`` (``>= 0``) is how far the token's ``yhi`` (``phi``) lies below the rank's largest.
+    Tokens are first put in bins of ``1 / FINE`` of gap (one bin past the last level); a bin's
+    block is the number of :data:`LEVELS` at or below its start plus how many
+    ``1 / MASS_BLOCKS`` shares of the live upper mass lie in the bins before it. Both parts
+    grow with the gap, so each block is a range of ``yhi`` with every level and share as a
+    boundary. (Any partition is sound. This one keeps a block's mass, hence what a token's
+    top-p decision cannot place, within one share and one bin, and the deep tail, little mass
+    but the largest noise, apart by level.)
     """
     R, n = phi.shape
     dev = phi.device
@@ -181,23 +175,7 @@ def _block_of(phi: torch.Tensor, gap: torch.Tensor, live: torch.Tensor, cuts: to
     ahead = (mass.cumsum(1) - mass) / mass.sum(1, keepdim=True).clamp_min(1e-300)
     mpart = (ahead * MASS_BLOCKS).floor_().long().clamp_(0, MASS_BLOCKS - 1)
     table = torch.cat([lpart[None] + mpart, torch.zeros((R, 1), dtype=torch.long, device=dev)], 1)
-    cpart = CUTS - torch.searchsorted(cuts.sort(1).values.contiguous(), phi.contiguous(), right=True)  # cuts > yhi
-    return table.gather(1, fine) + cpart
-
-
-def _focus(kept_lo, ylo, yhi, contenders, rows) -> torch.Tensor:
-    """``[R, CUTS]`` float32: the next round's block cuts (``-inf``: none), the same on every rank
-    (from gathered numbers): per row of ``rows``, the lower bounds before top-p (``kept_lo``) of
-    the contenders that top-p left undecided, highest ``yhi`` first. A block cut at a token's
-    ``ylo_i`` is never counted as possibly sorting after it unless it does (every token of the
-    blocks above has ``yhi_j >= ylo_i``, every one below ``yhi_j < ylo_i``)."""
-    und = contenders & (ylo == -math.inf) & (kept_lo > -math.inf) & rows[:, None]
-    key = yhi.masked_fill(~und, -math.inf)
-    k = min(CUTS, key.shape[1])
-    top = key.topk(k, dim=1)
-    cuts = torch.full((key.shape[0], CUTS), -math.inf, device=key.device)
-    cuts[:, :k] = torch.where(top.values > -math.inf, kept_lo.gather(1, top.indices), -math.inf)
-    return cuts
+    return table.gather(1, fine)
 
 
 def _seg_max(x: torch.Tensor, idx: torch.Tensor, L: int) -> torch.Tensor:
@@ -224,7 +202,7 @@ def _combine(G: torch.Tensor, R: int, V: int):
     not an explicit scored token), the outside blocks (every rank's: ``[R, size L]``),
     ``finite [R]`` and the scored count."""
     size = G.shape[0]
-    E2, L = 2 * EXPLICIT, len(LEVELS) + MASS_BLOCKS + CUTS
+    E2, L = 2 * EXPLICIT, len(LEVELS) + MASS_BLOCKS
     ne = R * E2 * 4
     ex = G[:, :ne].reshape(size, R, E2, 4).permute(1, 0, 2, 3).reshape(R, size * E2, 4)
     ids = ex[:, :, 0].long()
@@ -287,13 +265,12 @@ def certify_rows_sharded(adapter: ShardedAdapter, hidden: torch.Tensor, process:
     budget = max(1, math.ceil(adapter.budget * V))
     noise = RowNoise(seeds, V)
     over_budget = torch.zeros(R, dtype=torch.bool, device=dev)
-    cuts = torch.full((R, CUTS), -math.inf, device=dev)
     for rnd in range(MAX_ROUNDS + 1):
         full_lo = torch.full((R, V), -math.inf, device=dev)
         full_hi = full_lo.clone()
         full_lo[:, own], full_hi[:, own] = lo, hi
         plo, phi = (x[:, own] for x in process(full_lo, full_hi))
-        payload = _explicit_and_block(plo, phi, vals, g, samp, finite_l, s0, min_p.to(dev), cuts)
+        payload = _explicit_and_block(plo, phi, vals, g, samp, finite_l, s0, min_p.to(dev))
         if rnd == 0:  # the seeds, in 16-bit halves (exact in fp32): rows whose seeds differ go dense
             payload = torch.cat([payload, (seeds >> 16).float(), (seeds & 0xFFFF).float()])
         G = adapter.gather(torch.cat([payload, torch.tensor([float(scored_here)], device=dev)]), rnd == 0)
@@ -304,7 +281,6 @@ def certify_rows_sharded(adapter: ShardedAdapter, hidden: torch.Tensor, process:
         ylo, yhi, val, outside, finite, total = _combine(G, R, V)  # the same on every rank
         finite &= same_seeds
         ylo, yhi, outside = min_p_bounds(ylo, yhi, min_p.to(dev), outside)
-        kept_lo = ylo
         ylo, yhi, outside = top_p_bounds(ylo, yhi, top_p.to(dev), outside)
         cert = certify_draw(ylo, yhi, seeds, greedy, noise, outside)
         scored = ~torch.isnan(val)  # [R, V]: explicit and scored (a column is scored for every row)
@@ -320,13 +296,8 @@ def certify_rows_sharded(adapter: ShardedAdapter, hidden: torch.Tensor, process:
             need &= ~scored_col
             cert.contenders[blind] = False
             cert.contenders[blind.nonzero().squeeze(1)[:, None], top.indices] = top.values > -math.inf
-        new_cuts = _focus(kept_lo, ylo, yhi, cert.contenders, open_rows & (top_p.to(dev) < 1.0))
-        refocus = not torch.equal(new_cuts, cuts) and bool((new_cuts > -math.inf).any())
-        cuts = new_cuts
-        if not (bool(need.any()) or refocus) or rnd == MAX_ROUNDS:
+        if not bool(need.any()) or rnd == MAX_ROUNDS:
             break
-        if not bool(need.any()):
-            continue
         new = need.nonzero().squeeze(1)
         room = budget - total
         if new.numel() > room:  # as certify_rows
