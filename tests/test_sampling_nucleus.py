@@ -103,3 +103,78 @@ def test_a_wrong_tail_bound_is_caught(monkeypatch):
     kept = torch.isfinite(apply_top_k_top_p_pytorch(y.clone(), None, p))
     k, d = decisions(*top_p_bounds(y, y, p), y)
     assert (d & kept).any()
+
+
+def _part_case(seed, shift):
+    """Rows (dense near their maximum, and peaked), asymmetric bounds, min-p, and the first half
+    of the columns as the part one rank sees; the other half moved by ``shift`` (so the row's
+    maximum may lie outside the part)."""
+    y, g = rows(seed, R=64, V=4096)
+    y[::2] = peaked_rows(seed, R=32, V=4096)[0]
+    y[:, 2048:] += shift
+    w1 = torch.rand(y.shape, generator=g) * 0.3
+    w2 = torch.rand(y.shape, generator=g) * 0.3
+    mp = torch.rand(y.shape[0], generator=g) * 0.5
+    mp[::5] = 0.0
+    return y, (y - w1)[:, :2048], (y + w2)[:, :2048], mp
+
+
+@pytest.mark.parametrize("shift", [-8.0, 0.0, 3.0, 30.0])
+def test_min_p_drops_on_part_are_sound(shift):
+    """Tokens a rank drops from its part alone are dropped by vLLM's min-p on the whole row,
+    wherever the row's maximum lies; and the rule drops most of what the whole row's bounds drop."""
+    y, lo, hi, mp = _part_case(5, shift)
+    kept = vllm_min_p(y, mp)[:, :2048]
+    d = nucleus.min_p_drops_on_part(lo, hi, mp)
+    assert not (d & kept).any()
+    assert not d[mp == 0].any()
+    whole = ~torch.isfinite(min_p_bounds(torch.cat([lo, y[:, 2048:]], 1), torch.cat([hi, y[:, 2048:]], 1), mp)[1])
+    if shift <= 0:  # the part holds the maximum: as much as the whole row's bounds
+        assert d.sum() >= 0.95 * whole[:, :2048].sum() > 0
+
+
+def test_min_p_drops_on_part_with_a_wrong_maximum_are_caught():
+    """Broken bound: the part's maximum taken over its *upper* bounds (not a lower bound on the
+    row's maximum: the rule's premise): tokens that vLLM keeps are dropped."""
+    y, lo, hi, mp = _part_case(6, -8.0)
+    kept = vllm_min_p(y, mp)[:, :2048]
+    assert (nucleus.min_p_drops_on_part(hi, hi, mp) & kept).any()
+
+
+def test_a_negative_min_p_margin_is_caught(monkeypatch):
+    """Broken bound: min-p's margin made negative: the part rule drops tokens vLLM keeps."""
+    monkeypatch.setattr(nucleus, "_min_p_margin", lambda y_abs, m_abs: torch.full_like(y_abs, -0.05))
+    y, _, _, mp = _part_case(7, -8.0)
+    kept = vllm_min_p(y, mp)[:, :2048]
+    part = y[:, :2048]
+    assert (nucleus.min_p_drops_on_part(part, part, mp) & kept).any()
+
+
+@pytest.mark.parametrize("finite_cols", [40, 256, 300, 1500])
+def test_top_p_on_live_columns_decides_as_on_the_whole_row(finite_cols, monkeypatch):
+    """Rows that are ``-inf`` but for a few columns (tensor parallelism's gathered rows), some of
+    those ``-inf`` in some rows too: deciding on the live columns only (fewer, more or many more
+    than TAIL_SCAN of them, or exactly as many) gives bit for bit what deciding on every column gives."""
+    from vllm_csv.sampling.outside import Outside
+
+    y, g = peaked_rows(9, R=32, V=8192)
+    cols = torch.randperm(8192, generator=g)[:finite_cols]
+    dead = torch.ones_like(y, dtype=torch.bool)
+    dead[:, cols] = torch.rand(32, finite_cols, generator=g) < 0.2
+    dead[:4, cols] = False  # rows with every live column finite (at 256: the tail scan sees them all)
+    p_broad = 0.999  # rows 0-3: broad nuclei, so the scan finds no tail and the bisection runs
+    lo = (y - torch.rand(y.shape, generator=g) * 0.2).masked_fill(dead, -math.inf)
+    hi = (y + torch.rand(y.shape, generator=g) * 0.2).masked_fill(dead, -math.inf)
+    p = torch.rand(32, generator=g) * 0.9 + 0.05
+    p[:4] = p_broad
+    L = 5
+    hb = torch.rand(32, L, generator=g).double() * 4 - 2
+    outside = Outside(hi=hb, noisy=hb + 3, lel=hb - 1.5, leh=hb - 1.0, absmax=hb.abs() + 1, lo=hb - 0.7)
+    got = [top_p_bounds(lo, hi, p), top_p_bounds(lo, hi, p, outside)]
+    monkeypatch.setattr(nucleus, "COMPACT_BELOW", 0.0)  # never compact
+    want = [top_p_bounds(lo, hi, p), top_p_bounds(lo, hi, p, outside)]
+    for a, b in zip(got, want):
+        for x, z in zip(a[:2], b[:2]):
+            assert torch.equal(x, z)
+    assert torch.equal(got[1][2].hi, want[1][2].hi)
+    assert torch.isfinite(got[0][0]).any() and (~torch.isfinite(got[0][1]) & ~dead).any()  # decides both ways

@@ -19,12 +19,14 @@ from test_sampler_hook import CASES, metadata, run
 from test_tp import bits, dense_tp, run_ranks, shard_of
 
 pytest.importorskip("vllm")
+from vllm.v1.sample.ops.topk_topp_sampler import apply_top_k_top_p_pytorch  # noqa: E402
 from vllm.v1.sample.sampler import Sampler  # noqa: E402
 
 from vllm_csv import audit  # noqa: E402
 from vllm_csv.errors import CSVError  # noqa: E402
 from vllm_csv.head import HeadConfig  # noqa: E402
 from vllm_csv.sampling import sharded_rows  # noqa: E402
+from vllm_csv.sampling.nucleus import min_p_bounds, top_p_bounds  # noqa: E402
 from vllm_csv.sampling.sharded_rows import ShardedAdapter  # noqa: E402
 from vllm_csv.sharded import Shard, ShardedHead  # noqa: E402
 from vllm_csv.vllm_plugin import sampler_hook  # noqa: E402
@@ -220,14 +222,17 @@ def _weaken_block(field, value):
     return mutate
 
 
-@pytest.mark.parametrize("field", ("hi", "noisy", "leh"))
-def test_broken_outside_block_is_caught(field, monkeypatch):
-    """Mutation: one summary of the outside block dropped (greedy rows' largest bound, sampled
-    rows' largest noisy bound, top-p's upper mass): the draw differs from the dense draw. (For
-    the noisy bound, the explicit tokens are chosen by ``yhi`` alone, a sound but weaker
-    choice, so that the draw's winner is sometimes in the block.)"""
+@pytest.mark.parametrize("field,value", (("hi", -math.inf), ("noisy", -math.inf), ("leh", -math.inf),
+                                         ("lel", 0.0), ("lo", math.inf)))
+def test_broken_outside_block_is_caught(field, value, monkeypatch):
+    """Mutation: one summary of the outside block made wrong (greedy rows' largest bound,
+    sampled rows' largest noisy bound, top-p's upper mass dropped; top-p's lower mass raised;
+    its smallest lower bound raised, so that every block sorts after every token): the draw
+    differs from the dense draw. (For the noisy bound, the explicit tokens are chosen by
+    ``yhi`` alone, a sound but weaker choice, so that the draw's winner is sometimes in the
+    block.)"""
     monkeypatch.setattr(sharded_rows, "NOISY_KEY", field != "noisy")
-    assert _mutation_mismatches(monkeypatch, _weaken_block(field, -math.inf)) > 0
+    assert _mutation_mismatches(monkeypatch, _weaken_block(field, value)) > 0
 
 
 @pytest.mark.parametrize("noisy_key", (True, False))
@@ -286,3 +291,122 @@ def test_shared_off_switch_measures_a_memoized_dense_step_once():
     sw = SharedOffSwitch(Solo())
     sw.allow(8, measure)
     assert sw.dense_seconds[8] == pytest.approx(0.01)
+
+
+def _gathered(lo, hi, size, min_p):
+    """Every rank's payload (contiguous shards of ``lo, hi`` ``[R, V]``, no token scored, greedy
+    rows) gathered and combined as :func:`~vllm_csv.sampling.sharded_rows.certify_rows_sharded`
+    does; returns ``(ylo, yhi, outside)``."""
+    R, V = lo.shape
+    rows = []
+    for r in range(size):
+        a, b = r * V // size, (r + 1) * V // size
+        p = sharded_rows._explicit_and_block(lo[:, a:b], hi[:, a:b], torch.full((R, b - a), math.nan),
+                                             torch.zeros((R, b - a), dtype=torch.float64),
+                                             torch.zeros(R, dtype=torch.bool), torch.ones(R, dtype=torch.bool),
+                                             a, min_p)
+        rows.append(torch.cat([p, torch.zeros(1)]))
+    ylo, yhi, _, outside, finite, _ = sharded_rows._combine(torch.stack(rows), R, V)
+    assert finite.all()
+    return ylo, yhi, outside
+
+
+def _nucleus_case(seed, R=24, V=6000):
+    g = torch.Generator().manual_seed(seed)
+    y = torch.randn(R, V, generator=g) * torch.tensor([0.5, 1.0, 2.0])[torch.arange(R) % 3][:, None]
+    lead = torch.randint(0, V, (R, 6), generator=g)
+    y.scatter_(1, lead, torch.rand(R, 6, generator=g) * 6 + 2)
+    width = torch.where(torch.rand(y.shape, generator=g) < 0.5, 0.0, 0.05)  # half scored (exact)
+    lo = y - torch.rand(y.shape, generator=g) * width
+    hi = y + torch.rand(y.shape, generator=g) * width
+    mp = torch.where(torch.arange(R) % 2 == 0, 0.0, 0.02)
+    tp = torch.rand(R, generator=g) * 0.5 + 0.45
+    return y, lo, hi, mp, tp
+
+
+def vllm_min_p_mask(y, min_p):
+    probs = torch.softmax(y, dim=-1)
+    return ~(probs < probs.amax(-1, keepdim=True) * min_p[:, None])
+
+
+def _blocks_case(size):
+    """min-p then top-p on the gathered numbers of :func:`_gathered`: ``(wrong decisions,
+    explicit tokens decided, the same tokens decided from every token's own bounds)``."""
+    y, lo, hi, mp, tp = _nucleus_case(size)
+    R, V = y.shape
+    after_min_p = torch.where(vllm_min_p_mask(y, mp), y, -math.inf)
+    kept = torch.isfinite(apply_top_k_top_p_pytorch(after_min_p.clone(), None, tp))
+    ylo, yhi, outside = _gathered(lo, hi, size, mp)
+    explicit = yhi > -math.inf
+    mlo, mhi, outside = min_p_bounds(ylo, yhi, mp, outside)
+    tlo, thi, outside = top_p_bounds(mlo, mhi, tp, outside)
+    wrong = int((torch.isfinite(tlo) & ~kept).sum()) + int((explicit & ~torch.isfinite(thi) & kept).sum())
+    L = outside.hi.shape[1] // size
+    for r in range(size):
+        a, b = r * V // size, (r + 1) * V // size
+        inside = kept[:, a:b] & ~explicit[:, a:b]  # kept tokens of rank r known only through its blocks
+        top = hi[:, a:b].masked_fill(~inside, -math.inf).amax(1)
+        wrong += int((top > outside.hi[:, r * L:(r + 1) * L].amax(1)).sum())
+    one_lo, one_hi = top_p_bounds(*min_p_bounds(lo, hi, mp), tp)  # TP = 1: every token's own bounds
+    decided = explicit & (torch.isfinite(tlo) | ~torch.isfinite(thi))
+    decided_one = explicit & (torch.isfinite(one_lo) | ~torch.isfinite(one_hi))
+    return wrong, int(decided.sum()), int(decided_one.sum())
+
+
+@pytest.mark.parametrize("size", (2, 4))
+def test_blocks_decide_min_p_and_top_p_soundly(size):
+    """Explicit tokens and blocks from every rank: min-p then top-p on the gathered numbers never
+    contradict vLLM's masks on the whole row (an explicit token kept / dropped for sure; a
+    dropped block holds no kept token), and decide nearly every explicit token that the whole
+    row's bounds decide (TP = 1: 99.1% and 99.8% here; blocks by level alone, MASS_BLOCKS = 1,
+    97.3% and 98.0%)."""
+    wrong, decided, decided_one = _blocks_case(size)
+    assert wrong == 0
+    assert decided >= 0.985 * decided_one > 0, (decided, decided_one)
+
+
+def test_blocks_are_ranges_of_yhi():
+    """Every live token is in a block; blocks are ranges of ``yhi`` (block ids do not decrease
+    down the ``yhi`` order), and no block holds more than a share of the upper mass and a bin."""
+    g = torch.Generator().manual_seed(0)
+    phi = torch.randn(4, 3000, generator=g) * 3
+    live = torch.rand(phi.shape, generator=g) > 0.1
+    gap = phi.masked_fill(~live, -math.inf).amax(1, keepdim=True) - phi
+    idx = sharded_rows._block_of(gap, phi, live)
+    L = len(sharded_rows.LEVELS) + sharded_rows.MASS_BLOCKS
+    assert ((idx >= 0) & (idx < L))[live].all()
+    for r in range(4):
+        b, v = idx[r][live[r]], phi[r][live[r]]
+        order = v.argsort(descending=True)
+        assert (b[order].diff() >= 0).all()
+        w = torch.exp(v.double() - v.max())
+        mass = torch.zeros(L, dtype=torch.float64).index_add_(0, b, w) / w.sum()
+        fine = (gap[r][live[r]] * sharded_rows.FINE).floor().long()
+        binmass = torch.zeros(int(fine.max()) + 1, dtype=torch.float64).index_add_(0, fine, w) / w.sum()
+        assert mass.max() <= 1 / sharded_rows.MASS_BLOCKS + binmass.max() + 1e-12
+
+
+@pytest.mark.parametrize("field,change", (("lo", lambda t: t + 1.0), ("leh", lambda t: t - 0.5),
+                                          ("lel", lambda t: t + 0.5)))
+def test_blocks_with_a_broken_summary_are_caught(field, change, monkeypatch):
+    """Mutation of :func:`test_blocks_decide_min_p_and_top_p_soundly`: the blocks' smallest lower
+    bound raised, upper mass lowered or lower mass raised: top-p decides against vLLM's mask."""
+    real = sharded_rows._combine
+
+    def weak(G, R, V):
+        out = list(real(G, R, V))
+        setattr(out[3], field, change(getattr(out[3], field)))
+        return tuple(out)
+
+    monkeypatch.setattr(sharded_rows, "_combine", weak)
+    assert _blocks_case(2)[0] > 0
+
+
+def test_a_block_min_p_may_thin_keeping_its_lower_side_is_caught(monkeypatch):
+    """Broken bound: a block that min-p may thin (not kept as a whole) keeps its lower mass and
+    smallest lower bound for top-p (as before this check existed): tokens vLLM drops are kept
+    for sure (a row with min-p 0.02 and top-p about 0.8 at TP = 4)."""
+    from vllm_csv.sampling.outside import Outside
+
+    monkeypatch.setattr(Outside, "forget_lower", lambda self, blocks: self)
+    assert _blocks_case(4)[0] > 0

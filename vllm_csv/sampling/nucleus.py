@@ -15,6 +15,13 @@ while nothing underflows; we decide with the margin ``1e-5 + 2^-21 (|y_i| + |m|)
 certify nothing for ``min_p < 1e-20`` (its threshold could be subnormal).
 ``m`` lies in ``[max ylo, max yhi]``.
 
+min-p on part of the row (:func:`min_p_drops_on_part`, tensor parallelism: a rank sees its
+shard only). The part's ``m0 = max ylo`` over it is at most ``m``. Token ``i`` is dropped
+for every ``m >= m0`` once ``yhi_i - m0 < log(min_p) - eps`` with ``eps`` as above, ``|m|``
+replaced by ``ym0 >= |m0|``: what vLLM's evaluation must keep below 0,
+``yhi_i - m - log(min_p) + 8u + u(|y_i| + |m|)``, does not grow with ``m`` (its
+``u |m| - m`` has slope ``-1 +- u``), and it is below 0 at ``m0``.
+
 top-p (``apply_top_k_top_p_pytorch``): sorted ascending, token ``i`` is dropped iff the
 fp32 cumulative sum of probabilities up to and including it is ``<= 1 - p`` (the largest is
 always kept). In real arithmetic that sum is ``1 - A_i``, ``A_i`` the mass of the tokens
@@ -46,7 +53,12 @@ The outside blocks (:class:`~.outside.Outside`, tensor parallelism: tokens known
 per-row, per-block summaries only, ``-inf`` on both sides in ``ylo, yhi``). min-p: the maximum
 ``m`` may be a block token, so ``m <= max(max yhi, max hi)``; a block is dropped as a whole
 when ``hi - max ylo < log(min_p) - eps_b``, ``eps_b = 1e-5 + 2^-21 (absmax + |m|max)`` (at
-least every block token's own margin: ``|y_j| <= absmax``). top-p: each block's masses
+least every block token's own margin: ``|y_j| <= absmax``), and kept as a whole when
+``lo - m_hi >= log(min_p) + eps_b`` (every token's ``ylo_j >= lo``). A block not kept as a
+whole may lose tokens (their ``ylo_j`` becomes ``-inf``, as a single token's does): its lower
+mass is then only ``>= 0`` and its smallest lower bound ``-inf`` (``lel = lo = -inf``; its
+upper side stays an upper bound), so top-p neither counts its lower mass before a token nor
+places it after one. top-p: each block's masses
 (``e^lel``, ``e^leh``, shifted like the others) enter ``tot_h`` (the tail bound's "upper mass
 of all the rest") and every token's four sums as the tail's do, with the block's own
 threshold: every block token has ``yhi_j <= hi``, so it sorts before ``i`` when ``ylo_i > hi``
@@ -68,6 +80,14 @@ _U = 2.0**-24
 MIN_P_FLOOR = 1e-20
 TAIL_SCAN = 256  # highest lower bounds scanned one by one for the tail threshold (top-p)
 BISECT_STEPS = 12  # then bisection on the threshold, for rows with broad nuclei
+COMPACT_BELOW = 0.5  # decide on the columns not -inf in every row when fewer than this share (TP rows)
+
+
+def _min_p_margin(y_abs: torch.Tensor, m_abs: torch.Tensor) -> torch.Tensor:
+    """min-p's decision margin for tokens with ``|y_i| <= y_abs`` when ``|m| <= m_abs`` (float64):
+    ``1e-5 + 2^-21 (|y_i| + |m|)``, above vLLM's fp32 error ``8u + u(|y_i| + |m|)`` (module
+    docstring)."""
+    return 1e-5 + 2.0**-21 * (y_abs + m_abs)
 
 
 def min_p_bounds(ylo: torch.Tensor, yhi: torch.Tensor, min_p: torch.Tensor, outside: Outside | None = None):
@@ -89,7 +109,7 @@ def min_p_bounds(ylo: torch.Tensor, yhi: torch.Tensor, min_p: torch.Tensor, outs
         mhi = round_up32(torch.maximum(mhi.double(), outside.max_hi()[:, None]))
     logmp = torch.log(min_p.double().clamp_min(MIN_P_FLOOR))[:, None]
     ym = torch.maximum(mlo.abs(), mhi.abs()).double()
-    eps = 1e-5 + 2.0**-21 * (torch.maximum(ylo.abs(), yhi.abs()).double() + ym)
+    eps = _min_p_margin(torch.maximum(ylo.abs(), yhi.abs()).double(), ym)
     keep = (ylo.double() - mhi.double()) >= logmp + eps
     drop = (yhi.double() - mlo.double()) < logmp - eps
     usable = on & (min_p >= MIN_P_FLOOR)
@@ -99,10 +119,26 @@ def min_p_bounds(ylo: torch.Tensor, yhi: torch.Tensor, min_p: torch.Tensor, outs
     out = torch.where(on[:, None], new_lo, ylo), torch.where(on[:, None], new_hi, yhi)
     if outside is None:
         return out
-    # each block as one token: every y_j <= its hi and |y_j| <= its absmax
-    eps_b = 1e-5 + 2.0**-21 * (outside.absmax + ym)
+    # each block as one token: every y_j <= its hi, lo <= ylo_j and |y_j| <= its absmax
+    eps_b = _min_p_margin(outside.absmax, ym)
     drop_b = (outside.hi - mlo.double()) < logmp - eps_b
-    return (*out, outside.drop(drop_b & (usable & on)[:, None]))
+    keep_b = (outside.lo - mhi.double()) >= logmp + eps_b
+    unsure = ~(keep_b & usable[:, None]) & on[:, None]  # may lose tokens: its lower side is unknown
+    return (*out, outside.drop(drop_b & (usable & on)[:, None]).forget_lower(unsure))
+
+
+def min_p_drops_on_part(ylo: torch.Tensor, yhi: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """``[R, n]`` bool: tokens of part of each row (``ylo, yhi`` ``[R, n]`` float32, the rest
+    of the row unseen) that min-p (``[R]`` float32, ``0`` = off) drops whatever the rest holds
+    (module docstring, "min-p on part of the row")."""
+    usable = (min_p > 0) & (min_p >= MIN_P_FLOOR)
+    if ylo.shape[1] == 0 or not bool(usable.any()):
+        return torch.zeros_like(yhi, dtype=torch.bool)
+    m0 = ylo.amax(1, keepdim=True).double()
+    ym0 = torch.maximum(m0.abs(), yhi.amax(1, keepdim=True).double().abs())
+    logmp = torch.log(min_p.double().clamp_min(MIN_P_FLOOR))[:, None]
+    eps = _min_p_margin(torch.maximum(ylo.abs(), yhi.abs()).double(), ym0)
+    return ((yhi.double() - m0) < logmp - eps) & usable[:, None]
 
 
 def _prefix_before(sorted_vals: torch.Tensor, cums: torch.Tensor, thr: torch.Tensor, right: bool) -> torch.Tensor:
@@ -170,7 +206,7 @@ def _decide_packed(lo, hi, el, eh, t, p, eps, block=None) -> tuple[torch.Tensor,
     """``(keep, drop)`` ``[r, V]``: the tail ``yhi < t`` dropped, the other tokens packed into
     ``[r, n]`` (``-inf`` padding: no mass) and decided with the tail's masses added where they
     may count (module docstring, "the tail"), and the outside blocks' (``block = (hi, lower
-    mass, upper mass)``, each ``[r, L]``, module docstring, "the outside blocks")."""
+    lower bound, lower mass, upper mass)``, each ``[r, L]``, module docstring, "the outside blocks")."""
     r, V = lo.shape
     tail = hi < t[:, None]
     head = ~tail & (hi > -math.inf)
@@ -195,11 +231,13 @@ def _decide_packed(lo, hi, el, eh, t, p, eps, block=None) -> tuple[torch.Tensor,
     r_lo = r_lo + torch.where(above, tail_l, 0.0)
     r_hi = r_hi + tail_h
     if block is not None:
-        bhi, bel, beh = (x[:, None, :] for x in block)  # [r, 1, L]
+        bhi, blo, bel, beh = (x[:, None, :] for x in block)  # [r, 1, L]
         before = plo[:, :, None] > bhi  # every block token has yhi_j <= bhi < ylo_i: sorts before i
+        after = blo > phi[:, :, None]  # every block token has ylo_j >= blo > yhi_i: sorts after i
         n_hi = n_hi + torch.where(before, 0.0, beh).sum(2)
         r_lo = r_lo + torch.where(before, bel, 0.0).sum(2)
-        r_hi = r_hi + beh.sum(2)
+        n_lo = n_lo + torch.where(after, bel, 0.0).sum(2)
+        r_hi = r_hi + torch.where(after, 0.0, beh).sum(2)
     k, d = _decide(n_hi, r_lo, n_lo, r_hi, plo, p, eps)
     wide = torch.zeros((r, V + 1), dtype=torch.bool, device=lo.device)  # column V: padding
     return wide.scatter(1, cols, k)[:, :V], drop | wide.scatter(1, cols, d)[:, :V]
@@ -224,6 +262,23 @@ def _bisect_tail(lo, el, eh, tot_h, need, upper) -> torch.Tensor:
     return good
 
 
+def _live_columns(hi: torch.Tensor) -> torch.Tensor | None:
+    """The columns of ``hi [r, V]`` to decide on, or ``None`` for all: under tensor parallelism
+    the rows are ``-inf`` but for the explicit tokens (:mod:`.sharded_rows`). A column whose
+    ``yhi`` is ``-inf`` in every row has no mass, is never kept and stays ``-inf``; leaving it
+    out changes no decision so long as at least ``TAIL_SCAN + 1`` columns stay (the tail scan
+    and its bisection then see the same ``TAIL_SCAN`` highest lower bounds, ``-inf`` included)."""
+    V = hi.shape[1]
+    live = (hi != -math.inf).any(0)  # (NaN stays)
+    n = int(live.sum())
+    if n >= COMPACT_BELOW * V:
+        return None
+    short = min(TAIL_SCAN + 1, V) - n
+    if short > 0:
+        live[(~live).nonzero().squeeze(1)[:short]] = True
+    return live.nonzero().squeeze(1)
+
+
 def top_p_bounds(ylo: torch.Tensor, yhi: torch.Tensor, top_p: torch.Tensor, outside: Outside | None = None):
     """Apply top-p (``[R]`` float32, ``1`` = off) to bounds; see the module docstring.
     Returns ``(ylo, yhi)``, or ``(ylo, yhi, outside)`` when an outside block is given (see
@@ -234,13 +289,17 @@ def top_p_bounds(ylo: torch.Tensor, yhi: torch.Tensor, top_p: torch.Tensor, outs
     rows = on.nonzero().squeeze(1)
     lo, hi = ylo[rows].double(), yhi[rows].double()
     ob = None if outside is None else outside.rows(rows)
-    r, V = lo.shape
+    r, V_row = lo.shape
+    cols = _live_columns(hi)
+    if cols is not None:
+        lo, hi = lo[:, cols], hi[:, cols]
+    V = lo.shape[1]
     c = hi.masked_fill(hi == math.inf, -math.inf).amax(1, keepdim=True)
     if ob is not None:
         c = torch.maximum(c, ob.hi.masked_fill(ob.hi == math.inf, -math.inf).amax(1, keepdim=True))
     c = torch.where(torch.isfinite(c), c, torch.zeros_like(c))
     el, eh = torch.exp(lo - c), torch.exp(hi - c)  # -inf -> 0
-    eps = 2 * gamma(V) + 1e-6
+    eps = 2 * gamma(V_row) + 1e-6  # vLLM sums over the whole row
     p = top_p[rows].double()[:, None]
     tot_h = eh.sum(1, keepdim=True)
     if ob is not None:  # the blocks' masses [r, L], shifted like the others
@@ -263,8 +322,11 @@ def top_p_bounds(ylo: torch.Tensor, yhi: torch.Tensor, top_p: torch.Tensor, outs
     drop = torch.zeros_like(keep)
     for i in range(r):  # one row at a time: packed widths differ widely between rows
         s = slice(i, i + 1)
-        block = None if ob is None else (ob.hi[s], b_el[s], b_eh[s])
+        block = None if ob is None else (ob.hi[s], ob.lo[s], b_el[s], b_eh[s])
         keep[s], drop[s] = _decide_packed(lo[s], hi[s], el[s], eh[s], t[s], p[s], eps, block)
+    if cols is not None:
+        keep = torch.zeros((r, V_row), dtype=torch.bool, device=lo.device).index_copy_(1, cols, keep)
+        drop = torch.ones((r, V_row), dtype=torch.bool, device=lo.device).index_copy_(1, cols, drop)
     out_lo, out_hi = ylo.clone(), yhi.clone()
     out_lo[rows] = torch.where(keep, ylo[rows], -math.inf)
     out_hi[rows] = torch.where(drop, -math.inf, yhi[rows])

@@ -21,10 +21,12 @@ input ``y_j`` (after vLLM's logits processors and the temperature, before min-p 
   (the block's lower and upper softmax masses, as logs: no overflow);
 * ``absmax[:, l]``: ``max(|ylo_j|, |yhi_j|) <= absmax`` over the block's tokens (``inf`` if one
   of them has ``ylo_j = -inf``: then the block is never dropped by min-p, and a sampled row
-  is not certified).
+  is not certified);
+* ``lo[:, l]``: ``lo <= ylo_j`` (the block's smallest lower bound; ``+inf`` for an empty
+  block): top-p places the whole block after a token ``i`` when ``lo > yhi_i``.
 
-A summary that is larger (``hi``, ``noisy``, ``leh``, ``absmax``) or smaller (``lel``) than
-the truth keeps every decision sound; only certification gets rarer.
+A summary that is larger (``hi``, ``noisy``, ``leh``, ``absmax``) or smaller (``lel``, ``lo``)
+than the truth keeps every decision sound; only certification gets rarer.
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ class Outside:
     lel: torch.Tensor
     leh: torch.Tensor
     absmax: torch.Tensor
+    lo: torch.Tensor
 
     def _map(self, fn) -> Outside:
         return Outside(*(fn(f.name, getattr(self, f.name)) for f in fields(self)))
@@ -60,7 +63,14 @@ class Outside:
 
     def drop(self, blocks: torch.Tensor) -> Outside:
         """The blocks ``blocks`` (``[R, L]`` bool) certainly dropped (min-p / top-p): emptied."""
-        return self._map(lambda name, t: t.masked_fill(blocks, 0.0 if name == "absmax" else -math.inf))
+        empty = {"absmax": 0.0, "lo": math.inf}
+        return self._map(lambda name, t: t.masked_fill(blocks, empty.get(name, -math.inf)))
+
+    def forget_lower(self, blocks: torch.Tensor) -> Outside:
+        """The blocks ``blocks`` (``[R, L]`` bool) may have lost tokens to min-p (each such token's
+        ``ylo`` is then ``-inf``): their lower mass is only known to be ``>= 0`` and their
+        smallest lower bound ``>= -inf``."""
+        return self._map(lambda name, t: t.masked_fill(blocks, -math.inf) if name in ("lel", "lo") else t)
 
     def max_hi(self) -> torch.Tensor:
         """``[R]``: every block token's ``yhi`` is at most this."""
@@ -69,5 +79,5 @@ class Outside:
     def usable(self) -> torch.Tensor:
         """``[R]`` bool: no ``+inf`` / NaN upper summaries (else the row is not certified)."""
         bad = (self.hi == math.inf) | torch.isnan(self.hi) | torch.isnan(self.noisy) | torch.isnan(self.leh) | \
-            torch.isnan(self.lel) | torch.isnan(self.absmax)
+            torch.isnan(self.lel) | torch.isnan(self.absmax) | torch.isnan(self.lo)
         return ~bad.any(1)

@@ -12,17 +12,25 @@ is itself decided from gathered numbers):
    processors, penalties and temperature, run on a ``[R, V]`` copy whose other ranks' columns
    are ``-inf``: every such step is elementwise per (row, token) and maps ``-inf`` to
    ``-inf``, so the shard's columns come out as on the full row);
-2. per rank and row, the :data:`EXPLICIT` tokens of highest processed upper bound ``yhi`` and
+2. per rank and row, the tokens that min-p drops whatever the other ranks hold are left out
+   (:func:`~.nucleus.min_p_drops_on_part`: the rank's own largest lower bound is at most the
+   row's maximum; min-p's ``-inf`` is then exactly what the dense row has for them). Of the
+   others, the :data:`EXPLICIT` tokens of highest processed upper bound ``yhi`` and
    :data:`EXPLICIT` more of highest noisy upper bound ``yhi + g`` (sampled rows; ``g`` the
    Gumbel noise of the token's *global* id) are sent one by one: ``(id, ylo, yhi, value)``
    (``value`` the exact score, NaN while unscored). Every other token of the shard goes into
-   one of ``len(LEVELS) + 1`` blocks by how far its ``yhi`` lies below the largest of them
-   (:data:`LEVELS`; any split is sound, this one keeps top-p's masses sharp), each summed up
-   in :class:`~.outside.Outside` summaries (largest ``yhi``, largest ``fl64(yhi + g)``
-   rounded up, log-masses rounded outwards, largest ``|bound|``);
-3. **one all-gather** of ``[R, 2 EXPLICIT, 4] + [R, len(LEVELS) + 1, 5] + R + 1`` numbers per
-   rank (fp32; token ids are exact below ``2^24``): ``O(R k tp)``; the first round's also
-   carries the seeds (``2 R``) and the shared off-switch's pending step time (``1``);
+   one of ``L = len(LEVELS) + MASS_BLOCKS`` blocks, each a range of ``yhi``
+   (:func:`_block_of`): cut where the gap below the rank's largest ``yhi`` crosses one of
+   :data:`LEVELS` and where the upper mass ahead crosses one of :data:`MASS_BLOCKS` equal
+   shares (on a grid of ``1 / FINE``). Each block is summed up in
+   :class:`~.outside.Outside` summaries (largest ``yhi``, largest ``fl64(yhi + g)`` rounded
+   up, log-masses rounded outwards, largest ``|bound|``, smallest ``ylo``). Any partition is
+   sound; this one keeps what a token's top-p decision cannot place (the block its lower
+   bound falls in) within one share of the mass and one bin;
+3. **one all-gather** of ``[R, 2 EXPLICIT, 4] + [R, L, 6] + R + 1`` numbers per rank (fp32;
+   token ids are exact below ``2^24``; ``771 R + 1`` with the defaults): ``O(R (k + L) tp)``;
+   the first round's also carries the seeds (``2 R``) and the shared off-switch's pending step
+   time (``1``);
 4. every rank builds the same ``[R, V]`` bounds (the explicit tokens; ``-inf`` elsewhere), the
    same outside blocks (every rank's), applies min-p and top-p (:mod:`.nucleus`) and the draw
    certificate (:func:`~.certificate.certify_draw`), all with the blocks. A row is certified
@@ -51,14 +59,17 @@ from ..fp import round_down32, round_up32
 from .certificate import certify_draw
 from .gumbel import RowNoise, noise_bits, noise_of_bits
 from .head_adapter import HeadAdapter
-from .nucleus import min_p_bounds, top_p_bounds
+from .nucleus import min_p_bounds, min_p_drops_on_part, top_p_bounds
 from .outside import Outside
 from .rows import FIRST_GUESS, MAX_ROUNDS, Process, RowsResult, within_budget
 
 EXPLICIT = 16  # tokens a rank sends per row and key (highest yhi; highest yhi + g)
 NOISY_KEY = True  # the second key: yhi + g on sampled rows (False: yhi again; sound, certifies less)
-LEVELS = (0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, 8.0, 12.0, 16.0, 32.0)  # a rank's other tokens in blocks by yhi, this far below its largest
-_SUMMARIES = 5  # a block's hi, noisy, lel, leh, absmax
+# A rank's other tokens in blocks (_block_of), cut where yhi lies this far below the rank's largest,
+LEVELS = (0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, 8.0, 12.0, 16.0, 32.0)
+MASS_BLOCKS = 96  # and where the upper mass ahead crosses each 1 / MASS_BLOCKS of the blocks' total
+FINE = 16  # (both on a grid of 1 / FINE below the largest yhi, up to the last level)
+_SUMMARIES = 6  # a block's hi, noisy, lel, leh, absmax, lo
 
 
 def _lse_pad(x: torch.Tensor) -> torch.Tensor:
@@ -93,12 +104,14 @@ class ShardedAdapter:
         return g[:, :-1]
 
 
-def _explicit_and_block(plo, phi, vals, g, samp, finite, start):
+def _explicit_and_block(plo, phi, vals, g, samp, finite, start, min_p):
     """One rank's payload (step 2 of the module docstring): ``[R, 2E, 4]`` explicit tokens,
-    ``[R, L, 5]`` block summaries and ``[R]`` finite, flattened (fp32)."""
+    ``[R, L, 6]`` block summaries and ``[R]`` finite, flattened (fp32)."""
     R, n = phi.shape
+    dead = min_p_drops_on_part(plo, phi, min_p)  # dropped by min-p whatever the other ranks hold
+    plo, phi = plo.masked_fill(dead, -math.inf), phi.masked_fill(dead, -math.inf)
     dev = phi.device
-    E2, L = 2 * EXPLICIT, len(LEVELS) + 1
+    E2, L = 2 * EXPLICIT, len(LEVELS) + MASS_BLOCKS
     finite = finite & ~(torch.isnan(plo).any(1) | torch.isnan(phi).any(1))  # (the block maxima skip NaN)
     ex = torch.full((R, E2, 4), -math.inf, device=dev)
     ex[:, :, 0] = -1.0  # no token
@@ -106,6 +119,7 @@ def _explicit_and_block(plo, phi, vals, g, samp, finite, start):
     block = torch.empty((R, L, _SUMMARIES), device=dev)
     block[..., :4] = -math.inf
     block[..., 4] = 0.0
+    block[..., 5] = math.inf
     if n == 0:
         return torch.cat([ex.reshape(-1), block.reshape(-1), finite.float()])
     m1 = min(EXPLICIT, n)
@@ -122,7 +136,7 @@ def _explicit_and_block(plo, phi, vals, g, samp, finite, start):
     if bool(live.any()):
         # every live token in exactly one block (NaN / inf gaps in block 0)
         gap = phi.masked_fill(~live, -math.inf).amax(1, keepdim=True) - phi
-        lvl = torch.bucketize(gap.nan_to_num(nan=0.0), torch.tensor(LEVELS, device=dev)).clamp_(0, L - 1)
+        lvl = _block_of(gap.nan_to_num(nan=0.0), phi, live)
         idx = lvl.masked_fill_(~live, L)  # column L: the tokens in no block (explicit, or -inf)
         block[..., 0] = _seg_max(phi, idx, L)
         noisy = _seg_max(phi.double() + g, idx, L)
@@ -132,7 +146,36 @@ def _explicit_and_block(plo, phi, vals, g, samp, finite, start):
         block[..., 3] = round_up32(leh + _lse_pad(leh))
         mag = torch.maximum(plo.abs(), phi.abs())  # plo = -inf: inf (nothing is known of |y|)
         block[..., 4] = _seg_max(mag, idx, L).clamp_min(0.0)  # an empty block: 0
+        block[..., 5] = -_seg_max(-plo, idx, L)  # the smallest ylo (exact: a min of fp32); empty: +inf
     return torch.cat([ex.reshape(-1), block.reshape(-1), finite.float()])
+
+
+def _block_of(gap: torch.Tensor, phi: torch.Tensor, live: torch.Tensor) -> torch.Tensor:
+    """``[R, n]`` int64: each live token's block in ``[0, len(LEVELS) + MASS_BLOCKS)``.
+
+    ``gap`` (``>= 0``) is how far the token's ``yhi`` (``phi``) lies below the rank's largest.
+    Tokens are first put in bins of ``1 / FINE`` of gap (one bin past the last level); a bin's
+    block is the number of :data:`LEVELS` at or below its start plus how many
+    ``1 / MASS_BLOCKS`` shares of the live upper mass lie in the bins before it. Both parts
+    grow with the gap, so each block is a range of ``yhi`` with every level and share as a
+    boundary. (Any partition is sound. This one keeps a block's mass, hence what a token's
+    top-p decision cannot place, within one share and one bin, and the deep tail, little mass
+    but the largest noise, apart by level.)
+    """
+    R, n = phi.shape
+    dev = phi.device
+    nb = int(LEVELS[-1] * FINE) + 1
+    fine = (gap * FINE).floor_().clamp_(0, nb - 1).long()
+    fine.masked_fill_(~live, nb)
+    starts = torch.arange(nb, dtype=torch.float64, device=dev) / FINE
+    lpart = torch.bucketize(starts, torch.tensor(LEVELS, dtype=torch.float64, device=dev), right=True)
+    key = phi.masked_fill(~live, -math.inf).double()
+    w = torch.exp(key - key.amax(1, keepdim=True)).nan_to_num_(nan=0.0)  # live: in (0, 1]
+    mass = torch.zeros((R, nb + 1), dtype=torch.float64, device=dev).scatter_add_(1, fine, w)[:, :nb]
+    ahead = (mass.cumsum(1) - mass) / mass.sum(1, keepdim=True).clamp_min(1e-300)
+    mpart = (ahead * MASS_BLOCKS).floor_().long().clamp_(0, MASS_BLOCKS - 1)
+    table = torch.cat([lpart[None] + mpart, torch.zeros((R, 1), dtype=torch.long, device=dev)], 1)
+    return table.gather(1, fine)
 
 
 def _seg_max(x: torch.Tensor, idx: torch.Tensor, L: int) -> torch.Tensor:
@@ -159,7 +202,7 @@ def _combine(G: torch.Tensor, R: int, V: int):
     not an explicit scored token), the outside blocks (every rank's: ``[R, size L]``),
     ``finite [R]`` and the scored count."""
     size = G.shape[0]
-    E2, L = 2 * EXPLICIT, len(LEVELS) + 1
+    E2, L = 2 * EXPLICIT, len(LEVELS) + MASS_BLOCKS
     ne = R * E2 * 4
     ex = G[:, :ne].reshape(size, R, E2, 4).permute(1, 0, 2, 3).reshape(R, size * E2, 4)
     ids = ex[:, :, 0].long()
@@ -227,7 +270,7 @@ def certify_rows_sharded(adapter: ShardedAdapter, hidden: torch.Tensor, process:
         full_hi = full_lo.clone()
         full_lo[:, own], full_hi[:, own] = lo, hi
         plo, phi = (x[:, own] for x in process(full_lo, full_hi))
-        payload = _explicit_and_block(plo, phi, vals, g, samp, finite_l, s0)
+        payload = _explicit_and_block(plo, phi, vals, g, samp, finite_l, s0, min_p.to(dev))
         if rnd == 0:  # the seeds, in 16-bit halves (exact in fp32): rows whose seeds differ go dense
             payload = torch.cat([payload, (seeds >> 16).float(), (seeds & 0xFFFF).float()])
         G = adapter.gather(torch.cat([payload, torch.tensor([float(scored_here)], device=dev)]), rnd == 0)
