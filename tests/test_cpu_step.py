@@ -206,7 +206,7 @@ def test_select_candidates_at_the_threshold_bit_for_bit(with_scale):
     rs = torch.tensor([2.0**-2, 2.0**-2]) if with_scale else None
     args = list(_select_args(y, torch.ones(B, dtype=torch.long), 1, rs=rs, budget=V))
     args[5] = torch.ones(B, dtype=torch.bool)
-    _, hnorm, e, delta, tiny = args[2], args[3], args[4], args[10], args[8]
+    hnorm, delta, tiny = args[3], args[10], args[8]  # e is None: no activation term
     _, tau, _, _ = C.select_candidates_ref(*args)
     spread = args[6] * hnorm + args[8] + args[9]  # act 0 (e None): as the reference rounds it
     s = tau - spread
