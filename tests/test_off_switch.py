@@ -288,3 +288,28 @@ def test_head_leaves_the_switch_to_a_caller_that_asked_it():
         assert torch.equal(logits.argmax(1), (h @ W.T).argmax(1))
     sw = head.off_switch
     assert sw.dense_total == 0.0 and sw.excess == 0.0 and not sw._samples and sw.dense_seconds == {4: 1e-9}
+
+
+@pytest.mark.parametrize("kinds", [True, False])
+def test_credit_of_one_kind_of_step_is_not_spent_on_another(kinds):
+    """Greedy steps CSV pays for (half the dense time), then top-k steps it does not pay for
+    (twice the dense time): with a ledger per kind, the top-k steps turn CSV off after a step
+    or two and keep the promise on their own; with one ledger, greedy's banked credit (up to
+    ``credit_steps`` dense steps) is spent on them first."""
+    sw = OffSwitch()
+    for _ in range(100):
+        assert sw.allow(1, lambda: 1.0, "top1" if kinds else "") or True
+        sw.observe(1, 0.5)
+    tried = spent = 0.0
+    for _ in range(100):
+        if sw.allow(1, lambda: 1.0, "topk" if kinds else ""):
+            tried += 1
+            spent += 2.0
+            sw.observe(1, 2.0)
+        else:
+            spent += 1.0
+            sw.observe_dense(1, 1.0)
+    if kinds:
+        assert tried <= 4 and spent <= 100 * 1.02 + 2.0 + 1.0
+    else:
+        assert tried > 30

@@ -613,7 +613,8 @@ class CertifiedHead:
         stats.fallbacks["unsupported"] = stats.csv_rows - len(rows)
         sw = self.off_switch if use_switch else None
         tried = bool(rows)
-        if tried and sw is not None and not sw.allow(B, lambda: _time(lambda: dense_fn(hidden), hidden)):
+        kind = "top1" if all(ks[i] == 1 for i in rows) else "topk"  # the switch's ledger
+        if tried and sw is not None and not sw.allow(B, lambda: _time(lambda: dense_fn(hidden), hidden), kind):
             stats.fallbacks["off_switch"] = len(rows)
             tried = False
         self.last_certified = torch.zeros(B, dtype=torch.bool)

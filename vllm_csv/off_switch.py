@@ -21,6 +21,13 @@ faster one is never stopped. The ledger is one for all batch sizes: after a cost
 dense time ``d1``, a batch of dense time ``d2`` waits up to ``(r - 1) d1 / (tolerance d2)``
 steps for its retry.
 
+Ledgers by kind of step. The caller may name the kind of each step (:meth:`allow`'s
+``kind``: the plugin's are steps whose rows read only an argmax, steps with top-k rows, and
+steps with rows certified in the sampler), and each kind keeps its own ``excess`` and
+``dense_total``: the promise above holds for each ledger, hence for their sum, and the time a
+kind CSV pays for (greedy) is not spent on a kind it does not pay for (top-k rows that rarely
+certify), which then turns off on its own. Dense estimates stay per batch size.
+
 The promise is only as good as the dense estimate, so the estimate is measured *in place*:
 the median of the last :data:`WINDOW` dense steps of that batch size timed exactly as CSV
 steps are (same span of the same layer, in the serving loop, with the caches as the model's
@@ -46,15 +53,26 @@ class OffSwitch:
     def __init__(self, tolerance: float = 0.02, credit_steps: int = 64, probe_every: int = 32):
         self.tolerance, self.credit_steps, self.probe_every = tolerance, credit_steps, probe_every
         self.dense_seconds: dict[int, float] = {}  # current estimate per batch size
-        self.dense_total = 0.0
-        self.excess = 0.0
-        self.times_tripped = 0  # transitions from trying CSV to not trying
+        self._dense_total: dict[str, float] = {}  # per kind of step (module docstring)
+        self._excess: dict[str, float] = {}
+        self.times_tripped = 0  # transitions from trying CSV to not trying (any kind)
         self.probes = 0  # steps run dense to measure the dense head in place
-        self._on = True
+        self._on: dict[str, bool] = {}
+        self._kind = ""  # the kind of the step allow() started (observe() charges it)
         self._warm: set[int] = set()
         self._samples: dict[int, deque[float]] = {}
         self._since_probe: dict[int, int] = {}  # CSV steps since the batch size's last probe
         self._probed: set[int] = set()
+
+    @property
+    def dense_total(self) -> float:
+        """The dense head's time over every step seen, all kinds."""
+        return sum(self._dense_total.values())
+
+    @property
+    def excess(self) -> float:
+        """CSV's time minus the dense head's over the steps that tried CSV, all kinds."""
+        return sum(self._excess.values())
 
     def dense_estimate(self, batch: int, measure: Callable[[], float]) -> float:
         """The batch size's estimate; the first guess is one timed call of ``measure``. Once
@@ -65,14 +83,15 @@ class OffSwitch:
             self.dense_seconds[batch] = measure()
         return self.dense_seconds[batch]
 
-    def allow(self, batch: int, measure_dense: Callable[[], float]) -> bool:
-        """Start a step of ``batch`` rows: whether it may try CSV (else it runs dense, and the
-        caller reports its time with :meth:`observe_dense`)."""
-        self.dense_total += self.dense_estimate(batch, measure_dense)
-        on = self.excess <= self.tolerance * self.dense_total
-        if self._on and not on:
+    def allow(self, batch: int, measure_dense: Callable[[], float], kind: str = "") -> bool:
+        """Start a step of ``batch`` rows and of ``kind`` (its ledger): whether it may try CSV
+        (else it runs dense, and the caller reports its time with :meth:`observe_dense`)."""
+        self._kind = kind
+        total = self._dense_total[kind] = self._dense_total.get(kind, 0.0) + self.dense_estimate(batch, measure_dense)
+        on = self._excess.get(kind, 0.0) <= self.tolerance * total
+        if self._on.get(kind, True) and not on:
             self.times_tripped += 1
-        self._on = on
+        self._on[kind] = on
         if on and self.probe_every:
             n = self._since_probe.get(batch)
             if n is not None and n >= (self.probe_every if batch in self._probed else 1):
@@ -82,14 +101,15 @@ class OffSwitch:
                 return False
         return on
 
-    def observe(self, batch: int, seconds: float) -> None:
-        """Account a step that tried CSV and took ``seconds`` (after :meth:`allow`)."""
+    def observe(self, batch: int, seconds: float, kind: str | None = None) -> None:
+        """Account a step that tried CSV and took ``seconds`` (after :meth:`allow`), to the
+        ledger of ``kind`` (default: the kind the last :meth:`allow` named)."""
         self._since_probe[batch] = self._since_probe.get(batch, 0) + 1
         if batch not in self._warm:
             self._warm.add(batch)
             return
-        dense = self.dense_seconds[batch]
-        self.excess = max(self.excess + seconds - dense, -self.credit_steps * dense)
+        dense, kind = self.dense_seconds[batch], self._kind if kind is None else kind
+        self._excess[kind] = max(self._excess.get(kind, 0.0) + seconds - dense, -self.credit_steps * dense)
 
     def observe_dense(self, batch: int, seconds: float) -> None:
         """A dense step of ``batch`` rows timed in place (a probe, or CSV off): updates the

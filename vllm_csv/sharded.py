@@ -154,20 +154,21 @@ class SharedOffSwitch:
     def __init__(self, comm: Collective, tolerance: float = 0.02):
         self.comm = comm
         self.switch = OffSwitch(tolerance, probe_every=0)
-        self._pending: tuple[int, float] | None = None  # (batch, seconds) of the last CSV step
+        self._pending: tuple[int, float, str] | None = None  # (batch, seconds, kind) of the last CSV step
+        self._kind = ""
 
     @property
     def dense_seconds(self) -> dict[int, float]:
         return self.switch.dense_seconds
 
-    def allow(self, batch: int, measure_dense: Callable[[], float]) -> bool:
-        sw = self.switch
+    def allow(self, batch: int, measure_dense: Callable[[], float], kind: str = "") -> bool:
+        sw, self._kind = self.switch, kind
         if batch not in sw.dense_seconds:
             # one measurement: the plugin's dense function is computed at most once a step (a
             # second call returns the step's memo in microseconds, and min() would keep that)
             t = torch.tensor([measure_dense()], dtype=torch.float32)  # shm all-gather: no fp64
             sw.dense_seconds[batch] = float(self.comm.all_gather(t).max())  # one-off per batch size
-        return sw.allow(batch, lambda: sw.dense_seconds[batch])
+        return sw.allow(batch, lambda: sw.dense_seconds[batch], kind)
 
     def pending_tensor(self) -> torch.Tensor:
         """``[1]`` float32: this rank's time of the last CSV step not yet in the ledger (``-1``:
@@ -180,11 +181,11 @@ class SharedOffSwitch:
         rank's :meth:`pending_tensor`). Whether a step is pending is the same on every rank
         (the decisions that lead to it are)."""
         if self._pending is not None:
-            self.switch.observe(self._pending[0], float(gathered[:, 0].max()))
+            self.switch.observe(self._pending[0], float(gathered[:, 0].max()), self._pending[2])
             self._pending = None
 
     def observe(self, batch: int, seconds: float) -> None:
-        self._pending = (batch, seconds)
+        self._pending = (batch, seconds, self._kind)
 
     def observe_dense(self, batch: int, seconds: float) -> None:
         """Not sampled under tensor parallelism (see the class docstring)."""

@@ -90,7 +90,7 @@ class CSVLogitsProcessor(LogitsProcessor):
             # head's rows and the sampler's, which it charges together against the dense time of
             # all B rows), so the head does not ask it again for its rows.
             own_switch = sw is not None
-            if own_switch and not sw.allow(B, lambda: csv_head._time(dense_full, hidden_states)):
+            if own_switch and not sw.allow(B, lambda: csv_head._time(dense_full, hidden_states), "sampler"):
                 logits = dense_full().to(head.dtype)  # vLLM's own output: one GEMM, no copies
                 seconds = time.perf_counter() - t0
                 if not hidden_states.is_cuda:  # (CUDA: no sync to time it)
