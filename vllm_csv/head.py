@@ -250,7 +250,7 @@ class CertifiedHead:
         is the tighter bound, computed per column.)"""
         # a, and [a - E, a + E] rounded outwards to fp32 (one fused kernel on the CPU)
         coef = self._gamma + self._gamma64
-        if self.bias is None and cpu_step.uses_kernels(hidden) and hidden.dtype == self.dtype == self.weight.dtype:
+        if self.bias is None and cpu_step.uses_kernels(hidden) and hidden.dtype == self.dtype:
             # one fused kernel on the CPU, the engine's rounding included (cpu_step.score_intervals)
             *_, lower, upper, z = cpu_step.score_intervals(hidden, self.weight, ids, coef, self._tiny32)
             return z, lower, upper
@@ -666,8 +666,7 @@ class CertifiedHead:
 def _reasons(certified: torch.Tensor, ok: torch.Tensor, live: torch.Tensor) -> list[str | None]:
     """Per row: None if certified, else ``nonfinite`` (inputs or bounds unusable), ``budget``
     (too many candidates) or ``uncertified``. One host transfer for the batch."""
-    code = torch.where(certified, 0, torch.where(~ok, 1, torch.where(~live, 2, 3)))
-    return [cpu_step.REASONS[c] for c in code.tolist()]
+    return [cpu_step.REASONS[c] for c in cpu_step.outcome_codes(certified, ok, live).tolist()]
 
 
 def _stable_topk(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:

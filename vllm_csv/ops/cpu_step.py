@@ -86,7 +86,8 @@ def kernels_available() -> bool:
     return _load() is not None
 
 
-def _use(t: torch.Tensor) -> bool:
+def uses_kernels(t: torch.Tensor) -> bool:
+    """Whether the ops on ``t`` run the fused kernels (else their torch references)."""
     return t.device.type == "cpu" and _load() is not None
 
 
@@ -105,7 +106,7 @@ def prepare_rows_ref(h: torch.Tensor, certifiable: bool):
 
 
 def prepare_rows(h: torch.Tensor, certifiable: bool):
-    return torch.ops.vllm_csv_cpu.prepare_rows(h, certifiable) if _use(h) else prepare_rows_ref(h, certifiable)
+    return torch.ops.vllm_csv_cpu.prepare_rows(h, certifiable) if uses_kernels(h) else prepare_rows_ref(h, certifiable)
 
 
 # ---- quantize_act7 -------------------------------------------------------------------------
@@ -159,7 +160,7 @@ def quantize_act7_ref(h: torch.Tensor, s_min: float, s_max: float):
 
 
 def quantize_act7(h: torch.Tensor, s_min: float, s_max: float):
-    if _use(h):
+    if uses_kernels(h):
         return torch.ops.vllm_csv_cpu.quantize_act7(h, s_min, s_max)
     return quantize_act7_ref(h, s_min, s_max)
 
@@ -240,7 +241,7 @@ def select_candidates_ref(y, row_scale, k, hnorm, e, ok, rad_max: float, act_coe
 
 def select_candidates(y, row_scale, k, hnorm, e, ok, rad_max, act_coef, tiny, bslack_max, delta, limit,
                       babs_max, budget):
-    fn = torch.ops.vllm_csv_cpu.select_candidates if _use(y) else select_candidates_ref
+    fn = torch.ops.vllm_csv_cpu.select_candidates if uses_kernels(y) else select_candidates_ref
     return fn(y, row_scale, k, hnorm, e, ok, rad_max, act_coef, tiny, bslack_max, delta, limit, babs_max, budget)
 
 
@@ -272,14 +273,9 @@ def score_bounds_ref(h: torch.Tensor, w: torch.Tensor, ids: torch.Tensor, coef: 
 
 
 def score_intervals(h: torch.Tensor, w: torch.Tensor, ids: torch.Tensor, coef: float, tiny32: float):
-    if _use(h) and h.dtype == w.dtype:
+    if uses_kernels(h) and h.dtype == w.dtype:
         return torch.ops.vllm_csv_cpu.score_intervals(h, w, ids, coef, tiny32)
     return score_intervals_ref(h, w, ids, coef, tiny32)
-
-
-def uses_kernels(t: torch.Tensor) -> bool:
-    """Whether the ops on ``t`` run the fused kernels (else their torch references)."""
-    return _use(t)
 
 
 def single_valued(lower: torch.Tensor, upper: torch.Tensor) -> torch.Tensor:
@@ -310,7 +306,7 @@ def certify_topk_ref(z, lower, upper, k, outside_high, need_values):
 
 
 def certify_topk(z, lower, upper, k, outside_high, need_values):
-    fn = torch.ops.vllm_csv_cpu.certify_topk if _use(z) else certify_topk_ref
+    fn = torch.ops.vllm_csv_cpu.certify_topk if uses_kernels(z) else certify_topk_ref
     return fn(z, lower, upper, k, outside_high, need_values)
 
 
@@ -326,13 +322,17 @@ def finish_selection_ref(V: int, ids, z, in_top, ok, live, cert):
     B = ok.shape[0]
     exact = torch.full((B, V), -math.inf, dtype=z.dtype, device=z.device)
     exact[:, ids] = z.masked_fill(~in_top, -math.inf)
-    certified = ok & live & cert
-    code = torch.where(certified, 0, torch.where(~ok, 1, torch.where(~live, 2, 3)))
-    return exact, code
+    return exact, outcome_codes(ok & live & cert, ok, live)
+
+
+def outcome_codes(certified, ok, live) -> torch.Tensor:
+    """``[B]`` int64, indexes of :data:`REASONS`: 0 ``certified``, else 1 not ``ok``, 2 not
+    ``live``, 3 not certified."""
+    return torch.where(certified, 0, torch.where(~ok, 1, torch.where(~live, 2, 3)))
 
 
 def finish_selection(V: int, ids, z, in_top, ok, live, cert):
-    fn = torch.ops.vllm_csv_cpu.finish_selection if _use(z) else finish_selection_ref
+    fn = torch.ops.vllm_csv_cpu.finish_selection if uses_kernels(z) else finish_selection_ref
     return fn(V, ids, z, in_top, ok, live, cert)
 
 

@@ -69,6 +69,7 @@ NOISY_KEY = True  # the second key: yhi + g on sampled rows (False: yhi again; s
 LEVELS = (0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, 8.0, 12.0, 16.0, 32.0)
 MASS_BLOCKS = 96  # and where the upper mass ahead crosses each 1 / MASS_BLOCKS of the blocks' total
 FINE = 16  # (both on a grid of 1 / FINE below the largest yhi, up to the last level)
+BLOCKS = len(LEVELS) + MASS_BLOCKS  # blocks a rank sends per row
 _SUMMARIES = 6  # a block's hi, noisy, lel, leh, absmax, lo
 
 
@@ -111,7 +112,7 @@ def _explicit_and_block(plo, phi, vals, g, samp, finite, start, min_p):
     dead = min_p_drops_on_part(plo, phi, min_p)  # dropped by min-p whatever the other ranks hold
     plo, phi = plo.masked_fill(dead, -math.inf), phi.masked_fill(dead, -math.inf)
     dev = phi.device
-    E2, L = 2 * EXPLICIT, len(LEVELS) + MASS_BLOCKS
+    E2, L = 2 * EXPLICIT, BLOCKS
     finite = finite & ~(torch.isnan(plo).any(1) | torch.isnan(phi).any(1))  # (the block maxima skip NaN)
     ex = torch.full((R, E2, 4), -math.inf, device=dev)
     ex[:, :, 0] = -1.0  # no token
@@ -151,7 +152,7 @@ def _explicit_and_block(plo, phi, vals, g, samp, finite, start, min_p):
 
 
 def _block_of(gap: torch.Tensor, phi: torch.Tensor, live: torch.Tensor) -> torch.Tensor:
-    """``[R, n]`` int64: each live token's block in ``[0, len(LEVELS) + MASS_BLOCKS)``.
+    """``[R, n]`` int64: each live token's block in ``[0, BLOCKS)``.
 
     ``gap`` (``>= 0``) is how far the token's ``yhi`` (``phi``) lies below the rank's largest.
     Tokens are first put in bins of ``1 / FINE`` of gap (one bin past the last level); a bin's
@@ -202,7 +203,7 @@ def _combine(G: torch.Tensor, R: int, V: int):
     not an explicit scored token), the outside blocks (every rank's: ``[R, size L]``),
     ``finite [R]`` and the scored count."""
     size = G.shape[0]
-    E2, L = 2 * EXPLICIT, len(LEVELS) + MASS_BLOCKS
+    E2, L = 2 * EXPLICIT, BLOCKS
     ne = R * E2 * 4
     ex = G[:, :ne].reshape(size, R, E2, 4).permute(1, 0, 2, 3).reshape(R, size * E2, 4)
     ids = ex[:, :, 0].long()
