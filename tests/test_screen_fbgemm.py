@@ -1,6 +1,7 @@
-"""The int8 screen's FBGEMM backend (vllm_csv/screens/fbgemm.py): its bound, bit for bit
-against float64, adversarial inputs, certified top-k == dense top-k, a broken bound that the
-same checks catch, and a clean refusal where the op is missing."""
+"""The int8 screen on x86 (vllm_csv/screens/fbgemm.py), with each GEMM backend (FBGEMM, and the
+AVX512-VNNI kernel where this CPU has it): its bound, bit for bit against float64, adversarial
+inputs, certified top-k == dense top-k, a broken bound that the same checks catch, and a clean
+refusal where the op is missing."""
 
 import logging
 import os
@@ -13,6 +14,7 @@ import pytest
 import torch
 
 import vllm_csv.ops.fbgemm as fbops
+import vllm_csv.ops.int8_vnni as vnni
 import vllm_csv.screens.fbgemm as fbscreen
 from conftest import dense_topk, hidden_near_rows, peaked_head, same_bits
 from vllm_csv import CertifiedHead, HeadConfig
@@ -26,6 +28,16 @@ from vllm_csv.screens.quantized import QuantizedScreen
 ROOT = Path(__file__).parents[1]
 pytestmark = pytest.mark.skipif(fbops.unavailable_reason(8, 8) is not None,
                                 reason=f"FBGEMM unavailable: {fbops.unavailable_reason(8, 8)}")
+BACKENDS = ["fbgemm"] + (["vnni"] if vnni.unavailable_reason(8, 8) is None else [])
+
+
+@pytest.fixture(autouse=True, params=BACKENDS)
+def backend(request, monkeypatch):
+    """Every test here runs with each GEMM backend this machine has (the screen picks VNNI
+    where it can: pinning FBGEMM hides it)."""
+    if request.param == "fbgemm":
+        monkeypatch.setattr(vnni, "unavailable_reason", lambda d, V: "pinned to FBGEMM by the test")
+    return request.param
 
 
 def check_bound(screen, W, h, b=None):
@@ -138,7 +150,7 @@ def test_integer_gemm_is_bit_exact(d):
     W[0] = 1.0  # q = 127 everywhere
     W[1] = -1.0
     q, s = quantize_rows(W)
-    gemm = PackedInt8Linear(q, s)
+    gemm = fbscreen.int8_linear(q, s)
     p = torch.randint(-64, 64, (4, d), generator=g).float()
     p[0], p[1] = -64, 63
     for c in (1.0, 2.0**-14, 2.0**-3, 2.0**40):
@@ -246,14 +258,16 @@ def test_broken_bounds_are_caught():
     head = CertifiedHead(W, config=HeadConfig(screen="int8", budget=1.0))
     q, s = quantize_rows(W)
     noise = torch.randint(-40, 41, q.shape, generator=g, dtype=torch.int16)
-    head.screen.gemm = PackedInt8Linear((q.short() + noise).clamp(-127, 127).to(torch.int8), s)
+    head.screen.gemm = fbscreen.int8_linear((q.short() + noise).clamp(-127, 127).to(torch.int8), s)
     assert wrong_tokens(head, W, h) > 0
 
 
-def test_refuses_cleanly_without_the_op(monkeypatch, caplog):
+def test_refuses_cleanly_without_the_op(monkeypatch, caplog, backend):
     W, g = peaked_head(2003, 48, seed=1)
     h = hidden_near_rows(W, 8, g)
-    assert isinstance(make_screen("auto", W.bfloat16(), None), FbgemmInt8Screen)  # the CPU default
+    screen = make_screen("auto", W.bfloat16(), None)
+    assert isinstance(screen, FbgemmInt8Screen) and screen.backend == backend  # the CPU default
+    monkeypatch.setattr(vnni, "unavailable_reason", lambda d, V: "no VNNI (test)")
 
     def missing():
         raise AttributeError("_OpNamespace 'quantized' object has no attribute 'linear_dynamic'")
@@ -265,19 +279,23 @@ def test_refuses_cleanly_without_the_op(monkeypatch, caplog):
         auto = make_screen("auto", W, None)
         int8 = make_screen("int8", W, None)
     assert isinstance(auto, HalfScreen) and isinstance(int8, QuantizedScreen)
-    assert sum("FBGEMM backend unavailable" in r.getMessage() for r in caplog.records) == 2
+    assert sum("no exact x86 int8 GEMM" in r.getMessage() for r in caplog.records) == 2
     head = CertifiedHead(W, config=HeadConfig(screen="auto"))
     ids, _, _ = dense_topk(W, None, h, 1)
     assert torch.equal(head.topk(h, 1).ids, ids)
 
 
-def test_refuses_other_engines_and_a_failed_self_test(monkeypatch):
+def test_refuses_other_engines_and_a_failed_self_test(monkeypatch, backend):
     W, _ = peaked_head(501, 24, seed=2)
+    engine = torch.backends.quantized.engine
     if "qnnpack" in torch.backends.quantized.supported_engines:
         monkeypatch.setattr(torch.backends.quantized, "engine", "qnnpack")
-        with pytest.raises(CSVError, match="engine is 'qnnpack'"):
-            FbgemmInt8Screen(W, None)
-        monkeypatch.undo()
+        if backend == "fbgemm":
+            with pytest.raises(CSVError, match="engine is 'qnnpack'"):
+                FbgemmInt8Screen(W, None)
+        else:  # the VNNI kernel does not go through torch's quantized engine
+            assert FbgemmInt8Screen(W, None).backend == "vnni"
+        monkeypatch.setattr(torch.backends.quantized, "engine", engine)
     monkeypatch.setattr(fbscreen, "packed_int8_linear_ref", lambda p, q, s, c: packed_int8_linear_ref(p, q, s, c) + 1)
     with pytest.raises(CSVError, match="self-test"):
         FbgemmInt8Screen(W, None)

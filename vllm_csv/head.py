@@ -409,7 +409,7 @@ class CertifiedHead:
         # docstring's search, step by step; one fused kernel on the CPU)
         ids, tau, ok, live = cpu_step.select_candidates(
             y, rs, k, hnorm, out.e if out.n is not None else None, ok, self._rad_max, act_coef, self._tiny,
-            self._bias_slack(out.rel)[1], delta, self.engine.limit, self._babs_max, budget)
+            self._bias_slack(out.rel)[1], delta, self.engine.limit, self._babs_max, budget, out.block_max)
         n_scored = ids.numel()
         if n_scored >= kmax:
             z, lower, upper = self._score(hidden, ids, hnorm)

@@ -181,8 +181,9 @@ __attribute__((target_clones("avx512f", "avx2", "default"))) float block_max(con
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> select_candidates(
-    const at::Tensor& y_in, const c10::optional<at::Tensor>& row_scale, const at::Tensor& k_in,
-    const at::Tensor& hnorm_in, const c10::optional<at::Tensor>& e_in, const at::Tensor& ok_in, double rad_max,
+    const at::Tensor& y_in, const c10::optional<at::Tensor>& row_scale, const c10::optional<at::Tensor>& bmax_in,
+    const at::Tensor& k_in, const at::Tensor& hnorm_in, const c10::optional<at::Tensor>& e_in, const at::Tensor& ok_in,
+    double rad_max,
     double act_coef, double tiny, double bslack_max, double delta, double limit, double babs_max, int64_t budget) {
   TORCH_CHECK(y_in.dim() == 2 && y_in.scalar_type() == at::kFloat && y_in.device().is_cpu(),
               "select_candidates: y [B, V] float32 on the CPU");
@@ -220,14 +221,23 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> select_candidates(
   const float up = static_cast<float>(1.0 + delta), dn = static_cast<float>(1.0 - delta);
   const float eightu = static_cast<float>(8.0 * std::ldexp(1.0, -24));
 
-  // One read of y: block maxima (NaN propagates, as torch.amax), scaled by the row's scale.
+  // One read of y: block maxima (NaN propagates, as torch.amax), scaled by the row's scale;
+  // given (the GEMM took them in the same pass), only scaled.
   std::vector<float> bmax(B * nb);
+  const float* given = nullptr;
+  at::Tensor bmt;
+  if (bmax_in.has_value() && bmax_in->defined()) {
+    TORCH_CHECK(bmax_in->dim() == 2 && bmax_in->size(0) == B && bmax_in->size(1) == nb &&
+                    bmax_in->scalar_type() == at::kFloat, "select_candidates: bmax [B, ceil(V / BLOCK)] float32");
+    bmt = bmax_in->contiguous();
+    given = bmt.data_ptr<float>();
+  }
   at::parallel_for(0, B * nb, 64, [&](int64_t lo, int64_t hi) {
     for (int64_t q = lo; q < hi; ++q) {
       const int64_t b = q / nb, j = q % nb;
       const float* r = yp + b * V + j * BLOCK;
       const int64_t n = std::min(BLOCK, V - j * BLOCK);
-      float m = block_max(r, n);
+      float m = given ? given[q] : block_max(r, n);
       bmax[q] = rsp ? m * rsp[b] : m;
     }
   });
@@ -489,7 +499,7 @@ TORCH_LIBRARY(vllm_csv_cpu, m) {
   m.def("prepare_rows(Tensor h, bool certifiable) -> (Tensor, Tensor, Tensor)");
   m.def("quantize_act7(Tensor h, float s_min, float s_max) -> (Tensor, Tensor, Tensor, float)");
   m.def(
-      "select_candidates(Tensor y, Tensor? row_scale, Tensor k, Tensor hnorm, Tensor? e, Tensor ok, float rad_max, "
+      "select_candidates(Tensor y, Tensor? row_scale, Tensor? bmax, Tensor k, Tensor hnorm, Tensor? e, Tensor ok, float rad_max, "
       "float act_coef, float tiny, float bslack_max, float delta, float limit, float babs_max, int budget) "
       "-> (Tensor, Tensor, Tensor, Tensor)");
   m.def(

@@ -32,6 +32,7 @@ in the last bit of ``hnorm``, ``e``, ``a``, ``lo``, ``hi`` (``tests/test_cpu_ste
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import math
 import os
@@ -49,28 +50,32 @@ BLOCK = 256  # tokens a block: the candidate search reads y once, as block maxim
 K_MIN = -143  # rows with max|h| < 2^K_MIN are not quantised (t / 64 would not be an fp32)
 S_MIN = 2.0**-126  # smallest normal fp32
 ENV = "VLLM_CSV_CPU_KERNELS"  # "0": always the torch reference
-SOURCE = Path(__file__).resolve().parents[2] / "csrc" / "cpu" / "csv_cpu.cpp"
+SOURCES = tuple(Path(__file__).resolve().parents[2] / "csrc" / "cpu" / f for f in ("csv_cpu.cpp", "int8_vnni.cpp"))
 
 _state: dict = {}
 
 
-def _load():
+def load_ops():
     """``torch.ops.vllm_csv_cpu`` (built on first use), or None with the reason logged once."""
     if "ops" in _state:
         return _state["ops"]
     ops, why = None, None
     if os.environ.get(ENV, "1") == "0":
         why = f"{ENV}=0"
-    elif not SOURCE.exists():
-        why = f"{SOURCE} is not installed (an editable install of vllm-csv has it)"
+    elif not all(f.exists() for f in SOURCES):
+        why = f"{SOURCES[0].parent} is not installed (an editable install of vllm-csv has it)"
     else:
         try:
             from torch.utils.cpp_extension import load
 
             defs = dict(CSV_BLOCK=BLOCK, CSV_ACT_MIN=ACT_MIN, CSV_ACT_MAX=ACT_MAX, CSV_K_MIN=K_MIN,
                         CSV_C_MIN_LOG2=C_MIN_LOG2, CSV_C_MAX_LOG2=C_MAX_LOG2)
-            load("vllm_csv_cpu", [str(SOURCE)], is_python_module=False, verbose=False,
-                 extra_cflags=["-O3", "-ffp-contract=off", *(f"-D{k}={v}" for k, v in defs.items())])
+            flags = ["-O3", "-ffp-contract=off", *(f"-D{k}={v}" for k, v in defs.items())]
+            # One build directory per source version: two checkouts (or versions) on one machine
+            # would otherwise rebuild over each other's library, even while the other loads it.
+            digest = hashlib.sha256("\0".join([*(f.read_text() for f in SOURCES), *flags]).encode()).hexdigest()
+            load(f"vllm_csv_cpu_{digest[:12]}", [str(f) for f in SOURCES], is_python_module=False,
+                 verbose=False, extra_cflags=flags)
             ops = torch.ops.vllm_csv_cpu
         except Exception as e:  # no compiler, no ninja, a build error: the reference runs
             why = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
@@ -83,12 +88,12 @@ def _load():
 
 
 def kernels_available() -> bool:
-    return _load() is not None
+    return load_ops() is not None
 
 
 def uses_kernels(t: torch.Tensor) -> bool:
     """Whether the ops on ``t`` run the fused kernels (else their torch references)."""
-    return t.device.type == "cpu" and _load() is not None
+    return t.device.type == "cpu" and load_ops() is not None
 
 
 # ---- prepare_rows ---------------------------------------------------------------------------
@@ -183,7 +188,8 @@ def block_cols(blocks: torch.Tensor, V: int) -> torch.Tensor:
 
 
 def select_candidates_ref(y, row_scale, k, hnorm, e, ok, rad_max: float, act_coef: float, tiny: float,
-                          bslack_max: float, delta: float, limit: float, babs_max: float, budget: int):
+                          bslack_max: float, delta: float, limit: float, babs_max: float, budget: int,
+                          bmax: torch.Tensor | None = None):
     """The threshold search of :meth:`vllm_csv.head.CertifiedHead._select_two_sided` (its
     docstring has the argument): ``(ids [S] int64 ascending, tau [B] fp32, ok [B], live [B])``.
 
@@ -203,13 +209,16 @@ def select_candidates_ref(y, row_scale, k, hnorm, e, ok, rad_max: float, act_coe
         term ``delta`` and the engine's ``limit`` (:meth:`_select_two_sided`).
     budget : int
         Most candidates a row may have (more: not ``live``).
+    bmax : torch.Tensor, optional
+        ``[B, ceil(V / BLOCK)]`` fp32, :func:`block_max` of ``y`` when the screen's GEMM already
+        took it (:meth:`vllm_csv.ops.int8_vnni.VnniInt8Linear.linear_block_max`); else computed here.
 
     Every token outside ``ids`` has a dense upper bound ``< tau_b`` on every row that is
     ``ok & live``; rows that are not ``ok`` add no candidates."""
     B, V = y.shape
     rs = row_scale
     kmax = int(k.max())
-    bmax = block_max(y)  # [B, nb]: the one full read of y
+    bmax = block_max(y) if bmax is None else bmax  # [B, nb]: the one full read of y
     if rs is not None:
         bmax = bmax * rs[:, None]  # = the block maxima of fl(y * rs): exact and monotone
     if kmax == 1:
@@ -240,9 +249,12 @@ def select_candidates_ref(y, row_scale, k, hnorm, e, ok, rad_max: float, act_coe
 
 
 def select_candidates(y, row_scale, k, hnorm, e, ok, rad_max, act_coef, tiny, bslack_max, delta, limit,
-                      babs_max, budget):
-    fn = torch.ops.vllm_csv_cpu.select_candidates if uses_kernels(y) else select_candidates_ref
-    return fn(y, row_scale, k, hnorm, e, ok, rad_max, act_coef, tiny, bslack_max, delta, limit, babs_max, budget)
+                      babs_max, budget, bmax=None):
+    if uses_kernels(y):
+        return torch.ops.vllm_csv_cpu.select_candidates(y, row_scale, bmax, k, hnorm, e, ok, rad_max, act_coef, tiny,
+                                                        bslack_max, delta, limit, babs_max, budget)
+    return select_candidates_ref(y, row_scale, k, hnorm, e, ok, rad_max, act_coef, tiny, bslack_max, delta, limit,
+                                 babs_max, budget, bmax)
 
 
 # ---- score_intervals ------------------------------------------------------------------------
@@ -354,7 +366,7 @@ def _register_fakes() -> None:
         return h.new_empty(B, d + 2, dtype=f32), h.new_empty(B, dtype=f32), h.new_empty(B, dtype=f32), 1.0
 
     @torch.library.register_fake(lib + "select_candidates")
-    def _(y, row_scale, k, hnorm, e, ok, *scalars):
+    def _(y, row_scale, bmax, k, hnorm, e, ok, *scalars):
         B = y.shape[0]
         S = torch.library.get_ctx().new_dynamic_size()
         return (y.new_empty(S, dtype=torch.long), y.new_empty(B), y.new_empty(B, dtype=torch.bool),
@@ -375,5 +387,14 @@ def _register_fakes() -> None:
     @torch.library.register_fake(lib + "certify_topk")
     def _(z, lower, upper, k, outside_high, need_values):
         return z.new_empty(z.shape[0], dtype=torch.bool), z.new_empty(z.shape, dtype=torch.bool)
+
+    @torch.library.register_fake(lib + "pack_int8_vnni")
+    def _(q):
+        V, d = q.shape
+        return q.new_empty(-(-V // 32), -(-d // 4), 2, 16, 4)
+
+    @torch.library.register_fake(lib + "int8_vnni_linear")
+    def _(x, packed, zsum, s, V, d, block):
+        return s.new_empty(x.shape[0], V), s.new_empty(x.shape[0], -(-V // block) if block else 0)
 
     _state["fakes"] = True

@@ -75,6 +75,8 @@ class PackedInt8Linear:
         ``[V]`` float32, positive normal numbers.
     """
 
+    backend = "fbgemm"
+
     def __init__(self, q: torch.Tensor, s: torch.Tensor):
         V, d = q.shape
         reason = unavailable_reason(d, V)
@@ -95,17 +97,23 @@ class PackedInt8Linear:
     def __call__(self, p: torch.Tensor, c: float) -> torch.Tensor:
         """``p [B, d]`` float32 integers in ``[-64, 63]``, ``c = 2^j`` with ``-14 <= j <= 100``;
         returns ``[B, V]`` float32."""
-        B, d = p.shape
-        x = torch.empty((B, d + 2), dtype=torch.float32)
-        torch.mul(p, c, out=x[:, :d])  # exact: 7-bit integers times a power of two
-        x[:, d] = ACT_MIN * c
-        x[:, d + 1] = ACT_MAX * c
-        return self.linear(x)
+        return self.linear(act7_layout(p, c))
 
     def linear(self, x: torch.Tensor) -> torch.Tensor:
         """The GEMM on an input already laid out as :meth:`__call__` lays it out, ``[B, d + 2]``
         fp32 (:func:`vllm_csv.ops.cpu_step.quantize_act7` builds it in one pass)."""
         return self._linear(x, self.packed, True)
+
+
+def act7_layout(p: torch.Tensor, c: float) -> torch.Tensor:
+    """``x [B, d + 2] = [c p_b, -64 c, 63 c]`` fp32: the input layout of the int8 GEMMs (the two
+    extra columns force FBGEMM's quantisation parameters; see the module docstring)."""
+    B, d = p.shape
+    x = torch.empty((B, d + 2), dtype=torch.float32)
+    torch.mul(p, c, out=x[:, :d])  # exact: 7-bit integers times a power of two
+    x[:, d] = ACT_MIN * c
+    x[:, d + 1] = ACT_MAX * c
+    return x
 
 
 def packed_int8_linear_ref(p: torch.Tensor, q: torch.Tensor, s: torch.Tensor, c: float) -> torch.Tensor:

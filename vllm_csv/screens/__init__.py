@@ -48,6 +48,7 @@ class ScreenOut:
     e: torch.Tensor | None = None  # [B], e.g. the norm of the activation quantisation residual
     rel: float = 0.0  # plus rel * |y| (e.g. a half-precision rounding of the GEMM's output)
     row_scale: torch.Tensor | None = None  # [B]: when set, the center is fl(y * row_scale[:, None])
+    block_max: torch.Tensor | None = None  # [B, ceil(V / cpu_step.BLOCK)]: block maxima of y, when the GEMM took them
 
 
 from .ball import BallScreen  # noqa: E402
@@ -67,7 +68,7 @@ def _fbgemm_int8(weight: torch.Tensor, bias: torch.Tensor | None):
     try:
         return FbgemmInt8Screen(weight, bias)
     except CSVError as e:
-        logger.info("CSV screen int8: FBGEMM backend unavailable (%s); falling back", e)
+        logger.info("CSV screen int8: no exact x86 int8 GEMM (%s); falling back", e)
         return None
 
 

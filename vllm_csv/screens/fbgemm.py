@@ -1,4 +1,7 @@
-"""The int8 screen on x86 CPUs: FBGEMM's exact int8 GEMM (:mod:`vllm_csv.ops.fbgemm`).
+"""The int8 screen on x86 CPUs: an exact int8 GEMM, our AVX512-VNNI kernel
+(:mod:`vllm_csv.ops.int8_vnni`) where the CPU has VNNI and the CSV CPU kernels are built, else
+FBGEMM's (:mod:`vllm_csv.ops.fbgemm`); both return the same bits, chosen once when the screen is
+built (``backend``: ``"vnni"`` or ``"fbgemm"``).
 
 Weights: per-row symmetric int8, ``deq_i = s_i q_i`` (``s_i = max|w_i| / 127`` in fp32, at least
 ``2^-126`` so that it is a normal number; ``q_i = round(w_i / s_i)``), packed once.
@@ -9,9 +12,9 @@ Activations, per row ``b``: ``t_b = 2^k_b >= max_j |h_bj|`` (``frexp``: exact), 
 in ``[-64, 63]`` and ``f_b = h_b - (t_b / 64) p_b`` is exact in float64
 (``||f_b||_inf <= t_b / 64``). Rows with ``k_b < -143`` (``max|h_b| < 2^-143``) take ``p_b = 0``.
 
-The GEMM. With ``A_bi = <p_b, q_i>`` (an integer, ``|A| <= 64 * 128 * d``), FBGEMM returns
-``fl(fl(A_bi) c s_i)`` bit for bit (:class:`~vllm_csv.ops.fbgemm.PackedInt8Linear`), ``c`` a
-power of two:
+The GEMM. With ``A_bi = <p_b, q_i>`` (an integer, ``|A| <= 64 * 128 * d``), either backend
+returns ``fl(fl(A_bi) c s_i)`` bit for bit (:class:`~vllm_csv.ops.fbgemm.PackedInt8Linear`,
+:class:`~vllm_csv.ops.int8_vnni.VnniInt8Linear`), ``c`` a power of two:
 
 * one shared exponent (every row of the batch has the same ``t``, always at ``B = 1``), and
   ``2^-14 <= c = t / 64 <= 2^100`` with ``c s_i`` normal for every ``i``: ``y = fl(fl(A) c s_i)``;
@@ -38,7 +41,7 @@ last, in fp32. Non-finite ``h_b`` gets ``p_b = 0`` (its bound is ``nan``/``inf``
 sends that row dense) so that it cannot change the quantisation of the other rows. A product
 that overflows is ``inf``: that row goes dense too.
 
-Soundness rests on FBGEMM computing what the ops module says; the constructor checks it on
+Soundness rests on the GEMM computing what its ops module says; the constructor checks it on
 this machine (a probe batch at the activation extremes against the float64 reference, bit for
 bit) and refuses (:class:`~vllm_csv.errors.CSVError`) where anything differs or is missing,
 so there is no call-time refusal.
@@ -53,6 +56,7 @@ from ..errors import CSVError
 from ..fp import FP32_UNIT_ROUNDOFF, round_up32
 from ..ops import cpu_step
 from ..ops.cpu_step import S_MIN, fold_scale
+from ..ops import int8_vnni
 from ..ops.fbgemm import ACT_MAX, ACT_MIN, C_MAX_LOG2, C_MIN_LOG2, PackedInt8Linear, packed_int8_linear_ref
 from .copy_error import copy_error_norms
 from .quantized import quantize
@@ -73,8 +77,18 @@ def quantize_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q, s
 
 
+def int8_linear(q: torch.Tensor, s: torch.Tensor):
+    """The fastest exact int8 GEMM here for ``q [V, d]``, ``s [V]``: the VNNI kernel, else FBGEMM
+    (:class:`~vllm_csv.errors.CSVError` where neither runs)."""
+    why = int8_vnni.unavailable_reason(*q.shape[::-1])
+    if why is None:
+        return int8_vnni.VnniInt8Linear(q, s)
+    return PackedInt8Linear(q, s)
+
+
 class FbgemmInt8Screen:
-    """Per-row int8 copy of the head, scored by FBGEMM's exact int8 GEMM (x86 CPUs).
+    """Per-row int8 copy of the head, scored by an exact int8 GEMM on x86 CPUs (AVX512-VNNI
+    kernel or FBGEMM: :func:`int8_linear`).
 
     Parameters
     ----------
@@ -85,7 +99,6 @@ class FbgemmInt8Screen:
     """
 
     name = "int8"
-    backend = "fbgemm"
     two_sided = True
     defers_row_scale = True  # center_radius(h, defer_row_scale=True) is understood
 
@@ -96,7 +109,8 @@ class FbgemmInt8Screen:
         q, s = quantize_rows(weight)
         if not bool(torch.isfinite(s).all()) or float(s.max()) * 2.0**C_MAX_LOG2 >= 2.0**127:
             raise CSVError("LM head has non-finite or huge (> 1e36) weights")
-        self.gemm = PackedInt8Linear(q, s)
+        self.gemm = int8_linear(q, s)
+        self.backend = self.gemm.backend
         self.s = s
         r, n = copy_error_norms(weight, lambda a, b: q[a:b].double() * s[a:b, None].double(), chunk)
         slack = 1 + 4 * FP32_UNIT_ROUNDOFF
@@ -104,7 +118,10 @@ class FbgemmInt8Screen:
         self.n = round_up32(n) * slack
         self.s_min, self.s_max = float(s.min()), float(s.max())
         self.bias = None if bias is None else bias.float()
-        self.extra_bytes = V * (d + 2) + V * 4 * 5  # packed int8; col offsets, scales, zero points, r, n
+        # The VNNI GEMM hands back y's block maxima (ScreenOut.block_max) where y is its output
+        # as is (no bias added after it).
+        self._fused_block_max = bias is None and isinstance(self.gemm, int8_vnni.VnniInt8Linear)
+        self.extra_bytes = V * (d + 2) + V * 4 * 5  # packed int8; col offsets / row sums, scales, zero points, r, n
         self._self_test(q, s)
 
     def _self_test(self, q: torch.Tensor, s: torch.Tensor) -> None:
@@ -122,7 +139,7 @@ class FbgemmInt8Screen:
             got = self.gemm(p, c)[:, rows]
             want = packed_int8_linear_ref(p, q[rows], s[rows], c)
             if not torch.equal(got, want):
-                raise CSVError("FBGEMM's int8 GEMM is not exact on this machine (self-test)")
+                raise CSVError(f"the {self.backend} int8 GEMM is not exact on this machine (self-test)")
 
     def _fold_scale(self, k: int) -> float | None:
         """``c = 2^(k - 6)`` if FBGEMM can apply it exactly (see the module docstring), else None."""
@@ -135,7 +152,8 @@ class FbgemmInt8Screen:
         returned unscaled, ``y_raw = fl(fl(A) s_i)``, with ``row_scale [B] = t_b / 64``: the
         center is ``fl(y_raw * row_scale)``, the very product this method would otherwise take
         over all of ``[B, V]``; a caller that needs only a few columns (or block maxima: the
-        product is monotone) saves that pass."""
+        product is monotone) saves that pass. With the VNNI backend and no bias, ``block_max``
+        holds :func:`~vllm_csv.ops.cpu_step.block_max` of the returned ``y``, taken in the GEMM."""
         from . import ScreenOut
 
         B = h.shape[0]
@@ -145,14 +163,18 @@ class FbgemmInt8Screen:
         # The activations: t_b, p_b and e_b of the module docstring, and the folded scale c
         # (0.0: rows scaled one by one). One fused kernel on the CPU (vllm_csv.ops.cpu_step).
         x, scale, e, c = cpu_step.quantize_act7(h, self.s_min, self.s_max)
-        y = self.gemm.linear(x)
+        bmax = None
+        if self._fused_block_max:
+            y, bmax = self.gemm.linear_block_max(x, cpu_step.BLOCK)  # the search's block maxima, same pass
+        else:
+            y = self.gemm.linear(x)
         row_scale = None
         if not c:
             row_scale = scale
             if not defer_row_scale or self.bias is not None:
                 y.mul_(row_scale[:, None])  # exact unless subnormal
-                row_scale = None
-        out = ScreenOut(y, self.radius, True, self.n, e, REL, row_scale)
+                row_scale, bmax = None, None
+        out = ScreenOut(y, self.radius, True, self.n, e, REL, row_scale, bmax)
         if self.bias is not None:
             out.y += self.bias
         return out

@@ -1,0 +1,225 @@
+// The int8 screen's GEMM with AVX512-VNNI (vpdpbusd), for the batches a decode step has.
+//
+// Computes exactly what FBGEMM's dynamic int8 linear returns for the screen's inputs
+// (vllm_csv/ops/fbgemm.py, vllm_csv/ops/int8_vnni.py):
+//
+//   y[b, i] = fl(fl(A[b, i]) * fl(c * s[i])),  A[b, i] = sum_k (code[b, k] - 64) * q[i, k]
+//
+// with uint8 codes in [0, 127] (the 7-bit activations p + 64), int8 q, fp32 s and a power of two
+// c. vpdpbusd multiplies unsigned by signed bytes and adds groups of four into int32 lanes
+// without saturation; |sum_k code * q| <= 127 * 128 * d < 2^31 for the d the caller allows, so
+// the int32 sums are exact, and A = sum code * q - 64 * rowsum(q) is exact in int32 too.
+// cvtdq2ps and mulps round to nearest even (MXCSR's default, which torch leaves alone): the
+// same two roundings as FBGEMM's ReQuantizeForFloat and the torch reference.
+//
+// Weight layout (pack_int8_vnni): rows in tiles of 16, k in groups of 4, a tile of one group is
+// one 64-byte vector [16 rows][4 k] (vpdpbusd's operand); tiles follow each other, so a
+// thread streams its row range once. Rows past V and k past d are zero.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <immintrin.h>
+
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <tuple>
+
+namespace {
+
+constexpr int64_t TILE = 16;  // rows a tile (int32 lanes of a zmm)
+constexpr int64_t GROUP = 4;  // k a group (bytes vpdpbusd sums into one lane)
+constexpr int64_t BT = 8;     // batch rows a pass keeps in registers
+constexpr int64_t PANEL = 2 * TILE;  // rows a panel (two tiles, interleaved by group)
+constexpr int64_t PREFETCH = 16;  // groups ahead (2 KB) the panel loop prefetches
+
+bool cpu_has_vnni() {
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+         __builtin_cpu_supports("avx512vnni");
+}
+
+// One panel (32 rows, two tiles) for NB batch rows: acc0[b], acc1[b] = sum_k code[b, k] q[row, k]
+// for the panel's two tiles. Each broadcast activation group feeds both tiles, whose vpdpbusd
+// chains are independent; the panel is one sequential stream of 128 bytes a group.
+template <int NB>
+__attribute__((target("avx512f,avx512bw,avx512vnni"))) inline void panel_dot(
+    const int8_t* w, const uint32_t* codes, int64_t groups, __m512i* acc0, __m512i* acc1) {
+  for (int b = 0; b < NB; ++b) acc0[b] = acc1[b] = _mm512_setzero_si512();
+  for (int64_t g = 0; g < groups; ++g) {
+    _mm_prefetch(reinterpret_cast<const char*>(w + (g + PREFETCH) * 128), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(w + (g + PREFETCH) * 128 + 64), _MM_HINT_T0);
+    const __m512i x0 = _mm512_loadu_si512(w + g * 128);
+    const __m512i x1 = _mm512_loadu_si512(w + g * 128 + 64);
+    for (int b = 0; b < NB; ++b) {
+      const __m512i a = _mm512_set1_epi32(codes[b * groups + g]);
+      acc0[b] = _mm512_dpbusd_epi32(acc0[b], a, x0);
+      acc1[b] = _mm512_dpbusd_epi32(acc1[b], a, x1);
+    }
+  }
+}
+
+// y[b, rows r0 .. r0 + 15] = fl(fl(acc[b] - 64 rowsum) * fl(c s_i)); rows past V are neither
+// stored nor counted in the running block maxima mx[b] (nan[b]: a NaN was seen, as torch's amax
+// propagates it).
+template <int NB>
+__attribute__((target("avx512f,avx512bw,avx512vnni"))) inline void store_tile(
+    const __m512i* acc, const int32_t* zsum, const float* sv, float c, float* y, int64_t V, int64_t r0,
+    __m512* mx, __mmask16* nan) {
+  if (r0 >= V) return;
+  const __m512i z = _mm512_loadu_si512(zsum + r0);                               // 64 * rowsum(q)
+  const __m512 s = _mm512_mul_ps(_mm512_loadu_ps(sv + r0), _mm512_set1_ps(c));  // fl(c * s_i)
+  const int64_t n = V - r0 < TILE ? V - r0 : TILE;
+  const __mmask16 m = n == TILE ? (__mmask16)0xFFFF : (__mmask16)((1u << n) - 1);
+  for (int b = 0; b < NB; ++b) {
+    const __m512 v = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(acc[b], z)), s);
+    _mm512_mask_storeu_ps(y + b * V + r0, m, v);
+    mx[b] = _mm512_mask_max_ps(mx[b], m, mx[b], v);
+    nan[b] |= _mm512_mask_cmp_ps_mask(m, v, v, _CMP_UNORD_Q);
+  }
+}
+
+// Chunks k0 .. k1 of ppc panels each: y, and (bmax not null) each chunk's maximum per batch row,
+// bmax[b, k] (a chunk is one block of the candidate search when ppc = block / 32).
+template <int NB>
+__attribute__((target("avx512f,avx512bw,avx512vnni"))) void panels(
+    const int8_t* packed, const int32_t* zsum, const float* sv, float c, const uint32_t* codes, float* y,
+    int64_t groups, int64_t V, int64_t np, int64_t ppc, int64_t k0, int64_t k1, float* bmax, int64_t nblk) {
+  __m512i acc0[NB], acc1[NB];
+  __m512 mx[NB];
+  __mmask16 nan[NB];
+  for (int64_t k = k0; k < k1; ++k) {
+    for (int b = 0; b < NB; ++b) {
+      mx[b] = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+      nan[b] = 0;
+    }
+    const int64_t pe = (k + 1) * ppc < np ? (k + 1) * ppc : np;
+    for (int64_t p = k * ppc; p < pe; ++p) {
+      panel_dot<NB>(packed + p * groups * 128, codes, groups, acc0, acc1);
+      store_tile<NB>(acc0, zsum, sv, c, y, V, p * PANEL, mx, nan);
+      store_tile<NB>(acc1, zsum, sv, c, y, V, p * PANEL + TILE, mx, nan);
+    }
+    if (bmax != nullptr)
+      for (int b = 0; b < NB; ++b)
+        bmax[b * nblk + k] = nan[b] ? std::numeric_limits<float>::quiet_NaN() : _mm512_reduce_max_ps(mx[b]);
+  }
+}
+
+using PanelFn = void (*)(const int8_t*, const int32_t*, const float*, float, const uint32_t*, float*, int64_t,
+                         int64_t, int64_t, int64_t, int64_t, int64_t, float*, int64_t);
+const PanelFn PANEL_FNS[BT] = {panels<1>, panels<2>, panels<3>, panels<4>, panels<5>, panels<6>, panels<7>, panels<8>};
+
+}  // namespace
+
+bool int8_vnni_supported() { return cpu_has_vnni(); }
+
+// q [V, d] int8 -> [ceil(V / 32), ceil(d / 4), 2, 16, 4] int8, zero padded: panel p, group g,
+// tile j, lane l holds q[32 p + 16 j + l, 4 g .. 4 g + 3].
+at::Tensor pack_int8_vnni(const at::Tensor& q) {
+  TORCH_CHECK(q.dim() == 2 && q.scalar_type() == at::kChar && q.device().is_cpu(), "q: [V, d] int8 CPU");
+  const auto qc = q.contiguous();
+  const int64_t V = qc.size(0), d = qc.size(1);
+  const int64_t np = (V + PANEL - 1) / PANEL, groups = (d + GROUP - 1) / GROUP;
+  auto out = at::zeros({np, groups, PANEL / TILE, TILE, GROUP}, qc.options());
+  const int8_t* src = qc.data_ptr<int8_t>();
+  int8_t* dst = out.data_ptr<int8_t>();
+  at::parallel_for(0, np, 16, [&](int64_t p0, int64_t p1) {
+    for (int64_t p = p0; p < p1; ++p)
+      for (int64_t r = 0; r < PANEL && p * PANEL + r < V; ++r) {
+        const int8_t* row = src + (p * PANEL + r) * d;
+        for (int64_t k = 0; k < d; ++k) dst[((p * groups + k / GROUP) * PANEL + r) * GROUP + k % GROUP] = row[k];
+      }
+  });
+  return out;
+}
+
+// The codes p + 64 of x = [c p_b, -64 c, 63 c] ([B, d + 2] fp32, c a power of two shared by the
+// rows), zero padded to 4 * groups columns; refuses any other input (the no-saturation
+// condition is checked on every call).
+at::Tensor act7_codes(const at::Tensor& x, int64_t d, int64_t groups, float* c_out) {
+  TORCH_CHECK(x.dim() == 2 && x.size(1) == d + 2 && x.scalar_type() == at::kFloat && x.is_contiguous(),
+              "x: [B, d + 2] float32, contiguous");
+  const int64_t B = x.size(0);
+  auto codes = at::zeros({B, groups * GROUP}, x.options().dtype(at::kByte));
+  if (B == 0) return codes;
+  const float* xp = x.data_ptr<float>();
+  const float c = xp[d + 1] / (float)CSV_ACT_MAX;  // exact: 63 c / 63
+  int e = 0;
+  TORCH_CHECK(std::isfinite(c) && c > 0.f && std::frexp(c, &e) == 0.5f && std::fpclassify(c) == FP_NORMAL,
+              "int8_vnni_linear: the scale c is not a normal power of two");
+  const float inv = 1.f / c;  // exact: a power of two
+  uint8_t* out = codes.data_ptr<uint8_t>();
+  bool ok = true;
+  for (int64_t b = 0; b < B; ++b) {
+    const float* r = xp + b * (d + 2);
+    ok = ok && r[d] == (float)CSV_ACT_MIN * c && r[d + 1] == (float)CSV_ACT_MAX * c;
+    for (int64_t k = 0; k < d; ++k) {
+      const float v = r[k] * inv;
+      ok = ok && v >= (float)CSV_ACT_MIN && v <= (float)CSV_ACT_MAX && v == std::nearbyint(v);
+      out[b * groups * GROUP + k] = ok ? (uint8_t)((int)v - CSV_ACT_MIN) : 0;
+    }
+  }
+  TORCH_CHECK(ok, "int8_vnni_linear: input is not c times 7-bit integers (the screen's layout)");
+  *c_out = c;
+  return codes;
+}
+
+// y [B, V] fp32 = fl(fl(sum_k (code[b, k] - 64) q[i, k]) * fl(c s_i)) for x = [c p_b, -64 c, 63 c]
+// ([B, d + 2] fp32; q [V, d] packed by pack_int8_vnni), and with block > 0 (a multiple of 32) the
+// maxima of y over consecutive blocks of that many tokens, [B, ceil(V / block)] (else [B, 0]).
+// zsum [32 * panels] int32 = 64 * rowsum(q); s [32 * panels] fp32 (both zero past V).
+std::tuple<at::Tensor, at::Tensor> int8_vnni_linear(const at::Tensor& x, const at::Tensor& packed,
+                                                    const at::Tensor& zsum, const at::Tensor& s, int64_t V,
+                                                    int64_t d, int64_t block) {
+  TORCH_CHECK(cpu_has_vnni(), "int8_vnni_linear needs AVX512-VNNI");
+  TORCH_CHECK(packed.dim() == 5 && packed.size(2) == PANEL / TILE && packed.size(3) == TILE &&
+                  packed.size(4) == GROUP && packed.is_contiguous() && packed.scalar_type() == at::kChar,
+              "packed: pack_int8_vnni's layout");
+  const int64_t np = packed.size(0), groups = packed.size(1);
+  TORCH_CHECK(V > (np - 1) * PANEL && V <= np * PANEL, "V does not match the packed weight");
+  TORCH_CHECK(zsum.scalar_type() == at::kInt && zsum.numel() == np * PANEL && zsum.is_contiguous(), "zsum");
+  TORCH_CHECK(s.scalar_type() == at::kFloat && s.numel() == np * PANEL && s.is_contiguous(), "s");
+  TORCH_CHECK(d > GROUP * (groups - 1) && d <= GROUP * groups, "d does not match the packed weight");
+  TORCH_CHECK(block >= 0 && block % PANEL == 0, "block: 0 or a multiple of 32");
+  float c = 1.f;
+  const auto codes = act7_codes(x, d, groups, &c);
+  const int64_t B = x.size(0);
+  const int64_t ppc = block > 0 ? block / PANEL : 8;  // panels a chunk (a block when block > 0)
+  const int64_t nchunk = (np + ppc - 1) / ppc;
+  auto y = at::empty({B, V}, s.options());
+  auto bmax = at::empty({B, block > 0 ? nchunk : 0}, s.options());
+  if (B == 0) return {y, bmax};
+  const int8_t* w = packed.data_ptr<int8_t>();
+  const int32_t* z = zsum.data_ptr<int32_t>();
+  const float* sc = s.data_ptr<float>();
+  const uint32_t* cp = reinterpret_cast<const uint32_t*>(codes.data_ptr<uint8_t>());
+  float* out = y.data_ptr<float>();
+  float* bm = block > 0 ? bmax.data_ptr<float>() : nullptr;
+  // Chunks split over the threads; each thread streams its panels once per batch tile of BT
+  // rows (one pass at decode batches, B <= 8).
+  at::parallel_for(0, nchunk, 1, [&](int64_t k0, int64_t k1) {
+    for (int64_t b0 = 0; b0 < B; b0 += BT) {
+      const int64_t nb = B - b0 < BT ? B - b0 : BT;
+      PANEL_FNS[nb - 1](w, z, sc, c, cp + b0 * groups, out + b0 * V, groups, V, np, ppc, k0, k1,
+                        bm == nullptr ? nullptr : bm + b0 * nchunk, nchunk);
+    }
+  });
+  return {y, bmax};
+}
+
+TORCH_LIBRARY_FRAGMENT(vllm_csv_cpu, m) {
+  m.def("int8_vnni_supported() -> bool");
+  m.def("pack_int8_vnni(Tensor q) -> Tensor");
+  m.def("int8_vnni_linear(Tensor x, Tensor packed, Tensor zsum, Tensor s, int V, int d, int block) -> (Tensor, Tensor)");
+}
+
+TORCH_LIBRARY_IMPL(vllm_csv_cpu, CPU, m) {
+  m.impl("pack_int8_vnni", &pack_int8_vnni);
+  m.impl("int8_vnni_linear", &int8_vnni_linear);
+}
+
+TORCH_LIBRARY_IMPL(vllm_csv_cpu, CompositeExplicitAutograd, m) {
+  m.impl("int8_vnni_supported", &int8_vnni_supported);
+}

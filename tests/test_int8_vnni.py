@@ -1,0 +1,156 @@
+"""The AVX512-VNNI int8 GEMM (csrc/cpu/int8_vnni.cpp, vllm_csv/ops/int8_vnni.py) against its torch
+reference and FBGEMM, bit for bit, over head shapes x batches x scales x code extremes, and its
+refusal of inputs outside the 7-bit layout."""
+
+import pytest
+import torch
+
+from vllm_csv.ops import cpu_step
+from vllm_csv.ops import int8_vnni as vnni
+from vllm_csv.ops.fbgemm import PackedInt8Linear, act7_layout, packed_int8_linear_ref
+from vllm_csv.screens.fbgemm import quantize_rows
+
+pytestmark = pytest.mark.skipif(vnni.unavailable_reason(8, 8) is not None,
+                                reason=f"VNNI kernel unavailable: {vnni.unavailable_reason(8, 8)}")
+
+
+def extreme_inputs(B, d, g):
+    """Random 7-bit codes, with rows at every extreme: all -64, all 63, alternating."""
+    p = torch.randint(-64, 64, (B, d), generator=g).float()
+    for i, row in enumerate((-64.0, 63.0, None)[:B]):
+        if row is None:
+            p[i, ::2], p[i, 1::2] = -64, 63
+        else:
+            p[i] = row
+    return p
+
+
+def extreme_weights(V, d, g):
+    """int8 rows at +-127 / -128 (the accumulator's extremes) among random ones."""
+    q = torch.randint(-128, 128, (V, d), dtype=torch.int8, generator=g)
+    q[0], q[1 % V] = 127, -128
+    if V > 2:
+        q[2, ::2], q[2, 1::2] = -128, 127
+    return q
+
+
+# (V, d): real head shapes cut to test size, and every remainder of the 32-row panels and the
+# 4-column groups
+@pytest.mark.parametrize("V,d", [(1, 1), (31, 3), (32, 4), (33, 5), (1000, 7), (4099, 64), (2053, 1024),
+                                 (515, 2048), (129, 4099)])
+def test_bit_exact_against_reference_and_fbgemm(V, d):
+    g = torch.Generator().manual_seed(V * 7 + d)
+    q = extreme_weights(V, d, g)
+    s = torch.rand(V, generator=g) * 0.01 + 2.0**-20
+    gemm = vnni.VnniInt8Linear(q, s)
+    fb = PackedInt8Linear(q, s)
+    for B in (1, 2, 3, 7, 8, 9, 16, 17):
+        p = extreme_inputs(B, d, g)
+        for c in (1.0, 2.0**-14, 2.0**-3, 2.0**40):
+            x = act7_layout(p, c)
+            y = gemm.linear(x)
+            assert torch.equal(y, packed_int8_linear_ref(p, q, s, c)), (B, c)
+            assert torch.equal(y, vnni.int8_vnni_linear_ref(x, q, s))
+            assert torch.equal(y, fb.linear(x)), (B, c)
+            y2, bmax = gemm.linear_block_max(x, cpu_step.BLOCK)
+            assert torch.equal(y2, y) and torch.equal(bmax, cpu_step.block_max(y)), (B, c)
+
+
+def test_integer_exact_at_the_accumulator_extremes():
+    """d = 2048 (fl(A) exact below 2^24): every code and weight at the extremes, so the int32
+    sums reach 127 * 128 * d; y / s recovers the integer product."""
+    V, d = 64, 2048
+    q = torch.full((V, d), 127, dtype=torch.int8)
+    q[1::2] = -128
+    s = torch.ones(V)
+    p = torch.stack([torch.full((d,), -64.0), torch.full((d,), 63.0)])
+    y = vnni.VnniInt8Linear(q, s)(p, 1.0)
+    assert torch.equal(y.double(), p.double() @ q.double().T)
+
+
+@pytest.mark.parametrize("block", [32, 64, 256, 512])
+def test_block_maxima_with_inf_and_nan(block):
+    """Scales that overflow (c s_i = inf) make y inf, -inf, and NaN where the integer is 0: the
+    fused block maxima still equal torch's amax of y (NaN propagates, -inf stays)."""
+    g = torch.Generator().manual_seed(block)
+    V, d = 1000, 8
+    q = torch.randint(-3, 4, (V, d), dtype=torch.int8, generator=g)
+    q[5] = 0  # A = 0 -> 0 * inf = NaN
+    s = torch.full((V,), 2.0**-20)
+    s[::97] = 2.0**100  # times c = 2^40: inf
+    gemm = vnni.VnniInt8Linear(q, s)
+    p = torch.randint(-64, 64, (10, d), generator=g).float()
+    p[3] = 0  # every A = 0 on this row
+    y, bmax = gemm.linear_block_max(act7_layout(p, 2.0**40), block)
+    assert bool(y.isnan().any()) and bool(y.isinf().any())
+    same_with_nan(y, packed_int8_linear_ref(p, q, s, 2.0**40))
+    same_with_nan(bmax, torch.stack([y[:, i:i + block].amax(1) for i in range(0, V, block)], 1))
+
+
+def same_with_nan(a, b):
+    assert torch.equal(a.isnan(), b.isnan())
+    assert torch.equal(a.nan_to_num(), b.nan_to_num())
+
+
+def test_batch_zero_and_threads():
+    g = torch.Generator().manual_seed(1)
+    q = extreme_weights(777, 40, g)
+    s = torch.rand(777, generator=g) + 0.5
+    gemm = vnni.VnniInt8Linear(q, s)
+    assert gemm(torch.empty(0, 40), 1.0).shape == (0, 777)
+    p = extreme_inputs(5, 40, g)
+    want = packed_int8_linear_ref(p, q, s, 0.5)
+    threads = torch.get_num_threads()
+    try:
+        for n in (1, 2, 3):
+            torch.set_num_threads(n)
+            assert torch.equal(gemm(p, 0.5), want)
+    finally:
+        torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("bad", ["code_64", "code_-65", "fraction", "scale_not_pow2", "columns", "nan", "shape"])
+def test_refuses_inputs_outside_the_layout(bad):
+    """Every call checks the no-saturation condition: codes in [0, 127] (p in [-64, 63]), integers,
+    c a power of two shared by the rows; anything else raises instead of returning numbers."""
+    g = torch.Generator().manual_seed(2)
+    d = 12
+    q = extreme_weights(40, d, g)
+    gemm = vnni.VnniInt8Linear(q, torch.ones(40))
+    x = act7_layout(extreme_inputs(3, d, g), 0.25)
+    if bad == "code_64":
+        x[1, 3] = 64 * 0.25
+    elif bad == "code_-65":
+        x[2, 0] = -65 * 0.25
+    elif bad == "fraction":
+        x[0, 5] = 0.125
+    elif bad == "scale_not_pow2":
+        x[:, :d] *= 1.5
+        x[:, d:] *= 1.5
+    elif bad == "columns":
+        x[2, d] = -64 * 0.5
+    elif bad == "nan":
+        x[1, 1] = float("nan")
+    else:
+        x = x[:, 1:].contiguous()
+    with pytest.raises(RuntimeError, match="int8_vnni_linear|does not match|float32"):
+        gemm.linear(x)
+    if bad != "shape":
+        with pytest.raises(RuntimeError, match="7-bit integers"):
+            vnni.int8_vnni_linear_ref(x, q, torch.ones(40))
+
+
+def test_screen_uses_it_and_the_fake_traces():
+    from vllm_csv.screens.fbgemm import FbgemmInt8Screen
+
+    W = torch.randn(300, 20)
+    assert FbgemmInt8Screen(W, None).backend == "vnni"
+    q, s = quantize_rows(W)
+    gemm = vnni.VnniInt8Linear(q, s)
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode() as mode:
+        x = mode.from_tensor(act7_layout(torch.zeros(3, 20), 1.0))
+        out = cpu_step.load_ops().int8_vnni_linear(x, mode.from_tensor(gemm.packed), mode.from_tensor(gemm.zsum),
+                                                   mode.from_tensor(gemm.s), 300, 20, 256)[0]
+    assert out.shape == (3, 300) and out.dtype == torch.float32

@@ -1,0 +1,113 @@
+"""The int8 screen's GEMM with AVX512-VNNI (``csrc/cpu/int8_vnni.cpp``), beside its torch reference.
+
+Same numbers as :class:`vllm_csv.ops.fbgemm.PackedInt8Linear`, bit for bit, for the same input
+layout ``x = [c p_b, -64 c, 63 c]`` (:func:`vllm_csv.ops.cpu_step.quantize_act7`):
+
+    y[b, i] = fl(fl(<p_b, q_i>) * fl(c s_i))
+
+Why a kernel of our own: FBGEMM's dynamic linear is memory-bound at ``B = 1`` but at decode
+batches (2-16 rows) it becomes compute-bound on this kind of CPU (the 151936 x 1024 head: 6.4 ms
+at ``B = 1``, 10.5 ms at ``B = 8``, 2 threads), and it re-quantises the input each call. The
+kernel streams a panel of 32 weight rows once for up to 8 batch rows, multiplies with
+``vpdpbusd`` (unsigned codes ``p + 64`` in ``[0, 127]`` times signed ``q``, four products summed
+into each int32 lane, no saturation), and rescales in the same pass:
+
+* ``A = sum_k code_k q_k - 64 rowsum(q)``: exact in int32, ``|A|`` and every partial sum are
+  below ``127 * 128 * (d + 3) < 2^31`` (:func:`unavailable_reason` checks ``d``);
+* ``fl(A)`` (``vcvtdq2ps``) and the product with ``fl(c s_i)`` (``vmulps``) round to nearest even,
+  the two roundings of FBGEMM's ``ReQuantizeForFloat`` and of :func:`int8_vnni_linear_ref`.
+
+With a block size it also returns the maxima of ``y`` over consecutive blocks of tokens, the
+first thing the candidate search reads (:func:`vllm_csv.ops.cpu_step.select_candidates`): taken
+in registers, they save that search its one full pass over ``[B, V]``.
+
+The op reads ``c`` from the input's last column (``63 c``) and checks, for every call, that each
+input is ``c`` times an integer in ``[-64, 63]`` (the no-saturation condition), and refuses
+(``RuntimeError``) otherwise. Where the CPU has no AVX512-VNNI or the kernels are not built,
+:func:`unavailable_reason` says why and the screen takes FBGEMM.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ..errors import CSVError
+from . import cpu_step
+from .fbgemm import ACT_MAX, ACT_MIN, act7_layout, packed_int8_linear_ref
+
+PANEL = 32  # weight rows a panel (csrc/cpu/int8_vnni.cpp)
+
+
+def unavailable_reason(d: int, vocab: int) -> str | None:
+    """Why :class:`VnniInt8Linear` cannot run here (``None`` if it can)."""
+    ops = cpu_step.load_ops()
+    if ops is None:
+        return "the CSV CPU kernels are not built"
+    if not ops.int8_vnni_supported():
+        return "this CPU has no AVX512-VNNI"
+    if 127 * 128 * (d + 3) >= 2**31:
+        return f"hidden size {d} overflows the int32 accumulator"
+    return None
+
+
+class VnniInt8Linear:
+    """``y[b, i] = fl(fl(<p_b, q_i>) * (c s_i))`` with the AVX512-VNNI kernel, for int8
+    ``q [V, d]``, fp32 scales ``s [V]`` (normal numbers), integer ``p [B, d]`` in ``[-64, 63]``
+    and a power of two ``c`` (the interface of :class:`~vllm_csv.ops.fbgemm.PackedInt8Linear`).
+
+    Parameters
+    ----------
+    q : torch.Tensor
+        ``[V, d]`` int8, values in ``[-128, 127]``.
+    s : torch.Tensor
+        ``[V]`` float32, positive normal numbers.
+    """
+
+    backend = "vnni"
+
+    def __init__(self, q: torch.Tensor, s: torch.Tensor):
+        V, d = q.shape
+        reason = unavailable_reason(d, V)
+        if reason is not None:
+            raise CSVError(reason)
+        self._op = cpu_step.load_ops().int8_vnni_linear
+        self.packed = cpu_step.load_ops().pack_int8_vnni(q)
+        n = self.packed.shape[0] * PANEL
+        self.zsum = torch.zeros(n, dtype=torch.int32)
+        self.zsum[:V] = q.sum(1, dtype=torch.int32) * -ACT_MIN  # 64 rowsum(q): the codes' zero point
+        self.s = torch.zeros(n, dtype=torch.float32)
+        self.s[:V] = s
+        self.vocab_size, self.hidden_size = V, d
+
+    def __call__(self, p: torch.Tensor, c: float) -> torch.Tensor:
+        """``p [B, d]`` float32 integers in ``[-64, 63]``, ``c = 2^j``; returns ``[B, V]`` float32."""
+        return self.linear(act7_layout(p, c))
+
+    def linear(self, x: torch.Tensor) -> torch.Tensor:
+        """The GEMM on ``x [B, d + 2]`` fp32 laid out as :func:`~vllm_csv.ops.fbgemm.act7_layout`
+        lays it out; ``RuntimeError`` if it is not."""
+        return self._op(x, self.packed, self.zsum, self.s, self.vocab_size, self.hidden_size, 0)[0]
+
+    def linear_block_max(self, x: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`linear` and, in the same pass, the maxima of ``y`` over consecutive blocks of
+        ``block`` tokens (a multiple of 32): ``(y [B, V], bmax [B, ceil(V / block)])``, ``bmax``
+        equal to :func:`vllm_csv.ops.cpu_step.block_max` of ``y`` (NaN propagates)."""
+        return self._op(x, self.packed, self.zsum, self.s, self.vocab_size, self.hidden_size, block)
+
+
+def int8_vnni_linear_ref(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+    """Torch reference of :meth:`VnniInt8Linear.linear`: ``c`` from the last column, then
+    :func:`~vllm_csv.ops.fbgemm.packed_int8_linear_ref`."""
+    d = q.shape[1]
+    if x.shape[0] == 0:
+        return torch.empty((0, q.shape[0]), dtype=torch.float32)
+    c = float(x[0, d + 1]) / ACT_MAX
+    p = x[:, :d] / c
+    ok = (math.isfinite(c) and c > 0 and math.frexp(c)[0] == 0.5 and bool((p == p.round()).all())
+          and float(p.min()) >= ACT_MIN and float(p.max()) <= ACT_MAX
+          and bool((x[:, d] == ACT_MIN * c).all()) and bool((x[:, d + 1] == ACT_MAX * c).all()))
+    if not ok:
+        raise RuntimeError("int8_vnni_linear: input is not c times 7-bit integers")
+    return packed_int8_linear_ref(p, q, s, c)
