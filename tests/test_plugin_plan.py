@@ -80,11 +80,42 @@ def test_dense(name):
     assert plan_row(DENSE[name], 64) == (0, "unsupported")
 
 
-def test_structured_output_is_dense():
+def _grammar(**kw):
     from vllm.sampling_params import StructuredOutputsParams
 
-    sp = SamplingParams(temperature=0, structured_outputs=StructuredOutputsParams(json={"type": "object"}))
-    assert plan_row(sp, 64)[0] == 0
+    return StructuredOutputsParams(**(kw or dict(json={"type": "object"})))
+
+
+STRUCTURED = {  # (parameters, k): certified in the sampler over the tokens the grammar allows, or dense
+    "greedy, json": (dict(temperature=0), DEFER),
+    "greedy with top_k (vLLM drops top_k for greedy)": (dict(temperature=0, top_k=5), DEFER),
+    "seeded temperature": (dict(temperature=0.8, seed=3), DEFER),
+    "top_p": (dict(temperature=1.0, top_p=0.9), DEFER),
+    "min_p and a penalty": (dict(temperature=1.0, min_p=0.1, presence_penalty=0.5), DEFER),
+    "logit_bias, greedy": (dict(temperature=0, logit_bias={3: 1.0}), DEFER),
+    "top_k: the head's top-k does not know the mask": (dict(temperature=0.7, top_k=5), 0),
+    "top_k with top_p": (dict(temperature=0.7, top_k=5, top_p=0.9), 0),
+    "min_tokens: vLLM restores stop tokens the grammar left alone": (dict(temperature=0, min_tokens=3), 0),
+    "logprobs": (dict(temperature=0, logprobs=2), 0),
+}
+
+
+@pytest.mark.parametrize("name", sorted(STRUCTURED))
+def test_structured_output(name):
+    """Never certified in the head (greedy included: the grammar's bitmask comes after it); in
+    the sampler (mode ``structured``) unless with top_k, min_tokens or a dense-only feature."""
+    kw, k = STRUCTURED[name]
+    for grammar in (_grammar(), _grammar(regex="[a-z]+"), _grammar(choice=["yes", "no"])):
+        sp = SamplingParams(structured_outputs=grammar, **kw)
+        assert plan_row(sp, 64) == ((k, "") if k else (0, "unsupported"))
+        if k:
+            assert row_mode(sp, k) == "structured"
+
+
+def test_structured_mode_is_a_metrics_label():
+    from vllm_csv.metrics import MODES
+
+    assert "structured" in MODES
 
 
 def test_plan_is_used_once_and_only_for_its_row_count():

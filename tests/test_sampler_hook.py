@@ -198,3 +198,217 @@ def test_rows_with_top_p_of_one_draw_like_vllm(monkeypatch):
     assert torch.equal(got, want)
     assert set(st.certified) == {"sampling"} and sum(st.certified.values()) > B // 2
     assert seen_p[-1] is not None and torch.equal(seen_p[-1], md.top_p)  # vLLM's top-p, as without CSV
+
+
+# --- structured output: the grammar bitmask, applied by vLLM's own code between the head and the sampler
+
+
+def pack_bitmask(allowed: torch.Tensor):
+    """``[n, V]`` bool (True = the grammar allows it) -> xgrammar's ``[n, ceil(V / 32)]`` int32
+    bitmask (bit ``j % 32`` of word ``j // 32`` is token ``j``), as the scheduler sends it."""
+    import numpy as np
+
+    n, v = allowed.shape
+    words = -(-v // 32)
+    bits = torch.zeros(n, words * 32, dtype=torch.bool)
+    bits[:, :v] = allowed
+    packed = (bits.view(n, words, 32).numpy().astype(np.uint64) << np.arange(32, dtype=np.uint64)).sum(2)
+    return packed.astype(np.uint32).view(np.int32)
+
+
+def apply_grammar(logits: torch.Tensor, allowed: dict[int, torch.Tensor], order: list[int]) -> None:
+    """vLLM's ``apply_grammar_bitmask`` (what ``sample_tokens`` runs on the head's logits before the
+    sampler) for the structured rows ``allowed`` (batch row -> ``[V]`` bool), sent in ``order``."""
+    from types import SimpleNamespace
+
+    from vllm.v1.structured_output.utils import apply_grammar_bitmask
+
+    B = logits.shape[0]
+    ids = [r for r in order if r in allowed]
+    apply_grammar_bitmask(SimpleNamespace(scheduled_spec_decode_tokens={}),
+                          SimpleNamespace(structured_output_request_ids=[f"r{r}" for r in ids],
+                                          grammar_bitmask=pack_bitmask(torch.stack([allowed[r] for r in ids]))),
+                          SimpleNamespace(req_ids=[f"r{i}" for i in range(B)]), logits)
+
+
+def grammar(kind: str, dense: torch.Tensor, rows: list[int], g) -> dict[int, torch.Tensor]:
+    """Adversarial grammars, one ``[V]`` allowed-mask per structured row, from the dense logits."""
+    V = dense.shape[1]
+    order = dense.float().sort(dim=1, descending=True, stable=True).indices
+    out = {}
+    for n, r in enumerate(rows):
+        a = torch.ones(V, dtype=torch.bool)
+        if kind == "argmax_removed":  # the unmasked winner (and up to 7 runners-up) forbidden
+            a[order[r, :1 + n % 8]] = False
+        elif kind == "most_removed":  # 2% of the vocabulary left, the argmax not among them
+            a = torch.rand(V, generator=g) < 0.02
+            a[order[r, 0]] = False
+        elif kind == "one_left":  # a single token, anywhere in the row's order
+            a = torch.zeros(V, dtype=torch.bool)
+            a[order[r, int(torch.randint(0, V, (1,), generator=g))]] = True
+        elif kind == "outside_scored":  # only the lower half of the row: tokens no screen scores
+            a = torch.zeros(V, dtype=torch.bool)
+            a[order[r, V // 2:]] = torch.rand(V - V // 2, generator=g) < 0.3
+        elif kind == "ties":  # the head's twin tokens (exact ties): the winner's pair removed
+            a[order[r, :2]] = False
+        elif kind == "nothing_left":  # every token forbidden (a grammar never sends this; stays dense)
+            a[:] = False
+        elif kind == "reasoning":  # the full mask (reasoning phase / terminated grammar): nothing removed
+            pass
+        out[r] = a
+    return out
+
+
+GRAMMARS = ("argmax_removed", "most_removed", "one_left", "outside_scored", "ties", "nothing_left", "reasoning")
+STRUCTURED_SAMPLING = {
+    "greedy_and_temperature": dict(penalties=False, bias=False, allowed=False, bad=False),
+    "top_p_min_p_penalties": dict(penalties=True, bias=True, allowed=False, bad=True, top_p=0.8, min_p=0.1),
+}
+
+
+def structured_head(kind: str, seed: int):
+    W, _ = peaked_head(V, D, seed=seed, dtype=torch.bfloat16)
+    if kind == "ties":
+        W[1::2] = W[0::2]  # token 2t+1 is token 2t's twin: every dense logit is tied
+    return W, CertifiedHead(W, config=HeadConfig(screen="fp16", budget=0.5, off_switch=False))
+
+
+def hooked_structured(head, h, dense, md, allowed, order, rows, seed):
+    """The CSV step: placeholders for ``rows``, vLLM's bitmask on the head's output, the wrapped sampler."""
+    logits = dense.clone()
+    logits[rows] = sampler_hook.PLACEHOLDER
+    apply_grammar(logits, allowed, order)
+    seen = []
+    modes = ["structured" if int(i) in allowed else "sampling" for i in rows]
+    sampler_hook.defer(sampler_hook.Deferred(logits, h[rows].clone(), rows, modes, HeadAdapter(head),
+                                             lambda: head.dense_logits(h), seen.append))
+    return run(Sampler(), logits, md, seed), seen[0]
+
+
+@pytest.mark.parametrize("sampling", sorted(STRUCTURED_SAMPLING))
+@pytest.mark.parametrize("kind", GRAMMARS)
+def test_structured_rows_draw_what_vllm_draws_under_the_grammar(kind, sampling):
+    """Rows with a grammar, certified in the sampler after vLLM's own ``apply_grammar_bitmask`` ran on
+    the head's placeholders: the same tokens (and RNG states) as vLLM's sampler on the dense logits
+    with the same bitmask and seeds, over several batches of random and adversarial rows (greedy and
+    sampled, seeded and not; structured rows beside unconstrained ones, sent out of batch order;
+    every row deferred, or some deferred and others dense)."""
+    sampler_hook.install()
+    certified = structured_certified = 0
+    for trial in range(3):
+        g = torch.Generator().manual_seed(100 * trial + len(kind))
+        W, head = structured_head(kind, seed=31 + trial)
+        h = hidden_near_rows(W, B, g, scale=(1.0, 1.5, 3.0)[trial])
+        temps = [0.0 if i % 3 == 0 else (0.7, 1.0, 0.3)[trial] for i in range(B)]
+        md = metadata(g, temps, seeded=range(1, B, 2), **STRUCTURED_SAMPLING[sampling])
+        dense = head.dense_logits(h)
+        structured = [i for i in range(B) if i % 4 != 3]  # every fourth row has no grammar
+        allowed = grammar(kind, dense, structured, g)
+        order = torch.randperm(B, generator=g).tolist()  # the scheduler's order, not the batch's
+        want_logits = dense.clone()
+        apply_grammar(want_logits, allowed, order)
+        if kind != "reasoning":
+            assert bool((want_logits == -float("inf")).any())  # vLLM's function did apply the mask
+        want = run(Sampler(), want_logits, md, seed=5)
+        for rows in (torch.arange(B), torch.arange(0, B, 2)):
+            got, st = hooked_structured(head, h, dense, md, allowed, order, rows, seed=5)
+            assert torch.equal(got[0], want[0]), (kind, sampling, trial, got[0] - want[0])
+            assert torch.equal(got[1], want[1])  # the global RNG is where the dense run left it
+            assert all(torch.equal(got[2][i], want[2][i]) for i in want[2])  # and every request generator
+            for r in rows.tolist():  # never a token the grammar forbids
+                if r in allowed and bool(allowed[r].any()):
+                    assert bool(allowed[r][got[0][r]])
+            certified += sum(st.certified.values())
+            structured_certified += st.certified.get("structured", 0)
+    if kind == "nothing_left":
+        assert structured_certified == 0  # no token to certify: dense, and vLLM's draw on it
+    else:  # the path was taken: most structured rows certified
+        assert structured_certified > 0.5 * 3 * (len(structured) + len([i for i in structured if i % 2 == 0]))
+
+
+def test_structured_rows_fail_if_the_mask_is_ignored(monkeypatch):
+    """Broken-mask check: a certificate that does not see the bitmask (``masked`` dropped) draws
+    forbidden tokens, and the comparison above catches it."""
+    sampler_hook.install()
+    real = sampler_hook.certify_rows
+    monkeypatch.setattr(sampler_hook, "certify_rows", lambda *a, **k: real(*a[:5]))  # no ``masked``
+    g = torch.Generator().manual_seed(3)
+    W, head = structured_head("argmax_removed", seed=31)
+    h = hidden_near_rows(W, B, g, scale=3.0)
+    md = metadata(g, [0.0 if i % 2 else 0.7 for i in range(B)], seeded=range(0, B, 3), penalties=False,
+                  bias=False, allowed=False, bad=False)
+    dense = head.dense_logits(h)
+    allowed = grammar("argmax_removed", dense, list(range(B)), g)
+    want_logits = dense.clone()
+    apply_grammar(want_logits, allowed, list(range(B)))
+    want = run(Sampler(), want_logits, md, seed=5)[0]
+    got = hooked_structured(head, h, dense, md, allowed, list(range(B)), torch.arange(B), seed=5)[0][0]
+    assert not torch.equal(got, want)
+
+
+def test_a_greedy_row_certified_in_the_head_is_wrong_once_the_grammar_masks_it():
+    """Why step_plan never certifies a structured row in the head (greedy included): the head's
+    top-1 certificate does not know the mask that follows it; with the winner forbidden, the
+    sampler's argmax over the partial row is not the dense row's."""
+    g = torch.Generator().manual_seed(6)
+    W, head = structured_head("argmax_removed", seed=33)
+    h = hidden_near_rows(W, B, g, scale=3.0)
+    dense = head.dense_logits(h)
+    allowed = grammar("argmax_removed", dense, list(range(B)), g)
+    partial, stats = head.sampler_logits(h, torch.ones(B, dtype=torch.long))
+    assert stats.certified == B
+    want = dense.clone()
+    for x in (partial, want):
+        apply_grammar(x, allowed, list(range(B)))
+    assert not torch.equal(partial.float().argmax(1), want.float().argmax(1))
+
+
+def min_tokens_processor(rows: dict[int, bool], stop: list[int]):
+    """vLLM's MinTokensLogitsProcessor in the state update_state leaves it in: ``rows`` maps a
+    batch row to whether its request has a grammar (its stop tokens are restored when the
+    grammar leaves it nothing else)."""
+    from vllm.v1.sample.logits_processor.builtin import MinTokensLogitsProcessor
+
+    p = MinTokensLogitsProcessor(None, torch.device("cpu"), False)
+    p.min_toks = {r: (5, [], set(stop), s) for r, s in rows.items()}
+    ids = lambda which: torch.tensor([r for r in rows if which(r) for _ in stop], dtype=torch.int32)  # noqa: E731
+    toks = lambda which: torch.tensor([t for r in rows if which(r) for t in stop], dtype=torch.int32)  # noqa: E731
+    p.logits_slice = (ids(lambda r: True), toks(lambda r: True))
+    p.restore_logits_slice = (ids(lambda r: rows[r]), toks(lambda r: rows[r]))
+    return p
+
+
+@pytest.mark.parametrize("restore_row_deferred", [False, True])
+def test_min_tokens_with_a_grammar_stays_dense_and_leaves_other_rows_certified(restore_row_deferred):
+    """Row 0 has min_tokens and a grammar that allows only its stop tokens: vLLM's min_tokens
+    processor masks them and then restores them (the row had nothing else), which is not a per-token
+    step. step_plan leaves such a row dense; the other deferred rows (one of them with min_tokens
+    and no grammar) are still certified and draw what vLLM draws. Were row 0 deferred, every
+    deferred row goes dense, and still draws what vLLM draws."""
+    import dataclasses
+
+    from vllm.v1.sample.logits_processor import LogitsProcessors
+
+    sampler_hook.install()
+    g = torch.Generator().manual_seed(12)
+    W, head = structured_head("argmax_removed", seed=35)
+    h = hidden_near_rows(W, B, g, scale=3.0)
+    md = metadata(g, [0.0 if i % 2 else 0.9 for i in range(B)], seeded=range(0, B, 3), penalties=False,
+                  bias=False, allowed=False, bad=False)
+    stop = [5, 7]
+    md = dataclasses.replace(md, logitsprocs=LogitsProcessors([min_tokens_processor({0: True, 2: False}, stop)]))
+    dense = head.dense_logits(h)
+    allowed = grammar("argmax_removed", dense, list(range(0, B, 2)), g)
+    allowed[0] = torch.zeros(V, dtype=torch.bool)
+    allowed[0][stop] = True
+    want_logits = dense.clone()
+    apply_grammar(want_logits, allowed, list(range(B)))
+    want = run(Sampler(), want_logits, md, seed=5)
+    rows = torch.arange(0 if restore_row_deferred else 1, B)
+    got, st = hooked_structured(head, h, dense, md, allowed, list(range(B)), rows, seed=5)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    assert int(want[0][0]) in stop  # vLLM restored the stop tokens of row 0
+    if restore_row_deferred:
+        assert sum(st.certified.values()) == 0 and st.fallbacks == {"unsupported": B}
+    else:
+        assert sum(st.certified.values()) > (B - 1) // 2 and "unsupported" not in st.fallbacks

@@ -46,6 +46,19 @@ FEATURES = {
     "stop_strings": dict(temperature=0, stop=["\n\n", ")"]),
 }
 
+# structured output (vLLM's grammar bitmask, xgrammar): certified in the sampler over the allowed tokens
+GRAMMARS = {
+    "json": {"json": {"type": "object", "properties": {"name": {"type": "string", "maxLength": 8},
+                                                       "n": {"type": "integer"}},
+                      "required": ["name", "n"], "additionalProperties": False}},
+    "regex": {"regex": r"(def|class) [a-z_]{1,12}\((self)?\):"},
+    "choice": {"choice": ["import os", "import sys", "from typing import Any", "pass", "return None"]},
+}
+STRUCTURED = {f"structured_{name}_{how}": dict(kw, extra_body={"structured_outputs": grammar})
+              for name, grammar in GRAMMARS.items()
+              for how, kw in (("greedy", dict(temperature=0)), ("seeded", dict(temperature=0.8, seed=21)))}
+FEATURES.update(STRUCTURED)
+
 
 # features CSV certifies, and the `mode` label of csv_decode_rows_certified_total that must grow
 CERTIFIED_MODES = {
@@ -53,6 +66,7 @@ CERTIFIED_MODES = {
     "seeded_temperature": "sampling", "penalties": "processed", "negative_penalties": "processed",
     "logit_bias": "processed", "allowed_token_ids": "processed", "bad_words": "processed",
     "min_tokens": "processed", "stop_strings": "greedy", "top_p": "top_p", "min_p": "min_p",
+    **{feature: "structured" for feature in STRUCTURED},
 }
 
 
@@ -110,9 +124,34 @@ def test_seeded_long_completion_certified_and_dense_steps(default_csv_server, de
     assert grew.get("csv_decode_fallbacks_total[off_switch]", 0) > 0, grew
 
 
+@pytest.mark.parametrize("feature", sorted(STRUCTURED))
+def test_structured_output_sequential(feature, csv_server, dense_server):
+    """The 16 prompts one request at a time (test_identical_to_dense sends them together):
+    identical answers, each within its grammar, and the ``structured`` certified counter grows."""
+    before = certified(csv_server, "structured")
+    kw = STRUCTURED[feature]
+    answers = []
+    for s in (csv_server, dense_server):
+        choices = [s.client().completions.create(model=s.model, prompt=p, max_tokens=16, **kw).choices[0]
+                   for p in PROMPTS]
+        answers.append([(c.text, c.finish_reason) for c in choices])
+    assert answers[0] == answers[1]
+    grammar = kw["extra_body"]["structured_outputs"]
+    finished = [text for text, why in answers[0] if why == "stop"]  # the others: cut by max_tokens
+    if "choice" in grammar:
+        assert set(finished) <= set(grammar["choice"]), answers[0]
+        assert all(any(c.startswith(text) for c in grammar["choice"]) for text, _ in answers[0]), answers[0]
+    elif "regex" in grammar:
+        assert all(re.fullmatch(grammar["regex"], text) for text in finished), answers[0]
+    else:
+        assert all(json.loads(text).keys() == {"name", "n"} for text in finished), answers[0]
+    assert certified(csv_server, "structured") > before, metrics(csv_server)
+
+
 def test_json_schema_structured_output(csv_server, dense_server):
     schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 8}},
               "required": ["name"], "additionalProperties": False}
+    before = certified(csv_server, "structured")
     outs = []
     for s in (csv_server, dense_server):
         r = s.client().chat.completions.create(
@@ -120,6 +159,7 @@ def test_json_schema_structured_output(csv_server, dense_server):
             temperature=0, extra_body={"structured_outputs": {"json": schema}})
         outs.append(r.choices[0].message.content)
     assert outs[0] == outs[1]
+    assert certified(csv_server, "structured") > before, metrics(csv_server)
 
 
 def test_csv_path_was_taken(csv_server, dense_server):

@@ -1,7 +1,8 @@
 """Certify rows of vLLM's V1 sampler with the seeds it is about to draw.
 
 Rows planned :data:`~.step_plan.DEFER` (plain temperature sampling; greedy or plain sampling
-with penalties, ``logit_bias``, ``allowed_token_ids``, bad words, ``min_tokens``) cannot be
+with penalties, ``logit_bias``, ``allowed_token_ids``, bad words, ``min_tokens``, or structured
+output; top-p and min-p) cannot be
 certified in the LM head: the Gumbel draw's seed is drawn by the sampler, after the head,
 and the processors' inputs (output tokens, biases) live in the sampler's metadata. So the
 head leaves those rows as placeholders (0.0) and :func:`defer` stashes their hidden states;
@@ -29,6 +30,33 @@ the noise). When every top-p row of the batch was certified, vLLM's top-p is ski
 draw (:func:`_top_p_off`): its full-vocabulary sort was the dense step's largest cost. Anything this hook cannot reason about (speculative decoding, fp64 Gumbel,
 a thinking budget, custom logits processors, min_tokens with a grammar, a non-CPU sampler)
 makes every deferred row dense.
+
+Structured output (the grammar bitmask), as read in vLLM 0.32.0. The V1 runner
+(``GPUModelRunner``; ``CPUModelRunner`` inherits ``execute_model`` and ``sample_tokens``
+unchanged) computes the head's logits in ``execute_model`` (``model.compute_logits``: our
+layer, which leaves the placeholders) and keeps that tensor in ``execute_model_state``;
+``sample_tokens(grammar_output)`` then calls
+``vllm.v1.structured_output.utils.apply_grammar_bitmask`` on it, in place, and right after
+``_sample`` → ``Sampler.forward`` (this wrapper); nothing else writes the logits in between.
+``apply_grammar_bitmask`` reorders the scheduler's bitmask rows to the batch's rows (with
+speculative decoding, ``1 + num_spec`` rows a request: CSV plans no rows then) and calls
+xgrammar's ``apply_token_bitmask_inplace`` on the structured requests' rows only, which sets
+each token the grammar forbids to exactly ``-inf`` and leaves every other value unchanged (on
+the CPU a bf16 tensor goes through an fp32 copy and back: an exact round trip). It covers
+``min(V, 32 * bitmask width)`` tokens; tokens past the bitmask stay unmasked, in the dense path
+and here alike. A request in its reasoning phase (a reasoning parser, ``enable_in_reasoning``
+off) or whose grammar has terminated gets the full mask (every token allowed): its row has no
+``-inf`` and is certified over the whole vocabulary, as the dense sampler draws it. Since the
+placeholders are finite, a ``-inf`` in a deferred row at sampler time is exactly a token the
+bitmask removed: it gets ``-inf`` bounds (it cannot win, and a certified row keeps it at
+``-inf``), and a row left dense gets the dense head's values with the same ``-inf`` written
+back, which is what xgrammar would have written. The head's own certificate (top-1, top-k)
+does not know the mask, which comes after it: the plan never certifies a structured row in the
+head (:func:`~.step_plan.plan_row`), greedy included. The engine core may delay a step's
+``sample_tokens`` until the previous step's tokens reached the grammar (async scheduling), but
+each worker still runs ``execute_model(N)``, ``sample_tokens(N)``, ``execute_model(N + 1)`` in
+that order, so the one slot :func:`defer` fills is the step's own (:func:`_take` checks the
+shape). The V2 runner's sampler is not hooked: its structured rows are dense.
 
 Under tensor parallelism (a :class:`~vllm_csv.sampling.sharded_rows.ShardedAdapter`) step 2
 runs vLLM's processors on each rank's shard and the certificate on gathered summaries
@@ -116,7 +144,7 @@ def peek_seeds(batch_size: int, generators: dict[int, torch.Generator]) -> torch
     return seeds
 
 
-def _unsupported(sampler, md, predict_bonus_token: bool) -> str | None:
+def _unsupported(sampler, md, predict_bonus_token: bool, rows: torch.Tensor) -> str | None:
     from vllm.v1.sample.logits_processor.builtin import (LogitBiasLogitsProcessor, MinPLogitsProcessor,
                                                          MinTokensLogitsProcessor)
     from vllm.v1.sample.ops.topk_topp_sampler import TopKTopPSampler
@@ -136,7 +164,11 @@ def _unsupported(sampler, md, predict_bonus_token: bool) -> str | None:
         if not isinstance(p, (LogitBiasLogitsProcessor, MinTokensLogitsProcessor)):
             return f"logits processor {type(p).__name__}"
         if isinstance(p, MinTokensLogitsProcessor) and p.min_toks and p.restore_logits_slice[0].numel():
-            return "min_tokens with structured output (its restore step is not per token)"
+            # Its restore step (stop tokens back when the grammar left a row nothing else) reads
+            # and writes only the rows of requests with min_tokens and a grammar (step_plan leaves
+            # them dense); on every other row the processor is its per-token stop-token mask.
+            if bool(torch.isin(rows, p.restore_logits_slice[0].cpu().long()).any()):
+                return "min_tokens with structured output (its restore step is not per token)"
     return None
 
 
@@ -161,8 +193,8 @@ def resolve(sampler, d: Deferred, logits: torch.Tensor, md, predict_bonus_token:
     R = rows.numel()
     st = DeferredStats(rows=R)
     dev_rows = rows.to(logits.device)
-    masked = logits[dev_rows] == -math.inf  # the grammar bitmask (placeholders are finite)
-    why = _unsupported(sampler, md, predict_bonus_token)
+    masked = logits[dev_rows] == -math.inf  # the grammar bitmask (placeholders are finite; module docstring)
+    why = _unsupported(sampler, md, predict_bonus_token, rows)
     certified = torch.zeros(R, dtype=torch.bool)
     if why is None:
         B = logits.shape[0]

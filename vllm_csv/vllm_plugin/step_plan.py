@@ -11,8 +11,16 @@ every row is dense.
 ``plan_row`` is the whole policy (SPEC, "Per-request features"): ``k > 0`` certifies
 the exact top-k in the LM head (greedy is ``k = 1``); :data:`DEFER` certifies the row's
 draw inside vLLM's sampler (:mod:`.sampler_hook`: plain temperature sampling, top-p and
-min-p sampling, and greedy or sampled rows with penalties, ``logit_bias``,
-``allowed_token_ids``, bad words or ``min_tokens``; not combined with ``top_k``); ``0`` is the dense path. :func:`row_mode` names the mode for the metrics.
+min-p sampling, greedy or sampled rows with penalties, ``logit_bias``,
+``allowed_token_ids``, bad words or ``min_tokens``, and greedy or sampled rows with structured
+output, certified over the tokens the grammar allows; none combined with ``top_k``); ``0`` is
+the dense path. :func:`row_mode` names the mode for the metrics.
+
+A row with structured output is never certified in the head, greedy included: the runner
+applies the grammar bitmask to the head's output, after the head and before the sampler, and
+may remove the head's certified token, leaving the sampler to pick among the other scored
+tokens while a better allowed token outside ``S`` sits at ``-inf``. The sampler hook sees the
+mask (:mod:`.sampler_hook`, where the reason it is sound is written down).
 """
 
 from __future__ import annotations
@@ -21,7 +29,7 @@ import contextlib
 import threading
 from dataclasses import dataclass
 
-from ..metrics import MODES  # noqa: F401  (row_mode's labels)
+from ..metrics import MODES  # noqa: F401  (row_mode's labels: one place, the metrics)
 
 _SAMPLING_EPS = 1e-5  # vLLM treats temperature below this as greedy
 DEFER = -1  # certify the row in vLLM's sampler, with the seed it draws (sampler_hook)
@@ -44,6 +52,11 @@ def _processed(sp) -> bool:
                 or sp.min_tokens)
 
 
+def _structured(sp) -> bool:
+    """Structured output (JSON schema, regex, choice, grammar): a bitmask on the logits."""
+    return getattr(sp, "structured_outputs", None) is not None
+
+
 def plan_row(sp, max_topk: int) -> tuple[int, str]:
     """(k, reason): k > 0 to certify the exact top-k of this request's row in the head,
     :data:`DEFER` to certify its draw in the sampler, else 0 and why."""
@@ -52,7 +65,6 @@ def plan_row(sp, max_topk: int) -> tuple[int, str]:
     dense_if = (
         sp.logprobs is not None or sp.prompt_logprobs is not None
         or getattr(sp, "logprob_token_ids", None)
-        or getattr(sp, "structured_outputs", None) is not None
         or getattr(sp, "logits_processors", None)
         or getattr(sp, "thinking_token_budget", None) is not None
         or getattr(sp, "watermarking", None) or getattr(sp, "repetition_detection", None) is not None
@@ -61,6 +73,11 @@ def plan_row(sp, max_topk: int) -> tuple[int, str]:
         return 0, "unsupported"
     greedy = sp.temperature < _SAMPLING_EPS
     no_top_k = sp.top_k <= 0
+    if _structured(sp):
+        if sp.min_tokens:  # vLLM's min_tokens restores stop tokens when the grammar masked all else: not per token
+            return 0, "unsupported"
+        # never the head's certificate (greedy included): the grammar bitmask follows the head
+        return (DEFER, "") if greedy or no_top_k else (0, "unsupported")
     if sp.top_p < 1.0 or sp.min_p > 0.0:  # vLLM resets both for greedy requests
         return (DEFER, "") if no_top_k else (0, "unsupported")
     if _processed(sp):
@@ -84,6 +101,8 @@ def row_temperature(sp) -> float:
 def row_mode(sp, k: int) -> str:
     """The metric label of a row planned ``k`` (one of :data:`MODES`)."""
     if k == DEFER:
+        if _structured(sp):
+            return "structured"
         if sp.top_p < 1.0:
             return "top_p"
         if sp.min_p > 0.0:
