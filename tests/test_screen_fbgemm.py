@@ -19,7 +19,7 @@ import vllm_csv.screens.fbgemm as fbscreen
 from conftest import dense_topk, hidden_near_rows, peaked_head, same_bits
 from vllm_csv import CertifiedHead, HeadConfig
 from vllm_csv.errors import CSVError
-from vllm_csv.ops.fbgemm import PackedInt8Linear, packed_int8_linear_ref
+from vllm_csv.ops.fbgemm import packed_int8_linear_ref
 from vllm_csv.screens import SCREENS, hidden_norm_upper, make_screen
 from vllm_csv.screens.fbgemm import FbgemmInt8Screen, quantize_rows
 from vllm_csv.screens.half import HalfScreen

@@ -33,7 +33,6 @@ constexpr int64_t TILE = 16;  // rows a tile (int32 lanes of a zmm)
 constexpr int64_t GROUP = 4;  // k a group (bytes vpdpbusd sums into one lane)
 constexpr int64_t BT = 8;     // batch rows a pass keeps in registers
 constexpr int64_t PANEL = 2 * TILE;  // rows a panel (two tiles, interleaved by group)
-constexpr int64_t PREFETCH = 16;  // groups ahead (2 KB) the panel loop prefetches
 
 bool cpu_has_vnni() {
   __builtin_cpu_init();
@@ -43,14 +42,13 @@ bool cpu_has_vnni() {
 
 // One panel (32 rows, two tiles) for NB batch rows: acc0[b], acc1[b] = sum_k code[b, k] q[row, k]
 // for the panel's two tiles. Each broadcast activation group feeds both tiles, whose vpdpbusd
-// chains are independent; the panel is one sequential stream of 128 bytes a group.
+// chains are independent; the panel is one sequential stream of 128 bytes a group (the hardware
+// prefetcher follows it: software prefetches measured 15% slower on AMD EPYC, 2 threads).
 template <int NB>
 __attribute__((target("avx512f,avx512bw,avx512vnni"))) inline void panel_dot(
     const int8_t* w, const uint32_t* codes, int64_t groups, __m512i* acc0, __m512i* acc1) {
   for (int b = 0; b < NB; ++b) acc0[b] = acc1[b] = _mm512_setzero_si512();
   for (int64_t g = 0; g < groups; ++g) {
-    _mm_prefetch(reinterpret_cast<const char*>(w + (g + PREFETCH) * 128), _MM_HINT_T0);
-    _mm_prefetch(reinterpret_cast<const char*>(w + (g + PREFETCH) * 128 + 64), _MM_HINT_T0);
     const __m512i x0 = _mm512_loadu_si512(w + g * 128);
     const __m512i x1 = _mm512_loadu_si512(w + g * 128 + 64);
     for (int b = 0; b < NB; ++b) {

@@ -70,7 +70,7 @@ def load_ops():
 
             defs = dict(CSV_BLOCK=BLOCK, CSV_ACT_MIN=ACT_MIN, CSV_ACT_MAX=ACT_MAX, CSV_K_MIN=K_MIN,
                         CSV_C_MIN_LOG2=C_MIN_LOG2, CSV_C_MAX_LOG2=C_MAX_LOG2)
-            flags = ["-O3", "-ffp-contract=off", *(f"-D{k}={v}" for k, v in defs.items())]
+            flags = ["-O3", "-ffp-contract=off", "-fopenmp", *(f"-D{k}={v}" for k, v in defs.items())]
             # One build directory per source version: two checkouts (or versions) on one machine
             # would otherwise rebuild over each other's library, even while the other loads it.
             digest = hashlib.sha256("\0".join([*(f.read_text() for f in SOURCES), *flags]).encode()).hexdigest()
