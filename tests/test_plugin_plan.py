@@ -171,3 +171,23 @@ def test_v1_plan_rows_in_batch_order_kept_per_request():
         assert step_plan._v1_plan(runner, 4).topk == [DEFER, 1, 0, 0]  # top_k 5 > max_topk 4: dense
     finally:
         step_plan.plan_row = saved
+
+
+def test_no_plan_under_speculative_decoding_or_pp_output_broadcast():
+    """Every row dense when a draft model runs or when vLLM broadcasts the last pipeline stage's
+    logits to every rank (each rank then samples them; only the last one stashed the deferred
+    rows' hidden states)."""
+    from types import SimpleNamespace
+
+    from vllm_csv.vllm_plugin import step_plan
+
+    states = {"a": SimpleNamespace(sampling_params=SamplingParams(temperature=0.8))}
+
+    def runner(**kw):
+        return SimpleNamespace(input_batch=SimpleNamespace(req_ids=["a"]), requests=states,
+                               **{"speculative_config": None, **kw})
+
+    assert step_plan._v1_plan(runner(), 64).topk == [DEFER]
+    assert step_plan._v1_plan(runner(broadcast_pp_output=False), 64).topk == [DEFER]
+    assert step_plan._v1_plan(runner(broadcast_pp_output=True), 64) is None
+    assert step_plan._v1_plan(runner(speculative_config=object()), 64) is None

@@ -135,9 +135,14 @@ def take_plan(num_rows: int) -> Plan | None:
     return plan
 
 
-def _no_spec(runner) -> bool:
+def _plannable(runner) -> bool:
+    """No speculative decoding, and no pipeline-parallel output broadcast (vLLM's external-launcher
+    mode sends the last stage's logits to every rank, which then samples them itself: the other
+    ranks would draw from the deferred rows' placeholders, whose hidden states only the last
+    rank stashed)."""
     return getattr(runner, "speculative_config", None) is None and \
-        getattr(getattr(runner, "vllm_config", None), "speculative_config", None) is None
+        getattr(getattr(runner, "vllm_config", None), "speculative_config", None) is None and \
+        not getattr(runner, "broadcast_pp_output", False)
 
 
 def row_plan(sp, max_topk: int) -> tuple[int, str, float]:
@@ -149,7 +154,7 @@ def row_plan(sp, max_topk: int) -> tuple[int, str, float]:
 
 def _v1_plan(runner, max_topk: int) -> Plan | None:
     batch = runner.input_batch
-    if not _no_spec(runner) or getattr(batch, "num_prompt_logprobs", None):
+    if not _plannable(runner) or getattr(batch, "num_prompt_logprobs", None):
         return None
     req_ids = list(batch.req_ids)
     rows = [_row(runner.requests.get(r), max_topk) for r in req_ids]
@@ -204,7 +209,7 @@ def install(max_topk_getter) -> None:
 
         def v2_sample(self, hidden_states, input_batch, grammar_output, *a, **k):
             plan = None
-            if (_no_spec(self) and getattr(self, "batch_sharder", None) is None
+            if (_plannable(self) and getattr(self, "batch_sharder", None) is None
                     and getattr(input_batch, "num_draft_tokens", 0) == 0):
                 params = self.__dict__.get("_csv_sampling_params", {})
                 m = max_topk_getter(self)
