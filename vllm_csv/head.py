@@ -617,7 +617,6 @@ class CertifiedHead:
         if tried and sw is not None and not sw.allow(B, lambda: _time(lambda: dense_fn(hidden), hidden), kind):
             stats.fallbacks["off_switch"] = len(rows)
             tried = False
-        self.last_certified = torch.zeros(B, dtype=torch.bool)
         dense_rows = list(range(B))
         if tried:
             every = len(rows) == B  # (then no gather of the rows)
@@ -639,6 +638,7 @@ class CertifiedHead:
             if every:
                 self.last_certified = certified
             else:
+                self.last_certified = torch.zeros(B, dtype=torch.bool)
                 self.last_certified[rows] = certified
             for r in sel.reason:
                 if r is not None:
@@ -647,6 +647,7 @@ class CertifiedHead:
             done = {i for i, c in zip(rows, cert) if c}
             dense_rows = [i for i in range(B) if i not in done]
         else:  # every row dense: the engine's own output, not a copy of it
+            self.last_certified = torch.zeros(B, dtype=torch.bool)
             out = dense_fn(hidden).to(self.dtype)
             dense_rows = []
         if dense_rows:

@@ -162,7 +162,8 @@ at::Tensor act7_codes(const at::Tensor& x, int64_t d, int64_t groups, float* c_o
   TORCH_CHECK(x.dim() == 2 && x.size(1) == d + 2 && x.scalar_type() == at::kFloat && x.is_contiguous(),
               "x: [B, d + 2] float32, contiguous");
   const int64_t B = x.size(0);
-  auto codes = at::zeros({B, groups * GROUP}, x.options().dtype(at::kByte));
+  auto codes = at::empty({B, groups * GROUP}, x.options().dtype(at::kByte));  // (not at::zeros: its
+  // dispatch runs cold after the previous step's GEMM; the padding is zeroed below)
   if (B == 0) return codes;
   const float* xp = x.data_ptr<float>();
   const float c = xp[d + 1] / (float)CSV_ACT_MAX;  // exact: 63 c / 63
@@ -180,6 +181,7 @@ at::Tensor act7_codes(const at::Tensor& x, int64_t d, int64_t groups, float* c_o
       ok = ok && v >= (float)CSV_ACT_MIN && v <= (float)CSV_ACT_MAX && v == std::nearbyint(v);
       out[b * groups * GROUP + k] = ok ? (uint8_t)((int)v - CSV_ACT_MIN) : 0;
     }
+    for (int64_t k = d; k < groups * GROUP; ++k) out[b * groups * GROUP + k] = 0;  // zero codes x zero weights
   }
   TORCH_CHECK(ok, "int8_vnni_linear: input is not c times 7-bit integers (the screen's layout)");
   *c_out = c;
