@@ -156,8 +156,11 @@ class CSVLogitsProcessor(LogitsProcessor):
 
     def _log_first(self, head, stats) -> None:
         if not self._csv_logged:
-            logger.info("CSV-Decode active: screen=%s V=%d d=%d, first step %d/%d rows certified in the head",
-                        stats.screen, head.vocab_size, head.hidden_size, stats.certified, stats.rows)
+            screen = getattr(head, "screen", None) or getattr(getattr(head, "local", None), "screen", None)
+            backend = getattr(screen, "backend", None)  # e.g. int8 on x86: vnni or fbgemm
+            logger.info("CSV-Decode active: screen=%s V=%d d=%d%s, first step %d/%d rows certified in the head",
+                        stats.screen, head.vocab_size, head.hidden_size, f" backend={backend}" if backend else "",
+                        stats.certified, stats.rows)
             self._csv_logged = True
 
     def _record(self, head, stats, modes: dict[str, int], switch_batch: int | None) -> None:
