@@ -31,7 +31,7 @@ namespace {
 
 constexpr int64_t TILE = 16;  // rows a tile (int32 lanes of a zmm)
 constexpr int64_t GROUP = 4;  // k a group (bytes vpdpbusd sums into one lane)
-constexpr int64_t BT = 16;    // batch rows a pass over the weight serves (8 with both tiles of a panel at once)
+constexpr int64_t BT = 8;     // batch rows a pass keeps in registers
 constexpr int64_t PANEL = 2 * TILE;  // rows a panel (two tiles, interleaved by group)
 
 bool cpu_has_vnni() {
@@ -44,18 +44,6 @@ bool cpu_has_vnni() {
 // for the panel's two tiles. Each broadcast activation group feeds both tiles, whose vpdpbusd
 // chains are independent; the panel is one sequential stream of 128 bytes a group (the hardware
 // prefetcher follows it: software prefetches measured 15% slower on AMD EPYC, 2 threads).
-// One tile of a panel (j = 0 or 1) for NB batch rows (up to 16: as many accumulators as a panel's
-// two tiles at 8 rows); the second tile's pass reads the panel again from L2 (32 d bytes).
-template <int NB>
-__attribute__((target("avx512f,avx512bw,avx512vnni"))) inline void tile_dot(
-    const int8_t* w, const uint32_t* codes, int64_t groups, __m512i* acc) {
-  for (int b = 0; b < NB; ++b) acc[b] = _mm512_setzero_si512();
-  for (int64_t g = 0; g < groups; ++g) {
-    const __m512i x = _mm512_loadu_si512(w + g * 128);
-    for (int b = 0; b < NB; ++b) acc[b] = _mm512_dpbusd_epi32(acc[b], _mm512_set1_epi32(codes[b * groups + g]), x);
-  }
-}
-
 template <int NB>
 __attribute__((target("avx512f,avx512bw,avx512vnni"))) inline void panel_dot(
     const int8_t* w, const uint32_t* codes, int64_t groups, __m512i* acc0, __m512i* acc1) {
@@ -107,17 +95,9 @@ __attribute__((target("avx512f,avx512bw,avx512vnni"))) void panels(
     }
     const int64_t pe = (k + 1) * ppc < np ? (k + 1) * ppc : np;
     for (int64_t p = k * ppc; p < pe; ++p) {
-      const int8_t* w = packed + p * groups * 128;
-      if constexpr (NB <= 8) {
-        panel_dot<NB>(w, codes, groups, acc0, acc1);
-        store_tile<NB>(acc0, zsum, sv, c, y, V, p * PANEL, mx, nan);
-        store_tile<NB>(acc1, zsum, sv, c, y, V, p * PANEL + TILE, mx, nan);
-      } else {  // one tile at a time: NB accumulators live
-        tile_dot<NB>(w, codes, groups, acc0);
-        store_tile<NB>(acc0, zsum, sv, c, y, V, p * PANEL, mx, nan);
-        tile_dot<NB>(w + 64, codes, groups, acc0);
-        store_tile<NB>(acc0, zsum, sv, c, y, V, p * PANEL + TILE, mx, nan);
-      }
+      panel_dot<NB>(packed + p * groups * 128, codes, groups, acc0, acc1);
+      store_tile<NB>(acc0, zsum, sv, c, y, V, p * PANEL, mx, nan);
+      store_tile<NB>(acc1, zsum, sv, c, y, V, p * PANEL + TILE, mx, nan);
     }
     if (bmax != nullptr)
       for (int b = 0; b < NB; ++b)
@@ -127,9 +107,7 @@ __attribute__((target("avx512f,avx512bw,avx512vnni"))) void panels(
 
 using PanelFn = void (*)(const int8_t*, const int32_t*, const float*, float, const uint32_t*, float*, int64_t,
                          int64_t, int64_t, int64_t, int64_t, int64_t, float*, int64_t);
-const PanelFn PANEL_FNS[BT] = {panels<1>,  panels<2>,  panels<3>,  panels<4>,  panels<5>,  panels<6>,
-                               panels<7>,  panels<8>,  panels<9>,  panels<10>, panels<11>, panels<12>,
-                               panels<13>, panels<14>, panels<15>, panels<16>};
+const PanelFn PANEL_FNS[BT] = {panels<1>, panels<2>, panels<3>, panels<4>, panels<5>, panels<6>, panels<7>, panels<8>};
 
 }  // namespace
 
@@ -220,7 +198,7 @@ std::tuple<at::Tensor, at::Tensor> int8_vnni_linear(const at::Tensor& x, const a
   float* out = y.data_ptr<float>();
   float* bm = block > 0 ? bmax.data_ptr<float>() : nullptr;
   // Chunks split over the threads; each thread streams its panels once per batch tile of BT
-  // rows (one pass at decode batches, B <= 16).
+  // rows (one pass at decode batches, B <= 8).
   at::parallel_for(0, nchunk, 1, [&](int64_t k0, int64_t k1) {
     for (int64_t b0 = 0; b0 < B; b0 += BT) {
       const int64_t nb = B - b0 < BT ? B - b0 : BT;
