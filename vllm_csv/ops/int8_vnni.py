@@ -5,12 +5,12 @@ layout ``x = [c p_b, -64 c, 63 c]`` (:func:`vllm_csv.ops.cpu_step.quantize_act7`
 
     y[b, i] = fl(fl(<p_b, q_i>) * fl(c s_i))
 
-Why a kernel of our own: FBGEMM's dynamic linear is memory-bound at ``B = 1`` but at decode
-batches (2-16 rows) it becomes compute-bound on this kind of CPU (the 151936 x 1024 head: 6.4 ms
-at ``B = 1``, 10.5 ms at ``B = 8``, 2 threads), and it re-quantises the input each call. The
-kernel streams a panel of 32 weight rows once for up to 8 batch rows, multiplies with
-``vpdpbusd`` (unsigned codes ``p + 64`` in ``[0, 127]`` times signed ``q``, four products summed
-into each int32 lane, no saturation), and rescales in the same pass:
+Why a kernel of our own: FBGEMM re-quantises its input on every call and cannot hand back what
+the candidate search reads first (the block maxima below), and at decode batches of up to 8
+rows its GEMM was the slower one here (``benchmarks/int8_gemm_cpu.py``, results in the README).
+The kernel streams a panel of 32 weight rows once for up to 8 batch rows (more rows: one pass
+per 8), multiplies with ``vpdpbusd`` (unsigned codes ``p + 64`` in ``[0, 127]`` times signed
+``q``, four products summed into each int32 lane, no saturation), and rescales in the same pass:
 
 * ``A = sum_k code_k q_k - 64 rowsum(q)``: exact in int32, ``|A|`` and every partial sum are
   below ``127 * 128 * (d + 3) < 2^31`` (:func:`unavailable_reason` checks ``d``);
