@@ -203,13 +203,14 @@ class CSVMetrics:
             self.scored.observe(s)
             self.fraction.observe(s / self.vocab_size)
         self.seconds.observe(stats.seconds)
-        if dense_seconds is not None:
+        # A step that ran CSV (not sent dense by the off-switch): time saved, and head speed-up =
+        # dense / csv. A step the switch sent dense saved nothing (its dense run against the
+        # dense estimate is noise, and one Prometheus update less on the switched-off path). A
+        # batch size's first CSV step is a warm-up (first kernel calls; its dense time a first
+        # guess), left out as the off-switch leaves it out of its ledger.
+        if dense_seconds is not None and not stats.fallbacks.get("off_switch"):
             self.saved.inc(max(0.0, dense_seconds - stats.seconds))
-            # A step that ran CSV: head speed-up = dense / csv. A batch size's first CSV step is a
-            # warm-up (first kernel calls; its dense time a first guess), left out as the off-switch
-            # leaves it out of its ledger.
-            if not stats.fallbacks.get("off_switch"):
-                if stats.rows in self._warm:
-                    self.csv_seconds.inc(stats.seconds)
-                    self.dense_seconds.inc(dense_seconds)
-                self._warm.add(stats.rows)
+            if stats.rows in self._warm:
+                self.csv_seconds.inc(stats.seconds)
+                self.dense_seconds.inc(dense_seconds)
+            self._warm.add(stats.rows)
