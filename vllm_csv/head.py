@@ -369,6 +369,11 @@ class CertifiedHead:
     def screen_name(self) -> str:
         return self.screen.name
 
+    @property
+    def screen_backend(self) -> str | None:
+        """What computes the screen, where it has a choice (int8 on x86: ``vnni`` or ``fbgemm``)."""
+        return getattr(self.screen, "backend", None)
+
     def _step_select(self, hidden, k, need_values, temp=None) -> _Selection:
         """The selection of one :meth:`sampler_logits` step (the sharded head adds its
         collectives here)."""

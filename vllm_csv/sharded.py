@@ -238,6 +238,7 @@ class ShardedHead:
         if self.local is not None and not self.local.screen.two_sided:
             raise CSVError(f"screen {self.local.screen.name!r} is not supported with tensor parallelism")
         self.screen_name = "none" if self.local is None else self.local.screen.name
+        self.screen_backend = None if self.local is None else self.local.screen_backend
         if shard.size * shard.rows > 2**24:  # global ids travel as fp32 in the collectives
             raise CSVError(f"vocabulary of {shard.size * shard.rows} rows is too large for the sharded head")
         self.off_switch = SharedOffSwitch(comm) if self.config.off_switch else None

@@ -12,9 +12,10 @@
 // cvtdq2ps and mulps round to nearest even (MXCSR's default, which torch leaves alone): the
 // same two roundings as FBGEMM's ReQuantizeForFloat and the torch reference.
 //
-// Weight layout (pack_int8_vnni): rows in tiles of 16, k in groups of 4, a tile of one group is
-// one 64-byte vector [16 rows][4 k] (vpdpbusd's operand); tiles follow each other, so a
-// thread streams its row range once. Rows past V and k past d are zero.
+// Weight layout (pack_int8_vnni): rows in tiles of 16 (a zmm's int32 lanes), k in groups of 4,
+// a tile of one group is one 64-byte vector [16 rows][4 k] (vpdpbusd's operand); two tiles make
+// a panel of 32 rows, interleaved group by group, and panels follow each other, so a thread
+// streams its row range once. Rows past V and k past d are zero.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -29,10 +30,11 @@
 
 namespace {
 
-constexpr int64_t TILE = 16;  // rows a tile (int32 lanes of a zmm)
-constexpr int64_t GROUP = 4;  // k a group (bytes vpdpbusd sums into one lane)
-constexpr int64_t BT = 8;     // batch rows a pass keeps in registers
-constexpr int64_t PANEL = 2 * TILE;  // rows a panel (two tiles, interleaved by group)
+constexpr int64_t TILE = 16;          // rows a tile (int32 lanes of a zmm)
+constexpr int64_t GROUP = CSV_GROUP;  // k a group (bytes vpdpbusd sums into one lane): vllm_csv.ops.cpu_step
+constexpr int64_t PANEL = CSV_PANEL;  // rows a panel (two tiles, interleaved by group): vllm_csv.ops.cpu_step
+constexpr int64_t BT = 8;             // batch rows a pass keeps in registers
+static_assert(GROUP == 4 && PANEL == 2 * TILE, "the layout vpdpbusd and the two-tile panel loop need");
 
 bool cpu_has_vnni() {
   __builtin_cpu_init();

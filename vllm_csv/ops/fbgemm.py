@@ -63,9 +63,11 @@ def unavailable_reason(d: int, vocab: int) -> str | None:
     return None
 
 
-class PackedInt8Linear:
-    """``y[b, i] = fl(fl(<p_b, q_i>) * (c s_i))`` with FBGEMM, for int8 ``q [V, d]``, fp32
-    scales ``s [V]`` (normal numbers), integer ``p [B, d]`` in ``[-64, 63]`` and a power of two ``c``.
+class Int8Linear:
+    """``y[b, i] = fl(fl(<p_b, q_i>) * (c s_i))`` for int8 ``q [V, d]``, fp32 scales ``s [V]``
+    (normal numbers), integer ``p [B, d]`` in ``[-64, 63]`` and a power of two ``c``: the screen's
+    exact int8 GEMM, whatever computes it (:class:`PackedInt8Linear`,
+    :class:`~vllm_csv.ops.int8_vnni.VnniInt8Linear`); a backend implements :meth:`linear`.
 
     Parameters
     ----------
@@ -73,15 +75,36 @@ class PackedInt8Linear:
         ``[V, d]`` int8, values in ``[-128, 127]``.
     s : torch.Tensor
         ``[V]`` float32, positive normal numbers.
+    unavailable : str or None
+        Why the backend cannot run here (:class:`~vllm_csv.errors.CSVError`), or None.
     """
+
+    backend = ""
+
+    def __init__(self, q: torch.Tensor, s: torch.Tensor, unavailable: str | None):
+        if unavailable is not None:
+            raise CSVError(unavailable)
+        self.vocab_size, self.hidden_size = q.shape
+
+    def __call__(self, p: torch.Tensor, c: float) -> torch.Tensor:
+        """``p [B, d]`` float32 integers in ``[-64, 63]``, ``c = 2^j`` with ``-14 <= j <= 100``;
+        returns ``[B, V]`` float32."""
+        return self.linear(act7_layout(p, c))
+
+    def linear(self, x: torch.Tensor) -> torch.Tensor:
+        """The GEMM on an input already laid out as :meth:`__call__` lays it out, ``[B, d + 2]``
+        fp32 (:func:`act7_layout`; :func:`vllm_csv.ops.cpu_step.quantize_act7` builds it in one pass)."""
+        raise NotImplementedError
+
+
+class PackedInt8Linear(Int8Linear):
+    """:class:`Int8Linear` with FBGEMM (same parameters)."""
 
     backend = "fbgemm"
 
     def __init__(self, q: torch.Tensor, s: torch.Tensor):
-        V, d = q.shape
-        reason = unavailable_reason(d, V)
-        if reason is not None:
-            raise CSVError(reason)
+        super().__init__(q, s, unavailable_reason(q.shape[1], q.shape[0]))
+        V = q.shape[0]
         prepack, self._linear = _ops()
         q2 = torch.nn.functional.pad(q, (0, 2))  # two zero columns for the forced min/max
         try:
@@ -92,16 +115,8 @@ class PackedInt8Linear:
             self.packed = prepack(qw, None)
         except (AttributeError, RuntimeError) as e:
             raise CSVError(f"FBGEMM int8 prepack failed: {e}") from None
-        self.vocab_size, self.hidden_size = V, d
-
-    def __call__(self, p: torch.Tensor, c: float) -> torch.Tensor:
-        """``p [B, d]`` float32 integers in ``[-64, 63]``, ``c = 2^j`` with ``-14 <= j <= 100``;
-        returns ``[B, V]`` float32."""
-        return self.linear(act7_layout(p, c))
 
     def linear(self, x: torch.Tensor) -> torch.Tensor:
-        """The GEMM on an input already laid out as :meth:`__call__` lays it out, ``[B, d + 2]``
-        fp32 (:func:`vllm_csv.ops.cpu_step.quantize_act7` builds it in one pass)."""
         return self._linear(x, self.packed, True)
 
 

@@ -33,11 +33,9 @@ import math
 
 import torch
 
-from ..errors import CSVError
 from . import cpu_step
-from .fbgemm import ACT_MAX, ACT_MIN, act7_layout, packed_int8_linear_ref
-
-PANEL = 32  # weight rows a panel (csrc/cpu/int8_vnni.cpp)
+from .cpu_step import PANEL
+from .fbgemm import ACT_MAX, ACT_MIN, Int8Linear, packed_int8_linear_ref
 
 
 def unavailable_reason(d: int, vocab: int) -> str | None:
@@ -52,38 +50,22 @@ def unavailable_reason(d: int, vocab: int) -> str | None:
     return None
 
 
-class VnniInt8Linear:
-    """``y[b, i] = fl(fl(<p_b, q_i>) * (c s_i))`` with the AVX512-VNNI kernel, for int8
-    ``q [V, d]``, fp32 scales ``s [V]`` (normal numbers), integer ``p [B, d]`` in ``[-64, 63]``
-    and a power of two ``c`` (the interface of :class:`~vllm_csv.ops.fbgemm.PackedInt8Linear`).
-
-    Parameters
-    ----------
-    q : torch.Tensor
-        ``[V, d]`` int8, values in ``[-128, 127]``.
-    s : torch.Tensor
-        ``[V]`` float32, positive normal numbers.
-    """
+class VnniInt8Linear(Int8Linear):
+    """:class:`~vllm_csv.ops.fbgemm.Int8Linear` with the AVX512-VNNI kernel (same parameters)."""
 
     backend = "vnni"
 
     def __init__(self, q: torch.Tensor, s: torch.Tensor):
-        V, d = q.shape
-        reason = unavailable_reason(d, V)
-        if reason is not None:
-            raise CSVError(reason)
-        self._op = cpu_step.load_ops().int8_vnni_linear
-        self.packed = cpu_step.load_ops().pack_int8_vnni(q)
+        super().__init__(q, s, unavailable_reason(q.shape[1], q.shape[0]))
+        V = q.shape[0]
+        ops = cpu_step.load_ops()
+        self._op = ops.int8_vnni_linear
+        self.packed = ops.pack_int8_vnni(q)
         n = self.packed.shape[0] * PANEL
         self.zsum = torch.zeros(n, dtype=torch.int32)
         self.zsum[:V] = q.sum(1, dtype=torch.int32) * -ACT_MIN  # 64 rowsum(q): the codes' zero point
         self.s = torch.zeros(n, dtype=torch.float32)
         self.s[:V] = s
-        self.vocab_size, self.hidden_size = V, d
-
-    def __call__(self, p: torch.Tensor, c: float) -> torch.Tensor:
-        """``p [B, d]`` float32 integers in ``[-64, 63]``, ``c = 2^j``; returns ``[B, V]`` float32."""
-        return self.linear(act7_layout(p, c))
 
     def linear(self, x: torch.Tensor) -> torch.Tensor:
         """The GEMM on ``x [B, d + 2]`` fp32 laid out as :func:`~vllm_csv.ops.fbgemm.act7_layout`

@@ -54,9 +54,8 @@ import torch
 
 from ..errors import CSVError
 from ..fp import FP32_UNIT_ROUNDOFF, round_up32
-from ..ops import cpu_step
+from ..ops import cpu_step, int8_vnni
 from ..ops.cpu_step import S_MIN, fold_scale
-from ..ops import int8_vnni
 from ..ops.fbgemm import ACT_MAX, ACT_MIN, C_MAX_LOG2, C_MIN_LOG2, PackedInt8Linear, packed_int8_linear_ref
 from .copy_error import copy_error_norms
 from .quantized import quantize

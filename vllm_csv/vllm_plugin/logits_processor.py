@@ -156,8 +156,7 @@ class CSVLogitsProcessor(LogitsProcessor):
 
     def _log_first(self, head, stats) -> None:
         if not self._csv_logged:
-            screen = getattr(head, "screen", None) or getattr(getattr(head, "local", None), "screen", None)
-            backend = getattr(screen, "backend", None)  # e.g. int8 on x86: vnni or fbgemm
+            backend = head.screen_backend  # e.g. int8 on x86: vnni or fbgemm
             logger.info("CSV-Decode active: screen=%s V=%d d=%d%s, first step %d/%d rows certified in the head",
                         stats.screen, head.vocab_size, head.hidden_size, f" backend={backend}" if backend else "",
                         stats.certified, stats.rows)
