@@ -16,6 +16,7 @@ import argparse
 import json
 import os
 import platform
+import statistics
 import subprocess
 import sys
 import time
@@ -62,7 +63,8 @@ def run_server(model: str, csv: bool, args) -> dict:
     cmd = [*_vllm_command(), "serve", model, "--host", "127.0.0.1", "--port", str(port), "--seed", "0",
            "--max-model-len", "1024", *flags, *args.vllm_args]
     env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE=os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"))
-    log = open(Path(args.json).with_suffix(f".{'csv' if csv else 'dense'}.log"), "w")
+    tag = ('csv' if csv else 'dense') + (f".{args.pair}" if args.pairs > 1 else "")
+    log = open(Path(args.json).with_suffix(f".{tag}.log"), "w")
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
     try:
         wait_healthy(proc, base, args.timeout)
@@ -132,11 +134,45 @@ def summary(dense: dict, csv: dict) -> dict:
     return out
 
 
+def combine(pairs: list[dict]) -> dict:
+    """The summary of several dense/CSV server pairs: per workload, the median of the pairs'
+    speed-ups (each pair's two servers ran back to back, so their ratio is free of the drift
+    between pairs) and of their tokens/s, each pair's speed-up, and the metrics summed."""
+    out = dict(pairs[-1])
+    out["workloads"] = {}
+    for name in pairs[0]["workloads"]:
+        ws = [p["workloads"][name] for p in pairs]
+        out["workloads"][name] = {
+            "dense_tokens_per_s": statistics.median(w["dense_tokens_per_s"] for w in ws),
+            "csv_tokens_per_s": statistics.median(w["csv_tokens_per_s"] for w in ws),
+            "speedup": round(statistics.median(w["speedup"] for w in ws), 3),
+            "speedup_by_pair": [w["speedup"] for w in ws],
+            "identical_outputs": all(w["identical_outputs"] for w in ws)}
+    for key in ("rows_total", "csv_rows"):
+        out[key] = sum(p[key] for p in pairs)
+    by_mode: dict[str, float] = {}
+    falls: dict[str, float] = {}
+    for p in pairs:
+        for k, v in p["certified_by_mode"].items():
+            by_mode[k] = by_mode.get(k, 0.0) + v
+        for k, v in p["fallbacks"].items():
+            falls[k] = falls.get(k, 0.0) + v
+    out["certified_by_mode"], out["fallbacks"] = by_mode, falls
+    cert = sum(by_mode.values())
+    out["certified_share_of_csv_rows"] = cert / out["csv_rows"] if out["csv_rows"] else 0.0
+    out["certified_share_of_all_rows"] = cert / out["rows_total"] if out["rows_total"] else 0.0
+    out["pairs"] = pairs
+    return out
+
+
 def markdown(s: dict, machine: str, model: str) -> str:
-    lines = [f"Machine: {machine}; model {model}", "",
+    n = len(s.get("pairs", ())) or 1
+    lines = [f"Machine: {machine}; model {model}"
+             + (f"; {n} server pairs run back to back in ABBA order, medians over pairs" if n > 1 else ""), "",
              "| workload | dense tok/s | CSV tok/s | speed-up | identical outputs |", "|---|---|---|---|---|"]
     for name, w in s["workloads"].items():
-        lines.append(f"| {name} | {w['dense_tokens_per_s']} | {w['csv_tokens_per_s']} | {w['speedup']}x | "
+        by_pair = f" (pairs: {', '.join(f'{x}x' for x in w['speedup_by_pair'])})" if "speedup_by_pair" in w else ""
+        lines.append(f"| {name} | {w['dense_tokens_per_s']} | {w['csv_tokens_per_s']} | {w['speedup']}x{by_pair} | "
                      f"{w['identical_outputs']} |")
     lines += ["", f"CSV path: {s['csv_rows']:.0f} of {s['rows_total']:.0f} head rows eligible, "
               f"{s['certified_share_of_csv_rows']:.1%} of them certified ({s['certified_share_of_all_rows']:.1%} of all "
@@ -159,6 +195,9 @@ def main(argv=None) -> int:
     p.add_argument("--mixed", action="store_true",
                    help="add the mixed workload (greedy, temperature, top-k, top-p, min-p, penalties, logit_bias at once)")
     p.add_argument("--workloads", nargs="*", default=None, help="run only these workloads (names as in the table)")
+    p.add_argument("--pairs", type=int, default=1,
+                   help="dense/CSV server pairs, run in ABBA order (dense first, then CSV first, ...); the "
+                        "speed-up is the median of the pairs' (server start-up scatter is several percent)")
     p.add_argument("--json", required=True)
     p.add_argument("vllm_args", nargs=argparse.REMAINDER, help="further `vllm serve` arguments (after --)")
     args = p.parse_args(argv)
@@ -168,9 +207,17 @@ def main(argv=None) -> int:
         from vllm_csv.demo_model import ensure_demo_model
 
         args.model = str(ensure_demo_model())
-    dense = run_server(args.model, False, args)
-    csv = run_server(args.model, True, args)
-    s = summary(dense, csv)
+    if args.pairs < 1:
+        p.error("--pairs must be >= 1")
+    pairs = []
+    for i in range(args.pairs):
+        args.pair = i  # (names the server logs)
+        order = (False, True) if i % 2 == 0 else (True, False)
+        runs = {csv: run_server(args.model, csv, args) for csv in order}
+        pairs.append(summary(runs[False], runs[True]))
+        print(f"pair {i + 1}/{args.pairs}: " + ", ".join(
+            f"{k} {w['speedup']}x" for k, w in pairs[-1]["workloads"].items()), file=sys.stderr)
+    s = pairs[0] if args.pairs == 1 else combine(pairs)
     machine = f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores"
     Path(args.json).write_text(json.dumps({"machine": machine, "model": args.model, "prompts": args.prompts, "commit": commit(), "provenance": provenance(), "vllm_args": args.vllm_args, **s}, indent=1))
     md = markdown(s, machine, Path(args.model).name)

@@ -176,3 +176,33 @@ def test_worker_that_cannot_create_metric_files_serves_without_metrics(tmp_path)
     r = _run(code, {"PROMETHEUS_MULTIPROC_DIR": str(tmp_path / "gone")})
     assert r.returncode == 0 and r.stdout.strip() == "None", r.stderr[-3000:]
     assert sum("CSV-Decode metrics are off in this process" in ln for ln in r.stderr.splitlines()) == 1, r.stderr
+
+
+def test_batched_updates_equal_prometheus_own_and_reach_it_within_the_flush_interval():
+    """record() adds a step up in process; the flusher thread writes it within FLUSH_SECONDS, and
+    the per-bucket histogram update writes exactly what prometheus-client's observe() would
+    (values on bucket bounds, between them, beyond the last, negative, NaN-free)."""
+    code = """
+        import time
+        from prometheus_client import CollectorRegistry, Histogram
+        from vllm_csv import metrics
+        from vllm_csv.head import StepStats
+        reg = CollectorRegistry()
+        a = Histogram("a", "x", buckets=metrics.SCORED_BUCKETS, registry=reg)
+        b = Histogram("b", "x", buckets=metrics.SCORED_BUCKETS, registry=reg)
+        vals = [0, 1, 1.5, 2, 3, 4, 64, 65, 262144, 262145, 1e9, -3, 16, 16, 16]
+        for v in vals:
+            a.observe(v)
+        metrics._observe_all(b, vals)
+        got = {f.name: [(x.name[1:], x.labels, x.value) for x in f.samples if not x.name.endswith("_created")]
+               for f in reg.collect()}
+        assert got["a"] == got["b"] and len(got["a"]) == len(metrics.SCORED_BUCKETS) + 3, got
+        m = metrics.CSVMetrics("demo", {"screen": "int8", "vocab_size": 1000, "hidden_size": 64})
+        m.record(StepStats(rows=4, csv_rows=3, certified=2, scored=[3, 40], seconds=0.002, screen="int8"))
+        assert m.rows._value.get() == 0.0  # added up in process, not yet written
+        time.sleep(metrics.FLUSH_SECONDS * 5)
+        assert m.rows._value.get() == 4.0 and m.scored._sum.get() == 43.0
+        print("ok")
+    """
+    out = _run(code, {})
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-3000:]

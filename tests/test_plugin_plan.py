@@ -118,6 +118,19 @@ def test_structured_mode_is_a_metrics_label():
     assert "structured" in MODES
 
 
+def test_plan_derived_fields():
+    """What the head reads from a plan: rows by where they are decided, the default modes, and the
+    temperature argument (None when every row is greedy)."""
+    import torch
+
+    p = Plan(["a", "b", "c"], [1, DEFER, 5], temps=[0.0, 0.7, 0.9])
+    assert p.deferred == [1] and p.in_head == [0, 2] and p.row_modes == ["greedy", "top_k", "top_k"]
+    assert p.topk_tensor.tolist() == [1, DEFER, 5] and p.topk_tensor.dtype == torch.long
+    assert p.temperature.tolist() == pytest.approx([0.0, 0.7, 0.9])
+    g = Plan(["a", "b"], [1, 1])
+    assert g.temperature is None and g.row_temps == [0.0, 0.0] and g.deferred == []
+
+
 def test_plan_is_used_once_and_only_for_its_row_count():
     assert take_plan(2) is None
     with active_plan(Plan(["a", "b"], [1, 0])):
@@ -144,7 +157,8 @@ def test_max_topk_comes_from_the_runners_config():
 def test_v1_plan_rows_in_batch_order_kept_per_request():
     """The runner's plan: one entry per row in the batch's order, computed once per request
     (kept on vLLM's per-request state) and recomputed when ``max_topk`` differs; a row whose
-    request is unknown is dense."""
+    request is unknown is dense; the whole plan is reused while the batch holds the same
+    request states, and rebuilt when one changes (a request id reused by a new request too)."""
     from types import SimpleNamespace
 
     from vllm_csv.vllm_plugin import step_plan
@@ -167,8 +181,13 @@ def test_v1_plan_rows_in_batch_order_kept_per_request():
         assert p.topk == [DEFER, 1, 0, 5] and p.modes == ["top_p", "greedy", "", "top_k"]
         assert p.temps == [pytest.approx(0.8), 0.0, 0.0, pytest.approx(0.7)]
         n = len(calls)
-        assert step_plan._v1_plan(runner, 64).topk == p.topk and len(calls) == n + 1  # only the unknown row
-        assert step_plan._v1_plan(runner, 4).topk == [DEFER, 1, 0, 0]  # top_k 5 > max_topk 4: dense
+        assert step_plan._v1_plan(runner, 64) is p and len(calls) == n  # same requests: the same plan
+        states["x"] = SimpleNamespace(sampling_params=SamplingParams(temperature=0))  # a new request
+        q = step_plan._v1_plan(runner, 64)
+        assert q.topk == [DEFER, 1, 1, 5] and len(calls) == n + 1  # only the new row is planned
+        states["a"] = SimpleNamespace(sampling_params=SamplingParams(temperature=0.5))  # id reused, new request
+        assert step_plan._v1_plan(runner, 64).topk == [DEFER, DEFER, 1, 5]
+        assert step_plan._v1_plan(runner, 4).topk == [DEFER, DEFER, 1, 0]  # top_k 5 > max_topk 4: dense
     finally:
         step_plan.plan_row = saved
 

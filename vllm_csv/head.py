@@ -35,6 +35,7 @@ import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -157,6 +158,7 @@ class CertifiedHead:
         self._babs_max = float(self._babs.max()) if V else 0.0
         self._slack_cache: dict[float, tuple[torch.Tensor, float]] = {}
         self.off_switch = OffSwitch() if self.config.off_switch else None
+        self._last_split = None  # _row_split of the last topk tensor
 
     @property
     def _plain(self) -> bool:
@@ -572,6 +574,16 @@ class CertifiedHead:
         (``unsupported``)."""
         return min(self.config.max_topk, self.vocab_size)
 
+    def _row_split(self, topk: torch.Tensor) -> RowSplit:
+        """:func:`row_split` of a step's ``topk`` (host tensor), decided on the host (no device
+        sync); the last step's is reused when ``topk`` holds the same values (a decode run's
+        steps mostly do)."""
+        ks = topk.tolist()
+        last = self._last_split
+        if last is None or last.ks != ks:
+            last = self._last_split = row_split(ks, self.max_certified_k)
+        return last
+
     def sampler_logits(self, hidden: torch.Tensor, topk: torch.Tensor,
                        dense_fn: Callable[[torch.Tensor], torch.Tensor] | None = None,
                        t0: float | None = None, temperature: torch.Tensor | None = None,
@@ -609,16 +621,11 @@ class CertifiedHead:
         t0 = time.perf_counter() if t0 is None else t0
         dense_fn = dense_fn or self.dense_logits
         B, dev = hidden.shape[0], hidden.device
-        # Per-row plans are decided on the host, as Python lists (B numbers; no device sync).
-        ks = topk.tolist()
-        stats = StepStats(rows=B, screen=self.screen_name)
-        kmax_ok = self.max_certified_k
-        rows = [i for i, k in enumerate(ks) if 0 < k <= kmax_ok]
-        stats.csv_rows = sum(k > 0 for k in ks)
-        stats.fallbacks["unsupported"] = stats.csv_rows - len(rows)
+        ks, rows, csv_rows, kind = self._row_split(topk)
+        stats = StepStats(rows=B, csv_rows=csv_rows, screen=self.screen_name)
+        stats.fallbacks["unsupported"] = csv_rows - len(rows)
         sw = self.off_switch if use_switch else None
         tried = bool(rows)
-        kind = "top1" if all(ks[i] == 1 for i in rows) else "topk"  # the switch's ledger
         if tried and sw is not None and not sw.allow(B, lambda: _time(lambda: dense_fn(hidden), hidden), kind):
             stats.fallbacks["off_switch"] = len(rows)
             tried = False
@@ -667,6 +674,22 @@ class CertifiedHead:
         if sw is not None:  # a dense step timed in place is the switch's dense sample
             (sw.observe if tried else sw.observe_dense)(B, stats.seconds)
         return out, stats
+
+
+class RowSplit(NamedTuple):
+    """What a step's per-row ``k`` (:meth:`CertifiedHead.sampler_logits`'s ``topk``) asks of the
+    head: one place for the rule, read by the head and by the plugin's off-switch branch."""
+
+    ks: list[int]  # per row: k > 0 certify the top-k, 0 dense (negative: decided elsewhere, the sampler)
+    rows: list[int]  # the rows certified in the head: 0 < k <= max_certified_k
+    csv_rows: int  # rows asking for the head's certificate (k > 0)
+    kind: str  # the off-switch's ledger: "top1" (every such row reads an argmax), else "topk"
+
+
+def row_split(ks: list[int], max_certified_k: int) -> RowSplit:
+    """:class:`RowSplit` of ``ks``; rows with ``k > max_certified_k`` are dense (``unsupported``)."""
+    rows = [i for i, k in enumerate(ks) if 0 < k <= max_certified_k]
+    return RowSplit(ks, rows, sum(k > 0 for k in ks), "top1" if all(ks[i] == 1 for i in rows) else "topk")
 
 
 def _reasons(certified: torch.Tensor, ok: torch.Tensor, live: torch.Tensor) -> list[str | None]:

@@ -18,8 +18,13 @@ across ranks show the ranks agreed.
 
 from __future__ import annotations
 
+import atexit
+import bisect
 import logging
 import os
+import threading
+import time
+import weakref
 
 logger = logging.getLogger("vllm.csv_decode")
 PREFIX = "csv_decode"
@@ -27,6 +32,11 @@ PREFIX = "csv_decode"
 MODES = ("greedy", "top_k", "sampling", "top_p", "min_p", "processed", "structured")
 SCORED_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 65536, 262144)
 SECONDS_BUCKETS = (1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25, 0.5, 1.0)
+# How stale /metrics may be. A step's counts are added up in process and written to Prometheus
+# at most this often, by a daemon thread (and at exit): in multiprocess mode every update is a
+# locked write to a memory-mapped file, 5 to 20 of them a step, which cost the serving loop more
+# than the switched-off head's whole bookkeeping (issue 13, the off-switch's end-to-end promise).
+FLUSH_SECONDS = 0.1
 
 
 def ensure_multiprocess_dir() -> str | None:
@@ -102,12 +112,87 @@ def create_metrics(model_name: str, info: dict, rank: int | None = None) -> "CSV
         return None
 
 
+class _Batch:
+    """Updates of Prometheus children added up in process and applied by :meth:`flush`
+    (:data:`FLUSH_SECONDS`): the serving loop pays a dict update per value, not a file write."""
+
+    def __init__(self):
+        self.lock = threading.Lock()  # held by the caller around inc/observe (one step: one acquire)
+        self._inc: dict = {}  # counter child -> amount
+        self._obs: dict = {}  # histogram child -> observed values
+
+    def inc(self, child, amount: float = 1.0) -> None:
+        self._inc[child] = self._inc.get(child, 0.0) + amount
+
+    def observe(self, child, values) -> None:
+        self._obs.setdefault(child, []).extend(values)
+
+    def flush(self) -> None:
+        with self.lock:
+            inc, obs, self._inc, self._obs = self._inc, self._obs, {}, {}
+        for child, amount in inc.items():
+            child.inc(amount)
+        for child, values in obs.items():
+            _observe_all(child, values)
+
+
+def _observe_all(child, values: list[float]) -> None:
+    """``child.observe(v)`` for every ``v``, as one update per bucket where the child is
+    prometheus-client's histogram (its per-bucket counters and sum; what ``observe`` itself
+    updates: ``tests/test_metrics.py`` checks the two agree), one call each otherwise (Ray)."""
+    bounds, buckets, total = (getattr(child, a, None) for a in ("_upper_bounds", "_buckets", "_sum"))
+    if bounds is None or buckets is None or total is None:
+        for v in values:
+            child.observe(v)
+        return
+    counts: dict[int, int] = {}
+    for v in values:
+        i = bisect.bisect_left(bounds, v)  # the first bucket with v <= bound (the last is +Inf)
+        counts[i] = counts.get(i, 0) + 1
+    total.inc(sum(values))
+    for i, n in counts.items():
+        buckets[i].inc(n)
+
+
+_live: "weakref.WeakSet[CSVMetrics]" = weakref.WeakSet()
+_flusher: threading.Thread | None = None
+
+
+def flush_all() -> None:
+    """Write every pending update of this process's metrics (the flusher thread, and at exit)."""
+    for m in list(_live):
+        try:
+            m.flush()
+        except Exception as e:  # e.g. Ray's metrics after ray.shutdown(): the process is ending anyway
+            logger.debug("CSV-Decode metrics flush failed: %s", e)
+
+
+def _start_flusher() -> None:
+    global _flusher
+    if _flusher is not None and _flusher.is_alive():
+        return
+
+    def loop():
+        while True:
+            time.sleep(FLUSH_SECONDS)
+            flush_all()
+
+    _flusher = threading.Thread(target=loop, name="csv-decode-metrics", daemon=True)
+    _flusher.start()
+
+
+atexit.register(flush_all)
+
+
 class CSVMetrics:
-    """One set of metrics per process, labelled by ``model_name`` like vLLM's own."""
+    """One set of metrics per process, labelled by ``model_name`` like vLLM's own. :meth:`record`
+    adds a step's counts up in process; they reach Prometheus within :data:`FLUSH_SECONDS`
+    (:meth:`flush`, from a daemon thread, and at exit)."""
 
     _families = None
 
     def __init__(self, model_name: str, info: dict, rank: int | None = None):
+        self._batch = _Batch()
         fam = CSVMetrics._create()
         self.primary = not rank  # None (no TP) or rank 0: records the families without a rank label
         self.rank_rows = self.rank_certified = None
@@ -134,6 +219,8 @@ class CSVMetrics:
         self.vocab_size = int(info.get("vocab_size", 0)) or 1
         fam["info"].labels(**m, **{k: str(info.get(k, "")) for k in ("screen", "vocab_size", "hidden_size",
                                                                        "clusters", "fingerprint")}).set(1)
+        _live.add(self)
+        _start_flusher()
 
     @classmethod
     def _create(cls):
@@ -179,38 +266,46 @@ class CSVMetrics:
         """Count one step (a :class:`vllm_csv.head.StepStats`); ``modes`` splits
         ``stats.certified`` by sampling mode (default: all ``top_k``). Under tensor parallelism
         every rank counts its ``rank`` rows; only rank 0 counts the families without a rank."""
+        with self._batch.lock:  # (the flusher thread swaps the batch out under it)
+            self._record(self._batch, stats, dense_seconds, modes)
+
+    def _record(self, b: _Batch, stats, dense_seconds: float | None, modes: dict[str, int] | None) -> None:
         if self.rank_rows is not None:
-            self.rank_rows.inc(stats.rows)
+            b.inc(self.rank_rows, stats.rows)
             if stats.certified:
-                self.rank_certified.inc(stats.certified)
+                b.inc(self.rank_certified, stats.certified)
         if not self.primary:
             return
-        self.rows.inc(stats.rows)
+        b.inc(self.rows, stats.rows)
         if stats.csv_rows == 0:
             return
-        self.steps.inc()
-        self.csv_rows.inc(stats.csv_rows)
+        b.inc(self.steps)
+        b.inc(self.csv_rows, stats.csv_rows)
         modes = modes if modes is not None else {"top_k": stats.certified}
         if sum(modes.values()) != stats.certified:
             raise ValueError(f"certified rows by mode {modes} do not add up to {stats.certified}")
         for mode, n in modes.items():
             if n:
-                self.certified[mode].inc(n)
+                b.inc(self.certified[mode], n)
         for reason, n in stats.fallbacks.items():
             if n:
-                self.fallbacks[reason].inc(n)
-        for s in stats.scored:
-            self.scored.observe(s)
-            self.fraction.observe(s / self.vocab_size)
-        self.seconds.observe(stats.seconds)
+                b.inc(self.fallbacks[reason], n)
+        if stats.scored:
+            b.observe(self.scored, stats.scored)
+            b.observe(self.fraction, [s / self.vocab_size for s in stats.scored])
+        b.observe(self.seconds, (stats.seconds,))
         # A step that ran CSV (not sent dense by the off-switch): time saved, and head speed-up =
         # dense / csv. A step the switch sent dense saved nothing (its dense run against the
-        # dense estimate is noise, and one Prometheus update less on the switched-off path). A
-        # batch size's first CSV step is a warm-up (first kernel calls; its dense time a first
-        # guess), left out as the off-switch leaves it out of its ledger.
+        # dense estimate is noise). A batch size's first CSV step is a warm-up (first kernel
+        # calls; its dense time a first guess), left out as the off-switch leaves it out of its
+        # ledger.
         if dense_seconds is not None and not stats.fallbacks.get("off_switch"):
-            self.saved.inc(max(0.0, dense_seconds - stats.seconds))
+            b.inc(self.saved, max(0.0, dense_seconds - stats.seconds))
             if stats.rows in self._warm:
-                self.csv_seconds.inc(stats.seconds)
-                self.dense_seconds.inc(dense_seconds)
+                b.inc(self.csv_seconds, stats.seconds)
+                b.inc(self.dense_seconds, dense_seconds)
             self._warm.add(stats.rows)
+
+    def flush(self) -> None:
+        """Write the counts :meth:`record` added up since the last flush to Prometheus."""
+        self._batch.flush()

@@ -132,7 +132,12 @@ def demo_request(base: str, model: str, prompt: str = DEMO_PROMPT, max_tokens: i
 
 
 def csv_metrics(base: str) -> dict[str, float]:
-    """:func:`parse_csv_metrics` of the server's ``/metrics``; empty if it does not answer."""
+    """:func:`parse_csv_metrics` of the server's ``/metrics``; empty if it does not answer. Read
+    once the workers' counts of the steps so far are written (they flush every
+    :data:`~vllm_csv.metrics.FLUSH_SECONDS`)."""
+    from .metrics import FLUSH_SECONDS
+
+    time.sleep(3 * FLUSH_SECONDS)
     try:
         return parse_csv_metrics(_get(base + "/metrics").decode())
     except (urllib.error.URLError, OSError):

@@ -10,9 +10,12 @@ else.
 from __future__ import annotations
 
 import subprocess
+import time
 import urllib.request
 
 import pytest
+
+from vllm_csv.metrics import FLUSH_SECONDS
 
 from .conftest import POISON, server_env, start_server, vllm_command
 from .test_serve import metrics
@@ -97,6 +100,7 @@ def ball_server(test_model_dir, tmp_path_factory):
 def test_unusable_metrics_dir_serves_with_one_warning(ball_server):
     s = ball_server
     complete(s, PROMPTS[:2], temperature=0)
+    time.sleep(3 * FLUSH_SECONDS)  # the workers' counts are written every FLUSH_SECONDS
     with urllib.request.urlopen(s.base_url + "/metrics", timeout=10) as r:
         text = r.read().decode()
     assert "csv_decode_rows_certified_total" in text and "vllm:generation_tokens_total" in text

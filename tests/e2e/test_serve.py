@@ -11,9 +11,12 @@ import json
 import platform
 import re
 import subprocess
+import time
 import urllib.request
 
 import pytest
+
+from vllm_csv.metrics import FLUSH_SECONDS
 
 from .conftest import vllm_command
 
@@ -72,7 +75,9 @@ CERTIFIED_MODES = {
 
 
 def metrics(server) -> dict[str, float]:
-    """csv_decode_ samples of /metrics: certified rows by mode, fallbacks by reason."""
+    """csv_decode_ samples of /metrics: certified rows by mode, fallbacks by reason (read once
+    the workers' counts of the steps so far are written: they flush every FLUSH_SECONDS)."""
+    time.sleep(3 * FLUSH_SECONDS)
     with urllib.request.urlopen(server.base_url + "/metrics", timeout=10) as r:
         text = r.read().decode()
     out: dict[str, float] = {}

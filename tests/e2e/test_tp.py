@@ -12,10 +12,13 @@ from __future__ import annotations
 
 import json
 import re
+import time
 import urllib.request
 from pathlib import Path
 
 import pytest
+
+from vllm_csv.metrics import FLUSH_SECONDS
 
 from .conftest import start_server
 from .test_serve import complete
@@ -76,6 +79,7 @@ def metric(text: str, name: str, **labels) -> float:
 
 
 def metrics_text(server) -> str:
+    time.sleep(3 * FLUSH_SECONDS)  # the workers' counts of the steps so far are written
     with urllib.request.urlopen(server.base_url + "/metrics", timeout=10) as r:
         return r.read().decode()
 

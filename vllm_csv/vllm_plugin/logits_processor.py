@@ -76,37 +76,38 @@ class CSVLogitsProcessor(LogitsProcessor):
             if not memo:
                 memo.append(self._dense(lm_head, hidden_states, embedding_bias))
             return memo[0]
-        ks = list(plan.topk)
-        modes = list(plan.modes or ["greedy" if k == 1 else "top_k" for k in ks])
-        deferred = [i for i, k in enumerate(ks) if k == step_plan.DEFER]
-        in_head = [i for i, k in enumerate(ks) if k != step_plan.DEFER]
+        ks, modes, deferred, in_head = plan.topk, plan.row_modes, plan.deferred, plan.in_head
+        # The off-switch decides for the whole step here, once (the head's rows and the
+        # sampler's are charged together against the dense time of all B rows; its ledger is
+        # per kind of step), and the head is called with use_switch=False. A step it sends
+        # dense is vLLM's own call and a few counters: CSV switched off costs next to nothing.
         sw = head.off_switch
-        temps = list(plan.temps) if plan.temps is not None else [0.0] * B
+        split = plan.split(head.max_certified_k)
+        asked = sw is not None and bool(deferred or split.rows)
+        if asked and not sw.allow(B, lambda: csv_head._time(dense_full, hidden_states),
+                                  "sampler" if deferred else split.kind):
+            logits = dense_full().to(head.dtype)  # vLLM's own output: one GEMM, no copies
+            seconds = time.perf_counter() - t0
+            if not hidden_states.is_cuda:  # (CUDA: no sync to time it)
+                sw.observe_dense(B, seconds)
+            stats = csv_head.StepStats(rows=B, csv_rows=plan.csv_rows, seconds=seconds, screen=head.screen_name)
+            stats.fallbacks["unsupported"] = split.csv_rows - len(split.rows)
+            stats.fallbacks["off_switch"] = plan.csv_rows - stats.fallbacks["unsupported"]
+            self._record(head, stats, {}, None)
+            return logits
         if not deferred:
-            logits, stats = head.sampler_logits(hidden_states, torch.tensor(ks, dtype=torch.long),
-                                                lambda h: dense_full(), t0=t0, temperature=_temps(temps))
+            logits, stats = head.sampler_logits(hidden_states, plan.topk_tensor, lambda h: dense_full(), t0=t0,
+                                                temperature=plan.temperature, use_switch=False)
+            if sw is not None and not asked and not hidden_states.is_cuda:  # every row dense: a sample
+                sw.observe_dense(B, stats.seconds)
         else:
-            # Rows certified in the sampler: the off-switch decides for the whole step here (the
-            # head's rows and the sampler's, which it charges together against the dense time of
-            # all B rows), so the head does not ask it again for its rows.
-            own_switch = sw is not None
-            if own_switch and not sw.allow(B, lambda: csv_head._time(dense_full, hidden_states), "sampler"):
-                logits = dense_full().to(head.dtype)  # vLLM's own output: one GEMM, no copies
-                seconds = time.perf_counter() - t0
-                if not hidden_states.is_cuda:  # (CUDA: no sync to time it)
-                    sw.observe_dense(B, seconds)
-                stats = csv_head.StepStats(rows=B, csv_rows=sum(k != 0 for k in ks), seconds=seconds,
-                                           screen=head.screen_name)
-                stats.fallbacks["unsupported"] = sum(k > head.max_certified_k for k in ks)
-                stats.fallbacks["off_switch"] = stats.csv_rows - stats.fallbacks["unsupported"]
-                self._record(head, stats, {}, None)
-                return logits
+            own_switch = asked
             sub = torch.tensor(in_head, dtype=torch.long, device=hidden_states.device)
             part = None
             if any(ks[i] > 0 for i in in_head):
                 part, stats = head.sampler_logits(hidden_states[sub], torch.tensor([ks[i] for i in in_head]),
                                                   lambda h: dense_full()[sub], t0=t0,
-                                                  temperature=_temps([temps[i] for i in in_head]),
+                                                  temperature=_rows(plan.temperature, in_head),
                                                   use_switch=False)
             else:
                 stats = csv_head.StepStats(rows=len(in_head), screen=head.screen_name)
@@ -128,8 +129,7 @@ class CSVLogitsProcessor(LogitsProcessor):
             self._log_first(head, stats)
             return logits
         self._log_first(head, stats)
-        modes_seen = self._head_modes(head, stats, ks, modes, in_head if deferred else range(B))
-        self._record(head, stats, modes_seen, None)
+        self._record(head, stats, self._head_modes(head, stats, ks, modes, range(B)), B if asked else None)
         return logits
 
     def _adapter(self, head):
@@ -238,7 +238,9 @@ def _merge(stats, st):
     return out
 
 
-def _temps(temps: list[float]) -> torch.Tensor | None:
-    """The head's ``temperature`` argument: None when every row is greedy (``0``), which the
-    head reads as the same thing and certifies with its plain comparisons (fused on the CPU)."""
-    return torch.tensor(temps, dtype=torch.float32) if any(t > 0 for t in temps) else None
+def _rows(temperature: torch.Tensor | None, rows: list[int]) -> torch.Tensor | None:
+    """The plan's ``temperature`` argument for the head's rows ``rows`` (None: all greedy)."""
+    if temperature is None:
+        return None
+    t = temperature[rows]
+    return t if bool((t > 0).any()) else None

@@ -26,8 +26,11 @@ mask (:mod:`.sampler_hook`, where the reason it is sound is written down).
 from __future__ import annotations
 
 import contextlib
+import functools
 import threading
 from dataclasses import dataclass
+
+import torch
 
 from ..metrics import MODES  # noqa: F401  (row_mode's labels: one place, the metrics)
 
@@ -38,10 +41,59 @@ _local = threading.local()
 
 @dataclass
 class Plan:
+    """One step's rows: the per-row entries, and what the head derives from them (computed at
+    most once per plan: :func:`_v1_plan` hands the same plan to every step whose batch holds the
+    same requests, so a decode run builds it once per change of the batch)."""
+
     req_ids: list[str]
     topk: list[int]  # per row: k > 0, DEFER or 0 (dense)
     modes: list[str] | None = None  # per row, row_mode (None: greedy for k == 1, else top_k)
     temps: list[float] | None = None  # per row: temperature of a sampled row, 0.0 greedy (None: all greedy)
+
+    @functools.cached_property
+    def deferred(self) -> list[int]:
+        """Rows certified in the sampler (:data:`DEFER`)."""
+        return [i for i, k in enumerate(self.topk) if k == DEFER]
+
+    @functools.cached_property
+    def in_head(self) -> list[int]:
+        """Rows the head decides (certified there, or dense)."""
+        return [i for i, k in enumerate(self.topk) if k != DEFER]
+
+    @functools.cached_property
+    def row_modes(self) -> list[str]:
+        return list(self.modes or ["greedy" if k == 1 else "top_k" for k in self.topk])
+
+    @functools.cached_property
+    def row_temps(self) -> list[float]:
+        return list(self.temps) if self.temps is not None else [0.0] * len(self.topk)
+
+    @functools.cached_property
+    def topk_tensor(self) -> torch.Tensor:
+        """``topk`` as the head's ``[B]`` int64 host tensor (read, never written)."""
+        return torch.tensor(self.topk, dtype=torch.long)
+
+    def split(self, max_certified_k: int):
+        """The head's :func:`~vllm_csv.head.row_split` of the rows it decides (deferred rows
+        count as dense there), kept per ``max_certified_k``."""
+        cache = self.__dict__.setdefault("_splits", {})
+        if max_certified_k not in cache:
+            from ..head import row_split
+
+            cache[max_certified_k] = row_split([max(k, 0) for k in self.topk], max_certified_k)
+        return cache[max_certified_k]
+
+    @functools.cached_property
+    def csv_rows(self) -> int:
+        """Rows asking for CSV, in the head or in the sampler."""
+        return sum(k != 0 for k in self.topk)
+
+    @functools.cached_property
+    def temperature(self) -> torch.Tensor | None:
+        """The head's ``temperature`` argument: None when every row is greedy (``0``), which the
+        head reads as the same thing and certifies with its plain comparisons (fused on the CPU)."""
+        t = self.row_temps
+        return torch.tensor(t, dtype=torch.float32) if any(x > 0 for x in t) else None
 
 
 def _processed(sp) -> bool:
@@ -129,6 +181,8 @@ def take_plan(num_rows: int) -> Plan | None:
     """The plan for a logits call of ``num_rows`` rows; consumed by the first call so a
     second call in the same step (never expected) is dense."""
     plan = current_plan()
+    if isinstance(plan, _LazyPlan):
+        plan = plan.resolve()
     if plan is None or len(plan.topk) != num_rows:
         return None
     _local.plan = None
@@ -153,12 +207,22 @@ def row_plan(sp, max_topk: int) -> tuple[int, str, float]:
 
 
 def _v1_plan(runner, max_topk: int) -> Plan | None:
+    """The V1 runner's plan, in the batch's row order. While the batch holds the very same
+    request states (identity: a new request, even one reusing an id, is a new state) the last
+    plan is handed out again, derived fields included: a decode step then costs one lookup a
+    row. The cache holds the states it was built from, so their ids cannot be reused meanwhile."""
     batch = runner.input_batch
     if not _plannable(runner) or getattr(batch, "num_prompt_logprobs", None):
         return None
-    req_ids = list(batch.req_ids)
-    rows = [_row(runner.requests.get(r), max_topk) for r in req_ids]
-    return Plan(req_ids, [r[0] for r in rows], [r[1] for r in rows], [r[2] for r in rows])
+    states = tuple(map(runner.requests.get, batch.req_ids))
+    cached = getattr(runner, "_csv_plan", None)
+    if cached is not None and cached[1] == max_topk and len(cached[0]) == len(states) and \
+            all(a is b for a, b in zip(cached[0], states)):
+        return cached[2]
+    rows = [_row(st, max_topk) for st in states]
+    plan = Plan(list(batch.req_ids), [r[0] for r in rows], [r[1] for r in rows], [r[2] for r in rows])
+    runner._csv_plan = (states, max_topk, plan)
+    return plan
 
 
 def _row(state, max_topk: int) -> tuple[int, str, float]:
@@ -186,9 +250,14 @@ def install(max_topk_getter) -> None:
 
         def execute_model(self, scheduler_output, *a, **k):
             # execute_model updates the batch from scheduler_output first; the plan is
-            # built lazily (at the logits call) so that it sees the updated batch.
-            with active_plan(_LazyPlan(self, _v1_plan, max_topk_getter(self))):
+            # built lazily (at the logits call) so that it sees the updated batch. (active_plan
+            # inlined: this runs every step, and a generator-based context manager costs more.)
+            prev = getattr(_local, "plan", None)
+            _local.plan = _LazyPlan(self, _v1_plan, max_topk_getter(self))
+            try:
                 return orig(self, scheduler_output, *a, **k)
+            finally:
+                _local.plan = prev
 
         GPUModelRunner.execute_model = execute_model
         GPUModelRunner._csv_wrapped = True
@@ -225,29 +294,11 @@ def install(max_topk_getter) -> None:
         V2Runner._csv_wrapped = True
 
 
-class _LazyPlan(Plan):
-    """A plan computed at its first use, from the runner's state at that moment."""
+class _LazyPlan:
+    """A plan computed at its first use (:func:`take_plan`), from the runner's state at that moment."""
 
     def __init__(self, runner, build, max_topk):
-        self._runner, self._build, self._max_topk, self._plan = runner, build, max_topk, None
+        self._runner, self._build, self._max_topk = runner, build, max_topk
 
-    def _get(self):
-        if self._plan is None:
-            self._plan = self._build(self._runner, self._max_topk) or Plan([], [])
-        return self._plan
-
-    @property
-    def req_ids(self):
-        return self._get().req_ids
-
-    @property
-    def topk(self):
-        return self._get().topk
-
-    @property
-    def modes(self):
-        return self._get().modes
-
-    @property
-    def temps(self):
-        return self._get().temps
+    def resolve(self) -> Plan | None:
+        return self._build(self._runner, self._max_topk)

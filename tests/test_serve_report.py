@@ -1,0 +1,31 @@
+"""benchmarks/serve.py's summary of several server pairs: medians of per-pair ratios."""
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+
+
+def _pair(dense: float, csv: float, identical: bool = True, certified: float = 10.0) -> dict:
+    return {"workloads": {"greedy": {"dense_tokens_per_s": dense, "csv_tokens_per_s": csv,
+                                     "speedup": round(csv / dense, 3), "identical_outputs": identical}},
+            "rows_total": 100.0, "csv_rows": 80.0, "certified_by_mode": {"greedy": certified},
+            "fallbacks": {"off_switch": 70.0 - certified}, "csv_metrics": {}}
+
+
+def test_pairs_give_the_median_ratio_and_sum_the_counts():
+    import serve
+
+    # a slow pair (both servers slow: drift) does not move the median ratio; pooled tokens/s would
+    pairs = [_pair(1000.0, 990.0), _pair(600.0, 600.0), _pair(1000.0, 1010.0, identical=False)]
+    s = serve.combine(pairs)
+    g = s["workloads"]["greedy"]
+    assert g["speedup"] == 1.0
+    assert g["speedup_by_pair"] == [0.99, 1.0, 1.01]
+    assert g["dense_tokens_per_s"] == 1000.0 and g["csv_tokens_per_s"] == 990.0
+    assert g["identical_outputs"] is False  # one pair differed: reported, not averaged away
+    assert s["rows_total"] == 300.0 and s["csv_rows"] == 240.0
+    assert s["certified_by_mode"] == {"greedy": 30.0} and s["fallbacks"] == {"off_switch": 180.0}
+    assert s["certified_share_of_csv_rows"] == 30.0 / 240.0
+    assert "1.0x (pairs: 0.99x, 1.0x, 1.01x)" in serve.markdown(dict(s, csv_head_ms_mean=None,
+                                                                   head_seconds_saved_total=None), "m", "x")
