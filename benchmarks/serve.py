@@ -63,6 +63,8 @@ def run_server(model: str, csv: bool, args) -> dict:
     cmd = [*_vllm_command(), "serve", model, "--host", "127.0.0.1", "--port", str(port), "--seed", "0",
            "--max-model-len", "1024", *flags, *args.vllm_args]
     env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE=os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"))
+    if args.same_malloc:
+        env.update(malloc_env())
     tag = ('csv' if csv else 'dense') + (f".{args.pair}" if args.pairs > 1 else "")
     log = open(Path(args.json).with_suffix(f".{tag}.log"), "w")
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
@@ -102,6 +104,17 @@ def run_server(model: str, csv: bool, args) -> dict:
         except subprocess.TimeoutExpired:
             proc.kill()
         log.close()
+
+
+def malloc_env() -> dict[str, str]:
+    """glibc's environment tunables with the thresholds the CSV head sets with ``mallopt`` in
+    its worker (:mod:`vllm_csv.cpu_malloc`), for both servers: without them the CSV server's
+    whole process runs with a tuned allocator and the dense one does not, and the comparison
+    credits CSV with the allocator's effect."""
+    from vllm_csv import cpu_malloc
+
+    return {"MALLOC_MMAP_THRESHOLD_": str(cpu_malloc.MMAP), "MALLOC_TRIM_THRESHOLD_": str(cpu_malloc.TRIM),
+            "MALLOC_TOP_PAD_": str(cpu_malloc.TOP_PAD)}
 
 
 def summary(dense: dict, csv: dict) -> dict:
@@ -198,6 +211,9 @@ def main(argv=None) -> int:
     p.add_argument("--pairs", type=int, default=1,
                    help="dense/CSV server pairs, run in ABBA order (dense first, then CSV first, ...); the "
                         "speed-up is the median of the pairs' (server start-up scatter is several percent)")
+    p.add_argument("--same-malloc", action="store_true",
+                   help="run both servers with the allocator thresholds the CSV head sets in its worker "
+                        "(vllm_csv/cpu_malloc.py), so that the ratio is CSV's alone")
     p.add_argument("--json", required=True)
     p.add_argument("vllm_args", nargs=argparse.REMAINDER, help="further `vllm serve` arguments (after --)")
     args = p.parse_args(argv)
@@ -219,7 +235,7 @@ def main(argv=None) -> int:
             f"{k} {w['speedup']}x" for k, w in pairs[-1]["workloads"].items()), file=sys.stderr)
     s = pairs[0] if args.pairs == 1 else combine(pairs)
     machine = f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores"
-    Path(args.json).write_text(json.dumps({"machine": machine, "model": args.model, "prompts": args.prompts, "commit": commit(), "provenance": provenance(), "vllm_args": args.vllm_args, **s}, indent=1))
+    Path(args.json).write_text(json.dumps({"machine": machine, "model": args.model, "prompts": args.prompts, "commit": commit(), "provenance": provenance(), "vllm_args": args.vllm_args, "same_malloc": args.same_malloc, **s}, indent=1))
     md = markdown(s, machine, Path(args.model).name)
     Path(args.json).with_suffix(".md").write_text(md)
     print(md)

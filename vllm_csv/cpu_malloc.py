@@ -18,7 +18,7 @@ import ctypes.util
 import os
 
 M_TRIM_THRESHOLD, M_TOP_PAD, M_MMAP_THRESHOLD = -1, -2, -3
-TRIM, TOP_PAD = 256 << 20, 16 << 20  # bytes
+MMAP, TRIM, TOP_PAD = 1 << 30, 256 << 20, 16 << 20  # bytes
 _done = False
 
 
@@ -30,7 +30,7 @@ def tune_malloc() -> bool:
     _done = True
     try:
         libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        ok = libc.mallopt(M_MMAP_THRESHOLD, 1 << 30) == 1  # glibc caps this at 32 MiB on 64-bit
+        ok = libc.mallopt(M_MMAP_THRESHOLD, MMAP) == 1
         ok &= libc.mallopt(M_TRIM_THRESHOLD, TRIM) == 1
         ok &= libc.mallopt(M_TOP_PAD, TOP_PAD) == 1
         return bool(ok)
