@@ -8,13 +8,6 @@ codes laid out as the screen lays them out (``act7_layout``). For each batch bot
 interleaved, ``--repeats`` times each; the table reports medians and minima (ms), and checks
 that the two outputs are equal bit for bit. Also the VNNI kernel with the candidate search's
 block maxima taken in the same pass (what the screen calls).
-
-Floors (``--floors``): what no int8 GEMM of that shape can beat on this machine, from two
-measurements. *Read*: the time to stream the ``V x d`` int8 weight once from memory (a sum over
-it, 8 bytes at a time). *Compute*: the VNNI kernel's own rate on a weight that stays in cache
-(``1024 x 1024``, 1 MB), which is as fast as its ``vpdpbusd`` instructions issue, scaled to
-``V x d x B`` multiply-adds. The floor of a shape is the larger of the two; the table gives the
-kernel's time over it.
 """
 
 from __future__ import annotations
@@ -41,35 +34,13 @@ def _ms(fn) -> float:
     return (time.perf_counter() - t) * 1e3
 
 
-def compute_rate(B: int, repeats: int = 200) -> float:
-    """Multiply-adds per ms of the VNNI kernel at batch ``B`` on a 1 MB weight (in cache)."""
-    g = torch.Generator().manual_seed(B)
-    V = d = 1024
-    vn = int8_vnni.VnniInt8Linear(torch.randint(-127, 128, (V, d), dtype=torch.int8, generator=g),
-                                  torch.rand(V, generator=g) + 1e-3)
-    x = act7_layout(torch.randint(-64, 64, (B, d), generator=g).float(), 2.0**-7)
-    for _ in range(20):
-        vn.linear(x)
-    t = min(_ms(lambda: [vn.linear(x) for _ in range(10)]) / 10 for _ in range(repeats // 10))
-    return V * d * B / t
-
-
-def read_ms(q: torch.Tensor, repeats: int) -> float:
-    """Minimum time (ms) to stream ``q`` from memory once (int64 sum over its bytes)."""
-    w = q.view(torch.int64)
-    w.sum()
-    return min(_ms(lambda: w.sum()) for _ in range(repeats))
-
-
-def run(shapes, batches, repeats: int, floors: bool = False) -> list[dict]:
+def run(shapes, batches, repeats: int) -> list[dict]:
     rows = []
-    rates = {B: compute_rate(B) for B in batches} if floors else {}
     for V, d in shapes:
         g = torch.Generator().manual_seed(V + d)
         q = torch.randint(-127, 128, (V, d), dtype=torch.int8, generator=g)
         s = torch.rand(V, generator=g) * 1e-2 + 1e-3
         fb, vn = PackedInt8Linear(q, s), int8_vnni.VnniInt8Linear(q, s)
-        read = read_ms(q, repeats) if floors else None
         for B in batches:
             x = act7_layout(torch.randint(-64, 64, (B, d), generator=g).float(), 2.0**-7)
             same = torch.equal(fb.linear(x), vn.linear(x))
@@ -81,9 +52,6 @@ def run(shapes, batches, repeats: int, floors: bool = False) -> list[dict]:
             row = {"V": V, "d": d, "B": B, "bit_identical": same}
             for k, v in times.items():
                 row[k + "_ms"], row[k + "_min_ms"] = statistics.median(v), min(v)
-            if floors:
-                row["read_floor_ms"], row["compute_floor_ms"] = read, V * d * B / rates[B]
-                row["floor_ms"] = max(read, row["compute_floor_ms"])
             rows.append(row)
             print(f"{V}x{d} B={B}: fbgemm {row['fbgemm_ms']:.2f} (min {row['fbgemm_min_ms']:.2f}) "
                   f"vnni {row['vnni_ms']:.2f} (min {row['vnni_min_ms']:.2f}) "
@@ -94,15 +62,12 @@ def run(shapes, batches, repeats: int, floors: bool = False) -> list[dict]:
 def markdown(meta: dict, rows: list[dict]) -> str:
     out = [f"Machine: {meta['cpu']} ({', '.join(meta['cpu_flags'])}), {meta['threads']} threads, torch "
            f"{meta['torch']}; commit {meta['commit']}; load average {meta['loadavg_start']} at start.", "",
-           "| V x d | B | FBGEMM ms (min) | VNNI ms (min) | VNNI + block maxima ms (min) | FBGEMM / VNNI | identical |"
-           " floor ms (read, compute) | VNNI min / floor |",
-           "|---|---|---|---|---|---|---|---|---|"]
+           "| V x d | B | FBGEMM ms (min) | VNNI ms (min) | VNNI + block maxima ms (min) | FBGEMM / VNNI | identical |",
+           "|---|---|---|---|---|---|---|"]
     for r in rows:
-        fl = (f" {r['floor_ms']:.2f} ({r['read_floor_ms']:.2f}, {r['compute_floor_ms']:.2f}) | "
-              f"{r['vnni_min_ms'] / r['floor_ms']:.2f} |") if "floor_ms" in r else " | |"
         out.append(f"| {r['V']} x {r['d']} | {r['B']} | {r['fbgemm_ms']:.2f} ({r['fbgemm_min_ms']:.2f}) | "
                    f"{r['vnni_ms']:.2f} ({r['vnni_min_ms']:.2f}) | {r['vnni_block_max_ms']:.2f} "
-                   f"({r['vnni_block_max_min_ms']:.2f}) | {r['fbgemm_ms'] / r['vnni_ms']:.2f}x | {r['bit_identical']} |" + fl)
+                   f"({r['vnni_block_max_min_ms']:.2f}) | {r['fbgemm_ms'] / r['vnni_ms']:.2f}x | {r['bit_identical']} |")
     return "\n".join(out) + "\n"
 
 
@@ -112,7 +77,6 @@ def main() -> None:
     ap.add_argument("--batches", nargs="+", type=int, default=[1, 2, 4, 8, 16])
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--repeats", type=int, default=21)
-    ap.add_argument("--floors", action="store_true", help="also measure the read and compute floors (docstring)")
     ap.add_argument("--json", required=True)
     a = ap.parse_args()
     why = int8_vnni.unavailable_reason(8, 8)
@@ -121,7 +85,7 @@ def main() -> None:
     torch.set_num_threads(a.threads)
     shapes = [tuple(int(v) for v in s.lower().split("x")) for s in a.shapes]
     meta = machine()
-    rows = run(shapes, a.batches, a.repeats, a.floors)
+    rows = run(shapes, a.batches, a.repeats)
     out = Path(a.json)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"machine": meta, "rows": rows}, indent=1))
