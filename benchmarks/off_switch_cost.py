@@ -1,0 +1,108 @@
+"""What CSV costs a serving step when the off-switch keeps it off, measured in one process.
+
+    python benchmarks/off_switch_cost.py --model <HF model dir> [--sequences 8] [--rounds 30]
+
+Server-to-server scatter on a small VM is larger than the effect (``serve.py --pairs``), so this
+runs one offline ``LLM(...)`` with CSV enabled and alternates, round by round, three versions of
+the LM-head layer on the same engine: ``csv`` (the plugin's layer: plan, off-switch ledger,
+counters, vLLM's dense call when the switch says so), ``dense`` (vLLM's own
+``LogitsProcessor.forward``) and ``plan`` (only the step plan's lookup, then vLLM's call). It
+reports, per version, the median and mean time of the model step (the runner's
+``execute_model``) and of the layer's call, over every decode step of its rounds. On a model
+where CSV pays the switch stays on and ``csv`` is the CSV path itself.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from provenance import commit, machine  # noqa: E402  (benchmarks/provenance.py)
+
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the runner in this process: its steps can be timed
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--sequences", type=int, default=8)
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--rounds", type=int, default=30, help="rounds, cycling csv, dense, plan")
+    ap.add_argument("--json", default=None)
+    a = ap.parse_args()
+
+    from vllm import LLM, SamplingParams
+    from vllm.model_executor.layers.logits_processor import LogitsProcessor
+
+    from vllm_csv.vllm_plugin import logits_processor as lp, step_plan
+
+    cls, csv_forward = lp.CSVLogitsProcessor, lp.CSVLogitsProcessor.forward
+    versions = ("csv", "dense", "plan")
+    mode = ["csv"]
+    step_s: dict[str, list[float]] = {v: [] for v in versions}
+    layer_s: dict[str, list[float]] = {v: [] for v in versions}
+
+    def forward(self, lm_head, hidden, *rest, **kw):
+        t = time.perf_counter()
+        if mode[0] == "csv":
+            out = csv_forward(self, lm_head, hidden, *rest, **kw)
+        else:
+            if mode[0] == "plan":
+                step_plan.take_plan(hidden.shape[0])
+            out = LogitsProcessor.forward(self, lm_head, hidden, *rest, **kw)
+        layer_s[mode[0]].append(time.perf_counter() - t)
+        return out
+
+    cls.forward = forward
+    llm = LLM(model=a.model, dtype="bfloat16", max_model_len=512, seed=0,
+              additional_config={"csv_decode": {"enabled": True}})
+    worker = llm.llm_engine.model_executor.driver_worker.worker
+    runner_cls = type(worker.model_runner)
+    execute = runner_cls.execute_model
+
+    def timed_execute(self, *args, **kw):
+        t = time.perf_counter()
+        out = execute(self, *args, **kw)
+        step_s[mode[0]].append(time.perf_counter() - t)
+        return out
+
+    runner_cls.execute_model = timed_execute
+    params = [SamplingParams(max_tokens=a.max_tokens, ignore_eos=True, temperature=0) for _ in range(a.sequences)]
+    prompts = [f"def f{i}(x):\n" for i in range(a.sequences)]
+    for _ in range(2):  # warm-up: kernels, allocator, the off-switch's first decisions
+        llm.generate(prompts, params, use_tqdm=False)
+    for v in versions:
+        step_s[v].clear()
+        layer_s[v].clear()
+    for r in range(a.rounds):
+        mode[0] = versions[r % len(versions)]
+        llm.generate(prompts, params, use_tqdm=False)
+    head = next(m for m in worker.model_runner.model.modules() if isinstance(m, cls)).csv_head
+    out = {"model": a.model, "sequences": a.sequences, "rounds": a.rounds, "commit": commit(), "machine": machine(),
+           "versions": {}}
+    for v in versions:
+        out["versions"][v] = {k: {"median_ms": 1e3 * statistics.median(x), "mean_ms": 1e3 * statistics.mean(x),
+                                  "steps": len(x)} for k, x in (("step", step_s[v]), ("layer", layer_s[v]))}
+    sw = head.off_switch
+    out["off_switch"] = None if sw is None else {"times_tripped": sw.times_tripped, "probes": sw.probes}
+    base = out["versions"]["dense"]
+    for v in ("csv", "plan"):
+        o = out["versions"][v]
+        print(f"{v:5s}: step median {o['step']['median_ms']:.3f} ms ({o['step']['median_ms'] / base['step']['median_ms'] - 1:+.1%} "
+              f"vs vLLM's layer), layer median {o['layer']['median_ms']:.3f} ms "
+              f"({1e3 * (o['layer']['median_ms'] - base['layer']['median_ms']):+.0f} us)")
+    print(f"dense: step median {base['step']['median_ms']:.3f} ms, layer median {base['layer']['median_ms']:.3f} ms")
+    if a.json:
+        Path(a.json).write_text(json.dumps(out, indent=1))
+
+
+if __name__ == "__main__":
+    main()
