@@ -36,6 +36,8 @@ def main() -> None:
     ap.add_argument("--sequences", type=int, default=8)
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=30, help="rounds, cycling csv, dense, plan")
+    ap.add_argument("--top-k", type=int, default=0,
+                    help="seeded top-k sampling (temperature 0.8) instead of greedy decoding")
     ap.add_argument("--json", default=None)
     a = ap.parse_args()
 
@@ -75,7 +77,8 @@ def main() -> None:
         return out
 
     runner_cls.execute_model = timed_execute
-    params = [SamplingParams(max_tokens=a.max_tokens, ignore_eos=True, temperature=0) for _ in range(a.sequences)]
+    sampling = {"temperature": 0.8, "top_k": a.top_k, "seed": 1} if a.top_k else {"temperature": 0}
+    params = [SamplingParams(max_tokens=a.max_tokens, ignore_eos=True, **sampling) for _ in range(a.sequences)]
     prompts = [f"def f{i}(x):\n" for i in range(a.sequences)]
     for _ in range(2):  # warm-up: kernels, allocator, the off-switch's first decisions
         llm.generate(prompts, params, use_tqdm=False)
@@ -86,7 +89,8 @@ def main() -> None:
         mode[0] = versions[r % len(versions)]
         llm.generate(prompts, params, use_tqdm=False)
     head = next(m for m in worker.model_runner.model.modules() if isinstance(m, cls)).csv_head
-    out = {"model": a.model, "sequences": a.sequences, "rounds": a.rounds, "commit": commit(), "machine": machine(),
+    out = {"model": a.model, "sequences": a.sequences, "rounds": a.rounds, "sampling": sampling, "commit": commit(),
+           "machine": machine(),
            "versions": {}}
     for v in versions:
         out["versions"][v] = {k: {"median_ms": 1e3 * statistics.median(x), "mean_ms": 1e3 * statistics.mean(x),

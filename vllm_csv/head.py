@@ -611,7 +611,8 @@ class CertifiedHead:
             made by the division, and exact ties at the k-th value, are kept by the sampler.
         use_switch : bool
             ``False``: the caller asked the off-switch for its whole step and accounts the step
-            itself (the plugin, for a step with rows certified in the sampler).
+            itself (the plugin, for every step: it decides once for the head's rows and the
+            sampler's).
 
         Returns
         -------

@@ -5,7 +5,9 @@ Registered with ``LogitsProcessor.register_oot``. At construction it reads
 vLLM's own class, so the layer is exactly what vLLM would have built. When on, the
 first ``forward`` builds a :class:`~vllm_csv.head.CertifiedHead` from the layer's
 weights, and each step's rows take the certified path or vLLM's dense code
-(``super()._get_logits`` + soft-cap + scale, unchanged) as the runner's plan says.
+(``super()._get_logits`` + soft-cap + scale, unchanged) as the runner's plan says. The
+off-switch decides once per step, here (a step it sends dense is vLLM's own call and a few
+counters, :mod:`vllm_csv.off_switch`).
 With tensor parallelism the head is a :class:`~vllm_csv.sharded.ShardedHead` over this
 rank's shard: every rank reaches the same decision, and dense rows take vLLM's all-gather.
 Rows planned ``DEFER`` (certified with the seed the sampler draws) are left as placeholders
@@ -163,9 +165,9 @@ class CSVLogitsProcessor(LogitsProcessor):
             self._csv_logged = True
 
     def _record(self, head, stats, modes: dict[str, int], switch_batch: int | None) -> None:
-        """Metrics of a step; the off-switch sees the step here when the head did not
-        (``switch_batch``: a step with rows certified in the sampler, whose time
-        ``stats.seconds`` includes that work)."""
+        """Metrics of a step, and the off-switch's account of a step it let try CSV
+        (``switch_batch``: the step's rows; ``stats.seconds`` includes the work of rows certified
+        in the sampler)."""
         if switch_batch is not None:
             head.off_switch.observe(switch_batch, stats.seconds)
         if self.csv_metrics is not None:  # under TP: the global decision (rank 0) and per-rank counts
