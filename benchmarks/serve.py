@@ -65,6 +65,10 @@ def run_server(model: str, csv: bool, args) -> dict:
     env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE=os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"))
     if args.same_malloc:
         env.update(malloc_env())
+    if args.same_metrics:  # each server its own fresh directory (files left by one would be read by the next)
+        import tempfile
+
+        env["PROMETHEUS_MULTIPROC_DIR"] = tempfile.mkdtemp(prefix="serve-bench-prometheus-")
     tag = ('csv' if csv else 'dense') + (f".{args.pair}" if args.pairs > 1 else "")
     log = open(Path(args.json).with_suffix(f".{tag}.log"), "w")
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
@@ -104,6 +108,10 @@ def run_server(model: str, csv: bool, args) -> dict:
         except subprocess.TimeoutExpired:
             proc.kill()
         log.close()
+        if args.same_metrics:
+            import shutil
+
+            shutil.rmtree(env["PROMETHEUS_MULTIPROC_DIR"], ignore_errors=True)
 
 
 def malloc_env() -> dict[str, str]:
@@ -214,6 +222,9 @@ def main(argv=None) -> int:
     p.add_argument("--same-malloc", action="store_true",
                    help="run both servers with the allocator thresholds the CSV head sets in its worker "
                         "(vllm_csv/cpu_malloc.py), so that the ratio is CSV's alone")
+    p.add_argument("--same-metrics", action="store_true",
+                   help="run both servers with prometheus-client's multiprocess mode, which CSV turns on for "
+                        "its worker metrics (vLLM's own metrics then go through files too)")
     p.add_argument("--json", required=True)
     p.add_argument("vllm_args", nargs=argparse.REMAINDER, help="further `vllm serve` arguments (after --)")
     args = p.parse_args(argv)
@@ -235,7 +246,7 @@ def main(argv=None) -> int:
             f"{k} {w['speedup']}x" for k, w in pairs[-1]["workloads"].items()), file=sys.stderr)
     s = pairs[0] if args.pairs == 1 else combine(pairs)
     machine = f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores"
-    Path(args.json).write_text(json.dumps({"machine": machine, "model": args.model, "prompts": args.prompts, "commit": commit(), "provenance": provenance(), "vllm_args": args.vllm_args, "same_malloc": args.same_malloc, **s}, indent=1))
+    Path(args.json).write_text(json.dumps({"machine": machine, "model": args.model, "prompts": args.prompts, "commit": commit(), "provenance": provenance(), "vllm_args": args.vllm_args, "same_malloc": args.same_malloc, "same_metrics": args.same_metrics, **s}, indent=1))
     md = markdown(s, machine, Path(args.model).name)
     Path(args.json).with_suffix(".md").write_text(md)
     print(md)
