@@ -82,7 +82,8 @@ class CSVLogitsProcessor(LogitsProcessor):
         # The off-switch decides for the whole step here, once (the head's rows and the
         # sampler's are charged together against the dense time of all B rows; its ledger is
         # per kind of step), and the head is called with use_switch=False. A step it sends
-        # dense is vLLM's own call and a few counters: CSV switched off costs next to nothing.
+        # dense is vLLM's own call and a few counters (40 to 60 us a step more than vLLM's layer on
+        # this repo's 2-core CI machine: benchmarks/off_switch_cost.py).
         sw = head.off_switch
         split = plan.split(head.max_certified_k)
         asked = sw is not None and bool(deferred or split.rows)
