@@ -16,9 +16,11 @@ import argparse
 import json
 import os
 import platform
+import shutil
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -66,8 +68,6 @@ def run_server(model: str, csv: bool, args) -> dict:
     if args.same_malloc:
         env.update(malloc_env())
     if args.same_metrics:  # each server its own fresh directory (files left by one would be read by the next)
-        import tempfile
-
         env["PROMETHEUS_MULTIPROC_DIR"] = tempfile.mkdtemp(prefix="serve-bench-prometheus-")
     tag = ('csv' if csv else 'dense') + (f".{args.pair}" if args.pairs > 1 else "")
     log = open(Path(args.json).with_suffix(f".{tag}.log"), "w")
@@ -109,8 +109,6 @@ def run_server(model: str, csv: bool, args) -> dict:
             proc.kill()
         log.close()
         if args.same_metrics:
-            import shutil
-
             shutil.rmtree(env["PROMETHEUS_MULTIPROC_DIR"], ignore_errors=True)
 
 

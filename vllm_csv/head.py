@@ -158,7 +158,6 @@ class CertifiedHead:
         self._babs_max = float(self._babs.max()) if V else 0.0
         self._slack_cache: dict[float, tuple[torch.Tensor, float]] = {}
         self.off_switch = OffSwitch() if self.config.off_switch else None
-        self._last_split = None  # _row_split of the last topk tensor
 
     @property
     def _plain(self) -> bool:
@@ -574,16 +573,6 @@ class CertifiedHead:
         (``unsupported``)."""
         return min(self.config.max_topk, self.vocab_size)
 
-    def _row_split(self, topk: torch.Tensor) -> RowSplit:
-        """:func:`row_split` of a step's ``topk`` (host tensor), decided on the host (no device
-        sync); the last step's is reused when ``topk`` holds the same values (a decode run's
-        steps mostly do)."""
-        ks = topk.tolist()
-        last = self._last_split
-        if last is None or last.ks != ks:
-            last = self._last_split = row_split(ks, self.max_certified_k)
-        return last
-
     def sampler_logits(self, hidden: torch.Tensor, topk: torch.Tensor,
                        dense_fn: Callable[[torch.Tensor], torch.Tensor] | None = None,
                        t0: float | None = None, temperature: torch.Tensor | None = None,
@@ -622,7 +611,8 @@ class CertifiedHead:
         t0 = time.perf_counter() if t0 is None else t0
         dense_fn = dense_fn or self.dense_logits
         B, dev = hidden.shape[0], hidden.device
-        ks, rows, csv_rows, kind = self._row_split(topk)
+        # decided on the host, as Python lists (B numbers; no device sync)
+        ks, rows, csv_rows, kind = row_split(topk.tolist(), self.max_certified_k)
         stats = StepStats(rows=B, csv_rows=csv_rows, screen=self.screen_name)
         stats.fallbacks["unsupported"] = csv_rows - len(rows)
         sw = self.off_switch if use_switch else None

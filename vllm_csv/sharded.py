@@ -242,7 +242,6 @@ class ShardedHead:
         if shard.size * shard.rows > 2**24:  # global ids travel as fp32 in the collectives
             raise CSVError(f"vocabulary of {shard.size * shard.rows} rows is too large for the sharded head")
         self.off_switch = SharedOffSwitch(comm) if self.config.off_switch else None
-        self._last_split = None  # CertifiedHead._row_split's
         self.last_certified: torch.Tensor | None = None  # [B] bool of the last step (host)
 
     # ---- one step ---------------------------------------------------------------------------
@@ -383,7 +382,6 @@ class ShardedHead:
     # same on every rank, so it is called by all ranks or by none. ``StepStats`` counts the
     # global decision; ``seconds`` is this rank's.
     sampler_logits = CertifiedHead.sampler_logits
-    _row_split = CertifiedHead._row_split  # (sampler_logits calls it; its cache is _last_split)
     max_certified_k = CertifiedHead.max_certified_k
     _certify_kept = CertifiedHead._certify_kept  # (CertifiedHead._certify, on the gathered columns, calls it)
     _plain = CertifiedHead._plain  # (and reads this)
