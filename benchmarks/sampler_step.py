@@ -5,8 +5,9 @@
     python benchmarks/sampler_step.py --batches 8 --cprofile         # cProfile (Python time)
 
 Rows: the deferred modes of ``benchmarks/serve.py``'s MIXED workload in turn (temperature,
-top-p, min-p, penalties on greedy rows, logit_bias), on real hidden states of the learned
-fixture (``benchmarks/fixtures.py``, bf16 head, the server's default screen).
+top-p, min-p, penalties on greedy rows, logit_bias; ``--modes`` for others, e.g. ``top_k``), on
+real hidden states of the learned fixture (``benchmarks/fixtures.py``; ``--model DIR`` for
+another model), bf16 head, the server's default screen.
 
 * dense: vLLM's own head (:class:`lm_head.VllmDenseHead`, oneDNN on CPU) and then vLLM's
   ``Sampler.forward`` on the dense logits -- what a server without CSV does for these rows;
@@ -35,19 +36,21 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-MODES = ("temperature", "top_p", "min_p", "penalties", "logit_bias")
+MODES = ("temperature", "top_p", "min_p", "penalties", "logit_bias")  # serve.py's MIXED deferred modes
+ALL_MODES = MODES + ("top_k", "top_k_top_p")  # top_k 20 (above: 0.9 top-p too), temperature 0.8
 
 
-def metadata(B: int, V: int, out_tokens: list[list[int]], prompt: torch.Tensor):
-    """vLLM's SamplingMetadata for ``B`` rows cycling through :data:`MODES`, with the parameters
-    of serve.py's MIXED workload, as ``InputBatch`` builds it on CPU."""
+def metadata(B: int, V: int, out_tokens: list[list[int]], prompt: torch.Tensor, cycle=MODES):
+    """vLLM's SamplingMetadata for ``B`` rows cycling through ``cycle`` (default :data:`MODES`, with
+    the parameters of serve.py's MIXED workload), as ``InputBatch`` builds it on CPU."""
     from vllm.v1.sample.logits_processor import LogitsProcessors
     from vllm.v1.sample.logits_processor.builtin import LogitBiasLogitsProcessor, MinPLogitsProcessor
     from vllm.v1.sample.metadata import SamplingMetadata
 
-    modes = [MODES[i % len(MODES)] for i in range(B)]
+    modes = [cycle[i % len(cycle)] for i in range(B)]
     temp = torch.tensor([0.0 if m == "penalties" else 0.8 for m in modes])
-    top_p = torch.tensor([0.9 if m == "top_p" else 1.0 for m in modes])
+    top_p = torch.tensor([0.9 if m in ("top_p", "top_k_top_p") else 1.0 for m in modes])
+    top_k = torch.tensor([20 if m.startswith("top_k") else V for m in modes])
     min_p = torch.tensor([0.1 if m == "min_p" else 0.0 for m in modes])
     mp = MinPLogitsProcessor.__new__(MinPLogitsProcessor)
     mp.min_p_cpu_tensor = min_p
@@ -66,7 +69,8 @@ def metadata(B: int, V: int, out_tokens: list[list[int]], prompt: torch.Tensor):
     gens = {i: torch.Generator().manual_seed(100 + i) for i in range(B) if temp[i] > 0}
     return modes, SamplingMetadata(
         temperature=temp, all_greedy=bool((temp == 0).all()), all_random=bool((temp > 0).all()),
-        top_p=top_p if bool((top_p < 1).any()) else None, top_k=None, generators=gens,
+        top_p=top_p if bool((top_p < 1).any()) else None, top_k=top_k if bool((top_k < V).any()) else None,
+        generators=gens,
         max_num_logprobs=None, no_penalties=not any(pen), prompt_token_ids=prompt,
         frequency_penalties=torch.tensor([0.3 if p else 0.0 for p in pen]),
         presence_penalties=torch.tensor([0.5 if p else 0.0 for p in pen]),
@@ -78,6 +82,8 @@ def metadata(B: int, V: int, out_tokens: list[list[int]], prompt: torch.Tensor):
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--hidden", type=int, default=512, help="fixture hidden size")
+    p.add_argument("--model", default=None, help="a Hugging Face model directory instead of the fixture")
+    p.add_argument("--modes", nargs="+", default=list(MODES), choices=ALL_MODES, help="the rows' modes, in turn")
     p.add_argument("--batches", type=int, nargs="+", default=[1, 8])
     p.add_argument("--steps", type=int, default=40, help="distinct hidden-state batches (positions / B)")
     p.add_argument("--repeats", type=int, default=3, help="passes over the steps")
@@ -99,7 +105,7 @@ def main(argv=None) -> int:
     from vllm_csv.sampling.head_adapter import HeadAdapter
     from vllm_csv.vllm_plugin import sampler_hook
 
-    model = fixture(a.hidden)
+    model = Path(a.model) if a.model else fixture(a.hidden)
     lm = load_lm_head(model)
     W = lm.weight.to(torch.bfloat16)
     npos = a.steps * max(a.batches)
@@ -112,13 +118,13 @@ def main(argv=None) -> int:
     V = head.vocab_size
     g = torch.Generator().manual_seed(0)
     results = {"machine": machine("cpu"), "commit": commit(), "threads": a.threads, "screen": head.screen.name,
-               "model": model.name, "command": " ".join(sys.argv), "loadavg_before": os.getloadavg(), "rows": []}
+               "model": model.name, "modes": a.modes, "command": " ".join(sys.argv), "loadavg_before": os.getloadavg(), "rows": []}
 
     for B in a.batches:
         hs = [H[i * B:(i + 1) * B] for i in range(a.steps)]
         outs = [[torch.randint(0, V, (20,), generator=g).tolist() for _ in range(B)] for _ in range(a.steps)]
         prompt = torch.randint(0, V, (B, 16), generator=g)
-        modes, md = metadata(B, V, outs[0], prompt)
+        modes, md = metadata(B, V, outs[0], prompt, tuple(a.modes))
 
         def reset(s):
             md.output_token_ids[:] = outs[s]

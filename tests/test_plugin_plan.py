@@ -29,11 +29,13 @@ CERTIFIED = {
     "top_p": (SamplingParams(temperature=1.0, top_p=0.9), DEFER),
     "min_p": (SamplingParams(temperature=1.0, min_p=0.1), DEFER),
     "top_p, min_p and a penalty": (SamplingParams(temperature=0.7, top_p=0.5, min_p=0.1, presence_penalty=1.0), DEFER),
+    # top_k with anything the sampler certifies, or above the head's limit: in the sampler too
+    "top_k above the limit": (SamplingParams(temperature=1.0, top_k=65), DEFER),
+    "top_k with a penalty": (SamplingParams(temperature=1.0, top_k=5, presence_penalty=0.5), DEFER),
+    "top_p with top_k": (SamplingParams(temperature=1.0, top_p=0.9, top_k=5), DEFER),
+    "min_p with top_k": (SamplingParams(temperature=0.6, min_p=0.05, top_k=40, seed=2), DEFER),
 }
 DENSE = {
-    "top_k above the limit": SamplingParams(temperature=1.0, top_k=65),
-    "top_k with a penalty": SamplingParams(temperature=1.0, top_k=5, presence_penalty=0.5),
-    "top_p with top_k": SamplingParams(temperature=1.0, top_p=0.9, top_k=5),
     "logprobs": SamplingParams(temperature=0, logprobs=2),
     "sampled logprobs": SamplingParams(temperature=1.0, logprobs=2),
     "prompt_logprobs": SamplingParams(temperature=0, prompt_logprobs=1),
@@ -64,6 +66,12 @@ def test_modes():
     assert row_mode(SamplingParams(temperature=0, presence_penalty=0.1), DEFER) == "processed"
     assert row_mode(SamplingParams(temperature=1.0, top_p=0.9), DEFER) == "top_p"
     assert row_mode(SamplingParams(temperature=1.0, min_p=0.2), DEFER) == "min_p"
+    # top_k rows in the sampler: named by the feature that took them there
+    assert row_mode(SamplingParams(temperature=1.0, top_k=65), DEFER) == "top_k"
+    assert row_mode(SamplingParams(temperature=1.0, top_k=5, top_p=0.9), DEFER) == "top_p"
+    assert row_mode(SamplingParams(temperature=1.0, top_k=5, min_p=0.1), DEFER) == "min_p"
+    assert row_mode(SamplingParams(temperature=1.0, top_k=5, presence_penalty=0.1), DEFER) == "processed"
+    assert row_mode(SamplingParams(temperature=0, top_k=5, presence_penalty=0.1), DEFER) == "processed"
 
 
 def test_row_temperature_is_what_vllm_divides_by():
@@ -93,8 +101,8 @@ STRUCTURED = {  # (parameters, k): certified in the sampler over the tokens the 
     "top_p": (dict(temperature=1.0, top_p=0.9), DEFER),
     "min_p and a penalty": (dict(temperature=1.0, min_p=0.1, presence_penalty=0.5), DEFER),
     "logit_bias, greedy": (dict(temperature=0, logit_bias={3: 1.0}), DEFER),
-    "top_k: the head's top-k does not know the mask": (dict(temperature=0.7, top_k=5), 0),
-    "top_k with top_p": (dict(temperature=0.7, top_k=5, top_p=0.9), 0),
+    "top_k: the head's top-k does not know the mask": (dict(temperature=0.7, top_k=5), DEFER),
+    "top_k with top_p": (dict(temperature=0.7, top_k=5, top_p=0.9), DEFER),
     "min_tokens: vLLM restores stop tokens the grammar left alone": (dict(temperature=0, min_tokens=3), 0),
     "logprobs": (dict(temperature=0, logprobs=2), 0),
 }
@@ -103,7 +111,7 @@ STRUCTURED = {  # (parameters, k): certified in the sampler over the tokens the 
 @pytest.mark.parametrize("name", sorted(STRUCTURED))
 def test_structured_output(name):
     """Never certified in the head (greedy included: the grammar's bitmask comes after it); in
-    the sampler (mode ``structured``) unless with top_k, min_tokens or a dense-only feature."""
+    the sampler (mode ``structured``), top_k included, unless with min_tokens or a dense-only feature."""
     kw, k = STRUCTURED[name]
     for grammar in (_grammar(), _grammar(regex="[a-z]+"), _grammar(choice=["yes", "no"])):
         sp = SamplingParams(structured_outputs=grammar, **kw)
@@ -187,7 +195,7 @@ def test_v1_plan_rows_in_batch_order_kept_per_request():
         assert q.topk == [DEFER, 1, 1, 5] and len(calls) == n + 1  # only the new row is planned
         states["a"] = SimpleNamespace(sampling_params=SamplingParams(temperature=0.5))  # id reused, new request
         assert step_plan._v1_plan(runner, 64).topk == [DEFER, DEFER, 1, 5]
-        assert step_plan._v1_plan(runner, 4).topk == [DEFER, DEFER, 1, 0]  # top_k 5 > max_topk 4: dense
+        assert step_plan._v1_plan(runner, 4).topk == [DEFER, DEFER, 1, DEFER]  # top_k 5 > max_topk 4: the sampler
     finally:
         step_plan.plan_row = saved
 

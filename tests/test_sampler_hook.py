@@ -32,7 +32,7 @@ def min_p_processor(values):
     return p
 
 
-def metadata(g, temps, seeded, penalties, bias, allowed, bad, top_p=None, min_p=None, V=V):
+def metadata(g, temps, seeded, penalties, bias, allowed, bad, top_p=None, min_p=None, top_k=False, V=V):
     B = len(temps)
     temp = torch.tensor(temps, dtype=torch.float32)
     greedy = temp < 1e-5
@@ -59,7 +59,9 @@ def metadata(g, temps, seeded, penalties, bias, allowed, bad, top_p=None, min_p=
     if min_p is not None:
         procs.append(min_p_processor([0.0 if t < 1e-5 else min_p * (i % 3) / 2 for i, t in enumerate(temps)]))
     return SamplingMetadata(
-        temperature=temp, all_greedy=bool(greedy.all()), all_random=bool((~greedy).all()), top_k=None,
+        temperature=temp, all_greedy=bool(greedy.all()), all_random=bool((~greedy).all()),
+        # vLLM's top_k: V where a row has none; ties at the k-th value, k = 1, k above the head's limit
+        top_k=torch.tensor([(V, 1, 2, 5, 20, 64, 100, V - 1)[i % 8] for i in range(B)]) if top_k else None,
         top_p=None if top_p is None else torch.tensor([1.0 if t < 1e-5 or i % 3 == 0 else top_p
                                                        for i, t in enumerate(temps)]),
         generators=gens, max_num_logprobs=None, no_penalties=not penalties, prompt_token_ids=prompt,
@@ -86,6 +88,9 @@ CASES = {
     "top_p": dict(penalties=False, bias=False, allowed=False, bad=False, top_p=0.8),
     "min_p": dict(penalties=False, bias=False, allowed=False, bad=False, min_p=0.2),
     "top_p_min_p_penalties": dict(penalties=True, bias=True, allowed=False, bad=False, top_p=0.6, min_p=0.05),
+    "top_k": dict(penalties=False, bias=False, allowed=False, bad=False, top_k=True),
+    "top_k_top_p_min_p_penalties": dict(penalties=True, bias=True, allowed=True, bad=False, top_p=0.7, min_p=0.05,
+                                        top_k=True),
 }
 
 
@@ -102,12 +107,13 @@ def test_hooked_sampler_equals_dense_sampler(case, T):
     sampler = Sampler()
     dense = head.dense_logits(h)
     want = run(sampler, dense.clone(), md, seed=5)
-    certified_total = top_p_certified = 0
+    certified_total = top_p_certified = top_k_certified = 0
     for rows in (torch.arange(B), torch.arange(0, B, 3)):  # all rows deferred; some deferred, others dense
         logits = dense.clone()
         logits[rows] = sampler_hook.PLACEHOLDER
         seen = []
-        modes = ["top_p" if md.top_p is not None and md.top_p[i] < 1 else "sampling" for i in rows.tolist()]
+        modes = ["top_p" if md.top_p is not None and md.top_p[i] < 1 else
+                 "top_k" if md.top_k is not None and md.top_k[i] < V else "sampling" for i in rows.tolist()]
         sampler_hook.defer(sampler_hook.Deferred(logits, h[rows].clone(), rows, modes,
                                                  HeadAdapter(head), lambda: head.dense_logits(h), seen.append))
         top_p_before = None if md.top_p is None else md.top_p.clone()
@@ -119,9 +125,20 @@ def test_hooked_sampler_equals_dense_sampler(case, T):
         assert all(torch.equal(got[2][i], want[2][i]) for i in want[2])  # and every request generator
         certified_total += sum(seen[0].certified.values())
         top_p_certified += seen[0].certified.get("top_p", 0)
+        top_k_certified += seen[0].certified.get("top_k", 0)
     assert certified_total > B // 2, certified_total
     if md.top_p is not None and 1e-5 <= T < 100:  # greedy below 1e-5; at 1e4 the nucleus is most of V
         assert top_p_certified > 0
+    if md.top_k is not None and md.top_p is None and T >= 1e-5:
+        assert top_k_certified > 0
+
+
+def test_top_k_rows_fail_if_top_k_is_ignored(monkeypatch):
+    """Broken-mask check: with vLLM's top-k left out of the certificate, certified top-k rows
+    draw tokens vLLM's top-k removes."""
+    monkeypatch.setattr(sampler_hook, "top_k_bounds", lambda lo, hi, k: (lo, hi))
+    with pytest.raises(AssertionError):
+        test_hooked_sampler_equals_dense_sampler("top_k", 0.8)
 
 
 def test_sampler_refuses_a_mismatched_batch():
@@ -263,6 +280,7 @@ GRAMMARS = ("argmax_removed", "most_removed", "one_left", "outside_scored", "tie
 STRUCTURED_SAMPLING = {
     "greedy_and_temperature": dict(penalties=False, bias=False, allowed=False, bad=False),
     "top_p_min_p_penalties": dict(penalties=True, bias=True, allowed=False, bad=True, top_p=0.8, min_p=0.1),
+    "top_k": dict(penalties=False, bias=False, allowed=False, bad=False, top_k=True),
 }
 
 

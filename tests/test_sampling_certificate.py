@@ -164,3 +164,65 @@ def test_a_loose_noise_threshold_is_caught(monkeypatch):
     monkeypatch.setattr(certificate, "bits_below", lambda t: gumbel.bits_below(t + 2.0))
     mism, _ = check(make_head(W), h, T, torch.zeros(B, dtype=torch.bool), seeds)
     assert mism > 0
+
+
+@pytest.mark.parametrize("screen", ["fp16", "int8"])
+def test_top_k_draws_equal_vllm_top_k_draws(screen):
+    """top-k sampling certified from bounds (``top_k_bounds`` after the temperature): the same token
+    as vLLM's top-k mask and draw on the dense logits, over 1600 rows a head, k from 1 to V (ties at
+    the k-th value from duplicated rows of ``W``), bf16 and fp32 heads, seeded rows."""
+    from vllm.v1.sample.ops.topk_topp_sampler import apply_top_k_only
+
+    from vllm_csv.sampling.nucleus import top_k_bounds
+
+    V, d, B = 1024, 48, 1600
+    certified = 0
+    for dtype in (torch.bfloat16, torch.float32):
+        W, g = peaked_head(V, d, seed=23, dtype=dtype)
+        W[200:230] = W[3]  # exact ties, among them at the k-th place
+        h = torch.cat([hidden_near_rows(W, B - 64, g, scale=1.0), hidden_near_rows(W, 64, g, scale=4.0)])
+        head = make_head(W, screen=screen)
+        seeds = torch.randint(0, 2**31, (B,), generator=g)
+        greedy = torch.zeros(B, dtype=torch.bool)
+        k = torch.tensor([1, 2, 3, 5, 20, 31, 64, 200, V - 1, V])[torch.arange(B) % 10]
+        T = torch.full((B,), 0.8)
+        dense = head.dense_logits(h).float() / T[:, None]
+        want = kernel(apply_top_k_only(dense.clone(), k.clone()).contiguous(), seeds)
+        for s in range(0, B, 80):  # batches of 80 rows (one scored set a batch, within the budget)
+            r = slice(s, s + 80)
+            temp = temperature_process(T[r], greedy[r])
+            res = certify_rows(HeadAdapter(head), h[r], lambda lo, hi: top_k_bounds(*temp(lo, hi), k[r]),
+                               seeds[r], greedy[r])
+            partial = res.values.float() / T[r, None]  # what vLLM's sampler then does with the certified row
+            got = kernel(apply_top_k_only(partial, k[r].clone()).contiguous(), seeds[r])
+            c = res.certified
+            assert torch.equal(got[c], want[r][c]) and torch.equal(res.winner[c], want[r][c])
+            certified += int(c.sum())
+    assert certified > 0.8 * 2 * B, certified
+
+
+def test_packed_draw_certificate_is_the_full_one():
+    """``certify_draw_packed`` (each row's live tokens only, when few) decides exactly as
+    ``certify_draw`` on the whole rows: the same certified rows, winners and contenders, over rows
+    with few live tokens, exact ties, NaN, rows with nothing live, greedy and sampled rows."""
+    from vllm_csv.sampling.certificate import certify_draw_packed
+
+    g = torch.Generator().manual_seed(8)
+    R, V = 256, 3000
+    y = (torch.randn(R, V, generator=g) * 3).round() / 2  # exact ties
+    w = torch.rand(R, V, generator=g) * (torch.rand(R, 1, generator=g) < 0.5) * 0.3
+    lo, hi = y - w, y + w
+    dead = torch.rand(R, V, generator=g) > torch.rand(R, 1, generator=g) * 0.2  # 0 to 20% live
+    lo[dead], hi[dead] = -math.inf, -math.inf
+    lo[torch.rand(R, V, generator=g) < 0.01] = -math.inf  # undecided tokens (may be dropped)
+    lo[3], hi[3] = -math.inf, -math.inf  # nothing live
+    lo[5, 7] = math.nan
+    hi[6, (~dead[6]).nonzero()[0, 0]] = math.nan
+    seeds = torch.randint(0, 2**31, (R,), generator=g)
+    greedy = torch.arange(R) % 3 == 0
+    full, packed = certify_draw(lo, hi, seeds, greedy), certify_draw_packed(lo, hi, seeds, greedy)
+    assert (~dead).sum(1).max() <= 0.25 * V  # the packed path was taken
+    assert torch.equal(full.certified, packed.certified) and torch.equal(full.finite, packed.finite)
+    assert torch.equal(full.winner[full.certified], packed.winner[full.certified])
+    assert torch.equal(full.contenders, packed.contenders)
+    assert 0 < int(full.certified.sum()) < R

@@ -178,3 +178,72 @@ def test_top_p_on_live_columns_decides_as_on_the_whole_row(finite_cols, monkeypa
             assert torch.equal(x, z)
     assert torch.equal(got[1][2].hi, want[1][2].hi)
     assert torch.isfinite(got[0][0]).any() and (~torch.isfinite(got[0][1]) & ~dead).any()  # decides both ways
+
+
+def vllm_top_k(y, k, p=None):
+    """vLLM's kept set under top-k (and top-p): its sort-free path (top-k only, CPU) and its
+    sorted path (the one it takes with a top-p), which must agree on top-k alone."""
+    sorted_path = torch.isfinite(apply_top_k_top_p_pytorch(y.clone(), k.clone(), p, allow_cpu_sync=False))
+    if p is None:
+        assert torch.equal(sorted_path, torch.isfinite(apply_top_k_top_p_pytorch(y.clone(), k.clone(), None,
+                                                                                   allow_cpu_sync=True)))
+    return sorted_path
+
+
+def top_k_rows(seed, R=96, V=1024):
+    """Rows with exact ties (values on a coarse grid, as bf16 logits are), masked tokens, and top-k
+    from 1 to V (V: vLLM's "no top-k"), most of them small."""
+    y, g = rows(seed, R, V)
+    y[1::3] = (y[1::3] * 4).round() / 4  # many ties, also at the k-th value
+    k = torch.randint(1, 80, (R,), generator=g)
+    k[::5] = torch.randint(1, V + 1, (R // 5 + (R % 5 > 0),), generator=g)
+    k[::11] = V
+    return y, k, g
+
+
+@pytest.mark.parametrize("width", [0.0, 1e-4, 0.05, "random"])
+def test_top_k_decisions_are_sound(width):
+    """Every keep / drop decision of ``top_k_bounds`` holds for vLLM's top-k on the row inside the
+    bounds, ties at the k-th value included, for boxes centred on it and for lopsided ones (some
+    with ``ylo = -inf``)."""
+    for seed in range(3):
+        y, k, g = top_k_rows(10 + seed)
+        if width == "random":
+            a = torch.rand(y.shape, generator=g) * (torch.rand(y.shape, generator=g) < 0.5)
+            b = torch.rand(y.shape, generator=g) * (torch.rand(y.shape, generator=g) < 0.5)
+            lo, hi = y - a, y + b
+            lo[torch.rand(y.shape, generator=g) < 0.02] = -math.inf
+        else:
+            lo, hi = y - width, y + width
+        kept = vllm_top_k(y, k)
+        kl, kh = nucleus.top_k_bounds(lo, hi, k)
+        kd, dd = decisions(kl, kh, y)
+        assert not (kd & ~kept).any() and not (dd & kept).any()
+        if width == 0.0:  # exact values: every finite token is decided
+            assert bool((kd | dd | ~torch.isfinite(y)).all())
+        assert torch.equal(kl[k == y.shape[1]], lo[k == y.shape[1]])  # no top-k: untouched
+
+
+def test_top_k_then_top_p_decisions_are_sound():
+    """top-k, then top-p over what it kept (vLLM's sorted path): the two bounds composed never
+    contradict it."""
+    y, k, g = top_k_rows(7)
+    p = torch.rand(y.shape[0], generator=g) * 0.98 + 0.01
+    kept = vllm_top_k(y, k, p)
+    for width in (0.0, 1e-3, 0.05):
+        lo, hi = nucleus.top_k_bounds(y - width, y + width, k)
+        kd, dd = decisions(*top_p_bounds(lo, hi, p), y)
+        assert not (kd & ~kept).any() and not (dd & kept).any()
+
+
+def test_a_top_k_cut_that_counts_the_token_itself_is_caught(monkeypatch):
+    """Broken bound: every token kept at ``H_(k+1)`` (right only for the tokens among the first
+    ``k`` upper bounds): on exact values the (k+1)-th token is then kept, wrongly unless tied."""
+    def broken(lo, hi, k, kmax):
+        h = hi.topk(kmax + 1, dim=1).values
+        return h.gather(1, k).expand_as(hi), lo.topk(kmax, dim=1).values.gather(1, k - 1)
+    monkeypatch.setattr(nucleus, "_top_k_cuts", broken)
+    y, k, _ = top_k_rows(3)
+    kept = vllm_top_k(y, k)
+    kd, dd = decisions(*nucleus.top_k_bounds(y, y, k), y)
+    assert (kd & ~kept).any() or (dd & kept).any()

@@ -48,6 +48,10 @@ FEATURES = {
     "prompt_logprobs": dict(temperature=0, extra_body={"prompt_logprobs": 2}),
     "n3_seeded": dict(temperature=0.9, extra_body={"top_k": 8}, n=3, seed=99),
     "stop_strings": dict(temperature=0, stop=["\n\n", ")"]),
+    # top_k with what the sampler certifies, or above the head's limit: certified in the sampler
+    "top_k_top_p": dict(temperature=0.8, top_p=0.9, extra_body={"top_k": 20}, seed=17),
+    "top_k_penalty": dict(temperature=0.7, presence_penalty=0.6, extra_body={"top_k": 40}, seed=19),
+    "top_k_above_limit": dict(temperature=0.9, extra_body={"top_k": 300}, seed=23),
 }
 
 # structured output (vLLM's grammar bitmask, xgrammar): certified in the sampler over the allowed tokens
@@ -58,9 +62,11 @@ GRAMMARS = {
     "regex": {"regex": r"(def|class) [a-z_]{1,12}\((self)?\):"},
     "choice": {"choice": ["import os", "import sys", "from typing import Any", "pass", "return None"]},
 }
-STRUCTURED = {f"structured_{name}_{how}": dict(kw, extra_body={"structured_outputs": grammar})
+STRUCTURED = {f"structured_{name}_{how}": dict(kw, extra_body={"structured_outputs": grammar, **extra})
               for name, grammar in GRAMMARS.items()
-              for how, kw in (("greedy", dict(temperature=0)), ("seeded", dict(temperature=0.8, seed=21)))}
+              for how, kw, extra in (("greedy", dict(temperature=0), {}),
+                                     ("seeded", dict(temperature=0.8, seed=21), {}),
+                                     ("top_k", dict(temperature=0.8, seed=25, top_p=0.95), {"top_k": 10}))}
 FEATURES.update(STRUCTURED)
 
 
@@ -70,6 +76,7 @@ CERTIFIED_MODES = {
     "seeded_temperature": "sampling", "penalties": "processed", "negative_penalties": "processed",
     "logit_bias": "processed", "allowed_token_ids": "processed", "bad_words": "processed",
     "min_tokens": "processed", "stop_strings": "greedy", "top_p": "top_p", "min_p": "min_p",
+    "top_k_top_p": "top_p", "top_k_penalty": "processed", "top_k_above_limit": "top_k",
     **{feature: "structured" for feature in STRUCTURED},
 }
 

@@ -42,10 +42,11 @@ from dataclasses import dataclass
 
 import torch
 
-from .gumbel import RowNoise, bits_below, noise_margin, noise_of_bits
+from .gumbel import RowNoise, bits_below, noise_bits, noise_margin, noise_of_bits
 from .outside import Outside
 
 TOP_FIRST = 4  # tokens of highest lower bound whose noise sets the first threshold
+PACK_BELOW = 0.25  # certify_draw_packed: pack the rows when none has more live tokens than this share of V
 LEVEL, LEVELS = 0.5, 48  # noise thresholds by steps of 0.5 below the row's highest upper bound
 
 
@@ -140,3 +141,46 @@ def certify_draw(ylo: torch.Tensor, yhi: torch.Tensor, seeds: torch.Tensor, gree
         certified[rows] = ok & finite[rows]
     contenders &= finite[:, None]
     return DrawCertificate(winner, certified, contenders, finite)
+
+
+class _PackedNoise:
+    """The noise of packed rows (:func:`certify_draw_packed`): column ``c`` of row ``r`` is token
+    ``ids[r, c]``; hashed per call, for those tokens only."""
+
+    def __init__(self, seeds: torch.Tensor, ids: torch.Tensor):
+        self.seeds, self.ids = seeds, ids
+
+    def rows(self, rows: torch.Tensor) -> torch.Tensor:
+        return noise_bits(self.seeds[rows], self.ids[rows])
+
+
+def certify_draw_packed(ylo: torch.Tensor, yhi: torch.Tensor, seeds: torch.Tensor, greedy: torch.Tensor,
+                        noise: RowNoise | None = None) -> DrawCertificate:
+    """:func:`certify_draw`, on each row's live tokens only when every row has few of them.
+
+    A token whose upper bound is ``-inf`` (masked; dropped by min-p, top-k or top-p) is never the
+    winner nor a contender, and adds nothing to the noise margin's ``max |y|``: the certificate
+    of the row without it is the same. So when no row has more than :data:`PACK_BELOW` of the
+    vocabulary live (top-k rows: about ``k``), each row's live tokens are packed into ``[R, n]``
+    in token order (``-inf`` padding) and only their noise is hashed. Ties are broken by the
+    lowest column, which is the lowest token id, as in the full row. (NaN bounds stay live: such
+    a row is never certified.) Same arguments and result as :func:`certify_draw` (no outside
+    blocks)."""
+    R, V = yhi.shape
+    live = (yhi != -math.inf) | torch.isnan(ylo)
+    n = int(live.sum(1).max()) if R else 0
+    if n > PACK_BELOW * V:
+        return certify_draw(ylo, yhi, seeds, greedy, noise)
+    n = max(n, 1)
+    pos = live.cumsum(1).sub_(1).masked_fill_(~live, n)  # packed column; n: discarded
+    cols = torch.full((R, n + 1), V, dtype=torch.long, device=yhi.device)
+    cols.scatter_(1, pos, torch.arange(V, device=yhi.device).expand(R, V))
+    cols = cols[:, :n]  # V: padding
+    pad = cols == V
+    ids = cols.masked_fill(pad, 0)
+    plo = ylo.gather(1, ids).masked_fill_(pad, -math.inf)
+    phi = yhi.gather(1, ids).masked_fill_(pad, -math.inf)
+    cert = certify_draw(plo, phi, seeds, greedy, _PackedNoise(seeds, ids))
+    contenders = torch.zeros((R, V + 1), dtype=torch.bool, device=yhi.device)
+    contenders.scatter_(1, cols, cert.contenders & ~pad)
+    return DrawCertificate(ids.gather(1, cert.winner[:, None])[:, 0], cert.certified, contenders[:, :V], cert.finite)

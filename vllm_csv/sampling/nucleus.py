@@ -1,4 +1,4 @@
-"""Bounds on the draw's inputs after vLLM's min-p and top-p masks.
+"""Bounds on the draw's inputs after vLLM's min-p, top-k and top-p masks.
 
 Input: ``ylo <= y <= yhi`` (fp32, ``[R, V]``, ``-inf`` for masked tokens) on the values after
 temperature. Output: the same bounds after the mask, sound for every ``y`` in the box:
@@ -48,6 +48,17 @@ upper mass if ``ylo_i < t`` and ``R_lo`` its lower mass otherwise; it never must
 ``i`` (``ylo_j <= yhi_j < t <= yhi_i``), so ``N_lo`` gains nothing and ``R_hi`` its upper
 mass. Each bound is the one of the whole row with the tail's terms bounded, so decisions stay
 sound; only tokens with ``ylo_i < t <= yhi_i`` may be left undecided more often.
+
+top-k (``apply_top_k_only``, or the sorted ``apply_top_k_top_p_pytorch`` when a top-p is set;
+both after min-p, and top-p's softmax runs over what top-k kept): token ``i`` is kept iff
+``y_i >= y_(k)``, the ``k``-th largest value of the row (ties at it kept), i.e. iff fewer than
+``k`` tokens have ``y_j > y_i``. Pure fp32 comparisons of the values the bounds bound: no
+margin. Certainly dropped when ``yhi_i < L_k``, the ``k``-th largest ``ylo`` (``k`` tokens are
+then certainly above it); certainly kept when ``ylo_i >= H_k`` with ``H_k`` the ``k``-th largest
+``yhi`` of the *other* tokens (at most ``k - 1`` of them can then be above it): ``H_k`` of the
+row if ``yhi_i < H_k``, else ``H_(k+1)`` (``i`` holds one of the first ``k`` places). Each bound
+holds for every ``y`` in the box, ``-inf`` included, so min-p before it and top-p after it
+compose as the masks do. (Not under tensor parallelism: block tokens are not counted.)
 
 The outside blocks (:class:`~.outside.Outside`, tensor parallelism: tokens known through
 per-row, per-block summaries only, ``-inf`` on both sides in ``ylo, yhi``). min-p: the maximum
@@ -139,6 +150,46 @@ def min_p_drops_on_part(ylo: torch.Tensor, yhi: torch.Tensor, min_p: torch.Tenso
     logmp = torch.log(min_p.double().clamp_min(MIN_P_FLOOR))[:, None]
     eps = _min_p_margin(torch.maximum(ylo.abs(), yhi.abs()).double(), ym0)
     return ((yhi.double() - m0) < logmp - eps) & usable[:, None]
+
+
+def top_k_bounds(ylo: torch.Tensor, yhi: torch.Tensor, top_k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Apply top-k to bounds; see the module docstring.
+
+    Parameters
+    ----------
+    ylo, yhi : torch.Tensor
+        ``[R, V]`` float32 bounds of the values vLLM's top-k sees (after temperature and min-p).
+    top_k : torch.Tensor
+        ``[R]`` int64, ``k >= V`` (vLLM's "no top-k") or ``k <= 0``: off.
+
+    Returns
+    -------
+    (ylo, yhi): certainly dropped tokens ``-inf`` on both sides, undecided ones ``ylo = -inf``.
+    """
+    R, V = ylo.shape
+    on = (top_k > 0) & (top_k < V)
+    if not bool(on.any()):
+        return ylo, yhi
+    rows = on.nonzero().squeeze(1)
+    k = top_k[rows].long().to(ylo.device)[:, None]  # [r, 1], 1 <= k < V
+    lo, hi = ylo[rows], yhi[rows]
+    kmax = int(k.max())
+    keep_at, drop_below = _top_k_cuts(lo, hi, k, kmax)
+    keep, drop = lo >= keep_at, hi < drop_below
+    out_lo, out_hi = ylo.clone(), yhi.clone()
+    out_lo[rows] = lo.masked_fill(~keep, -math.inf)
+    out_hi[rows] = hi.masked_fill(drop, -math.inf)
+    return out_lo, out_hi
+
+
+def _top_k_cuts(lo: torch.Tensor, hi: torch.Tensor, k: torch.Tensor, kmax: int):
+    """``(keep_at [r, V], drop_below [r, 1])``: token ``i`` is certainly kept if ``lo_i >= keep_at_i``
+    (``H_k`` of the other tokens' upper bounds), certainly dropped if ``hi_i < drop_below``
+    (``L_k``); ``k`` ``[r, 1]`` int64 in ``[1, V)``."""
+    lk = lo.topk(kmax, dim=1).values.gather(1, k - 1)  # L_k
+    h = hi.topk(kmax + 1, dim=1).values  # kmax + 1 <= V
+    hk, hk1 = h.gather(1, k - 1), h.gather(1, k)  # H_k, H_(k+1)
+    return torch.where(hi >= hk, hk1, hk), lk
 
 
 def _prefix_before(sorted_vals: torch.Tensor, cums: torch.Tensor, thr: torch.Tensor, right: bool) -> torch.Tensor:

@@ -6,7 +6,8 @@ Pipeline (per batch of rows that the sampler will draw from):
 2. ``process``: the caller's map from head values to the draw's inputs (vLLM's own logits
    processors, penalties and temperature, run on the bounds; every step is monotone
    non-decreasing per token, so bounds map to bounds);
-3. :func:`~.certificate.certify_draw`; the contenders not yet scored are scored exactly
+3. :func:`~.certificate.certify_draw` (packed: :func:`~.certificate.certify_draw_packed`); the
+   contenders not yet scored are scored exactly
    (their bounds shrink to the rounding interval of the dense value) and 2-3 repeat, until
    every row is decided, nothing is left to score, or the budget is spent.
 
@@ -24,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .certificate import certify_draw
+from .certificate import certify_draw_packed
 from .gumbel import RowNoise
 from .head_adapter import HeadAdapter
 
@@ -119,7 +120,7 @@ def certify_rows(adapter: HeadAdapter, hidden: torch.Tensor, process: Process, s
     noise = RowNoise(seeds, V)  # hashed once for the step's rounds
     for rnd in range(MAX_ROUNDS + 1):
         ylo, yhi = process(lo, hi)
-        cert = certify_draw(ylo, yhi, seeds, greedy, noise)
+        cert = certify_draw_packed(ylo, yhi, seeds, greedy, noise)
         winner = cert.winner
         certified = cert.certified & finite & scored[winner]
         open_rows = finite & ~certified & ~over_budget

@@ -1,8 +1,8 @@
 """Certify rows of vLLM's V1 sampler with the seeds it is about to draw.
 
-Rows planned :data:`~.step_plan.DEFER` (plain temperature sampling; greedy or plain sampling
+Rows planned :data:`~.step_plan.DEFER` (plain temperature sampling; greedy or sampled rows
 with penalties, ``logit_bias``, ``allowed_token_ids``, bad words, ``min_tokens``, or structured
-output; top-p and min-p) cannot be
+output; top-p, min-p, and top-k with any of these or above the head's limit) cannot be
 certified in the LM head: the Gumbel draw's seed is drawn by the sampler, after the head,
 and the processors' inputs (output tokens, biases) live in the sampler's metadata. So the
 head leaves those rows as placeholders (0.0) and :func:`defer` stashes their hidden states;
@@ -16,7 +16,8 @@ the wrapped ``Sampler.forward`` then, before vLLM's own code runs:
 2. runs vLLM's own ``Sampler.apply_logits_processors`` and ``apply_temperature`` on lower
    and upper bounds of the rows (every step is monotone non-decreasing per token: masks to
    ``-inf``, additions, the repetition penalty's ``x / r`` or ``x r``, division by ``T > 0``,
-   each rounded to nearest in fp32), and certifies the draw
+   each rounded to nearest in fp32), then min-p, top-k and top-p on the bounds
+   (:mod:`vllm_csv.sampling.nucleus`, in vLLM's order), and certifies the draw
    (:func:`vllm_csv.sampling.rows.certify_rows`);
 3. writes certified rows (exact values on the scored set, ``-inf`` elsewhere) and dense rows
    (the dense head on the whole batch, as without CSV) into the logits, keeping the grammar
@@ -79,7 +80,7 @@ import torch
 from vllm.logger import init_logger
 
 from ..sampling.head_adapter import HeadAdapter
-from ..sampling.nucleus import min_p_bounds, top_p_bounds
+from ..sampling.nucleus import min_p_bounds, top_k_bounds, top_p_bounds
 from ..sampling.rows import certify_rows
 from ..sampling.sharded_rows import ShardedAdapter, certify_rows_sharded
 
@@ -185,9 +186,10 @@ def resolve(sampler, d: Deferred, logits: torch.Tensor, md, predict_bonus_token:
     Returns the stats and the certified rows whose top-p vLLM must not apply again: on the
     partial row (exact on ``S``, ``-inf`` elsewhere) its cumulative sums are not the full row's,
     so the caller sets their ``top_p`` to 1 for this draw (the certificate already decided
-    it: the winner is kept and beats every token that may be kept). Min-p needs no such
-    step: on the partial row the maximum is at most the full row's, so the winner stays kept,
-    and dropping other tokens cannot change a certified draw."""
+    it: the winner is kept and beats every token that may be kept). Min-p and top-k need no
+    such step: on the partial row the maximum is at most the full row's, so min-p keeps the
+    winner, and the tokens above the winner there are among those above it in the full row,
+    fewer than ``k``, so top-k keeps it; dropping other tokens cannot change a certified draw."""
     t0 = time.perf_counter()
     rows = d.rows
     R = rows.numel()
@@ -205,6 +207,10 @@ def resolve(sampler, d: Deferred, logits: torch.Tensor, md, predict_bonus_token:
         seeds = peek_seeds(B, md.generators)[rows] if bool((~greedy).any()) else torch.zeros(R, dtype=torch.long)
         min_p = _min_p(md, rows)
         top_p = md.top_p.cpu()[rows].float() if md.top_p is not None else torch.ones(R)
+        V = logits.shape[1]
+        # vLLM's top_k: V for a row without one (greedy rows never read it)
+        top_k = md.top_k.cpu()[rows].long() if md.top_k is not None else torch.full((R,), V)
+        top_k = top_k.masked_fill(greedy, V)
 
         every_row = R == B and torch.equal(rows, torch.arange(B))  # the batch itself: no scatter / gather
         base = None if every_row else logits.float()
@@ -228,11 +234,18 @@ def resolve(sampler, d: Deferred, logits: torch.Tensor, md, predict_bonus_token:
         def process(lo: torch.Tensor, hi: torch.Tensor):
             ylo, yhi = elementwise(lo, hi)
             ylo, yhi = min_p_bounds(ylo, yhi, min_p.to(ylo.device))
+            ylo, yhi = top_k_bounds(ylo, yhi, top_k.to(ylo.device))
             return top_p_bounds(ylo, yhi, top_p.to(ylo.device))
 
         if isinstance(d.adapter, ShardedAdapter):  # tensor parallelism: one decision from gathered numbers
             res = certify_rows_sharded(d.adapter, d.hidden, elementwise, min_p, top_p, seeds.to(logits.device),
                                        greedy.to(logits.device), masked)
+            # top-k is not decided on the gathered summaries (an outside block's tokens are not
+            # counted): those rows are dense on every rank (top_k is the same on every rank)
+            no_top_k = (top_k >= V).to(res.certified.device)
+            res.reason = [r if c or r is not None else "unsupported"
+                          for r, c in zip(res.reason, no_top_k.tolist())]
+            res.certified &= no_top_k
         else:
             res = certify_rows(d.adapter, d.hidden, process, seeds.to(logits.device), greedy.to(logits.device),
                                masked)

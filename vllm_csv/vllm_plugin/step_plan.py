@@ -13,8 +13,9 @@ the exact top-k in the LM head (greedy is ``k = 1``); :data:`DEFER` certifies th
 draw inside vLLM's sampler (:mod:`.sampler_hook`: plain temperature sampling, top-p and
 min-p sampling, greedy or sampled rows with penalties, ``logit_bias``,
 ``allowed_token_ids``, bad words or ``min_tokens``, and greedy or sampled rows with structured
-output, certified over the tokens the grammar allows; none combined with ``top_k``); ``0`` is
-the dense path. :func:`row_mode` names the mode for the metrics.
+output, certified over the tokens the grammar allows; each also with ``top_k``, and plain
+``top_k`` sampling above the head's limit); ``0`` is the dense path. :func:`row_mode` names
+the mode for the metrics.
 
 A row with structured output is never certified in the head, greedy included: the runner
 applies the grammar bitmask to the head's output, after the head and before the sampler, and
@@ -123,24 +124,18 @@ def plan_row(sp, max_topk: int) -> tuple[int, str]:
     )
     if dense_if:
         return 0, "unsupported"
-    greedy = sp.temperature < _SAMPLING_EPS
-    no_top_k = sp.top_k <= 0
     if _structured(sp):
         if sp.min_tokens:  # vLLM's min_tokens restores stop tokens when the grammar masked all else: not per token
             return 0, "unsupported"
         # never the head's certificate (greedy included): the grammar bitmask follows the head
-        return (DEFER, "") if greedy or no_top_k else (0, "unsupported")
-    if sp.top_p < 1.0 or sp.min_p > 0.0:  # vLLM resets both for greedy requests
-        return (DEFER, "") if no_top_k else (0, "unsupported")
-    if _processed(sp):
-        return (DEFER, "") if greedy or no_top_k else (0, "unsupported")
-    if greedy:
-        return 1, ""
-    if 1 <= sp.top_k <= max_topk:
-        return sp.top_k, ""
-    if no_top_k:
         return DEFER, ""
-    return 0, "unsupported"
+    if sp.top_p < 1.0 or sp.min_p > 0.0 or _processed(sp):  # (vLLM resets top-p / min-p for greedy requests)
+        return DEFER, ""
+    if sp.temperature < _SAMPLING_EPS:
+        return 1, ""
+    if 1 <= sp.top_k <= max_topk:  # the exact top-k in the head: no sampler work
+        return sp.top_k, ""
+    return DEFER, ""  # plain sampling, or top_k above the head's limit
 
 
 def row_temperature(sp) -> float:
@@ -159,7 +154,9 @@ def row_mode(sp, k: int) -> str:
             return "top_p"
         if sp.min_p > 0.0:
             return "min_p"
-        return "processed" if _processed(sp) else "sampling"
+        if _processed(sp):
+            return "processed"
+        return "top_k" if sp.top_k > 0 and sp.temperature >= _SAMPLING_EPS else "sampling"
     return "greedy" if k == 1 and sp.temperature < _SAMPLING_EPS else "top_k"
 
 
