@@ -109,14 +109,3 @@ def test_bits_below_skips_only_noise_below_the_threshold():
     assert not ((g >= t[:, None]) & (bits < b)).any()
     assert int(((bits >= b) & (g < t[:, None])).sum(1).max()) <= 2
     assert bool((bits_below(torch.tensor([-10.0, math.nan])) <= 0).all())  # nothing skipped
-
-
-def test_row_noise_hashes_each_row_once():
-    from vllm_csv.sampling.gumbel import RowNoise, noise_bits
-
-    seeds = torch.tensor([11, 22, 33, 44])
-    rn = RowNoise(seeds, 300)
-    a = rn.rows(torch.tensor([1, 3]))
-    assert rn._have.tolist() == [False, True, False, True]
-    full = rn.rows(torch.arange(4))
-    assert torch.equal(full, noise_bits(seeds, torch.arange(300))) and torch.equal(a, full[[1, 3]])

@@ -21,7 +21,9 @@ Ops (registered as ``torch.ops.vllm_csv_cpu.*`` with fake implementations, so th
   :meth:`vllm_csv.head.CertifiedHead._score` (and, without a bias, the engine's rounding);
 * :func:`certify_topk`: the top-k certificate of :meth:`vllm_csv.head.CertifiedHead._certify`
   for a plain engine (no soft-cap or scale) and greedy rows;
-* :func:`finish_selection`: the ``[B, V]`` output of the certified rows and each row's outcome.
+* :func:`finish_selection`: the ``[B, V]`` output of the certified rows and each row's outcome;
+* ``noise_candidates`` (:mod:`vllm_csv.ops.noise`, ``csrc/cpu/gumbel_cpu.cpp``): the sampling
+  certificate's pass over the vocabulary (noise hash and level thresholds).
 
 Each kernel follows its reference operation by operation (fp32 where the reference is fp32,
 scalars rounded to fp32 as torch rounds a Python number), so the outputs agree bit for bit,
@@ -51,7 +53,8 @@ PANEL, GROUP = 32, 4  # the VNNI GEMM's weight panel: rows (two zmm tiles of int
 K_MIN = -143  # rows with max|h| < 2^K_MIN are not quantised (t / 64 would not be an fp32)
 S_MIN = 2.0**-126  # smallest normal fp32
 ENV = "VLLM_CSV_CPU_KERNELS"  # "0": always the torch reference
-SOURCES = tuple(Path(__file__).resolve().parents[2] / "csrc" / "cpu" / f for f in ("csv_cpu.cpp", "int8_vnni.cpp"))
+SOURCES = tuple(Path(__file__).resolve().parents[2] / "csrc" / "cpu" / f
+                for f in ("csv_cpu.cpp", "int8_vnni.cpp", "gumbel_cpu.cpp"))
 
 _state: dict = {}
 
@@ -397,5 +400,11 @@ def _register_fakes() -> None:
     @torch.library.register_fake(lib + "int8_vnni_linear")
     def _(x, packed, zsum, s, V, d, block):
         return s.new_empty(x.shape[0], V), s.new_empty(x.shape[0], -(-V // block) if block else 0)
+
+    @torch.library.register_fake(lib + "noise_candidates")
+    def _(hi, seeds, hmax, table, force, ids, inv_level):
+        m = torch.library.get_ctx().new_dynamic_size()
+        return (hi.new_empty(m, dtype=torch.long), hi.new_empty(m, dtype=torch.long),
+                hi.new_empty(m, dtype=torch.long))
 
     _state["fakes"] = True

@@ -42,7 +42,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .gumbel import RowNoise, bits_below, noise_bits, noise_margin, noise_of_bits
+from ..ops.noise import noise_candidates
+from .gumbel import bits_below, noise_bits, noise_margin, noise_of_bits
 from .outside import Outside
 
 TOP_FIRST = 4  # tokens of highest lower bound whose noise sets the first threshold
@@ -59,7 +60,7 @@ class DrawCertificate:
 
 
 def certify_draw(ylo: torch.Tensor, yhi: torch.Tensor, seeds: torch.Tensor, greedy: torch.Tensor,
-                 noise: RowNoise | None = None, outside: Outside | None = None) -> DrawCertificate:
+                 ids: torch.Tensor | None = None, outside: Outside | None = None) -> DrawCertificate:
     """Certify the token of each row's draw from bounds on its inputs.
 
     Parameters
@@ -71,8 +72,9 @@ def certify_draw(ylo: torch.Tensor, yhi: torch.Tensor, seeds: torch.Tensor, gree
         for greedy rows).
     greedy : torch.Tensor
         ``[R]`` bool, rows drawn by ``greedy_argmax`` rather than the Gumbel kernel.
-    noise : RowNoise, optional
-        The rows' noise (``RowNoise(seeds, V)``), to share its hash between calls of a step.
+    ids : torch.Tensor, optional
+        ``[R, V]`` int64, the token id of each column (packed rows, :func:`certify_draw_packed`:
+        its noise is that token's); default: the column is the token.
     outside : Outside, optional
         ``[R]`` summaries of the tokens not in ``ylo, yhi`` (module docstring); they are
         never the winner nor listed as contenders: a row they may contend in is not certified.
@@ -101,28 +103,32 @@ def certify_draw(ylo: torch.Tensor, yhi: torch.Tensor, seeds: torch.Tensor, gree
     samp = finite & ~greedy
     if bool(samp.any()):
         rows = samp.nonzero().squeeze(1)
-        bits = (noise or RowNoise(seeds, V)).rows(rows)  # [r, V] int64
-        lo_r, hi_r = ylo[rows], yhi[rows]
-        absmax = torch.maximum(lo_r.masked_fill(lo_r == -math.inf, 0).abs().amax(1),
-                               hi_r.masked_fill(hi_r == -math.inf, 0).abs().amax(1))
+        every = rows.numel() == R  # the usual batch: no copies of the rows
+        lo_r, hi_r = (ylo, yhi) if every else (ylo[rows], yhi[rows])
+        tok = ids if ids is None or every else ids[rows]
+        seeds_r = seeds[rows]
+        # max |y| over the finite bounds (no NaN or +inf in these rows; -inf counts as 0):
+        # max(|max hi|, -min lo, -min hi), since lo <= hi and the largest value is max hi
+        absmax = torch.maximum(hmax[rows].abs(), torch.maximum(lo_r.nan_to_num(neginf=0.0).amin(1).neg_(),
+                                                               hi_r.nan_to_num(neginf=0.0).amin(1).neg_()))
         if outside is not None:
             absmax = torch.maximum(absmax.double(), outside.absmax[rows].amax(1))
         delta = noise_margin(absmax)  # [r] float64
         # first threshold: the noisy lower bounds of the TOP_FIRST highest lower bounds
         top = lo_r.topk(min(TOP_FIRST, V), dim=1)
-        L = (top.values.double() + noise_of_bits(bits.gather(1, top.indices))).amax(1)  # <= best
+        top_tok = top.indices if tok is None else tok.gather(1, top.indices)
+        L = (top.values.double() + noise_of_bits(noise_bits(seeds_r, top_tok))).amax(1)  # <= best
         t = L - 2 * delta - hmax[rows].double()
         # token j needs g_j >= t + (max yhi - yhi_j): by levels of LEVEL below the row's max
         # (computed in float64: the difference of two fp32 is exact to 2^-52 relative, so level
-        # k means max yhi - yhi_j >= (k - 0.01) LEVEL), each level's threshold from bits alone
-        gap = (hmax[rows].double()[:, None] - hi_r.double()).mul_(1 / LEVEL).floor_().clamp_(0, LEVELS)
+        # k means max yhi - yhi_j >= (k - 0.01) LEVEL), each level's threshold from bits alone;
+        # the TOP_FIRST tokens are kept whatever their bits (best is over them too)
         k = torch.arange(LEVELS + 1, dtype=torch.float64, device=dev)
         table = bits_below(t[:, None] + (k - 0.01).clamp_min(0) * LEVEL)  # [r, LEVELS + 1]
-        pre = (bits >= table.gather(1, gap.long())).logical_and_(hi_r > -math.inf)
-        pre.scatter_(1, top.indices, (top.values > -math.inf) | pre.gather(1, top.indices))  # best is over them too
-        # the noisy scores on pre only, flat (pre is a few percent of the row once bounds are tight)
-        ri, ci = pre.nonzero().unbind(1)
-        g = noise_of_bits(bits[ri, ci])
+        force = top.indices.masked_fill(top.values == -math.inf, -1)
+        ri, ci, bits = noise_candidates(hi_r, seeds_r, hmax[rows], table, force, tok, 1 / LEVEL)
+        # the noisy scores of those only, flat (a few percent of the row once bounds are tight)
+        g = noise_of_bits(bits)
         nlo = lo_r[ri, ci].double().add_(g)  # -inf where ylo = -inf
         nhi = hi_r[ri, ci].double().add_(g)
         r = rows.numel()
@@ -139,23 +145,13 @@ def certify_draw(ylo: torch.Tensor, yhi: torch.Tensor, seeds: torch.Tensor, gree
         if outside is not None:  # every block token's computed noisy bound is below best - 2 delta
             ok &= outside.noisy[rows].amax(1) < best - 2 * delta
         certified[rows] = ok & finite[rows]
-    contenders &= finite[:, None]
+    if not bool(finite.all()):
+        contenders &= finite[:, None]
     return DrawCertificate(winner, certified, contenders, finite)
 
 
-class _PackedNoise:
-    """The noise of packed rows (:func:`certify_draw_packed`): column ``c`` of row ``r`` is token
-    ``ids[r, c]``; hashed per call, for those tokens only."""
-
-    def __init__(self, seeds: torch.Tensor, ids: torch.Tensor):
-        self.seeds, self.ids = seeds, ids
-
-    def rows(self, rows: torch.Tensor) -> torch.Tensor:
-        return noise_bits(self.seeds[rows], self.ids[rows])
-
-
-def certify_draw_packed(ylo: torch.Tensor, yhi: torch.Tensor, seeds: torch.Tensor, greedy: torch.Tensor,
-                        noise: RowNoise | None = None) -> DrawCertificate:
+def certify_draw_packed(ylo: torch.Tensor, yhi: torch.Tensor, seeds: torch.Tensor,
+                        greedy: torch.Tensor) -> DrawCertificate:
     """:func:`certify_draw`, on each row's live tokens only when every row has few of them.
 
     A token whose upper bound is ``-inf`` (masked; dropped by min-p, top-k or top-p) is never the
@@ -167,10 +163,13 @@ def certify_draw_packed(ylo: torch.Tensor, yhi: torch.Tensor, seeds: torch.Tenso
     a row is never certified.) Same arguments and result as :func:`certify_draw` (no outside
     blocks)."""
     R, V = yhi.shape
-    live = (yhi != -math.inf) | torch.isnan(ylo)
+    live = yhi != -math.inf
+    nan_rows = torch.isnan(ylo.amax(1))
+    if bool(nan_rows.any()):
+        live[nan_rows] |= torch.isnan(ylo[nan_rows])
     n = int(live.sum(1).max()) if R else 0
     if n > PACK_BELOW * V:
-        return certify_draw(ylo, yhi, seeds, greedy, noise)
+        return certify_draw(ylo, yhi, seeds, greedy)
     n = max(n, 1)
     pos = live.cumsum(1).sub_(1).masked_fill_(~live, n)  # packed column; n: discarded
     cols = torch.full((R, n + 1), V, dtype=torch.long, device=yhi.device)
@@ -180,7 +179,7 @@ def certify_draw_packed(ylo: torch.Tensor, yhi: torch.Tensor, seeds: torch.Tenso
     ids = cols.masked_fill(pad, 0)
     plo = ylo.gather(1, ids).masked_fill_(pad, -math.inf)
     phi = yhi.gather(1, ids).masked_fill_(pad, -math.inf)
-    cert = certify_draw(plo, phi, seeds, greedy, _PackedNoise(seeds, ids))
+    cert = certify_draw(plo, phi, seeds, greedy, ids)
     contenders = torch.zeros((R, V + 1), dtype=torch.bool, device=yhi.device)
     contenders.scatter_(1, cols, cert.contenders & ~pad)
     return DrawCertificate(ids.gather(1, cert.winner[:, None])[:, 0], cert.certified, contenders[:, :V], cert.finite)

@@ -85,34 +85,6 @@ def bits_below(t: torch.Tensor) -> torch.Tensor:
     return (torch.floor(u * 2.0**53 - 0.5) - 2).clamp(-1, 2.0**53).long()
 
 
-class RowNoise:
-    """The noise of one step's rows, hashed once per row and turned into ``g`` only where asked.
-
-    A row's bits (``[V]`` int64) are hashed the first time the row is asked for
-    (:meth:`rows`) and kept for the step's later rounds; the certificate then takes ``g``
-    (the two logarithms, the costly part) only for the tokens whose noise may reach the
-    row's threshold (:func:`bits_below`)."""
-
-    def __init__(self, seeds: torch.Tensor, vocab_size: int):
-        self.seeds, self.vocab_size = seeds, vocab_size
-        self._bits = torch.empty((seeds.shape[0], vocab_size), dtype=torch.long, device=seeds.device)
-        self._have = torch.zeros(seeds.shape[0], dtype=torch.bool, device=seeds.device)
-        self._last: tuple[torch.Tensor, torch.Tensor] | None = None
-
-    def rows(self, rows: torch.Tensor) -> torch.Tensor:
-        """``[r, V]`` int64, the bits of ``rows``."""
-        if self._last is not None and torch.equal(self._last[0], rows):
-            return self._last[1]  # the same rows as the last round: no copy
-        missing = rows[~self._have[rows]]
-        if missing.numel():
-            self._bits[missing] = noise_bits(self.seeds[missing],
-                                             torch.arange(self.vocab_size, device=self.seeds.device))
-            self._have[missing] = True
-        out = self._bits[rows] if rows.numel() != self._bits.shape[0] else self._bits
-        self._last = (rows.clone(), out)
-        return out
-
-
 def gumbel_noise(seeds: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     """The noise ``g`` that ``fused_gumbel_argmax`` adds to tokens ``ids`` of rows seeded ``seeds``.
 

@@ -26,7 +26,6 @@ from dataclasses import dataclass
 import torch
 
 from .certificate import certify_draw_packed
-from .gumbel import RowNoise
 from .head_adapter import HeadAdapter
 
 MAX_ROUNDS = 4
@@ -117,17 +116,18 @@ def certify_rows(adapter: HeadAdapter, hidden: torch.Tensor, process: Process, s
 
     if one_sided and bool(finite.any()):
         add(hi[finite].topk(min(FIRST_GUESS, V), dim=1).indices.unique())
-    noise = RowNoise(seeds, V)  # hashed once for the step's rounds
     for rnd in range(MAX_ROUNDS + 1):
         ylo, yhi = process(lo, hi)
-        cert = certify_draw_packed(ylo, yhi, seeds, greedy, noise)
+        cert = certify_draw_packed(ylo, yhi, seeds, greedy)
         winner = cert.winner
         certified = cert.certified & finite & scored[winner]
         open_rows = finite & ~certified & ~over_budget
         need = cert.contenders[open_rows].any(0) & ~scored
         # rows where no token is certainly kept yet (e.g. min-p / top-p undecided on screen
         # bounds): score their highest upper bounds first
-        blind = open_rows & ~cert.finite & (yhi > -math.inf).any(1)
+        blind = open_rows & ~cert.finite
+        if bool(blind.any()):  # (the full pass only when some row may be blind)
+            blind &= (yhi > -math.inf).any(1)
         if bool(blind.any()):
             top = yhi[blind].topk(min(FIRST_GUESS, V), dim=1)
             need[top.indices[top.values > -math.inf]] = True

@@ -57,7 +57,7 @@ import torch
 
 from ..fp import round_down32, round_up32
 from .certificate import certify_draw
-from .gumbel import RowNoise, noise_bits, noise_of_bits
+from .gumbel import noise_bits, noise_of_bits
 from .head_adapter import HeadAdapter
 from .nucleus import min_p_bounds, min_p_drops_on_part, top_p_bounds
 from .outside import Outside
@@ -264,7 +264,6 @@ def certify_rows_sharded(adapter: ShardedAdapter, hidden: torch.Tensor, process:
     if n and bool(samp.any()):
         g[samp] = noise_of_bits(noise_bits(seeds[samp], torch.arange(s0, s0 + n, device=dev)))
     budget = max(1, math.ceil(adapter.budget * V))
-    noise = RowNoise(seeds, V)
     over_budget = torch.zeros(R, dtype=torch.bool, device=dev)
     for rnd in range(MAX_ROUNDS + 1):
         full_lo = torch.full((R, V), -math.inf, device=dev)
@@ -283,7 +282,7 @@ def certify_rows_sharded(adapter: ShardedAdapter, hidden: torch.Tensor, process:
         finite &= same_seeds
         ylo, yhi, outside = min_p_bounds(ylo, yhi, min_p.to(dev), outside)
         ylo, yhi, outside = top_p_bounds(ylo, yhi, top_p.to(dev), outside)
-        cert = certify_draw(ylo, yhi, seeds, greedy, noise, outside)
+        cert = certify_draw(ylo, yhi, seeds, greedy, outside=outside)
         scored = ~torch.isnan(val)  # [R, V]: explicit and scored (a column is scored for every row)
         winner = cert.winner
         certified = cert.certified & finite & scored.gather(1, winner[:, None])[:, 0]

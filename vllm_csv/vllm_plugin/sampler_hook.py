@@ -195,7 +195,9 @@ def resolve(sampler, d: Deferred, logits: torch.Tensor, md, predict_bonus_token:
     R = rows.numel()
     st = DeferredStats(rows=R)
     dev_rows = rows.to(logits.device)
-    masked = logits[dev_rows] == -math.inf  # the grammar bitmask (placeholders are finite; module docstring)
+    every_row = R == logits.shape[0] and torch.equal(rows, torch.arange(R))  # the batch itself: no scatter / gather
+    # the grammar bitmask (placeholders are finite; module docstring)
+    masked = (logits if every_row else logits[dev_rows]) == -math.inf
     why = _unsupported(sampler, md, predict_bonus_token, rows)
     certified = torch.zeros(R, dtype=torch.bool)
     if why is None:
@@ -212,7 +214,6 @@ def resolve(sampler, d: Deferred, logits: torch.Tensor, md, predict_bonus_token:
         top_k = md.top_k.cpu()[rows].long() if md.top_k is not None else torch.full((R,), V)
         top_k = top_k.masked_fill(greedy, V)
 
-        every_row = R == B and torch.equal(rows, torch.arange(B))  # the batch itself: no scatter / gather
         base = None if every_row else logits.float()
 
         def elementwise(lo: torch.Tensor, hi: torch.Tensor):
@@ -248,7 +249,7 @@ def resolve(sampler, d: Deferred, logits: torch.Tensor, md, predict_bonus_token:
             res.certified &= no_top_k
         else:
             res = certify_rows(d.adapter, d.hidden, process, seeds.to(logits.device), greedy.to(logits.device),
-                               masked)
+                               masked if bool(masked.any()) else None)  # no grammar: three [R, V] passes fewer
         certified = res.certified.cpu()
         if bool(certified.any()):
             idx = dev_rows[certified.to(logits.device)]

@@ -1,0 +1,67 @@
+"""The draw certificate's pass over the whole vocabulary (``csrc/cpu/gumbel_cpu.cpp``), beside
+its torch reference.
+
+Why fused: :func:`vllm_csv.sampling.certificate.certify_draw` must look at every live token of a
+sampled row, hashing its noise and comparing the raw bits with the row's threshold for the
+token's level; in torch that is about twenty ``[R, V]`` int64 and float64 passes (the hash
+alone is ten), 20-30 ms a step for 8 rows of 65536 tokens on a 2-core CPU, more than the dense
+head. The kernel does it in one pass per row and returns only the few tokens kept.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ..sampling.gumbel import noise_bits
+from .cpu_step import load_ops, uses_kernels
+
+
+def noise_candidates_ref(hi: torch.Tensor, seeds: torch.Tensor, hmax: torch.Tensor, table: torch.Tensor,
+                         force: torch.Tensor, ids: torch.Tensor | None, inv_level: float):
+    """The tokens whose noise may reach their row's threshold.
+
+    Parameters
+    ----------
+    hi : torch.Tensor
+        ``[R, n]`` float32 upper bounds (no NaN, no ``+inf``; ``-inf``: not a candidate).
+    seeds : torch.Tensor
+        ``[R]`` int64, the rows' draw seeds.
+    hmax : torch.Tensor
+        ``[R]`` float32, each row's largest upper bound.
+    table : torch.Tensor
+        ``[R, levels + 1]`` int64: a token ``level`` steps of ``1 / inv_level`` below ``hmax``
+        is kept iff its noise bits are ``>= table[r, level]``
+        (:func:`vllm_csv.sampling.gumbel.bits_below`).
+    force : torch.Tensor
+        ``[R, k]`` int64 columns kept whatever their bits (``-1``: none).
+    ids : torch.Tensor, optional
+        ``[R, n]`` int64 token id of each column (packed rows); default: the column itself.
+    inv_level : float
+        ``1 / LEVEL``, a power of two (the level is ``floor((hmax - hi) * inv_level)``, clamped
+        to ``[0, levels]``, in float64: exact).
+
+    Returns
+    -------
+    (rows, cols, bits): ``[m]`` int64 each, the kept tokens row by row, columns ascending, and
+    their 53 noise bits (:func:`vllm_csv.sampling.gumbel.noise_bits`).
+    """
+    R, n = hi.shape
+    tok = torch.arange(n, device=hi.device) if ids is None else ids
+    bits = noise_bits(seeds, tok).expand(R, n)
+    levels = table.shape[1] - 1
+    gap = (hmax.double()[:, None] - hi.double()).mul_(inv_level).floor_().nan_to_num_(nan=levels).clamp_(0, levels)
+    keep = (bits >= table.gather(1, gap.long())).logical_and_(hi > -math.inf)
+    forced = torch.zeros((R, n + 1), dtype=torch.bool, device=hi.device)
+    forced.scatter_(1, torch.where(force >= 0, force, n), True)
+    keep |= forced[:, :n]
+    rows, cols = keep.nonzero().unbind(1)
+    return rows, cols, bits[rows, cols]
+
+
+def noise_candidates(hi, seeds, hmax, table, force, ids, inv_level: float):
+    """Same as :func:`noise_candidates_ref`; the fused kernel on the CPU where it is built."""
+    if uses_kernels(hi):
+        return load_ops().noise_candidates(hi, seeds, hmax, table, force, ids, inv_level)
+    return noise_candidates_ref(hi, seeds, hmax, table, force, ids, inv_level)
