@@ -113,20 +113,38 @@ def test_head_probe_is_a_dense_step_timed_in_place():
     assert 0 < sw.dense_seconds[4] < 1.0
 
 
-def test_first_step_of_a_batch_size_is_not_charged():
+def test_first_step_of_a_kind_is_not_charged():
     sw = OffSwitch(probe_every=0)
     assert sw.allow(1, lambda: 1.0)
     sw.observe(1, 500.0)  # cold first call
     assert sw.excess == 0.0 and sw.allow(1, lambda: 1.0)
     sw.observe(1, 0.5)
     assert sw.excess == -0.5
+    assert sw.allow(1, lambda: 1.0, "sampler")  # another kind: its own warm-up
+    sw.observe(1, 300.0)
+    assert sw.excess == -0.5
+
+
+def test_first_step_of_a_new_batch_size_is_charged():
+    """A batch size that changes at every step (requests finishing one by one) must not run
+    CSV uncharged: only a kind's first CSV step is a warm-up."""
+    sw = OffSwitch(probe_every=0)
+    assert sw.allow(1, lambda: 1.0)
+    sw.observe(1, 1.0)  # the warm-up
+    tried = 0
+    for b in range(2, 200):  # each step a new batch size, CSV 3x its dense time
+        if sw.allow(b, lambda: 1.0):
+            tried += 1
+            sw.observe(b, 3.0)
+    assert sw.excess <= sw.tolerance * sw.dense_total + 2.0  # one step's excess at most over the promise
+    assert tried <= 0.02 * 198 / 2 + 2, tried
 
 
 # ---- workloads that alternate between rows CSV pays for and rows it does not ------------------
 
 def promise(sw, dense_total, batches_seen, max_step_excess, warm_excess):
     """The docstring's bound on CSV's extra head time over a run: ``tolerance`` of the dense
-    total, plus one step's excess, plus per batch size its uncharged warm-up step and the two
+    total, plus one step's excess, plus the uncharged warm-up step and, per batch size, the two
     dense runs that measure it."""
     return (sw.tolerance * dense_total + max_step_excess + warm_excess
             + sum(2 * sw.dense_seconds[b] for b in batches_seen))
@@ -142,7 +160,7 @@ def simulate(sw, phases, dense):
         off = 0
         for _ in range(n):
             d = dense[batch]
-            cold = batch not in sw._warm
+            cold = "" not in sw._warm  # the kind's first CSV step (simulate names no kind)
             costs = []
             if sw.allow(batch, lambda d=d: costs.append(d) or d):
                 sw.observe(batch, r * d)

@@ -296,9 +296,9 @@ class CSVMetrics:
         b.observe(self.seconds, (stats.seconds,))
         # A step that ran CSV (not sent dense by the off-switch): time saved, and head speed-up =
         # dense / csv. A step the switch sent dense saved nothing (its dense run against the
-        # dense estimate is noise). A batch size's first CSV step is a warm-up (first kernel
-        # calls; its dense time a first guess), left out as the off-switch leaves it out of its
-        # ledger.
+        # dense estimate is noise). A batch size's first CSV step is left out of the speed-up
+        # (first kernel calls, allocator growth; its dense time a first guess). (The off-switch
+        # charges it, but for the first CSV step of each kind: vllm_csv.off_switch.)
         if dense_seconds is not None and not stats.fallbacks.get("off_switch"):
             b.inc(self.saved, max(0.0, dense_seconds - stats.seconds))
             if stats.rows in self._warm:
