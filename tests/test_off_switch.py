@@ -292,6 +292,27 @@ def test_first_guess_times_one_dense_call():
     assert sw.dense_estimate(4, lambda: next(calls)) == 0.010  # measured once per batch size
 
 
+def test_first_step_of_a_batch_size_runs_dense_once():
+    """A new batch size's dense head runs for the first guess; that output is the step's: the
+    step does not also run CSV, and the head calls its dense function once."""
+    g = torch.Generator().manual_seed(0)
+    W = torch.randn(2048, 32, generator=g)
+    head = CertifiedHead(W, config=HeadConfig(budget=1.0))
+    calls = []
+
+    def dense_fn(h):
+        calls.append(h.shape[0])
+        return head.dense_logits(h)
+
+    for B, want_off in ((4, 4), (4, 0), (3, 3), (3, 0)):
+        h = torch.randn(B, 32, generator=g)
+        calls.clear()
+        logits, stats = head.sampler_logits(h, torch.ones(B, dtype=torch.long), dense_fn)
+        assert stats.fallbacks["off_switch"] == want_off and torch.equal(logits.argmax(1), (h @ W.T).argmax(1))
+        assert calls == ([B] if want_off else []), calls  # measured and used once; CSV steps call none
+    assert head.off_switch.probes == 2
+
+
 def test_head_leaves_the_switch_to_a_caller_that_asked_it():
     """``use_switch=False`` (the plugin's steps with rows certified in the sampler: it asks the
     switch once for all B rows): the head neither asks nor feeds the switch, and certifies."""

@@ -610,7 +610,7 @@ class CertifiedHead:
         top-k and ``-inf`` elsewhere; every other row holds ``dense_fn(hidden)``'s row.
         """
         t0 = time.perf_counter() if t0 is None else t0
-        dense_fn = dense_fn or self.dense_logits
+        dense_fn = _once(dense_fn or self.dense_logits)  # the switch's measurement is the step's output
         B, dev = hidden.shape[0], hidden.device
         # decided on the host, as Python lists (B numbers; no device sync)
         ks, rows, csv_rows, kind = row_split(topk.tolist(), self.max_certified_k)
@@ -694,6 +694,18 @@ def _stable_topk(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Top-k, ties broken by the lowest index (as ``argmax``)."""
     vals, ids = torch.sort(x, dim=1, descending=True, stable=True)
     return vals[:, :k], ids[:, :k]
+
+
+def _once(fn):
+    """``fn`` computed at most once (the step's dense logits: measured for the off-switch, then
+    used)."""
+    memo = []
+
+    def call(h):
+        if not memo:
+            memo.append(fn(h))
+        return memo[0]
+    return call
 
 
 def _time(fn, like: torch.Tensor) -> float:

@@ -297,7 +297,7 @@ class CSVMetrics:
         # A step that ran CSV (not sent dense by the off-switch): time saved, and head speed-up =
         # dense / csv. A step the switch sent dense saved nothing (its dense run against the
         # dense estimate is noise). A batch size's first CSV step is left out of the speed-up
-        # (first kernel calls, allocator growth; its dense time a first guess). (The off-switch
+        # (first kernel calls, allocator growth). (The off-switch
         # charges it, but for the first CSV step of each kind: vllm_csv.off_switch.)
         if dense_seconds is not None and not stats.fallbacks.get("off_switch"):
             b.inc(self.saved, max(0.0, dense_seconds - stats.seconds))

@@ -13,7 +13,9 @@ one step's excess at most, so at every moment ``excess <= tolerance * dense_tota
 with ``x`` the excess of a single step: over any run, CSV is never more than ``tolerance``
 slower than the dense head, up to one step, plus, once per kind of step (below), its first
 CSV step, which is a warm-up (first calls of kernels, allocator growth) and is not charged,
-and, once per batch size, the dense-head run that gives the first guess of its dense time.
+and, once per batch size, the dense-head run that gives the first guess of its dense time
+(with probes on, the default, that run is the step's own: a batch size's first step runs
+dense).
 (The warm-up was once per batch size: a workload whose batch size changes at almost every
 step, as requests finish one by one, then ran mostly uncharged CSV steps; on the demo's mixed
 workload with default flags that cost 4.6% of dense tokens/s.) This holds for any sequence of
@@ -37,7 +39,7 @@ steps are (same span of the same layer, in the serving loop, with the caches as 
 other layers leave them). A dense head timed alone runs on warm caches and a quiet machine
 and can be off by 2x either way; that stand-alone time is only the first guess, until a
 batch size has in-place samples. Dense steps come for free while CSV is off; while CSV is on
-the switch makes a *probe*: the second step of a batch size, then one step in every
+the switch makes a *probe*: the first step of a batch size, then one step in every
 ``probe_every``, runs dense and is timed (:meth:`allow` returns False; the caller times the
 step and reports it with :meth:`observe_dense`). A probe costs what CSV would have saved on
 that step, at most ``1 / probe_every`` of the savings.
@@ -81,7 +83,8 @@ class OffSwitch:
         """The batch size's estimate; the first guess is one timed call of ``measure``. Once
         only: the plugin's dense function keeps its output for the step (a second call would
         time nothing: that made the first guess about 0 and CSV look slower than it is), and
-        the guess only stands until the probe of the batch size's second step replaces it."""
+        the guess only stands until the in-place time of that same step replaces it (with
+        probes on, :meth:`allow` sends a batch size's first step dense)."""
         if batch not in self.dense_seconds:
             self.dense_seconds[batch] = measure()
         return self.dense_seconds[batch]
@@ -90,11 +93,20 @@ class OffSwitch:
         """Start a step of ``batch`` rows and of ``kind`` (its ledger): whether it may try CSV
         (else it runs dense, and the caller reports its time with :meth:`observe_dense`)."""
         self._kind = kind
+        first = batch not in self.dense_seconds
         total = self._dense_total[kind] = self._dense_total.get(kind, 0.0) + self.dense_estimate(batch, measure_dense)
         on = self._excess.get(kind, 0.0) <= self.tolerance * total
         if self._on.get(kind, True) and not on:
             self.times_tripped += 1
         self._on[kind] = on
+        if first and self.probe_every:
+            # A batch size's first step runs dense: the dense head has just run for the first
+            # guess (its output is the step's), so CSV on top would pay for the step twice. The
+            # caller times the step in place: the estimate's first sample, in place of a probe.
+            self._since_probe[batch] = 0
+            self._probed.add(batch)
+            self.probes += 1
+            return False
         if on and self.probe_every:
             n = self._since_probe.get(batch)
             if n is not None and n >= (self.probe_every if batch in self._probed else 1):
