@@ -101,7 +101,8 @@ def test_budget_fallback_is_dense_and_counted():
     V, d = 2048, 64
     W, g = peaked_head(V, d, seed=2)
     h = torch.randn(8, d, generator=g)  # no clear winner: int4 cannot certify with 3 tokens
-    head = CertifiedHead(W, config=HeadConfig(screen="int4", budget=0.001))
+    # off-switch off: with it on, a batch size's first step is a dense probe
+    head = CertifiedHead(W, config=HeadConfig(screen="int4", budget=0.001, off_switch=False))
     logits, stats = head.sampler_logits(h, torch.ones(8, dtype=torch.long))
     assert stats.fallbacks["budget"] == 8 and stats.certified == 0
     assert torch.equal(logits, torch.nn.functional.linear(h, W))

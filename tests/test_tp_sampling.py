@@ -262,7 +262,7 @@ def test_tp_sampler_keeps_the_off_switch_ledger_common(monkeypatch):
     def patch(r, head):
         sw = head.off_switch
         sw.switch.dense_seconds[B] = 0.01
-        sw.switch._warm.add(B)
+        sw.switch._warm.add(sw._kind)  # past the kind's uncharged warm-up step
         sw.observe(B, 0.02 + 0.01 * r)  # a CSV step: 10 or 20 ms over dense
 
     res = resolve_tp(W, None, h, md, torch.arange(B), 2, monkeypatch, patch=patch, off_switch=True)
