@@ -191,6 +191,8 @@ def main(argv=None) -> int:
                 csv_step(s)
             pr.disable()
             pstats.Stats(pr).sort_stats(os.environ.get("SORT", "cumulative")).print_stats(35)
+            if os.environ.get("CALLERS"):
+                pstats.Stats(pr).print_callers(os.environ["CALLERS"])
     results["loadavg_after"] = os.getloadavg()
     if a.json:
         Path(a.json).write_text(json.dumps(results, indent=1))

@@ -87,3 +87,64 @@ def test_kernel_refuses_bad_shapes():
     with pytest.raises(RuntimeError, match="ids"):
         K.noise_candidates(hi, torch.tensor([1, 2]), torch.zeros(2), torch.zeros(2, 5, dtype=torch.long),
                            torch.full((2, 1), -1), torch.zeros(2, 7, dtype=torch.long), 2.0)
+
+
+def test_noise_bits_kernel_is_the_reference():
+    """The noise bits of given tokens: the kernel and the torch reference agree bit for bit
+    (shared and per-row ids, extreme seeds and ids)."""
+    from vllm_csv.ops.cpu_step import kernels_available
+    from vllm_csv.ops.noise import noise_bits
+    from vllm_csv.sampling.gumbel import noise_bits as ref
+
+    if not kernels_available():
+        pytest.skip("CPU kernels not built")
+    g = torch.Generator().manual_seed(3)
+    seeds = torch.cat([torch.tensor([0, 1, 2**31 - 1, -1, -(2**63), 2**63 - 1]), torch.randint(0, 2**31, (10,), generator=g)])
+    ids = torch.cat([torch.tensor([0, 1, 151935, 262143, 2**40]), torch.randint(0, 300000, (59,), generator=g)])
+    assert torch.equal(noise_bits(seeds, ids), ref(seeds, ids))
+    per_row = torch.randint(0, 300000, (16, 33), generator=g)
+    assert torch.equal(noise_bits(seeds, per_row), ref(seeds, per_row))
+    assert noise_bits(seeds, ids[:0]).shape == (16, 0)
+
+
+def _stats_inputs():
+    g = torch.Generator().manual_seed(9)
+    R, n = 12, 5000
+    lo = torch.randn(R, n, generator=g) * torch.logspace(-3, 4, R)[:, None]
+    hi = lo + torch.rand(R, n, generator=g)
+    lo[0, 100:4000], hi[0, 100:4000] = -math.inf, -math.inf  # masked tokens
+    lo[1] = -math.inf  # one-sided: no lower bounds
+    lo[2, ::7] = lo[2].max()  # ties at the top
+    lo[3, :] = 1.5  # the whole row tied
+    hi[3, :] = 2.0
+    lo[4, 10], hi[4, 10] = math.nan, math.nan  # NaN row
+    hi[5, 77] = math.inf  # +inf upper bound
+    lo[6, :4997], hi[6, :4997] = -math.inf, -math.inf  # fewer live tokens than k
+    lo[7], hi[7] = -lo[7].abs() - 1, -lo[7].abs() - 0.5  # all negative: absmax from the minima
+    return lo, hi
+
+
+@pytest.mark.parametrize("k", [1, 4, 16])
+def test_row_stats_kernel_is_the_reference(k):
+    """The fused row statistics equal the torch reference: maxima (NaN rows included), absmax
+    (rows without NaN or +inf), live counts, and the top k lower bounds (values; indices hold
+    those values, ties to the lowest index)."""
+    from vllm_csv.ops.cpu_step import kernels_available
+    from vllm_csv.ops.noise import row_stats, row_stats_ref
+
+    if not kernels_available():
+        pytest.skip("CPU kernels not built")
+    lo, hi = _stats_inputs()
+    got, want = row_stats(lo, hi, k), row_stats_ref(lo, hi, k)
+    for name in ("lmax", "hmax", "live"):
+        assert torch.equal(getattr(got, name), getattr(want, name)) or \
+            torch.allclose(getattr(got, name), getattr(want, name), rtol=0, atol=0, equal_nan=True), name
+    clean = ~(torch.isnan(lo).any(1) | torch.isnan(hi).any(1) | (hi == math.inf).any(1))
+    assert torch.equal(got.absmax[clean], want.absmax[clean])
+    ok = ~torch.isnan(lo).any(1)
+    assert torch.equal(got.top_values[ok], want.top_values[ok])
+    held = lo.gather(1, got.top_indices)
+    fin = got.top_values > -math.inf
+    assert torch.equal(held[fin & ok[:, None]], got.top_values[fin & ok[:, None]])
+    assert got.top_indices[3].tolist() == list(range(k))  # all tied: the lowest indices, in order
+    assert got.top_indices[2].tolist() == [7 * j for j in range(k)]  # tied maxima: the same

@@ -7,6 +7,7 @@ import torch
 
 from conftest import hidden_near_rows, peaked_head
 from vllm_csv import CertifiedHead, HeadConfig, build_index
+from vllm_csv.sampling import certificate
 from vllm_csv.sampling.certificate import certify_draw
 from vllm_csv.sampling.head_adapter import HeadAdapter
 from vllm_csv.sampling.rows import certify_rows
@@ -41,9 +42,12 @@ def draw(x, T, greedy, seeds):
     return torch.where(greedy, tg, ts)
 
 
-def check(head, h, T, greedy, seeds, masked=None, adapter=None):
+def check(head, h, T, greedy, seeds, masked=None, adapter=None, elementwise=True):
+    """(mismatches, certified share) of certify_rows against vLLM's draw on the dense logits.
+    ``elementwise``: rounds after the first on the first round's contenders (the temperature
+    map is per token), else every round over the whole vocabulary."""
     adapter = adapter or HeadAdapter(head)
-    res = certify_rows(adapter, h, temperature_process(T, greedy), seeds, greedy, masked)
+    res = certify_rows(adapter, h, temperature_process(T, greedy), seeds, greedy, masked, elementwise=elementwise)
     dense = head.dense_logits(h).float()
     if masked is not None:
         dense = dense.masked_fill(masked, -math.inf)
@@ -58,15 +62,16 @@ CASES = [(s, dt, T) for s in ("fp16", "int8", "ball") for dt in (torch.float32, 
          for T in (1e-6, 0.3, 1.0, 1e4)]
 
 
+@pytest.mark.parametrize("elementwise", [True, False])
 @pytest.mark.parametrize("screen,dtype,T", CASES)
-def test_certified_draw_equals_dense_draw(screen, dtype, T):
+def test_certified_draw_equals_dense_draw(screen, dtype, T, elementwise):
     V, d, B = 2048, 64, 96
     W, g = peaked_head(V, d, seed=11, dtype=dtype)
     h = torch.cat([hidden_near_rows(W, B - 16, g, scale=2.0), torch.randn(16, d, generator=g).to(dtype)])
     head = make_head(W, screen=screen)
     seeds = torch.randint(0, 2**31, (B,), generator=g)
     greedy = torch.arange(B) % 5 == 0
-    mism, rate = check(head, h, torch.full((B,), T), greedy, seeds)
+    mism, rate = check(head, h, torch.full((B,), T), greedy, seeds, elementwise=elementwise)
     assert mism == 0
     if screen != "ball":
         assert rate > 0.5, rate
@@ -82,7 +87,8 @@ def test_many_seeds_one_row_each():
     assert mism == 0 and rate > 0.9, rate
 
 
-def test_adversarial_ties_bias_softcap_masks():
+@pytest.mark.parametrize("elementwise", [True, False])
+def test_adversarial_ties_bias_softcap_masks(elementwise):
     V, d, B = 1500, 48, 64
     W, g = peaked_head(V, d, seed=5, dtype=torch.bfloat16)
     W[100:120] = W[7]  # duplicate rows: exact ties in the logits, the noise decides
@@ -95,7 +101,7 @@ def test_adversarial_ties_bias_softcap_masks():
     for head in (make_head(W, b), make_head(W, b, softcap=2.0, scale=0.5)):
         for T in (1e-6, 0.9, 1e4):
             greedy = torch.arange(B) % 3 == 0
-            mism, _ = check(head, h, torch.full((B,), T), greedy, seeds, masked)
+            mism, _ = check(head, h, torch.full((B,), T), greedy, seeds, masked, elementwise=elementwise)
             assert mism == 0
 
 
@@ -137,14 +143,15 @@ class _BrokenAdapter(HeadAdapter):
         return lo, hi, hnorm, finite
 
 
-def test_broken_bound_is_caught():
+@pytest.mark.parametrize("elementwise", [True, False])
+def test_broken_bound_is_caught(elementwise):
     V, d, B = 2048, 64, 256
     W, g = peaked_head(V, d, seed=13, dtype=torch.bfloat16)
     h = hidden_near_rows(W, B, g, scale=0.7)
     head = make_head(W)
     seeds = torch.randint(0, 2**31, (B,), generator=g)
     mism, _ = check(head, h, torch.full((B,), 1.0), torch.zeros(B, dtype=torch.bool), seeds,
-                    adapter=_BrokenAdapter(head))
+                    adapter=_BrokenAdapter(head), elementwise=elementwise)
     assert mism > 0
 
 
@@ -164,6 +171,83 @@ def test_a_loose_noise_threshold_is_caught(monkeypatch):
     monkeypatch.setattr(certificate, "bits_below", lambda t: gumbel.bits_below(t + 2.0))
     mism, _ = check(make_head(W), h, T, torch.zeros(B, dtype=torch.bool), seeds)
     assert mism > 0
+
+
+def test_later_rounds_read_the_vocabulary_once(monkeypatch):
+    """Elementwise: one certificate over the whole vocabulary (the first round), the others on
+    the first round's contenders; same draws as every round over the vocabulary, and about as
+    many rows certified (the narrow rounds only lose rows whose bound did not rise at all)."""
+    from vllm_csv.sampling import rows
+
+    V, d, B = 4096, 64, 64
+    W, g = peaked_head(V, d, seed=31, dtype=torch.bfloat16)
+    h = hidden_near_rows(W, B, g, scale=1.0)
+    seeds = torch.randint(0, 2**31, (B,), generator=g)
+    greedy = torch.arange(B) % 4 == 0
+    head, T = make_head(W, screen="int8"), torch.full((B,), 0.8)
+    full = []
+    monkeypatch.setattr(rows, "certify_draw_packed",
+                        lambda *a: full.append(1) or certificate.certify_draw_packed(*a))
+    share = {}
+    for elementwise in (True, False):
+        full.clear()
+        mism, share[elementwise] = check(head, h, T, greedy, seeds, elementwise=elementwise)
+        assert mism == 0
+        assert (len(full) == 1) == elementwise, len(full)
+    assert share[True] >= share[False] - 2 / B and share[True] > 0.9, share
+
+
+def test_narrow_rounds_missing_a_contender_are_caught(monkeypatch):
+    """Broken narrowing: the later rounds see only the first round's contender of lowest id in
+    each row (the others neither scored nor summarised): some certified draws differ."""
+    from vllm_csv.sampling import rows
+
+    V, d, B = 2048, 64, 256
+    W, g = peaked_head(V, d, seed=13, dtype=torch.bfloat16)
+    h = hidden_near_rows(W, B, g, scale=0.2)  # flat rows: several contenders
+    seeds = torch.randint(0, 2**31, (B,), generator=g)
+    real = rows.certify_draw_packed
+
+    def one_contender(ylo, yhi, seeds, greedy):
+        cert = real(ylo, yhi, seeds, greedy)
+        first = cert.contenders.int().argmax(1)
+        cert.contenders.zero_()
+        cert.contenders[torch.arange(len(first)), first] = True
+        return cert
+
+    args = (h, torch.full((B,), 2.0), torch.zeros(B, dtype=torch.bool), seeds)
+    assert check(make_head(W, screen="int8"), *args)[0] == 0  # the real narrowing
+    monkeypatch.setattr(rows, "certify_draw_packed", one_contender)
+    assert check(make_head(W, screen="int8"), *args)[0] > 0
+
+
+def test_ruled_out_summaries_hold():
+    """Every token the certificate rules out is within its row's summary: greedy rows
+    yhi_j < hi; sampled rows yhi_j <= hi and the computed yhi_j + g_j < noisy."""
+    from vllm_csv.sampling.certificate import ruled_out
+    from vllm_csv.sampling.gumbel import gumbel_noise
+
+    g = torch.Generator().manual_seed(5)
+    R, V = 64, 3000
+    y = torch.randn(R, V, generator=g) * torch.tensor([0.1, 1.0, 5.0, 40.0]).repeat(R // 4)[:, None]
+    w = torch.rand(R, V, generator=g) * 0.05
+    ylo, yhi = y - w, y + w
+    ylo[::7, :50], yhi[::7, :50] = -math.inf, -math.inf  # masked tokens
+    seeds = torch.randint(0, 2**31, (R,), generator=g)
+    greedy = torch.arange(R) % 3 == 0
+    cert = certify_draw(ylo, yhi, seeds, greedy)
+    out = ruled_out(cert, greedy)
+    out_of = ~cert.contenders
+    assert bool(out_of.any(1)[cert.finite].all())
+    nhi = yhi.double() + gumbel_noise(seeds, torch.arange(V))
+    for r in range(R):
+        j = out_of[r]
+        assert bool((yhi[r, j].double() <= out.hi[r, 0]).all())
+        if greedy[r]:
+            assert bool((yhi[r, j].double() < out.hi[r, 0]).all())
+        else:
+            assert bool((nhi[r, j] < out.noisy[r, 0]).all())
+    assert bool(out.usable()[cert.finite].all())
 
 
 @pytest.mark.parametrize("screen", ["fp16", "int8"])

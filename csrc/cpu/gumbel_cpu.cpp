@@ -15,9 +15,12 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include <immintrin.h>
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <limits>
 #include <tuple>
 #include <vector>
@@ -55,9 +58,40 @@ inline void chunk_keep(uint64_t key, int64_t id0, const int64_t* ids, const floa
                    const int64_t *table, int64_t levels, int64_t m, int64_t *out, uint8_t *keep
 #define CHUNK_CALL(C) chunk_keep<C>(key, id0, ids, h, hm, inv_level, table, levels, m, out, keep)
 
+// chunk_keep with AVX-512 intrinsics, 8 tokens a step: the same integer hash (64-bit lanes, products
+// mod 2^64), the same float64 level (exact conversion, subtraction, product by a power of two,
+// floor, clamp) and the same signed comparison with the gathered threshold; the tail (m % 8) and
+// the compiler's own version take chunk_keep. (GCC does not vectorise chunk_keep's loop.)
 __attribute__((target("avx512f,avx512dq"))) void chunk_keep_avx512(CHUNK_ARGS) {
-  if (ids) CHUNK_CALL(false);
-  else CHUNK_CALL(true);
+  const __m512i vkey = _mm512_set1_epi64(static_cast<int64_t>(key));
+  const __m512i gold = _mm512_set1_epi64(static_cast<int64_t>(GOLDEN));
+  const __m512i mul1 = _mm512_set1_epi64(static_cast<int64_t>(0xBF58476D1CE4E5B9ULL));
+  const __m512i mul2 = _mm512_set1_epi64(static_cast<int64_t>(0x94D049BB133111EBULL));
+  const __m512i one = _mm512_set1_epi64(1), lane = _mm512_set_epi64(7, 6, 5, 4, 3, 2, 1, 0);
+  const __m512d vhm = _mm512_set1_pd(hm), vinv = _mm512_set1_pd(inv_level);
+  const __m512d vtop = _mm512_set1_pd(static_cast<double>(levels)), vzero = _mm512_setzero_pd();
+  const __m512d vneg = _mm512_set1_pd(-std::numeric_limits<double>::infinity());
+  int64_t j = 0;
+  for (; j + 8 <= m; j += 8) {
+    const __m512i id = ids ? _mm512_loadu_si512(ids + j) : _mm512_add_epi64(_mm512_set1_epi64(id0 + j), lane);
+    __m512i z = _mm512_add_epi64(vkey, _mm512_mullo_epi64(_mm512_add_epi64(id, one), gold));
+    z = _mm512_mullo_epi64(_mm512_xor_si512(z, _mm512_srli_epi64(z, 30)), mul1);
+    z = _mm512_mullo_epi64(_mm512_xor_si512(z, _mm512_srli_epi64(z, 27)), mul2);
+    z = _mm512_xor_si512(z, _mm512_srli_epi64(z, 31));
+    const __m512i b = _mm512_srli_epi64(z, 11);
+    const __m512d hd = _mm512_cvtps_pd(_mm256_loadu_ps(h + j));
+    const __mmask8 live = _mm512_cmp_pd_mask(hd, vneg, _CMP_GT_OQ);  // NaN and -inf: not live
+    __m512d g = _mm512_roundscale_pd(_mm512_mul_pd(_mm512_sub_pd(vhm, hd), vinv), _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+    g = _mm512_mask_blend_pd(live, vtop, _mm512_min_pd(_mm512_max_pd(g, vzero), vtop));
+    const __m512i thr = _mm512_i64gather_epi64(_mm512_cvttpd_epi64(g), table, 8);
+    const __mmask8 k = _mm512_mask_cmp_epi64_mask(live, b, thr, _MM_CMPINT_NLT);
+    _mm512_storeu_si512(out + j, b);
+    _mm_storel_epi64(reinterpret_cast<__m128i*>(keep + j), _mm512_cvtepi64_epi8(_mm512_maskz_set1_epi64(k, 1)));
+  }
+  if (j < m) {
+    if (ids) chunk_keep<false>(key, id0 + j, ids + j, h + j, hm, inv_level, table, levels, m - j, out + j, keep + j);
+    else chunk_keep<true>(key, id0 + j, nullptr, h + j, hm, inv_level, table, levels, m - j, out + j, keep + j);
+  }
 }
 
 void chunk_keep_any(CHUNK_ARGS) {
@@ -116,11 +150,20 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> noise_candidates(const at::Tensor
                                                       levels, m, buf, keep);
         for (; next < fr.size() && fr[next] < c0 + m; ++next)
           if (fr[next] >= c0) keep[fr[next] - c0] = 1;
-        for (int64_t j = 0; j < m; ++j)
+        for (int64_t j = 0; j < m; ++j) {
+          if ((j & 7) == 0 && j + 8 <= m) {  // eight tokens none of which is kept: skip them
+            uint64_t w;
+            std::memcpy(&w, keep + j, 8);
+            if (w == 0) {
+              j += 7;
+              continue;
+            }
+          }
           if (keep[j]) {
             cr.push_back(c0 + j);
             br.push_back(buf[j]);
           }
+        }
       }
     }
   });
@@ -138,11 +181,148 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> noise_candidates(const at::Tensor
   return {ri, ci, bo};
 }
 
+// The 53 noise bits of tokens ids ([R, n], or [n] for every row) in rows seeded seeds ([R]):
+// vllm_csv.sampling.gumbel.noise_bits, in one pass (integer arithmetic: identical).
+at::Tensor noise_bits(const at::Tensor& seeds_in, const at::Tensor& ids_in) {
+  TORCH_CHECK(seeds_in.device().is_cpu() && ids_in.device().is_cpu(), "noise_bits: CPU tensors");
+  at::Tensor seeds = seeds_in.to(at::kLong).contiguous(), ids = ids_in.to(at::kLong).contiguous();
+  const int64_t R = seeds.numel();
+  TORCH_CHECK(ids.dim() == 1 || (ids.dim() == 2 && ids.size(0) == R), "noise_bits: ids [R, n] or [n]");
+  const bool shared = ids.dim() == 1;
+  const int64_t n = ids.size(-1);
+  at::Tensor out = at::empty({R, n}, seeds.options());
+  const int64_t* sp = seeds.data_ptr<int64_t>();
+  const int64_t* ip = ids.data_ptr<int64_t>();
+  int64_t* op = out.data_ptr<int64_t>();
+  at::parallel_for(0, R, 1, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      const uint64_t key = splitmix64(static_cast<uint64_t>(sp[r]));
+      const int64_t* tok = shared ? ip : ip + r * n;
+      for (int64_t j = 0; j < n; ++j)
+        op[r * n + j] = static_cast<int64_t>(splitmix64(key + (static_cast<uint64_t>(tok[j]) + 1) * GOLDEN) >> 11);
+    }
+  });
+  return out;
+}
+
+// Statistics of one chunk of a row (row_stats below), branch-free so the compiler vectorises it.
+struct ChunkStats {
+  float lmx, hmx, lmn, hmn, cmax;
+  int32_t nan_lo, nan_hi, live;
+};
+
+template <int DUMMY>
+inline void chunk_stats(const float* x, const float* y, int64_t m, ChunkStats& s) {
+  const float inf = std::numeric_limits<float>::infinity();
+  float lmx = -inf, hmx = -inf, lmn = inf, hmn = inf;
+  int32_t nl = 0, nh = 0, live = 0;
+  // the order of the reductions is free: max and min of non-NaN values (NaN is never taken, and
+  // counted), integer sums; only the sign of a zero extremum may differ, which no caller reads
+#pragma omp simd reduction(max : lmx, hmx) reduction(min : lmn, hmn) reduction(+ : nl, nh, live)
+  for (int64_t j = 0; j < m; ++j) {
+    const float a = x[j], b = y[j];
+    nl += a != a;
+    nh += b != b;
+    live += (b != -inf) | (a != a);
+    lmx = a > lmx ? a : lmx;  // NaN never taken (counted above)
+    hmx = b > hmx ? b : hmx;
+    const float a0 = a == -inf ? 0.0f : a, b0 = b == -inf ? 0.0f : b;
+    lmn = a0 < lmn ? a0 : lmn;
+    hmn = b0 < hmn ? b0 : hmn;
+  }
+  s = {lmx, hmx, lmn, hmn, lmx, nl, nh, live};
+}
+
+__attribute__((target("avx512f,avx512dq,avx512bw,avx512vl"))) void chunk_stats_avx512(const float* x, const float* y,
+                                                                                      int64_t m, ChunkStats& s) {
+  chunk_stats<0>(x, y, m, s);
+}
+
+__attribute__((target("avx2"))) void chunk_stats_avx2(const float* x, const float* y, int64_t m, ChunkStats& s) {
+  chunk_stats<1>(x, y, m, s);
+}
+
+void chunk_stats_any(const float* x, const float* y, int64_t m, ChunkStats& s) { chunk_stats<2>(x, y, m, s); }
+
+// One pass over a row's bounds lo, hi ([R, n] float32) for what the draw certificate reads first
+// (vllm_csv.ops.noise.row_stats_ref): lmax = max lo, hmax = max hi (NaN if the row has one, as
+// torch's amax); absmax = max(|hmax|, -min lo, -min hi) with -inf counted as 0 (rows without NaN
+// or +inf); live = #{j: hi_j != -inf or lo_j is NaN}; the k largest lo (descending, ties to the
+// lowest index; -inf entries, at column 0, where fewer than k are above -inf). Max, min and
+// negation are exact, so the numbers are the reference's bit for bit.
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> row_stats(const at::Tensor& lo_in,
+                                                                                              const at::Tensor& hi_in,
+                                                                                              int64_t k) {
+  TORCH_CHECK(lo_in.dim() == 2 && lo_in.scalar_type() == at::kFloat && lo_in.device().is_cpu() &&
+                  hi_in.sizes() == lo_in.sizes() && hi_in.scalar_type() == at::kFloat && hi_in.device().is_cpu(),
+              "row_stats: lo, hi [R, n] float32 on the CPU");
+  at::Tensor lo = lo_in.contiguous(), hi = hi_in.contiguous();
+  const int64_t R = lo.size(0), n = lo.size(1);
+  TORCH_CHECK(k >= 1 && k <= 16 && k <= n, "row_stats: 1 <= k <= min(16, n)");
+  auto f32 = lo.options();
+  at::Tensor lmax = at::empty({R}, f32), hmax = at::empty({R}, f32), absmax = at::empty({R}, f32);
+  at::Tensor live = at::empty({R}, f32.dtype(at::kLong)), tv = at::empty({R, k}, f32), ti = at::empty({R, k}, f32.dtype(at::kLong));
+  const float* lp = lo.data_ptr<float>();
+  const float* hp = hi.data_ptr<float>();
+  const float inf = std::numeric_limits<float>::infinity(), nan = std::numeric_limits<float>::quiet_NaN();
+  static const auto stats_fn = __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl")
+                                   ? chunk_stats_avx512
+                                   : (__builtin_cpu_supports("avx2") ? chunk_stats_avx2 : chunk_stats_any);
+  constexpr int64_t SCH = 4096;  // tokens a chunk: statistics in registers, then the top check
+  at::parallel_for(0, R, 1, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      const float* x = lp + r * n;
+      const float* y = hp + r * n;
+      float lmx = -inf, hmx = -inf, lmn = inf, hmn = inf;
+      int64_t cnt = 0, nl = 0, nh = 0;
+      float topv[16];
+      int64_t topi[16];
+      for (int64_t j = 0; j < k; ++j) topv[j] = -inf, topi[j] = -1;
+      for (int64_t c0 = 0; c0 < n; c0 += SCH) {
+        const int64_t m = std::min(SCH, n - c0);
+        ChunkStats cs;
+        stats_fn(x + c0, y + c0, m, cs);
+        lmx = std::max(lmx, cs.lmx), hmx = std::max(hmx, cs.hmx), lmn = std::min(lmn, cs.lmn);
+        hmn = std::min(hmn, cs.hmn), cnt += cs.live, nl += cs.nan_lo, nh += cs.nan_hi;
+        if (!(cs.cmax > topv[k - 1])) continue;
+        for (int64_t j = 0; j < m; ++j) {  // a chunk that enters the top: insert in order
+          const float a = x[c0 + j];
+          if (!(a > topv[k - 1])) continue;
+          int64_t p = k - 1;
+          while (p > 0 && a > topv[p - 1]) {  // strict: an equal value found earlier stays first
+            topv[p] = topv[p - 1];
+            topi[p] = topi[p - 1];
+            --p;
+          }
+          topv[p] = a;
+          topi[p] = c0 + j;
+        }
+      }
+      const float hm = nh ? nan : hmx;
+      lmax.data_ptr<float>()[r] = nl ? nan : lmx;
+      hmax.data_ptr<float>()[r] = hm;
+      absmax.data_ptr<float>()[r] = std::max(std::fabs(hm), std::max(-lmn, -hmn));
+      live.data_ptr<int64_t>()[r] = cnt;
+      for (int64_t j = 0; j < k; ++j) {
+        tv.data_ptr<float>()[r * k + j] = topv[j];
+        ti.data_ptr<int64_t>()[r * k + j] = topi[j] < 0 ? 0 : topi[j];
+      }
+    }
+  });
+  return {lmax, hmax, absmax, live, tv, ti};
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(vllm_csv_cpu, m) {
+  m.def("row_stats(Tensor lo, Tensor hi, int k) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)");
   m.def("noise_candidates(Tensor hi, Tensor seeds, Tensor hmax, Tensor table, Tensor force, Tensor? ids, "
         "float inv_level) -> (Tensor, Tensor, Tensor)");
+  m.def("noise_bits(Tensor seeds, Tensor ids) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(vllm_csv_cpu, CPU, m) { m.impl("noise_candidates", &noise_candidates); }
+TORCH_LIBRARY_IMPL(vllm_csv_cpu, CPU, m) {
+  m.impl("noise_candidates", &noise_candidates);
+  m.impl("noise_bits", &noise_bits);
+  m.impl("row_stats", &row_stats);
+}

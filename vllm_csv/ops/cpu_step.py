@@ -407,4 +407,14 @@ def _register_fakes() -> None:
         return (hi.new_empty(m, dtype=torch.long), hi.new_empty(m, dtype=torch.long),
                 hi.new_empty(m, dtype=torch.long))
 
+    @torch.library.register_fake(lib + "noise_bits")
+    def _(seeds, ids):
+        return seeds.new_empty(seeds.shape[0], ids.shape[-1], dtype=torch.long)
+
+    @torch.library.register_fake(lib + "row_stats")
+    def _(lo, hi, k):
+        R = lo.shape[0]
+        return (lo.new_empty(R), lo.new_empty(R), lo.new_empty(R), lo.new_empty(R, dtype=torch.long),
+                lo.new_empty(R, k), lo.new_empty(R, k, dtype=torch.long))
+
     _state["fakes"] = True

@@ -23,7 +23,9 @@ few tokens of highest ``ylo`` (``TOP_FIRST``; their noise computed first) is at 
 contender, and not the winner. Every token with ``max yhi - yhi_j >= k LEVEL`` and
 ``g_j < t + k LEVEL``, ``t := L - 2 delta - max yhi``, is such a token; those are found
 from the raw hash bits alone (:func:`~vllm_csv.sampling.gumbel.bits_below`, one threshold per
-level ``k``: :data:`LEVEL`, :data:`LEVELS`), and ``g`` is computed for the others.
+level ``k``: :data:`LEVEL`, :data:`LEVELS`), and ``g`` is computed for the others. Rows of
+at most :data:`DIRECT_BELOW` columns (a later round's, on the contenders) skip the thresholds:
+``g`` is computed for every live token.
 
 Rows with ``+inf`` or NaN bounds, or with no finite token, are never certified.
 
@@ -42,13 +44,14 @@ from dataclasses import dataclass
 
 import torch
 
-from ..ops.noise import noise_candidates
-from .gumbel import bits_below, noise_bits, noise_margin, noise_of_bits
+from ..ops.noise import RowStats, noise_bits, noise_candidates, row_stats
+from .gumbel import bits_below, noise_margin, noise_of_bits
 from .outside import Outside
 
 TOP_FIRST = 4  # tokens of highest lower bound whose noise sets the first threshold
 PACK_BELOW = 0.25  # certify_draw_packed: pack the rows when none has more live tokens than this share of V
 LEVEL, LEVELS = 0.5, 48  # noise thresholds by steps of 0.5 below the row's highest upper bound
+DIRECT_BELOW = 512  # rows of at most this many columns: every live token's noise, no thresholds
 
 
 @dataclass
@@ -57,10 +60,15 @@ class DrawCertificate:
     certified: torch.Tensor  # [R] bool
     contenders: torch.Tensor  # [R, V] bool: the winner and every token not yet ruled out
     finite: torch.Tensor  # [R] bool: bounds usable (no +inf / NaN, at least one finite token)
+    # what ruled the other tokens out (read by :func:`ruled_out`), [R] float64 each:
+    bar: torch.Tensor  # greedy rows: lmax (every other token has yhi < bar); sampled: best - 2 delta
+    absmax: torch.Tensor  # sampled rows: the max |y| of the noise margin (greedy rows: 0)
+    hmax: torch.Tensor  # the largest yhi
 
 
 def certify_draw(ylo: torch.Tensor, yhi: torch.Tensor, seeds: torch.Tensor, greedy: torch.Tensor,
-                 ids: torch.Tensor | None = None, outside: Outside | None = None) -> DrawCertificate:
+                 ids: torch.Tensor | None = None, outside: Outside | None = None,
+                 stats: RowStats | None = None) -> DrawCertificate:
     """Certify the token of each row's draw from bounds on its inputs.
 
     Parameters
@@ -78,6 +86,8 @@ def certify_draw(ylo: torch.Tensor, yhi: torch.Tensor, seeds: torch.Tensor, gree
     outside : Outside, optional
         ``[R]`` summaries of the tokens not in ``ylo, yhi`` (module docstring); they are
         never the winner nor listed as contenders: a row they may contend in is not certified.
+    stats : RowStats, optional
+        ``row_stats(ylo, yhi, min(TOP_FIRST, V))`` where the caller has it already.
 
     Returns
     -------
@@ -87,7 +97,8 @@ def certify_draw(ylo: torch.Tensor, yhi: torch.Tensor, seeds: torch.Tensor, gree
     """
     R, V = ylo.shape
     dev = ylo.device
-    lmax, hmax = ylo.amax(1), yhi.amax(1)  # NaN propagates through amax
+    st = row_stats(ylo, yhi, min(TOP_FIRST, V)) if stats is None else stats  # one pass for what is read first
+    lmax, hmax = st.lmax, st.hmax  # NaN propagates
     finite = (lmax > -math.inf) & (hmax < math.inf) & ~torch.isnan(lmax) & ~torch.isnan(hmax)
     if outside is not None:
         finite &= outside.usable()
@@ -95,12 +106,19 @@ def certify_draw(ylo: torch.Tensor, yhi: torch.Tensor, seeds: torch.Tensor, gree
         ylo = ylo.masked_fill(~finite[:, None], -math.inf)
         yhi = yhi.masked_fill(~finite[:, None], -math.inf)
         lmax, hmax = lmax.masked_fill(~finite, -math.inf), hmax.masked_fill(~finite, -math.inf)
-    winner = ylo.argmax(1)  # first maximum: the greedy winner candidate
-    contenders = yhi >= lmax[:, None]  # greedy rows: j with yhi_j >= ylo_w
-    certified = finite & (contenders.sum(1) == 1)  # only w itself (yhi_w >= ylo_w always)
-    if outside is not None:  # every block token: y_j <= hi < ylo_w <= y_w
-        certified &= outside.max_hi() < lmax.double()
+    bar = lmax.double()
+    absmax_r = torch.zeros(R, dtype=torch.float64, device=dev)
     samp = finite & ~greedy
+    if R and bool(samp.all()):  # every row sampled: the greedy passes below would all be overwritten
+        winner = torch.zeros(R, dtype=torch.long, device=dev)
+        contenders = None
+        certified = torch.zeros(R, dtype=torch.bool, device=dev)
+    else:
+        winner = ylo.argmax(1)  # first maximum: the greedy winner candidate
+        contenders = yhi >= lmax[:, None]  # greedy rows: j with yhi_j >= ylo_w
+        certified = finite & (contenders.sum(1) == 1)  # only w itself (yhi_w >= ylo_w always)
+        if outside is not None:  # every block token: y_j <= hi < ylo_w <= y_w
+            certified &= outside.max_hi() < bar
     if bool(samp.any()):
         rows = samp.nonzero().squeeze(1)
         every = rows.numel() == R  # the usual batch: no copies of the rows
@@ -109,24 +127,27 @@ def certify_draw(ylo: torch.Tensor, yhi: torch.Tensor, seeds: torch.Tensor, gree
         seeds_r = seeds[rows]
         # max |y| over the finite bounds (no NaN or +inf in these rows; -inf counts as 0):
         # max(|max hi|, -min lo, -min hi), since lo <= hi and the largest value is max hi
-        absmax = torch.maximum(hmax[rows].abs(), torch.maximum(lo_r.nan_to_num(neginf=0.0).amin(1).neg_(),
-                                                               hi_r.nan_to_num(neginf=0.0).amin(1).neg_()))
+        absmax = st.absmax if every else st.absmax[rows]
         if outside is not None:
             absmax = torch.maximum(absmax.double(), outside.absmax[rows].amax(1))
         delta = noise_margin(absmax)  # [r] float64
-        # first threshold: the noisy lower bounds of the TOP_FIRST highest lower bounds
-        top = lo_r.topk(min(TOP_FIRST, V), dim=1)
-        top_tok = top.indices if tok is None else tok.gather(1, top.indices)
-        L = (top.values.double() + noise_of_bits(noise_bits(seeds_r, top_tok))).amax(1)  # <= best
-        t = L - 2 * delta - hmax[rows].double()
-        # token j needs g_j >= t + (max yhi - yhi_j): by levels of LEVEL below the row's max
-        # (computed in float64: the difference of two fp32 is exact to 2^-52 relative, so level
-        # k means max yhi - yhi_j >= (k - 0.01) LEVEL), each level's threshold from bits alone;
-        # the TOP_FIRST tokens are kept whatever their bits (best is over them too)
-        k = torch.arange(LEVELS + 1, dtype=torch.float64, device=dev)
-        table = bits_below(t[:, None] + (k - 0.01).clamp_min(0) * LEVEL)  # [r, LEVELS + 1]
-        force = top.indices.masked_fill(top.values == -math.inf, -1)
-        ri, ci, bits = noise_candidates(hi_r, seeds_r, hmax[rows], table, force, tok, 1 / LEVEL)
+        if V <= DIRECT_BELOW:  # few columns (a later round's): every live token's noise, no thresholds
+            ri, ci = (hi_r > -math.inf).nonzero().unbind(1)
+            bits = noise_bits(seeds_r, torch.arange(V, device=dev) if tok is None else tok)[ri, ci]
+        else:
+            # first threshold: the noisy lower bounds of the TOP_FIRST highest lower bounds
+            top_v, top_i = (st.top_values, st.top_indices) if every else (st.top_values[rows], st.top_indices[rows])
+            top_tok = top_i if tok is None else tok.gather(1, top_i)
+            L = (top_v.double() + noise_of_bits(noise_bits(seeds_r, top_tok))).amax(1)  # <= best
+            t = L - 2 * delta - hmax[rows].double()
+            # token j needs g_j >= t + (max yhi - yhi_j): by levels of LEVEL below the row's max
+            # (computed in float64: the difference of two fp32 is exact to 2^-52 relative, so
+            # level k means max yhi - yhi_j >= (k - 0.01) LEVEL), each level's threshold from
+            # bits alone; the TOP_FIRST tokens are kept whatever their bits (best is over them too)
+            k = torch.arange(LEVELS + 1, dtype=torch.float64, device=dev)
+            table = bits_below(t[:, None] + (k - 0.01).clamp_min(0) * LEVEL)  # [r, LEVELS + 1]
+            force = top_i.masked_fill(top_v == -math.inf, -1)
+            ri, ci, bits = noise_candidates(hi_r, seeds_r, hmax[rows], table, force, tok, 1 / LEVEL)
         # the noisy scores of those only, flat (a few percent of the row once bounds are tight)
         g = noise_of_bits(bits)
         nlo = lo_r[ri, ci].double().add_(g)  # -inf where ylo = -inf
@@ -140,14 +161,19 @@ def certify_draw(ylo: torch.Tensor, yhi: torch.Tensor, seeds: torch.Tensor, gree
         cont_rows = torch.zeros((r, V), dtype=torch.bool, device=dev)
         cont_rows[ri[cont], ci[cont]] = True
         winner[rows] = w.clamp_max(V - 1)  # V: no finite noisy score (never certified)
-        contenders[rows] = cont_rows
+        if contenders is None:
+            contenders = cont_rows
+        else:
+            contenders[rows] = cont_rows
+        bar[rows] = best - 2 * delta
+        absmax_r[rows] = absmax.double()
         ok = (n_cont == 1) & (best > -math.inf)
         if outside is not None:  # every block token's computed noisy bound is below best - 2 delta
             ok &= outside.noisy[rows].amax(1) < best - 2 * delta
         certified[rows] = ok & finite[rows]
     if not bool(finite.all()):
         contenders &= finite[:, None]
-    return DrawCertificate(winner, certified, contenders, finite)
+    return DrawCertificate(winner, certified, contenders, finite, bar, absmax_r, hmax.double())
 
 
 def certify_draw_packed(ylo: torch.Tensor, yhi: torch.Tensor, seeds: torch.Tensor,
@@ -163,14 +189,12 @@ def certify_draw_packed(ylo: torch.Tensor, yhi: torch.Tensor, seeds: torch.Tenso
     a row is never certified.) Same arguments and result as :func:`certify_draw` (no outside
     blocks)."""
     R, V = yhi.shape
-    live = yhi != -math.inf
-    nan_rows = torch.isnan(ylo.amax(1))
-    if bool(nan_rows.any()):
-        live[nan_rows] |= torch.isnan(ylo[nan_rows])
-    n = int(live.sum(1).max()) if R else 0
+    st = row_stats(ylo, yhi, min(TOP_FIRST, V)) if R else None
+    n = int(st.live.max()) if R else 0
     if n > PACK_BELOW * V:
-        return certify_draw(ylo, yhi, seeds, greedy)
+        return certify_draw(ylo, yhi, seeds, greedy, stats=st)
     n = max(n, 1)
+    live = (yhi != -math.inf) | torch.isnan(ylo)  # (what st.live counts)
     pos = live.cumsum(1).sub_(1).masked_fill_(~live, n)  # packed column; n: discarded
     cols = torch.full((R, n + 1), V, dtype=torch.long, device=yhi.device)
     cols.scatter_(1, pos, torch.arange(V, device=yhi.device).expand(R, V))
@@ -182,4 +206,45 @@ def certify_draw_packed(ylo: torch.Tensor, yhi: torch.Tensor, seeds: torch.Tenso
     cert = certify_draw(plo, phi, seeds, greedy, ids)
     contenders = torch.zeros((R, V + 1), dtype=torch.bool, device=yhi.device)
     contenders.scatter_(1, cols, cert.contenders & ~pad)
-    return DrawCertificate(ids.gather(1, cert.winner[:, None])[:, 0], cert.certified, contenders[:, :V], cert.finite)
+    return DrawCertificate(ids.gather(1, cert.winner[:, None])[:, 0], cert.certified, contenders[:, :V], cert.finite,
+                           cert.bar, cert.absmax, cert.hmax)
+
+
+def ruled_out(cert: DrawCertificate, greedy: torch.Tensor) -> Outside:
+    """The tokens ``cert`` ruled out (its non-contenders), as one outside block per row, for
+    :func:`certify_draw` on the other columns only in a later round.
+
+    The block promises what ruled those tokens out: greedy rows, ``yhi_j < bar = lmax``;
+    sampled rows, computed ``yhi_j + g_j < bar = best - 2 delta`` (the listed tokens by the
+    comparison itself, the others by :func:`~.gumbel.bits_below`'s margin), with ``delta`` the
+    margin of ``absmax``, and ``yhi_j <= hmax``. These hold in every later round as long as each
+    token's bounds only tighten and the map to the draw's inputs is per token and monotone
+    (then ``yhi_j`` only falls): the later round's ``lmax`` / ``best`` is at least this one's,
+    its ``delta`` at most (``absmax`` caps it), and the block's strict tests (``hi < lmax``,
+    ``noisy < best - 2 delta``) hold unless the bound did not rise at all, where the row just
+    stays undecided. Read by :func:`certify_draw` only: no softmax masses (``lel``, ``leh``,
+    ``lo`` are the vacuous ``-inf``, ``+inf``, ``-inf``), and ``absmax`` is over finite bounds
+    (a ``-inf`` counts as 0, as in the certificate). A row whose certificate was not usable
+    (``finite`` false) gets NaN summaries: never certified from them.
+
+    Parameters
+    ----------
+    cert : DrawCertificate
+        ``[R]`` rows.
+    greedy : torch.Tensor
+        ``[R]`` bool, as passed to the certificate.
+
+    Returns
+    -------
+    Outside
+        ``[R, 1]`` float64 summaries.
+    """
+    bad = ~cert.finite[:, None]
+
+    def col(x: torch.Tensor) -> torch.Tensor:
+        return x.double()[:, None].masked_fill(bad, math.nan)
+
+    g = greedy.to(cert.bar.device)
+    vacuous = torch.full((cert.bar.shape[0], 1), -math.inf, dtype=torch.float64, device=cert.bar.device)
+    return Outside(hi=col(torch.where(g, cert.bar, cert.hmax)), noisy=col(cert.bar.masked_fill(g, -math.inf)),
+                   lel=vacuous, leh=-vacuous, absmax=col(cert.absmax), lo=vacuous)

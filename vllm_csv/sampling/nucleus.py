@@ -101,11 +101,30 @@ def _min_p_margin(y_abs: torch.Tensor, m_abs: torch.Tensor) -> torch.Tensor:
     return 1e-5 + 2.0**-21 * (y_abs + m_abs)
 
 
+def _min_p_on(min_p: torch.Tensor) -> torch.Tensor:
+    return min_p > 0
+
+
+def _top_k_on(top_k: torch.Tensor, V: int) -> torch.Tensor:
+    return (top_k > 0) & (top_k < V)
+
+
+def _top_p_on(top_p: torch.Tensor) -> torch.Tensor:
+    return top_p < 1.0
+
+
+def all_off(min_p: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, V: int) -> bool:
+    """Whether min-p, top-k and top-p (``[R]`` each, as :func:`min_p_bounds`,
+    :func:`top_k_bounds`, :func:`top_p_bounds` take them) are off on every row: then the map from
+    the head's values to the draw's inputs is per token."""
+    return not bool((_min_p_on(min_p) | _top_k_on(top_k, V) | _top_p_on(top_p)).any())
+
+
 def min_p_bounds(ylo: torch.Tensor, yhi: torch.Tensor, min_p: torch.Tensor, outside: Outside | None = None):
     """Apply min-p (``[R]`` float32, ``0`` = off) to bounds; see the module docstring.
     Returns ``(ylo, yhi)``, or ``(ylo, yhi, outside)`` when an outside block is given (see
     "the outside blocks" in the module docstring)."""
-    on = min_p > 0
+    on = _min_p_on(min_p)
     if not bool(on.any()):
         return (ylo, yhi) if outside is None else (ylo, yhi, outside)
     if not bool(on.all()):  # the rows with min-p only
@@ -167,7 +186,7 @@ def top_k_bounds(ylo: torch.Tensor, yhi: torch.Tensor, top_k: torch.Tensor) -> t
     (ylo, yhi): certainly dropped tokens ``-inf`` on both sides, undecided ones ``ylo = -inf``.
     """
     R, V = ylo.shape
-    on = (top_k > 0) & (top_k < V)
+    on = _top_k_on(top_k, V)
     if not bool(on.any()):
         return ylo, yhi
     rows = on.nonzero().squeeze(1)
@@ -334,7 +353,7 @@ def top_p_bounds(ylo: torch.Tensor, yhi: torch.Tensor, top_p: torch.Tensor, outs
     """Apply top-p (``[R]`` float32, ``1`` = off) to bounds; see the module docstring.
     Returns ``(ylo, yhi)``, or ``(ylo, yhi, outside)`` when an outside block is given (see
     "the outside blocks" in the module docstring)."""
-    on = top_p < 1.0
+    on = _top_p_on(top_p)
     if not bool(on.any()):
         return (ylo, yhi) if outside is None else (ylo, yhi, outside)
     rows = on.nonzero().squeeze(1)

@@ -8,8 +8,14 @@ Pipeline (per batch of rows that the sampler will draw from):
    non-decreasing per token, so bounds map to bounds);
 3. :func:`~.certificate.certify_draw` (packed: :func:`~.certificate.certify_draw_packed`); the
    contenders not yet scored are scored exactly
-   (their bounds shrink to the rounding interval of the dense value) and 2-3 repeat, until
-   every row is decided, nothing is left to score, or the budget is spent.
+   (their bounds shrink to the rounding interval of the dense value, intersected with the
+   screen's) and 2-3 repeat, until every row is decided, nothing is left to score, or the
+   budget is spent. When ``process`` is per token (``elementwise``), the rounds after the first
+   certify on the first round's contenders only, the tokens it ruled out kept as one summary
+   per row (:func:`~.certificate.ruled_out`): no second pass over the vocabulary.
+
+A row certified in a round stays certified: its proof used valid bounds, and later rounds only
+score more tokens, whose exact values it already beat.
 
 A certified row is handed to the sampler as exact values on the scored set ``S`` and
 ``-inf`` elsewhere (and on tokens ``process`` rules out): the sampler then runs vLLM's
@@ -25,7 +31,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .certificate import certify_draw_packed
+from .certificate import DrawCertificate, certify_draw, certify_draw_packed, ruled_out
+from .outside import Outside
 from .head_adapter import HeadAdapter
 
 MAX_ROUNDS = 4
@@ -70,7 +77,8 @@ def within_budget(own: torch.Tensor, open_rows: torch.Tensor, over_budget: torch
 
 
 def certify_rows(adapter: HeadAdapter, hidden: torch.Tensor, process: Process, seeds: torch.Tensor,
-                 greedy: torch.Tensor, masked: torch.Tensor | None = None) -> RowsResult:
+                 greedy: torch.Tensor, masked: torch.Tensor | None = None,
+                 elementwise: bool = False) -> RowsResult:
     """Certify the draw of each row of ``hidden [R, d]``.
 
     Parameters
@@ -87,6 +95,9 @@ def certify_rows(adapter: HeadAdapter, hidden: torch.Tensor, process: Process, s
         ``[R]`` bool.
     masked : torch.Tensor, optional
         ``[R, V]`` bool, tokens already set to ``-inf`` upstream (grammar bitmask).
+    elementwise : bool
+        ``process`` maps each token's bounds on their own (no min-p, top-k, top-p): later
+        rounds then certify on the first round's contenders only (module docstring).
     """
     R, V = hidden.shape[0], adapter.vocab_size
     dev = hidden.device
@@ -107,7 +118,9 @@ def certify_rows(adapter: HeadAdapter, hidden: torch.Tensor, process: Process, s
     def add(ids: torch.Tensor) -> None:
         v, lower, upper = adapter.score(hidden, ids, hnorm)
         values[:, ids] = v
-        lo[:, ids], hi[:, ids] = lower, upper
+        # both bounds hold: keep the tighter (bounds only tighten, which ruled_out relies on)
+        lo[:, ids] = torch.maximum(lo[:, ids], lower)
+        hi[:, ids] = torch.minimum(hi[:, ids], upper)
         if masked is not None:
             m = masked[:, ids]
             lo[:, ids] = lo[:, ids].masked_fill(m, -math.inf)
@@ -116,11 +129,19 @@ def certify_rows(adapter: HeadAdapter, hidden: torch.Tensor, process: Process, s
 
     if one_sided and bool(finite.any()):
         add(hi[finite].topk(min(FIRST_GUESS, V), dim=1).indices.unique())
+    narrow = None  # (columns, ruled-out summaries): the rounds after the first, elementwise
     for rnd in range(MAX_ROUNDS + 1):
         ylo, yhi = process(lo, hi)
-        cert = certify_draw_packed(ylo, yhi, seeds, greedy)
-        winner = cert.winner
-        certified = cert.certified & finite & scored[winner]
+        if narrow is None:
+            cert = certify_draw_packed(ylo, yhi, seeds, greedy)
+        else:
+            cert = _certify_columns(ylo, yhi, seeds, greedy, *narrow)
+        now = cert.certified & finite & scored[cert.winner] & ~certified
+        winner = torch.where(now, cert.winner, winner)
+        certified |= now
+        if rnd == 0 and elementwise and bool((cert.finite | ~finite).all()):
+            cols = cert.contenders.any(0).nonzero().squeeze(1)
+            narrow = (cols, ruled_out(cert, greedy)) if cols.numel() else None
         open_rows = finite & ~certified & ~over_budget
         need = cert.contenders[open_rows].any(0) & ~scored
         # rows where no token is certainly kept yet (e.g. min-p / top-p undecided on screen
@@ -163,3 +184,16 @@ def certify_rows(adapter: HeadAdapter, hidden: torch.Tensor, process: Process, s
     reason = [None if c else ("nonfinite" if not f else ("budget" if b else "uncertified"))
               for c, f, b in zip(certified.tolist(), finite.tolist(), over_budget.tolist())]
     return RowsResult(values, certified, winner, reason, int(scored.sum()))
+
+
+def _certify_columns(ylo: torch.Tensor, yhi: torch.Tensor, seeds: torch.Tensor, greedy: torch.Tensor,
+                     cols: torch.Tensor, rest: Outside) -> DrawCertificate:
+    """:func:`~.certificate.certify_draw` on the columns ``cols`` (``[n]`` int64, ascending: ties
+    still go to the lowest token id) of ``ylo, yhi`` (``[R, V]``), every other token in ``rest``;
+    the result in full-vocabulary coordinates."""
+    R, V = ylo.shape
+    cert = certify_draw(ylo[:, cols], yhi[:, cols], seeds, greedy, cols.expand(R, -1), rest)
+    contenders = torch.zeros((R, V), dtype=torch.bool, device=ylo.device)
+    contenders[:, cols] = cert.contenders
+    winner = cols[cert.winner] if cols.numel() else cert.winner
+    return DrawCertificate(winner, cert.certified, contenders, cert.finite, cert.bar, cert.absmax, cert.hmax)

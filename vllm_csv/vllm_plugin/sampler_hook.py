@@ -80,7 +80,7 @@ import torch
 from vllm.logger import init_logger
 
 from ..sampling.head_adapter import HeadAdapter
-from ..sampling.nucleus import min_p_bounds, top_k_bounds, top_p_bounds
+from ..sampling.nucleus import all_off, min_p_bounds, top_k_bounds, top_p_bounds
 from ..sampling.rows import certify_rows
 from ..sampling.sharded_rows import ShardedAdapter, certify_rows_sharded
 
@@ -249,7 +249,8 @@ def resolve(sampler, d: Deferred, logits: torch.Tensor, md, predict_bonus_token:
             res.certified &= no_top_k
         else:
             res = certify_rows(d.adapter, d.hidden, process, seeds.to(logits.device), greedy.to(logits.device),
-                               masked if bool(masked.any()) else None)  # no grammar: three [R, V] passes fewer
+                               masked if bool(masked.any()) else None,  # no grammar: three [R, V] passes fewer
+                               elementwise=all_off(min_p, top_k, top_p, V))
         certified = res.certified.cpu()
         if bool(certified.any()):
             idx = dev_rows[certified.to(logits.device)]
