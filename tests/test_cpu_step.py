@@ -280,3 +280,21 @@ def test_finish_selection_matches_reference(dtype):
         want = C.finish_selection_ref(V, ids, z, in_top, ok, live, cert)
         assert got[0].dtype == dtype and torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
         assert torch.equal(got[0].signbit(), want[0].signbit())
+
+
+def test_abs_max_rows_is_the_reference():
+    """max |y| per row: the kernel equals torch's aminmax form bit for bit, NaN, +-inf, signed
+    zeros, subnormals, all-negative rows and odd lengths included."""
+    g = torch.Generator().manual_seed(4)
+    for V in (1, 7, 4096, 65537):
+        y = torch.randn(10, V, generator=g) * torch.logspace(-40, 38, 10)[:, None]
+        y[1] = -y[1].abs()  # all negative: the minimum decides
+        y[2, V // 2] = math.nan
+        y[3, 0] = -math.inf
+        y[4, -1] = math.inf
+        y[5] = -0.0
+        y[6] = 1e-45  # subnormal
+        got, want = C.abs_max_rows(y), C.abs_max_rows_ref(y)
+        assert torch.equal(torch.isnan(got), torch.isnan(want))
+        ok = ~torch.isnan(want)
+        assert torch.equal(got[ok], want[ok]), V

@@ -223,8 +223,7 @@ class CertifiedHead:
         y, rad = out.y, self._rad_total(out.radius)
         delta = self._delta + out.rel
         bslack, bmax = self._bias_slack(out.rel)
-        ymin, ymax = torch.aminmax(y, dim=1)  # max |y| (NaN/inf propagate), one pass
-        ymax = torch.maximum(ymax, ymin.neg_())
+        ymax = cpu_step.abs_max_rows(y)  # max |y| (NaN/inf propagate), one pass
         c = ymax * delta + self._tiny
         ok &= (ymax + c + self._rad_max * hnorm + bmax + self._babs_max) <= self.engine.limit
         m = torch.addcmul(c[:, None] + bslack[None], rad[None], hnorm[:, None])

@@ -493,9 +493,38 @@ std::tuple<at::Tensor, at::Tensor> finish_selection(int64_t V, const at::Tensor&
   return {exact, code};
 }
 
+// Per row of y [B, V] float32: max |y_i| (NaN if the row has a NaN; +inf from +-inf), the value
+// the screen's intervals scale their rounding margin by (vllm_csv.ops.cpu_step.abs_max_rows_ref:
+// max(max y, -min y), one pass instead of torch.aminmax's). fabs and max are exact: the same bits.
+at::Tensor abs_max_rows(const at::Tensor& y_in) {
+  TORCH_CHECK(y_in.dim() == 2 && y_in.scalar_type() == at::kFloat && y_in.device().is_cpu(),
+              "abs_max_rows: y [B, V] float32 on the CPU");
+  at::Tensor y = y_in.contiguous();
+  const int64_t B = y.size(0), V = y.size(1);
+  at::Tensor out = at::empty({B}, y.options());
+  const float* yp = y.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, B, 1, [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; ++b) {
+      const float* r = yp + b * V;
+      float mx = 0.0f;
+      int32_t nans = 0;
+#pragma omp simd reduction(max : mx) reduction(+ : nans)
+      for (int64_t i = 0; i < V; ++i) {
+        const float a = std::fabs(r[i]);
+        nans += a != a;
+        mx = a > mx ? a : mx;
+      }
+      op[b] = nans ? std::numeric_limits<float>::quiet_NaN() : mx;
+    }
+  });
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY(vllm_csv_cpu, m) {
+  m.def("abs_max_rows(Tensor y) -> Tensor");
   m.def("prepare_rows(Tensor h, bool certifiable) -> (Tensor, Tensor, Tensor)");
   m.def("quantize_act7(Tensor h, float s_min, float s_max) -> (Tensor, Tensor, Tensor, float)");
   m.def(
@@ -514,6 +543,7 @@ TORCH_LIBRARY(vllm_csv_cpu, m) {
 
 TORCH_LIBRARY_IMPL(vllm_csv_cpu, CPU, m) {
   m.impl("prepare_rows", &prepare_rows);
+  m.impl("abs_max_rows", &abs_max_rows);
   m.impl("quantize_act7", &quantize_act7);
   m.impl("select_candidates", &select_candidates);
   m.impl("score_intervals", &score_intervals);

@@ -118,6 +118,19 @@ def prepare_rows(h: torch.Tensor, certifiable: bool):
     return torch.ops.vllm_csv_cpu.prepare_rows(h, certifiable) if uses_kernels(h) else prepare_rows_ref(h, certifiable)
 
 
+# ---- abs_max_rows ---------------------------------------------------------------------------
+def abs_max_rows_ref(y: torch.Tensor) -> torch.Tensor:
+    """``[B]`` float32: ``max_i |y[b, i]|`` of ``y [B, V]`` float32 (NaN if the row has a NaN)."""
+    ymin, ymax = torch.aminmax(y, dim=1)  # NaN and inf propagate
+    return torch.maximum(ymax, ymin.neg_())
+
+
+def abs_max_rows(y: torch.Tensor) -> torch.Tensor:
+    """Same as :func:`abs_max_rows_ref`, one pass over each row on the CPU (``torch.aminmax`` took
+    0.7 ms for 8 rows of 65536 here)."""
+    return torch.ops.vllm_csv_cpu.abs_max_rows(y) if uses_kernels(y) and y.dim() == 2 else abs_max_rows_ref(y)
+
+
 # ---- quantize_act7 -------------------------------------------------------------------------
 def fold_scale(k: int, s_min: float, s_max: float) -> float | None:
     """``c = 2^(k - 6)`` if FBGEMM can apply it exactly (:mod:`vllm_csv.screens.fbgemm`), else None."""
@@ -362,6 +375,10 @@ def _register_fakes() -> None:
     def _(h, certifiable):
         B = h.shape[0]
         return torch.empty_like(h), h.new_empty(B, dtype=torch.float32), h.new_empty(B, dtype=torch.bool)
+
+    @torch.library.register_fake(lib + "abs_max_rows")
+    def _(y):
+        return y.new_empty(y.shape[0])
 
     @torch.library.register_fake(lib + "quantize_act7")
     def _(h, s_min, s_max):

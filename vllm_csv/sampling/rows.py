@@ -139,11 +139,14 @@ def certify_rows(adapter: HeadAdapter, hidden: torch.Tensor, process: Process, s
         now = cert.certified & finite & scored[cert.winner] & ~certified
         winner = torch.where(now, cert.winner, winner)
         certified |= now
-        if rnd == 0 and elementwise and bool((cert.finite | ~finite).all()):
-            cols = cert.contenders.any(0).nonzero().squeeze(1)
-            narrow = (cols, ruled_out(cert, greedy)) if cols.numel() else None
+        span = None if narrow is None else narrow[0]  # contenders lie in these columns only
         open_rows = finite & ~certified & ~over_budget
-        need = cert.contenders[open_rows].any(0) & ~scored
+        need = _contended(cert.contenders, open_rows, span)
+        if rnd == 0 and elementwise and bool((cert.finite | ~finite).all()):
+            every = need if bool(open_rows.all()) else _contended(cert.contenders, None, None)
+            cols = every.nonzero().squeeze(1)
+            narrow = (cols, ruled_out(cert, greedy)) if cols.numel() else None
+        need &= ~scored
         # rows where no token is certainly kept yet (e.g. min-p / top-p undecided on screen
         # bounds): score their highest upper bounds first
         blind = open_rows & ~cert.finite
@@ -155,6 +158,7 @@ def certify_rows(adapter: HeadAdapter, hidden: torch.Tensor, process: Process, s
             need &= ~scored
             cert.contenders[blind] = False
             cert.contenders[blind.nonzero().squeeze(1)[:, None], top.indices] = top.values > -math.inf
+            span = None  # (contenders outside the narrow columns now)
         if not bool(need.any()):
             break
         if rnd == MAX_ROUNDS:
@@ -172,18 +176,33 @@ def certify_rows(adapter: HeadAdapter, hidden: torch.Tensor, process: Process, s
                 break
             new = (cert.contenders[take].any(0) & ~scored).nonzero().squeeze(1)
         add(new)
+    # values are -inf outside S: only its columns are masked
+    s_idx = scored.nonzero().squeeze(1)
+    v = values[:, s_idx]
     if masked is not None:
-        values.masked_fill_(masked, -math.inf)
+        v.masked_fill_(masked[:, s_idx], -math.inf)
     # A token whose upper bound after ``process`` is -inf (masked, or certainly dropped by
     # min-p / top-p) was never compared with the winner: it must not compete on the row the
     # sampler gets either (the sampler may not drop it again: top-p is not re-applied to a
     # certified row, and min-p on a partial row keeps at least what it keeps on the full row).
-    values.masked_fill_(yhi == -math.inf, -math.inf)
+    values[:, s_idx] = v.masked_fill_(yhi[:, s_idx] == -math.inf, -math.inf)
     open_rows = finite & ~certified & ~over_budget
-    over_budget |= open_rows & (cert.contenders & ~scored[None]).any(1)  # still waiting for room
+    cont, unscored = (cert.contenders, ~scored) if span is None else (cert.contenders[:, span], ~scored[span])
+    over_budget |= open_rows & (cont & unscored[None]).any(1)  # still waiting for room
     reason = [None if c else ("nonfinite" if not f else ("budget" if b else "uncertified"))
               for c, f, b in zip(certified.tolist(), finite.tolist(), over_budget.tolist())]
     return RowsResult(values, certified, winner, reason, int(scored.sum()))
+
+
+def _contended(contenders: torch.Tensor, rows: torch.Tensor | None, span: torch.Tensor | None) -> torch.Tensor:
+    """``[V]`` bool: the tokens that are contenders in some row of ``rows`` (``[R]`` bool; None:
+    all), reading only the columns ``span`` where given (the others hold no contender)."""
+    if span is None:
+        return (contenders if rows is None or bool(rows.all()) else contenders[rows]).any(0)
+    out = torch.zeros(contenders.shape[1], dtype=torch.bool, device=contenders.device)
+    sub = contenders[:, span]
+    out[span] = (sub if rows is None else sub[rows]).any(0)
+    return out
 
 
 def _certify_columns(ylo: torch.Tensor, yhi: torch.Tensor, seeds: torch.Tensor, greedy: torch.Tensor,

@@ -196,8 +196,14 @@ def resolve(sampler, d: Deferred, logits: torch.Tensor, md, predict_bonus_token:
     st = DeferredStats(rows=R)
     dev_rows = rows.to(logits.device)
     every_row = R == logits.shape[0] and torch.equal(rows, torch.arange(R))  # the batch itself: no scatter / gather
-    # the grammar bitmask (placeholders are finite; module docstring)
-    masked = (logits if every_row else logits[dev_rows]) == -math.inf
+    # the grammar bitmask (placeholders are finite; module docstring): it is applied to the rows
+    # of structured requests only, each labelled "structured" (step_plan.row_mode); without
+    # one, no [R, V] scan for it
+    masked = None
+    if "structured" in d.modes:
+        masked = (logits if every_row else logits[dev_rows]) == -math.inf
+        if not bool(masked.any()):
+            masked = None
     why = _unsupported(sampler, md, predict_bonus_token, rows)
     certified = torch.zeros(R, dtype=torch.bool)
     if why is None:
@@ -249,7 +255,7 @@ def resolve(sampler, d: Deferred, logits: torch.Tensor, md, predict_bonus_token:
             res.certified &= no_top_k
         else:
             res = certify_rows(d.adapter, d.hidden, process, seeds.to(logits.device), greedy.to(logits.device),
-                               masked if bool(masked.any()) else None,  # no grammar: three [R, V] passes fewer
+                               masked,
                                elementwise=all_off(min_p, top_k, top_p, V))
         certified = res.certified.cpu()
         if bool(certified.any()):
@@ -267,8 +273,8 @@ def resolve(sampler, d: Deferred, logits: torch.Tensor, md, predict_bonus_token:
     if not bool(certified.all()):
         dense_rows = dev_rows[~certified.to(logits.device)]
         # the dense head on the whole batch: bit for bit what vLLM computes without CSV
-        logits[dense_rows] = d.dense()[dense_rows].to(logits.dtype).masked_fill(
-            masked[~certified.to(logits.device)], -math.inf)
+        dense = d.dense()[dense_rows].to(logits.dtype)
+        logits[dense_rows] = dense if masked is None else dense.masked_fill(masked[~certified.to(logits.device)], -math.inf)
     for m, c in zip(d.modes, certified.tolist()):
         if c:
             st.certified[m] = st.certified.get(m, 0) + 1
