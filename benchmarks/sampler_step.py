@@ -3,6 +3,8 @@
     python benchmarks/sampler_step.py --batches 1 8 --threads 1 --json out.json
     python benchmarks/sampler_step.py --batches 8 --profile          # torch.profiler table
     python benchmarks/sampler_step.py --batches 8 --cprofile         # cProfile (Python time)
+    SORT=tottime CALLERS=nan_to_num python benchmarks/sampler_step.py --batches 8 --cprofile
+                                                                     # ... sorted, and who calls what
 
 Rows: the deferred modes of ``benchmarks/serve.py``'s MIXED workload in turn (temperature,
 top-p, min-p, penalties on greedy rows, logit_bias; ``--modes`` for others, e.g. ``top_k``), on
