@@ -162,7 +162,7 @@ def test_top_p_on_live_columns_decides_as_on_the_whole_row(finite_cols, monkeypa
     dead = torch.ones_like(y, dtype=torch.bool)
     dead[:, cols] = torch.rand(32, finite_cols, generator=g) < 0.2
     dead[:4, cols] = False  # rows with every live column finite (at 256: the tail scan sees them all)
-    p_broad = 0.999  # rows 0-3: broad nuclei, so the scan finds no tail and the bisection runs
+    p_broad = 0.999  # rows 0-3: broad nuclei, so the scan finds no tail and the grid below it runs
     lo = (y - torch.rand(y.shape, generator=g) * 0.2).masked_fill(dead, -math.inf)
     hi = (y + torch.rand(y.shape, generator=g) * 0.2).masked_fill(dead, -math.inf)
     p = torch.rand(32, generator=g) * 0.9 + 0.05
@@ -247,3 +247,47 @@ def test_a_top_k_cut_that_counts_the_token_itself_is_caught(monkeypatch):
     kept = vllm_top_k(y, k)
     kd, dd = decisions(*nucleus.top_k_bounds(y, y, k), y)
     assert (kd & ~kept).any() or (dd & kept).any()
+
+
+def _bisected(lo, el, eh, tot_h, need, upper):
+    """The bisection ``_grid_tail`` replaced (``BISECT_STEPS`` halvings), for comparison."""
+    fin = lo > -math.inf
+    a = lo.masked_fill(~fin, math.inf).amin(1) - 1.0
+    b, good = upper.clone(), torch.full_like(a, -math.inf)
+    for _ in range(nucleus.BISECT_STEPS):
+        m = torch.where(good > -math.inf, (good + b) / 2, torch.where(torch.isfinite(a), (a + b) / 2, a))
+        above = lo >= m[:, None]
+        ok = (nucleus._tail_bound((el * above).sum(1, keepdim=True), (eh * above).sum(1, keepdim=True), tot_h)
+              > need).squeeze(1) & torch.isfinite(m)
+        good, b = torch.where(ok, m, good), torch.where(ok, b, m)
+    return good
+
+
+@pytest.mark.parametrize("scale", [1e-3, 1.0, 30.0, 1e5])
+def test_grid_tail_threshold_holds_over_the_exact_tail(scale):
+    """The tail threshold below the scan: where one is found, the tail bound computed exactly
+    over every token with ylo >= t exceeds what is needed, and t is below the scan's last
+    value; it is found on most broad rows (ties, masked tokens and a NaN row included)."""
+    g = torch.Generator().manual_seed(17)
+    R, V = 24, 6000
+    lo = (torch.randn(R, V, generator=g, dtype=torch.float64) * scale)
+    lo[1::4] = (lo[1::4] * 8).round() / 8  # ties
+    lo[2::4, ::3] = -math.inf  # masked
+    lo[5, 9] = math.nan
+    hi = lo + torch.rand(R, V, generator=g, dtype=torch.float64) * 0.05 * min(scale, 1.0)
+    hi = hi.masked_fill(lo == -math.inf, -math.inf)
+    c = hi.nan_to_num(nan=-math.inf).amax(1, keepdim=True)
+    el, eh = torch.exp(lo - c).nan_to_num(0.0), torch.exp(hi - c).nan_to_num(0.0)
+    tot_h = eh.sum(1, keepdim=True)
+    need = torch.full((R, 1), 0.9995, dtype=torch.float64)
+    upper = lo.nan_to_num(nan=-math.inf).topk(256, dim=1).values[:, -1]
+    t = nucleus._grid_tail(lo, el, eh, tot_h, need, upper)
+    found = t > -math.inf
+    assert int(found.sum()) >= R // 2, int(found.sum())
+    # as many rows as the bisection it replaces (BISECT_STEPS halvings of the same interval)
+    assert int(found.sum()) >= int((_bisected(lo, el, eh, tot_h, need, upper) > -math.inf).sum())
+    for r in found.nonzero().squeeze(1).tolist():
+        above = lo[r] >= t[r]
+        n, h = el[r][above].sum(), eh[r][above].sum()
+        assert float(nucleus._tail_bound(n, h, tot_h[r, 0])) > float(need[r, 0])
+        assert float(t[r]) < float(upper[r])

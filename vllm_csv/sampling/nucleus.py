@@ -40,7 +40,7 @@ bound, the ``k`` tokens of highest lower bounds sort after every ``j`` with ``yh
 (strictly), so ``A_j >= N / (N + tot_h - H)`` (:func:`_tail_bound`: ``N`` their lower
 masses, ``H`` their upper masses, ``tot_h - H`` the upper mass of all the rest, ``j``
 included). If that exceeds ``p + eps`` for some ``k <=`` :data:`TAIL_SCAN` (or, past those, at a
-``t`` found by bisection: the bound holds for any real ``t``, and grows as ``t`` falls), every token with
+``t`` on a grid below the scan, :func:`_grid_tail`: the bound holds for any real ``t``), every token with
 ``yhi_j < t`` is dropped as a block (the smallest such ``k``: the highest ``t``). The others
 (``yhi_i >= t``) are decided as above over themselves, the tail's masses added where they may
 count: a tail token may sort after ``i`` unless ``ylo_i >= t``, so ``N_hi`` gains the tail's
@@ -90,7 +90,7 @@ from .outside import Outside
 _U = 2.0**-24
 MIN_P_FLOOR = 1e-20
 TAIL_SCAN = 256  # highest lower bounds scanned one by one for the tail threshold (top-p)
-BISECT_STEPS = 12  # then bisection on the threshold, for rows with broad nuclei
+BISECT_STEPS = 12  # then 2^12 thresholds below the scan, for rows with broad nuclei (_grid_tail)
 COMPACT_BELOW = 0.5  # decide on the columns not -inf in every row when fewer than this share (TP rows)
 
 
@@ -313,23 +313,53 @@ def _decide_packed(lo, hi, el, eh, t, p, eps, block=None) -> tuple[torch.Tensor,
     return wide.scatter(1, cols, k)[:, :V], drop | wide.scatter(1, cols, d)[:, :V]
 
 
-def _bisect_tail(lo, el, eh, tot_h, need, upper) -> torch.Tensor:
-    """Per row, a ``t < upper`` (found by bisection) at which the tail bound, evaluated at
-    ``t`` itself (``N``, ``H`` over the tokens with ``ylo >= t``), exceeds ``need``; ``-inf``
-    where none is found. The bound grows as ``t`` decreases, so bisection finds a high one."""
-    fin = lo > -math.inf
-    a = lo.masked_fill(~fin, math.inf).amin(1) - 1.0  # below every finite lower bound: N = all
-    b = upper.clone()
-    good = torch.full_like(a, -math.inf)
-    for _ in range(BISECT_STEPS):
-        m = torch.where(good > -math.inf, (good + b) / 2, torch.where(torch.isfinite(a), (a + b) / 2, a))
-        above = lo >= m[:, None]
-        n = (el * above).sum(1, keepdim=True)
-        h = (eh * above).sum(1, keepdim=True)
-        ok = (_tail_bound(n, h, tot_h) > need).squeeze(1) & torch.isfinite(m)
-        good = torch.where(ok, m, good)
-        b = torch.where(ok, b, m)
-    return good
+def _grid_tail(lo, el, eh, tot_h, need, upper) -> torch.Tensor:
+    """Per row, a ``t < upper`` at which the tail bound exceeds ``need``, ``-inf`` where none is
+    found: the highest of ``2^BISECT_STEPS`` evenly spaced thresholds ``m_k = a + k w`` from
+    ``a`` (below every finite lower bound) up to ``upper``, the resolution of that many
+    bisection steps, all checked from one histogram of the lower bounds (two scatter-adds, where
+    bisection took three ``[r, V]`` passes a step).
+
+    ``N``, ``H`` at ``m_k`` are counted over the tokens of bin ``>= k`` only, a token's bin
+    taken one below ``floor((ylo - a) / w)``: each counted token has ``ylo >= m_k`` with a bin's
+    width to spare against the rounding of the bin and of ``m_k``. A token left out only lowers
+    the bound (fewer tokens known to sort after ``j``: ``N`` smaller, the rest's mass larger),
+    so the bound at ``m_k`` holds (module docstring, "the tail"). Rows where the width is not
+    well above the rounding of ``a`` and ``upper`` (or not finite) get ``-inf``.
+
+    Parameters
+    ----------
+    lo, el, eh : torch.Tensor
+        ``[r, V]`` float64: lower bounds, lower and upper masses (shifted).
+    tot_h, need : torch.Tensor
+        ``[r, 1]`` float64.
+    upper : torch.Tensor
+        ``[r]`` float64, the lowest lower bound the scan reached.
+
+    Returns
+    -------
+    torch.Tensor
+        ``[r]`` float64.
+    """
+    nb = 1 << BISECT_STEPS
+    fin = lo > -math.inf  # (NaN: not counted)
+    a = lo.masked_fill(~fin, math.inf).amin(1) - 1.0
+    w = (upper - a) / nb
+    scale = torch.maximum(torch.maximum(a.abs(), upper.abs()), torch.ones_like(a))
+    usable = torch.isfinite(a) & torch.isfinite(upper) & (w > 1e-9 * scale)
+    w = torch.where(usable, w, torch.ones_like(w))
+    a0 = torch.where(usable, a, torch.zeros_like(a))
+    q = ((lo - a0[:, None]) / w[:, None]).floor_().sub_(1.0).clamp_(-1.0, nb - 1.0)  # -inf lo: -1
+    q = q.masked_fill_(~fin, -1.0).add_(1.0).long()  # column 0: counted nowhere
+    r = lo.shape[0]
+    bins_n = torch.zeros((r, nb + 1), dtype=lo.dtype, device=lo.device).scatter_add_(1, q, el.masked_fill(~fin, 0.0))
+    bins_h = torch.zeros((r, nb + 1), dtype=lo.dtype, device=lo.device).scatter_add_(1, q, eh.masked_fill(~fin, 0.0))
+    n = bins_n[:, 1:].flip(1).cumsum(1).flip(1)  # [r, nb]: over the tokens of bin >= k
+    h = bins_h[:, 1:].flip(1).cumsum(1).flip(1)
+    m = a0[:, None] + torch.arange(nb, dtype=lo.dtype, device=lo.device)[None] * w[:, None]
+    ok = (_tail_bound(n, h, tot_h) > need) & usable[:, None] & (m < upper[:, None])
+    k = nb - 1 - ok.flip(1).to(torch.uint8).argmax(1)  # the highest k that passes
+    return torch.where(ok.any(1), m.gather(1, k[:, None]).squeeze(1), torch.full_like(a, -math.inf))
 
 
 def _live_columns(hi: torch.Tensor) -> torch.Tensor | None:
@@ -337,7 +367,7 @@ def _live_columns(hi: torch.Tensor) -> torch.Tensor | None:
     the rows are ``-inf`` but for the explicit tokens (:mod:`.sharded_rows`). A column whose
     ``yhi`` is ``-inf`` in every row has no mass, is never kept and stays ``-inf``; leaving it
     out changes no decision so long as at least ``TAIL_SCAN + 1`` columns stay (the tail scan
-    and its bisection then see the same ``TAIL_SCAN`` highest lower bounds, ``-inf`` included)."""
+    and its grid below them then see the same ``TAIL_SCAN`` highest lower bounds, ``-inf`` included)."""
     V = hi.shape[1]
     live = (hi != -math.inf).any(0)  # (NaN stays)
     n = int(live.sum())
@@ -386,8 +416,8 @@ def top_p_bounds(ylo: torch.Tensor, yhi: torch.Tensor, top_p: torch.Tensor, outs
         first = vals.gather(1, ok.to(torch.uint8).argmax(1, keepdim=True)).squeeze(1)  # smallest k: highest t
         t = torch.where(ok.any(1), first, t)
         todo = (t == -math.inf).nonzero().squeeze(1)
-        if todo.numel() and scan < V and BISECT_STEPS:  # broad nuclei: bisect on t below the scan
-            t[todo] = _bisect_tail(lo[todo], el[todo], eh[todo], tot_h[todo], p[todo] + eps, vals[todo, -1])
+        if todo.numel() and scan < V and BISECT_STEPS:  # broad nuclei: thresholds on a grid below the scan
+            t[todo] = _grid_tail(lo[todo], el[todo], eh[todo], tot_h[todo], p[todo] + eps, vals[todo, -1])
     keep = torch.zeros_like(lo, dtype=torch.bool)
     drop = torch.zeros_like(keep)
     for i in range(r):  # one row at a time: packed widths differ widely between rows
