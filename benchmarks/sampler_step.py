@@ -166,14 +166,20 @@ def main(argv=None) -> int:
                 else:
                     stats.clear()
         cert = sum(sum(st.certified.values()) for st in stats)
+        fallbacks: dict[str, int] = {}
+        for st in stats:
+            for r, n in st.fallbacks.items():
+                fallbacks[r] = fallbacks.get(r, 0) + n
         row = {"batch": B, "dense_ms": statistics.median(td), "csv_ms": statistics.median(tc),
                "dense_min_ms": min(td), "csv_min_ms": min(tc),
                "certified_share": cert / max(1, sum(st.rows for st in stats)),
-               "scored_mean": statistics.mean(st.scored for st in stats), "mismatches": mism}
+               "scored_mean": statistics.mean(st.scored for st in stats), "fallbacks": fallbacks,
+               "mismatches": mism}
         row["speedup"] = row["dense_ms"] / row["csv_ms"]
         results["rows"].append(row)
         print(f"B={B}: dense {row['dense_ms']:.3f} ms, CSV {row['csv_ms']:.3f} ms ({row['speedup']:.2f}x), "
-              f"certified {row['certified_share']:.1%}, |S| mean {row['scored_mean']:.1f}, mismatches {mism}")
+              f"certified {row['certified_share']:.1%}, |S| mean {row['scored_mean']:.1f}, "
+              f"fallbacks {fallbacks}, mismatches {mism}")
         if a.profile:
             with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
                 for s in range(a.steps):

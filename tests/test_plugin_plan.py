@@ -179,9 +179,9 @@ def test_v1_plan_rows_in_batch_order_kept_per_request():
     calls = []
     real = step_plan.plan_row
 
-    def counting(sp, m):
+    def counting(sp, m, *a):
         calls.append(sp)
-        return real(sp, m)
+        return real(sp, m, *a)
 
     step_plan.plan_row, saved = counting, step_plan.plan_row
     try:
@@ -198,6 +198,35 @@ def test_v1_plan_rows_in_batch_order_kept_per_request():
         assert step_plan._v1_plan(runner, 4).topk == [DEFER, DEFER, 1, DEFER]  # top_k 5 > max_topk 4: the sampler
     finally:
         step_plan.plan_row = saved
+
+
+def test_sampled_top_k_rows_go_to_a_certifiable_sampler():
+    """With vLLM-CPU's Gumbel sampler and no tensor parallelism, sampled top-k rows are certified
+    in the sampler (mode ``top_k``, any ``k``); greedy rows stay in the head; with tensor
+    parallelism, or a sampler the hook does not certify, top-k rows stay in the head."""
+    from types import SimpleNamespace
+
+    from vllm.v1.sample.sampler import Sampler
+
+    from vllm_csv.vllm_plugin import step_plan
+
+    sps = {"a": SamplingParams(temperature=0), "b": SamplingParams(temperature=0.7, top_k=5, seed=1),
+           "c": SamplingParams(temperature=0.7, top_k=1)}
+
+    def runner(sampler, tp=1):
+        states = {r: SimpleNamespace(sampling_params=sp) for r, sp in sps.items()}
+        return SimpleNamespace(input_batch=SimpleNamespace(req_ids=["a", "b", "c"]), requests=states,
+                               speculative_config=None, sampler=sampler,
+                               vllm_config=SimpleNamespace(parallel_config=SimpleNamespace(tensor_parallel_size=tp)))
+
+    cpu = Sampler()
+    assert step_plan.top_k_in_sampler(runner(cpu)) is True
+    p = step_plan._v1_plan(runner(cpu), 64)
+    assert p.topk == [1, DEFER, DEFER] and p.modes == ["greedy", "top_k", "top_k"]
+    assert step_plan._v1_plan(runner(cpu, tp=2), 64).topk == [1, 5, 1]
+    assert step_plan._v1_plan(runner(None), 64).topk == [1, 5, 1]
+    cpu.topk_topp_sampler.use_fp64_gumbel = True  # not the draw the certificate replays
+    assert step_plan._v1_plan(runner(cpu), 64).topk == [1, 5, 1]
 
 
 def test_no_plan_under_speculative_decoding_or_pp_output_broadcast():

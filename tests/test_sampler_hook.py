@@ -136,7 +136,9 @@ def test_hooked_sampler_equals_dense_sampler(case, T):
 def test_top_k_rows_fail_if_top_k_is_ignored(monkeypatch):
     """Broken-mask check: with vLLM's top-k left out of the certificate, certified top-k rows
     draw tokens vLLM's top-k removes."""
-    monkeypatch.setattr(sampler_hook, "top_k_bounds", lambda lo, hi, k: (lo, hi))
+    from vllm_csv.sampling import rows
+
+    monkeypatch.setattr(rows, "top_k_bounds", lambda lo, hi, k: (lo, hi))
     with pytest.raises(AssertionError):
         test_hooked_sampler_equals_dense_sampler("top_k", 0.8)
 

@@ -250,14 +250,20 @@ def test_ruled_out_summaries_hold():
     assert bool(out.usable()[cert.finite].all())
 
 
+@pytest.mark.parametrize("focus", [True, False])
 @pytest.mark.parametrize("screen", ["fp16", "int8"])
-def test_top_k_draws_equal_vllm_top_k_draws(screen):
+def test_top_k_draws_equal_vllm_top_k_draws(screen, focus, monkeypatch):
     """top-k sampling certified from bounds (``top_k_bounds`` after the temperature): the same token
     as vLLM's top-k mask and draw on the dense logits, over 1600 rows a head, k from 1 to V (ties at
-    the k-th value from duplicated rows of ``W``), bf16 and fp32 heads, seeded rows."""
+    the k-th value from duplicated rows of ``W``), bf16 and fp32 heads, seeded rows; with and
+    without the top-k focus (each row's ``k + 1`` highest upper bounds scored), which certifies
+    more rows."""
     from vllm.v1.sample.ops.topk_topp_sampler import apply_top_k_only
 
-    from vllm_csv.sampling.nucleus import top_k_bounds
+    from vllm_csv.sampling import rows
+
+    if not focus:
+        monkeypatch.setattr(rows, "_focus_counts", lambda top_k, top_p, stuck, V: torch.zeros_like(stuck))
 
     V, d, B = 1024, 48, 1600
     certified = 0
@@ -275,14 +281,57 @@ def test_top_k_draws_equal_vllm_top_k_draws(screen):
         for s in range(0, B, 80):  # batches of 80 rows (one scored set a batch, within the budget)
             r = slice(s, s + 80)
             temp = temperature_process(T[r], greedy[r])
-            res = certify_rows(HeadAdapter(head), h[r], lambda lo, hi: top_k_bounds(*temp(lo, hi), k[r]),
-                               seeds[r], greedy[r])
+            res = certify_rows(HeadAdapter(head), h[r], temp, seeds[r], greedy[r], top_k=k[r])
             partial = res.values.float() / T[r, None]  # what vLLM's sampler then does with the certified row
             got = kernel(apply_top_k_only(partial, k[r].clone()).contiguous(), seeds[r])
             c = res.certified
             assert torch.equal(got[c], want[r][c]) and torch.equal(res.winner[c], want[r][c])
             certified += int(c.sum())
     assert certified > 0.8 * 2 * B, certified
+    _focus_certified[(screen, focus)] = certified
+    if (screen, not focus) in _focus_certified:
+        assert _focus_certified[(screen, True)] > _focus_certified[(screen, False)], _focus_certified
+
+
+_focus_certified: dict = {}
+
+
+@pytest.mark.parametrize("p", [0.5, 0.9, 0.98])
+def test_top_p_draws_with_the_focus_equal_vllm_draws(p):
+    """top-p rows certified from wide (int8) screen bounds, with and without the top-p focus
+    (``certify_rows(top_p=)``: the highest upper bounds scored, dropped tokens included, for
+    their masses): the certified tokens are vLLM's (top-p mask, then the draw, on the dense
+    logits), and the focus certifies more rows."""
+    from vllm.v1.sample.ops.topk_topp_sampler import apply_top_k_top_p_pytorch
+
+    from vllm_csv.sampling import rows
+
+
+    V, d, B = 4096, 64, 96
+    W, g = peaked_head(V, d, seed=29, dtype=torch.bfloat16)
+    h = hidden_near_rows(W, B, g, scale=0.6)  # broad rows: nuclei of many tokens
+    head = make_head(W, screen="int8")
+    seeds = torch.randint(0, 2**31, (B,), generator=g)
+    greedy = torch.zeros(B, dtype=torch.bool)
+    T, P = torch.full((B,), 0.8), torch.full((B,), p)
+    dense = head.dense_logits(h).float() / T[:, None]
+    want = kernel(apply_top_k_top_p_pytorch(dense.clone(), None, P.clone()).contiguous(), seeds)
+    counts = {}
+    for focus in (False, True):
+        n = 0
+        for s in range(0, B, 8):
+            r = slice(s, s + 8)
+            with pytest.MonkeyPatch.context() as mp:
+                if not focus:
+                    mp.setattr(rows, "_focus_counts", lambda top_k, top_p, stuck, V: torch.zeros_like(stuck))
+                res = certify_rows(HeadAdapter(head), h[r], temperature_process(T[r], greedy[r]), seeds[r],
+                                   greedy[r], top_p=P[r])
+            c = res.certified
+            got = kernel((res.values.float() / T[r, None]).contiguous(), seeds[r])  # top-p decided: drawn at 1
+            assert torch.equal(got[c], want[r][c]) and torch.equal(res.winner[c], want[r][c])
+            n += int(c.sum())
+        counts[focus] = n
+    assert counts[True] > counts[False] and counts[True] > 0.5 * B, counts
 
 
 def test_packed_draw_certificate_is_the_full_one():

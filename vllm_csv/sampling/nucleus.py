@@ -30,16 +30,29 @@ sorted after ``i``: ``A_i = N / (N + R)`` with ``N = sum_{after} e^{y_j}``, ``R`
 after ``i`` are those with ``yhi_j >= ylo_i`` (ties included), those that must are those with
 ``ylo_j > yhi_i``; so ``A_hi = N_hi / (N_hi + R_lo)`` with ``N_hi`` the upper masses of the
 first set and ``R_lo`` the lower masses of the others (``i`` included), and
-``A_lo = N_lo / (N_lo + R_hi)`` likewise. fp32 softmax and a sequential cumulative sum of
-``n <= V`` terms in ``[0, 1]`` are within ``2 gamma_V + 4u`` of the real sums: kept if
-``A_hi < p - eps``, dropped if ``A_lo > p + eps``, ``eps = 2 gamma_V + 1e-6``.
+``A_lo = N_lo / (N_lo + R_hi)`` likewise.
+
+top-p's rounding (:func:`_top_p_cuts`). vLLM drops ``i`` iff its computed ``C_i <= fl(1 - p)``,
+``C_i = 1 - A_i`` in real arithmetic. Every term of that sum is positive and every rounding
+in it relative (but for underflow), so the computed sum is within a *relative* ``rho`` of
+the real one: with ``m`` the row's maximum, ``exp(fl(y_j - m))`` is within ``a = 256u`` of
+``e^(y_j - m)`` (the subtraction moves the argument by at most ``u |y_j - m| <= 88u`` while the
+result is a normal float; the vectorised ``exp``, at most 64 ulps), their sum (any order) within
+``gamma_V``, the reciprocal and the product within ``u`` each, and the cumulative sum (any
+order; fp32, or double and one rounding) within ``gamma_V`` and ``u``: ``1 + rho_up =
+(1 + a)(1 + u)^3 (1 + gamma_V) / ((1 - a)(1 - gamma_V))``, ``1 - rho_dn`` likewise; underflow
+adds at most ``tau = 2^-90`` in all. ``fl(1 - p)`` is within ``u (1 - p)`` of ``q = 1 - p``. So
+``i`` is dropped if ``(1 - A_lo)(1 + rho_up) + tau < q (1 - u)`` and kept if ``(1 - A_hi)(1 - rho_dn)
+- tau > q (1 + u)``: the margin is relative to ``q`` (``2 gamma_V q`` at first order, a tenth of
+``2 gamma_V`` at ``p = 0.9``), as the sums compared are near ``q``. Kept if ``A_hi < p_keep``,
+dropped if ``A_lo > p_drop``, each moved by ``1e-9`` more for the float64 evaluation of ``A``.
 
 The tail (top-p, the cost): sorting all ``V`` tokens per row is what vLLM itself does, and
 most of them are far out of the nucleus. With ``t = ylo_k``, the ``k``-th highest lower
 bound, the ``k`` tokens of highest lower bounds sort after every ``j`` with ``yhi_j < t``
 (strictly), so ``A_j >= N / (N + tot_h - H)`` (:func:`_tail_bound`: ``N`` their lower
 masses, ``H`` their upper masses, ``tot_h - H`` the upper mass of all the rest, ``j``
-included). If that exceeds ``p + eps`` for some ``k <=`` :data:`TAIL_SCAN` (or, past those, at a
+included). If that exceeds ``p_drop`` for some ``k <=`` :data:`TAIL_SCAN` (or, past those, at a
 ``t`` on a grid below the scan, :func:`_grid_tail`: the bound holds for any real ``t``), every token with
 ``yhi_j < t`` is dropped as a block (the smallest such ``k``: the highest ``t``). The others
 (``yhi_i >= t``) are decided as above over themselves, the tail's masses added where they may
@@ -260,10 +273,23 @@ def _masses(lo: torch.Tensor, hi: torch.Tensor, el: torch.Tensor, eh: torch.Tens
     return (eh.sum(1, keepdim=True) - below_h - eh).clamp_min(0), el + below_l, n_lo, upto_h
 
 
-def _decide(n_hi, r_lo, n_lo, r_hi, lo, p, eps):
+def _top_p_cuts(p: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(p_keep, p_drop)``, float64 like ``p`` (the rows' ``top_p``): a token whose mass sorted
+    after it is certainly ``< p_keep`` is kept by vLLM's top-p over ``n`` tokens, one whose mass
+    is certainly ``> p_drop`` is dropped (module docstring, "top-p's rounding")."""
+    u, g, a, tau, slack = _U, gamma(n), 256 * _U, 2.0**-90, 1e-9
+    rho_up = (1 + a) * (1 + u) ** 3 * (1 + g) / ((1 - a) * (1 - g)) - 1
+    rho_dn = 1 - (1 - a) * (1 - u) ** 3 * (1 - g) / ((1 + a) * (1 + g))
+    q = 1.0 - p
+    p_drop = 1.0 - (q * (1 - u) - tau) / (1 + rho_up) + slack
+    p_keep = 1.0 - (q * (1 + u) + tau) / (1 - rho_dn) - slack
+    return p_keep, p_drop
+
+
+def _decide(n_hi, r_lo, n_lo, r_hi, lo, p_keep, p_drop):
     a_hi = torch.where(n_hi == 0, 0.0, n_hi / (n_hi + r_lo))  # nothing can sort after i: A = 0
     a_lo = torch.where(n_lo == 0, 0.0, n_lo / (n_lo + r_hi))
-    return (a_hi < p - eps) & (lo > -math.inf), a_lo > p + eps
+    return (a_hi < p_keep) & (lo > -math.inf), a_lo > p_drop
 
 
 def _tail_bound(n_top: torch.Tensor, h_top: torch.Tensor, tot_h: torch.Tensor) -> torch.Tensor:
@@ -272,7 +298,7 @@ def _tail_bound(n_top: torch.Tensor, h_top: torch.Tensor, tot_h: torch.Tensor) -
     return n_top / (n_top + (tot_h - h_top).clamp_min(0))
 
 
-def _decide_packed(lo, hi, el, eh, t, p, eps, block=None) -> tuple[torch.Tensor, torch.Tensor]:
+def _decide_packed(lo, hi, el, eh, t, p_keep, p_drop, block=None) -> tuple[torch.Tensor, torch.Tensor]:
     """``(keep, drop)`` ``[r, V]``: the tail ``yhi < t`` dropped, the other tokens packed into
     ``[r, n]`` (``-inf`` padding: no mass) and decided with the tail's masses added where they
     may count (module docstring, "the tail"), and the outside blocks' (``block = (hi, lower
@@ -308,7 +334,7 @@ def _decide_packed(lo, hi, el, eh, t, p, eps, block=None) -> tuple[torch.Tensor,
         r_lo = r_lo + torch.where(before, bel, 0.0).sum(2)
         n_lo = n_lo + torch.where(after, bel, 0.0).sum(2)
         r_hi = r_hi + torch.where(after, 0.0, beh).sum(2)
-    k, d = _decide(n_hi, r_lo, n_lo, r_hi, plo, p, eps)
+    k, d = _decide(n_hi, r_lo, n_lo, r_hi, plo, p_keep, p_drop)
     wide = torch.zeros((r, V + 1), dtype=torch.bool, device=lo.device)  # column V: padding
     return wide.scatter(1, cols, k)[:, :V], drop | wide.scatter(1, cols, d)[:, :V]
 
@@ -399,8 +425,7 @@ def top_p_bounds(ylo: torch.Tensor, yhi: torch.Tensor, top_p: torch.Tensor, outs
         c = torch.maximum(c, ob.hi.masked_fill(ob.hi == math.inf, -math.inf).amax(1, keepdim=True))
     c = torch.where(torch.isfinite(c), c, torch.zeros_like(c))
     el, eh = torch.exp(lo - c), torch.exp(hi - c)  # -inf -> 0
-    eps = 2 * gamma(V_row) + 1e-6  # vLLM sums over the whole row
-    p = top_p[rows].double()[:, None]
+    p_keep, p_drop = _top_p_cuts(top_p[rows].double()[:, None], V_row)  # vLLM sums over the whole row
     tot_h = eh.sum(1, keepdim=True)
     if ob is not None:  # the blocks' masses [r, L], shifted like the others
         b_el, b_eh = torch.exp(ob.lel - c), torch.exp(ob.leh - c)
@@ -412,18 +437,18 @@ def top_p_bounds(ylo: torch.Tensor, yhi: torch.Tensor, top_p: torch.Tensor, outs
         vals, idx = lo.topk(scan, dim=1)
         n_top = el.gather(1, idx).cumsum(1)
         h_top = eh.gather(1, idx).cumsum(1)
-        ok = (_tail_bound(n_top, h_top, tot_h) > p + eps) & (vals > -math.inf)
+        ok = (_tail_bound(n_top, h_top, tot_h) > p_drop) & (vals > -math.inf)
         first = vals.gather(1, ok.to(torch.uint8).argmax(1, keepdim=True)).squeeze(1)  # smallest k: highest t
         t = torch.where(ok.any(1), first, t)
         todo = (t == -math.inf).nonzero().squeeze(1)
         if todo.numel() and scan < V and BISECT_STEPS:  # broad nuclei: thresholds on a grid below the scan
-            t[todo] = _grid_tail(lo[todo], el[todo], eh[todo], tot_h[todo], p[todo] + eps, vals[todo, -1])
+            t[todo] = _grid_tail(lo[todo], el[todo], eh[todo], tot_h[todo], p_drop[todo], vals[todo, -1])
     keep = torch.zeros_like(lo, dtype=torch.bool)
     drop = torch.zeros_like(keep)
     for i in range(r):  # one row at a time: packed widths differ widely between rows
         s = slice(i, i + 1)
         block = None if ob is None else (ob.hi[s], ob.lo[s], b_el[s], b_eh[s])
-        keep[s], drop[s] = _decide_packed(lo[s], hi[s], el[s], eh[s], t[s], p[s], eps, block)
+        keep[s], drop[s] = _decide_packed(lo[s], hi[s], el[s], eh[s], t[s], p_keep[s], p_drop[s], block)
     if cols is not None:
         keep = torch.zeros((r, V_row), dtype=torch.bool, device=lo.device).index_copy_(1, cols, keep)
         drop = torch.ones((r, V_row), dtype=torch.bool, device=lo.device).index_copy_(1, cols, drop)

@@ -5,9 +5,11 @@ Pipeline (per batch of rows that the sampler will draw from):
 1. bounds on every token's sampler input from the head's screen (:class:`.HeadAdapter`);
 2. ``process``: the caller's map from head values to the draw's inputs (vLLM's own logits
    processors, penalties and temperature, run on the bounds; every step is monotone
-   non-decreasing per token, so bounds map to bounds);
+   non-decreasing per token, so bounds map to bounds), then vLLM's min-p, top-k and top-p on
+   the bounds of the rows still open (:mod:`.nucleus`);
 3. :func:`~.certificate.certify_draw` (packed: :func:`~.certificate.certify_draw_packed`); the
-   contenders not yet scored are scored exactly
+   contenders not yet scored (and the tokens of highest upper bound on rows with a top-k or a
+   top-p, which decide what those certainly keep: :func:`_focus_counts`) are scored exactly
    (their bounds shrink to the rounding interval of the dense value, intersected with the
    screen's) and 2-3 repeat, until every row is decided, nothing is left to score, or the
    budget is spent. When ``process`` is per token (``elementwise``), the rounds after the first
@@ -32,11 +34,13 @@ from dataclasses import dataclass
 import torch
 
 from .certificate import DrawCertificate, certify_draw, certify_draw_packed, ruled_out
+from .nucleus import all_off, min_p_bounds, top_k_bounds, top_p_bounds
 from .outside import Outside
 from .head_adapter import HeadAdapter
 
 MAX_ROUNDS = 4
 FIRST_GUESS = 8  # one-sided screens (no lower bounds): score the 8 highest upper bounds first
+TOP_P_FOCUS = 128  # open top-p rows with every contender scored: their 128 highest upper bounds, 4x more each time
 
 
 @dataclass
@@ -78,7 +82,8 @@ def within_budget(own: torch.Tensor, open_rows: torch.Tensor, over_budget: torch
 
 def certify_rows(adapter: HeadAdapter, hidden: torch.Tensor, process: Process, seeds: torch.Tensor,
                  greedy: torch.Tensor, masked: torch.Tensor | None = None,
-                 elementwise: bool = False) -> RowsResult:
+                 elementwise: bool = False, *, min_p: torch.Tensor | None = None,
+                 top_k: torch.Tensor | None = None, top_p: torch.Tensor | None = None) -> RowsResult:
     """Certify the draw of each row of ``hidden [R, d]``.
 
     Parameters
@@ -96,8 +101,21 @@ def certify_rows(adapter: HeadAdapter, hidden: torch.Tensor, process: Process, s
     masked : torch.Tensor, optional
         ``[R, V]`` bool, tokens already set to ``-inf`` upstream (grammar bitmask).
     elementwise : bool
-        ``process`` maps each token's bounds on their own (no min-p, top-k, top-p): later
+        ``process`` maps each token's bounds on their own: with no min-p, top-k or top-p, later
         rounds then certify on the first round's contenders only (module docstring).
+    min_p, top_k, top_p : torch.Tensor, optional
+        ``[R]`` each (float32, int64, float32; ``0``, ``k <= 0`` or ``k >= V``, ``1``: off), vLLM's
+        masks, applied after ``process`` in vLLM's order (:mod:`.nucleus`) on the rows still
+        open only: a row certified in a round keeps that round's winner, and its output is
+        masked with that round's drops (the proof compared the winner with every other token).
+        The masks also choose tokens to score (never the proof): the winner must be certainly
+        kept, and what decides that is not only the draw's contenders. With a top-k, each open
+        row's ``k + 1`` highest upper bounds are scored (top-k compares the winner with the
+        ``k``-th largest upper bound of the others, :func:`~.nucleus.top_k_bounds`); with a
+        top-p, an open row whose contenders are all scored has its ``TOP_P_FOCUS`` highest upper
+        bounds scored, 4x more each such round (top-p compares masses, and the loosest are those
+        of the tokens of highest upper bound, dropped ones included: a screen's ``e^hi`` may be
+        several times ``e^y``).
     """
     R, V = hidden.shape[0], adapter.vocab_size
     dev = hidden.device
@@ -130,8 +148,11 @@ def certify_rows(adapter: HeadAdapter, hidden: torch.Tensor, process: Process, s
     if one_sided and bool(finite.any()):
         add(hi[finite].topk(min(FIRST_GUESS, V), dim=1).indices.unique())
     narrow = None  # (columns, ruled-out summaries): the rounds after the first, elementwise
+    stuck = torch.zeros(R, dtype=torch.long, device=dev)  # top-p rows: rounds with every contender scored
+    masks = _Masks(min_p, top_k, top_p, V)
+    gone = torch.zeros((R, V), dtype=torch.bool, device=dev)  # certified rows: their round's drops
     for rnd in range(MAX_ROUNDS + 1):
-        ylo, yhi = process(lo, hi)
+        ylo, yhi = masks.apply(*process(lo, hi), ~certified)
         if narrow is None:
             cert = certify_draw_packed(ylo, yhi, seeds, greedy)
         else:
@@ -139,10 +160,12 @@ def certify_rows(adapter: HeadAdapter, hidden: torch.Tensor, process: Process, s
         now = cert.certified & finite & scored[cert.winner] & ~certified
         winner = torch.where(now, cert.winner, winner)
         certified |= now
+        if bool(now.any()):
+            gone[now] = yhi[now] == -math.inf
         span = None if narrow is None else narrow[0]  # contenders lie in these columns only
         open_rows = finite & ~certified & ~over_budget
         need = _contended(cert.contenders, open_rows, span)
-        if rnd == 0 and elementwise and bool((cert.finite | ~finite).all()):
+        if rnd == 0 and elementwise and masks.off and bool((cert.finite | ~finite).all()):
             every = need if bool(open_rows.all()) else _contended(cert.contenders, None, None)
             cols = every.nonzero().squeeze(1)
             narrow = (cols, ruled_out(cert, greedy)) if cols.numel() else None
@@ -159,6 +182,11 @@ def certify_rows(adapter: HeadAdapter, hidden: torch.Tensor, process: Process, s
             cert.contenders[blind] = False
             cert.contenders[blind.nonzero().squeeze(1)[:, None], top.indices] = top.values > -math.inf
             span = None  # (contenders outside the narrow columns now)
+        if top_k is not None or top_p is not None:
+            rows_f = open_rows & ~blind
+            if top_p is not None:  # top-p rows with no contender left to score: stuck on masses
+                stuck += rows_f & (top_p < 1.0) & ~(cert.contenders & ~scored[None]).any(1)
+            _focus(need, hi, _focus_counts(top_k, top_p, stuck, V), rows_f, scored)
         if not bool(need.any()):
             break
         if rnd == MAX_ROUNDS:
@@ -181,17 +209,74 @@ def certify_rows(adapter: HeadAdapter, hidden: torch.Tensor, process: Process, s
     v = values[:, s_idx]
     if masked is not None:
         v.masked_fill_(masked[:, s_idx], -math.inf)
-    # A token whose upper bound after ``process`` is -inf (masked, or certainly dropped by
-    # min-p / top-p) was never compared with the winner: it must not compete on the row the
-    # sampler gets either (the sampler may not drop it again: top-p is not re-applied to a
-    # certified row, and min-p on a partial row keeps at least what it keeps on the full row).
-    values[:, s_idx] = v.masked_fill_(yhi[:, s_idx] == -math.inf, -math.inf)
+    # A token whose upper bound after ``process`` and the masks was -inf in the round that
+    # certified its row (masked, or certainly dropped by min-p / top-k / top-p) was never
+    # compared with the winner: it must not compete on the row the sampler gets either (the
+    # sampler may not drop it again: top-p is not re-applied to a certified row, and min-p on a
+    # partial row keeps at least what it keeps on the full row). (Another round's drops are
+    # not that proof's: the tail a top-p drops as one block may differ between rounds.)
+    values[:, s_idx] = v.masked_fill_(gone[:, s_idx], -math.inf)
     open_rows = finite & ~certified & ~over_budget
     cont, unscored = (cert.contenders, ~scored) if span is None else (cert.contenders[:, span], ~scored[span])
     over_budget |= open_rows & (cont & unscored[None]).any(1)  # still waiting for room
     reason = [None if c else ("nonfinite" if not f else ("budget" if b else "uncertified"))
               for c, f, b in zip(certified.tolist(), finite.tolist(), over_budget.tolist())]
     return RowsResult(values, certified, winner, reason, int(scored.sum()))
+
+
+class _Masks:
+    """vLLM's min-p, top-k and top-p on bounds (:mod:`.nucleus`, in that order), on chosen rows."""
+
+    def __init__(self, min_p: torch.Tensor | None, top_k: torch.Tensor | None, top_p: torch.Tensor | None,
+                 V: int):
+        self.min_p, self.top_k, self.top_p, self.V = min_p, top_k, top_p, V
+        given = [x for x in (min_p, top_k, top_p) if x is not None]
+        self.off = not given or all_off(*(torch.full_like(given[0], v, dtype=dt) if x is None else x for x, v, dt in
+                                         ((min_p, 0.0, torch.float32), (top_k, V, torch.long),
+                                          (top_p, 1.0, torch.float32))), V)
+
+    def apply(self, ylo: torch.Tensor, yhi: torch.Tensor, rows: torch.Tensor):
+        """The masks on the rows ``rows`` (``[R]`` bool); the other rows' bounds are returned
+        unmasked (their decisions are not read)."""
+        if self.off:
+            return ylo, yhi
+        if self.min_p is not None:
+            ylo, yhi = min_p_bounds(ylo, yhi, torch.where(rows, self.min_p, 0.0))
+        if self.top_k is not None:
+            ylo, yhi = top_k_bounds(ylo, yhi, torch.where(rows, self.top_k, self.V))
+        if self.top_p is not None:
+            ylo, yhi = top_p_bounds(ylo, yhi, torch.where(rows, self.top_p, 1.0))
+        return ylo, yhi
+
+
+def _focus_counts(top_k: torch.Tensor | None, top_p: torch.Tensor | None, stuck: torch.Tensor,
+                  V: int) -> torch.Tensor:
+    """``[R]`` int64: how many of its highest upper bounds (before ``process``: dropped tokens
+    count for top-p's masses) each open row has scored this round: ``k + 1`` with a top-k
+    (``0 < k < V``); with a top-p (``p < 1``), ``TOP_P_FOCUS 4^(n - 1)`` in the ``n``-th round
+    (``stuck``, ``n >= 1``) in which every contender of the row was scored and it is still open:
+    a top-p row that its contenders alone certify scores no more."""
+    n = torch.zeros_like(stuck)
+    if top_k is not None:
+        n = torch.where((top_k > 0) & (top_k < V), top_k + 1, n)
+    if top_p is not None:
+        wide = TOP_P_FOCUS << (2 * (stuck - 1).clamp_(min=0, max=8))
+        n = torch.where((top_p < 1.0) & (stuck > 0), torch.maximum(n, wide), n)
+    return n.clamp(max=V)
+
+
+def _focus(need: torch.Tensor, yhi: torch.Tensor, count: torch.Tensor, rows: torch.Tensor,
+           scored: torch.Tensor) -> None:
+    """Add to ``need`` (``[V]`` bool, in place) the unscored tokens among the ``count[r]`` highest
+    ``yhi`` of each row ``r`` of ``rows`` (``[R]`` bool)."""
+    on = rows & (count > 0)
+    if not bool(on.any()):
+        return
+    c = count[on]
+    top = yhi[on].topk(int(c.max()), dim=1)
+    take = (torch.arange(top.indices.shape[1], device=yhi.device)[None] < c[:, None]) & (top.values > -math.inf)
+    ids = top.indices[take]
+    need[ids[~scored[ids]]] = True
 
 
 def _contended(contenders: torch.Tensor, rows: torch.Tensor | None, span: torch.Tensor | None) -> torch.Tensor:

@@ -80,7 +80,6 @@ import torch
 from vllm.logger import init_logger
 
 from ..sampling.head_adapter import HeadAdapter
-from ..sampling.nucleus import all_off, min_p_bounds, top_k_bounds, top_p_bounds
 from ..sampling.rows import certify_rows
 from ..sampling.sharded_rows import ShardedAdapter, certify_rows_sharded
 
@@ -145,13 +144,21 @@ def peek_seeds(batch_size: int, generators: dict[int, torch.Generator]) -> torch
     return seeds
 
 
+def certifiable_sampler(sampler) -> bool:
+    """Whether ``sampler`` (a V1 ``Sampler``) draws with vLLM-CPU's fp32 Gumbel-max
+    (``TopKTopPSampler.forward_cpu``), the draw :mod:`vllm_csv.sampling` replays."""
+    from vllm.v1.sample.ops.topk_topp_sampler import TopKTopPSampler
+
+    tts = getattr(sampler, "topk_topp_sampler", None)
+    return tts is not None and getattr(tts.forward, "__func__", None) is TopKTopPSampler.forward_cpu and \
+        not tts.use_fp64_gumbel
+
+
 def _unsupported(sampler, md, predict_bonus_token: bool, rows: torch.Tensor) -> str | None:
     from vllm.v1.sample.logits_processor.builtin import (LogitBiasLogitsProcessor, MinPLogitsProcessor,
                                                          MinTokensLogitsProcessor)
-    from vllm.v1.sample.ops.topk_topp_sampler import TopKTopPSampler
 
-    tts = sampler.topk_topp_sampler
-    if getattr(tts.forward, "__func__", None) is not TopKTopPSampler.forward_cpu or tts.use_fp64_gumbel:
+    if not certifiable_sampler(sampler):
         return "the sampler is not vLLM's CPU Gumbel sampler"
     if predict_bonus_token or any(md.spec_token_ids or ()):
         return "speculative decoding"
@@ -238,12 +245,6 @@ def resolve(sampler, d: Deferred, logits: torch.Tensor, md, predict_bonus_token:
                 out.append(full if every_row else full[dev_rows])
             return out[0], out[1]
 
-        def process(lo: torch.Tensor, hi: torch.Tensor):
-            ylo, yhi = elementwise(lo, hi)
-            ylo, yhi = min_p_bounds(ylo, yhi, min_p.to(ylo.device))
-            ylo, yhi = top_k_bounds(ylo, yhi, top_k.to(ylo.device))
-            return top_p_bounds(ylo, yhi, top_p.to(ylo.device))
-
         if isinstance(d.adapter, ShardedAdapter):  # tensor parallelism: one decision from gathered numbers
             res = certify_rows_sharded(d.adapter, d.hidden, elementwise, min_p, top_p, seeds.to(logits.device),
                                        greedy.to(logits.device), masked)
@@ -254,9 +255,9 @@ def resolve(sampler, d: Deferred, logits: torch.Tensor, md, predict_bonus_token:
                           for r, c in zip(res.reason, no_top_k.tolist())]
             res.certified &= no_top_k
         else:
-            res = certify_rows(d.adapter, d.hidden, process, seeds.to(logits.device), greedy.to(logits.device),
-                               masked,
-                               elementwise=all_off(min_p, top_k, top_p, V))
+            dev = logits.device
+            res = certify_rows(d.adapter, d.hidden, elementwise, seeds.to(dev), greedy.to(dev), masked,
+                               elementwise=True, min_p=min_p.to(dev), top_k=top_k.to(dev), top_p=top_p.to(dev))
         certified = res.certified.cpu()
         if bool(certified.any()):
             idx = dev_rows[certified.to(logits.device)]
