@@ -181,17 +181,23 @@ class CertifiedHead:
 
     # ---- bounds ---------------------------------------------------------------------------
     def _rad_total(self, r: torch.Tensor) -> torch.Tensor:
-        if self._rad_cache is None or self._rad_cache[0] is not r:
+        """The total radius for the screen radius ``r``, computed once per tensor (a screen that
+        picks one of two copies by batch size hands out two); sets ``_rad_max``."""
+        cache = self._rad_cache = self._rad_cache or {}
+        hit = cache.get(id(r))
+        if hit is None or hit[0] is not r:
             total = (r + self.acc_err) * (1 + self._delta)
-            self._rad_cache = (r, total)
-            self._rad_max = float(total.max()) if total.numel() else 0.0
-        return self._rad_cache[1]
+            hit = cache[id(r)] = (r, total, float(total.max()) if total.numel() else 0.0)
+        self._rad_max = hit[2]
+        return hit[1]
 
     def _max_of(self, n: torch.Tensor) -> float:
         """``max(n)`` of a per-token screen constant, computed once per tensor (not per step)."""
-        if self._nmax_cache is None or self._nmax_cache[0] is not n:
-            self._nmax_cache = (n, float(n.max()) if n.numel() else 0.0)
-        return self._nmax_cache[1]
+        cache = self._nmax_cache = self._nmax_cache or {}
+        hit = cache.get(id(n))
+        if hit is None or hit[0] is not n:
+            hit = cache[id(n)] = (n, float(n.max()) if n.numel() else 0.0)
+        return hit[1]
 
     def _bias_slack(self, rel: float) -> tuple[torch.Tensor, float]:
         """``[V]`` absolute slack ``(delta + rel + gamma) |b_i| (1 + 4u)`` and its maximum: the

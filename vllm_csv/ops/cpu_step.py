@@ -54,7 +54,7 @@ K_MIN = -143  # rows with max|h| < 2^K_MIN are not quantised (t / 64 would not b
 S_MIN = 2.0**-126  # smallest normal fp32
 ENV = "VLLM_CSV_CPU_KERNELS"  # "0": always the torch reference
 SOURCES = tuple(Path(__file__).resolve().parents[2] / "csrc" / "cpu" / f
-                for f in ("csv_cpu.cpp", "int8_vnni.cpp", "gumbel_cpu.cpp"))
+                for f in ("csv_cpu.cpp", "int8_vnni.cpp", "gumbel_cpu.cpp", "int4_vnni.cpp"))
 
 _state: dict = {}
 

@@ -18,12 +18,15 @@ ball      paper's cluster bound ``<mu_c,h> + R_c ||h|| + bmax_c``      ``C (d + 
 int8      per-row int8 copy, ``|<w_i - s_i q_i, h>| <= r_i ||h||``     ``V d`` bytes + ``8 V``
           (+ the activation's quantisation residual); backends: FBGEMM
           on x86 CPUs (:mod:`.fbgemm`), cuBLASLt on CUDA, torch elsewhere
-int4      per-group int4 copy, same bound                              ``V d / 2`` + scales
+int4      per-group int4 copy, same bound; backends: AVX512-VNNI       ``V d / 2`` + scales
+          on x86 CPUs (:mod:`.int4`), torch elsewhere
 fp16      fp16 copy, ``|<w_i - fp16(w_i), h>| <= r_i ||h||`` + GEMM     ``2 V d`` + ``8 V``
 ========  ===========================================================  =====================
 
 ``auto`` (the default) is the fastest sound screen measured (README, Benchmarks): ``int8``
-everywhere it has an exact fast GEMM (FBGEMM on x86 CPUs, cuBLASLt on CUDA); on a CPU where
+everywhere it has an exact fast GEMM (FBGEMM on x86 CPUs, cuBLASLt on CUDA), and on x86 CPUs
+with AVX512-VNNI ``int4`` for one-row batches on heads of at least ``2^25`` weights
+(``int8+int4``, :mod:`.by_batch`); on a CPU where
 FBGEMM refuses (op missing, another quantized engine), ``fp16``, then the ``int8`` reference.
 Each fallback logs one line at start-up, with the reason.
 """
@@ -72,10 +75,21 @@ def _fbgemm_int8(weight: torch.Tensor, bias: torch.Tensor | None):
         return None
 
 
+def _vnni_int4(weight: torch.Tensor, bias: torch.Tensor | None):
+    """The AVX512-VNNI int4 screen, or None (one log line saying why) where it refuses."""
+    from .int4 import VnniInt4Screen
+
+    try:
+        return VnniInt4Screen(weight, bias)
+    except CSVError as e:
+        logger.info("CSV screen int4: no AVX512-VNNI int4 kernel (%s); using the torch reference", e)
+        return None
+
+
 def make_screen(name: str, weight: torch.Tensor, bias: torch.Tensor | None, index=None, two_sided: bool = False):
     """Build the screen ``name`` for the head ``weight [V, d]`` (and ``bias``); ``auto`` is
-    ``int8`` with an exact fast GEMM (FBGEMM on CPU, cuBLASLt on CUDA), else ``fp16``, else
-    the ``int8`` torch reference (module docstring). ``two_sided`` asks the ball for its
+    ``int8`` with an exact fast GEMM (FBGEMM or VNNI on CPU, with the VNNI ``int4`` for one-row
+    batches; cuBLASLt on CUDA), else ``fp16``, else the ``int8`` torch reference (module docstring). ``two_sided`` asks the ball for its
     two-sided form (every other screen is two-sided)."""
     if name not in SCREENS:
         raise CSVError(f"unknown screen {name!r}; choose one of {', '.join(SCREENS)}")
@@ -83,6 +97,12 @@ def make_screen(name: str, weight: torch.Tensor, bias: torch.Tensor | None, inde
     if name in ("auto", "int8") and on_cpu:
         screen = _fbgemm_int8(weight, bias)
         if screen is not None:
+            from . import by_batch
+
+            if name == "auto" and weight.numel() >= by_batch.MIN_WEIGHTS:  # one-row batches on int4
+                small = _vnni_int4(weight, bias)
+                if small is not None:
+                    return by_batch.ByBatchScreen(screen, small)
             return screen
         if name == "auto":
             try:
@@ -92,6 +112,10 @@ def make_screen(name: str, weight: torch.Tensor, bias: torch.Tensor | None, inde
         name = "int8"
     if name == "auto":
         name = "int8"
+    if name == "int4" and on_cpu:
+        screen = _vnni_int4(weight, bias)
+        if screen is not None:
+            return screen
     if name == "ball":
         if index is None:
             raise CSVError("screen 'ball' needs a CSV index (--csv-index, or let vllm-csv build one)")

@@ -1,0 +1,199 @@
+"""The AVX512-VNNI int4 screen (csrc/cpu/int4_vnni.cpp, vllm_csv/ops/int4_vnni.py,
+vllm_csv/screens/int4.py): the GEMM bit for bit against its float64 reference over head shapes x
+batches x scales x extremes, its refusal of other inputs; the screen's bound on adversarial
+inputs, certified top-k == dense top-k, a broken bound that the same checks catch; and the
+``auto`` screen's choice by batch size."""
+
+import pytest
+import torch
+
+from conftest import dense_topk, hidden_near_rows, peaked_head, same_bits
+from test_screen_fbgemm import adversarial_hidden, check_bound
+from vllm_csv import CertifiedHead, HeadConfig
+from vllm_csv.errors import CSVError
+from vllm_csv.ops import int4_vnni
+from vllm_csv.ops.fbgemm import act7_layout
+from vllm_csv.screens import make_screen
+
+pytestmark = pytest.mark.skipif(int4_vnni.unavailable_reason() is not None,
+                                reason=f"int4 VNNI kernel unavailable: {int4_vnni.unavailable_reason()}")
+
+
+def extreme_weights(V, d, g):
+    """int4 rows at +-7 (the accumulator's extremes) among random ones; fp16 scales from the
+    smallest normal to large."""
+    q = torch.randint(-7, 8, (V, d), dtype=torch.int8, generator=g)
+    q[0], q[1 % V] = 7, -7
+    if V > 2:
+        q[2, ::2], q[2, 1::2] = -7, 7
+    G = -(-d // int4_vnni.GROUP)
+    s = (torch.rand(V, G, generator=g) * 3).exp().mul(2.0**-14).half()
+    s[0, 0] = 2.0**-14
+    s[1 % V] = 1000.0
+    return q, s
+
+
+@pytest.mark.parametrize("V,d", [(1, 1), (31, 3), (32, 32), (33, 33), (1000, 7), (4099, 64), (2053, 1024),
+                                 (515, 2048), (129, 4099)])
+def test_bit_exact_against_reference(V, d):
+    g = torch.Generator().manual_seed(V * 11 + d)
+    q, s = extreme_weights(V, d, g)
+    gemm = int4_vnni.VnniInt4Linear(q, s)
+    for B in (1, 2, 3, 7, 8, 9, 17):
+        p = torch.randint(-64, 64, (B, d), generator=g).float()
+        p[0] = 63.0
+        if B > 1:
+            p[1] = -64.0
+        for c in (1.0, 2.0**-14, 2.0**-3, 2.0**40):
+            x = act7_layout(p, c)
+            assert torch.equal(gemm.linear(x), int4_vnni.int4_linear_ref(x, q, s)), (B, c)
+
+
+def test_refuses_inputs_outside_the_layout():
+    g = torch.Generator().manual_seed(0)
+    q, s = extreme_weights(64, 40, g)
+    gemm = int4_vnni.VnniInt4Linear(q, s)
+    x = act7_layout(torch.randint(-64, 64, (2, 40), generator=g).float(), 0.5)
+    for bad in (x * 3, x + 0.1, torch.cat([x[:, :40], x[:, 40:] * 2], 1)):
+        with pytest.raises(RuntimeError):
+            gemm.linear(bad.contiguous())
+        with pytest.raises(RuntimeError):
+            int4_vnni.int4_linear_ref(bad, q, s)
+    with pytest.raises(RuntimeError):
+        torch.ops.vllm_csv_cpu.pack_int4_vnni(torch.full((4, 4), 8, dtype=torch.int8))  # outside [-7, 7]
+
+
+def int4_screen(W, b=None):
+    from vllm_csv.screens.int4 import VnniInt4Screen
+
+    return VnniInt4Screen(W, b)
+
+
+@pytest.mark.parametrize("V,d", [(1, 1), (7, 3), (997, 65), (4099, 129), (2053, 1031)])
+@pytest.mark.parametrize("hscale", [1e-30, 1e-6, 1.0, 1e30])
+def test_bound_holds_on_adversarial_inputs(V, d, hscale):
+    g = torch.Generator().manual_seed(V * 5 + d)
+    W = torch.randn(V, d, generator=g) / d**0.5
+    if V > 10:
+        W[3:6] = W[2]  # duplicate rows
+        W[7] = 0.0  # zero row
+        W[8] *= 1e-3  # a small row, a large row
+        W[9] *= 1e3
+        W[10, ::7] *= 1e4  # outlier columns inside a group
+    screen = int4_screen(W)
+    h = adversarial_hidden(d, g) * hscale
+    check_bound(screen, W, h)  # mixed norms: per-row scaling after the GEMM
+    for row in h:  # one row at a time: the exponent folded into the activation scale
+        check_bound(screen, W, row[None])
+
+
+def test_bound_holds_with_bias_tiny_weights_and_deferred_scale():
+    g = torch.Generator().manual_seed(1)
+    V, d = 1001, 77
+    W = torch.randn(V, d, generator=g)
+    W[:500] *= 1e-9  # scales at fp16's smallest normal: q rounds to 0 or +-1
+    b = torch.randn(V, generator=g)
+    screen = int4_screen(W)
+    for hs in (1e-30, 1e-3, 1.0):
+        h = torch.randn(6, d, generator=g) * hs
+        h[1] *= 1e20
+        check_bound(screen, W, h)
+        out = screen.center_radius(h, defer_row_scale=True)
+        if out.row_scale is not None:  # rows with different exponents: unscaled, the same product
+            assert torch.equal(out.y * out.row_scale[:, None], screen.center_radius(h).y)
+    check_bound(int4_screen(W, b), W, torch.randn(6, d, generator=g), b)
+
+
+def test_nonfinite_rows_and_heads():
+    g = torch.Generator().manual_seed(2)
+    W = torch.randn(513, 40, generator=g)
+    screen = int4_screen(W)
+    h = torch.randn(5, 40, generator=g)
+    ref = screen.center_radius(h[1:3]).y
+    bad = h.clone()
+    bad[0, 3], bad[3, 0], bad[4, 5] = float("nan"), float("inf"), -float("inf")
+    out = screen.center_radius(bad)
+    assert torch.equal(out.y[1:3], ref)
+    assert not torch.isfinite(out.e[[0, 3, 4]]).any()  # the runtime's finite check sends them dense
+    W[3, 3] = float("nan")
+    with pytest.raises(CSVError):
+        int4_screen(W)
+    W[3, 3] = 1e9  # a scale beyond fp16
+    with pytest.raises(CSVError):
+        int4_screen(W)
+    assert make_screen("int4", W, None).name == "int4"  # the torch reference takes it
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("V,d,bias", [(5003, 64, False), (4099, 129, True), (1531, 1030, False)])
+def test_certified_topk_equals_dense(dtype, V, d, bias):
+    W, g = peaked_head(V, d, seed=V + d, dtype=dtype)
+    b = (torch.randn(V, generator=g) * 0.1).to(dtype) if bias else None
+    head = CertifiedHead(W, b, config=HeadConfig(screen="int4", budget=1.0))
+    assert head.screen_backend == "vnni"
+    h = torch.cat([hidden_near_rows(W, 24, g), torch.randn(8, d, generator=g).to(dtype),
+                   adversarial_hidden(d, g).to(dtype)])
+    for B in (1, 8, h.shape[0]):  # batch shapes change the dense GEMM's rounding: compare per batch
+        for a in range(0, h.shape[0] - B + 1, B):
+            hb = h[a : a + B]
+            values = dtype != torch.float32  # fp32 values come from another GEMM call: ids only
+            res = head.topk(hb, 2, values=values)
+            ids, vals, _ = dense_topk(W, b, hb, 2)
+            assert torch.equal(res.ids if values else res.ids.sort(1).values, ids if values else ids.sort(1).values)
+            if values:
+                assert same_bits(res.values, vals)
+    assert head.topk(h[:24], 1, values=False).certified.float().mean() > 0.9  # peaked rows certify
+
+
+def test_broken_bounds_are_caught():
+    """Understate the bound, or make the copy cruder than its radius: the comparison with the
+    dense head finds wrong tokens; the intact screen has none."""
+    from test_screen_fbgemm import wrong_tokens
+
+    g = torch.Generator().manual_seed(0)
+    W = torch.randn(4096, 64, generator=g)
+    h = torch.randn(1024, 64, generator=g)
+    head = CertifiedHead(W, config=HeadConfig(screen="int4", budget=1.0))
+    assert wrong_tokens(head, W, h) == 0
+    honest = head.screen.center_radius
+
+    def shrunk(x, **kw):
+        out = honest(x, **kw)
+        out.radius, out.n, out.rel = out.radius * 0, out.n * 0, 0.0
+        return out
+
+    head.screen.center_radius = shrunk
+    head.acc_err.zero_()
+    assert wrong_tokens(head, W, h) > 0
+    # a copy cruder than its radius: half the rows zeroed, on a peaked head (hidden states near
+    # its rows), where a zeroed winner then falls below the certified runner-up
+    W, g = peaked_head(4096, 64, seed=3)
+    h = hidden_near_rows(W, 512, g)
+    head = CertifiedHead(W, config=HeadConfig(screen="int4", budget=1.0))
+    assert wrong_tokens(head, W, h) == 0
+    q, s = int4_vnni.quantize_int4(W)
+    gone = torch.rand(q.shape[0], generator=g) < 0.5
+    head.screen.gemm = int4_vnni.VnniInt4Linear(q.masked_fill(gone[:, None], 0), s)
+    assert wrong_tokens(head, W, h) > 0
+
+
+def test_auto_takes_int4_for_one_row_and_int8_for_more(monkeypatch):
+    from vllm_csv.screens import by_batch
+    from vllm_csv.screens.by_batch import ByBatchScreen
+    from vllm_csv.screens.fbgemm import FbgemmInt8Screen
+    from vllm_csv.screens.int4 import VnniInt4Screen
+
+    W, g = peaked_head(2048, 96, seed=5, dtype=torch.bfloat16)
+    assert isinstance(make_screen("auto", W, None), FbgemmInt8Screen)  # a small head: one screen
+    monkeypatch.setattr(by_batch, "MIN_WEIGHTS", W.numel())
+    screen = make_screen("auto", W, None)
+    assert isinstance(screen, ByBatchScreen) and screen.name == "int8+int4"
+    assert isinstance(screen.small, VnniInt4Screen) and isinstance(screen.large, FbgemmInt8Screen)
+    h = hidden_near_rows(W, 3, g).float()
+    assert screen.center_radius(h[:1]).radius is screen.small.radius
+    assert screen.center_radius(h).radius is screen.large.radius
+    head = CertifiedHead(W, config=HeadConfig(budget=1.0, off_switch=False))
+    for B in (1, 3, 1):  # alternating batch sizes: each call its own screen's bound
+        hb = h[:B].to(W.dtype)
+        res = head.topk(hb, 1)
+        assert bool(res.certified.all()) and torch.equal(res.ids, dense_topk(W, None, hb, 1)[0])

@@ -1,0 +1,40 @@
+"""Two screens of one head, chosen per call by the batch size.
+
+A screen's cost is its GEMM plus the exact scoring of the tokens it cannot rule out. The int4
+copy (:mod:`.int4`) reads half the bytes of the int8 one (:mod:`.fbgemm`) but bounds each logit
+about ten times more loosely, so it leaves more candidates a row, and the scored set of a batch
+is the union of its rows'. On this repo's CPUs (AVX512-VNNI, 2 threads) the int4 step wins at
+one row and loses from a few rows on: the demo head (V 65536, d 768, bf16) took 0.95 against
+1.77 ms at one row, 14.3 against 2.1 ms at eight (README, Benchmarks). Each call's bound is its
+own screen's: :class:`~vllm_csv.screens.ScreenOut` carries its radius and coefficients. On a
+head of ``151936 x 1024`` (random weights, peaked hidden states: one or two tokens scored) the
+int4 step took 2.8 against 5.0 ms at one row; on small heads the two are even
+(:data:`MIN_WEIGHTS`).
+"""
+
+from __future__ import annotations
+
+import torch
+
+SMALL_BATCH = 1  # rows at most for the small-batch screen
+MIN_WEIGHTS = 2**25  # heads of fewer weights keep one screen: at 32768 x 512 (2^24) the int4 step
+# measured no faster than the int8 one (0.27 against 0.28 ms at one row), where the GEMM is small
+
+
+class ByBatchScreen:
+    """``small`` for batches of at most ``max_small`` rows, ``large`` for the others; both
+    two-sided screens of the same head that understand ``defer_row_scale``."""
+
+    two_sided = True
+    defers_row_scale = True
+
+    def __init__(self, large, small, max_small: int = SMALL_BATCH):
+        self.large, self.small, self.max_small = large, small, max_small
+        self.name = f"{large.name}+{small.name}"
+        self.backend = getattr(large, "backend", None)
+        self.radius = large.radius
+        self.extra_bytes = getattr(large, "extra_bytes", 0) + getattr(small, "extra_bytes", 0)
+
+    def center_radius(self, h: torch.Tensor, defer_row_scale: bool = False):
+        screen = self.small if h.shape[0] <= self.max_small else self.large
+        return screen.center_radius(h, defer_row_scale=defer_row_scale)
