@@ -31,8 +31,9 @@ def add_csv_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--enable-csv-decode", action="store_true", default=None,
                    help="Compute exact logits on a certified sub-vocabulary; dense otherwise.")
     g.add_argument("--csv-screen", choices=SCREENS, default=None,
-                   help="Bound used to prune the vocabulary (default auto: int8 with FBGEMM on x86 CPUs and "
-                        "cuBLASLt on CUDA; fp16 on CPUs without FBGEMM).")
+                   help="Bound used to prune the vocabulary (default auto: int8 with our AVX512-VNNI kernel or "
+                        "FBGEMM on x86 CPUs, plus int4 for one-row batches on VNNI CPUs and large heads; cuBLASLt "
+                        "on CUDA; fp16 on CPUs without FBGEMM).")
     g.add_argument("--csv-index", default=None, help="Index file for --csv-screen ball (default: cache).")
     g.add_argument("--csv-clusters", type=int, default=None, help="Clusters when building an index.")
     g.add_argument("--csv-budget", type=float, default=None,
