@@ -60,6 +60,8 @@ def run_server(model: str, csv: bool, args) -> dict:
     port = args.port + (1 if csv else 0)
     base = f"http://127.0.0.1:{port}"
     flags = ["--enable-csv-decode"] if csv else []
+    if csv and args.screen:
+        flags += ["--csv-screen", args.screen]  # the CSV server only (any --csv-* flag enables CSV)
     if csv and args.no_off_switch:
         flags += ["--additional-config", json.dumps({"csv_decode": {"off_switch": False}})]
     cmd = [*_vllm_command(), "serve", model, "--host", "127.0.0.1", "--port", str(port), "--seed", "0",
@@ -209,6 +211,7 @@ def main(argv=None) -> int:
     p.add_argument("--max-tokens", type=int, default=48)
     p.add_argument("--port", type=int, default=8110)
     p.add_argument("--timeout", type=float, default=900)
+    p.add_argument("--screen", default=None, help="--csv-screen for the CSV server (default: the plugin's auto)")
     p.add_argument("--no-off-switch", action="store_true",
                    help="keep CSV on even where it is slower (to measure the certified share)")
     p.add_argument("--mixed", action="store_true",

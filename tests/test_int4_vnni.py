@@ -193,6 +193,16 @@ def test_auto_takes_int4_for_one_row_and_int8_for_more(monkeypatch):
     assert screen.center_radius(h[:1]).radius is screen.small.radius
     assert screen.center_radius(h).radius is screen.large.radius
     head = CertifiedHead(W, config=HeadConfig(budget=1.0, off_switch=False))
+    # the sampler's certificate takes the tight (int8) copy at every batch size
+    from vllm_csv.sampling.head_adapter import HeadAdapter
+
+    def refuse(*a, **k):
+        raise AssertionError("the int4 copy was used for the sampler's bounds")
+    monkeypatch.setattr(head.screen.small, "center_radius", refuse)
+    lo, hi, _, finite = HeadAdapter(head).intervals(h[:1].to(W.dtype))
+    assert bool(finite.all()) and bool((lo <= hi).all())
+    monkeypatch.undo()
+    monkeypatch.setattr(by_batch, "MIN_WEIGHTS", W.numel())
     for B in (1, 3, 1):  # alternating batch sizes: each call its own screen's bound
         hb = h[:B].to(W.dtype)
         res = head.topk(hb, 1)

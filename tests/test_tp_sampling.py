@@ -157,8 +157,8 @@ def test_tp_disagreeing_ranks_go_dense_together(monkeypatch):
             return
         real, score = head.local._intervals, head.local._score
 
-        def broken(hidden):
-            lo, hi, hnorm, ok = real(hidden)
+        def broken(hidden, **kw):
+            lo, hi, hnorm, ok = real(hidden, **kw)
             ok = ok.clone()
             ok[0] = False  # as a NaN in row 0 would make it
             hi = hi.clone()

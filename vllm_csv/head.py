@@ -214,10 +214,11 @@ class CertifiedHead:
         zeroed so that they add no candidates, and are never certified (``ok`` False)."""
         return cpu_step.prepare_rows(hidden, self.certifiable)  # one fused kernel on the CPU
 
-    def _intervals(self, hidden: torch.Tensor):
+    def _intervals(self, hidden: torch.Tensor, tight: bool = False):
         """``lo, hi [B, V]`` around the dense engine's rounded pre-transform logit (``lo`` is None
         for one-sided screens), ``||h||`` rounded up (0 on rows with NaN/inf), and which rows may
-        be certified.
+        be certified. ``tight``: a screen that picks a looser copy for small batches
+        (:class:`~vllm_csv.screens.by_batch.ByBatchScreen`) uses its tight one whatever the batch.
 
         Half-width ``m = rad_total ||h|| + delta (|y| + |b|) + n e + tiny`` (see
         :meth:`_bias_slack`); ``rad_total = (r + e_acc/||h||)(1 + delta)`` covers the screen
@@ -225,7 +226,7 @@ class CertifiedHead:
         ``|lo|, |hi| <= max|y| + rad ||h||`` (``delta = 2^(2-p) + 8u``). A row may be certified
         when ``h`` is finite and every bound stays below :attr:`DenseEngine.limit`."""
         hidden, hnorm, ok = self._prepare(hidden)
-        out = self.screen.center_radius(hidden)
+        out = (getattr(self.screen, "tight", self.screen) if tight else self.screen).center_radius(hidden)
         y, rad = out.y, self._rad_total(out.radius)
         delta = self._delta + out.rel
         bslack, bmax = self._bias_slack(out.rel)

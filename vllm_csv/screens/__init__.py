@@ -64,25 +64,19 @@ SCREENS = ("auto", "int8", "int4", "fp16", "ball")  # the one list of names: CLI
 DEFAULT_SCREEN = "auto"
 
 
-def _fbgemm_int8(weight: torch.Tensor, bias: torch.Tensor | None):
-    """The FBGEMM int8 screen, or None (one log line saying why) where it refuses."""
-    from .fbgemm import FbgemmInt8Screen
-
+def _x86_screen(kind: str, weight: torch.Tensor, bias: torch.Tensor | None):
+    """The x86 kernel screen ``kind`` (``int8``: FBGEMM / AVX512-VNNI; ``int4``: AVX512-VNNI), or
+    None (one log line saying why) where it refuses."""
+    if kind == "int8":
+        from .fbgemm import FbgemmInt8Screen as cls
+        missing = "no exact x86 int8 GEMM"
+    else:
+        from .int4 import VnniInt4Screen as cls
+        missing = "no AVX512-VNNI int4 kernel"
     try:
-        return FbgemmInt8Screen(weight, bias)
+        return cls(weight, bias)
     except CSVError as e:
-        logger.info("CSV screen int8: no exact x86 int8 GEMM (%s); falling back", e)
-        return None
-
-
-def _vnni_int4(weight: torch.Tensor, bias: torch.Tensor | None):
-    """The AVX512-VNNI int4 screen, or None (one log line saying why) where it refuses."""
-    from .int4 import VnniInt4Screen
-
-    try:
-        return VnniInt4Screen(weight, bias)
-    except CSVError as e:
-        logger.info("CSV screen int4: no AVX512-VNNI int4 kernel (%s); using the torch reference", e)
+        logger.info("CSV screen %s: %s (%s); falling back", kind, missing, e)
         return None
 
 
@@ -95,12 +89,12 @@ def make_screen(name: str, weight: torch.Tensor, bias: torch.Tensor | None, inde
         raise CSVError(f"unknown screen {name!r}; choose one of {', '.join(SCREENS)}")
     on_cpu = weight.device.type == "cpu"
     if name in ("auto", "int8") and on_cpu:
-        screen = _fbgemm_int8(weight, bias)
+        screen = _x86_screen("int8", weight, bias)
         if screen is not None:
             from . import by_batch
 
             if name == "auto" and weight.numel() >= by_batch.MIN_WEIGHTS:  # one-row batches on int4
-                small = _vnni_int4(weight, bias)
+                small = _x86_screen("int4", weight, bias)
                 if small is not None:
                     return by_batch.ByBatchScreen(screen, small)
             return screen
@@ -113,7 +107,7 @@ def make_screen(name: str, weight: torch.Tensor, bias: torch.Tensor | None, inde
     if name == "auto":
         name = "int8"
     if name == "int4" and on_cpu:
-        screen = _vnni_int4(weight, bias)
+        screen = _x86_screen("int4", weight, bias)
         if screen is not None:
             return screen
     if name == "ball":

@@ -6,7 +6,10 @@ about ten times more loosely, so it leaves more candidates a row, and the scored
 is the union of its rows'. On this repo's CPUs (AVX512-VNNI, 2 threads) the int4 step wins at
 one row and loses from a few rows on: the demo head (V 65536, d 768, bf16) took 0.95 against
 1.77 ms at one row, 14.3 against 2.1 ms at eight (README, Benchmarks). Each call's bound is its
-own screen's: :class:`~vllm_csv.screens.ScreenOut` carries its radius and coefficients. On a
+own screen's: :class:`~vllm_csv.screens.ScreenOut` carries its radius and coefficients. The
+certificate of rows drawn in vLLM's sampler asks for the ``tight`` (large-batch) copy at every
+batch size: it compares the bounds of many tokens (the draw's contenders, top-k's and top-p's
+decisions), where int4's width costs more than its bytes save. On a
 head of ``151936 x 1024`` (random weights, peaked hidden states: one or two tokens scored) the
 int4 step took 2.8 against 5.0 ms at one row; on small heads the two are even
 (:data:`MIN_WEIGHTS`).
@@ -33,6 +36,7 @@ class ByBatchScreen:
         self.name = f"{large.name}+{small.name}"
         self.backend = getattr(large, "backend", None)
         self.radius = large.radius
+        self.tight = large  # what callers that need the tighter bound at any batch size take
         self.extra_bytes = getattr(large, "extra_bytes", 0) + getattr(small, "extra_bytes", 0)
 
     def center_radius(self, h: torch.Tensor, defer_row_scale: bool = False):

@@ -1,0 +1,148 @@
+"""vLLM's Model Runner V2 Gumbel draw (CUDA): its noise, recomputable for any token, and a
+certificate of the token it picks from bounds on the logits.
+
+vLLM 0.32's V2 sampler (``vllm/v1/worker/gpu/sample/gumbel.py``, ``gumbel_sample`` without
+fp64) returns, per row, ``argmax_i fl32(x_i + g_i)`` over the processed fp32 logits ``x`` (ties:
+the lowest index, within a block of 1024 by ``tl.max``'s left tie-break and across blocks by
+``torch.argmax``), ``-inf`` where masked, with
+
+    r_i = murmur3_32(seed, pos, i)            (uint32; the request's seed, the token's position)
+    u_i = fl32(hi16(r_i) 2^-16 + (lo16(r_i) + 0.5) 2^-32)      (exact operands, one rounding)
+    g_i = -log(-L(u_i)),  L(u) = -u (1 + u/2 + ... + u^7/8)   for u < 0.25 (a series, fp32 Horner)
+                                 log(max(1 - u, 2^-24))         otherwise
+
+Token ``i``'s noise depends only on ``(seed, pos, i)``: no per-step random state is drawn, so
+nothing has to be peeked or kept in step. ``r`` and ``u`` are integer and exactly rounded
+arithmetic, replayed here bit for bit (:func:`uniform`). ``g`` is computed on the GPU with
+Triton's fp32 ``log`` and a truncated series, so it is bounded, not replayed: :func:`noise_bounds`
+gives ``[g - eps, g + eps]`` around the real ``g(u)`` (float64), ``eps = 1e-5 (1 + |g|)``: the
+series' truncation is below ``2.4e-6`` relative to ``L``, its fp32 evaluation about ``1e-6``,
+and an fp32 ``log`` a few ulps; each moves ``g = -log(-L)`` by about the relative error of
+``L``, at most ``4e-6``, or, through the outer ``log``, ``4e-7 |g|``: ``eps`` is 2.5x the sum.
+(``tests/test_sampling_gumbel_v2.py`` checks ``r`` and ``u`` bit for bit and ``g`` within the
+bounds against vLLM's own Triton functions, run by Triton's interpreter on the CPU; the GPU's
+``log`` is checked only where a GPU is lent.)
+
+``u`` lies in ``[2^-33, 1]`` (its largest values round to 1.0, where ``1 - u`` is clamped to
+``2^-24``), so ``g`` lies in ``[-log(16.64), -log(2^-33 ln 2 ...)] = [-2.82, 23.3]``:
+:data:`GUMBEL_MIN`, :data:`GUMBEL_MAX`, rounded outwards.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+GUMBEL_MIN = -2.9
+GUMBEL_MAX = 23.5
+EPS_ABS, EPS_REL = 1e-5, 1e-5  # noise bounds: g +- (EPS_ABS + EPS_REL |g|)
+_M32 = 0xFFFFFFFF
+
+
+def _mul32(a: torch.Tensor, c: int) -> torch.Tensor:
+    return (a * c) & _M32
+
+
+def _rotl32(a: torch.Tensor, s: int) -> torch.Tensor:
+    return ((a << s) | (a >> (32 - s))) & _M32
+
+
+def _mix(h: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
+    key = _mul32(key, 0xCC9E2D51)
+    key = _mul32(_rotl32(key, 15), 0x1B873593)
+    h = _rotl32(h ^ key, 13)
+    return (h * 5 + 0xE6546B64) & _M32
+
+
+def _fmix(h: torch.Tensor) -> torch.Tensor:
+    h = h ^ (h >> 16)
+    h = _mul32(h, 0x85EBCA6B)
+    h = h ^ (h >> 13)
+    h = _mul32(h, 0xC2B2AE35)
+    return h ^ (h >> 16)
+
+
+def murmur3(seeds: torch.Tensor, pos: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """vLLM V2's ``murmur3_hash32(seed, pos, offset)`` (domain 0): ``[R, n]`` int64 holding uint32
+    values, for ``seeds``, ``pos`` ``[R]`` int64 and token ``ids`` ``[n]`` or ``[R, n]``."""
+    seeds, pos = seeds.long()[:, None], pos.long()[:, None]
+    ids = ids.long() if ids.dim() == 2 else ids.long()[None]
+    h = torch.zeros_like(seeds)
+    h = _mix(h, seeds & _M32)
+    h = _mix(h, (seeds >> 32) & _M32)
+    h = _mix(h, pos & _M32)
+    h = _mix(h.expand(-1, ids.shape[1]), ids & _M32)
+    return _fmix(h ^ 16)
+
+
+def uniform(seeds: torch.Tensor, pos: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """``u`` of the module docstring, ``[R, n]`` float32, bit for bit (both products are exact
+    and the sum is one fp32 rounding, as in the kernel with or without a fused multiply-add)."""
+    r = murmur3(seeds, pos, ids)
+    return (r >> 16).float() * 2.0**-16 + ((r & 0xFFFF).float() + 0.5) * 2.0**-32
+
+
+def noise(u: torch.Tensor) -> torch.Tensor:
+    """The real ``g(u)`` (float64) of the fp32 ``u``, with the kernel's clamp of ``1 - u``."""
+    ud = u.double()
+    one_minus = (1.0 - u).double().clamp_min(2.0**-24)  # the kernel's fp32 1 - u, then its clamp
+    L = torch.where(ud < 0.25, torch.log1p(-ud), torch.log(one_minus))
+    return -torch.log(-L)
+
+
+def noise_bounds(seeds: torch.Tensor, pos: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(g_lo, g_hi)`` float64 ``[R, n]``, around the noise the kernel adds to tokens ``ids``
+    of rows with ``seeds`` at positions ``pos`` (module docstring)."""
+    g = noise(uniform(seeds, pos, ids))
+    eps = EPS_ABS + EPS_REL * g.abs()
+    return g - eps, g + eps
+
+
+def comparison_margin(x_abs_max: torch.Tensor) -> torch.Tensor:
+    """How far the kernel's fp32 comparison of ``fl32(x_i + g_i)`` with ``fl32(x_j + g_j)`` can
+    stray from the real ``x_i + g_i`` against ``x_j + g_j``, for ``|x| <= x_abs_max``: each sum
+    rounds by at most ``2^-24 (|x| + |g|)``, so ``2^-23 (x_abs_max + 24)`` covers both
+    (float64, the shape of ``x_abs_max``)."""
+    return (x_abs_max.double() + 24.0) * 2.0**-23
+
+
+def certify_draw_v2(ylo: torch.Tensor, yhi: torch.Tensor, seeds: torch.Tensor, pos: torch.Tensor,
+                    ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Certify the token V2's ``gumbel_sample`` picks in each row from ``ylo <= x <= yhi``.
+
+    Parameters
+    ----------
+    ylo, yhi : torch.Tensor
+        ``[R, n]`` float32 bounds of the processed logits the kernel sees (``-inf`` on both for
+        masked tokens).
+    seeds, pos : torch.Tensor
+        ``[R]`` int64, each row's request seed and position.
+    ids : torch.Tensor, optional
+        ``[n]`` or ``[R, n]`` int64 token ids of the columns (default: the column is the token).
+
+    Returns
+    -------
+    (winner [R] int64 (a column), certified [R] bool, contenders [R, n] bool)
+        With ``w = argmax(ylo + g_lo)`` and ``best`` that value, a row is certified when every
+        other column has ``yhi + g_hi < best - 2 m`` (``m`` :func:`comparison_margin` of the row's
+        largest finite ``|y|``): then ``fl32(x_w + g_w) > fl32(x_j + g_j)`` strictly, whatever the
+        kernel's order of comparison. Rows with NaN or ``+inf`` bounds, or nothing finite, are
+        never certified; ``contenders`` are the columns to score exactly to decide the others.
+    """
+    R, n = ylo.shape
+    cols = torch.arange(n, device=ylo.device) if ids is None else ids
+    g_lo, g_hi = noise_bounds(seeds, pos, cols)
+    lo, hi = ylo.double(), yhi.double()
+    finite_lo = lo > -math.inf
+    usable = finite_lo.any(1) & ~torch.isnan(lo).any(1) & ~torch.isnan(hi).any(1) & ~(hi == math.inf).any(1)
+    absmax = torch.where(torch.isfinite(hi), hi.abs(), 0.0).amax(1).maximum(
+        torch.where(torch.isfinite(lo), lo.abs(), 0.0).amax(1))
+    m = comparison_margin(absmax)
+    nlo = torch.where(finite_lo, lo + g_lo, -math.inf)
+    nhi = torch.where(hi > -math.inf, hi + g_hi, -math.inf)
+    best, winner = nlo.max(1)
+    contenders = nhi >= (best - 2 * m)[:, None]
+    contenders.scatter_(1, winner[:, None], True)
+    certified = usable & (contenders.sum(1) == 1)
+    return winner, certified, contenders & usable[:, None]
