@@ -51,7 +51,6 @@ def median_ms(fn, repeats: int) -> float:
 def sampler_rows(head, size: int, hb: torch.Tensor, mode: str, temperature: float, seed: int):
     """One batch of rows certified in the sampler: ``(certified count, scored)``."""
     from vllm_csv.sampling.head_adapter import HeadAdapter
-    from vllm_csv.sampling.nucleus import min_p_bounds, top_p_bounds
     from vllm_csv.sampling.rows import certify_rows
     from vllm_csv.sampling.sharded_rows import ShardedAdapter, certify_rows_sharded
 
@@ -65,10 +64,7 @@ def sampler_rows(head, size: int, hb: torch.Tensor, mode: str, temperature: floa
         return lo / temperature, hi / temperature
 
     if size == 1:
-        def process(lo, hi):
-            ylo, yhi = min_p_bounds(*temp(lo, hi), min_p)
-            return top_p_bounds(ylo, yhi, top_p)
-        res = certify_rows(HeadAdapter(head), hb, process, seeds, greedy)
+        res = certify_rows(HeadAdapter(head), hb, temp, seeds, greedy, elementwise=True, min_p=min_p, top_p=top_p)
     else:
         res = certify_rows_sharded(ShardedAdapter(head), hb, temp, min_p, top_p, seeds, greedy)
     return int(res.certified.sum()), res.scored

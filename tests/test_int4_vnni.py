@@ -7,8 +7,8 @@ inputs, certified top-k == dense top-k, a broken bound that the same checks catc
 import pytest
 import torch
 
-from conftest import dense_topk, hidden_near_rows, peaked_head, same_bits
-from test_screen_fbgemm import adversarial_hidden, check_bound
+from conftest import dense_topk, hidden_near_rows, peaked_head
+from test_screen_fbgemm import adversarial_hidden, check_bound, topk_equals_dense
 from vllm_csv import CertifiedHead, HeadConfig
 from vllm_csv.errors import CSVError
 from vllm_csv.ops import int4_vnni
@@ -131,18 +131,7 @@ def test_certified_topk_equals_dense(dtype, V, d, bias):
     b = (torch.randn(V, generator=g) * 0.1).to(dtype) if bias else None
     head = CertifiedHead(W, b, config=HeadConfig(screen="int4", budget=1.0))
     assert head.screen_backend == "vnni"
-    h = torch.cat([hidden_near_rows(W, 24, g), torch.randn(8, d, generator=g).to(dtype),
-                   adversarial_hidden(d, g).to(dtype)])
-    for B in (1, 8, h.shape[0]):  # batch shapes change the dense GEMM's rounding: compare per batch
-        for a in range(0, h.shape[0] - B + 1, B):
-            hb = h[a : a + B]
-            values = dtype != torch.float32  # fp32 values come from another GEMM call: ids only
-            res = head.topk(hb, 2, values=values)
-            ids, vals, _ = dense_topk(W, b, hb, 2)
-            assert torch.equal(res.ids if values else res.ids.sort(1).values, ids if values else ids.sort(1).values)
-            if values:
-                assert same_bits(res.values, vals)
-    assert head.topk(h[:24], 1, values=False).certified.float().mean() > 0.9  # peaked rows certify
+    topk_equals_dense(head, W, b, g)
 
 
 def test_broken_bounds_are_caught():

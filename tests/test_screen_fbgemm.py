@@ -213,6 +213,17 @@ def test_certified_topk_equals_dense(dtype, V, d, bias):
     b = (torch.randn(V, generator=g) * 0.1).to(dtype) if bias else None
     head = CertifiedHead(W, b, config=HeadConfig(screen="int8", budget=1.0))
     assert isinstance(head.screen, FbgemmInt8Screen)
+    h = topk_equals_dense(head, W, b, g)
+    logits, stats = head.sampler_logits(h[:8], torch.ones(8, dtype=torch.long))
+    dense = torch.nn.functional.linear(h[:8], W, b)
+    assert torch.equal(logits.argmax(1), dense.argmax(1)) and stats.screen == "int8"
+
+
+def topk_equals_dense(head, W, b, g):
+    """The certified top-2 (ids, and values bit for bit in half precision) of ``head`` equal the
+    dense head's, batch by batch, on peaked, random and adversarial hidden states, and peaked rows
+    certify; returns those hidden states."""
+    dtype, d = W.dtype, W.shape[1]
     h = torch.cat([hidden_near_rows(W, 24, g), torch.randn(8, d, generator=g).to(dtype),
                    adversarial_hidden(d, g).to(dtype)])
     for B in (1, 8, h.shape[0]):  # batch shapes change the dense GEMM's rounding: compare per batch
@@ -225,9 +236,7 @@ def test_certified_topk_equals_dense(dtype, V, d, bias):
             if values:
                 assert same_bits(res.values, vals)
     assert head.topk(h[:24], 1, values=False).certified.float().mean() > 0.9  # peaked rows certify
-    logits, stats = head.sampler_logits(h[:8], torch.ones(8, dtype=torch.long))
-    dense = torch.nn.functional.linear(h[:8], W, b)
-    assert torch.equal(logits.argmax(1), dense.argmax(1)) and stats.screen == "int8"
+    return h
 
 
 def wrong_tokens(head, W, h):

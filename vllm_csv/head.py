@@ -147,7 +147,8 @@ class CertifiedHead:
         self._tiny32 = 2 * torch.finfo(torch.float32).tiny
         self._gamma = g
         self._gamma64 = 4 * gamma(self.hidden_size + 2, 2.0**-53)  # float64 sums of _score
-        self._rad_cache = self._nmax_cache = None
+        self._rad_cache: dict = {}  # per screen tensor (a screen hands out one or two): _per_tensor
+        self._nmax_cache: dict = {}
         self._wmax = float(self.weight.float().norm(dim=1).max()) if V else 0.0
         self._rad_total(self.screen.radius)
         # |b_i| and the screen's own per-token offset (its bias term): the pre-bias magnitude
@@ -180,24 +181,26 @@ class CertifiedHead:
         return self.engine.transform(exact).masked_fill_(exact == -math.inf, -math.inf)
 
     # ---- bounds ---------------------------------------------------------------------------
-    def _rad_total(self, r: torch.Tensor) -> torch.Tensor:
-        """The total radius for the screen radius ``r``, computed once per tensor (a screen that
-        picks one of two copies by batch size hands out two); sets ``_rad_max``."""
-        cache = self._rad_cache = self._rad_cache or {}
-        hit = cache.get(id(r))
-        if hit is None or hit[0] is not r:
-            total = (r + self.acc_err) * (1 + self._delta)
-            hit = cache[id(r)] = (r, total, float(total.max()) if total.numel() else 0.0)
-        self._rad_max = hit[2]
+    @staticmethod
+    def _per_tensor(cache: dict, t: torch.Tensor, fn):
+        """``fn(t)``, computed once per tensor (not per step): screens hand out fixed per-token
+        tensors, one or two (a screen that picks one of two copies by batch size)."""
+        hit = cache.get(id(t))
+        if hit is None or hit[0] is not t:  # (the tensor is kept: its id is not reused meanwhile)
+            hit = cache[id(t)] = (t, fn(t))
         return hit[1]
 
+    def _rad_total(self, r: torch.Tensor) -> torch.Tensor:
+        """The total radius for the screen radius ``r``; sets ``_rad_max``."""
+        def total(r):
+            t = (r + self.acc_err) * (1 + self._delta)
+            return t, float(t.max()) if t.numel() else 0.0
+        t, self._rad_max = self._per_tensor(self._rad_cache, r, total)
+        return t
+
     def _max_of(self, n: torch.Tensor) -> float:
-        """``max(n)`` of a per-token screen constant, computed once per tensor (not per step)."""
-        cache = self._nmax_cache = self._nmax_cache or {}
-        hit = cache.get(id(n))
-        if hit is None or hit[0] is not n:
-            hit = cache[id(n)] = (n, float(n.max()) if n.numel() else 0.0)
-        return hit[1]
+        """``max(n)`` of a per-token screen constant."""
+        return self._per_tensor(self._nmax_cache, n, lambda n: float(n.max()) if n.numel() else 0.0)
 
     def _bias_slack(self, rel: float) -> tuple[torch.Tensor, float]:
         """``[V]`` absolute slack ``(delta + rel + gamma) |b_i| (1 + 4u)`` and its maximum: the

@@ -31,6 +31,7 @@ every x86 build of torch since 1.3; torch 2.13 deprecates the quantized *tensor 
 
 from __future__ import annotations
 
+import math
 import warnings
 
 import torch
@@ -129,6 +130,21 @@ def act7_layout(p: torch.Tensor, c: float) -> torch.Tensor:
     x[:, d] = ACT_MIN * c
     x[:, d + 1] = ACT_MAX * c
     return x
+
+
+def act7_decode(x: torch.Tensor, d: int, op: str) -> tuple[torch.Tensor, float]:
+    """The inverse of :func:`act7_layout` for the kernels' torch references: ``(p [B, d] float64,
+    c)`` from ``x [B, d + 2]`` (``c`` read from the last column), or ``RuntimeError`` (naming
+    ``op``) where ``x`` is not ``c`` times integers in ``[-64, 63]`` with ``c`` a power of two in
+    that layout -- the no-saturation condition the kernels check on every call. ``B > 0``."""
+    c = float(x[0, d + 1]) / ACT_MAX
+    p = x[:, :d].double() / c
+    ok = (math.isfinite(c) and c > 0 and math.frexp(c)[0] == 0.5 and bool((p == p.round()).all())
+          and float(p.min()) >= ACT_MIN and float(p.max()) <= ACT_MAX
+          and bool((x[:, d] == ACT_MIN * c).all()) and bool((x[:, d + 1] == ACT_MAX * c).all()))
+    if not ok:
+        raise RuntimeError(f"{op}: input is not c times 7-bit integers")
+    return p, c
 
 
 def packed_int8_linear_ref(p: torch.Tensor, q: torch.Tensor, s: torch.Tensor, c: float) -> torch.Tensor:

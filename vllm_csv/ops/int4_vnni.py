@@ -20,12 +20,11 @@ that its input has the layout above and refuses (``RuntimeError``) otherwise.
 
 from __future__ import annotations
 
-import math
 
 import torch
 
 from . import cpu_step
-from .fbgemm import ACT_MAX, ACT_MIN
+from .fbgemm import act7_decode
 
 GROUP = 32  # columns a scale
 QMAX = 7
@@ -72,13 +71,7 @@ def int4_linear_ref(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor) -> torch.
     B = x.shape[0]
     if B == 0:
         return torch.empty((0, V), dtype=torch.float32)
-    c = float(x[0, d + 1]) / ACT_MAX
-    p = x[:, :d].double() / c
-    ok = (math.isfinite(c) and c > 0 and math.frexp(c)[0] == 0.5 and bool((p == p.round()).all())
-          and float(p.min()) >= ACT_MIN and float(p.max()) <= ACT_MAX
-          and bool((x[:, d] == ACT_MIN * c).all()) and bool((x[:, d + 1] == ACT_MAX * c).all()))
-    if not ok:
-        raise RuntimeError("int4_vnni_linear: input is not c times 7-bit integers")
+    p, c = act7_decode(x, d, "int4_vnni_linear")
     z = torch.zeros((B, V), dtype=torch.float32)
     for g in range(s.shape[1]):
         cols = slice(g * GROUP, min(d, (g + 1) * GROUP))

@@ -29,13 +29,12 @@ input is ``c`` times an integer in ``[-64, 63]`` (the no-saturation condition), 
 
 from __future__ import annotations
 
-import math
 
 import torch
 
 from . import cpu_step
 from .cpu_step import PANEL
-from .fbgemm import ACT_MAX, ACT_MIN, Int8Linear, packed_int8_linear_ref
+from .fbgemm import ACT_MIN, Int8Linear, act7_decode, packed_int8_linear_ref
 
 
 def unavailable_reason(d: int, vocab: int) -> str | None:
@@ -85,11 +84,5 @@ def int8_vnni_linear_ref(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor) -> t
     d = q.shape[1]
     if x.shape[0] == 0:
         return torch.empty((0, q.shape[0]), dtype=torch.float32)
-    c = float(x[0, d + 1]) / ACT_MAX
-    p = x[:, :d] / c
-    ok = (math.isfinite(c) and c > 0 and math.frexp(c)[0] == 0.5 and bool((p == p.round()).all())
-          and float(p.min()) >= ACT_MIN and float(p.max()) <= ACT_MAX
-          and bool((x[:, d] == ACT_MIN * c).all()) and bool((x[:, d + 1] == ACT_MAX * c).all()))
-    if not ok:
-        raise RuntimeError("int8_vnni_linear: input is not c times 7-bit integers")
+    p, c = act7_decode(x, d, "int8_vnni_linear")
     return packed_int8_linear_ref(p, q, s, c)

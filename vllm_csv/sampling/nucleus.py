@@ -126,11 +126,12 @@ def _top_p_on(top_p: torch.Tensor) -> torch.Tensor:
     return top_p < 1.0
 
 
-def all_off(min_p: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, V: int) -> bool:
+def all_off(min_p: torch.Tensor | None, top_k: torch.Tensor | None, top_p: torch.Tensor | None, V: int) -> bool:
     """Whether min-p, top-k and top-p (``[R]`` each, as :func:`min_p_bounds`,
-    :func:`top_k_bounds`, :func:`top_p_bounds` take them) are off on every row: then the map from
-    the head's values to the draw's inputs is per token."""
-    return not bool((_min_p_on(min_p) | _top_k_on(top_k, V) | _top_p_on(top_p)).any())
+    :func:`top_k_bounds`, :func:`top_p_bounds` take them; None: not given) are off on every row:
+    then the map from the head's values to the draw's inputs is per token."""
+    return not any(bool(on(x).any()) for x, on in ((min_p, _min_p_on), (top_k, lambda k: _top_k_on(k, V)),
+                                                  (top_p, _top_p_on)) if x is not None)
 
 
 def min_p_bounds(ylo: torch.Tensor, yhi: torch.Tensor, min_p: torch.Tensor, outside: Outside | None = None):

@@ -150,7 +150,11 @@ def certify_rows(adapter: HeadAdapter, hidden: torch.Tensor, process: Process, s
     narrow = None  # (columns, ruled-out summaries): the rounds after the first, elementwise
     stuck = torch.zeros(R, dtype=torch.long, device=dev)  # top-p rows: rounds with every contender scored
     masks = _Masks(min_p, top_k, top_p, V)
-    gone = torch.zeros((R, V), dtype=torch.bool, device=dev)  # certified rows: their round's drops
+    # The drops a certified row's output is masked with: its certifying round's (see the end).
+    # With a per-token monotone map and no masks, bounds only fall from round to round, so a -inf
+    # stays -inf: the last round's drops hold the certifying round's, and the few more it may
+    # hold lost to the winner anyway. Then no [R, V] is kept.
+    gone = None if elementwise and masks.off else torch.zeros((R, V), dtype=torch.bool, device=dev)
     for rnd in range(MAX_ROUNDS + 1):
         ylo, yhi = masks.apply(*process(lo, hi), ~certified)
         if narrow is None:
@@ -160,7 +164,7 @@ def certify_rows(adapter: HeadAdapter, hidden: torch.Tensor, process: Process, s
         now = cert.certified & finite & scored[cert.winner] & ~certified
         winner = torch.where(now, cert.winner, winner)
         certified |= now
-        if bool(now.any()):
+        if gone is not None and bool(now.any()):
             gone[now] = yhi[now] == -math.inf
         span = None if narrow is None else narrow[0]  # contenders lie in these columns only
         open_rows = finite & ~certified & ~over_budget
@@ -215,7 +219,8 @@ def certify_rows(adapter: HeadAdapter, hidden: torch.Tensor, process: Process, s
     # sampler may not drop it again: top-p is not re-applied to a certified row, and min-p on a
     # partial row keeps at least what it keeps on the full row). (Another round's drops are
     # not that proof's: the tail a top-p drops as one block may differ between rounds.)
-    values[:, s_idx] = v.masked_fill_(gone[:, s_idx], -math.inf)
+    drops = yhi[:, s_idx] == -math.inf if gone is None else gone[:, s_idx]
+    values[:, s_idx] = v.masked_fill_(drops, -math.inf)
     open_rows = finite & ~certified & ~over_budget
     cont, unscored = (cert.contenders, ~scored) if span is None else (cert.contenders[:, span], ~scored[span])
     over_budget |= open_rows & (cont & unscored[None]).any(1)  # still waiting for room
@@ -230,10 +235,7 @@ class _Masks:
     def __init__(self, min_p: torch.Tensor | None, top_k: torch.Tensor | None, top_p: torch.Tensor | None,
                  V: int):
         self.min_p, self.top_k, self.top_p, self.V = min_p, top_k, top_p, V
-        given = [x for x in (min_p, top_k, top_p) if x is not None]
-        self.off = not given or all_off(*(torch.full_like(given[0], v, dtype=dt) if x is None else x for x, v, dt in
-                                         ((min_p, 0.0, torch.float32), (top_k, V, torch.long),
-                                          (top_p, 1.0, torch.float32))), V)
+        self.off = all_off(min_p, top_k, top_p, V)
 
     def apply(self, ylo: torch.Tensor, yhi: torch.Tensor, rows: torch.Tensor):
         """The masks on the rows ``rows`` (``[R]`` bool); the other rows' bounds are returned

@@ -83,8 +83,9 @@ def _x86_screen(kind: str, weight: torch.Tensor, bias: torch.Tensor | None):
 def make_screen(name: str, weight: torch.Tensor, bias: torch.Tensor | None, index=None, two_sided: bool = False):
     """Build the screen ``name`` for the head ``weight [V, d]`` (and ``bias``); ``auto`` is
     ``int8`` with an exact fast GEMM (FBGEMM or VNNI on CPU, with the VNNI ``int4`` for one-row
-    batches; cuBLASLt on CUDA), else ``fp16``, else the ``int8`` torch reference (module docstring). ``two_sided`` asks the ball for its
-    two-sided form (every other screen is two-sided)."""
+    batches; cuBLASLt on CUDA), else ``fp16``, else the ``int8`` torch reference (module
+    docstring). ``two_sided`` asks the ball for its two-sided form (every other screen is
+    two-sided)."""
     if name not in SCREENS:
         raise CSVError(f"unknown screen {name!r}; choose one of {', '.join(SCREENS)}")
     on_cpu = weight.device.type == "cpu"

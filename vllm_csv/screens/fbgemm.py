@@ -76,6 +76,33 @@ def quantize_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q, s
 
 
+def self_test_probe(V: int, d: int, largest: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The start-up self-test's inputs for a quantised screen's exact GEMM: ``p [5, d]`` activation
+    codes (every code -64, every code 63, alternating, and random ones) and ``rows`` (ascending
+    ids): the first 64 rows, random ones, and ``largest`` (the row with the largest weights)."""
+    g = torch.Generator().manual_seed(0)
+    p = torch.randint(ACT_MIN, ACT_MAX + 1, (5, d), generator=g).float()
+    p[0], p[1] = ACT_MIN, ACT_MAX
+    p[2, ::2], p[2, 1::2] = ACT_MIN, ACT_MAX
+    rows = torch.cat([torch.arange(min(V, 64)), torch.randint(0, V, (PROBE_ROWS - 64,), generator=g),
+                      torch.tensor([largest])]).unique()
+    return p, rows
+
+
+def apply_row_scale(y: torch.Tensor, scale: torch.Tensor, c: float, defer: bool,
+                    bias: torch.Tensor | None) -> torch.Tensor | None:
+    """After a GEMM on :func:`~vllm_csv.ops.cpu_step.quantize_act7`'s activations: the per-row
+    scale ``[B]`` the caller still has to apply (``defer`` asked, no bias, and the exponents did
+    not fold into ``c``), else None, ``y`` then being the center (scaled here in place where they
+    did not fold: a power of two, exact unless subnormal)."""
+    if c:
+        return None
+    if defer and bias is None:
+        return scale
+    y.mul_(scale[:, None])  # exact unless subnormal
+    return None
+
+
 def int8_linear(q: torch.Tensor, s: torch.Tensor):
     """The fastest exact int8 GEMM here for ``q [V, d]``, ``s [V]``: the VNNI kernel, else FBGEMM
     (:class:`~vllm_csv.errors.CSVError` where neither runs)."""
@@ -127,13 +154,7 @@ class FbgemmInt8Screen:
         """Probe rows at the extremes of the activation range (every code 0, every code 127,
         alternating) and random ones, at two scales, against the float64 reference on a sample
         of rows of ``W`` (with its largest ``|q|``): bit for bit, or the screen refuses."""
-        V, d = q.shape
-        g = torch.Generator().manual_seed(0)
-        p = torch.randint(ACT_MIN, ACT_MAX + 1, (5, d), generator=g).float()
-        p[0], p[1] = ACT_MIN, ACT_MAX
-        p[2, ::2], p[2, 1::2] = ACT_MIN, ACT_MAX
-        rows = torch.cat([torch.arange(min(V, 64)), torch.randint(0, V, (PROBE_ROWS - 64,), generator=g),
-                          q.abs().amax(1).argmax().reshape(1)]).unique()
+        p, rows = self_test_probe(*q.shape, int(q.abs().amax(1).argmax()))
         for c in (1.0, self._fold_scale(C_MIN_LOG2 + 6) or 1.0):
             got = self.gemm(p, c)[:, rows]
             want = packed_int8_linear_ref(p, q[rows], s[rows], c)
@@ -167,12 +188,9 @@ class FbgemmInt8Screen:
             y, bmax = self.gemm.linear_block_max(x, cpu_step.BLOCK)  # the search's block maxima, same pass
         else:
             y = self.gemm.linear(x)
-        row_scale = None
-        if not c:
-            row_scale = scale
-            if not defer_row_scale or self.bias is not None:
-                y.mul_(row_scale[:, None])  # exact unless subnormal
-                row_scale, bmax = None, None
+        row_scale = apply_row_scale(y, scale, c, defer_row_scale, self.bias)
+        if not c and row_scale is None:
+            bmax = None  # y scaled after the GEMM took its block maxima
         out = ScreenOut(y, self.radius, True, self.n, e, REL, row_scale, bmax)
         if self.bias is not None:
             out.y += self.bias

@@ -39,13 +39,12 @@ import torch
 from ..errors import CSVError
 from ..fp import FP32_UNIT_ROUNDOFF, gamma, round_up32
 from ..ops import cpu_step, int4_vnni
-from ..ops.fbgemm import ACT_MAX, ACT_MIN
+from ..ops.fbgemm import ACT_MIN, act7_layout
 from ..ops.int4_vnni import GROUP, QMAX, dequantized, int4_linear_ref, quantize_int4
 from .copy_error import copy_error_norms
+from .fbgemm import REL, apply_row_scale, self_test_probe
 
-REL = 3 * FP32_UNIT_ROUNDOFF
 Z_MIN = 2.0**-24  # the smallest nonzero |z| (module docstring)
-PROBE_ROWS = 192
 
 
 class VnniInt4Screen:
@@ -89,15 +88,9 @@ class VnniInt4Screen:
     def _self_test(self, q: torch.Tensor, s: torch.Tensor) -> None:
         """Probe activations at the extremes of their range and random ones, at two scales, on
         a sample of rows of ``W`` (with its largest scale), against the float64 reference."""
-        V, d = q.shape
-        g = torch.Generator().manual_seed(0)
-        p = torch.randint(ACT_MIN, ACT_MAX + 1, (5, d), generator=g).float()
-        p[0], p[1] = ACT_MIN, ACT_MAX
-        p[2, ::2], p[2, 1::2] = ACT_MIN, ACT_MAX
-        rows = torch.cat([torch.arange(min(V, 64)), torch.randint(0, V, (PROBE_ROWS - 64,), generator=g),
-                          s.float().amax(1).argmax().reshape(1)]).unique()
+        p, rows = self_test_probe(*q.shape, int(s.float().amax(1).argmax()))
         for c in (1.0, 2.0**-10):
-            x = torch.cat([p * c, torch.full((5, 1), ACT_MIN * c), torch.full((5, 1), ACT_MAX * c)], 1)
+            x = act7_layout(p, c)
             if not torch.equal(self.gemm.linear(x)[:, rows], int4_linear_ref(x, q[rows], s[rows])):
                 raise CSVError("the int4 VNNI GEMM is not exact on this machine (self-test)")
 
@@ -117,13 +110,7 @@ class VnniInt4Screen:
         e = round_up32((e.double() + self.gamma_g * (h.double().norm(dim=1) + e.double()))
                        * (1 + 4 * FP32_UNIT_ROUNDOFF))
         y = self.gemm.linear(x)
-        row_scale = None
-        if not c:
-            row_scale = scale
-            if not defer_row_scale or self.bias is not None:
-                y.mul_(row_scale[:, None])  # exact unless subnormal
-                row_scale = None
-        out = ScreenOut(y, self.radius, True, self.n, e, REL, row_scale)
+        out = ScreenOut(y, self.radius, True, self.n, e, REL, apply_row_scale(y, scale, c, defer_row_scale, self.bias))
         if self.bias is not None:
             out.y += self.bias
         return out
