@@ -291,3 +291,71 @@ def test_grid_tail_threshold_holds_over_the_exact_tail(scale):
         n, h = el[r][above].sum(), eh[r][above].sum()
         assert float(nucleus._tail_bound(n, h, tot_h[r, 0])) > float(need[r, 0])
         assert float(t[r]) < float(upper[r])
+
+
+def _asked(y, g, share):
+    only = torch.rand(y.shape, generator=g) < share
+    only[::3] = False  # rows asking for their likely winners only
+    return only
+
+
+@pytest.mark.parametrize("width", [0.0, 1e-3, 0.3, "random"])
+@pytest.mark.parametrize("listed", [8, 256])
+def test_top_p_queries_are_sound(width, listed, monkeypatch):
+    """Top-p deciding chosen tokens only (TopPQueries) never contradicts vLLM's top-p, with a
+    list far shorter than the rows' nuclei (8: most sums bounded through the unlisted mass) and
+    the default one; asked tokens and undecided ones alike (undecided: ylo = -inf, yhi kept)."""
+    from vllm_csv.sampling.nucleus import TopPQueries
+
+    monkeypatch.setattr(nucleus, "QUERY_LIST", listed)
+    for y, g in (rows(11), peaked_rows(12)):
+        R, V = y.shape
+        p = torch.rand(R, generator=g) * 0.98 + 0.01
+        p[::7] = 1.0  # off
+        if width == "random":
+            lo = y - torch.rand(y.shape, generator=g) * 0.5
+            hi = y + torch.rand(y.shape, generator=g) * 0.5
+        else:
+            lo, hi = y - width, y + width
+        lo[5], hi[5, 3] = math.nan, math.nan  # a NaN row: nothing decided
+        hi[6, 9] = math.inf
+        kept = torch.isfinite(apply_top_k_top_p_pytorch(y.clone(), None, p))
+        kept[p == 1.0] = torch.isfinite(y[p == 1.0])  # off here (vLLM's p = 1 drops tokens of probability 0)
+        q = TopPQueries(lo, hi, p)
+        for only in (None, _asked(y, g, 0.01), _asked(y, g, 0.3)):
+            olo, ohi = q.bounds(only)
+            k, d = decisions(olo, ohi, y)
+            k[5:7] = d[5:7] = False  # (NaN, +inf: checked below)
+            assert not (k & ~kept).any() and not (d & kept).any()
+            assert torch.equal(ohi[p == 1.0], hi[p == 1.0]) and torch.equal(olo[p == 1.0], lo[p == 1.0])
+            for i in (5, 6):  # a NaN / +inf bound: nothing decided
+                if p[i] < 1.0:
+                    assert (olo[i] == -math.inf).all() and torch.equal(ohi[i].nan_to_num(), hi[i].nan_to_num())
+            if only is not None:
+                asked = only & (p < 1.0)[:, None]
+                assert k[p < 1.0].any() and (listed < 256 or (d & asked).any())  # decides (both ways)
+
+
+@pytest.mark.parametrize("width", [0.0, 0.05])
+def test_top_p_queries_decide_as_the_full_computation(width, monkeypatch):
+    """Every asked token is decided as the full computation decides it (no tail: TAIL_SCAN = 0),
+    with a list holding every token (each asked token's sums are the whole row's) and with a
+    list of 8 (then 64, then 512, then the full computation, wherever a list leaves undecided a
+    token that exact sums might decide); nothing is decided that the full computation does not."""
+    from vllm_csv.sampling.nucleus import TopPQueries
+
+    y, g = peaked_rows(13, R=24, V=2048)
+    y[::2] = rows(13, R=12, V=2048)[0]
+    p = torch.rand(y.shape[0], generator=g) * 0.98 + 0.01
+    lo = y - width * torch.rand(y.shape, generator=g)
+    hi = y + width * torch.rand(y.shape, generator=g)
+    only = _asked(y, g, 0.2)
+    monkeypatch.setattr(nucleus, "TAIL_SCAN", 0)
+    k0, d0 = decisions(*top_p_bounds(lo, hi, p), y)
+    monkeypatch.setattr(nucleus, "QUERY_LIST_MAX", 512)
+    for listed in (2048, 8):
+        monkeypatch.setattr(nucleus, "QUERY_LIST", listed)
+        k, d = decisions(*TopPQueries(lo, hi, p).bounds(only, only), y)
+        assert torch.equal(k & only, k0 & only) and torch.equal(d & only, d0 & only)
+        assert not (k & ~k0).any() and not (d & ~d0).any()
+    assert (k0 & only).any() and (d0 & only).any()

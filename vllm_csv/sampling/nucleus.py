@@ -62,6 +62,26 @@ upper mass if ``ylo_i < t`` and ``R_lo`` its lower mass otherwise; it never must
 mass. Each bound is the one of the whole row with the tail's terms bounded, so decisions stay
 sound; only tokens with ``ylo_i < t <= yhi_i`` may be left undecided more often.
 
+Deciding some tokens only (:class:`TopPQueries`). Leaving a token undecided is always sound
+(``ylo = -inf``, ``yhi`` kept), and the draw's certificate needs decisions only for its winner and
+for the tokens whose noisy upper bound reaches the winner's noisy lower bound (:mod:`.rows` asks
+for those: tens of tokens a row, where on a learned head's screen bounds the tail leaves
+thousands undecided). Each asked token ``i`` is decided from a list per row, the ``K`` tokens of
+highest ``yhi`` (:data:`QUERY_LIST`), and the masses of the tokens off the list summed (``U_h``,
+``U_l``): every sum above is bounded by its listed terms and, where the unlisted ones may count,
+their whole mass. ``n_hi <=`` the listed ``eh_j`` with ``yhi_j >= ylo_i``, ``j != i``, plus ``U_h``
+unless the list is *covered* (its ``K``-th ``yhi`` ``< ylo_i``: then every unlisted token has
+``yhi_j < ylo_i``, and ``i`` is listed); ``r_lo >=`` the listed ``el_j`` with ``yhi_j < ylo_i``, plus
+``el_i``, plus ``U_l`` where covered; ``n_lo >=`` the listed ``el_j`` with ``ylo_j > yhi_i``; ``r_hi <=``
+the listed ``eh_j`` with ``ylo_j <= yhi_i`` (``i`` included) plus ``U_h``. Each is exact where the
+unlisted tokens all fall on the side added (covered, or for ``n_lo, r_hi`` the ``K``-th ``yhi <=
+yhi_i``). The listed sums are prefix and suffix sums along the list sorted two ways, read at
+one binary search per asked token; only ``n_hi``'s is formed by a subtraction (``i``'s own mass),
+whose rounding is covered by adding ``2^-40`` of the prefix. The cost: one top-``K`` and two
+``exp`` passes per row, then ``O(log K)`` per asked token. Where a list leaves undecided a token
+that exact sums might decide (:meth:`TopPQueries.bounds`'s ``settle``), the row is decided again
+on a list 8x longer, then in full.
+
 top-k (``apply_top_k_only``, or the sorted ``apply_top_k_top_p_pytorch`` when a top-p is set;
 both after min-p, and top-p's softmax runs over what top-k kept): token ``i`` is kept iff
 ``y_i >= y_(k)``, the ``k``-th largest value of the row (ties at it kept), i.e. iff fewer than
@@ -104,6 +124,10 @@ _U = 2.0**-24
 MIN_P_FLOOR = 1e-20
 TAIL_SCAN = 256  # highest lower bounds scanned one by one for the tail threshold (top-p)
 BISECT_STEPS = 12  # then 2^12 thresholds below the scan, for rows with broad nuclei (_grid_tail)
+DECIDE_FIRST = 16  # TopPQueries: each row's listed tokens of highest lower bound are always decided
+QUERY_LIST = 256  # TopPQueries: tokens listed per row (highest upper bounds)
+QUERY_LIST_MAX = 2048  # ... then 8x longer where that did not cover an undecided token, up to this
+QUERY_MAX = 1024  # TopPQueries: a row asking for more tokens is decided in full (top_p_bounds)
 COMPACT_BELOW = 0.5  # decide on the columns not -inf in every row when fewer than this share (TP rows)
 
 
@@ -460,3 +484,127 @@ def top_p_bounds(ylo: torch.Tensor, yhi: torch.Tensor, top_p: torch.Tensor, outs
         return out_lo, out_hi
     # a block below the dropped tail's threshold is dropped with it (every yhi_j <= hi < t)
     return out_lo, out_hi, outside.put(rows, ob.drop(ob.hi < t[:, None]))
+
+
+class TopPQueries:
+    """vLLM's top-p on bounds, deciding chosen tokens only (module docstring, "deciding some
+    tokens only"); what a row's decisions read is prepared once, for several sets of tokens.
+
+    Parameters
+    ----------
+    ylo, yhi : torch.Tensor
+        ``[R, V]`` float32 bounds of the values top-p sees (after temperature, min-p, top-k).
+    top_p : torch.Tensor
+        ``[R]`` float32, ``1`` = off.
+    """
+
+    def __init__(self, ylo: torch.Tensor, yhi: torch.Tensor, top_p: torch.Tensor, listed: int | None = None):
+        self.ylo, self.yhi, self.top_p = ylo, yhi, top_p
+        V = ylo.shape[1]
+        self.rows = _top_p_on(top_p).nonzero().squeeze(1)
+        lo, hi = ylo[self.rows], yhi[self.rows]
+        c = hi.amax(1, keepdim=True)
+        # rows with NaN or +inf bounds ask for nothing (never certified: every token undecided)
+        self.usable = (torch.isfinite(c) | (c == -math.inf))[:, 0] & ~torch.isnan(lo).any(1)
+        self.c = torch.where(torch.isfinite(c), c, torch.zeros_like(c))
+        K = self.listed = min(listed or QUERY_LIST, V)
+        th, self.ih = hi.topk(K, dim=1)
+        self.th, self.tl = th.double(), lo.gather(1, self.ih).double()
+        eh_l, el_l = self._mass(self.th), self._mass(self.tl)
+        # the listed masses as prefix / suffix sums ([r, K + 1]) along the list (yhi descending)
+        # and along its lower bounds sorted descending: each of the four sums over listed
+        # tokens is one of them at a searchsorted position (bounds)
+        z = torch.zeros_like(eh_l[:, :1])
+        self.neg_th = -self.th  # ascending
+        self.pre_eh = torch.cat([z, eh_l.cumsum(1)], 1)  # over th >= x: the first P
+        self.suf_el = torch.cat([el_l.flip(1).cumsum(1).flip(1), z], 1)  # over th < x: from P on
+        tl_s, perm = self.tl.sort(dim=1, descending=True)
+        self.neg_tl = -tl_s
+        self.pre_el = torch.cat([z, el_l.gather(1, perm).cumsum(1)], 1)  # over tl > x
+        self.suf_eh = torch.cat([eh_l.gather(1, perm).flip(1).cumsum(1).flip(1), z], 1)  # over tl <= x
+        self.is_listed = torch.zeros_like(hi, dtype=torch.bool).scatter_(1, self.ih, True)
+        # masses off the list, summed directly (fp32 exp, float64 sum, widened: docstring)
+        self.unl_h = self._unlisted(hi, +1)
+        self.unl_l = self._unlisted(lo, -1)
+        self.kth = self.th[:, -1]
+        self.p_keep, self.p_drop = _top_p_cuts(top_p[self.rows].double(), V)
+        self.first = self.ih.gather(1, self.tl.topk(min(DECIDE_FIRST, K), dim=1).indices)  # [r, <=16]
+
+    def _mass(self, y: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """``e^(y - c)`` in float64: ``y`` ``[r, n]`` float64 (or ``[Q]``, of the rows ``rows``),
+        shifted by its row's ``c``; ``-inf`` -> 0."""
+        c = self.c.double() if rows is None else self.c[rows, 0].double()
+        return torch.exp(y - c)
+
+    def _unlisted(self, y: torch.Tensor, side: int) -> torch.Tensor:
+        """``[r]`` float64: an upper (``side`` 1) or lower (-1) bound of the sum of ``e^(y_j - c)``
+        over the tokens off the list. ``fl32(y_j - c)`` is within ``u |y_j - c|`` of ``y_j - c``
+        (``y_j <= c``), which moves a normal ``e^x`` (``x >= -87``) by at most ``88u`` relatively;
+        the vectorised fp32 ``exp`` adds at most 64 ulps; the float64 sum of at most ``V``
+        nonnegative terms ``gamma_V`` (double): so ``(1 + 512u)`` covers it all, and ``V 2^-126``
+        whatever underflows."""
+        e = torch.exp(y.scatter(1, self.ih, -math.inf) - self.c).sum(1, dtype=torch.float64)
+        if side > 0:
+            return e * (1 + 512 * _U) + y.shape[1] * 2.0**-126
+        return e * (1 - 512 * _U)
+
+    def bounds(self, only: torch.Tensor | None = None,
+               settle: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(ylo, yhi)`` with top-p applied to the tokens ``only`` (``[R, V]`` bool; None: none)
+        and each row's :data:`DECIDE_FIRST` listed tokens of highest lower bound; the others
+        undecided. A row leaving a token of ``settle`` (``[R, V]`` bool, within ``only``; None:
+        none) undecided that its list does not cover is decided again with a list 8x longer (up
+        to :data:`QUERY_LIST_MAX`), then in full (:func:`top_p_bounds`), as is one asking for
+        more than :data:`QUERY_MAX` tokens."""
+        rows = self.rows
+        r, V = rows.numel(), self.ylo.shape[1]
+        dev = self.ylo.device
+        asked = torch.zeros((r, V), dtype=torch.bool, device=dev) if only is None else only[rows].clone()
+        asked.scatter_(1, self.first, True)
+        asked &= (self.yhi[rows] > -math.inf) & self.usable[:, None]
+        heavy = asked.sum(1) > QUERY_MAX
+        asked[heavy] = False
+        ri, ci = asked.nonzero().unbind(1)
+        qlo, qhi = self.ylo[rows[ri], ci].double(), self.yhi[rows[ri], ci].double()
+        qel, qeh = self._mass(qlo, ri), self._mass(qhi, ri)
+        covered = (self.kth[ri] < qlo) | (self.listed == V)  # (every token listed: nothing unlisted)
+        zero = torch.zeros((), dtype=torch.float64, device=dev)
+        exact = self.kth[ri] <= qhi  # the drop side's sums are exact (module docstring)
+        uh, ul = self.unl_h[ri], self.unl_l[ri]
+        at_h = torch.searchsorted(self.neg_th[ri], -qlo[:, None], right=True)  # #{th >= qlo}
+        at_l = torch.searchsorted(self.neg_tl[ri], -qhi[:, None], right=False)  # #{tl > qhi}
+        over = self.pre_eh[ri].gather(1, at_h)[:, 0]
+        # i itself out of n_hi (a listed i is counted: th_i = yhi_i >= ylo_i); the subtraction's
+        # rounding, at most ~K 2^-53 of the sum, covered by 2^-40 of it (an upper bound stays one)
+        n_hi0 = (over - torch.where(self.is_listed[ri, ci], qeh, zero)).clamp_min(0) + over * 2.0**-40
+        r_lo0 = self.suf_el[ri].gather(1, at_h)[:, 0] + qel
+        n_lo0 = self.pre_el[ri].gather(1, at_l)[:, 0]
+        r_hi0 = self.suf_eh[ri].gather(1, at_l)[:, 0]
+        pk, pd = self.p_keep[ri], self.p_drop[ri]
+        k, d = _decide(n_hi0 + torch.where(covered, zero, uh), r_lo0 + torch.where(covered, ul, zero),
+                       n_lo0, r_hi0 + uh, qlo, pk, pd)
+        # An asked token left undecided that exact sums might decide (the unlisted tokens put
+        # where they help the decision: then it holds) makes its row decided again with a list
+        # 8x longer, then in full: this path decides a token wherever the full computation would.
+        k_may, _ = _decide(n_hi0, r_lo0 + ul, n_lo0, r_hi0, qlo, pk, pd)
+        _, d_may = _decide(n_hi0, r_lo0, n_lo0 + torch.where(exact, zero, ul), r_hi0 + torch.where(exact, uh, zero),
+                           qlo, pk, pd)
+        short = torch.zeros_like(heavy)
+        if settle is not None:
+            unsure = ~(k | d) & ((k_may & ~covered) | (d_may & ~exact)) & settle[rows[ri], ci]
+            short[ri[unsure]] = True
+        out_lo, out_hi = self.ylo.clone(), self.yhi.clone()
+        out_lo[rows] = -math.inf  # undecided
+        kr, kc = rows[ri[k]], ci[k]
+        out_lo[kr, kc] = self.ylo[kr, kc]
+        out_hi[rows[ri[d]], ci[d]] = -math.inf
+        if bool(short.any()) and self.listed < QUERY_LIST_MAX:
+            h = rows[short]
+            longer = TopPQueries(self.ylo[h], self.yhi[h], self.top_p[h], listed=8 * self.listed)
+            out_lo[h], out_hi[h] = longer.bounds(None if only is None else only[h], settle[h])
+        elif bool(short.any()):
+            heavy |= short
+        if bool(heavy.any()):
+            h = rows[heavy]
+            out_lo[h], out_hi[h] = top_p_bounds(self.ylo[h], self.yhi[h], self.top_p[h])
+        return out_lo, out_hi

@@ -6,7 +6,9 @@ Pipeline (per batch of rows that the sampler will draw from):
 2. ``process``: the caller's map from head values to the draw's inputs (vLLM's own logits
    processors, penalties and temperature, run on the bounds; every step is monotone
    non-decreasing per token, so bounds map to bounds), then vLLM's min-p, top-k and top-p on
-   the bounds of the rows still open (:mod:`.nucleus`);
+   the bounds of the rows still open (:mod:`.nucleus`); top-p decided for the tokens the draw's
+   certificate needs only (:class:`~.nucleus.TopPQueries`: the likely winners, then the
+   contenders that leaves), the others left undecided;
 3. :func:`~.certificate.certify_draw` (packed: :func:`~.certificate.certify_draw_packed`); the
    contenders not yet scored (and the tokens of highest upper bound on rows with a top-k or a
    top-p, which decide what those certainly keep: :func:`_focus_counts`) are scored exactly
@@ -34,7 +36,7 @@ from dataclasses import dataclass
 import torch
 
 from .certificate import DrawCertificate, certify_draw, certify_draw_packed, ruled_out
-from .nucleus import all_off, min_p_bounds, top_k_bounds, top_p_bounds
+from .nucleus import TopPQueries, all_off, min_p_bounds, top_k_bounds, top_p_bounds
 from .outside import Outside
 from .head_adapter import HeadAdapter
 
@@ -155,12 +157,35 @@ def certify_rows(adapter: HeadAdapter, hidden: torch.Tensor, process: Process, s
     # stays -inf: the last round's drops hold the certifying round's, and the few more it may
     # hold lost to the winner anyway. Then no [R, V] is kept.
     gone = None if elementwise and masks.off else torch.zeros((R, V), dtype=torch.bool, device=dev)
+    asked = None  # top-p rows: the tokens whose decisions the draw's certificate needed so far
     for rnd in range(MAX_ROUNDS + 1):
-        ylo, yhi = masks.apply(*process(lo, hi), ~certified)
+        ylo0, yhi0 = masks.before_top_p(*process(lo, hi), ~certified)
+        # top-p rows: first decided on their likely winners only, then on the draw's contenders
+        # that this leaves (nucleus docstring, "deciding some tokens only"); the rest stays
+        # undecided, which the certificate allows for any token that cannot win
+        # (asked: the previous round's contenders, which bounds that only tighten rarely add to)
+        by_query = masks.top_p_queries(ylo0, yhi0, ~certified)
+        ylo, yhi = masks.top_p_of(ylo0, yhi0, ~certified) if by_query is None else by_query.bounds(asked)
         if narrow is None:
             cert = certify_draw_packed(ylo, yhi, seeds, greedy)
         else:
             cert = _certify_columns(ylo, yhi, seeds, greedy, *narrow)
+        if by_query is not None:
+            # On a row left open: contenders that were not asked for are asked for now, and where
+            # every contender is scored (only decisions can help) the contenders a short list
+            # left undecided are decided on a longer one (nucleus.TopPQueries.bounds). A row
+            # certified above asks for the same tokens again (its one contender is its winner):
+            # its bounds and certificate come out the same. A row with no certainly kept token
+            # asks for every token (decided in full).
+            wanted = torch.where(cert.finite[:, None], cert.contenders, True)
+            late = (wanted if asked is None else wanted & ~asked).any(1)
+            left = ~certified & ~cert.certified & (top_p < 1.0)
+            settled = left & ~(cert.contenders & ~scored[None]).any(1)
+            if bool((left & late).any() or settled.any()):
+                asked = wanted if asked is None else wanted | asked
+                ylo, yhi = by_query.bounds(asked, wanted & (late | settled)[:, None])
+                cert = certify_draw_packed(ylo, yhi, seeds, greedy)
+            asked = torch.where(cert.finite[:, None], cert.contenders, True) | (False if asked is None else asked)
         now = cert.certified & finite & scored[cert.winner] & ~certified
         winner = torch.where(now, cert.winner, winner)
         certified |= now
@@ -237,18 +262,30 @@ class _Masks:
         self.min_p, self.top_k, self.top_p, self.V = min_p, top_k, top_p, V
         self.off = all_off(min_p, top_k, top_p, V)
 
-    def apply(self, ylo: torch.Tensor, yhi: torch.Tensor, rows: torch.Tensor):
-        """The masks on the rows ``rows`` (``[R]`` bool); the other rows' bounds are returned
-        unmasked (their decisions are not read)."""
+    def before_top_p(self, ylo: torch.Tensor, yhi: torch.Tensor, rows: torch.Tensor):
+        """min-p and top-k on the rows ``rows`` (``[R]`` bool); the other rows' bounds are
+        returned unmasked (their decisions are not read)."""
         if self.off:
             return ylo, yhi
         if self.min_p is not None:
             ylo, yhi = min_p_bounds(ylo, yhi, torch.where(rows, self.min_p, 0.0))
         if self.top_k is not None:
             ylo, yhi = top_k_bounds(ylo, yhi, torch.where(rows, self.top_k, self.V))
-        if self.top_p is not None:
-            ylo, yhi = top_p_bounds(ylo, yhi, torch.where(rows, self.top_p, 1.0))
         return ylo, yhi
+
+    def top_p_of(self, ylo: torch.Tensor, yhi: torch.Tensor, rows: torch.Tensor):
+        """Then top-p, every token decided (:func:`~.nucleus.top_p_bounds`)."""
+        if self.off or self.top_p is None:
+            return ylo, yhi
+        return top_p_bounds(ylo, yhi, torch.where(rows, self.top_p, 1.0))
+
+    def top_p_queries(self, ylo: torch.Tensor, yhi: torch.Tensor, rows: torch.Tensor) -> TopPQueries | None:
+        """Top-p deciding chosen tokens only (:class:`~.nucleus.TopPQueries`), where some row of
+        ``rows`` has one; None otherwise."""
+        if self.off or self.top_p is None:
+            return None
+        p = torch.where(rows, self.top_p, 1.0)
+        return TopPQueries(ylo, yhi, p) if bool((p < 1.0).any()) else None
 
 
 def _focus_counts(top_k: torch.Tensor | None, top_p: torch.Tensor | None, stuck: torch.Tensor,
