@@ -541,12 +541,13 @@ class TopPQueries:
         over the tokens off the list. ``fl32(y_j - c)`` is within ``u |y_j - c|`` of ``y_j - c``
         (``y_j <= c``), which moves a normal ``e^x`` (``x >= -87``) by at most ``88u`` relatively;
         the vectorised fp32 ``exp`` adds at most 64 ulps; the float64 sum of at most ``V``
-        nonnegative terms ``gamma_V`` (double): so ``(1 + 512u)`` covers it all, and ``V 2^-126``
-        whatever underflows."""
+        nonnegative terms ``gamma_V`` (double): so ``(1 +- 512u)`` covers it all, and ``V 2^-126``
+        whatever underflows (either way)."""
         e = torch.exp(y.scatter(1, self.ih, -math.inf) - self.c).sum(1, dtype=torch.float64)
+        tiny = y.shape[1] * 2.0**-126
         if side > 0:
-            return e * (1 + 512 * _U) + y.shape[1] * 2.0**-126
-        return e * (1 - 512 * _U)
+            return e * (1 + 512 * _U) + tiny
+        return (e * (1 - 512 * _U) - tiny).clamp_min(0)
 
     def bounds(self, only: torch.Tensor | None = None,
                settle: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
