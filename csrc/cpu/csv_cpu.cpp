@@ -11,16 +11,22 @@
 // operation (fp32 where it is fp32, with scalars rounded to fp32 as torch rounds them), so
 // that the outputs match bit for bit, except where the reference sums in float64 in torch's
 // order (norms, dot products): there the bound holds for any order, and the two may differ
-// in the last bits. Built with -ffp-contract=off: no fused multiply-adds the reference lacks.
+// in the last bits. Built with -ffp-contract=off: no fused multiply-adds the reference lacks
+// (score_intervals' explicit ones multiply numbers whose product is exact: see dots_avx512).
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
+
 #include <algorithm>
 #include <cmath>
 #include <limits>
 #include <tuple>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -340,6 +346,92 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> select_candidates(
 }
 
 // ---- score_intervals ------------------------------------------------------------------------
+// The float64 dot products <h_b, w> and <|h_b|, |w|> of one row w (d values, already in float64)
+// with every row b: AVX-512 where the CPU has it (eight lanes, four accumulators of each: the
+// bound holds for any order of summation, and each product of two model-dtype numbers is exact
+// in float64, so a fused multiply-add rounds exactly as the add alone), else ACC scalar chains.
+constexpr int ACC = 8;
+constexpr int64_t PREFETCH = 4;  // score_intervals: rows fetched ahead
+
+void dots_scalar(const double* wd, const double* hd, const double* ha, int64_t B, int64_t d,
+                 double* a_out, double* A_out) {
+  for (int64_t b = 0; b < B; ++b) {
+    double as[ACC] = {0}, As[ACC] = {0};
+    const double* hb = hd + b * d;
+    const double* hab = ha + b * d;
+    int64_t j = 0;
+    for (; j + ACC <= d; j += ACC)
+      for (int q = 0; q < ACC; ++q) {
+        as[q] += hb[j + q] * wd[j + q];  // products of model-dtype numbers: exact in float64
+        As[q] += hab[j + q] * std::fabs(wd[j + q]);
+      }
+    for (; j < d; ++j) {
+      as[0] += hb[j] * wd[j];
+      As[0] += hab[j] * std::fabs(wd[j]);
+    }
+    double a = 0.0, A = 0.0;
+    for (int q = 0; q < ACC; ++q) {
+      a += as[q];
+      A += As[q];
+    }
+    a_out[b] = a;
+    A_out[b] = A;
+  }
+}
+
+#if defined(__x86_64__)
+__attribute__((target("avx512f"))) void dots_avx512(const double* wd, const double* hd, const double* ha,
+                                                     int64_t B, int64_t d, double* a_out, double* A_out) {
+  for (int64_t b = 0; b < B; ++b) {
+    const double* hb = hd + b * d;
+    const double* hab = ha + b * d;
+    __m512d as[4], As[4];
+    for (int q = 0; q < 4; ++q) as[q] = As[q] = _mm512_setzero_pd();
+    int64_t j = 0;
+    for (; j + 32 <= d; j += 32)
+      for (int q = 0; q < 4; ++q) {
+        const __m512d w = _mm512_loadu_pd(wd + j + 8 * q);
+        as[q] = _mm512_fmadd_pd(_mm512_loadu_pd(hb + j + 8 * q), w, as[q]);
+        As[q] = _mm512_fmadd_pd(_mm512_loadu_pd(hab + j + 8 * q), _mm512_abs_pd(w), As[q]);
+      }
+    for (; j + 8 <= d; j += 8) {
+      const __m512d w = _mm512_loadu_pd(wd + j);
+      as[0] = _mm512_fmadd_pd(_mm512_loadu_pd(hb + j), w, as[0]);
+      As[0] = _mm512_fmadd_pd(_mm512_loadu_pd(hab + j), _mm512_abs_pd(w), As[0]);
+    }
+    double a = _mm512_reduce_add_pd(_mm512_add_pd(_mm512_add_pd(as[0], as[1]), _mm512_add_pd(as[2], as[3])));
+    double A = _mm512_reduce_add_pd(_mm512_add_pd(_mm512_add_pd(As[0], As[1]), _mm512_add_pd(As[2], As[3])));
+    for (; j < d; ++j) {
+      a += hb[j] * wd[j];
+      A += hab[j] * std::fabs(wd[j]);
+    }
+    a_out[b] = a;
+    A_out[b] = A;
+  }
+}
+
+// One row of the head in float64 (bf16 / fp16 widened exactly, sixteen values at a time).
+__attribute__((target("avx512f"))) void widen_avx512(const uint16_t* w, bool bf16, int64_t d, double* out) {
+  int64_t j = 0;
+  for (; j + 16 <= d; j += 16) {
+    const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + j));
+    const __m512 f = bf16 ? _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(x), 16)) : _mm512_cvtph_ps(x);
+    _mm512_storeu_pd(out + j, _mm512_cvtps_pd(_mm512_castps512_ps256(f)));
+    _mm512_storeu_pd(out + j + 8, _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(f), 1))));
+  }
+  for (; j < d; ++j) {
+    const uint32_t bits = w[j];
+    out[j] = bf16 ? static_cast<double>(static_cast<float>(c10::BFloat16(static_cast<uint16_t>(bits), c10::BFloat16::from_bits())))
+                  : static_cast<double>(static_cast<float>(c10::Half(static_cast<uint16_t>(bits), c10::Half::from_bits())));
+  }
+}
+
+bool has_avx512f() {
+  static const bool yes = __builtin_cpu_supports("avx512f");
+  return yes;
+}
+#endif
+
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> score_intervals(
     const at::Tensor& h_in, const at::Tensor& w_in, const at::Tensor& ids_in, double coef, double tiny32) {
   TORCH_CHECK(h_in.dim() == 2 && w_in.dim() == 2 && h_in.size(1) == w_in.size(1) && h_in.device().is_cpu(),
@@ -374,35 +466,40 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tenso
     }
     for (int64_t s = 0; s < S; ++s)
       TORCH_CHECK(ip[s] >= 0 && ip[s] < V, "score_intervals: id out of range");
-    // Tokens split over the threads. Each sum runs on ACC independent float64 accumulators,
-    // added at the end: the bound (coef's 4 gamma64_d of A) holds for any order of summation,
-    // and one dependent chain of d additions was the kernel's cost (about 3.5 us a token at d
-    // = 768, one thread: more than the int4 screen's GEMM on a few hundred candidates).
+    // Tokens split over the threads; each token's sums on independent accumulators (dots_*):
+    // the bound (coef's 4 gamma64_d of A) holds for any order of summation, and one dependent
+    // chain of d additions was the kernel's cost (about 3.5 us a token at d = 768, one thread:
+    // more than the int4 screen's GEMM on a few hundred candidates).
     at::parallel_for(0, S, 16, [&](int64_t s0, int64_t s1) {
-    constexpr int ACC = 8;
-    std::vector<double> wd(d);
+    std::vector<double> wd(d), av(B), Av(B);
+    const int64_t row_bytes = d * static_cast<int64_t>(sizeof(scalar_t));
+    for (int64_t s = s0; s < std::min(s1, s0 + PREFETCH); ++s) {
+      const char* nx = reinterpret_cast<const char*>(wp + ip[s] * d);
+      for (int64_t off = 0; off < row_bytes; off += 64) __builtin_prefetch(nx + off);
+    }
     for (int64_t s = s0; s < s1; ++s) {
       const scalar_t* wr = wp + ip[s] * d;
-      for (int64_t j = 0; j < d; ++j) wd[j] = at64(wr, j);
+      // The rows are scattered over a head the screen's GEMM has just pushed out of the caches:
+      // fetch the rows PREFETCH tokens ahead while this one is summed (the step waits on memory).
+      if (s + PREFETCH < s1) {
+        const char* nx = reinterpret_cast<const char*>(wp + ip[s + PREFETCH] * d);
+        for (int64_t off = 0; off < row_bytes; off += 64) __builtin_prefetch(nx + off);
+      }
+#if defined(__x86_64__)
+      constexpr bool half16 = std::is_same_v<scalar_t, at::BFloat16> || std::is_same_v<scalar_t, at::Half>;
+      if (half16 && has_avx512f())
+        widen_avx512(reinterpret_cast<const uint16_t*>(wr), std::is_same_v<scalar_t, at::BFloat16>, d, wd.data());
+      else
+#endif
+        for (int64_t j = 0; j < d; ++j) wd[j] = at64(wr, j);
+#if defined(__x86_64__)
+      if (has_avx512f())
+        dots_avx512(wd.data(), hd.data(), ha.data(), B, d, av.data(), Av.data());
+      else
+#endif
+        dots_scalar(wd.data(), hd.data(), ha.data(), B, d, av.data(), Av.data());
       for (int64_t b = 0; b < B; ++b) {
-        double as[ACC] = {0}, As[ACC] = {0};
-        const double* hb = hd.data() + b * d;
-        const double* hab = ha.data() + b * d;
-        int64_t j = 0;
-        for (; j + ACC <= d; j += ACC)
-          for (int q = 0; q < ACC; ++q) {
-            as[q] += hb[j + q] * wd[j + q];  // products of model-dtype numbers: exact in float64
-            As[q] += hab[j + q] * std::fabs(wd[j + q]);
-          }
-        for (; j < d; ++j) {
-          as[0] += hb[j] * wd[j];
-          As[0] += hab[j] * std::fabs(wd[j]);
-        }
-        double a = 0.0, A = 0.0;
-        for (int q = 0; q < ACC; ++q) {
-          a += as[q];
-          A += As[q];
-        }
+        const double a = av[b], A = Av[b];
         double E = A * coef;
         E = E + tiny32;
         E = E + std::fabs(a) * eps52;
