@@ -39,9 +39,10 @@ steps are (same span of the same layer, in the serving loop, with the caches as 
 other layers leave them). A dense head timed alone runs on warm caches and a quiet machine
 and can be off by 2x either way; that stand-alone time is only the first guess, until a
 batch size has in-place samples. Dense steps come for free while CSV is off; while CSV is on
-the switch makes a *probe*: the first step of a batch size, then one step in every
-``probe_every``, runs dense and is timed (:meth:`allow` returns False; the caller times the
-step and reports it with :meth:`observe_dense`). A probe costs what CSV would have saved on
+the switch makes a *probe*: the first two steps of a batch size (the first is the shape's
+cold first call, not a sample), then one step in every ``probe_every``, run dense and are timed
+(:meth:`allow` returns False; the caller times the step and reports it with
+:meth:`observe_dense`). A probe costs what CSV would have saved on
 that step, at most ``1 / probe_every`` of the savings.
 """
 
@@ -68,6 +69,7 @@ class OffSwitch:
         self._samples: dict[int, deque[float]] = {}
         self._since_probe: dict[int, int] = {}  # CSV steps since the batch size's last probe
         self._probed: set[int] = set()
+        self._cold: set[int] = set()  # batch sizes whose first (dense, cold) step is not yet reported
 
     @property
     def dense_total(self) -> float:
@@ -101,15 +103,18 @@ class OffSwitch:
         self._on[kind] = on
         if first and self.probe_every:
             # A batch size's first step runs dense: the dense head has just run for the first
-            # guess (its output is the step's), so CSV on top would pay for the step twice. The
-            # caller times the step in place: the estimate's first sample, in place of a probe.
+            # guess (its output is the step's), so CSV on top would pay for the step twice. That
+            # run is the shape's first call, cold: its in-place time is not a sample (it was,
+            # and on a model whose head takes 0.13 ms warm it read 0.71 ms and held the median
+            # up for dozens of steps, so CSV at twice the dense time looked cheaper and stayed
+            # on). The next step is a probe, the estimate's first sample, before any CSV step.
             self._since_probe[batch] = 0
-            self._probed.add(batch)
+            self._cold.add(batch)
             self.probes += 1
             return False
         if on and self.probe_every:
             n = self._since_probe.get(batch)
-            if n is not None and n >= (self.probe_every if batch in self._probed else 1):
+            if n is not None and n >= (self.probe_every if batch in self._probed else 0):
                 self._since_probe[batch] = 0
                 self._probed.add(batch)
                 self.probes += 1
@@ -129,6 +134,9 @@ class OffSwitch:
     def observe_dense(self, batch: int, seconds: float) -> None:
         """A dense step of ``batch`` rows timed in place (a probe, or CSV off): updates the
         batch size's estimate (median of the last :data:`WINDOW`)."""
+        if batch in self._cold:  # the batch size's first step (allow): cold, not a sample
+            self._cold.discard(batch)
+            return
         s = self._samples.setdefault(batch, deque(maxlen=WINDOW))
         s.append(seconds)
         self.dense_seconds[batch] = statistics.median(s)
