@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from conftest import dense_topk, hidden_near_rows, peaked_head
-from test_screen_fbgemm import adversarial_hidden, check_bound, topk_equals_dense
+from test_screen_fbgemm import (adversarial_hidden, adversarial_weights, check_bound,
+                                nonfinite_rows_do_not_disturb_the_others, topk_equals_dense)
 from vllm_csv import CertifiedHead, HeadConfig
 from vllm_csv.errors import CSVError
 from vllm_csv.ops import int4_vnni
@@ -73,12 +74,8 @@ def int4_screen(W, b=None):
 @pytest.mark.parametrize("hscale", [1e-30, 1e-6, 1.0, 1e30])
 def test_bound_holds_on_adversarial_inputs(V, d, hscale):
     g = torch.Generator().manual_seed(V * 5 + d)
-    W = torch.randn(V, d, generator=g) / d**0.5
+    W = adversarial_weights(V, d, g)
     if V > 10:
-        W[3:6] = W[2]  # duplicate rows
-        W[7] = 0.0  # zero row
-        W[8] *= 1e-3  # a small row, a large row
-        W[9] *= 1e3
         W[10, ::7] *= 1e4  # outlier columns inside a group
     screen = int4_screen(W)
     h = adversarial_hidden(d, g) * hscale
@@ -105,16 +102,7 @@ def test_bound_holds_with_bias_tiny_weights_and_deferred_scale():
 
 
 def test_nonfinite_rows_and_heads():
-    g = torch.Generator().manual_seed(2)
-    W = torch.randn(513, 40, generator=g)
-    screen = int4_screen(W)
-    h = torch.randn(5, 40, generator=g)
-    ref = screen.center_radius(h[1:3]).y
-    bad = h.clone()
-    bad[0, 3], bad[3, 0], bad[4, 5] = float("nan"), float("inf"), -float("inf")
-    out = screen.center_radius(bad)
-    assert torch.equal(out.y[1:3], ref)
-    assert not torch.isfinite(out.e[[0, 3, 4]]).any()  # the runtime's finite check sends them dense
+    W = nonfinite_rows_do_not_disturb_the_others(int4_screen)
     W[3, 3] = float("nan")
     with pytest.raises(CSVError):
         int4_screen(W)
@@ -137,23 +125,12 @@ def test_certified_topk_equals_dense(dtype, V, d, bias):
 def test_broken_bounds_are_caught():
     """Understate the bound, or make the copy cruder than its radius: the comparison with the
     dense head finds wrong tokens; the intact screen has none."""
-    from test_screen_fbgemm import wrong_tokens
+    from test_screen_fbgemm import understated_bound_is_caught, wrong_tokens
 
     g = torch.Generator().manual_seed(0)
     W = torch.randn(4096, 64, generator=g)
     h = torch.randn(1024, 64, generator=g)
-    head = CertifiedHead(W, config=HeadConfig(screen="int4", budget=1.0))
-    assert wrong_tokens(head, W, h) == 0
-    honest = head.screen.center_radius
-
-    def shrunk(x, **kw):
-        out = honest(x, **kw)
-        out.radius, out.n, out.rel = out.radius * 0, out.n * 0, 0.0
-        return out
-
-    head.screen.center_radius = shrunk
-    head.acc_err.zero_()
-    assert wrong_tokens(head, W, h) > 0
+    understated_bound_is_caught(CertifiedHead(W, config=HeadConfig(screen="int4", budget=1.0)), W, h)
     # a copy cruder than its radius: half the rows zeroed, on a peaked head (hidden states near
     # its rows), where a zeroed winner then falls below the certified runner-up
     W, g = peaked_head(4096, 64, seed=3)

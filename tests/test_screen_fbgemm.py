@@ -79,16 +79,23 @@ def adversarial_hidden(d, g):
     return torch.stack(rows)
 
 
-@pytest.mark.parametrize("V,d", [(1, 1), (7, 3), (997, 65), (4099, 129), (2053, 1031)])
-@pytest.mark.parametrize("hscale", [1e-30, 1e-6, 1.0, 1e30])
-def test_bound_holds_on_adversarial_inputs(V, d, hscale):
-    g = torch.Generator().manual_seed(V * 7 + d)
+def adversarial_weights(V, d, g):
+    """``[V, d]`` random head rows with, from ``V > 10`` on, duplicate rows (3-5 equal to 2), a
+    zero row (7), a small and a large row (8, 9)."""
     W = torch.randn(V, d, generator=g) / d**0.5
     if V > 10:
         W[3:6] = W[2]  # duplicate rows
         W[7] = 0.0  # zero row
         W[8] *= 1e-3  # a small row, a large row
         W[9] *= 1e3
+    return W
+
+
+@pytest.mark.parametrize("V,d", [(1, 1), (7, 3), (997, 65), (4099, 129), (2053, 1031)])
+@pytest.mark.parametrize("hscale", [1e-30, 1e-6, 1.0, 1e30])
+def test_bound_holds_on_adversarial_inputs(V, d, hscale):
+    g = torch.Generator().manual_seed(V * 7 + d)
+    W = adversarial_weights(V, d, g)
     screen = FbgemmInt8Screen(W, None)
     h = adversarial_hidden(d, g) * hscale
     check_bound(screen, W, h)  # mixed norms: per-row scaling after the GEMM
@@ -110,17 +117,25 @@ def test_bound_holds_with_bias_and_tiny_weights_that_underflow():
     check_bound(FbgemmInt8Screen(W, b), W, torch.randn(6, d, generator=g), b)
 
 
-def test_nonfinite_rows_do_not_disturb_the_others():
+def nonfinite_rows_do_not_disturb_the_others(make):
+    """Hidden rows with NaN / inf beside finite ones, on the screen ``make(W)`` of a random head:
+    the finite rows' centers are the ones they get alone, the others' ``e`` is not finite (the
+    runtime's finite check sends them dense). Returns ``W``."""
     g = torch.Generator().manual_seed(2)
     W = torch.randn(513, 40, generator=g)
-    screen = FbgemmInt8Screen(W, None)
+    screen = make(W)
     h = torch.randn(5, 40, generator=g)
     ref = screen.center_radius(h[1:3]).y
     bad = h.clone()
     bad[0, 3], bad[3, 0], bad[4, 5] = float("nan"), float("inf"), -float("inf")
     out = screen.center_radius(bad)
     assert torch.equal(out.y[1:3], ref)
-    assert not torch.isfinite(out.e[[0, 3, 4]]).any()  # the runtime's finite check sends them dense
+    assert not torch.isfinite(out.e[[0, 3, 4]]).any()
+    return W
+
+
+def test_nonfinite_rows_do_not_disturb_the_others():
+    nonfinite_rows_do_not_disturb_the_others(lambda W: FbgemmInt8Screen(W, None))
 
 
 def test_deferred_row_scale_is_the_same_product():
@@ -244,14 +259,10 @@ def wrong_tokens(head, W, h):
     return int((ids[:, 0] != torch.nn.functional.linear(h, W).argmax(1)).sum())
 
 
-def test_broken_bounds_are_caught():
-    """Understate the bound, or make the copy cruder than its radius: the same comparison with
-    the dense head must find wrong tokens; the intact screen has none."""
-    g = torch.Generator().manual_seed(0)
-    W = torch.randn(4096, 64, generator=g)
-    h = torch.randn(1024, 64, generator=g)
-    head = CertifiedHead(W, config=HeadConfig(screen="int8", budget=1.0))
-    assert isinstance(head.screen, FbgemmInt8Screen)
+def understated_bound_is_caught(head, W, h):
+    """The intact screen of ``head`` gives no wrong token on ``h``; with its bound (radius,
+    activation term, relative term, the dense GEMM's error) understated to 0 the comparison with
+    the dense head finds some."""
     assert wrong_tokens(head, W, h) == 0
     honest = head.screen.center_radius
 
@@ -263,6 +274,17 @@ def test_broken_bounds_are_caught():
     head.screen.center_radius = shrunk
     head.acc_err.zero_()
     assert wrong_tokens(head, W, h) > 0
+
+
+def test_broken_bounds_are_caught():
+    """Understate the bound, or make the copy cruder than its radius: the same comparison with
+    the dense head must find wrong tokens; the intact screen has none."""
+    g = torch.Generator().manual_seed(0)
+    W = torch.randn(4096, 64, generator=g)
+    h = torch.randn(1024, 64, generator=g)
+    head = CertifiedHead(W, config=HeadConfig(screen="int8", budget=1.0))
+    assert isinstance(head.screen, FbgemmInt8Screen)
+    understated_bound_is_caught(head, W, h)
     # a cruder copy with the honest radius
     head = CertifiedHead(W, config=HeadConfig(screen="int8", budget=1.0))
     q, s = quantize_rows(W)

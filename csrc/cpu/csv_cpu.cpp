@@ -410,8 +410,9 @@ __attribute__((target("avx512f"))) void dots_avx512(const double* wd, const doub
   }
 }
 
-// One row of the head in float64 (bf16 / fp16 widened exactly, sixteen values at a time).
-__attribute__((target("avx512f"))) void widen_avx512(const uint16_t* w, bool bf16, int64_t d, double* out) {
+// The first values of one row of the head in float64 (bf16 / fp16 widened exactly, sixteen at a
+// time); returns how many (a multiple of 16: the caller widens the rest with at64).
+__attribute__((target("avx512f"))) int64_t widen_avx512(const uint16_t* w, bool bf16, int64_t d, double* out) {
   int64_t j = 0;
   for (; j + 16 <= d; j += 16) {
     const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + j));
@@ -419,11 +420,7 @@ __attribute__((target("avx512f"))) void widen_avx512(const uint16_t* w, bool bf1
     _mm512_storeu_pd(out + j, _mm512_cvtps_pd(_mm512_castps512_ps256(f)));
     _mm512_storeu_pd(out + j + 8, _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(f), 1))));
   }
-  for (; j < d; ++j) {
-    const uint32_t bits = w[j];
-    out[j] = bf16 ? static_cast<double>(static_cast<float>(c10::BFloat16(static_cast<uint16_t>(bits), c10::BFloat16::from_bits())))
-                  : static_cast<double>(static_cast<float>(c10::Half(static_cast<uint16_t>(bits), c10::Half::from_bits())));
-  }
+  return j;
 }
 
 bool has_avx512f() {
@@ -472,26 +469,24 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tenso
     // more than the int4 screen's GEMM on a few hundred candidates).
     at::parallel_for(0, S, 16, [&](int64_t s0, int64_t s1) {
     std::vector<double> wd(d), av(B), Av(B);
+    // The rows are scattered over a head the screen's GEMM has just pushed out of the caches:
+    // each is fetched PREFETCH tokens ahead of its sums (the step waits on memory).
     const int64_t row_bytes = d * static_cast<int64_t>(sizeof(scalar_t));
-    for (int64_t s = s0; s < std::min(s1, s0 + PREFETCH); ++s) {
-      const char* nx = reinterpret_cast<const char*>(wp + ip[s] * d);
-      for (int64_t off = 0; off < row_bytes; off += 64) __builtin_prefetch(nx + off);
-    }
+    auto prefetch_row = [&](int64_t s) {
+      const char* row = reinterpret_cast<const char*>(wp + ip[s] * d);
+      for (int64_t off = 0; off < row_bytes; off += 64) __builtin_prefetch(row + off);
+    };
+    for (int64_t s = s0; s < std::min(s1, s0 + PREFETCH); ++s) prefetch_row(s);
     for (int64_t s = s0; s < s1; ++s) {
       const scalar_t* wr = wp + ip[s] * d;
-      // The rows are scattered over a head the screen's GEMM has just pushed out of the caches:
-      // fetch the rows PREFETCH tokens ahead while this one is summed (the step waits on memory).
-      if (s + PREFETCH < s1) {
-        const char* nx = reinterpret_cast<const char*>(wp + ip[s + PREFETCH] * d);
-        for (int64_t off = 0; off < row_bytes; off += 64) __builtin_prefetch(nx + off);
-      }
+      if (s + PREFETCH < s1) prefetch_row(s + PREFETCH);
+      int64_t j = 0;
 #if defined(__x86_64__)
       constexpr bool half16 = std::is_same_v<scalar_t, at::BFloat16> || std::is_same_v<scalar_t, at::Half>;
       if (half16 && has_avx512f())
-        widen_avx512(reinterpret_cast<const uint16_t*>(wr), std::is_same_v<scalar_t, at::BFloat16>, d, wd.data());
-      else
+        j = widen_avx512(reinterpret_cast<const uint16_t*>(wr), std::is_same_v<scalar_t, at::BFloat16>, d, wd.data());
 #endif
-        for (int64_t j = 0; j < d; ++j) wd[j] = at64(wr, j);
+      for (; j < d; ++j) wd[j] = at64(wr, j);
 #if defined(__x86_64__)
       if (has_avx512f())
         dots_avx512(wd.data(), hd.data(), ha.data(), B, d, av.data(), Av.data());

@@ -570,7 +570,6 @@ class TopPQueries:
         qel, qeh = self._mass(qlo, ri), self._mass(qhi, ri)
         covered = (self.kth[ri] < qlo) | (self.listed == V)  # (every token listed: nothing unlisted)
         zero = torch.zeros((), dtype=torch.float64, device=dev)
-        exact = self.kth[ri] <= qhi  # the drop side's sums are exact (module docstring)
         uh, ul = self.unl_h[ri], self.unl_l[ri]
         at_h = torch.searchsorted(self.neg_th[ri], -qlo[:, None], right=True)  # #{th >= qlo}
         at_l = torch.searchsorted(self.neg_tl[ri], -qhi[:, None], right=False)  # #{tl > qhi}
@@ -584,14 +583,15 @@ class TopPQueries:
         pk, pd = self.p_keep[ri], self.p_drop[ri]
         k, d = _decide(n_hi0 + torch.where(covered, zero, uh), r_lo0 + torch.where(covered, ul, zero),
                        n_lo0, r_hi0 + uh, qlo, pk, pd)
-        # An asked token left undecided that exact sums might decide (the unlisted tokens put
-        # where they help the decision: then it holds) makes its row decided again with a list
-        # 8x longer, then in full: this path decides a token wherever the full computation would.
-        k_may, _ = _decide(n_hi0, r_lo0 + ul, n_lo0, r_hi0, qlo, pk, pd)
-        _, d_may = _decide(n_hi0, r_lo0, n_lo0 + torch.where(exact, zero, ul), r_hi0 + torch.where(exact, uh, zero),
-                           qlo, pk, pd)
         short = torch.zeros_like(heavy)
         if settle is not None:
+            # A token of settle left undecided that exact sums might decide (the unlisted tokens
+            # put where they help the decision: then it holds) makes its row decided again with a
+            # list 8x longer, then in full: this path decides it wherever the full computation would.
+            exact = self.kth[ri] <= qhi  # the drop side's sums are exact (module docstring)
+            k_may, _ = _decide(n_hi0, r_lo0 + ul, n_lo0, r_hi0, qlo, pk, pd)
+            _, d_may = _decide(n_hi0, r_lo0, n_lo0 + torch.where(exact, zero, ul),
+                               r_hi0 + torch.where(exact, uh, zero), qlo, pk, pd)
             unsure = ~(k | d) & ((k_may & ~covered) | (d_may & ~exact)) & settle[rows[ri], ci]
             short[ri[unsure]] = True
         out_lo, out_hi = self.ylo.clone(), self.yhi.clone()

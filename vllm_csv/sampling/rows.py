@@ -177,7 +177,7 @@ def certify_rows(adapter: HeadAdapter, hidden: torch.Tensor, process: Process, s
             # certified above asks for the same tokens again (its one contender is its winner):
             # its bounds and certificate come out the same. A row with no certainly kept token
             # asks for every token (decided in full).
-            wanted = torch.where(cert.finite[:, None], cert.contenders, True)
+            wanted = _wanted(cert)
             late = (wanted if asked is None else wanted & ~asked).any(1)
             left = ~certified & ~cert.certified & (top_p < 1.0)
             settled = left & ~(cert.contenders & ~scored[None]).any(1)
@@ -185,7 +185,8 @@ def certify_rows(adapter: HeadAdapter, hidden: torch.Tensor, process: Process, s
                 asked = wanted if asked is None else wanted | asked
                 ylo, yhi = by_query.bounds(asked, wanted & (late | settled)[:, None])
                 cert = certify_draw_packed(ylo, yhi, seeds, greedy)
-            asked = torch.where(cert.finite[:, None], cert.contenders, True) | (False if asked is None else asked)
+                wanted = _wanted(cert)
+            asked = wanted if asked is None else wanted | asked
         now = cert.certified & finite & scored[cert.winner] & ~certified
         winner = torch.where(now, cert.winner, winner)
         certified |= now
@@ -316,6 +317,12 @@ def _focus(need: torch.Tensor, yhi: torch.Tensor, count: torch.Tensor, rows: tor
     take = (torch.arange(top.indices.shape[1], device=yhi.device)[None] < c[:, None]) & (top.values > -math.inf)
     ids = top.indices[take]
     need[ids[~scored[ids]]] = True
+
+
+def _wanted(cert: DrawCertificate) -> torch.Tensor:
+    """``[R, V]`` bool: the tokens whose top-p decisions a row's certificate reads: its
+    contenders, every token where it had no certainly kept token to start from."""
+    return torch.where(cert.finite[:, None], cert.contenders, True)
 
 
 def _contended(contenders: torch.Tensor, rows: torch.Tensor | None, span: torch.Tensor | None) -> torch.Tensor:
