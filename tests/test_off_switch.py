@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from vllm_csv import CertifiedHead, HeadConfig
-from vllm_csv.off_switch import OffSwitch
+from vllm_csv.off_switch import LANE_MAX, OffSwitch
 
 
 def run(sw, csv_seconds, steps, batch=8, dense=1.0, alone=None):
@@ -376,3 +376,105 @@ def test_credit_of_one_kind_of_step_is_not_spent_on_another(kinds):
         assert tried <= 4 and spent <= 100 * 1.02 + 2.0 + 1.0
     else:
         assert tried > 30
+
+
+def test_refusals_ahead_is_what_allow_would_refuse():
+    """After a refusal with the kind off, ``refusals_ahead`` counts exactly the steps ``allow``
+    would refuse next (never one it would let try CSV), and ``skip`` leaves the same ledger."""
+    for r, d2 in ((1.5, 1.0), (2.7183, 1.0), (9.1, 0.37), (1.0001, 2.0)):
+        a, b = OffSwitch(tolerance=0.02), OffSwitch(tolerance=0.02)
+        for sw in (a, b):
+            assert not sw.allow(4, lambda: 1.0, "k")  # first step: dense
+            sw.observe_dense(4, 1.0)
+            assert not sw.allow(4, lambda: 1.0, "k")  # probe
+            sw.observe_dense(4, d2)
+            assert sw.allow(4, lambda: 1.0, "k")  # warm-up CSV step
+            sw.observe(4, r * d2)
+            while sw.allow(4, lambda: 1.0, "k"):
+                sw.observe(4, r * d2)
+        n = a.refusals_ahead(4, "k")
+        refused = 0
+        while not b.allow(4, lambda: 1.0, "k"):
+            refused += 1
+        assert n == min(refused, LANE_MAX), (r, n, refused)
+        a.skip(4, "k", n)
+        while not a.allow(4, lambda: 1.0, "k"):  # past the cap: ask again
+            n += 1
+        assert n == refused and a.dense_total == pytest.approx(b.dense_total) and a.excess == b.excess
+    on = OffSwitch()
+    assert on.refusals_ahead(4, "k") == 0  # never refused: nothing ahead
+
+
+def _layer_run(monkeypatch, lane: bool, name: str):
+    """Drive the plugin's layer (``CSVLogitsProcessor.forward``) over steps of three plans on a
+    head where CSV costs 2.7x the dense head (a fake clock: dense 1.0, a CSV step 2.7183),
+    with or without the fast lane.
+    Returns (per step: tried CSV, the layer's argmax), the switch, the metrics, allow() calls."""
+    from vllm.model_executor.layers.logits_processor import LogitsProcessor
+
+    from vllm_csv import head as csv_head, off_switch
+    from vllm_csv.metrics import CSVMetrics
+    from vllm_csv.vllm_plugin import logits_processor as lp, step_plan
+
+    clock = FakeClock()
+    monkeypatch.setattr(csv_head, "time", clock)
+    monkeypatch.setattr(lp, "time", clock)
+    if not lane:
+        monkeypatch.setattr(off_switch, "LANE_MAX", 0)
+    g = torch.Generator().manual_seed(0)
+    W = torch.randn(2048, 32, generator=g)
+    head = CertifiedHead(W, config=HeadConfig(budget=1.0))
+    select, tried = head._step_select, []
+
+    def timed_select(*a, **k):
+        clock.now += 2.7183
+        tried[-1] = True
+        return select(*a, **k)
+
+    def dense_forward(self, lm_head, h, bias=None, skip_gather=False):
+        clock.now += 1.0
+        return head.dense_logits(h)
+
+    monkeypatch.setattr(head, "_step_select", timed_select)
+    monkeypatch.setattr(LogitsProcessor, "forward", dense_forward)
+    allows = []
+    allow = head.off_switch.allow
+    monkeypatch.setattr(head.off_switch, "allow", lambda *a, **k: allows.append(1) or allow(*a, **k))
+    layer = lp.CSVLogitsProcessor.__new__(lp.CSVLogitsProcessor)
+    torch.nn.Module.__init__(layer)
+    layer.csv_head, layer.csv_metrics, layer._csv_logged, layer._csv_lane = \
+        head, CSVMetrics(name, {"vocab_size": 2048}), True, None
+    plans = [step_plan.Plan([str(i) for i in range(B)], [1] * B) for B in (4, 3, 4)]
+    out = []
+    for plan, steps in zip(plans, (300, 120, 200)):
+        h = 8 * W[torch.randint(0, 2048, (len(plan.topk),), generator=g)]
+        for _ in range(steps):
+            tried.append(False)
+            with step_plan.active_plan(plan):
+                logits = layer.forward(None, h)
+            out.append((tried[-1], logits.argmax(1).tolist()))
+            assert logits.argmax(1).tolist() == head.dense_logits(h).argmax(1).tolist()
+    with step_plan.active_plan(step_plan.Plan(["x"], [1])):  # another plan: the lane closes
+        layer.forward(None, h[:1])
+    layer.csv_metrics.flush()
+    return out, head.off_switch, layer.csv_metrics, len(allows)
+
+
+def test_fast_lane_is_the_switch_step_by_step(monkeypatch):
+    """The plugin's fast lane for switched-off steps (vLLM's call and one append a step, no
+    ledger): the same steps try CSV as with the ledger asked at every step, the same answers,
+    the same ledger and the same metrics, with a fraction of the switch's calls."""
+    fast = _layer_run(monkeypatch, True, "lane")
+    monkeypatch.undo()
+    slow = _layer_run(monkeypatch, False, "no-lane")
+    assert fast[0] == slow[0]  # the same steps tried CSV (and the same answers)
+    assert 5 <= sum(t for t, _ in fast[0]) <= 30  # CSV retried every ~(2.7 - 1) / 0.02 steps, else off
+    a, b = fast[1], slow[1]
+    assert a.dense_total == pytest.approx(b.dense_total) and a.excess == pytest.approx(b.excess)
+    assert a.dense_seconds == b.dense_seconds and a.probes == b.probes and a.times_tripped == b.times_tripped
+    assert fast[3] < slow[3] / 5, (fast[3], slow[3])  # the lane skipped the switch
+    for attr in ("rows", "csv_rows", "steps"):
+        assert getattr(fast[2], attr)._value.get() == getattr(slow[2], attr)._value.get() > 0, attr
+    assert fast[2].fallbacks["off_switch"]._value.get() == slow[2].fallbacks["off_switch"]._value.get() > 0
+    assert fast[2].seconds._sum.get() == pytest.approx(slow[2].seconds._sum.get())
+    assert [c.get() for c in fast[2].seconds._buckets] == [c.get() for c in slow[2].seconds._buckets]

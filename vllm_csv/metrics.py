@@ -154,6 +154,15 @@ def _observe_all(child, values: list[float]) -> None:
         buckets[i].inc(n)
 
 
+class Series:
+    """Steps counted as they come (:meth:`CSVMetrics.open_series`): one ``stats`` for all, a time each."""
+
+    __slots__ = ("stats", "seconds", "done")
+
+    def __init__(self, stats):
+        self.stats, self.seconds, self.done = stats, [], 0
+
+
 _live: "weakref.WeakSet[CSVMetrics]" = weakref.WeakSet()
 _flusher: threading.Thread | None = None
 
@@ -216,6 +225,7 @@ class CSVMetrics:
         self.csv_seconds = fam["csv_seconds"].labels(**m)
         self.dense_seconds = fam["dense_seconds"].labels(**m)
         self._warm: set[int] = set()  # batch sizes whose first CSV step was seen
+        self._series: set[Series] = set()  # open series (open_series)
         self.vocab_size = int(info.get("vocab_size", 0)) or 1
         fam["info"].labels(**m, **{k: str(info.get(k, "")) for k in ("screen", "vocab_size", "hidden_size",
                                                                        "clusters", "fingerprint")}).set(1)
@@ -269,31 +279,34 @@ class CSVMetrics:
         with self._batch.lock:  # (the flusher thread swaps the batch out under it)
             self._record(self._batch, stats, dense_seconds, modes)
 
-    def _record(self, b: _Batch, stats, dense_seconds: float | None, modes: dict[str, int] | None) -> None:
+    def _record(self, b: _Batch, stats, dense_seconds: float | None, modes: dict[str, int] | None,
+                seconds: list[float] | None = None) -> None:
+        """One step, or with ``seconds`` one step of ``stats`` per time in it (a series)."""
+        n = 1 if seconds is None else len(seconds)
         if self.rank_rows is not None:
-            b.inc(self.rank_rows, stats.rows)
+            b.inc(self.rank_rows, n * stats.rows)
             if stats.certified:
-                b.inc(self.rank_certified, stats.certified)
+                b.inc(self.rank_certified, n * stats.certified)
         if not self.primary:
             return
-        b.inc(self.rows, stats.rows)
+        b.inc(self.rows, n * stats.rows)
         if stats.csv_rows == 0:
             return
-        b.inc(self.steps)
-        b.inc(self.csv_rows, stats.csv_rows)
+        b.inc(self.steps, n)
+        b.inc(self.csv_rows, n * stats.csv_rows)
         modes = modes if modes is not None else {"top_k": stats.certified}
         if sum(modes.values()) != stats.certified:
             raise ValueError(f"certified rows by mode {modes} do not add up to {stats.certified}")
-        for mode, n in modes.items():
-            if n:
-                b.inc(self.certified[mode], n)
-        for reason, n in stats.fallbacks.items():
-            if n:
-                b.inc(self.fallbacks[reason], n)
+        for mode, k in modes.items():
+            if k:
+                b.inc(self.certified[mode], n * k)
+        for reason, k in stats.fallbacks.items():
+            if k:
+                b.inc(self.fallbacks[reason], n * k)
         if stats.scored:
-            b.observe(self.scored, stats.scored)
-            b.observe(self.fraction, [s / self.vocab_size for s in stats.scored])
-        b.observe(self.seconds, (stats.seconds,))
+            b.observe(self.scored, stats.scored * n)
+            b.observe(self.fraction, [s / self.vocab_size for s in stats.scored] * n)
+        b.observe(self.seconds, (stats.seconds,) if seconds is None else seconds)
         # A step that ran CSV (not sent dense by the off-switch): time saved, and head speed-up =
         # dense / csv. A step the switch sent dense saved nothing (its dense run against the
         # dense estimate is noise). A batch size's first CSV step is left out of the speed-up
@@ -306,6 +319,37 @@ class CSVMetrics:
                 b.inc(self.dense_seconds, dense_seconds)
             self._warm.add(stats.rows)
 
+    def open_series(self, stats) -> "Series":
+        """A run of steps alike but for their time (the plugin's fast lane of switched-off
+        steps, :mod:`vllm_csv.vllm_plugin.logits_processor`): the serving loop only appends each
+        step's seconds to the series' ``seconds``; each is counted as :meth:`record` would count
+        ``stats`` with that time, at every :meth:`flush` (so within :data:`FLUSH_SECONDS`, and
+        at exit) and at :meth:`close_series`. ``stats`` may carry no certified rows and no
+        off-switch account (a step the switch sent dense)."""
+        if stats.certified:
+            raise ValueError("a series counts dense steps only")
+        s = Series(stats)
+        with self._batch.lock:
+            self._series.add(s)
+        return s
+
+    def close_series(self, s: "Series") -> None:
+        """Count what is left of ``s`` and forget it."""
+        with self._batch.lock:
+            self._drain(s)
+            self._series.discard(s)
+
+    def _drain(self, s: "Series") -> None:  # (under the batch lock)
+        # The serving thread only appends to s.seconds (atomic in CPython), and only this
+        # method, under the lock, moves s.done: what it reads up to len() is complete.
+        k = len(s.seconds)
+        if k > s.done:
+            self._record(self._batch, s.stats, None, None, s.seconds[s.done:k])
+            s.done = k
+
     def flush(self) -> None:
         """Write the counts :meth:`record` added up since the last flush to Prometheus."""
+        with self._batch.lock:
+            for s in self._series:
+                self._drain(s)
         self._batch.flush()

@@ -48,11 +48,16 @@ that step, at most ``1 / probe_every`` of the savings.
 
 from __future__ import annotations
 
+import math
 import statistics
 from collections import deque
 from collections.abc import Callable
 
 WINDOW = 8  # in-place dense samples kept per batch size (their median is the estimate)
+# The most steps refusals_ahead() promises at once: bounds how long a fast lane (the plugin's
+# switched-off steps that skip the ledger) runs on one dense estimate before its samples are
+# reported, and the times it keeps.
+LANE_MAX = 256
 
 
 class OffSwitch:
@@ -120,6 +125,30 @@ class OffSwitch:
                 self.probes += 1
                 return False
         return on
+
+    def refusals_ahead(self, batch: int, kind: str = "") -> int:
+        """After :meth:`allow` refused a step of ``batch`` rows and of ``kind`` because the kind is
+        off (not for a probe): how many more such steps it will surely refuse, if nothing else
+        is reported meanwhile (0: the next may try CSV, or the refusal was a probe). While a
+        kind is off its ``excess`` stands still and each step adds the batch size's dense
+        estimate to its ``dense_total``: step ``j`` from now is refused while
+        ``excess > tolerance (dense_total + j d)``. The caller may then skip :meth:`allow` for
+        those steps and account them at once with :meth:`skip` (the plugin's fast lane: a
+        switched-off step is vLLM's call and nothing else). Capped at :data:`LANE_MAX`."""
+        if self._on.get(kind, True):
+            return 0
+        d, gap = self.dense_seconds[batch], self._excess.get(kind, 0.0) - self.tolerance * self._dense_total[kind]
+        if self.tolerance <= 0.0 or d <= 0.0:
+            return LANE_MAX
+        # (1 - 1e-9): where the exact count is a whole number, rounding must not add a step
+        # that allow() would have let try CSV; one step too few only ends the lane early.
+        return max(0, min(LANE_MAX, math.ceil(gap / (self.tolerance * d) * (1 - 1e-9)) - 1))
+
+    def skip(self, batch: int, kind: str, steps: int) -> None:
+        """Account ``steps`` steps of ``batch`` rows and of ``kind`` that ran dense without
+        :meth:`allow` (at most :meth:`refusals_ahead`, with no call in between): the same
+        ledger as ``steps`` refused calls of :meth:`allow`."""
+        self._dense_total[kind] += steps * self.dense_seconds[batch]
 
     def observe(self, batch: int, seconds: float, kind: str | None = None) -> None:
         """Account a step that tried CSV and took ``seconds`` (after :meth:`allow`), to the

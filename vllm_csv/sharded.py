@@ -190,6 +190,13 @@ class SharedOffSwitch:
     def observe_dense(self, batch: int, seconds: float) -> None:
         """Not sampled under tensor parallelism (see the class docstring)."""
 
+    def refusals_ahead(self, batch: int, kind: str = "") -> int:
+        """:meth:`OffSwitch.refusals_ahead`: a function of the common ledger, the same on every rank."""
+        return self.switch.refusals_ahead(batch, kind)
+
+    def skip(self, batch: int, kind: str, steps: int) -> None:
+        self.switch.skip(batch, kind, steps)
+
 
 class ShardedHead:
     """The certified head of one rank of a vocabulary-sharded LM head.

@@ -7,7 +7,8 @@ first ``forward`` builds a :class:`~vllm_csv.head.CertifiedHead` from the layer'
 weights, and each step's rows take the certified path or vLLM's dense code
 (``super()._get_logits`` + soft-cap + scale, unchanged) as the runner's plan says. The
 off-switch decides once per step, here (a step it sends dense is vLLM's own call and a few
-counters, :mod:`vllm_csv.off_switch`).
+counters, :mod:`vllm_csv.off_switch`; while it surely would again, the step is vLLM's call and
+one append: the fast lane, :meth:`CSVLogitsProcessor._open_lane`).
 With tensor parallelism the head is a :class:`~vllm_csv.sharded.ShardedHead` over this
 rank's shard: every rank reaches the same decision, and dense rows take vLLM's all-gather.
 Rows planned ``DEFER`` (certified with the seed the sampler draws) are left as placeholders
@@ -19,12 +20,14 @@ same decision on every rank).
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 
 import torch
 from vllm.logger import init_logger
 from vllm.model_executor.layers.logits_processor import LogitsProcessor
 
 from .. import head as csv_head
+from ..off_switch import WINDOW
 from . import sampler_hook, step_plan
 from .config import CSVDecodeConfig, from_additional_config
 
@@ -50,6 +53,7 @@ class CSVLogitsProcessor(LogitsProcessor):
         self.csv_head = None  # CertifiedHead, or ShardedHead under tensor parallelism
         self.csv_metrics = None
         self._csv_logged = False
+        self._csv_lane: _Lane | None = None  # switched-off steps that skip the ledger (_open_lane)
 
     def _dense(self, lm_head, hidden: torch.Tensor, embedding_bias) -> torch.Tensor:
         return super().forward(lm_head, hidden, embedding_bias)
@@ -63,6 +67,14 @@ class CSVLogitsProcessor(LogitsProcessor):
         plan = step_plan.take_plan(hidden_states.shape[0])
         if plan is None or skip_gather or hidden_states.dim() != 2:
             return super().forward(lm_head, hidden_states, embedding_bias, skip_gather)
+        lane = self._csv_lane
+        if lane is not None:
+            if lane.plan is plan and lane.left:  # a step the switch surely refuses: vLLM's call, one append
+                lane.left -= 1
+                logits = super().forward(lm_head, hidden_states, embedding_bias).to(head.dtype)
+                lane.seconds.append(time.perf_counter() - t0)
+                return logits
+            self._close_lane(head.off_switch)
         if not any(plan.topk):  # every row dense by its sampling parameters: count the rows
             out = super().forward(lm_head, hidden_states, embedding_bias, skip_gather)
             if head.off_switch is not None and not hidden_states.is_cuda:  # (CUDA: no sync to time it)
@@ -83,7 +95,8 @@ class CSVLogitsProcessor(LogitsProcessor):
         # sampler's are charged together against the dense time of all B rows; its ledger is
         # per kind of step), and the head is called with use_switch=False. A step it sends
         # dense is vLLM's own call and a few counters (40 to 60 us a step more than vLLM's layer on
-        # this repo's 2-core CI machine: benchmarks/off_switch_cost.py).
+        # this repo's 2-core CI machine: benchmarks/off_switch_cost.py), and the steps it will
+        # surely send dense next take the fast lane above (_open_lane: 15 to 20 us with the plan).
         sw = head.off_switch
         split = plan.split(head.max_certified_k)
         asked = sw is not None and bool(deferred or split.rows)
@@ -97,6 +110,10 @@ class CSVLogitsProcessor(LogitsProcessor):
             stats.fallbacks["unsupported"] = split.csv_rows - len(split.rows)
             stats.fallbacks["off_switch"] = plan.csv_rows - stats.fallbacks["unsupported"]
             self._record(head, stats, {}, None)
+            steps = sw.refusals_ahead(B, "sampler" if deferred else split.kind)
+            if steps:
+                self._open_lane(plan, B, "sampler" if deferred else split.kind, steps, stats,
+                                timed=not hidden_states.is_cuda)
             return logits
         if not deferred:
             logits, stats = head.sampler_logits(hidden_states, plan.topk_tensor, lambda h: dense_full(), t0=t0,
@@ -134,6 +151,27 @@ class CSVLogitsProcessor(LogitsProcessor):
         self._log_first(head, stats)
         self._record(head, stats, self._head_modes(head, stats, ks, modes, range(B)), B if asked else None)
         return logits
+
+    def _open_lane(self, plan, batch: int, kind: str, steps: int, stats, timed: bool) -> None:
+        """The fast lane: the next ``steps`` steps of this ``plan`` are ones the off-switch would
+        surely refuse (:meth:`~vllm_csv.off_switch.OffSwitch.refusals_ahead`), so they skip its
+        ledger, the step's stats and the metrics call, and are vLLM's call plus one append of
+        their time (a few us a step, where the full refusal cost 40 to 60 us in the serving loop:
+        ``benchmarks/off_switch_cost.py``). They are accounted when the lane closes: the
+        ledger as ``steps`` refusals (:meth:`~vllm_csv.off_switch.OffSwitch.skip`), the times as
+        in-place dense samples, the metrics as a series of ``stats`` (counted at every flush
+        meanwhile: :meth:`~vllm_csv.metrics.CSVMetrics.open_series`)."""
+        series = self.csv_metrics.open_series(stats) if self.csv_metrics is not None else None
+        self._csv_lane = _Lane(plan, batch, kind, steps, [] if series is None else series.seconds, series, timed)
+
+    def _close_lane(self, sw) -> None:
+        lane, self._csv_lane = self._csv_lane, None
+        sw.skip(lane.batch, lane.kind, len(lane.seconds))
+        if lane.timed:
+            for s in lane.seconds[-WINDOW:]:  # (the estimate is the median of the last WINDOW)
+                sw.observe_dense(lane.batch, s)
+        if lane.series is not None:
+            self.csv_metrics.close_series(lane.series)
 
     def _adapter(self, head):
         from ..sampling.head_adapter import HeadAdapter
@@ -204,6 +242,17 @@ class CSVLogitsProcessor(LogitsProcessor):
                 softcap=self.soft_cap, scale=self.scale)
             self.csv_metrics = _metrics(self.csv_model_name, self.csv_head, index)
         return self.csv_head
+
+
+@dataclass
+class _Lane:
+    plan: object  # the step plan whose steps take the lane (step_plan hands out the same object while the batch holds)
+    batch: int
+    kind: str  # the off-switch's ledger
+    left: int  # steps the lane may still take
+    seconds: list[float]  # each lane step's time (the series' list when metrics are on)
+    series: object | None  # vllm_csv.metrics.Series
+    timed: bool  # the times are in-place dense samples (not on CUDA: no sync to time it)
 
 
 def _unsupported(vc, layer) -> str | None:
