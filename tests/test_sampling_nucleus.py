@@ -359,3 +359,80 @@ def test_top_p_queries_decide_as_the_full_computation(width, monkeypatch):
         assert torch.equal(k & only, k0 & only) and torch.equal(d & only, d0 & only)
         assert not (k & ~k0).any() and not (d & ~d0).any()
     assert (k0 & only).any() and (d0 & only).any()
+
+
+@pytest.mark.parametrize("listed,width", [(8, 0.5), (8, 3.0), (256, 0.5)])
+def test_narrowed_top_p_queries_are_sound(listed, width, monkeypatch):
+    """Queries narrowed to tighter bounds (the next round's, TopPQueries.narrowed: the list and
+    the unlisted masses kept, the listed bounds re-sorted) never contradict vLLM's top-p, on
+    rows where some tokens were tightened to their exact value (as scoring does: the list's
+    order changes, exact values fall below the old K-th bound) and some rows dropped out; they
+    decide at least what the wide queries decided; bounds that are not within the old ones, or
+    other rows, or another top-p, give None (the caller builds anew)."""
+    from vllm_csv.sampling.nucleus import TopPQueries
+
+    monkeypatch.setattr(nucleus, "QUERY_LIST", listed)
+    for y, g in (rows(21), peaked_rows(22)):
+        R, V = y.shape
+        p = torch.rand(R, generator=g) * 0.98 + 0.01
+        p[::7] = 1.0  # off
+        lo = y - torch.rand(y.shape, generator=g) * width
+        hi = y + torch.rand(y.shape, generator=g) * width
+        kept = torch.isfinite(apply_top_k_top_p_pytorch(y.clone(), None, p))
+        wide = TopPQueries(lo, hi, p)
+        scored = hi.topk(3 * listed, dim=1).indices  # the tokens of highest upper bound: exact now
+        scored = scored[:, torch.randperm(scored.shape[1], generator=g)[:listed]]
+        lo2, hi2 = lo.clone(), hi.clone()
+        lo2.scatter_(1, scored, y.gather(1, scored))
+        hi2.scatter_(1, scored, y.gather(1, scored))
+        p2 = p.clone()
+        p2[::5] = 1.0  # rows certified in the first round: off now
+        q = wide.narrowed(lo2, hi2, p2)
+        assert q is not None and q.rows.numel() < R
+        only = _asked(y, g, 0.3)
+        olo, ohi = q.bounds(only, only)
+        k, d = decisions(olo, ohi, y)
+        on = (p2 < 1.0)[:, None]
+        assert not (k & ~kept & on).any() and not (d & kept & on).any()
+        k0, d0 = decisions(*wide.bounds(only), y)
+        assert not ((k0 & ~k) & on & only).any() and not ((d0 & ~d) & on & only).any()
+        assert (k & on & only).any() and (d & on & only).any()
+        assert wide.narrowed(lo2 - 1.0, hi2, p2) is None  # a lower bound fell
+        assert wide.narrowed(lo2, hi2 + 1e-3, p2) is None  # an upper bound rose
+        lo3 = lo2.clone()
+        lo3[1, 5] = math.nan
+        assert wide.narrowed(lo3, hi2, p2) is None
+        assert wide.narrowed(lo2, hi2, torch.where(p2 < 1.0, p2 * 0.5, 1.0)) is None  # another top-p
+        assert wide.narrowed(lo2, hi2, torch.where(p < 1.0, p, 0.5)) is None  # a row it did not have
+
+
+def test_narrowed_queries_keep_the_unlisted_below_the_old_list(monkeypatch):
+    """Listed tokens scored far below the list's old K-th bound do not make the list cover a
+    token: an unlisted token just below that old bound may still sort after it. Token 6 (y
+    0.05, bounds [0, 5.5]) is listed; token 8 (y 4.9, bounds [-20, 4.95]) is not (the K-th bound
+    is 5.0); the other listed tokens' exact values are -10. vLLM drops token 6 at p = 0.5
+    (token 8 holds 99% of the mass): no query may keep it."""
+    from vllm_csv.sampling.nucleus import TopPQueries
+
+    V, K = 64, 8
+    y = torch.full((1, V), -8.0)
+    lo, hi = y - 1.0, y + 1.0
+    listed = [0, 1, 2, 3, 4, 5, 7]
+    y[0, listed] = -10.0
+    lo[0, listed], hi[0, listed] = -11.0, 6.5
+    hi[0, 7] = 5.0  # the K-th bound
+    y[0, 6], lo[0, 6], hi[0, 6] = 0.05, 0.0, 5.5
+    y[0, 8], lo[0, 8], hi[0, 8] = 4.9, -20.0, 4.95
+    p = torch.tensor([0.5])
+    assert not torch.isfinite(apply_top_k_top_p_pytorch(y.clone(), None, p))[0, 6]
+    only = torch.zeros(1, V, dtype=torch.bool)
+    only[0, 6] = True
+    monkeypatch.setattr(nucleus, "QUERY_LIST", K)
+    wide = TopPQueries(lo, hi, p)
+    assert int(wide.is_listed[0].sum()) == K and bool(wide.is_listed[0, 6]) and not bool(wide.is_listed[0, 8])
+    lo2, hi2 = lo.clone(), hi.clone()
+    lo2[0, listed], hi2[0, listed] = -10.0, -10.0  # scored: exact
+    q = wide.narrowed(lo2, hi2, p)
+    assert q is not None
+    olo, ohi = q.bounds(only, only)
+    assert olo[0, 6] == -math.inf  # not kept (undecided or dropped)

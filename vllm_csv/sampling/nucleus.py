@@ -80,7 +80,11 @@ one binary search per asked token; only ``n_hi``'s is formed by a subtraction (`
 whose rounding is covered by adding ``2^-40`` of the prefix. The cost: one top-``K`` and two
 ``exp`` passes per row, then ``O(log K)`` per asked token. Where a list leaves undecided a token
 that exact sums might decide (:meth:`TopPQueries.bounds`'s ``settle``), the row is decided again
-on a list 8x longer, then in full.
+on a list 8x longer, then in full. From one round of :mod:`.rows` to the next the bounds only
+tighten (checked: :meth:`TopPQueries.narrowed`), so the next round keeps the list's tokens and the
+unlisted masses (still bounds of what they bound; the ``K``-th ``yhi`` of the old list still bounds
+every unlisted ``yhi``, even where a listed token's exact value fell below it) and re-sorts the
+listed bounds only: no top-``K`` and no ``exp`` pass over the row.
 
 top-k (``apply_top_k_only``, or the sorted ``apply_top_k_top_p_pytorch`` when a top-p is set;
 both after min-p, and top-p's softmax runs over what top-k kept): token ``i`` is kept iff
@@ -148,6 +152,11 @@ def _top_k_on(top_k: torch.Tensor, V: int) -> torch.Tensor:
 
 def _top_p_on(top_p: torch.Tensor) -> torch.Tensor:
     return top_p < 1.0
+
+
+def _rows_of(x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """``x[rows]`` (``rows`` ascending, distinct), without the copy when it is every row."""
+    return x if rows.numel() == x.shape[0] else x[rows]
 
 
 def all_off(min_p: torch.Tensor | None, top_k: torch.Tensor | None, top_p: torch.Tensor | None, V: int) -> bool:
@@ -502,14 +511,28 @@ class TopPQueries:
         self.ylo, self.yhi, self.top_p = ylo, yhi, top_p
         V = ylo.shape[1]
         self.rows = _top_p_on(top_p).nonzero().squeeze(1)
-        lo, hi = ylo[self.rows], yhi[self.rows]
+        lo, hi = _rows_of(ylo, self.rows), _rows_of(yhi, self.rows)
         c = hi.amax(1, keepdim=True)
         # rows with NaN or +inf bounds ask for nothing (never certified: every token undecided)
-        self.usable = (torch.isfinite(c) | (c == -math.inf))[:, 0] & ~torch.isnan(lo).any(1)
+        # (amax propagates NaN: one reduction instead of an isnan pass)
+        self.usable = (torch.isfinite(c) | (c == -math.inf))[:, 0] & ~torch.isnan(lo.amax(1))
         self.c = torch.where(torch.isfinite(c), c, torch.zeros_like(c))
         K = self.listed = min(listed or QUERY_LIST, V)
         th, self.ih = hi.topk(K, dim=1)
-        self.th, self.tl = th.double(), lo.gather(1, self.ih).double()
+        # every unlisted token's yhi is at most kth (what "covered" reads: module docstring)
+        self.kth = th[:, -1].double()
+        self.is_listed = torch.zeros_like(hi, dtype=torch.bool).scatter_(1, self.ih, True)
+        # masses off the list, summed directly (fp32 exp, float64 sum, widened: docstring)
+        self.unl_h = self._unlisted(hi, +1)
+        self.unl_l = self._unlisted(lo, -1)
+        self.p_keep, self.p_drop = _top_p_cuts(top_p[self.rows].double(), V)
+        self._index(lo, hi)
+
+    def _index(self, lo: torch.Tensor, hi: torch.Tensor) -> None:
+        """The listed tokens' bounds (``lo``, ``hi``: ``[r, V]``, the rows') as prefix / suffix sums."""
+        self.th, order = hi.gather(1, self.ih).double().sort(dim=1, descending=True)
+        self.ih = self.ih.gather(1, order)
+        self.tl = lo.gather(1, self.ih).double()
         eh_l, el_l = self._mass(self.th), self._mass(self.tl)
         # the listed masses as prefix / suffix sums ([r, K + 1]) along the list (yhi descending)
         # and along its lower bounds sorted descending: each of the four sums over listed
@@ -522,13 +545,33 @@ class TopPQueries:
         self.neg_tl = -tl_s
         self.pre_el = torch.cat([z, el_l.gather(1, perm).cumsum(1)], 1)  # over tl > x
         self.suf_eh = torch.cat([eh_l.gather(1, perm).flip(1).cumsum(1).flip(1), z], 1)  # over tl <= x
-        self.is_listed = torch.zeros_like(hi, dtype=torch.bool).scatter_(1, self.ih, True)
-        # masses off the list, summed directly (fp32 exp, float64 sum, widened: docstring)
-        self.unl_h = self._unlisted(hi, +1)
-        self.unl_l = self._unlisted(lo, -1)
-        self.kth = self.th[:, -1]
-        self.p_keep, self.p_drop = _top_p_cuts(top_p[self.rows].double(), V)
-        self.first = self.ih.gather(1, self.tl.topk(min(DECIDE_FIRST, K), dim=1).indices)  # [r, <=16]
+        self.first = self.ih.gather(1, perm[:, :min(DECIDE_FIRST, perm.shape[1])])  # [r, <=16]
+
+    def narrowed(self, ylo: torch.Tensor, yhi: torch.Tensor, top_p: torch.Tensor) -> "TopPQueries | None":
+        """The queries of tighter bounds, without a pass over the rows' vocabulary but two
+        comparisons: ``ylo, yhi`` (``[R, V]``, as the constructor's) on the rows of ``top_p``,
+        which must be rows of this one with the same ``top_p``, and within this one's bounds
+        (checked here; else None, and the caller builds anew). The list keeps its tokens, their
+        new bounds re-sorted; the unlisted masses stay valid bounds (each ``yhi_j`` only fell,
+        each ``ylo_j`` only rose), and so does ``kth`` (every unlisted ``yhi_j`` is at most the
+        old one, at most ``kth``); so does the shift ``c`` (at least every ``yhi``). One round of
+        :mod:`.rows` to the next changes the bounds of the tokens it scored only."""
+        rows = _top_p_on(top_p).nonzero().squeeze(1)
+        n = self.rows.numel()
+        if rows.numel() == 0 or n == 0:
+            return None
+        pos = torch.searchsorted(self.rows, rows).clamp_max(n - 1)  # (self.rows ascending: nonzero)
+        if not bool((self.rows[pos] == rows).all() and (self.top_p[rows] == top_p[rows]).all()):
+            return None
+        lo, hi = _rows_of(ylo, rows), _rows_of(yhi, rows)
+        if not bool((lo >= _rows_of(self.ylo, rows)).all() and (hi <= _rows_of(self.yhi, rows)).all()):
+            return None  # (NaN fails both comparisons)
+        q = TopPQueries.__new__(TopPQueries)
+        q.ylo, q.yhi, q.top_p, q.rows, q.listed = ylo, yhi, top_p, rows, self.listed
+        for name in ("usable", "c", "ih", "kth", "is_listed", "unl_h", "unl_l", "p_keep", "p_drop"):
+            setattr(q, name, getattr(self, name)[pos])
+        q._index(lo, hi)
+        return q
 
     def _mass(self, y: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
         """``e^(y - c)`` in float64: ``y`` ``[r, n]`` float64 (or ``[Q]``, of the rows ``rows``),
@@ -560,12 +603,18 @@ class TopPQueries:
         rows = self.rows
         r, V = rows.numel(), self.ylo.shape[1]
         dev = self.ylo.device
-        asked = torch.zeros((r, V), dtype=torch.bool, device=dev) if only is None else only[rows].clone()
-        asked.scatter_(1, self.first, True)
-        asked &= (self.yhi[rows] > -math.inf) & self.usable[:, None]
-        heavy = asked.sum(1) > QUERY_MAX
-        asked[heavy] = False
-        ri, ci = asked.nonzero().unbind(1)
+        # the asked tokens as (row, column) pairs, each row's DECIDE_FIRST added (row-major,
+        # distinct): one nonzero over [r, V], the rest on the pairs
+        first = (torch.arange(r, device=dev)[:, None] * V + self.first).reshape(-1)
+        if only is not None:
+            ri, ci = _rows_of(only, rows).nonzero().unbind(1)
+            first = torch.cat([ri * V + ci, first]).unique()
+        ri, ci = first // V, first % V
+        live = (self.yhi[rows[ri], ci] > -math.inf) & self.usable[ri]
+        ri, ci = ri[live], ci[live]
+        heavy = torch.bincount(ri, minlength=r) > QUERY_MAX
+        light = ~heavy[ri]
+        ri, ci = ri[light], ci[light]
         qlo, qhi = self.ylo[rows[ri], ci].double(), self.yhi[rows[ri], ci].double()
         qel, qeh = self._mass(qlo, ri), self._mass(qhi, ri)
         covered = (self.kth[ri] < qlo) | (self.listed == V)  # (every token listed: nothing unlisted)
@@ -594,8 +643,12 @@ class TopPQueries:
                                r_hi0 + torch.where(exact, uh, zero), qlo, pk, pd)
             unsure = ~(k | d) & ((k_may & ~covered) | (d_may & ~exact)) & settle[rows[ri], ci]
             short[ri[unsure]] = True
-        out_lo, out_hi = self.ylo.clone(), self.yhi.clone()
-        out_lo[rows] = -math.inf  # undecided
+        if r == self.ylo.shape[0]:  # every row: undecided (-inf) unless kept below
+            out_lo = torch.full_like(self.ylo, -math.inf)
+        else:
+            out_lo = self.ylo.clone()
+            out_lo[rows] = -math.inf
+        out_hi = self.yhi.clone()
         kr, kc = rows[ri[k]], ci[k]
         out_lo[kr, kc] = self.ylo[kr, kc]
         out_hi[rows[ri[d]], ci[d]] = -math.inf

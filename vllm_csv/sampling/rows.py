@@ -158,13 +158,14 @@ def certify_rows(adapter: HeadAdapter, hidden: torch.Tensor, process: Process, s
     # hold lost to the winner anyway. Then no [R, V] is kept.
     gone = None if elementwise and masks.off else torch.zeros((R, V), dtype=torch.bool, device=dev)
     asked = None  # top-p rows: the tokens whose decisions the draw's certificate needed so far
+    by_query = None  # top-p rows: the last round's queries (TopPQueries), narrowed to the next round's bounds
     for rnd in range(MAX_ROUNDS + 1):
         ylo0, yhi0 = masks.before_top_p(*process(lo, hi), ~certified)
         # top-p rows: first decided on their likely winners only, then on the draw's contenders
         # that this leaves (nucleus docstring, "deciding some tokens only"); the rest stays
         # undecided, which the certificate allows for any token that cannot win
         # (asked: the previous round's contenders, which bounds that only tighten rarely add to)
-        by_query = masks.top_p_queries(ylo0, yhi0, ~certified)
+        by_query = masks.top_p_queries(ylo0, yhi0, ~certified, by_query)
         ylo, yhi = masks.top_p_of(ylo0, yhi0, ~certified) if by_query is None else by_query.bounds(asked)
         if narrow is None:
             cert = certify_draw_packed(ylo, yhi, seeds, greedy)
@@ -176,9 +177,12 @@ def certify_rows(adapter: HeadAdapter, hidden: torch.Tensor, process: Process, s
             # left undecided are decided on a longer one (nucleus.TopPQueries.bounds). A row
             # certified above asks for the same tokens again (its one contender is its winner):
             # its bounds and certificate come out the same. A row with no certainly kept token
-            # asks for every token (decided in full).
+            # asks for every token (decided in full). Not in the first round, where nothing is
+            # scored yet: its contenders are scored as they stand (the extra tokens undecided ones
+            # add cost microseconds to score; a second pass over [R, V] cost about 1 ms a row at
+            # V 65536), and are the next round's asks.
             wanted = _wanted(cert)
-            late = (wanted if asked is None else wanted & ~asked).any(1)
+            late = (wanted & ~asked).any(1) if asked is not None else torch.zeros_like(certified)
             left = ~certified & ~cert.certified & (top_p < 1.0)
             settled = left & ~(cert.contenders & ~scored[None]).any(1)
             if bool((left & late).any() or settled.any()):
@@ -280,13 +284,20 @@ class _Masks:
             return ylo, yhi
         return top_p_bounds(ylo, yhi, torch.where(rows, self.top_p, 1.0))
 
-    def top_p_queries(self, ylo: torch.Tensor, yhi: torch.Tensor, rows: torch.Tensor) -> TopPQueries | None:
+    def top_p_queries(self, ylo: torch.Tensor, yhi: torch.Tensor, rows: torch.Tensor,
+                      last: TopPQueries | None = None) -> TopPQueries | None:
         """Top-p deciding chosen tokens only (:class:`~.nucleus.TopPQueries`), where some row of
-        ``rows`` has one; None otherwise."""
+        ``rows`` has one; None otherwise. ``last``: the previous round's, narrowed to these
+        bounds where they lie within its own (:meth:`~.nucleus.TopPQueries.narrowed`: bounds
+        only tighten from round to round, and the check costs two comparisons where a new list
+        costs a top-K and two exp passes)."""
         if self.off or self.top_p is None:
             return None
         p = torch.where(rows, self.top_p, 1.0)
-        return TopPQueries(ylo, yhi, p) if bool((p < 1.0).any()) else None
+        if not bool((p < 1.0).any()):
+            return None
+        q = None if last is None else last.narrowed(ylo, yhi, p)
+        return q if q is not None else TopPQueries(ylo, yhi, p)
 
 
 def _focus_counts(top_k: torch.Tensor | None, top_p: torch.Tensor | None, stuck: torch.Tensor,
