@@ -244,10 +244,36 @@ def test_ruled_out_summaries_hold():
         j = out_of[r]
         assert bool((yhi[r, j].double() <= out.hi[r, 0]).all())
         if greedy[r]:
-            assert bool((yhi[r, j].double() < out.hi[r, 0]).all())
+            assert bool((yhi[r, j].double() <= out.hi[r, 0]).all()) and out.hi[r, 0] < cert.bar[r]
         else:
-            assert bool((nhi[r, j] < out.noisy[r, 0]).all())
+            assert bool((nhi[r, j] <= out.noisy[r, 0]).all()) and out.noisy[r, 0] < cert.bar[r]
     assert bool(out.usable()[cert.finite].all())
+
+
+def test_a_narrow_round_on_unchanged_bounds_decides_as_the_full_round():
+    """The rounds after the first certify on the first round's contenders, the others summarised
+    (ruled_out). Where nothing rose (the best came from a token already scored before the first
+    round, e.g. top-p rows' highest upper bounds), the narrow round must still certify what the
+    full round certified: the summaries sit just below the bar they promise (they were the bar,
+    and the later round's strict test failed on equality: every such row stayed undecided)."""
+    from vllm_csv.sampling.certificate import ruled_out
+    from vllm_csv.sampling.rows import _certify_columns
+
+    g = torch.Generator().manual_seed(6)
+    R, V = 64, 3000
+    y = torch.randn(R, V, generator=g) * torch.tensor([1.0, 5.0, 40.0, 3.0]).repeat(R // 4)[:, None]
+    w = torch.rand(R, V, generator=g) * 0.05
+    top = y.topk(64, dim=1).indices
+    w.scatter_(1, top, 0.0)  # the highest tokens exact (scored), the rest screened
+    ylo, yhi = y - w, y + w
+    seeds = torch.randint(0, 2**31, (R,), generator=g)
+    greedy = torch.arange(R) % 3 == 0
+    cert = certify_draw(ylo, yhi, seeds, greedy)
+    assert int(cert.certified.sum()) > R // 2
+    cols = cert.contenders.any(0).nonzero().squeeze(1)
+    again = _certify_columns(ylo, yhi, seeds, greedy, cols, ruled_out(cert, greedy))
+    assert torch.equal(again.certified, cert.certified)
+    assert torch.equal(again.winner[cert.certified], cert.winner[cert.certified])
 
 
 @pytest.mark.parametrize("focus", [True, False])

@@ -217,7 +217,8 @@ def ruled_out(cert: DrawCertificate, greedy: torch.Tensor) -> Outside:
     The block promises what ruled those tokens out: greedy rows, ``yhi_j < bar = lmax``;
     sampled rows, computed ``yhi_j + g_j < bar = best - 2 delta`` (the listed tokens by the
     comparison itself, the others by :func:`~.gumbel.bits_below`'s margin), with ``delta`` the
-    margin of ``absmax``, and ``yhi_j <= hmax``. These hold in every later round as long as each
+    margin of ``absmax``, and ``yhi_j <= hmax``; as summaries, ``<=`` the largest float64 below
+    ``bar`` (the later round's tests are strict). These hold in every later round as long as each
     token's bounds only tighten and the map to the draw's inputs is per token and monotone
     (then ``yhi_j`` only falls): the later round's ``lmax`` / ``best`` is at least this one's,
     its ``delta`` at most (``absmax`` caps it), and the block's strict tests (``hi < lmax``,
@@ -246,5 +247,10 @@ def ruled_out(cert: DrawCertificate, greedy: torch.Tensor) -> Outside:
 
     g = greedy.to(cert.bar.device)
     vacuous = torch.full((cert.bar.shape[0], 1), -math.inf, dtype=torch.float64, device=cert.bar.device)
-    return Outside(hi=col(torch.where(g, cert.bar, cert.hmax)), noisy=col(cert.bar.masked_fill(g, -math.inf)),
+    # The promises are strict (< bar) and the later round's tests are too (a block's summaries
+    # may be attained, as another shard's are): the largest float64 below bar keeps the promise
+    # and passes the test when the later bar equals this one (the best came from a token scored
+    # before this round, and nothing rose: the row would stay undecided with bar itself).
+    below = torch.nextafter(cert.bar, torch.full_like(cert.bar, -math.inf))
+    return Outside(hi=col(torch.where(g, below, cert.hmax)), noisy=col(below.masked_fill(g, -math.inf)),
                    lel=vacuous, leh=-vacuous, absmax=col(cert.absmax), lo=vacuous)

@@ -14,7 +14,9 @@ Pipeline (per batch of rows that the sampler will draw from):
    top-p, which decide what those certainly keep: :func:`_focus_counts`) are scored exactly
    (their bounds shrink to the rounding interval of the dense value, intersected with the
    screen's) and 2-3 repeat, until every row is decided, nothing is left to score, or the
-   budget is spent. When ``process`` is per token (``elementwise``), the rounds after the first
+   budget is spent. Top-p rows have their :data:`TOP_P_GUESS` highest upper bounds scored
+   before the first round (a round of theirs costs far more than scoring a few tokens, and
+   those are where the draw and the nucleus' mass usually are). When ``process`` is per token (``elementwise``), the rounds after the first
    certify on the first round's contenders only, the tokens it ruled out kept as one summary
    per row (:func:`~.certificate.ruled_out`): no second pass over the vocabulary.
 
@@ -42,6 +44,7 @@ from .head_adapter import HeadAdapter
 
 MAX_ROUNDS = 4
 FIRST_GUESS = 8  # one-sided screens (no lower bounds): score the 8 highest upper bounds first
+TOP_P_GUESS = 64  # top-p rows: their 64 highest upper bounds scored up front (budget allowing)
 TOP_P_FOCUS = 128  # open top-p rows with every contender scored: their 128 highest upper bounds, 4x more each time
 
 
@@ -149,6 +152,13 @@ def certify_rows(adapter: HeadAdapter, hidden: torch.Tensor, process: Process, s
 
     if one_sided and bool(finite.any()):
         add(hi[finite].topk(min(FIRST_GUESS, V), dim=1).indices.unique())
+    elif top_p is not None and TOP_P_GUESS and bool((guess := finite & (top_p < 1.0)).any()):
+        # top-p rows: their highest upper bounds scored before the first round, which then
+        # often certifies (a top-p round is the costly part: masks, queries, certificate over
+        # [R, V]); at most a quarter of the budget, shared by the rows
+        n = min(TOP_P_GUESS, V, budget // (4 * int(guess.sum())))
+        if n > 0:
+            add(hi[guess].topk(n, dim=1).indices.unique())
     narrow = None  # (columns, ruled-out summaries): the rounds after the first, elementwise
     stuck = torch.zeros(R, dtype=torch.long, device=dev)  # top-p rows: rounds with every contender scored
     masks = _Masks(min_p, top_k, top_p, V)
