@@ -100,8 +100,8 @@ class CSVLogitsProcessor(LogitsProcessor):
         sw = head.off_switch
         split = plan.split(head.max_certified_k)
         asked = sw is not None and bool(deferred or split.rows)
-        if asked and not sw.allow(B, lambda: csv_head._time(dense_full, hidden_states),
-                                  "sampler" if deferred else split.kind):
+        kind = "sampler" if deferred else split.kind  # the off-switch's ledger
+        if asked and not sw.allow(B, lambda: csv_head._time(dense_full, hidden_states), kind):
             logits = dense_full().to(head.dtype)  # vLLM's own output: one GEMM, no copies
             seconds = time.perf_counter() - t0
             if not hidden_states.is_cuda:  # (CUDA: no sync to time it)
@@ -110,10 +110,9 @@ class CSVLogitsProcessor(LogitsProcessor):
             stats.fallbacks["unsupported"] = split.csv_rows - len(split.rows)
             stats.fallbacks["off_switch"] = plan.csv_rows - stats.fallbacks["unsupported"]
             self._record(head, stats, {}, None)
-            steps = sw.refusals_ahead(B, "sampler" if deferred else split.kind)
+            steps = sw.refusals_ahead(B, kind)
             if steps:
-                self._open_lane(plan, B, "sampler" if deferred else split.kind, steps, stats,
-                                timed=not hidden_states.is_cuda)
+                self._open_lane(plan, B, kind, steps, stats, timed=not hidden_states.is_cuda)
             return logits
         if not deferred:
             logits, stats = head.sampler_logits(hidden_states, plan.topk_tensor, lambda h: dense_full(), t0=t0,
