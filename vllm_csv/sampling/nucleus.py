@@ -605,11 +605,11 @@ class TopPQueries:
         dev = self.ylo.device
         # the asked tokens as (row, column) pairs, each row's DECIDE_FIRST added (row-major,
         # distinct): one nonzero over [r, V], the rest on the pairs
-        first = (torch.arange(r, device=dev)[:, None] * V + self.first).reshape(-1)
+        keys = (torch.arange(r, device=dev)[:, None] * V + self.first).reshape(-1)  # row * V + column
         if only is not None:
             ri, ci = _rows_of(only, rows).nonzero().unbind(1)
-            first = torch.cat([ri * V + ci, first]).unique()
-        ri, ci = first // V, first % V
+            keys = torch.cat([ri * V + ci, keys]).unique()
+        ri, ci = keys // V, keys % V
         live = (self.yhi[rows[ri], ci] > -math.inf) & self.usable[ri]
         ri, ci = ri[live], ci[live]
         heavy = torch.bincount(ri, minlength=r) > QUERY_MAX

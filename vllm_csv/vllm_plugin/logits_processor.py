@@ -27,6 +27,7 @@ from vllm.logger import init_logger
 from vllm.model_executor.layers.logits_processor import LogitsProcessor
 
 from .. import head as csv_head
+from ..metrics import Series
 from ..off_switch import WINDOW
 from . import sampler_hook, step_plan
 from .config import CSVDecodeConfig, from_additional_config
@@ -72,7 +73,7 @@ class CSVLogitsProcessor(LogitsProcessor):
             if lane.plan is plan and lane.left:  # a step the switch surely refuses: vLLM's call, one append
                 lane.left -= 1
                 logits = super().forward(lm_head, hidden_states, embedding_bias).to(head.dtype)
-                lane.seconds.append(time.perf_counter() - t0)
+                lane.series.seconds.append(time.perf_counter() - t0)
                 return logits
             self._close_lane(head.off_switch)
         if not any(plan.topk):  # every row dense by its sampling parameters: count the rows
@@ -160,16 +161,17 @@ class CSVLogitsProcessor(LogitsProcessor):
         ledger as ``steps`` refusals (:meth:`~vllm_csv.off_switch.OffSwitch.skip`), the times as
         in-place dense samples, the metrics as a series of ``stats`` (counted at every flush
         meanwhile: :meth:`~vllm_csv.metrics.CSVMetrics.open_series`)."""
-        series = self.csv_metrics.open_series(stats) if self.csv_metrics is not None else None
-        self._csv_lane = _Lane(plan, batch, kind, steps, [] if series is None else series.seconds, series, timed)
+        series = self.csv_metrics.open_series(stats) if self.csv_metrics is not None else Series(stats)
+        self._csv_lane = _Lane(plan, batch, kind, steps, series, timed)
 
     def _close_lane(self, sw) -> None:
         lane, self._csv_lane = self._csv_lane, None
-        sw.skip(lane.batch, lane.kind, len(lane.seconds))
+        seconds = lane.series.seconds
+        sw.skip(lane.batch, lane.kind, len(seconds))
         if lane.timed:
-            for s in lane.seconds[-WINDOW:]:  # (the estimate is the median of the last WINDOW)
+            for s in seconds[-WINDOW:]:  # (the estimate is the median of the last WINDOW)
                 sw.observe_dense(lane.batch, s)
-        if lane.series is not None:
+        if self.csv_metrics is not None:
             self.csv_metrics.close_series(lane.series)
 
     def _adapter(self, head):
@@ -249,8 +251,7 @@ class _Lane:
     batch: int
     kind: str  # the off-switch's ledger
     left: int  # steps the lane may still take
-    seconds: list[float]  # each lane step's time (the series' list when metrics are on)
-    series: object | None  # vllm_csv.metrics.Series
+    series: Series  # each lane step's time (open in the metrics when they are on)
     timed: bool  # the times are in-place dense samples (not on CUDA: no sync to time it)
 
 
