@@ -148,3 +148,31 @@ def test_row_stats_kernel_is_the_reference(k):
     assert torch.equal(held[fin & ok[:, None]], got.top_values[fin & ok[:, None]])
     assert got.top_indices[3].tolist() == list(range(k))  # all tied: the lowest indices, in order
     assert got.top_indices[2].tolist() == [7 * j for j in range(k)]  # tied maxima: the same
+
+
+@pytest.mark.parametrize("V", [1, 7, 16, 33, 65536 + 5])
+def test_pack_live_kernel_is_the_reference(V):
+    """Each row's live columns, packed: the kernel equals the reference (NaN lower bounds and NaN
+    upper bounds live, +inf live, -inf dead, rows all dead or all live, lengths off the vector
+    width), and both refuse an n below a row's live count."""
+    from vllm_csv.ops.noise import pack_live, pack_live_ref
+
+    g = torch.Generator().manual_seed(V)
+    R = 6
+    hi = torch.randn(R, V, generator=g)
+    hi[torch.rand(R, V, generator=g) < 0.9] = -math.inf
+    lo = hi - 1
+    hi[0] = -math.inf  # all dead
+    hi[1] = 1.0  # all live
+    lo[1] = 0.0
+    lo[2, ::3] = math.nan  # NaN lower bound under a -inf upper one: live
+    hi[3, ::5] = math.nan
+    hi[4, ::4] = math.inf
+    n = int(((hi != -math.inf) | torch.isnan(lo)).sum(1).max())
+    for m in (n, n + 3):
+        want = pack_live_ref(lo, hi, m)
+        assert torch.equal(pack_live(lo, hi, m), want)
+        assert want.shape == (R, m) and bool((want[0] == V).all()) and want[1, :V].tolist() == list(range(V))
+    for f in (pack_live, pack_live_ref):
+        with pytest.raises(RuntimeError, match="more than n"):
+            f(lo, hi, n - 1)

@@ -436,3 +436,102 @@ def test_narrowed_queries_keep_the_unlisted_below_the_old_list(monkeypatch):
     assert q is not None
     olo, ohi = q.bounds(only, only)
     assert olo[0, 6] == -math.inf  # not kept (undecided or dropped)
+
+
+def _adversarial_min_p_rows(seed, R=96, V=3000):
+    """Rows for min-p on bounds: scales from 1e-3 to 1e6, ties, masked tokens, tokens whose lower
+    bound is -inf with a finite upper one, values exactly at the row's cut ``max + log(min_p)``
+    (and one ulp either side), a huge-norm row, min-p at the floor, below it, and near 1."""
+    g = torch.Generator().manual_seed(seed)
+    scale = torch.tensor([1e-3, 1.0, 10.0, 1e3, 1e6])[torch.arange(R) % 5][:, None]
+    y = torch.randn(R, V, generator=g) * scale
+    y[:, :7] = y[:, 7:14]
+    mp = torch.rand(R, generator=g) * 0.9 + 0.01
+    mp[::11] = 1e-20  # the floor
+    mp[5::11] = 1e-21  # below it: nothing decided
+    mp[7::11] = 0.999
+    mp[9::13] = 0.0
+    cut = (y.amax(1).double() + torch.log(mp.double().clamp_min(1e-30))).float()
+    edge = torch.randint(0, V, (R, 40), generator=g)
+    at = cut[:, None].expand(R, 40)
+    y.scatter_(1, edge[:, :20], at[:, :20])
+    y.scatter_(1, edge[:, 20:30], torch.nextafter(at[:, :10], torch.full_like(at[:, :10], math.inf)))
+    y.scatter_(1, edge[:, 30:], torch.nextafter(at[:, :10], torch.full_like(at[:, :10], -math.inf)))
+    y[::6, 200:300] = -math.inf  # masked
+    w1 = torch.rand(R, V, generator=g) * scale * 0.01
+    w2 = torch.rand(R, V, generator=g) * scale * 0.01
+    w1[::3] = 0.0
+    w2[::4] = 0.0
+    lo, hi = y - w1, y + w2
+    lo[1::4, 400:420] = -math.inf  # lower bound unknown, upper known
+    return y, lo, hi, mp, g
+
+
+@pytest.mark.parametrize("seed", [11, 12, 13])
+def test_min_p_decisions_are_sound_on_adversarial_bounds(seed):
+    """Every value the bounds allow (their ends and random points between) gets vLLM's own min-p
+    decision wherever the bounds decided; rows with NaN or +inf bounds decide nothing."""
+    y, lo, hi, mp, g = _adversarial_min_p_rows(seed)
+    lo[3, 50], hi[3, 50] = math.nan, math.nan
+    hi[8, 60] = math.inf
+    nlo, nhi = min_p_bounds(lo, hi, mp)
+    kept_for_sure, dropped_for_sure = torch.isfinite(nlo), (nhi == -math.inf) & (hi > -math.inf)
+    assert not kept_for_sure[3].any() and not dropped_for_sure[3].any()
+    assert not kept_for_sure[8].any() and not dropped_for_sure[8].any()
+    for r in (3, 8):
+        lo[r], hi[r], y[r] = 0.0, 0.0, 0.0
+    pts = [y, lo.clamp_min(-3.0e38).where(torch.isfinite(lo), y), hi.where(torch.isfinite(hi), y)]
+    for _ in range(3):
+        u = torch.rand(y.shape, generator=g)
+        pts.append(torch.where(torch.isfinite(lo) & torch.isfinite(hi), lo + u * (hi - lo), y))
+    for p in pts:
+        kept = vllm_min_p(p, mp) & torch.isfinite(p)
+        assert not (kept_for_sure & ~kept)[torch.isfinite(p)].any()
+        assert not (dropped_for_sure & kept).any()
+    assert not kept_for_sure[5::11].any() and not dropped_for_sure[5::11].any()  # below the floor
+    off = mp == 0
+    assert torch.equal(nlo[off], lo[off]) and torch.equal(nhi[off], hi[off])
+    assert not dropped_for_sure[1::4, 400:420].any()  # lower bound -inf: |y| unbounded, never dropped
+    rows = (mp >= 1e-20) & (torch.arange(mp.numel()) != 3) & (torch.arange(mp.numel()) != 8)
+    decided = (kept_for_sure | dropped_for_sure)[rows][torch.isfinite(y[rows])].float().mean()
+    assert decided > 0.95
+
+
+def test_a_negative_min_p_margin_on_the_row_is_caught(monkeypatch):
+    """Broken bound: min-p's margin made negative on the whole-row rule: tokens within the
+    margin of the cut get decisions vLLM contradicts."""
+    monkeypatch.setattr(nucleus, "_min_p_margin", lambda y_abs, m_abs: torch.full_like(y_abs, -0.05))
+    y, lo, hi, mp, _ = _adversarial_min_p_rows(14)
+    nlo, nhi = min_p_bounds(y, y, mp)
+    kept = vllm_min_p(y, mp)
+    assert (torch.isfinite(nlo) & ~kept & torch.isfinite(y)).any() or ((nhi == -math.inf) & kept).any()
+
+
+def test_min_p_cut_kernel_is_the_reference():
+    """The fused min-p cut equals its torch reference bit for bit: values at the thresholds and
+    one ulp either side, NaN / +-inf bounds and thresholds, rows longer than a task."""
+    from vllm_csv.ops import cpu_step
+    from vllm_csv.ops.masks import min_p_cut, min_p_cut_ref
+
+    if not cpu_step.kernels_available():
+        pytest.skip("CPU kernels not built")
+    g = torch.Generator().manual_seed(21)
+    R, V = 7, 20000
+    lo = torch.randn(R, V, generator=g)
+    hi = lo + torch.rand(R, V, generator=g)
+    keep = torch.tensor([0.5, -math.inf, math.nan, math.inf, 1.0, 0.0, -2.0])
+    drop = torch.tensor([-0.5, -math.inf, math.nan, math.inf, 0.25, 0.0, math.nan])
+    lo[:, :100] = keep[:, None]
+    lo[:, 100:200] = torch.nextafter(lo[:, :100], torch.full((R, 100), math.inf))
+    hi[:, 200:300] = drop[:, None]
+    hi[:, 300:400] = torch.nextafter(hi[:, 200:300], torch.full((R, 100), -math.inf))
+    lo[:, 400:450] = -math.inf
+    lo[:, 450:460], hi[:, 450:460] = math.nan, math.nan
+    hi[:, 460:470] = math.inf
+    lo[:, 470:480], hi[:, 470:480] = -math.inf, -math.inf
+    got, want = min_p_cut(lo, hi, keep, drop), min_p_cut_ref(lo, hi, keep, drop)
+    for a, b in zip(got, want):
+        assert torch.equal(a.isnan(), b.isnan()) and torch.equal(a.nan_to_num(1.5), b.nan_to_num(1.5))
+    assert min_p_cut(lo[:, :0], hi[:, :0], keep, drop)[0].shape == (R, 0)
+    with pytest.raises(RuntimeError, match="keep_at"):
+        torch.ops.vllm_csv_cpu.min_p_cut(lo, hi, keep[:3], drop)

@@ -312,6 +312,76 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tenso
   return {lmax, hmax, absmax, live, tv, ti};
 }
 
+
+// Columns j0.. of a row that are live, one by one, after k already found (-1: more than cap).
+inline int64_t live_cols_from(const float* lo, const float* hi, int64_t j0, int64_t m, int64_t* out, int64_t k,
+                              int64_t cap) {
+  for (int64_t j = j0; j < m; ++j)
+    if (hi[j] != -std::numeric_limits<float>::infinity() || lo[j] != lo[j]) {
+      if (k == cap) return -1;
+      out[k++] = j;
+    }
+  return k;
+}
+
+// Each row's live columns (hi != -inf, or lo NaN: vllm_csv.ops.noise.pack_live_ref) in column
+// order, into [R, n] int64, padded with n_cols (the row length). Compare 16 (8) columns at a
+// time, then walk the set bits: rows are mostly dead once min-p / top-k dropped their tails.
+__attribute__((target("avx512f"))) int64_t live_cols_avx512(const float* lo, const float* hi, int64_t m,
+                                                            int64_t* out, int64_t cap) {
+  const __m512 ninf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  int64_t k = 0, j = 0;
+  for (; j + 16 <= m; j += 16) {
+    const __m512 h = _mm512_loadu_ps(hi + j), l = _mm512_loadu_ps(lo + j);
+    uint32_t bits = _mm512_cmp_ps_mask(h, ninf, _CMP_NEQ_UQ) | _mm512_cmp_ps_mask(l, l, _CMP_UNORD_Q);
+    for (; bits; bits &= bits - 1) {
+      if (k == cap) return -1;
+      out[k++] = j + __builtin_ctz(bits);
+    }
+  }
+  return live_cols_from(lo, hi, j, m, out, k, cap);
+}
+
+__attribute__((target("avx2"))) int64_t live_cols_avx2(const float* lo, const float* hi, int64_t m, int64_t* out,
+                                                       int64_t cap) {
+  const __m256 ninf = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
+  int64_t k = 0, j = 0;
+  for (; j + 8 <= m; j += 8) {
+    const __m256 h = _mm256_loadu_ps(hi + j), l = _mm256_loadu_ps(lo + j);
+    uint32_t bits = static_cast<uint32_t>(
+        _mm256_movemask_ps(_mm256_or_ps(_mm256_cmp_ps(h, ninf, _CMP_NEQ_UQ), _mm256_cmp_ps(l, l, _CMP_UNORD_Q))));
+    for (; bits; bits &= bits - 1) {
+      if (k == cap) return -1;
+      out[k++] = j + __builtin_ctz(bits);
+    }
+  }
+  return live_cols_from(lo, hi, j, m, out, k, cap);
+}
+
+int64_t live_cols_any(const float* lo, const float* hi, int64_t m, int64_t* out, int64_t cap) {
+  return live_cols_from(lo, hi, 0, m, out, 0, cap);
+}
+
+at::Tensor pack_live(const at::Tensor& lo_in, const at::Tensor& hi_in, int64_t n) {
+  TORCH_CHECK(lo_in.dim() == 2 && lo_in.scalar_type() == at::kFloat && lo_in.device().is_cpu() &&
+                  hi_in.sizes() == lo_in.sizes() && hi_in.scalar_type() == at::kFloat && hi_in.device().is_cpu(),
+              "pack_live: lo, hi [R, V] float32 on the CPU");
+  TORCH_CHECK(n >= 0, "pack_live: n >= 0");
+  at::Tensor lo = lo_in.contiguous(), hi = hi_in.contiguous();
+  const int64_t R = lo.size(0), V = lo.size(1);
+  at::Tensor cols = at::full({R, n}, V, lo.options().dtype(at::kLong));
+  const float *lp = lo.data_ptr<float>(), *hp = hi.data_ptr<float>();
+  int64_t* cp = cols.data_ptr<int64_t>();
+  static const auto fn = __builtin_cpu_supports("avx512f")
+                             ? live_cols_avx512
+                             : (__builtin_cpu_supports("avx2") ? live_cols_avx2 : live_cols_any);
+  std::vector<int64_t> counts(R);
+  at::parallel_for(0, R, 1, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) counts[r] = fn(lp + r * V, hp + r * V, V, cp + r * n, n);
+  });
+  for (int64_t r = 0; r < R; ++r) TORCH_CHECK(counts[r] >= 0, "pack_live: a row has more than n live columns");
+  return cols;
+}
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(vllm_csv_cpu, m) {
@@ -319,10 +389,12 @@ TORCH_LIBRARY_FRAGMENT(vllm_csv_cpu, m) {
   m.def("noise_candidates(Tensor hi, Tensor seeds, Tensor hmax, Tensor table, Tensor force, Tensor? ids, "
         "float inv_level) -> (Tensor, Tensor, Tensor)");
   m.def("noise_bits(Tensor seeds, Tensor ids) -> Tensor");
+  m.def("pack_live(Tensor lo, Tensor hi, int n) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(vllm_csv_cpu, CPU, m) {
   m.impl("noise_candidates", &noise_candidates);
   m.impl("noise_bits", &noise_bits);
   m.impl("row_stats", &row_stats);
+  m.impl("pack_live", &pack_live);
 }

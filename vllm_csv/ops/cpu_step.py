@@ -23,7 +23,10 @@ Ops (registered as ``torch.ops.vllm_csv_cpu.*`` with fake implementations, so th
   for a plain engine (no soft-cap or scale) and greedy rows;
 * :func:`finish_selection`: the ``[B, V]`` output of the certified rows and each row's outcome;
 * ``noise_candidates`` (:mod:`vllm_csv.ops.noise`, ``csrc/cpu/gumbel_cpu.cpp``): the sampling
-  certificate's pass over the vocabulary (noise hash and level thresholds).
+  certificate's pass over the vocabulary (noise hash and level thresholds), with ``row_stats``
+  and ``pack_live`` (each row's live columns);
+* ``min_p_cut`` (:mod:`vllm_csv.ops.masks`, ``csrc/cpu/nucleus_cpu.cpp``): vLLM's min-p mask on
+  the sampling certificate's bounds, given each row's thresholds.
 
 Each kernel follows its reference operation by operation (fp32 where the reference is fp32,
 scalars rounded to fp32 as torch rounds a Python number), so the outputs agree bit for bit,
@@ -54,7 +57,7 @@ K_MIN = -143  # rows with max|h| < 2^K_MIN are not quantised (t / 64 would not b
 S_MIN = 2.0**-126  # smallest normal fp32
 ENV = "VLLM_CSV_CPU_KERNELS"  # "0": always the torch reference
 SOURCES = tuple(Path(__file__).resolve().parents[2] / "csrc" / "cpu" / f
-                for f in ("csv_cpu.cpp", "int8_vnni.cpp", "gumbel_cpu.cpp", "int4_vnni.cpp"))
+                for f in ("csv_cpu.cpp", "int8_vnni.cpp", "gumbel_cpu.cpp", "int4_vnni.cpp", "nucleus_cpu.cpp"))
 
 _state: dict = {}
 
@@ -433,5 +436,13 @@ def _register_fakes() -> None:
         R = lo.shape[0]
         return (lo.new_empty(R), lo.new_empty(R), lo.new_empty(R), lo.new_empty(R, dtype=torch.long),
                 lo.new_empty(R, k), lo.new_empty(R, k, dtype=torch.long))
+
+    @torch.library.register_fake(lib + "pack_live")
+    def _(lo, hi, n):
+        return lo.new_empty(lo.shape[0], n, dtype=torch.long)
+
+    @torch.library.register_fake(lib + "min_p_cut")
+    def _(lo, hi, keep_at, drop_at):
+        return torch.empty_like(lo), torch.empty_like(hi)
 
     _state["fakes"] = True

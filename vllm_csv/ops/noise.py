@@ -1,6 +1,7 @@
 """The draw certificate's pass over the whole vocabulary (``csrc/cpu/gumbel_cpu.cpp``), beside
-its torch reference; the noise bits of a few tokens (:func:`noise_bits`) and the row statistics
-the certificate reads first (:func:`row_stats`), from the same file.
+its torch reference; the noise bits of a few tokens (:func:`noise_bits`), the row statistics
+the certificate reads first (:func:`row_stats`) and each row's live columns
+(:func:`pack_live`, for the packed certificate), from the same file.
 
 Why fused: :func:`vllm_csv.sampling.certificate.certify_draw` must look at every live token of a
 sampled row, hashing its noise and comparing the raw bits with the row's threshold for the
@@ -107,3 +108,40 @@ def row_stats(lo: torch.Tensor, hi: torch.Tensor, k: int) -> RowStats:
     if uses_kernels(lo):
         return RowStats(*load_ops().row_stats(lo, hi, k))
     return row_stats_ref(lo, hi, k)
+
+
+def pack_live_ref(lo: torch.Tensor, hi: torch.Tensor, n: int) -> torch.Tensor:
+    """Each row's live columns, packed.
+
+    Parameters
+    ----------
+    lo, hi : torch.Tensor
+        ``[R, V]`` float32 bounds; a column is live where ``hi != -inf`` or ``lo`` is NaN (what
+        :class:`RowStats`'s ``live`` counts).
+    n : int
+        At least every row's live count.
+
+    Returns
+    -------
+    torch.Tensor
+        ``[R, n]`` int64: row ``r``'s live columns ascending, then ``V`` (padding).
+    """
+    R, V = hi.shape
+    live = (hi != -math.inf) | torch.isnan(lo)
+    ri, ci = live.nonzero().unbind(1)  # row-major: each row's live columns ascending
+    count = live.sum(1)
+    if R and n < int(count.max()):
+        raise RuntimeError("pack_live: a row has more than n live columns")
+    cols = torch.full((R, n), V, dtype=torch.long, device=hi.device)
+    start = count.cumsum(0) - count
+    cols[ri, torch.arange(ri.numel(), device=hi.device) - start[ri]] = ci
+    return cols
+
+
+def pack_live(lo: torch.Tensor, hi: torch.Tensor, n: int) -> torch.Tensor:
+    """Same as :func:`pack_live_ref`; one pass of vector compares on the CPU where the kernel is
+    built (the reference's compares and ``nonzero`` over ``[R, V]`` cost about 0.5 ms for 8 rows
+    of 65536 tokens on 2 cores: torch's bool passes are scalar loops here)."""
+    if uses_kernels(hi):
+        return load_ops().pack_live(lo, hi, n)
+    return pack_live_ref(lo, hi, n)

@@ -44,7 +44,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..ops.noise import RowStats, noise_bits, noise_candidates, row_stats
+from ..ops.noise import RowStats, noise_bits, noise_candidates, pack_live, row_stats
 from .gumbel import bits_below, noise_margin, noise_of_bits
 from .outside import Outside
 
@@ -193,12 +193,7 @@ def certify_draw_packed(ylo: torch.Tensor, yhi: torch.Tensor, seeds: torch.Tenso
     n = int(st.live.max()) if R else 0
     if n > PACK_BELOW * V:
         return certify_draw(ylo, yhi, seeds, greedy, stats=st)
-    n = max(n, 1)
-    live = (yhi != -math.inf) | torch.isnan(ylo)  # (what st.live counts)
-    pos = live.cumsum(1).sub_(1).masked_fill_(~live, n)  # packed column; n: discarded
-    cols = torch.full((R, n + 1), V, dtype=torch.long, device=yhi.device)
-    cols.scatter_(1, pos, torch.arange(V, device=yhi.device).expand(R, V))
-    cols = cols[:, :n]  # V: padding
+    cols = pack_live(ylo, yhi, max(n, 1))  # V: padding
     pad = cols == V
     ids = cols.masked_fill(pad, 0)
     plo = ylo.gather(1, ids).masked_fill_(pad, -math.inf)

@@ -13,7 +13,14 @@ vLLM's fp32 evaluation (``y - m``, ``exp``, the division by the sum, the product
 ``min_p``) moves ``log(p_i / (p_max min_p))`` by at most ``8u + u(|y_i| + |m|)`` (``u = 2^-24``)
 while nothing underflows; we decide with the margin ``1e-5 + 2^-21 (|y_i| + |m|)``, and
 certify nothing for ``min_p < 1e-20`` (its threshold could be subnormal).
-``m`` lies in ``[max ylo, max yhi]``.
+``m`` lies in ``[max ylo, max yhi]``. One margin serves the whole row (:func:`min_p_bounds`):
+``|y_i|`` and ``|m|`` are replaced by ``A = max(|least finite ylo|, |max yhi|)``, at least
+``|y_i|`` for every token whose lower bound is finite (a token whose lower bound is ``-inf`` is
+never dropped); the thresholds ``max yhi + log(min_p) + eps`` (keep: ``ylo_i >=``) and
+``max ylo + log(min_p) - eps`` (drop: ``yhi_i <``) are evaluated in float64 and rounded outwards
+to fp32, so each token costs one fp32 comparison. (The float64 rounding of a threshold,
+``< 2^-51 (A + 50)``, and of ``log``, is far inside the margin's slack over vLLM's error:
+``1e-5 - 8u`` and ``(2^-21 - 2^-24)(|y_i| + |m|)``.)
 
 min-p on part of the row (:func:`min_p_drops_on_part`, tensor parallelism: a rank sees its
 shard only). The part's ``m0 = max ylo`` over it is at most ``m``. Token ``i`` is dropped
@@ -121,7 +128,9 @@ import math
 
 import torch
 
-from ..fp import gamma, round_up32
+from ..fp import gamma, round_down32, round_up32
+from ..ops.masks import min_p_cut
+from ..ops.noise import row_stats
 from .outside import Outside
 
 _U = 2.0**-24
@@ -170,38 +179,42 @@ def all_off(min_p: torch.Tensor | None, top_k: torch.Tensor | None, top_p: torch
 def min_p_bounds(ylo: torch.Tensor, yhi: torch.Tensor, min_p: torch.Tensor, outside: Outside | None = None):
     """Apply min-p (``[R]`` float32, ``0`` = off) to bounds; see the module docstring.
     Returns ``(ylo, yhi)``, or ``(ylo, yhi, outside)`` when an outside block is given (see
-    "the outside blocks" in the module docstring)."""
+    "the outside blocks" in the module docstring).
+
+    Per-row thresholds, one fp32 comparison per token (:func:`~vllm_csv.ops.masks.min_p_cut`).
+    A row without min-p keeps its bounds, but for NaN lower bounds, which become ``-inf`` (a
+    lower bound still)."""
     on = _min_p_on(min_p)
-    if not bool(on.any()):
+    if not bool(on.any()) or ylo.shape[1] == 0:
         return (ylo, yhi) if outside is None else (ylo, yhi, outside)
-    if not bool(on.all()):  # the rows with min-p only
-        rows = on.nonzero().squeeze(1)
-        res = min_p_bounds(ylo[rows], yhi[rows], min_p[rows], None if outside is None else outside.rows(rows))
-        out_lo, out_hi = ylo.clone(), yhi.clone()
-        out_lo[rows], out_hi[rows] = res[0], res[1]
-        return (out_lo, out_hi) if outside is None else (out_lo, out_hi, outside.put(rows, res[2]))
-    mlo = ylo.amax(1, keepdim=True)
-    mhi = yhi.amax(1, keepdim=True)
+    st = row_stats(ylo, yhi, 1)  # one pass: max ylo, max yhi (NaN if the row has one), A
+    mlo, mhi = st.lmax.double(), st.hmax.double()
     if outside is not None:  # a block may hold the maximum: m <= max(max yhi, its hi)
-        mhi = round_up32(torch.maximum(mhi.double(), outside.max_hi()[:, None]))
-    logmp = torch.log(min_p.double().clamp_min(MIN_P_FLOOR))[:, None]
-    ym = torch.maximum(mlo.abs(), mhi.abs()).double()
-    eps = _min_p_margin(torch.maximum(ylo.abs(), yhi.abs()).double(), ym)
-    keep = (ylo.double() - mhi.double()) >= logmp + eps
-    drop = (yhi.double() - mlo.double()) < logmp - eps
+        mhi = torch.maximum(mhi, outside.max_hi())
+    # A = max(|max yhi|, -min finite ylo, -min finite yhi, 0) >= |y_i| for every token whose
+    # lower bound is finite, and >= |max ylo|
+    absmax = st.absmax.double()
+    logmp = torch.log(min_p.double().clamp_min(MIN_P_FLOOR))
+    ym = torch.maximum(absmax, mhi.abs())
+    eps = _min_p_margin(absmax, ym)
     usable = on & (min_p >= MIN_P_FLOOR)
-    new_lo = torch.where(keep, ylo, -math.inf)
-    new_lo = torch.where(usable[:, None], new_lo, torch.full_like(ylo, -math.inf))
-    new_hi = torch.where(drop & usable[:, None], -math.inf, yhi)
-    out = torch.where(on[:, None], new_lo, ylo), torch.where(on[:, None], new_hi, yhi)
+    # kept iff ylo_i >= max yhi + log(min_p) + eps (rounded up to fp32: a larger threshold keeps
+    # less); dropped iff yhi_i < max ylo + log(min_p) - eps (rounded down) and ylo_i > -inf. Rows
+    # without min-p: every lower bound kept, nothing dropped; unusable rows (min_p below the
+    # floor, or a NaN / +inf bound): nothing kept nor dropped.
+    keep_at = round_up32(mhi + logmp + eps)
+    keep_at = torch.where(usable & (keep_at < math.inf), keep_at, math.nan).masked_fill_(~on, -math.inf)
+    drop_at = round_down32(mlo + logmp - eps).masked_fill_(~usable, -math.inf)
+    new_lo, new_hi = min_p_cut(ylo, yhi, keep_at, drop_at)
     if outside is None:
-        return out
+        return new_lo, new_hi
     # each block as one token: every y_j <= its hi, lo <= ylo_j and |y_j| <= its absmax
+    mlo, mhi, logmp, ym = mlo[:, None], mhi[:, None], logmp[:, None], ym[:, None]
     eps_b = _min_p_margin(outside.absmax, ym)
-    drop_b = (outside.hi - mlo.double()) < logmp - eps_b
-    keep_b = (outside.lo - mhi.double()) >= logmp + eps_b
+    drop_b = (outside.hi - mlo) < logmp - eps_b
+    keep_b = (outside.lo - mhi) >= logmp + eps_b
     unsure = ~(keep_b & usable[:, None]) & on[:, None]  # may lose tokens: its lower side is unknown
-    return (*out, outside.drop(drop_b & (usable & on)[:, None]).forget_lower(unsure))
+    return new_lo, new_hi, outside.drop(drop_b & (usable & on)[:, None]).forget_lower(unsure)
 
 
 def min_p_drops_on_part(ylo: torch.Tensor, yhi: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:

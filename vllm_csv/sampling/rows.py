@@ -163,11 +163,12 @@ def certify_rows(adapter: HeadAdapter, hidden: torch.Tensor, process: Process, s
     narrow = None  # (columns, ruled-out summaries): the rounds after the first, elementwise
     stuck = torch.zeros(R, dtype=torch.long, device=dev)  # top-p rows: rounds with every contender scored
     masks = _Masks(min_p, top_k, top_p, V)
-    # The drops a certified row's output is masked with: its certifying round's (see the end).
+    # The drops a certified row's output is masked with: its certifying round's (see the end),
+    # kept as (rows certified, that round's upper bounds) and read on the scored columns only.
     # With a per-token monotone map and no masks, bounds only fall from round to round, so a -inf
     # stays -inf: the last round's drops hold the certifying round's, and the few more it may
-    # hold lost to the winner anyway. Then no [R, V] is kept.
-    gone = None if elementwise and masks.off else torch.zeros((R, V), dtype=torch.bool, device=dev)
+    # hold lost to the winner anyway. Then none is kept.
+    gone: list[tuple[torch.Tensor, torch.Tensor]] | None = None if elementwise and masks.off else []
     asked = None  # top-p rows: the tokens whose decisions the draw's certificate needed so far
     by_query = None  # top-p rows: the last round's queries (TopPQueries), narrowed to the next round's bounds
     for rnd in range(MAX_ROUNDS + 1):
@@ -206,7 +207,7 @@ def certify_rows(adapter: HeadAdapter, hidden: torch.Tensor, process: Process, s
         winner = torch.where(now, cert.winner, winner)
         certified |= now
         if gone is not None and bool(now.any()):
-            gone[now] = yhi[now] == -math.inf
+            gone.append((now, yhi))
         span = None if narrow is None else narrow[0]  # contenders lie in these columns only
         open_rows = finite & ~certified & ~over_budget
         need = _contended(cert.contenders, open_rows, span)
@@ -227,9 +228,9 @@ def certify_rows(adapter: HeadAdapter, hidden: torch.Tensor, process: Process, s
             cert.contenders[blind] = False
             cert.contenders[blind.nonzero().squeeze(1)[:, None], top.indices] = top.values > -math.inf
             span = None  # (contenders outside the narrow columns now)
-        if top_k is not None or top_p is not None:
+        if masks.top_k_on or masks.top_p_on:
             rows_f = open_rows & ~blind
-            if top_p is not None:  # top-p rows with no contender left to score: stuck on masses
+            if masks.top_p_on:  # top-p rows with no contender left to score: stuck on masses
                 stuck += rows_f & (top_p < 1.0) & ~(cert.contenders & ~scored[None]).any(1)
             _focus(need, hi, _focus_counts(top_k, top_p, stuck, V), rows_f, scored)
         if not bool(need.any()):
@@ -260,7 +261,12 @@ def certify_rows(adapter: HeadAdapter, hidden: torch.Tensor, process: Process, s
     # sampler may not drop it again: top-p is not re-applied to a certified row, and min-p on a
     # partial row keeps at least what it keeps on the full row). (Another round's drops are
     # not that proof's: the tail a top-p drops as one block may differ between rounds.)
-    drops = yhi[:, s_idx] == -math.inf if gone is None else gone[:, s_idx]
+    if gone is None:
+        drops = yhi[:, s_idx] == -math.inf
+    else:
+        drops = torch.zeros((R, s_idx.numel()), dtype=torch.bool, device=dev)
+        for rows_now, yhi_then in gone:
+            drops[rows_now] = yhi_then[:, s_idx][rows_now] == -math.inf
     values[:, s_idx] = v.masked_fill_(drops, -math.inf)
     open_rows = finite & ~certified & ~over_budget
     cont, unscored = (cert.contenders, ~scored) if span is None else (cert.contenders[:, span], ~scored[span])
@@ -276,7 +282,9 @@ class _Masks:
     def __init__(self, min_p: torch.Tensor | None, top_k: torch.Tensor | None, top_p: torch.Tensor | None,
                  V: int):
         self.min_p, self.top_k, self.top_p, self.V = min_p, top_k, top_p, V
-        self.off = all_off(min_p, top_k, top_p, V)
+        self.top_k_on = not all_off(None, top_k, None, V)  # some row has a top-k / a top-p
+        self.top_p_on = not all_off(None, None, top_p, V)
+        self.off = not self.top_k_on and not self.top_p_on and all_off(min_p, None, None, V)
 
     def before_top_p(self, ylo: torch.Tensor, yhi: torch.Tensor, rows: torch.Tensor):
         """min-p and top-k on the rows ``rows`` (``[R]`` bool); the other rows' bounds are
