@@ -3,16 +3,18 @@
     python benchmarks/serve.py --json results/serve.json            # the embedded demo model
     python benchmarks/serve.py --model /path/to/hf-model --json out.json
 
-Starts each server in turn on the same model (never both at once: they would share the
-CPU), sends the same requests (batched prompts; greedy and seeded top-k sampling, which CSV
-certifies, and top-p sampling, which it sends dense), and reports generated tokens per
-second, whether the outputs are identical, and, for CSV, what its own metrics on
-`/metrics` say: rows on the CSV path, certified share, fallbacks by reason, head time.
+Starts each server in turn on the same model (never both busy at once: they would share the
+CPU; with ``--interleave`` both are up and take turns, round by round), sends the same requests
+(batched prompts; greedy and seeded top-k sampling, which CSV certifies, and top-p sampling),
+and reports generated tokens per second, whether the outputs are identical, and, for CSV, what
+its own metrics on `/metrics` say: rows on the CSV path, certified share, fallbacks by reason,
+head time.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
@@ -56,7 +58,10 @@ MIXED = {
 }
 
 
-def run_server(model: str, csv: bool, args) -> dict:
+@contextlib.contextmanager
+def server(model: str, csv: bool, args):
+    """A running ``vllm serve`` (dense or CSV), warmed up; yields its ``complete(params)`` and its
+    base URL; stopped on exit."""
     port = args.port + (1 if csv else 0)
     base = f"http://127.0.0.1:{port}"
     flags = ["--enable-csv-decode"] if csv else []
@@ -83,26 +88,7 @@ def run_server(model: str, csv: bool, args) -> dict:
                                                      "max_tokens": args.max_tokens, **params}, timeout=900)
 
         complete({"temperature": 0, "max_tokens": 4})  # warm-up
-        res = {}
-        workloads = dict(WORKLOADS, mixed=MIXED) if args.mixed else dict(WORKLOADS)
-        if args.workloads:
-            workloads = {k: v for k, v in workloads.items() if k in args.workloads}
-        for name, params in workloads.items():
-            texts, tokens, t0 = [], 0, time.perf_counter()
-            for _ in range(args.rounds):
-                if name == "mixed":  # every mode at once (threads: the server batches their rows)
-                    with ThreadPoolExecutor(len(params)) as pool:
-                        outs = list(pool.map(complete, params.values()))
-                else:
-                    outs = [complete(params)]
-                for out in outs:
-                    texts.append([c["text"] for c in sorted(out["choices"], key=lambda c: c["index"])])
-                    tokens += out["usage"]["completion_tokens"]
-            secs = time.perf_counter() - t0
-            res[name] = {"tokens": tokens, "seconds": round(secs, 2), "tokens_per_s": round(tokens / secs, 1),
-                         "texts": texts}
-        res["metrics"] = csv_metrics(base) if csv else {}
-        return res
+        yield complete, base
     finally:
         proc.send_signal(2)
         try:
@@ -112,6 +98,80 @@ def run_server(model: str, csv: bool, args) -> dict:
         log.close()
         if args.same_metrics:
             shutil.rmtree(env["PROMETHEUS_MULTIPROC_DIR"], ignore_errors=True)
+
+
+def workloads(args) -> dict[str, dict]:
+    out = dict(WORKLOADS, mixed=MIXED) if args.mixed else dict(WORKLOADS)
+    return {k: v for k, v in out.items() if k in args.workloads} if args.workloads else out
+
+
+def run_round(complete, name: str, params: dict) -> tuple[list, int]:
+    """One batched request of a workload (the mixed one: every mode at once, from threads, so
+    that the server batches their rows); returns the texts and the completion tokens."""
+    if name == "mixed":
+        with ThreadPoolExecutor(len(params)) as pool:
+            outs = list(pool.map(complete, params.values()))
+    else:
+        outs = [complete(params)]
+    texts = [[c["text"] for c in sorted(out["choices"], key=lambda c: c["index"])] for out in outs]
+    return texts, sum(out["usage"]["completion_tokens"] for out in outs)
+
+
+def run_server(model: str, csv: bool, args) -> dict:
+    with server(model, csv, args) as (complete, base):
+        res = {}
+        for name, params in workloads(args).items():
+            texts, tokens, t0 = [], 0, time.perf_counter()
+            for _ in range(args.rounds):
+                t, n = run_round(complete, name, params)
+                texts += t
+                tokens += n
+            secs = time.perf_counter() - t0
+            res[name] = {"tokens": tokens, "seconds": round(secs, 2), "tokens_per_s": round(tokens / secs, 1),
+                         "texts": texts}
+        res["metrics"] = csv_metrics(base) if csv else {}
+        return res
+
+
+def run_interleaved(model: str, args) -> dict:
+    """Both servers up at once, idle but for their turn: each workload's rounds alternate between
+    them (ABBA: dense first, then CSV first, ...), with a pause before each turn so that the
+    other server's OpenMP threads stop spinning. Drift in the machine's speed (other tenants,
+    clocks) then falls on both sides of each round's ratio alike; the speed-up is the median of
+    the rounds' ratios, beside the ratio of the summed rates."""
+    with contextlib.ExitStack() as stack:
+        comp = {csv: stack.enter_context(server(model, csv, args)) for csv in (False, True)}
+        res: dict = {False: {}, True: {}}
+        ratios: dict[str, list[float]] = {}
+        for name, params in workloads(args).items():
+            acc = {csv: {"tokens": 0, "seconds": 0.0, "texts": []} for csv in (False, True)}
+            ratios[name] = []
+            for r in range(args.rounds):
+                rate = {}
+                for csv in ((False, True) if r % 2 == 0 else (True, False)):
+                    time.sleep(args.pause)
+                    t0 = time.perf_counter()
+                    texts, n = run_round(comp[csv][0], name, params)
+                    secs = time.perf_counter() - t0
+                    a = acc[csv]
+                    a["tokens"] += n
+                    a["seconds"] += secs
+                    a["texts"] += texts
+                    rate[csv] = n / secs
+                ratios[name].append(round(rate[True] / rate[False], 3))
+            for csv in (False, True):
+                a = acc[csv]
+                res[csv][name] = {"tokens": a["tokens"], "seconds": round(a["seconds"], 2),
+                                  "tokens_per_s": round(a["tokens"] / a["seconds"], 1), "texts": a["texts"]}
+        res[True]["metrics"] = csv_metrics(comp[True][1])
+        res[False]["metrics"] = {}
+    s = summary(res[False], res[True])
+    for name, rs in ratios.items():
+        w = s["workloads"][name]
+        w["speedup_of_totals"] = w["speedup"]
+        w["speedup"] = round(statistics.median(rs), 3)
+        w["speedup_by_round"] = rs
+    return s
 
 
 def malloc_env() -> dict[str, str]:
@@ -193,6 +253,9 @@ def markdown(s: dict, machine: str, model: str) -> str:
              "| workload | dense tok/s | CSV tok/s | speed-up | identical outputs |", "|---|---|---|---|---|"]
     for name, w in s["workloads"].items():
         by_pair = f" (pairs: {', '.join(f'{x}x' for x in w['speedup_by_pair'])})" if "speedup_by_pair" in w else ""
+        if "speedup_by_round" in w:
+            by_pair = (f" (median of {len(w['speedup_by_round'])} interleaved rounds; ratio of totals "
+                       f"{w['speedup_of_totals']}x)")
         lines.append(f"| {name} | {w['dense_tokens_per_s']} | {w['csv_tokens_per_s']} | {w['speedup']}x{by_pair} | "
                      f"{w['identical_outputs']} |")
     lines += ["", f"CSV path: {s['csv_rows']:.0f} of {s['rows_total']:.0f} head rows eligible, "
@@ -220,6 +283,10 @@ def main(argv=None) -> int:
     p.add_argument("--pairs", type=int, default=1,
                    help="dense/CSV server pairs, run in ABBA order (dense first, then CSV first, ...); the "
                         "speed-up is the median of the pairs' (server start-up scatter is several percent)")
+    p.add_argument("--interleave", action="store_true",
+                   help="both servers up at once, each workload's rounds alternating between them (ABBA); "
+                        "the speed-up is the median of the rounds' ratios (drift between runs cancels)")
+    p.add_argument("--pause", type=float, default=1.0, help="--interleave: seconds of rest before each turn")
     p.add_argument("--same-malloc", action="store_true",
                    help="run both servers with the allocator thresholds the CSV head sets in its worker "
                         "(vllm_csv/cpu_malloc.py), so that the ratio is CSV's alone")
@@ -238,7 +305,12 @@ def main(argv=None) -> int:
     if args.pairs < 1:
         p.error("--pairs must be >= 1")
     pairs = []
-    for i in range(args.pairs):
+    if args.interleave:
+        if args.pairs != 1:
+            p.error("--interleave runs one pair of servers")
+        args.pair = 0
+        pairs.append(run_interleaved(args.model, args))
+    for i in range(0 if args.interleave else args.pairs):
         args.pair = i  # (names the server logs)
         order = (False, True) if i % 2 == 0 else (True, False)
         runs = {csv: run_server(args.model, csv, args) for csv in order}
@@ -247,7 +319,7 @@ def main(argv=None) -> int:
             f"{k} {w['speedup']}x" for k, w in pairs[-1]["workloads"].items()), file=sys.stderr)
     s = pairs[0] if args.pairs == 1 else combine(pairs)
     machine = f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores"
-    Path(args.json).write_text(json.dumps({"machine": machine, "model": args.model, "prompts": args.prompts, "commit": commit(), "provenance": provenance(), "vllm_args": args.vllm_args, "same_malloc": args.same_malloc, "same_metrics": args.same_metrics, **s}, indent=1))
+    Path(args.json).write_text(json.dumps({"machine": machine, "model": args.model, "prompts": args.prompts, "commit": commit(), "provenance": provenance(), "vllm_args": args.vllm_args, "same_malloc": args.same_malloc, "same_metrics": args.same_metrics, "interleave": args.interleave, **s}, indent=1))
     md = markdown(s, machine, Path(args.model).name)
     Path(args.json).with_suffix(".md").write_text(md)
     print(md)

@@ -29,3 +29,37 @@ def test_pairs_give_the_median_ratio_and_sum_the_counts():
     assert s["certified_share_of_csv_rows"] == 30.0 / 240.0
     assert "1.0x (pairs: 0.99x, 1.0x, 1.01x)" in serve.markdown(dict(s, csv_head_ms_mean=None,
                                                                    head_seconds_saved_total=None), "m", "x")
+
+
+def test_interleaved_rounds_alternate_and_give_the_median_ratio(monkeypatch):
+    """--interleave: both servers up at once, rounds in ABBA order, the speed-up the median of the
+    rounds' ratios (a slow round, both sides slow, does not move it), outputs compared."""
+    import contextlib
+    from types import SimpleNamespace
+
+    import serve
+
+    calls = []
+    clock = [0.0]
+    slow = {2}  # the machine drifts during the third round: both servers slow there
+
+    @contextlib.contextmanager
+    def fake_server(model, csv, args):
+        def complete(params):
+            r = sum(1 for c in calls if c[1]) // 2  # rounds done (two turns a round)
+            calls.append((csv, True))
+            clock[0] += (1.0 if csv else 1.25) * (3.0 if r in slow else 1.0)  # CSV 1.25x dense
+            return {"choices": [{"index": 0, "text": "same"}], "usage": {"completion_tokens": 100}}
+        yield complete, f"csv={csv}"
+
+    monkeypatch.setattr(serve, "server", fake_server)
+    monkeypatch.setattr(serve, "csv_metrics", lambda base: {})
+    monkeypatch.setattr(serve.time, "perf_counter", lambda: clock[0])
+    monkeypatch.setattr(serve.time, "sleep", lambda s: None)
+    args = SimpleNamespace(mixed=False, workloads=["greedy"], rounds=4, pause=0.0)
+    s = serve.run_interleaved("m", args)
+    g = s["workloads"]["greedy"]
+    assert [c for c, _ in calls] == [False, True, True, False, False, True, True, False]
+    assert g["speedup_by_round"] == [1.25] * 4 and g["speedup"] == 1.25
+    assert g["identical_outputs"] is True
+    assert g["dense_tokens_per_s"] == round(400 / (1.25 * 6), 1)
