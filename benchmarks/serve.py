@@ -150,8 +150,10 @@ def run_interleaved(model: str, args) -> dict:
                 rate = {}
                 for csv in ((False, True) if r % 2 == 0 else (True, False)):
                     time.sleep(args.pause)
-                    t0 = time.perf_counter()
-                    texts, n = run_round(comp[csv][0], name, params)
+                    t0, texts, n = time.perf_counter(), [], 0
+                    for _ in range(args.per_turn):
+                        t, k = run_round(comp[csv][0], name, params)
+                        texts, n = texts + t, n + k
                     secs = time.perf_counter() - t0
                     a = acc[csv]
                     a["tokens"] += n
@@ -287,6 +289,8 @@ def main(argv=None) -> int:
                    help="both servers up at once, each workload's rounds alternating between them (ABBA); "
                         "the speed-up is the median of the rounds' ratios (drift between runs cancels)")
     p.add_argument("--pause", type=float, default=1.0, help="--interleave: seconds of rest before each turn")
+    p.add_argument("--per-turn", type=int, default=1,
+                   help="--interleave: batched requests a server's turn (longer turns: less scheduling jitter)")
     p.add_argument("--same-malloc", action="store_true",
                    help="run both servers with the allocator thresholds the CSV head sets in its worker "
                         "(vllm_csv/cpu_malloc.py), so that the ratio is CSV's alone")

@@ -200,6 +200,42 @@ def test_v1_plan_rows_in_batch_order_kept_per_request():
         step_plan.plan_row = saved
 
 
+def test_v2_plan_rows_in_batch_order_kept_per_request():
+    """The V2 runner's plan (from the sampling parameters its execute_model kept per request):
+    rows in the batch's order, top-k rows in the head (its sampler is not hooked), a row whose
+    request is unknown dense; the same plan object while the batch holds the same requests (the
+    off-switch's fast lane keys on it), rebuilt when a request changes (a reused id with new
+    parameters too) or max_topk differs, each request's row computed once."""
+    from types import SimpleNamespace
+
+    from vllm_csv.vllm_plugin import step_plan
+
+    params = {"a": SamplingParams(temperature=0), "b": SamplingParams(temperature=0.7, top_k=5, seed=1),
+              "c": SamplingParams(temperature=0.8, top_p=0.9)}
+    runner = SimpleNamespace(_csv_sampling_params=params)
+    calls = []
+    real = step_plan.row_plan
+
+    def counting(sp, m, *a):
+        calls.append(sp)
+        return real(sp, m, *a)
+
+    step_plan.row_plan, saved = counting, step_plan.row_plan
+    try:
+        p = step_plan._v2_plan(runner, ["c", "a", "x", "b"], 64)
+        assert p.topk == [0, 1, 0, 5] and p.modes == ["", "greedy", "", "top_k"]
+        n = len(calls)
+        assert step_plan._v2_plan(runner, ["c", "a", "x", "b"], 64) is p and len(calls) == n
+        assert step_plan._v2_plan(runner, ["a", "c", "x", "b"], 64).topk == [1, 0, 0, 5]  # reordered
+        assert len(calls) == n  # rows kept per request
+        params["a"] = SamplingParams(temperature=0.7, top_k=3, seed=2)  # id reused by a new request
+        q = step_plan._v2_plan(runner, ["a", "c", "x", "b"], 64)
+        assert q.topk == [3, 0, 0, 5] and len(calls) == n + 1
+        assert step_plan._v2_plan(runner, ["a", "c", "x", "b"], 4).topk == [3, 0, 0, 0]  # k 5 > max_topk 4
+    finally:
+        step_plan.row_plan = saved
+
+
 def test_sampled_top_k_rows_go_to_a_certifiable_sampler():
     """With vLLM-CPU's Gumbel sampler and no tensor parallelism, sampled top-k rows are certified
     in the sampler (mode ``top_k``, any ``k``); greedy rows stay in the head; with tensor

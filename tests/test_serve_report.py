@@ -56,7 +56,7 @@ def test_interleaved_rounds_alternate_and_give_the_median_ratio(monkeypatch):
     monkeypatch.setattr(serve, "csv_metrics", lambda base: {})
     monkeypatch.setattr(serve.time, "perf_counter", lambda: clock[0])
     monkeypatch.setattr(serve.time, "sleep", lambda s: None)
-    args = SimpleNamespace(mixed=False, workloads=["greedy"], rounds=4, pause=0.0)
+    args = SimpleNamespace(mixed=False, workloads=["greedy"], rounds=4, pause=0.0, per_turn=1)
     s = serve.run_interleaved("m", args)
     g = s["workloads"]["greedy"]
     assert [c for c, _ in calls] == [False, True, True, False, False, True, True, False]

@@ -44,8 +44,8 @@ _local = threading.local()
 @dataclass
 class Plan:
     """One step's rows: the per-row entries, and what the head derives from them (computed at
-    most once per plan: :func:`_v1_plan` hands the same plan to every step whose batch holds the
-    same requests, so a decode run builds it once per change of the batch)."""
+    most once per plan: :func:`_v1_plan` and :func:`_v2_plan` hand the same plan to every step
+    whose batch holds the same requests, so a decode run builds it once per change of the batch)."""
 
     req_ids: list[str]
     topk: list[int]  # per row: k > 0, DEFER or 0 (dense)
@@ -257,6 +257,36 @@ def _row(state, max_topk: int, in_sampler: bool = False) -> tuple[int, str, floa
     return row
 
 
+def _v2_plan(runner, req_ids, max_topk: int) -> Plan:
+    """The V2 runner's plan, in the batch's row order, from the sampling parameters its
+    ``execute_model`` kept per request (``_csv_sampling_params``; a row whose request is unknown
+    is dense). As :func:`_v1_plan`: while the batch holds the same requests (ids and their
+    parameter objects, by identity) the last plan is handed out again, and each request's row is
+    computed once. The V2 runner's sampler is not hooked: rows to certify in the sampler stay
+    dense."""
+    params = runner.__dict__.get("_csv_sampling_params", {})
+    ps = tuple(map(params.get, req_ids))
+    cached = runner.__dict__.get("_csv_plan")
+    if cached is not None and cached[1] == max_topk and len(cached[0]) == len(ps) and \
+            all(a is b for a, b in zip(cached[0], ps)) and cached[2].req_ids == list(req_ids):
+        return cached[2]
+    memo = runner.__dict__.setdefault("_csv_rows", {})  # id(params) -> (params, max_topk, row)
+    rows = []
+    for p in ps:
+        hit = memo.get(id(p))
+        if hit is None or hit[0] is not p or hit[1] != max_topk:
+            hit = memo[id(p)] = (p, max_topk, row_plan(p, max_topk))
+        rows.append(hit[2])
+    if len(memo) > 4 * max(len(ps), 64):  # finished requests: keep the batch's own rows only
+        live = {id(p) for p in ps}
+        for key in [key for key in memo if key not in live]:
+            del memo[key]
+    plan = Plan(list(req_ids), [max(k, 0) for k, _, _ in rows], [mode if k > 0 else "" for k, mode, _ in rows],
+                [t for _, _, t in rows])
+    runner._csv_plan = (ps, max_topk, plan)
+    return plan
+
+
 def install(max_topk_getter) -> None:
     """Wrap the V1 and V2 runners (idempotent; each import is optional). ``max_topk_getter(runner)``
     gives the runner's ``--csv-max-topk``."""
@@ -299,12 +329,7 @@ def install(max_topk_getter) -> None:
             plan = None
             if (_plannable(self) and getattr(self, "batch_sharder", None) is None
                     and getattr(input_batch, "num_draft_tokens", 0) == 0):
-                params = self.__dict__.get("_csv_sampling_params", {})
-                m = max_topk_getter(self)
-                rows = [row_plan(params.get(r), m) for r in input_batch.req_ids]
-                # The V2 runner's sampler is not hooked: rows to certify in the sampler stay dense.
-                plan = Plan(list(input_batch.req_ids), [max(k, 0) for k, _, _ in rows],
-                            [mode if k > 0 else "" for k, mode, _ in rows], [t for _, _, t in rows])
+                plan = _v2_plan(self, input_batch.req_ids, max_topk_getter(self))
             with active_plan(plan):
                 return orig_sample(self, hidden_states, input_batch, grammar_output, *a, **k)
 
