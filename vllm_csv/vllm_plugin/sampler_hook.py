@@ -16,7 +16,8 @@ the wrapped ``Sampler.forward`` then, before vLLM's own code runs:
 2. runs vLLM's own ``Sampler.apply_logits_processors`` and ``apply_temperature`` on lower
    and upper bounds of the rows (every step is monotone non-decreasing per token: masks to
    ``-inf``, additions, the repetition penalty's ``x / r`` or ``x r``, division by ``T > 0``,
-   each rounded to nearest in fp32), then min-p, top-k and top-p on the bounds
+   each rounded to nearest in fp32; the penalties on the tokens they touch only, with vLLM's
+   own ``apply_penalties``, :mod:`.penalties`), then min-p, top-k and top-p on the bounds
    (:mod:`vllm_csv.sampling.nucleus`, in vLLM's order), and certifies the draw
    (:func:`vllm_csv.sampling.rows.certify_rows`);
 3. writes certified rows (exact values on the scored set, ``-inf`` elsewhere) and dense rows
@@ -82,6 +83,7 @@ from vllm.logger import init_logger
 from ..sampling.head_adapter import HeadAdapter
 from ..sampling.rows import certify_rows
 from ..sampling.sharded_rows import ShardedAdapter, certify_rows_sharded
+from .penalties import TouchedPenalties
 
 logger = init_logger("vllm.csv_decode")
 _SAMPLING_EPS = 1e-5
@@ -228,6 +230,11 @@ def resolve(sampler, d: Deferred, logits: torch.Tensor, md, predict_bonus_token:
         top_k = top_k.masked_fill(greedy, V)
 
         base = None if every_row else logits.float()
+        # vLLM's penalties on the columns they touch only (penalties.py: the same values; vLLM's
+        # full call is its dearest [R, V] pass, run here on both bounds every round); the other
+        # processors as vLLM runs them, on metadata saying "no penalties"
+        pen = TouchedPenalties(md, logits.shape[1])
+        md_rest = dataclasses.replace(md, no_penalties=True) if pen.usable else md
 
         def elementwise(lo: torch.Tensor, hi: torch.Tensor):
             out = []
@@ -237,7 +244,9 @@ def resolve(sampler, d: Deferred, logits: torch.Tensor, md, predict_bonus_token:
                 else:
                     full = base.clone()
                     full[dev_rows] = x
-                full = sampler.apply_logits_processors(full, md, predict_bonus_token)
+                full = sampler.apply_logits_processors(full, md_rest, predict_bonus_token)
+                if pen.usable:  # vLLM applies its penalties last (what follows, a thinking budget, is refused)
+                    full = pen.apply(full)
                 if not md.all_greedy and md.temperature is not None:
                     # in place; greedy rows are divided by exactly 1.0 (x / 1.0 == x, bit for bit):
                     # their values stay those greedy_argmax sees
