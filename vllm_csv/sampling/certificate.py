@@ -114,9 +114,21 @@ def certify_draw(ylo: torch.Tensor, yhi: torch.Tensor, seeds: torch.Tensor, gree
         contenders = None
         certified = torch.zeros(R, dtype=torch.bool, device=dev)
     else:
-        winner = ylo.argmax(1)  # first maximum: the greedy winner candidate
-        contenders = yhi >= lmax[:, None]  # greedy rows: j with yhi_j >= ylo_w
-        certified = finite & (contenders.sum(1) == 1)  # only w itself (yhi_w >= ylo_w always)
+        # greedy rows (and unusable ones): w = the first maximum of ylo (row_stats' top index, ties
+        # to the lowest; with the torch reference a tie may go either way, and then a tied token
+        # is a contender: never certified); contenders: j with yhi_j >= ylo_w
+        winner = st.top_indices[:, 0].clone()
+        g = ~samp
+        if bool(g.all()):
+            contenders = yhi >= lmax[:, None]
+            certified = finite & (contenders.sum(1) == 1)  # only w itself (yhi_w >= ylo_w always)
+        else:  # on those rows only: the sampled rows' passes below replace theirs
+            gr = g.nonzero().squeeze(1)
+            cg = yhi[gr] >= lmax[gr, None]
+            contenders = torch.zeros((R, V), dtype=torch.bool, device=dev)
+            contenders[gr] = cg
+            certified = torch.zeros(R, dtype=torch.bool, device=dev)
+            certified[gr] = finite[gr] & (cg.sum(1) == 1)
         if outside is not None:  # every block token: y_j <= hi < ylo_w <= y_w
             certified &= outside.max_hi() < bar
     if bool(samp.any()):
