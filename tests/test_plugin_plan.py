@@ -162,7 +162,19 @@ def test_max_topk_comes_from_the_runners_config():
     assert _max_topk(SimpleNamespace(vllm_config=SimpleNamespace(additional_config=None))) == 64
 
 
-def test_v1_plan_rows_in_batch_order_kept_per_request():
+def _count_calls(monkeypatch, module, name: str) -> list:
+    """Replace ``module.name`` by a wrapper that records each call's first argument."""
+    calls, real = [], getattr(module, name)
+
+    def counting(*a):
+        calls.append(a[0])
+        return real(*a)
+
+    monkeypatch.setattr(module, name, counting)
+    return calls
+
+
+def test_v1_plan_rows_in_batch_order_kept_per_request(monkeypatch):
     """The runner's plan: one entry per row in the batch's order, computed once per request
     (kept on vLLM's per-request state) and recomputed when ``max_topk`` differs; a row whose
     request is unknown is dense; the whole plan is reused while the batch holds the same
@@ -176,31 +188,21 @@ def test_v1_plan_rows_in_batch_order_kept_per_request():
     states = {r: SimpleNamespace(sampling_params=sp) for r, sp in sps.items()}
     runner = SimpleNamespace(input_batch=SimpleNamespace(req_ids=["c", "a", "x", "b"]), requests=states,
                              speculative_config=None)
-    calls = []
-    real = step_plan.plan_row
-
-    def counting(sp, m, *a):
-        calls.append(sp)
-        return real(sp, m, *a)
-
-    step_plan.plan_row, saved = counting, step_plan.plan_row
-    try:
-        p = step_plan._v1_plan(runner, 64)
-        assert p.topk == [DEFER, 1, 0, 5] and p.modes == ["top_p", "greedy", "", "top_k"]
-        assert p.temps == [pytest.approx(0.8), 0.0, 0.0, pytest.approx(0.7)]
-        n = len(calls)
-        assert step_plan._v1_plan(runner, 64) is p and len(calls) == n  # same requests: the same plan
-        states["x"] = SimpleNamespace(sampling_params=SamplingParams(temperature=0))  # a new request
-        q = step_plan._v1_plan(runner, 64)
-        assert q.topk == [DEFER, 1, 1, 5] and len(calls) == n + 1  # only the new row is planned
-        states["a"] = SimpleNamespace(sampling_params=SamplingParams(temperature=0.5))  # id reused, new request
-        assert step_plan._v1_plan(runner, 64).topk == [DEFER, DEFER, 1, 5]
-        assert step_plan._v1_plan(runner, 4).topk == [DEFER, DEFER, 1, DEFER]  # top_k 5 > max_topk 4: the sampler
-    finally:
-        step_plan.plan_row = saved
+    calls = _count_calls(monkeypatch, step_plan, "plan_row")
+    p = step_plan._v1_plan(runner, 64)
+    assert p.topk == [DEFER, 1, 0, 5] and p.modes == ["top_p", "greedy", "", "top_k"]
+    assert p.temps == [pytest.approx(0.8), 0.0, 0.0, pytest.approx(0.7)]
+    n = len(calls)
+    assert step_plan._v1_plan(runner, 64) is p and len(calls) == n  # same requests: the same plan
+    states["x"] = SimpleNamespace(sampling_params=SamplingParams(temperature=0))  # a new request
+    q = step_plan._v1_plan(runner, 64)
+    assert q.topk == [DEFER, 1, 1, 5] and len(calls) == n + 1  # only the new row is planned
+    states["a"] = SimpleNamespace(sampling_params=SamplingParams(temperature=0.5))  # id reused, new request
+    assert step_plan._v1_plan(runner, 64).topk == [DEFER, DEFER, 1, 5]
+    assert step_plan._v1_plan(runner, 4).topk == [DEFER, DEFER, 1, DEFER]  # top_k 5 > max_topk 4: the sampler
 
 
-def test_v2_plan_rows_in_batch_order_kept_per_request():
+def test_v2_plan_rows_in_batch_order_kept_per_request(monkeypatch):
     """The V2 runner's plan (from the sampling parameters its execute_model kept per request):
     rows in the batch's order, top-k rows in the head (its sampler is not hooked), a row whose
     request is unknown dense; the same plan object while the batch holds the same requests (the
@@ -213,27 +215,17 @@ def test_v2_plan_rows_in_batch_order_kept_per_request():
     params = {"a": SamplingParams(temperature=0), "b": SamplingParams(temperature=0.7, top_k=5, seed=1),
               "c": SamplingParams(temperature=0.8, top_p=0.9)}
     runner = SimpleNamespace(_csv_sampling_params=params)
-    calls = []
-    real = step_plan.row_plan
-
-    def counting(sp, m, *a):
-        calls.append(sp)
-        return real(sp, m, *a)
-
-    step_plan.row_plan, saved = counting, step_plan.row_plan
-    try:
-        p = step_plan._v2_plan(runner, ["c", "a", "x", "b"], 64)
-        assert p.topk == [0, 1, 0, 5] and p.modes == ["", "greedy", "", "top_k"]
-        n = len(calls)
-        assert step_plan._v2_plan(runner, ["c", "a", "x", "b"], 64) is p and len(calls) == n
-        assert step_plan._v2_plan(runner, ["a", "c", "x", "b"], 64).topk == [1, 0, 0, 5]  # reordered
-        assert len(calls) == n  # rows kept per request
-        params["a"] = SamplingParams(temperature=0.7, top_k=3, seed=2)  # id reused by a new request
-        q = step_plan._v2_plan(runner, ["a", "c", "x", "b"], 64)
-        assert q.topk == [3, 0, 0, 5] and len(calls) == n + 1
-        assert step_plan._v2_plan(runner, ["a", "c", "x", "b"], 4).topk == [3, 0, 0, 0]  # k 5 > max_topk 4
-    finally:
-        step_plan.row_plan = saved
+    calls = _count_calls(monkeypatch, step_plan, "row_plan")
+    p = step_plan._v2_plan(runner, ["c", "a", "x", "b"], 64)
+    assert p.topk == [0, 1, 0, 5] and p.modes == ["", "greedy", "", "top_k"]
+    n = len(calls)
+    assert step_plan._v2_plan(runner, ["c", "a", "x", "b"], 64) is p and len(calls) == n
+    assert step_plan._v2_plan(runner, ["a", "c", "x", "b"], 64).topk == [1, 0, 0, 5]  # reordered
+    assert len(calls) == n  # rows kept per request
+    params["a"] = SamplingParams(temperature=0.7, top_k=3, seed=2)  # id reused by a new request
+    q = step_plan._v2_plan(runner, ["a", "c", "x", "b"], 64)
+    assert q.topk == [3, 0, 0, 5] and len(calls) == n + 1
+    assert step_plan._v2_plan(runner, ["a", "c", "x", "b"], 4).topk == [3, 0, 0, 0]  # k 5 > max_topk 4
 
 
 def test_sampled_top_k_rows_go_to_a_certifiable_sampler():
