@@ -3,8 +3,9 @@
 The sampler hook runs vLLM's own logits processors on lower and upper bounds of every deferred
 row, two or three rounds a step, so each of its ``[R, V]`` passes is paid four to six times
 where the dense step pays it once. The penalties are the dearest of them on the CPU
-(``apply_penalties``: two ``[R, V + 1]`` bin counts and two ``torch.where`` over bool masks,
-about 3 ms a call for 8 rows of 65536 tokens on 2 cores), and they touch few tokens: a
+(``apply_penalties``: two ``[R, V + 1]`` bin counts and two ``torch.where`` over bool masks:
+3.1 ms a call for 8 rows of 65536 tokens, 16 prompt and 20 output tokens each, on 2 cores;
+0.13 ms on the 288 columns they touch), and they touch few tokens: a
 token that is in neither the row's prompt nor its output gets, in vLLM 0.32
 (``vllm.model_executor.layers.utils.apply_penalties``),
 
