@@ -89,6 +89,12 @@ class RowStats(NamedTuple):
     top_indices: torch.Tensor  # [R, k] int64
 
 
+def _live(lo: torch.Tensor, hi: torch.Tensor) -> torch.Tensor:
+    """``[R, n]`` bool: the live columns, ``hi != -inf`` or ``lo`` NaN (a NaN row stays live: it
+    is never certified)."""
+    return (hi != -math.inf) | torch.isnan(lo)
+
+
 def row_stats_ref(lo: torch.Tensor, hi: torch.Tensor, k: int) -> RowStats:
     """What :func:`vllm_csv.sampling.certificate.certify_draw` reads first of bounds ``lo, hi``
     (``[R, n]`` float32, ``1 <= k <= min(16, n)``): :class:`RowStats`. ``absmax`` is meant for
@@ -98,7 +104,7 @@ def row_stats_ref(lo: torch.Tensor, hi: torch.Tensor, k: int) -> RowStats:
     hmax = hi.amax(1)
     absmax = torch.maximum(hmax.abs(), torch.maximum(lo.nan_to_num(neginf=0.0).amin(1).neg_(),
                                                      hi.nan_to_num(neginf=0.0).amin(1).neg_()))
-    return RowStats(lo.amax(1), hmax, absmax, ((hi != -math.inf) | torch.isnan(lo)).sum(1), top.values, top.indices)
+    return RowStats(lo.amax(1), hmax, absmax, _live(lo, hi).sum(1), top.values, top.indices)
 
 
 def row_stats(lo: torch.Tensor, hi: torch.Tensor, k: int) -> RowStats:
@@ -127,7 +133,7 @@ def pack_live_ref(lo: torch.Tensor, hi: torch.Tensor, n: int) -> torch.Tensor:
         ``[R, n]`` int64: row ``r``'s live columns ascending, then ``V`` (padding).
     """
     R, V = hi.shape
-    live = (hi != -math.inf) | torch.isnan(lo)
+    live = _live(lo, hi)
     ri, ci = live.nonzero().unbind(1)  # row-major: each row's live columns ascending
     count = live.sum(1)
     if R and n < int(count.max()):

@@ -170,13 +170,10 @@ def certify_draw(ylo: torch.Tensor, yhi: torch.Tensor, seeds: torch.Tensor, gree
         w = torch.full((r,), V, dtype=torch.long, device=dev).scatter_reduce_(0, ri[top_at], ci[top_at], "amin")
         cont = nhi >= (best - 2 * delta)[ri]
         n_cont = torch.zeros(r, dtype=torch.long, device=dev).index_add_(0, ri, cont.long())
-        cont_rows = torch.zeros((r, V), dtype=torch.bool, device=dev)
-        cont_rows[ri[cont], ci[cont]] = True
+        if contenders is None:  # (else the greedy pass left these rows all False)
+            contenders = torch.zeros((R, V), dtype=torch.bool, device=dev)
+        contenders[rows[ri[cont]], ci[cont]] = True
         winner[rows] = w.clamp_max(V - 1)  # V: no finite noisy score (never certified)
-        if contenders is None:
-            contenders = cont_rows
-        else:
-            contenders[rows] = cont_rows
         bar[rows] = best - 2 * delta
         absmax_r[rows] = absmax.double()
         ok = (n_cont == 1) & (best > -math.inf)

@@ -14,9 +14,9 @@ vLLM's fp32 evaluation (``y - m``, ``exp``, the division by the sum, the product
 while nothing underflows; we decide with the margin ``1e-5 + 2^-21 (|y_i| + |m|)``, and
 certify nothing for ``min_p < 1e-20`` (its threshold could be subnormal).
 ``m`` lies in ``[max ylo, max yhi]``. One margin serves the whole row (:func:`min_p_bounds`):
-``|y_i|`` and ``|m|`` are replaced by ``A = max(|least finite ylo|, |max yhi|)``, at least
-``|y_i|`` for every token whose lower bound is finite (a token whose lower bound is ``-inf`` is
-never dropped); the thresholds ``max yhi + log(min_p) + eps`` (keep: ``ylo_i >=``) and
+``|y_i|`` and ``|m|`` are replaced by ``A = max(|max yhi|, -least finite ylo, -least finite
+yhi, 0)`` (``row_stats``' ``absmax``), at least ``|y_i|`` for every token whose lower bound is
+finite and at least ``|max ylo|`` (a token whose lower bound is ``-inf`` is never dropped); the thresholds ``max yhi + log(min_p) + eps`` (keep: ``ylo_i >=``) and
 ``max ylo + log(min_p) - eps`` (drop: ``yhi_i <``) are evaluated in float64 and rounded outwards
 to fp32, so each token costs one fp32 comparison. (The float64 rounding of a threshold,
 ``< 2^-51 (A + 50)``, and of ``log``, is far inside the margin's slack over vLLM's error:

@@ -267,20 +267,17 @@ def _v2_plan(runner, req_ids, max_topk: int) -> Plan:
     params = runner.__dict__.get("_csv_sampling_params", {})
     ps = tuple(map(params.get, req_ids))
     cached = runner.__dict__.get("_csv_plan")
-    if cached is not None and cached[1] == max_topk and len(cached[0]) == len(ps) and \
-            all(a is b for a, b in zip(cached[0], ps)) and cached[2].req_ids == list(req_ids):
+    if cached is not None and cached[1] == max_topk and cached[2].req_ids == list(req_ids) and \
+            all(a is b for a, b in zip(cached[0], ps)):
         return cached[2]
-    memo = runner.__dict__.setdefault("_csv_rows", {})  # id(params) -> (params, max_topk, row)
+    # req id -> (params, max_topk, row); execute_model drops a finished request's entry
+    memo = runner.__dict__.setdefault("_csv_rows", {})
     rows = []
-    for p in ps:
-        hit = memo.get(id(p))
+    for rid, p in zip(req_ids, ps):
+        hit = memo.get(rid)
         if hit is None or hit[0] is not p or hit[1] != max_topk:
-            hit = memo[id(p)] = (p, max_topk, row_plan(p, max_topk))
+            hit = memo[rid] = (p, max_topk, row_plan(p, max_topk))
         rows.append(hit[2])
-    if len(memo) > 4 * max(len(ps), 64):  # finished requests: keep the batch's own rows only
-        live = {id(p) for p in ps}
-        for key in [key for key in memo if key not in live]:
-            del memo[key]
     plan = Plan(list(req_ids), [max(k, 0) for k, _, _ in rows], [mode if k > 0 else "" for k, mode, _ in rows],
                 [t for _, _, t in rows])
     runner._csv_plan = (ps, max_topk, plan)
@@ -321,8 +318,10 @@ def install(max_topk_getter) -> None:
             params = self.__dict__.setdefault("_csv_sampling_params", {})
             for new in getattr(scheduler_output, "scheduled_new_reqs", ()) or ():
                 params[new.req_id] = new.sampling_params
+            rows = self.__dict__.setdefault("_csv_rows", {})  # (_v2_plan's rows)
             for rid in getattr(scheduler_output, "finished_req_ids", ()) or ():
                 params.pop(rid, None)
+                rows.pop(rid, None)
             return orig_exec(self, scheduler_output, *a, **k)
 
         def v2_sample(self, hidden_states, input_batch, grammar_output, *a, **k):
