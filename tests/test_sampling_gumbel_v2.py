@@ -121,3 +121,31 @@ def test_a_wrong_noise_is_caught(vllm_v2, monkeypatch):
     x = case["logits"]
     winner, certified, _ = gumbel_v2.certify_draw_v2(x, x, case["seeds"], case["pos"] + 1)
     assert bool((winner[certified] != out["draw"][certified]).any())
+
+
+def test_temperature_bounds_hold_any_quotient_within_two_ulps():
+    """Every value within 2 ulps of the correctly rounded ``x / T`` (what Triton's fp32 ``/`` may
+    return on a GPU; test_sampling_gumbel_v2_cuda.py measures it) lies within the bounds of any
+    box holding ``x``; ``-inf`` stays ``-inf``; an unusable ``T`` gives NaN rows."""
+    g = torch.Generator().manual_seed(5)
+    R, n = 64, 4096
+    x = torch.randn(R, n, generator=g) * torch.pow(10.0, torch.empty(R, n).uniform_(-42, 38, generator=g))
+    x[:, :6] = torch.tensor([0.0, -0.0, 1e-45, -1e-45, 1.1754942e-38, -math.inf])
+    temp = torch.empty(R).uniform_(0.01, 10.0, generator=g)
+    temp[:3] = torch.tensor([1.0, 1e-5, 1e30])
+    width = (torch.rand(R, n, generator=g) * x.abs() * 1e-3).nan_to_num_(posinf=0.0)
+    lo, hi = gumbel_v2.temperature_bounds(x - width, x + width, temp)
+    q = (x.double() / temp.double()[:, None]).float()
+    for steps in range(-2, 3):
+        v = q
+        for _ in range(abs(steps)):
+            v = torch.nextafter(v, torch.full_like(v, math.inf if steps > 0 else -math.inf))
+        ok = (lo <= v) & (v <= hi) | torch.isinf(q)  # an overflowed quotient is inf either way
+        assert bool(ok.all()), steps
+    assert bool((lo[:, 5] == -math.inf).all() & (hi[:, 5] == -math.inf).all())
+    fin = torch.isfinite(lo) & torch.isfinite(hi)  # not vacuous: a few ulps wider than the box's quotient
+    spread = (hi.double() - lo.double()) - 2 * width.double() / temp.double()[:, None]
+    assert bool((spread <= q.abs().double() * 2.0**-20 + 2.0**-120)[fin].all()) and float(fin.float().mean()) > 0.9
+    for bad in (0.0, -1.0, math.nan, 2.0**-127):
+        blo, bhi = gumbel_v2.temperature_bounds(x[:1], x[:1], torch.tensor([bad]))
+        assert bool(torch.isnan(blo).all() & torch.isnan(bhi).all())

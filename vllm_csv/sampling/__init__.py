@@ -8,6 +8,7 @@
   the contenders.
 * :mod:`.head_adapter` -- the only place that calls the certified head's internals.
 * :mod:`.gumbel_v2` -- the V2 runner's (CUDA) Gumbel noise, replayed, and its draw certificate;
-  tested against vLLM's own Triton functions (run by Triton's interpreter on the CPU). The V2
-  sampler is not hooked yet: its rows to certify in the sampler stay dense.
+  tested against vLLM's own Triton functions (by Triton's interpreter on the CPU, compiled on a
+  GPU where one is lent). The V2 sampler is not hooked yet: its rows to certify in the sampler
+  stay dense.
 """

@@ -1,0 +1,162 @@
+"""vLLM V2's Gumbel draw on a GPU: vLLM's own Triton kernels compiled for the device, against the
+replica and the draw certificate of vllm_csv/sampling/gumbel_v2.py, at real vocabulary sizes.
+
+The CPU test (test_sampling_gumbel_v2.py) runs the same kernels in Triton's interpreter, whose
+fp32 ``log`` and ``/`` are numpy's; here they are the GPU's. vLLM's
+``vllm/v1/worker/gpu/sample/gumbel.py`` is loaded from the installed vLLM or, on a machine
+without vLLM, from the path in ``VLLM_V2_GUMBEL_PY`` (a copy of that file, vLLM 0.32.0).
+Checked: hash and uniform bit for bit and the noise within its bounds over 512 x 262144
+tokens; vLLM's temperature division within :func:`gumbel_v2.temperature_bounds`; and over
+131072 rows, every certified draw equal to ``gumbel_sample``'s, with temperature. Skipped
+without CUDA.
+"""
+
+import importlib.util
+import math
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from vllm_csv.sampling import gumbel_v2
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")]
+triton = pytest.importorskip("triton")
+
+# Appended to vLLM's module so that it calls vLLM's own jit functions by their global names.
+NOISE_KERNEL = '''
+
+@triton.jit
+def _csv_noise_kernel(seed_ptr, pos_ptr, r_ptr, u_ptr, g_ptr, n, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    blk = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    m = blk < n
+    seed = tl.load(seed_ptr + row)
+    pos = tl.load(pos_ptr + row)
+    r = murmur3_hash32(seed, pos, blk)
+    u = murmur3_uniform32(seed, pos, blk)
+    g = -tl.log(-_log1p_neg_stable(u))  # gumbel_noised_argmax's fp32 noise
+    tl.store(r_ptr + row * n + blk, r.to(tl.int64), mask=m)
+    tl.store(u_ptr + row * n + blk, u, mask=m)
+    tl.store(g_ptr + row * n + blk, g, mask=m)
+'''
+
+
+def _gumbel_py() -> Path:
+    if os.environ.get("VLLM_V2_GUMBEL_PY"):
+        return Path(os.environ["VLLM_V2_GUMBEL_PY"])
+    spec = importlib.util.find_spec("vllm")
+    if spec is None:
+        pytest.skip("neither vLLM nor VLLM_V2_GUMBEL_PY")
+    return Path(spec.origin).parent / "v1" / "worker" / "gpu" / "sample" / "gumbel.py"
+
+
+@pytest.fixture(scope="module")
+def v2(tmp_path_factory):
+    src = _gumbel_py().read_text()
+    assert "def gumbel_sample(" in src and "def murmur3_uniform32(" in src
+    src = src.replace("from vllm.triton_utils import tl, triton", "import triton\nimport triton.language as tl")
+    path = tmp_path_factory.mktemp("v2") / "vllm_v2_gumbel.py"
+    path.write_text(src + NOISE_KERNEL)
+    spec = importlib.util.spec_from_file_location("vllm_v2_gumbel", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _seeds_pos(R: int, g: torch.Generator):
+    seeds = torch.randint(-2**62, 2**62, (R,), generator=g)
+    seeds[:4] = torch.tensor([0, 1, 2**32 + 5, -1])
+    pos = torch.randint(0, 2**20, (R,), generator=g)
+    pos[:3] = torch.tensor([0, 1, 2**31 - 1])
+    return seeds.cuda(), pos.cuda()
+
+
+def test_noise_at_vocab_scale(v2):
+    """512 rows x 262144 tokens (Gemma-3's vocabulary): r and u bit for bit, g within bounds."""
+    g = torch.Generator().manual_seed(1)
+    n, worst = 262144, 0.0
+    for _ in range(4):
+        seeds, pos = _seeds_pos(128, g)
+        R = seeds.numel()
+        r = torch.empty(R, n, dtype=torch.int64, device="cuda")
+        u = torch.empty(R, n, dtype=torch.float32, device="cuda")
+        gn = torch.empty(R, n, dtype=torch.float32, device="cuda")
+        v2._csv_noise_kernel[(R, triton.cdiv(n, 1024))](seeds, pos, r, u, gn, n, BLOCK=1024)
+        ids = torch.arange(n, device="cuda")
+        assert torch.equal(gumbel_v2.murmur3(seeds, pos, ids), r)
+        assert torch.equal(gumbel_v2.uniform(seeds, pos, ids), u)
+        lo, hi = gumbel_v2.noise_bounds(seeds, pos, ids)
+        gd = gn.double()
+        assert bool(((lo <= gd) & (gd <= hi)).all())
+        real = gumbel_v2.noise(u)
+        worst = max(worst, float(((gd - real).abs() / (gumbel_v2.EPS_ABS + gumbel_v2.EPS_REL * real.abs())).max()))
+    print(f"GPU noise: worst |g - g(u)| = {worst:.3f} of the bound's eps")
+
+
+def test_temperature_division_within_bounds(v2):
+    """vLLM's ``apply_temperature`` (Triton's fp32 ``/`` on the GPU) inside temperature_bounds, on
+    logits over the whole fp32 range; reports how far it is from the correctly rounded quotient."""
+    g = torch.Generator().manual_seed(2)
+    R, n = 256, 65536
+    x = torch.randn(R, n, generator=g) * torch.pow(10.0, torch.empty(R, n).uniform_(-40, 38, generator=g))
+    x[:, :16] = torch.tensor([0.0, -0.0, 1e-45, -1e-45, 1.17549435e-38, 3.4028235e38, -3.4028235e38, 1.0,
+                              -1.0, 0.5, 1e-30, 7.0, -math.inf, -math.inf, 2.0**-140, 2.0**127])
+    temp = torch.cat([torch.tensor([1.0, 0.5, 2.0, 1e-5, 3.0, 0.7, 100.0, 1.3]),
+                      torch.empty(R - 8).uniform_(0.05, 5.0, generator=g)])
+    xc = x.cuda()
+    out = xc.clone()
+    v2.apply_temperature(out, torch.arange(R, dtype=torch.int32, device="cuda"), temp.cuda())
+    lo, hi = gumbel_v2.temperature_bounds(xc, xc, temp.cuda())
+    ok = (lo <= out) & (out <= hi)
+    assert bool(ok.all()), (x[~ok.cpu()][:5], temp[(~ok.cpu()).any(1)][:5])
+    exact = (x.double() / temp.double()[:, None]).float().cuda()  # correctly rounded (53 >= 2 * 24 + 2)
+    fin = torch.isfinite(exact) & torch.isfinite(out) & (exact != 0)
+    ulps = ((out.view(torch.int32).long() - exact.view(torch.int32).long()).abs())[fin]
+    print(f"GPU temperature division: {float((ulps > 0).float().mean()):.2%} not correctly rounded, "
+          f"worst {int(ulps.max())} ulps")
+
+
+@pytest.mark.parametrize("width", [0.0, 1e-3])
+def test_certified_draws_equal_gumbel_sample(v2, width):
+    """131072 rows (64 batches of 2048, V 32768): vLLM's ``gumbel_sample`` with temperature applied
+    in its kernel; every row certified from ``[x - width, x + width]`` draws vLLM's token."""
+    g = torch.Generator().manual_seed(3)
+    R, n, rows, cert, agree = 2048, 32768, 0, 0, 0
+    scales = torch.tensor([0.1, 1.0, 4.0, 30.0])
+    temps = torch.tensor([1.0, 0.7, 0.3, 1.3, 2.0])
+    for b in range(64):
+        seeds, pos = _seeds_pos(R, g)
+        x = torch.randn(R, n, generator=g) * scales[torch.arange(R) % 4][:, None]
+        x[:, 10:20] = x[:, 20:30]  # exact ties
+        x[::5, 100:3000] = -math.inf
+        x[7, 42] = 1e30
+        x[9] = 0.0
+        x[11, :] = 1e38  # overflows when divided by T < 1
+        temp = temps[torch.randint(0, len(temps), (R,), generator=g)]
+        x, temp = x.cuda(), temp.cuda()
+        draw = v2.gumbel_sample(x.clone(), torch.arange(R, dtype=torch.int32, device="cuda"), temp, seeds, pos,
+                                apply_temperature=True, is_drafting=False)
+        qlo, qhi = gumbel_v2.temperature_bounds(x - width, x + width, temp)
+        winner, certified, _ = gumbel_v2.certify_draw_v2(qlo, qhi, seeds, pos)
+        assert torch.equal(winner[certified], draw[certified]), b
+        rows += R
+        cert += int(certified.sum())
+        agree += int((winner == draw).sum())
+    print(f"GPU draws, width {width}: {rows} rows, {cert / rows:.2%} certified, "
+          f"{agree / rows:.2%} of all winners equal vLLM's")
+    if width == 0.0:
+        assert cert / rows > 0.9
+
+
+def test_a_wrong_noise_is_caught(v2):
+    """Broken replica (the next position's noise): certified rows draw other tokens than vLLM."""
+    g = torch.Generator().manual_seed(4)
+    seeds, pos = _seeds_pos(1024, g)
+    x = torch.randn(1024, 32768, generator=g).cuda()
+    temp = torch.ones(1024, device="cuda")
+    draw = v2.gumbel_sample(x.clone(), torch.arange(1024, dtype=torch.int32, device="cuda"), temp, seeds, pos,
+                            apply_temperature=True, is_drafting=False)
+    winner, certified, _ = gumbel_v2.certify_draw_v2(x, x, seeds, pos + 1)
+    assert bool((winner[certified] != draw[certified]).any())
