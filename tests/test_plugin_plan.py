@@ -204,7 +204,7 @@ def test_v1_plan_rows_in_batch_order_kept_per_request(monkeypatch):
 
 def test_v2_plan_rows_in_batch_order_kept_per_request(monkeypatch):
     """The V2 runner's plan (from the sampling parameters its execute_model kept per request):
-    rows in the batch's order, top-k rows in the head (its sampler is not hooked), a row whose
+    rows in the batch's order, top-k rows in the head (here no certified sampler: other rows dense), a row whose
     request is unknown dense; the same plan object while the batch holds the same requests (the
     off-switch's fast lane keys on it), rebuilt when a request changes (a reused id with new
     parameters too) or max_topk differs, each request's row computed once."""

@@ -47,15 +47,32 @@ REFERENCE = textwrap.dedent("""
         tl.store(g_ptr + row * n + blk, g, mask=m)
 
     case = torch.load(sys.argv[2])
-    seeds, pos, n = case["seeds"], case["pos"], case["n"]
-    R = seeds.numel()
-    r = torch.zeros(R, n, dtype=torch.int64); u = torch.zeros(R, n); g = torch.zeros(R, n)
-    noise_kernel[(R, triton.cdiv(n, 1024))](seeds, pos, r, u, g, n, BLOCK=1024)
+    out = {}
+    if case.get("noise", True):
+        seeds, pos, n = case["seeds"], case["pos"], case["n"]
+        R = seeds.numel()
+        r = torch.zeros(R, n, dtype=torch.int64); u = torch.zeros(R, n); g = torch.zeros(R, n)
+        noise_kernel[(R, triton.cdiv(n, 1024))](seeds, pos, r, u, g, n, BLOCK=1024)
+        out.update(r=r, u=u, g=g)
     x = case["logits"]
-    draw = mod.gumbel_sample(x.clone(), torch.arange(x.shape[0], dtype=torch.int32), case["temp"],
-                             case["seeds"], case["pos"], apply_temperature=False, is_drafting=False)
-    torch.save({"r": r, "u": u, "g": g, "draw": draw}, sys.argv[3])
+    idx = case.get("idx_mapping", torch.arange(x.shape[0], dtype=torch.int32))
+    out["draw"] = mod.gumbel_sample(x.clone(), idx, case["temp"], case["seeds"], case["pos"],
+                                    apply_temperature=case.get("apply_temperature", False), is_drafting=False)
+    torch.save(out, sys.argv[3])
 """)
+
+
+def vllm_v2_run(case: dict, d: Path) -> dict:
+    """vLLM's own V2 kernels on ``case`` (Triton's interpreter, in a subprocess): the noise of
+    every row and token (unless ``case["noise"]`` is False) and ``gumbel_sample``'s draw, with
+    ``case``'s ``idx_mapping`` (default: row = request slot) and ``apply_temperature``."""
+    torch.save(case, d / "case.pt")
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    p = subprocess.run([sys.executable, "-c", REFERENCE, str(GUMBEL_PY), str(d / "case.pt"), str(d / "out.pt")],
+                       capture_output=True, text=True, env=env, timeout=900)
+    if p.returncode != 0:
+        pytest.skip(f"Triton's interpreter could not run vLLM's kernel here: {p.stderr[-500:]}")
+    return torch.load(d / "out.pt")
 
 
 @pytest.fixture(scope="module")
@@ -75,13 +92,7 @@ def vllm_v2(tmp_path_factory):
     x[7, 42] = 1e30
     x[9] = 0.0  # the draw is the noise's argmax
     case = {"seeds": seeds, "pos": pos, "n": n, "logits": x, "temp": torch.ones(R)}
-    torch.save(case, d / "case.pt")
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    p = subprocess.run([sys.executable, "-c", REFERENCE, str(GUMBEL_PY), str(d / "case.pt"), str(d / "out.pt")],
-                       capture_output=True, text=True, env=env, timeout=900)
-    if p.returncode != 0:
-        pytest.skip(f"Triton's interpreter could not run vLLM's kernel here: {p.stderr[-500:]}")
-    return case, torch.load(d / "out.pt")
+    return case, vllm_v2_run(case, d)
 
 
 def test_hash_and_uniform_bit_for_bit(vllm_v2):

@@ -6,9 +6,10 @@ fp32 ``log`` and ``/`` are numpy's; here they are the GPU's. vLLM's
 ``vllm/v1/worker/gpu/sample/gumbel.py`` is loaded from the installed vLLM or, on a machine
 without vLLM, from the path in ``VLLM_V2_GUMBEL_PY`` (a copy of that file, vLLM 0.32.0).
 Checked: hash and uniform bit for bit and the noise within its bounds over 512 x 262144
-tokens; vLLM's temperature division within :func:`gumbel_v2.temperature_bounds`; and over
-131072 rows, every certified draw equal to ``gumbel_sample``'s, with temperature. Skipped
-without CUDA.
+tokens; vLLM's temperature division within :func:`gumbel_v2.temperature_bounds`; over 131072
+rows, every certified draw equal to ``gumbel_sample``'s, with temperature; and
+:func:`~vllm_csv.sampling.rows_v2.certify_rows_v2` on a CUDA head, its rows written as the V2
+hook writes them, drawn to the dense tokens. Skipped without CUDA.
 """
 
 import importlib.util
@@ -160,3 +161,39 @@ def test_a_wrong_noise_is_caught(v2):
                             apply_temperature=True, is_drafting=False)
     winner, certified, _ = gumbel_v2.certify_draw_v2(x, x, seeds, pos + 1)
     assert bool((winner[certified] != draw[certified]).any())
+
+
+@pytest.mark.parametrize("screen", ["int8", "fp16"])
+def test_certified_rows_draw_the_dense_tokens(v2, screen):
+    """certify_rows_v2 on a bf16 CUDA head (V 151936 x d 1024), its certified rows written as the
+    V2 hook writes them (exact on S, -inf elsewhere; the others dense), then drawn by vLLM's
+    gumbel_sample with temperature in its kernel: the dense logits' tokens on every row."""
+    from conftest import hidden_near_rows, peaked_head
+    from vllm_csv import CertifiedHead, HeadConfig
+    from vllm_csv.sampling.head_adapter import HeadAdapter
+    from vllm_csv.sampling.rows_v2 import certify_rows_v2
+
+    W, g = peaked_head(151936, 1024, seed=7)
+    W = W.to("cuda", torch.bfloat16)
+    head = CertifiedHead(W, config=HeadConfig(screen=screen, off_switch=False))
+    adapter = HeadAdapter(head)
+    rows, cert = 0, 0
+    for b in range(8):
+        R = 128
+        h = torch.cat([hidden_near_rows(W.cpu(), R - 16, g, scale=float(1 + b % 4)),
+                       torch.randn(16, 1024, generator=g).bfloat16()]).cuda()
+        seeds, pos = _seeds_pos(R, g)
+        temp = torch.tensor([(0.7, 1.0, 1.3, 0.3, 2.0)[i % 5] for i in range(R)], device="cuda")
+        res = certify_rows_v2(adapter, h, seeds, pos, temp)
+        dense = head.dense_logits(h)
+        written = dense.clone()
+        written[res.certified] = res.values[res.certified].to(dense.dtype)
+        idx = torch.arange(R, dtype=torch.int32, device="cuda")
+        want = v2.gumbel_sample(dense.clone(), idx, temp, seeds, pos, apply_temperature=True, is_drafting=False)
+        got = v2.gumbel_sample(written, idx, temp, seeds, pos, apply_temperature=True, is_drafting=False)
+        assert torch.equal(got, want), b
+        assert torch.equal(res.winner[res.certified], want[res.certified])
+        rows += R
+        cert += int(res.certified.sum())
+    print(f"GPU V2 rows, {screen} screen, bf16 151936 x 1024: {rows} rows, {cert / rows:.1%} certified, "
+          f"all draws equal to the dense logits'")

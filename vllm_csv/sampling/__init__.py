@@ -9,6 +9,7 @@
 * :mod:`.head_adapter` -- the only place that calls the certified head's internals.
 * :mod:`.gumbel_v2` -- the V2 runner's (CUDA) Gumbel noise, replayed, and its draw certificate;
   tested against vLLM's own Triton functions (by Triton's interpreter on the CPU, compiled on a
-  GPU where one is lent). The V2 sampler is not hooked yet: its rows to certify in the sampler
-  stay dense.
+  GPU where one is lent);
+* :mod:`.rows_v2` -- the V2 loop for plain temperature sampling (bounds, temperature, draw
+  certificate, exact scoring of the contenders).
 """

@@ -150,7 +150,8 @@ def comparison_margin(x_abs_max: torch.Tensor) -> torch.Tensor:
 
 
 def certify_draw_v2(ylo: torch.Tensor, yhi: torch.Tensor, seeds: torch.Tensor, pos: torch.Tensor,
-                    ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                    ids: torch.Tensor | None = None, noise: tuple[torch.Tensor, torch.Tensor] | None = None
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Certify the token V2's ``gumbel_sample`` picks in each row from ``ylo <= x <= yhi``.
 
     Parameters
@@ -162,6 +163,8 @@ def certify_draw_v2(ylo: torch.Tensor, yhi: torch.Tensor, seeds: torch.Tensor, p
         ``[R]`` int64, each row's request seed and position.
     ids : torch.Tensor, optional
         ``[n]`` or ``[R, n]`` int64 token ids of the columns (default: the column is the token).
+    noise : tuple of torch.Tensor, optional
+        :func:`noise_bounds` of these rows and columns, when the caller already has them.
 
     Returns
     -------
@@ -173,8 +176,9 @@ def certify_draw_v2(ylo: torch.Tensor, yhi: torch.Tensor, seeds: torch.Tensor, p
         never certified; ``contenders`` are the columns to score exactly to decide the others.
     """
     R, n = ylo.shape
-    cols = torch.arange(n, device=ylo.device) if ids is None else ids
-    g_lo, g_hi = noise_bounds(seeds, pos, cols)
+    if noise is None:
+        noise = noise_bounds(seeds, pos, torch.arange(n, device=ylo.device) if ids is None else ids)
+    g_lo, g_hi = noise
     lo, hi = ylo.double(), yhi.double()
     finite_lo = lo > -math.inf
     usable = finite_lo.any(1) & ~torch.isnan(lo).any(1) & ~torch.isnan(hi).any(1) & ~(hi == math.inf).any(1)

@@ -125,19 +125,11 @@ def certify_rows(adapter: HeadAdapter, hidden: torch.Tensor, process: Process, s
     """
     R, V = hidden.shape[0], adapter.vocab_size
     dev = hidden.device
-    lo, hi, hnorm, finite = adapter.intervals(hidden)
-    one_sided = lo is None
-    if one_sided:
-        lo = torch.full_like(hi, -math.inf)
+    lo, hi, hnorm, finite, one_sided = screen_bounds(adapter, hidden)
     if masked is not None:
         lo.masked_fill_(masked, -math.inf)
         hi.masked_fill_(masked, -math.inf)
-    values = torch.full((R, V), -math.inf, dtype=adapter.dtype, device=dev)
-    scored = torch.zeros(V, dtype=torch.bool, device=dev)
-    budget = max(1, math.ceil(adapter.budget * V))
-    certified = torch.zeros(R, dtype=torch.bool, device=dev)
-    winner = torch.zeros(R, dtype=torch.long, device=dev)
-    over_budget = torch.zeros(R, dtype=torch.bool, device=dev)
+    values, scored, budget, certified, winner, over_budget = empty_state(adapter, R, dev)
 
     def add(ids: torch.Tensor) -> None:
         v, lower, upper = adapter.score(hidden, ids, hnorm)
@@ -271,9 +263,32 @@ def certify_rows(adapter: HeadAdapter, hidden: torch.Tensor, process: Process, s
     open_rows = finite & ~certified & ~over_budget
     cont, unscored = (cert.contenders, ~scored) if span is None else (cert.contenders[:, span], ~scored[span])
     over_budget |= open_rows & (cont & unscored[None]).any(1)  # still waiting for room
-    reason = [None if c else ("nonfinite" if not f else ("budget" if b else "uncertified"))
-              for c, f, b in zip(certified.tolist(), finite.tolist(), over_budget.tolist())]
-    return RowsResult(values, certified, winner, reason, int(scored.sum()))
+    return RowsResult(values, certified, winner, reasons(certified, finite, over_budget), int(scored.sum()))
+
+
+def screen_bounds(adapter: HeadAdapter, hidden: torch.Tensor):
+    """``(lo, hi, hnorm, finite, one_sided)``: the screen's bounds of every token (``lo`` all
+    ``-inf`` for a one-sided screen), as :meth:`.HeadAdapter.intervals` gives them."""
+    lo, hi, hnorm, finite = adapter.intervals(hidden)
+    one_sided = lo is None
+    if one_sided:
+        lo = torch.full_like(hi, -math.inf)
+    return lo, hi, hnorm, finite, one_sided
+
+
+def empty_state(adapter: HeadAdapter, R: int, dev: torch.device):
+    """A loop's start: ``values [R, V]`` all ``-inf`` (model dtype), nothing scored (``[V]``
+    bool), the budget in tokens, and per row not certified, winner 0, not over budget."""
+    V = adapter.vocab_size
+    return (torch.full((R, V), -math.inf, dtype=adapter.dtype, device=dev), torch.zeros(V, dtype=torch.bool, device=dev),
+            max(1, math.ceil(adapter.budget * V)), torch.zeros(R, dtype=torch.bool, device=dev),
+            torch.zeros(R, dtype=torch.long, device=dev), torch.zeros(R, dtype=torch.bool, device=dev))
+
+
+def reasons(certified: torch.Tensor, finite: torch.Tensor, over_budget: torch.Tensor) -> list[str | None]:
+    """Per row: None if certified, else why not (``nonfinite``, ``budget``, ``uncertified``)."""
+    return [None if c else ("nonfinite" if not f else ("budget" if b else "uncertified"))
+            for c, f, b in zip(certified.tolist(), finite.tolist(), over_budget.tolist())]
 
 
 class _Masks:

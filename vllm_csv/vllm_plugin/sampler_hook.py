@@ -58,7 +58,14 @@ head (:func:`~.step_plan.plan_row`), greedy included. The engine core may delay 
 ``sample_tokens`` until the previous step's tokens reached the grammar (async scheduling), but
 each worker still runs ``execute_model(N)``, ``sample_tokens(N)``, ``execute_model(N + 1)`` in
 that order, so the one slot :func:`defer` fills is the step's own (:func:`_take` checks the
-shape). The V2 runner's sampler is not hooked: its structured rows are dense.
+shape). The V2 runner's structured rows are dense.
+
+The V2 runner (``vllm.v1.worker.gpu.model_runner.GPUModelRunner``, CUDA): its ``Sampler.__call__``
+is wrapped the same way, for plain temperature-sampling rows only (:func:`resolve_v2`; the plan
+defers no other row there, :func:`~.step_plan._v2_entry`). V2 draws such a row with
+``gumbel_sample`` from ``fl32(x / T)`` and noise hashed from (request seed, position, token), no
+random state drawn at sampling time, so nothing is peeked; the certificate is
+:func:`~vllm_csv.sampling.rows_v2.certify_rows_v2`.
 
 Under tensor parallelism (a :class:`~vllm_csv.sampling.sharded_rows.ShardedAdapter`) step 2
 runs vLLM's processors on each rank's shard and the certificate on gathered summaries
@@ -77,11 +84,13 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 from vllm.logger import init_logger
 
 from ..sampling.head_adapter import HeadAdapter
 from ..sampling.rows import certify_rows
+from ..sampling.rows_v2 import certify_rows_v2
 from ..sampling.sharded_rows import ShardedAdapter, certify_rows_sharded
 from .penalties import TouchedPenalties
 
@@ -120,6 +129,12 @@ _pending: Deferred | None = None  # one slot: a step's head call is followed by 
 def defer(d: Deferred) -> None:
     global _pending
     _pending = d
+
+
+def discard() -> None:
+    """Drop a step's slot that no sampler call took."""
+    global _pending
+    _pending = None
 
 
 def _take(logits: torch.Tensor) -> Deferred | None:
@@ -267,19 +282,35 @@ def resolve(sampler, d: Deferred, logits: torch.Tensor, md, predict_bonus_token:
             dev = logits.device
             res = certify_rows(d.adapter, d.hidden, elementwise, seeds.to(dev), greedy.to(dev), masked,
                                elementwise=True, min_p=min_p.to(dev), top_k=top_k.to(dev), top_p=top_p.to(dev))
-        certified = res.certified.cpu()
-        if bool(certified.any()):
-            idx = dev_rows[certified.to(logits.device)]
-            logits[idx] = res.values[certified.to(logits.device)].to(logits.dtype)
-        for r in res.reason:
-            if r is not None:
-                st.fallbacks[r] = st.fallbacks.get(r, 0) + 1
-        st.scored = res.scored
-    else:
+        certified = _write(logits, dev_rows, res, st)
+    _finish(d, logits, dev_rows, certified, masked, st, why, t0)
+    no_top_p = rows[certified & (top_p < 1.0)] if why is None else rows[:0]
+    return st, no_top_p
+
+
+def _write(logits: torch.Tensor, dev_rows: torch.Tensor, res, st: DeferredStats) -> torch.Tensor:
+    """The certified rows of ``res`` (a ``RowsResult``) into ``logits``; the reasons of the others
+    into ``st``. Returns ``certified`` on the host."""
+    certified = res.certified.cpu()
+    if bool(certified.any()):
+        idx = dev_rows[certified.to(logits.device)]
+        logits[idx] = res.values[certified.to(logits.device)].to(logits.dtype)
+    for r in res.reason:
+        if r is not None:
+            st.fallbacks[r] = st.fallbacks.get(r, 0) + 1
+    st.scored = res.scored
+    return certified
+
+
+def _finish(d: Deferred, logits: torch.Tensor, dev_rows: torch.Tensor, certified: torch.Tensor,
+            masked: torch.Tensor | None, st: DeferredStats, why: str | None, t0: float) -> None:
+    """The rows left uncertified get the dense head's values (with the grammar's ``-inf``);
+    ``st`` counts the certified rows by mode, or all of them unsupported (``why``)."""
+    if why is not None:
         if why not in _logged:
             _logged.add(why)
             logger.info("CSV-Decode: rows to certify in the sampler take the dense path: %s", why)
-        st.fallbacks["unsupported"] = R
+        st.fallbacks["unsupported"] = len(d.modes)
     if not bool(certified.all()):
         dense_rows = dev_rows[~certified.to(logits.device)]
         # the dense head on the whole batch: bit for bit what vLLM computes without CSV
@@ -289,8 +320,69 @@ def resolve(sampler, d: Deferred, logits: torch.Tensor, md, predict_bonus_token:
         if c:
             st.certified[m] = st.certified.get(m, 0) + 1
     st.seconds = d.seconds + time.perf_counter() - t0
-    no_top_p = rows[certified & (top_p < 1.0)] if why is None else rows[:0]
-    return st, no_top_p
+
+
+def certifiable_sampler_v2(sampler) -> bool:
+    """Whether ``sampler`` is the V2 runner's own ``Sampler`` (not a subclass: the watermarking
+    sampler draws otherwise) drawing with V2's fp32 Gumbel kernel (no fp64 noise, no trace replay,
+    no sampling mask) after vLLM's native logits processors only (no custom ones): the draw
+    :mod:`vllm_csv.sampling.gumbel_v2` replays."""
+    try:
+        from vllm.v1.worker.gpu.sample.bad_words import BadWordsState
+        from vllm.v1.worker.gpu.sample.logit_bias import LogitBiasState
+        from vllm.v1.worker.gpu.sample.penalties import PenaltiesState
+        from vllm.v1.worker.gpu.sample.sampler import Sampler
+    except ImportError:
+        return False
+    return type(sampler) is Sampler and not sampler.use_fp64_gumbel and sampler.trace_replay_state is None and \
+        not sampler.return_sampling_mask and \
+        all(type(p) in (LogitBiasState, PenaltiesState, BadWordsState) for p in sampler.logits_processors)
+
+
+def _unsupported_v2(sampler, d: Deferred, logits: torch.Tensor, input_batch) -> str | None:
+    if not certifiable_sampler_v2(sampler):
+        return "the sampler is not V2's fp32 Gumbel sampler"
+    if isinstance(d.adapter, ShardedAdapter):
+        return "tensor parallelism (the V2 sampler's certificate is not sharded)"
+    if logits.shape[0] != input_batch.num_reqs:
+        return "speculative decoding"
+    ss, batch = sampler.sampling_states, input_batch.idx_mapping_np
+    req = batch[d.rows.numpy()]  # the deferred rows' request slots
+    if bool(np.any(ss.top_k.np[batch] != ss.vocab_size) or np.any(ss.top_p.np[batch] != 1.0)):
+        # vLLM then masks every row with its top-k/top-p, or draws the batch with FlashInfer's
+        # fused sampler, whose noise is not the one replayed
+        return "top-k or top-p rows in the batch"
+    if not bool(np.all(ss.temperature.np[req] > 0) and np.all(ss.min_p.np[req] == 0)):
+        return "a row's sampling state is not plain temperature sampling"
+    return None
+
+
+def resolve_v2(sampler, d: Deferred, logits: torch.Tensor, input_batch) -> DeferredStats:
+    """Fill ``logits``' deferred rows (certified or dense) in place before V2's ``Sampler`` draws.
+
+    The rows are plain temperature sampling (:func:`~.step_plan._v2_entry`): V2 draws each with
+    ``gumbel_sample`` from ``fl32(x / T)`` (``T = 1``: ``x``), no processor, min-p, top-k or
+    top-p touching it, so :func:`~vllm_csv.sampling.rows_v2.certify_rows_v2` certifies it from
+    the request's seed (``SamplingStates.seeds``, kept per request), the row's position
+    (``input_batch.positions[logits_indices]``) and temperature, read the way the kernel reads
+    them (through ``expanded_idx_mapping``). Batches where vLLM could draw otherwise (top-k or
+    top-p rows: the fused FlashInfer sampler; speculative decoding; another sampler) are dense.
+    (Host reads: the per-request states' numpy mirrors, which vLLM keeps on the host.)"""
+    t0 = time.perf_counter()
+    rows = d.rows
+    st = DeferredStats(rows=rows.numel())
+    dev = logits.device
+    dev_rows = rows.to(dev)
+    why = _unsupported_v2(sampler, d, logits, input_batch)
+    certified = torch.zeros(rows.numel(), dtype=torch.bool)
+    if why is None:
+        ss = sampler.sampling_states
+        slot = input_batch.expanded_idx_mapping[dev_rows].long()
+        pos = input_batch.positions[input_batch.logits_indices[dev_rows]].long()
+        res = certify_rows_v2(d.adapter, d.hidden, ss.seeds.gpu[slot].long(), pos, ss.temperature.gpu[slot].float())
+        certified = _write(logits, dev_rows, res, st)
+    _finish(d, logits, dev_rows, certified, None, st, why, t0)
+    return st
 
 
 def _top_p_off(sampler, md) -> bool:
@@ -308,7 +400,7 @@ def _top_p_off(sampler, md) -> bool:
 
 
 def install() -> None:
-    """Wrap ``Sampler.forward`` (V1) once per process."""
+    """Wrap ``Sampler.forward`` (V1) and ``Sampler.__call__`` (V2) once per process."""
     from vllm.v1.sample.sampler import Sampler
 
     if getattr(Sampler, "_csv_wrapped", False):
@@ -337,3 +429,19 @@ def install() -> None:
 
     Sampler.forward = forward
     Sampler._csv_wrapped = True
+    try:
+        from vllm.v1.worker.gpu.sample.sampler import Sampler as V2Sampler
+    except ImportError:
+        return
+    if getattr(V2Sampler, "_csv_wrapped", False):
+        return
+    orig_v2 = V2Sampler.__call__
+
+    def call(self, logits, input_batch, *a, **k):
+        d = _take(logits)
+        if d is not None:
+            d.done(resolve_v2(self, d, logits, input_batch))
+        return orig_v2(self, logits, input_batch, *a, **k)
+
+    V2Sampler.__call__ = call
+    V2Sampler._csv_wrapped = True

@@ -2,7 +2,8 @@
 
 ``LogitsProcessor.forward`` sees hidden states, not sampling parameters. The model
 runner knows both: we wrap the runner method that computes the sampling logits
-(V1 ``GPUModelRunner.execute_model``, also used on CPU; V2 ``ModelRunner.sample``)
+(V1 ``vllm.v1.worker.gpu_model_runner.GPUModelRunner.execute_model``, also used on CPU; V2
+``vllm.v1.worker.gpu.model_runner.GPUModelRunner.sample``)
 so that, while it runs, :func:`current_plan` returns one entry per request in the
 order of the logits rows. Any call outside those methods (warm-up, profiling,
 prompt logprobs, draft heads) or with an unexpected row count gets no plan, and
@@ -213,14 +214,18 @@ def top_k_in_sampler(runner) -> bool:
     values bit for bit, which a bf16 row deep in its top-k often does not give (the demo
     model's ``top_k = 20`` rows: 29% certified in the head, 100% in the sampler). Read once per
     runner."""
-    cached = getattr(runner, "_csv_top_k_in_sampler", None)
-    if cached is None:
-        from .sampler_hook import certifiable_sampler
+    from .sampler_hook import certifiable_sampler
 
+    return _sampler_ok(runner, "_csv_top_k_in_sampler", certifiable_sampler)
+
+
+def _sampler_ok(runner, attr: str, certifiable) -> bool:
+    """``certifiable(runner.sampler)`` and no tensor parallelism, kept on the runner as ``attr``."""
+    cached = getattr(runner, attr, None)
+    if cached is None:
         pc = getattr(getattr(runner, "vllm_config", None), "parallel_config", None)
-        cached = certifiable_sampler(getattr(runner, "sampler", None)) and \
-            getattr(pc, "tensor_parallel_size", 1) == 1
-        runner._csv_top_k_in_sampler = cached
+        cached = certifiable(getattr(runner, "sampler", None)) and getattr(pc, "tensor_parallel_size", 1) == 1
+        setattr(runner, attr, cached)
     return cached
 
 
@@ -257,13 +262,31 @@ def _row(state, max_topk: int, in_sampler: bool = False) -> tuple[int, str, floa
     return row
 
 
+def sampler_v2_certifiable(runner) -> bool:
+    """Whether the V2 ``runner``'s plain temperature-sampling rows are certified in its sampler
+    (:func:`~.sampler_hook.resolve_v2`): the sampler is the one the hook certifies and there is
+    no tensor parallelism. Read once per runner."""
+    from .sampler_hook import certifiable_sampler_v2
+
+    return _sampler_ok(runner, "_csv_v2_sampler", certifiable_sampler_v2)
+
+
+def _v2_entry(row: tuple[int, str, float], in_sampler: bool) -> tuple[int, str]:
+    """A V2 row's ``(k, mode)``: the head's top-k rows as planned; of the rows to certify in the
+    sampler, plain temperature sampling (mode ``sampling``) where the V2 sampler is certified
+    (``in_sampler``), the others dense (the V2 hook replays no processor, min-p, top-k or top-p)."""
+    k, mode, _ = row
+    if k > 0 or (k == DEFER and mode == "sampling" and in_sampler):
+        return k, mode
+    return 0, ""
+
+
 def _v2_plan(runner, req_ids, max_topk: int) -> Plan:
     """The V2 runner's plan, in the batch's row order, from the sampling parameters its
     ``execute_model`` kept per request (``_csv_sampling_params``; a row whose request is unknown
     is dense). As :func:`_v1_plan`: while the batch holds the same requests (ids and their
     parameter objects, by identity) the last plan is handed out again, and each request's row is
-    computed once. The V2 runner's sampler is not hooked: rows to certify in the sampler stay
-    dense."""
+    computed once. Rows to certify in the sampler: :func:`_v2_entry`."""
     params = runner.__dict__.get("_csv_sampling_params", {})
     ps = tuple(map(params.get, req_ids))
     cached = runner.__dict__.get("_csv_plan")
@@ -278,8 +301,9 @@ def _v2_plan(runner, req_ids, max_topk: int) -> Plan:
         if hit is None or hit[0] is not p or hit[1] != max_topk:
             hit = memo[rid] = (p, max_topk, row_plan(p, max_topk))
         rows.append(hit[2])
-    plan = Plan(list(req_ids), [max(k, 0) for k, _, _ in rows], [mode if k > 0 else "" for k, mode, _ in rows],
-                [t for _, _, t in rows])
+    in_sampler = sampler_v2_certifiable(runner)
+    entries = [_v2_entry(r, in_sampler) for r in rows]
+    plan = Plan(list(req_ids), [k for k, _ in entries], [mode for _, mode in entries], [t for _, _, t in rows])
     runner._csv_plan = (ps, max_topk, plan)
     return plan
 
@@ -308,10 +332,12 @@ def install(max_topk_getter) -> None:
         GPUModelRunner.execute_model = execute_model
         GPUModelRunner._csv_wrapped = True
     try:
-        from vllm.v1.worker.gpu.model_runner import ModelRunner as V2Runner
+        from vllm.v1.worker.gpu.model_runner import GPUModelRunner as V2Runner
     except ImportError:
         V2Runner = None
     if V2Runner is not None and not getattr(V2Runner, "_csv_wrapped", False):
+        from . import sampler_hook
+
         orig_exec, orig_sample = V2Runner.execute_model, V2Runner.sample
 
         def v2_execute_model(self, scheduler_output, *a, **k):
@@ -329,8 +355,11 @@ def install(max_topk_getter) -> None:
             if (_plannable(self) and getattr(self, "batch_sharder", None) is None
                     and getattr(input_batch, "num_draft_tokens", 0) == 0):
                 plan = _v2_plan(self, input_batch.req_ids, max_topk_getter(self))
-            with active_plan(plan):
-                return orig_sample(self, hidden_states, input_batch, grammar_output, *a, **k)
+            try:
+                with active_plan(plan):
+                    return orig_sample(self, hidden_states, input_batch, grammar_output, *a, **k)
+            finally:
+                sampler_hook.discard()  # a slot no sampler call took (none expected) must not reach the next step
 
         V2Runner.execute_model = v2_execute_model
         V2Runner.sample = v2_sample

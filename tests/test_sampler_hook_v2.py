@@ -1,0 +1,161 @@
+"""The V2 runner's sampler hook (sampler_hook.resolve_v2): rows filled by the hook, then drawn by
+vLLM's own V2 ``gumbel_sample`` (Triton's interpreter on the CPU), give the tokens the dense
+logits give, with the seeds, positions and temperatures read through ``expanded_idx_mapping``
+as the kernel reads them; batches vLLM may draw otherwise stay dense. (On a GPU:
+test_sampling_gumbel_v2_cuda.py, compiled kernels.)"""
+
+import math
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import hidden_near_rows, peaked_head
+
+pytest.importorskip("vllm")
+pytest.importorskip("triton")
+from vllm.v1.worker.gpu.sample.sampler import Sampler as V2Sampler  # noqa: E402
+
+from test_sampling_gumbel_v2 import vllm_v2_run  # noqa: E402
+from vllm_csv import CertifiedHead, HeadConfig  # noqa: E402
+from vllm_csv.sampling.head_adapter import HeadAdapter  # noqa: E402
+from vllm_csv.sampling.rows_v2 import certify_rows_v2  # noqa: E402
+from vllm_csv.vllm_plugin import sampler_hook, step_plan  # noqa: E402
+
+V, D, SLOTS = 2048, 48, 40
+
+
+def fake_sampler(temps, seeds, top_p=None):
+    """A V2 ``Sampler`` (its own class: the hook accepts no subclass) holding only what the hook
+    reads: the per-request states (host mirrors and device tensors, as UvaBackedTensor)."""
+    s = V2Sampler.__new__(V2Sampler)
+    s.use_fp64_gumbel, s.trace_replay_state, s.return_sampling_mask, s.logits_processors = False, None, False, []
+
+    def uva(a):
+        return SimpleNamespace(np=a, gpu=torch.from_numpy(a))
+
+    tp = np.ones(SLOTS, dtype=np.float32) if top_p is None else top_p
+    s.sampling_states = SimpleNamespace(
+        vocab_size=V, temperature=uva(temps), seeds=uva(seeds), top_k=uva(np.full(SLOTS, V, dtype=np.int32)),
+        top_p=uva(tp), min_p=uva(np.zeros(SLOTS, dtype=np.float32)))
+    return s
+
+
+def case(seed=0, B=24):
+    g = torch.Generator().manual_seed(seed)
+    W, gw = peaked_head(V, D, seed=seed, dtype=torch.bfloat16)
+    head = CertifiedHead(W, config=HeadConfig(screen="fp16", off_switch=False))
+    h = torch.cat([hidden_near_rows(W, B - 4, gw, scale=2.0), torch.randn(4, D, generator=g).bfloat16()])
+    slots = torch.randperm(SLOTS, generator=g)[:B].to(torch.int32)  # row -> request slot
+    temps = np.zeros(SLOTS, dtype=np.float32)
+    temps[slots.numpy()] = np.array([(0.7, 1.0, 1.3, 0.25, 2.0)[i % 5] for i in range(B)], dtype=np.float32)
+    seeds = torch.randint(-2**62, 2**62, (SLOTS,), generator=g).numpy()
+    positions = torch.randint(0, 2**20, (3 * B,), generator=g)
+    logits_indices = torch.sort(torch.randperm(3 * B, generator=g)[:B]).values
+    batch = SimpleNamespace(num_reqs=B, idx_mapping_np=slots.numpy().astype(np.int64), expanded_idx_mapping=slots,
+                            positions=positions, logits_indices=logits_indices)
+    return head, h, temps, seeds, batch
+
+
+def defer(head, h, rows, seen):
+    logits = head.dense_logits(h).clone()
+    logits[rows] = sampler_hook.PLACEHOLDER
+    d = sampler_hook.Deferred(logits, h[rows].clone(), rows, ["sampling"] * rows.numel(), HeadAdapter(head),
+                              lambda: head.dense_logits(h), seen.append)
+    return d, logits
+
+
+def draws(tmp_path, batch, temps, seeds, *logits):
+    """vLLM's V2 draw of each ``logits`` ([B, V]), the kernel reading seeds and temperatures by
+    request slot and positions by row, dividing by the temperature itself."""
+    x = torch.cat([z.float() for z in logits])
+    n = len(logits)
+    out = vllm_v2_run({"noise": False, "logits": x, "idx_mapping": batch.expanded_idx_mapping.repeat(n),
+                       "temp": torch.from_numpy(temps), "seeds": torch.from_numpy(seeds),
+                       "pos": batch.positions[batch.logits_indices].repeat(n), "apply_temperature": True}, tmp_path)
+    return out["draw"].view(n, -1)
+
+
+def test_resolve_v2_draws_the_dense_tokens(tmp_path):
+    head, h, temps, seeds, batch = case()
+    rows = torch.tensor([0, 1, 2, 3, 5, 6, 8, 9, 10, 11, 13, 14, 15, 16, 17, 19, 20, 21, 22, 23])
+    seen = []
+    d, logits = defer(head, h, rows, seen)
+    sampler = fake_sampler(temps, seeds)
+    st = sampler_hook.resolve_v2(sampler, d, logits, batch)
+    dense = head.dense_logits(h)
+    # a broken wiring: the seeds of the rows' own indices instead of their request slots
+    wrong = certify_rows_v2(HeadAdapter(head), h[rows], torch.from_numpy(seeds)[rows],
+                            batch.positions[batch.logits_indices][rows], torch.from_numpy(temps)[batch.expanded_idx_mapping[rows].long()])
+    broken = dense.clone()
+    broken[rows[wrong.certified]] = wrong.values[wrong.certified]
+    got, want, bad = draws(tmp_path, batch, temps, seeds, logits, dense, broken)
+    assert torch.equal(got, want)
+    assert st.certified.get("sampling", 0) >= 0.8 * rows.numel(), st
+    assert not torch.equal(logits[rows], dense[rows])  # the certified rows are partial (-inf outside S)
+    assert bool((bad != want).any())  # the test sees a wrong seed mapping
+
+
+@pytest.mark.parametrize("why", ["top_p", "fp64", "subclass", "sharded"])
+def test_resolve_v2_leaves_batches_vllm_draws_otherwise_dense(why):
+    head, h, temps, seeds, batch = case(seed=1, B=8)
+    rows = torch.tensor([0, 2, 3, 7])
+    seen = []
+    d, logits = defer(head, h, rows, seen)
+    top_p = None
+    if why == "top_p":  # another row of the batch has a top-p: vLLM may draw with FlashInfer
+        top_p = np.ones(SLOTS, dtype=np.float32)
+        top_p[batch.idx_mapping_np[5]] = 0.9
+    sampler = fake_sampler(temps, seeds, top_p)
+    if why == "fp64":
+        sampler.use_fp64_gumbel = True
+    if why == "subclass":
+        sampler.__class__ = type("Watermarked", (V2Sampler,), {})
+    if why == "sharded":
+        d.adapter = object.__new__(sampler_hook.ShardedAdapter)
+    st = sampler_hook.resolve_v2(sampler, d, logits, batch)
+    assert torch.equal(logits, head.dense_logits(h)) and st.fallbacks == {"unsupported": 4} and not st.certified
+
+
+def test_v2_plan_defers_plain_sampling_rows_to_a_certified_sampler():
+    """Plain temperature rows are deferred where the V2 sampler is certified (and no tensor
+    parallelism); top-p, min-p, penalties and structured rows stay dense there."""
+    from vllm import SamplingParams
+
+    params = {"a": SamplingParams(temperature=0), "b": SamplingParams(temperature=0.7, seed=3),
+              "c": SamplingParams(temperature=0.8, top_p=0.9), "d": SamplingParams(temperature=1.0, presence_penalty=1),
+              "e": SamplingParams(temperature=0.9, top_k=5)}
+    ids = ["a", "b", "c", "d", "e"]
+    ok = SimpleNamespace(_csv_sampling_params=params, sampler=fake_sampler(np.ones(SLOTS, np.float32), np.zeros(SLOTS, np.int64)))
+    p = step_plan._v2_plan(ok, ids, 64)
+    assert p.topk == [1, step_plan.DEFER, 0, 0, 5] and p.modes == ["greedy", "sampling", "", "", "top_k"]
+    assert p.deferred == [1] and p.row_temps[1] == pytest.approx(0.7)
+    tp = SimpleNamespace(_csv_sampling_params=params, sampler=ok.sampler,
+                         vllm_config=SimpleNamespace(parallel_config=SimpleNamespace(tensor_parallel_size=2)))
+    other = SimpleNamespace(_csv_sampling_params=params, sampler=object())
+    for runner in (tp, other):
+        assert step_plan._v2_plan(runner, ids, 64).topk == [1, 0, 0, 0, 5]
+
+
+def test_the_v2_runner_and_sampler_are_wrapped():
+    """install() wraps the classes vLLM 0.32's V2 worker builds (``vllm.v1.worker.gpu.model_runner
+    .GPUModelRunner``, its ``Sampler``); with no slot the sampler call is vLLM's own."""
+    from vllm.v1.worker.gpu.model_runner import GPUModelRunner
+
+    step_plan.install(lambda runner: 64)
+    sampler_hook.install()
+    assert getattr(GPUModelRunner, "_csv_wrapped", False) and getattr(V2Sampler, "_csv_wrapped", False)
+    assert GPUModelRunner.sample.__name__ == "v2_sample" and V2Sampler.__call__.__name__ == "call"
+    sampler_hook.discard()
+    assert sampler_hook._take(torch.zeros(1, 1)) is None
+
+
+def test_certify_rows_v2_rows_out_of_reach():
+    """Rows with NaN hidden states, or a temperature of 0, are never certified."""
+    head, h, temps, seeds, batch = case(seed=2, B=6)
+    h = h.clone()
+    h[1, 3] = math.nan
+    t = torch.tensor([0.7, 0.7, 0.0, 1.0, 1.0, 1.0])
+    res = certify_rows_v2(HeadAdapter(head), h, torch.from_numpy(seeds[:6]), torch.arange(6), t)
+    assert not bool(res.certified[1]) and not bool(res.certified[2]) and res.reason[1] == "nonfinite"

@@ -1,0 +1,88 @@
+"""Certify rows of vLLM's Model Runner V2 draw (CUDA): plain temperature sampling.
+
+Pipeline (per batch of rows V2's ``gumbel_sample`` will draw from, rows with no logits
+processor, min-p, top-k or top-p):
+
+1. bounds on every token's logit from the head's screen (:class:`.HeadAdapter`);
+2. bounds on what V2 draws from, ``fl32(x / T)`` (:func:`~.gumbel_v2.temperature_bounds`; a row
+   with ``T = 1`` is not divided at all, which the bounds hold as well);
+3. :func:`~.gumbel_v2.certify_draw_v2` with the rows' request seeds and positions (the noise is
+   computed once: it depends on neither the bounds nor the round); the contenders not yet
+   scored are scored exactly (their bounds shrink to the rounding interval of the dense value,
+   intersected with the screen's) and 2-3 repeat until every row is decided, nothing is left to
+   score, or the budget is spent.
+
+A certified row is handed to V2's sampler as exact values on the scored set ``S`` and ``-inf``
+elsewhere: V2's unchanged kernel then draws from it. Every finite value of the row lies within
+its token's bounds, and the certificate holds for any values within them, so the kernel returns
+the certified winner.
+"""
+
+from __future__ import annotations
+
+
+import torch
+
+from .gumbel_v2 import certify_draw_v2, noise_bounds, temperature_bounds
+from .head_adapter import HeadAdapter
+from .rows import FIRST_GUESS, MAX_ROUNDS, RowsResult, empty_state, reasons, screen_bounds, within_budget
+
+
+def certify_rows_v2(adapter: HeadAdapter, hidden: torch.Tensor, seeds: torch.Tensor, pos: torch.Tensor,
+                    temp: torch.Tensor) -> RowsResult:
+    """Certify V2's draw for each row of ``hidden``.
+
+    Parameters
+    ----------
+    adapter : HeadAdapter
+    hidden : torch.Tensor
+        ``[R, d]`` model dtype, the rows' final hidden states.
+    seeds, pos : torch.Tensor
+        ``[R]`` int64 on ``hidden``'s device: each row's request seed (V2's ``SamplingStates.seeds``)
+        and the position it samples at.
+    temp : torch.Tensor
+        ``[R]`` float32, each row's temperature (``> 0``; other rows are never certified).
+
+    Returns
+    -------
+    RowsResult
+        ``values [R, V]`` in the model dtype (exact on ``S``, ``-inf`` elsewhere), ``certified``,
+        ``winner``, a reason per row that is not certified, ``|S|``.
+    """
+    R, V = hidden.shape[0], adapter.vocab_size
+    dev = hidden.device
+    lo, hi, hnorm, finite, one_sided = screen_bounds(adapter, hidden)
+    finite = finite & (temp > 0)
+    values, scored, budget, certified, winner, over_budget = empty_state(adapter, R, dev)
+    noise = noise_bounds(seeds, pos, torch.arange(V, device=dev))
+
+    def add(ids: torch.Tensor) -> None:
+        v, lower, upper = adapter.score(hidden, ids, hnorm)
+        values[:, ids] = v
+        lo[:, ids] = torch.maximum(lo[:, ids], lower)
+        hi[:, ids] = torch.minimum(hi[:, ids], upper)
+        scored[ids] = True
+
+    if one_sided and bool(finite.any()):  # no lower bounds: score the likely winners first
+        add(hi[finite].topk(min(FIRST_GUESS, V), dim=1).indices.unique())
+    for rnd in range(MAX_ROUNDS + 1):
+        w, cert, contenders = certify_draw_v2(*temperature_bounds(lo, hi, temp), seeds, pos, noise=noise)
+        now = cert & finite & scored[w] & ~certified
+        winner = torch.where(now, w, winner)
+        certified |= now
+        open_rows = finite & ~certified & ~over_budget
+        need = (contenders & open_rows[:, None]).any(0) & ~scored
+        if not bool(need.any()) or rnd == MAX_ROUNDS:
+            break
+        new = need.nonzero().squeeze(1)
+        room = budget - int(scored.sum())
+        if new.numel() > room:  # as rows.certify_rows: the rows whose contenders fit, fewest first
+            take, over_budget = within_budget((contenders & ~scored[None]).sum(1), open_rows, over_budget, room)
+            if take.numel() == 0:
+                over_budget |= open_rows
+                break
+            new = (contenders[take].any(0) & ~scored).nonzero().squeeze(1)
+        add(new)
+    open_rows = finite & ~certified & ~over_budget
+    over_budget |= open_rows & (contenders & ~scored[None]).any(1)
+    return RowsResult(values, certified, winner, reasons(certified, finite, over_budget), int(scored.sum()))
