@@ -50,7 +50,11 @@ def test_cuda_matches_dense(dtype, screen, V, d):
     for k in (1, 4):
         res = assert_dense_topk(head, W, None, h, k)
     if screen == "int8":
-        assert res.certified[:48].float().mean() > 0.9
+        # the set (greedy's argmax, what vLLM's sampler reads): an fp32 row's values are never the
+        # dense bits for sure (cuBLAS sums a sub-vocabulary in another order), so values=True
+        # certifies few fp32 rows by design
+        ids = head.topk(h, 1, values=False)
+        assert ids.certified[:48].float().mean() > 0.9
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])

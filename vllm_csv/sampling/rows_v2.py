@@ -20,7 +20,6 @@ the certified winner.
 
 from __future__ import annotations
 
-
 import torch
 
 from .gumbel_v2 import certify_draw_v2, noise_bounds, temperature_bounds
