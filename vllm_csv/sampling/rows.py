@@ -189,10 +189,15 @@ def certify_rows(adapter: HeadAdapter, hidden: torch.Tensor, process: Process, s
             late = (wanted & ~asked).any(1) if asked is not None else torch.zeros_like(certified)
             left = ~certified & ~cert.certified & (top_p < 1.0)
             settled = left & ~(cert.contenders & ~scored[None]).any(1)
-            if bool((left & late).any() or settled.any()):
+            redo = left & (late | settled)
+            if bool(redo.any()):
                 asked = wanted if asked is None else wanted | asked
                 ylo, yhi = by_query.bounds(asked, wanted & (late | settled)[:, None])
-                cert = certify_draw_packed(ylo, yhi, seeds, greedy)
+                # Only the rows of redo have new bounds to certify: another row's asked tokens did
+                # not grow (not late) and nothing was settled for it, or it is certified already,
+                # and its new box (more tokens decided) lies within the old one, for which the
+                # certificate holds.
+                cert = _recertify(cert, ylo, yhi, seeds, greedy, redo.nonzero().squeeze(1))
                 wanted = _wanted(cert)
             asked = wanted if asked is None else wanted | asked
         now = cert.certified & finite & scored[cert.winner] & ~certified
@@ -362,6 +367,15 @@ def _focus(need: torch.Tensor, yhi: torch.Tensor, count: torch.Tensor, rows: tor
     take = (torch.arange(top.indices.shape[1], device=yhi.device)[None] < c[:, None]) & (top.values > -math.inf)
     ids = top.indices[take]
     need[ids[~scored[ids]]] = True
+
+
+def _recertify(cert: DrawCertificate, ylo: torch.Tensor, yhi: torch.Tensor, seeds: torch.Tensor,
+               greedy: torch.Tensor, rows: torch.Tensor) -> DrawCertificate:
+    """``cert`` with the rows ``rows`` certified again on ``ylo, yhi`` (the others kept)."""
+    sub = certify_draw_packed(ylo[rows], yhi[rows], seeds[rows], greedy[rows])
+    for name in ("winner", "certified", "contenders", "finite", "bar", "absmax", "hmax"):
+        getattr(cert, name)[rows] = getattr(sub, name)
+    return cert
 
 
 def _wanted(cert: DrawCertificate) -> torch.Tensor:
