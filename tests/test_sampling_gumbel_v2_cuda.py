@@ -12,15 +12,17 @@ rows, every certified draw equal to ``gumbel_sample``'s, with temperature; and
 hook writes them, drawn to the dense tokens. Skipped without CUDA.
 """
 
-import importlib.util
 import math
-import os
+import sys
 from pathlib import Path
 
 import pytest
 import torch
 
 from vllm_csv.sampling import gumbel_v2
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+from v2_sampler_gpu import load_vllm_v2_gumbel  # noqa: E402
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")]
 triton = pytest.importorskip("triton")
@@ -44,25 +46,11 @@ def _csv_noise_kernel(seed_ptr, pos_ptr, r_ptr, u_ptr, g_ptr, n, BLOCK: tl.const
 '''
 
 
-def _gumbel_py() -> Path:
-    if os.environ.get("VLLM_V2_GUMBEL_PY"):
-        return Path(os.environ["VLLM_V2_GUMBEL_PY"])
-    spec = importlib.util.find_spec("vllm")
-    if spec is None:
-        pytest.skip("neither vLLM nor VLLM_V2_GUMBEL_PY")
-    return Path(spec.origin).parent / "v1" / "worker" / "gpu" / "sample" / "gumbel.py"
-
-
 @pytest.fixture(scope="module")
-def v2(tmp_path_factory):
-    src = _gumbel_py().read_text()
-    assert "def gumbel_sample(" in src and "def murmur3_uniform32(" in src
-    src = src.replace("from vllm.triton_utils import tl, triton", "import triton\nimport triton.language as tl")
-    path = tmp_path_factory.mktemp("v2") / "vllm_v2_gumbel.py"
-    path.write_text(src + NOISE_KERNEL)
-    spec = importlib.util.spec_from_file_location("vllm_v2_gumbel", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+def v2():
+    mod = load_vllm_v2_gumbel(NOISE_KERNEL)
+    if mod is None:
+        pytest.skip("neither vLLM nor VLLM_V2_GUMBEL_PY")
     return mod
 
 

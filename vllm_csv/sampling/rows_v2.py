@@ -12,6 +12,10 @@ processor, min-p, top-k or top-p):
    intersected with the screen's) and 2-3 repeat until every row is decided, nothing is left to
    score, or the budget is spent.
 
+Host syncs (on CUDA): a few a round (is anything left to score, the budget's room, the reasons
+at the end): the loop's length and the tokens it scores depend on them. The head runs eagerly,
+outside vLLM's CUDA graphs, as does this loop.
+
 A certified row is handed to V2's sampler as exact values on the scored set ``S`` and ``-inf``
 elsewhere: V2's unchanged kernel then draws from it. Every finite value of the row lies within
 its token's bounds, and the certificate holds for any values within them, so the kernel returns
