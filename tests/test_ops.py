@@ -71,3 +71,26 @@ def test_int8_gemm_is_exact(device, B, V, d):
     acc = int8_gemm(p.to(device), pad_for_int_gemm(q.to(device)), V).cpu()
     assert acc.dtype == torch.int32 and acc.shape == (B, V)
     assert torch.equal(acc.long(), p.long() @ q.long().T)
+
+
+@pytest.mark.parametrize("shape", [(32, 65536), (1, 7), (5, 0), (0, 3), (3, 1), (7,)])
+def test_bool_reductions_equal_torch(shape):
+    """ops.bools' any_ / all_ equal torch's any / all on every dim: random, all-False, all-True,
+    one True, strided (a transposed view, an expanded row), empty."""
+    from vllm_csv.ops.bools import all_, any_
+
+    g = torch.Generator().manual_seed(0)
+    r = torch.rand(shape, generator=g)
+    cases = [r < 0.001, r < 0.5, torch.zeros(shape, dtype=torch.bool), torch.ones(shape, dtype=torch.bool)]
+    if r.numel():
+        one = torch.zeros(shape, dtype=torch.bool)
+        one.view(-1)[r.numel() // 2] = True
+        cases.append(one)
+    if len(shape) == 2:
+        cases += [c.t() for c in cases] + ([(r[:1] < 0.5).expand(4, -1)] if shape[0] else [])
+    for x in cases:
+        for dim in [None] + list(range(x.dim())):
+            for fast, ref in ((any_, torch.Tensor.any), (all_, torch.Tensor.all)):
+                want = ref(x) if dim is None else ref(x, dim)
+                got = fast(x, dim)
+                assert got.dtype == torch.bool and torch.equal(got, want), (fast.__name__, x.shape, dim)

@@ -129,6 +129,7 @@ import math
 import torch
 
 from ..fp import gamma, round_down32, round_up32
+from ..ops.bools import all_, any_
 from ..ops.masks import min_p_cut
 from ..ops.noise import row_stats
 from .outside import Outside
@@ -442,7 +443,7 @@ def _live_columns(hi: torch.Tensor) -> torch.Tensor | None:
     out changes no decision so long as at least ``TAIL_SCAN + 1`` columns stay (the tail scan
     and its grid below them then see the same ``TAIL_SCAN`` highest lower bounds, ``-inf`` included)."""
     V = hi.shape[1]
-    live = (hi != -math.inf).any(0)  # (NaN stays)
+    live = any_(hi != -math.inf, 0)  # (NaN stays)
     n = int(live.sum())
     if n >= COMPACT_BELOW * V:
         return None
@@ -577,7 +578,7 @@ class TopPQueries:
         if not bool((self.rows[pos] == rows).all() and (self.top_p[rows] == top_p[rows]).all()):
             return None
         lo, hi = _rows_of(ylo, rows), _rows_of(yhi, rows)
-        if not bool((lo >= _rows_of(self.ylo, rows)).all() and (hi <= _rows_of(self.yhi, rows)).all()):
+        if not bool(all_(lo >= _rows_of(self.ylo, rows)) and all_(hi <= _rows_of(self.yhi, rows))):
             return None  # (NaN fails both comparisons)
         q = TopPQueries.__new__(TopPQueries)
         q.ylo, q.yhi, q.top_p, q.rows, q.listed = ylo, yhi, top_p, rows, self.listed

@@ -40,6 +40,7 @@ import torch
 
 from .certificate import DrawCertificate, certify_draw, certify_draw_packed, ruled_out
 from .nucleus import TopPQueries, all_off, min_p_bounds, top_k_bounds, top_p_bounds
+from ..ops.bools import all_, any_
 from .outside import Outside
 from .head_adapter import HeadAdapter
 
@@ -186,11 +187,11 @@ def certify_rows(adapter: HeadAdapter, hidden: torch.Tensor, process: Process, s
             # add cost microseconds to score; a second pass over [R, V] cost about 1 ms a row at
             # V 65536), and are the next round's asks.
             wanted = _wanted(cert)
-            late = (wanted & ~asked).any(1) if asked is not None else torch.zeros_like(certified)
+            late = any_(wanted & ~asked, 1) if asked is not None else torch.zeros_like(certified)
             left = ~certified & ~cert.certified & (top_p < 1.0)
-            settled = left & ~(cert.contenders & ~scored[None]).any(1)
+            settled = left & ~any_(cert.contenders & ~scored[None], 1)
             redo = left & (late | settled)
-            if bool(redo.any()):
+            if bool(any_(redo)):
                 asked = wanted if asked is None else wanted | asked
                 ylo, yhi = by_query.bounds(asked, wanted & (late | settled)[:, None])
                 # Only the rows of redo have new bounds to certify: another row's asked tokens did
@@ -203,7 +204,7 @@ def certify_rows(adapter: HeadAdapter, hidden: torch.Tensor, process: Process, s
         now = cert.certified & finite & scored[cert.winner] & ~certified
         winner = torch.where(now, cert.winner, winner)
         certified |= now
-        if gone is not None and bool(now.any()):
+        if gone is not None and bool(any_(now)):
             gone.append((now, yhi))
         span = None if narrow is None else narrow[0]  # contenders lie in these columns only
         open_rows = finite & ~certified & ~over_budget
@@ -216,9 +217,9 @@ def certify_rows(adapter: HeadAdapter, hidden: torch.Tensor, process: Process, s
         # rows where no token is certainly kept yet (e.g. min-p / top-p undecided on screen
         # bounds): score their highest upper bounds first
         blind = open_rows & ~cert.finite
-        if bool(blind.any()):  # (the full pass only when some row may be blind)
-            blind &= (yhi > -math.inf).any(1)
-        if bool(blind.any()):
+        if bool(any_(blind)):  # (the full pass only when some row may be blind)
+            blind &= any_(yhi > -math.inf, 1)
+        if bool(any_(blind)):
             top = yhi[blind].topk(min(FIRST_GUESS, V), dim=1)
             need[top.indices[top.values > -math.inf]] = True
             need &= ~scored
@@ -228,9 +229,9 @@ def certify_rows(adapter: HeadAdapter, hidden: torch.Tensor, process: Process, s
         if masks.top_k_on or masks.top_p_on:
             rows_f = open_rows & ~blind
             if masks.top_p_on:  # top-p rows with no contender left to score: stuck on masses
-                stuck += rows_f & (top_p < 1.0) & ~(cert.contenders & ~scored[None]).any(1)
+                stuck += rows_f & (top_p < 1.0) & ~any_(cert.contenders & ~scored[None], 1)
             _focus(need, hi, _focus_counts(top_k, top_p, stuck, V), rows_f, scored)
-        if not bool(need.any()):
+        if not bool(any_(need)):
             break
         if rnd == MAX_ROUNDS:
             break
@@ -245,7 +246,7 @@ def certify_rows(adapter: HeadAdapter, hidden: torch.Tensor, process: Process, s
             if take.numel() == 0:
                 over_budget |= open_rows
                 break
-            new = (cert.contenders[take].any(0) & ~scored).nonzero().squeeze(1)
+            new = (any_(cert.contenders[take], 0) & ~scored).nonzero().squeeze(1)
         add(new)
     # values are -inf outside S: only its columns are masked
     s_idx = scored.nonzero().squeeze(1)
@@ -267,7 +268,7 @@ def certify_rows(adapter: HeadAdapter, hidden: torch.Tensor, process: Process, s
     values[:, s_idx] = v.masked_fill_(drops, -math.inf)
     open_rows = finite & ~certified & ~over_budget
     cont, unscored = (cert.contenders, ~scored) if span is None else (cert.contenders[:, span], ~scored[span])
-    over_budget |= open_rows & (cont & unscored[None]).any(1)  # still waiting for room
+    over_budget |= open_rows & any_(cont & unscored[None], 1)  # still waiting for room
     return RowsResult(values, certified, winner, reasons(certified, finite, over_budget), int(scored.sum()))
 
 
@@ -381,17 +382,20 @@ def _recertify(cert: DrawCertificate, ylo: torch.Tensor, yhi: torch.Tensor, seed
 def _wanted(cert: DrawCertificate) -> torch.Tensor:
     """``[R, V]`` bool: the tokens whose top-p decisions a row's certificate reads: its
     contenders, every token where it had no certainly kept token to start from."""
-    return torch.where(cert.finite[:, None], cert.contenders, True)
+    out = cert.contenders.clone()
+    if not bool(all_(cert.finite)):  # (a row-indexed write: torch.where over [R, V] is a scalar loop here)
+        out[(~cert.finite).nonzero().squeeze(1)] = True
+    return out
 
 
 def _contended(contenders: torch.Tensor, rows: torch.Tensor | None, span: torch.Tensor | None) -> torch.Tensor:
     """``[V]`` bool: the tokens that are contenders in some row of ``rows`` (``[R]`` bool; None:
     all), reading only the columns ``span`` where given (the others hold no contender)."""
     if span is None:
-        return (contenders if rows is None or bool(rows.all()) else contenders[rows]).any(0)
+        return any_(contenders if rows is None or bool(all_(rows)) else contenders[rows], 0)
     out = torch.zeros(contenders.shape[1], dtype=torch.bool, device=contenders.device)
     sub = contenders[:, span]
-    out[span] = (sub if rows is None else sub[rows]).any(0)
+    out[span] = any_(sub if rows is None else sub[rows], 0)
     return out
 
 

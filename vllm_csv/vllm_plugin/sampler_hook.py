@@ -88,6 +88,7 @@ import numpy as np
 import torch
 from vllm.logger import init_logger
 
+from ..ops.bools import any_
 from ..sampling.head_adapter import HeadAdapter
 from ..sampling.rows import certify_rows
 from ..sampling.rows_v2 import certify_rows_v2
@@ -226,7 +227,7 @@ def resolve(sampler, d: Deferred, logits: torch.Tensor, md, predict_bonus_token:
     masked = None
     if "structured" in d.modes:
         masked = (logits if every_row else logits[dev_rows]) == -math.inf
-        if not bool(masked.any()):
+        if not bool(any_(masked)):
             masked = None
     why = _unsupported(sampler, md, predict_bonus_token, rows)
     certified = torch.zeros(R, dtype=torch.bool)
