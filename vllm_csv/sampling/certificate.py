@@ -134,8 +134,9 @@ def certify_draw(ylo: torch.Tensor, yhi: torch.Tensor, seeds: torch.Tensor, gree
     if bool(samp.any()):
         rows = samp.nonzero().squeeze(1)
         every = rows.numel() == R  # the usual batch: no copies of the rows
-        lo_r, hi_r = (ylo, yhi) if every else (ylo[rows], yhi[rows])
-        tok = ids if ids is None or every else ids[rows]
+        # (index_select: x[rows] of a float [32, 65536] takes 6x as long on torch 2.13's CPU build)
+        lo_r, hi_r = (ylo, yhi) if every else (ylo.index_select(0, rows), yhi.index_select(0, rows))
+        tok = ids if ids is None or every else ids.index_select(0, rows)
         seeds_r = seeds[rows]
         # max |y| over the finite bounds (no NaN or +inf in these rows; -inf counts as 0):
         # max(|max hi|, -min lo, -min hi), since lo <= hi and the largest value is max hi
@@ -162,8 +163,9 @@ def certify_draw(ylo: torch.Tensor, yhi: torch.Tensor, seeds: torch.Tensor, gree
             ri, ci, bits = noise_candidates(hi_r, seeds_r, hmax[rows], table, force, tok, 1 / LEVEL)
         # the noisy scores of those only, flat (a few percent of the row once bounds are tight)
         g = noise_of_bits(bits)
-        nlo = lo_r[ri, ci].double().add_(g)  # -inf where ylo = -inf
-        nhi = hi_r[ri, ci].double().add_(g)
+        flat = ri * V + ci  # (take: half the time of lo_r[ri, ci] here)
+        nlo = torch.take(lo_r, flat).double().add_(g)  # -inf where ylo = -inf
+        nhi = torch.take(hi_r, flat).double().add_(g)
         r = rows.numel()
         best = torch.full((r,), -math.inf, dtype=torch.float64, device=dev).scatter_reduce_(0, ri, nlo, "amax")
         top_at = nlo == best[ri]

@@ -373,7 +373,7 @@ def _focus(need: torch.Tensor, yhi: torch.Tensor, count: torch.Tensor, rows: tor
 def _recertify(cert: DrawCertificate, ylo: torch.Tensor, yhi: torch.Tensor, seeds: torch.Tensor,
                greedy: torch.Tensor, rows: torch.Tensor) -> DrawCertificate:
     """``cert`` with the rows ``rows`` certified again on ``ylo, yhi`` (the others kept)."""
-    sub = certify_draw_packed(ylo[rows], yhi[rows], seeds[rows], greedy[rows])
+    sub = certify_draw_packed(ylo.index_select(0, rows), yhi.index_select(0, rows), seeds[rows], greedy[rows])
     for name in ("winner", "certified", "contenders", "finite", "bar", "absmax", "hmax"):
         getattr(cert, name)[rows] = getattr(sub, name)
     return cert
