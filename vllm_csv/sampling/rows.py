@@ -133,16 +133,11 @@ def certify_rows(adapter: HeadAdapter, hidden: torch.Tensor, process: Process, s
     values, scored, budget, certified, winner, over_budget = empty_state(adapter, R, dev)
 
     def add(ids: torch.Tensor) -> None:
-        v, lower, upper = adapter.score(hidden, ids, hnorm)
-        values[:, ids] = v
-        # both bounds hold: keep the tighter (bounds only tighten, which ruled_out relies on)
-        lo[:, ids] = torch.maximum(lo[:, ids], lower)
-        hi[:, ids] = torch.minimum(hi[:, ids], upper)
+        score_columns(adapter, hidden, hnorm, ids, values, lo, hi, scored)
         if masked is not None:
             m = masked[:, ids]
             lo[:, ids] = lo[:, ids].masked_fill(m, -math.inf)
             hi[:, ids] = hi[:, ids].masked_fill(m, -math.inf)
-        scored[ids] = True
 
     if one_sided and bool(finite.any()):
         add(hi[finite].topk(min(FIRST_GUESS, V), dim=1).indices.unique())
@@ -208,9 +203,9 @@ def certify_rows(adapter: HeadAdapter, hidden: torch.Tensor, process: Process, s
             gone.append((now, yhi))
         span = None if narrow is None else narrow[0]  # contenders lie in these columns only
         open_rows = finite & ~certified & ~over_budget
-        need = _contended(cert.contenders, open_rows, span)
+        need = contended(cert.contenders, open_rows, span)
         if rnd == 0 and elementwise and masks.off and bool((cert.finite | ~finite).all()):
-            every = need if bool(open_rows.all()) else _contended(cert.contenders, None, None)
+            every = need if bool(open_rows.all()) else contended(cert.contenders, None, None)
             cols = every.nonzero().squeeze(1)
             narrow = (cols, ruled_out(cert, greedy)) if cols.numel() else None
         need &= ~scored
@@ -235,18 +230,9 @@ def certify_rows(adapter: HeadAdapter, hidden: torch.Tensor, process: Process, s
             break
         if rnd == MAX_ROUNDS:
             break
-        new = need.nonzero().squeeze(1)
-        room = budget - int(scored.sum())
-        if new.numel() > room:
-            # Not every open row fits: rows whose own contenders cannot fit go dense; of the
-            # rest, those with the fewest contenders are served first (the sum of their
-            # counts bounds the union), the others wait for the next round.
-            take, over_budget = within_budget((cert.contenders & ~scored[None]).sum(1), open_rows,
-                                              over_budget, room)
-            if take.numel() == 0:
-                over_budget |= open_rows
-                break
-            new = (any_(cert.contenders[take], 0) & ~scored).nonzero().squeeze(1)
+        new, over_budget = next_columns(need, cert.contenders, scored, open_rows, over_budget, budget)
+        if new is None:
+            break
         add(new)
     # values are -inf outside S: only its columns are masked
     s_idx = scored.nonzero().squeeze(1)
@@ -270,6 +256,35 @@ def certify_rows(adapter: HeadAdapter, hidden: torch.Tensor, process: Process, s
     cont, unscored = (cert.contenders, ~scored) if span is None else (cert.contenders[:, span], ~scored[span])
     over_budget |= open_rows & any_(cont & unscored[None], 1)  # still waiting for room
     return RowsResult(values, certified, winner, reasons(certified, finite, over_budget), int(scored.sum()))
+
+
+def score_columns(adapter: HeadAdapter, hidden: torch.Tensor, hnorm: torch.Tensor, ids: torch.Tensor,
+                  values: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, scored: torch.Tensor) -> None:
+    """Score the columns ``ids`` exactly, in place: their values into ``values``, their bounds
+    into ``lo, hi`` (both bounds hold: the tighter is kept, so bounds only tighten, which
+    :func:`~.certificate.ruled_out` relies on), and mark them ``scored``."""
+    v, lower, upper = adapter.score(hidden, ids, hnorm)
+    values[:, ids] = v
+    lo[:, ids] = torch.maximum(lo[:, ids], lower)
+    hi[:, ids] = torch.minimum(hi[:, ids], upper)
+    scored[ids] = True
+
+
+def next_columns(need: torch.Tensor, contenders: torch.Tensor, scored: torch.Tensor, open_rows: torch.Tensor,
+                 over_budget: torch.Tensor, budget: int) -> tuple[torch.Tensor | None, torch.Tensor]:
+    """The columns to score this round and the rows over budget: ``need``'s columns where they
+    fit in what is left of ``budget``; else not every open row fits: rows whose own contenders
+    cannot fit go dense; of the rest, those with the fewest contenders are served first (the sum
+    of their counts bounds the union), the others wait for the next round. ``None`` when no
+    row fits (every open row is then over budget)."""
+    new = need.nonzero().squeeze(1)
+    room = budget - int(scored.sum())
+    if new.numel() > room:
+        take, over_budget = within_budget((contenders & ~scored[None]).sum(1), open_rows, over_budget, room)
+        if take.numel() == 0:
+            return None, over_budget | open_rows
+        new = (any_(contenders[take], 0) & ~scored).nonzero().squeeze(1)
+    return new, over_budget
 
 
 def screen_bounds(adapter: HeadAdapter, hidden: torch.Tensor):
@@ -388,7 +403,7 @@ def _wanted(cert: DrawCertificate) -> torch.Tensor:
     return out
 
 
-def _contended(contenders: torch.Tensor, rows: torch.Tensor | None, span: torch.Tensor | None) -> torch.Tensor:
+def contended(contenders: torch.Tensor, rows: torch.Tensor | None, span: torch.Tensor | None) -> torch.Tensor:
     """``[V]`` bool: the tokens that are contenders in some row of ``rows`` (``[R]`` bool; None:
     all), reading only the columns ``span`` where given (the others hold no contender)."""
     if span is None:

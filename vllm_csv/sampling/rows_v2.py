@@ -26,9 +26,11 @@ from __future__ import annotations
 
 import torch
 
+from ..ops.bools import any_
 from .gumbel_v2 import certify_draw_v2, noise_bounds, temperature_bounds
 from .head_adapter import HeadAdapter
-from .rows import FIRST_GUESS, MAX_ROUNDS, RowsResult, empty_state, reasons, screen_bounds, within_budget
+from .rows import (FIRST_GUESS, MAX_ROUNDS, RowsResult, contended, empty_state, next_columns, reasons, score_columns,
+                   screen_bounds)
 
 
 def certify_rows_v2(adapter: HeadAdapter, hidden: torch.Tensor, seeds: torch.Tensor, pos: torch.Tensor,
@@ -59,33 +61,22 @@ def certify_rows_v2(adapter: HeadAdapter, hidden: torch.Tensor, seeds: torch.Ten
     values, scored, budget, certified, winner, over_budget = empty_state(adapter, R, dev)
     noise = noise_bounds(seeds, pos, torch.arange(V, device=dev))
 
-    def add(ids: torch.Tensor) -> None:
-        v, lower, upper = adapter.score(hidden, ids, hnorm)
-        values[:, ids] = v
-        lo[:, ids] = torch.maximum(lo[:, ids], lower)
-        hi[:, ids] = torch.minimum(hi[:, ids], upper)
-        scored[ids] = True
-
     if one_sided and bool(finite.any()):  # no lower bounds: score the likely winners first
-        add(hi[finite].topk(min(FIRST_GUESS, V), dim=1).indices.unique())
+        score_columns(adapter, hidden, hnorm, hi[finite].topk(min(FIRST_GUESS, V), dim=1).indices.unique(),
+                      values, lo, hi, scored)
     for rnd in range(MAX_ROUNDS + 1):
         w, cert, contenders = certify_draw_v2(*temperature_bounds(lo, hi, temp), seeds, pos, noise=noise)
         now = cert & finite & scored[w] & ~certified
         winner = torch.where(now, w, winner)
         certified |= now
         open_rows = finite & ~certified & ~over_budget
-        need = (contenders & open_rows[:, None]).any(0) & ~scored
-        if not bool(need.any()) or rnd == MAX_ROUNDS:
+        need = contended(contenders, open_rows, None) & ~scored
+        if not bool(any_(need)) or rnd == MAX_ROUNDS:
             break
-        new = need.nonzero().squeeze(1)
-        room = budget - int(scored.sum())
-        if new.numel() > room:  # as rows.certify_rows: the rows whose contenders fit, fewest first
-            take, over_budget = within_budget((contenders & ~scored[None]).sum(1), open_rows, over_budget, room)
-            if take.numel() == 0:
-                over_budget |= open_rows
-                break
-            new = (contenders[take].any(0) & ~scored).nonzero().squeeze(1)
-        add(new)
+        new, over_budget = next_columns(need, contenders, scored, open_rows, over_budget, budget)
+        if new is None:
+            break
+        score_columns(adapter, hidden, hnorm, new, values, lo, hi, scored)
     open_rows = finite & ~certified & ~over_budget
-    over_budget |= open_rows & (contenders & ~scored[None]).any(1)
+    over_budget |= open_rows & any_(contenders & ~scored[None], 1)
     return RowsResult(values, certified, winner, reasons(certified, finite, over_budget), int(scored.sum()))
