@@ -176,3 +176,86 @@ def test_pack_live_kernel_is_the_reference(V):
     for f in (pack_live, pack_live_ref):
         with pytest.raises(RuntimeError, match="more than n"):
             f(lo, hi, n - 1)
+
+
+def _draw_case(R: int, n: int, seed: int, packed: bool):
+    """Rows as the certificate sees them: bounds of every shape it meets (two-sided, one-sided,
+    masked tokens, a row all masked but its top, tied lower bounds, duplicate packed ids so that
+    two columns tie on their noisy bound too), with each row's top lower bounds."""
+    from vllm_csv.ops.noise import row_stats_ref
+    from vllm_csv.sampling.certificate import TOP_FIRST
+
+    g = torch.Generator().manual_seed(seed)
+    lo = torch.randn(R, n, generator=g) * torch.logspace(-1, 1.5, R)[:, None]
+    hi = lo + torch.rand(R, n, generator=g) * torch.logspace(-4, 0.5, R)[:, None]
+    lo[:, 3::7], hi[:, 3::7] = -math.inf, -math.inf  # masked
+    if R > 1:
+        lo[1] = -math.inf  # one-sided: no lower bound (top values -inf: nothing forced, every token a candidate)
+    if R > 2:
+        lo[2, 1:], hi[2, 1:] = -math.inf, -math.inf  # one live token
+    if R > 3 and n > 8:
+        lo[3, :8] = lo[3].max() + 1  # tied lower bounds at the top
+        hi[3, :8] = lo[3, :8] + 0.5
+    if R > 4:
+        lo[4], hi[4] = -math.inf, -math.inf  # nothing live
+    if R > 6:  # flat rows: the noise thresholds cut through many tokens (on and between level edges)
+        lo[5], hi[5] = 2.0, 2.0 + 2.0**-10
+        step = LEVEL * torch.randint(0, 6, (n,), generator=g).float()
+        lo[6], hi[6] = 1.0 - step, 1.0 - step + LEVEL / 4
+    seeds = torch.randint(0, 2**31, (R,), generator=g)
+    ids = None
+    if packed:
+        ids = torch.randint(0, 300_000, (R, n), generator=g).sort(1).values
+        if n > 8:
+            ids[:, 5] = ids[:, 4]  # a duplicate id: columns 4 and 5 share their noise
+            lo[:, 5], hi[:, 5] = lo[:, 4], hi[:, 4]
+    st = row_stats_ref(lo, hi, min(TOP_FIRST, n))
+    delta = (st.absmax.double() + 64) * 2.0**-44
+    return lo, hi, seeds, st.hmax, delta, st.top_values, st.top_indices, ids
+
+
+@pytest.mark.parametrize("n", [1, 9, 300, 4096, 65536])
+@pytest.mark.parametrize("packed", [False, True])
+@pytest.mark.parametrize("direct", [False, True])
+def test_draw_contenders_kernel_is_the_reference(n, packed, direct):
+    """The sampled rows' certificate pass: the kernel lists the same contenders as the torch
+    reference, with the same winners, counts and best noisy lower bounds (up to the ulps by which
+    ``std::log`` may differ from torch's; none did on these rows)."""
+    from vllm_csv.ops.noise import draw_contenders, draw_contenders_ref
+
+    if direct and n > 4096:
+        pytest.skip("direct rows are short")
+    lo, hi, seeds, hmax, delta, top_v, top_i, ids = _draw_case(8, n, 7 * n + 2 * packed + direct, packed)
+    want = draw_contenders_ref(lo, hi, seeds, hmax, delta, top_v, top_i, ids, direct, LEVEL, LEVELS)
+    got = draw_contenders(lo, hi, seeds, hmax, delta, top_v, top_i, ids, direct, LEVEL, LEVELS)
+    for name in ("winner", "count", "rows", "cols"):
+        assert torch.equal(getattr(got, name), getattr(want, name)), name
+    assert torch.allclose(got.best, want.best, rtol=2.0**-50, atol=0)
+    assert bool(torch.isneginf(got.best[4])) and int(got.winner[4]) == n and int(got.count[4]) == 0  # nothing live
+    if packed and n > 8:  # the tie between columns 4 and 5 (same id, same bounds) goes to column 4
+        assert bool((got.winner != 5).all())
+    # every contender is one the full reference scan of all tokens would list
+    from vllm_csv.sampling.gumbel import gumbel_noise
+
+    tok = torch.arange(n).expand(8, n) if ids is None else ids
+    gn = gumbel_noise(seeds, tok)
+    nlo, nhi = lo.double() + gn, hi.double() + gn
+    best = nlo.amax(1)
+    assert torch.allclose(got.best[best > -math.inf], best[best > -math.inf], rtol=2.0**-50, atol=0)
+    full = (hi > -math.inf) & (nhi >= (got.best - 2 * delta)[:, None])  # (masked tokens never listed)
+    listed = torch.zeros(8, n, dtype=torch.bool)
+    listed[got.rows, got.cols] = True
+    assert torch.equal(listed, full)
+
+
+def test_draw_contenders_refuses_bad_shapes():
+    lo = torch.zeros(2, 8)
+    args = (torch.tensor([1, 2]), torch.zeros(2), torch.zeros(2, dtype=torch.float64), torch.zeros(2, 1),
+            torch.zeros(2, 1, dtype=torch.long))
+    with pytest.raises(RuntimeError, match="lo, hi"):
+        K.draw_contenders(lo, torch.zeros(2, 7), *args, None, False, LEVEL, LEVELS)
+    with pytest.raises(RuntimeError, match="ids"):
+        K.draw_contenders(lo, lo, *args, torch.zeros(2, 7, dtype=torch.long), False, LEVEL, LEVELS)
+    with pytest.raises(RuntimeError, match="top_v"):
+        K.draw_contenders(lo, lo, *args[:3], torch.zeros(3, 1), torch.zeros(3, 1, dtype=torch.long), None, False,
+                          LEVEL, LEVELS)

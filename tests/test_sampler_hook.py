@@ -432,3 +432,45 @@ def test_min_tokens_with_a_grammar_stays_dense_and_leaves_other_rows_certified(r
         assert sum(st.certified.values()) == 0 and st.fallbacks == {"unsupported": B}
     else:
         assert sum(st.certified.values()) > (B - 1) // 2 and "unsupported" not in st.fallbacks
+
+
+@pytest.mark.parametrize("case", ["temperature", "penalties", "bias", "allowed", "bad", "empty_processors"])
+def test_rows_are_mapped_by_column_only_when_no_processor_acts(case, monkeypatch):
+    """The later rounds map only the contenders' columns (``certify_rows(columns=)``) where vLLM's
+    logits processors leave every row alone this step (``_processors_idle``: then the map is the
+    temperature, per row); with penalties, a logit bias, allowed ids or bad words they map the
+    full rows. Either way the hooked sampler draws vLLM's tokens."""
+    from vllm.v1.sample.logits_processor.builtin import MinTokensLogitsProcessor
+
+    sampler_hook.install()
+    g = torch.Generator().manual_seed(8)
+    W, _ = peaked_head(V, D, seed=19, dtype=torch.bfloat16)
+    head = CertifiedHead(W, config=HeadConfig(screen="fp16", budget=0.5, off_switch=False))
+    h = hidden_near_rows(W, B, g, scale=1.0)
+    temps = [0.0 if i % 4 == 0 else 0.7 for i in range(B)]
+    kw = dict(penalties=case == "penalties", bias=case == "bias", allowed=case == "allowed", bad=case == "bad")
+    md = metadata(g, temps, seeded=range(1, B, 2), **kw)
+    if case == "empty_processors":  # vLLM's logit-bias and min_tokens processors with no request using them
+        lb = LogitBiasLogitsProcessor(None, torch.device("cpu"), False)
+        mt = MinTokensLogitsProcessor.__new__(MinTokensLogitsProcessor)
+        mt.min_toks = {}
+        md.logitsprocs = LogitsProcessors([lb, mt])
+    idle = case in ("temperature", "empty_processors")
+    assert sampler_hook._processors_idle(md) == idle
+    seen_columns = []
+    real = sampler_hook.certify_rows
+    monkeypatch.setattr(sampler_hook, "certify_rows",
+                        lambda *a, **k: seen_columns.append(k.get("columns")) or real(*a, **k))
+    sampler = Sampler()
+    dense = head.dense_logits(h)
+    want = run(sampler, dense.clone(), md, seed=3)
+    logits = dense.clone()
+    rows = torch.arange(B)
+    logits[rows] = sampler_hook.PLACEHOLDER
+    seen = []
+    sampler_hook.defer(sampler_hook.Deferred(logits, h.clone(), rows, ["sampling"] * B, HeadAdapter(head),
+                                             lambda: head.dense_logits(h), seen.append))
+    got = run(sampler, logits, md, seed=3)
+    assert torch.equal(got[0], want[0])
+    assert (seen_columns[0] is not None) == idle
+    assert sum(seen[0].certified.values()) > B // 2

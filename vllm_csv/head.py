@@ -236,7 +236,8 @@ class CertifiedHead:
         ymax = cpu_step.abs_max_rows(y)  # max |y| (NaN/inf propagate), one pass
         c = ymax * delta + self._tiny
         ok &= (ymax + c + self._rad_max * hnorm + bmax + self._babs_max) <= self.engine.limit
-        m = torch.addcmul(c[:, None] + bslack[None], rad[None], hnorm[:, None])
+        # (no bias slack, bmax 0: bslack is all zeros, and c + 0 is c: skip that [B, V] pass)
+        m = torch.addcmul(c[:, None] + bslack[None] if bmax else c[:, None], rad[None], hnorm[:, None])
         if out.n is not None:
             m.addcmul_(out.n[None] * (1 + delta), out.e[:, None])
         hi = y + m

@@ -10,6 +10,9 @@
 // the same float64 operations (a difference of two fp32 values, a product by a power of two,
 // floor), so the lists are identical. Output: (row, column, bits) of every kept token, row by
 // row, columns ascending (the order of torch.nonzero).
+//
+// draw_contenders: the certificate's whole pass over sampled rows (its thresholds, the pass
+// above, the candidates' noisy bounds, best, winner, contenders) in one call; see below.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -99,6 +102,39 @@ void chunk_keep_any(CHUNK_ARGS) {
   else CHUNK_CALL(true);
 }
 
+static const bool AVX512_DQ = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512dq");
+
+// One row of noise_candidates: the kept columns (ascending) and their bits appended to cr, br.
+// forced: columns kept whatever their bits, ascending.
+void row_candidates(uint64_t key, const float* h, const int64_t* tok, int64_t n, double hm, double inv_level,
+                    const int64_t* table, int64_t levels, const std::vector<int64_t>& forced,
+                    std::vector<int64_t>& cr, std::vector<int64_t>& br) {
+  size_t next = 0;
+  int64_t buf[CHUNK];
+  uint8_t keep[CHUNK];
+  for (int64_t c0 = 0; c0 < n; c0 += CHUNK) {
+    const int64_t m = std::min(CHUNK, n - c0);
+    (AVX512_DQ ? chunk_keep_avx512 : chunk_keep_any)(key, c0, tok ? tok + c0 : nullptr, h + c0, hm, inv_level, table,
+                                                     levels, m, buf, keep);
+    for (; next < forced.size() && forced[next] < c0 + m; ++next)
+      if (forced[next] >= c0) keep[forced[next] - c0] = 1;
+    for (int64_t j = 0; j < m; ++j) {
+      if ((j & 7) == 0 && j + 8 <= m) {  // eight tokens none of which is kept: skip them
+        uint64_t w;
+        std::memcpy(&w, keep + j, 8);
+        if (w == 0) {
+          j += 7;
+          continue;
+        }
+      }
+      if (keep[j]) {
+        cr.push_back(c0 + j);
+        br.push_back(buf[j]);
+      }
+    }
+  }
+}
+
 std::tuple<at::Tensor, at::Tensor, at::Tensor> noise_candidates(const at::Tensor& hi_in, const at::Tensor& seeds_in,
                                                                 const at::Tensor& hmax_in, const at::Tensor& table_in,
                                                                 const at::Tensor& force_in,
@@ -126,45 +162,15 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> noise_candidates(const at::Tensor
   const int64_t* fp = force.data_ptr<int64_t>();
   const int64_t* ip = ids.defined() ? ids.data_ptr<int64_t>() : nullptr;
 
-  static const bool avx512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512dq");
   std::vector<std::vector<int64_t>> cols(R), bits(R);
   at::parallel_for(0, R, 1, [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r) {
-      const float* h = hp + r * n;
-      const int64_t* tr = tp + r * (levels + 1);
-      const int64_t* tok = ip ? ip + r * n : nullptr;
-      const uint64_t key = splitmix64(static_cast<uint64_t>(sp[r]));
-      const double hm = static_cast<double>(mp[r]);
       std::vector<int64_t> fr;  // forced columns, ascending
       for (int64_t j = 0; j < nf; ++j)
         if (fp[r * nf + j] >= 0) fr.push_back(fp[r * nf + j]);
       std::sort(fr.begin(), fr.end());
-      size_t next = 0;
-      std::vector<int64_t>& cr = cols[r];
-      std::vector<int64_t>& br = bits[r];
-      int64_t buf[CHUNK];
-      uint8_t keep[CHUNK];
-      for (int64_t c0 = 0; c0 < n; c0 += CHUNK) {
-        const int64_t m = std::min(CHUNK, n - c0);
-        (avx512 ? chunk_keep_avx512 : chunk_keep_any)(key, c0, tok ? tok + c0 : nullptr, h + c0, hm, inv_level, tr,
-                                                      levels, m, buf, keep);
-        for (; next < fr.size() && fr[next] < c0 + m; ++next)
-          if (fr[next] >= c0) keep[fr[next] - c0] = 1;
-        for (int64_t j = 0; j < m; ++j) {
-          if ((j & 7) == 0 && j + 8 <= m) {  // eight tokens none of which is kept: skip them
-            uint64_t w;
-            std::memcpy(&w, keep + j, 8);
-            if (w == 0) {
-              j += 7;
-              continue;
-            }
-          }
-          if (keep[j]) {
-            cr.push_back(c0 + j);
-            br.push_back(buf[j]);
-          }
-        }
-      }
+      row_candidates(splitmix64(static_cast<uint64_t>(sp[r])), hp + r * n, ip ? ip + r * n : nullptr, n,
+                     static_cast<double>(mp[r]), inv_level, tp + r * (levels + 1), levels, fr, cols[r], bits[r]);
     }
   });
   int64_t m = 0;
@@ -179,6 +185,131 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> noise_candidates(const at::Tensor
       bp[k] = bits[r][j];
     }
   return {ri, ci, bo};
+}
+
+// g = -log(-log u), u = (bits + 0.5) 2^-53, in float64 (vllm_csv.sampling.gumbel.noise_of_bits:
+// the same operations; std::log and torch's log may differ by an ulp, which noise_margin covers).
+inline double noise_of_bits(int64_t bits) {
+  const double u = (static_cast<double>(bits) + 0.5) * 0x1p-53;
+  return -std::log(-std::log(u));
+}
+
+// vllm_csv.sampling.gumbel.bits_below, one threshold (the same float64 operations).
+inline int64_t bits_below(double t) {
+  if (std::isnan(t)) t = -std::numeric_limits<double>::infinity();
+  const double u = std::exp(-std::exp(-(t - 1e-6)));
+  const double b = std::floor(u * 0x1p53 - 0.5) - 2;
+  return static_cast<int64_t>(std::min(std::max(b, -1.0), 0x1p53));
+}
+
+// The sampled rows' part of the draw certificate (vllm_csv.ops.noise.draw_contenders_ref, which
+// says what each output is; vllm_csv/sampling/certificate.py, the proof): per row, the threshold
+// table from the noisy lower bounds of its top tokens, the candidates (row_candidates, as
+// noise_candidates), their noisy bounds in float64, the best noisy lower bound, the winner (the
+// lowest column attaining it) and the contenders (noisy upper bound >= best - 2 delta). One call
+// where the reference takes about sixty torch ops.
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> draw_contenders(
+    const at::Tensor& lo_in, const at::Tensor& hi_in, const at::Tensor& seeds_in, const at::Tensor& hmax_in,
+    const at::Tensor& delta_in, const at::Tensor& top_v_in, const at::Tensor& top_i_in,
+    const c10::optional<at::Tensor>& ids_in, bool direct, double level, int64_t levels) {
+  TORCH_CHECK(hi_in.dim() == 2 && hi_in.scalar_type() == at::kFloat && hi_in.device().is_cpu() &&
+                  lo_in.sizes() == hi_in.sizes() && lo_in.scalar_type() == at::kFloat && lo_in.device().is_cpu(),
+              "draw_contenders: lo, hi [R, n] float32 on the CPU");
+  at::Tensor lo = lo_in.contiguous(), hi = hi_in.contiguous();
+  const int64_t R = hi.size(0), n = hi.size(1);
+  at::Tensor seeds = seeds_in.to(at::kLong).contiguous(), hmax = hmax_in.to(at::kFloat).contiguous();
+  at::Tensor delta = delta_in.to(at::kDouble).contiguous();
+  at::Tensor top_v = top_v_in.to(at::kFloat).contiguous(), top_i = top_i_in.to(at::kLong).contiguous();
+  TORCH_CHECK(seeds.numel() == R && hmax.numel() == R && delta.numel() == R, "draw_contenders: seeds, hmax, delta [R]");
+  TORCH_CHECK(top_v.dim() == 2 && top_v.size(0) == R && top_i.sizes() == top_v.sizes(),
+              "draw_contenders: top_v, top_i [R, k]");
+  TORCH_CHECK(levels >= 0 && level > 0, "draw_contenders: levels >= 0, level > 0");
+  at::Tensor ids;
+  if (ids_in.has_value()) {
+    ids = ids_in->to(at::kLong).contiguous();
+    TORCH_CHECK(ids.sizes() == hi.sizes(), "draw_contenders: ids [R, n] like hi");
+  }
+  const int64_t k = top_v.size(1);
+  const float *lp = lo.data_ptr<float>(), *hp = hi.data_ptr<float>(), *mp = hmax.data_ptr<float>();
+  const float* vp = top_v.data_ptr<float>();
+  const int64_t *sp = seeds.data_ptr<int64_t>(), *tip = top_i.data_ptr<int64_t>();
+  const int64_t* ip = ids.defined() ? ids.data_ptr<int64_t>() : nullptr;
+  const double* dp = delta.data_ptr<double>();
+  const double inf = std::numeric_limits<double>::infinity();
+
+  at::Tensor best = at::empty({R}, delta.options()), win = at::empty({R}, seeds.options());
+  at::Tensor ncont = at::empty({R}, seeds.options());
+  double* bp = best.data_ptr<double>();
+  int64_t *wp = win.data_ptr<int64_t>(), *np = ncont.data_ptr<int64_t>();
+  std::vector<std::vector<int64_t>> conts(R);
+  at::parallel_for(0, R, 1, [&](int64_t r0, int64_t r1) {
+    std::vector<int64_t> table, forced, cols, bits;
+    for (int64_t r = r0; r < r1; ++r) {
+      const uint64_t key = splitmix64(static_cast<uint64_t>(sp[r]));
+      const float* h = hp + r * n;
+      const float* l = lp + r * n;
+      const int64_t* tok = ip ? ip + r * n : nullptr;
+      const double d = dp[r];
+      int64_t lv = 0;
+      forced.clear();
+      if (direct) {  // every live token: a threshold that keeps all
+        table.assign(1, -1);
+      } else {
+        double L = -inf;  // the noisy lower bounds of the top tokens (max: <= best)
+        for (int64_t j = 0; j < k; ++j) {
+          const float v = vp[r * k + j];
+          const int64_t c = tip[r * k + j];
+          if (v > -std::numeric_limits<float>::infinity()) forced.push_back(c);
+          const uint64_t id = static_cast<uint64_t>(tok ? tok[c] : c);
+          const double g = noise_of_bits(static_cast<int64_t>(splitmix64(key + (id + 1) * GOLDEN) >> 11));
+          L = std::max(L, static_cast<double>(v) + g);
+        }
+        std::sort(forced.begin(), forced.end());
+        forced.erase(std::unique(forced.begin(), forced.end()), forced.end());
+        const double t = L - 2 * d - static_cast<double>(mp[r]);
+        lv = levels;
+        table.resize(levels + 1);
+        for (int64_t q = 0; q <= levels; ++q)
+          table[q] = bits_below(t + std::max(static_cast<double>(q) - 0.01, 0.0) * level);
+      }
+      cols.clear();
+      bits.clear();
+      row_candidates(key, h, tok, n, static_cast<double>(mp[r]), 1.0 / level, table.data(), lv, forced, cols, bits);
+      const size_t m = cols.size();
+      std::vector<double> nhi(m);
+      double bst = -inf;
+      int64_t w = n;
+      for (size_t j = 0; j < m; ++j) {
+        const double g = noise_of_bits(bits[j]);
+        const double nl = static_cast<double>(l[cols[j]]) + g;
+        nhi[j] = static_cast<double>(h[cols[j]]) + g;
+        if (nl > bst || (nl == bst && cols[j] < w)) {  // (columns ascending: the first attaining the max)
+          bst = nl;
+          w = cols[j];
+        }
+      }
+      const double bar = bst - 2 * d;
+      int64_t nc = 0;
+      for (size_t j = 0; j < m; ++j)
+        if (nhi[j] >= bar) {
+          conts[r].push_back(cols[j]);
+          ++nc;
+        }
+      bp[r] = bst;
+      wp[r] = w;
+      np[r] = nc;
+    }
+  });
+  int64_t m = 0;
+  for (int64_t r = 0; r < R; ++r) m += static_cast<int64_t>(conts[r].size());
+  at::Tensor ri = at::empty({m}, seeds.options()), ci = at::empty({m}, seeds.options());
+  int64_t *rp = ri.data_ptr<int64_t>(), *cp = ci.data_ptr<int64_t>();
+  for (int64_t r = 0, q = 0; r < R; ++r)
+    for (size_t j = 0; j < conts[r].size(); ++j, ++q) {
+      rp[q] = r;
+      cp[q] = conts[r][j];
+    }
+  return {best, win, ncont, ri, ci};
 }
 
 // The 53 noise bits of tokens ids ([R, n], or [n] for every row) in rows seeded seeds ([R]):
@@ -389,12 +520,15 @@ TORCH_LIBRARY_FRAGMENT(vllm_csv_cpu, m) {
   m.def("noise_candidates(Tensor hi, Tensor seeds, Tensor hmax, Tensor table, Tensor force, Tensor? ids, "
         "float inv_level) -> (Tensor, Tensor, Tensor)");
   m.def("noise_bits(Tensor seeds, Tensor ids) -> Tensor");
+  m.def("draw_contenders(Tensor lo, Tensor hi, Tensor seeds, Tensor hmax, Tensor delta, Tensor top_v, Tensor top_i, "
+        "Tensor? ids, bool direct, float level, int levels) -> (Tensor, Tensor, Tensor, Tensor, Tensor)");
   m.def("pack_live(Tensor lo, Tensor hi, int n) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(vllm_csv_cpu, CPU, m) {
   m.impl("noise_candidates", &noise_candidates);
   m.impl("noise_bits", &noise_bits);
+  m.impl("draw_contenders", &draw_contenders);
   m.impl("row_stats", &row_stats);
   m.impl("pack_live", &pack_live);
 }

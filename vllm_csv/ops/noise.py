@@ -1,7 +1,8 @@
 """The draw certificate's pass over the whole vocabulary (``csrc/cpu/gumbel_cpu.cpp``), beside
-its torch reference; the noise bits of a few tokens (:func:`noise_bits`), the row statistics
-the certificate reads first (:func:`row_stats`) and each row's live columns
-(:func:`pack_live`, for the packed certificate), from the same file.
+its torch reference; the sampled rows' whole certificate pass (:func:`draw_contenders`, the
+vocabulary pass and what the certificate reads of it), the noise bits of a few tokens
+(:func:`noise_bits`), the row statistics the certificate reads first (:func:`row_stats`) and
+each row's live columns (:func:`pack_live`, for the packed certificate), from the same file.
 
 Why fused: :func:`vllm_csv.sampling.certificate.certify_draw` must look at every live token of a
 sampled row, hashing its noise and comparing the raw bits with the row's threshold for the
@@ -17,6 +18,7 @@ from typing import NamedTuple
 
 import torch
 
+from ..sampling.gumbel import bits_below, noise_of_bits
 from ..sampling.gumbel import noise_bits as _noise_bits_ref
 from .cpu_step import load_ops, uses_kernels
 
@@ -68,6 +70,90 @@ def noise_candidates(hi, seeds, hmax, table, force, ids, inv_level: float):
     if uses_kernels(hi):
         return load_ops().noise_candidates(hi, seeds, hmax, table, force, ids, inv_level)
     return noise_candidates_ref(hi, seeds, hmax, table, force, ids, inv_level)
+
+
+class Contenders(NamedTuple):
+    best: torch.Tensor  # [R] float64, the largest computed noisy lower bound (-inf: none finite)
+    winner: torch.Tensor  # [R] int64, the lowest column attaining it (n: no candidate)
+    count: torch.Tensor  # [R] int64, how many contenders the row has
+    rows: torch.Tensor  # [m] int64, the contenders, row by row, columns ascending
+    cols: torch.Tensor  # [m] int64
+
+
+def draw_contenders_ref(lo: torch.Tensor, hi: torch.Tensor, seeds: torch.Tensor, hmax: torch.Tensor,
+                        delta: torch.Tensor, top_v: torch.Tensor, top_i: torch.Tensor, ids: torch.Tensor | None,
+                        direct: bool, level: float, levels: int) -> Contenders:
+    """The sampled rows' part of :func:`vllm_csv.sampling.certificate.certify_draw` (its module
+    docstring is the proof): each row's noisy bounds ``nlo = lo + g``, ``nhi = hi + g`` (float64)
+    of the tokens that may matter, the best ``nlo``, the lowest column attaining it and the
+    contenders, ``nhi >= best - 2 delta``.
+
+    Parameters
+    ----------
+    lo, hi : torch.Tensor
+        ``[R, n]`` float32 bounds of the draw's inputs (no NaN, no ``+inf``; ``-inf`` on both:
+        masked).
+    seeds : torch.Tensor
+        ``[R]`` int64, the rows' draw seeds.
+    hmax : torch.Tensor
+        ``[R]`` float32, each row's largest ``hi``.
+    delta : torch.Tensor
+        ``[R]`` float64, :func:`~vllm_csv.sampling.gumbel.noise_margin` of the row.
+    top_v, top_i : torch.Tensor
+        ``[R, k]`` float32 and int64: the ``k`` largest ``lo`` and their columns (read unless
+        ``direct``): their noisy lower bounds set the first threshold ``L``, and they are
+        candidates whatever their noise (where ``top_v > -inf``).
+    ids : torch.Tensor, optional
+        ``[R, n]`` int64 token id of each column (packed rows); default: the column itself.
+    direct : bool
+        Every live token is a candidate (no thresholds: few columns).
+    level, levels : float, int
+        The thresholds' step below ``hmax`` and their count (:data:`~vllm_csv.sampling.
+        certificate.LEVEL`, ``LEVELS``): a token ``q`` levels below is a candidate iff its noise
+        may reach ``t + max(q - 0.01, 0) level``, ``t = L - 2 delta - hmax``
+        (:func:`~vllm_csv.sampling.gumbel.bits_below`, :func:`noise_candidates`).
+
+    Returns
+    -------
+    Contenders
+        ``best``, ``winner`` and ``count`` ``[R]``; the contenders' ``rows`` and ``cols`` ``[m]``.
+    """
+    R, n = hi.shape
+    dev = hi.device
+    if direct:  # few columns (a later round's, on the contenders): every live token's noise
+        ri, ci = (hi > -math.inf).nonzero().unbind(1)
+        bits = _noise_bits_ref(seeds, torch.arange(n, device=dev) if ids is None else ids)[ri, ci]
+    else:
+        top_tok = top_i if ids is None else ids.gather(1, top_i)
+        L = (top_v.double() + noise_of_bits(_noise_bits_ref(seeds, top_tok))).amax(1)  # <= best
+        t = L - 2 * delta - hmax.double()
+        k = torch.arange(levels + 1, dtype=torch.float64, device=dev)
+        table = bits_below(t[:, None] + (k - 0.01).clamp_min(0) * level)  # [R, levels + 1]
+        force = top_i.masked_fill(top_v == -math.inf, -1)
+        ri, ci, bits = noise_candidates(hi, seeds, hmax, table, force, ids, 1 / level)
+    # the noisy scores of those only, flat (a few percent of the row once bounds are tight)
+    g = noise_of_bits(bits)
+    flat = ri * n + ci  # (take: half the time of lo[ri, ci] here)
+    nlo = torch.take(lo, flat).double().add_(g)  # -inf where lo = -inf
+    nhi = torch.take(hi, flat).double().add_(g)
+    best = torch.full((R,), -math.inf, dtype=torch.float64, device=dev).scatter_reduce_(0, ri, nlo, "amax")
+    top_at = nlo == best[ri]
+    w = torch.full((R,), n, dtype=torch.long, device=dev).scatter_reduce_(0, ri[top_at], ci[top_at], "amin")
+    cont = nhi >= (best - 2 * delta)[ri]
+    count = torch.zeros(R, dtype=torch.long, device=dev).index_add_(0, ri, cont.long())
+    return Contenders(best, w, count, ri[cont], ci[cont])
+
+
+def draw_contenders(lo, hi, seeds, hmax, delta, top_v, top_i, ids, direct: bool, level: float,
+                    levels: int) -> Contenders:
+    """Same as :func:`draw_contenders_ref`, in one kernel call on the CPU where it is built (the
+    reference's sixty-odd small ops cost about 0.5 ms a call whatever the batch; ``std::log`` may
+    differ from torch's by an ulp, which the noise margin covers, so a token within an ulp of a
+    threshold may be listed by one and not the other: both are sound)."""
+    if uses_kernels(hi):
+        return Contenders(*load_ops().draw_contenders(lo, hi, seeds, hmax, delta, top_v, top_i, ids, direct,
+                                                      level, levels))
+    return draw_contenders_ref(lo, hi, seeds, hmax, delta, top_v, top_i, ids, direct, level, levels)
 
 
 def noise_bits(seeds: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:

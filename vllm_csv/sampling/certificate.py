@@ -44,8 +44,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ..ops.noise import RowStats, noise_bits, noise_candidates, pack_live, row_stats
-from .gumbel import bits_below, noise_margin, noise_of_bits
+from ..ops.noise import RowStats, draw_contenders, pack_live, row_stats
+from .gumbel import noise_margin
 from .outside import Outside
 
 TOP_FIRST = 4  # tokens of highest lower bound whose noise sets the first threshold
@@ -99,7 +99,7 @@ def certify_draw(ylo: torch.Tensor, yhi: torch.Tensor, seeds: torch.Tensor, gree
     dev = ylo.device
     st = row_stats(ylo, yhi, min(TOP_FIRST, V)) if stats is None else stats  # one pass for what is read first
     lmax, hmax = st.lmax, st.hmax  # NaN propagates
-    finite = (lmax > -math.inf) & (hmax < math.inf) & ~torch.isnan(lmax) & ~torch.isnan(hmax)
+    finite = (lmax > -math.inf) & (hmax < math.inf)  # (false for NaN too)
     if outside is not None:
         finite &= outside.usable()
     if not bool(finite.all()):
@@ -144,44 +144,30 @@ def certify_draw(ylo: torch.Tensor, yhi: torch.Tensor, seeds: torch.Tensor, gree
         if outside is not None:
             absmax = torch.maximum(absmax.double(), outside.absmax[rows].amax(1))
         delta = noise_margin(absmax)  # [r] float64
-        if V <= DIRECT_BELOW:  # few columns (a later round's): every live token's noise, no thresholds
-            ri, ci = (hi_r > -math.inf).nonzero().unbind(1)
-            bits = noise_bits(seeds_r, torch.arange(V, device=dev) if tok is None else tok)[ri, ci]
-        else:
-            # first threshold: the noisy lower bounds of the TOP_FIRST highest lower bounds
-            top_v, top_i = (st.top_values, st.top_indices) if every else (st.top_values[rows], st.top_indices[rows])
-            top_tok = top_i if tok is None else tok.gather(1, top_i)
-            L = (top_v.double() + noise_of_bits(noise_bits(seeds_r, top_tok))).amax(1)  # <= best
-            t = L - 2 * delta - hmax[rows].double()
-            # token j needs g_j >= t + (max yhi - yhi_j): by levels of LEVEL below the row's max
-            # (computed in float64: the difference of two fp32 is exact to 2^-52 relative, so
-            # level k means max yhi - yhi_j >= (k - 0.01) LEVEL), each level's threshold from
-            # bits alone; the TOP_FIRST tokens are kept whatever their bits (best is over them too)
-            k = torch.arange(LEVELS + 1, dtype=torch.float64, device=dev)
-            table = bits_below(t[:, None] + (k - 0.01).clamp_min(0) * LEVEL)  # [r, LEVELS + 1]
-            force = top_i.masked_fill(top_v == -math.inf, -1)
-            ri, ci, bits = noise_candidates(hi_r, seeds_r, hmax[rows], table, force, tok, 1 / LEVEL)
-        # the noisy scores of those only, flat (a few percent of the row once bounds are tight)
-        g = noise_of_bits(bits)
-        flat = ri * V + ci  # (take: half the time of lo_r[ri, ci] here)
-        nlo = torch.take(lo_r, flat).double().add_(g)  # -inf where ylo = -inf
-        nhi = torch.take(hi_r, flat).double().add_(g)
-        r = rows.numel()
-        best = torch.full((r,), -math.inf, dtype=torch.float64, device=dev).scatter_reduce_(0, ri, nlo, "amax")
-        top_at = nlo == best[ri]
-        w = torch.full((r,), V, dtype=torch.long, device=dev).scatter_reduce_(0, ri[top_at], ci[top_at], "amin")
-        cont = nhi >= (best - 2 * delta)[ri]
-        n_cont = torch.zeros(r, dtype=torch.long, device=dev).index_add_(0, ri, cont.long())
+        direct = V <= DIRECT_BELOW  # few columns (a later round's, on the contenders): every live token's noise
+        # else: first threshold from the noisy lower bounds of the TOP_FIRST highest lower bounds;
+        # token j needs g_j >= t + (max yhi - yhi_j): by levels of LEVEL below the row's max
+        # (computed in float64: the difference of two fp32 is exact to 2^-52 relative, so
+        # level k means max yhi - yhi_j >= (k - 0.01) LEVEL), each level's threshold from
+        # bits alone; the TOP_FIRST tokens are kept whatever their bits (best is over them too)
+        top_v, top_i = (st.top_values, st.top_indices) if every else (st.top_values[rows], st.top_indices[rows])
+        c = draw_contenders(lo_r, hi_r, seeds_r, hmax if every else hmax[rows], delta, top_v, top_i, tok, direct,
+                            LEVEL, LEVELS)
         if contenders is None:  # (else the greedy pass left these rows all False)
             contenders = torch.zeros((R, V), dtype=torch.bool, device=dev)
-        contenders[rows[ri[cont]], ci[cont]] = True
-        winner[rows] = w.clamp_max(V - 1)  # V: no finite noisy score (never certified)
-        bar[rows] = best - 2 * delta
-        absmax_r[rows] = absmax.double()
-        ok = (n_cont == 1) & (best > -math.inf)
+        contenders[rows[c.rows] if not every else c.rows, c.cols] = True
+        w = c.winner.clamp_max(V - 1)  # V: no finite noisy score (never certified)
+        cut = c.best - 2 * delta
+        ok = (c.count == 1) & (c.best > -math.inf)
         if outside is not None:  # every block token's computed noisy bound is below best - 2 delta
-            ok &= outside.noisy[rows].amax(1) < best - 2 * delta
-        certified[rows] = ok & finite[rows]
+            ok &= (outside.noisy if every else outside.noisy[rows]).amax(1) < cut
+        if every:  # (whole-row assignments: the row-indexed writes are a dozen small ops)
+            winner, bar, absmax_r, certified = w, cut, absmax.double(), ok & finite
+        else:
+            winner[rows] = w
+            bar[rows] = cut
+            absmax_r[rows] = absmax.double()
+            certified[rows] = ok & finite[rows]
     if not bool(finite.all()):
         contenders &= finite[:, None]
     return DrawCertificate(winner, certified, contenders, finite, bar, absmax_r, hmax.double())

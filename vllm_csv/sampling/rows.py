@@ -90,7 +90,8 @@ def within_budget(own: torch.Tensor, open_rows: torch.Tensor, over_budget: torch
 def certify_rows(adapter: HeadAdapter, hidden: torch.Tensor, process: Process, seeds: torch.Tensor,
                  greedy: torch.Tensor, masked: torch.Tensor | None = None,
                  elementwise: bool = False, *, min_p: torch.Tensor | None = None,
-                 top_k: torch.Tensor | None = None, top_p: torch.Tensor | None = None) -> RowsResult:
+                 top_k: torch.Tensor | None = None, top_p: torch.Tensor | None = None,
+                 columns: Process | None = None) -> RowsResult:
     """Certify the draw of each row of ``hidden [R, d]``.
 
     Parameters
@@ -123,6 +124,11 @@ def certify_rows(adapter: HeadAdapter, hidden: torch.Tensor, process: Process, s
         bounds scored, 4x more each such round (top-p compares masses, and the loosest are those
         of the tokens of highest upper bound, dropped ones included: a screen's ``e^hi`` may be
         several times ``e^y``).
+    columns : callable, optional
+        ``process`` on some columns only (``[R, n]`` bounds of any ``n`` columns, the same map
+        on each): given where each token's map depends on its row alone (vLLM's temperature with
+        no logits processor acting). With ``elementwise`` and no masks, the rounds after the first
+        then map the first round's contenders only, not ``[R, V]`` twice a round.
     """
     R, V = hidden.shape[0], adapter.vocab_size
     dev = hidden.device
@@ -160,17 +166,26 @@ def certify_rows(adapter: HeadAdapter, hidden: torch.Tensor, process: Process, s
     asked = None  # top-p rows: the tokens whose decisions the draw's certificate needed so far
     by_query = None  # top-p rows: the last round's queries (TopPQueries), narrowed to the next round's bounds
     for rnd in range(MAX_ROUNDS + 1):
-        ylo0, yhi0 = masks.before_top_p(*process(lo, hi), ~certified)
-        # top-p rows: first decided on their likely winners only, then on the draw's contenders
-        # that this leaves (nucleus docstring, "deciding some tokens only"); the rest stays
-        # undecided, which the certificate allows for any token that cannot win
-        # (asked: the previous round's contenders, which bounds that only tighten rarely add to)
-        by_query = masks.top_p_queries(ylo0, yhi0, ~certified, by_query)
-        ylo, yhi = masks.top_p_of(ylo0, yhi0, ~certified) if by_query is None else by_query.bounds(asked)
-        if narrow is None:
-            cert = certify_draw_packed(ylo, yhi, seeds, greedy)
+        if narrow is not None and columns is not None:
+            # a later round, elementwise and no masks: only the first round's contenders are read,
+            # and with a per-row map they can be mapped alone (no [R, V] pass)
+            cols_n, rest = narrow
+            ylo_c, yhi_c = columns(lo.index_select(1, cols_n), hi.index_select(1, cols_n))
+            cert = _certify_columns(ylo_c, yhi_c, seeds, greedy, cols_n, rest, V)
+            ylo = yhi = None  # (not mapped on every column this round: mapped below where read)
+            by_query = None
         else:
-            cert = _certify_columns(ylo, yhi, seeds, greedy, *narrow)
+            ylo0, yhi0 = masks.before_top_p(*process(lo, hi), ~certified)
+            # top-p rows: first decided on their likely winners only, then on the draw's contenders
+            # that this leaves (nucleus docstring, "deciding some tokens only"); the rest stays
+            # undecided, which the certificate allows for any token that cannot win
+            # (asked: the previous round's contenders, which bounds that only tighten rarely add to)
+            by_query = masks.top_p_queries(ylo0, yhi0, ~certified, by_query)
+            ylo, yhi = masks.top_p_of(ylo0, yhi0, ~certified) if by_query is None else by_query.bounds(asked)
+            if narrow is None:
+                cert = certify_draw_packed(ylo, yhi, seeds, greedy)
+            else:
+                cert = _certify_columns(ylo[:, narrow[0]], yhi[:, narrow[0]], seeds, greedy, *narrow, V)
         if by_query is not None:
             # On a row left open: contenders that were not asked for are asked for now, and where
             # every contender is scored (only decisions can help) the contenders a short list
@@ -213,6 +228,8 @@ def certify_rows(adapter: HeadAdapter, hidden: torch.Tensor, process: Process, s
         # bounds): score their highest upper bounds first
         blind = open_rows & ~cert.finite
         if bool(any_(blind)):  # (the full pass only when some row may be blind)
+            if yhi is None:  # (a narrow round: the full map, for these rows' highest upper bounds)
+                ylo, yhi = process(lo, hi)
             blind &= any_(yhi > -math.inf, 1)
         if bool(any_(blind)):
             top = yhi[blind].topk(min(FIRST_GUESS, V), dim=1)
@@ -245,8 +262,8 @@ def certify_rows(adapter: HeadAdapter, hidden: torch.Tensor, process: Process, s
     # sampler may not drop it again: top-p is not re-applied to a certified row, and min-p on a
     # partial row keeps at least what it keeps on the full row). (Another round's drops are
     # not that proof's: the tail a top-p drops as one block may differ between rounds.)
-    if gone is None:
-        drops = yhi[:, s_idx] == -math.inf
+    if gone is None:  # (lo, hi are the last round's: no column was scored after its map)
+        drops = (yhi[:, s_idx] if yhi is not None else columns(lo[:, s_idx], hi[:, s_idx])[1]) == -math.inf
     else:
         drops = torch.zeros((R, s_idx.numel()), dtype=torch.bool, device=dev)
         for rows_now, yhi_then in gone:
@@ -415,12 +432,12 @@ def contended(contenders: torch.Tensor, rows: torch.Tensor | None, span: torch.T
 
 
 def _certify_columns(ylo: torch.Tensor, yhi: torch.Tensor, seeds: torch.Tensor, greedy: torch.Tensor,
-                     cols: torch.Tensor, rest: Outside) -> DrawCertificate:
+                     cols: torch.Tensor, rest: Outside, V: int) -> DrawCertificate:
     """:func:`~.certificate.certify_draw` on the columns ``cols`` (``[n]`` int64, ascending: ties
-    still go to the lowest token id) of ``ylo, yhi`` (``[R, V]``), every other token in ``rest``;
-    the result in full-vocabulary coordinates."""
-    R, V = ylo.shape
-    cert = certify_draw(ylo[:, cols], yhi[:, cols], seeds, greedy, cols.expand(R, -1), rest)
+    still go to the lowest token id), whose bounds are ``ylo, yhi`` (``[R, n]``), every other token
+    of the ``V`` in ``rest``; the result in full-vocabulary coordinates."""
+    R = ylo.shape[0]
+    cert = certify_draw(ylo, yhi, seeds, greedy, cols.expand(R, -1), rest)
     contenders = torch.zeros((R, V), dtype=torch.bool, device=ylo.device)
     contenders[:, cols] = cert.contenders
     winner = cols[cert.winner] if cols.numel() else cert.winner

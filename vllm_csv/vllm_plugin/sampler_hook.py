@@ -198,6 +198,21 @@ def _unsupported(sampler, md, predict_bonus_token: bool, rows: torch.Tensor) -> 
     return None
 
 
+def _processors_idle(md) -> bool:
+    """Whether vLLM's ``apply_logits_processors`` leaves every row as it is this step (no allowed
+    ids, bad words, penalties, logit bias or min_tokens; :func:`_unsupported` refused the rest):
+    then the map to the draw's inputs is the temperature alone, one division per row."""
+    from vllm.v1.sample.logits_processor.builtin import LogitBiasLogitsProcessor, MinTokensLogitsProcessor
+
+    if md.allowed_token_ids_mask is not None or md.bad_words_token_ids or not md.no_penalties:
+        return False
+    for p in md.logitsprocs.non_argmax_invariant:
+        if not ((type(p) is LogitBiasLogitsProcessor and not p.biases) or
+                (type(p) is MinTokensLogitsProcessor and not p.min_toks)):
+            return False
+    return True
+
+
 def _min_p(md, rows: torch.Tensor) -> torch.Tensor:
     for p in md.logitsprocs.argmax_invariant:
         if getattr(p, "min_p_count", 0):
@@ -270,6 +285,16 @@ def resolve(sampler, d: Deferred, logits: torch.Tensor, md, predict_bonus_token:
                 out.append(full if every_row else full[dev_rows])
             return out[0], out[1]
 
+        def columns(lo: torch.Tensor, hi: torch.Tensor):
+            # some columns of the rows, where no processor acts this step (_processors_idle): vLLM's
+            # temperature only, per row, the same division as on the full rows
+            if md.all_greedy or md.temperature is None:
+                return lo, hi
+            t = md.temperature.to(lo.device)
+            t = t if every_row else t[dev_rows]
+            return (sampler.apply_temperature(lo.clone(), t, md.all_random),
+                    sampler.apply_temperature(hi.clone(), t, md.all_random))
+
         if isinstance(d.adapter, ShardedAdapter):  # tensor parallelism: one decision from gathered numbers
             res = certify_rows_sharded(d.adapter, d.hidden, elementwise, min_p, top_p, seeds.to(logits.device),
                                        greedy.to(logits.device), masked)
@@ -282,18 +307,21 @@ def resolve(sampler, d: Deferred, logits: torch.Tensor, md, predict_bonus_token:
         else:
             dev = logits.device
             res = certify_rows(d.adapter, d.hidden, elementwise, seeds.to(dev), greedy.to(dev), masked,
-                               elementwise=True, min_p=min_p.to(dev), top_k=top_k.to(dev), top_p=top_p.to(dev))
-        certified = _write(logits, dev_rows, res, st)
+                               elementwise=True, min_p=min_p.to(dev), top_k=top_k.to(dev), top_p=top_p.to(dev),
+                               columns=columns if _processors_idle(md) else None)
+        certified = _write(logits, dev_rows, res, st, every_row)
     _finish(d, logits, dev_rows, certified, masked, st, why, t0)
     no_top_p = rows[certified & (top_p < 1.0)] if why is None else rows[:0]
     return st, no_top_p
 
 
-def _write(logits: torch.Tensor, dev_rows: torch.Tensor, res, st: DeferredStats) -> torch.Tensor:
+def _write(logits: torch.Tensor, dev_rows: torch.Tensor, res, st: DeferredStats, every_row: bool = False) -> torch.Tensor:
     """The certified rows of ``res`` (a ``RowsResult``) into ``logits``; the reasons of the others
-    into ``st``. Returns ``certified`` on the host."""
+    into ``st``. Returns ``certified`` on the host. ``every_row``: ``dev_rows`` is ``0 .. B - 1``."""
     certified = res.certified.cpu()
-    if bool(certified.any()):
+    if every_row and bool(certified.all()):
+        logits.copy_(res.values)  # the whole batch: one pass (the dtype cast included)
+    elif bool(certified.any()):
         idx = dev_rows[certified.to(logits.device)]
         logits[idx] = res.values[certified.to(logits.device)].to(logits.dtype)
     for r in res.reason:
