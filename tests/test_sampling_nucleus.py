@@ -241,8 +241,9 @@ def test_a_top_k_cut_that_counts_the_token_itself_is_caught(monkeypatch):
     ``k`` upper bounds): on exact values the (k+1)-th token is then kept, wrongly unless tied."""
     def broken(lo, hi, k, kmax):
         h = hi.topk(kmax + 1, dim=1).values
-        return h.gather(1, k).expand_as(hi), lo.topk(kmax, dim=1).values.gather(1, k - 1)
-    monkeypatch.setattr(nucleus, "_top_k_cuts", broken)
+        hk1 = h.gather(1, k)[:, 0]
+        return hk1, hk1, lo.topk(kmax, dim=1).values.gather(1, k - 1)[:, 0]
+    monkeypatch.setattr(nucleus, "_top_k_levels", broken)
     y, k, _ = top_k_rows(3)
     kept = vllm_top_k(y, k)
     kd, dd = decisions(*nucleus.top_k_bounds(y, y, k), y)
@@ -507,18 +508,25 @@ def test_a_negative_min_p_margin_on_the_row_is_caught(monkeypatch):
     assert (torch.isfinite(nlo) & ~kept & torch.isfinite(y)).any() or ((nhi == -math.inf) & kept).any()
 
 
-def test_min_p_cut_kernel_is_the_reference():
-    """The fused min-p cut equals its torch reference bit for bit: values at the thresholds and
-    one ulp either side, NaN / +-inf bounds and thresholds, rows longer than a task."""
+def _cut_rows(seed: int):
+    """7 rows of 20000 bounds (longer than a kernel task) for the cut kernels' tests; skips without
+    the kernels."""
     from vllm_csv.ops import cpu_step
-    from vllm_csv.ops.masks import min_p_cut, min_p_cut_ref
 
     if not cpu_step.kernels_available():
         pytest.skip("CPU kernels not built")
-    g = torch.Generator().manual_seed(21)
-    R, V = 7, 20000
-    lo = torch.randn(R, V, generator=g)
-    hi = lo + torch.rand(R, V, generator=g)
+    g = torch.Generator().manual_seed(seed)
+    lo = torch.randn(7, 20000, generator=g)
+    return lo, lo + torch.rand(7, 20000, generator=g)
+
+
+def test_min_p_cut_kernel_is_the_reference():
+    """The fused min-p cut equals its torch reference bit for bit: values at the thresholds and
+    one ulp either side, NaN / +-inf bounds and thresholds, rows longer than a task."""
+    from vllm_csv.ops.masks import min_p_cut, min_p_cut_ref
+
+    lo, hi = _cut_rows(21)
+    R = lo.shape[0]
     keep = torch.tensor([0.5, -math.inf, math.nan, math.inf, 1.0, 0.0, -2.0])
     drop = torch.tensor([-0.5, -math.inf, math.nan, math.inf, 0.25, 0.0, math.nan])
     lo[:, :100] = keep[:, None]
@@ -535,3 +543,39 @@ def test_min_p_cut_kernel_is_the_reference():
     assert min_p_cut(lo[:, :0], hi[:, :0], keep, drop)[0].shape == (R, 0)
     with pytest.raises(RuntimeError, match="keep_at"):
         torch.ops.vllm_csv_cpu.min_p_cut(lo, hi, keep[:3], drop)
+
+
+def test_top_k_cut_kernel_is_the_reference():
+    """The fused top-k cut equals its torch reference bit for bit: upper bounds at ``H_k`` and one
+    ulp either side, lower bounds at ``H_(k+1)`` / ``H_k`` and one ulp either side, upper bounds at
+    ``L_k`` and one ulp below, NaN / +-inf bounds and levels, rows longer than a task; and it
+    refuses levels of the wrong shape."""
+    from vllm_csv.ops.masks import top_k_cut, top_k_cut_ref
+
+    lo, hi = _cut_rows(23)
+    R = lo.shape[0]
+    hk = torch.tensor([1.0, -math.inf, math.nan, math.inf, 2.0, 0.0, 0.5])
+    hk1 = torch.tensor([0.5, -math.inf, math.nan, 1.0, 2.0, -0.0, math.nan])
+    lk = torch.tensor([-0.5, -math.inf, math.nan, math.inf, 0.25, 0.0, 0.5])
+    up = torch.full((R, 100), math.inf)
+    hi[:, :100] = hk[:, None]
+    hi[:, 100:200] = torch.nextafter(hi[:, :100], up)
+    hi[:, 200:300] = torch.nextafter(hi[:, :100], -up)
+    lo[:, 300:400] = hk1[:, None]
+    lo[:, 400:500] = torch.nextafter(lo[:, 300:400], -up)
+    lo[:, 500:600] = hk[:, None]
+    lo[:, 600:700] = torch.nextafter(lo[:, 500:600], -up)
+    hi[:, 700:800] = lk[:, None]
+    hi[:, 800:900] = torch.nextafter(hi[:, 700:800], -up)
+    lo[:, 900:950] = -math.inf
+    lo[:, 950:960], hi[:, 950:960] = math.nan, math.nan
+    hi[:, 960:970] = math.inf
+    lo[:, 970:980], hi[:, 970:980] = -math.inf, -math.inf
+    got, want = top_k_cut(lo, hi, hk, hk1, lk), top_k_cut_ref(lo, hi, hk, hk1, lk)
+    for a, b in zip(got, want):
+        assert torch.equal(a.isnan(), b.isnan()) and torch.equal(a.nan_to_num(1.5), b.nan_to_num(1.5))
+    assert top_k_cut(lo[:, :0], hi[:, :0], hk, hk1, lk)[0].shape == (R, 0)
+    with pytest.raises(RuntimeError, match="hk, hk1, lk"):
+        torch.ops.vllm_csv_cpu.top_k_cut(lo, hi, hk[:3], hk1, lk)
+    with pytest.raises(RuntimeError, match="lo, hi"):
+        torch.ops.vllm_csv_cpu.top_k_cut(lo, hi[:, :5], hk, hk1, lk)

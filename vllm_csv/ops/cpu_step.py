@@ -445,4 +445,8 @@ def _register_fakes() -> None:
     def _(lo, hi, keep_at, drop_at):
         return torch.empty_like(lo), torch.empty_like(hi)
 
+    @torch.library.register_fake(lib + "top_k_cut")
+    def _(lo, hi, hk, hk1, lk):
+        return torch.empty_like(lo), torch.empty_like(hi)
+
     _state["fakes"] = True

@@ -130,7 +130,7 @@ import torch
 
 from ..fp import gamma, round_down32, round_up32
 from ..ops.bools import all_, any_
-from ..ops.masks import min_p_cut
+from ..ops.masks import min_p_cut, top_k_cut
 from ..ops.noise import row_stats
 from .outside import Outside
 
@@ -256,22 +256,21 @@ def top_k_bounds(ylo: torch.Tensor, yhi: torch.Tensor, top_k: torch.Tensor) -> t
     k = top_k[rows].long().to(ylo.device)[:, None]  # [r, 1], 1 <= k < V
     lo, hi = _rows_of(ylo, rows), _rows_of(yhi, rows)
     kmax = int(k.max())
-    keep_at, drop_below = _top_k_cuts(lo, hi, k, kmax)
-    keep, drop = lo >= keep_at, hi < drop_below
-    out_lo, out_hi = ylo.clone(), yhi.clone()
-    out_lo[rows] = lo.masked_fill(~keep, -math.inf)
-    out_hi[rows] = hi.masked_fill(drop, -math.inf)
-    return out_lo, out_hi
+    new_lo, new_hi = top_k_cut(lo, hi, *_top_k_levels(lo, hi, k, kmax))
+    if rows.numel() == R:  # (every row: no copies of the others)
+        return new_lo, new_hi
+    return ylo.index_copy(0, rows, new_lo), yhi.index_copy(0, rows, new_hi)
 
 
-def _top_k_cuts(lo: torch.Tensor, hi: torch.Tensor, k: torch.Tensor, kmax: int):
-    """``(keep_at [r, V], drop_below [r, 1])``: token ``i`` is certainly kept if ``lo_i >= keep_at_i``
-    (``H_k`` of the other tokens' upper bounds), certainly dropped if ``hi_i < drop_below``
-    (``L_k``); ``k`` ``[r, 1]`` int64 in ``[1, V)``."""
+def _top_k_levels(lo: torch.Tensor, hi: torch.Tensor, k: torch.Tensor, kmax: int):
+    """``(H_k, H_(k+1), L_k)``, ``[r]`` float32 each, of bounds ``lo, hi`` (``[r, V]``; ``k`` ``[r, 1]``
+    int64 in ``[1, V)``): token ``i`` is certainly kept if ``lo_i`` is at least the ``k``-th
+    largest upper bound of the *other* tokens, which is ``H_(k+1)`` if ``hi_i >= H_k`` (``i`` is
+    among the ``k`` highest) and ``H_k`` otherwise; certainly dropped if ``hi_i < L_k``
+    (:func:`~vllm_csv.ops.masks.top_k_cut` applies them)."""
     lk = lo.topk(kmax, dim=1).values.gather(1, k - 1)  # L_k
     h = hi.topk(kmax + 1, dim=1).values  # kmax + 1 <= V
-    hk, hk1 = h.gather(1, k - 1), h.gather(1, k)  # H_k, H_(k+1)
-    return torch.where(hi >= hk, hk1, hk), lk
+    return h.gather(1, k - 1)[:, 0], h.gather(1, k)[:, 0], lk[:, 0]  # H_k, H_(k+1), L_k
 
 
 def _prefix_before(sorted_vals: torch.Tensor, cums: torch.Tensor, thr: torch.Tensor, right: bool) -> torch.Tensor:

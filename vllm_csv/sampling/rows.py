@@ -16,7 +16,7 @@ Pipeline (per batch of rows that the sampler will draw from):
    screen's) and 2-3 repeat, until every row is decided, nothing is left to score, or the
    budget is spent. Top-p rows have their :data:`TOP_P_GUESS` highest upper bounds scored
    before the first round (a round of theirs costs far more than scoring a few tokens, and
-   those are where the draw and the nucleus' mass usually are). When ``process`` is per
+   those are where the draw and the nucleus' mass usually are); top-k rows their ``k + 1``. When ``process`` is per
    token (``elementwise``), the rounds after the first certify on the first round's
    contenders only, the tokens it ruled out kept as one summary per row
    (:func:`~.certificate.ruled_out`): no second pass over the vocabulary.
@@ -154,6 +154,15 @@ def certify_rows(adapter: HeadAdapter, hidden: torch.Tensor, process: Process, s
         n = min(TOP_P_GUESS, V, budget // (4 * int(guess.sum())))
         if n > 0:
             add(hi[guess].topk(n, dim=1).indices.unique())
+    elif top_k is not None and bool((guess := finite & (top_k > 0) & (top_k < V)).any()):
+        # top-k rows: their k + 1 highest upper bounds scored before the first round (what the
+        # focus scores after a round anyway: they decide what top-k certainly keeps, and the draw's
+        # winner is a kept token), so the first round often certifies; within a quarter of the budget
+        count = _focus_counts(top_k, None, torch.zeros_like(top_k), V).masked_fill(~guess, 0)
+        if int(count.sum()) <= budget // 4:
+            first = torch.zeros(V, dtype=torch.bool, device=dev)
+            _focus(first, hi, count, guess, scored)
+            add(first.nonzero().squeeze(1))
     narrow = None  # (columns, ruled-out summaries): the rounds after the first, elementwise
     stuck = torch.zeros(R, dtype=torch.long, device=dev)  # top-p rows: rounds with every contender scored
     masks = _Masks(min_p, top_k, top_p, V)
