@@ -16,10 +16,11 @@ Pipeline (per batch of rows that the sampler will draw from):
    screen's) and 2-3 repeat, until every row is decided, nothing is left to score, or the
    budget is spent. Top-p rows have their :data:`TOP_P_GUESS` highest upper bounds scored
    before the first round (a round of theirs costs far more than scoring a few tokens, and
-   those are where the draw and the nucleus' mass usually are); top-k rows their ``k + 1``. When ``process`` is per
-   token (``elementwise``), the rounds after the first certify on the first round's
-   contenders only, the tokens it ruled out kept as one summary per row
-   (:func:`~.certificate.ruled_out`): no second pass over the vocabulary.
+   those are where the draw and the nucleus' mass usually are); top-k rows their ``k + 1``.
+   When ``process`` is per token (``elementwise``), the rounds after the first certify on the
+   first round's contenders only, the tokens it ruled out kept as one summary per row
+   (:func:`~.certificate.ruled_out`): no second pass over the vocabulary; with ``columns``
+   (a per-row map) they map those columns only.
 
 A row certified in a round stays certified: its proof used valid bounds, and later rounds only
 score more tokens, whose exact values it already beat.

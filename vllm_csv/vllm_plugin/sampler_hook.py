@@ -315,7 +315,8 @@ def resolve(sampler, d: Deferred, logits: torch.Tensor, md, predict_bonus_token:
     return st, no_top_p
 
 
-def _write(logits: torch.Tensor, dev_rows: torch.Tensor, res, st: DeferredStats, every_row: bool = False) -> torch.Tensor:
+def _write(logits: torch.Tensor, dev_rows: torch.Tensor, res, st: DeferredStats,
+           every_row: bool = False) -> torch.Tensor:
     """The certified rows of ``res`` (a ``RowsResult``) into ``logits``; the reasons of the others
     into ``st``. Returns ``certified`` on the host. ``every_row``: ``dev_rows`` is ``0 .. B - 1``."""
     certified = res.certified.cpu()
