@@ -44,6 +44,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..ops.gather import rows_of
 from ..ops.noise import RowStats, draw_contenders, pack_live, row_stats
 from .gumbel import noise_margin
 from .outside import Outside
@@ -133,16 +134,15 @@ def certify_draw(ylo: torch.Tensor, yhi: torch.Tensor, seeds: torch.Tensor, gree
             certified &= outside.max_hi() < bar
     if bool(samp.any()):
         rows = samp.nonzero().squeeze(1)
-        every = rows.numel() == R  # the usual batch: no copies of the rows
-        # (index_select: x[rows] of a float [32, 65536] takes 6x as long on torch 2.13's CPU build)
-        lo_r, hi_r = (ylo, yhi) if every else (ylo.index_select(0, rows), yhi.index_select(0, rows))
-        tok = ids if ids is None or every else ids.index_select(0, rows)
+        every = rows.numel() == R  # the usual batch: no copies of the rows (rows_of)
+        lo_r, hi_r = rows_of(ylo, rows), rows_of(yhi, rows)
+        tok = None if ids is None else rows_of(ids, rows)
         seeds_r = seeds[rows]
         # max |y| over the finite bounds (no NaN or +inf in these rows; -inf counts as 0):
         # max(|max hi|, -min lo, -min hi), since lo <= hi and the largest value is max hi
-        absmax = st.absmax if every else st.absmax[rows]
+        absmax = rows_of(st.absmax, rows)
         if outside is not None:
-            absmax = torch.maximum(absmax.double(), outside.absmax[rows].amax(1))
+            absmax = torch.maximum(absmax.double(), rows_of(outside.absmax, rows).amax(1))
         delta = noise_margin(absmax)  # [r] float64
         direct = V <= DIRECT_BELOW  # few columns (a later round's, on the contenders): every live token's noise
         # else: first threshold from the noisy lower bounds of the TOP_FIRST highest lower bounds;
@@ -150,9 +150,8 @@ def certify_draw(ylo: torch.Tensor, yhi: torch.Tensor, seeds: torch.Tensor, gree
         # (computed in float64: the difference of two fp32 is exact to 2^-52 relative, so
         # level k means max yhi - yhi_j >= (k - 0.01) LEVEL), each level's threshold from
         # bits alone; the TOP_FIRST tokens are kept whatever their bits (best is over them too)
-        top_v, top_i = (st.top_values, st.top_indices) if every else (st.top_values[rows], st.top_indices[rows])
-        c = draw_contenders(lo_r, hi_r, seeds_r, hmax if every else hmax[rows], delta, top_v, top_i, tok, direct,
-                            LEVEL, LEVELS)
+        c = draw_contenders(lo_r, hi_r, seeds_r, rows_of(hmax, rows), delta, rows_of(st.top_values, rows),
+                            rows_of(st.top_indices, rows), tok, direct, LEVEL, LEVELS)
         if contenders is None:  # (else the greedy pass left these rows all False)
             contenders = torch.zeros((R, V), dtype=torch.bool, device=dev)
         contenders[rows[c.rows] if not every else c.rows, c.cols] = True
@@ -160,7 +159,7 @@ def certify_draw(ylo: torch.Tensor, yhi: torch.Tensor, seeds: torch.Tensor, gree
         cut = c.best - 2 * delta
         ok = (c.count == 1) & (c.best > -math.inf)
         if outside is not None:  # every block token's computed noisy bound is below best - 2 delta
-            ok &= (outside.noisy if every else outside.noisy[rows]).amax(1) < cut
+            ok &= rows_of(outside.noisy, rows).amax(1) < cut
         if every:  # (whole-row assignments: the row-indexed writes are a dozen small ops)
             winner, bar, absmax_r, certified = w, cut, absmax.double(), ok & finite
         else:

@@ -130,6 +130,7 @@ import torch
 
 from ..fp import gamma, round_down32, round_up32
 from ..ops.bools import all_, any_
+from ..ops.gather import rows_of
 from ..ops.masks import min_p_cut, top_k_cut
 from ..ops.noise import row_stats
 from .outside import Outside
@@ -162,13 +163,6 @@ def _top_k_on(top_k: torch.Tensor, V: int) -> torch.Tensor:
 
 def _top_p_on(top_p: torch.Tensor) -> torch.Tensor:
     return top_p < 1.0
-
-
-def _rows_of(x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-    """``x[rows]`` (``rows`` ascending, distinct), without the copy when it is every row.
-    (``index_select``: on torch 2.13's CPU build, ``x[rows]`` of a float ``[32, 65536]`` takes
-    6x as long.)"""
-    return x if rows.numel() == x.shape[0] else x.index_select(0, rows)
 
 
 def all_off(min_p: torch.Tensor | None, top_k: torch.Tensor | None, top_p: torch.Tensor | None, V: int) -> bool:
@@ -254,7 +248,7 @@ def top_k_bounds(ylo: torch.Tensor, yhi: torch.Tensor, top_k: torch.Tensor) -> t
         return ylo, yhi
     rows = on.nonzero().squeeze(1)
     k = top_k[rows].long().to(ylo.device)[:, None]  # [r, 1], 1 <= k < V
-    lo, hi = _rows_of(ylo, rows), _rows_of(yhi, rows)
+    lo, hi = rows_of(ylo, rows), rows_of(yhi, rows)
     kmax = int(k.max())
     new_lo, new_hi = top_k_cut(lo, hi, *_top_k_levels(lo, hi, k, kmax))
     if rows.numel() == R:  # (every row: no copies of the others)
@@ -462,7 +456,8 @@ def top_p_bounds(ylo: torch.Tensor, yhi: torch.Tensor, top_p: torch.Tensor, outs
     if not bool(on.any()):
         return (ylo, yhi) if outside is None else (ylo, yhi, outside)
     rows = on.nonzero().squeeze(1)
-    lo, hi = _rows_of(ylo, rows).double(), _rows_of(yhi, rows).double()
+    ylo_r, yhi_r = rows_of(ylo, rows), rows_of(yhi, rows)
+    lo, hi = ylo_r.double(), yhi_r.double()
     ob = None if outside is None else outside.rows(rows)
     r, V_row = lo.shape
     cols = _live_columns(hi)
@@ -502,8 +497,8 @@ def top_p_bounds(ylo: torch.Tensor, yhi: torch.Tensor, top_p: torch.Tensor, outs
         keep = torch.zeros((r, V_row), dtype=torch.bool, device=lo.device).index_copy_(1, cols, keep)
         drop = torch.ones((r, V_row), dtype=torch.bool, device=lo.device).index_copy_(1, cols, drop)
     out_lo, out_hi = ylo.clone(), yhi.clone()
-    out_lo[rows] = torch.where(keep, _rows_of(ylo, rows), -math.inf)
-    out_hi[rows] = torch.where(drop, -math.inf, _rows_of(yhi, rows))
+    out_lo[rows] = torch.where(keep, ylo_r, -math.inf)
+    out_hi[rows] = torch.where(drop, -math.inf, yhi_r)
     if outside is None:
         return out_lo, out_hi
     # a block below the dropped tail's threshold is dropped with it (every yhi_j <= hi < t)
@@ -526,7 +521,7 @@ class TopPQueries:
         self.ylo, self.yhi, self.top_p = ylo, yhi, top_p
         V = ylo.shape[1]
         self.rows = _top_p_on(top_p).nonzero().squeeze(1)
-        lo, hi = _rows_of(ylo, self.rows), _rows_of(yhi, self.rows)
+        lo, hi = rows_of(ylo, self.rows), rows_of(yhi, self.rows)
         c = hi.amax(1, keepdim=True)
         # rows with NaN or +inf bounds ask for nothing (never certified: every token undecided)
         # (amax propagates NaN: one reduction instead of an isnan pass)
@@ -578,8 +573,8 @@ class TopPQueries:
         pos = torch.searchsorted(self.rows, rows).clamp_max(n - 1)  # (self.rows ascending: nonzero)
         if not bool((self.rows[pos] == rows).all() and (self.top_p[rows] == top_p[rows]).all()):
             return None
-        lo, hi = _rows_of(ylo, rows), _rows_of(yhi, rows)
-        if not bool(all_(lo >= _rows_of(self.ylo, rows)) and all_(hi <= _rows_of(self.yhi, rows))):
+        lo, hi = rows_of(ylo, rows), rows_of(yhi, rows)
+        if not bool(all_(lo >= rows_of(self.ylo, rows)) and all_(hi <= rows_of(self.yhi, rows))):
             return None  # (NaN fails both comparisons)
         q = TopPQueries.__new__(TopPQueries)
         q.ylo, q.yhi, q.top_p, q.rows, q.listed = ylo, yhi, top_p, rows, self.listed
@@ -622,7 +617,7 @@ class TopPQueries:
         # distinct): one nonzero over [r, V], the rest on the pairs
         keys = (torch.arange(r, device=dev)[:, None] * V + self.first).reshape(-1)  # row * V + column
         if only is not None:
-            ri, ci = _rows_of(only, rows).nonzero().unbind(1)
+            ri, ci = rows_of(only, rows).nonzero().unbind(1)
             keys = torch.cat([ri * V + ci, keys]).unique()
         ri, ci = keys // V, keys % V
         live = (self.yhi[rows[ri], ci] > -math.inf) & self.usable[ri]
@@ -669,11 +664,11 @@ class TopPQueries:
         out_hi[rows[ri[d]], ci[d]] = -math.inf
         if bool(short.any()) and self.listed < QUERY_LIST_MAX:
             h = rows[short]
-            longer = TopPQueries(_rows_of(self.ylo, h), _rows_of(self.yhi, h), self.top_p[h], listed=8 * self.listed)
+            longer = TopPQueries(rows_of(self.ylo, h), rows_of(self.yhi, h), self.top_p[h], listed=8 * self.listed)
             out_lo[h], out_hi[h] = longer.bounds(None if only is None else only[h], settle[h])
         elif bool(short.any()):
             heavy |= short
         if bool(heavy.any()):
             h = rows[heavy]
-            out_lo[h], out_hi[h] = top_p_bounds(_rows_of(self.ylo, h), _rows_of(self.yhi, h), self.top_p[h])
+            out_lo[h], out_hi[h] = top_p_bounds(rows_of(self.ylo, h), rows_of(self.yhi, h), self.top_p[h])
         return out_lo, out_hi

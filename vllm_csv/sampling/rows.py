@@ -42,6 +42,7 @@ import torch
 from .certificate import DrawCertificate, certify_draw, certify_draw_packed, ruled_out
 from .nucleus import TopPQueries, all_off, min_p_bounds, top_k_bounds, top_p_bounds
 from ..ops.bools import all_, any_
+from ..ops.gather import rows_of
 from .outside import Outside
 from .head_adapter import HeadAdapter
 
@@ -415,7 +416,7 @@ def _focus(need: torch.Tensor, yhi: torch.Tensor, count: torch.Tensor, rows: tor
 def _recertify(cert: DrawCertificate, ylo: torch.Tensor, yhi: torch.Tensor, seeds: torch.Tensor,
                greedy: torch.Tensor, rows: torch.Tensor) -> DrawCertificate:
     """``cert`` with the rows ``rows`` certified again on ``ylo, yhi`` (the others kept)."""
-    sub = certify_draw_packed(ylo.index_select(0, rows), yhi.index_select(0, rows), seeds[rows], greedy[rows])
+    sub = certify_draw_packed(rows_of(ylo, rows), rows_of(yhi, rows), seeds[rows], greedy[rows])
     for name in ("winner", "certified", "contenders", "finite", "bar", "absmax", "hmax"):
         getattr(cert, name)[rows] = getattr(sub, name)
     return cert

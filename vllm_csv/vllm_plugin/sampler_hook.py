@@ -267,6 +267,14 @@ def resolve(sampler, d: Deferred, logits: torch.Tensor, md, predict_bonus_token:
         pen = TouchedPenalties(md, logits.shape[1])
         md_rest = dataclasses.replace(md, no_penalties=True) if pen.usable else md
 
+        def temper(x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+            # vLLM's temperature (in place, as vLLM does; t: the rows' temperatures), where vLLM
+            # applies one; greedy rows are divided by exactly 1.0 (x / 1.0 == x, bit for bit):
+            # their values stay those greedy_argmax sees
+            if md.all_greedy or md.temperature is None:
+                return x
+            return sampler.apply_temperature(x, t, md.all_random)
+
         def elementwise(lo: torch.Tensor, hi: torch.Tensor):
             out = []
             for x in (lo, hi):
@@ -278,22 +286,17 @@ def resolve(sampler, d: Deferred, logits: torch.Tensor, md, predict_bonus_token:
                 full = sampler.apply_logits_processors(full, md_rest, predict_bonus_token)
                 if pen.usable:  # vLLM applies its penalties last (what follows, a thinking budget, is refused)
                     full = pen.apply(full)
-                if not md.all_greedy and md.temperature is not None:
-                    # in place; greedy rows are divided by exactly 1.0 (x / 1.0 == x, bit for bit):
-                    # their values stay those greedy_argmax sees
-                    full = sampler.apply_temperature(full, md.temperature, md.all_random)
+                full = temper(full, md.temperature)
                 out.append(full if every_row else full[dev_rows])
             return out[0], out[1]
 
         def columns(lo: torch.Tensor, hi: torch.Tensor):
             # some columns of the rows, where no processor acts this step (_processors_idle): vLLM's
             # temperature only, per row, the same division as on the full rows
-            if md.all_greedy or md.temperature is None:
-                return lo, hi
-            t = md.temperature.to(lo.device)
-            t = t if every_row else t[dev_rows]
-            return (sampler.apply_temperature(lo.clone(), t, md.all_random),
-                    sampler.apply_temperature(hi.clone(), t, md.all_random))
+            t = md.temperature
+            if t is not None:
+                t = t.to(lo.device) if every_row else t.to(lo.device)[dev_rows]
+            return temper(lo.clone(), t), temper(hi.clone(), t)
 
         if isinstance(d.adapter, ShardedAdapter):  # tensor parallelism: one decision from gathered numbers
             res = certify_rows_sharded(d.adapter, d.hidden, elementwise, min_p, top_p, seeds.to(logits.device),
