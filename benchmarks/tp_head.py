@@ -60,7 +60,7 @@ def sampler_rows(head, size: int, hb: torch.Tensor, mode: str, temperature: floa
     min_p = torch.full((B,), 0.1 if mode == "min_p" else 0.0)
     top_p = torch.full((B,), 0.9 if mode == "top_p" else 1.0)
 
-    def temp(lo, hi):
+    def temp(lo, hi, rows=None):  # (one temperature for every row)
         return lo / temperature, hi / temperature
 
     if size == 1:

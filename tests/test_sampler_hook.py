@@ -199,6 +199,68 @@ def test_vllm_top_p_is_skipped_only_when_every_top_p_row_is_certified(all_top_p_
     assert (seen_p[-1] is None) == all_top_p_deferred
 
 
+def _spy_top_k(monkeypatch):
+    """Record the ``k`` vLLM's CPU sampler hands to apply_top_k_top_p, per draw."""
+    from vllm.v1.sample.ops import topk_topp_sampler as tts
+
+    seen, orig = [], tts.apply_top_k_top_p
+
+    def spy(logits, k, p):
+        seen.append(None if k is None else k.clone())
+        return orig(logits, k, p)
+    monkeypatch.setattr(tts, "apply_top_k_top_p", spy)
+    return seen
+
+
+def _top_k_batch(seed: int, k: int, T: float, scale: float):
+    g = torch.Generator().manual_seed(seed)
+    W, _ = peaked_head(V, D, seed=seed + 1, dtype=torch.bfloat16)
+    head = CertifiedHead(W, config=HeadConfig(screen="fp16", budget=0.5, off_switch=False))
+    h = hidden_near_rows(W, B, g, scale=scale)
+    md = metadata(g, [T] * B, seeded=range(0, B, 2), penalties=False, bias=False, allowed=False, bad=False)
+    md.top_k = torch.full((B,), k)
+    return head, h, md
+
+
+@pytest.mark.parametrize("all_top_k_deferred", [True, False])
+def test_vllm_top_k_is_skipped_only_when_every_top_k_row_is_certified(all_top_k_deferred, monkeypatch):
+    """Every top-k row certified: vLLM's draw runs without its top-k pass and draws what the dense
+    sampler draws; a top-k row left dense (here: not deferred) keeps vLLM's top-k for the batch,
+    with ``V`` (no top-k) on the certified rows; vLLM's values are restored after the draw."""
+    sampler_hook.install()
+    head, h, md = _top_k_batch(12, 20, 0.8, 3.0)  # confident rows: every one certifies
+    dense = head.dense_logits(h)
+    want = run(Sampler(), dense.clone(), md, seed=5)[0]
+    seen_k = _spy_top_k(monkeypatch)
+    rows = torch.arange(B) if all_top_k_deferred else torch.arange(1, B)  # row 0: dense, with its top-k
+    got, st = _hooked(head, h, dense, md, rows)
+    assert torch.equal(got, want)
+    assert sum(st.certified.values()) == rows.numel()
+    assert torch.equal(md.top_k, torch.full((B,), 20))
+    if all_top_k_deferred:
+        assert seen_k[-1] is None
+    else:
+        assert seen_k[-1] is not None and seen_k[-1][0] == 20 and bool((seen_k[-1][1:] == V).all())
+
+
+def test_a_top_k_drop_left_on_a_certified_row_is_caught(monkeypatch):
+    """Broken-output check: a certified top-k row that keeps a token its certificate dropped (its
+    upper bound -inf after top-k) finite on the partial row draws it once vLLM's top-k is skipped."""
+    from vllm_csv.sampling import rows as rows_mod
+
+    sampler_hook.install()
+    real = rows_mod._finish_rows
+    monkeypatch.setattr(rows_mod, "_finish_rows", lambda out, r, s, v, m, up: real(out, r, s, v, m, torch.zeros_like(up)))
+    wrong = 0
+    for seed in range(6):
+        head, h, md = _top_k_batch(30 + seed, 2, 2.0, 0.7)  # k = 2, hot: the third token often outdraws
+        dense = head.dense_logits(h)
+        want = run(Sampler(), dense.clone(), md, seed=5)[0]
+        got, st = _hooked(head, h, dense, md, torch.arange(B))
+        wrong += int((got != want).sum())
+    assert wrong > 0
+
+
 def test_rows_with_top_p_of_one_draw_like_vllm(monkeypatch):
     """top_p = 1.0 (vLLM's "no top-p") on deferred rows, beside a dense row with top_p < 1, so that
     vLLM applies its top-p to the whole batch: plain-sampling certificate, same draw as vLLM."""

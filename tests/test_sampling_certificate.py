@@ -28,8 +28,9 @@ def temperature_process(T, greedy):
     """vLLM's Sampler.apply_temperature on fp32 rows (greedy rows divided by 1)."""
     t = torch.where(greedy, torch.ones_like(T), T)
 
-    def process(lo, hi):
-        return lo.float() / t[:, None], hi.float() / t[:, None]
+    def process(lo, hi, rows=None):
+        tr = t if rows is None else t[rows]
+        return lo.float() / tr[:, None], hi.float() / tr[:, None]
     return process
 
 
@@ -201,7 +202,7 @@ def test_later_rounds_on_the_contenders_columns_only(screen):
             out, calls = [], []
             base = temperature_process(T, greedy)
             mism, share = check(head, h, T, greedy, seeds, columns=columns, out=out,
-                                process=lambda lo, hi: calls.append(lo.shape) or base(lo, hi))
+                                process=lambda lo, hi, rows=None: calls.append(lo.shape) or base(lo, hi, rows))
             assert mism == 0 and share > 0.9, (scale, columns, mism, share)
             res[columns] = out[0]
             full = [c for c in calls if c[1] == V]

@@ -17,18 +17,21 @@ Pipeline (per batch of rows that the sampler will draw from):
    budget is spent. Top-p rows have their :data:`TOP_P_GUESS` highest upper bounds scored
    before the first round (a round of theirs costs far more than scoring a few tokens, and
    those are where the draw and the nucleus' mass usually are); top-k rows their ``k + 1``.
-   When ``process`` is per token (``elementwise``), the rounds after the first certify on the
-   first round's contenders only, the tokens it ruled out kept as one summary per row
-   (:func:`~.certificate.ruled_out`): no second pass over the vocabulary; with ``columns``
-   (a per-row map) they map those columns only.
+   When ``process`` is per token (``elementwise``), the rounds after the first round with no
+   masks on the open rows certify on that round's contenders only, the tokens it ruled out kept
+   as one summary per row (:func:`~.certificate.ruled_out`): no second pass over the
+   vocabulary; with ``columns`` (a per-row map) they map those columns only.
 
-A row certified in a round stays certified: its proof used valid bounds, and later rounds only
-score more tokens, whose exact values it already beat.
+A row certified in a round leaves the loop: its proof used valid bounds and compared its winner
+with every token, scored or not, so it needs nothing more; the rounds after it (their maps, masks,
+certificates and scoring) run on the rows still open only (on 8 top-k rows, one or two are left
+after the first round).
 
-A certified row is handed to the sampler as exact values on the scored set ``S`` and
-``-inf`` elsewhere (and on tokens ``process`` rules out): the sampler then runs vLLM's
-unchanged code on it. Every finite value of the row lies within its token's bounds and was
-beaten by the winner, so the row's draw returns the certified winner too.
+A certified row is handed to the sampler as exact values on the set ``S`` of columns scored
+while it was open and ``-inf`` elsewhere (and on tokens ``process`` or the masks rule out in
+its certifying round): the sampler then runs vLLM's unchanged code on it. Every finite value of
+the row lies within its token's bounds and was beaten by the winner, so the row's draw returns
+the certified winner too.
 """
 
 from __future__ import annotations
@@ -102,8 +105,9 @@ def certify_rows(adapter: HeadAdapter, hidden: torch.Tensor, process: Process, s
     hidden : torch.Tensor
         ``[R, d]`` model dtype, the rows' final hidden states.
     process : callable
-        ``(lo, hi) -> (ylo, yhi)``, all ``[R, V]`` float32: maps bounds on the head's values
-        to bounds on the draw's inputs (monotone per token).
+        ``(lo, hi, rows) -> (ylo, yhi)``, all ``[n, V]`` float32: maps bounds on the head's values
+        to bounds on the draw's inputs (monotone per token), for the rows ``rows`` (``[n]`` int64,
+        ascending indices into the ``R`` rows; None: all of them, in order).
     seeds : torch.Tensor
         ``[R]`` int64, the seeds the sampler will draw with (ignored for greedy rows).
     greedy : torch.Tensor
@@ -111,8 +115,9 @@ def certify_rows(adapter: HeadAdapter, hidden: torch.Tensor, process: Process, s
     masked : torch.Tensor, optional
         ``[R, V]`` bool, tokens already set to ``-inf`` upstream (grammar bitmask).
     elementwise : bool
-        ``process`` maps each token's bounds on their own: with no min-p, top-k or top-p, later
-        rounds then certify on the first round's contenders only (module docstring).
+        ``process`` maps each token's bounds on their own: on rows with no min-p, top-k or top-p,
+        later rounds then certify on the contenders of the round that found it so only (module
+        docstring).
     min_p, top_k, top_p : torch.Tensor, optional
         ``[R]`` each (float32, int64, float32; ``0``, ``k <= 0`` or ``k >= V``, ``1``: off), vLLM's
         masks, applied after ``process`` in vLLM's order (:mod:`.nucleus`) on the rows still
@@ -127,10 +132,21 @@ def certify_rows(adapter: HeadAdapter, hidden: torch.Tensor, process: Process, s
         of the tokens of highest upper bound, dropped ones included: a screen's ``e^hi`` may be
         several times ``e^y``).
     columns : callable, optional
-        ``process`` on some columns only (``[R, n]`` bounds of any ``n`` columns, the same map
-        on each): given where each token's map depends on its row alone (vLLM's temperature with
-        no logits processor acting). With ``elementwise`` and no masks, the rounds after the first
-        then map the first round's contenders only, not ``[R, V]`` twice a round.
+        ``process`` on some columns only (``[n, c]`` bounds of any ``c`` columns, the same map
+        on each, and ``rows`` as for ``process``): given where each token's map depends on its
+        row alone (vLLM's temperature with no logits processor acting). With ``elementwise`` and
+        no masks, the later rounds then map the contenders' columns only, not ``[n, V]`` twice.
+
+    Returns
+    -------
+    RowsResult
+        A certified row's values are exact on the columns scored while it was open, ``-inf``
+        elsewhere.
+
+    Each round runs on the rows still open only: a row leaves the loop in the round that
+    certifies it (or puts it over budget), its output finished then (:func:`_finish_rows`), and
+    columns scored later are scored for the open rows only (a certified row needs no more: its
+    proof already compared its winner with every token, scored or not).
     """
     R, V = hidden.shape[0], adapter.vocab_size
     dev = hidden.device
@@ -139,6 +155,10 @@ def certify_rows(adapter: HeadAdapter, hidden: torch.Tensor, process: Process, s
         lo.masked_fill_(masked, -math.inf)
         hi.masked_fill_(masked, -math.inf)
     values, scored, budget, certified, winner, over_budget = empty_state(adapter, R, dev)
+    # the results, all R rows: a row's are written once, when it leaves the loop
+    out = RowsResult(values, certified.clone(), winner.clone(), [], 0)
+    out_over, all_finite = over_budget.clone(), finite
+    live = torch.arange(R, device=dev)  # the rows in the loop (indices into the R rows)
 
     def add(ids: torch.Tensor) -> None:
         score_columns(adapter, hidden, hnorm, ids, values, lo, hi, scored)
@@ -146,6 +166,23 @@ def certify_rows(adapter: HeadAdapter, hidden: torch.Tensor, process: Process, s
             m = masked[:, ids]
             lo[:, ids] = lo[:, ids].masked_fill(m, -math.inf)
             hi[:, ids] = hi[:, ids].masked_fill(m, -math.inf)
+
+    def leave(rows: torch.Tensor, yhi: torch.Tensor | None) -> None:
+        # the rows ``rows`` ([n] bool over the live rows) leave the loop in this round: results
+        # out; a certified row's values masked with this round's drops (yhi: its upper bounds
+        # after process and the masks; None in a column-only round: mapped here)
+        idx = live[rows]
+        out.certified[idx], out.winner[idx], out_over[idx] = certified[rows], winner[rows], over_budget[rows]
+        done = rows & certified
+        if bool(any_(done)):
+            r = done.nonzero().squeeze(1)
+            s_idx = scored.nonzero().squeeze(1)
+            if yhi is not None:
+                up = rows_of(yhi, r)[:, s_idx]
+            else:  # (lo, hi are this round's: no column was scored after its map)
+                up = columns(rows_of(lo, r)[:, s_idx], rows_of(hi, r)[:, s_idx], rows_of(live, r))[1]
+            _finish_rows(out.values, rows_of(live, r), s_idx, rows_of(values, r),
+                         None if masked is None else rows_of(masked, r), up)
 
     if one_sided and bool(finite.any()):
         add(hi[finite].topk(min(FIRST_GUESS, V), dim=1).indices.unique())
@@ -165,28 +202,23 @@ def certify_rows(adapter: HeadAdapter, hidden: torch.Tensor, process: Process, s
             first = torch.zeros(V, dtype=torch.bool, device=dev)
             _focus(first, hi, count, guess, scored)
             add(first.nonzero().squeeze(1))
-    narrow = None  # (columns, ruled-out summaries): the rounds after the first, elementwise
+    narrow = None  # (columns, ruled-out summaries): the rounds after the one that set it, elementwise
     stuck = torch.zeros(R, dtype=torch.long, device=dev)  # top-p rows: rounds with every contender scored
     masks = _Masks(min_p, top_k, top_p, V)
-    # The drops a certified row's output is masked with: its certifying round's (see the end),
-    # kept as (rows certified, that round's upper bounds) and read on the scored columns only.
-    # With a per-token monotone map and no masks, bounds only fall from round to round, so a -inf
-    # stays -inf: the last round's drops hold the certifying round's, and the few more it may
-    # hold lost to the winner anyway. Then none is kept.
-    gone: list[tuple[torch.Tensor, torch.Tensor]] | None = None if elementwise and masks.off else []
     asked = None  # top-p rows: the tokens whose decisions the draw's certificate needed so far
     by_query = None  # top-p rows: the last round's queries (TopPQueries), narrowed to the next round's bounds
     for rnd in range(MAX_ROUNDS + 1):
+        rows = None if live.numel() == R else live
         if narrow is not None and columns is not None:
-            # a later round, elementwise and no masks: only the first round's contenders are read,
-            # and with a per-row map they can be mapped alone (no [R, V] pass)
+            # a later round, elementwise and no masks: only the contenders of the round that set
+            # narrow are read, and with a per-row map they can be mapped alone (no [n, V] pass)
             cols_n, rest = narrow
-            ylo_c, yhi_c = columns(lo.index_select(1, cols_n), hi.index_select(1, cols_n))
+            ylo_c, yhi_c = columns(lo.index_select(1, cols_n), hi.index_select(1, cols_n), rows)
             cert = _certify_columns(ylo_c, yhi_c, seeds, greedy, cols_n, rest, V)
             ylo = yhi = None  # (not mapped on every column this round: mapped below where read)
             by_query = None
         else:
-            ylo0, yhi0 = masks.before_top_p(*process(lo, hi), ~certified)
+            ylo0, yhi0 = masks.before_top_p(*process(lo, hi, rows), ~certified)
             # top-p rows: first decided on their likely winners only, then on the draw's contenders
             # that this leaves (nucleus docstring, "deciding some tokens only"); the rest stays
             # undecided, which the certificate allows for any token that cannot win
@@ -225,14 +257,13 @@ def certify_rows(adapter: HeadAdapter, hidden: torch.Tensor, process: Process, s
         now = cert.certified & finite & scored[cert.winner] & ~certified
         winner = torch.where(now, cert.winner, winner)
         certified |= now
-        if gone is not None and bool(any_(now)):
-            gone.append((now, yhi))
         span = None if narrow is None else narrow[0]  # contenders lie in these columns only
         open_rows = finite & ~certified & ~over_budget
         need = contended(cert.contenders, open_rows, span)
-        if rnd == 0 and elementwise and masks.off and bool((cert.finite | ~finite).all()):
-            every = need if bool(open_rows.all()) else contended(cert.contenders, None, None)
-            cols = every.nonzero().squeeze(1)
+        if narrow is None and elementwise and masks.off and bool((cert.finite | ~finite).all()):
+            # (a round over every column with no masks on the rows in the loop: the rounds after
+            # it read the open rows' contenders only, the rest of each row summarised)
+            cols = need.nonzero().squeeze(1)
             narrow = (cols, ruled_out(cert, greedy)) if cols.numel() else None
         need &= ~scored
         # rows where no token is certainly kept yet (e.g. min-p / top-p undecided on screen
@@ -240,7 +271,7 @@ def certify_rows(adapter: HeadAdapter, hidden: torch.Tensor, process: Process, s
         blind = open_rows & ~cert.finite
         if bool(any_(blind)):  # (the full pass only when some row may be blind)
             if yhi is None:  # (a narrow round: the full map, for these rows' highest upper bounds)
-                ylo, yhi = process(lo, hi)
+                ylo, yhi = process(lo, hi, rows)
             blind &= any_(yhi > -math.inf, 1)
         if bool(any_(blind)):
             top = yhi[blind].topk(min(FIRST_GUESS, V), dim=1)
@@ -254,36 +285,56 @@ def certify_rows(adapter: HeadAdapter, hidden: torch.Tensor, process: Process, s
             if masks.top_p_on:  # top-p rows with no contender left to score: stuck on masses
                 stuck += rows_f & (top_p < 1.0) & ~any_(cert.contenders & ~scored[None], 1)
             _focus(need, hi, _focus_counts(top_k, top_p, stuck, V), rows_f, scored)
-        if not bool(any_(need)):
-            break
-        if rnd == MAX_ROUNDS:
+        if not bool(any_(need)) or rnd == MAX_ROUNDS:
             break
         new, over_budget = next_columns(need, cert.contenders, scored, open_rows, over_budget, budget)
         if new is None:
             break
+        keep = finite & ~certified & ~over_budget
+        if not bool(all_(keep)):
+            # rows certified (or over budget) in this round leave: the next rounds, and the
+            # scoring of their columns, run on the open rows only
+            leave(~keep, yhi)
+            k = keep.nonzero().squeeze(1)
+            live, hidden, hnorm, lo, hi, values = live[k], hidden[k], hnorm[k], lo[k], hi[k], values[k]
+            seeds, greedy, finite, certified, winner, over_budget, stuck = (
+                t[k] for t in (seeds, greedy, finite, certified, winner, over_budget, stuck))
+            masked = None if masked is None else masked[k]
+            min_p, top_k, top_p = (None if t is None else t[k] for t in (min_p, top_k, top_p))
+            masks = _Masks(min_p, top_k, top_p, V)
+            asked = None if asked is None else asked[k]
+            by_query = None  # (its lists are the old rows': a new one for these)
+            narrow = None if narrow is None else (narrow[0], narrow[1].rows(k))
         add(new)
-    # values are -inf outside S: only its columns are masked
-    s_idx = scored.nonzero().squeeze(1)
-    v = values[:, s_idx]
-    if masked is not None:
-        v.masked_fill_(masked[:, s_idx], -math.inf)
-    # A token whose upper bound after ``process`` and the masks was -inf in the round that
-    # certified its row (masked, or certainly dropped by min-p / top-k / top-p) was never
-    # compared with the winner: it must not compete on the row the sampler gets either (the
-    # sampler may not drop it again: top-p is not re-applied to a certified row, and min-p on a
-    # partial row keeps at least what it keeps on the full row). (Another round's drops are
-    # not that proof's: the tail a top-p drops as one block may differ between rounds.)
-    if gone is None:  # (lo, hi are the last round's: no column was scored after its map)
-        drops = (yhi[:, s_idx] if yhi is not None else columns(lo[:, s_idx], hi[:, s_idx])[1]) == -math.inf
-    else:
-        drops = torch.zeros((R, s_idx.numel()), dtype=torch.bool, device=dev)
-        for rows_now, yhi_then in gone:
-            drops[rows_now] = yhi_then[:, s_idx][rows_now] == -math.inf
-    values[:, s_idx] = v.masked_fill_(drops, -math.inf)
     open_rows = finite & ~certified & ~over_budget
     cont, unscored = (cert.contenders, ~scored) if span is None else (cert.contenders[:, span], ~scored[span])
     over_budget |= open_rows & any_(cont & unscored[None], 1)  # still waiting for room
-    return RowsResult(values, certified, winner, reasons(certified, finite, over_budget), int(scored.sum()))
+    leave(torch.ones_like(certified), yhi)
+    out.reason, out.scored = reasons(out.certified, all_finite, out_over), int(scored.sum())
+    return out
+
+
+def _finish_rows(out: torch.Tensor, rows: torch.Tensor, s_idx: torch.Tensor, values: torch.Tensor,
+                 masked: torch.Tensor | None, up: torch.Tensor) -> None:
+    """Certified rows' outputs, in place: ``out[rows]`` (``out`` ``[R, V]``, ``-inf`` off the
+    scored columns ``s_idx``) gets ``values`` (``[n, V]``, the rows' exact values on ``s_idx``),
+    with ``-inf`` where upstream masked a token (``masked``, ``[n, V]``) and where the round that
+    certified the row had a ``-inf`` upper bound (``up``: ``[n, |s_idx|]``, its upper bounds after
+    ``process`` and the masks, on ``s_idx``).
+
+    A token whose upper bound was ``-inf`` in that round (masked, or certainly dropped by min-p /
+    top-k / top-p) was never compared with the winner: it must not compete on the row the sampler
+    gets either (the sampler may not drop it again: top-p is not re-applied to a certified row,
+    and min-p on a partial row keeps at least what it keeps on the full row). (Another round's
+    drops are not that proof's: the tail a top-p drops as one block may differ between rounds.)"""
+    v = values[:, s_idx]
+    if masked is not None:
+        v.masked_fill_(masked[:, s_idx], -math.inf)
+    v.masked_fill_(up == -math.inf, -math.inf)
+    if rows.numel() == out.shape[0]:  # (rows ascending and distinct: every row, in order)
+        out[:, s_idx] = v
+    else:
+        out[rows[:, None], s_idx[None]] = v
 
 
 def score_columns(adapter: HeadAdapter, hidden: torch.Tensor, hnorm: torch.Tensor, ids: torch.Tensor,

@@ -29,7 +29,8 @@ the certified token (every finite value lies within its token's bounds; the toke
 the scored set are ``-inf``; a top-p of 1.0 or min-p of 0 that vLLM applies batch-wide
 removes no token within 41 of the row's maximum, and the winner is within 41.1, the width of
 the noise). When every top-p row of the batch was certified, vLLM's top-p is skipped for the
-draw (:func:`_top_p_off`): its full-vocabulary sort was the dense step's largest cost. Anything this hook cannot reason about (speculative decoding, fp64 Gumbel,
+draw (:func:`_masks_off`): its full-vocabulary sort was the dense step's largest cost; so is
+vLLM's top-k when every top-k row was certified. Anything this hook cannot reason about (speculative decoding, fp64 Gumbel,
 a thinking budget, custom logits processors, min_tokens with a grammar, a non-CPU sampler)
 makes every deferred row dense.
 
@@ -223,13 +224,16 @@ def _min_p(md, rows: torch.Tensor) -> torch.Tensor:
 def resolve(sampler, d: Deferred, logits: torch.Tensor, md, predict_bonus_token: bool = False
             ) -> tuple[DeferredStats, torch.Tensor]:
     """Fill ``logits``' deferred rows (certified or dense) in place; see the module docstring.
-    Returns the stats and the certified rows whose top-p vLLM must not apply again: on the
-    partial row (exact on ``S``, ``-inf`` elsewhere) its cumulative sums are not the full row's,
-    so the caller sets their ``top_p`` to 1 for this draw (the certificate already decided
-    it: the winner is kept and beats every token that may be kept). Min-p and top-k need no
-    such step: on the partial row the maximum is at most the full row's, so min-p keeps the
-    winner, and the tokens above the winner there are among those above it in the full row,
-    fewer than ``k``, so top-k keeps it; dropping other tokens cannot change a certified draw."""
+    Returns the stats and the certified rows (batch indices), whose top-p and top-k vLLM must
+    not apply again: on the partial row (exact on ``S``, ``-inf`` elsewhere) top-p's cumulative
+    sums are not the full row's, so the caller sets their ``top_p`` to 1 and their ``top_k`` to
+    ``V`` for this draw. The certificate already decided both: the winner is kept, and every
+    finite value of the partial row is a token that may be kept (the certainly dropped ones are
+    ``-inf`` there), which the winner beat. (Top-k on the partial row would keep the winner too:
+    the tokens above it there are among those above it in the full row, fewer than ``k``; setting
+    ``V`` lets vLLM skip its ``[B, V]`` top-k pass when every top-k row is certified. Min-p is
+    left as vLLM applies it: on the partial row the maximum is at most the full row's, so min-p
+    keeps the winner, and dropping other tokens cannot change a certified draw.)"""
     t0 = time.perf_counter()
     rows = d.rows
     R = rows.numel()
@@ -260,43 +264,54 @@ def resolve(sampler, d: Deferred, logits: torch.Tensor, md, predict_bonus_token:
         top_k = md.top_k.cpu()[rows].long() if md.top_k is not None else torch.full((R,), V)
         top_k = top_k.masked_fill(greedy, V)
 
-        base = None if every_row else logits.float()
+        canvas = None  # [B, V] fp32: vLLM's processors read the batch's layout (made when first needed)
         # vLLM's penalties on the columns they touch only (penalties.py: the same values; vLLM's
         # full call is its dearest [R, V] pass, run here on both bounds every round); the other
         # processors as vLLM runs them, on metadata saying "no penalties"
         pen = TouchedPenalties(md, logits.shape[1])
         md_rest = dataclasses.replace(md, no_penalties=True) if pen.usable else md
+        idle = _processors_idle(md)
 
-        def temper(x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
-            # vLLM's temperature (in place, as vLLM does; t: the rows' temperatures), where vLLM
-            # applies one; greedy rows are divided by exactly 1.0 (x / 1.0 == x, bit for bit):
-            # their values stay those greedy_argmax sees
+        def temper(x: torch.Tensor, sel: torch.Tensor | None) -> torch.Tensor:
+            # vLLM's temperature (in place, as vLLM does) on the batch rows ``sel`` (None: all),
+            # where vLLM applies one; greedy rows are divided by exactly 1.0 (x / 1.0 == x, bit
+            # for bit): their values stay those greedy_argmax sees
             if md.all_greedy or md.temperature is None:
                 return x
-            return sampler.apply_temperature(x, t, md.all_random)
+            t = md.temperature.to(x.device)
+            return sampler.apply_temperature(x, t if sel is None else t[sel], md.all_random)
 
-        def elementwise(lo: torch.Tensor, hi: torch.Tensor):
+        def batch_rows(rows: torch.Tensor | None) -> torch.Tensor | None:
+            # the batch rows of the deferred rows ``rows`` (None: all of them); None: the whole batch
+            if every_row and rows is None:
+                return None
+            return dev_rows if rows is None else dev_rows[rows.to(dev_rows.device)]
+
+        def columns(lo: torch.Tensor, hi: torch.Tensor, rows: torch.Tensor | None = None):
+            # some columns of some rows, where no processor acts this step (_processors_idle):
+            # vLLM's temperature only, per row, the same division as on the full rows
+            sel = batch_rows(rows)
+            return temper(lo.clone(), sel), temper(hi.clone(), sel)
+
+        def elementwise(lo: torch.Tensor, hi: torch.Tensor, rows: torch.Tensor | None = None):
+            nonlocal canvas
+            if idle:
+                return columns(lo, hi, rows)
+            sel = batch_rows(rows)
             out = []
             for x in (lo, hi):
-                if every_row:
+                if sel is None:
                     full = x.clone()  # vLLM's processors work in place
                 else:
-                    full = base.clone()
-                    full[dev_rows] = x
+                    if canvas is None:  # (the other rows' contents are never read back)
+                        canvas = logits.float()
+                    full = canvas.clone()
+                    full[sel] = x
                 full = sampler.apply_logits_processors(full, md_rest, predict_bonus_token)
                 if pen.usable:  # vLLM applies its penalties last (what follows, a thinking budget, is refused)
                     full = pen.apply(full)
-                full = temper(full, md.temperature)
-                out.append(full if every_row else full[dev_rows])
+                out.append(temper(full if sel is None else full[sel], sel))
             return out[0], out[1]
-
-        def columns(lo: torch.Tensor, hi: torch.Tensor):
-            # some columns of the rows, where no processor acts this step (_processors_idle): vLLM's
-            # temperature only, per row, the same division as on the full rows
-            t = md.temperature
-            if t is not None:
-                t = t.to(lo.device) if every_row else t.to(lo.device)[dev_rows]
-            return temper(lo.clone(), t), temper(hi.clone(), t)
 
         if isinstance(d.adapter, ShardedAdapter):  # tensor parallelism: one decision from gathered numbers
             res = certify_rows_sharded(d.adapter, d.hidden, elementwise, min_p, top_p, seeds.to(logits.device),
@@ -311,11 +326,10 @@ def resolve(sampler, d: Deferred, logits: torch.Tensor, md, predict_bonus_token:
             dev = logits.device
             res = certify_rows(d.adapter, d.hidden, elementwise, seeds.to(dev), greedy.to(dev), masked,
                                elementwise=True, min_p=min_p.to(dev), top_k=top_k.to(dev), top_p=top_p.to(dev),
-                               columns=columns if _processors_idle(md) else None)
+                               columns=columns if idle else None)
         certified = _write(logits, dev_rows, res, st, every_row)
     _finish(d, logits, dev_rows, certified, masked, st, why, t0)
-    no_top_p = rows[certified & (top_p < 1.0)] if why is None else rows[:0]
-    return st, no_top_p
+    return st, rows[certified] if why is None else rows[:0]
 
 
 def _write(logits: torch.Tensor, dev_rows: torch.Tensor, res, st: DeferredStats,
@@ -418,18 +432,25 @@ def resolve_v2(sampler, d: Deferred, logits: torch.Tensor, input_batch) -> Defer
     return st
 
 
-def _top_p_off(sampler, md) -> bool:
-    """Whether vLLM's top-p may be skipped for this draw (``top_p=None``), once the certified
-    rows' values are 1: every row's ``top_p`` is 1, no top-k, and no processed logprobs to
-    return. A top-p of 1 only drops tokens of fp32 probability 0 (``y < max y - 87``), which
-    no draw picks (a Gumbel winner is within 41.1 of the row's maximum, and greedy rows take
-    their argmax before top-p): the draw is the same, without vLLM's full-vocabulary sort.
-    (One host read of ``top_p``: on the CPU sampler, where it lives.)"""
-    if md.top_k is not None or not bool((md.top_p == 1.0).all()):
-        return False
+def _masks_off(sampler, md, V: int) -> dict:
+    """Which of vLLM's masks may be skipped for this draw once the certified rows' ``top_k`` is
+    ``V`` and their ``top_p`` is 1 (:func:`resolve`): ``{"top_k": None}`` where every row's
+    ``top_k`` is ``V`` (vLLM's "no top-k": nothing to mask), then ``{"top_p": None}`` too where
+    every row's ``top_p`` is 1 and no top-k is left; nothing where processed logprobs are returned
+    (they are read after the masks). A top-p of 1 only drops tokens of fp32 probability 0
+    (``y < max y - 87``), which no draw picks (a Gumbel winner is within 41.1 of the row's
+    maximum, and greedy rows take their argmax before top-p): the draw is the same, without
+    vLLM's full-vocabulary sort. (Host reads of ``top_k`` and ``top_p``: on the CPU sampler,
+    where they live.)"""
     wants_logprobs = md.max_num_logprobs is not None or bool(getattr(md, "logprob_token_ids", None))
-    return not wants_logprobs or sampler.topk_topp_sampler.logprobs_mode not in ("processed_logits",
-                                                                                 "processed_logprobs")
+    if wants_logprobs and sampler.topk_topp_sampler.logprobs_mode in ("processed_logits", "processed_logprobs"):
+        return {}
+    off = {}
+    if md.top_k is not None and bool((md.top_k == V).all()):
+        off["top_k"] = None
+    if (md.top_k is None or off) and md.top_p is not None and bool((md.top_p == 1.0).all()):
+        off["top_p"] = None
+    return off
 
 
 def install() -> None:
@@ -444,21 +465,23 @@ def install() -> None:
         d = _take(logits)
         if d is None:
             return orig(self, logits, sampling_metadata, predict_bonus_token, logprobs_mode_override)
-        st, no_top_p = resolve(self, d, logits, sampling_metadata, predict_bonus_token)
+        st, settled = resolve(self, d, logits, sampling_metadata, predict_bonus_token)
         d.done(st)
-        top_p = sampling_metadata.top_p
-        if no_top_p.numel() == 0 or top_p is None:
-            return orig(self, logits, sampling_metadata, predict_bonus_token, logprobs_mode_override)
-        idx = no_top_p.to(top_p.device)
-        saved = top_p[idx].clone()
-        top_p[idx] = 1.0  # decided by the certificate (see resolve); vLLM's own value is restored after
-        try:
-            md = sampling_metadata
-            if _top_p_off(self, md):
-                md = dataclasses.replace(md, top_p=None)
+        md = sampling_metadata
+        masks = [(t, v) for t, v in ((md.top_p, 1.0), (md.top_k, logits.shape[1])) if t is not None]
+        if settled.numel() == 0 or not masks:
             return orig(self, logits, md, predict_bonus_token, logprobs_mode_override)
+        # decided by the certificate (see resolve); vLLM's own values are restored after
+        saved = [(t, t[settled.to(t.device)].clone()) for t, _ in masks]
+        for t, v in masks:
+            t[settled.to(t.device)] = v
+        try:
+            off = _masks_off(self, md, logits.shape[1])
+            return orig(self, logits, dataclasses.replace(md, **off) if off else md, predict_bonus_token,
+                        logprobs_mode_override)
         finally:
-            top_p[idx] = saved
+            for t, old in saved:
+                t[settled.to(t.device)] = old
 
     Sampler.forward = forward
     Sampler._csv_wrapped = True
