@@ -261,6 +261,62 @@ def test_a_top_k_drop_left_on_a_certified_row_is_caught(monkeypatch):
     assert wrong > 0
 
 
+def _spy_min_p(monkeypatch):
+    """Count vLLM's min-p passes (its processor applied with some row's min-p set)."""
+    seen, orig = [], MinPLogitsProcessor.apply
+
+    def spy(self, logits):
+        if self.min_p_count:
+            seen.append(True)
+        return orig(self, logits)
+    monkeypatch.setattr(MinPLogitsProcessor, "apply", spy)
+    return seen
+
+
+def _min_p_batch(seed: int, min_p: float, T: float, scale: float):
+    g = torch.Generator().manual_seed(seed)
+    W, _ = peaked_head(V, D, seed=seed + 1, dtype=torch.bfloat16)
+    head = CertifiedHead(W, config=HeadConfig(screen="fp16", budget=0.5, off_switch=False))
+    h = hidden_near_rows(W, B, g, scale=scale)
+    md = metadata(g, [T] * B, seeded=range(0, B, 2), penalties=False, bias=False, allowed=False, bad=False,
+                  min_p=min_p)
+    return head, h, md
+
+
+@pytest.mark.parametrize("all_min_p_deferred", [True, False])
+def test_vllm_min_p_is_skipped_only_when_every_min_p_row_is_certified(all_min_p_deferred, monkeypatch):
+    """Every sampled min-p row certified: vLLM's draw runs without its min-p pass (a softmax and a
+    mask over [B, V]) and draws what the dense sampler draws; a min-p row left dense keeps it."""
+    sampler_hook.install()
+    head, h, md = _min_p_batch(14, 0.2, 0.8, 3.0)
+    dense = head.dense_logits(h)
+    want = run(Sampler(), dense.clone(), md, seed=5)[0]
+    seen = _spy_min_p(monkeypatch)
+    rows = torch.arange(B) if all_min_p_deferred else torch.arange(2, B)  # row 1 has a min-p: dense
+    got, st = _hooked(head, h, dense, md, rows)
+    assert torch.equal(got, want)
+    assert sum(st.certified.values()) == rows.numel()
+    assert bool(seen) != all_min_p_deferred
+
+
+def test_a_min_p_drop_left_on_a_certified_row_is_caught(monkeypatch):
+    """Broken-output check: tokens the certificate dropped by min-p left finite on the partial row
+    are drawn once vLLM's min-p is skipped."""
+    from vllm_csv.sampling import rows as rows_mod
+
+    sampler_hook.install()
+    real = rows_mod._finish_rows
+    monkeypatch.setattr(rows_mod, "_finish_rows", lambda out, r, s, v, m, up: real(out, r, s, v, m, torch.zeros_like(up)))
+    wrong = 0
+    for seed in range(6):
+        head, h, md = _min_p_batch(50 + seed, 0.6, 2.0, 0.7)  # hot rows, a high min-p: dropped tokens outdraw
+        dense = head.dense_logits(h)
+        want = run(Sampler(), dense.clone(), md, seed=5)[0]
+        got, _ = _hooked(head, h, dense, md, torch.arange(B))
+        wrong += int((got != want).sum())
+    assert wrong > 0
+
+
 def test_rows_with_top_p_of_one_draw_like_vllm(monkeypatch):
     """top_p = 1.0 (vLLM's "no top-p") on deferred rows, beside a dense row with top_p < 1, so that
     vLLM applies its top-p to the whole batch: plain-sampling certificate, same draw as vLLM."""

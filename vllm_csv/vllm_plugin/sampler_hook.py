@@ -29,10 +29,10 @@ the certified token (every finite value lies within its token's bounds; the toke
 the scored set are ``-inf``; a top-p of 1.0 or min-p of 0 that vLLM applies batch-wide
 removes no token within 41 of the row's maximum, and the winner is within 41.1, the width of
 the noise). When every top-p row of the batch was certified, vLLM's top-p is skipped for the
-draw (:func:`_masks_off`): its full-vocabulary sort was the dense step's largest cost; so is
-vLLM's top-k when every top-k row was certified. Anything this hook cannot reason about (speculative decoding, fp64 Gumbel,
-a thinking budget, custom logits processors, min_tokens with a grammar, a non-CPU sampler)
-makes every deferred row dense.
+draw (:func:`_masks_off`): its full-vocabulary sort was the dense step's largest cost; so are
+vLLM's top-k and min-p when every row with one was certified. Anything this hook cannot reason
+about (speculative decoding, fp64 Gumbel, a thinking budget, custom logits processors,
+min_tokens with a grammar, a non-CPU sampler) makes every deferred row dense.
 
 Structured output (the grammar bitmask), as read in vLLM 0.32.0. The V1 runner
 (``GPUModelRunner``; ``CPUModelRunner`` inherits ``execute_model`` and ``sample_tokens``
@@ -432,16 +432,22 @@ def resolve_v2(sampler, d: Deferred, logits: torch.Tensor, input_batch) -> Defer
     return st
 
 
-def _masks_off(sampler, md, V: int) -> dict:
-    """Which of vLLM's masks may be skipped for this draw once the certified rows' ``top_k`` is
-    ``V`` and their ``top_p`` is 1 (:func:`resolve`): ``{"top_k": None}`` where every row's
-    ``top_k`` is ``V`` (vLLM's "no top-k": nothing to mask), then ``{"top_p": None}`` too where
-    every row's ``top_p`` is 1 and no top-k is left; nothing where processed logprobs are returned
-    (they are read after the masks). A top-p of 1 only drops tokens of fp32 probability 0
-    (``y < max y - 87``), which no draw picks (a Gumbel winner is within 41.1 of the row's
-    maximum, and greedy rows take their argmax before top-p): the draw is the same, without
-    vLLM's full-vocabulary sort. (Host reads of ``top_k`` and ``top_p``: on the CPU sampler,
-    where they live.)"""
+def _masks_off(sampler, md, V: int, settled: torch.Tensor) -> dict:
+    """Which of vLLM's masks may be skipped for this draw once the certified rows ``settled``
+    (batch indices) have ``top_k`` ``V`` and ``top_p`` 1 (:func:`resolve`), as replacements of
+    ``md``'s fields: ``top_k`` None where every row's ``top_k`` is ``V`` (vLLM's "no top-k":
+    nothing to mask); then ``top_p`` None too where every row's ``top_p`` is 1 and no top-k is
+    left; ``logitsprocs`` without vLLM's min-p where every sampled row with a min-p is certified
+    (the certificate decided min-p on them as it did top-k: every finite value of the partial row
+    may be kept and was beaten by the winner; greedy rows take their argmax before it). Nothing
+    where processed logprobs are returned (they are read after the masks). A top-p of 1 only
+    drops tokens of fp32 probability 0 (``y < max y - 87``), which no draw picks (a Gumbel winner
+    is within 41.1 of the row's maximum): the draw is the same, without vLLM's full-vocabulary
+    sort. (Host reads of ``top_k``, ``top_p``, ``temperature`` and min-p's values: on the CPU
+    sampler, where they live.)"""
+    from vllm.v1.sample.logits_processor import LogitsProcessors
+    from vllm.v1.sample.logits_processor.builtin import MinPLogitsProcessor
+
     wants_logprobs = md.max_num_logprobs is not None or bool(getattr(md, "logprob_token_ids", None))
     if wants_logprobs and sampler.topk_topp_sampler.logprobs_mode in ("processed_logits", "processed_logprobs"):
         return {}
@@ -450,6 +456,16 @@ def _masks_off(sampler, md, V: int) -> dict:
         off["top_k"] = None
     if (md.top_k is None or off) and md.top_p is not None and bool((md.top_p == 1.0).all()):
         off["top_p"] = None
+    procs = md.logitsprocs.argmax_invariant
+    min_p = [p for p in procs if isinstance(p, MinPLogitsProcessor) and p.min_p_count]
+    if min_p and not md.all_greedy:
+        B = md.temperature.shape[0]
+        on = torch.as_tensor(min_p[0].min_p_cpu[:B]) > 0
+        if not md.all_random:
+            on &= md.temperature.cpu() >= _SAMPLING_EPS
+        on[settled] = False
+        if not bool(on.any()):
+            off["logitsprocs"] = LogitsProcessors([p for p in md.logitsprocs.all if p is not min_p[0]])
     return off
 
 
@@ -469,14 +485,14 @@ def install() -> None:
         d.done(st)
         md = sampling_metadata
         masks = [(t, v) for t, v in ((md.top_p, 1.0), (md.top_k, logits.shape[1])) if t is not None]
-        if settled.numel() == 0 or not masks:
+        if settled.numel() == 0:
             return orig(self, logits, md, predict_bonus_token, logprobs_mode_override)
         # decided by the certificate (see resolve); vLLM's own values are restored after
         saved = [(t, t[settled.to(t.device)].clone()) for t, _ in masks]
         for t, v in masks:
             t[settled.to(t.device)] = v
         try:
-            off = _masks_off(self, md, logits.shape[1])
+            off = _masks_off(self, md, logits.shape[1], settled)
             return orig(self, logits, dataclasses.replace(md, **off) if off else md, predict_bonus_token,
                         logprobs_mode_override)
         finally:
