@@ -155,14 +155,15 @@ def test_sampler_refuses_a_mismatched_batch():
         Sampler()(logits=torch.zeros(B, V), sampling_metadata=md)
 
 
-def _spy_top_p(monkeypatch):
-    """Record the ``p`` vLLM's CPU sampler hands to apply_top_k_top_p, per draw."""
+def _spy_masks(monkeypatch, which: str):
+    """Record the ``k`` or ``p`` (``which``) vLLM's CPU sampler hands to apply_top_k_top_p, per draw."""
     from vllm.v1.sample.ops import topk_topp_sampler as tts
 
     seen, orig = [], tts.apply_top_k_top_p
 
     def spy(logits, k, p):
-        seen.append(None if p is None else p.clone())
+        x = k if which == "k" else p
+        seen.append(None if x is None else x.clone())
         return orig(logits, k, p)
     monkeypatch.setattr(tts, "apply_top_k_top_p", spy)
     return seen
@@ -191,25 +192,12 @@ def test_vllm_top_p_is_skipped_only_when_every_top_p_row_is_certified(all_top_p_
                   top_p=0.7)
     dense = head.dense_logits(h)
     want = run(Sampler(), dense.clone(), md, seed=5)[0]
-    seen_p = _spy_top_p(monkeypatch)
+    seen_p = _spy_masks(monkeypatch, "p")
     rows = torch.arange(B) if all_top_p_deferred else torch.arange(B)[md.top_p == 1.0]  # top-p rows dense
     got, st = _hooked(head, h, dense, md, rows)
     assert torch.equal(got, want)
     assert sum(st.certified.values()) == rows.numel()
     assert (seen_p[-1] is None) == all_top_p_deferred
-
-
-def _spy_top_k(monkeypatch):
-    """Record the ``k`` vLLM's CPU sampler hands to apply_top_k_top_p, per draw."""
-    from vllm.v1.sample.ops import topk_topp_sampler as tts
-
-    seen, orig = [], tts.apply_top_k_top_p
-
-    def spy(logits, k, p):
-        seen.append(None if k is None else k.clone())
-        return orig(logits, k, p)
-    monkeypatch.setattr(tts, "apply_top_k_top_p", spy)
-    return seen
 
 
 def _top_k_batch(seed: int, k: int, T: float, scale: float):
@@ -231,7 +219,7 @@ def test_vllm_top_k_is_skipped_only_when_every_top_k_row_is_certified(all_top_k_
     head, h, md = _top_k_batch(12, 20, 0.8, 3.0)  # confident rows: every one certifies
     dense = head.dense_logits(h)
     want = run(Sampler(), dense.clone(), md, seed=5)[0]
-    seen_k = _spy_top_k(monkeypatch)
+    seen_k = _spy_masks(monkeypatch, "k")
     rows = torch.arange(B) if all_top_k_deferred else torch.arange(1, B)  # row 0: dense, with its top-k
     got, st = _hooked(head, h, dense, md, rows)
     assert torch.equal(got, want)
@@ -241,24 +229,6 @@ def test_vllm_top_k_is_skipped_only_when_every_top_k_row_is_certified(all_top_k_
         assert seen_k[-1] is None
     else:
         assert seen_k[-1] is not None and seen_k[-1][0] == 20 and bool((seen_k[-1][1:] == V).all())
-
-
-def test_a_top_k_drop_left_on_a_certified_row_is_caught(monkeypatch):
-    """Broken-output check: a certified top-k row that keeps a token its certificate dropped (its
-    upper bound -inf after top-k) finite on the partial row draws it once vLLM's top-k is skipped."""
-    from vllm_csv.sampling import rows as rows_mod
-
-    sampler_hook.install()
-    real = rows_mod._finish_rows
-    monkeypatch.setattr(rows_mod, "_finish_rows", lambda out, r, s, v, m, up: real(out, r, s, v, m, torch.zeros_like(up)))
-    wrong = 0
-    for seed in range(6):
-        head, h, md = _top_k_batch(30 + seed, 2, 2.0, 0.7)  # k = 2, hot: the third token often outdraws
-        dense = head.dense_logits(h)
-        want = run(Sampler(), dense.clone(), md, seed=5)[0]
-        got, st = _hooked(head, h, dense, md, torch.arange(B))
-        wrong += int((got != want).sum())
-    assert wrong > 0
 
 
 def _spy_min_p(monkeypatch):
@@ -299,17 +269,21 @@ def test_vllm_min_p_is_skipped_only_when_every_min_p_row_is_certified(all_min_p_
     assert bool(seen) != all_min_p_deferred
 
 
-def test_a_min_p_drop_left_on_a_certified_row_is_caught(monkeypatch):
-    """Broken-output check: tokens the certificate dropped by min-p left finite on the partial row
-    are drawn once vLLM's min-p is skipped."""
+@pytest.mark.parametrize("mask", ["top_k", "min_p"])
+def test_a_drop_left_on_a_certified_row_is_caught(mask, monkeypatch):
+    """Broken-output check: a certified row that keeps the tokens its certificate dropped (upper
+    bound -inf after top-k / min-p) finite on the partial row draws them once vLLM's top-k / min-p
+    is skipped (k = 2 or min-p 0.6, hot rows: dropped tokens often outdraw the winner)."""
     from vllm_csv.sampling import rows as rows_mod
 
     sampler_hook.install()
     real = rows_mod._finish_rows
-    monkeypatch.setattr(rows_mod, "_finish_rows", lambda out, r, s, v, m, up: real(out, r, s, v, m, torch.zeros_like(up)))
+    monkeypatch.setattr(rows_mod, "_finish_rows",
+                        lambda out, r, s, v, m, up: real(out, r, s, v, m, torch.zeros_like(up)))
     wrong = 0
     for seed in range(6):
-        head, h, md = _min_p_batch(50 + seed, 0.6, 2.0, 0.7)  # hot rows, a high min-p: dropped tokens outdraw
+        batch = _top_k_batch(30 + seed, 2, 2.0, 0.7) if mask == "top_k" else _min_p_batch(50 + seed, 0.6, 2.0, 0.7)
+        head, h, md = batch
         dense = head.dense_logits(h)
         want = run(Sampler(), dense.clone(), md, seed=5)[0]
         got, _ = _hooked(head, h, dense, md, torch.arange(B))
@@ -330,7 +304,7 @@ def test_rows_with_top_p_of_one_draw_like_vllm(monkeypatch):
     md.top_p[0] = 0.5  # row 0: dense, with top-p
     dense = head.dense_logits(h)
     want = run(Sampler(), dense.clone(), md, seed=5)[0]
-    seen_p = _spy_top_p(monkeypatch)
+    seen_p = _spy_masks(monkeypatch, "p")
     got, st = _hooked(head, h, dense, md, torch.arange(1, B))
     assert torch.equal(got, want)
     assert set(st.certified) == {"sampling"} and sum(st.certified.values()) > B // 2
