@@ -25,8 +25,10 @@ Ops (registered as ``torch.ops.vllm_csv_cpu.*`` with fake implementations, so th
 * ``noise_candidates`` (:mod:`vllm_csv.ops.noise`, ``csrc/cpu/gumbel_cpu.cpp``): the sampling
   certificate's pass over the vocabulary (noise hash and level thresholds), with ``row_stats``
   and ``pack_live`` (each row's live columns);
-* ``min_p_cut`` (:mod:`vllm_csv.ops.masks`, ``csrc/cpu/nucleus_cpu.cpp``): vLLM's min-p mask on
-  the sampling certificate's bounds, given each row's thresholds.
+* ``min_p_cut`` and ``top_k_cut`` (:mod:`vllm_csv.ops.masks`, ``csrc/cpu/nucleus_cpu.cpp``):
+  vLLM's min-p and top-k masks on the sampling certificate's bounds, given each row's thresholds;
+* ``row_topk`` (:mod:`vllm_csv.ops.topk`, ``csrc/cpu/topk_cpu.cpp``): each row's k largest
+  values and their columns, as ``torch.topk``.
 
 Each kernel follows its reference operation by operation (fp32 where the reference is fp32,
 scalars rounded to fp32 as torch rounds a Python number), so the outputs agree bit for bit,
@@ -57,7 +59,8 @@ K_MIN = -143  # rows with max|h| < 2^K_MIN are not quantised (t / 64 would not b
 S_MIN = 2.0**-126  # smallest normal fp32
 ENV = "VLLM_CSV_CPU_KERNELS"  # "0": always the torch reference
 SOURCES = tuple(Path(__file__).resolve().parents[2] / "csrc" / "cpu" / f
-                for f in ("csv_cpu.cpp", "int8_vnni.cpp", "gumbel_cpu.cpp", "int4_vnni.cpp", "nucleus_cpu.cpp"))
+                for f in ("csv_cpu.cpp", "int8_vnni.cpp", "gumbel_cpu.cpp", "int4_vnni.cpp", "nucleus_cpu.cpp",
+                          "topk_cpu.cpp"))
 
 _state: dict = {}
 
@@ -448,5 +451,9 @@ def _register_fakes() -> None:
     @torch.library.register_fake(lib + "top_k_cut")
     def _(lo, hi, hk, hk1, lk):
         return torch.empty_like(lo), torch.empty_like(hi)
+
+    @torch.library.register_fake(lib + "row_topk")
+    def _(x, k):
+        return x.new_empty(x.shape[0], k), x.new_empty(x.shape[0], k, dtype=torch.long)
 
     _state["fakes"] = True

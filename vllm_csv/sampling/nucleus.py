@@ -132,6 +132,7 @@ from ..fp import gamma, round_down32, round_up32
 from ..ops.bools import all_, any_
 from ..ops.gather import rows_of
 from ..ops.masks import min_p_cut, top_k_cut
+from ..ops.topk import row_topk
 from ..ops.noise import row_stats
 from .outside import Outside
 
@@ -262,8 +263,8 @@ def _top_k_levels(lo: torch.Tensor, hi: torch.Tensor, k: torch.Tensor, kmax: int
     largest upper bound of the *other* tokens, which is ``H_(k+1)`` if ``hi_i >= H_k`` (``i`` is
     among the ``k`` highest) and ``H_k`` otherwise; certainly dropped if ``hi_i < L_k``
     (:func:`~vllm_csv.ops.masks.top_k_cut` applies them)."""
-    lk = lo.topk(kmax, dim=1).values.gather(1, k - 1)  # L_k
-    h = hi.topk(kmax + 1, dim=1).values  # kmax + 1 <= V
+    lk = row_topk(lo, kmax).values.gather(1, k - 1)  # L_k
+    h = row_topk(hi, kmax + 1).values  # kmax + 1 <= V
     return h.gather(1, k - 1)[:, 0], h.gather(1, k)[:, 0], lk[:, 0]  # H_k, H_(k+1), L_k
 
 
@@ -528,7 +529,7 @@ class TopPQueries:
         self.usable = (torch.isfinite(c) | (c == -math.inf))[:, 0] & ~torch.isnan(lo.amax(1))
         self.c = torch.where(torch.isfinite(c), c, torch.zeros_like(c))
         K = self.listed = min(listed or QUERY_LIST, V)
-        th, self.ih = hi.topk(K, dim=1)
+        th, self.ih = row_topk(hi, K)
         # every unlisted token's yhi is at most kth (what "covered" reads: module docstring)
         self.kth = th[:, -1].double()
         self.is_listed = torch.zeros_like(hi, dtype=torch.bool).scatter_(1, self.ih, True)

@@ -47,6 +47,7 @@ from .certificate import DrawCertificate, certify_draw, certify_draw_packed, rul
 from .nucleus import TopPQueries, all_off, min_p_bounds, top_k_bounds, top_p_bounds
 from ..ops.bools import all_, any_
 from ..ops.gather import rows_of
+from ..ops.topk import row_topk
 from .outside import Outside
 from .head_adapter import HeadAdapter
 
@@ -188,14 +189,14 @@ def certify_rows(adapter: HeadAdapter, hidden: torch.Tensor, process: Process, s
                          None if masked is None else rows_of(masked, r), up)
 
     if one_sided and bool(finite.any()):
-        add(hi[finite].topk(min(FIRST_GUESS, V), dim=1).indices.unique())
+        add(row_topk(hi[finite], min(FIRST_GUESS, V)).indices.unique())
     elif top_p is not None and TOP_P_GUESS and bool((guess := finite & (top_p < 1.0)).any()):
         # top-p rows: their highest upper bounds scored before the first round, which then
         # often certifies (a top-p round is the costly part: masks, queries, certificate over
         # [R, V]); at most a quarter of the budget, shared by the rows
         n = min(TOP_P_GUESS, V, budget // (4 * int(guess.sum())))
         if n > 0:
-            add(hi[guess].topk(n, dim=1).indices.unique())
+            add(row_topk(hi[guess], n).indices.unique())
     elif top_k is not None and bool((guess := finite & (top_k > 0) & (top_k < V)).any()):
         # top-k rows: their TOP_K_GUESS (k + 1) highest upper bounds scored before the first round
         # (the k + 1 are what the focus scores after a round anyway: they decide what top-k
@@ -281,7 +282,7 @@ def certify_rows(adapter: HeadAdapter, hidden: torch.Tensor, process: Process, s
                 ylo, yhi = process(lo, hi, rows)
             blind &= any_(yhi > -math.inf, 1)
         if bool(any_(blind)):
-            top = yhi[blind].topk(min(FIRST_GUESS, V), dim=1)
+            top = row_topk(yhi[blind], min(FIRST_GUESS, V))
             need[top.indices[top.values > -math.inf]] = True
             need &= ~scored
             cert.contenders[blind] = False
@@ -465,7 +466,7 @@ def _focus(need: torch.Tensor, yhi: torch.Tensor, count: torch.Tensor, rows: tor
     if not bool(on.any()):
         return
     c = count[on]
-    top = yhi[on].topk(int(c.max()), dim=1)
+    top = row_topk(yhi[on], int(c.max()))
     take = (torch.arange(top.indices.shape[1], device=yhi.device)[None] < c[:, None]) & (top.values > -math.inf)
     ids = top.indices[take]
     need[ids[~scored[ids]]] = True
