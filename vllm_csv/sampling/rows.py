@@ -119,9 +119,9 @@ def certify_rows(adapter: HeadAdapter, hidden: torch.Tensor, process: Process, s
     masked : torch.Tensor, optional
         ``[R, V]`` bool, tokens already set to ``-inf`` upstream (grammar bitmask).
     elementwise : bool
-        ``process`` maps each token's bounds on their own: on rows with no min-p, top-k or top-p,
-        later rounds then certify on the contenders of the round that found it so only (module
-        docstring).
+        ``process`` maps each token's bounds on their own: once the open rows have no min-p,
+        top-k or top-p, the rounds after a round over every column certify on its contenders
+        only (module docstring).
     min_p, top_k, top_p : torch.Tensor, optional
         ``[R]`` each (float32, int64, float32; ``0``, ``k <= 0`` or ``k >= V``, ``1``: off), vLLM's
         masks, applied after ``process`` in vLLM's order (:mod:`.nucleus`) on the rows still
@@ -202,14 +202,15 @@ def certify_rows(adapter: HeadAdapter, hidden: torch.Tensor, process: Process, s
         # (the k + 1 are what the focus scores after a round anyway: they decide what top-k
         # certainly keeps, and the draw's winner is a kept token; the extra ones what the k-th
         # exact value must rise above for the others to be certainly dropped), so the first round
-        # usually certifies; within a quarter of the budget (else k + 1 only)
+        # usually certifies; their union within a quarter of the budget (else k + 1 only)
         count = _focus_counts(top_k, None, torch.zeros_like(top_k), V).masked_fill(~guess, 0)
-        if int(count.sum()) * TOP_K_GUESS <= budget // 4:
-            count = (count * TOP_K_GUESS).clamp_(max=V)
-        if int(count.sum()) <= budget // 4:
+        for c in ((count * TOP_K_GUESS).clamp_(max=V), count):
             first = torch.zeros(V, dtype=torch.bool, device=dev)
-            _focus(first, hi, count, guess, scored)
-            add(first.nonzero().squeeze(1))
+            _focus(first, hi, c, guess, scored)
+            ids = first.nonzero().squeeze(1)
+            if ids.numel() <= budget // 4:
+                add(ids)
+                break
     narrow = None  # (columns, ruled-out summaries): the rounds after the one that set it, elementwise
     stuck = torch.zeros(R, dtype=torch.long, device=dev)  # top-p rows: rounds with every contender scored
     masks = _Masks(min_p, top_k, top_p, V)
@@ -332,9 +333,9 @@ def _finish_rows(out: torch.Tensor, rows: torch.Tensor, s_idx: torch.Tensor, val
 
     A token whose upper bound was ``-inf`` in that round (masked, or certainly dropped by min-p /
     top-k / top-p) was never compared with the winner: it must not compete on the row the sampler
-    gets either (the sampler may not drop it again: top-p is not re-applied to a certified row,
-    and min-p on a partial row keeps at least what it keeps on the full row). (Another round's
-    drops are not that proof's: the tail a top-p drops as one block may differ between rounds.)"""
+    gets either (the sampler does not drop it again: a certified row is drawn with no top-p or
+    top-k, and vLLM's min-p may be skipped, ``sampler_hook._masks_off``). (Another round's drops
+    are not that proof's: the tail a top-p drops as one block may differ between rounds.)"""
     v = values[:, s_idx]
     if masked is not None:
         v.masked_fill_(masked[:, s_idx], -math.inf)

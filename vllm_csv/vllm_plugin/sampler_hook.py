@@ -231,9 +231,11 @@ def resolve(sampler, d: Deferred, logits: torch.Tensor, md, predict_bonus_token:
     finite value of the partial row is a token that may be kept (the certainly dropped ones are
     ``-inf`` there), which the winner beat. (Top-k on the partial row would keep the winner too:
     the tokens above it there are among those above it in the full row, fewer than ``k``; setting
-    ``V`` lets vLLM skip its ``[B, V]`` top-k pass when every top-k row is certified. Min-p is
-    left as vLLM applies it: on the partial row the maximum is at most the full row's, so min-p
-    keeps the winner, and dropping other tokens cannot change a certified draw.)"""
+    ``V`` lets vLLM skip its ``[B, V]`` top-k pass when every top-k row is certified.) Min-p
+    needs no such step on a row: on the partial row the maximum is at most the full row's, so
+    min-p keeps the winner, and dropping other tokens cannot change a certified draw; its
+    ``[B, V]`` pass is skipped when every sampled row with a min-p is certified
+    (:func:`_masks_off`)."""
     t0 = time.perf_counter()
     rows = d.rows
     R = rows.numel()
