@@ -130,7 +130,7 @@ import torch
 
 from ..fp import gamma, round_down32, round_up32
 from ..ops.bools import all_, any_
-from ..ops.gather import rows_of
+from ..ops.gather import put_rows, rows_of
 from ..ops.masks import min_p_cut, top_k_cut
 from ..ops.topk import row_topk
 from ..ops.noise import row_stats
@@ -252,9 +252,7 @@ def top_k_bounds(ylo: torch.Tensor, yhi: torch.Tensor, top_k: torch.Tensor) -> t
     lo, hi = rows_of(ylo, rows), rows_of(yhi, rows)
     kmax = int(k.max())
     new_lo, new_hi = top_k_cut(lo, hi, *_top_k_levels(lo, hi, k, kmax))
-    if rows.numel() == R:  # (every row: no copies of the others)
-        return new_lo, new_hi
-    return ylo.index_copy(0, rows, new_lo), yhi.index_copy(0, rows, new_hi)
+    return put_rows(ylo, rows, new_lo), put_rows(yhi, rows, new_hi)
 
 
 def _top_k_levels(lo: torch.Tensor, hi: torch.Tensor, k: torch.Tensor, kmax: int):
@@ -497,9 +495,8 @@ def top_p_bounds(ylo: torch.Tensor, yhi: torch.Tensor, top_p: torch.Tensor, outs
     if cols is not None:
         keep = torch.zeros((r, V_row), dtype=torch.bool, device=lo.device).index_copy_(1, cols, keep)
         drop = torch.ones((r, V_row), dtype=torch.bool, device=lo.device).index_copy_(1, cols, drop)
-    out_lo, out_hi = ylo.clone(), yhi.clone()
-    out_lo[rows] = torch.where(keep, ylo_r, -math.inf)
-    out_hi[rows] = torch.where(drop, -math.inf, yhi_r)
+    out_lo = put_rows(ylo, rows, torch.where(keep, ylo_r, -math.inf))
+    out_hi = put_rows(yhi, rows, torch.where(drop, -math.inf, yhi_r))
     if outside is None:
         return out_lo, out_hi
     # a block below the dropped tail's threshold is dropped with it (every yhi_j <= hi < t)

@@ -305,13 +305,12 @@ def certify_rows(adapter: HeadAdapter, hidden: torch.Tensor, process: Process, s
             # scoring of their columns, run on the open rows only
             leave(~keep, yhi)
             k = keep.nonzero().squeeze(1)
-            live, hidden, hnorm, lo, hi, values = live[k], hidden[k], hnorm[k], lo[k], hi[k], values[k]
-            seeds, greedy, finite, certified, winner, over_budget, stuck = (
-                t[k] for t in (seeds, greedy, finite, certified, winner, over_budget, stuck))
-            masked = None if masked is None else masked[k]
-            min_p, top_k, top_p = (None if t is None else t[k] for t in (min_p, top_k, top_p))
+            live, hidden, hnorm, lo, hi, values, seeds, greedy, finite, certified, winner, over_budget, stuck = (
+                rows_of(t, k) for t in (live, hidden, hnorm, lo, hi, values, seeds, greedy, finite, certified,
+                                        winner, over_budget, stuck))
+            masked, asked, min_p, top_k, top_p = (None if t is None else rows_of(t, k)
+                                                  for t in (masked, asked, min_p, top_k, top_p))
             masks = _Masks(min_p, top_k, top_p, V)
-            asked = None if asked is None else asked[k]
             by_query = None  # (its lists are the old rows': a new one for these)
             narrow = None if narrow is None else (narrow[0], narrow[1].rows(k))
         add(new)

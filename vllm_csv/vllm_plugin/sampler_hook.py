@@ -214,11 +214,20 @@ def _processors_idle(md) -> bool:
     return True
 
 
+def _min_p_processor(md):
+    """vLLM's min-p processor of the batch where some row has a min-p, else None."""
+    from vllm.v1.sample.logits_processor.builtin import MinPLogitsProcessor
+
+    return next((p for p in md.logitsprocs.argmax_invariant if isinstance(p, MinPLogitsProcessor) and p.min_p_count),
+                None)
+
+
 def _min_p(md, rows: torch.Tensor) -> torch.Tensor:
-    for p in md.logitsprocs.argmax_invariant:
-        if getattr(p, "min_p_count", 0):
-            return torch.tensor([p.get_min_p_by_index(int(i)) for i in rows], dtype=torch.float32)
-    return torch.zeros(rows.numel())
+    """``[len(rows)]`` float32: the batch rows' min-p (0: none)."""
+    p = _min_p_processor(md)
+    if p is None:
+        return torch.zeros(rows.numel())
+    return torch.tensor([p.get_min_p_by_index(int(i)) for i in rows], dtype=torch.float32)
 
 
 def resolve(sampler, d: Deferred, logits: torch.Tensor, md, predict_bonus_token: bool = False
@@ -448,7 +457,6 @@ def _masks_off(sampler, md, V: int, settled: torch.Tensor) -> dict:
     sort. (Host reads of ``top_k``, ``top_p``, ``temperature`` and min-p's values: on the CPU
     sampler, where they live.)"""
     from vllm.v1.sample.logits_processor import LogitsProcessors
-    from vllm.v1.sample.logits_processor.builtin import MinPLogitsProcessor
 
     wants_logprobs = md.max_num_logprobs is not None or bool(getattr(md, "logprob_token_ids", None))
     if wants_logprobs and sampler.topk_topp_sampler.logprobs_mode in ("processed_logits", "processed_logprobs"):
@@ -458,16 +466,15 @@ def _masks_off(sampler, md, V: int, settled: torch.Tensor) -> dict:
         off["top_k"] = None
     if (md.top_k is None or off) and md.top_p is not None and bool((md.top_p == 1.0).all()):
         off["top_p"] = None
-    procs = md.logitsprocs.argmax_invariant
-    min_p = [p for p in procs if isinstance(p, MinPLogitsProcessor) and p.min_p_count]
-    if min_p and not md.all_greedy:
+    min_p = _min_p_processor(md)
+    if min_p is not None and not md.all_greedy:
         B = md.temperature.shape[0]
-        on = torch.as_tensor(min_p[0].min_p_cpu[:B]) > 0
+        on = _min_p(md, torch.arange(B)) > 0
         if not md.all_random:
             on &= md.temperature.cpu() >= _SAMPLING_EPS
         on[settled] = False
         if not bool(on.any()):
-            off["logitsprocs"] = LogitsProcessors([p for p in md.logitsprocs.all if p is not min_p[0]])
+            off["logitsprocs"] = LogitsProcessors([p for p in md.logitsprocs.all if p is not min_p])
     return off
 
 
@@ -490,16 +497,17 @@ def install() -> None:
         if settled.numel() == 0:
             return orig(self, logits, md, predict_bonus_token, logprobs_mode_override)
         # decided by the certificate (see resolve); vLLM's own values are restored after
-        saved = [(t, t[settled.to(t.device)].clone()) for t, _ in masks]
-        for t, v in masks:
-            t[settled.to(t.device)] = v
+        idx = [settled.to(t.device) for t, _ in masks]
+        saved = [t[i].clone() for (t, _), i in zip(masks, idx)]
+        for (t, v), i in zip(masks, idx):
+            t[i] = v
         try:
             off = _masks_off(self, md, logits.shape[1], settled)
             return orig(self, logits, dataclasses.replace(md, **off) if off else md, predict_bonus_token,
                         logprobs_mode_override)
         finally:
-            for t, old in saved:
-                t[settled.to(t.device)] = old
+            for (t, _), i, old in zip(masks, idx, saved):
+                t[i] = old
 
     Sampler.forward = forward
     Sampler._csv_wrapped = True
