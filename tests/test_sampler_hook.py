@@ -566,3 +566,93 @@ def test_rows_are_mapped_by_column_only_when_no_processor_acts(case, monkeypatch
     assert torch.equal(got[0], want[0])
     assert (seen_columns[0] is not None) == idle
     assert sum(seen[0].certified.values()) > B // 2
+
+
+class _Clock:
+    """``time`` for the plugin's modules: advances only by the simulated costs."""
+
+    def __init__(self):
+        self.now = 0.0
+
+    def perf_counter(self):
+        return self.now
+
+
+def _switched_run(monkeypatch, certificate_cost: float, steps: int = 160):
+    """Drive the plugin's layer and the hooked sampler over ``steps`` steps of 8 deferred top-k
+    rows with the off-switch on, on a fake clock: vLLM's dense head costs 1.0, vLLM's top-k pass
+    in its sampler 1.0 (dense steps run it; a CSV step whose rows are all certified skips it),
+    the certificate in the sampler ``certificate_cost``. Returns (steps that tried CSV, the switch);
+    every step's draw is checked against vLLM's on the dense logits."""
+    from vllm.model_executor.layers.logits_processor import LogitsProcessor
+    from vllm.v1.sample.ops import topk_topp_sampler as tts
+
+    from vllm_csv import head as csv_head
+    from vllm_csv.metrics import CSVMetrics
+    from vllm_csv.vllm_plugin import logits_processor as lp, step_plan
+
+    sampler_hook.install()
+    clock = _Clock()
+    for mod in (csv_head, lp, sampler_hook):
+        monkeypatch.setattr(mod, "time", clock)
+    Bs = 8
+    g = torch.Generator().manual_seed(8)
+    W, _ = peaked_head(V, D, seed=19, dtype=torch.bfloat16)
+    head = CertifiedHead(W, config=HeadConfig(screen="fp16", budget=0.5))  # off-switch on
+    h = hidden_near_rows(W, Bs, g, scale=3.0)  # confident rows: every one certifies
+    md = metadata(g, [0.8] * Bs, seeded=range(0, Bs, 2), penalties=False, bias=False, allowed=False, bad=False,
+                  top_k=True)
+    dense = head.dense_logits(h)
+
+    def dense_forward(self, lm_head, hidden, bias=None, skip_gather=False):
+        clock.now += 1.0
+        return head.dense_logits(hidden)
+
+    real_mask, real_certify, tried = tts.apply_top_k_top_p, sampler_hook.certify_rows, []
+
+    def mask(logits, k, p):
+        clock.now += 0.0 if k is None else 1.0
+        return real_mask(logits, k, p)
+
+    def certify(*a, **k):
+        clock.now += certificate_cost
+        tried[-1] = True
+        return real_certify(*a, **k)
+
+    monkeypatch.setattr(LogitsProcessor, "forward", dense_forward)
+    monkeypatch.setattr(tts, "apply_top_k_top_p", mask)
+    monkeypatch.setattr(sampler_hook, "certify_rows", certify)
+    layer = lp.CSVLogitsProcessor.__new__(lp.CSVLogitsProcessor)
+    torch.nn.Module.__init__(layer)
+    layer.csv_head, layer.csv_metrics, layer._csv_logged, layer._csv_lane = \
+        head, CSVMetrics(f"switched-{certificate_cost}", {"vocab_size": V}), True, None
+    plan = step_plan.Plan([str(i) for i in range(Bs)], [step_plan.DEFER] * Bs, ["top_k"] * Bs, [0.8] * Bs)
+    sampler = Sampler()
+    for step in range(steps):
+        want = run(sampler, dense.clone(), md, seed=step)[0]
+        tried.append(False)
+        with step_plan.active_plan(plan):
+            logits = layer.forward(None, h)
+        assert torch.equal(run(sampler, logits, md, seed=step)[0], want), step
+    return sum(tried), head.off_switch
+
+
+def test_off_switch_counts_the_sampler_passes_csv_skips(monkeypatch):
+    """Steps with rows for the sampler are compared with vLLM's sampler call on both sides (key
+    ``(B, "sampler")``): a certificate dearer than the dense head but cheaper than the head plus
+    the vLLM top-k pass it saves stays on; one dearer than both turns off. With the head's time
+    alone on both sides (the switch without in-place samples of that key) the first case turned
+    off too. The draws are vLLM's in every step."""
+    from vllm_csv.off_switch import OffSwitch
+
+    n = 160
+    tried, sw = _switched_run(monkeypatch, 1.3)  # CSV 1.3 a step against dense 1.0 + 1.0
+    assert sw.dense_seconds[(8, "sampler")] == pytest.approx(2.0)
+    assert tried >= 0.9 * n and sw.times_tripped == 0, tried
+    monkeypatch.undo()
+    tried, sw = _switched_run(monkeypatch, 2.6)  # dearer than the head and the pass together
+    assert tried <= 0.1 * n and sw.times_tripped >= 1, tried
+    monkeypatch.undo()
+    monkeypatch.setattr(OffSwitch, "samples_in_place", False)  # the head's time alone, as before
+    tried, sw = _switched_run(monkeypatch, 1.3)
+    assert (8, "sampler") not in sw.dense_seconds and tried <= 0.1 * n, tried

@@ -254,7 +254,7 @@ class CSVMetrics:
                                     buckets=SCORED_BUCKETS),
                 "fraction": Histogram(f"{PREFIX}_scored_fraction", "Share of the vocabulary scored per certified row",
                                       lab, buckets=(1e-4, 3e-4, 1e-3, 3e-3, 0.01, 0.03, 0.1, 0.3, 1.0)),
-                "seconds": Histogram(f"{PREFIX}_head_seconds", "Time in the LM head per step", lab,
+                "seconds": Histogram(f"{PREFIX}_head_seconds", "Time in the LM head per step (with rows for the sampler: and vLLM's sampler call)", lab,
                                      buckets=SECONDS_BUCKETS),
                 "saved": Counter(f"{PREFIX}_head_seconds_saved",
                                  "Dense-head time (measured in place per batch size) minus CSV head time", lab),

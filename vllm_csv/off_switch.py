@@ -33,6 +33,14 @@ steps with rows certified in the sampler), and each kind keeps its own ``excess`
 kind CSV pays for (greedy) is not spent on a kind it does not pay for (top-k rows that rarely
 certify), which then turns off on its own. Dense estimates stay per batch size.
 
+Keys. What the methods call ``batch`` is the key of a step's dense estimate: its batch size,
+or any other hashable naming steps whose dense time is alike. The plugin times steps with rows
+certified in vLLM's sampler together with vLLM's sampler call, on both sides, under the key
+``(B, "sampler")`` (:mod:`vllm_csv.vllm_plugin.logits_processor`): CSV's draw skips vLLM's
+top-k, top-p and min-p passes on certified rows, a saving the head's time alone does not show.
+That needs in-place dense samples of that key (:attr:`OffSwitch.samples_in_place`): a
+stand-alone first guess times the dense head only.
+
 The promise is only as good as the dense estimate, so the estimate is measured *in place*:
 the median of the last :data:`WINDOW` dense steps of that batch size timed exactly as CSV
 steps are (same span of the same layer, in the serving loop, with the caches as the model's
@@ -51,7 +59,7 @@ from __future__ import annotations
 import math
 import statistics
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 
 WINDOW = 8  # in-place dense samples kept per batch size (their median is the estimate)
 # The most steps refusals_ahead() promises at once: bounds how long a fast lane (the plugin's
@@ -61,9 +69,11 @@ LANE_MAX = 256
 
 
 class OffSwitch:
+    samples_in_place = True  # dense steps reported with observe_dense() become the estimate (module docstring)
+
     def __init__(self, tolerance: float = 0.02, credit_steps: int = 64, probe_every: int = 32):
         self.tolerance, self.credit_steps, self.probe_every = tolerance, credit_steps, probe_every
-        self.dense_seconds: dict[int, float] = {}  # current estimate per batch size
+        self.dense_seconds: dict[Hashable, float] = {}  # current estimate per batch size (key)
         self._dense_total: dict[str, float] = {}  # per kind of step (module docstring)
         self._excess: dict[str, float] = {}
         self.times_tripped = 0  # transitions from trying CSV to not trying (any kind)
@@ -71,10 +81,10 @@ class OffSwitch:
         self._on: dict[str, bool] = {}
         self._kind = ""  # the kind of the step allow() started (observe() charges it)
         self._warm: set[str] = set()  # kinds whose first CSV step was seen
-        self._samples: dict[int, deque[float]] = {}
-        self._since_probe: dict[int, int] = {}  # CSV steps since the batch size's last probe
-        self._probed: set[int] = set()
-        self._cold: set[int] = set()  # batch sizes whose first (dense, cold) step is not yet reported
+        self._samples: dict[Hashable, deque[float]] = {}
+        self._since_probe: dict[Hashable, int] = {}  # CSV steps since the batch size's last probe
+        self._probed: set[Hashable] = set()
+        self._cold: set[Hashable] = set()  # batch sizes whose first (dense, cold) step is not yet reported
 
     @property
     def dense_total(self) -> float:
@@ -86,7 +96,7 @@ class OffSwitch:
         """CSV's time minus the dense head's over the steps that tried CSV, all kinds."""
         return sum(self._excess.values())
 
-    def dense_estimate(self, batch: int, measure: Callable[[], float]) -> float:
+    def dense_estimate(self, batch: Hashable, measure: Callable[[], float]) -> float:
         """The batch size's estimate; the first guess is one timed call of ``measure``. Once
         only: the plugin's dense function keeps its output for the step (a second call would
         time nothing: that made the first guess about 0 and CSV look slower than it is), and
@@ -96,7 +106,7 @@ class OffSwitch:
             self.dense_seconds[batch] = measure()
         return self.dense_seconds[batch]
 
-    def allow(self, batch: int, measure_dense: Callable[[], float], kind: str = "") -> bool:
+    def allow(self, batch: Hashable, measure_dense: Callable[[], float], kind: str = "") -> bool:
         """Start a step of ``batch`` rows and of ``kind`` (its ledger): whether it may try CSV
         (else it runs dense, and the caller reports its time with :meth:`observe_dense`)."""
         self._kind = kind
@@ -126,7 +136,7 @@ class OffSwitch:
                 return False
         return on
 
-    def refusals_ahead(self, batch: int, kind: str = "") -> int:
+    def refusals_ahead(self, batch: Hashable, kind: str = "") -> int:
         """After :meth:`allow` refused a step of ``batch`` rows and of ``kind`` because the kind is
         off (not for a probe): how many more such steps it will surely refuse, if nothing else
         is reported meanwhile (0: the next may try CSV, or the refusal was a probe). While a
@@ -144,13 +154,13 @@ class OffSwitch:
         # that allow() would have let try CSV; one step too few only ends the lane early.
         return max(0, min(LANE_MAX, math.ceil(gap / (self.tolerance * d) * (1 - 1e-9)) - 1))
 
-    def skip(self, batch: int, kind: str, steps: int) -> None:
+    def skip(self, batch: Hashable, kind: str, steps: int) -> None:
         """Account ``steps`` steps of ``batch`` rows and of ``kind`` that ran dense without
         :meth:`allow` (at most :meth:`refusals_ahead`, with no call in between): the same
         ledger as ``steps`` refused calls of :meth:`allow`."""
         self._dense_total[kind] += steps * self.dense_seconds[batch]
 
-    def observe(self, batch: int, seconds: float, kind: str | None = None) -> None:
+    def observe(self, batch: Hashable, seconds: float, kind: str | None = None) -> None:
         """Account a step that tried CSV and took ``seconds`` (after :meth:`allow`), to the
         ledger of ``kind`` (default: the kind the last :meth:`allow` named)."""
         self._since_probe[batch] = self._since_probe.get(batch, 0) + 1
@@ -160,7 +170,7 @@ class OffSwitch:
             return
         self._excess[kind] = max(self._excess.get(kind, 0.0) + seconds - dense, -self.credit_steps * dense)
 
-    def observe_dense(self, batch: int, seconds: float) -> None:
+    def observe_dense(self, batch: Hashable, seconds: float) -> None:
         """A dense step of ``batch`` rows timed in place (a probe, or CSV off): updates the
         batch size's estimate (median of the last :data:`WINDOW`)."""
         if batch in self._cold:  # the batch size's first step (allow): cold, not a sample

@@ -151,6 +151,8 @@ class SharedOffSwitch:
     the dense estimate stays the stand-alone one, and the switch makes no probes.
     """
 
+    samples_in_place = False  # (the class docstring): the plugin keys every step by its batch size
+
     def __init__(self, comm: Collective, tolerance: float = 0.02):
         self.comm = comm
         self.switch = OffSwitch(tolerance, probe_every=0)

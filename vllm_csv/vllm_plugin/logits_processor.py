@@ -73,7 +73,11 @@ class CSVLogitsProcessor(LogitsProcessor):
             if lane.plan is plan and lane.left:  # a step the switch surely refuses: vLLM's call, one append
                 lane.left -= 1
                 logits = super().forward(lm_head, hidden_states, embedding_bias).to(head.dtype)
-                lane.series.seconds.append(time.perf_counter() - t0)
+                if lane.with_sampler:  # (the append comes with the sampler call's time)
+                    sampler_hook.defer(sampler_hook.DenseTiming(
+                        lambda s, h=time.perf_counter() - t0, out=lane.series.seconds: out.append(h + s)))
+                else:
+                    lane.series.seconds.append(time.perf_counter() - t0)
                 return logits
             self._close_lane(head.off_switch)
         if not any(plan.topk):  # every row dense by its sampling parameters: count the rows
@@ -102,18 +106,28 @@ class CSVLogitsProcessor(LogitsProcessor):
         split = plan.split(head.max_certified_k)
         asked = sw is not None and bool(deferred or split.rows)
         kind = "sampler" if deferred else split.kind  # the off-switch's ledger
-        if asked and not sw.allow(B, lambda: csv_head._time(dense_full, hidden_states), kind):
+        # A step with rows for the sampler is timed with vLLM's sampler call on both sides, under
+        # its own dense estimate (key (B, "sampler")): CSV's draw skips vLLM's top-k, top-p and
+        # min-p passes on certified rows, which the head's time alone does not see (it kept 77%
+        # of eight top-k rows dense where CSV paid end to end). Where the switch has no in-place
+        # dense samples (tensor parallelism) or cannot time (CUDA), the head's time alone, as before.
+        # (Also without the switch: the step's metrics count the same time.)
+        with_sampler = bool(deferred) and not hidden_states.is_cuda and (sw is None or sw.samples_in_place)
+        key = (B, kind) if with_sampler else B
+        if asked and not sw.allow(key, lambda: csv_head._time(dense_full, hidden_states), kind):
             logits = dense_full().to(head.dtype)  # vLLM's own output: one GEMM, no copies
             seconds = time.perf_counter() - t0
-            if not hidden_states.is_cuda:  # (CUDA: no sync to time it)
-                sw.observe_dense(B, seconds)
             stats = csv_head.StepStats(rows=B, csv_rows=plan.csv_rows, seconds=seconds, screen=head.screen_name)
             stats.fallbacks["unsupported"] = split.csv_rows - len(split.rows)
             stats.fallbacks["off_switch"] = plan.csv_rows - stats.fallbacks["unsupported"]
-            self._record(head, stats, {}, None)
-            steps = sw.refusals_ahead(B, kind)
+            if with_sampler:  # accounted once vLLM's sampler call is timed
+                sampler_hook.defer(sampler_hook.DenseTiming(lambda s: self._dense_step(head, stats, key, s)))
+            else:
+                self._dense_step(head, stats, key if not hidden_states.is_cuda else None)  # (CUDA: no sync to time it)
+            steps = sw.refusals_ahead(key, kind)
             if steps:
-                self._open_lane(plan, B, kind, steps, stats, timed=not hidden_states.is_cuda)
+                self._open_lane(plan, key, kind, steps, stats, timed=not hidden_states.is_cuda,
+                                with_sampler=with_sampler)
             return logits
         if not deferred:
             logits, stats = head.sampler_logits(hidden_states, plan.topk_tensor, lambda h: dense_full(), t0=t0,
@@ -144,15 +158,24 @@ class CSVLogitsProcessor(LogitsProcessor):
                 lambda st, stats=stats, hm=self._head_modes(head, stats, ks, modes, in_head):
                     self._record(head, _merge(stats, st), {k: hm.get(k, 0) + st.certified.get(k, 0)
                                                           for k in set(hm) | set(st.certified)},
-                                 B if own_switch else None),
-                seconds=time.perf_counter() - t0 - stats.seconds))
+                                 key if own_switch else None),
+                seconds=time.perf_counter() - t0 - stats.seconds, with_sampler=with_sampler))
             self._log_first(head, stats)
             return logits
         self._log_first(head, stats)
         self._record(head, stats, self._head_modes(head, stats, ks, modes, range(B)), B if asked else None)
         return logits
 
-    def _open_lane(self, plan, batch: int, kind: str, steps: int, stats, timed: bool) -> None:
+    def _dense_step(self, head, stats, key, sampler_seconds: float = 0.0) -> None:
+        """The account of a step the off-switch sent dense: its time (plus vLLM's sampler call's,
+        ``sampler_seconds``, for a key with the sampler) as an in-place dense sample of ``key``
+        (None: not timed), and its metrics."""
+        stats.seconds += sampler_seconds
+        if key is not None:
+            head.off_switch.observe_dense(key, stats.seconds)
+        self._record(head, stats, {}, None)
+
+    def _open_lane(self, plan, key, kind: str, steps: int, stats, timed: bool, with_sampler: bool = False) -> None:
         """The fast lane: the next ``steps`` steps of this ``plan`` are ones the off-switch would
         surely refuse (:meth:`~vllm_csv.off_switch.OffSwitch.refusals_ahead`), so they skip its
         ledger, the step's stats and the metrics call, and are vLLM's call plus one append of
@@ -162,15 +185,17 @@ class CSVLogitsProcessor(LogitsProcessor):
         in-place dense samples, the metrics as a series of ``stats`` (counted at every flush
         meanwhile: :meth:`~vllm_csv.metrics.CSVMetrics.open_series`)."""
         series = self.csv_metrics.open_series(stats) if self.csv_metrics is not None else Series(stats)
-        self._csv_lane = _Lane(plan, batch, kind, steps, series, timed)
+        self._csv_lane = _Lane(plan, key, kind, steps, series, timed, with_sampler)
 
     def _close_lane(self, sw) -> None:
         lane, self._csv_lane = self._csv_lane, None
         seconds = lane.series.seconds
-        sw.skip(lane.batch, lane.kind, len(seconds))
+        # (a lane step with the sampler whose sampler call never came appended nothing: the
+        # ledger counts the steps that were timed)
+        sw.skip(lane.key, lane.kind, len(seconds))
         if lane.timed:
             for s in seconds[-WINDOW:]:  # (the estimate is the median of the last WINDOW)
-                sw.observe_dense(lane.batch, s)
+                sw.observe_dense(lane.key, s)
         if self.csv_metrics is not None:
             self.csv_metrics.close_series(lane.series)
 
@@ -204,15 +229,17 @@ class CSVLogitsProcessor(LogitsProcessor):
                         stats.certified, stats.rows)
             self._csv_logged = True
 
-    def _record(self, head, stats, modes: dict[str, int], switch_batch: int | None) -> None:
+    def _record(self, head, stats, modes: dict[str, int], switch_key=None) -> None:
         """Metrics of a step, and the off-switch's account of a step it let try CSV
-        (``switch_batch``: the step's rows; ``stats.seconds`` includes the work of rows certified
-        in the sampler)."""
-        if switch_batch is not None:
-            head.off_switch.observe(switch_batch, stats.seconds)
+        (``switch_key``: the step's key in the switch, its batch size or ``(B, "sampler")``;
+        ``stats.seconds`` includes the work of rows certified in the sampler, and for the second
+        key vLLM's sampler call)."""
+        if switch_key is not None:
+            head.off_switch.observe(switch_key, stats.seconds)
         if self.csv_metrics is not None:  # under TP: the global decision (rank 0) and per-rank counts
             sw = head.off_switch
-            self.csv_metrics.record(stats, None if sw is None else sw.dense_seconds.get(stats.rows), modes)
+            key = stats.rows if switch_key is None else switch_key
+            self.csv_metrics.record(stats, None if sw is None else sw.dense_seconds.get(key), modes)
 
     def _get_head(self, lm_head, embedding_bias):
         if self.csv_head is None:
@@ -248,11 +275,12 @@ class CSVLogitsProcessor(LogitsProcessor):
 @dataclass
 class _Lane:
     plan: object  # the step plan whose steps take the lane (step_plan hands out the same object while the batch holds)
-    batch: int
+    key: object  # the steps' key in the off-switch: the batch size, or (B, "sampler")
     kind: str  # the off-switch's ledger
     left: int  # steps the lane may still take
     series: Series  # each lane step's time (open in the metrics when they are on)
     timed: bool  # the times are in-place dense samples (not on CUDA: no sync to time it)
+    with_sampler: bool = False  # each time includes vLLM's sampler call (sampler_hook.DenseTiming)
 
 
 def _unsupported(vc, layer) -> str | None:

@@ -30,7 +30,9 @@ the scored set are ``-inf``; a top-p of 1.0 or min-p of 0 that vLLM applies batc
 removes no token within 41 of the row's maximum, and the winner is within 41.1, the width of
 the noise). When every top-p row of the batch was certified, vLLM's top-p is skipped for the
 draw (:func:`_masks_off`): its full-vocabulary sort was the dense step's largest cost; so are
-vLLM's top-k and min-p when every row with one was certified. Anything this hook cannot reason
+vLLM's top-k and min-p when every row with one was certified. So the off-switch times such a
+step with vLLM's sampler call, on both sides (:attr:`Deferred.with_sampler`; a step it sends
+dense leaves a :class:`DenseTiming` in the slot instead). Anything this hook cannot reason
 about (speculative decoding, fp64 Gumbel, a thinking budget, custom logits processors,
 min_tokens with a grammar, a non-CPU sampler) makes every deferred row dense.
 
@@ -113,6 +115,18 @@ class Deferred:
     dense: Callable[[], torch.Tensor]  # the dense head on the whole batch: [B, V] (under TP: collective)
     done: Callable[["DeferredStats"], None]  # metrics / off-switch accounting
     seconds: float = 0.0  # head time spent on them
+    # ``done``'s seconds include vLLM's own sampler call (the draw, with the masks the certified
+    # rows skip): the off-switch then compares the head and the sampler on both sides (the dense
+    # step's account comes through a :class:`DenseTiming`), not only the head
+    with_sampler: bool = False
+
+
+@dataclass
+class DenseTiming:
+    """What the head leaves for the sampler on a dense step that the off-switch times with vLLM's
+    sampler call (:attr:`Deferred.with_sampler`'s other side): ``report`` gets its seconds."""
+
+    report: Callable[[float], None]
 
 
 @dataclass
@@ -125,10 +139,10 @@ class DeferredStats:
 
 
 _logged: set[str] = set()
-_pending: Deferred | None = None  # one slot: a step's head call is followed by its sampler call
+_pending: Deferred | DenseTiming | None = None  # one slot: a step's head call is followed by its sampler call
 
 
-def defer(d: Deferred) -> None:
+def defer(d: Deferred | DenseTiming) -> None:
     global _pending
     _pending = d
 
@@ -139,11 +153,11 @@ def discard() -> None:
     _pending = None
 
 
-def _take(logits: torch.Tensor) -> Deferred | None:
+def _take(logits: torch.Tensor) -> Deferred | DenseTiming | None:
     global _pending
     d, _pending = _pending, None
-    if d is None:
-        return None
+    if d is None or isinstance(d, DenseTiming):
+        return d
     if tuple(logits.shape) != tuple(d.logits.shape):
         raise RuntimeError(f"vllm-csv: the sampler got logits of shape {tuple(logits.shape)} after the head "
                            f"returned {tuple(d.logits.shape)} with rows left to certify; refusing to sample "
@@ -478,6 +492,27 @@ def _masks_off(sampler, md, V: int, settled: torch.Tensor) -> dict:
     return off
 
 
+def _draw(sampler, orig, logits: torch.Tensor, md, settled: torch.Tensor, predict_bonus_token: bool,
+          logprobs_mode_override):
+    """vLLM's own ``Sampler.forward`` (``orig``) on the filled ``logits``, with the certified rows
+    ``settled`` drawn without top-p and top-k (:func:`resolve`) and the masks no row needs left
+    out (:func:`_masks_off`); vLLM's own values are restored after."""
+    masks = [(t, v) for t, v in ((md.top_p, 1.0), (md.top_k, logits.shape[1])) if t is not None]
+    if settled.numel() == 0:
+        return orig(sampler, logits, md, predict_bonus_token, logprobs_mode_override)
+    idx = [settled.to(t.device) for t, _ in masks]
+    saved = [t[i].clone() for (t, _), i in zip(masks, idx)]
+    for (t, v), i in zip(masks, idx):
+        t[i] = v
+    try:
+        off = _masks_off(sampler, md, logits.shape[1], settled)
+        return orig(sampler, logits, dataclasses.replace(md, **off) if off else md, predict_bonus_token,
+                    logprobs_mode_override)
+    finally:
+        for (t, _), i, old in zip(masks, idx, saved):
+            t[i] = old
+
+
 def install() -> None:
     """Wrap ``Sampler.forward`` (V1) and ``Sampler.__call__`` (V2) once per process."""
     from vllm.v1.sample.sampler import Sampler
@@ -490,24 +525,20 @@ def install() -> None:
         d = _take(logits)
         if d is None:
             return orig(self, logits, sampling_metadata, predict_bonus_token, logprobs_mode_override)
+        if isinstance(d, DenseTiming):  # a dense step the off-switch times with this call
+            t0 = time.perf_counter()
+            out = orig(self, logits, sampling_metadata, predict_bonus_token, logprobs_mode_override)
+            d.report(time.perf_counter() - t0)
+            return out
         st, settled = resolve(self, d, logits, sampling_metadata, predict_bonus_token)
-        d.done(st)
-        md = sampling_metadata
-        masks = [(t, v) for t, v in ((md.top_p, 1.0), (md.top_k, logits.shape[1])) if t is not None]
-        if settled.numel() == 0:
-            return orig(self, logits, md, predict_bonus_token, logprobs_mode_override)
-        # decided by the certificate (see resolve); vLLM's own values are restored after
-        idx = [settled.to(t.device) for t, _ in masks]
-        saved = [t[i].clone() for (t, _), i in zip(masks, idx)]
-        for (t, v), i in zip(masks, idx):
-            t[i] = v
-        try:
-            off = _masks_off(self, md, logits.shape[1], settled)
-            return orig(self, logits, dataclasses.replace(md, **off) if off else md, predict_bonus_token,
-                        logprobs_mode_override)
-        finally:
-            for (t, _), i, old in zip(masks, idx, saved):
-                t[i] = old
+        if not d.with_sampler:
+            d.done(st)
+        t0 = time.perf_counter()
+        out = _draw(self, orig, logits, sampling_metadata, settled, predict_bonus_token, logprobs_mode_override)
+        if d.with_sampler:
+            st.seconds += time.perf_counter() - t0
+            d.done(st)
+        return out
 
     Sampler.forward = forward
     Sampler._csv_wrapped = True
@@ -521,7 +552,7 @@ def install() -> None:
 
     def call(self, logits, input_batch, *a, **k):
         d = _take(logits)
-        if d is not None:
+        if isinstance(d, Deferred):  # (the head leaves no DenseTiming on CUDA: no sync to time it)
             d.done(resolve_v2(self, d, logits, input_batch))
         return orig_v2(self, logits, input_batch, *a, **k)
 
