@@ -2,6 +2,8 @@
 with temperature, seeded generators, penalties, logit_bias, allowed ids and bad words; the
 RNG streams stay in step."""
 
+import math
+
 import pytest
 import torch
 
@@ -656,3 +658,83 @@ def test_off_switch_counts_the_sampler_passes_csv_skips(monkeypatch):
     monkeypatch.setattr(OffSwitch, "samples_in_place", False)  # the head's time alone, as before
     tried, sw = _switched_run(monkeypatch, 1.3)
     assert (8, "sampler") not in sw.dense_seconds and tried <= 0.1 * n, tried
+
+
+def _mask_rows(g, B, V, kind):
+    """``[B, V]`` fp32 rows for vLLM's masks: random, tied, far tails, -inf, NaN, huge."""
+    x = torch.randn(B, V, generator=g) * 3
+    if kind == "ties":
+        x = (x * 2).round() / 2  # many exact ties, at every level
+    elif kind == "tails":
+        x[:, ::3] -= 200.0  # tokens of fp32 probability 0
+    elif kind == "special":
+        x[0] = -math.inf
+        x[1, 5] = math.nan
+        x[2, :7] = math.inf
+        x[3] *= 1e30
+        x[4] = 1.0
+    return x
+
+
+@pytest.mark.parametrize("kind", ["random", "ties", "tails", "special"])
+@pytest.mark.parametrize("masks", ["top_p", "top_k", "both"])
+def test_masks_on_rows_equal_vllm_on_every_row(kind, masks):
+    """vLLM's top-k / top-p run on the rows that have one only (``_masks_on_rows``): those rows
+    bit for bit as vLLM's call on the whole batch; the rows left out (top-p 1, top-k V) unchanged,
+    where vLLM's call drops only tokens far below the row's maximum (fp32 probability 0)."""
+    from vllm.v1.sample.ops.topk_topp_sampler import apply_top_k_top_p_pytorch
+
+    def vllm(x, k, p):
+        return apply_top_k_top_p_pytorch(x, k, p, allow_cpu_sync=True)
+
+    g = torch.Generator().manual_seed(3)
+    Bm, Vm = 24, 4099
+    on_rows = sampler_hook._masks_on_rows(vllm)
+    for trial in range(4):
+        x = _mask_rows(g, Bm, Vm, kind)
+        need = torch.rand(Bm, generator=g) < (0.1, 0.4, 0.8, 1.0)[trial]
+        p = torch.where(need, torch.rand(Bm, generator=g) * 0.98 + 0.01, 1.0) if masks != "top_k" else None
+        k = torch.where(need, torch.randint(1, 60, (Bm,), generator=g), Vm) if masks != "top_p" else None
+        if masks == "both":  # some rows with a top-k alone, some with a top-p alone
+            p = torch.where(torch.arange(Bm) % 3 == 0, 1.0, p)
+            k = torch.where(torch.arange(Bm) % 3 == 1, Vm, k)
+            need = (p < 1.0) | (k < Vm)
+        want = vllm(x.clone(), k, p)
+        sampler_hook._rows_only = True
+        try:
+            got = on_rows(x.clone(), k, p)
+        finally:
+            sampler_hook._rows_only = False
+        assert torch.equal(got[need].nan_to_num(), want[need].nan_to_num()), (kind, masks, trial)
+        assert torch.equal(got[need].isnan(), want[need].isnan())
+        rest = ~need
+        assert torch.equal(got[rest].nan_to_num(), x[rest].nan_to_num())  # left as they were
+        dropped = (want[rest] == -math.inf) & (x[rest] > -math.inf)
+        top = x[rest].nan_to_num(nan=-math.inf).amax(1, keepdim=True)
+        assert bool((x[rest][dropped] < (top.expand_as(dropped)[dropped] - 87)).all())
+
+
+def test_uncertified_top_p_row_is_masked_alone(monkeypatch):
+    """A batch whose top-p rows are all certified but one: vLLM's sort runs on that row alone
+    (not the batch), and the draw is vLLM's."""
+    from vllm.v1.sample.ops import topk_topp_sampler as tts
+
+    sampler_hook.install()
+    g = torch.Generator().manual_seed(8)
+    W, _ = peaked_head(V, D, seed=19, dtype=torch.bfloat16)
+    head = CertifiedHead(W, config=HeadConfig(screen="fp16", budget=0.5, off_switch=False))
+    h = hidden_near_rows(W, B, g, scale=3.0)
+    md = metadata(g, [0.8] * B, seeded=range(0, B, 2), penalties=False, bias=False, allowed=False, bad=False,
+                  top_p=0.7)
+    dense = head.dense_logits(h)
+    want = run(Sampler(), dense.clone(), md, seed=5)[0]
+    sorted_rows = []
+    real = tts.apply_top_k_top_p_pytorch
+    monkeypatch.setattr(tts, "apply_top_k_top_p_pytorch",
+                        lambda x, k, p, **kw: sorted_rows.append(x.shape[0]) or real(x, k, p, **kw))
+    top_p_rows = torch.arange(B)[md.top_p < 1.0]
+    rows = torch.arange(B)[torch.arange(B) != top_p_rows[3]]  # one top-p row not deferred: dense
+    got, st = _hooked(head, h, dense, md, rows)
+    assert torch.equal(got, want)
+    assert sum(st.certified.values()) == rows.numel()
+    assert sorted_rows == [1]

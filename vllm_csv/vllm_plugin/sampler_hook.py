@@ -472,8 +472,7 @@ def _masks_off(sampler, md, V: int, settled: torch.Tensor) -> dict:
     sampler, where they live.)"""
     from vllm.v1.sample.logits_processor import LogitsProcessors
 
-    wants_logprobs = md.max_num_logprobs is not None or bool(getattr(md, "logprob_token_ids", None))
-    if wants_logprobs and sampler.topk_topp_sampler.logprobs_mode in ("processed_logits", "processed_logprobs"):
+    if _processed_logprobs(sampler, md):
         return {}
     off = {}
     if md.top_k is not None and bool((md.top_k == V).all()):
@@ -492,23 +491,73 @@ def _masks_off(sampler, md, V: int, settled: torch.Tensor) -> dict:
     return off
 
 
+def _processed_logprobs(sampler, md) -> bool:
+    """Whether this draw returns processed logprobs or logits (read after vLLM's masks)."""
+    wants_logprobs = md.max_num_logprobs is not None or bool(getattr(md, "logprob_token_ids", None))
+    return wants_logprobs and sampler.topk_topp_sampler.logprobs_mode in ("processed_logits", "processed_logprobs")
+
+
+_rows_only = False  # set by _draw: vLLM's top-k / top-p run on the rows that have one only (_masks_on_rows)
+
+
+def _masks_on_rows(apply_top_k_top_p):
+    """vLLM's ``apply_top_k_top_p`` (the CPU sampler's masks), run during :func:`_draw` on the rows
+    with a top-p below 1 or a top-k below ``V`` only, the others left as they are.
+
+    On the rows it runs on, the output is vLLM's own: every operation in it works row by row
+    (the sort, the gather at the ``k``-th value, the softmax and cumulative sum over the row,
+    the masks and the scatter back; the top-k-only path's ``topk`` to the batch's largest ``k``
+    gives each row the same ``k``-th value for any larger bound), so a row's result does not
+    depend on the other rows of the call (``tests/test_sampler_hook.py`` compares it with the
+    full-batch call on random, tied and infinite rows). On a row left out (``top_p`` 1 and
+    ``top_k`` ``V``: the certified rows, :func:`resolve`, and rows with no mask) vLLM's call
+    would drop only tokens of fp32 probability 0 (``y < max y - 87``), which no draw picks (a
+    Gumbel winner is within 41.1 of the row's maximum; :func:`_masks_off`): the draw is the
+    same. At eight top-p rows of 65536 tokens with one left uncertified, vLLM's sort of every
+    row took 20 to 26 ms of the step on this repo's 2-core machine; one row's, 3 to 6. Not where
+    processed logprobs are returned (:func:`_draw`: they read the masked values)."""
+
+    def apply(logits: torch.Tensor, k: torch.Tensor | None, p: torch.Tensor | None) -> torch.Tensor:
+        if not _rows_only or (k is None and p is None):
+            return apply_top_k_top_p(logits, k, p)
+        # (host reads of k and p: the CPU sampler's, where they live)
+        need = torch.zeros(logits.shape[0], dtype=torch.bool)
+        if p is not None:
+            need |= p.cpu() < 1.0
+        if k is not None:
+            need |= k.cpu() < logits.shape[1]
+        if bool(need.all()):
+            return apply_top_k_top_p(logits, k, p)
+        rows = need.nonzero().squeeze(1).to(logits.device)
+        if rows.numel():
+            sub = apply_top_k_top_p(logits.index_select(0, rows), None if k is None else k[rows],
+                                    None if p is None else p[rows])
+            logits.index_copy_(0, rows, sub)
+        return logits
+
+    apply._csv_wrapped = True
+    return apply
+
+
 def _draw(sampler, orig, logits: torch.Tensor, md, settled: torch.Tensor, predict_bonus_token: bool,
           logprobs_mode_override):
     """vLLM's own ``Sampler.forward`` (``orig``) on the filled ``logits``, with the certified rows
-    ``settled`` drawn without top-p and top-k (:func:`resolve`) and the masks no row needs left
-    out (:func:`_masks_off`); vLLM's own values are restored after."""
+    ``settled`` drawn without top-p and top-k (:func:`resolve`), the masks no row needs left
+    out (:func:`_masks_off`) and the others run on the rows that have them only
+    (:func:`_masks_on_rows`); vLLM's own values are restored after."""
+    global _rows_only
     masks = [(t, v) for t, v in ((md.top_p, 1.0), (md.top_k, logits.shape[1])) if t is not None]
-    if settled.numel() == 0:
-        return orig(sampler, logits, md, predict_bonus_token, logprobs_mode_override)
     idx = [settled.to(t.device) for t, _ in masks]
     saved = [t[i].clone() for (t, _), i in zip(masks, idx)]
     for (t, v), i in zip(masks, idx):
         t[i] = v
+    _rows_only = certifiable_sampler(sampler) and not _processed_logprobs(sampler, md)
     try:
-        off = _masks_off(sampler, md, logits.shape[1], settled)
+        off = _masks_off(sampler, md, logits.shape[1], settled) if settled.numel() else {}
         return orig(sampler, logits, dataclasses.replace(md, **off) if off else md, predict_bonus_token,
                     logprobs_mode_override)
     finally:
+        _rows_only = False
         for (t, _), i, old in zip(masks, idx, saved):
             t[i] = old
 
@@ -542,6 +591,11 @@ def install() -> None:
 
     Sampler.forward = forward
     Sampler._csv_wrapped = True
+    from vllm.v1.sample.ops import topk_topp_sampler
+
+    if not getattr(topk_topp_sampler.apply_top_k_top_p, "_csv_wrapped", False):
+        # (forward_cpu reads the module's global at each call)
+        topk_topp_sampler.apply_top_k_top_p = _masks_on_rows(topk_topp_sampler.apply_top_k_top_p)
     try:
         from vllm.v1.worker.gpu.sample.sampler import Sampler as V2Sampler
     except ImportError:
