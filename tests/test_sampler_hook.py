@@ -654,6 +654,8 @@ def test_off_switch_counts_the_sampler_passes_csv_skips(monkeypatch):
     monkeypatch.undo()
     tried, sw = _switched_run(monkeypatch, 2.6)  # dearer than the head and the pass together
     assert tried <= 0.1 * n and sw.times_tripped >= 1, tried
+    # the switched-off steps (the fast lane's among them) were timed with the sampler call too
+    assert sw.dense_seconds[(8, "sampler")] == pytest.approx(2.0)
     monkeypatch.undo()
     monkeypatch.setattr(OffSwitch, "samples_in_place", False)  # the head's time alone, as before
     tried, sw = _switched_run(monkeypatch, 1.3)
