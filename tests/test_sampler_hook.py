@@ -740,3 +740,29 @@ def test_uncertified_top_p_row_is_masked_alone(monkeypatch):
     assert torch.equal(got, want)
     assert sum(st.certified.values()) == rows.numel()
     assert sorted_rows == [1]
+
+
+def test_a_slot_no_sampler_took_does_not_reach_the_next_step(monkeypatch):
+    """A head call that deferred rows but whose sampler call never came: the next head call
+    (here one vLLM's runner makes with no plan) clears the slot, so the next sampler call draws
+    from its own logits, not with the earlier step's rows written into them."""
+    from vllm.model_executor.layers.logits_processor import LogitsProcessor
+
+    from vllm_csv.vllm_plugin import logits_processor as lp, step_plan
+
+    sampler_hook.install()
+    g = torch.Generator().manual_seed(8)
+    W, _ = peaked_head(V, D, seed=19, dtype=torch.bfloat16)
+    head = CertifiedHead(W, config=HeadConfig(screen="fp16", budget=0.5, off_switch=False))
+    monkeypatch.setattr(LogitsProcessor, "forward", lambda self, lm, x, bias=None, skip_gather=False:
+                        head.dense_logits(x))
+    layer = lp.CSVLogitsProcessor.__new__(lp.CSVLogitsProcessor)
+    torch.nn.Module.__init__(layer)
+    layer.csv_head, layer.csv_metrics, layer._csv_logged, layer._csv_lane = head, None, True, None
+    h = hidden_near_rows(W, 4, g, scale=3.0)
+    plan = step_plan.Plan([str(i) for i in range(4)], [step_plan.DEFER] * 4, ["sampling"] * 4, [0.8] * 4)
+    with step_plan.active_plan(plan):
+        layer.forward(None, h)  # rows deferred: a slot for this step's sampler
+    assert isinstance(sampler_hook._pending, sampler_hook.Deferred)
+    layer.forward(None, h)  # the next head call, no plan: vLLM's own logits
+    assert sampler_hook._pending is None  # its sampler call takes nothing from the earlier step

@@ -64,6 +64,10 @@ class CSVLogitsProcessor(LogitsProcessor):
         # The head (and its index) is built at the first call, which vLLM makes during
         # start-up (profiling / warm-up): a bad index stops the server there.
         t0 = time.perf_counter()  # the off-switch charges this layer's whole step, plan included
+        # A slot left by an earlier head call whose sampler call never came (none expected: each
+        # step's sampler follows its head) must not reach this step's sampler: it would fill this
+        # step's logits with another step's rows where the shapes agree (sampler_hook._take).
+        sampler_hook.discard()
         head = self._get_head(lm_head, embedding_bias)
         plan = step_plan.take_plan(hidden_states.shape[0])
         if plan is None or skip_gather or hidden_states.dim() != 2:
