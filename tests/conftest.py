@@ -35,6 +35,27 @@ def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
     return torch.equal(a.contiguous().view(ints), b.contiguous().view(ints))
 
 
+class FakeClock:
+    """``time`` for the plugin's modules: advances only by the simulated costs."""
+
+    def __init__(self):
+        self.now = 0.0
+
+    def perf_counter(self):
+        return self.now
+
+
+def csv_layer(head, metrics=None):
+    """The plugin's LM-head layer (``CSVLogitsProcessor``) around ``head``, built without vLLM's
+    constructor (no vLLM config), as its first ``forward`` leaves it."""
+    from vllm_csv.vllm_plugin.logits_processor import CSVLogitsProcessor
+
+    layer = CSVLogitsProcessor.__new__(CSVLogitsProcessor)
+    torch.nn.Module.__init__(layer)
+    layer.csv_head, layer.csv_metrics, layer._csv_logged, layer._csv_lane = head, metrics, True, None
+    return layer
+
+
 @pytest.fixture(autouse=True)
 def _private_cache(tmp_path_factory, monkeypatch):
     """Tests never write to the user's cache."""

@@ -3,6 +3,7 @@
 import pytest
 import torch
 
+from conftest import FakeClock, csv_layer
 from vllm_csv import CertifiedHead, HeadConfig
 from vllm_csv.off_switch import LANE_MAX, OffSwitch
 
@@ -242,16 +243,6 @@ def test_any_alternation_stays_within_the_promise():
     check()
 
 
-class FakeClock:
-    """``time`` for the head module: advances only by the simulated costs."""
-
-    def __init__(self):
-        self.now = 0.0
-
-    def perf_counter(self):
-        return self.now
-
-
 def test_head_alternating_certifiable_and_tied_rows(monkeypatch):
     """A real CertifiedHead on batches that alternate, phase by phase, between rows it certifies
     (peaked hidden states: CSV costs the screen, 0.6 dense) and rows it cannot (a 300-way exact
@@ -440,10 +431,7 @@ def _layer_run(monkeypatch, lane: bool, name: str):
     allows = []
     allow = head.off_switch.allow
     monkeypatch.setattr(head.off_switch, "allow", lambda *a, **k: allows.append(1) or allow(*a, **k))
-    layer = lp.CSVLogitsProcessor.__new__(lp.CSVLogitsProcessor)
-    torch.nn.Module.__init__(layer)
-    layer.csv_head, layer.csv_metrics, layer._csv_logged, layer._csv_lane = \
-        head, CSVMetrics(name, {"vocab_size": 2048}), True, None
+    layer = csv_layer(head, CSVMetrics(name, {"vocab_size": 2048}))
     plans = [step_plan.Plan([str(i) for i in range(B)], [1] * B) for B in (4, 3, 4)]
     out = []
     for plan, steps in zip(plans, (300, 120, 200)):

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from conftest import hidden_near_rows, peaked_head
+from conftest import FakeClock, csv_layer, hidden_near_rows, peaked_head
 
 pytest.importorskip("vllm")
 from vllm.v1.sample.logits_processor import LogitsProcessors  # noqa: E402
@@ -570,16 +570,6 @@ def test_rows_are_mapped_by_column_only_when_no_processor_acts(case, monkeypatch
     assert sum(seen[0].certified.values()) > B // 2
 
 
-class _Clock:
-    """``time`` for the plugin's modules: advances only by the simulated costs."""
-
-    def __init__(self):
-        self.now = 0.0
-
-    def perf_counter(self):
-        return self.now
-
-
 def _switched_run(monkeypatch, certificate_cost: float, steps: int = 160):
     """Drive the plugin's layer and the hooked sampler over ``steps`` steps of 8 deferred top-k
     rows with the off-switch on, on a fake clock: vLLM's dense head costs 1.0, vLLM's top-k pass
@@ -594,7 +584,7 @@ def _switched_run(monkeypatch, certificate_cost: float, steps: int = 160):
     from vllm_csv.vllm_plugin import logits_processor as lp, step_plan
 
     sampler_hook.install()
-    clock = _Clock()
+    clock = FakeClock()
     for mod in (csv_head, lp, sampler_hook):
         monkeypatch.setattr(mod, "time", clock)
     Bs = 8
@@ -624,10 +614,7 @@ def _switched_run(monkeypatch, certificate_cost: float, steps: int = 160):
     monkeypatch.setattr(LogitsProcessor, "forward", dense_forward)
     monkeypatch.setattr(tts, "apply_top_k_top_p", mask)
     monkeypatch.setattr(sampler_hook, "certify_rows", certify)
-    layer = lp.CSVLogitsProcessor.__new__(lp.CSVLogitsProcessor)
-    torch.nn.Module.__init__(layer)
-    layer.csv_head, layer.csv_metrics, layer._csv_logged, layer._csv_lane = \
-        head, CSVMetrics(f"switched-{certificate_cost}", {"vocab_size": V}), True, None
+    layer = csv_layer(head, CSVMetrics(f"switched-{certificate_cost}", {"vocab_size": V}))
     plan = step_plan.Plan([str(i) for i in range(Bs)], [step_plan.DEFER] * Bs, ["top_k"] * Bs, [0.8] * Bs)
     sampler = Sampler()
     for step in range(steps):
@@ -748,7 +735,7 @@ def test_a_slot_no_sampler_took_does_not_reach_the_next_step(monkeypatch):
     from its own logits, not with the earlier step's rows written into them."""
     from vllm.model_executor.layers.logits_processor import LogitsProcessor
 
-    from vllm_csv.vllm_plugin import logits_processor as lp, step_plan
+    from vllm_csv.vllm_plugin import step_plan
 
     sampler_hook.install()
     g = torch.Generator().manual_seed(8)
@@ -756,9 +743,7 @@ def test_a_slot_no_sampler_took_does_not_reach_the_next_step(monkeypatch):
     head = CertifiedHead(W, config=HeadConfig(screen="fp16", budget=0.5, off_switch=False))
     monkeypatch.setattr(LogitsProcessor, "forward", lambda self, lm, x, bias=None, skip_gather=False:
                         head.dense_logits(x))
-    layer = lp.CSVLogitsProcessor.__new__(lp.CSVLogitsProcessor)
-    torch.nn.Module.__init__(layer)
-    layer.csv_head, layer.csv_metrics, layer._csv_logged, layer._csv_lane = head, None, True, None
+    layer = csv_layer(head)
     h = hidden_near_rows(W, 4, g, scale=3.0)
     plan = step_plan.Plan([str(i) for i in range(4)], [step_plan.DEFER] * 4, ["sampling"] * 4, [0.8] * 4)
     with step_plan.active_plan(plan):
