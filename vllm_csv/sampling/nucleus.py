@@ -174,6 +174,20 @@ def all_off(min_p: torch.Tensor | None, top_k: torch.Tensor | None, top_p: torch
                                                   (top_p, _top_p_on)) if x is not None)
 
 
+def top_k_only(min_p: torch.Tensor | None, top_k: torch.Tensor | None, top_p: torch.Tensor | None,
+               V: int) -> torch.Tensor | None:
+    """``[R]`` bool: the rows whose only mask is a top-k (``0 < k < V``; no min-p, no top-p);
+    None when no top-k is given."""
+    if top_k is None:
+        return None
+    on = _top_k_on(top_k, V)
+    if min_p is not None:
+        on &= ~_min_p_on(min_p)
+    if top_p is not None:
+        on &= ~_top_p_on(top_p)
+    return on
+
+
 def min_p_bounds(ylo: torch.Tensor, yhi: torch.Tensor, min_p: torch.Tensor, outside: Outside | None = None):
     """Apply min-p (``[R]`` float32, ``0`` = off) to bounds; see the module docstring.
     Returns ``(ylo, yhi)``, or ``(ylo, yhi, outside)`` when an outside block is given (see

