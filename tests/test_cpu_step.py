@@ -298,3 +298,39 @@ def test_abs_max_rows_is_the_reference():
         assert torch.equal(torch.isnan(got), torch.isnan(want))
         ok = ~torch.isnan(want)
         assert torch.equal(got[ok], want[ok]), V
+
+
+@pytest.mark.parametrize("V", [1, 17, 4096, 65536 + 5])
+@pytest.mark.parametrize("extras", ["none", "bias", "act", "both"])
+@pytest.mark.parametrize("two_sided", [True, False])
+def test_interval_rows_is_the_reference(V, extras, two_sided):
+    """The screen's intervals in one pass: the same bits as the torch reference (lo written over
+    y, hi returned), on wide and tiny centres, huge radii and norms (overflow to inf), NaN and
+    +-inf centres, subnormal terms, and rows of V not a multiple of the column blocks."""
+    g = torch.Generator().manual_seed(V)
+    B = 9
+    y = torch.randn(B, V, generator=g) * torch.logspace(-30, 30, B)[:, None]
+    y[1, : min(V, 3)] = torch.tensor([math.nan, math.inf, -math.inf])[: min(V, 3)]
+    y[2] = 3e38
+    c = torch.rand(B, generator=g) * torch.logspace(-38, 2, B)
+    rad = torch.rand(V, generator=g) * 1e-2
+    rad[0] = 1e30
+    hnorm = torch.rand(B, generator=g) * torch.logspace(-20, 20, B)
+    hnorm[3] = 0.0
+    bslack = torch.rand(V, generator=g) * 1e-3 if extras in ("bias", "both") else None
+    nn = torch.rand(V, generator=g) * 0.1 if extras in ("act", "both") else None
+    e = torch.rand(B, generator=g) * 1e-4 if nn is not None else None
+    y_ref = y.clone()
+    hi = K.interval_rows(y, c, rad, hnorm, bslack, nn, e, two_sided)
+    hi_ref = C.interval_rows_ref(y_ref, c, rad, hnorm, bslack, nn, e, two_sided)
+    assert torch.equal(hi.view(torch.int32), hi_ref.view(torch.int32))  # bit for bit, NaN payloads aside
+    assert torch.equal(y.view(torch.int32), y_ref.view(torch.int32))
+    assert C.interval_rows(y.clone(), c, rad, hnorm, bslack, nn, e, two_sided).shape == (B, V)
+
+
+def test_interval_rows_refuses_bad_shapes():
+    y = torch.zeros(2, 8)
+    with pytest.raises(RuntimeError, match="rad"):
+        K.interval_rows(y, torch.zeros(2), torch.zeros(7), torch.zeros(2), None, None, None, True)
+    with pytest.raises(RuntimeError, match="together"):
+        K.interval_rows(y, torch.zeros(2), torch.zeros(8), torch.zeros(2), None, torch.zeros(8), None, True)

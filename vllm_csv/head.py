@@ -236,13 +236,12 @@ class CertifiedHead:
         ymax = cpu_step.abs_max_rows(y)  # max |y| (NaN/inf propagate), one pass
         c = ymax * delta + self._tiny
         ok &= (ymax + c + self._rad_max * hnorm + bmax + self._babs_max) <= self.engine.limit
-        # (no bias slack, bmax 0: bslack is all zeros, and c + 0 is c: skip that [B, V] pass)
-        m = torch.addcmul(c[:, None] + bslack[None] if bmax else c[:, None], rad[None], hnorm[:, None])
-        if out.n is not None:
-            m.addcmul_(out.n[None] * (1 + delta), out.e[:, None])
-        hi = y + m
-        lo = y.sub_(m) if out.two_sided else None
-        return lo, hi, hnorm, ok
+        # m = (c + bslack) + rad ||h|| + n (1 + delta) e, hi = y + m, lo = y - m over y: one pass on
+        # the CPU (cpu_step.interval_rows); no bias slack (bmax 0): bslack is all zeros, c + 0 is c
+        nn = None if out.n is None else out.n * (1 + delta)
+        hi = cpu_step.interval_rows(y, c, rad, hnorm, bslack if bmax else None, nn,
+                                    None if out.n is None else out.e, out.two_sided)
+        return (y if out.two_sided else None), hi, hnorm, ok
 
     def _score(self, hidden: torch.Tensor, ids: torch.Tensor, hnorm: torch.Tensor):
         """Score columns ``ids``: ``(z, lower, upper)``, ``z`` in the model dtype (what the

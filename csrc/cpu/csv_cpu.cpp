@@ -632,10 +632,104 @@ at::Tensor abs_max_rows(const at::Tensor& y_in) {
   return out;
 }
 
+
+// ---- interval_rows ---------------------------------------------------------------------------
+// The screen's intervals around its centres y [B, V] (vllm_csv.ops.cpu_step.interval_rows_ref,
+// the same bits): m = (c_b [+ bslack_v]) + rad_v hnorm_b [+ nn_v e_b], then hi = y + m and,
+// where two_sided, y - m written over y (the reference's y.sub_(m)). torch's CPU addcmul is
+// compiled with its multiply-add fused (self + t1 t2 rounded once: checked against the reference
+// in tests/test_cpu_step.py), so the kernel fuses the same two explicitly (std::fma; inline
+// instructions in the AVX2+FMA and AVX-512 clones). One pass over y instead of the reference's
+// five (m built, widened, and read twice), and no [B, V] m.
+void interval_tail(float* y, float* hi, int64_t n, float cb, const float* bs, const float* rad, float hb,
+                   const float* nn, float eb, bool two_sided) {  // scalar: the tails, and CPUs without FMA
+  for (int64_t i = 0; i < n; ++i) {
+    float m = bs ? cb + bs[i] : cb;
+    m = std::fma(rad[i], hb, m);
+    if (nn) m = std::fma(nn[i], eb, m);
+    const float v = y[i];
+    hi[i] = v + m;
+    if (two_sided) y[i] = v - m;
+  }
+}
+
+#define CSV_INTERVAL_SPAN(NAME, TARGET, W, VT, SET1, LOAD, STORE, ADD, SUB, FMADD)                              \
+  __attribute__((target(TARGET))) void NAME(float* y, float* hi, int64_t n, float cb, const float* bs,        \
+                                            const float* rad, float hb, const float* nn, float eb,            \
+                                            bool two_sided) {                                                 \
+    const VT C = SET1(cb), H = SET1(hb), E = SET1(eb);                                                        \
+    int64_t i = 0;                                                                                            \
+    for (; i + W <= n; i += W) {                                                                              \
+      VT m = bs ? ADD(C, LOAD(bs + i)) : C;                                                                   \
+      m = FMADD(LOAD(rad + i), H, m);                                                                         \
+      if (nn) m = FMADD(LOAD(nn + i), E, m);                                                                  \
+      const VT v = LOAD(y + i);                                                                               \
+      STORE(hi + i, ADD(v, m));                                                                               \
+      if (two_sided) STORE(y + i, SUB(v, m));                                                                 \
+    }                                                                                                         \
+    interval_tail(y + i, hi + i, n - i, cb, bs ? bs + i : nullptr, rad + i, hb, nn ? nn + i : nullptr, eb,    \
+                  two_sided);                                                                                 \
+  }
+#if defined(__x86_64__)
+CSV_INTERVAL_SPAN(interval_span_avx512, "avx512f", 16, __m512, _mm512_set1_ps, _mm512_loadu_ps, _mm512_storeu_ps,
+                  _mm512_add_ps, _mm512_sub_ps, _mm512_fmadd_ps)
+CSV_INTERVAL_SPAN(interval_span_avx2, "avx2,fma", 8, __m256, _mm256_set1_ps, _mm256_loadu_ps, _mm256_storeu_ps,
+                  _mm256_add_ps, _mm256_sub_ps, _mm256_fmadd_ps)
+#endif
+#undef CSV_INTERVAL_SPAN
+
+using IntervalSpan = void (*)(float*, float*, int64_t, float, const float*, const float*, float, const float*, float,
+                              bool);
+
+IntervalSpan interval_span() {  // the widest the CPU runs (the multiply-adds fused in each, as torch's)
+#if defined(__x86_64__)
+  if (__builtin_cpu_supports("avx512f")) return interval_span_avx512;
+  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return interval_span_avx2;
+#endif
+  return interval_tail;
+}
+
+at::Tensor interval_rows(at::Tensor& y, const at::Tensor& c, const at::Tensor& rad, const at::Tensor& hnorm,
+                         const c10::optional<at::Tensor>& bslack, const c10::optional<at::Tensor>& nn,
+                         const c10::optional<at::Tensor>& e, bool two_sided) {
+  TORCH_CHECK(y.dim() == 2 && y.scalar_type() == at::kFloat && y.device().is_cpu() && y.is_contiguous(),
+              "interval_rows: y [B, V] contiguous float32 on the CPU");
+  const int64_t B = y.size(0), V = y.size(1);
+  auto vec = [](const at::Tensor& t, int64_t n, const char* what) {
+    TORCH_CHECK(t.dim() == 1 && t.size(0) == n && t.scalar_type() == at::kFloat, "interval_rows: ", what,
+                " must be float32 [", n, "]");
+    return t.contiguous();
+  };
+  const at::Tensor cc = vec(c, B, "c"), rr = vec(rad, V, "rad"), hh = vec(hnorm, B, "hnorm");
+  TORCH_CHECK(nn.has_value() == e.has_value(), "interval_rows: nn and e come together");
+  const at::Tensor bs = bslack.has_value() ? vec(*bslack, V, "bslack") : at::Tensor();
+  const at::Tensor nv = nn.has_value() ? vec(*nn, V, "nn") : at::Tensor();
+  const at::Tensor ev = e.has_value() ? vec(*e, B, "e") : at::Tensor();
+  at::Tensor hi = at::empty_like(y);
+  float* yp = y.data_ptr<float>();
+  float* hp = hi.data_ptr<float>();
+  const float *cp = cc.data_ptr<float>(), *rp = rr.data_ptr<float>(), *np = hh.data_ptr<float>();
+  const float* bp = bslack.has_value() ? bs.data_ptr<float>() : nullptr;
+  const float* nvp = nn.has_value() ? nv.data_ptr<float>() : nullptr;
+  const float* ep = e.has_value() ? ev.data_ptr<float>() : nullptr;
+  // split over rows and column blocks: eight rows on two threads keep both busy
+  const int64_t COLS = 4096, nb = (V + COLS - 1) / COLS;
+  static const IntervalSpan span = interval_span();
+  at::parallel_for(0, B * nb, 1, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t b = t / nb, i0 = (t % nb) * COLS, i1 = std::min(V, i0 + COLS);
+      span(yp + b * V + i0, hp + b * V + i0, i1 - i0, cp[b], bp ? bp + i0 : nullptr, rp + i0, np[b],
+                    nvp ? nvp + i0 : nullptr, ep ? ep[b] : 0.0f, two_sided);
+    }
+  });
+  return hi;
+}
 }  // namespace
 
 TORCH_LIBRARY(vllm_csv_cpu, m) {
   m.def("abs_max_rows(Tensor y) -> Tensor");
+  m.def("interval_rows(Tensor(a!) y, Tensor c, Tensor rad, Tensor hnorm, Tensor? bslack, Tensor? nn, Tensor? e, "
+        "bool two_sided) -> Tensor");
   m.def("prepare_rows(Tensor h, bool certifiable) -> (Tensor, Tensor, Tensor)");
   m.def("quantize_act7(Tensor h, float s_min, float s_max) -> (Tensor, Tensor, Tensor, float)");
   m.def(
@@ -655,6 +749,7 @@ TORCH_LIBRARY(vllm_csv_cpu, m) {
 TORCH_LIBRARY_IMPL(vllm_csv_cpu, CPU, m) {
   m.impl("prepare_rows", &prepare_rows);
   m.impl("abs_max_rows", &abs_max_rows);
+  m.impl("interval_rows", &interval_rows);
   m.impl("quantize_act7", &quantize_act7);
   m.impl("select_candidates", &select_candidates);
   m.impl("score_intervals", &score_intervals);
