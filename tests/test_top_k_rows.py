@@ -43,9 +43,9 @@ class Spy:
         self.fast = self.rounds = self.tried = 0
         orig_fast, orig_rounds = rows.certify_top_k, rows._rounds
 
-        def fast(*a):
+        def fast(*a, **kw):
             self.tried += a[1].shape[0]
-            out = orig_fast(*a)
+            out = orig_fast(*a, **kw)
             self.fast += 0 if out is None else int(out.certified.sum())
             return out
 
@@ -69,11 +69,13 @@ def run(head, h, T, k, seeds, batch=16, p=None, min_p=None):
                            top_p=None if p is None else p[r], min_p=None if min_p is None else min_p[r],
                            columns=cols)
         c = res.certified
-        # what vLLM's sampler does with a certified row: its top-k skipped (sampler_hook._masks_off),
-        # the draw on the row as handed over; and with the top-k applied again (the same token)
+        # what vLLM's sampler does with a certified row: its masks skipped (sampler_hook._masks_off),
+        # the draw on the row as handed over; and (top-k alone) with the top-k applied again
         got = kernel((res.values.float() / T[r, None]).contiguous(), seeds[r])
-        again = vllm_draw(res.values, T[r], k[r], None, seeds[r])
-        bad += int((got[c] != want[r][c]).sum() + (again[c] != want[r][c]).sum() + (res.winner[c] != want[r][c]).sum())
+        bad += int((got[c] != want[r][c]).sum() + (res.winner[c] != want[r][c]).sum())
+        if p is None:
+            again = vllm_draw(res.values, T[r], k[r], None, seeds[r])
+            bad += int((again[c] != want[r][c]).sum())
         cert += int(c.sum())
     return bad, cert
 
@@ -115,26 +117,27 @@ def test_fast_top_k_rows_draw_as_vllm(dtype, screen, bias, softcap, scale, monke
         (spy.tried, spy.fast, spy.rounds)
 
 
-def test_only_top_k_rows_take_the_fast_path(monkeypatch):
-    """A batch mixing top-k-only rows with top-p, min-p + top-k and plain rows: only the first go
-    to the fast path, the others through the rounds, and the merged result draws as vLLM."""
-    V, d, B = 4096, 48, 64  # (16 top-k rows of 84 candidates within the budget)
+def test_only_top_k_first_rows_take_the_fast_path(monkeypatch):
+    """A batch mixing top-k rows, top-k + top-p rows, top-p rows, min-p + top-k rows and plain
+    rows: only the first two kinds go to the fast path, the others through the rounds, and the
+    merged result draws as vLLM."""
+    V, d, B = 4096, 48, 80  # (32 top-k rows of 84 candidates within the budget)
     W, g = peaked_head(V, d, seed=37, dtype=torch.bfloat16)
     h = hidden_near_rows(W, B, g, scale=1.0)
-    head = CertifiedHead(W, None, config=HeadConfig(screen="int8", budget=0.5, off_switch=False))
+    head = CertifiedHead(W, None, config=HeadConfig(screen="int8", budget=0.7, off_switch=False))
     seeds = torch.randint(0, 2**31, (B,), generator=g)
-    kind = torch.arange(B) % 4  # 0: top-k, 1: top-p, 2: top-k and min-p, 3: plain
-    k = torch.where((kind == 0) | (kind == 2), 20, V)
-    p = torch.where(kind == 1, 0.9, 1.0)
+    kind = torch.arange(B) % 5  # 0: top-k, 1: top-p, 2: top-k and min-p, 3: plain, 4: top-k and top-p
+    k = torch.where((kind == 0) | (kind == 2) | (kind == 4), 20, V)
+    p = torch.where((kind == 1) | (kind == 4), 0.9, 1.0)
     min_p = torch.where(kind == 2, 0.05, 0.0)
     T = torch.full((B,), 0.8)
     cols = temperature_columns(T)
     seen = []
     orig = rows.certify_top_k
-    monkeypatch.setattr(rows, "certify_top_k", lambda *a: seen.append(a[1].shape[0]) or orig(*a))
+    monkeypatch.setattr(rows, "certify_top_k", lambda *a, **kw: seen.append(a[1].shape[0]) or orig(*a, **kw))
     res = certify_rows(HeadAdapter(head), h, cols, seeds, torch.zeros(B, dtype=torch.bool), elementwise=True,
                        top_k=k, top_p=p, min_p=min_p, columns=cols)
-    assert seen == [int((kind == 0).sum())]
+    assert seen == [int(((kind == 0) | (kind == 4)).sum())]
     # vLLM's draw: min-p first (dense, by hand: vLLM's fp32 softmax and comparison), then top-k/top-p
     y = head.dense_logits(h).float() / T[:, None]
     probs = y.softmax(1)
@@ -142,7 +145,7 @@ def test_only_top_k_rows_take_the_fast_path(monkeypatch):
     want = kernel(apply_top_k_top_p_pytorch(y, k.clone(), p.clone()).contiguous(), seeds)
     got = kernel((res.values.float() / T[:, None]).contiguous(), seeds)
     c = res.certified
-    assert c[kind == 0].all() and int(c.sum()) > B // 2
+    assert c[kind == 0].all() and c[kind == 4].float().mean() > 0.8 and int(c.sum()) > B // 2
     assert torch.equal(got[c], want[c]) and torch.equal(res.winner[c], want[c])
 
 
@@ -158,7 +161,7 @@ def test_short_lists_are_tried_again_longer(monkeypatch):
     monkeypatch.setattr(top_k_rows, "TOP_K_GUESS", 1)
     sizes = []
     orig = top_k_rows._try
-    monkeypatch.setattr(top_k_rows, "_try", lambda *a: sizes.append((a[1].shape[0], int(a[8].max()))) or orig(*a))
+    monkeypatch.setattr(top_k_rows, "_try", lambda *a: sizes.append((a[1].shape[0], int(a[9].max()))) or orig(*a))
     spy = Spy(monkeypatch)
     bad, cert = run(head, h, T, k, seeds, batch=4)  # (the longer lists within the budget)
     assert bad == 0 and cert > 0.9 * B
@@ -202,3 +205,30 @@ def test_over_budget_goes_to_the_rounds(monkeypatch):
     bad, cert = run(head, h, T, k, seeds, batch=B)
     assert bad == 0
     assert spy.fast == 0 and spy.rounds == B  # 32 rows x 84 candidates > 52 columns
+
+
+@pytest.mark.parametrize("p", [0.5, 0.9, 0.98])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_top_k_then_top_p_rows_draw_as_vllm(p, dtype, monkeypatch):
+    """top-k then top-p on the candidates' columns (vLLM's nucleus over what top-k kept): over 480
+    rows, k from 2 to 64, ties at the k-th value, temperatures 0.3 to 2, peaked and broad rows,
+    every certified token is vLLM's (``apply_top_k_top_p_pytorch`` and the draw on the dense
+    logits), most by the fast path; and with top-p left out of the fast path (its top_p_bounds
+    made the identity), tokens vLLM's top-p removes are drawn."""
+    V, d, B = 2048, 48, 480
+    W, g = peaked_head(V, d, seed=53, dtype=dtype)
+    W[300:330] = W[7]  # exact ties
+    h = torch.cat([hidden_near_rows(W, B - 160, g, scale=1.0), hidden_near_rows(W, 160, g, scale=0.3)])
+    head = CertifiedHead(W, None, config=HeadConfig(screen="int8", budget=0.5, off_switch=False))
+    seeds = torch.randint(0, 2**31, (B,), generator=g)
+    k = torch.tensor([2, 5, 20, 40, 64])[torch.arange(B) % 5]
+    T = torch.tensor([0.3, 0.8, 1.0, 2.0])[torch.arange(B) % 4]
+    P = torch.full((B,), p)
+    spy = Spy(monkeypatch)
+    bad, cert = run(head, h, T, k, seeds, batch=4, p=P)
+    assert bad == 0
+    assert cert > 0.7 * B and spy.fast > 0.6 * B, (cert, spy.fast, spy.rounds)
+    monkeypatch.setattr(top_k_rows, "top_p_bounds", lambda lo, hi, top_p, row_length=None: (lo, hi))
+    if p < 0.9:  # (a nucleus of a few tokens: dropped tokens often outdraw the winner)
+        bad, _ = run(head, h, T, k, seeds, batch=4, p=P)
+        assert bad > 0

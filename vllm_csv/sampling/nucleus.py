@@ -174,17 +174,14 @@ def all_off(min_p: torch.Tensor | None, top_k: torch.Tensor | None, top_p: torch
                                                   (top_p, _top_p_on)) if x is not None)
 
 
-def top_k_only(min_p: torch.Tensor | None, top_k: torch.Tensor | None, top_p: torch.Tensor | None,
-               V: int) -> torch.Tensor | None:
-    """``[R]`` bool: the rows whose only mask is a top-k (``0 < k < V``; no min-p, no top-p);
-    None when no top-k is given."""
+def top_k_first(min_p: torch.Tensor | None, top_k: torch.Tensor | None, V: int) -> torch.Tensor | None:
+    """``[R]`` bool: the rows whose first mask is a top-k (``0 < k < V``, no min-p; a top-p may
+    follow it); None when no top-k is given."""
     if top_k is None:
         return None
     on = _top_k_on(top_k, V)
     if min_p is not None:
         on &= ~_min_p_on(min_p)
-    if top_p is not None:
-        on &= ~_top_p_on(top_p)
     return on
 
 
@@ -461,10 +458,14 @@ def _live_columns(hi: torch.Tensor) -> torch.Tensor | None:
     return live.nonzero().squeeze(1)
 
 
-def top_p_bounds(ylo: torch.Tensor, yhi: torch.Tensor, top_p: torch.Tensor, outside: Outside | None = None):
+def top_p_bounds(ylo: torch.Tensor, yhi: torch.Tensor, top_p: torch.Tensor, outside: Outside | None = None,
+                 row_length: int | None = None):
     """Apply top-p (``[R]`` float32, ``1`` = off) to bounds; see the module docstring.
     Returns ``(ylo, yhi)``, or ``(ylo, yhi, outside)`` when an outside block is given (see
-    "the outside blocks" in the module docstring)."""
+    "the outside blocks" in the module docstring). ``row_length``: the length of the rows vLLM
+    sums over, where ``ylo, yhi`` hold some of their columns only (every other token certainly
+    ``-inf``, so of mass 0: it changes no sum, only how many terms vLLM's rounding counts);
+    default ``ylo``'s width."""
     on = _top_p_on(top_p)
     if not bool(on.any()):
         return (ylo, yhi) if outside is None else (ylo, yhi, outside)
@@ -482,7 +483,7 @@ def top_p_bounds(ylo: torch.Tensor, yhi: torch.Tensor, top_p: torch.Tensor, outs
         c = torch.maximum(c, ob.hi.masked_fill(ob.hi == math.inf, -math.inf).amax(1, keepdim=True))
     c = torch.where(torch.isfinite(c), c, torch.zeros_like(c))
     el, eh = torch.exp(lo - c), torch.exp(hi - c)  # -inf -> 0
-    p_keep, p_drop = _top_p_cuts(top_p[rows].double()[:, None], V_row)  # vLLM sums over the whole row
+    p_keep, p_drop = _top_p_cuts(top_p[rows].double()[:, None], row_length or V_row)  # vLLM sums over the whole row
     tot_h = eh.sum(1, keepdim=True)
     if ob is not None:  # the blocks' masses [r, L], shifted like the others
         b_el, b_eh = torch.exp(ob.lel - c), torch.exp(ob.leh - c)

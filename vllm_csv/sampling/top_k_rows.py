@@ -1,12 +1,14 @@
 """Top-k rows certified from each row's highest upper bounds: no rounds, no ``[R, V]`` map.
 
-A row vLLM samples with a top-k (``0 < k < V``) as its only mask (no min-p, no top-p, no grammar
-mask) and with no logits processor other than the temperature acting (the caller's per-row map,
-``columns`` of :func:`~.rows.certify_rows`) draws among the ``k`` largest processed values
-``y = x / T`` (vLLM's fp32 division), ties at the ``k``-th value kept (:mod:`.nucleus`, "top-k").
+A row vLLM samples with a top-k (``0 < k < V``) as its first mask (no min-p, no grammar mask; a
+top-p may follow it) and with no logits processor other than the temperature acting (the
+caller's per-row map, ``columns`` of :func:`~.rows.certify_rows`) draws among the ``k`` largest
+processed values ``y = x / T`` (vLLM's fp32 division), ties at the ``k``-th value kept
+(:mod:`.nucleus`, "top-k"), then, with a top-p, among the nucleus of those alone (vLLM's softmax
+and cumulative sum run over the row after top-k, where every other token is ``-inf``, of mass 0).
 Every token outside the row's highest upper bounds is then usually dropped for sure, so the
-whole certificate can run on those few columns: no ``[R, V]`` map, no top-k levels or draw
-certificate over the vocabulary, no rounds.
+whole certificate can run on those few columns: no ``[R, V]`` map, no top-k levels, top-p
+masses or draw certificate over the vocabulary, no rounds.
 
 Pipeline (:func:`certify_top_k`):
 
@@ -28,7 +30,10 @@ Pipeline (:func:`certify_top_k`):
    that decide "certainly kept" (the others are below ``L_k``, itself at most the ``k``-th largest
    candidate upper bound; one column at the others' bound gives the ``(k + 1)``-th as any number
    of others would);
-5. the draw's certificate on the columns (:func:`~.certificate.certify_draw`, the columns'
+5. with a top-p, vLLM's top-p on the columns (:func:`~.nucleus.top_p_bounds`): every other
+   token is certainly dropped by top-k, so it adds nothing to any mass; vLLM's rounding is
+   bounded for sums over the whole row (``row_length = V``);
+6. the draw's certificate on the columns (:func:`~.certificate.certify_draw`, the columns'
    token ids given: each one's noise is its token's): the winner certainly kept, and its noisy
    lower bound above every other not-dropped candidate's noisy upper bound, with the kernel's
    rounding margin.
@@ -56,7 +61,7 @@ import torch
 from ..ops.topk import row_topk
 from .certificate import certify_draw
 from .head_adapter import HeadAdapter
-from .nucleus import top_k_bounds
+from .nucleus import top_k_bounds, top_p_bounds
 
 TOP_K_GUESS = 4  # top-k rows: their 4 (k + 1) highest upper bounds scored (8 top-k 20 rows of the demo,
 # in the rounds: 2.2 rounds a step with k + 1, 1.3 with 2 (k + 1), 1.0 with 3 (k + 1))
@@ -76,7 +81,7 @@ class TopKRows(NamedTuple):
 
 def certify_top_k(adapter: HeadAdapter, hidden: torch.Tensor, hnorm: torch.Tensor, hi: torch.Tensor,
                   top_k: torch.Tensor, seeds: torch.Tensor, columns: Callable, rows: torch.Tensor | None,
-                  budget: int) -> TopKRows | None:
+                  budget: int, top_p: torch.Tensor | None = None) -> TopKRows | None:
     """Certify top-k rows from their highest upper bounds (module docstring); the rows whose
     others were not certainly dropped tried again on a list :data:`LONGER` times longer, up to
     :data:`LONGER_TRIES` times.
@@ -102,6 +107,8 @@ def certify_top_k(adapter: HeadAdapter, hidden: torch.Tensor, hnorm: torch.Tenso
     budget : int
         Columns that may be scored; ``R (k + 1) <= budget`` on every row (each row's list is
         cut to its share, ``budget / R``).
+    top_p : torch.Tensor, optional
+        ``[R]`` float32, vLLM's top-p after the top-k (``1``: off).
 
     Returns
     -------
@@ -110,14 +117,14 @@ def certify_top_k(adapter: HeadAdapter, hidden: torch.Tensor, hnorm: torch.Tenso
     R, V = hi.shape
     k = top_k.long()
     K = first_list(k, V).clamp_(max=max(1, budget // R))  # within each row's share of the budget
-    out = _try(adapter, hidden, hnorm, hi, k, seeds, columns, rows, K, budget)
+    out = _try(adapter, hidden, hnorm, hi, k, top_p, seeds, columns, rows, K, budget)
     for _ in range(LONGER_TRIES):
         if out is None or not bool(out.short.any()):
             break
         r = out.short.nonzero().squeeze(1)
         K = (K * LONGER).clamp_(max=V)
-        again = _try(adapter, hidden[r], hnorm[r], hi[r], k[r], seeds[r], columns, r if rows is None else rows[r],
-                     K[r], budget - out.scored)
+        again = _try(adapter, hidden[r], hnorm[r], hi[r], k[r], None if top_p is None else top_p[r], seeds[r],
+                     columns, r if rows is None else rows[r], K[r], budget - out.scored)
         if again is None:
             break
         out.values.index_copy_(0, r, again.values)
@@ -133,8 +140,8 @@ def first_list(top_k: torch.Tensor, V: int) -> torch.Tensor:
 
 
 def _try(adapter: HeadAdapter, hidden: torch.Tensor, hnorm: torch.Tensor, hi: torch.Tensor, k: torch.Tensor,
-         seeds: torch.Tensor, columns: Callable, rows: torch.Tensor | None, K: torch.Tensor,
-         budget: int) -> TopKRows | None:
+         top_p: torch.Tensor | None, seeds: torch.Tensor, columns: Callable, rows: torch.Tensor | None,
+         K: torch.Tensor, budget: int) -> TopKRows | None:
     """One try of :func:`certify_top_k` with ``K [R]`` candidates a row (``k`` int64 ``[R]``)."""
     R, V = hi.shape
     Kmax = int(K.max())
@@ -154,6 +161,8 @@ def _try(adapter: HeadAdapter, hidden: torch.Tensor, hnorm: torch.Tensor, hi: to
     ylo, yhi = columns(torch.cat([lower, torch.full_like(others, -math.inf)], 1),
                        torch.cat([upper, others], 1), rows)  # [R, Kmax + 1]: the others' column last
     ylo, yhi = top_k_bounds(ylo, yhi, k)
+    if top_p is not None:
+        ylo, yhi = top_p_bounds(ylo, yhi, top_p, row_length=V)
     ids_ext = torch.cat([cand, cand[:, :1]], 1)  # (the others' column: any id; it is dropped or the row open)
     cert = certify_draw(ylo, yhi, seeds, torch.zeros(R, dtype=torch.bool, device=hi.device), ids=ids_ext)
     short = yhi[:, Kmax] > -math.inf
