@@ -44,6 +44,7 @@ WORKLOADS = {
     "top_k_sampling": {"temperature": 0.8, "top_k": 20, "seed": 1},
     "temperature_sampling": {"temperature": 0.8, "seed": 1},
     "top_p_sampling": {"temperature": 0.8, "top_p": 0.9, "seed": 1},
+    "top_k_top_p_sampling": {"temperature": 0.8, "top_k": 50, "top_p": 0.9, "seed": 1},
 }
 # One batched request per mode, all sent at once so their rows share steps; sampled modes are
 # seeded so that outputs are comparable between servers.
