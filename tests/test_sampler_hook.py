@@ -91,6 +91,7 @@ CASES = {
     "min_p": dict(penalties=False, bias=False, allowed=False, bad=False, min_p=0.2),
     "top_p_min_p_penalties": dict(penalties=True, bias=True, allowed=False, bad=False, top_p=0.6, min_p=0.05),
     "top_k": dict(penalties=False, bias=False, allowed=False, bad=False, top_k=True),
+    "top_k_top_p": dict(penalties=False, bias=False, allowed=False, bad=False, top_p=0.7, top_k=True),
     "top_k_top_p_min_p_penalties": dict(penalties=True, bias=True, allowed=True, bad=False, top_p=0.7, min_p=0.05,
                                         top_k=True),
 }
@@ -380,6 +381,7 @@ STRUCTURED_SAMPLING = {
     "greedy_and_temperature": dict(penalties=False, bias=False, allowed=False, bad=False),
     "top_p_min_p_penalties": dict(penalties=True, bias=True, allowed=False, bad=True, top_p=0.8, min_p=0.1),
     "top_k": dict(penalties=False, bias=False, allowed=False, bad=False, top_k=True),
+    "top_k_top_p": dict(penalties=False, bias=False, allowed=False, bad=False, top_p=0.7, top_k=True),
 }
 
 
