@@ -24,8 +24,9 @@ Pipeline (per batch of rows that the sampler will draw from):
    vocabulary; with ``columns`` (a per-row map) they map those columns only.
 
 Before the rounds, the rows whose first mask is a top-k (no min-p; a top-p may follow; given
-``columns``, nothing masked) are certified on their highest upper bounds alone (:mod:`.top_k_rows`: no ``[R, V]`` map, no rounds);
-the rounds take the rest, on the same screen bounds.
+``columns``, nothing masked) are certified on their highest upper bounds alone
+(:mod:`.top_k_rows`: no ``[R, V]`` map, no rounds); the rounds take the rest, on the same
+screen bounds, with what is left of the budget.
 
 A row certified in a round leaves the loop: its proof used valid bounds and compared its winner
 with every token, scored or not, so it needs nothing more; the rounds after it (their maps, masks,
@@ -151,9 +152,9 @@ def certify_rows(adapter: HeadAdapter, hidden: torch.Tensor, process: Process, s
         elsewhere.
 
     Rows whose first mask is a top-k (no min-p; a top-p may follow), where ``columns`` is given
-    and nothing is ``masked``, are first certified from their highest upper bounds alone (:func:`~.top_k_rows.certify_top_k`:
-    no rounds); the others, and those it leaves open, go through the rounds, on the same screen
-    bounds.
+    and nothing is ``masked``, are first certified from their highest upper bounds alone
+    (:func:`~.top_k_rows.certify_top_k`: no rounds); the others, and those it leaves open, go
+    through the rounds, on the same screen bounds, with what is left of the budget.
 
     Each round runs on the rows still open only: a row leaves the loop in the round that
     certifies it (or puts it over budget), its output finished then (:func:`_finish_rows`), and
@@ -177,14 +178,15 @@ def certify_rows(adapter: HeadAdapter, hidden: torch.Tensor, process: Process, s
                              seeds[q], columns, None if every else q, budget_of(adapter), top_p=p)
     if fast is None:
         return _rounds(adapter, hidden, bounds, process, seeds, greedy, masked, elementwise, min_p, top_k, top_p,
-                       columns)
+                       columns, budget_of(adapter))
     if every and bool(fast.certified.all()):
         return RowsResult(fast.values, fast.certified, fast.winner, [None] * R, fast.scored)
     done = torch.zeros(R, dtype=torch.bool, device=hidden.device).index_put_((q,), fast.certified)
     rest = (~done).nonzero().squeeze(1)
     sub = _rounds(adapter, rows_of(hidden, rest), tuple(rows_of(t, rest) for t in bounds[:4]) + (bounds[4],),
                   _on_rows(process, rest, R), seeds[rest], greedy[rest], None, elementwise,
-                  *(None if t is None else t[rest] for t in (min_p, top_k, top_p)), _on_rows(columns, rest, R))
+                  *(None if t is None else t[rest] for t in (min_p, top_k, top_p)), _on_rows(columns, rest, R),
+                  max(1, budget_of(adapter) - fast.scored))
     if every:
         values = fast.values
     else:
@@ -210,15 +212,17 @@ def _on_rows(f: Process | None, sub: torch.Tensor, R: int) -> Process | None:
 
 def _rounds(adapter: HeadAdapter, hidden: torch.Tensor, bounds: tuple, process: Process, seeds: torch.Tensor,
             greedy: torch.Tensor, masked: torch.Tensor | None, elementwise: bool, min_p: torch.Tensor | None,
-            top_k: torch.Tensor | None, top_p: torch.Tensor | None, columns: Process | None) -> RowsResult:
-    """:func:`certify_rows`' rounds, on the screen's ``bounds`` of these rows (:func:`screen_bounds`)."""
+            top_k: torch.Tensor | None, top_p: torch.Tensor | None, columns: Process | None,
+            budget: int) -> RowsResult:
+    """:func:`certify_rows`' rounds, on the screen's ``bounds`` of these rows (:func:`screen_bounds`),
+    scoring at most ``budget`` columns."""
     R, V = hidden.shape[0], adapter.vocab_size
     dev = hidden.device
     lo, hi, hnorm, finite, one_sided = bounds
     if masked is not None:
         lo.masked_fill_(masked, -math.inf)
         hi.masked_fill_(masked, -math.inf)
-    values, scored, budget, certified, winner, over_budget = empty_state(adapter, R, dev)
+    values, scored, _, certified, winner, over_budget = empty_state(adapter, R, dev)
     # the results, all R rows: a row's are written once, when it leaves the loop
     out = RowsResult(values, certified.clone(), winner.clone(), [], 0)
     out_over, all_finite = over_budget.clone(), finite
