@@ -80,6 +80,15 @@ def run(head, h, T, k, seeds, batch=16, p=None, min_p=None):
     return bad, cert
 
 
+def int8_case(V, d, B, seed, scale, budget=0.5):
+    """``(head, h, seeds)``: a peaked bf16 head with the int8 screen, ``B`` hidden states near its
+    rows (``scale``: larger is peakier), and the rows' seeds."""
+    W, g = peaked_head(V, d, seed=seed, dtype=torch.bfloat16)
+    h = hidden_near_rows(W, B, g, scale=scale)
+    head = CertifiedHead(W, None, config=HeadConfig(screen="int8", budget=budget, off_switch=False))
+    return head, h, torch.randint(0, 2**31, (B,), generator=g)
+
+
 HEADS = [  # (dtype, screen, bias, softcap, scale)
     (torch.bfloat16, "int8", False, None, 1.0),
     (torch.bfloat16, "fp16", True, None, 1.0),
@@ -122,10 +131,7 @@ def test_only_top_k_first_rows_take_the_fast_path(monkeypatch):
     rows: only the first two kinds go to the fast path, the others through the rounds, and the
     merged result draws as vLLM."""
     V, d, B = 4096, 48, 80  # (32 top-k rows of 84 candidates within the budget)
-    W, g = peaked_head(V, d, seed=37, dtype=torch.bfloat16)
-    h = hidden_near_rows(W, B, g, scale=1.0)
-    head = CertifiedHead(W, None, config=HeadConfig(screen="int8", budget=0.7, off_switch=False))
-    seeds = torch.randint(0, 2**31, (B,), generator=g)
+    head, h, seeds = int8_case(V, d, B, 37, 1.0, budget=0.7)
     kind = torch.arange(B) % 5  # 0: top-k, 1: top-p, 2: top-k and min-p, 3: plain, 4: top-k and top-p
     k = torch.where((kind == 0) | (kind == 2) | (kind == 4), 20, V)
     p = torch.where((kind == 1) | (kind == 4), 0.9, 1.0)
@@ -153,10 +159,7 @@ def test_short_lists_are_tried_again_longer(monkeypatch):
     """With ``k + 1`` candidates a row (too few for most rows' others to be certainly dropped)
     the short rows are tried again on longer lists, and still draw as vLLM."""
     V, d, B = 2048, 48, 160
-    W, g = peaked_head(V, d, seed=41, dtype=torch.bfloat16)
-    h = hidden_near_rows(W, B, g, scale=0.5)
-    head = CertifiedHead(W, None, config=HeadConfig(screen="int8", budget=0.5, off_switch=False))
-    seeds = torch.randint(0, 2**31, (B,), generator=g)
+    head, h, seeds = int8_case(V, d, B, 41, 0.5)
     k, T = torch.full((B,), 20), torch.full((B,), 1.0)
     monkeypatch.setattr(top_k_rows, "TOP_K_GUESS", 1)
     sizes = []
@@ -174,10 +177,7 @@ def test_dropping_the_others_check_is_caught(monkeypatch):
     others may be kept (here on ``k + 1`` candidates, no longer tries) gives tokens vLLM does not
     draw (the others are ``-inf`` in the handed row, some of them kept by vLLM)."""
     V, d, B = 2048, 48, 320
-    W, g = peaked_head(V, d, seed=43, dtype=torch.bfloat16)
-    h = hidden_near_rows(W, B, g, scale=0.3)  # broad rows: the others matter
-    head = CertifiedHead(W, None, config=HeadConfig(screen="int8", budget=0.5, off_switch=False))
-    seeds = torch.randint(0, 2**31, (B,), generator=g)
+    head, h, seeds = int8_case(V, d, B, 43, 0.3)  # broad rows: the others matter
     k, T = torch.full((B,), 64), torch.full((B,), 1.0)
     monkeypatch.setattr(top_k_rows, "TOP_K_GUESS", 1)
     monkeypatch.setattr(top_k_rows, "LONGER_TRIES", 0)
@@ -193,18 +193,15 @@ def test_dropping_the_others_check_is_caught(monkeypatch):
 
 
 def test_over_budget_goes_to_the_rounds(monkeypatch):
-    """A candidates' union above the budget: nothing scored by the fast path, the rounds decide
+    """Rows whose k + 1 exceed their share of the budget: not tried by the fast path, the rounds decide
     (within the budget), and what they certify draws as vLLM."""
     V, d, B = 1024, 32, 32
-    W, g = peaked_head(V, d, seed=47, dtype=torch.bfloat16)
-    h = hidden_near_rows(W, B, g, scale=1.0)
-    head = CertifiedHead(W, None, config=HeadConfig(screen="int8", budget=0.05, off_switch=False))
-    seeds = torch.randint(0, 2**31, (B,), generator=g)
+    head, h, seeds = int8_case(V, d, B, 47, 1.0, budget=0.05)
     k, T = torch.full((B,), 20), torch.full((B,), 0.8)
     spy = Spy(monkeypatch)
     bad, cert = run(head, h, T, k, seeds, batch=B)
     assert bad == 0
-    assert spy.fast == 0 and spy.rounds == B  # 32 rows x 84 candidates > 52 columns
+    assert spy.fast == 0 and spy.rounds == B  # 32 rows x (k + 1) = 672 > 52 columns: not even tried
 
 
 @pytest.mark.parametrize("p", [0.5, 0.9, 0.98])

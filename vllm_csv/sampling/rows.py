@@ -163,22 +163,22 @@ def certify_rows(adapter: HeadAdapter, hidden: torch.Tensor, process: Process, s
     """
     bounds = screen_bounds(adapter, hidden)
     R, V = hidden.shape[0], adapter.vocab_size
+    budget = budget_of(adapter)
     quick = None
     if columns is not None and masked is None and top_k is not None:
         quick = bounds[3] & ~greedy & top_k_first(min_p, top_k, V)
         # each row's k + 1 within its share of the budget (a row with a large k, e.g. V - 1, goes
         # through the rounds; certify_top_k keeps each list within the share)
-        quick &= (top_k + 1) * int(quick.sum()) <= budget_of(adapter)
+        quick &= (top_k + 1) * int(quick.sum()) <= budget
     fast = None
     if quick is not None and bool(quick.any()):
         q = quick.nonzero().squeeze(1)
         every = q.numel() == R
-        p = None if top_p is None or not bool((top_p[q] < 1.0).any()) else top_p[q]
         fast = certify_top_k(adapter, rows_of(hidden, q), rows_of(bounds[2], q), rows_of(bounds[1], q), top_k[q],
-                             seeds[q], columns, None if every else q, budget_of(adapter), top_p=p)
+                             seeds[q], columns, None if every else q, budget, top_p=None if top_p is None else top_p[q])
     if fast is None:
         return _rounds(adapter, hidden, bounds, process, seeds, greedy, masked, elementwise, min_p, top_k, top_p,
-                       columns, budget_of(adapter))
+                       columns, budget)
     if every and bool(fast.certified.all()):
         return RowsResult(fast.values, fast.certified, fast.winner, [None] * R, fast.scored)
     done = torch.zeros(R, dtype=torch.bool, device=hidden.device).index_put_((q,), fast.certified)
@@ -186,7 +186,7 @@ def certify_rows(adapter: HeadAdapter, hidden: torch.Tensor, process: Process, s
     sub = _rounds(adapter, rows_of(hidden, rest), tuple(rows_of(t, rest) for t in bounds[:4]) + (bounds[4],),
                   _on_rows(process, rest, R), seeds[rest], greedy[rest], None, elementwise,
                   *(None if t is None else t[rest] for t in (min_p, top_k, top_p)), _on_rows(columns, rest, R),
-                  max(1, budget_of(adapter) - fast.scored))
+                  max(1, budget - fast.scored))
     if every:
         values = fast.values
     else:
