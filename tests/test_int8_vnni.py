@@ -144,7 +144,7 @@ def test_screen_uses_it_and_the_fake_traces():
     from vllm_csv.screens.fbgemm import FbgemmInt8Screen
 
     W = torch.randn(300, 20)
-    assert FbgemmInt8Screen(W, None).backend == "vnni"
+    assert FbgemmInt8Screen(W, None).backend == ("vnni+amx" if vnni.amx_available() else "vnni")
     q, s = quantize_rows(W)
     gemm = vnni.VnniInt8Linear(q, s)
     from torch._subclasses.fake_tensor import FakeTensorMode
@@ -154,3 +154,57 @@ def test_screen_uses_it_and_the_fake_traces():
         out = cpu_step.load_ops().int8_vnni_linear(x, mode.from_tensor(gemm.packed), mode.from_tensor(gemm.zsum),
                                                    mode.from_tensor(gemm.s), 300, 20, 256)[0]
     assert out.shape == (3, 300) and out.dtype == torch.float32
+
+
+amx_only = pytest.mark.skipif(not vnni.amx_available(), reason="this CPU has no AMX-INT8 (or may not use it)")
+
+
+@amx_only
+@pytest.mark.parametrize("V,d", [(1, 1), (33, 63), (32, 64), (100, 65), (1000, 100), (4099, 128), (2053, 1024),
+                                 (515, 1156), (129, 2048)])
+def test_amx_equals_vnni_bit_for_bit(V, d):
+    """The AMX kernel against the VNNI kernel (and the torch reference) on the same packed weight:
+    every batch size across the 16-row tiles, d with and without groups past the last whole
+    64 (those go through vpdpbusd), code and weight extremes, scales up to overflow (inf, and
+    NaN where the integer is 0), with and without the block maxima."""
+    g = torch.Generator().manual_seed(V * 13 + d)
+    q = extreme_weights(V, d, g)
+    q[min(3, V - 1)] = 0
+    s = torch.rand(V, generator=g) * 0.01 + 2.0**-20
+    s[::37] = 2.0**100
+    gemm = vnni.VnniInt8Linear(q, s)
+    ops = cpu_step.load_ops()
+    for B in (1, 2, 3, 4, 8, 15, 16, 17, 31, 32, 33, 48):
+        p = extreme_inputs(B, d, g)
+        for c in (2.0**-14, 1.0, 2.0**40):
+            x = act7_layout(p, c)
+            for block in (0, 32, cpu_step.BLOCK):
+                args = (x, gemm.packed, gemm.zsum, gemm.s, V, d, block)
+                y_v, m_v = ops.int8_vnni_linear(*args)
+                y_a, m_a = ops.int8_amx_linear(*args)
+                same_with_nan(y_a, y_v)
+                same_with_nan(m_a, m_v)
+            same_with_nan(y_a, vnni.int8_vnni_linear_ref(x, q, s))
+
+
+@amx_only
+def test_amx_picked_by_batch_and_refuses_bad_input():
+    """linear() takes the AMX kernel from AMX_FROM rows (a broken AMX op shows there only), and the
+    AMX op checks the 7-bit layout on every call as the VNNI op does."""
+    g = torch.Generator().manual_seed(5)
+    V, d = 300, 128
+    q = extreme_weights(V, d, g)
+    s = torch.rand(V, generator=g) + 0.5
+    gemm = vnni.VnniInt8Linear(q, s)
+    assert gemm.backend == "vnni+amx"
+    calls = []
+    real = gemm._amx
+    gemm._amx = lambda *a: calls.append(a[0].shape[0]) or real(*a)
+    for B in (1, vnni.AMX_FROM - 1, vnni.AMX_FROM, 20):
+        p = extreme_inputs(B, d, g)
+        assert torch.equal(gemm(p, 0.5), packed_int8_linear_ref(p, q, s, 0.5)), B
+    assert calls == [vnni.AMX_FROM, 20]
+    x = act7_layout(extreme_inputs(8, d, g), 0.25)
+    x[3, 7] = 64 * 0.25
+    with pytest.raises(RuntimeError, match="7-bit integers"):
+        cpu_step.load_ops().int8_amx_linear(x, gemm.packed, gemm.zsum, gemm.s, V, d, 0)

@@ -28,15 +28,18 @@ from vllm_csv.screens.quantized import QuantizedScreen
 ROOT = Path(__file__).parents[1]
 pytestmark = pytest.mark.skipif(fbops.unavailable_reason(8, 8) is not None,
                                 reason=f"FBGEMM unavailable: {fbops.unavailable_reason(8, 8)}")
-BACKENDS = ["fbgemm"] + (["vnni"] if vnni.unavailable_reason(8, 8) is None else [])
+BACKENDS = (["fbgemm"] + (["vnni"] if vnni.unavailable_reason(8, 8) is None else [])
+            + (["vnni+amx"] if vnni.amx_available() else []))
 
 
 @pytest.fixture(autouse=True, params=BACKENDS)
 def backend(request, monkeypatch):
-    """Every test here runs with each GEMM backend this machine has (the screen picks VNNI
-    where it can: pinning FBGEMM hides it)."""
+    """Every test here runs with each GEMM backend this machine has (the screen picks VNNI, with
+    AMX from a few rows, where it can: pinning FBGEMM, or VNNI alone, hides the others)."""
     if request.param == "fbgemm":
         monkeypatch.setattr(vnni, "unavailable_reason", lambda d, V: "pinned to FBGEMM by the test")
+    elif request.param == "vnni":
+        monkeypatch.setattr(vnni, "amx_available", lambda: False)
     return request.param
 
 
@@ -325,7 +328,7 @@ def test_refuses_other_engines_and_a_failed_self_test(monkeypatch, backend):
             with pytest.raises(CSVError, match="engine is 'qnnpack'"):
                 FbgemmInt8Screen(W, None)
         else:  # the VNNI kernel does not go through torch's quantized engine
-            assert FbgemmInt8Screen(W, None).backend == "vnni"
+            assert FbgemmInt8Screen(W, None).backend == backend
         monkeypatch.setattr(torch.backends.quantized, "engine", engine)
     monkeypatch.setattr(fbscreen, "packed_int8_linear_ref", lambda p, q, s, c: packed_int8_linear_ref(p, q, s, c) + 1)
     with pytest.raises(CSVError, match="self-test"):

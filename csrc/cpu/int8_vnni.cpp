@@ -21,12 +21,17 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include <cpuid.h>
 #include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <algorithm>
 #include <tuple>
+#include <vector>
 
 namespace {
 
@@ -111,6 +116,106 @@ using PanelFn = void (*)(const int8_t*, const int32_t*, const float*, float, con
                          int64_t, int64_t, int64_t, int64_t, int64_t, float*, int64_t);
 const PanelFn PANEL_FNS[BT] = {panels<1>, panels<2>, panels<3>, panels<4>, panels<5>, panels<6>, panels<7>, panels<8>};
 
+
+// ---- AMX (tdpbusd): the same sums, one weight pass for up to MT batch rows a tile ----
+//
+// On CPUs with AMX-INT8 (Intel Sapphire Rapids and later) a tile multiply does 16 x 16 x 64
+// multiply-adds of unsigned by signed bytes into int32, summed in groups of four like vpdpbusd
+// and as exact (no saturation, the same bound on |A|): the int32 sums, and so y and the block
+// maxima, are bit for bit those of the VNNI kernel above. It reads the same packed weight: a
+// tile of one panel, over 16 groups (64 k), is 16 rows of 64 bytes at a stride of 128 (the
+// panel's two tiles interleave by group), exactly tdpbusd's B operand. Groups past the last
+// whole 16 (d not a multiple of 64) are added with vpdpbusd before the rescale. The VNNI kernel
+// makes one pass over the weight per 8 batch rows and is bound by its vpdpbusd count from about
+// 8 rows; this one is bound by the weight's bytes up to far larger batches.
+
+constexpr int64_t MT = 16;  // batch rows a tile (the A and C tiles' rows)
+constexpr int ARCH_REQ_XCOMP_PERM = 0x1023, XFEATURE_XTILEDATA = 18;
+
+struct alignas(64) TileConfig {
+  uint8_t palette_id = 1;
+  uint8_t start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// AMX-TILE and AMX-INT8 in CPUID (leaf 7, EDX bits 24 and 25), and the kernel's permission to
+// use the tile data state (Linux asks each process to request it; asked once).
+bool cpu_has_amx() {
+  static const bool ok = [] {
+    if (!cpu_has_vnni()) return false;  // (the tail groups and the rescale are AVX-512)
+    unsigned a = 0, b = 0, c = 0, d = 0;
+    if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return false;
+    if (!((d >> 24) & 1) || !((d >> 25) & 1)) return false;
+    return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
+  }();
+  return ok;
+}
+
+// Chunks k0 .. k1 (as panels<NB>), every batch row: codes are [nbt * MT, 4 groups] (rows past B
+// zero), codes32 the same as uint32 groups. C tiles 0 and 1 (the panel's two weight tiles), A
+// tile 2, B tiles 3 and 4.
+__attribute__((target("amx-tile,amx-int8,avx512f,avx512bw,avx512vnni"))) void panels_amx(
+    const int8_t* packed, const int32_t* zsum, const float* sv, float c, const uint8_t* codes, float* y,
+    int64_t B, int64_t groups, int64_t V, int64_t np, int64_t ppc, int64_t k0, int64_t k1, float* bmax,
+    int64_t nblk) {
+  TileConfig cfg;
+  for (int t = 0; t < 5; ++t) {
+    cfg.rows[t] = 16;
+    cfg.colsb[t] = 64;
+  }
+  _tile_loadconfig(&cfg);
+  const int64_t nkb = groups / 16, nbt = (B + MT - 1) / MT, rowb = groups * GROUP;
+  const uint32_t* codes32 = reinterpret_cast<const uint32_t*>(codes);
+  alignas(64) int32_t buf[2][MT][TILE];
+  // running block maxima per batch row (16 lanes each; a plain buffer: std::vector does not
+  // align __m512 to 64 bytes)
+  std::vector<float> mxb(B * TILE);
+  std::vector<__mmask16> nan(B);
+  for (int64_t k = k0; k < k1; ++k) {
+    std::fill(mxb.begin(), mxb.end(), -std::numeric_limits<float>::infinity());
+    std::fill(nan.begin(), nan.end(), (__mmask16)0);
+    const int64_t pe = (k + 1) * ppc < np ? (k + 1) * ppc : np;
+    for (int64_t p = k * ppc; p < pe; ++p) {
+      const int8_t* w = packed + p * groups * 128;
+      for (int64_t bt = 0; bt < nbt; ++bt) {
+        const uint8_t* a = codes + bt * MT * rowb;
+        _tile_zero(0);
+        _tile_zero(1);
+        for (int64_t kb = 0; kb < nkb; ++kb) {
+          _tile_loadd(2, a + kb * 64, rowb);
+          _tile_loadd(3, w + kb * 16 * 128, 128);
+          _tile_loadd(4, w + kb * 16 * 128 + 64, 128);
+          _tile_dpbusd(0, 2, 3);
+          _tile_dpbusd(1, 2, 4);
+        }
+        _tile_stored(0, buf[0], TILE * sizeof(int32_t));
+        _tile_stored(1, buf[1], TILE * sizeof(int32_t));
+        const int64_t nb = B - bt * MT < MT ? B - bt * MT : MT;
+        for (int64_t i = 0; i < nb; ++i) {
+          const int64_t b = bt * MT + i;
+          __m512i acc0 = _mm512_load_si512(buf[0][i]), acc1 = _mm512_load_si512(buf[1][i]);
+          for (int64_t g = nkb * 16; g < groups; ++g) {  // the groups past the last whole 16
+            const __m512i av = _mm512_set1_epi32(codes32[b * groups + g]);
+            acc0 = _mm512_dpbusd_epi32(acc0, av, _mm512_loadu_si512(w + g * 128));
+            acc1 = _mm512_dpbusd_epi32(acc1, av, _mm512_loadu_si512(w + g * 128 + 64));
+          }
+          __m512 mx = _mm512_loadu_ps(mxb.data() + b * TILE);
+          store_tile<1>(&acc0, zsum, sv, c, y + b * V, V, p * PANEL, &mx, &nan[b]);
+          store_tile<1>(&acc1, zsum, sv, c, y + b * V, V, p * PANEL + TILE, &mx, &nan[b]);
+          _mm512_storeu_ps(mxb.data() + b * TILE, mx);
+        }
+      }
+    }
+    if (bmax != nullptr)
+      for (int64_t b = 0; b < B; ++b)
+        bmax[b * nblk + k] = nan[b] ? std::numeric_limits<float>::quiet_NaN()
+                                    : _mm512_reduce_max_ps(_mm512_loadu_ps(mxb.data() + b * TILE));
+  }
+  _tile_release();
+}
+
 }  // namespace
 
 bool int8_vnni_supported() { return cpu_has_vnni(); }
@@ -172,10 +277,13 @@ at::Tensor act7_codes(const at::Tensor& x, int64_t d, int64_t groups, float* c_o
 // ([B, d + 2] fp32; q [V, d] packed by pack_int8_vnni), and with block > 0 (a multiple of 32) the
 // maxima of y over consecutive blocks of that many tokens, [B, ceil(V / block)] (else [B, 0]).
 // zsum [32 * panels] int32 = 64 * rowsum(q); s [32 * panels] fp32 (both zero past V).
-std::tuple<at::Tensor, at::Tensor> int8_vnni_linear(const at::Tensor& x, const at::Tensor& packed,
-                                                    const at::Tensor& zsum, const at::Tensor& s, int64_t V,
-                                                    int64_t d, int64_t block) {
+bool int8_amx_supported() { return cpu_has_amx(); }
+
+// int8_vnni_linear's body; amx: the AMX kernel (same result).
+std::tuple<at::Tensor, at::Tensor> int8_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& zsum,
+                                               const at::Tensor& s, int64_t V, int64_t d, int64_t block, bool amx) {
   TORCH_CHECK(cpu_has_vnni(), "int8_vnni_linear needs AVX512-VNNI");
+  TORCH_CHECK(!amx || cpu_has_amx(), "int8_amx_linear needs AMX-INT8 (and the kernel's permission to use it)");
   TORCH_CHECK(packed.dim() == 5 && packed.size(2) == PANEL / TILE && packed.size(3) == TILE &&
                   packed.size(4) == GROUP && packed.is_contiguous() && packed.scalar_type() == at::kChar,
               "packed: pack_int8_vnni's layout");
@@ -201,6 +309,17 @@ std::tuple<at::Tensor, at::Tensor> int8_vnni_linear(const at::Tensor& x, const a
   float* bm = block > 0 ? bmax.data_ptr<float>() : nullptr;
   // Chunks split over the threads; each thread streams its panels once per batch tile of BT
   // rows (one pass at decode batches, B <= 8).
+  if (amx) {
+    // A tiles read 16 rows of codes: the batch padded to a multiple of 16 with zero codes
+    const int64_t rows = (B + MT - 1) / MT * MT;
+    auto padded = at::zeros({rows, groups * GROUP}, codes.options());
+    padded.narrow(0, 0, B).copy_(codes);
+    const uint8_t* pc = padded.data_ptr<uint8_t>();
+    at::parallel_for(0, nchunk, 1, [&](int64_t k0, int64_t k1) {
+      panels_amx(w, z, sc, c, pc, out, B, groups, V, np, ppc, k0, k1, bm, nchunk);
+    });
+    return {y, bmax};
+  }
   at::parallel_for(0, nchunk, 1, [&](int64_t k0, int64_t k1) {
     for (int64_t b0 = 0; b0 < B; b0 += BT) {
       const int64_t nb = B - b0 < BT ? B - b0 : BT;
@@ -211,8 +330,23 @@ std::tuple<at::Tensor, at::Tensor> int8_vnni_linear(const at::Tensor& x, const a
   return {y, bmax};
 }
 
+std::tuple<at::Tensor, at::Tensor> int8_vnni_linear(const at::Tensor& x, const at::Tensor& packed,
+                                                    const at::Tensor& zsum, const at::Tensor& s, int64_t V,
+                                                    int64_t d, int64_t block) {
+  return int8_linear(x, packed, zsum, s, V, d, block, false);
+}
+
+// int8_vnni_linear with AMX tiles: the same arguments and, bit for bit, the same result.
+std::tuple<at::Tensor, at::Tensor> int8_amx_linear(const at::Tensor& x, const at::Tensor& packed,
+                                                   const at::Tensor& zsum, const at::Tensor& s, int64_t V,
+                                                   int64_t d, int64_t block) {
+  return int8_linear(x, packed, zsum, s, V, d, block, true);
+}
+
 TORCH_LIBRARY_FRAGMENT(vllm_csv_cpu, m) {
   m.def("int8_vnni_supported() -> bool");
+  m.def("int8_amx_supported() -> bool");
+  m.def("int8_amx_linear(Tensor x, Tensor packed, Tensor zsum, Tensor s, int V, int d, int block) -> (Tensor, Tensor)");
   m.def("pack_int8_vnni(Tensor q) -> Tensor");
   m.def("int8_vnni_linear(Tensor x, Tensor packed, Tensor zsum, Tensor s, int V, int d, int block) -> (Tensor, Tensor)");
 }
@@ -220,8 +354,10 @@ TORCH_LIBRARY_FRAGMENT(vllm_csv_cpu, m) {
 TORCH_LIBRARY_IMPL(vllm_csv_cpu, CPU, m) {
   m.impl("pack_int8_vnni", &pack_int8_vnni);
   m.impl("int8_vnni_linear", &int8_vnni_linear);
+  m.impl("int8_amx_linear", &int8_amx_linear);
 }
 
 TORCH_LIBRARY_IMPL(vllm_csv_cpu, CompositeExplicitAutograd, m) {
   m.impl("int8_vnni_supported", &int8_vnni_supported);
+  m.impl("int8_amx_supported", &int8_amx_supported);
 }

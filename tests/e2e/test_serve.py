@@ -178,13 +178,15 @@ def test_json_schema_structured_output(csv_server, dense_server):
 def test_csv_path_was_taken(csv_server, dense_server):
     complete(csv_server, temperature=0)
     log = csv_server.log()
-    m = re.search(r"CSV-Decode active: screen=(\w+) V=(\d+) d=(\d+)(?: backend=(\w+))?", log)
+    m = re.search(r"CSV-Decode active: screen=(\w+) V=(\d+) d=(\d+)(?: backend=([\w+]+))?", log)
     assert m, log[-3000:]
     assert "CSV-Decode active" not in dense_server.log()
     if m.group(1) == "int8" and platform.machine() == "x86_64":  # the CPU default: our VNNI GEMM where it runs
         from vllm_csv.ops import int8_vnni
 
-        assert m.group(4) == ("vnni" if int8_vnni.unavailable_reason(8, 8) is None else "fbgemm"), m.group(0)
+        want = "fbgemm" if int8_vnni.unavailable_reason(8, 8) is not None else (
+            "vnni+amx" if int8_vnni.amx_available() else "vnni")
+        assert m.group(4) == want, m.group(0)
 
 
 def test_invalid_request_gets_400_and_server_keeps_serving(csv_server):

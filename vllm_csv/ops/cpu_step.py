@@ -477,9 +477,11 @@ def _register_fakes() -> None:
         V, d = q.shape
         return q.new_empty(-(-V // PANEL), -(-d // GROUP), 2, PANEL // 2, GROUP)
 
-    @torch.library.register_fake(lib + "int8_vnni_linear")
-    def _(x, packed, zsum, s, V, d, block):
+    def int8_linear(x, packed, zsum, s, V, d, block):
         return s.new_empty(x.shape[0], V), s.new_empty(x.shape[0], -(-V // block) if block else 0)
+
+    for name in ("int8_vnni_linear", "int8_amx_linear"):  # (one op on two instruction sets)
+        torch.library.register_fake(lib + name)(int8_linear)
 
     @torch.library.register_fake(lib + "noise_candidates")
     def _(hi, seeds, hmax, table, force, ids, inv_level):

@@ -1,7 +1,7 @@
 """The int8 screen on x86 CPUs: an exact int8 GEMM, our AVX512-VNNI kernel
 (:mod:`vllm_csv.ops.int8_vnni`) where the CPU has VNNI and the CSV CPU kernels are built, else
 FBGEMM's (:mod:`vllm_csv.ops.fbgemm`); both return the same bits, chosen once when the screen is
-built (``backend``: ``"vnni"`` or ``"fbgemm"``).
+built (``backend``: ``"vnni"``, ``"vnni+amx"`` where the CPU has AMX-INT8, or ``"fbgemm"``).
 
 Weights: per-row symmetric int8, ``deq_i = s_i q_i`` (``s_i = max|w_i| / 127`` in fp32, at least
 ``2^-126`` so that it is a normal number; ``q_i = round(w_i / s_i)``), packed once.
@@ -156,10 +156,11 @@ class FbgemmInt8Screen:
         of rows of ``W`` (with its largest ``|q|``): bit for bit, or the screen refuses."""
         p, rows = self_test_probe(*q.shape, int(q.abs().amax(1).argmax()))
         for c in (1.0, self._fold_scale(C_MIN_LOG2 + 6) or 1.0):
-            got = self.gemm(p, c)[:, rows]
-            want = packed_int8_linear_ref(p, q[rows], s[rows], c)
-            if not torch.equal(got, want):
-                raise CSVError(f"the {self.backend} int8 GEMM is not exact on this machine (self-test)")
+            for probe in (p, p[:1]):  # (a backend may pick its kernel by batch: int8_vnni.AMX_FROM)
+                got = self.gemm(probe, c)[:, rows]
+                want = packed_int8_linear_ref(probe, q[rows], s[rows], c)
+                if not torch.equal(got, want):
+                    raise CSVError(f"the {self.backend} int8 GEMM is not exact on this machine (self-test)")
 
     def _fold_scale(self, k: int) -> float | None:
         """``c = 2^(k - 6)`` if FBGEMM can apply it exactly (see the module docstring), else None."""
