@@ -97,6 +97,28 @@ def test_nonfinite_and_huge_hidden_take_dense_path(screen):
     assert torch.equal(res.ids, ids)
 
 
+@pytest.mark.parametrize("screen", SCREENS)
+@pytest.mark.parametrize("bad", [math.inf, math.nan, None])
+def test_a_nonfinite_row_sends_its_whole_batch_dense(screen, bad):
+    """One hidden row with an inf or a NaN: no row of the batch is certified (the dense GEMM may
+    write NaN into another row: CertifiedHead._prepare), every row is the dense head's, and all
+    are counted ``nonfinite``; the same batch without it is certified."""
+    W, g = peaked_head(2003, 32, seed=12, dtype=torch.bfloat16)
+    h = hidden_near_rows(W, 17, g)
+    if bad is not None:
+        h[8, 15] = bad
+    head = make(W, screen=screen)
+    res = head.topk(h, 1)
+    if bad is None:
+        assert bool(res.certified.all())
+    else:
+        assert not bool(res.certified.any()) and bool(res.fallback.all())
+        _, stats = head.sampler_logits(h, torch.ones(17, dtype=torch.long), use_switch=False)
+        assert stats.certified == 0 and stats.fallbacks["nonfinite"] == 17
+    ids, _, _ = dense_topk(W, None, h, 1)
+    assert torch.equal(res.ids, ids)
+
+
 def test_budget_fallback_is_dense_and_counted():
     V, d = 2048, 64
     W, g = peaked_head(V, d, seed=2)

