@@ -533,6 +533,34 @@ def test_min_tokens_with_a_grammar_stays_dense_and_leaves_other_rows_certified(r
         assert sum(st.certified.values()) > (B - 1) // 2 and "unsupported" not in st.fallbacks
 
 
+@pytest.mark.parametrize("all_random", [True, False])
+def test_temperature_copy_is_vllms_division_bit_for_bit(all_random):
+    """The bounds' map divides out of place (``temperature_copy``): the same quotients as vLLM's
+    in-place ``apply_temperature`` on every value class (subnormal, huge, inf, NaN, -0) and every
+    temperature class (greedy 0 and below _SAMPLING_EPS, tiny, huge), and ``x`` left unchanged;
+    a sampler whose ``apply_temperature`` is not vLLM's keeps the copy-and-call path."""
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(9, 700, generator=g) * torch.logspace(-40, 38, 700)
+    x[:, :6] = torch.tensor([float("inf"), -float("inf"), float("nan"), -0.0, 1e-45, 3.4e38])
+    temp = torch.tensor([0.0, 1e-6, 1e-5, 1e-4, 0.3, 0.8, 1.0, 7.0, 1e4])
+    if all_random:
+        temp[:3] = torch.tensor([2e-5, 0.5, 3.0])
+    before = x.clone()
+    got = sampler_hook.temperature_copy(x, temp, all_random)
+    want = Sampler.apply_temperature(x.clone(), temp, all_random)
+    assert torch.equal(got.nan_to_num(), want.nan_to_num()) and torch.equal(got.isnan(), want.isnan())
+    assert torch.equal(got.view(torch.int32)[~got.isnan()], want.view(torch.int32)[~want.isnan()])  # -0 too
+    assert torch.equal(x.nan_to_num(), before.nan_to_num())
+    assert sampler_hook._stock_temperature(Sampler())
+
+    class Other(Sampler):
+        @staticmethod
+        def apply_temperature(logits, temp, all_random):
+            return logits.mul_(2.0)
+
+    assert not sampler_hook._stock_temperature(Other())
+
+
 @pytest.mark.parametrize("case", ["temperature", "penalties", "bias", "allowed", "bad", "empty_processors"])
 def test_rows_are_mapped_by_column_only_when_no_processor_acts(case, monkeypatch):
     """The later rounds map only the contenders' columns (``certify_rows(columns=)``) where vLLM's

@@ -177,6 +177,37 @@ def peek_seeds(batch_size: int, generators: dict[int, torch.Generator]) -> torch
     return seeds
 
 
+def temperature_copy(x: torch.Tensor, temp: torch.Tensor, all_random: bool) -> torch.Tensor:
+    """vLLM 0.32's ``Sampler.apply_temperature(x.clone(), temp, all_random)`` out of place: each
+    row divided by its temperature in fp32 (``1.0`` below ``_SAMPLING_EPS`` unless every row is
+    random), the same quotients bit for bit.
+
+    Parameters
+    ----------
+    x : torch.Tensor
+        ``[n, c]`` float32.
+    temp : torch.Tensor
+        ``[n]`` float32.
+    all_random : bool
+
+    Returns
+    -------
+    torch.Tensor
+        ``[n, c]`` float32, a new tensor (``x`` unchanged).
+    """
+    if not all_random:
+        temp = torch.where(temp < _SAMPLING_EPS, 1.0, temp)
+    return torch.div(x, temp.unsqueeze(dim=1))
+
+
+def _stock_temperature(sampler) -> bool:
+    """Whether ``sampler.apply_temperature`` is vLLM 0.32's own V1 one (``resolve`` then divides
+    out of place with the same arithmetic)."""
+    from vllm.v1.sample.sampler import Sampler
+
+    return getattr(type(sampler), "apply_temperature", None) is Sampler.apply_temperature
+
+
 def certifiable_sampler(sampler) -> bool:
     """Whether ``sampler`` (a V1 ``Sampler``) draws with vLLM-CPU's fp32 Gumbel-max
     (``TopKTopPSampler.forward_cpu``), the draw :mod:`vllm_csv.sampling` replays."""
@@ -312,11 +343,23 @@ def resolve(sampler, d: Deferred, logits: torch.Tensor, md, predict_bonus_token:
                 return None
             return dev_rows if rows is None else dev_rows[rows.to(dev_rows.device)]
 
+        stock = _stock_temperature(sampler)
+
+        def tempered(x: torch.Tensor, sel: torch.Tensor | None) -> torch.Tensor:
+            # temper on a copy of x. Where the sampler's apply_temperature is vLLM's own (an
+            # in-place fp32 division of each row by its temperature, 1.0 on greedy rows unless
+            # every row is random), the same division out of place: the same IEEE quotients, in
+            # one pass over x instead of a copy and a pass over the copy
+            if not stock or md.all_greedy or md.temperature is None:
+                return temper(x.clone(), sel)
+            t = md.temperature.to(x.device)
+            return temperature_copy(x, t if sel is None else t[sel], md.all_random)
+
         def columns(lo: torch.Tensor, hi: torch.Tensor, rows: torch.Tensor | None = None):
             # some columns of some rows, where no processor acts this step (_processors_idle):
             # vLLM's temperature only, per row, the same division as on the full rows
             sel = batch_rows(rows)
-            return temper(lo.clone(), sel), temper(hi.clone(), sel)
+            return tempered(lo, sel), tempered(hi, sel)
 
         def elementwise(lo: torch.Tensor, hi: torch.Tensor, rows: torch.Tensor | None = None):
             nonlocal canvas
