@@ -39,7 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 MODES = ("temperature", "top_p", "min_p", "penalties", "logit_bias")  # serve.py's MIXED deferred modes
-ALL_MODES = MODES + ("top_k", "top_k_top_p")  # top_k 20 (above: 0.9 top-p too), temperature 0.8
+ALL_MODES = MODES + ("top_k", "top_k_top_p", "top_k_min_p")  # top_k 20 (above: 0.9 top-p / 0.1 min-p too), T 0.8
 
 
 def metadata(B: int, V: int, out_tokens: list[list[int]], prompt: torch.Tensor, cycle=MODES):
@@ -53,7 +53,7 @@ def metadata(B: int, V: int, out_tokens: list[list[int]], prompt: torch.Tensor, 
     temp = torch.tensor([0.0 if m == "penalties" else 0.8 for m in modes])
     top_p = torch.tensor([0.9 if m in ("top_p", "top_k_top_p") else 1.0 for m in modes])
     top_k = torch.tensor([20 if m.startswith("top_k") else V for m in modes])
-    min_p = torch.tensor([0.1 if m == "min_p" else 0.0 for m in modes])
+    min_p = torch.tensor([0.1 if m in ("min_p", "top_k_min_p") else 0.0 for m in modes])
     mp = MinPLogitsProcessor.__new__(MinPLogitsProcessor)
     mp.min_p_cpu_tensor = min_p
     mp.min_p_cpu = min_p.numpy()

@@ -92,6 +92,7 @@ CASES = {
     "top_p_min_p_penalties": dict(penalties=True, bias=True, allowed=False, bad=False, top_p=0.6, min_p=0.05),
     "top_k": dict(penalties=False, bias=False, allowed=False, bad=False, top_k=True),
     "top_k_top_p": dict(penalties=False, bias=False, allowed=False, bad=False, top_p=0.7, top_k=True),
+    "top_k_min_p": dict(penalties=False, bias=False, allowed=False, bad=False, min_p=0.2, top_k=True),
     "top_k_top_p_min_p_penalties": dict(penalties=True, bias=True, allowed=True, bad=False, top_p=0.7, min_p=0.05,
                                         top_k=True),
 }

@@ -6,7 +6,7 @@
 * :mod:`.nucleus` -- min-p / top-p keep-drop decisions from the same bounds.
 * :mod:`.rows` -- the loop: bounds, vLLM's processors on them, certificate, exact scoring of
   the contenders.
-* :mod:`.top_k_rows` -- rows whose first mask is a top-k (a top-p may follow), certified on their
+* :mod:`.top_k_rows` -- rows with a top-k (a min-p may come before it, a top-p after it), certified on their
   highest upper bounds alone (no rounds), before the loop.
 * :mod:`.head_adapter` -- the only place that calls the certified head's internals.
 * :mod:`.gumbel_v2` -- the V2 runner's (CUDA) Gumbel noise, replayed, and its draw certificate;

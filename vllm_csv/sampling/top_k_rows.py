@@ -1,9 +1,9 @@
 """Top-k rows certified from each row's highest upper bounds: no rounds, no ``[R, V]`` map.
 
-A row vLLM samples with a top-k (``0 < k < V``) as its first mask (no min-p, no grammar mask; a
-top-p may follow it) and with no logits processor other than the temperature acting (the
-caller's per-row map, ``columns`` of :func:`~.rows.certify_rows`) draws among the ``k`` largest
-processed values ``y = x / T`` (vLLM's fp32 division), ties at the ``k``-th value kept
+A row vLLM samples with a top-k (``0 < k < V``; no grammar mask; a min-p may come before it and
+a top-p after it) and with no logits processor other than the temperature acting (the caller's
+per-row map, ``columns`` of :func:`~.rows.certify_rows`) draws among the ``k`` largest processed
+values ``y = x / T`` (vLLM's fp32 division) that min-p keeps, ties at the ``k``-th value kept
 (:mod:`.nucleus`, "top-k"), then, with a top-p, among the nucleus of those alone (vLLM's softmax
 and cumulative sum run over the row after top-k, where every other token is ``-inf``, of mass 0).
 Every token outside the row's highest upper bounds is then usually dropped for sure, so the
@@ -20,20 +20,32 @@ Pipeline (:func:`certify_top_k`):
 3. the candidates' union scored exactly (:meth:`.HeadAdapter.score`: ``lower <= dense <= upper``,
    and the dense value where the two agree bit for bit), each row's own candidates gathered out
    of it, and the bounds mapped by ``columns`` (monotone per token: bounds map to bounds); the
-   others' bound mapped too, as one more column (``ylo = -inf``);
-4. vLLM's top-k on those ``K + 1`` columns (:func:`~.nucleus.top_k_bounds`: certainly kept,
+   others' bounds mapped too, as one more column: the ``(K + 1)``-th upper bound above, and below
+   the row's smallest lower bound where the row has a min-p (``lo_min``), else ``-inf``;
+4. with a min-p, vLLM's min-p on those ``K + 1`` columns (:func:`~.nucleus.min_p_bounds`). Its
+   decision on a token rests on that token's own bounds, the row's maximum ``m`` and a margin
+   of that token's ``|y|`` and ``|m|`` (:mod:`.nucleus`, "min-p"), and ``m`` lies between the
+   columns' largest lower bound and their largest upper bound, which is the row's (the highest
+   upper bound is a candidate's): so each candidate's decision is the one on the whole row.
+   Every other token lies within the others' column's bounds, so the margin computed over the
+   columns covers it too: where min-p drops that column, it drops every other token. Where it
+   does not, the column stands for tokens min-p may or may not keep (it is never certainly kept
+   as one token stands for many: its lower bound becomes ``-inf``), which is what vLLM's top-k
+   then sees;
+5. vLLM's top-k on those ``K + 1`` columns (:func:`~.nucleus.top_k_bounds`: certainly kept,
    certainly dropped, undecided). The row goes on only if the others' column is certainly
-   dropped: its upper bound is below ``L_k``, the ``k``-th largest lower bound of the
-   candidates, a lower bound of the dense ``k``-th value, so every other token is dropped. The
+   dropped (by min-p above, or here): its upper bound is below ``L_k``, the ``k``-th largest lower bound of the
+   candidates, a lower bound of the dense ``k``-th value (after min-p: a candidate min-p may drop
+   has lower bound ``-inf`` there), so every other token is dropped. The
    decisions on the columns are then those on the whole row: ``L_k`` is the row's (the others'
    lower bounds are below it), and so are the ``k``-th and ``(k + 1)``-th largest upper bounds
    that decide "certainly kept" (the others are below ``L_k``, itself at most the ``k``-th largest
    candidate upper bound; one column at the others' bound gives the ``(k + 1)``-th as any number
    of others would);
-5. with a top-p, vLLM's top-p on the columns (:func:`~.nucleus.top_p_bounds`): every other
+6. with a top-p, vLLM's top-p on the columns (:func:`~.nucleus.top_p_bounds`): every other
    token is certainly dropped by top-k, so it adds nothing to any mass; vLLM's rounding is
    bounded for sums over the whole row (``row_length = V``);
-6. the draw's certificate on the columns (:func:`~.certificate.certify_draw`, the columns'
+7. the draw's certificate on the columns (:func:`~.certificate.certify_draw`, the columns'
    token ids given: each one's noise is its token's): the winner certainly kept, and its noisy
    lower bound above every other not-dropped candidate's noisy upper bound, with the kernel's
    rounding margin.
@@ -61,7 +73,7 @@ import torch
 from ..ops.topk import row_topk
 from .certificate import certify_draw
 from .head_adapter import HeadAdapter
-from .nucleus import top_k_bounds, top_p_bounds
+from .nucleus import min_p_bounds, top_k_bounds, top_p_bounds
 
 TOP_K_GUESS = 4  # top-k rows: their 4 (k + 1) highest upper bounds scored first (also the rounds' first guess).
 # The demo model's top-k 20 rows needed 36 at the median, 65 at the 86th percentile, 86 at most
@@ -80,7 +92,8 @@ class TopKRows(NamedTuple):
 
 def certify_top_k(adapter: HeadAdapter, hidden: torch.Tensor, hnorm: torch.Tensor, hi: torch.Tensor,
                   top_k: torch.Tensor, seeds: torch.Tensor, columns: Callable, rows: torch.Tensor | None,
-                  budget: int, top_p: torch.Tensor | None = None) -> TopKRows | None:
+                  budget: int, top_p: torch.Tensor | None = None, min_p: torch.Tensor | None = None,
+                  lo_min: torch.Tensor | None = None) -> TopKRows | None:
     """Certify top-k rows from their highest upper bounds (module docstring); the rows whose
     others were not certainly dropped tried again on a list :data:`LONGER` times longer, up to
     :data:`LONGER_TRIES` times.
@@ -108,6 +121,12 @@ def certify_top_k(adapter: HeadAdapter, hidden: torch.Tensor, hnorm: torch.Tenso
         cut to its share, ``budget / R``).
     top_p : torch.Tensor, optional
         ``[R]`` float32, vLLM's top-p after the top-k (``1``: off).
+    min_p : torch.Tensor, optional
+        ``[R]`` float32, vLLM's min-p before the top-k (``0``: off).
+    lo_min : torch.Tensor, optional
+        ``[R]`` float32, each row's smallest lower bound over the vocabulary (the screen's, before
+        ``columns``): the others' lower bound on rows with a min-p (default ``-inf``: min-p then
+        never drops the others).
 
     Returns
     -------
@@ -116,14 +135,18 @@ def certify_top_k(adapter: HeadAdapter, hidden: torch.Tensor, hnorm: torch.Tenso
     R, V = hi.shape
     k = top_k.long()
     K = first_list(k, V).clamp_(max=max(1, budget // R))  # within each row's share of the budget
-    out = _try(adapter, hidden, hnorm, hi, k, top_p, seeds, columns, rows, K, budget)
+    floor = hi.new_full((R, 1), -math.inf)  # the others' lower bound
+    if min_p is not None and lo_min is not None:
+        floor = torch.where((min_p > 0)[:, None], lo_min[:, None], floor)
+    out = _try(adapter, hidden, hnorm, hi, floor, k, top_p, min_p, seeds, columns, rows, K, budget)
     for _ in range(LONGER_TRIES):
         if out is None or not bool(out.short.any()):
             break
         r = out.short.nonzero().squeeze(1)
         K = (K * LONGER).clamp_(max=V)
-        again = _try(adapter, hidden[r], hnorm[r], hi[r], k[r], None if top_p is None else top_p[r], seeds[r],
-                     columns, r if rows is None else rows[r], K[r], budget - out.scored)
+        again = _try(adapter, hidden[r], hnorm[r], hi[r], floor[r], k[r], None if top_p is None else top_p[r],
+                     None if min_p is None else min_p[r], seeds[r], columns, r if rows is None else rows[r], K[r],
+                     budget - out.scored)
         if again is None:
             break
         out.values.index_copy_(0, r, again.values)
@@ -138,10 +161,12 @@ def first_list(top_k: torch.Tensor, V: int) -> torch.Tensor:
     return (TOP_K_GUESS * (top_k.long() + 1)).clamp_(max=V)
 
 
-def _try(adapter: HeadAdapter, hidden: torch.Tensor, hnorm: torch.Tensor, hi: torch.Tensor, k: torch.Tensor,
-         top_p: torch.Tensor | None, seeds: torch.Tensor, columns: Callable, rows: torch.Tensor | None,
-         K: torch.Tensor, budget: int) -> TopKRows | None:
-    """One try of :func:`certify_top_k` with ``K [R]`` candidates a row (``k`` int64 ``[R]``)."""
+def _try(adapter: HeadAdapter, hidden: torch.Tensor, hnorm: torch.Tensor, hi: torch.Tensor, floor: torch.Tensor,
+         k: torch.Tensor,
+         top_p: torch.Tensor | None, min_p: torch.Tensor | None, seeds: torch.Tensor, columns: Callable,
+         rows: torch.Tensor | None, K: torch.Tensor, budget: int) -> TopKRows | None:
+    """One try of :func:`certify_top_k` with ``K [R]`` candidates a row (``k`` int64 ``[R]``;
+    ``floor [R, 1]`` the others' lower bound)."""
     R, V = hi.shape
     Kmax = int(K.max())
     top = row_topk(hi, min(Kmax + 1, V))
@@ -157,8 +182,11 @@ def _try(adapter: HeadAdapter, hidden: torch.Tensor, hnorm: torch.Tensor, hi: to
     z, lower, upper = adapter.score(hidden, ids, hnorm)  # [R, n]
     z, lower, upper = z.gather(1, pos), lower.gather(1, pos), upper.gather(1, pos)
     lower, upper = lower.masked_fill(~listed, -math.inf), upper.masked_fill(~listed, -math.inf)
-    ylo, yhi = columns(torch.cat([lower, torch.full_like(others, -math.inf)], 1),
-                       torch.cat([upper, others], 1), rows)  # [R, Kmax + 1]: the others' column last
+    ylo, yhi = columns(torch.cat([lower, floor], 1), torch.cat([upper, others], 1), rows)  # the others' column last
+    if min_p is not None:
+        ylo, yhi = min_p_bounds(ylo, yhi, min_p)
+    # the others' column stands for many tokens: never counted as one certainly kept token
+    ylo[:, Kmax] = -math.inf
     ylo, yhi = top_k_bounds(ylo, yhi, k)
     if top_p is not None:
         ylo, yhi = top_p_bounds(ylo, yhi, top_p, row_length=V)
