@@ -34,10 +34,10 @@ Pipeline (:func:`certify_top_k`):
    then sees;
 5. vLLM's top-k on those ``K + 1`` columns (:func:`~.nucleus.top_k_bounds`: certainly kept,
    certainly dropped, undecided). The row goes on only if the others' column is certainly
-   dropped (by min-p above, or here): its upper bound is below ``L_k``, the ``k``-th largest lower bound of the
-   candidates, a lower bound of the dense ``k``-th value (after min-p: a candidate min-p may drop
-   has lower bound ``-inf`` there), so every other token is dropped. The
-   decisions on the columns are then those on the whole row: ``L_k`` is the row's (the others'
+   dropped (by min-p above, or here): its upper bound is below ``L_k``, the ``k``-th largest
+   lower bound of the candidates, a lower bound of the dense ``k``-th value (after min-p: a
+   candidate min-p may drop has lower bound ``-inf`` there), so every other token is dropped.
+   The decisions on the columns are then those on the whole row: ``L_k`` is the row's (the others'
    lower bounds are below it), and so are the ``k``-th and ``(k + 1)``-th largest upper bounds
    that decide "certainly kept" (the others are below ``L_k``, itself at most the ``k``-th largest
    candidate upper bound; one column at the others' bound gives the ``(k + 1)``-th as any number
@@ -162,9 +162,8 @@ def first_list(top_k: torch.Tensor, V: int) -> torch.Tensor:
 
 
 def _try(adapter: HeadAdapter, hidden: torch.Tensor, hnorm: torch.Tensor, hi: torch.Tensor, floor: torch.Tensor,
-         k: torch.Tensor,
-         top_p: torch.Tensor | None, min_p: torch.Tensor | None, seeds: torch.Tensor, columns: Callable,
-         rows: torch.Tensor | None, K: torch.Tensor, budget: int) -> TopKRows | None:
+         k: torch.Tensor, top_p: torch.Tensor | None, min_p: torch.Tensor | None, seeds: torch.Tensor,
+         columns: Callable, rows: torch.Tensor | None, K: torch.Tensor, budget: int) -> TopKRows | None:
     """One try of :func:`certify_top_k` with ``K [R]`` candidates a row (``k`` int64 ``[R]``;
     ``floor [R, 1]`` the others' lower bound)."""
     R, V = hi.shape
