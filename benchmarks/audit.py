@@ -2,6 +2,7 @@
 rows have been checked against the dense head of the same batch.
 
     python benchmarks/audit.py --rows 1000000 --json benchmarks/results/audit.json
+    python benchmarks/audit.py --rows 300000 --random-seeds 1 --json out.json   # seeds drawn at random
 
 Families, checks and regressions are those of :mod:`vllm_csv.audit` (the CI suite
 ``tests/test_audit.py`` draws from the same). Cases cycle through every family x dtype
@@ -17,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import platform
+import random
 import sys
 import time
 from collections import defaultdict
@@ -34,17 +36,21 @@ SCREENS = ("int8", "int4", "fp16", "ball")
 FIELDS = ("rows", "certified_ids", "certified_values", "certified_sampled", "wrong_ids", "wrong_values")
 
 
-def campaign(target: int, screens, log_every: float = 30.0) -> dict:
+def campaign(target: int, screens, log_every: float = 30.0, random_seeds: int | None = None) -> dict:
+    """Cases seed by seed (0, 1, 2, ...; with ``random_seeds``, the i-th seed is drawn from
+    ``random.Random(random_seeds)``: a reproducible sweep of seeds anywhere in ``[0, 2^31)``)."""
     table: dict[tuple[str, str, str], dict[str, int]] = defaultdict(lambda: dict.fromkeys(FIELDS, 0))
     total = dict.fromkeys(FIELDS, 0)
     t0 = last = time.perf_counter()
+    rng = None if random_seeds is None else random.Random(random_seeds)
     seed = 0
     while total["certified_ids"] < target:
+        case_seed = seed if rng is None else rng.randrange(2**31)
         for fam in FAMILIES:
             for dt in DTYPES:
                 for sc in screens:
-                    a, b = run_case(fam, seed, dt, sc)
-                    c = run_sampled_case(fam, seed, dt, sc) if sc != "ball" else None
+                    a, b = run_case(fam, case_seed, dt, sc)
+                    c = run_sampled_case(fam, case_seed, dt, sc) if sc != "ball" else None
                     row = table[(fam, str(dt).removeprefix("torch."), sc)]
                     for t in (row, total):
                         t["rows"] += a.rows
@@ -89,11 +95,13 @@ def main(argv=None) -> int:
     p.add_argument("--rows", type=int, default=1_000_000, help="certified rows (ids mode) to check")
     p.add_argument("--screens", nargs="+", default=list(SCREENS))
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--random-seeds", type=int, default=None, metavar="N",
+                   help="draw each case seed from random.Random(N) instead of 0, 1, 2, ...")
     p.add_argument("--json", required=True)
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
-    res = campaign(args.rows, args.screens)
-    res.update(screens=args.screens, commit=commit(), torch=torch.__version__, provenance=machine(),
+    res = campaign(args.rows, args.screens, random_seeds=args.random_seeds)
+    res.update(screens=args.screens, random_seeds=args.random_seeds, commit=commit(), torch=torch.__version__, provenance=machine(),
                machine=f"{platform.machine()}, {args.threads} thread(s)")
     out = Path(args.json)
     out.parent.mkdir(parents=True, exist_ok=True)
