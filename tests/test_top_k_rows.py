@@ -263,3 +263,53 @@ def test_min_p_then_top_k_rows_draw_as_vllm(dtype, screen, bias, softcap, scale,
     monkeypatch.setattr(top_k_rows, "min_p_bounds", lambda lo, hi, min_p: (lo, hi))
     bad, _ = run(head, h, T, k, seeds, batch=4, min_p=mp)
     assert bad > 0
+
+
+@pytest.mark.parametrize("dtype,screen,bias,softcap,scale", HEADS[:4])
+def test_min_p_rows_without_top_k_draw_as_vllm(dtype, screen, bias, softcap, scale, monkeypatch):
+    """min-p rows with no top-k (``k = V``), some with a top-p after it, take the same path: their
+    other tokens must be dropped by min-p itself. Over 480 rows a head (min-p 1e-3 to 0.9, exact
+    ties, temperatures 0.3 to 2, peaked and broad rows) every certified token is vLLM's, most by
+    the fast path; a fast path that takes the others' column as dropped without min-p's say-so
+    draws tokens vLLM does not."""
+    V, d, B = 2048, 48, 480
+    W, g = peaked_head(V, d, seed=61, dtype=dtype)
+    W[300:330] = W[7]  # exact ties
+    b = (torch.randn(V, generator=g) * 2).to(dtype) if bias else None
+    h = torch.cat([hidden_near_rows(W, B - 160, g, scale=1.0), hidden_near_rows(W, 160, g, scale=0.3)])
+    head = CertifiedHead(W, b, config=HeadConfig(screen=screen, budget=0.5, off_switch=False), softcap=softcap,
+                         scale=scale)
+    seeds = torch.randint(0, 2**31, (B,), generator=g)
+    k = torch.full((B,), V)
+    T = torch.tensor([0.3, 0.8, 1.0, 2.0])[torch.arange(B) % 4]
+    mp = torch.tensor([1e-3, 0.01, 0.05, 0.1, 0.3, 0.9])[torch.arange(B) % 6]
+    for p in (None, torch.tensor([1.0, 0.9, 0.5])[torch.arange(B) % 3]):
+        spy = Spy(monkeypatch)
+        bad, cert = run(head, h, T, k, seeds, batch=4, p=p, min_p=mp)
+        assert bad == 0
+        assert spy.tried == B and cert > 0.7 * B and spy.fast > 0.4 * B, (cert, spy.fast, spy.rounds)
+    real = top_k_rows.min_p_bounds
+
+    def careless(lo, hi, min_p):
+        lo, hi = real(lo, hi, min_p)
+        return lo, hi.index_fill(1, torch.tensor([hi.shape[1] - 1]), -math.inf)  # the others "dropped"
+    monkeypatch.setattr(top_k_rows, "min_p_bounds", careless)
+    bad, _ = run(head, h, T, k, seeds, batch=4, min_p=mp)
+    assert bad > 0
+
+
+@pytest.mark.parametrize("p", [0.3, 0.5, 0.8])
+@pytest.mark.parametrize("scale", [0.3, 1.0])
+def test_top_p_never_drops_the_others_column(p, scale, monkeypatch):
+    """The others' column stands for many tokens, and top-p sees it as one (one token's mass): a
+    row is certified only where min-p or top-k dropped it, never top-p. Here (short lists, no
+    longer tries) top-k often leaves it undecided and top-p then drops it (all 320 rows at
+    p = 0.5, scale 1): every certified token must still be vLLM's (before the fix, 2 of 319
+    certified rows there were not)."""
+    V, d, B = 2048, 48, 320
+    head, h, seeds = int8_case(V, d, B, 67, scale)
+    k, T = torch.full((B,), 64), torch.full((B,), 1.0)
+    monkeypatch.setattr(top_k_rows, "TOP_K_GUESS", 1)
+    monkeypatch.setattr(top_k_rows, "LONGER_TRIES", 0)
+    bad, cert = run(head, h, T, k, seeds, batch=8, p=torch.full((B,), p))
+    assert bad == 0, (bad, cert)

@@ -23,8 +23,8 @@ Pipeline (per batch of rows that the sampler will draw from):
    as one summary per row (:func:`~.certificate.ruled_out`): no second pass over the
    vocabulary; with ``columns`` (a per-row map) they map those columns only.
 
-Before the rounds, the rows with a top-k (a min-p may come before it and a top-p after it; given
-``columns``, nothing masked) are certified on their highest upper bounds alone
+Before the rounds, the rows with a top-k or a min-p (a top-p may follow; given ``columns``,
+nothing masked) are certified on their highest upper bounds alone
 (:mod:`.top_k_rows`: no ``[R, V]`` map, no rounds); the rounds take the rest, on the same
 screen bounds, with what is left of the budget.
 
@@ -151,8 +151,8 @@ def certify_rows(adapter: HeadAdapter, hidden: torch.Tensor, process: Process, s
         A certified row's values are exact on the columns scored while it was open, ``-inf``
         elsewhere.
 
-    Rows with a top-k (a min-p may come before it and a top-p after it), where ``columns`` is
-    given and nothing is ``masked``, are first certified from their highest upper bounds alone
+    Rows with a top-k or a min-p (a top-p may follow), where ``columns`` is given and nothing
+    is ``masked``, are first certified from their highest upper bounds alone
     (:func:`~.top_k_rows.certify_top_k`: no rounds); the others, and those it leaves open, go
     through the rounds, on the same screen bounds, with what is left of the budget.
 
@@ -165,17 +165,20 @@ def certify_rows(adapter: HeadAdapter, hidden: torch.Tensor, process: Process, s
     R, V = hidden.shape[0], adapter.vocab_size
     budget = budget_of(adapter)
     quick = None
-    if columns is not None and masked is None and top_k is not None:
-        quick = bounds[3] & ~greedy & has_top_k(top_k, V)
-        # each row's k + 1 within its share of the budget (a row with a large k, e.g. V - 1, goes
-        # through the rounds; certify_top_k keeps each list within the share)
-        quick &= (top_k + 1) * int(quick.sum()) <= budget
+    if columns is not None and masked is None and (top_k is not None or min_p is not None):
+        tk = top_k if top_k is not None else torch.full((R,), V, dtype=torch.long, device=hidden.device)
+        with_k = has_top_k(tk, V)
+        # (a min-p row without a top-k needs the screen's lower bounds: min-p must drop its others)
+        quick = bounds[3] & ~greedy & (with_k if min_p is None or bounds[4] else with_k | (min_p > 0))
+        # each top-k row's k + 1 within its share of the budget (a row with a large k, e.g. V - 1,
+        # goes through the rounds; certify_top_k keeps each list within the share)
+        quick &= torch.where(with_k, tk + 1, 1) * int(quick.sum()) <= budget
     fast = None
     if quick is not None and bool(quick.any()):
         q = quick.nonzero().squeeze(1)
         every = q.numel() == R
         mp = None if min_p is None or not bool((min_p[q] > 0).any()) else min_p[q]
-        fast = certify_top_k(adapter, rows_of(hidden, q), rows_of(bounds[2], q), rows_of(bounds[1], q), top_k[q],
+        fast = certify_top_k(adapter, rows_of(hidden, q), rows_of(bounds[2], q), rows_of(bounds[1], q), tk[q],
                              seeds[q], columns, None if every else q, budget, top_p=None if top_p is None else top_p[q],
                              min_p=mp, lo_min=None if mp is None else rows_of(bounds[0], q).amin(1))
     if fast is None:

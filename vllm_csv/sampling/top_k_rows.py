@@ -1,4 +1,4 @@
-"""Top-k rows certified from each row's highest upper bounds: no rounds, no ``[R, V]`` map.
+"""Top-k and min-p rows certified from each row's highest upper bounds: no rounds, no ``[R, V]`` map.
 
 A row vLLM samples with a top-k (``0 < k < V``; no grammar mask; a min-p may come before it and
 a top-p after it) and with no logits processor other than the temperature acting (the caller's
@@ -8,13 +8,14 @@ values ``y = x / T`` (vLLM's fp32 division) that min-p keeps, ties at the ``k``-
 and cumulative sum run over the row after top-k, where every other token is ``-inf``, of mass 0).
 Every token outside the row's highest upper bounds is then usually dropped for sure, so the
 whole certificate can run on those few columns: no ``[R, V]`` map, no top-k levels, top-p
-masses or draw certificate over the vocabulary, no rounds.
+masses or draw certificate over the vocabulary, no rounds. A row with a min-p and no top-k
+(``k = V``: off) takes the same path: its other tokens must then be dropped by min-p (step 4).
 
 Pipeline (:func:`certify_top_k`):
 
 1. the screen's upper bounds ``hi [R, V]`` (computed once by the caller, :func:`~.rows.screen_bounds`);
-2. each row's ``K + 1`` highest upper bounds (``K = TOP_K_GUESS (k + 1)``, at most the row's
-   share of the budget; one :func:`~vllm_csv.ops.topk.row_topk` pass): the first ``K`` are the
+2. each row's ``K + 1`` highest upper bounds (``K = TOP_K_GUESS (k + 1)``, or
+   :data:`MIN_P_GUESS` on a row without a top-k; at most the row's share of the budget; one :func:`~vllm_csv.ops.topk.row_topk` pass): the first ``K`` are the
    row's candidates, the ``(K + 1)``-th value bounds every other token of the row (``-inf`` when
    ``K = V``);
 3. the candidates' union scored exactly (:meth:`.HeadAdapter.score`: ``lower <= dense <= upper``,
@@ -43,8 +44,10 @@ Pipeline (:func:`certify_top_k`):
    candidate upper bound; one column at the others' bound gives the ``(k + 1)``-th as any number
    of others would);
 6. with a top-p, vLLM's top-p on the columns (:func:`~.nucleus.top_p_bounds`): every other
-   token is certainly dropped by top-k, so it adds nothing to any mass; vLLM's rounding is
-   bounded for sums over the whole row (``row_length = V``);
+   token is certainly dropped by min-p or top-k (step 5 checks that before top-p: top-p sees the
+   others' column as one token of one token's mass, and could drop it where the many tokens it
+   stands for are kept), so it adds nothing to any mass; vLLM's rounding is bounded for sums
+   over the whole row (``row_length = V``);
 7. the draw's certificate on the columns (:func:`~.certificate.certify_draw`, the columns'
    token ids given: each one's noise is its token's): the winner certainly kept, and its noisy
    lower bound above every other not-dropped candidate's noisy upper bound, with the kernel's
@@ -78,6 +81,7 @@ from .nucleus import min_p_bounds, top_k_bounds, top_p_bounds
 TOP_K_GUESS = 4  # top-k rows: their 4 (k + 1) highest upper bounds scored first (also the rounds' first guess).
 # The demo model's top-k 20 rows needed 36 at the median, 65 at the 86th percentile, 86 at most
 # (320 rows): 3 (k + 1) sent 14% of rows to a longer try, 4 (k + 1) about 1%
+MIN_P_GUESS = 32  # min-p rows without a top-k: their 32 highest upper bounds first (then 128, 512)
 LONGER = 4  # a row whose others were not certainly dropped: tried again on a list this many times longer
 LONGER_TRIES = 2  # that many times at most (4 (k + 1), then 16 (k + 1), then 64 (k + 1) candidates)
 
@@ -108,7 +112,7 @@ def certify_top_k(adapter: HeadAdapter, hidden: torch.Tensor, hnorm: torch.Tenso
     hi : torch.Tensor
         ``[R, V]`` float32, the screen's upper bounds on the values the dense head hands the sampler.
     top_k : torch.Tensor
-        ``[R]`` int64, ``0 < k < V`` on every row.
+        ``[R]`` int64, ``0 < k < V``, or ``V`` (no top-k) on rows with a min-p.
     seeds : torch.Tensor
         ``[R]`` int64, the seeds the sampler will draw these rows with.
     columns : callable
@@ -117,8 +121,8 @@ def certify_top_k(adapter: HeadAdapter, hidden: torch.Tensor, hnorm: torch.Tenso
     rows : torch.Tensor or None
         What ``columns`` takes as ``rows`` for these rows (None: all of the caller's, in order).
     budget : int
-        Columns that may be scored; ``R (k + 1) <= budget`` on every row (each row's list is
-        cut to its share, ``budget / R``).
+        Columns that may be scored; ``R (k + 1) <= budget`` on every row with a top-k (each
+        row's list is cut to its share, ``budget / R``).
     top_p : torch.Tensor, optional
         ``[R]`` float32, vLLM's top-p after the top-k (``1``: off).
     min_p : torch.Tensor, optional
@@ -157,8 +161,10 @@ def certify_top_k(adapter: HeadAdapter, hidden: torch.Tensor, hnorm: torch.Tenso
 
 
 def first_list(top_k: torch.Tensor, V: int) -> torch.Tensor:
-    """``[R]`` int64: each row's first list, ``TOP_K_GUESS (k + 1)`` candidates (at most ``V``)."""
-    return (TOP_K_GUESS * (top_k.long() + 1)).clamp_(max=V)
+    """``[R]`` int64: each row's first list, ``TOP_K_GUESS (k + 1)`` candidates, or
+    :data:`MIN_P_GUESS` on a row without a top-k (``k >= V``), at most ``V``."""
+    k = top_k.long()
+    return torch.where(k < V, TOP_K_GUESS * (k + 1), MIN_P_GUESS).clamp_(max=V)
 
 
 def _try(adapter: HeadAdapter, hidden: torch.Tensor, hnorm: torch.Tensor, hi: torch.Tensor, floor: torch.Tensor,
@@ -187,11 +193,13 @@ def _try(adapter: HeadAdapter, hidden: torch.Tensor, hnorm: torch.Tensor, hi: to
     # the others' column stands for many tokens: never counted as one certainly kept token
     ylo[:, Kmax] = -math.inf
     ylo, yhi = top_k_bounds(ylo, yhi, k)
+    # The others must be dropped by min-p or top-k, before top-p: top-p sees their column as one
+    # token of one token's mass, and could drop it where the many tokens it stands for are kept
+    short = yhi[:, Kmax] > -math.inf
     if top_p is not None:
         ylo, yhi = top_p_bounds(ylo, yhi, top_p, row_length=V)
     ids_ext = torch.cat([cand, cand[:, :1]], 1)  # (the others' column: any id; it is dropped or the row open)
     cert = certify_draw(ylo, yhi, seeds, torch.zeros(R, dtype=torch.bool, device=hi.device), ids=ids_ext)
-    short = yhi[:, Kmax] > -math.inf
     winner = ids_ext.gather(1, cert.winner[:, None])[:, 0]
     values = _handed_rows(V, cand, z, yhi[:, :Kmax])
     return TopKRows(values, cert.certified & ~short, winner, int(ids.numel()), short)
