@@ -97,6 +97,18 @@ def int8_case(V, d, B, seed, scale, budget=0.5):
     return head, h, torch.randint(0, 2**31, (B,), generator=g)
 
 
+def tied_case(V, d, B, seed, dtype, screen="int8", bias=False, softcap=None, scale=1.0):
+    """``(head, h, seeds)``: a peaked head with exact ties (rows 300-329 copies of row 7), ``B``
+    hidden states near its rows (two thirds peaked, the rest broad), and the rows' seeds."""
+    W, g = peaked_head(V, d, seed=seed, dtype=dtype)
+    W[300:330] = W[7]  # exact ties
+    b = (torch.randn(V, generator=g) * 2).to(dtype) if bias else None
+    h = torch.cat([hidden_near_rows(W, B - 160, g, scale=1.0), hidden_near_rows(W, 160, g, scale=0.3)])
+    head = CertifiedHead(W, b, config=HeadConfig(screen=screen, budget=0.5, off_switch=False), softcap=softcap,
+                         scale=scale)
+    return head, h, torch.randint(0, 2**31, (B,), generator=g)
+
+
 HEADS = [  # (dtype, screen, bias, softcap, scale)
     (torch.bfloat16, "int8", False, None, 1.0),
     (torch.bfloat16, "fp16", True, None, 1.0),
@@ -220,11 +232,7 @@ def test_top_k_then_top_p_rows_draw_as_vllm(p, dtype, monkeypatch):
     logits), most by the fast path; and with top-p left out of the fast path (its top_p_bounds
     made the identity), tokens vLLM's top-p removes are drawn."""
     V, d, B = 2048, 48, 480
-    W, g = peaked_head(V, d, seed=53, dtype=dtype)
-    W[300:330] = W[7]  # exact ties
-    h = torch.cat([hidden_near_rows(W, B - 160, g, scale=1.0), hidden_near_rows(W, 160, g, scale=0.3)])
-    head = CertifiedHead(W, None, config=HeadConfig(screen="int8", budget=0.5, off_switch=False))
-    seeds = torch.randint(0, 2**31, (B,), generator=g)
+    head, h, seeds = tied_case(V, d, B, 53, dtype)
     k = torch.tensor([2, 5, 20, 40, 64])[torch.arange(B) % 5]
     T = torch.tensor([0.3, 0.8, 1.0, 2.0])[torch.arange(B) % 4]
     P = torch.full((B,), p)
@@ -246,13 +254,7 @@ def test_min_p_then_top_k_rows_draw_as_vllm(dtype, screen, bias, softcap, scale,
     dense logits), most by the fast path; with min-p left out of the fast path (its min_p_bounds
     made the identity), tokens vLLM's min-p removes are drawn."""
     V, d, B = 2048, 48, 480
-    W, g = peaked_head(V, d, seed=59, dtype=dtype)
-    W[300:330] = W[7]  # exact ties
-    b = (torch.randn(V, generator=g) * 2).to(dtype) if bias else None
-    h = torch.cat([hidden_near_rows(W, B - 160, g, scale=1.0), hidden_near_rows(W, 160, g, scale=0.3)])
-    head = CertifiedHead(W, b, config=HeadConfig(screen=screen, budget=0.5, off_switch=False), softcap=softcap,
-                         scale=scale)
-    seeds = torch.randint(0, 2**31, (B,), generator=g)
+    head, h, seeds = tied_case(V, d, B, 59, dtype, screen, bias, softcap, scale)
     k = torch.tensor([1, 5, 20, 40, 64])[torch.arange(B) % 5]
     T = torch.tensor([0.3, 0.8, 1.0, 2.0])[torch.arange(B) % 4]
     mp = torch.tensor([1e-4, 0.01, 0.05, 0.1, 0.3, 0.9])[torch.arange(B) % 6]
@@ -273,13 +275,7 @@ def test_min_p_rows_without_top_k_draw_as_vllm(dtype, screen, bias, softcap, sca
     the fast path; a fast path that takes the others' column as dropped without min-p's say-so
     draws tokens vLLM does not."""
     V, d, B = 2048, 48, 480
-    W, g = peaked_head(V, d, seed=61, dtype=dtype)
-    W[300:330] = W[7]  # exact ties
-    b = (torch.randn(V, generator=g) * 2).to(dtype) if bias else None
-    h = torch.cat([hidden_near_rows(W, B - 160, g, scale=1.0), hidden_near_rows(W, 160, g, scale=0.3)])
-    head = CertifiedHead(W, b, config=HeadConfig(screen=screen, budget=0.5, off_switch=False), softcap=softcap,
-                         scale=scale)
-    seeds = torch.randint(0, 2**31, (B,), generator=g)
+    head, h, seeds = tied_case(V, d, B, 61, dtype, screen, bias, softcap, scale)
     k = torch.full((B,), V)
     T = torch.tensor([0.3, 0.8, 1.0, 2.0])[torch.arange(B) % 4]
     mp = torch.tensor([1e-3, 0.01, 0.05, 0.1, 0.3, 0.9])[torch.arange(B) % 6]

@@ -174,10 +174,10 @@ def all_off(min_p: torch.Tensor | None, top_k: torch.Tensor | None, top_p: torch
                                                   (top_p, _top_p_on)) if x is not None)
 
 
-def has_top_k(top_k: torch.Tensor | None, V: int) -> torch.Tensor | None:
+def has_top_k(top_k: torch.Tensor, V: int) -> torch.Tensor:
     """``[R]`` bool: the rows with a top-k (``0 < k < V``; a min-p may come before it and a top-p
-    after it); None when no top-k is given."""
-    return None if top_k is None else _top_k_on(top_k, V)
+    after it)."""
+    return _top_k_on(top_k, V)
 
 
 def min_p_bounds(ylo: torch.Tensor, yhi: torch.Tensor, min_p: torch.Tensor, outside: Outside | None = None):
