@@ -579,3 +579,51 @@ def test_top_k_cut_kernel_is_the_reference():
         torch.ops.vllm_csv_cpu.top_k_cut(lo, hi, hk[:3], hk1, lk)
     with pytest.raises(RuntimeError, match="lo, hi"):
         torch.ops.vllm_csv_cpu.top_k_cut(lo, hi[:, :5], hk, hk1, lk)
+
+
+def _tied_far_below(seed, R=32, V=512):
+    """Rows whose two highest values tie exactly, with bounds up to 1500 wide: masses relative
+    to the row's highest upper bound underflow float64 (e^-745)."""
+    g = torch.Generator().manual_seed(seed)
+    y = torch.randn(R, V, generator=g) * 300
+    top = y.argmax(1)
+    other = (top + 1 + torch.randint(0, V - 1, (R,), generator=g)) % V
+    y[torch.arange(R), other] = y[torch.arange(R), top]  # vLLM's sort order of the tie decides which is dropped
+    lo = y - torch.rand(R, V, generator=g) * 1500
+    hi = y + torch.rand(R, V, generator=g) * 1500
+    exact = torch.rand(R, V, generator=g) < 0.3
+    exact[torch.arange(R), top] = exact[torch.arange(R), other] = True
+    lo, hi = torch.where(exact, y, lo), torch.where(exact, y, hi)
+    return y, lo, hi, torch.stack([top, other], 1), g
+
+
+@pytest.mark.parametrize("path", ["full", "queries", "narrowed", "narrowed_kept_stale"])
+def test_top_p_on_masses_that_underflow_keeps_no_tied_token(path, monkeypatch):
+    """Masses that underflow are not "no token" (nucleus docstring, "underflow in the masses"):
+    two tokens tied far below the shift, one of which vLLM's top-p drops (whichever its sort puts
+    first), are never certainly kept, and no decision contradicts vLLM's top-p. ``narrowed``: the
+    shift left by wider bounds (1e4 above); ``narrowed_kept_stale``: without the rebuild that a
+    stale shift triggers (the underflow margin alone)."""
+    from vllm_csv.sampling.nucleus import TopPQueries
+
+    if path == "narrowed_kept_stale":
+        monkeypatch.setattr(nucleus, "STALE_SHIFT", math.inf)
+    # the smallest case: token 0 in [-800, 0], token 1 exactly -800 (a tie when y_0 = -800)
+    lo, hi, p = torch.tensor([[-800.0, -800.0]]), torch.tensor([[0.0, -800.0]]), torch.tensor([0.3])
+    assert top_p_bounds(lo, hi, p)[0][0, 0] == -math.inf
+    y, lo, hi, tied, g = _tied_far_below(3)
+    R = y.shape[0]
+    p = torch.rand(R, generator=g) * 0.6 + 0.05  # below 0.5: one of the tied pair is dropped
+    kept = torch.isfinite(apply_top_k_top_p_pytorch(y.clone(), None, p))
+    if path == "full":
+        olo, ohi = top_p_bounds(lo, hi, p)
+    elif path == "queries":
+        olo, ohi = TopPQueries(lo, hi, p).bounds(torch.ones_like(lo, dtype=torch.bool))
+    else:
+        q = TopPQueries(lo, hi + 1e4, p).narrowed(lo, hi, p)
+        assert (q is None) == (path == "narrowed")  # a stale shift: built anew
+        q = q or TopPQueries(lo, hi, p)
+        olo, ohi = q.bounds(torch.ones_like(lo, dtype=torch.bool))
+    k, d = decisions(olo, ohi, y)
+    assert not (k & ~kept).any() and not (d & kept).any()
+    assert not k.gather(1, tied).any()

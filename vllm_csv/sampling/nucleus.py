@@ -69,6 +69,19 @@ upper mass if ``ylo_i < t`` and ``R_lo`` its lower mass otherwise; it never must
 mass. Each bound is the one of the whole row with the tail's terms bounded, so decisions stay
 sound; only tokens with ``ylo_i < t <= yhi_i`` may be left undecided more often.
 
+Underflow in the masses. The masses are float64 ``e^(y - c)``, ``c`` at least every ``yhi`` of
+the row: a term below ``2^-1022`` is subnormal or 0, off by a few ``2^-1074`` (normal terms are
+within the relative slack above), so a sum of at most ``2^31`` of them is within
+``UNDERFLOW = 2^-1000`` of the real one on that count. Each upper sum (``n_hi``, ``r_hi``, the
+rest of the tail bound) is raised by it and each lower sum (``r_lo``, ``n_lo``, the tail's ``N``)
+lowered (at 0) before the ratios. Without it a row whose masses all underflowed (bounds 745
+apart or more: a screen's interval after a temperature of 0.01, or a shift ``c`` left from an
+earlier round, :meth:`TopPQueries.narrowed`) read ``n_hi = 0`` as "no token may sort after
+``i``", ``A = 0``, and kept ``i``: two tokens tied far below ``c``, one of which vLLM's top-p drops
+(the sort order of ties decides which), were both kept, and the draw could return the dropped
+one (found by ``vllm_csv.audit_sampler``: family ``near_tie``, seed 7716, bf16, temperature
+0.01, top-p 0.3).
+
 Deciding some tokens only (:class:`TopPQueries`). Leaving a token undecided is always sound
 (``ylo = -inf``, ``yhi`` kept), and the draw's certificate needs decisions only for its winner and
 for the tokens whose noisy upper bound reaches the winner's noisy lower bound (:mod:`.rows` asks
@@ -145,6 +158,10 @@ QUERY_LIST = 256  # TopPQueries: tokens listed per row (highest upper bounds)
 QUERY_LIST_MAX = 2048  # ... then 8x longer where that did not cover an undecided token, up to this
 QUERY_MAX = 1024  # TopPQueries: a row asking for more tokens is decided in full (top_p_bounds)
 COMPACT_BELOW = 0.5  # decide on the columns not -inf in every row when fewer than this share (TP rows)
+# top-p: what underflow may take from a float64 sum of shifted masses, absolutely (module docstring,
+# "underflow in the masses")
+UNDERFLOW = 2.0**-1000
+STALE_SHIFT = 16.0  # TopPQueries.narrowed: a row's shift this far above its new highest yhi: build anew
 
 
 def _min_p_margin(y_abs: torch.Tensor, m_abs: torch.Tensor) -> torch.Tensor:
@@ -335,15 +352,20 @@ def _top_p_cuts(p: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _decide(n_hi, r_lo, n_lo, r_hi, lo, p_keep, p_drop):
-    a_hi = torch.where(n_hi == 0, 0.0, n_hi / (n_hi + r_lo))  # nothing can sort after i: A = 0
-    a_lo = torch.where(n_lo == 0, 0.0, n_lo / (n_lo + r_hi))
-    return (a_hi < p_keep) & (lo > -math.inf), a_lo > p_drop
+    """``(keep, drop)``: ``A_hi < p_keep`` (and ``lo`` finite), ``A_lo > p_drop``, each sum moved
+    by :data:`UNDERFLOW` its safe way first (module docstring, "underflow in the masses": a sum
+    that underflowed to 0 is not "no token", so no 0/0 is read as ``A = 0``)."""
+    n_hi, r_hi = n_hi + UNDERFLOW, r_hi + UNDERFLOW
+    r_lo, n_lo = (r_lo - UNDERFLOW).clamp_min(0), (n_lo - UNDERFLOW).clamp_min(0)
+    return (n_hi / (n_hi + r_lo) < p_keep) & (lo > -math.inf), n_lo / (n_lo + r_hi) > p_drop
 
 
 def _tail_bound(n_top: torch.Tensor, h_top: torch.Tensor, tot_h: torch.Tensor) -> torch.Tensor:
     """Lower bound on ``A_j`` for every ``j`` below the ``k``-th highest lower bound, per ``k``:
-    ``N / (N + tot_h - H)`` (module docstring, "the tail")."""
-    return n_top / (n_top + (tot_h - h_top).clamp_min(0))
+    ``N / (N + tot_h - H)`` (module docstring, "the tail"), ``N`` lowered and the rest raised by
+    :data:`UNDERFLOW` ("underflow in the masses")."""
+    n = (n_top - UNDERFLOW).clamp_min(0)
+    return n / (n + (tot_h - h_top).clamp_min(0) + UNDERFLOW)
 
 
 def _decide_packed(lo, hi, el, eh, t, p_keep, p_drop, block=None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -584,6 +606,12 @@ class TopPQueries:
         lo, hi = rows_of(ylo, rows), rows_of(yhi, rows)
         if not bool(all_(lo >= rows_of(self.ylo, rows)) and all_(hi <= rows_of(self.yhi, rows))):
             return None  # (NaN fails both comparisons)
+        # the shift c stays valid (at least every yhi) but grows stale as the bounds fall: a row
+        # whose highest yhi (at most its listed ones' or kth) fell STALE_SHIFT below it would
+        # decide on masses near underflow (module docstring): built anew
+        top = torch.maximum(hi.gather(1, self.ih[pos]).amax(1).double(), self.kth[pos])
+        if not bool((self.c[pos, 0].double() - top <= STALE_SHIFT).all()):
+            return None
         q = TopPQueries.__new__(TopPQueries)
         q.ylo, q.yhi, q.top_p, q.rows, q.listed = ylo, yhi, top_p, rows, self.listed
         for name in ("usable", "c", "ih", "kth", "is_listed", "unl_h", "unl_l", "p_keep", "p_drop"):
