@@ -10,7 +10,12 @@ Families, checks and regressions are those of :mod:`vllm_csv.audit` (the CI suit
 twice: ids only (``values=False``: greedy), and ids with value bits (``values=True``: top-k
 sampling reads the values; fp32 heads never certify values, by design). Writes JSON and a
 markdown table per family, dtype and screen: rows, certified rows in each mode, wrong ids,
-wrong values. The campaign is deterministic (seeded); it is a check, not a timing.
+wrong values. Until ``--sampler-rows`` rows are certified there too, each case also runs as a
+batch drawn by vLLM's own ``Sampler`` through the sampler hook, every row with its own sampling
+parameters (greedy, temperature, top-k, top-p, min-p and their mixes; penalties, logit bias,
+allowed ids, bad words and grammar masks by batch: :mod:`vllm_csv.audit_sampler`), against the
+same ``Sampler`` on the dense head: wrong tokens (any row) and RNG streams out of step. The
+campaign is deterministic (seeded); it is a check, not a timing.
 """
 
 from __future__ import annotations
@@ -29,14 +34,17 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from vllm_csv.audit import DTYPES, FAMILIES, run_case, run_sampled_case  # noqa: E402
+from vllm_csv.audit_sampler import run_sampler_case  # noqa: E402
 
 from provenance import commit, machine  # noqa: E402  (benchmarks/provenance.py)
 
 SCREENS = ("int8", "int4", "fp16", "ball")
-FIELDS = ("rows", "certified_ids", "certified_values", "certified_sampled", "wrong_ids", "wrong_values")
+FIELDS = ("rows", "certified_ids", "certified_values", "certified_sampled", "wrong_ids", "wrong_values",
+          "sampler_rows", "certified_draws", "wrong_tokens", "rng_out_of_step")
 
 
-def campaign(target: int, screens, log_every: float = 30.0, random_seeds: int | None = None) -> dict:
+def campaign(target: int, screens, log_every: float = 30.0, random_seeds: int | None = None,
+             sampler_target: int = 0) -> dict:
     """Cases seed by seed (0, 1, 2, ...; with ``random_seeds``, the i-th seed is drawn from
     ``random.Random(random_seeds)``: a reproducible sweep of seeds anywhere in ``[0, 2^31)``)."""
     table: dict[tuple[str, str, str], dict[str, int]] = defaultdict(lambda: dict.fromkeys(FIELDS, 0))
@@ -44,7 +52,8 @@ def campaign(target: int, screens, log_every: float = 30.0, random_seeds: int | 
     t0 = last = time.perf_counter()
     rng = None if random_seeds is None else random.Random(random_seeds)
     seed = 0
-    while total["certified_ids"] < target:
+    by_mode: dict[str, int] = defaultdict(int)
+    while total["certified_ids"] < target or total["certified_draws"] < sampler_target:
         case_seed = seed if rng is None else rng.randrange(2**31)
         for fam in FAMILIES:
             for dt in DTYPES:
@@ -63,11 +72,21 @@ def campaign(target: int, screens, log_every: float = 30.0, random_seeds: int | 
                             t["certified_sampled"] += c.certified
                             t["wrong_ids"] += c.wrong_ids
                             t["wrong_values"] += c.wrong_values
+                    if total["certified_draws"] < sampler_target:  # vLLM's Sampler, hooked and not
+                        d = run_sampler_case(fam, case_seed, dt, sc)
+                        for t in (row, total):
+                            t["sampler_rows"] += d.rows
+                            t["certified_draws"] += d.certified
+                            t["wrong_tokens"] += d.wrong_tokens
+                            t["rng_out_of_step"] += d.rng_out_of_step
+                        for m, n in d.certified_by_mode.items():
+                            by_mode[m] += n
         seed += 1
         if time.perf_counter() - last > log_every:
             last = time.perf_counter()
             print(f"  seed {seed}: {total}", file=sys.stderr)
     return {"seeds": seed, "seconds": round(time.perf_counter() - t0, 1), "total": total,
+            "certified_draws_by_mode": dict(sorted(by_mode.items())),
             "cases": [{"family": f, "dtype": d, "screen": s, **v} for (f, d, s), v in sorted(table.items())]}
 
 
@@ -78,15 +97,21 @@ def markdown(res: dict) -> str:
              f"**Total: {t['certified_ids']} certified rows checked for ids, {t['certified_values']} for ids and "
              f"value bits, {t['certified_sampled']} sampled top-k rows for the sampler's kept set and bits, of "
              f"{t['rows']} rows; {t['wrong_ids']} wrong ids, {t['wrong_values']} wrong values.**", "",
-             "| family | dtype | rows | certified (ids) | certified (ids + values) | certified (sampled) | wrong ids | wrong values |",
-             "|---|---|---|---|---|---|---|---|"]
+             f"**vLLM's Sampler through the hook: {t['certified_draws']} certified of {t['sampler_rows']} rows drawn; "
+             f"{t['wrong_tokens']} tokens differ from the dense draw's, {t['rng_out_of_step']} batches with an RNG "
+             f"out of step.** Certified draws by mode: "
+             + ", ".join(f"{m} {n}" for m, n in res["certified_draws_by_mode"].items()) + ".", "",
+             "| family | dtype | rows | certified (ids) | certified (ids + values) | certified (sampled) | wrong ids "
+             "| wrong values | sampler rows | certified draws | wrong tokens | RNG out of step |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     agg: dict[tuple[str, str], dict[str, int]] = defaultdict(lambda: dict.fromkeys(FIELDS, 0))
     for c in res["cases"]:
         for k in FIELDS:
             agg[(c["family"], c["dtype"])][k] += c[k]
     for (f, d), v in sorted(agg.items()):
         lines.append(f"| {f} | {d} | {v['rows']} | {v['certified_ids']} | {v['certified_values']} | "
-                     f"{v['certified_sampled']} | {v['wrong_ids']} | {v['wrong_values']} |")
+                     f"{v['certified_sampled']} | {v['wrong_ids']} | {v['wrong_values']} | {v['sampler_rows']} | "
+                     f"{v['certified_draws']} | {v['wrong_tokens']} | {v['rng_out_of_step']} |")
     return "\n".join(lines) + "\n"
 
 
@@ -97,10 +122,13 @@ def main(argv=None) -> int:
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--random-seeds", type=int, default=None, metavar="N",
                    help="draw each case seed from random.Random(N) instead of 0, 1, 2, ...")
+    p.add_argument("--sampler-rows", type=int, default=100_000,
+                   help="rows certified in vLLM's Sampler through the hook to check (0: none)")
     p.add_argument("--json", required=True)
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
-    res = campaign(args.rows, args.screens, random_seeds=args.random_seeds)
+    res = campaign(args.rows, args.screens, random_seeds=args.random_seeds,
+                   sampler_target=args.sampler_rows)
     res.update(screens=args.screens, random_seeds=args.random_seeds, commit=commit(), torch=torch.__version__, provenance=machine(),
                machine=f"{platform.machine()}, {args.threads} thread(s)")
     out = Path(args.json)
@@ -109,7 +137,8 @@ def main(argv=None) -> int:
     md = markdown(res)
     out.with_suffix(".md").write_text(md)
     print(md)
-    return 1 if res["total"]["wrong_ids"] or res["total"]["wrong_values"] else 0
+    t = res["total"]
+    return 1 if t["wrong_ids"] or t["wrong_values"] or t["wrong_tokens"] or t["rng_out_of_step"] else 0
 
 
 if __name__ == "__main__":

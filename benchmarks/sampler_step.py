@@ -46,27 +46,17 @@ def metadata(B: int, V: int, out_tokens: list[list[int]], prompt: torch.Tensor, 
     """vLLM's SamplingMetadata for ``B`` rows cycling through ``cycle`` (default :data:`MODES`, with
     the parameters of serve.py's MIXED workload), as ``InputBatch`` builds it on CPU."""
     from vllm.v1.sample.logits_processor import LogitsProcessors
-    from vllm.v1.sample.logits_processor.builtin import LogitBiasLogitsProcessor, MinPLogitsProcessor
     from vllm.v1.sample.metadata import SamplingMetadata
+
+    from vllm_csv.audit_sampler import logit_bias_processor, min_p_processor
 
     modes = [cycle[i % len(cycle)] for i in range(B)]
     temp = torch.tensor([0.0 if m == "penalties" else 0.8 for m in modes])
     top_p = torch.tensor([0.9 if m in ("top_p", "top_k_top_p") else 1.0 for m in modes])
     top_k = torch.tensor([20 if m.startswith("top_k") else V for m in modes])
     min_p = torch.tensor([0.1 if m in ("min_p", "top_k_min_p") else 0.0 for m in modes])
-    mp = MinPLogitsProcessor.__new__(MinPLogitsProcessor)
-    mp.min_p_cpu_tensor = min_p
-    mp.min_p_cpu = min_p.numpy()
-    mp.min_p_count = int((min_p > 0).sum())
-    mp.use_double_tensor = False
-    mp.min_p_device = min_p
-    mp.min_p = min_p.unsqueeze(1)
-    lb = LogitBiasLogitsProcessor(None, torch.device("cpu"), False)
-    lb.biases = {i: {10: 3.0, 50: -5.0, 300: 2.0} for i, m in enumerate(modes) if m == "logit_bias"}
-    reqs = [r for r, d in lb.biases.items() for _ in d]
-    toks = [t for d in lb.biases.values() for t in d]
-    lb.bias_tensor = torch.tensor([v for d in lb.biases.values() for v in d.values()])
-    lb.logits_slice = (torch.tensor(reqs, dtype=torch.int32), torch.tensor(toks, dtype=torch.int32))
+    mp = min_p_processor(min_p)
+    lb = logit_bias_processor({i: {10: 3.0, 50: -5.0, 300: 2.0} for i, m in enumerate(modes) if m == "logit_bias"})
     pen = [m == "penalties" for m in modes]
     gens = {i: torch.Generator().manual_seed(100 + i) for i in range(B) if temp[i] > 0}
     return modes, SamplingMetadata(

@@ -4,6 +4,8 @@
   (:mod:`vllm_csv.audit`); every certified row must match the dense head of the same batch,
   ids always, value bits where values were asked for.
 * The holes the audit found are fixed cases (:func:`vllm_csv.audit.regressions`).
+* The sampler path: vLLM's own ``Sampler`` through the hook against the same ``Sampler`` on the
+  dense head, each row with its own sampling parameters (:mod:`vllm_csv.audit_sampler`).
 * Mutations: each fix, removed, lets these very checks find wrong rows, so they can fail.
 The long campaign (>= 1M certified rows) is ``benchmarks/audit.py``.
 """
@@ -14,7 +16,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from vllm_csv import audit
+from vllm_csv import audit, audit_sampler
 from vllm_csv.dense_engine import DenseEngine
 from vllm_csv.fp import ulp
 
@@ -36,6 +38,32 @@ def test_certified_rows_match_dense(family, seed, dtype, screen):
 def test_sampled_rows_give_the_sampler_what_dense_gives(family, seed, dtype, screen):
     out = audit.run_sampled_case(family, seed, dtype, screen)
     assert out.wrong_ids == 0 and out.wrong_values == 0
+
+
+@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(family=st.sampled_from(sorted(audit.FAMILIES)), seed=st.integers(0, 2**31 - 1),
+       dtype=st.sampled_from(audit.DTYPES), screen=st.sampled_from(SCREENS))
+def test_hooked_sampler_draws_what_the_dense_sampler_draws(family, seed, dtype, screen):
+    out = audit_sampler.run_sampler_case(family, seed, dtype, screen)
+    assert out.wrong_tokens == 0 and out.rng_out_of_step == 0
+
+
+@pytest.mark.parametrize("case", audit_sampler.REGRESSIONS, ids=lambda c: f"{c[0]}-{c[1]}")
+def test_sampler_regressions_draw_what_the_dense_sampler_draws(case):
+    out = audit_sampler.run_sampler_case(*case)
+    assert out.wrong_tokens == 0 and out.rng_out_of_step == 0 and out.certified > 0
+
+
+def test_the_sampler_audit_certifies_every_mode():
+    """The sampler audit exercises every mode's certified path (else it checks dense draws only)."""
+    modes = {}
+    for seed in range(40):
+        out = audit_sampler.run_sampler_case("peaked", seed, audit.DTYPES[seed % 3], "int8")
+        for m, n in out.certified_by_mode.items():
+            modes[m] = modes.get(m, 0) + n
+        if set(modes) == set(audit_sampler.ROW_MODES) | {"structured"}:
+            return
+    raise AssertionError(f"certified by mode over 40 cases: {modes}")
 
 
 @pytest.mark.parametrize("screen", SCREENS[:3])
@@ -165,3 +193,25 @@ def test_mutation_sampled_rows_read_as_greedy_are_caught(monkeypatch, torch_refe
     wrong = sum(audit.run_sampled_case(fam, seed, torch.bfloat16, "int8").wrong_ids
                 for seed in range(20) for fam in ("ties", "overflow"))
     assert wrong > 0
+
+
+def _sampler_wrong(seeds=range(8)) -> int:
+    return sum(audit_sampler.run_sampler_case(fam, seed, dtype, "int8").wrong_tokens
+               for seed in seeds for fam in ("peaked", "ties") for dtype in (torch.bfloat16, torch.float32))
+
+
+def _kept_all(ylo, yhi, *a, outside=None, **kw):
+    return (ylo, yhi) if outside is None else (ylo, yhi, outside)
+
+
+@pytest.mark.parametrize("mask", ["top_k_bounds", "min_p_bounds", "top_p_bounds"])
+def test_mutation_a_mask_left_out_of_the_certificate_draws_wrong_tokens(mask, monkeypatch):
+    """vLLM's top-k, min-p or top-p read as keeping every token (in the rounds, the top-k rows'
+    fast path and top-p's queries): the sampler audit finds tokens vLLM's draw does not give."""
+    from vllm_csv.sampling import nucleus, rows, top_k_rows
+
+    for module in (rows, top_k_rows):
+        monkeypatch.setattr(module, mask, _kept_all)
+    if mask == "top_p_bounds":
+        monkeypatch.setattr(nucleus.TopPQueries, "bounds", lambda self, only=None, settle=None: (self.ylo, self.yhi))
+    assert _sampler_wrong() > 0

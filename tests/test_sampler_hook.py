@@ -16,22 +16,11 @@ from vllm.v1.sample.metadata import SamplingMetadata  # noqa: E402
 from vllm.v1.sample.sampler import Sampler  # noqa: E402
 
 from vllm_csv import CertifiedHead, HeadConfig  # noqa: E402
+from vllm_csv.audit_sampler import logit_bias_processor, min_p_processor  # noqa: E402
 from vllm_csv.sampling.head_adapter import HeadAdapter  # noqa: E402
 from vllm_csv.vllm_plugin import sampler_hook  # noqa: E402
 
 V, D, B = 1024, 48, 24
-
-
-def min_p_processor(values):
-    """vLLM's MinPLogitsProcessor in the state update_state leaves it in (CPU)."""
-    p = MinPLogitsProcessor.__new__(MinPLogitsProcessor)
-    p.min_p_cpu_tensor = torch.tensor(values, dtype=torch.float32)
-    p.min_p_cpu = p.min_p_cpu_tensor.numpy()
-    p.min_p_count = int((p.min_p_cpu_tensor > 0).sum())
-    p.use_double_tensor = False
-    p.min_p_device = p.min_p_cpu_tensor
-    p.min_p = p.min_p_device[:len(values)].unsqueeze(1)
-    return p
 
 
 def metadata(g, temps, seeded, penalties, bias, allowed, bad, top_p=None, min_p=None, top_k=False, V=V):
@@ -44,15 +33,9 @@ def metadata(g, temps, seeded, penalties, bias, allowed, bad, top_p=None, min_p=
     prompt = torch.randint(0, V, (B, 7), generator=g)
     procs = []
     if bias:
-        lb = LogitBiasLogitsProcessor(None, torch.device("cpu"), False)
-        lb.biases = {i: {int(t): float(v) for t, v in zip(torch.randint(0, V, (3,), generator=g),
-                                                          torch.randn(3, generator=g) * 4)}
-                     for i in range(0, B, 2)}
-        reqs = [r for r, d in lb.biases.items() for _ in d]
-        toks = [t for d in lb.biases.values() for t in d]
-        lb.bias_tensor = torch.tensor([v for d in lb.biases.values() for v in d.values()])
-        lb.logits_slice = (torch.tensor(reqs, dtype=torch.int32), torch.tensor(toks, dtype=torch.int32))
-        procs.append(lb)
+        procs.append(logit_bias_processor({i: {int(t): float(v) for t, v in zip(torch.randint(0, V, (3,), generator=g),
+                                                                               torch.randn(3, generator=g) * 4)}
+                                           for i in range(0, B, 2)}))
     mask = None
     if allowed:
         mask = torch.rand(B, V, generator=g) < 0.5  # True = not allowed
