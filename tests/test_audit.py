@@ -51,7 +51,8 @@ def test_hooked_sampler_draws_what_the_dense_sampler_draws(family, seed, dtype, 
 @pytest.mark.parametrize("case", audit_sampler.REGRESSIONS, ids=lambda c: f"{c[0]}-{c[1]}")
 def test_sampler_regressions_draw_what_the_dense_sampler_draws(case):
     out = audit_sampler.run_sampler_case(*case)
-    assert out.wrong_tokens == 0 and out.rng_out_of_step == 0 and out.certified > 0
+    assert out.wrong_tokens == 0 and out.rng_out_of_step == 0
+    assert out.certified > 0 or case[0] == "nonfinite"  # (a poisoned batch certifies no row)
 
 
 def test_the_sampler_audit_certifies_every_mode():

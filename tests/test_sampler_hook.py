@@ -768,3 +768,43 @@ def test_a_slot_no_sampler_took_does_not_reach_the_next_step(monkeypatch):
     assert isinstance(sampler_hook._pending, sampler_hook.Deferred)
     layer.forward(None, h)  # the next head call, no plan: vLLM's own logits
     assert sampler_hook._pending is None  # its sampler call takes nothing from the earlier step
+
+
+@pytest.mark.parametrize("bad_row", [1, 4])  # a row certified in the head's call / one deferred to the sampler
+def test_a_nonfinite_row_anywhere_in_the_step_sends_every_row_dense(bad_row, monkeypatch):
+    """An ``inf`` in one hidden row of the step: the rows certified apart from it (in the head's
+    call when it is deferred, in the sampler when it is in the head's call) are not certified
+    either, since the dense GEMM of the whole batch may write NaN over finite rows (as torch's
+    bf16 GEMM did on an Intel Xeon with AMX; CertifiedHead._prepare): emulated here by a dense
+    head that does so. The draws are the dense ones, every row counted ``nonfinite``."""
+    from vllm.model_executor.layers.logits_processor import LogitsProcessor
+
+    from vllm_csv.metrics import CSVMetrics
+    from vllm_csv.vllm_plugin import step_plan
+
+    sampler_hook.install()
+    g = torch.Generator().manual_seed(9)
+    W, _ = peaked_head(V, D, seed=19, dtype=torch.bfloat16)
+    head = CertifiedHead(W, config=HeadConfig(screen="fp16", budget=0.5, off_switch=False))
+
+    def dense_forward(self, lm_head, x, bias=None, skip_gather=False):  # NaN over every row of a poisoned batch
+        out = head.dense_logits(x)
+        return out.masked_fill(~torch.isfinite(x).all(), math.nan)
+
+    monkeypatch.setattr(LogitsProcessor, "forward", dense_forward)
+    h = hidden_near_rows(W, 6, g, scale=3.0)
+    h[bad_row, 3] = math.inf
+    temps = [0.0, 0.0, 0.0, 0.8, 0.8, 0.8]
+    md = metadata(g, temps, seeded=[3, 5], penalties=False, bias=False, allowed=False, bad=False)
+    seen = []
+    metrics = CSVMetrics(f"nonfinite-{bad_row}", {"vocab_size": V})
+    monkeypatch.setattr(metrics, "record", lambda stats, *a, **k: seen.append(stats))
+    layer = csv_layer(head, metrics)
+    plan = step_plan.Plan([str(i) for i in range(6)], [1, 1, 1] + [step_plan.DEFER] * 3,
+                          ["greedy"] * 3 + ["sampling"] * 3, temps)
+    sampler = Sampler()
+    want = run(sampler, dense_forward(None, None, h), md, seed=2)[0]
+    with step_plan.active_plan(plan):
+        logits = layer.forward(None, h)
+    assert torch.equal(run(sampler, logits, md, seed=2)[0], want)
+    assert sum(s.certified for s in seen) == 0 and sum(s.fallbacks.get("nonfinite", 0) for s in seen) == 6, seen

@@ -136,6 +136,30 @@ def test_tp_deferred_rows_on_adversarial_families(size, monkeypatch):
     assert cert_total > 0.2 * rows_total, (cert_total, rows_total)
 
 
+@pytest.mark.parametrize("size", (2, 3))
+def test_tp_rows_with_their_own_sampling_parameters(size, monkeypatch):
+    """The sampler audit's batches (vllm_csv.audit_sampler.draw_batch: each row its own greedy,
+    temperature, top-k, top-p or min-p mix at edge values, seeded or not; penalties, logit bias,
+    allowed ids and bad words by batch; some or all rows deferred) over the sharded adversarial
+    heads. (Grammar masks: the single-rank audit; here they are left out.)"""
+    from vllm_csv.audit_sampler import draw_batch
+
+    rows_total = cert_total = 0
+    for family in sorted(audit.FAMILIES):
+        for seed in range(2):
+            g = torch.Generator().manual_seed(1000 * seed + size)
+            case = audit.FAMILIES[family](g, audit.DTYPES[(seed + size) % 3])
+            batch = draw_batch(g, case.hidden.shape[0], case.weight.shape[0])
+            try:
+                res = resolve_tp(case.weight, case.bias, case.hidden, batch.md, batch.deferred, size, monkeypatch,
+                                 softcap=case.softcap, scale=case.scale)
+            except CSVError:  # a screen may refuse a head (fp16 overflow) on some rank
+                continue
+            cert_total += check_same_and_exact(res, batch.md, batch.deferred)
+            rows_total += batch.deferred.numel()
+    assert cert_total > 0.2 * rows_total, (cert_total, rows_total)
+
+
 def test_tp_disagreeing_ranks_go_dense_together(monkeypatch):
     """Rank 1 alone cannot bound row 0 (as with a NaN in its hidden state there), its exact
     scores of row 1 come with a useless upper bound, it would draw row 2 with another seed, and

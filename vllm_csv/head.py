@@ -696,6 +696,15 @@ class RowSplit(NamedTuple):
     kind: str  # the off-switch's ledger: "top1" (every such row reads an argmax), else "topk"
 
 
+def hidden_rows(hidden: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """``hidden[rows]`` (a new tensor) for certifying some rows of a batch apart from the others,
+    all NaN where some row of the *whole* batch is not finite: :meth:`CertifiedHead._prepare`
+    then certifies none of them, as it does for a batch of its own (the dense GEMM of the batch,
+    which gives the other rows' and the full path's values, may write NaN over finite rows; its
+    docstring). A tensor op, no host sync; a pass over ``[B, d]``."""
+    return torch.where(torch.isfinite(hidden).all(), hidden[rows], math.nan)
+
+
 def row_split(ks: list[int], max_certified_k: int) -> RowSplit:
     """:class:`RowSplit` of ``ks``; rows with ``k > max_certified_k`` are dense (``unsupported``)."""
     rows = [i for i, k in enumerate(ks) if 0 < k <= max_certified_k]

@@ -143,7 +143,8 @@ class CSVLogitsProcessor(LogitsProcessor):
             sub = torch.tensor(in_head, dtype=torch.long, device=hidden_states.device)
             part = None
             if any(ks[i] > 0 for i in in_head):
-                part, stats = head.sampler_logits(hidden_states[sub], torch.tensor([ks[i] for i in in_head]),
+                part, stats = head.sampler_logits(csv_head.hidden_rows(hidden_states, sub),
+                                                  torch.tensor([ks[i] for i in in_head]),
                                                   lambda h: dense_full()[sub], t0=t0,
                                                   temperature=_rows(plan.temperature, in_head),
                                                   use_switch=False)
@@ -157,7 +158,7 @@ class CSVLogitsProcessor(LogitsProcessor):
                 logits[sub] = dense_full()[sub].to(head.dtype)
             logits[rows.to(logits.device)] = sampler_hook.PLACEHOLDER
             sampler_hook.defer(sampler_hook.Deferred(
-                logits, hidden_states[rows.to(hidden_states.device)].clone(), rows,
+                logits, csv_head.hidden_rows(hidden_states, rows.to(hidden_states.device)), rows,
                 [modes[i] for i in deferred], self._adapter(head), dense_full,
                 lambda st, stats=stats, hm=self._head_modes(head, stats, ks, modes, in_head):
                     self._record(head, _merge(stats, st), {k: hm.get(k, 0) + st.certified.get(k, 0)
