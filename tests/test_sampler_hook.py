@@ -157,20 +157,25 @@ def _spy_masks(monkeypatch, which: str):
     return seen
 
 
-def _hooked(head, h, dense, md, rows, seed=5):
+def _hooked(head, h, dense, md, rows, seed=5, full=False, sampler=None):
+    """vLLM's sampler with the hook on ``rows``: (tokens, stats); ``full``: ``run``'s whole
+    result (tokens, the global RNG's next draw, each generator's) for the tokens."""
     logits = dense.clone()
     logits[rows] = sampler_hook.PLACEHOLDER
     seen = []
     modes = ["top_p" if md.top_p is not None and md.top_p[i] < 1 else "sampling" for i in rows.tolist()]
     sampler_hook.defer(sampler_hook.Deferred(logits, h[rows].clone(), rows, modes, HeadAdapter(head),
                                              lambda: head.dense_logits(h), seen.append))
-    return run(Sampler(), logits, md, seed)[0], seen[0]
+    out = run(sampler or Sampler(), logits, md, seed)
+    return (out if full else out[0]), seen[0]
 
 
-@pytest.mark.parametrize("all_top_p_deferred", [True, False])
-def test_vllm_top_p_is_skipped_only_when_every_top_p_row_is_certified(all_top_p_deferred, monkeypatch):
+@pytest.mark.parametrize("case", ["drawn", "skipped", "kept"])
+def test_vllm_top_p_is_skipped_only_when_every_top_p_row_is_certified(case, monkeypatch):
     """Every top-p row certified: vLLM's draw runs without top-p (no full-vocabulary sort) and
-    draws what the dense sampler draws. A top-p row left dense (here: not deferred) keeps it."""
+    draws what the dense sampler draws (``skipped``: a row without top-p left dense); a top-p row
+    left dense (here: not deferred) keeps it (``kept``); every row certified, the hook's tokens
+    are the draw and vLLM's sampler does not run (``drawn``: no mask pass at all)."""
     sampler_hook.install()
     g = torch.Generator().manual_seed(8)
     W, _ = peaked_head(V, D, seed=19, dtype=torch.bfloat16)
@@ -179,13 +184,19 @@ def test_vllm_top_p_is_skipped_only_when_every_top_p_row_is_certified(all_top_p_
     md = metadata(g, [0.8] * B, seeded=range(0, B, 2), penalties=False, bias=False, allowed=False, bad=False,
                   top_p=0.7)
     dense = head.dense_logits(h)
-    want = run(Sampler(), dense.clone(), md, seed=5)[0]
+    want = run(Sampler(), dense.clone(), md, seed=5)
     seen_p = _spy_masks(monkeypatch, "p")
-    rows = torch.arange(B) if all_top_p_deferred else torch.arange(B)[md.top_p == 1.0]  # top-p rows dense
-    got, st = _hooked(head, h, dense, md, rows)
-    assert torch.equal(got, want)
+    assert md.top_p[0] == 1.0
+    rows = {"drawn": torch.arange(B), "skipped": torch.arange(1, B),  # row 0: no top-p, dense
+            "kept": torch.arange(B)[md.top_p == 1.0]}[case]  # the top-p rows dense
+    got, st = _hooked(head, h, dense, md, rows, full=True)
+    assert all(torch.equal(a, b) for a, b in zip(got[:2], want[:2]))  # the tokens, the global RNG
+    assert all(torch.equal(got[2][i], want[2][i]) for i in want[2])  # every request generator
     assert sum(st.certified.values()) == rows.numel()
-    assert (seen_p[-1] is None) == all_top_p_deferred
+    if case == "drawn":
+        assert not seen_p
+    else:
+        assert (seen_p[-1] is None) == (case == "skipped")
 
 
 def _top_k_batch(seed: int, k: int, T: float, scale: float):
@@ -198,22 +209,29 @@ def _top_k_batch(seed: int, k: int, T: float, scale: float):
     return head, h, md
 
 
-@pytest.mark.parametrize("all_top_k_deferred", [True, False])
-def test_vllm_top_k_is_skipped_only_when_every_top_k_row_is_certified(all_top_k_deferred, monkeypatch):
+@pytest.mark.parametrize("case", ["drawn", "skipped", "kept"])
+def test_vllm_top_k_is_skipped_only_when_every_top_k_row_is_certified(case, monkeypatch):
     """Every top-k row certified: vLLM's draw runs without its top-k pass and draws what the dense
-    sampler draws; a top-k row left dense (here: not deferred) keeps vLLM's top-k for the batch,
-    with ``V`` (no top-k) on the certified rows; vLLM's values are restored after the draw."""
+    sampler draws (``skipped``: a row without top-k left dense); a top-k row left dense (``kept``)
+    keeps vLLM's top-k for the batch, with ``V`` (no top-k) on the certified rows; vLLM's values
+    are restored after the draw. Every row certified (``drawn``): vLLM's sampler does not run."""
     sampler_hook.install()
     head, h, md = _top_k_batch(12, 20, 0.8, 3.0)  # confident rows: every one certifies
+    if case == "skipped":
+        md.top_k[0] = V
+    top_k = md.top_k.clone()
     dense = head.dense_logits(h)
-    want = run(Sampler(), dense.clone(), md, seed=5)[0]
+    want = run(Sampler(), dense.clone(), md, seed=5)
     seen_k = _spy_masks(monkeypatch, "k")
-    rows = torch.arange(B) if all_top_k_deferred else torch.arange(1, B)  # row 0: dense, with its top-k
-    got, st = _hooked(head, h, dense, md, rows)
-    assert torch.equal(got, want)
+    rows = torch.arange(B) if case == "drawn" else torch.arange(1, B)  # row 0: dense, with its top-k or none
+    got, st = _hooked(head, h, dense, md, rows, full=True)
+    assert all(torch.equal(a, b) for a, b in zip(got[:2], want[:2]))
+    assert all(torch.equal(got[2][i], want[2][i]) for i in want[2])
     assert sum(st.certified.values()) == rows.numel()
-    assert torch.equal(md.top_k, torch.full((B,), 20))
-    if all_top_k_deferred:
+    assert torch.equal(md.top_k, top_k)
+    if case == "drawn":
+        assert not seen_k
+    elif case == "skipped":
         assert seen_k[-1] is None
     else:
         assert seen_k[-1] is not None and seen_k[-1][0] == 20 and bool((seen_k[-1][1:] == V).all())
@@ -241,20 +259,24 @@ def _min_p_batch(seed: int, min_p: float, T: float, scale: float):
     return head, h, md
 
 
-@pytest.mark.parametrize("all_min_p_deferred", [True, False])
-def test_vllm_min_p_is_skipped_only_when_every_min_p_row_is_certified(all_min_p_deferred, monkeypatch):
+@pytest.mark.parametrize("case", ["drawn", "skipped", "kept"])
+def test_vllm_min_p_is_skipped_only_when_every_min_p_row_is_certified(case, monkeypatch):
     """Every sampled min-p row certified: vLLM's draw runs without its min-p pass (a softmax and a
-    mask over [B, V]) and draws what the dense sampler draws; a min-p row left dense keeps it."""
+    mask over [B, V]) and draws what the dense sampler draws (``skipped``: row 0, without min-p,
+    left dense); a min-p row left dense keeps it (``kept``); every row certified (``drawn``):
+    vLLM's sampler does not run."""
     sampler_hook.install()
     head, h, md = _min_p_batch(14, 0.2, 0.8, 3.0)
     dense = head.dense_logits(h)
-    want = run(Sampler(), dense.clone(), md, seed=5)[0]
+    want = run(Sampler(), dense.clone(), md, seed=5)
     seen = _spy_min_p(monkeypatch)
-    rows = torch.arange(B) if all_min_p_deferred else torch.arange(2, B)  # row 1 has a min-p: dense
-    got, st = _hooked(head, h, dense, md, rows)
-    assert torch.equal(got, want)
+    assert md.logitsprocs.argmax_invariant[0].get_min_p_by_index(0) == 0.0
+    rows = {"drawn": torch.arange(B), "skipped": torch.arange(1, B), "kept": torch.arange(2, B)}[case]
+    got, st = _hooked(head, h, dense, md, rows, full=True)
+    assert all(torch.equal(a, b) for a, b in zip(got[:2], want[:2]))
+    assert all(torch.equal(got[2][i], want[2][i]) for i in want[2])
     assert sum(st.certified.values()) == rows.numel()
-    assert bool(seen) != all_min_p_deferred
+    assert bool(seen) == (case == "kept")
 
 
 @pytest.mark.parametrize("mask", ["top_k", "min_p"])
@@ -276,7 +298,8 @@ def test_a_drop_left_on_a_certified_row_is_caught(mask, monkeypatch):
         head, h, md = batch
         dense = head.dense_logits(h)
         want = run(Sampler(), dense.clone(), md, seed=5)[0]
-        got, _ = _hooked(head, h, dense, md, torch.arange(B))
+        # (row 0 left dense: with every row certified the hook's tokens are the draw, no output is read)
+        got, _ = _hooked(head, h, dense, md, torch.arange(1, B))
         wrong += int((got != want).sum())
     assert wrong > 0
 
@@ -808,3 +831,32 @@ def test_a_nonfinite_row_anywhere_in_the_step_sends_every_row_dense(bad_row, mon
         logits = layer.forward(None, h)
     assert torch.equal(run(sampler, logits, md, seed=2)[0], want)
     assert sum(s.certified for s in seen) == 0 and sum(s.fallbacks.get("nonfinite", 0) for s in seen) == 6, seen
+
+
+@pytest.mark.parametrize("logprobs_mode", ["raw_logprobs", "processed_logprobs"])
+def test_a_batch_asking_for_logprobs_is_drawn_by_vllm(logprobs_mode):
+    """Every row certified but logprobs asked for: vLLM's own sampler runs on the filled logits
+    (its logprobs read them), and the tokens and random streams are the dense run's; without
+    logprobs the hook's tokens are the draw (no vLLM sampler call)."""
+    sampler_hook.install()
+    g = torch.Generator().manual_seed(8)
+    W, _ = peaked_head(V, D, seed=19, dtype=torch.bfloat16)
+    head = CertifiedHead(W, config=HeadConfig(screen="fp16", budget=0.5, off_switch=False))
+    h = hidden_near_rows(W, B, g, scale=3.0)
+    md = metadata(g, [0.8] * B, seeded=range(0, B, 2), penalties=False, bias=False, allowed=False, bad=False)
+    dense = head.dense_logits(h)
+    calls = []
+    real = sampler_hook._draw
+    for num_logprobs in (None, 2):
+        md.max_num_logprobs = num_logprobs
+        sampler = Sampler(logprobs_mode=logprobs_mode)
+        want = run(sampler, dense.clone(), md, seed=5)
+        sampler_hook._draw = lambda *a, **k: calls.append(num_logprobs) or real(*a, **k)
+        try:
+            got, st = _hooked(head, h, dense, md, torch.arange(B), full=True, sampler=sampler)
+        finally:
+            sampler_hook._draw = real
+        assert sum(st.certified.values()) == B
+        assert all(torch.equal(a, b) for a, b in zip(got[:2], want[:2]))
+        assert all(torch.equal(got[2][i], want[2][i]) for i in want[2])
+    assert calls == [2]

@@ -58,7 +58,7 @@ def resolve_tp(W, bias, h, md, rows, size, monkeypatch, screen="int8", softcap=N
         calls = []
         d = sampler_hook.Deferred(logits, h[rows].clone(), rows, ["sampling"] * rows.numel(), ShardedAdapter(head),
                                   lambda: calls.append(1) or dense(h), lambda st: None)
-        st, no_top_p = sampler_hook.resolve(Sampler(), d, logits, md)
+        st, no_top_p, _ = sampler_hook.resolve(Sampler(), d, logits, md)
         return logits, st, no_top_p, ref, len(calls), head
 
     return run_ranks(size, rank)[0]

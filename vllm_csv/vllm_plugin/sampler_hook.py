@@ -36,6 +36,14 @@ dense leaves a :class:`DenseTiming` in the slot instead). Anything this hook can
 about (speculative decoding, fp64 Gumbel, a thinking budget, custom logits processors,
 min_tokens with a grammar, a non-CPU sampler) makes every deferred row dense.
 
+A batch whose every row was deferred and certified, with no logprobs asked for, is not drawn
+again (:func:`_drawn`): the certified tokens are the draw, and the random streams advance as
+``forward_cpu`` advances them (the batch's ``randint`` on the global RNG, one on each request
+generator), so vLLM's own pass over ``[B, V]`` (the fp32 copy, the temperature, the Gumbel
+kernel's scan of the mostly ``-inf`` rows: 2.8 to 4.5 ms at 32 rows of 65536 on one thread here)
+and the write of the rows into the logits are skipped; nothing reads the logits after the
+sampler in the V1 runner without speculative decoding (``_sample``), which the hook refuses.
+
 Structured output (the grammar bitmask), as read in vLLM 0.32.0. The V1 runner
 (``GPUModelRunner``; ``CPUModelRunner`` inherits ``execute_model`` and ``sample_tokens``
 unchanged) computes the head's logits in ``execute_model`` (``model.compute_logits``: our
@@ -86,6 +94,7 @@ import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -275,9 +284,17 @@ def _min_p(md, rows: torch.Tensor) -> torch.Tensor:
     return torch.tensor([p.get_min_p_by_index(int(i)) for i in rows], dtype=torch.float32)
 
 
-def resolve(sampler, d: Deferred, logits: torch.Tensor, md, predict_bonus_token: bool = False
-            ) -> tuple[DeferredStats, torch.Tensor]:
+class Resolved(NamedTuple):
+    stats: DeferredStats
+    settled: torch.Tensor  # [n] int64: the certified rows (batch indices)
+    drawn: torch.Tensor | None  # [B] int64: every row's token, where the hook drew the batch (_drawn)
+
+
+def resolve(sampler, d: Deferred, logits: torch.Tensor, md, predict_bonus_token: bool = False,
+            draw: bool = False) -> Resolved:
     """Fill ``logits``' deferred rows (certified or dense) in place; see the module docstring.
+    With ``draw``, where every row of the batch is deferred and certified and no logprobs are
+    asked for, the rows are not written and ``drawn`` holds their tokens (:func:`_drawn`).
     Returns the stats and the certified rows (batch indices), whose top-p and top-k vLLM must
     not apply again: on the partial row (exact on ``S``, ``-inf`` elsewhere) top-p's cumulative
     sums are not the full row's, so the caller sets their ``top_p`` to 1 and their ``top_k`` to
@@ -395,9 +412,36 @@ def resolve(sampler, d: Deferred, logits: torch.Tensor, md, predict_bonus_token:
             res = certify_rows(d.adapter, d.hidden, elementwise, seeds.to(dev), greedy.to(dev), masked,
                                elementwise=True, min_p=min_p.to(dev), top_k=top_k.to(dev), top_p=top_p.to(dev),
                                columns=columns if idle else None)
+        if draw and every_row and not _wants_logprobs(md) and bool(res.certified.all()):
+            for m in d.modes:
+                st.certified[m] = st.certified.get(m, 0) + 1
+            st.scored, st.seconds = res.scored, d.seconds + time.perf_counter() - t0
+            return Resolved(st, rows, res.winner)
         certified = _write(logits, dev_rows, res, st, every_row)
     _finish(d, logits, dev_rows, certified, masked, st, why, t0)
-    return st, rows[certified] if why is None else rows[:0]
+    return Resolved(st, rows[certified] if why is None else rows[:0], None)
+
+
+def _wants_logprobs(md) -> bool:
+    """Whether this draw returns logprobs (vLLM's ``Sampler.forward`` then reads the logits)."""
+    return md.max_num_logprobs is not None or bool(getattr(md, "logprob_token_ids", None))
+
+
+def _drawn(md, tokens: torch.Tensor):
+    """vLLM 0.32's ``Sampler.forward`` output for a batch whose every row was certified
+    (:func:`resolve` with ``draw``), without drawing again: ``tokens`` (``[B]`` int64, the
+    certified tokens in batch order) as ``sampled_token_ids`` (``[B, 1]`` int32), no logprobs;
+    the random streams advanced as ``TopKTopPSampler.forward_cpu`` advances them where some row
+    is sampled (``Sampler.sample`` calls it unless every row is greedy): one ``randint`` of ``B``
+    on the global RNG, then one on each request generator (:func:`peek_seeds` replays the same
+    calls without consuming them)."""
+    from vllm.v1.outputs import SamplerOutput
+
+    if not md.all_greedy:
+        torch.randint(0, 2**31, (tokens.numel(),), dtype=torch.long)
+        for gen in md.generators.values():
+            torch.randint(0, 2**31, (1,), generator=gen, dtype=torch.long)
+    return SamplerOutput(sampled_token_ids=tokens.to(torch.int32).unsqueeze(-1), logprobs_tensors=None)
 
 
 def _write(logits: torch.Tensor, dev_rows: torch.Tensor, res, st: DeferredStats,
@@ -536,8 +580,8 @@ def _masks_off(sampler, md, V: int, settled: torch.Tensor) -> dict:
 
 def _processed_logprobs(sampler, md) -> bool:
     """Whether this draw returns processed logprobs or logits (read after vLLM's masks)."""
-    wants_logprobs = md.max_num_logprobs is not None or bool(getattr(md, "logprob_token_ids", None))
-    return wants_logprobs and sampler.topk_topp_sampler.logprobs_mode in ("processed_logits", "processed_logprobs")
+    return _wants_logprobs(md) and \
+        sampler.topk_topp_sampler.logprobs_mode in ("processed_logits", "processed_logprobs")
 
 
 _rows_only = False  # set by _draw: vLLM's top-k / top-p run on the rows that have one only (_masks_on_rows)
@@ -622,11 +666,14 @@ def install() -> None:
             out = orig(self, logits, sampling_metadata, predict_bonus_token, logprobs_mode_override)
             d.report(time.perf_counter() - t0)
             return out
-        st, settled = resolve(self, d, logits, sampling_metadata, predict_bonus_token)
+        st, settled, drawn = resolve(self, d, logits, sampling_metadata, predict_bonus_token, draw=True)
         if not d.with_sampler:
             d.done(st)
         t0 = time.perf_counter()
-        out = _draw(self, orig, logits, sampling_metadata, settled, predict_bonus_token, logprobs_mode_override)
+        if drawn is not None:
+            out = _drawn(sampling_metadata, drawn)
+        else:
+            out = _draw(self, orig, logits, sampling_metadata, settled, predict_bonus_token, logprobs_mode_override)
         if d.with_sampler:
             st.seconds += time.perf_counter() - t0
             d.done(st)
