@@ -48,6 +48,35 @@ def test_hooked_sampler_draws_what_the_dense_sampler_draws(family, seed, dtype, 
     assert out.wrong_tokens == 0 and out.rng_out_of_step == 0
 
 
+def test_batches_the_hook_draws_itself_draw_what_the_dense_sampler_draws(monkeypatch):
+    """Every row deferred on ordinary and tied heads: the batches whose every row certifies are
+    drawn by the hook (sampler_hook._drawn: the tokens, the random streams advanced as vLLM's),
+    the others by vLLM; tokens and streams are the dense run's either way."""
+    from vllm_csv.vllm_plugin import sampler_hook
+
+    drawn, real = [], sampler_hook._drawn
+    monkeypatch.setattr(sampler_hook, "_drawn", lambda *a: drawn.append(1) or real(*a))
+    for seed in range(20):
+        for family in ("peaked", "near_tie", "ties"):
+            out = audit_sampler.run_sampler_case(family, seed, audit.DTYPES[seed % 3], "int8", every_row=True)
+            assert out.wrong_tokens == 0 and out.rng_out_of_step == 0, (family, seed)
+    assert len(drawn) >= 5, len(drawn)
+
+
+def test_mutation_drawn_batches_that_leave_the_rng_alone_are_caught(monkeypatch):
+    """The hook's own draw without advancing the random streams as vLLM's draw does: the sampler
+    audit finds batches whose streams are out of step."""
+    from vllm.v1.outputs import SamplerOutput
+
+    from vllm_csv.vllm_plugin import sampler_hook
+
+    monkeypatch.setattr(sampler_hook, "_drawn", lambda md, tokens: SamplerOutput(
+        sampled_token_ids=tokens.to(torch.int32).unsqueeze(-1), logprobs_tensors=None))
+    out = [audit_sampler.run_sampler_case("peaked", seed, audit.DTYPES[seed % 3], "int8", every_row=True)
+           for seed in range(20)]
+    assert sum(o.rng_out_of_step for o in out) > 0
+
+
 @pytest.mark.parametrize("case", audit_sampler.REGRESSIONS, ids=lambda c: f"{c[0]}-{c[1]}")
 def test_sampler_regressions_draw_what_the_dense_sampler_draws(case):
     out = audit_sampler.run_sampler_case(*case)

@@ -189,13 +189,17 @@ def check_sampler(head, case: Case, batch: Batch, seed: int) -> SamplerOutcome:
     return SamplerOutcome(case.hidden.shape[0], sum(st.certified.values()), wrong, out_of_step, dict(st.certified))
 
 
-def run_sampler_case(family: str, seed: int, dtype: torch.dtype, screen: str) -> SamplerOutcome:
-    """One case of ``family`` drawn from ``seed``, its rows sampled as :func:`draw_batch` draws."""
+def run_sampler_case(family: str, seed: int, dtype: torch.dtype, screen: str,
+                     every_row: bool = False) -> SamplerOutcome:
+    """One case of ``family`` drawn from ``seed``, its rows sampled as :func:`draw_batch` draws;
+    ``every_row``: every row deferred (where all certify, the hook's tokens are the draw)."""
     from .errors import CSVError
 
     g = torch.Generator().manual_seed(seed)
     case = FAMILIES[family](g, dtype)
     batch = draw_batch(g, case.hidden.shape[0], case.weight.shape[0])
+    if every_row:
+        batch.deferred = torch.arange(case.hidden.shape[0])
     try:
         head = make_head(case, screen)
     except CSVError:  # a screen may refuse a head (e.g. fp16 overflow): that is no wrong row
