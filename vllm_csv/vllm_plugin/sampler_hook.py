@@ -174,15 +174,23 @@ def _take(logits: torch.Tensor) -> Deferred | DenseTiming | None:
     return d
 
 
-def peek_seeds(batch_size: int, generators: dict[int, torch.Generator]) -> torch.Tensor:
-    """The seeds ``TopKTopPSampler.forward_cpu`` draws next, without consuming them."""
-    state = torch.get_rng_state()
+def draw_seeds(batch_size: int, generators: dict[int, torch.Generator]) -> torch.Tensor:
+    """The seeds ``TopKTopPSampler.forward_cpu`` draws, drawn as it draws them (consumed): one
+    ``randint`` of ``batch_size`` on the global RNG, then one on each request generator."""
     seeds = torch.randint(0, 2**31, (batch_size,), dtype=torch.long)
+    for i, gen in generators.items():
+        seeds[i] = torch.randint(0, 2**31, (1,), generator=gen, dtype=torch.long).item()
+    return seeds
+
+
+def peek_seeds(batch_size: int, generators: dict[int, torch.Generator]) -> torch.Tensor:
+    """The seeds ``TopKTopPSampler.forward_cpu`` draws next, without consuming them
+    (:func:`draw_seeds` between a save and a restore of every RNG state)."""
+    state, gen_states = torch.get_rng_state(), {i: gen.get_state() for i, gen in generators.items()}
+    seeds = draw_seeds(batch_size, generators)
     torch.set_rng_state(state)
     for i, gen in generators.items():
-        st = gen.get_state()
-        seeds[i] = torch.randint(0, 2**31, (1,), generator=gen, dtype=torch.long).item()
-        gen.set_state(st)
+        gen.set_state(gen_states[i])
     return seeds
 
 
@@ -413,9 +421,8 @@ def resolve(sampler, d: Deferred, logits: torch.Tensor, md, predict_bonus_token:
                                elementwise=True, min_p=min_p.to(dev), top_k=top_k.to(dev), top_p=top_p.to(dev),
                                columns=columns if idle else None)
         if draw and every_row and not _wants_logprobs(md) and bool(res.certified.all()):
-            for m in d.modes:
-                st.certified[m] = st.certified.get(m, 0) + 1
-            st.scored, st.seconds = res.scored, d.seconds + time.perf_counter() - t0
+            st.scored = res.scored  # (the rows are not written: _finish counts them, writes nothing)
+            _finish(d, logits, dev_rows, res.certified.cpu(), masked, st, None, t0)
             return Resolved(st, rows, res.winner)
         certified = _write(logits, dev_rows, res, st, every_row)
     _finish(d, logits, dev_rows, certified, masked, st, why, t0)
@@ -432,15 +439,11 @@ def _drawn(md, tokens: torch.Tensor):
     (:func:`resolve` with ``draw``), without drawing again: ``tokens`` (``[B]`` int64, the
     certified tokens in batch order) as ``sampled_token_ids`` (``[B, 1]`` int32), no logprobs;
     the random streams advanced as ``TopKTopPSampler.forward_cpu`` advances them where some row
-    is sampled (``Sampler.sample`` calls it unless every row is greedy): one ``randint`` of ``B``
-    on the global RNG, then one on each request generator (:func:`peek_seeds` replays the same
-    calls without consuming them)."""
+    is sampled (``Sampler.sample`` calls it unless every row is greedy): :func:`draw_seeds`."""
     from vllm.v1.outputs import SamplerOutput
 
     if not md.all_greedy:
-        torch.randint(0, 2**31, (tokens.numel(),), dtype=torch.long)
-        for gen in md.generators.values():
-            torch.randint(0, 2**31, (1,), generator=gen, dtype=torch.long)
+        draw_seeds(tokens.numel(), md.generators)
     return SamplerOutput(sampled_token_ids=tokens.to(torch.int32).unsqueeze(-1), logprobs_tensors=None)
 
 
