@@ -7,7 +7,8 @@
   (the dense head for the rows it leaves), then the same ``gumbel_sample``.
 
 vLLM's kernels come from the installed vLLM or from ``VLLM_V2_GUMBEL_PY`` (a copy of
-``vllm/v1/worker/gpu/sample/gumbel.py``, vLLM 0.32.0: the GPU machines here have no vLLM). The
+``vllm/v1/worker/gpu/sample/gumbel.py``, vLLM 0.32.0: the GPU machines here have no vLLM) or
+``VLLM_V2_SAMPLE_DIR`` (:func:`load_vllm_v2_sample`). The
 head's weights are random (peaked rows), so the certified share says little about a learned
 model; the point is the step's time. Both paths draw the same tokens (checked every step).
 Timings: CUDA events around each whole step, median over ``--repeats``.
@@ -18,6 +19,7 @@ Usage: python benchmarks/v2_sampler_gpu.py [--vocab V] [--hidden D] [--batches 1
 from __future__ import annotations
 
 import argparse
+import ast
 import importlib.util
 import json
 import os
@@ -32,25 +34,49 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 
-def load_vllm_v2_gumbel(extra: str = ""):
-    """vLLM's ``vllm/v1/worker/gpu/sample/gumbel.py`` as a module with Triton imported directly
-    (``extra``: more source appended, e.g. a test kernel calling its jit functions by name);
-    None where neither vLLM nor ``VLLM_V2_GUMBEL_PY`` is there."""
-    path = os.environ.get("VLLM_V2_GUMBEL_PY")
+def load_vllm_v2_sample(name: str, extra: str = ""):
+    """vLLM's ``vllm/v1/worker/gpu/sample/<name>.py`` (``gumbel``, ``min_p``, ``logit_bias``,
+    ``penalties``) as a module with Triton imported directly and vLLM's other imports given
+    placeholders (``object``: the GPU machines here have no vLLM; the kernels and their launch
+    functions need none of them), ``extra`` appended (e.g. a test kernel calling its jit functions
+    by name). Read from ``VLLM_V2_SAMPLE_DIR`` (copies of those files, vLLM 0.32.0; for ``gumbel``
+    also ``VLLM_V2_GUMBEL_PY``) or the installed vLLM; None where neither is there."""
+    path = os.environ.get("VLLM_V2_GUMBEL_PY") if name == "gumbel" else None
+    if not path and os.environ.get("VLLM_V2_SAMPLE_DIR"):
+        path = str(Path(os.environ["VLLM_V2_SAMPLE_DIR"]) / f"{name}.py")
     if not path:
         spec = importlib.util.find_spec("vllm")
         if spec is None:
             return None
-        path = str(Path(spec.origin).parent / "v1" / "worker" / "gpu" / "sample" / "gumbel.py")
+        path = str(Path(spec.origin).parent / "v1" / "worker" / "gpu" / "sample" / f"{name}.py")
     src = Path(path).read_text()
-    assert "def gumbel_sample(" in src and "def murmur3_uniform32(" in src, path
-    src = src.replace("from vllm.triton_utils import tl, triton", "import triton\nimport triton.language as tl")
-    out = Path(tempfile.mkdtemp()) / "vllm_v2_gumbel.py"
-    out.write_text(src + extra)
-    spec = importlib.util.spec_from_file_location("vllm_v2_gumbel", out)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    assert "def apply_" in src or "def gumbel_sample(" in src, path
+    tree = ast.parse(src)
+    body, stubs = [], []
+    for node in tree.body:
+        mod = getattr(node, "module", None) or ""
+        if isinstance(node, ast.ImportFrom) and mod.startswith("vllm"):
+            if mod == "vllm.triton_utils":
+                body += ast.parse("import triton\nimport triton.language as tl").body
+            else:
+                stubs += [a.asname or a.name for a in node.names]
+            continue
+        if isinstance(node, ast.Import) and any(a.name.startswith("vllm") for a in node.names):
+            stubs += [(a.asname or a.name).split(".")[0] for a in node.names]
+            continue
+        body.append(node)
+    tree.body = ast.parse("\n".join(f"{n} = object" for n in stubs)).body + body
+    out = Path(tempfile.mkdtemp()) / f"vllm_v2_{name}.py"
+    out.write_text(ast.unparse(tree) + "\n" + extra)  # a file: Triton's jit reads its functions' source
+    spec = importlib.util.spec_from_file_location(f"vllm_v2_{name}", out)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def load_vllm_v2_gumbel(extra: str = ""):
+    """:func:`load_vllm_v2_sample` of ``gumbel``."""
+    return load_vllm_v2_sample("gumbel", extra)
 
 
 def main() -> None:

@@ -31,6 +31,7 @@ def fake_sampler(temps, seeds, top_p=None):
     reads: the per-request states (host mirrors and device tensors, as UvaBackedTensor)."""
     s = V2Sampler.__new__(V2Sampler)
     s.use_fp64_gumbel, s.trace_replay_state, s.return_sampling_mask, s.logits_processors = False, None, False, []
+    s.thinking_budget_state, s.needs_logits_processing = SimpleNamespace(enabled=False), np.zeros(SLOTS, dtype=bool)
 
     def uva(a):
         return SimpleNamespace(np=a, gpu=torch.from_numpy(a))
@@ -118,24 +119,27 @@ def test_resolve_v2_leaves_batches_vllm_draws_otherwise_dense(why):
     assert torch.equal(logits, head.dense_logits(h)) and st.fallbacks == {"unsupported": 4} and not st.certified
 
 
-def test_v2_plan_defers_plain_sampling_rows_to_a_certified_sampler():
-    """Plain temperature rows are deferred where the V2 sampler is certified (and no tensor
-    parallelism); top-p, min-p, penalties and structured rows stay dense there."""
+def test_v2_plan_defers_sampled_rows_with_min_p_or_processors_to_a_certified_sampler():
+    """Temperature rows, with min-p or processors or neither, are deferred where the V2 sampler is
+    certified (and no tensor parallelism); top-p rows, and greedy rows with processors, stay
+    dense there."""
     from vllm import SamplingParams
 
     params = {"a": SamplingParams(temperature=0), "b": SamplingParams(temperature=0.7, seed=3),
               "c": SamplingParams(temperature=0.8, top_p=0.9), "d": SamplingParams(temperature=1.0, presence_penalty=1),
-              "e": SamplingParams(temperature=0.9, top_k=5)}
-    ids = ["a", "b", "c", "d", "e"]
+              "e": SamplingParams(temperature=0.9, top_k=5), "f": SamplingParams(temperature=0.8, min_p=0.1),
+              "g": SamplingParams(temperature=0, logit_bias={3: 2.0})}
+    ids = list(params)
+    D = step_plan.DEFER
     ok = SimpleNamespace(_csv_sampling_params=params, sampler=fake_sampler(np.ones(SLOTS, np.float32), np.zeros(SLOTS, np.int64)))
     p = step_plan._v2_plan(ok, ids, 64)
-    assert p.topk == [1, step_plan.DEFER, 0, 0, 5] and p.modes == ["greedy", "sampling", "", "", "top_k"]
-    assert p.deferred == [1] and p.row_temps[1] == pytest.approx(0.7)
+    assert p.topk == [1, D, 0, D, 5, D, 0] and p.modes == ["greedy", "sampling", "", "processed", "top_k", "min_p", ""]
+    assert p.deferred == [1, 3, 5] and p.row_temps[1] == pytest.approx(0.7)
     tp = SimpleNamespace(_csv_sampling_params=params, sampler=ok.sampler,
                          vllm_config=SimpleNamespace(parallel_config=SimpleNamespace(tensor_parallel_size=2)))
     other = SimpleNamespace(_csv_sampling_params=params, sampler=object())
     for runner in (tp, other):
-        assert step_plan._v2_plan(runner, ids, 64).topk == [1, 0, 0, 0, 5]
+        assert step_plan._v2_plan(runner, ids, 64).topk == [1, 0, 0, 0, 5, 0, 0]
 
 
 def test_the_v2_runner_and_sampler_are_wrapped():
@@ -159,3 +163,81 @@ def test_certify_rows_v2_rows_out_of_reach():
     t = torch.tensor([0.7, 0.7, 0.0, 1.0, 1.0, 1.0])
     res = certify_rows_v2(HeadAdapter(head), h, torch.from_numpy(seeds[:6]), torch.arange(6), t)
     assert not bool(res.certified[1]) and not bool(res.certified[2]) and res.reason[1] == "nonfinite"
+
+
+def v2_pipeline(case: dict, d) -> dict:
+    """``tests/v2_interpreted.py`` on ``case`` (vLLM's V2 ``Sampler.sample`` and processors in
+    Triton's interpreter, the hook in front), in a subprocess."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    torch.save(case, d / "case.pt")
+    script = Path(__file__).resolve().parent / "v2_interpreted.py"
+    p = subprocess.run([sys.executable, str(script), str(d / "case.pt"), str(d / "out.pt")],
+                       capture_output=True, text=True, timeout=1500)
+    if p.returncode != 0:
+        raise AssertionError(p.stderr[-3000:])
+    return torch.load(d / "out.pt", weights_only=False)
+
+
+def processed_case(seed: int, B: int = 16, screen: str = "fp16") -> dict:
+    """Rows with min-p (0.02 to 0.9), temperature 0.3 to 2, and vLLM's V2 processors aimed at
+    each row's likely winners: a bias of -8 or +3 on one of its top tokens, allowed ids without
+    its top token, stop tokens (min_tokens) or bad words on its top tokens, repetition /
+    frequency / presence penalties on outputs holding them; some rows plain."""
+    g = torch.Generator().manual_seed(seed)
+    W, gw = peaked_head(V, D, seed=seed, dtype=torch.bfloat16)
+    h = torch.cat([hidden_near_rows(W, B - 4, gw, scale=1.2), torch.randn(4, D, generator=g).bfloat16()])
+    top = torch.nn.functional.linear(h.float(), W.float()).topk(4, dim=1).indices.tolist()
+    slots = torch.randperm(SLOTS, generator=g)[:B]
+    S = SLOTS
+    c = {"W": W, "h": h, "screen": screen, "SLOTS": S, "slots": slots,
+         "positions": torch.randint(0, 2**20, (2 * B,), generator=g),
+         "logits_indices": torch.sort(torch.randperm(2 * B, generator=g)[:B]).values,
+         "input_ids": torch.randint(0, V, (2 * B,), generator=g, dtype=torch.int32),
+         "temp": [1.0] * S, "min_p": [0.0] * S, "seeds": torch.randint(-2**62, 2**62, (S,), generator=g).tolist(),
+         "rep": [1.0] * S, "freq": [0.0] * S, "pres": [0.0] * S, "min_tokens": [0] * S, "bias": [{} for _ in range(S)],
+         "allowed": [[] for _ in range(S)], "stop": [[] for _ in range(S)], "bad": [[] for _ in range(S)],
+         "prompt": [[1, 2, 3] for _ in range(S)], "output": [[] for _ in range(S)]}
+    modes = []
+    for r in range(B):
+        s, t = int(slots[r]), top[r]
+        u = torch.rand(8, generator=g).tolist()
+        c["temp"][s] = (0.3, 0.7, 1.0, 1.3, 2.0)[r % 5]
+        kind = r % 6
+        if kind in (0, 3):
+            c["min_p"][s] = (0.02, 0.1, 0.3, 0.6, 0.9)[int(u[0] * 5)]
+        if kind == 1:
+            c["bias"][s] = {t[0]: -8.0, t[1 + int(u[1] * 3)]: 3.0}
+            c["allowed"][s] = [x for x in range(0, V, 7) if x != t[0]][:300] if u[2] < 0.5 else []
+        if kind == 2:
+            c["min_tokens"][s] = 5
+            c["stop"][s] = [t[0], t[2]]
+            c["bad"][s] = [t[1]]
+        if kind in (3, 4):
+            c["rep"][s], c["freq"][s], c["pres"][s] = 1.0 + 2 * u[3], 2 * u[4], 2 * u[5]
+            c["output"][s] = [t[0], t[0], t[1], int(u[6] * V)]
+            c["prompt"][s] = [t[2], 5, 6]
+        modes.append("min_p" if c["min_p"][s] else ("processed" if kind in (1, 2, 3, 4) else "sampling"))
+    c["rows"] = torch.tensor([r for r in range(B) if r % 7 != 5])
+    c["modes"] = [modes[r] for r in c["rows"].tolist()]
+    return c
+
+
+@pytest.mark.parametrize("seed,screen", [(0, "fp16"), (1, "int8")])
+def test_resolve_v2_min_p_and_processors_draw_the_dense_tokens(tmp_path, seed, screen):
+    """Rows with min-p and vLLM's V2 processors (bias, allowed ids, min_tokens stop tokens, bad
+    words, penalties), certified by the hook and drawn by vLLM's own V2 pipeline (Triton's
+    interpreter), give the tokens the dense logits give; a hook that ignores min-p or the
+    processors is caught. (Min-p's dropped tokens left in the partial rows:
+    test_sampling_gumbel_v2.py, on many more rows.)"""
+    c = processed_case(seed, screen=screen)
+    c["variants"] = ["ok", "no_min_p", "no_process"] if seed == 0 else ["ok"]
+    out = v2_pipeline(c, tmp_path)
+    dense, ok = out["dense"], out["ok"]
+    assert torch.equal(ok["draw"], dense), (ok, dense)
+    n = sum(ok["certified"].values())
+    assert n >= 0.7 * len(c["rows"]) and {"min_p", "processed"} <= set(ok["certified"]), ok
+    for bad in c["variants"][1:]:
+        assert not torch.equal(out[bad]["draw"], dense), bad

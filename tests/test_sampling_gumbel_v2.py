@@ -160,3 +160,91 @@ def test_temperature_bounds_hold_any_quotient_within_two_ulps():
     for bad in (0.0, -1.0, math.nan, 2.0**-127):
         blo, bhi = gumbel_v2.temperature_bounds(x[:1], x[:1], torch.tensor([bad]))
         assert bool(torch.isnan(blo).all() & torch.isnan(bhi).all())
+
+
+def _v2_min_p_draw(x, temp, min_p, seeds, pos):
+    """V2's temperature, min-p and Gumbel argmax replayed in torch fp32 (``min_p.py``: ``-inf``
+    below ``fl32(max + log(min_p))``; the noise the replica's real ``g``; exact ties aside)."""
+    q = x.float() / temp[:, None]
+    thr = q.amax(1, keepdim=True) + torch.log(min_p)[:, None]
+    q = q.masked_fill((min_p[:, None] > 0) & (q < thr), -math.inf)
+    return (q + gumbel_v2.noise(gumbel_v2.uniform(seeds, pos, torch.arange(x.shape[1]))).float()).argmax(1)
+
+
+def test_min_p_partial_rows_draw_the_certified_token():
+    """certify_rows_v2 with min-p on flat rows at high temperatures (the full row's maximum often
+    left unscored): the partial rows it returns, put through V2's min-p and draw, give the full
+    rows' tokens; partial rows keeping the tokens min-p certainly drops do not (their maximum,
+    hence their threshold, is lower than the full row's, so a dropped token can come back)."""
+    from conftest import peaked_head
+    from vllm_csv import CertifiedHead, HeadConfig
+    from vllm_csv.sampling import rows_v2
+    from vllm_csv.sampling.head_adapter import HeadAdapter
+
+    V, D, R = 2048, 48, 3000
+    g = torch.Generator().manual_seed(0)
+    W, _ = peaked_head(V, D, seed=0, dtype=torch.bfloat16)
+    head = CertifiedHead(W, config=HeadConfig(screen="fp16", off_switch=False))
+    h = (torch.randn(R, D, generator=g) * torch.rand(R, 1, generator=g) * 3).bfloat16()
+    temp = torch.tensor([0.5, 1.0, 2.0, 4.0])[torch.randint(0, 4, (R,), generator=g)]
+    min_p = torch.tensor([0.05, 0.2, 0.5, 0.8])[torch.randint(0, 4, (R,), generator=g)]
+    seeds, pos = torch.randint(-2**62, 2**62, (R,), generator=g), torch.randint(0, 2**20, (R,), generator=g)
+    want = _v2_min_p_draw(head.dense_logits(h), temp, min_p, seeds, pos)
+    bounds = rows_v2.min_p_bounds
+    wrong = {}
+    for name in ("ok", "no_drop"):
+        if name == "no_drop":  # the same certificate; nothing dropped in the written rows
+            rows_v2.min_p_bounds = lambda *a: (*bounds(*a)[:2], torch.zeros((), dtype=torch.bool))
+        try:
+            res = rows_v2.certify_rows_v2(HeadAdapter(head), h, seeds, pos, temp, min_p=min_p)
+        finally:
+            rows_v2.min_p_bounds = bounds
+        c = res.certified
+        assert int(c.sum()) >= 100 and torch.equal(res.winner[c], want[c])
+        wrong[name] = int((_v2_min_p_draw(res.values, temp, min_p, seeds, pos) != want)[c].sum())
+    assert wrong["ok"] == 0 and wrong["no_drop"] > 0, wrong
+
+
+MIN_P_REFERENCE = textwrap.dedent("""
+    import os, sys
+    os.environ["TRITON_INTERPRET"] = "1"
+    import torch
+    sys.path.insert(0, sys.argv[1])
+    from v2_sampler_gpu import load_vllm_v2_sample
+    x, min_p = torch.load(sys.argv[2])
+    load_vllm_v2_sample("min_p").apply_min_p(x, torch.arange(x.shape[0], dtype=torch.int32), min_p)
+    torch.save(x, sys.argv[3])
+""")
+
+
+def vllm_min_p(x: torch.Tensor, min_p: torch.Tensor, d: Path) -> torch.Tensor:
+    """vLLM's V2 ``apply_min_p`` on ``x`` (row i reading ``min_p[i]``), Triton's interpreter."""
+    torch.save((x.clone(), min_p), d / "min_p.pt")
+    bench = Path(__file__).resolve().parents[1] / "benchmarks"
+    p = subprocess.run([sys.executable, "-c", MIN_P_REFERENCE, str(bench), str(d / "min_p.pt"), str(d / "min_p_out.pt")],
+                       capture_output=True, text=True, env=dict(os.environ, TRITON_INTERPRET="1"), timeout=900)
+    if p.returncode != 0:
+        pytest.skip(f"Triton's interpreter could not run vLLM's kernel here: {p.stderr[-500:]}")
+    return torch.load(d / "min_p_out.pt")
+
+
+def test_min_p_bounds_hold_vllm_min_p(tmp_path):
+    """min_p_bounds on exact values (and on boxes around them) against vLLM's own V2 min-p kernel
+    (Triton's interpreter): every token it calls dropped is dropped by the kernel, every token it
+    calls kept is kept; on exact values nearly every token is decided."""
+    g = torch.Generator().manual_seed(3)
+    R, n = 32, 3000
+    x = torch.randn(R, n, generator=g) * torch.tensor([0.5, 3.0, 30.0, 1e4])[torch.arange(R) % 4][:, None]
+    x[::6, :2000] = -math.inf
+    x[5, 7] = x[5].max()  # a tie at the maximum
+    min_p = torch.tensor([0.0, 1e-6, 0.01, 0.1, 0.5, 0.9, 1.0, 0.3])[torch.arange(R) % 8]
+    finite = torch.isfinite(x)  # (-inf stays -inf either way)
+    kept_by_vllm = torch.isfinite(vllm_min_p(x, min_p, tmp_path))
+    for w in (0.0, 1e-3):
+        lo, hi, dropped = gumbel_v2.min_p_bounds(x - w, x + w, min_p)
+        kept = torch.isfinite(lo)
+        assert not bool((dropped & finite & kept_by_vllm).any()) and not bool((kept & ~kept_by_vllm).any())
+        assert torch.equal(torch.isfinite(hi), ~dropped & finite)
+        if w == 0.0:
+            assert float((kept | dropped)[finite].float().mean()) > 0.999
+    assert bool((finite & ~kept_by_vllm).any()) and bool((finite & kept_by_vllm & (min_p > 0)[:, None]).any())

@@ -9,7 +9,9 @@ Checked: hash and uniform bit for bit and the noise within its bounds over 512 x
 tokens; vLLM's temperature division within :func:`gumbel_v2.temperature_bounds`; over 131072
 rows, every certified draw equal to ``gumbel_sample``'s, with temperature; and
 :func:`~vllm_csv.sampling.rows_v2.certify_rows_v2` on a CUDA head, its rows written as the V2
-hook writes them, drawn to the dense tokens. Skipped without CUDA.
+hook writes them, drawn to the dense tokens; the same with min-p and vLLM's logit-bias and
+penalties kernels (``min_p.py``, ``logit_bias.py``, ``penalties.py``, loaded the same way or from
+``VLLM_V2_SAMPLE_DIR``), and the GPU's ``log`` of min-p within its bounds. Skipped without CUDA.
 """
 
 import math
@@ -22,7 +24,7 @@ import torch
 from vllm_csv.sampling import gumbel_v2
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-from v2_sampler_gpu import load_vllm_v2_gumbel  # noqa: E402
+from v2_sampler_gpu import load_vllm_v2_gumbel, load_vllm_v2_sample  # noqa: E402
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")]
 triton = pytest.importorskip("triton")
@@ -185,3 +187,140 @@ def test_certified_rows_draw_the_dense_tokens(v2, screen):
         cert += int(res.certified.sum())
     print(f"GPU V2 rows, {screen} screen, bf16 151936 x 1024: {rows} rows, {cert / rows:.1%} certified, "
           f"all draws equal to the dense logits'")
+
+
+LOG_KERNEL = '''
+
+@triton.jit
+def _csv_log_kernel(x_ptr, y_ptr, n, BLOCK: tl.constexpr):
+    blk = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    m = blk < n
+    tl.store(y_ptr + blk, tl.log(tl.load(x_ptr + blk, mask=m, other=1.0)), mask=m)
+'''
+
+
+@pytest.fixture(scope="module")
+def v2s():
+    """vLLM's V2 min-p, logit-bias and penalties modules, compiled for the GPU."""
+    mods = {n: load_vllm_v2_sample(n, LOG_KERNEL if n == "min_p" else "") for n in ("min_p", "logit_bias", "penalties")}
+    if any(m is None for m in mods.values()):
+        pytest.skip("neither vLLM nor VLLM_V2_SAMPLE_DIR")
+    return mods
+
+
+def test_min_p_log_within_bounds(v2s):
+    """Triton's fp32 ``log`` on the GPU (the min-p kernel's ``tl.log(min_p)``) within
+    gumbel_v2.LOG_ABS + LOG_REL |log p| of the real logarithm, for 2^24 values of ``p`` across
+    (0, 1] (every exponent, and the fp32 values just below 1)."""
+    g = torch.Generator().manual_seed(5)
+    n = 1 << 24
+    p = torch.pow(2.0, -torch.empty(n).uniform_(0, 126, generator=g))
+    p[: 1 << 16] = 1.0 - torch.arange(1 << 16) * 2.0**-24  # the fp32 values nearest below 1
+    p[-8:] = torch.tensor([1.0, 0.5, 0.1, 0.05, 0.01, 1e-4, 1e-6, 0.9])
+    x = p.cuda()
+    y = torch.empty_like(x)
+    v2s["min_p"]._csv_log_kernel[(triton.cdiv(n, 1024),)](x, y, n, BLOCK=1024)
+    real = torch.log(x.double())
+    err = (y.double() - real).abs() / (gumbel_v2.LOG_ABS + gumbel_v2.LOG_REL * real.abs())
+    print(f"GPU log of min-p: worst error {float(err.max()):.4f} of the bound")
+    assert float(err.max()) <= 1.0
+
+
+@pytest.mark.parametrize("width", [0.0, 1e-3])
+def test_min_p_bounds_hold_on_the_gpu(v2s, width):
+    """min_p_bounds around tempered logits against vLLM's compiled ``apply_min_p``: every token
+    called dropped is dropped, every token called kept is kept."""
+    g = torch.Generator().manual_seed(6)
+    R, n = 1024, 32768
+    x = torch.randn(R, n, generator=g) * torch.tensor([0.5, 3.0, 30.0, 1e4])[torch.arange(R) % 4][:, None]
+    x[::6, :2000] = -math.inf
+    min_p = torch.tensor([0.0, 1e-6, 0.01, 0.1, 0.5, 0.9, 1.0, 0.3])[torch.arange(R) % 8]
+    x, min_p = x.cuda(), min_p.cuda()
+    out = x.clone()
+    v2s["min_p"].apply_min_p(out, torch.arange(R, dtype=torch.int32, device="cuda"), min_p)
+    finite, kept_by_vllm = torch.isfinite(x), torch.isfinite(out)
+    lo, hi, dropped = gumbel_v2.min_p_bounds(x - width, x + width, min_p)
+    assert not bool((dropped & finite & kept_by_vllm).any()) and not bool((torch.isfinite(lo) & ~kept_by_vllm).any())
+    decided = (torch.isfinite(lo) | dropped)[finite]
+    print(f"GPU min-p, width {width}: {float(decided.float().mean()):.4%} of finite tokens decided")
+
+
+@pytest.mark.parametrize("screen", ["int8", "fp16"])
+def test_min_p_and_processor_rows_draw_the_dense_tokens(v2, v2s, screen):
+    """certify_rows_v2 with min-p and vLLM's logit-bias and penalties kernels run on the bounds
+    (as the V2 hook runs the processors), on a bf16 CUDA head (V 151936 x d 1024); certified
+    rows written as the hook writes them, then V2's pipeline compiled for the GPU (processors,
+    ``apply_temperature``, ``apply_min_p``, ``gumbel_sample``) on the written and the dense
+    logits: the same tokens on every row."""
+    from conftest import hidden_near_rows, peaked_head
+    from vllm_csv import CertifiedHead, HeadConfig
+    from vllm_csv.sampling.head_adapter import HeadAdapter
+    from vllm_csv.sampling.rows_v2 import certify_rows_v2
+
+    V, D, R = 151936, 1024, 128
+    W, g = peaked_head(V, D, seed=8)
+    W = W.to("cuda", torch.bfloat16)
+    head = CertifiedHead(W, config=HeadConfig(screen=screen, off_switch=False))
+    adapter = HeadAdapter(head)
+    cu = dict(device="cuda")
+    idx = torch.arange(R, dtype=torch.int32, **cu)
+    rows, cert, why, by_p = 0, 0, {}, {}
+    for b in range(6):
+        h = torch.cat([hidden_near_rows(W.cpu(), R - 16, g, scale=float(1 + b % 3)),
+                       torch.randn(16, D, generator=g).bfloat16()]).cuda()
+        seeds, pos = _seeds_pos(R, g)
+        dense = head.dense_logits(h)
+        top = dense.float().topk(3, dim=1).indices
+        temp = torch.tensor([(0.7, 1.0, 1.3, 0.3, 2.0)[i % 5] for i in range(R)], **cu)
+        min_p = torch.tensor([(0.0, 0.05, 0.2, 0.6, 0.9)[(i + b) % 5] for i in range(R)], **cu)
+        # logit bias: -8 on each row's top token, +3 on its third (every other row)
+        nb = torch.where(idx % 2 == 0, 2, 0).to(torch.int32)
+        bias_ids = torch.zeros(R, 1024, dtype=torch.int32, **cu)
+        bias_ids[:, 0], bias_ids[:, 1] = top[:, 0], top[:, 2]
+        bias = torch.zeros(R, 1024, **cu)
+        bias[:, 0], bias[:, 1] = -8.0, 3.0
+        zeros_i = torch.zeros(R, dtype=torch.int32, **cu)
+        allowed = torch.zeros(R, 1024, dtype=torch.int32, **cu)
+        stop = torch.zeros(R, 128, dtype=torch.int32, **cu)
+        # penalties on every third row: the top two tokens in the output, the third in the prompt
+        rep = torch.where(idx % 3 == 0, 1.8, 1.0).float()
+        freq = torch.where(idx % 3 == 0, 0.7, 0.0).float()
+        pres = torch.where(idx % 3 == 0, 1.1, 0.0).float()
+        counts = torch.zeros(R, V, dtype=torch.int32, **cu)
+        counts.scatter_(1, top[:, :2], 2)
+        prompt_mask = torch.zeros(R, (V + 31) // 32, dtype=torch.int32, **cu)
+        t3 = top[:, 2]
+        prompt_mask.scatter_(1, (t3 // 32)[:, None], torch.where(t3 % 32 == 31, -2**31, 1 << (t3 % 32)).int()[:, None])
+        local = torch.zeros(R, dtype=torch.int32, **cu)
+        input_ids = torch.zeros(R, dtype=torch.int32, **cu)
+
+        def processors(x):
+            x = x.float().clone()
+            v2s["logit_bias"].apply_logit_bias(x, idx, pos, zeros_i, allowed, nb, bias_ids, bias, zeros_i, zeros_i,
+                                               zeros_i, stop)
+            v2s["penalties"].apply_penalties(x, idx, input_ids, local, rep, freq, pres, prompt_mask, counts)
+            return x
+
+        def pipeline(logits, process=True):
+            x = processors(logits) if process else logits.float()
+            v2.apply_temperature(x, idx, temp)
+            v2s["min_p"].apply_min_p(x, idx, min_p)
+            return v2.gumbel_sample(x, idx, temp, seeds, pos, apply_temperature=False, is_drafting=False)
+
+        res = certify_rows_v2(adapter, h, seeds, pos, temp, process=lambda lo, hi: (processors(lo), processors(hi)),
+                              min_p=min_p)
+        written = dense.clone()
+        written[res.certified] = res.values[res.certified].to(dense.dtype)
+        want = pipeline(dense)
+        assert torch.equal(pipeline(written), want), b
+        assert torch.equal(res.winner[res.certified], want[res.certified])
+        assert bool((want != pipeline(dense, process=False)).any())  # the processors change draws
+        rows += R
+        cert += int(res.certified.sum())
+        for r, m, c in zip(res.reason, min_p.tolist(), res.certified.tolist()):
+            why[r] = why.get(r, 0) + 1
+            by_p.setdefault(round(m, 2), []).append(c)
+    print(f"GPU V2 min-p + processor rows, {screen} screen, bf16 {V} x {D}: {rows} rows, {cert / rows:.1%} "
+          f"certified ({why}; by min-p: { {p: f'{sum(c) / len(c):.0%}' for p, c in sorted(by_p.items())} }), "
+          f"all draws equal to the dense logits'")
+    assert cert / rows > 0.9

@@ -29,6 +29,10 @@ Temperature (:func:`temperature_bounds`): V2 divides by ``T`` with Triton's fp32
 that H200 returned a quotient other than the correctly rounded one for 28% of the logits tried
 (at most 2 ulps off), so the bounds are widened by 2 ulps, not replayed.
 
+Min-p (:func:`min_p_bounds`): V2's ``_min_p_kernel`` sets ``x_i`` to ``-inf`` where
+``x_i < fl32(max_j x_j + log(min_p))``, after the temperature, with Triton's fp32 ``log``: bounded
+(:data:`LOG_ABS`, :data:`LOG_REL`), not replayed.
+
 ``u`` lies in ``[2^-33, 1]`` (its largest values round to 1.0, where ``1 - u`` is clamped to
 ``2^-24``), so ``g`` lies in ``[-log(16.64), -log(2^-33 ln 2 ...)] = [-2.82, 23.3]``:
 :data:`GUMBEL_MIN`, :data:`GUMBEL_MAX`, rounded outwards.
@@ -52,6 +56,11 @@ _M32 = 0xFFFFFFFF
 # normal (a subnormal step or a flush to zero).
 DIV_REL, DIV_ABS = 2.0**-22, 2.0**-125
 DIV_T_MIN, DIV_T_MAX = 2.0**-126, 2.0**126
+# Min-p: the kernel's fp32 ``tl.log(min_p)`` lies within LOG_ABS + LOG_REL |log(min_p)| of the
+# real logarithm. libdevice's ``logf`` is within 1 ulp (2^-23 relative), an approximate
+# ``lg2.approx.f32`` times ln 2 within about 2^-22 absolute near 1; these allow 2^-20 of each
+# (tests/test_sampling_gumbel_v2_cuda.py measures the GPU's log against it).
+LOG_ABS, LOG_REL = 2.0**-20, 2.0**-20
 
 
 def _mul32(a: torch.Tensor, c: int) -> torch.Tensor:
@@ -139,6 +148,48 @@ def temperature_bounds(ylo: torch.Tensor, yhi: torch.Tensor, temp: torch.Tensor)
     hi = torch.where(torch.isinf(qhi), qhi, qhi + qhi.abs() * DIV_REL + DIV_ABS)
     bad = ~((t >= DIV_T_MIN) & (t <= DIV_T_MAX))
     return round_down32(lo).masked_fill_(bad, math.nan), round_up32(hi).masked_fill_(bad, math.nan)
+
+
+def min_p_bounds(qlo: torch.Tensor, qhi: torch.Tensor, min_p: torch.Tensor
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Bounds on what V2's min-p leaves of ``qlo <= x <= qhi`` (the tempered logits).
+
+    The kernel (``vllm/v1/worker/gpu/sample/min_p.py``) reads a row's fp32 ``min_p``; at 0 it
+    leaves the row alone, else it computes ``thr = fl32(m + c)`` with ``m = max_j x_j`` and
+    ``c`` its fp32 ``log(min_p)``, and sets every ``x_i < thr`` to ``-inf``. With ``m`` in
+    ``[max qlo, max qhi]`` and ``c`` within :data:`LOG_ABS` + :data:`LOG_REL` ``|log min_p|`` of
+    the real logarithm, ``thr`` lies in ``[thr_lo, thr_hi]`` (the real sums' bounds rounded
+    outwards to fp32: rounding to nearest is monotone). A token with ``qhi < thr_lo`` is
+    certainly dropped; one with ``qlo >= thr_hi`` certainly kept; any other may go either way.
+
+    Parameters
+    ----------
+    qlo, qhi : torch.Tensor
+        ``[R, n]`` float32 bounds of the tempered logits over the whole row (``n = V``: the
+        maximum is the row's).
+    min_p : torch.Tensor
+        ``[R]`` float32, each row's ``min_p`` (0: none).
+
+    Returns
+    -------
+    (lo, hi, dropped) : tuple of torch.Tensor
+        ``lo, hi [R, n]`` float32: bounds of the values after min-p, ``-inf`` for a dropped token,
+        so ``lo`` is ``-inf`` wherever the token may be dropped and ``hi`` wherever it surely
+        is; ``dropped [R, n]`` bool, the tokens certainly dropped. A certificate over ``lo, hi``
+        holds for the row V2 draws from; written back as a partial row, the dropped tokens must
+        be ``-inf`` too (its maximum, hence its threshold, may be lower than the full row's).
+    """
+    on = (min_p > 0)[:, None]
+    c = torch.log(min_p.double())[:, None]
+    eps = LOG_ABS + LOG_REL * c.abs()
+    m_lo, m_hi = qlo.double().amax(1, keepdim=True), qhi.double().amax(1, keepdim=True)
+    t_lo, t_hi = m_lo + (c - eps), m_hi + (c + eps)
+    # the float64 sums round too (2^-53 relative): nudged outwards before rounding to fp32
+    thr_lo = round_down32(torch.where(torch.isfinite(t_lo), t_lo - t_lo.abs() * 2.0**-50, t_lo))
+    thr_hi = round_up32(torch.where(torch.isfinite(t_hi), t_hi + t_hi.abs() * 2.0**-50, t_hi))
+    dropped = on & (qhi < thr_lo)
+    kept = ~on | (qlo >= thr_hi)
+    return qlo.masked_fill(~kept, -math.inf), qhi.masked_fill(dropped, -math.inf), dropped
 
 
 def comparison_margin(x_abs_max: torch.Tensor) -> torch.Tensor:

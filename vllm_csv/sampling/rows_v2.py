@@ -1,15 +1,19 @@
-"""Certify rows of vLLM's Model Runner V2 draw (CUDA): plain temperature sampling.
+"""Certify rows of vLLM's Model Runner V2 draw (CUDA): temperature sampling, with min-p and
+vLLM's native logits processors (logit bias, allowed ids, min_tokens, penalties, bad words).
 
-Pipeline (per batch of rows V2's ``gumbel_sample`` will draw from, rows with no logits
-processor, min-p, top-k or top-p):
+Pipeline (per batch of rows V2's ``gumbel_sample`` will draw from, rows with no top-k or top-p):
 
 1. bounds on every token's logit from the head's screen (:class:`.HeadAdapter`);
-2. bounds on what V2 draws from, ``fl32(x / T)`` (:func:`~.gumbel_v2.temperature_bounds`; a row
-   with ``T = 1`` is not divided at all, which the bounds hold as well);
-3. :func:`~.gumbel_v2.certify_draw_v2` with the rows' request seeds and positions (the noise is
+2. the processors on both bounds (``process``: the caller runs vLLM's own ones; each is
+   monotone non-decreasing per token, so the bounds stay bounds);
+3. bounds on what V2 draws from, ``fl32(x / T)`` (:func:`~.gumbel_v2.temperature_bounds`; a row
+   with ``T = 1`` is not divided at all, which the bounds hold as well), then min-p on them
+   (:func:`~.gumbel_v2.min_p_bounds`; the tokens that may be the row's maximum are scored with
+   the draw's contenders: they set min-p's threshold);
+4. :func:`~.gumbel_v2.certify_draw_v2` with the rows' request seeds and positions (the noise is
    computed once: it depends on neither the bounds nor the round); the contenders not yet
    scored are scored exactly (their bounds shrink to the rounding interval of the dense value,
-   intersected with the screen's) and 2-3 repeat until every row is decided, nothing is left to
+   intersected with the screen's) and 2-4 repeat until every row is decided, nothing is left to
    score, or the budget is spent.
 
 Host syncs (on CUDA): a few a round (is anything left to score, the budget's room, the reasons
@@ -17,24 +21,34 @@ at the end): the loop's length and the tokens it scores depend on them. The head
 outside vLLM's CUDA graphs, as does this loop.
 
 A certified row is handed to V2's sampler as exact values on the scored set ``S`` and ``-inf``
-elsewhere: V2's unchanged kernel then draws from it. Every finite value of the row lies within
-its token's bounds, and the certificate holds for any values within them, so the kernel returns
-the certified winner.
+elsewhere, and ``-inf`` on the tokens min-p certainly drops: V2's unchanged pipeline then runs
+its processors, temperature and min-p on it and draws. Each processor acts per token, so every
+finite value it makes lies within its token's bounds; the partial row's maximum is at most the
+full row's, so its min-p threshold is at most the full row's: the winner (certainly kept) stays,
+and whatever else stays is a token the certificate did not drop, which the winner beat. The
+certificate holds for any values within the bounds, so the kernel returns the certified winner.
 """
 
 from __future__ import annotations
 
+import math
+from typing import Callable
+
 import torch
 
 from ..ops.bools import any_
-from .gumbel_v2 import certify_draw_v2, noise_bounds, temperature_bounds
+from .gumbel_v2 import certify_draw_v2, min_p_bounds, noise_bounds, temperature_bounds
 from .head_adapter import HeadAdapter
 from .rows import (FIRST_GUESS, MAX_ROUNDS, RowsResult, contended, empty_state, next_columns, reasons, score_columns,
                    screen_bounds)
 
 
+Bounds = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+
+
 def certify_rows_v2(adapter: HeadAdapter, hidden: torch.Tensor, seeds: torch.Tensor, pos: torch.Tensor,
-                    temp: torch.Tensor) -> RowsResult:
+                    temp: torch.Tensor, process: Bounds | None = None, min_p: torch.Tensor | None = None
+                    ) -> RowsResult:
     """Certify V2's draw for each row of ``hidden``.
 
     Parameters
@@ -47,12 +61,19 @@ def certify_rows_v2(adapter: HeadAdapter, hidden: torch.Tensor, seeds: torch.Ten
         and the position it samples at.
     temp : torch.Tensor
         ``[R]`` float32, each row's temperature (``> 0``; other rows are never certified).
+    process : callable, optional
+        ``(lo, hi) -> (lo, hi)``: the logits processors V2 runs before the temperature, applied
+        to ``[R, V]`` float32 bounds of the rows' logits (out of place); each must be monotone
+        non-decreasing per token. None: no processor acts on these rows.
+    min_p : torch.Tensor, optional
+        ``[R]`` float32, each row's ``min_p`` (0: none). None: no row has one.
 
     Returns
     -------
     RowsResult
-        ``values [R, V]`` in the model dtype (exact on ``S``, ``-inf`` elsewhere), ``certified``,
-        ``winner``, a reason per row that is not certified, ``|S|``.
+        ``values [R, V]`` in the model dtype (exact on ``S``, ``-inf`` elsewhere and on the
+        tokens min-p certainly drops), ``certified``, ``winner``, a reason per row that is not
+        certified, ``|S|``.
     """
     R, V = hidden.shape[0], adapter.vocab_size
     dev = hidden.device
@@ -64,8 +85,19 @@ def certify_rows_v2(adapter: HeadAdapter, hidden: torch.Tensor, seeds: torch.Ten
     if one_sided and bool(finite.any()):  # no lower bounds: score the likely winners first
         score_columns(adapter, hidden, hnorm, hi[finite].topk(min(FIRST_GUESS, V), dim=1).indices.unique(),
                       values, lo, hi, scored)
+    dropped = None
     for rnd in range(MAX_ROUNDS + 1):
-        w, cert, contenders = certify_draw_v2(*temperature_bounds(lo, hi, temp), seeds, pos, noise=noise)
+        plo, phi = (lo, hi) if process is None else process(lo, hi)
+        qlo, qhi = temperature_bounds(plo, phi, temp)
+        maxers = None
+        if min_p is not None:
+            # the tokens that may be a min-p row's maximum set its threshold: scored with the
+            # contenders, or the threshold stays as loose as their screen bounds
+            maxers = (min_p > 0)[:, None] & (qhi >= qlo.amax(1, keepdim=True))
+            qlo, qhi, dropped = min_p_bounds(qlo, qhi, min_p)
+        w, cert, contenders = certify_draw_v2(qlo, qhi, seeds, pos, noise=noise)
+        if maxers is not None:
+            contenders |= maxers
         now = cert & finite & scored[w] & ~certified
         winner = torch.where(now, w, winner)
         certified |= now
@@ -79,4 +111,6 @@ def certify_rows_v2(adapter: HeadAdapter, hidden: torch.Tensor, seeds: torch.Ten
         score_columns(adapter, hidden, hnorm, new, values, lo, hi, scored)
     open_rows = finite & ~certified & ~over_budget
     over_budget |= open_rows & any_(contenders & ~scored[None], 1)
+    if dropped is not None:  # from the last round's bounds: a superset of any earlier round's
+        values.masked_fill_(dropped, -math.inf)
     return RowsResult(values, certified, winner, reasons(certified, finite, over_budget), int(scored.sum()))

@@ -72,11 +72,12 @@ that order, so the one slot :func:`defer` fills is the step's own (:func:`_take`
 shape). The V2 runner's structured rows are dense.
 
 The V2 runner (``vllm.v1.worker.gpu.model_runner.GPUModelRunner``, CUDA): its ``Sampler.__call__``
-is wrapped the same way, for plain temperature-sampling rows only (:func:`resolve_v2`; the plan
-defers no other row there, :func:`~.step_plan._v2_entry`). V2 draws such a row with
-``gumbel_sample`` from ``fl32(x / T)`` and noise hashed from (request seed, position, token), no
-random state drawn at sampling time, so nothing is peeked; the certificate is
-:func:`~vllm_csv.sampling.rows_v2.certify_rows_v2`.
+is wrapped the same way, for temperature-sampling rows with min-p, vLLM's native processors or
+neither (:func:`resolve_v2`; the plan defers no other row there, :func:`~.step_plan._v2_entry`).
+V2 draws such a row with ``gumbel_sample`` from ``fl32(x / T)`` after its processors and min-p,
+and noise hashed from (request seed, position, token), no random state drawn at sampling time,
+so nothing is peeked; the certificate is :func:`~vllm_csv.sampling.rows_v2.certify_rows_v2`, the
+processors vLLM's own run on the bounds (:func:`_v2_processors`).
 
 Under tensor parallelism (a :class:`~vllm_csv.sampling.sharded_rows.ShardedAdapter`) step 2
 runs vLLM's processors on each rank's shard and the certificate on gathered summaries
@@ -514,22 +515,60 @@ def _unsupported_v2(sampler, d: Deferred, logits: torch.Tensor, input_batch) -> 
         # vLLM then masks every row with its top-k/top-p, or draws the batch with FlashInfer's
         # fused sampler, whose noise is not the one replayed
         return "top-k or top-p rows in the batch"
-    if not bool(np.all(ss.temperature.np[req] > 0) and np.all(ss.min_p.np[req] == 0)):
-        return "a row's sampling state is not plain temperature sampling"
+    if not bool(np.all(ss.temperature.np[req] > 0)):
+        return "a greedy row (V2 draws it by argmax, not replayed)"
+    tb = sampler.thinking_budget_state
+    if getattr(tb, "enabled", False) and bool(np.any(tb.use_thinking_budget[req])):
+        return "a thinking budget"
     return None
+
+
+def _v2_processors(sampler, input_batch, dev_rows: torch.Tensor, rows_np: np.ndarray, req: np.ndarray):
+    """vLLM's own V2 logits processors (logit bias, allowed ids and min_tokens; penalties; bad
+    words: :func:`certifiable_sampler_v2` admits no other) as a map of ``[R, V]`` float32 bounds
+    of the deferred rows, out of place, with the batch's context cut down to those rows (each
+    kernel reads a row's request slot, position, input id and local position by row, and skips
+    requests by slot on the host). Each is monotone non-decreasing per token: a mask to
+    ``-inf``, an fp32 addition, the repetition penalty's multiplication by ``r`` or ``fl(1/r)``
+    by sign, subtractions of fixed amounts. The thinking budget, which runs after them, is
+    refused (:func:`_unsupported_v2`). None where no processor has work on these rows."""
+    from vllm.v1.worker.gpu.sample.logits_processor.interface import LogitsContext
+
+    if not bool(np.any(sampler.needs_logits_processing[req])):
+        return None
+    slot = input_batch.expanded_idx_mapping[dev_rows]
+    idx = input_batch.logits_indices[dev_rows]
+    ctx = LogitsContext(expanded_idx_mapping=slot, idx_mapping=slot, idx_mapping_np=req,
+                        expanded_local_pos=input_batch.expanded_local_pos[dev_rows],
+                        input_ids=input_batch.input_ids[idx], pos=input_batch.positions[idx],
+                        seq_lens_upper_bound_np=input_batch.seq_lens_cpu_upper_bound.numpy()[rows_np])
+
+    def process(lo: torch.Tensor, hi: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        out = []
+        for x in (lo, hi):
+            x = x.float().clone()  # vLLM's processors work in place
+            for p in sampler.logits_processors:
+                x = p.apply(x, ctx)
+            out.append(x)
+        return out[0], out[1]
+
+    return process
 
 
 def resolve_v2(sampler, d: Deferred, logits: torch.Tensor, input_batch) -> DeferredStats:
     """Fill ``logits``' deferred rows (certified or dense) in place before V2's ``Sampler`` draws.
 
-    The rows are plain temperature sampling (:func:`~.step_plan._v2_entry`): V2 draws each with
-    ``gumbel_sample`` from ``fl32(x / T)`` (``T = 1``: ``x``), no processor, min-p, top-k or
-    top-p touching it, so :func:`~vllm_csv.sampling.rows_v2.certify_rows_v2` certifies it from
-    the request's seed (``SamplingStates.seeds``, kept per request), the row's position
-    (``input_batch.positions[logits_indices]``) and temperature, read the way the kernel reads
+    The rows are temperature sampling, with min-p or vLLM's native processors or neither
+    (:func:`~.step_plan._v2_entry`): V2 runs the processors, divides by ``T`` (``T = 1``: not at
+    all), applies min-p and draws with ``gumbel_sample``, no top-k or top-p touching the batch, so
+    :func:`~vllm_csv.sampling.rows_v2.certify_rows_v2` certifies each row from the processors run
+    on its bounds (:func:`_v2_processors`), its min-p, the request's seed
+    (``SamplingStates.seeds``, kept per request), the row's position
+    (``input_batch.positions[logits_indices]``) and temperature, read the way the kernels read
     them (through ``expanded_idx_mapping``). Batches where vLLM could draw otherwise (top-k or
-    top-p rows: the fused FlashInfer sampler; speculative decoding; another sampler) are dense.
-    (Host reads: the per-request states' numpy mirrors, which vLLM keeps on the host.)"""
+    top-p rows: the fused FlashInfer sampler; speculative decoding; another sampler), greedy
+    rows (V2's argmax at ``T = 0``) and rows with a thinking budget are dense. (Host reads: the
+    per-request states' numpy mirrors, which vLLM keeps on the host.)"""
     t0 = time.perf_counter()
     rows = d.rows
     st = DeferredStats(rows=rows.numel())
@@ -539,9 +578,13 @@ def resolve_v2(sampler, d: Deferred, logits: torch.Tensor, input_batch) -> Defer
     certified = torch.zeros(rows.numel(), dtype=torch.bool)
     if why is None:
         ss = sampler.sampling_states
+        rows_np = rows.numpy()
+        req = input_batch.idx_mapping_np[rows_np]
         slot = input_batch.expanded_idx_mapping[dev_rows].long()
         pos = input_batch.positions[input_batch.logits_indices[dev_rows]].long()
-        res = certify_rows_v2(d.adapter, d.hidden, ss.seeds.gpu[slot].long(), pos, ss.temperature.gpu[slot].float())
+        min_p = ss.min_p.gpu[slot].float() if bool(np.any(ss.min_p.np[req] != 0)) else None
+        res = certify_rows_v2(d.adapter, d.hidden, ss.seeds.gpu[slot].long(), pos, ss.temperature.gpu[slot].float(),
+                              process=_v2_processors(sampler, input_batch, dev_rows, rows_np, req), min_p=min_p)
         certified = _write(logits, dev_rows, res, st)
     _finish(d, logits, dev_rows, certified, None, st, why, t0)
     return st
