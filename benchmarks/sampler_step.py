@@ -7,7 +7,8 @@
                                                                      # ... sorted, and who calls what
 
 Rows: the deferred modes of ``benchmarks/serve.py``'s MIXED workload in turn (temperature,
-top-p, min-p, penalties on greedy rows, logit_bias; ``--modes`` for others, e.g. ``top_k``), on
+top-p, min-p, penalties on greedy rows, logit_bias; ``--modes`` for others, e.g. ``top_k``, or
+``greedy``: plain greedy rows, certified in the head as the plugin's layer does), on
 real hidden states of the learned fixture (``benchmarks/fixtures.py``; ``--model DIR`` for
 another model), bf16 head, the server's default screen.
 
@@ -39,7 +40,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 MODES = ("temperature", "top_p", "min_p", "penalties", "logit_bias")  # serve.py's MIXED deferred modes
-ALL_MODES = MODES + ("top_k", "top_k_top_p", "top_k_min_p")  # top_k 20 (above: 0.9 top-p / 0.1 min-p too), T 0.8
+# top_k 20 (above: 0.9 top-p / 0.1 min-p too), T 0.8; greedy: plain greedy rows, certified in the head
+ALL_MODES = MODES + ("top_k", "top_k_top_p", "top_k_min_p", "greedy")
 
 
 def metadata(B: int, V: int, out_tokens: list[list[int]], prompt: torch.Tensor, cycle=MODES):
@@ -51,7 +53,7 @@ def metadata(B: int, V: int, out_tokens: list[list[int]], prompt: torch.Tensor, 
     from vllm_csv.audit_sampler import logit_bias_processor, min_p_processor
 
     modes = [cycle[i % len(cycle)] for i in range(B)]
-    temp = torch.tensor([0.0 if m == "penalties" else 0.8 for m in modes])
+    temp = torch.tensor([0.0 if m in ("penalties", "greedy") else 0.8 for m in modes])
     top_p = torch.tensor([0.9 if m in ("top_p", "top_k_top_p") else 1.0 for m in modes])
     top_k = torch.tensor([20 if m.startswith("top_k") else V for m in modes])
     min_p = torch.tensor([0.1 if m in ("min_p", "top_k_min_p") else 0.0 for m in modes])
@@ -129,13 +131,21 @@ def main(argv=None) -> int:
 
         stats = []
 
+        in_head = torch.tensor([i for i, m in enumerate(modes) if m == "greedy"], dtype=torch.long)
+        rows = torch.tensor([i for i, m in enumerate(modes) if m != "greedy"], dtype=torch.long)
+
         def csv_step(s):
+            # as the plugin's layer: greedy rows certified in the head (k = 1), the others deferred
             h = hs[s]
             logits = torch.empty((B, V), dtype=W.dtype)
-            rows = torch.arange(B)
-            logits[rows] = sampler_hook.PLACEHOLDER
-            sampler_hook.defer(sampler_hook.Deferred(logits, h.clone(), rows, modes, adapter,
-                                                     lambda: vhead(h), stats.append))
+            if in_head.numel():
+                part, _ = head.sampler_logits(h[in_head], torch.ones(in_head.numel(), dtype=torch.long),
+                                              use_switch=False)
+                logits[in_head] = part.to(W.dtype)
+            if rows.numel():
+                logits[rows] = sampler_hook.PLACEHOLDER
+                sampler_hook.defer(sampler_hook.Deferred(logits, h[rows].clone(), rows, [modes[i] for i in rows],
+                                                         adapter, lambda: vhead(h), stats.append))
             return sampler(logits=logits, sampling_metadata=md).sampled_token_ids[:, 0]
 
         td, tc, mism = [], [], 0

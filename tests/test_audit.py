@@ -63,6 +63,45 @@ def test_batches_the_hook_draws_itself_draw_what_the_dense_sampler_draws(monkeyp
     assert len(drawn) >= 5, len(drawn)
 
 
+# cases whose greedy rows a processor touches in a batch the hook draws (found by running the
+# mutation below over peaked seeds 24 to 76)
+TOUCHED_GREEDY = [("peaked", 25), ("peaked", 61), ("peaked", 75), ("peaked", 76)]
+
+
+def _greedy_apart_cases():
+    return [(family, seed) for seed in range(24) for family in ("peaked", "near_tie", "ties")] + TOUCHED_GREEDY
+
+
+def test_batches_the_hook_draws_beside_greedy_rows_draw_what_the_dense_sampler_draws(monkeypatch):
+    """Every row but the greedy ones deferred: where the deferred rows all certify and no processor
+    touches a greedy row, the hook draws the batch (the greedy rows by vLLM's greedy_sample on
+    their rows); tokens and streams are the dense run's either way."""
+    from vllm_csv.vllm_plugin import sampler_hook
+
+    drawn, real = [], sampler_hook._with_greedy_rows
+    monkeypatch.setattr(sampler_hook, "_with_greedy_rows", lambda *a: (lambda t: t is not None and drawn.append(1)
+                                                                       or t)(real(*a)))
+    for family, seed in _greedy_apart_cases():
+        out = audit_sampler.run_sampler_case(family, seed, audit.DTYPES[seed % 3], "int8", greedy_apart=True)
+        assert out.wrong_tokens == 0 and out.rng_out_of_step == 0, (family, seed)
+    assert len(drawn) >= 5, len(drawn)
+
+
+def test_mutation_greedy_rows_drawn_without_their_processors_are_caught(monkeypatch):
+    """The hook drawing the greedy rows beside certified ones by their raw argmax, whatever
+    processors touch them: the sampler audit finds wrong tokens."""
+    from vllm_csv.vllm_plugin import sampler_hook
+
+    def raw(sampler, logits, md, dev_rows, winner):
+        tokens = sampler.greedy_sample(logits.float()).long()
+        tokens[dev_rows] = winner
+        return tokens
+    monkeypatch.setattr(sampler_hook, "_with_greedy_rows", raw)
+    out = [audit_sampler.run_sampler_case(family, seed, audit.DTYPES[seed % 3], "int8", greedy_apart=True)
+           for family, seed in TOUCHED_GREEDY]
+    assert all(o.wrong_tokens > 0 for o in out), out
+
+
 def test_mutation_drawn_batches_that_leave_the_rng_alone_are_caught(monkeypatch):
     """The hook's own draw without advancing the random streams as vLLM's draw does: the sampler
     audit finds batches whose streams are out of step."""

@@ -860,3 +860,46 @@ def test_a_batch_asking_for_logprobs_is_drawn_by_vllm(logprobs_mode):
         assert all(torch.equal(a, b) for a, b in zip(got[:2], want[:2]))
         assert all(torch.equal(got[2][i], want[2][i]) for i in want[2])
     assert calls == [2]
+
+
+@pytest.mark.parametrize("case", ["greedy", "greedy_biased", "greedy_penalised", "sampled"])
+def test_certified_rows_beside_greedy_rows_are_drawn_by_the_hook(case, monkeypatch):
+    """A batch whose deferred rows all certify and whose other rows are greedy rows no processor
+    touches (``greedy``: certified in the head or dense, here dense) is drawn by the hook: vLLM's
+    ``Sampler.sample`` does not run; tokens, global RNG and generators are the dense run's. A
+    greedy row with a logit bias or penalties, or a sampled row, not deferred: vLLM draws the
+    batch. A hook that takes the greedy rows' raw argmax anyway is caught."""
+    sampler_hook.install()
+    g = torch.Generator().manual_seed(21)
+    W, _ = peaked_head(V, D, seed=22, dtype=torch.bfloat16)
+    head = CertifiedHead(W, config=HeadConfig(screen="fp16", budget=0.5, off_switch=False))
+    h = hidden_near_rows(W, B, g, scale=3.0)  # confident rows: every one certifies
+    temps = [0.0 if i % 3 == 0 else 0.8 for i in range(B)]
+    if case == "sampled":
+        temps[0] = 0.8
+    md = metadata(g, temps, seeded=range(1, B, 2), penalties=case == "greedy_penalised", bias=False,
+                  allowed=False, bad=False)
+    dense = head.dense_logits(h)
+    if case == "greedy_biased":  # row 0 (greedy, not deferred): its top token pushed down
+        md.logitsprocs = LogitsProcessors([logit_bias_processor({0: {int(dense[0].argmax()): -100.0}})])
+    if case == "greedy_penalised":  # row 0: its top token already output, penalised
+        md.output_token_ids[0] = [int(dense[0].argmax())] * 3
+        md.frequency_penalties[0] = 50.0
+    rows = torch.arange(1, B)  # row 0 is not deferred
+    want = run(Sampler(), dense.clone(), md, seed=5)
+    calls = []
+    orig = Sampler.sample
+    monkeypatch.setattr(Sampler, "sample", lambda self, *a, **k: calls.append(1) or orig(self, *a, **k))
+    got, st = _hooked(head, h, dense, md, rows, full=True)
+    assert all(torch.equal(a, b) for a, b in zip(got[:2], want[:2]))  # the tokens, the global RNG
+    assert all(torch.equal(got[2][i], want[2][i]) for i in want[2])  # every request generator
+    assert sum(st.certified.values()) == rows.numel()
+    assert bool(calls) == (case != "greedy")
+    if case != "sampled":  # the greedy row's own processors ignored: caught
+        def raw(sampler, logits, md, dev_rows, winner):
+            tokens = logits.float().argmax(1)
+            tokens[dev_rows] = winner
+            return tokens
+        monkeypatch.setattr(sampler_hook, "_with_greedy_rows", raw)
+        wrong, _ = _hooked(head, h, dense, md, rows, full=True)
+        assert torch.equal(wrong[0], want[0]) == (case == "greedy")

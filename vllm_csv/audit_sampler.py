@@ -190,9 +190,12 @@ def check_sampler(head, case: Case, batch: Batch, seed: int) -> SamplerOutcome:
 
 
 def run_sampler_case(family: str, seed: int, dtype: torch.dtype, screen: str,
-                     every_row: bool = False) -> SamplerOutcome:
+                     every_row: bool = False, greedy_apart: bool = False) -> SamplerOutcome:
     """One case of ``family`` drawn from ``seed``, its rows sampled as :func:`draw_batch` draws;
-    ``every_row``: every row deferred (where all certify, the hook's tokens are the draw)."""
+    ``every_row``: every row deferred (where all certify, the hook's tokens are the draw);
+    ``greedy_apart``: every row but the greedy ones deferred (the greedy rows carry the dense
+    values, as a greedy row the head certified or left dense; where the deferred rows all certify
+    and no processor touches the greedy rows, the hook draws the batch itself)."""
     from .errors import CSVError
 
     g = torch.Generator().manual_seed(seed)
@@ -200,6 +203,8 @@ def run_sampler_case(family: str, seed: int, dtype: torch.dtype, screen: str,
     batch = draw_batch(g, case.hidden.shape[0], case.weight.shape[0])
     if every_row:
         batch.deferred = torch.arange(case.hidden.shape[0])
+    if greedy_apart:
+        batch.deferred = torch.tensor([i for i, m in enumerate(batch.modes) if m != "greedy"], dtype=torch.long)
     try:
         head = make_head(case, screen)
     except CSVError:  # a screen may refuse a head (e.g. fp16 overflow): that is no wrong row

@@ -36,8 +36,10 @@ dense leaves a :class:`DenseTiming` in the slot instead). Anything this hook can
 about (speculative decoding, fp64 Gumbel, a thinking budget, custom logits processors,
 min_tokens with a grammar, a non-CPU sampler) makes every deferred row dense.
 
-A batch whose every row was deferred and certified, with no logprobs asked for, is not drawn
-again (:func:`_drawn`): the certified tokens are the draw, and the random streams advance as
+A batch whose every row was deferred and certified, or whose other rows are greedy rows no
+processor touches (their tokens vLLM's ``greedy_sample`` of their rows, :func:`_with_greedy_rows`),
+with no logprobs asked for, is not drawn again (:func:`_drawn`): the certified tokens are the
+draw, and the random streams advance as
 ``forward_cpu`` advances them (the batch's ``randint`` on the global RNG, one on each request
 generator), so vLLM's own pass over ``[B, V]`` (the fp32 copy, the temperature, the Gumbel
 kernel's scan of the mostly ``-inf`` rows: 2.8 to 4.5 ms at 32 rows of 65536 on one thread here)
@@ -302,8 +304,9 @@ class Resolved(NamedTuple):
 def resolve(sampler, d: Deferred, logits: torch.Tensor, md, predict_bonus_token: bool = False,
             draw: bool = False) -> Resolved:
     """Fill ``logits``' deferred rows (certified or dense) in place; see the module docstring.
-    With ``draw``, where every row of the batch is deferred and certified and no logprobs are
-    asked for, the rows are not written and ``drawn`` holds their tokens (:func:`_drawn`).
+    With ``draw``, where every deferred row is certified, every other row is greedy and untouched
+    by the processors (:func:`_with_greedy_rows`) and no logprobs are asked for, the rows are
+    not written and ``drawn`` holds the batch's tokens (:func:`_drawn`).
     Returns the stats and the certified rows (batch indices), whose top-p and top-k vLLM must
     not apply again: on the partial row (exact on ``S``, ``-inf`` elsewhere) top-p's cumulative
     sums are not the full row's, so the caller sets their ``top_p`` to 1 and their ``top_k`` to
@@ -421,13 +424,52 @@ def resolve(sampler, d: Deferred, logits: torch.Tensor, md, predict_bonus_token:
             res = certify_rows(d.adapter, d.hidden, elementwise, seeds.to(dev), greedy.to(dev), masked,
                                elementwise=True, min_p=min_p.to(dev), top_k=top_k.to(dev), top_p=top_p.to(dev),
                                columns=columns if idle else None)
-        if draw and every_row and not _wants_logprobs(md) and bool(res.certified.all()):
+        tokens = None
+        if draw and not _wants_logprobs(md) and bool(res.certified.all()):
+            tokens = res.winner if every_row else _with_greedy_rows(sampler, logits, md, dev_rows, res.winner)
+        if tokens is not None:
             st.scored = res.scored  # (the rows are not written: _finish counts them, writes nothing)
             _finish(d, logits, dev_rows, res.certified.cpu(), masked, st, None, t0)
-            return Resolved(st, rows, res.winner)
+            return Resolved(st, rows, tokens)
         certified = _write(logits, dev_rows, res, st, every_row)
     _finish(d, logits, dev_rows, certified, masked, st, why, t0)
     return Resolved(st, rows[certified] if why is None else rows[:0], None)
+
+
+def _with_greedy_rows(sampler, logits: torch.Tensor, md, dev_rows: torch.Tensor,
+                      winner: torch.Tensor) -> torch.Tensor | None:
+    """Every row's token (``[B]`` int64) where the rows not deferred (``dev_rows`` are) are greedy
+    rows no logits processor touches: vLLM draws each as ``greedy_sample`` of its row as the head
+    left it (certified in the head, or dense), cast to fp32 as ``Sampler.forward`` casts it, so
+    that call on those rows alone gives their tokens; the deferred rows' are ``winner``. None
+    where a row not deferred is sampled, or some processor acts on it (allowed ids, bad words,
+    penalties, logit bias, min_tokens: :func:`_unsupported` refused every other kind)."""
+    from vllm.v1.sample.logits_processor.builtin import LogitBiasLogitsProcessor, MinTokensLogitsProcessor
+
+    B = logits.shape[0]
+    others = torch.ones(B, dtype=torch.bool, device=logits.device)
+    others[dev_rows] = False
+    others = others.nonzero().squeeze(1)
+    idx = set(others.tolist())
+    if not md.all_greedy and not bool((md.temperature[others.to(md.temperature.device)] < _SAMPLING_EPS).all()):
+        return None
+    if md.allowed_token_ids_mask is not None and bool(md.allowed_token_ids_mask[others].any()):
+        return None
+    if idx & set(md.bad_words_token_ids or ()):
+        return None
+    if not md.no_penalties and not bool((md.presence_penalties[others] == 0).all() and
+                                        (md.frequency_penalties[others] == 0).all() and
+                                        (md.repetition_penalties[others] == 1).all()):
+        return None
+    for p in md.logitsprocs.non_argmax_invariant:
+        touched = p.biases if isinstance(p, LogitBiasLogitsProcessor) else \
+            p.min_toks if isinstance(p, MinTokensLogitsProcessor) else None
+        if touched is None or idx & set(touched):
+            return None
+    tokens = torch.empty(B, dtype=torch.long, device=logits.device)
+    tokens[dev_rows] = winner
+    tokens[others] = sampler.greedy_sample(logits[others].to(torch.float32)).long()
+    return tokens
 
 
 def _wants_logprobs(md) -> bool:
@@ -436,9 +478,9 @@ def _wants_logprobs(md) -> bool:
 
 
 def _drawn(md, tokens: torch.Tensor):
-    """vLLM 0.32's ``Sampler.forward`` output for a batch whose every row was certified
-    (:func:`resolve` with ``draw``), without drawing again: ``tokens`` (``[B]`` int64, the
-    certified tokens in batch order) as ``sampled_token_ids`` (``[B, 1]`` int32), no logprobs;
+    """vLLM 0.32's ``Sampler.forward`` output for a batch whose every row was certified, or drawn
+    greedily beside the certified ones (:func:`resolve` with ``draw``), without drawing again:
+    ``tokens`` (``[B]`` int64, in batch order) as ``sampled_token_ids`` (``[B, 1]`` int32), no logprobs;
     the random streams advanced as ``TopKTopPSampler.forward_cpu`` advances them where some row
     is sampled (``Sampler.sample`` calls it unless every row is greedy): :func:`draw_seeds`."""
     from vllm.v1.outputs import SamplerOutput
