@@ -120,9 +120,9 @@ def test_resolve_v2_leaves_batches_vllm_draws_otherwise_dense(why):
 
 
 def test_v2_plan_defers_sampled_rows_with_min_p_or_processors_to_a_certified_sampler():
-    """Temperature rows, with min-p or processors or neither, are deferred where the V2 sampler is
-    certified (and no tensor parallelism); top-p rows, and greedy rows with processors, stay
-    dense there."""
+    """Temperature rows, with min-p or processors or neither, and greedy rows with processors are
+    deferred where the V2 sampler is certified (and no tensor parallelism); top-p rows stay
+    dense there, and plain greedy rows are certified in the head."""
     from vllm import SamplingParams
 
     params = {"a": SamplingParams(temperature=0), "b": SamplingParams(temperature=0.7, seed=3),
@@ -133,8 +133,9 @@ def test_v2_plan_defers_sampled_rows_with_min_p_or_processors_to_a_certified_sam
     D = step_plan.DEFER
     ok = SimpleNamespace(_csv_sampling_params=params, sampler=fake_sampler(np.ones(SLOTS, np.float32), np.zeros(SLOTS, np.int64)))
     p = step_plan._v2_plan(ok, ids, 64)
-    assert p.topk == [1, D, 0, D, 5, D, 0] and p.modes == ["greedy", "sampling", "", "processed", "top_k", "min_p", ""]
-    assert p.deferred == [1, 3, 5] and p.row_temps[1] == pytest.approx(0.7)
+    assert p.topk == [1, D, 0, D, 5, D, D]
+    assert p.modes == ["greedy", "sampling", "", "processed", "top_k", "min_p", "processed"]
+    assert p.deferred == [1, 3, 5, 6] and p.row_temps[1] == pytest.approx(0.7) and p.row_temps[6] == 0.0
     tp = SimpleNamespace(_csv_sampling_params=params, sampler=ok.sampler,
                          vllm_config=SimpleNamespace(parallel_config=SimpleNamespace(tensor_parallel_size=2)))
     other = SimpleNamespace(_csv_sampling_params=params, sampler=object())
@@ -155,14 +156,19 @@ def test_the_v2_runner_and_sampler_are_wrapped():
     assert sampler_hook._take(torch.zeros(1, 1)) is None
 
 
-def test_certify_rows_v2_rows_out_of_reach():
-    """Rows with NaN hidden states, or a temperature of 0, are never certified."""
+def test_certify_rows_v2_rows_out_of_reach_and_greedy_rows():
+    """A NaN hidden state leaves its batch uncertified (nonfinite); a row with a negative
+    temperature is never certified; a greedy row (temperature 0) is certified with the dense
+    logits' argmax."""
     head, h, temps, seeds, batch = case(seed=2, B=6)
-    h = h.clone()
-    h[1, 3] = math.nan
-    t = torch.tensor([0.7, 0.7, 0.0, 1.0, 1.0, 1.0])
+    t = torch.tensor([0.0, 0.0, 0.7, 1.0, -1.0, 1.0])  # (rows 0 and 1 near a head row: a clear argmax)
+    bad = h.clone()
+    bad[1, 3] = math.nan
+    res = certify_rows_v2(HeadAdapter(head), bad, torch.from_numpy(seeds[:6]), torch.arange(6), t)
+    assert not bool(res.certified.any()) and res.reason[1] == "nonfinite"
     res = certify_rows_v2(HeadAdapter(head), h, torch.from_numpy(seeds[:6]), torch.arange(6), t)
-    assert not bool(res.certified[1]) and not bool(res.certified[2]) and res.reason[1] == "nonfinite"
+    assert not bool(res.certified[4]) and bool(res.certified[[0, 1, 2]].all())
+    assert torch.equal(res.winner[:2], head.dense_logits(h[:2]).float().argmax(1))
 
 
 def v2_pipeline(case: dict, d) -> dict:
@@ -182,8 +188,8 @@ def v2_pipeline(case: dict, d) -> dict:
 
 
 def processed_case(seed: int, B: int = 16, screen: str = "fp16") -> dict:
-    """Rows with min-p (0.02 to 0.9), temperature 0.3 to 2, and vLLM's V2 processors aimed at
-    each row's likely winners: a bias of -8 or +3 on one of its top tokens, allowed ids without
+    """Rows with min-p (0.02 to 0.9), temperature 0.3 to 2 (two greedy rows with processors), and
+    vLLM's V2 processors aimed at each row's likely winners: a bias of -8 or +3 on one of its top tokens, allowed ids without
     its top token, stop tokens (min_tokens) or bad words on its top tokens, repetition /
     frequency / presence penalties on outputs holding them; some rows plain."""
     g = torch.Generator().manual_seed(seed)
@@ -204,8 +210,8 @@ def processed_case(seed: int, B: int = 16, screen: str = "fp16") -> dict:
     for r in range(B):
         s, t = int(slots[r]), top[r]
         u = torch.rand(8, generator=g).tolist()
-        c["temp"][s] = (0.3, 0.7, 1.0, 1.3, 2.0)[r % 5]
         kind = r % 6
+        c["temp"][s] = 0.0 if r % 5 == 4 and kind in (1, 2, 4) else (0.3, 0.7, 1.0, 1.3, 2.0)[r % 5]
         if kind in (0, 3):
             c["min_p"][s] = (0.02, 0.1, 0.3, 0.6, 0.9)[int(u[0] * 5)]
         if kind == 1:

@@ -264,14 +264,15 @@ def test_min_p_and_processor_rows_draw_the_dense_tokens(v2, v2s, screen):
     adapter = HeadAdapter(head)
     cu = dict(device="cuda")
     idx = torch.arange(R, dtype=torch.int32, **cu)
-    rows, cert, why, by_p = 0, 0, {}, {}
+    rows, cert, why, by_p = 0, 0, {}, {}  # (by min-p, greedy rows apart)
     for b in range(6):
         h = torch.cat([hidden_near_rows(W.cpu(), R - 16, g, scale=float(1 + b % 3)),
                        torch.randn(16, D, generator=g).bfloat16()]).cuda()
         seeds, pos = _seeds_pos(R, g)
         dense = head.dense_logits(h)
         top = dense.float().topk(3, dim=1).indices
-        temp = torch.tensor([(0.7, 1.0, 1.3, 0.3, 2.0)[i % 5] for i in range(R)], **cu)
+        # every seventh row greedy (V2's argmax of the processed logits; min-p leaves it alone)
+        temp = torch.tensor([0.0 if i % 7 == 3 else (0.7, 1.0, 1.3, 0.3, 2.0)[i % 5] for i in range(R)], **cu)
         min_p = torch.tensor([(0.0, 0.05, 0.2, 0.6, 0.9)[(i + b) % 5] for i in range(R)], **cu)
         # logit bias: -8 on each row's top token, +3 on its third (every other row)
         nb = torch.where(idx % 2 == 0, 2, 0).to(torch.int32)
@@ -317,10 +318,10 @@ def test_min_p_and_processor_rows_draw_the_dense_tokens(v2, v2s, screen):
         assert bool((want != pipeline(dense, process=False)).any())  # the processors change draws
         rows += R
         cert += int(res.certified.sum())
-        for r, m, c in zip(res.reason, min_p.tolist(), res.certified.tolist()):
+        for r, m, t, c in zip(res.reason, min_p.tolist(), temp.tolist(), res.certified.tolist()):
             why[r] = why.get(r, 0) + 1
-            by_p.setdefault(round(m, 2), []).append(c)
+            by_p.setdefault("greedy" if t == 0 else round(m, 2), []).append(c)
     print(f"GPU V2 min-p + processor rows, {screen} screen, bf16 {V} x {D}: {rows} rows, {cert / rows:.1%} "
-          f"certified ({why}; by min-p: { {p: f'{sum(c) / len(c):.0%}' for p, c in sorted(by_p.items())} }), "
+          f"certified ({why}; by min-p: { {p: f'{sum(c) / len(c):.0%}' for p, c in sorted(by_p.items(), key=str)} }), "
           f"all draws equal to the dense logits'")
     assert cert / rows > 0.9

@@ -200,6 +200,22 @@ def comparison_margin(x_abs_max: torch.Tensor) -> torch.Tensor:
     return (x_abs_max.double() + 24.0) * 2.0**-23
 
 
+def certify_argmax_v2(ylo: torch.Tensor, yhi: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Certify the token V2's ``gumbel_sample`` picks in a greedy row (temperature 0: no noise,
+    the processed logits' argmax) from ``ylo <= x <= yhi`` (``[R, n]`` float32, ``-inf`` on both
+    for masked tokens). Returns ``(winner [R], certified [R], contenders [R, n])`` as
+    :func:`certify_draw_v2`: with ``w = argmax ylo``, a row is certified when every other column
+    has ``yhi < ylo_w`` (strictly: the kernel's tie-break among equal values is not replayed);
+    rows with NaN or ``+inf`` bounds, or nothing finite, never are."""
+    lo, hi = ylo.double(), yhi.double()
+    usable = (lo > -math.inf).any(1) & ~torch.isnan(lo).any(1) & ~torch.isnan(hi).any(1) & ~(hi == math.inf).any(1)
+    best, winner = lo.max(1)
+    contenders = hi >= best[:, None]
+    contenders.scatter_(1, winner[:, None], True)
+    certified = usable & (contenders.sum(1) == 1)
+    return winner, certified, contenders & usable[:, None]
+
+
 def certify_draw_v2(ylo: torch.Tensor, yhi: torch.Tensor, seeds: torch.Tensor, pos: torch.Tensor,
                     ids: torch.Tensor | None = None, noise: tuple[torch.Tensor, torch.Tensor] | None = None
                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -75,7 +75,8 @@ shape). The V2 runner's structured rows are dense.
 
 The V2 runner (``vllm.v1.worker.gpu.model_runner.GPUModelRunner``, CUDA): its ``Sampler.__call__``
 is wrapped the same way, for temperature-sampling rows with min-p, vLLM's native processors or
-neither (:func:`resolve_v2`; the plan defers no other row there, :func:`~.step_plan._v2_entry`).
+neither, and greedy rows with processors (:func:`resolve_v2`; the plan defers no other row
+there, :func:`~.step_plan._v2_entry`).
 V2 draws such a row with ``gumbel_sample`` from ``fl32(x / T)`` after its processors and min-p,
 and noise hashed from (request seed, position, token), no random state drawn at sampling time,
 so nothing is peeked; the certificate is :func:`~vllm_csv.sampling.rows_v2.certify_rows_v2`, the
@@ -557,8 +558,8 @@ def _unsupported_v2(sampler, d: Deferred, logits: torch.Tensor, input_batch) -> 
         # vLLM then masks every row with its top-k/top-p, or draws the batch with FlashInfer's
         # fused sampler, whose noise is not the one replayed
         return "top-k or top-p rows in the batch"
-    if not bool(np.all(ss.temperature.np[req] > 0)):
-        return "a greedy row (V2 draws it by argmax, not replayed)"
+    if not bool(np.all(ss.temperature.np[req] >= 0)):
+        return "a negative temperature"
     tb = sampler.thinking_budget_state
     if getattr(tb, "enabled", False) and bool(np.any(tb.use_thinking_budget[req])):
         return "a thinking budget"
@@ -600,16 +601,18 @@ def _v2_processors(sampler, input_batch, dev_rows: torch.Tensor, rows_np: np.nda
 def resolve_v2(sampler, d: Deferred, logits: torch.Tensor, input_batch) -> DeferredStats:
     """Fill ``logits``' deferred rows (certified or dense) in place before V2's ``Sampler`` draws.
 
-    The rows are temperature sampling, with min-p or vLLM's native processors or neither
-    (:func:`~.step_plan._v2_entry`): V2 runs the processors, divides by ``T`` (``T = 1``: not at
+    The rows are temperature sampling, with min-p or vLLM's native processors or neither, or
+    greedy with processors (:func:`~.step_plan._v2_entry`): V2 runs the processors, divides by
+    ``T`` (``T`` 0 or 1: not at
     all), applies min-p and draws with ``gumbel_sample``, no top-k or top-p touching the batch, so
     :func:`~vllm_csv.sampling.rows_v2.certify_rows_v2` certifies each row from the processors run
     on its bounds (:func:`_v2_processors`), its min-p, the request's seed
     (``SamplingStates.seeds``, kept per request), the row's position
     (``input_batch.positions[logits_indices]``) and temperature, read the way the kernels read
-    them (through ``expanded_idx_mapping``). Batches where vLLM could draw otherwise (top-k or
-    top-p rows: the fused FlashInfer sampler; speculative decoding; another sampler), greedy
-    rows (V2's argmax at ``T = 0``) and rows with a thinking budget are dense. (Host reads: the
+    them (through ``expanded_idx_mapping``); a greedy row (``T = 0``, deferred for its
+    processors) by V2's argmax. Batches where vLLM could draw otherwise (top-k or top-p rows:
+    the fused FlashInfer sampler; speculative decoding; another sampler) and rows with a thinking
+    budget are dense. (Host reads: the
     per-request states' numpy mirrors, which vLLM keeps on the host.)"""
     t0 = time.perf_counter()
     rows = d.rows

@@ -276,12 +276,11 @@ V2_MODES = ("sampling", "min_p", "processed")  # the rows the V2 sampler hook ce
 
 def _v2_entry(row: tuple[int, str, float], in_sampler: bool) -> tuple[int, str]:
     """A V2 row's ``(k, mode)``: the head's top-k rows as planned; of the rows to certify in the
-    sampler, temperature sampling with min-p, vLLM's native processors or neither (modes
-    :data:`V2_MODES`, temperature above 0) where the V2 sampler is certified (``in_sampler``);
-    the others dense (the V2 hook replays no top-k, top-p, grammar or greedy argmax after
-    processors)."""
-    k, mode, t = row
-    if k > 0 or (k == DEFER and mode in V2_MODES and t > 0 and in_sampler):
+    sampler, temperature sampling with min-p, vLLM's native processors or neither, and greedy
+    rows with processors (modes :data:`V2_MODES`) where the V2 sampler is certified
+    (``in_sampler``); the others dense (the V2 hook replays no top-k, top-p or grammar)."""
+    k, mode, _ = row
+    if k > 0 or (k == DEFER and mode in V2_MODES and in_sampler):
         return k, mode
     return 0, ""
 
