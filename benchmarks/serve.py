@@ -57,6 +57,14 @@ MIXED = {
     "penalties": {"temperature": 0, "presence_penalty": 0.5, "frequency_penalty": 0.3, "repetition_penalty": 1.2},
     "logit_bias": {"temperature": 0.8, "seed": 6, "logit_bias": {"10": 3.0, "50": -5.0, "300": 2.0}},
 }
+# Greedy rows (certified in the head) in the same steps as sampled rows (deferred to the sampler),
+# sent at once like the mixed workload: steps the sampler hook can draw itself.
+GREEDY_BESIDE = {
+    "greedy": {"temperature": 0},
+    "temperature": {"temperature": 0.8, "seed": 2},
+    "top_k": {"temperature": 0.8, "top_k": 20, "seed": 3},
+}
+CONCURRENT = {"mixed": MIXED, "greedy_beside": GREEDY_BESIDE}  # workloads whose modes are sent at once
 
 
 @contextlib.contextmanager
@@ -102,14 +110,14 @@ def server(model: str, csv: bool, args):
 
 
 def workloads(args) -> dict[str, dict]:
-    out = dict(WORKLOADS, mixed=MIXED) if args.mixed else dict(WORKLOADS)
+    out = dict(WORKLOADS, **CONCURRENT) if args.mixed else dict(WORKLOADS)
     return {k: v for k, v in out.items() if k in args.workloads} if args.workloads else out
 
 
 def run_round(complete, name: str, params: dict) -> tuple[list, int]:
-    """One batched request of a workload (the mixed one: every mode at once, from threads, so
-    that the server batches their rows); returns the texts and the completion tokens."""
-    if name == "mixed":
+    """One batched request of a workload (a :data:`CONCURRENT` one: every mode at once, from
+    threads, so that the server batches their rows); returns the texts and the completion tokens."""
+    if name in CONCURRENT:
         with ThreadPoolExecutor(len(params)) as pool:
             outs = list(pool.map(complete, params.values()))
     else:
@@ -281,7 +289,8 @@ def main(argv=None) -> int:
     p.add_argument("--no-off-switch", action="store_true",
                    help="keep CSV on even where it is slower (to measure the certified share)")
     p.add_argument("--mixed", action="store_true",
-                   help="add the mixed workload (greedy, temperature, top-k, top-p, min-p, penalties, logit_bias at once)")
+                   help="add the concurrent workloads: mixed (greedy, temperature, top-k, top-p, min-p, "
+                        "penalties, logit_bias at once) and greedy_beside (greedy, temperature, top-k at once)")
     p.add_argument("--workloads", nargs="*", default=None, help="run only these workloads (names as in the table)")
     p.add_argument("--pairs", type=int, default=1,
                    help="dense/CSV server pairs, run in ABBA order (dense first, then CSV first, ...); the "
