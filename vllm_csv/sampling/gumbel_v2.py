@@ -200,25 +200,9 @@ def comparison_margin(x_abs_max: torch.Tensor) -> torch.Tensor:
     return (x_abs_max.double() + 24.0) * 2.0**-23
 
 
-def certify_argmax_v2(ylo: torch.Tensor, yhi: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Certify the token V2's ``gumbel_sample`` picks in a greedy row (temperature 0: no noise,
-    the processed logits' argmax) from ``ylo <= x <= yhi`` (``[R, n]`` float32, ``-inf`` on both
-    for masked tokens). Returns ``(winner [R], certified [R], contenders [R, n])`` as
-    :func:`certify_draw_v2`: with ``w = argmax ylo``, a row is certified when every other column
-    has ``yhi < ylo_w`` (strictly: the kernel's tie-break among equal values is not replayed);
-    rows with NaN or ``+inf`` bounds, or nothing finite, never are."""
-    lo, hi = ylo.double(), yhi.double()
-    usable = (lo > -math.inf).any(1) & ~torch.isnan(lo).any(1) & ~torch.isnan(hi).any(1) & ~(hi == math.inf).any(1)
-    best, winner = lo.max(1)
-    contenders = hi >= best[:, None]
-    contenders.scatter_(1, winner[:, None], True)
-    certified = usable & (contenders.sum(1) == 1)
-    return winner, certified, contenders & usable[:, None]
-
-
 def certify_draw_v2(ylo: torch.Tensor, yhi: torch.Tensor, seeds: torch.Tensor, pos: torch.Tensor,
-                    ids: torch.Tensor | None = None, noise: tuple[torch.Tensor, torch.Tensor] | None = None
-                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                    ids: torch.Tensor | None = None, noise: tuple[torch.Tensor, torch.Tensor] | None = None,
+                    greedy: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Certify the token V2's ``gumbel_sample`` picks in each row from ``ylo <= x <= yhi``.
 
     Parameters
@@ -232,6 +216,11 @@ def certify_draw_v2(ylo: torch.Tensor, yhi: torch.Tensor, seeds: torch.Tensor, p
         ``[n]`` or ``[R, n]`` int64 token ids of the columns (default: the column is the token).
     noise : tuple of torch.Tensor, optional
         :func:`noise_bounds` of these rows and columns, when the caller already has them.
+    greedy : torch.Tensor, optional
+        ``[R]`` bool: rows drawn at temperature 0, where the kernel adds no noise and returns the
+        argmax of ``x``: no noise and no margin on them (the comparison is of the values
+        themselves), so the winner's lower bound must exceed every other upper bound strictly
+        (the kernel's tie-break among equal values is not replayed).
 
     Returns
     -------
@@ -246,12 +235,16 @@ def certify_draw_v2(ylo: torch.Tensor, yhi: torch.Tensor, seeds: torch.Tensor, p
     if noise is None:
         noise = noise_bounds(seeds, pos, torch.arange(n, device=ylo.device) if ids is None else ids)
     g_lo, g_hi = noise
+    if greedy is not None:
+        g_lo, g_hi = g_lo.masked_fill(greedy[:, None], 0.0), g_hi.masked_fill(greedy[:, None], 0.0)
     lo, hi = ylo.double(), yhi.double()
     finite_lo = lo > -math.inf
     usable = finite_lo.any(1) & ~torch.isnan(lo).any(1) & ~torch.isnan(hi).any(1) & ~(hi == math.inf).any(1)
     absmax = torch.where(torch.isfinite(hi), hi.abs(), 0.0).amax(1).maximum(
         torch.where(torch.isfinite(lo), lo.abs(), 0.0).amax(1))
     m = comparison_margin(absmax)
+    if greedy is not None:
+        m = m.masked_fill(greedy, 0.0)
     nlo = torch.where(finite_lo, lo + g_lo, -math.inf)
     nhi = torch.where(hi > -math.inf, hi + g_hi, -math.inf)
     best, winner = nlo.max(1)

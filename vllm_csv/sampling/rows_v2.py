@@ -8,7 +8,7 @@ Pipeline (per batch of rows V2's ``gumbel_sample`` will draw from, rows with no 
    monotone non-decreasing per token, so the bounds stay bounds);
 3. bounds on what V2 draws from, ``fl32(x / T)`` (:func:`~.gumbel_v2.temperature_bounds`; a row
    with ``T = 1`` is not divided at all, which the bounds hold as well; a greedy row, ``T = 0``,
-   neither: its draw is the argmax, :func:`~.gumbel_v2.certify_argmax_v2`), then min-p on them
+   neither: its draw is the argmax, ``greedy`` in :func:`~.gumbel_v2.certify_draw_v2`), then min-p on them
    (:func:`~.gumbel_v2.min_p_bounds`; the tokens that may be the row's maximum are scored with
    the draw's contenders: they set min-p's threshold);
 4. :func:`~.gumbel_v2.certify_draw_v2` with the rows' request seeds and positions (the noise is
@@ -38,7 +38,7 @@ from typing import Callable
 import torch
 
 from ..ops.bools import any_
-from .gumbel_v2 import certify_argmax_v2, certify_draw_v2, min_p_bounds, noise_bounds, temperature_bounds
+from .gumbel_v2 import certify_draw_v2, min_p_bounds, noise_bounds, temperature_bounds
 from .head_adapter import HeadAdapter
 from .rows import (FIRST_GUESS, MAX_ROUNDS, RowsResult, contended, empty_state, next_columns, reasons, score_columns,
                    screen_bounds)
@@ -62,7 +62,7 @@ def certify_rows_v2(adapter: HeadAdapter, hidden: torch.Tensor, seeds: torch.Ten
         and the position it samples at.
     temp : torch.Tensor
         ``[R]`` float32, each row's temperature (``0``: greedy, V2's argmax of the processed
-        logits, :func:`~.gumbel_v2.certify_argmax_v2`; below 0 never certified).
+        logits, certified without noise; below 0 never certified).
     process : callable, optional
         ``(lo, hi) -> (lo, hi)``: the logits processors V2 runs before the temperature, applied
         to ``[R, V]`` float32 bounds of the rows' logits (out of place); each must be monotone
@@ -81,6 +81,7 @@ def certify_rows_v2(adapter: HeadAdapter, hidden: torch.Tensor, seeds: torch.Ten
     dev = hidden.device
     lo, hi, hnorm, finite, one_sided = screen_bounds(adapter, hidden)
     greedy = temp == 0
+    any_greedy = bool(greedy.any())  # (one sync: the rounds then skip the greedy passes where there is none)
     finite = finite & (temp >= 0)
     t_div = torch.where(greedy, 1.0, temp)  # (greedy rows: no division, bounds replaced below)
     if min_p is not None:  # min-p keeps a row's maximum: a greedy row's argmax is the same either way
@@ -95,7 +96,7 @@ def certify_rows_v2(adapter: HeadAdapter, hidden: torch.Tensor, seeds: torch.Ten
     for rnd in range(MAX_ROUNDS + 1):
         plo, phi = (lo, hi) if process is None else process(lo, hi)
         qlo, qhi = temperature_bounds(plo, phi, t_div)
-        if bool(greedy.any()):
+        if any_greedy:
             qlo, qhi = torch.where(greedy[:, None], plo, qlo), torch.where(greedy[:, None], phi, qhi)
         maxers = None
         if min_p is not None:
@@ -103,11 +104,8 @@ def certify_rows_v2(adapter: HeadAdapter, hidden: torch.Tensor, seeds: torch.Ten
             # contenders, or the threshold stays as loose as their screen bounds
             maxers = (min_p > 0)[:, None] & (qhi >= qlo.amax(1, keepdim=True))
             qlo, qhi, dropped = min_p_bounds(qlo, qhi, min_p)
-        w, cert, contenders = certify_draw_v2(qlo, qhi, seeds, pos, noise=noise)
-        if bool(greedy.any()):
-            wg, cg, kg = certify_argmax_v2(qlo, qhi)
-            w, cert = torch.where(greedy, wg, w), torch.where(greedy, cg, cert)
-            contenders = torch.where(greedy[:, None], kg, contenders)
+        w, cert, contenders = certify_draw_v2(qlo, qhi, seeds, pos, noise=noise,
+                                              greedy=greedy if any_greedy else None)
         if maxers is not None:
             contenders |= maxers
         now = cert & finite & scored[w] & ~certified

@@ -265,17 +265,31 @@ def _unsupported(sampler, md, predict_bonus_token: bool, rows: torch.Tensor) -> 
     return None
 
 
-def _processors_idle(md) -> bool:
-    """Whether vLLM's ``apply_logits_processors`` leaves every row as it is this step (no allowed
-    ids, bad words, penalties, logit bias or min_tokens; :func:`_unsupported` refused the rest):
-    then the map to the draw's inputs is the temperature alone, one division per row."""
+def _processors_idle(md, rows: torch.Tensor | None = None) -> bool:
+    """Whether vLLM's ``apply_logits_processors`` leaves every row (``rows``: those batch rows) as
+    it is this step (no allowed ids, bad words, penalties, logit bias or min_tokens on them;
+    :func:`_unsupported` refused the rest): then the map to the draw's inputs is the temperature
+    alone, one division per row, and a greedy row's token is the argmax of its row as it is."""
     from vllm.v1.sample.logits_processor.builtin import LogitBiasLogitsProcessor, MinTokensLogitsProcessor
 
-    if md.allowed_token_ids_mask is not None or md.bad_words_token_ids or not md.no_penalties:
+    idx = None if rows is None else set(rows.tolist())
+
+    def acts(keys) -> bool:  # a processor keyed by batch row has work on a row asked about
+        return bool(keys) if idx is None else bool(idx & set(keys))
+
+    mask = md.allowed_token_ids_mask
+    if mask is not None and (rows is None or bool(mask[rows].any())):
+        return False
+    if acts(md.bad_words_token_ids or ()):
+        return False
+    if not md.no_penalties and (rows is None or not bool((md.presence_penalties[rows] == 0).all() and
+                                                          (md.frequency_penalties[rows] == 0).all() and
+                                                          (md.repetition_penalties[rows] == 1).all())):
         return False
     for p in md.logitsprocs.non_argmax_invariant:
-        if not ((type(p) is LogitBiasLogitsProcessor and not p.biases) or
-                (type(p) is MinTokensLogitsProcessor and not p.min_toks)):
+        keys = p.biases if type(p) is LogitBiasLogitsProcessor else \
+            p.min_toks if type(p) is MinTokensLogitsProcessor else None
+        if keys is None or acts(keys):
             return False
     return True
 
@@ -443,30 +457,15 @@ def _with_greedy_rows(sampler, logits: torch.Tensor, md, dev_rows: torch.Tensor,
     rows no logits processor touches: vLLM draws each as ``greedy_sample`` of its row as the head
     left it (certified in the head, or dense), cast to fp32 as ``Sampler.forward`` casts it, so
     that call on those rows alone gives their tokens; the deferred rows' are ``winner``. None
-    where a row not deferred is sampled, or some processor acts on it (allowed ids, bad words,
-    penalties, logit bias, min_tokens: :func:`_unsupported` refused every other kind)."""
-    from vllm.v1.sample.logits_processor.builtin import LogitBiasLogitsProcessor, MinTokensLogitsProcessor
-
+    where a row not deferred is sampled, or some processor acts on it (:func:`_processors_idle`)."""
     B = logits.shape[0]
     others = torch.ones(B, dtype=torch.bool, device=logits.device)
     others[dev_rows] = False
     others = others.nonzero().squeeze(1)
-    idx = set(others.tolist())
     if not md.all_greedy and not bool((md.temperature[others.to(md.temperature.device)] < _SAMPLING_EPS).all()):
         return None
-    if md.allowed_token_ids_mask is not None and bool(md.allowed_token_ids_mask[others].any()):
+    if not _processors_idle(md, others):
         return None
-    if idx & set(md.bad_words_token_ids or ()):
-        return None
-    if not md.no_penalties and not bool((md.presence_penalties[others] == 0).all() and
-                                        (md.frequency_penalties[others] == 0).all() and
-                                        (md.repetition_penalties[others] == 1).all()):
-        return None
-    for p in md.logitsprocs.non_argmax_invariant:
-        touched = p.biases if isinstance(p, LogitBiasLogitsProcessor) else \
-            p.min_toks if isinstance(p, MinTokensLogitsProcessor) else None
-        if touched is None or idx & set(touched):
-            return None
     tokens = torch.empty(B, dtype=torch.long, device=logits.device)
     tokens[dev_rows] = winner
     tokens[others] = sampler.greedy_sample(logits[others].to(torch.float32)).long()
