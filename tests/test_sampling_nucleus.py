@@ -5,6 +5,8 @@ import math
 import pytest
 import torch
 
+from vllm_csv.ops import cpu_step
+from vllm_csv.ops.masks import top_p_sums, top_p_sums_ref
 from vllm_csv.sampling import nucleus
 from vllm_csv.sampling.nucleus import min_p_bounds, top_p_bounds
 
@@ -341,8 +343,9 @@ def test_top_p_queries_are_sound(width, listed, monkeypatch):
 def test_top_p_queries_decide_as_the_full_computation(width, monkeypatch):
     """Every asked token is decided as the full computation decides it (no tail: TAIL_SCAN = 0),
     with a list holding every token (each asked token's sums are the whole row's) and with a
-    list of 8 (then 64, then 512, then the full computation, wherever a list leaves undecided a
-    token that exact sums might decide); nothing is decided that the full computation does not."""
+    list of 8 (then each token's whole-row sums, wherever the list leaves undecided a token that
+    exact sums might decide); nothing is decided that the full computation does not. Through the
+    kernel and through its torch reference alike."""
     from vllm_csv.sampling.nucleus import TopPQueries
 
     y, g = peaked_rows(13, R=24, V=2048)
@@ -353,13 +356,99 @@ def test_top_p_queries_decide_as_the_full_computation(width, monkeypatch):
     only = _asked(y, g, 0.2)
     monkeypatch.setattr(nucleus, "TAIL_SCAN", 0)
     k0, d0 = decisions(*top_p_bounds(lo, hi, p), y)
-    monkeypatch.setattr(nucleus, "QUERY_LIST_MAX", 512)
-    for listed in (2048, 8):
+    for listed, sums in ((2048, top_p_sums), (8, top_p_sums), (8, top_p_sums_ref)):
         monkeypatch.setattr(nucleus, "QUERY_LIST", listed)
+        monkeypatch.setattr(nucleus, "top_p_sums", sums)
         k, d = decisions(*TopPQueries(lo, hi, p).bounds(only, only), y)
         assert torch.equal(k & only, k0 & only) and torch.equal(d & only, d0 & only)
         assert not (k & ~k0).any() and not (d & ~d0).any()
     assert (k0 & only).any() and (d0 & only).any()
+
+
+def _tied_rows(seed, R=24, V=1500):
+    """Rows of few distinct values (every token tied with many others) and exact bounds on some
+    rows: top-p's cut falls among tied tokens, where vLLM's sort order decides."""
+    g = torch.Generator().manual_seed(seed)
+    y = torch.randint(-6, 4, (R, V), generator=g).float() * 0.5
+    y[::5, 50:100] = -math.inf  # masked tokens
+    lo, hi = y.clone(), y.clone()
+    wide = torch.arange(R) % 2 == 1
+    lo[wide] -= torch.rand(int(wide.sum()), V, generator=g) * 0.25
+    hi[wide] += torch.rand(int(wide.sum()), V, generator=g) * 0.25
+    return y, lo, hi, g
+
+
+@pytest.mark.parametrize("variant", ["kernel", "reference", "strict_may_follow", "ties_before", "no_own_mass"])
+def test_whole_row_top_p_sums_are_sound(variant, monkeypatch):
+    """Tokens decided on their whole row's sums (a list of 4: nearly every asked token goes
+    there) never contradict vLLM's top-p, on rows of ties; broken sums are caught: one that
+    counts only the tokens strictly above ``ylo_i`` as possibly sorting after ``i``
+    (``strict_may_follow``: a tied token may sort after it), one that counts the tokens tied at
+    ``ylo_i`` as sorting before it (``ties_before``). Leaving ``i``'s own mass out of ``r_lo``
+    (``no_own_mass``) is only weaker: sound, and deciding no more than the full computation."""
+    from vllm_csv.sampling.nucleus import TopPQueries
+
+    def broken(lo, hi, el, eh, qrow, qcol):
+        out = top_p_sums_ref(lo, hi, el, eh, qrow, qcol)
+        lo_q, hi_q, el_q, eh_q = (t[qrow] for t in (lo, hi, el, eh))
+        a = lo_q.gather(1, qcol[:, None])
+        own = torch.zeros_like(lo_q, dtype=torch.bool).scatter_(1, qcol[:, None], True)
+        if variant == "strict_may_follow":
+            out[:, 0] = torch.where((hi_q > a) & ~own, eh_q, 0.0).sum(1)
+        elif variant == "ties_before":
+            out[:, 0] = torch.where((hi_q > a) & ~own, eh_q, 0.0).sum(1)
+            out[:, 1] = torch.where(hi_q <= a, el_q, 0.0).sum(1) - torch.where(own, el_q, 0.0).sum(1)
+        elif variant == "no_own_mass":
+            out[:, 1] -= el_q.gather(1, qcol[:, None])[:, 0]
+        return out
+
+    monkeypatch.setattr(nucleus, "QUERY_LIST", 4)
+    monkeypatch.setattr(nucleus, "TAIL_SCAN", 0)
+    monkeypatch.setattr(nucleus, "top_p_sums", {"kernel": top_p_sums, "reference": top_p_sums_ref}.get(variant, broken))
+    wrong = 0
+    for seed in range(4):
+        y, lo, hi, g = _tied_rows(40 + seed)
+        p = torch.rand(y.shape[0], generator=g) * 0.9 + 0.05
+        kept = torch.isfinite(apply_top_k_top_p_pytorch(y.clone(), None, p))
+        only = torch.isfinite(y) & (torch.rand(y.shape, generator=g) < 0.1)  # (within QUERY_MAX)
+        k, d = decisions(*TopPQueries(lo, hi, p).bounds(only, only), y)
+        wrong += int((k & ~kept).sum() + (d & kept).sum())
+        if variant in ("kernel", "reference", "no_own_mass"):
+            k0, d0 = decisions(*top_p_bounds(lo, hi, p), y)
+            assert not ((k & ~k0) & only).any() and not ((d & ~d0) & only).any()
+            assert (k & only).any() and (d & only).any()
+    assert (wrong == 0) == (variant in ("kernel", "reference", "no_own_mass"))
+
+
+def test_top_p_sums_kernel_is_the_reference():
+    """The kernel's four sums equal the reference's within float64 summation order, on rows
+    longer than the vectors, queries at the first and last columns, -inf bounds, ties at the
+    query's bounds and a token whose bounds are one point; it refuses queries outside the rows
+    and masses of the wrong dtype."""
+    if not cpu_step.kernels_available():
+        pytest.skip("CPU kernels not built")
+    g = torch.Generator().manual_seed(31)
+    R, V = 6, 20011
+    lo = torch.randn(R, V, generator=g) * 4
+    hi = lo + torch.rand(R, V, generator=g)
+    lo[0, :300] = -math.inf
+    hi[1, :300] = lo[1, :300] = -math.inf
+    lo[2, 1000:1100] = lo[2, 5]  # ties at a query's lower bound
+    hi[2, 1100:1200] = lo[2, 5]
+    lo[2, 1200:1300] = hi[2, 5]  # ... and at its upper bound
+    hi[3, 7] = lo[3, 7]
+    c = hi.amax(1, keepdim=True).double()
+    el, eh = torch.exp(lo.double() - c), torch.exp(hi.double() - c)
+    qrow = torch.cat([torch.arange(R).repeat_interleave(5), torch.tensor([0, 0, 1, 1, 2, 3])])
+    qcol = torch.cat([torch.randint(0, V, (5 * R,), generator=g), torch.tensor([0, V - 1, 0, 350, 5, 7])])
+    got = torch.ops.vllm_csv_cpu.top_p_sums(lo, hi, el, eh, qrow, qcol)
+    want = top_p_sums_ref(lo, hi, el, eh, qrow, qcol)
+    assert torch.allclose(got, want, rtol=1e-12, atol=0)
+    assert (want > 0).any(0).all()
+    with pytest.raises(RuntimeError, match="outside"):
+        torch.ops.vllm_csv_cpu.top_p_sums(lo, hi, el, eh, qrow, qcol + V)
+    with pytest.raises(RuntimeError, match="float64"):
+        torch.ops.vllm_csv_cpu.top_p_sums(lo, hi, el.float(), eh, qrow, qcol)
 
 
 @pytest.mark.parametrize("listed,width", [(8, 0.5), (8, 3.0), (256, 0.5)])

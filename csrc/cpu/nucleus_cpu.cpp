@@ -8,9 +8,20 @@
 // top_k_cut, with the row's levels hk = H_k, hk1 = H_(k+1) (of the upper bounds) and lk = L_k:
 //   new_lo = lo >= (hi >= hk ? hk1 : hk) ? lo : -inf      (certainly kept)
 //   new_hi = hi < lk ? -inf : hi                          (certainly dropped)
-// Comparisons only: the outputs are the reference's bit for bit. Why a kernel: torch's where and
+// Comparisons only: the cuts' outputs are the reference's bit for bit. Why a kernel: torch's where and
 // masked_fill on this build run a scalar loop over bool masks (about 0.7 ms each for 8 rows of
 // 65536 tokens on 2 cores, where one vectorised pass takes 30 us).
+//
+// top_p_sums (vllm_csv/sampling/nucleus.py: TopPQueries.bounds; the torch reference is
+// vllm_csv.ops.masks.top_p_sums_ref): for query q, the token i = qcol[q] of row r = qrow[q] of
+// lo, hi ([R, n] float32), with a = lo[r, i], b = hi[r, i] and the row's masses el, eh ([R, n]
+// float64), the four sums over the row's tokens j
+//   n_hi = sum_{j != i, hi_j >= a} eh_j    r_lo = sum_{hi_j < a} el_j
+//   n_lo = sum_{lo_j > b} el_j              r_hi = sum_{lo_j <= b} eh_j
+// (i is in none but r_hi while a <= b: the caller adds its own lower mass to r_lo)
+// into out[q, 0..3] (float64). The order of each float64 sum of nonnegative terms is not the
+// reference's (within gamma_n of it, as any order is). Why a kernel: the reference reads a
+// [Q, n] mask and product per sum; one query's pass over a row of 65536 tokens takes ~20 us here.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -138,14 +149,98 @@ std::tuple<at::Tensor, at::Tensor> top_k_cut(const at::Tensor& lo, const at::Ten
                   });
 }
 
+
+// (always_inline: called twice, it was otherwise compiled once for the base ISA, 10x slower)
+template <int DUMMY>
+__attribute__((always_inline)) inline void top_p_range(const float* lo, const float* hi, const double* el,
+                                                       const double* eh, int64_t j0, int64_t j1, float a, float b,
+                                                       double* acc) {
+  double nh = 0, rl = 0, nl = 0, rh = 0;
+#pragma omp simd reduction(+ : nh, rl, nl, rh)
+  for (int64_t j = j0; j < j1; ++j) {
+    const bool up = hi[j] >= a, after = lo[j] > b;
+    nh += up ? eh[j] : 0.0;
+    rl += up ? 0.0 : el[j];
+    nl += after ? el[j] : 0.0;
+    rh += after ? 0.0 : eh[j];
+  }
+  acc[0] += nh;
+  acc[1] += rl;
+  acc[2] += nl;
+  acc[3] += rh;
+}
+
+template <int DUMMY>
+__attribute__((always_inline)) inline void top_p_query(const float* lo, const float* hi, const double* el,
+                                                       const double* eh, int64_t n, int64_t i, double* out) {
+  const float a = lo[i], b = hi[i];
+  double acc[4] = {0, 0, 0, 0};
+  top_p_range<DUMMY>(lo, hi, el, eh, 0, i, a, b, acc);
+  top_p_range<DUMMY>(lo, hi, el, eh, i + 1, n, a, b, acc);
+  out[0] = acc[0];  // (i itself out of n_hi)
+  out[1] = acc[1] + (hi[i] >= a ? 0.0 : el[i]);
+  out[2] = acc[2] + (lo[i] > b ? el[i] : 0.0);
+  out[3] = acc[3] + (lo[i] > b ? 0.0 : eh[i]);
+}
+
+__attribute__((target("avx512f,avx512dq,avx512bw,avx512vl"))) void top_p_query_avx512(
+    const float* lo, const float* hi, const double* el, const double* eh, int64_t n, int64_t i, double* out) {
+  top_p_query<0>(lo, hi, el, eh, n, i, out);
+}
+
+__attribute__((target("avx2"))) void top_p_query_avx2(const float* lo, const float* hi, const double* el,
+                                                      const double* eh, int64_t n, int64_t i, double* out) {
+  top_p_query<1>(lo, hi, el, eh, n, i, out);
+}
+
+void top_p_query_any(const float* lo, const float* hi, const double* el, const double* eh, int64_t n, int64_t i,
+                     double* out) {
+  top_p_query<2>(lo, hi, el, eh, n, i, out);
+}
+
+at::Tensor top_p_sums(const at::Tensor& lo_in, const at::Tensor& hi_in, const at::Tensor& el_in,
+                      const at::Tensor& eh_in, const at::Tensor& qrow_in, const at::Tensor& qcol_in) {
+  static const auto fn = __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl")
+                             ? top_p_query_avx512
+                             : (__builtin_cpu_supports("avx2") ? top_p_query_avx2 : top_p_query_any);
+  check_cut("top_p_sums", "", lo_in, hi_in, {});
+  TORCH_CHECK(el_in.sizes() == lo_in.sizes() && eh_in.sizes() == lo_in.sizes() &&
+                  el_in.scalar_type() == at::kDouble && eh_in.scalar_type() == at::kDouble && el_in.device().is_cpu() &&
+                  eh_in.device().is_cpu(),
+              "top_p_sums: el, eh [R, n] float64 on the CPU");
+  TORCH_CHECK(qrow_in.dim() == 1 && qcol_in.sizes() == qrow_in.sizes() && qrow_in.scalar_type() == at::kLong &&
+                  qcol_in.scalar_type() == at::kLong && qrow_in.device().is_cpu() && qcol_in.device().is_cpu(),
+              "top_p_sums: qrow, qcol [Q] int64 on the CPU");
+  const int64_t R = lo_in.size(0), n = lo_in.size(1), Q = qrow_in.size(0);
+  const at::Tensor lo = lo_in.contiguous(), hi = hi_in.contiguous(), el = el_in.contiguous(), eh = eh_in.contiguous();
+  const at::Tensor qrow = qrow_in.contiguous(), qcol = qcol_in.contiguous();
+  const int64_t *qr = qrow.data_ptr<int64_t>(), *qc = qcol.data_ptr<int64_t>();
+  for (int64_t q = 0; q < Q; ++q)
+    TORCH_CHECK(qr[q] >= 0 && qr[q] < R && qc[q] >= 0 && qc[q] < n, "top_p_sums: query ", q, " (row ", qr[q],
+                ", column ", qc[q], ") is outside [", R, ", ", n, "]");
+  at::Tensor out = at::empty({Q, 4}, lo.options().dtype(at::kDouble));
+  const float *lp = lo.data_ptr<float>(), *hp = hi.data_ptr<float>();
+  const double *elp = el.data_ptr<double>(), *ehp = eh.data_ptr<double>();
+  double* op = out.data_ptr<double>();
+  at::parallel_for(0, Q, 1, [&](int64_t q0, int64_t q1) {
+    for (int64_t q = q0; q < q1; ++q) {
+      const int64_t off = qr[q] * n;
+      fn(lp + off, hp + off, elp + off, ehp + off, n, qc[q], op + 4 * q);
+    }
+  });
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(vllm_csv_cpu, m) {
   m.def("min_p_cut(Tensor lo, Tensor hi, Tensor keep_at, Tensor drop_at) -> (Tensor, Tensor)");
   m.def("top_k_cut(Tensor lo, Tensor hi, Tensor hk, Tensor hk1, Tensor lk) -> (Tensor, Tensor)");
+  m.def("top_p_sums(Tensor lo, Tensor hi, Tensor el, Tensor eh, Tensor qrow, Tensor qcol) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(vllm_csv_cpu, CPU, m) {
   m.impl("min_p_cut", &min_p_cut);
   m.impl("top_k_cut", &top_k_cut);
+  m.impl("top_p_sums", &top_p_sums);
 }

@@ -28,7 +28,9 @@ Ops (registered as ``torch.ops.vllm_csv_cpu.*`` with fake implementations, so th
   certificate's pass over the vocabulary (noise hash and level thresholds), with ``row_stats``
   and ``pack_live`` (each row's live columns);
 * ``min_p_cut`` and ``top_k_cut`` (:mod:`vllm_csv.ops.masks`, ``csrc/cpu/nucleus_cpu.cpp``):
-  vLLM's min-p and top-k masks on the sampling certificate's bounds, given each row's thresholds;
+  vLLM's min-p and top-k masks on the sampling certificate's bounds, given each row's thresholds,
+  and ``top_p_sums``, the four masses top-p decides a token on, over its whole row (float64 sums
+  in another order than the reference's);
 * ``row_topk`` (:mod:`vllm_csv.ops.topk`, ``csrc/cpu/topk_cpu.cpp``): each row's k largest
   values and their columns, as ``torch.topk``.
 
@@ -510,6 +512,10 @@ def _register_fakes() -> None:
     @torch.library.register_fake(lib + "top_k_cut")
     def _(lo, hi, hk, hk1, lk):
         return torch.empty_like(lo), torch.empty_like(hi)
+
+    @torch.library.register_fake(lib + "top_p_sums")
+    def _(lo, hi, el, eh, qrow, qcol):
+        return lo.new_empty(qrow.shape[0], 4, dtype=torch.float64)
 
     @torch.library.register_fake(lib + "row_topk")
     def _(x, k):

@@ -1,6 +1,7 @@
-"""vLLM's min-p and top-k masks on bounds, given each row's thresholds
-(``csrc/cpu/nucleus_cpu.cpp``), beside their torch references. The thresholds and their proofs
-are :func:`vllm_csv.sampling.nucleus.min_p_bounds`' and :func:`~vllm_csv.sampling.nucleus.top_k_bounds`'.
+"""vLLM's min-p and top-k masks on bounds, given each row's thresholds, and the sums top-p's
+decisions read (``csrc/cpu/nucleus_cpu.cpp``), beside their torch references. The thresholds,
+the decisions and their proofs are :func:`vllm_csv.sampling.nucleus.min_p_bounds`',
+:func:`~vllm_csv.sampling.nucleus.top_k_bounds`' and :class:`~vllm_csv.sampling.nucleus.TopPQueries`'.
 
 Why fused: the reference is two comparisons and two ``where`` over ``[R, V]``; torch's ``where``
 and ``masked_fill`` on bool masks run a scalar loop on the CPU (about 0.7 ms each for 8 rows of
@@ -14,6 +15,8 @@ import math
 import torch
 
 from .cpu_step import load_ops, uses_kernels
+
+SUMS_CHUNK = 1 << 22  # top_p_sums_ref: elements of a chunk's [queries, n] temporaries
 
 
 def min_p_cut_ref(lo: torch.Tensor, hi: torch.Tensor, keep_at: torch.Tensor,
@@ -78,3 +81,49 @@ def top_k_cut(lo: torch.Tensor, hi: torch.Tensor, hk: torch.Tensor, hk1: torch.T
     if uses_kernels(lo):
         return load_ops().top_k_cut(lo, hi, hk, hk1, lk)
     return top_k_cut_ref(lo, hi, hk, hk1, lk)
+
+
+def top_p_sums_ref(lo: torch.Tensor, hi: torch.Tensor, el: torch.Tensor, eh: torch.Tensor,
+                   qrow: torch.Tensor, qcol: torch.Tensor) -> torch.Tensor:
+    """The four masses top-p decides a token on (:mod:`vllm_csv.sampling.nucleus`, "top-p"), each
+    summed over the whole row.
+
+    Parameters
+    ----------
+    lo, hi : torch.Tensor
+        ``[R, n]`` float32 bounds.
+    el, eh : torch.Tensor
+        ``[R, n]`` float64 masses ``e^(lo - c)``, ``e^(hi - c)`` (shifted by the row's ``c``).
+    qrow, qcol : torch.Tensor
+        ``[Q]`` int64: the queried tokens, token ``i = qcol[q]`` of row ``qrow[q]``.
+
+    Returns
+    -------
+    torch.Tensor
+        ``[Q, 4]`` float64: with ``a = lo_i``, ``b = hi_i``, ``n_hi = sum_{j != i, hi_j >= a} eh_j``
+        (the upper masses of the tokens that may sort after ``i``), ``r_lo = sum_{hi_j < a} el_j``
+        (the lower masses of those that sort before it; ``i``'s own is the caller's to add),
+        ``n_lo = sum_{lo_j > b} el_j`` (those that must sort after it), ``r_hi = sum_{lo_j <= b} eh_j``.
+    """
+    step = max(1, SUMS_CHUNK // max(1, lo.shape[1]))  # queries a chunk: [step, n] temporaries
+    out = []
+    for q0 in range(0, qrow.shape[0], step):
+        r, c = qrow[q0:q0 + step], qcol[q0:q0 + step]
+        lo_q, hi_q, el_q, eh_q = (t[r] for t in (lo, hi, el, eh))  # [q, n]
+        a = lo_q.gather(1, c[:, None])
+        b = hi_q.gather(1, c[:, None])
+        up, after = hi_q >= a, lo_q > b
+        own = torch.zeros_like(up).scatter_(1, c[:, None], True)
+        zero = torch.zeros((), dtype=el.dtype, device=el.device)
+        out.append(torch.stack([torch.where(up & ~own, eh_q, zero).sum(1), torch.where(up, zero, el_q).sum(1),
+                                torch.where(after, el_q, zero).sum(1), torch.where(after, zero, eh_q).sum(1)], 1))
+    return torch.cat(out) if out else el.new_zeros((0, 4))
+
+
+def top_p_sums(lo: torch.Tensor, hi: torch.Tensor, el: torch.Tensor, eh: torch.Tensor,
+               qrow: torch.Tensor, qcol: torch.Tensor) -> torch.Tensor:
+    """Same as :func:`top_p_sums_ref` (the float64 sums in another order); one pass over the row
+    per query on the CPU where the kernel is built."""
+    if uses_kernels(lo):
+        return load_ops().top_p_sums(lo, hi, el, eh, qrow, qcol)
+    return top_p_sums_ref(lo, hi, el, eh, qrow, qcol)
