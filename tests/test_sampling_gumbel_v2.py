@@ -22,29 +22,32 @@ from vllm_csv.sampling import gumbel_v2
 triton = pytest.importorskip("triton")
 vllm = pytest.importorskip("vllm")
 GUMBEL_PY = Path(vllm.__file__).parent / "v1" / "worker" / "gpu" / "sample" / "gumbel.py"
+BENCH = Path(__file__).resolve().parents[1] / "benchmarks"  # v2_sampler_gpu.load_vllm_v2_sample
 
 REFERENCE = textwrap.dedent("""
-    import os, sys, types
+    import os, sys, textwrap
     os.environ["TRITON_INTERPRET"] = "1"
-    import torch, triton, triton.language as tl
-    src = open(sys.argv[1]).read().replace("from vllm.triton_utils import tl, triton",
-                                           "import triton, triton.language as tl")
-    mod = types.ModuleType("vllm_v2_gumbel")
-    exec(compile(src, sys.argv[1], "exec"), mod.__dict__)
+    import torch, triton
+    sys.path.insert(0, sys.argv[1])
+    from v2_sampler_gpu import load_vllm_v2_gumbel
 
-    @triton.jit
-    def noise_kernel(seed_ptr, pos_ptr, r_ptr, u_ptr, g_ptr, n, BLOCK: tl.constexpr):
-        row = tl.program_id(0)
-        blk = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-        m = blk < n
-        seed = tl.load(seed_ptr + row)
-        pos = tl.load(pos_ptr + row)
-        r = mod.murmur3_hash32(seed, pos, blk)
-        u = mod.murmur3_uniform32(seed, pos, blk)
-        g = -tl.log(-mod._log1p_neg_stable(u))  # gumbel_noised_argmax's fp32 noise
-        tl.store(r_ptr + row * n + blk, r.to(tl.int64), mask=m)
-        tl.store(u_ptr + row * n + blk, u, mask=m)
-        tl.store(g_ptr + row * n + blk, g, mask=m)
+    NOISE = textwrap.dedent('''
+        @triton.jit
+        def noise_kernel(seed_ptr, pos_ptr, r_ptr, u_ptr, g_ptr, n, BLOCK: tl.constexpr):
+            row = tl.program_id(0)
+            blk = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+            m = blk < n
+            seed = tl.load(seed_ptr + row)
+            pos = tl.load(pos_ptr + row)
+            r = murmur3_hash32(seed, pos, blk)
+            u = murmur3_uniform32(seed, pos, blk)
+            g = -tl.log(-_log1p_neg_stable(u))  # gumbel_noised_argmax's fp32 noise
+            tl.store(r_ptr + row * n + blk, r.to(tl.int64), mask=m)
+            tl.store(u_ptr + row * n + blk, u, mask=m)
+            tl.store(g_ptr + row * n + blk, g, mask=m)
+    ''')
+    mod = load_vllm_v2_gumbel(NOISE)
+    noise_kernel = mod.noise_kernel
 
     case = torch.load(sys.argv[2])
     out = {}
@@ -67,8 +70,8 @@ def vllm_v2_run(case: dict, d: Path) -> dict:
     every row and token (unless ``case["noise"]`` is False) and ``gumbel_sample``'s draw, with
     ``case``'s ``idx_mapping`` (default: row = request slot) and ``apply_temperature``."""
     torch.save(case, d / "case.pt")
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    p = subprocess.run([sys.executable, "-c", REFERENCE, str(GUMBEL_PY), str(d / "case.pt"), str(d / "out.pt")],
+    env = dict(os.environ, TRITON_INTERPRET="1", VLLM_V2_GUMBEL_PY=str(GUMBEL_PY))
+    p = subprocess.run([sys.executable, "-c", REFERENCE, str(BENCH), str(d / "case.pt"), str(d / "out.pt")],
                        capture_output=True, text=True, env=env, timeout=900)
     if p.returncode != 0:
         pytest.skip(f"Triton's interpreter could not run vLLM's kernel here: {p.stderr[-500:]}")
@@ -220,8 +223,7 @@ MIN_P_REFERENCE = textwrap.dedent("""
 def vllm_min_p(x: torch.Tensor, min_p: torch.Tensor, d: Path) -> torch.Tensor:
     """vLLM's V2 ``apply_min_p`` on ``x`` (row i reading ``min_p[i]``), Triton's interpreter."""
     torch.save((x.clone(), min_p), d / "min_p.pt")
-    bench = Path(__file__).resolve().parents[1] / "benchmarks"
-    p = subprocess.run([sys.executable, "-c", MIN_P_REFERENCE, str(bench), str(d / "min_p.pt"), str(d / "min_p_out.pt")],
+    p = subprocess.run([sys.executable, "-c", MIN_P_REFERENCE, str(BENCH), str(d / "min_p.pt"), str(d / "min_p_out.pt")],
                        capture_output=True, text=True, env=dict(os.environ, TRITON_INTERPRET="1"), timeout=900)
     if p.returncode != 0:
         pytest.skip(f"Triton's interpreter could not run vLLM's kernel here: {p.stderr[-500:]}")
