@@ -636,7 +636,9 @@ class TopPQueries:
         the vectorised fp32 ``exp`` adds at most 64 ulps; the float64 sum of at most ``V``
         nonnegative terms ``gamma_V`` (double): so ``(1 +- 512u)`` covers it all, and ``V 2^-126``
         whatever underflows (either way)."""
-        e = torch.exp(y.scatter(1, self.ih, -math.inf) - self.c).sum(1, dtype=torch.float64)
+        # (the listed terms zeroed after the exp, in place: the same sum as exp(-inf) there, and
+        # one [r, V] temporary where scattering -inf first took two)
+        e = torch.sub(y, self.c).exp_().scatter_(1, self.ih, 0.0).sum(1, dtype=torch.float64)
         tiny = y.shape[1] * 2.0**-126
         if side > 0:
             return e * (1 + 512 * _U) + tiny
