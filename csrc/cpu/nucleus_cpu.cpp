@@ -149,7 +149,6 @@ std::tuple<at::Tensor, at::Tensor> top_k_cut(const at::Tensor& lo, const at::Ten
                   });
 }
 
-
 // (always_inline: called twice, it was otherwise compiled once for the base ISA, 10x slower)
 template <int DUMMY>
 __attribute__((always_inline)) inline void top_p_range(const float* lo, const float* hi, const double* el,
