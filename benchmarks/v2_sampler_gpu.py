@@ -74,6 +74,27 @@ def load_vllm_v2_sample(name: str, extra: str = ""):
     return module
 
 
+# A Triton kernel writing vLLM V2's per-token hash, uniform and fp32 Gumbel noise of every row and
+# token (``[R, n]`` each), to be appended to vLLM's ``gumbel.py`` (``load_vllm_v2_gumbel(NOISE_KERNEL)``)
+# so that it calls vLLM's own jit functions by their global names.
+NOISE_KERNEL = '''
+
+@triton.jit
+def _csv_noise_kernel(seed_ptr, pos_ptr, r_ptr, u_ptr, g_ptr, n, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    blk = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    m = blk < n
+    seed = tl.load(seed_ptr + row)
+    pos = tl.load(pos_ptr + row)
+    r = murmur3_hash32(seed, pos, blk)
+    u = murmur3_uniform32(seed, pos, blk)
+    g = -tl.log(-_log1p_neg_stable(u))  # gumbel_noised_argmax's fp32 noise
+    tl.store(r_ptr + row * n + blk, r.to(tl.int64), mask=m)
+    tl.store(u_ptr + row * n + blk, u, mask=m)
+    tl.store(g_ptr + row * n + blk, g, mask=m)
+'''
+
+
 def load_vllm_v2_gumbel(extra: str = ""):
     """:func:`load_vllm_v2_sample` of ``gumbel``."""
     return load_vllm_v2_sample("gumbel", extra)

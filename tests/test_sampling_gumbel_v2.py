@@ -25,29 +25,14 @@ GUMBEL_PY = Path(vllm.__file__).parent / "v1" / "worker" / "gpu" / "sample" / "g
 BENCH = Path(__file__).resolve().parents[1] / "benchmarks"  # v2_sampler_gpu.load_vllm_v2_sample
 
 REFERENCE = textwrap.dedent("""
-    import os, sys, textwrap
+    import os, sys
     os.environ["TRITON_INTERPRET"] = "1"
     import torch, triton
     sys.path.insert(0, sys.argv[1])
-    from v2_sampler_gpu import load_vllm_v2_gumbel
+    from v2_sampler_gpu import NOISE_KERNEL, load_vllm_v2_gumbel
 
-    NOISE = textwrap.dedent('''
-        @triton.jit
-        def noise_kernel(seed_ptr, pos_ptr, r_ptr, u_ptr, g_ptr, n, BLOCK: tl.constexpr):
-            row = tl.program_id(0)
-            blk = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-            m = blk < n
-            seed = tl.load(seed_ptr + row)
-            pos = tl.load(pos_ptr + row)
-            r = murmur3_hash32(seed, pos, blk)
-            u = murmur3_uniform32(seed, pos, blk)
-            g = -tl.log(-_log1p_neg_stable(u))  # gumbel_noised_argmax's fp32 noise
-            tl.store(r_ptr + row * n + blk, r.to(tl.int64), mask=m)
-            tl.store(u_ptr + row * n + blk, u, mask=m)
-            tl.store(g_ptr + row * n + blk, g, mask=m)
-    ''')
-    mod = load_vllm_v2_gumbel(NOISE)
-    noise_kernel = mod.noise_kernel
+    mod = load_vllm_v2_gumbel(NOISE_KERNEL)
+    noise_kernel = mod._csv_noise_kernel
 
     case = torch.load(sys.argv[2])
     out = {}

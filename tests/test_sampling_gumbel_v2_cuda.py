@@ -24,28 +24,10 @@ import torch
 from vllm_csv.sampling import gumbel_v2
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-from v2_sampler_gpu import load_vllm_v2_gumbel, load_vllm_v2_sample  # noqa: E402
+from v2_sampler_gpu import NOISE_KERNEL, load_vllm_v2_gumbel, load_vllm_v2_sample  # noqa: E402
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")]
 triton = pytest.importorskip("triton")
-
-# Appended to vLLM's module so that it calls vLLM's own jit functions by their global names.
-NOISE_KERNEL = '''
-
-@triton.jit
-def _csv_noise_kernel(seed_ptr, pos_ptr, r_ptr, u_ptr, g_ptr, n, BLOCK: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)
-    blk = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    m = blk < n
-    seed = tl.load(seed_ptr + row)
-    pos = tl.load(pos_ptr + row)
-    r = murmur3_hash32(seed, pos, blk)
-    u = murmur3_uniform32(seed, pos, blk)
-    g = -tl.log(-_log1p_neg_stable(u))  # gumbel_noised_argmax's fp32 noise
-    tl.store(r_ptr + row * n + blk, r.to(tl.int64), mask=m)
-    tl.store(u_ptr + row * n + blk, u, mask=m)
-    tl.store(g_ptr + row * n + blk, g, mask=m)
-'''
 
 
 @pytest.fixture(scope="module")
