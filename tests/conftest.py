@@ -12,6 +12,17 @@ def peaked_head(V: int, d: int, seed: int = 0, dtype=torch.float32):
     return W.to(dtype), g
 
 
+def peaked_rows(seed, R=48, V=8192):
+    """``(y, g)``: rows shaped like a learned head's after temperature, a few leading tokens over
+    a long tail, with exact ties (columns 0-4 equal to 5-9); ``g`` the generator, to draw on."""
+    g = torch.Generator().manual_seed(seed)
+    y = torch.randn(R, V, generator=g) * 2
+    lead = torch.randint(0, V, (R, 8), generator=g)
+    y.scatter_(1, lead, torch.rand(R, 8, generator=g) * 12 + 4)
+    y[:, :5] = y[:, 5:10]  # exact ties
+    return y, g
+
+
 def hidden_near_rows(W: torch.Tensor, B: int, g, scale: float = 6.0, noise: float = 0.3):
     t = torch.randint(0, W.shape[0], (B,), generator=g)
     h = scale * W[t].float() * W.shape[1] ** 0.5 + noise * torch.randn(B, W.shape[1], generator=g)

@@ -10,6 +10,7 @@ import math
 import pytest
 import torch
 
+from conftest import peaked_rows
 from vllm_csv.ops.masks import top_p_sums, top_p_sums_ref
 from vllm_csv.sampling import nucleus
 
@@ -17,11 +18,7 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 
 
 def _rows(seed, R=24, V=4096):
-    g = torch.Generator().manual_seed(seed)
-    y = torch.randn(R, V, generator=g) * 2
-    lead = torch.randint(0, V, (R, 8), generator=g)
-    y.scatter_(1, lead, torch.rand(R, 8, generator=g) * 12 + 4)
-    y[:, :5] = y[:, 5:10]  # exact ties
+    y, g = peaked_rows(seed, R, V)
     y[::6, 100:200] = -math.inf
     lo = y - torch.rand(y.shape, generator=g) * 0.2
     hi = y + torch.rand(y.shape, generator=g) * 0.2

@@ -5,6 +5,7 @@ import math
 import pytest
 import torch
 
+from conftest import peaked_rows
 from vllm_csv.ops import cpu_step
 from vllm_csv.ops.masks import top_p_sums, top_p_sums_ref
 from vllm_csv.sampling import nucleus
@@ -66,16 +67,6 @@ def test_a_negative_margin_is_caught(monkeypatch):
     kept = torch.isfinite(apply_top_k_top_p_pytorch(y.clone(), None, p))
     k, d = decisions(*top_p_bounds(y, y, p), y)
     assert (k & ~kept).any() or (d & kept).any()
-
-
-def peaked_rows(seed, R=48, V=8192):
-    """Rows shaped like a learned head's after temperature: a few leading tokens over a long tail."""
-    g = torch.Generator().manual_seed(seed)
-    y = torch.randn(R, V, generator=g) * 2
-    lead = torch.randint(0, V, (R, 8), generator=g)
-    y.scatter_(1, lead, torch.rand(R, 8, generator=g) * 12 + 4)
-    y[:, :5] = y[:, 5:10]  # exact ties
-    return y, g
 
 
 @pytest.mark.parametrize("width", [0.0, 1e-3, 0.3])

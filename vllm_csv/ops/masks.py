@@ -106,6 +106,7 @@ def top_p_sums_ref(lo: torch.Tensor, hi: torch.Tensor, el: torch.Tensor, eh: tor
         ``n_lo = sum_{lo_j > b} el_j`` (those that must sort after it), ``r_hi = sum_{lo_j <= b} eh_j``.
     """
     step = max(1, SUMS_CHUNK // max(1, lo.shape[1]))  # queries a chunk: [step, n] temporaries
+    zero = torch.zeros((), dtype=el.dtype, device=el.device)
     out = []
     for q0 in range(0, qrow.shape[0], step):
         r, c = qrow[q0:q0 + step], qcol[q0:q0 + step]
@@ -114,7 +115,6 @@ def top_p_sums_ref(lo: torch.Tensor, hi: torch.Tensor, el: torch.Tensor, eh: tor
         b = hi_q.gather(1, c[:, None])
         up, after = hi_q >= a, lo_q > b
         own = torch.zeros_like(up).scatter_(1, c[:, None], True)
-        zero = torch.zeros((), dtype=el.dtype, device=el.device)
         out.append(torch.stack([torch.where(up & ~own, eh_q, zero).sum(1), torch.where(up, zero, el_q).sum(1),
                                 torch.where(after, el_q, zero).sum(1), torch.where(after, zero, eh_q).sum(1)], 1))
     return torch.cat(out) if out else el.new_zeros((0, 4))
