@@ -7,7 +7,7 @@ import torch
 
 from conftest import peaked_rows
 from vllm_csv.ops import cpu_step
-from vllm_csv.ops.masks import top_p_sums, top_p_sums_ref
+from vllm_csv.ops.masks import top_p_sums, top_p_sums_ref, unlisted_masses, unlisted_masses_ref
 from vllm_csv.sampling import nucleus
 from vllm_csv.sampling.nucleus import min_p_bounds, top_p_bounds
 
@@ -440,6 +440,79 @@ def test_top_p_sums_kernel_is_the_reference():
         torch.ops.vllm_csv_cpu.top_p_sums(lo, hi, el, eh, qrow, qcol + V)
     with pytest.raises(RuntimeError, match="float64"):
         torch.ops.vllm_csv_cpu.top_p_sums(lo, hi, el.float(), eh, qrow, qcol)
+
+
+def test_unlisted_masses_kernel_is_the_reference():
+    """The kernel's exp (SLEEF's, from libtorch) is within 1 ulp of exp on every normal result
+    (the proof allows 64) and within 2^-149 below them; its sums equal the reference's within the
+    two exps' ulps and float64 summation order, on rows longer than the vectors with a tail, -inf
+    bounds, listed tokens at the first and last columns, a row whose shift is 0 and a list of no
+    tokens; it refuses listed tokens outside the rows."""
+    ops = cpu_step.load_ops()
+    if ops is None or not ops.unlisted_masses_supported():
+        pytest.skip("CPU kernels not built, or no AVX-512 / SLEEF exp")
+    # one term a row: the sum is the term
+    x = torch.cat([torch.rand(100_000, generator=torch.Generator().manual_seed(5)) * -110,
+                   torch.tensor([0.0, -1e-7, -87.0, -87.4, -88.7, -103.9, -104.0, -150.0, -math.inf])])[:, None]
+    one = ops.unlisted_masses(x, x, torch.zeros(x.shape[0], 1), torch.empty(x.shape[0], 0, dtype=torch.long))
+    exact = torch.exp(x[:, 0].double())
+    normal = exact >= 2.0**-126
+    ulp = (torch.nextafter(exact.float(), torch.tensor(math.inf)) - exact.float()).double()
+    for side in one.unbind(1):
+        assert ((side - exact).abs() <= ulp)[normal].all()
+        assert ((side - exact).abs() <= 2.0**-149)[~normal].all()
+    g = torch.Generator().manual_seed(32)
+    R, V = 5, 20011
+    hi = torch.randn(R, V, generator=g) * 4
+    lo = hi - torch.rand(R, V, generator=g)
+    lo[0, :300] = -math.inf
+    hi[1, :300] = lo[1, :300] = -math.inf
+    c = hi.amax(1, keepdim=True)
+    c[2] = 0.0
+    ih = torch.stack([torch.randperm(V, generator=g)[:64] for _ in range(R)])
+    ih[3, :2] = torch.tensor([0, V - 1])
+    for k in (ih, ih[:, :0]):
+        got, want = ops.unlisted_masses(lo, hi, c, k), unlisted_masses_ref(lo, hi, c, k)
+        assert torch.allclose(got, want, rtol=2 * 2.0**-24, atol=0) and (want > 0).all()
+    assert unlisted_masses(lo, hi, c, ih).equal(ops.unlisted_masses(lo, hi, c, ih))
+    with pytest.raises(RuntimeError, match="outside"):
+        ops.unlisted_masses(lo, hi, c, ih + V)
+
+
+@pytest.mark.parametrize("variant", ["kernel", "reference", "lower_too_high", "upper_too_low"])
+def test_unlisted_masses_bound_the_exact_sums(variant, monkeypatch):
+    """TopPQueries' masses off the list bound the exact sums over those tokens (computed in
+    float64 from the fp32 bounds): the upper one from ``hi`` at least, the lower one from ``lo``
+    at most, through the kernel and the reference, on rows of five spreads with ties and -inf
+    and on learned-head-shaped rows; sums off by 1e-4 of themselves (past the 512 u widening, 3e-5)
+    are caught."""
+    from vllm_csv.sampling.nucleus import TopPQueries
+
+    def off(sign_lo, sign_hi):
+        def f(lo, hi, c, ih):
+            s = unlisted_masses_ref(lo, hi, c, ih)
+            return s * torch.tensor([1 + sign_lo * 1e-4, 1 + sign_hi * 1e-4], dtype=torch.float64)
+        return f
+
+    variants = {"kernel": unlisted_masses, "reference": unlisted_masses_ref,
+                "lower_too_high": off(+1, 0), "upper_too_low": off(0, -1)}
+    monkeypatch.setattr(nucleus, "unlisted_masses", variants[variant])
+    caught = 0
+    for y, g in (rows(41), peaked_rows(42)):
+        p = torch.full((y.shape[0],), 0.9)
+        lo = y - torch.rand(y.shape, generator=g) * 0.3
+        q = TopPQueries(lo, y, p)
+        r = q.rows
+        lo_r, hi_r = lo[r].double(), y[r].double()
+        keep = ~q.is_listed
+        c = q.c.double()
+        ex_hi = torch.where(keep, torch.exp(hi_r - c), 0.0).sum(1)
+        ex_lo = torch.where(keep, torch.exp(lo_r - c), 0.0).sum(1)
+        ok = q.usable
+        bad = ((q.unl_h < ex_hi) | (q.unl_l > ex_lo)) & ok
+        caught += int(bad.sum())
+        assert (ex_hi[ok] > 0).all()
+    assert (caught == 0) == (variant in ("kernel", "reference"))
 
 
 @pytest.mark.parametrize("listed,width", [(8, 0.5), (8, 3.0), (256, 0.5)])

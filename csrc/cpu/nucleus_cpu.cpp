@@ -22,16 +22,32 @@
 // into out[q, 0..3] (float64). The order of each float64 sum of nonnegative terms is not the
 // reference's (within gamma_n of it, as any order is). Why a kernel: the reference reads a
 // [Q, n] mask and product per sum; one query's pass over a row of 65536 tokens takes ~20 us here.
+//
+// unlisted_masses (vllm_csv/sampling/nucleus.py: TopPQueries._unlisted; the torch reference is
+// vllm_csv.ops.masks.unlisted_masses_ref): for row r of lo, hi ([R, n] float32) with its shift c[r]
+// (float32) and its listed tokens ih[r] ([R, K] int64), out[r] = (sum of fl(exp(fl(lo_j - c))),
+// the same of hi_j) over the tokens j not listed, in float64 (any order: within gamma_n of the
+// reference's). exp is SLEEF's expf16_u10 (at most 1 ulp; the function torch's own exp runs on
+// AVX-512 CPUs), from libtorch: no AVX-512 or no such symbol, and the op refuses (the caller
+// takes the reference). Why a kernel: the reference makes four passes over [R, n] (subtract, exp,
+// and a float64 copy of the row before its sum), about 1.9 ms a side for 32 rows of 65536 tokens
+// on 2 cores, and top-p's rounds take both sides of each row several times a step.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
+
+#include <immintrin.h>
 
 #include <algorithm>
 #include <cstdint>
 #include <initializer_list>
 #include <limits>
 #include <tuple>
+#include <vector>
+
+// SLEEF's vectorised expf, as libtorch exports it (weak: a libtorch without it leaves it null).
+extern "C" __m512 Sleef_expf16_u10(__m512) __attribute__((weak));
 
 namespace {
 
@@ -230,9 +246,67 @@ at::Tensor top_p_sums(const at::Tensor& lo_in, const at::Tensor& hi_in, const at
   return out;
 }
 
+bool unlisted_masses_supported() {
+  static const bool ok = Sleef_expf16_u10 != nullptr && __builtin_cpu_supports("avx512f") &&
+                         __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl") &&
+                         __builtin_cpu_supports("avx512dq");
+  return ok;
+}
+
+// One row: out[0] = sum over unlisted j of exp(lo_j - c), out[1] the same of hi (keep[j] != 0:
+// not listed). Lanes past n load 0 and are dropped after the exp (exp(-c) may be inf there).
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512dq"))) void unlisted_row(
+    const float* lo, const float* hi, const uint8_t* keep, int64_t n, float c, double* out) {
+  const __m512 cv = _mm512_set1_ps(c);
+  __m512d al0 = _mm512_setzero_pd(), al1 = _mm512_setzero_pd(), ah0 = _mm512_setzero_pd(),
+          ah1 = _mm512_setzero_pd();
+  for (int64_t j = 0; j < n; j += 16) {
+    const __mmask16 in = n - j >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (n - j)) - 1);
+    const __mmask16 k = _mm_mask_test_epi8_mask(in, _mm_maskz_loadu_epi8(in, keep + j), _mm_set1_epi8(-1));
+    const __m512 el = _mm512_maskz_mov_ps(k, Sleef_expf16_u10(_mm512_sub_ps(_mm512_maskz_loadu_ps(in, lo + j), cv)));
+    const __m512 eh = _mm512_maskz_mov_ps(k, Sleef_expf16_u10(_mm512_sub_ps(_mm512_maskz_loadu_ps(in, hi + j), cv)));
+    al0 = _mm512_add_pd(al0, _mm512_cvtps_pd(_mm512_castps512_ps256(el)));
+    al1 = _mm512_add_pd(al1, _mm512_cvtps_pd(_mm512_extractf32x8_ps(el, 1)));
+    ah0 = _mm512_add_pd(ah0, _mm512_cvtps_pd(_mm512_castps512_ps256(eh)));
+    ah1 = _mm512_add_pd(ah1, _mm512_cvtps_pd(_mm512_extractf32x8_ps(eh, 1)));
+  }
+  out[0] = _mm512_reduce_add_pd(_mm512_add_pd(al0, al1));
+  out[1] = _mm512_reduce_add_pd(_mm512_add_pd(ah0, ah1));
+}
+
+at::Tensor unlisted_masses(const at::Tensor& lo_in, const at::Tensor& hi_in, const at::Tensor& c_in,
+                           const at::Tensor& ih_in) {
+  TORCH_CHECK(unlisted_masses_supported(), "unlisted_masses needs AVX-512 and libtorch's Sleef_expf16_u10");
+  check_cut("unlisted_masses", "", lo_in, hi_in, {});
+  const int64_t R = lo_in.size(0), n = lo_in.size(1);
+  TORCH_CHECK(c_in.numel() == R && c_in.scalar_type() == at::kFloat && c_in.device().is_cpu(),
+              "unlisted_masses: c [R] (or [R, 1]) float32 on the CPU");
+  TORCH_CHECK(ih_in.dim() == 2 && ih_in.size(0) == R && ih_in.scalar_type() == at::kLong && ih_in.device().is_cpu(),
+              "unlisted_masses: ih [R, K] int64 on the CPU");
+  const at::Tensor lo = lo_in.contiguous(), hi = hi_in.contiguous(), c = c_in.contiguous(), ih = ih_in.contiguous();
+  const int64_t K = ih.size(1);
+  const int64_t* ip = ih.data_ptr<int64_t>();
+  for (int64_t i = 0; i < R * K; ++i)
+    TORCH_CHECK(ip[i] >= 0 && ip[i] < n, "unlisted_masses: listed token ", ip[i], " is outside [0, ", n, ")");
+  at::Tensor out = at::empty({R, 2}, lo.options().dtype(at::kDouble));
+  const float *lp = lo.data_ptr<float>(), *hp = hi.data_ptr<float>(), *cp = c.data_ptr<float>();
+  double* op = out.data_ptr<double>();
+  at::parallel_for(0, R, 1, [&](int64_t r0, int64_t r1) {
+    std::vector<uint8_t> keep(n, 1);
+    for (int64_t r = r0; r < r1; ++r) {
+      for (int64_t k = 0; k < K; ++k) keep[ip[r * K + k]] = 0;
+      unlisted_row(lp + r * n, hp + r * n, keep.data(), n, cp[r], op + 2 * r);
+      for (int64_t k = 0; k < K; ++k) keep[ip[r * K + k]] = 1;
+    }
+  });
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(vllm_csv_cpu, m) {
+  m.def("unlisted_masses_supported() -> bool");
+  m.def("unlisted_masses(Tensor lo, Tensor hi, Tensor c, Tensor ih) -> Tensor");
   m.def("min_p_cut(Tensor lo, Tensor hi, Tensor keep_at, Tensor drop_at) -> (Tensor, Tensor)");
   m.def("top_k_cut(Tensor lo, Tensor hi, Tensor hk, Tensor hk1, Tensor lk) -> (Tensor, Tensor)");
   m.def("top_p_sums(Tensor lo, Tensor hi, Tensor el, Tensor eh, Tensor qrow, Tensor qcol) -> Tensor");
@@ -242,4 +316,9 @@ TORCH_LIBRARY_IMPL(vllm_csv_cpu, CPU, m) {
   m.impl("min_p_cut", &min_p_cut);
   m.impl("top_k_cut", &top_k_cut);
   m.impl("top_p_sums", &top_p_sums);
+  m.impl("unlisted_masses", &unlisted_masses);
+}
+
+TORCH_LIBRARY_IMPL(vllm_csv_cpu, CompositeExplicitAutograd, m) {
+  m.impl("unlisted_masses_supported", &unlisted_masses_supported);
 }

@@ -29,8 +29,10 @@ Ops (registered as ``torch.ops.vllm_csv_cpu.*`` with fake implementations, so th
   and ``pack_live`` (each row's live columns);
 * ``min_p_cut`` and ``top_k_cut`` (:mod:`vllm_csv.ops.masks`, ``csrc/cpu/nucleus_cpu.cpp``):
   vLLM's min-p and top-k masks on the sampling certificate's bounds, given each row's thresholds,
-  and ``top_p_sums``, the four masses top-p decides a token on, over its whole row (float64 sums
-  in another order than the reference's);
+  ``top_p_sums``, the four masses top-p decides a token on, over its whole row, and
+  ``unlisted_masses``, a row's masses off top-p's list of tokens (float64 sums in another order
+  than the reference's; ``unlisted_masses`` takes SLEEF's fp32 exp from libtorch, as torch's
+  own exp on AVX-512 CPUs, and runs only where it is there);
 * ``row_topk`` (:mod:`vllm_csv.ops.topk`, ``csrc/cpu/topk_cpu.cpp``): each row's k largest
   values and their columns, as ``torch.topk``.
 
@@ -516,6 +518,10 @@ def _register_fakes() -> None:
     @torch.library.register_fake(lib + "top_p_sums")
     def _(lo, hi, el, eh, qrow, qcol):
         return lo.new_empty(qrow.shape[0], 4, dtype=torch.float64)
+
+    @torch.library.register_fake(lib + "unlisted_masses")
+    def _(lo, hi, c, ih):
+        return lo.new_empty(lo.shape[0], 2, dtype=torch.float64)
 
     @torch.library.register_fake(lib + "row_topk")
     def _(x, k):

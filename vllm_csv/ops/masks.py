@@ -127,3 +127,48 @@ def top_p_sums(lo: torch.Tensor, hi: torch.Tensor, el: torch.Tensor, eh: torch.T
     if uses_kernels(lo):
         return load_ops().top_p_sums(lo, hi, el, eh, qrow, qcol)
     return top_p_sums_ref(lo, hi, el, eh, qrow, qcol)
+
+
+def unlisted_masses_ref(lo: torch.Tensor, hi: torch.Tensor, c: torch.Tensor, ih: torch.Tensor) -> torch.Tensor:
+    """The masses of the tokens off top-p's list (:class:`vllm_csv.sampling.nucleus.TopPQueries`,
+    whose ``_unlisted`` bounds the exact sums from these).
+
+    Parameters
+    ----------
+    lo, hi : torch.Tensor
+        ``[R, n]`` float32 bounds.
+    c : torch.Tensor
+        ``[R, 1]`` float32: each row's shift (at least every ``hi`` of the row, or 0).
+    ih : torch.Tensor
+        ``[R, K]`` int64: each row's listed tokens (distinct).
+
+    Returns
+    -------
+    torch.Tensor
+        ``[R, 2]`` float64: ``sum_j fl32(exp(fl32(lo_j - c)))`` and the same of ``hi`` over the
+        tokens ``j`` not listed, the fp32 terms summed in float64 (``-inf`` -> 0).
+    """
+    def side(y: torch.Tensor) -> torch.Tensor:
+        # (the listed terms zeroed after the exp, in place: one [R, n] temporary)
+        return torch.sub(y, c).exp_().scatter_(1, ih, 0.0).sum(1, dtype=torch.float64)
+
+    return torch.stack([side(lo), side(hi)], 1)
+
+
+def unlisted_masses(lo: torch.Tensor, hi: torch.Tensor, c: torch.Tensor, ih: torch.Tensor) -> torch.Tensor:
+    """Same as :func:`unlisted_masses_ref`, the float64 sums in another order and the exp SLEEF's
+    (1 ulp, as torch's own on AVX-512 CPUs): one pass over both sides on CPUs where the kernel
+    runs (AVX-512, and libtorch exports ``Sleef_expf16_u10``), the reference elsewhere."""
+    if uses_kernels(lo) and _unlisted_kernel():
+        return load_ops().unlisted_masses(lo, hi, c, ih)
+    return unlisted_masses_ref(lo, hi, c, ih)
+
+
+def _unlisted_kernel() -> bool:
+    ok = _KERNEL.get("unlisted")
+    if ok is None:
+        ok = _KERNEL["unlisted"] = bool(load_ops().unlisted_masses_supported())
+    return ok
+
+
+_KERNEL: dict[str, bool] = {}  # whether a kernel that depends on the CPU runs here (asked once)

@@ -149,7 +149,7 @@ import torch
 from ..fp import gamma, round_down32, round_up32
 from ..ops.bools import all_, any_
 from ..ops.gather import put_rows, rows_of
-from ..ops.masks import min_p_cut, top_k_cut, top_p_sums
+from ..ops.masks import min_p_cut, top_k_cut, top_p_sums, unlisted_masses
 from ..ops.topk import row_topk
 from ..ops.noise import row_stats
 from .outside import Outside
@@ -567,8 +567,7 @@ class TopPQueries:
         self.kth = th[:, -1].double()
         self.is_listed = torch.zeros_like(hi, dtype=torch.bool).scatter_(1, self.ih, True)
         # masses off the list, summed directly (fp32 exp, float64 sum, widened: docstring)
-        self.unl_h = self._unlisted(hi, +1)
-        self.unl_l = self._unlisted(lo, -1)
+        self.unl_h, self.unl_l = self._unlisted(lo, hi)
         self.p_keep, self.p_drop = _top_p_cuts(top_p[self.rows].double(), V)
         self._index(lo, hi)
 
@@ -629,20 +628,17 @@ class TopPQueries:
         c = self.c.double() if rows is None else self.c[rows, 0].double()
         return torch.exp(y - c)
 
-    def _unlisted(self, y: torch.Tensor, side: int) -> torch.Tensor:
-        """``[r]`` float64: an upper (``side`` 1) or lower (-1) bound of the sum of ``e^(y_j - c)``
-        over the tokens off the list. ``fl32(y_j - c)`` is within ``u |y_j - c|`` of ``y_j - c``
-        (``y_j <= c``), which moves a normal ``e^x`` (``x >= -87``) by at most ``88u`` relatively;
-        the vectorised fp32 ``exp`` adds at most 64 ulps; the float64 sum of at most ``V``
-        nonnegative terms ``gamma_V`` (double): so ``(1 +- 512u)`` covers it all, and ``V 2^-126``
-        whatever underflows (either way)."""
-        # (the listed terms zeroed after the exp, in place: the same sum as exp(-inf) there, and
-        # one [r, V] temporary where scattering -inf first took two)
-        e = torch.sub(y, self.c).exp_().scatter_(1, self.ih, 0.0).sum(1, dtype=torch.float64)
-        tiny = y.shape[1] * 2.0**-126
-        if side > 0:
-            return e * (1 + 512 * _U) + tiny
-        return (e * (1 - 512 * _U) - tiny).clamp_min(0)
+    def _unlisted(self, lo: torch.Tensor, hi: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``([r], [r])`` float64: an upper bound of the sum of ``e^(hi_j - c)`` and a lower bound of
+        the sum of ``e^(lo_j - c)`` over the tokens off the list. ``fl32(y_j - c)`` is within
+        ``u |y_j - c|`` of ``y_j - c`` (``y_j <= c``), which moves a normal ``e^x`` (``x >= -87``)
+        by at most ``88u`` relatively; the vectorised fp32 ``exp`` (torch's, or SLEEF's 1-ulp one
+        in the CPU kernel, :func:`~vllm_csv.ops.masks.unlisted_masses`) adds at most 64 ulps; the
+        float64 sum of at most ``V`` nonnegative terms, in any order, ``gamma_V`` (double): so
+        ``(1 +- 512u)`` covers it all, and ``V 2^-126`` whatever underflows (either way)."""
+        e_lo, e_hi = unlisted_masses(lo, hi, self.c, self.ih).unbind(1)
+        tiny = lo.shape[1] * 2.0**-126
+        return e_hi * (1 + 512 * _U) + tiny, (e_lo * (1 - 512 * _U) - tiny).clamp_min(0)
 
     def _decide_whole(self, ri: torch.Tensor, ci: torch.Tensor, p_keep: torch.Tensor,
                       p_drop: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
