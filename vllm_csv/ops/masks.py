@@ -17,6 +17,7 @@ import torch
 from .cpu_step import load_ops, uses_kernels
 
 SUMS_CHUNK = 1 << 22  # top_p_sums_ref: elements of a chunk's [queries, n] temporaries
+_KERNEL: dict[str, bool] = {}  # whether a kernel that depends on the CPU's features runs here (asked once)
 
 
 def min_p_cut_ref(lo: torch.Tensor, hi: torch.Tensor, keep_at: torch.Tensor,
@@ -165,10 +166,9 @@ def unlisted_masses(lo: torch.Tensor, hi: torch.Tensor, c: torch.Tensor, ih: tor
 
 
 def _unlisted_kernel() -> bool:
+    """Whether ``unlisted_masses``' kernel runs on this CPU (AVX-512 and SLEEF's exp in libtorch)."""
     ok = _KERNEL.get("unlisted")
     if ok is None:
         ok = _KERNEL["unlisted"] = bool(load_ops().unlisted_masses_supported())
     return ok
 
-
-_KERNEL: dict[str, bool] = {}  # whether a kernel that depends on the CPU runs here (asked once)
