@@ -56,6 +56,7 @@ import math
 import torch
 
 from ..fp import round_down32, round_up32
+from ..ops.topk import row_topk
 from .certificate import certify_draw
 from .gumbel import noise_bits, noise_of_bits
 from .head_adapter import HeadAdapter
@@ -124,7 +125,7 @@ def _explicit_and_block(plo, phi, vals, g, samp, finite, start, min_p):
     if n == 0:
         return torch.cat([ex.reshape(-1), block.reshape(-1), finite.float()])
     m1 = min(EXPLICIT, n)
-    i1 = phi.topk(m1, dim=1).indices
+    i1 = row_topk(phi, m1).indices
     key2 = torch.where(samp[:, None] & NOISY_KEY, phi.double() + g, phi.double()).scatter_(1, i1, -math.inf)
     m2 = min(EXPLICIT, n - m1)
     sel = torch.cat([i1, key2.topk(m2, dim=1).indices], 1) if m2 else i1
@@ -291,7 +292,7 @@ def certify_rows_sharded(adapter: ShardedAdapter, hidden: torch.Tensor, process:
         need = (cert.contenders & ~scored)[open_rows].any(0)
         blind = open_rows & ~cert.finite & (yhi > -math.inf).any(1)
         if bool(blind.any()):  # as certify_rows: no token certainly kept yet
-            top = yhi[blind].topk(min(FIRST_GUESS, V), dim=1)
+            top = row_topk(yhi[blind], min(FIRST_GUESS, V))
             need[top.indices[top.values > -math.inf]] = True
             need &= ~scored_col
             cert.contenders[blind] = False
