@@ -227,7 +227,7 @@ def _rounds(adapter: HeadAdapter, hidden: torch.Tensor, bounds: tuple, process: 
     if masked is not None:
         lo.masked_fill_(masked, -math.inf)
         hi.masked_fill_(masked, -math.inf)
-    values, scored, _, certified, winner, over_budget = empty_state(adapter, R, dev)
+    values, scored, certified, winner, over_budget = empty_state(adapter, R, dev)
     # the results, all R rows: a row's are written once, when it leaves the loop
     out = RowsResult(values, certified.clone(), winner.clone(), [], 0)
     out_over, all_finite = over_budget.clone(), finite
@@ -460,10 +460,11 @@ def budget_of(adapter: HeadAdapter) -> int:
 
 def empty_state(adapter: HeadAdapter, R: int, dev: torch.device):
     """A loop's start: ``values [R, V]`` all ``-inf`` (model dtype), nothing scored (``[V]``
-    bool), the budget in tokens, and per row not certified, winner 0, not over budget."""
+    bool), and per row not certified, winner 0, not over budget (the budget is the caller's:
+    :func:`budget_of`, or a share of it)."""
     V = adapter.vocab_size
     return (torch.full((R, V), -math.inf, dtype=adapter.dtype, device=dev), torch.zeros(V, dtype=torch.bool, device=dev),
-            budget_of(adapter), torch.zeros(R, dtype=torch.bool, device=dev),
+            torch.zeros(R, dtype=torch.bool, device=dev),
             torch.zeros(R, dtype=torch.long, device=dev), torch.zeros(R, dtype=torch.bool, device=dev))
 
 

@@ -40,8 +40,8 @@ import torch
 from ..ops.bools import any_
 from .gumbel_v2 import certify_draw_v2, min_p_bounds, noise_bounds, temperature_bounds
 from .head_adapter import HeadAdapter
-from .rows import (FIRST_GUESS, MAX_ROUNDS, RowsResult, contended, empty_state, next_columns, reasons, score_columns,
-                   screen_bounds)
+from .rows import (FIRST_GUESS, MAX_ROUNDS, RowsResult, budget_of, contended, empty_state, next_columns, reasons,
+                   score_columns, screen_bounds)
 
 
 Bounds = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
@@ -86,7 +86,8 @@ def certify_rows_v2(adapter: HeadAdapter, hidden: torch.Tensor, seeds: torch.Ten
     t_div = torch.where(greedy, 1.0, temp)  # (greedy rows: no division, bounds replaced below)
     if min_p is not None:  # min-p keeps a row's maximum: a greedy row's argmax is the same either way
         min_p = min_p.masked_fill(greedy, 0.0)
-    values, scored, budget, certified, winner, over_budget = empty_state(adapter, R, dev)
+    values, scored, certified, winner, over_budget = empty_state(adapter, R, dev)
+    budget = budget_of(adapter)
     noise = noise_bounds(seeds, pos, torch.arange(V, device=dev))
 
     if one_sided and bool(finite.any()):  # no lower bounds: score the likely winners first
