@@ -17,7 +17,6 @@ import torch
 from .cpu_step import load_ops, uses_kernels
 
 SUMS_CHUNK = 1 << 22  # top_p_sums_ref: elements of a chunk's [queries, n] temporaries
-_KERNEL: dict[str, bool] = {}  # whether a kernel that depends on the CPU's features runs here (asked once)
 
 
 def min_p_cut_ref(lo: torch.Tensor, hi: torch.Tensor, keep_at: torch.Tensor,
@@ -160,15 +159,7 @@ def unlisted_masses(lo: torch.Tensor, hi: torch.Tensor, c: torch.Tensor, ih: tor
     """Same as :func:`unlisted_masses_ref`, the float64 sums in another order and the exp SLEEF's
     (1 ulp, as torch's own on AVX-512 CPUs): one pass over both sides on CPUs where the kernel
     runs (AVX-512, and libtorch exports ``Sleef_expf16_u10``), the reference elsewhere."""
-    if uses_kernels(lo) and _unlisted_kernel():
+    # (the op answers from what it found once, at its first call)
+    if uses_kernels(lo) and load_ops().unlisted_masses_supported():
         return load_ops().unlisted_masses(lo, hi, c, ih)
     return unlisted_masses_ref(lo, hi, c, ih)
-
-
-def _unlisted_kernel() -> bool:
-    """Whether ``unlisted_masses``' kernel runs on this CPU (AVX-512 and SLEEF's exp in libtorch)."""
-    ok = _KERNEL.get("unlisted")
-    if ok is None:
-        ok = _KERNEL["unlisted"] = bool(load_ops().unlisted_masses_supported())
-    return ok
-
