@@ -120,27 +120,36 @@ def test_resolve_v2_leaves_batches_vllm_draws_otherwise_dense(why):
 
 
 def test_v2_plan_defers_sampled_rows_with_min_p_or_processors_to_a_certified_sampler():
-    """Temperature rows, with min-p or processors or neither, and greedy rows with processors are
-    deferred where the V2 sampler is certified (and no tensor parallelism); top-p rows stay
-    dense there, and plain greedy rows are certified in the head."""
+    """Temperature rows, with min-p, processors, structured output or none of these, and greedy
+    rows with processors or structured output are deferred where the V2 sampler is certified
+    (and no tensor parallelism); top-p rows stay dense there (a structured one is deferred, and
+    the hook sends its batch dense), a structured row with min_tokens is dense, and plain
+    greedy rows are certified in the head."""
     from vllm import SamplingParams
+    from vllm.sampling_params import StructuredOutputsParams
 
+    json = StructuredOutputsParams(json={"type": "object"})
     params = {"a": SamplingParams(temperature=0), "b": SamplingParams(temperature=0.7, seed=3),
               "c": SamplingParams(temperature=0.8, top_p=0.9), "d": SamplingParams(temperature=1.0, presence_penalty=1),
               "e": SamplingParams(temperature=0.9, top_k=5), "f": SamplingParams(temperature=0.8, min_p=0.1),
-              "g": SamplingParams(temperature=0, logit_bias={3: 2.0})}
+              "g": SamplingParams(temperature=0, logit_bias={3: 2.0}),
+              "h": SamplingParams(temperature=0, structured_outputs=json),
+              "i": SamplingParams(temperature=0.7, structured_outputs=json),
+              "j": SamplingParams(temperature=0.7, top_p=0.9, structured_outputs=json),
+              "k": SamplingParams(temperature=0, min_tokens=2, structured_outputs=json)}
     ids = list(params)
     D = step_plan.DEFER
     ok = SimpleNamespace(_csv_sampling_params=params, sampler=fake_sampler(np.ones(SLOTS, np.float32), np.zeros(SLOTS, np.int64)))
     p = step_plan._v2_plan(ok, ids, 64)
-    assert p.topk == [1, D, 0, D, 5, D, D]
-    assert p.modes == ["greedy", "sampling", "", "processed", "top_k", "min_p", "processed"]
-    assert p.deferred == [1, 3, 5, 6] and p.row_temps[1] == pytest.approx(0.7) and p.row_temps[6] == 0.0
+    assert p.topk == [1, D, 0, D, 5, D, D, D, D, D, 0]
+    assert p.modes == ["greedy", "sampling", "", "processed", "top_k", "min_p", "processed", "structured",
+                       "structured", "structured", ""]
+    assert p.deferred == [1, 3, 5, 6, 7, 8, 9] and p.row_temps[1] == pytest.approx(0.7) and p.row_temps[6] == 0.0
     tp = SimpleNamespace(_csv_sampling_params=params, sampler=ok.sampler,
                          vllm_config=SimpleNamespace(parallel_config=SimpleNamespace(tensor_parallel_size=2)))
     other = SimpleNamespace(_csv_sampling_params=params, sampler=object())
     for runner in (tp, other):
-        assert step_plan._v2_plan(runner, ids, 64).topk == [1, 0, 0, 0, 5, 0, 0]
+        assert step_plan._v2_plan(runner, ids, 64).topk == [1, 0, 0, 0, 5, 0, 0, 0, 0, 0, 0]
 
 
 def test_the_v2_runner_and_sampler_are_wrapped():
@@ -247,3 +256,47 @@ def test_resolve_v2_min_p_and_processors_draw_the_dense_tokens(tmp_path, seed, s
     assert n >= 0.7 * len(c["rows"]) and {"min_p", "processed"} <= set(ok["certified"]), ok
     for bad in c["variants"][1:]:
         assert not torch.equal(out[bad]["draw"], dense), bad
+
+
+def structured_case(seed: int, screen: str) -> dict:
+    """:func:`processed_case` with a grammar on about half the deferred rows (V2's bitmask,
+    ``v2_interpreted._grammar``): each forbids its row's two most likely tokens and a random half of the
+    others (bit ``j`` of word ``w`` allows token ``32 w + j``), so a certificate that ignores
+    it draws forbidden tokens; one row's grammar allows everything (a request in its reasoning
+    phase, or whose grammar has terminated)."""
+    c = processed_case(seed, screen=screen)
+    g = torch.Generator().manual_seed(100 + seed)
+    W, h = c["W"], c["h"]
+    top = torch.nn.functional.linear(h.float(), W.float()).topk(2, dim=1).indices
+    rows = c["rows"].tolist()
+    masks, modes = {}, list(c["modes"])
+    for i, r in enumerate(rows):
+        if i % 2:
+            continue
+        allow = torch.rand(V, generator=g) < 0.5
+        allow[top[r]] = False
+        if i == 4:
+            allow[:] = True
+        bits = allow.view(-1, 32).long() << torch.arange(32)
+        masks[r] = bits.sum(1).to(torch.int64).remainder(2**32).sub(2**32 * (bits.sum(1) >= 2**31).long()).to(torch.int32)
+        modes[i] = "structured"
+    c["bitmask"], c["modes"] = masks, modes
+    return c
+
+
+@pytest.mark.parametrize("seed,screen", [(0, "fp16"), (1, "int8")])
+def test_resolve_v2_structured_rows_draw_the_dense_tokens(tmp_path, seed, screen):
+    """Structured rows (V2's grammar bitmask on the head's output, the placeholders included,
+    then vLLM's V2 ``Sampler.sample``), with min-p, processors and greedy
+    rows among them: the hook's rows give the tokens the masked dense logits give, certified
+    ones and dense ones alike (``none``: every row dense, the grammar's ``-inf`` written back);
+    a certificate that ignores the grammar is caught."""
+    c = structured_case(seed, screen)
+    c["variants"] = ["ok", "no_mask", "none"] if seed == 0 else ["ok", "none"]
+    out = v2_pipeline(c, tmp_path)
+    dense, ok = out["dense"], out["ok"]
+    assert torch.equal(ok["draw"], dense), (ok, dense)
+    assert ok["certified"].get("structured", 0) >= 0.6 * c["modes"].count("structured"), ok
+    assert torch.equal(out["none"]["draw"], dense) and not out["none"]["certified"], out["none"]
+    if "no_mask" in out:
+        assert not torch.equal(out["no_mask"]["draw"], dense)

@@ -13,11 +13,15 @@ CASE (a ``torch.save``'d dict): the head ``W`` ``[V, d]``, hidden states ``h`` `
 ``rows`` and their ``modes``, the hook ``variants`` to run, ``SLOTS`` and, per slot,
 ``temp``, ``min_p``, ``seeds``, ``rep``, ``freq``, ``pres``, ``min_tokens``, ``bias`` (``{token: value}`` dicts),
 ``allowed`` (token lists), ``stop`` (stop token lists, masked while ``min_len`` is not reached),
-``bad`` (single-token bad words), ``prompt`` and ``output`` (token lists: the penalties' counts).
+``bad`` (single-token bad words), ``prompt`` and ``output`` (token lists: the penalties' counts),
+and optionally ``bitmask``: ``{row: [ceil(V / 32)] int32}``, the grammar's packed bitmask of
+structured rows, applied to the head's output (the dense logits and the placeholders alike)
+before the sampler, as V2's runner applies it (:func:`_grammar`).
 OUT gets, per variant of the hook (``ok``; ``no_min_p``: the certificate told no min-p;
-``no_process``: no processors; ``no_drop``: min-p's dropped tokens left in the written row),
-the tokens drawn from the hook's rows and its counts, and the tokens drawn from the dense
-logits.
+``no_process``: no processors; ``no_drop``: min-p's dropped tokens left in the written row;
+``no_mask``: the certificate told no grammar mask; ``none``: no row certified, every row the
+dense path's), the tokens drawn from the hook's rows and its counts, and the tokens drawn from
+the dense logits.
 """
 
 from __future__ import annotations
@@ -118,6 +122,31 @@ def _sampler(c):
     return s
 
 
+def _grammar(c: dict, B: int):
+    """V2's ``StructuredOutputsWorker.apply_grammar_bitmask`` on a ``[B, V]`` batch of one logit
+    row per request, on the rows of ``c["bitmask"]``, in place. V2's kernel
+    (``_apply_grammar_bitmask_kernel``) is "adapted from" xgrammar's and writes what it writes
+    (exactly ``-inf`` on the tokens whose bit is clear, below ``V``; nothing else), but Triton's
+    interpreter cannot run its masked store ("mask has unsupported dtype"): xgrammar's own CPU
+    kernel runs instead, on an fp32 copy (as vLLM's V1 path does on the CPU: an exact round
+    trip for bf16)."""
+    import torch
+    import xgrammar
+
+    order = sorted(c["bitmask"])
+    words = c["bitmask"][order[0]].numel()
+    bitmask = torch.full((B, words), -1, dtype=torch.int32)  # (rows without a grammar: every token allowed)
+    for r in order:
+        bitmask[r] = c["bitmask"][r]
+
+    def apply(logits):
+        x = logits.float()
+        xgrammar.apply_token_bitmask_inplace(x, bitmask, indices=order)
+        return logits.copy_(x)
+
+    return apply
+
+
 def run(c: dict) -> dict:
     import torch
     import triton
@@ -147,15 +176,26 @@ def run(c: dict) -> dict:
                               batch.expanded_local_pos, batch.seq_lens_cpu_upper_bound.numpy())[0]
 
     real = rows_v2.certify_rows_v2
+
+    def none(*a, **k):
+        r = real(*a, **k)
+        return rows_v2.RowsResult(r.values, torch.zeros_like(r.certified), r.winner,
+                                  ["uncertified"] * r.certified.numel(), r.scored)
+
     variants = {
         "ok": real,
-        "no_min_p": lambda *a, process=None, min_p=None: real(*a, process=process),
-        "no_process": lambda *a, process=None, min_p=None: real(*a, min_p=min_p),
+        "no_min_p": lambda *a, process=None, min_p=None, masked=None: real(*a, process=process, masked=masked),
+        "no_process": lambda *a, process=None, min_p=None, masked=None: real(*a, min_p=min_p, masked=masked),
+        "no_mask": lambda *a, masked=None, **k: real(*a, **k),
+        "none": none,
     }
+    grammar = _grammar(c, B) if c.get("bitmask") else (lambda x: x)
+    dense = grammar(dense)
     out = {"dense": draw(dense), "rows": rows}
     for name in c["variants"]:
-        logits = dense.clone()
+        logits = head.dense_logits(h).clone()
         logits[rows] = sampler_hook.PLACEHOLDER
+        logits = grammar(logits)  # (V2's runner: the bitmask on the head's output, then the sampler)
         d = sampler_hook.Deferred(logits, h[rows].clone(), rows, list(c["modes"]), HeadAdapter(head),
                                   lambda: head.dense_logits(h), lambda st: None)
         bounds = rows_v2.min_p_bounds

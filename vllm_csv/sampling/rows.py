@@ -234,11 +234,7 @@ def _rounds(adapter: HeadAdapter, hidden: torch.Tensor, bounds: tuple, process: 
     live = torch.arange(R, device=dev)  # the rows in the loop (indices into the R rows)
 
     def add(ids: torch.Tensor) -> None:
-        score_columns(adapter, hidden, hnorm, ids, values, lo, hi, scored)
-        if masked is not None:
-            m = masked[:, ids]
-            lo[:, ids] = lo[:, ids].masked_fill(m, -math.inf)
-            hi[:, ids] = hi[:, ids].masked_fill(m, -math.inf)
+        score_columns(adapter, hidden, hnorm, ids, values, lo, hi, scored, masked)
 
     def leave(rows: torch.Tensor, yhi: torch.Tensor | None) -> None:
         # the rows ``rows`` ([n] bool over the live rows) leave the loop in this round: results
@@ -415,14 +411,21 @@ def _finish_rows(out: torch.Tensor, rows: torch.Tensor, s_idx: torch.Tensor, val
 
 
 def score_columns(adapter: HeadAdapter, hidden: torch.Tensor, hnorm: torch.Tensor, ids: torch.Tensor,
-                  values: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, scored: torch.Tensor) -> None:
+                  values: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, scored: torch.Tensor,
+                  masked: torch.Tensor | None = None) -> None:
     """Score the columns ``ids`` exactly, in place: their values into ``values``, their bounds
     into ``lo, hi`` (both bounds hold: the tighter is kept, so bounds only tighten, which
-    :func:`~.certificate.ruled_out` relies on), and mark them ``scored``."""
+    :func:`~.certificate.ruled_out` relies on), and mark them ``scored``. The tokens of
+    ``masked`` (``[R, V]`` bool, set to ``-inf`` upstream: the grammar bitmask) keep ``-inf``
+    bounds (the exact score of a token the grammar removed is not what the sampler sees)."""
     v, lower, upper = adapter.score(hidden, ids, hnorm)
     values[:, ids] = v
     lo[:, ids] = torch.maximum(lo[:, ids], lower)
     hi[:, ids] = torch.minimum(hi[:, ids], upper)
+    if masked is not None:
+        m = masked[:, ids]
+        lo[:, ids] = lo[:, ids].masked_fill(m, -math.inf)
+        hi[:, ids] = hi[:, ids].masked_fill(m, -math.inf)
     scored[ids] = True
 
 

@@ -1,9 +1,13 @@
-"""Certify rows of vLLM's Model Runner V2 draw (CUDA): temperature sampling, with min-p and
-vLLM's native logits processors (logit bias, allowed ids, min_tokens, penalties, bad words).
+"""Certify rows of vLLM's Model Runner V2 draw (CUDA): temperature sampling, with min-p,
+vLLM's native logits processors (logit bias, allowed ids, min_tokens, penalties, bad words)
+and structured output (the grammar bitmask).
 
 Pipeline (per batch of rows V2's ``gumbel_sample`` will draw from, rows with no top-k or top-p):
 
-1. bounds on every token's logit from the head's screen (:class:`.HeadAdapter`);
+1. bounds on every token's logit from the head's screen (:class:`.HeadAdapter`); ``-inf`` on
+   both sides for the tokens the grammar bitmask removed (``masked``: V2's runner sets them to
+   exactly ``-inf`` in the head's output before the sampler runs, and every V2 processor, the
+   temperature and min-p keep ``-inf`` there), also once they are scored;
 2. the processors on both bounds (``process``: the caller runs vLLM's own ones; each is
    monotone non-decreasing per token, so the bounds stay bounds);
 3. bounds on what V2 draws from, ``fl32(x / T)`` (:func:`~.gumbel_v2.temperature_bounds`; a row
@@ -22,7 +26,7 @@ at the end): the loop's length and the tokens it scores depend on them. The head
 outside vLLM's CUDA graphs, as does this loop.
 
 A certified row is handed to V2's sampler as exact values on the scored set ``S`` and ``-inf``
-elsewhere, and ``-inf`` on the tokens min-p certainly drops: V2's unchanged pipeline then runs
+elsewhere, and ``-inf`` on the tokens min-p certainly drops and on the grammar's: V2's unchanged pipeline then runs
 its processors, temperature and min-p on it and draws. Each processor acts per token, so every
 finite value it makes lies within its token's bounds; the partial row's maximum is at most the
 full row's, so its min-p threshold is at most the full row's: the winner (certainly kept) stays,
@@ -48,8 +52,8 @@ Bounds = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor
 
 
 def certify_rows_v2(adapter: HeadAdapter, hidden: torch.Tensor, seeds: torch.Tensor, pos: torch.Tensor,
-                    temp: torch.Tensor, process: Bounds | None = None, min_p: torch.Tensor | None = None
-                    ) -> RowsResult:
+                    temp: torch.Tensor, process: Bounds | None = None, min_p: torch.Tensor | None = None,
+                    masked: torch.Tensor | None = None) -> RowsResult:
     """Certify V2's draw for each row of ``hidden``.
 
     Parameters
@@ -69,17 +73,22 @@ def certify_rows_v2(adapter: HeadAdapter, hidden: torch.Tensor, seeds: torch.Ten
         non-decreasing per token. None: no processor acts on these rows.
     min_p : torch.Tensor, optional
         ``[R]`` float32, each row's ``min_p`` (0: none). None: no row has one.
+    masked : torch.Tensor, optional
+        ``[R, V]`` bool, the tokens the grammar bitmask set to ``-inf`` (None: none).
 
     Returns
     -------
     RowsResult
         ``values [R, V]`` in the model dtype (exact on ``S``, ``-inf`` elsewhere and on the
-        tokens min-p certainly drops), ``certified``, ``winner``, a reason per row that is not
+        tokens min-p certainly drops or ``masked`` holds), ``certified``, ``winner``, a reason per row that is not
         certified, ``|S|``.
     """
     R, V = hidden.shape[0], adapter.vocab_size
     dev = hidden.device
     lo, hi, hnorm, finite, one_sided = screen_bounds(adapter, hidden)
+    if masked is not None:
+        lo.masked_fill_(masked, -math.inf)
+        hi.masked_fill_(masked, -math.inf)
     greedy = temp == 0
     any_greedy = bool(greedy.any())  # (one sync: the rounds then skip the greedy passes where there is none)
     finite = finite & (temp >= 0)
@@ -92,7 +101,7 @@ def certify_rows_v2(adapter: HeadAdapter, hidden: torch.Tensor, seeds: torch.Ten
 
     if one_sided and bool(finite.any()):  # no lower bounds: score the likely winners first
         score_columns(adapter, hidden, hnorm, hi[finite].topk(min(FIRST_GUESS, V), dim=1).indices.unique(),
-                      values, lo, hi, scored)
+                      values, lo, hi, scored, masked)
     dropped = None
     for rnd in range(MAX_ROUNDS + 1):
         plo, phi = (lo, hi) if process is None else process(lo, hi)
@@ -119,9 +128,11 @@ def certify_rows_v2(adapter: HeadAdapter, hidden: torch.Tensor, seeds: torch.Ten
         new, over_budget = next_columns(need, contenders, scored, open_rows, over_budget, budget)
         if new is None:
             break
-        score_columns(adapter, hidden, hnorm, new, values, lo, hi, scored)
+        score_columns(adapter, hidden, hnorm, new, values, lo, hi, scored, masked)
     open_rows = finite & ~certified & ~over_budget
     over_budget |= open_rows & any_(contenders & ~scored[None], 1)
     if dropped is not None:  # from the last round's bounds: a superset of any earlier round's
         values.masked_fill_(dropped, -math.inf)
+    if masked is not None:
+        values.masked_fill_(masked, -math.inf)
     return RowsResult(values, certified, winner, reasons(certified, finite, over_budget), int(scored.sum()))

@@ -71,12 +71,16 @@ head (:func:`~.step_plan.plan_row`), greedy included. The engine core may delay 
 ``sample_tokens`` until the previous step's tokens reached the grammar (async scheduling), but
 each worker still runs ``execute_model(N)``, ``sample_tokens(N)``, ``execute_model(N + 1)`` in
 that order, so the one slot :func:`defer` fills is the step's own (:func:`_take` checks the
-shape). The V2 runner's structured rows are dense.
+shape). The V2 runner (``GPUModelRunner.sample``) applies the bitmask the same way: to the
+head's output, in place, right before its ``Sampler.__call__`` (this hook), with its own copy
+of xgrammar's kernel (``_apply_grammar_bitmask_kernel``: exactly ``-inf`` where the grammar
+forbids, nothing else written; ``min_tokens`` with a grammar is dense there too, its
+``restore_when_all_masked``): :func:`resolve_v2` reads and keeps the ``-inf`` as above.
 
 The V2 runner (``vllm.v1.worker.gpu.model_runner.GPUModelRunner``, CUDA): its ``Sampler.__call__``
-is wrapped the same way, for temperature-sampling rows with min-p, vLLM's native processors or
-neither, and greedy rows with processors (:func:`resolve_v2`; the plan defers no other row
-there, :func:`~.step_plan._v2_entry`).
+is wrapped the same way, for temperature-sampling rows with min-p, vLLM's native processors,
+structured output or none of these, and greedy rows with processors or structured output
+(:func:`resolve_v2`; the plan defers no other row there, :func:`~.step_plan._v2_entry`).
 V2 draws such a row with ``gumbel_sample`` from ``fl32(x / T)`` after its processors and min-p,
 and noise hashed from (request seed, position, token), no random state drawn at sampling time,
 so nothing is peeked; the certificate is :func:`~vllm_csv.sampling.rows_v2.certify_rows_v2`, the
@@ -600,8 +604,10 @@ def _v2_processors(sampler, input_batch, dev_rows: torch.Tensor, rows_np: np.nda
 def resolve_v2(sampler, d: Deferred, logits: torch.Tensor, input_batch) -> DeferredStats:
     """Fill ``logits``' deferred rows (certified or dense) in place before V2's ``Sampler`` draws.
 
-    The rows are temperature sampling, with min-p or vLLM's native processors or neither, or
-    greedy with processors (:func:`~.step_plan._v2_entry`): V2 runs the processors, divides by
+    The rows are temperature sampling, with min-p, vLLM's native processors, structured output
+    or none of these, or greedy with processors or structured output
+    (:func:`~.step_plan._v2_entry`): the grammar's ``-inf`` are read off the placeholders and
+    kept (module docstring, "structured output"); V2 runs the processors, divides by
     ``T`` (``T`` 0 or 1: not at
     all), applies min-p and draws with ``gumbel_sample``, no top-k or top-p touching the batch, so
     :func:`~vllm_csv.sampling.rows_v2.certify_rows_v2` certifies each row from the processors run
@@ -618,6 +624,13 @@ def resolve_v2(sampler, d: Deferred, logits: torch.Tensor, input_batch) -> Defer
     st = DeferredStats(rows=rows.numel())
     dev = logits.device
     dev_rows = rows.to(dev)
+    # the grammar bitmask V2's runner applied to the structured rows' placeholders (module
+    # docstring, "structured output"): their -inf tokens, kept in every row written back
+    masked = None
+    if "structured" in d.modes:
+        masked = logits[dev_rows] == -math.inf
+        if not bool(any_(masked)):
+            masked = None
     why = _unsupported_v2(sampler, d, logits, input_batch)
     certified = torch.zeros(rows.numel(), dtype=torch.bool)
     if why is None:
@@ -628,9 +641,10 @@ def resolve_v2(sampler, d: Deferred, logits: torch.Tensor, input_batch) -> Defer
         pos = input_batch.positions[input_batch.logits_indices[dev_rows]].long()
         min_p = ss.min_p.gpu[slot].float() if bool(np.any(ss.min_p.np[req] != 0)) else None
         res = certify_rows_v2(d.adapter, d.hidden, ss.seeds.gpu[slot].long(), pos, ss.temperature.gpu[slot].float(),
-                              process=_v2_processors(sampler, input_batch, dev_rows, rows_np, req), min_p=min_p)
+                              process=_v2_processors(sampler, input_batch, dev_rows, rows_np, req), min_p=min_p,
+                              masked=masked)
         certified = _write(logits, dev_rows, res, st)
-    _finish(d, logits, dev_rows, certified, None, st, why, t0)
+    _finish(d, logits, dev_rows, certified, masked, st, why, t0)
     return st
 
 

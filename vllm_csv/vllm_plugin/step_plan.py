@@ -271,14 +271,16 @@ def sampler_v2_certifiable(runner) -> bool:
     return _sampler_ok(runner, "_csv_v2_sampler", certifiable_sampler_v2)
 
 
-V2_MODES = ("sampling", "min_p", "processed")  # the rows the V2 sampler hook certifies (sampler_hook.resolve_v2)
+V2_MODES = ("sampling", "min_p", "processed", "structured")  # the rows the V2 sampler hook certifies (sampler_hook.resolve_v2)
 
 
 def _v2_entry(row: tuple[int, str, float], in_sampler: bool) -> tuple[int, str]:
     """A V2 row's ``(k, mode)``: the head's top-k rows as planned; of the rows to certify in the
-    sampler, temperature sampling with min-p, vLLM's native processors or neither, and greedy
-    rows with processors (modes :data:`V2_MODES`) where the V2 sampler is certified
-    (``in_sampler``); the others dense (the V2 hook replays no top-k, top-p or grammar)."""
+    sampler, temperature sampling with min-p, vLLM's native processors, structured output or
+    none of these, and greedy rows with processors or structured output (modes
+    :data:`V2_MODES`) where the V2 sampler is certified (``in_sampler``); the others dense (the
+    V2 hook replays no top-k or top-p; a structured row with one is labelled ``structured``
+    and deferred, and the hook sends its batch dense: ``sampler_hook._unsupported_v2``)."""
     k, mode, _ = row
     if k > 0 or (k == DEFER and mode in V2_MODES and in_sampler):
         return k, mode
