@@ -424,3 +424,27 @@ def test_packed_draw_certificate_is_the_full_one():
     assert torch.equal(full.winner[full.certified], packed.winner[full.certified])
     assert torch.equal(full.contenders, packed.contenders)
     assert 0 < int(full.certified.sum()) < R
+
+
+def test_a_round_that_would_score_nothing_ends_the_rows_over_budget():
+    """next_columns: when the room left cannot hold what the open rows ask for and the rows it
+    could serve have every contender scored already (they asked for a top-k / top-p focus that
+    does not fit), no column is scored and the open rows are over budget (None), rather than
+    a next round on unchanged bounds; a row with an unscored contender that fits is served."""
+    from vllm_csv.sampling.rows import next_columns
+
+    V = 16
+    scored = torch.zeros(V, dtype=torch.bool)
+    scored[:4] = True
+    contenders = torch.zeros(2, V, dtype=torch.bool)
+    contenders[:, :3] = True  # every contender scored
+    need = torch.zeros(V, dtype=torch.bool)
+    need[4:12] = True  # a focus of 8 columns, 4 of room left
+    open_rows, over = torch.ones(2, dtype=torch.bool), torch.zeros(2, dtype=torch.bool)
+    new, over_budget = next_columns(need, contenders, scored, open_rows, over, budget=8)
+    assert new is None and bool(over_budget.all())
+    contenders[1, 5] = True  # row 1 has an unscored contender: served, row 0 waits
+    new, over_budget = next_columns(need, contenders, scored, open_rows, over, budget=8)
+    assert new.tolist() == [5] and not bool(over_budget.any())
+    new, _ = next_columns(need, contenders, scored, open_rows, over, budget=12)  # all of it fits
+    assert new.tolist() == list(range(4, 12))

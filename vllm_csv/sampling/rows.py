@@ -435,7 +435,11 @@ def next_columns(need: torch.Tensor, contenders: torch.Tensor, scored: torch.Ten
     fit in what is left of ``budget``; else not every open row fits: rows whose own contenders
     cannot fit go dense; of the rest, those with the fewest contenders are served first (the sum
     of their counts bounds the union), the others wait for the next round. ``None`` when no
-    row fits (every open row is then over budget)."""
+    row fits (every open row is then over budget), and when the rows served have every
+    contender scored already: they asked for other columns (a top-k / top-p row's focus,
+    :func:`_focus`) that do not fit, and every other open row is over budget, so a next round
+    would score nothing and decide the same (its bounds unchanged): every open row is over
+    budget."""
     new = need.nonzero().squeeze(1)
     room = budget - int(scored.sum())
     if new.numel() > room:
@@ -443,6 +447,8 @@ def next_columns(need: torch.Tensor, contenders: torch.Tensor, scored: torch.Ten
         if take.numel() == 0:
             return None, over_budget | open_rows
         new = (any_(contenders[take], 0) & ~scored).nonzero().squeeze(1)
+        if new.numel() == 0:
+            return None, over_budget | open_rows
     return new, over_budget
 
 
