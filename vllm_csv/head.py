@@ -54,7 +54,9 @@ FALLBACK_REASONS = ("uncertified", "budget", "unsupported", "nonfinite", "off_sw
 @dataclass
 class HeadConfig:
     screen: str = DEFAULT_SCREEN
-    budget: float = 0.05  # max share of the vocabulary scored exactly per row before the dense path
+    # max share of V scored exactly before the dense path: per row here, per batch (its rows'
+    # scored columns together) in the sampler's rounds (sampling.rows.budget_of)
+    budget: float = 0.05
     epsilon: float | None = None  # epsilon-softmax mode (opt-in); None = exact only
     max_topk: int = 64
     unit_roundoff: float = FP32_UNIT_ROUNDOFF  # accumulation precision assumed of the dense GEMM

@@ -37,7 +37,8 @@ def add_csv_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--csv-index", default=None, help="Index file for --csv-screen ball (default: cache).")
     g.add_argument("--csv-clusters", type=int, default=None, help="Clusters when building an index.")
     g.add_argument("--csv-budget", type=float, default=None,
-                   help="Max share of the vocabulary scored per row before the dense path (default 0.05).")
+                   help="Max share of the vocabulary scored exactly before the dense path: per row in the head, "
+                        "per batch (its rows' scored columns together) in the sampler (default 0.05).")
     g.add_argument("--csv-max-topk", type=int, default=None, help="Largest top_k certified (default 64).")
 
 

@@ -25,7 +25,8 @@ class CSVDecodeConfig(BaseModel):
     screen: Literal[SCREENS] = DEFAULT_SCREEN
     index: str | None = Field(None, description="index file (screen 'ball'); default: the cache")
     clusters: int | None = Field(None, ge=1, description="clusters when building an index (default 0.015 V)")
-    budget: float = Field(0.05, gt=0.0, le=1.0, description="max share of V scored per row, then dense")
+    budget: float = Field(0.05, gt=0.0, le=1.0, description="max share of V scored, then dense: per row in the head, "
+                          "per batch (the rows' scored columns together) in the sampler")
     max_topk: int = Field(64, ge=1, le=1024, description="largest top_k certified; larger goes dense")
     off_switch: bool = True
 

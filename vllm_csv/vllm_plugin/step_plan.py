@@ -271,7 +271,8 @@ def sampler_v2_certifiable(runner) -> bool:
     return _sampler_ok(runner, "_csv_v2_sampler", certifiable_sampler_v2)
 
 
-V2_MODES = ("sampling", "min_p", "processed", "structured")  # the rows the V2 sampler hook certifies (sampler_hook.resolve_v2)
+# the rows the V2 sampler hook certifies (sampler_hook.resolve_v2)
+V2_MODES = ("sampling", "min_p", "processed", "structured")
 
 
 def _v2_entry(row: tuple[int, str, float], in_sampler: bool) -> tuple[int, str]:
