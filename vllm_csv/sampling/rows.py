@@ -161,7 +161,7 @@ def certify_rows(adapter: HeadAdapter, hidden: torch.Tensor, process: Process, s
     columns scored later are scored for the open rows only (a certified row needs no more: its
     proof already compared its winner with every token, scored or not).
     """
-    bounds = screen_bounds(adapter, hidden)
+    bounds = screen_bounds(adapter, hidden, masked)
     R, V = hidden.shape[0], adapter.vocab_size
     budget = budget_of(adapter)
     quick = None
@@ -223,10 +223,7 @@ def _rounds(adapter: HeadAdapter, hidden: torch.Tensor, bounds: tuple, process: 
     scoring at most ``budget`` columns."""
     R, V = hidden.shape[0], adapter.vocab_size
     dev = hidden.device
-    lo, hi, hnorm, finite, one_sided = bounds
-    if masked is not None:
-        lo.masked_fill_(masked, -math.inf)
-        hi.masked_fill_(masked, -math.inf)
+    lo, hi, hnorm, finite, one_sided = bounds  # (masked tokens -inf already: screen_bounds)
     values, scored, certified, winner, over_budget = empty_state(adapter, R, dev)
     # the results, all R rows: a row's are written once, when it leaves the loop
     out = RowsResult(values, certified.clone(), winner.clone(), [], 0)
@@ -444,21 +441,24 @@ def next_columns(need: torch.Tensor, contenders: torch.Tensor, scored: torch.Ten
     room = budget - int(scored.sum())
     if new.numel() > room:
         take, over_budget = within_budget((contenders & ~scored[None]).sum(1), open_rows, over_budget, room)
-        if take.numel() == 0:
-            return None, over_budget | open_rows
-        new = (any_(contenders[take], 0) & ~scored).nonzero().squeeze(1)
+        new = (any_(contenders[take], 0) & ~scored).nonzero().squeeze(1)  # (none when take is empty)
         if new.numel() == 0:
             return None, over_budget | open_rows
     return new, over_budget
 
 
-def screen_bounds(adapter: HeadAdapter, hidden: torch.Tensor):
+def screen_bounds(adapter: HeadAdapter, hidden: torch.Tensor, masked: torch.Tensor | None = None):
     """``(lo, hi, hnorm, finite, one_sided)``: the screen's bounds of every token (``lo`` all
-    ``-inf`` for a one-sided screen), as :meth:`.HeadAdapter.intervals` gives them."""
+    ``-inf`` for a one-sided screen), as :meth:`.HeadAdapter.intervals` gives them; ``-inf`` on
+    both sides for the tokens of ``masked`` (``[R, V]`` bool: the grammar bitmask's, which
+    :func:`score_columns` keeps there)."""
     lo, hi, hnorm, finite = adapter.intervals(hidden)
     one_sided = lo is None
     if one_sided:
         lo = torch.full_like(hi, -math.inf)
+    if masked is not None:
+        lo.masked_fill_(masked, -math.inf)
+        hi.masked_fill_(masked, -math.inf)
     return lo, hi, hnorm, finite, one_sided
 
 

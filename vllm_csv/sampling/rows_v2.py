@@ -42,6 +42,7 @@ from typing import Callable
 import torch
 
 from ..ops.bools import any_
+from ..ops.topk import row_topk
 from .gumbel_v2 import certify_draw_v2, min_p_bounds, noise_bounds, temperature_bounds
 from .head_adapter import HeadAdapter
 from .rows import (FIRST_GUESS, MAX_ROUNDS, RowsResult, budget_of, contended, empty_state, next_columns, reasons,
@@ -85,10 +86,7 @@ def certify_rows_v2(adapter: HeadAdapter, hidden: torch.Tensor, seeds: torch.Ten
     """
     R, V = hidden.shape[0], adapter.vocab_size
     dev = hidden.device
-    lo, hi, hnorm, finite, one_sided = screen_bounds(adapter, hidden)
-    if masked is not None:
-        lo.masked_fill_(masked, -math.inf)
-        hi.masked_fill_(masked, -math.inf)
+    lo, hi, hnorm, finite, one_sided = screen_bounds(adapter, hidden, masked)
     greedy = temp == 0
     any_greedy = bool(greedy.any())  # (one sync: the rounds then skip the greedy passes where there is none)
     finite = finite & (temp >= 0)
@@ -100,7 +98,7 @@ def certify_rows_v2(adapter: HeadAdapter, hidden: torch.Tensor, seeds: torch.Ten
     noise = noise_bounds(seeds, pos, torch.arange(V, device=dev))
 
     if one_sided and bool(finite.any()):  # no lower bounds: score the likely winners first
-        score_columns(adapter, hidden, hnorm, hi[finite].topk(min(FIRST_GUESS, V), dim=1).indices.unique(),
+        score_columns(adapter, hidden, hnorm, row_topk(hi[finite], min(FIRST_GUESS, V)).indices.unique(),
                       values, lo, hi, scored, masked)
     dropped = None
     for rnd in range(MAX_ROUNDS + 1):

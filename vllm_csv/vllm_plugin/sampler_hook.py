@@ -344,14 +344,7 @@ def resolve(sampler, d: Deferred, logits: torch.Tensor, md, predict_bonus_token:
     st = DeferredStats(rows=R)
     dev_rows = rows.to(logits.device)
     every_row = R == logits.shape[0] and torch.equal(rows, torch.arange(R))  # the batch itself: no scatter / gather
-    # the grammar bitmask (placeholders are finite; module docstring): it is applied to the rows
-    # of structured requests only, each labelled "structured" (step_plan.row_mode); without
-    # one, no [R, V] scan for it
-    masked = None
-    if "structured" in d.modes:
-        masked = (logits if every_row else logits[dev_rows]) == -math.inf
-        if not bool(any_(masked)):
-            masked = None
+    masked = _grammar_mask(d, logits, dev_rows, every_row)
     why = _unsupported(sampler, md, predict_bonus_token, rows)
     certified = torch.zeros(R, dtype=torch.bool)
     if why is None:
@@ -494,6 +487,19 @@ def _drawn(md, tokens: torch.Tensor):
     return SamplerOutput(sampled_token_ids=tokens.to(torch.int32).unsqueeze(-1), logprobs_tensors=None)
 
 
+def _grammar_mask(d: Deferred, logits: torch.Tensor, dev_rows: torch.Tensor,
+                  every_row: bool = False) -> torch.Tensor | None:
+    """``[R, V]`` bool: the tokens the grammar bitmask set to ``-inf`` on the deferred rows (the
+    placeholders are finite: module docstring, "structured output"); None where no row has one.
+    The runner (V1 or V2) applies it to the rows of structured requests only, each labelled
+    ``structured`` (:func:`~.step_plan.row_mode`): without one, no ``[R, V]`` scan for it.
+    ``every_row``: ``dev_rows`` is ``0 .. B - 1``."""
+    if "structured" not in d.modes:
+        return None
+    masked = (logits if every_row else logits[dev_rows]) == -math.inf
+    return masked if bool(any_(masked)) else None
+
+
 def _write(logits: torch.Tensor, dev_rows: torch.Tensor, res, st: DeferredStats,
            every_row: bool = False) -> torch.Tensor:
     """The certified rows of ``res`` (a ``RowsResult``) into ``logits``; the reasons of the others
@@ -624,13 +630,7 @@ def resolve_v2(sampler, d: Deferred, logits: torch.Tensor, input_batch) -> Defer
     st = DeferredStats(rows=rows.numel())
     dev = logits.device
     dev_rows = rows.to(dev)
-    # the grammar bitmask V2's runner applied to the structured rows' placeholders (module
-    # docstring, "structured output"): their -inf tokens, kept in every row written back
-    masked = None
-    if "structured" in d.modes:
-        masked = logits[dev_rows] == -math.inf
-        if not bool(any_(masked)):
-            masked = None
+    masked = _grammar_mask(d, logits, dev_rows)
     why = _unsupported_v2(sampler, d, logits, input_batch)
     certified = torch.zeros(rows.numel(), dtype=torch.bool)
     if why is None:
