@@ -208,3 +208,33 @@ def test_amx_picked_by_batch_and_refuses_bad_input():
     x[3, 7] = 64 * 0.25
     with pytest.raises(RuntimeError, match="7-bit integers"):
         cpu_step.load_ops().int8_amx_linear(x, gemm.packed, gemm.zsum, gemm.s, V, d, 0)
+
+
+@pytest.mark.parametrize("distance", [0, 64, 4096, 1 << 20])
+def test_software_prefetch_changes_no_result(distance):
+    """The kernels' prefetch distance (csrc/cpu/int8_vnni.cpp, prefetch_ahead; 0 = none) is a hint
+    only: the int8 kernel (VNNI and, where the CPU has it, AMX) and the int4 kernel give the same
+    bits at every distance, including one far past the weight's end (a prefetch never faults).
+    Bad distances are refused."""
+    from vllm_csv.ops import int4_vnni
+
+    ops = cpu_step.load_ops()
+    g = torch.Generator().manual_seed(distance + 1)
+    V, d = 4099, 1024
+    q = extreme_weights(V, d, g)
+    gemm = vnni.VnniInt8Linear(q, torch.rand(V, generator=g) * 0.01 + 2.0**-20)
+    q4 = int4_vnni.VnniInt4Linear(*int4_vnni.quantize_int4(torch.randn(V, d, generator=g)))
+    xs = [act7_layout(extreme_inputs(B, d, g), 2.0**-7) for B in (1, 3, vnni.AMX_FROM, 8, 17)]
+    before = ops.set_prefetch_ahead(0)
+    try:
+        want = [(gemm.linear(x), gemm.linear_block_max(x, cpu_step.BLOCK), q4.linear(x)) for x in xs]
+        assert ops.set_prefetch_ahead(distance) == 0
+        for x, (y, (y2, bmax), y4) in zip(xs, want):
+            got2, gotmax = gemm.linear_block_max(x, cpu_step.BLOCK)
+            assert torch.equal(gemm.linear(x), y) and torch.equal(got2, y2) and torch.equal(gotmax, bmax)
+            assert torch.equal(q4.linear(x), y4)
+        for bad in (-64, 100, (1 << 20) + 64):
+            with pytest.raises(RuntimeError, match="prefetch distance"):
+                ops.set_prefetch_ahead(bad)
+    finally:
+        ops.set_prefetch_ahead(before)

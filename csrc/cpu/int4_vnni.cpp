@@ -28,6 +28,8 @@
 #include <cstdint>
 #include <cstring>
 
+int64_t prefetch_ahead();  // bytes ahead of the weight stream to prefetch (int8_vnni.cpp)
+
 namespace {
 
 constexpr int64_t TILE = 16;   // rows a tile (int32 lanes of a zmm)
@@ -52,7 +54,7 @@ bool cpu_has_vnni4() {
 template <int NB>
 __attribute__((target("avx512f,avx512bw,avx512vnni,f16c"))) void panels4(
     const uint8_t* packed, const uint16_t* scales, const int32_t* codes, const int32_t* p8, float c, float* y,
-    int64_t G, int64_t V, int64_t p0, int64_t p1) {
+    int64_t G, int64_t V, int64_t p0, int64_t p1, int64_t pf) {
   const __m512i low = _mm512_set1_epi8(0x0F);
   const __m512 cv = _mm512_set1_ps(c);
   for (int64_t p = p0; p < p1; ++p) {
@@ -64,6 +66,7 @@ __attribute__((target("avx512f,avx512bw,avx512vnni,f16c"))) void panels4(
       __m512i a0[NB], a1[NB];
       for (int b = 0; b < NB; ++b) a0[b] = a1[b] = _mm512_setzero_si512();
       for (int64_t m = 0; m < SPG; ++m) {
+        if (pf > 0) _mm_prefetch(reinterpret_cast<const char*>(w + (g * SPG + m) * 64 + pf), _MM_HINT_T0);
         const __m512i v = _mm512_loadu_si512(w + (g * SPG + m) * 64);
         const __m512i x0 = _mm512_and_si512(v, low);
         const __m512i x1 = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
@@ -94,7 +97,7 @@ __attribute__((target("avx512f,avx512bw,avx512vnni,f16c"))) void panels4(
 }
 
 using Panel4Fn = void (*)(const uint8_t*, const uint16_t*, const int32_t*, const int32_t*, float, float*, int64_t,
-                          int64_t, int64_t, int64_t);
+                          int64_t, int64_t, int64_t, int64_t);
 const Panel4Fn PANEL4_FNS[BT] = {panels4<1>, panels4<2>, panels4<3>, panels4<4>,
                                  panels4<5>, panels4<6>, panels4<7>, panels4<8>};
 
@@ -172,10 +175,11 @@ at::Tensor int4_vnni_linear(const at::Tensor& x, const at::Tensor& packed, const
   const uint16_t* sc = reinterpret_cast<const uint16_t*>(scales.data_ptr<int16_t>());
   const int32_t* cw = reinterpret_cast<const int32_t*>(cd);
   float* out = y.data_ptr<float>();
+  const int64_t pf = prefetch_ahead();
   at::parallel_for(0, np, 8, [&](int64_t a, int64_t e) {
     for (int64_t b0 = 0; b0 < B; b0 += BT) {
       const int64_t nb = B - b0 < BT ? B - b0 : BT;
-      PANEL4_FNS[nb - 1](w, sc, cw + b0 * G * SPG, ps + b0 * G, c, out + b0 * V, G, V, a, e);
+      PANEL4_FNS[nb - 1](w, sc, cw + b0 * G * SPG, ps + b0 * G, c, out + b0 * V, G, V, a, e, pf);
     }
   });
   return y;

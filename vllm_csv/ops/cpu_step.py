@@ -61,6 +61,8 @@ logger = logging.getLogger("vllm.csv_decode")
 
 BLOCK = 256  # tokens a block: the candidate search reads y once, as block maxima
 PANEL, GROUP = 32, 4  # the VNNI GEMM's weight panel: rows (two zmm tiles of int32 lanes), k a vpdpbusd lane sums
+PREFETCH = 4096  # bytes ahead of the weight stream the screens' GEMMs prefetch on Intel CPUs (none
+# elsewhere: csrc/cpu/int8_vnni.cpp, prefetch_ahead; measured: README, "Software prefetch")
 K_MIN = -143  # rows with max|h| < 2^K_MIN are not quantised (t / 64 would not be an fp32)
 S_MIN = 2.0**-126  # smallest normal fp32
 ENV = "VLLM_CSV_CPU_KERNELS"  # "0": always the torch reference
@@ -85,7 +87,8 @@ def load_ops():
             from torch.utils.cpp_extension import load
 
             defs = dict(CSV_BLOCK=BLOCK, CSV_ACT_MIN=ACT_MIN, CSV_ACT_MAX=ACT_MAX, CSV_K_MIN=K_MIN,
-                        CSV_C_MIN_LOG2=C_MIN_LOG2, CSV_C_MAX_LOG2=C_MAX_LOG2, CSV_PANEL=PANEL, CSV_GROUP=GROUP)
+                        CSV_C_MIN_LOG2=C_MIN_LOG2, CSV_C_MAX_LOG2=C_MAX_LOG2, CSV_PANEL=PANEL, CSV_GROUP=GROUP,
+                        CSV_PREFETCH=PREFETCH)
             flags = ["-O3", "-ffp-contract=off", "-fopenmp", *(f"-D{k}={v}" for k, v in defs.items())]
             # One build directory per source version: two checkouts (or versions) on one machine
             # would otherwise rebuild over each other's library, even while the other loads it.
