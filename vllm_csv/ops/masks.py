@@ -160,6 +160,7 @@ def unlisted_masses(lo: torch.Tensor, hi: torch.Tensor, c: torch.Tensor, ih: tor
     (1 ulp, as torch's own on AVX-512 CPUs): one pass over both sides on CPUs where the kernel
     runs (AVX-512, and libtorch exports ``Sleef_expf16_u10``), the reference elsewhere."""
     # (the op answers from what it found once, at its first call)
-    if uses_kernels(lo) and load_ops().unlisted_masses_supported():
-        return load_ops().unlisted_masses(lo, hi, c, ih)
+    ops = load_ops() if uses_kernels(lo) else None
+    if ops is not None and ops.unlisted_masses_supported():
+        return ops.unlisted_masses(lo, hi, c, ih)
     return unlisted_masses_ref(lo, hi, c, ih)
