@@ -48,6 +48,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from vllm_csv import CertifiedHead, HeadConfig, build_index  # noqa: E402
 from vllm_csv.screens import SCREENS  # noqa: E402
 from vllm_csv.hf_head import load_lm_head  # noqa: E402
+from vllm_csv.ops.fbgemm import act7_layout  # noqa: E402
 
 from provenance import machine  # noqa: E402  (benchmarks/provenance.py)
 
@@ -309,10 +310,13 @@ def profile_step(head, hb, dense_fn, repeats: int) -> dict:
         head.screen.center_radius, head._score = screen_fn, score_fn
     out = {"step_ms": statistics.median(steps), "screen_ms": statistics.median(parts["screen"]),
            "score_ms": statistics.median(parts["score"]) if parts["score"] else 0.0}
-    gemm = getattr(head.screen, "gemm", None)
-    if gemm is not None:
-        p = torch.zeros(B, head.hidden_size)
-        out["screen_gemm_ms"] = median_ms(lambda: gemm(p, 1.0), lambda: None, repeats)
+    screen = head.screen
+    if hasattr(screen, "max_small"):  # (screens.by_batch: the copy this batch size takes)
+        screen = screen.small if B <= screen.max_small else screen.large
+    gemm = getattr(screen, "gemm", None)
+    if gemm is not None:  # (the int8 and int4 GEMMs on the screens' activation layout)
+        x = act7_layout(torch.zeros(B, head.hidden_size), 2.0**-7)
+        out["screen_gemm_ms"] = median_ms(lambda: gemm.linear(x), lambda: None, repeats)
     out["rest_ms"] = out["step_ms"] - out["screen_ms"] - out["score_ms"]
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         for _ in range(5):
