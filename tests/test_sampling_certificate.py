@@ -399,6 +399,22 @@ def test_top_p_draws_with_the_focus_equal_vllm_draws(p):
     assert counts[True] >= counts[False] and counts[True] > 0.5 * B, counts
 
 
+def test_top_p_focus_widens_with_the_vocabulary():
+    """A top-p row stuck on its masses (every contender scored, still open) has its ``V / 32``
+    highest upper bounds scored (within ``TOP_P_FOCUS``), 4x more each such round; top-k rows
+    keep ``k + 1``, rows not stuck nothing; all at most ``V``."""
+    from vllm_csv.sampling import rows
+
+    stuck = torch.tensor([0, 1, 2, 3, 1, 0])
+    top_p = torch.tensor([0.9, 0.9, 0.9, 0.9, 1.0, 0.9])
+    top_k = torch.tensor([0, 0, 0, 0, 0, 20])
+    lo, hi = rows.TOP_P_FOCUS
+    for V, f in ((1024, lo), (32768, 1024), (65536, hi), (151936, hi), (1 << 20, hi)):
+        got = rows._focus_counts(top_k, top_p, stuck.clone(), V)
+        assert got.tolist() == [0, f, min(4 * f, V), min(16 * f, V), 0, 21], V
+    assert rows._focus_counts(None, top_p, stuck.clone(), 300).tolist() == [0, lo, 300, 300, 0, 0]
+
+
 def test_packed_draw_certificate_is_the_full_one():
     """``certify_draw_packed`` (each row's live tokens only, when few) decides exactly as
     ``certify_draw`` on the whole rows: the same certified rows, winners and contenders, over rows
