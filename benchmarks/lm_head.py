@@ -310,9 +310,7 @@ def profile_step(head, hb, dense_fn, repeats: int) -> dict:
         head.screen.center_radius, head._score = screen_fn, score_fn
     out = {"step_ms": statistics.median(steps), "screen_ms": statistics.median(parts["screen"]),
            "score_ms": statistics.median(parts["score"]) if parts["score"] else 0.0}
-    screen = head.screen
-    if hasattr(screen, "max_small"):  # (screens.by_batch: the copy this batch size takes)
-        screen = screen.small if B <= screen.max_small else screen.large
+    screen = head.screen.for_batch(B) if hasattr(head.screen, "for_batch") else head.screen  # (screens.by_batch)
     gemm = getattr(screen, "gemm", None)
     if gemm is not None:  # (the int8 and int4 GEMMs on the screens' activation layout)
         x = act7_layout(torch.zeros(B, head.hidden_size), 2.0**-7)

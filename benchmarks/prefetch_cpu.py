@@ -94,12 +94,9 @@ def main() -> None:
     why = int8_vnni.unavailable_reason(8, 8) or int4_vnni.unavailable_reason()
     if why is not None:
         sys.exit(f"prefetch_cpu.py: the screens' kernels cannot run here ({why})")
-    ops = cpu_step.load_ops()
-    distance = ops.set_prefetch_ahead(0)
-    ops.set_prefetch_ahead(distance)
-    if distance == 0:  # (not an Intel CPU: the kernels do not prefetch; compare with the distance they would use)
-        distance = cpu_step.PREFETCH
-        ops.set_prefetch_ahead(distance)
+    # the distance the kernels use on Intel CPUs (elsewhere they do not prefetch: compared at it too)
+    distance = cpu_step.PREFETCH
+    cpu_step.load_ops().set_prefetch_ahead(distance)
     torch.set_num_threads(a.threads)
     shapes = [tuple(int(v) for v in s.lower().split("x")) for s in a.shapes]
     meta = machine()

@@ -42,6 +42,9 @@ class ByBatchScreen:
         self.tight = large  # what callers that need the tighter bound at any batch size take
         self.extra_bytes = getattr(large, "extra_bytes", 0) + getattr(small, "extra_bytes", 0)
 
+    def for_batch(self, rows: int):
+        """The screen a batch of ``rows`` rows takes."""
+        return self.small if rows <= self.max_small else self.large
+
     def center_radius(self, h: torch.Tensor, defer_row_scale: bool = False):
-        screen = self.small if h.shape[0] <= self.max_small else self.large
-        return screen.center_radius(h, defer_row_scale=defer_row_scale)
+        return self.for_batch(h.shape[0]).center_radius(h, defer_row_scale=defer_row_scale)
