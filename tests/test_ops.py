@@ -94,3 +94,34 @@ def test_bool_reductions_equal_torch(shape):
                 want = ref(x) if dim is None else ref(x, dim)
                 got = fast(x, dim)
                 assert got.dtype == torch.bool and torch.equal(got, want), (fast.__name__, x.shape, dim)
+
+
+@pytest.mark.parametrize("shape", [(32, 65536), (3, 70001), (1, 7), (5, 0), (0, 3), (13,), (2, 3, 65537)])
+def test_flat_nonzero_equals_torch(shape):
+    """ops.bools.flat_nonzero (csrc/cpu/bools_cpu.cpp where built) equals torch's nonzero of the
+    flattened mask: sparse, half, none, all, one true element, the last element, strided views,
+    chunk-straddling sizes, and bytes other than 0 and 1 viewed as bool (true, as torch reads them)."""
+    from vllm_csv.ops.bools import flat_nonzero, flat_nonzero_ref
+    from vllm_csv.ops.cpu_step import kernels_available
+
+    g = torch.Generator().manual_seed(1)
+    r = torch.rand(shape, generator=g)
+    cases = [r < 0.001, r < 0.5, torch.zeros(shape, dtype=torch.bool), torch.ones(shape, dtype=torch.bool)]
+    if r.numel():
+        for at in (r.numel() // 2, r.numel() - 1, 0):
+            one = torch.zeros(shape, dtype=torch.bool)
+            one.view(-1)[at] = True
+            cases.append(one)
+        odd = torch.randint(0, 256, shape, generator=g, dtype=torch.uint8)
+        odd[r < 0.7] = 0
+        cases.append(odd.view(torch.bool))
+    if len(shape) == 2:
+        cases += [c.t() for c in cases] + ([(r[:1] < 0.5).expand(4, -1)] if shape[0] else [])
+    for x in cases:
+        want = x.reshape(-1).nonzero().squeeze(1)
+        for fn in (flat_nonzero, flat_nonzero_ref):
+            got = fn(x)
+            assert got.dtype == torch.long and torch.equal(got, want), (fn.__name__, x.shape)
+    if kernels_available() and r.numel():
+        with pytest.raises(RuntimeError, match="bool"):
+            torch.ops.vllm_csv_cpu.flat_nonzero(r)

@@ -34,7 +34,9 @@ Ops (registered as ``torch.ops.vllm_csv_cpu.*`` with fake implementations, so th
   than the reference's; ``unlisted_masses`` takes SLEEF's fp32 exp from libtorch, as torch's
   own exp on AVX-512 CPUs, and runs only where it is there);
 * ``row_topk`` (:mod:`vllm_csv.ops.topk`, ``csrc/cpu/topk_cpu.cpp``): each row's k largest
-  values and their columns, as ``torch.topk``.
+  values and their columns, as ``torch.topk``;
+* ``flat_nonzero`` (:mod:`vllm_csv.ops.bools`, ``csrc/cpu/bools_cpu.cpp``): the flat positions of
+  a bool tensor's true elements, as ``nonzero``.
 
 Each kernel follows its reference operation by operation (fp32 where the reference is fp32,
 scalars rounded to fp32 as torch rounds a Python number), so the outputs agree bit for bit,
@@ -68,7 +70,7 @@ S_MIN = 2.0**-126  # smallest normal fp32
 ENV = "VLLM_CSV_CPU_KERNELS"  # "0": always the torch reference
 SOURCES = tuple(Path(__file__).resolve().parents[2] / "csrc" / "cpu" / f
                 for f in ("csv_cpu.cpp", "int8_vnni.cpp", "gumbel_cpu.cpp", "int4_vnni.cpp", "nucleus_cpu.cpp",
-                          "topk_cpu.cpp"))
+                          "topk_cpu.cpp", "bools_cpu.cpp"))
 
 _state: dict = {}
 
@@ -529,5 +531,9 @@ def _register_fakes() -> None:
     @torch.library.register_fake(lib + "row_topk")
     def _(x, k):
         return x.new_empty(x.shape[0], k), x.new_empty(x.shape[0], k, dtype=torch.long)
+
+    @torch.library.register_fake(lib + "flat_nonzero")
+    def _(x):
+        return x.new_empty(torch.library.get_ctx().new_dynamic_size(), dtype=torch.long)
 
     _state["fakes"] = True

@@ -147,7 +147,7 @@ import math
 import torch
 
 from ..fp import gamma, round_down32, round_up32
-from ..ops.bools import all_, any_
+from ..ops.bools import all_, any_, flat_nonzero
 from ..ops.gather import put_rows, rows_of
 from ..ops.masks import min_p_cut, top_k_cut, top_p_sums, unlisted_masses
 from ..ops.topk import row_topk
@@ -669,8 +669,7 @@ class TopPQueries:
         # distinct): one nonzero over [r, V], the rest on the pairs
         keys = (torch.arange(r, device=dev)[:, None] * V + self.first).reshape(-1)  # row * V + column
         if only is not None:
-            ri, ci = rows_of(only, rows).nonzero().unbind(1)
-            keys = torch.cat([ri * V + ci, keys]).unique()
+            keys = torch.cat([flat_nonzero(rows_of(only, rows)), keys]).unique()
         ri, ci = keys // V, keys % V
         live = (self.yhi[rows[ri], ci] > -math.inf) & self.usable[ri]
         ri, ci = ri[live], ci[live]
