@@ -16,7 +16,6 @@ import argparse
 import json
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -24,14 +23,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.provenance import machine  # noqa: E402
+from benchmarks.timing import call_ms  # noqa: E402
 from vllm_csv.ops import cpu_step, int8_vnni  # noqa: E402
 from vllm_csv.ops.fbgemm import PackedInt8Linear, act7_layout  # noqa: E402
-
-
-def _ms(fn) -> float:
-    t = time.perf_counter()
-    fn()
-    return (time.perf_counter() - t) * 1e3
 
 
 def run(shapes, batches, repeats: int) -> list[dict]:
@@ -46,9 +40,9 @@ def run(shapes, batches, repeats: int) -> list[dict]:
             same = torch.equal(fb.linear(x), vn.linear(x))
             times = {"fbgemm": [], "vnni": [], "vnni_block_max": []}
             for _ in range(repeats):
-                times["fbgemm"].append(_ms(lambda: fb.linear(x)))
-                times["vnni"].append(_ms(lambda: vn.linear(x)))
-                times["vnni_block_max"].append(_ms(lambda: vn.linear_block_max(x, cpu_step.BLOCK)))
+                times["fbgemm"].append(call_ms(lambda: fb.linear(x)))
+                times["vnni"].append(call_ms(lambda: vn.linear(x)))
+                times["vnni_block_max"].append(call_ms(lambda: vn.linear_block_max(x, cpu_step.BLOCK)))
             row = {"V": V, "d": d, "B": B, "bit_identical": same}
             for k, v in times.items():
                 row[k + "_ms"], row[k + "_min_ms"] = statistics.median(v), min(v)

@@ -49,6 +49,7 @@ from vllm_csv import CertifiedHead, HeadConfig, build_index  # noqa: E402
 from vllm_csv.screens import SCREENS  # noqa: E402
 from vllm_csv.hf_head import load_lm_head  # noqa: E402
 from vllm_csv.ops.fbgemm import act7_layout  # noqa: E402
+from benchmarks.timing import median_ms, times_ms  # noqa: E402
 
 from provenance import machine  # noqa: E402  (benchmarks/provenance.py)
 
@@ -125,22 +126,6 @@ def hidden_states(model_dir: Path, positions: int, device: str) -> torch.Tensor:
             break
     hook.remove()
     return torch.cat(grabbed)[:positions]
-
-
-def times_ms(fn, sync, repeats: int) -> list[float]:
-    fn()
-    sync()
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        sync()
-        times.append((time.perf_counter() - t0) * 1e3)
-    return times
-
-
-def median_ms(fn, sync, repeats: int) -> float:
-    return statistics.median(times_ms(fn, sync, repeats))
 
 
 def bench_model(model_dir: Path, screens, batches, positions, repeats, device, dtype=None, vllm_head=False) -> dict:
@@ -227,7 +212,7 @@ def _time_step(head, hbs: list, dense: dict, sync, repeats: int) -> dict:
     samples: dict[str, list[float]] = {k: [] for k in fns}
     for _ in range(3):
         for k, f in fns.items():
-            samples[k] += [t / len(hbs) for t in times_ms(f, sync, max(1, repeats // 3))]
+            samples[k] += [t / len(hbs) for t in times_ms(f, max(1, repeats // 3), sync)]
     for k, v in samples.items():
         row[k] = round(statistics.median(v), 3)
         row[k.replace("_ms", "_min_ms")] = round(min(v), 3)
@@ -314,7 +299,7 @@ def profile_step(head, hb, dense_fn, repeats: int) -> dict:
     gemm = getattr(screen, "gemm", None)
     if gemm is not None:  # (the int8 and int4 GEMMs on the screens' activation layout)
         x = act7_layout(torch.zeros(B, head.hidden_size), 2.0**-7)
-        out["screen_gemm_ms"] = median_ms(lambda: gemm.linear(x), lambda: None, repeats)
+        out["screen_gemm_ms"] = median_ms(lambda: gemm.linear(x), repeats)
     out["rest_ms"] = out["step_ms"] - out["screen_ms"] - out["score_ms"]
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         for _ in range(5):

@@ -21,7 +21,6 @@ import json
 import os
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -29,14 +28,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.provenance import machine  # noqa: E402
+from benchmarks.timing import call_ms  # noqa: E402
 from vllm_csv.ops import cpu_step, int4_vnni, int8_vnni  # noqa: E402
 from vllm_csv.ops.fbgemm import act7_layout  # noqa: E402
-
-
-def _ms(fn) -> float:
-    t = time.perf_counter()
-    fn()
-    return (time.perf_counter() - t) * 1e3
 
 
 def run(shapes, batches, repeats: int, distance: int) -> list[dict]:
@@ -56,10 +50,10 @@ def run(shapes, batches, repeats: int, distance: int) -> list[dict]:
                 for _ in range(repeats):
                     for pf in times:
                         ops.set_prefetch_ahead(pf)
-                        times[pf].append(_ms(lambda: out.__setitem__(pf, k.linear(x))))
+                        times[pf].append(call_ms(lambda: out.__setitem__(pf, k.linear(x))))
                 ops.set_prefetch_ahead(distance)
-                row = {"V": V, "d": d, "B": B, "kernel": name, "backend": k.backend if name == "int4" else
-                       ("amx" if B >= int8_vnni.AMX_FROM and int8_vnni.amx_available() else "vnni"),
+                row = {"V": V, "d": d, "B": B, "kernel": name,
+                       "backend": k.backend if name == "int4" else k.kernel_for(B),
                        "bit_identical": torch.equal(out[distance], out[0])}
                 for pf, key in ((distance, "prefetch"), (0, "none")):
                     row[key + "_ms"], row[key + "_min_ms"] = statistics.median(times[pf]), min(times[pf])

@@ -83,6 +83,7 @@ def main(argv=None) -> int:
     p.add_argument("--repeats", type=int, default=3, help="passes over the steps")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--screen", default="auto")
+    p.add_argument("--budget", type=float, default=None, help="HeadConfig.budget (default: its default)")
     p.add_argument("--profile", action="store_true", help="torch.profiler table of the CSV step")
     p.add_argument("--cprofile", action="store_true", help="cProfile of the CSV step")
     p.add_argument("--json", default=None)
@@ -104,7 +105,8 @@ def main(argv=None) -> int:
     W = lm.weight.to(torch.bfloat16)
     npos = a.steps * max(a.batches)
     H = hidden_states(model, npos, "cpu").to(torch.bfloat16)
-    head = CertifiedHead(W, config=HeadConfig(screen=a.screen, off_switch=False))
+    extra = {} if a.budget is None else {"budget": a.budget}
+    head = CertifiedHead(W, config=HeadConfig(screen=a.screen, off_switch=False, **extra))
     vhead = VllmDenseHead(W)
     adapter = HeadAdapter(head)
     sampler_hook.install()
@@ -112,7 +114,7 @@ def main(argv=None) -> int:
     V = head.vocab_size
     g = torch.Generator().manual_seed(0)
     results = {"machine": machine("cpu"), "commit": commit(), "threads": a.threads, "screen": head.screen.name,
-               "model": model.name, "modes": a.modes, "command": " ".join(sys.argv), "loadavg_before": os.getloadavg(), "rows": []}
+               "budget": head.config.budget, "model": model.name, "modes": a.modes, "command": " ".join(sys.argv), "loadavg_before": os.getloadavg(), "rows": []}
 
     for B in a.batches:
         hs = [H[i * B:(i + 1) * B] for i in range(a.steps)]

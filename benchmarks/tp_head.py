@@ -25,7 +25,6 @@ import json
 import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import torch
@@ -36,16 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from vllm_csv.head import CertifiedHead, HeadConfig  # noqa: E402
 from vllm_csv.hf_head import load_lm_head  # noqa: E402
 from vllm_csv.sharded import Shard, ShardedHead, TorchGroup  # noqa: E402
-
-
-def median_ms(fn, repeats: int) -> float:
-    fn()
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
+from benchmarks.timing import median_ms  # noqa: E402
 
 
 def sampler_rows(head, size: int, hb: torch.Tensor, mode: str, temperature: float, seed: int):

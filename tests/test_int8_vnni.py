@@ -204,6 +204,7 @@ def test_amx_picked_by_batch_and_refuses_bad_input():
         p = extreme_inputs(B, d, g)
         assert torch.equal(gemm(p, 0.5), packed_int8_linear_ref(p, q, s, 0.5)), B
     assert calls == [vnni.AMX_FROM, 20]
+    assert [gemm.kernel_for(B) for B in (1, vnni.AMX_FROM - 1, vnni.AMX_FROM, 20)] == ["vnni", "vnni", "amx", "amx"]
     x = act7_layout(extreme_inputs(8, d, g), 0.25)
     x[3, 7] = 64 * 0.25
     with pytest.raises(RuntimeError, match="7-bit integers"):

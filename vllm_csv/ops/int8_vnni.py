@@ -98,9 +98,13 @@ class VnniInt8Linear(Int8Linear):
         equal to :func:`vllm_csv.ops.cpu_step.block_max` of ``y`` (NaN propagates)."""
         return self._op_for(x)(x, self.packed, self.zsum, self.s, self.vocab_size, self.hidden_size, block)
 
+    def kernel_for(self, rows: int) -> str:
+        """Which kernel a batch of ``rows`` rows runs: ``"amx"`` from :data:`AMX_FROM` rows where the
+        CPU has AMX-INT8, else ``"vnni"``."""
+        return "amx" if self._amx is not None and rows >= AMX_FROM else "vnni"
+
     def _op_for(self, x: torch.Tensor):
-        """The kernel for a batch of ``x.shape[0]`` rows: AMX from :data:`AMX_FROM` rows, where there."""
-        return self._amx if self._amx is not None and x.shape[0] >= AMX_FROM else self._op
+        return self._amx if self.kernel_for(x.shape[0]) == "amx" else self._op
 
 
 def int8_vnni_linear_ref(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
