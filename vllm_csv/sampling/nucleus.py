@@ -681,15 +681,15 @@ class TopPQueries:
         covered = (self.kth[ri] < qlo) | (self.listed == V)  # (every token listed: nothing unlisted)
         zero = torch.zeros((), dtype=torch.float64, device=dev)
         uh, ul = self.unl_h[ri], self.unl_l[ri]
-        at_h = torch.searchsorted(self.neg_th[ri], -qlo[:, None], right=True)  # #{th >= qlo}
-        at_l = torch.searchsorted(self.neg_tl[ri], -qhi[:, None], right=False)  # #{tl > qhi}
-        over = self.pre_eh[ri].gather(1, at_h)[:, 0]
+        at_h = torch.searchsorted(self.neg_th[ri], -qlo[:, None], right=True)[:, 0]  # #{th >= qlo}
+        at_l = torch.searchsorted(self.neg_tl[ri], -qhi[:, None], right=False)[:, 0]  # #{tl > qhi}
+        over = self.pre_eh[ri, at_h]
         # i itself out of n_hi (a listed i is counted: th_i = yhi_i >= ylo_i); the subtraction's
         # rounding, at most ~K 2^-53 of the sum, covered by 2^-40 of it (an upper bound stays one)
         n_hi0 = (over - torch.where(self.is_listed[ri, ci], qeh, zero)).clamp_min(0) + over * 2.0**-40
-        r_lo0 = self.suf_el[ri].gather(1, at_h)[:, 0] + qel
-        n_lo0 = self.pre_el[ri].gather(1, at_l)[:, 0]
-        r_hi0 = self.suf_eh[ri].gather(1, at_l)[:, 0]
+        r_lo0 = self.suf_el[ri, at_h] + qel
+        n_lo0 = self.pre_el[ri, at_l]
+        r_hi0 = self.suf_eh[ri, at_l]
         pk, pd = self.p_keep[ri], self.p_drop[ri]
         k, d = _decide(n_hi0 + torch.where(covered, zero, uh), r_lo0 + torch.where(covered, ul, zero),
                        n_lo0, r_hi0 + uh, qlo, pk, pd)
