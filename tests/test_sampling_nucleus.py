@@ -330,6 +330,37 @@ def test_top_p_queries_are_sound(width, listed, monkeypatch):
                 assert k[p < 1.0].any() and (listed < 256 or (d & asked).any())  # decides (both ways)
 
 
+@pytest.mark.parametrize("listed", [8, 256])
+def test_top_p_queries_on_a_subset_of_rows_equal_those_rows(listed, monkeypatch):
+    """TopPQueries.bounds(..., subset): each subset row's bounds are that row of the whole result,
+    bit for bit (asked tokens, settled ones, a row over QUERY_MAX decided in full, NaN / +inf
+    rows), for single rows, several, and every query row."""
+    from vllm_csv.sampling.nucleus import TopPQueries
+
+    monkeypatch.setattr(nucleus, "QUERY_LIST", listed)
+    for y, g in (rows(13), peaked_rows(14)):
+        R, V = y.shape
+        p = torch.rand(R, generator=g) * 0.98 + 0.01
+        p[::7] = 1.0  # off: not query rows
+        lo = y - torch.rand(y.shape, generator=g) * 0.3
+        hi = y + torch.rand(y.shape, generator=g) * 0.3
+        lo[5], hi[5, 3] = math.nan, math.nan
+        hi[6, 9] = math.inf
+        q = TopPQueries(lo, hi, p)
+        on = (p < 1.0).nonzero().squeeze(1)
+        subsets = [on[:1], on[-1:], on[1::2], on]
+        for only in (None, _asked(y, g, 0.01), _asked(y, g, 0.3)):
+            settle = None if only is None else only & (torch.rand(y.shape, generator=g) < 0.5)
+            if only is not None:
+                only[on[0]] = True  # a row asking for every token: over QUERY_MAX, decided in full
+            whole = q.bounds(only, settle)
+            for sub in subsets:
+                part = q.bounds(only, settle, sub)
+                assert part[0].shape == (sub.numel(), V)
+                for a, b in zip(part, whole):  # (bit for bit; NaN where the whole has NaN)
+                    torch.testing.assert_close(a, b[sub], rtol=0, atol=0, equal_nan=True)
+
+
 @pytest.mark.parametrize("width", [0.0, 0.05])
 def test_top_p_queries_decide_as_the_full_computation(width, monkeypatch):
     """Every asked token is decided as the full computation decides it (no tail: TAIL_SCAN = 0),

@@ -654,22 +654,28 @@ class TopPQueries:
         r_lo = r_lo + el[qrow, ci]  # i's own lower mass (r_lo counts i)
         return _decide(n_hi, r_lo, n_lo, r_hi, lo[qrow, ci].double(), p_keep, p_drop)
 
-    def bounds(self, only: torch.Tensor | None = None,
-               settle: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def bounds(self, only: torch.Tensor | None = None, settle: torch.Tensor | None = None,
+               subset: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """``(ylo, yhi)`` with top-p applied to the tokens ``only`` (``[R, V]`` bool; None: none)
         and each row's :data:`DECIDE_FIRST` listed tokens of highest lower bound; the others
         undecided. A token of ``settle`` (``[R, V]`` bool, within ``only``; None: none) that the
         list leaves undecided where exact sums might decide it is decided on its whole row's sums
         (:meth:`_decide_whole`). A row asking for more than :data:`QUERY_MAX` tokens is decided
-        in full (:func:`top_p_bounds`)."""
+        in full (:func:`top_p_bounds`). ``subset`` (``[n]`` int64, ascending, rows of
+        :attr:`rows`): those rows only, ``[n, V]`` each, the same values as their rows of the whole
+        result (every decision reads its own row's bounds and sums only)."""
         rows = self.rows
         r, V = rows.numel(), self.ylo.shape[1]
         dev = self.ylo.device
         # the asked tokens as (row, column) pairs, each row's DECIDE_FIRST added (row-major,
-        # distinct): one nonzero over [r, V], the rest on the pairs
-        keys = (torch.arange(r, device=dev)[:, None] * V + self.first).reshape(-1)  # row * V + column
+        # distinct): one nonzero over [r, V] (or the subset's rows), the rest on the pairs
+        at = torch.arange(r, device=dev) if subset is None else torch.searchsorted(rows, subset)  # into rows
+        keys = (at[:, None] * V + self.first[at]).reshape(-1)  # row * V + column
         if only is not None:
-            keys = torch.cat([flat_nonzero(rows_of(only, rows)), keys]).unique()
+            asked = flat_nonzero(rows_of(only, rows if subset is None else subset))
+            if subset is not None:
+                asked = at[asked // V] * V + asked % V
+            keys = torch.cat([asked, keys]).unique()
         ri, ci = keys // V, keys % V
         live = (self.yhi[rows[ri], ci] > -math.inf) & self.usable[ri]
         ri, ci = ri[live], ci[live]
@@ -705,16 +711,23 @@ class TopPQueries:
             if bool(unsure.any()):
                 u = unsure.nonzero().squeeze(1)
                 k[u], d[u] = self._decide_whole(ri[u], ci[u], pk[u], pd[u])
-        if r == self.ylo.shape[0]:  # every row: undecided (-inf) unless kept below
+        out = rows if subset is None else subset  # the output's rows (of R), each a row of rows
+        if out.numel() == self.ylo.shape[0]:  # every row: undecided (-inf) unless kept below
             out_lo = torch.full_like(self.ylo, -math.inf)
+        elif subset is not None:
+            out_lo = torch.full((out.numel(), V), -math.inf, dtype=self.ylo.dtype, device=dev)
         else:
             out_lo = self.ylo.clone()
             out_lo[rows] = -math.inf
-        out_hi = self.yhi.clone()
+        out_hi = rows_of(self.yhi, out).clone() if subset is not None else self.yhi.clone()
+        # (output row of a query row: the row itself, or its place in subset)
+        orow = rows if subset is None else torch.zeros(r, dtype=torch.long, device=dev).index_copy_(
+            0, at, torch.arange(at.numel(), device=dev))
         kr, kc = rows[ri[k]], ci[k]
-        out_lo[kr, kc] = self.ylo[kr, kc]
-        out_hi[rows[ri[d]], ci[d]] = -math.inf
+        out_lo[orow[ri[k]], kc] = self.ylo[kr, kc]
+        out_hi[orow[ri[d]], ci[d]] = -math.inf
         if bool(heavy.any()):
-            h = rows[heavy]
-            out_lo[h], out_hi[h] = top_p_bounds(rows_of(self.ylo, h), rows_of(self.yhi, h), self.top_p[h])
+            h = heavy.nonzero().squeeze(1)
+            out_lo[orow[h]], out_hi[orow[h]] = top_p_bounds(rows_of(self.ylo, rows[h]), rows_of(self.yhi, rows[h]),
+                                                            self.top_p[rows[h]])
         return out_lo, out_hi

@@ -321,12 +321,16 @@ def _rounds(adapter: HeadAdapter, hidden: torch.Tensor, bounds: tuple, process: 
             redo = left & (late | settled)
             if bool(any_(redo)):
                 asked = wanted if asked is None else wanted | asked
-                ylo, yhi = by_query.bounds(asked, wanted & (late | settled)[:, None])
-                # Only the rows of redo have new bounds to certify: another row's asked tokens did
-                # not grow (not late) and nothing was settled for it, or it is certified already,
-                # and its new box (more tokens decided) lies within the old one, for which the
-                # certificate holds.
-                cert = _recertify(cert, ylo, yhi, seeds, greedy, redo.nonzero().squeeze(1))
+                # Only the rows of redo get new bounds, and are certified again: another row's
+                # asked tokens did not grow (not late) and nothing was settled for it (its bounds
+                # would come out the same), or it is certified already on the bounds it keeps
+                # (more tokens decided would give a box within that one, for which the
+                # certificate holds; its output is masked with the bounds it was certified on).
+                ridx = redo.nonzero().squeeze(1)
+                new_lo, new_hi = by_query.bounds(asked, wanted & (late | settled)[:, None], ridx)
+                ylo.index_copy_(0, ridx, new_lo)  # (this round's own tensors: bounds() made them)
+                yhi.index_copy_(0, ridx, new_hi)
+                cert = _recertify(cert, ylo, yhi, seeds, greedy, ridx)
                 wanted = _wanted(cert)
             asked = wanted if asked is None else wanted | asked
         now = cert.certified & finite & scored[cert.winner] & ~certified
