@@ -359,6 +359,8 @@ def test_top_p_queries_on_a_subset_of_rows_equal_those_rows(listed, monkeypatch)
                 assert part[0].shape == (sub.numel(), V)
                 for a, b in zip(part, whole):  # (bit for bit; NaN where the whole has NaN)
                     torch.testing.assert_close(a, b[sub], rtol=0, atol=0, equal_nan=True)
+        with pytest.raises(ValueError, match="no top-p"):
+            q.bounds(None, None, torch.tensor([0]))  # row 0: top-p off, no queries
 
 
 @pytest.mark.parametrize("width", [0.0, 0.05])

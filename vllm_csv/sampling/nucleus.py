@@ -670,6 +670,9 @@ class TopPQueries:
         # the asked tokens as (row, column) pairs, each row's DECIDE_FIRST added (row-major,
         # distinct): one nonzero over [r, V] (or the subset's rows), the rest on the pairs
         at = torch.arange(r, device=dev) if subset is None else torch.searchsorted(rows, subset)  # into rows
+        if subset is not None and not bool((rows[at.clamp(max=max(r - 1, 0))] == subset).all()):
+            # (a row of no query would get another row's decisions: refused, one small host read)
+            raise ValueError("TopPQueries.bounds: subset holds a row that asks no top-p decisions")
         keys = (at[:, None] * V + self.first[at]).reshape(-1)  # row * V + column
         if only is not None:
             asked = flat_nonzero(rows_of(only, rows if subset is None else subset))
