@@ -282,5 +282,6 @@ def test_mutation_a_mask_left_out_of_the_certificate_draws_wrong_tokens(mask, mo
     for module in (rows, top_k_rows):
         monkeypatch.setattr(module, mask, _kept_all)
     if mask == "top_p_bounds":
-        monkeypatch.setattr(nucleus.TopPQueries, "bounds", lambda self, only=None, settle=None: (self.ylo, self.yhi))
+        monkeypatch.setattr(nucleus.TopPQueries, "bounds", lambda self, only=None, settle=None, subset=None: (
+            (self.ylo, self.yhi) if subset is None else (self.ylo[subset], self.yhi[subset])))
     assert _sampler_wrong() > 0
