@@ -7,7 +7,9 @@ Random int8 weights of each head shape (speed does not depend on the values), 7-
 codes laid out as the screen lays them out (``act7_layout``). For each batch both GEMMs run
 interleaved, ``--repeats`` times each; the table reports medians and minima (ms), and checks
 that the two outputs are equal bit for bit. Also the VNNI kernel with the candidate search's
-block maxima taken in the same pass (what the screen calls).
+block maxima taken in the same pass (what the screen calls), and its rate in ``vpdpbusd`` a second
+(``V d B / 64`` of them a call, at the median time): on a head that stays in the caches (e.g.
+``8192x1024``) at eight rows, the kernel's compute ceiling on this CPU.
 """
 
 from __future__ import annotations
@@ -28,6 +30,12 @@ from vllm_csv.ops import cpu_step, int8_vnni  # noqa: E402
 from vllm_csv.ops.fbgemm import PackedInt8Linear, act7_layout  # noqa: E402
 
 
+def vpdpbusd(V: int, d: int, B: int) -> int:
+    """``vpdpbusd`` instructions the VNNI kernel issues for ``[B, d] x [V, d]^T``: one per 16 rows x
+    4 columns x batch row (k and rows padded to the layout's 4 and 32)."""
+    return -(-V // 32) * 2 * -(-d // 4) * B
+
+
 def run(shapes, batches, repeats: int) -> list[dict]:
     rows = []
     for V, d in shapes:
@@ -46,22 +54,26 @@ def run(shapes, batches, repeats: int) -> list[dict]:
             row = {"V": V, "d": d, "B": B, "bit_identical": same}
             for k, v in times.items():
                 row[k + "_ms"], row[k + "_min_ms"] = statistics.median(v), min(v)
+            row["vnni_g_vpdpbusd_per_s"] = vpdpbusd(V, d, B) / row["vnni_ms"] / 1e6
             rows.append(row)
             print(f"{V}x{d} B={B}: fbgemm {row['fbgemm_ms']:.2f} (min {row['fbgemm_min_ms']:.2f}) "
                   f"vnni {row['vnni_ms']:.2f} (min {row['vnni_min_ms']:.2f}) "
-                  f"vnni+block max {row['vnni_block_max_ms']:.2f} ms, identical {same}", flush=True)
+                  f"vnni+block max {row['vnni_block_max_ms']:.2f} ms, "
+                  f"{row['vnni_g_vpdpbusd_per_s']:.2f} G vpdpbusd/s, identical {same}", flush=True)
     return rows
 
 
 def markdown(meta: dict, rows: list[dict]) -> str:
     out = [f"Machine: {meta['cpu']} ({', '.join(meta['cpu_flags'])}), {meta['threads']} threads, torch "
            f"{meta['torch']}; commit {meta['commit']}; load average {meta['loadavg_start']} at start.", "",
-           "| V x d | B | FBGEMM ms (min) | VNNI ms (min) | VNNI + block maxima ms (min) | FBGEMM / VNNI | identical |",
-           "|---|---|---|---|---|---|---|"]
+           "| V x d | B | FBGEMM ms (min) | VNNI ms (min) | VNNI + block maxima ms (min) | FBGEMM / VNNI "
+           "| VNNI G vpdpbusd/s | identical |",
+           "|---|---|---|---|---|---|---|---|"]
     for r in rows:
         out.append(f"| {r['V']} x {r['d']} | {r['B']} | {r['fbgemm_ms']:.2f} ({r['fbgemm_min_ms']:.2f}) | "
                    f"{r['vnni_ms']:.2f} ({r['vnni_min_ms']:.2f}) | {r['vnni_block_max_ms']:.2f} "
-                   f"({r['vnni_block_max_min_ms']:.2f}) | {r['fbgemm_ms'] / r['vnni_ms']:.2f}x | {r['bit_identical']} |")
+                   f"({r['vnni_block_max_min_ms']:.2f}) | {r['fbgemm_ms'] / r['vnni_ms']:.2f}x "
+                   f"| {r['vnni_g_vpdpbusd_per_s']:.2f} | {r['bit_identical']} |")
     return "\n".join(out) + "\n"
 
 

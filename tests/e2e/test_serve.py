@@ -137,6 +137,27 @@ def test_seeded_long_completion_certified_and_dense_steps(default_csv_server, de
     assert grew.get("csv_decode_fallbacks_total[off_switch]", 0) > 0, grew
 
 
+@pytest.mark.parametrize("feature", sorted(f for f in CERTIFIED_MODES if f not in STRUCTURED))
+def test_identical_to_dense_one_request_at_a_time(feature, csv_server, dense_server):
+    """The 16 prompts one request at a time, for every feature CSV certifies (test_identical_to_dense
+    sends them together, so their rows share steps; here each step holds one request's rows):
+    identical answers, and the feature's certified-rows counter grows. (Structured output:
+    test_structured_output_sequential.)"""
+    mode = CERTIFIED_MODES[feature]
+    before = certified(csv_server, mode)
+    answers = []
+    for s in (csv_server, dense_server):
+        kw = dict(FEATURES[feature])
+        extra = kw.pop("extra_body", None)
+        out = []
+        for prompt in PROMPTS:
+            r = s.client().completions.create(model=s.model, prompt=prompt, max_tokens=20, extra_body=extra, **kw)
+            out.append([(c.index, c.text, c.finish_reason) for c in sorted(r.choices, key=lambda c: c.index)])
+        answers.append(out)
+    assert answers[0] == answers[1]
+    assert certified(csv_server, mode) > before, metrics(csv_server)
+
+
 @pytest.mark.parametrize("feature", sorted(STRUCTURED))
 def test_structured_output_sequential(feature, csv_server, dense_server):
     """The 16 prompts one request at a time (test_identical_to_dense sends them together):
