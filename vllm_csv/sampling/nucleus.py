@@ -722,7 +722,7 @@ class TopPQueries:
         else:
             out_lo = self.ylo.clone()
             out_lo[rows] = -math.inf
-        out_hi = rows_of(self.yhi, out).clone() if subset is not None else self.yhi.clone()
+        out_hi = self.yhi.index_select(0, subset) if subset is not None else self.yhi.clone()  # (a copy either way)
         # (output row of a query row: the row itself, or its place in subset)
         orow = rows if subset is None else torch.zeros(r, dtype=torch.long, device=dev).index_copy_(
             0, at, torch.arange(at.numel(), device=dev))
