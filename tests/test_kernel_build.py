@@ -17,9 +17,7 @@ LOAD = ("import logging; logging.basicConfig(level=logging.INFO); from vllm_csv.
 
 
 def _build_dir():
-    from torch.utils.cpp_extension import _get_build_directory
-
-    return _get_build_directory(cpu_step._extension()[0], verbose=False)
+    return cpu_step._build_directory(cpu_step._extension()[0])
 
 
 def _load(timeout, **env):

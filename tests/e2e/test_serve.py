@@ -106,6 +106,13 @@ def complete(server, **kw):
              json.dumps(getattr(c, "prompt_logprobs", None))) for c in sorted(r.choices, key=lambda c: c.index)]
 
 
+def complete_one_at_a_time(server, max_tokens, **kw):
+    """Each of PROMPTS as its own request, in turn: per prompt, its choices by index."""
+    return [sorted(server.client().completions.create(model=server.model, prompt=p, max_tokens=max_tokens,
+                                                      **kw).choices, key=lambda c: c.index)
+            for p in PROMPTS]
+
+
 @pytest.mark.parametrize("feature", sorted(FEATURES))
 def test_identical_to_dense(feature, csv_server, dense_server):
     """Identical answers; for the features CSV certifies, its certified-rows counter of the
@@ -145,15 +152,9 @@ def test_identical_to_dense_one_request_at_a_time(feature, csv_server, dense_ser
     test_structured_output_sequential.)"""
     mode = CERTIFIED_MODES[feature]
     before = certified(csv_server, mode)
-    answers = []
-    for s in (csv_server, dense_server):
-        kw = dict(FEATURES[feature])
-        extra = kw.pop("extra_body", None)
-        out = []
-        for prompt in PROMPTS:
-            r = s.client().completions.create(model=s.model, prompt=prompt, max_tokens=20, extra_body=extra, **kw)
-            out.append([(c.index, c.text, c.finish_reason) for c in sorted(r.choices, key=lambda c: c.index)])
-        answers.append(out)
+    answers = [[[(c.index, c.text, c.finish_reason) for c in choices]
+                for choices in complete_one_at_a_time(s, 20, **FEATURES[feature])]
+               for s in (csv_server, dense_server)]
     assert answers[0] == answers[1]
     assert certified(csv_server, mode) > before, metrics(csv_server)
 
@@ -164,11 +165,8 @@ def test_structured_output_sequential(feature, csv_server, dense_server):
     identical answers, each within its grammar, and the ``structured`` certified counter grows."""
     before = certified(csv_server, "structured")
     kw = STRUCTURED[feature]
-    answers = []
-    for s in (csv_server, dense_server):
-        choices = [s.client().completions.create(model=s.model, prompt=p, max_tokens=16, **kw).choices[0]
-                   for p in PROMPTS]
-        answers.append([(c.text, c.finish_reason) for c in choices])
+    answers = [[(choices[0].text, choices[0].finish_reason) for choices in complete_one_at_a_time(s, 16, **kw)]
+               for s in (csv_server, dense_server)]
     assert answers[0] == answers[1]
     grammar = kw["extra_body"]["structured_outputs"]
     finished = [text for text, why in answers[0] if why == "stop"]  # the others: cut by max_tokens

@@ -95,6 +95,13 @@ def _extension():
     return f"vllm_csv_cpu_{hashlib.sha256(key.encode()).hexdigest()[:12]}", flags
 
 
+def _build_directory(name: str) -> Path:
+    """Where torch's loader builds the extension ``name`` (``TORCH_EXTENSIONS_DIR``), created."""
+    from torch.utils.cpp_extension import _get_build_directory
+
+    return Path(_get_build_directory(name, verbose=False))
+
+
 @contextlib.contextmanager
 def _build_lock(build_dir: Path, wait_s: float):
     """Hold an exclusive ``flock`` on ``build_dir/BUILD_LOCK`` for one build, waiting ``wait_s``
@@ -138,10 +145,10 @@ def load_ops():
         why = f"{SOURCES[0].parent} is not installed (an editable install of vllm-csv has it)"
     else:
         try:
-            from torch.utils.cpp_extension import _get_build_directory, load
+            from torch.utils.cpp_extension import load
 
             name, flags = _extension()
-            build_dir = Path(_get_build_directory(name, verbose=False))
+            build_dir = _build_directory(name)
             with _build_lock(build_dir, float(os.environ.get(BUILD_WAIT_ENV, BUILD_WAIT_S))):
                 load(name, [str(f) for f in SOURCES], is_python_module=False, verbose=False,
                      extra_cflags=flags, build_directory=str(build_dir))
