@@ -67,17 +67,27 @@ GREEDY_BESIDE = {
 CONCURRENT = {"mixed": MIXED, "greedy_beside": GREEDY_BESIDE}  # workloads whose modes are sent at once
 
 
+def server_flags(csv: bool, args) -> tuple[int, list[str]]:
+    """The port and the CSV flags of the dense (``csv=False``) or the CSV server. The first server
+    started takes ``--port`` (the dense one, or the CSV one with ``--csv-first``); with ``--control``
+    the CSV side is a second plain server, on its own port."""
+    port = args.port + (int(not csv) if args.csv_first else int(csv))
+    if not csv or args.control:
+        return port, []
+    flags = ["--enable-csv-decode"]
+    if args.screen:
+        flags += ["--csv-screen", args.screen]
+    if args.no_off_switch:
+        flags += ["--additional-config", json.dumps({"csv_decode": {"off_switch": False}})]
+    return port, flags
+
+
 @contextlib.contextmanager
 def server(model: str, csv: bool, args):
     """A running ``vllm serve`` (dense or CSV), warmed up; yields its ``complete(params)`` and its
     base URL; stopped on exit."""
-    port = args.port + (1 if csv else 0)
+    port, flags = server_flags(csv, args)
     base = f"http://127.0.0.1:{port}"
-    flags = ["--enable-csv-decode"] if csv else []
-    if csv and args.screen:
-        flags += ["--csv-screen", args.screen]  # the CSV server only (any --csv-* flag enables CSV)
-    if csv and args.no_off_switch:
-        flags += ["--additional-config", json.dumps({"csv_decode": {"off_switch": False}})]
     cmd = [*_vllm_command(), "serve", model, "--host", "127.0.0.1", "--port", str(port), "--seed", "0",
            "--max-model-len", "1024", *flags, *args.vllm_args]
     env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE=os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"))
@@ -149,7 +159,8 @@ def run_interleaved(model: str, args) -> dict:
     clocks) then falls on both sides of each round's ratio alike; the speed-up is the median of
     the rounds' ratios, beside the ratio of the summed rates."""
     with contextlib.ExitStack() as stack:
-        comp = {csv: stack.enter_context(server(model, csv, args)) for csv in (False, True)}
+        order = (True, False) if args.csv_first else (False, True)
+        comp = {csv: stack.enter_context(server(model, csv, args)) for csv in order}
         res: dict = {False: {}, True: {}}
         ratios: dict[str, list[float]] = {}
         for name, params in workloads(args).items():
@@ -307,6 +318,12 @@ def main(argv=None) -> int:
     p.add_argument("--same-metrics", action="store_true",
                    help="run both servers with prometheus-client's multiprocess mode, which CSV turns on for "
                         "its worker metrics (vLLM's own metrics then go through files too)")
+    p.add_argument("--control", action="store_true",
+                   help="A/A control: the CSV side is a second plain `vllm serve`, so the ratios measure two "
+                        "identical servers' difference, the noise floor of the comparison (with --interleave)")
+    p.add_argument("--csv-first", action="store_true",
+                   help="--interleave: start the CSV server first, on --port (the dense one then on --port + 1); "
+                        "with --control, whether the order of two identical servers matters")
     p.add_argument("--json", required=True)
     p.add_argument("vllm_args", nargs=argparse.REMAINDER, help="further `vllm serve` arguments (after --)")
     args = p.parse_args(argv)
@@ -333,8 +350,11 @@ def main(argv=None) -> int:
             f"{k} {w['speedup']}x" for k, w in pairs[-1]["workloads"].items()), file=sys.stderr)
     s = pairs[0] if args.pairs == 1 else combine(pairs)
     machine = f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores"
-    Path(args.json).write_text(json.dumps({"machine": machine, "model": args.model, "prompts": args.prompts, "commit": commit(), "provenance": provenance(), "vllm_args": args.vllm_args, "same_malloc": args.same_malloc, "same_metrics": args.same_metrics, "interleave": args.interleave, **s}, indent=1))
+    Path(args.json).write_text(json.dumps({"machine": machine, "model": args.model, "prompts": args.prompts, "commit": commit(), "provenance": provenance(), "vllm_args": args.vllm_args, "same_malloc": args.same_malloc, "same_metrics": args.same_metrics, "interleave": args.interleave, "control": args.control, "csv_first": args.csv_first, **s}, indent=1))
     md = markdown(s, machine, Path(args.model).name)
+    if args.control:
+        md = ("A/A control (`--control`): both servers are plain `vllm serve`; the CSV column is the second "
+              "one.\n\n" + md)
     Path(args.json).with_suffix(".md").write_text(md)
     print(md)
     return 0

@@ -56,10 +56,30 @@ def test_interleaved_rounds_alternate_and_give_the_median_ratio(monkeypatch):
     monkeypatch.setattr(serve, "csv_metrics", lambda base: {})
     monkeypatch.setattr(serve.time, "perf_counter", lambda: clock[0])
     monkeypatch.setattr(serve.time, "sleep", lambda s: None)
-    args = SimpleNamespace(mixed=False, workloads=["greedy"], rounds=4, pause=0.0, per_turn=1)
+    args = SimpleNamespace(mixed=False, workloads=["greedy"], rounds=4, pause=0.0, per_turn=1, csv_first=False)
     s = serve.run_interleaved("m", args)
     g = s["workloads"]["greedy"]
     assert [c for c, _ in calls] == [False, True, True, False, False, True, True, False]
     assert g["speedup_by_round"] == [1.25] * 4 and g["speedup"] == 1.25
     assert g["identical_outputs"] is True
     assert g["dense_tokens_per_s"] == round(400 / (1.25 * 6), 1)
+
+
+def test_server_flags_control_and_order():
+    """--control makes the CSV side a second plain server (no CSV flag, its own port); --csv-first
+    gives the CSV server the first port; any CSV flag goes to the CSV server only."""
+    from types import SimpleNamespace
+
+    import serve
+
+    def args(**k):
+        return SimpleNamespace(**dict(dict(port=8110, csv_first=False, control=False, screen="int8",
+                                           no_off_switch=True), **k))
+
+    assert serve.server_flags(False, args()) == (8110, [])
+    port, flags = serve.server_flags(True, args())
+    assert port == 8111 and flags[:3] == ["--enable-csv-decode", "--csv-screen", "int8"]
+    assert '"off_switch": false' in flags[-1]
+    assert serve.server_flags(True, args(control=True)) == (8111, [])
+    assert serve.server_flags(True, args(csv_first=True))[0] == 8110
+    assert serve.server_flags(False, args(csv_first=True)) == (8111, [])

@@ -38,7 +38,7 @@
 // line read; a prefetch past the weight's end is a hint and never faults): CSV_PREFETCH
 // (vllm_csv.ops.cpu_step) on Intel CPUs, where it measured 5-30% faster than the hardware
 // prefetcher alone, nothing elsewhere (on AMD EPYC software prefetches measured 15% slower); the
-// measurements: README, "Software prefetch in the screens' kernels".
+// measurements: benchmarks/README.md, "Software prefetch in the screens' kernels".
 std::atomic<int64_t>& prefetch_bytes() {
   static std::atomic<int64_t> bytes{[] {
     __builtin_cpu_init();

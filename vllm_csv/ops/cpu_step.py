@@ -67,7 +67,7 @@ logger = logging.getLogger("vllm.csv_decode")
 BLOCK = 256  # tokens a block: the candidate search reads y once, as block maxima
 PANEL, GROUP = 32, 4  # the VNNI GEMM's weight panel: rows (two zmm tiles of int32 lanes), k a vpdpbusd lane sums
 PREFETCH = 4096  # bytes ahead of the weight stream the screens' GEMMs prefetch on Intel CPUs (none
-# elsewhere: csrc/cpu/int8_vnni.cpp, prefetch_ahead; measured: README, "Software prefetch")
+# elsewhere: csrc/cpu/int8_vnni.cpp, prefetch_ahead; measured: benchmarks/README.md, "Software prefetch")
 K_MIN = -143  # rows with max|h| < 2^K_MIN are not quantised (t / 64 would not be an fp32)
 S_MIN = 2.0**-126  # smallest normal fp32
 ENV = "VLLM_CSV_CPU_KERNELS"  # "0": always the torch reference

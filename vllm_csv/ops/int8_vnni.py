@@ -7,7 +7,7 @@ layout ``x = [c p_b, -64 c, 63 c]`` (:func:`vllm_csv.ops.cpu_step.quantize_act7`
 
 Why a kernel of our own: FBGEMM re-quantises its input on every call and cannot hand back what
 the candidate search reads first (the block maxima below), and at decode batches of up to 8
-rows its GEMM was the slower one here (``benchmarks/int8_gemm_cpu.py``, results in the README).
+rows its GEMM was the slower one here (``benchmarks/int8_gemm_cpu.py``, results in benchmarks/README.md).
 The kernel streams a panel of 32 weight rows once for up to 8 batch rows (more rows: one pass
 per 8), multiplies with ``vpdpbusd`` (unsigned codes ``p + 64`` in ``[0, 127]`` times signed
 ``q``, four products summed into each int32 lane, no saturation), and rescales in the same pass:
@@ -26,7 +26,7 @@ take the same kernel's AMX variant (``int8_amx_linear``): tile multiplies (``tdp
 codes and the same packed weight, 16 batch rows a tile, one pass over the weight for the whole
 batch. Its int32 sums are exact too (the same bound), so it returns the same ``y`` and block maxima
 bit for bit; the VNNI kernel makes one pass per 8 rows and is bound by its ``vpdpbusd`` count
-from about 8 rows (measured in the README: 12.6 against 6.6 ms at 8 rows, 42.7 against 8.5 ms at
+from about 8 rows (measured in benchmarks/README.md: 12.6 against 6.6 ms at 8 rows, 42.7 against 8.5 ms at
 32 rows, on a ``151936 x 1024`` head). Below :data:`AMX_FROM` rows both read the weight once and the
 VNNI kernel was as fast or faster.
 

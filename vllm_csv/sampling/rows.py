@@ -62,7 +62,7 @@ FIRST_GUESS = 8  # one-sided screens (no lower bounds): score the 8 highest uppe
 TOP_P_GUESS = 64  # top-p rows: their 64 highest upper bounds scored up front (budget allowing)
 TOP_P_FOCUS = (128, 2048)  # open top-p rows with every contender scored: their V / 32 highest upper
 # bounds, within these, 4x more each time. V / 32 from 128: 32 top-p 0.9 rows of the demo model (V
-# 65536) 0.91-0.99x dense against 0.73-0.82x, 96.4% certified against 95.9% (README, "Top-p rows
+# 65536) 0.91-0.99x dense against 0.73-0.82x, 96.4% certified against 95.9% (benchmarks/README.md, "Top-p rows
 # stuck on their masses"); at most V / 32: a first widening near the budget (5% of V) left more
 # rows uncertified on small vocabularies (V 1024)
 

@@ -23,7 +23,7 @@ int4      per-group int4 copy, same bound; backends: AVX512-VNNI       ``V d / 2
 fp16      fp16 copy, ``|<w_i - fp16(w_i), h>| <= r_i ||h||`` + GEMM     ``2 V d`` + ``8 V``
 ========  ===========================================================  =====================
 
-``auto`` (the default) is the fastest sound screen measured (README, Benchmarks): ``int8``
+``auto`` (the default) is the fastest sound screen measured (README, Benchmarks; benchmarks/README.md): ``int8``
 everywhere it has an exact fast GEMM (FBGEMM on x86 CPUs, cuBLASLt on CUDA), and on x86 CPUs
 with AVX512-VNNI ``int4`` for one-row batches on heads of at least ``2^25`` weights
 (``int8+int4``, :mod:`.by_batch`); on a CPU where

@@ -7,7 +7,7 @@ is the union of its rows'. On this repo's CPUs (AVX512-VNNI, 2 threads) the int4
 one row and loses from two rows on: on the demo head (V 65536, d 768, bf16; each step timed over
 16 distinct batches of held-out hidden states, whose scored sets differ widely: int4 scores 733
 tokens a step on average there, int8 10) it took 1.11-1.27 against 1.29-1.35 ms at one row in
-four runs, 1.75 against 1.45 ms at two rows, 3.7 against 1.37 ms at four (README, "Timing
+four runs, 1.75 against 1.45 ms at two rows, 3.7 against 1.37 ms at four (benchmarks/README.md, "Timing
 learned heads over many batches"). Each call's bound is its
 own screen's: :class:`~vllm_csv.screens.ScreenOut` carries its radius and coefficients. The
 certificate of rows drawn in vLLM's sampler asks for the ``tight`` (large-batch) copy at every
