@@ -1,0 +1,25 @@
+"""benchmarks/tail_bound.py's survivors are a sound bound: the true top token always survives; no
+dimension multiplied keeps everything, all of them only the top."""
+
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+
+
+def test_the_top_token_always_survives():
+    import tail_bound
+
+    g = torch.Generator().manual_seed(3)
+    W = torch.randn(512, 64, generator=g, dtype=torch.float64)
+    h = torch.randn(16, 64, generator=g, dtype=torch.float64)
+    top = (h @ W.T).argmax(dim=1)
+    shares = []
+    for k in range(0, 65, 8):
+        keep = tail_bound.surviving(h, W, k)
+        assert keep.gather(1, top[:, None]).all()
+        shares.append(tail_bound.survivors(h, W, k))
+    assert shares[0] == 1.0 and shares[-1] == 1 / 512
+    assert all(a >= b for a, b in zip(shares, shares[1:]))  # more dimensions, tighter bounds
