@@ -32,8 +32,8 @@ from vllm_csv.ops.fbgemm import PackedInt8Linear, act7_layout  # noqa: E402
 
 def vpdpbusd(V: int, d: int, B: int) -> int:
     """``vpdpbusd`` instructions the VNNI kernel issues for ``[B, d] x [V, d]^T``: one per 16 rows x
-    4 columns x batch row (k and rows padded to the layout's 4 and 32)."""
-    return -(-V // 32) * 2 * -(-d // 4) * B
+    ``GROUP`` columns x batch row (rows padded to the layout's ``PANEL``, k to its ``GROUP``)."""
+    return -(-V // cpu_step.PANEL) * (cpu_step.PANEL // 16) * -(-d // cpu_step.GROUP) * B
 
 
 def run(shapes, batches, repeats: int) -> list[dict]:

@@ -34,6 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from benchmarks.provenance import machine  # noqa: E402
+from vllm_csv.hf_head import load_lm_head  # noqa: E402
 
 FRACTIONS = (0.0625, 0.125, 0.25, 0.5, 0.625, 0.75, 0.875, 0.9375)
 
@@ -58,22 +59,23 @@ def top_cosine(h: torch.Tensor, W: torch.Tensor) -> float:
 
 
 def peaked(V: int, d: int, B: int) -> dict:
-    g = torch.Generator().manual_seed(0)
-    W = torch.randn(V, d, generator=g) / d**0.5
-    t = torch.randint(0, V, (B,), generator=g)
-    h = 6 * W[t] * d**0.5 + 0.3 * torch.randn(B, d, generator=g)
+    """The states ``lm_head.py --shapes`` times (the tests' ``peaked_head`` and ``hidden_near_rows``)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+    threads = torch.get_num_threads()
+    from conftest import hidden_near_rows, peaked_head  # (it sets 2 threads for the tests)
+
+    torch.set_num_threads(threads)
+    W, g = peaked_head(V, d, seed=0)
+    h = hidden_near_rows(W, B, g)
     return {"V": V, "d": d, "rows": B, "top_cosine": top_cosine(h, W),
             "survivors": {f: survivors(h, W, int(f * d)) for f in FRACTIONS}}
 
 
 def learned(model: Path, positions: int) -> dict:
     from lm_head import hidden_states
-    from safetensors.torch import load_file
 
-    sd: dict = {}
-    for f in sorted(model.glob("*.safetensors")):
-        sd.update(load_file(str(f)))
-    W = (sd["lm_head.weight"] if "lm_head.weight" in sd else sd["model.embed_tokens.weight"]).float()
+    head = load_lm_head(model)
+    W = head.weight[: head.vocab_size].float()
     H = hidden_states(model, 2 * positions, "cpu").float()
     fit, test = H[:positions], H[positions:]
     _, vecs = torch.linalg.eigh(fit.T @ fit)
