@@ -1,17 +1,28 @@
 #!/usr/bin/env bash
-# On a CUDA machine with torch and nvcc (no network needed): build the csrc kernels in place,
-# run the GPU tests, then the LM-head benchmark on GPU-trained fixtures. Results go to $OUT
-# (or ./results/gpu). Usage: bash benchmarks/run_gpu.sh [HIDDEN ...]
+# On a CUDA machine with torch and Triton (no vLLM, no network needed): the fused GPU step's
+# benchmark and audit (benchmarks/gpu_step.py), then its tests compiled for the GPU. Results go to
+# $OUT (or ./results/gpu). Budget: under 8 minutes on an H100 (each part under its own timeout).
+# Usage: VLLM_CSV_COMMIT=<sha> bash benchmarks/run_gpu.sh [gpu_step.py args]
+# RUN_LEGACY=1 also builds csrc/ and runs the earlier screen benchmarks and CUDA tests.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-results/gpu}
 mkdir -p "$OUT"
 export TQDM_DISABLE=1 PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0}
+export VLLM_CSV_COMMIT=${VLLM_CSV_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
 nvidia-smi -L
-python3 -c "import torch; print('torch', torch.__version__, torch.version.cuda, torch.cuda.get_device_name())"
-python3 setup.py -q build_ext --inplace > "$OUT/build.log" 2>&1 || { tail -40 "$OUT/build.log"; exit 1; }
-python3 -c "from vllm_csv.ops import has_cuda_kernels; assert has_cuda_kernels(), 'vllm_csv._C missing'; print('vllm_csv._C built')"
-python3 benchmarks/screen_kernels.py 2>&1 | tee "$OUT/screen_kernels.md"
-python3 -m pytest -q -p no:cacheprovider tests/test_ops.py tests/test_head_cuda.py tests/test_off_switch.py 2>&1 | tee "$OUT/pytest_gpu.log" | tail -15
-python3 benchmarks/lm_head.py --device cuda --dtype bfloat16 --fixtures "${@:-1024 2048 4096}" \
-    --batches 1 8 32 64 --positions 1024 --repeats 50 --json "$OUT/lm_head_gpu.json" 2>&1 | tail -60
+python3 -c "import torch, triton; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'triton', triton.__version__, torch.cuda.get_device_name())"
+python3 -c "import vllm_csv.gpu.step" || exit 1
+T0=$SECONDS
+timeout ${STEP_TIMEOUT:-330} python3 benchmarks/gpu_step.py --json "$OUT/gpu_step.json" "$@" 2>&1 | tee "$OUT/gpu_step.log"
+echo "gpu_step.py: $((SECONDS - T0)) s"
+T1=$SECONDS
+VLLM_CSV_GPU_TUNE=0 timeout ${TEST_TIMEOUT:-150} python3 -m pytest -q -p no:cacheprovider -x tests/test_gpu_kernels.py 2>&1 \
+    | tee "$OUT/pytest_gpu.log" | tail -25
+echo "tests: $((SECONDS - T1)) s"
+if [ "${RUN_LEGACY:-0}" = 1 ]; then
+    python3 setup.py -q build_ext --inplace > "$OUT/build.log" 2>&1 || { tail -40 "$OUT/build.log"; exit 1; }
+    python3 benchmarks/screen_kernels.py 2>&1 | tee "$OUT/screen_kernels.md"
+    python3 -m pytest -q -p no:cacheprovider tests/test_ops.py tests/test_head_cuda.py tests/test_off_switch.py 2>&1 \
+        | tee "$OUT/pytest_legacy.log" | tail -15
+fi

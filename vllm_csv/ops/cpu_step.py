@@ -327,6 +327,24 @@ def block_cols(blocks: torch.Tensor, V: int) -> torch.Tensor:
     return cols[cols < V]
 
 
+def threshold_from(y1, yk, hnorm, e, ok, rad_max: float, act_coef: float, tiny: float, bslack_max: float,
+                   delta: float, limit: float, babs_max: float):
+    """``(tau, thr, ok)``, each ``[B]``, from a row's largest screen value ``y1`` and a lower bound
+    ``yk`` of its k-th largest (the search of :func:`select_candidates_ref`, whose arguments these
+    are): ``tau`` a lower bound of the row's k-th largest dense logit, ``thr`` the screen value
+    below which a token's dense upper bound is below ``tau`` (NaN on rows that cannot be
+    certified, which then add no candidates), ``ok`` with the overflow check added. fp32, in
+    this order of operations (the GPU step's select kernel repeats them one for one)."""
+    act = act_coef * e if e is not None else 0.0
+    spread = rad_max * hnorm + act + tiny + bslack_max
+    ok = ok & ((y1 + delta * y1.abs() + spread + babs_max) <= limit)  # False on NaN
+    tau = yk - delta * yk.abs() - spread
+    s = tau - spread
+    thr = torch.where(s >= 0, s / (1 + delta), s / (1 - delta))
+    thr = thr - thr.abs() * (8 * FP32_UNIT_ROUNDOFF) - tiny  # rounding of this very line
+    return tau, thr.masked_fill(~ok, math.nan), ok
+
+
 def select_candidates_ref(y, row_scale, k, hnorm, e, ok, rad_max: float, act_coef: float, tiny: float,
                           bslack_max: float, delta: float, limit: float, babs_max: float, budget: int,
                           bmax: torch.Tensor | None = None):
@@ -371,14 +389,9 @@ def select_candidates_ref(y, row_scale, k, hnorm, e, ok, rad_max: float, act_coe
         if rs is not None:
             top = top * rs[:, None]
         y1, yk = top[:, 0], top.gather(1, (k - 1)[:, None])[:, 0]
-    act = act_coef * e if e is not None else 0.0
-    spread = rad_max * hnorm + act + tiny + bslack_max
-    ok = ok & ((y1 + delta * y1.abs() + spread + babs_max) <= limit)  # False on NaN
-    tau = yk - delta * yk.abs() - spread
-    s = tau - spread
-    thr = torch.where(s >= 0, s / (1 + delta), s / (1 - delta))
-    thr = thr - thr.abs() * (8 * FP32_UNIT_ROUNDOFF) - tiny  # rounding of this very line
-    thr = thr.masked_fill(~ok, math.nan)[:, None]  # rows that cannot be certified add no candidates
+    tau, thr, ok = threshold_from(y1, yk, hnorm, e, ok, rad_max, act_coef, tiny, bslack_max, delta, limit,
+                                  babs_max)
+    thr = thr[:, None]
     blocks = bmax >= thr  # [B, nb]: blocks that hold a candidate
     live = blocks.sum(1) <= budget  # each such block holds at least one candidate
     cols = block_cols((blocks[live] if B > 1 else blocks).any(0).nonzero().squeeze(1), V)

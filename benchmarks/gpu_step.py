@@ -1,0 +1,240 @@
+"""The fused certified step on a GPU against vLLM's dense head: speed, certified share, exactness.
+
+    python benchmarks/gpu_step.py --json results/gpu_step.json [--shapes 151936x1024 ...]
+        [--batches 1 8 32 64] [--audit-rows 153600]
+
+Speed, per (V x d, B), bf16, everything CUDA-graph replayed (one graph per measured call,
+``--iters`` replays a round, rounds interleaved, median per-replay time):
+
+==========  ===================================================================================
+dense       cuBLAS ``F.linear(h, W)`` + ``argmax``: vLLM's dense head and greedy pick (baseline)
+int8_gemm   ``torch._int_mm`` over the int8 copy (rows padded to 17): the one-byte ceiling
+screen      the step's screen kernel alone (int8 GEMM + block maxima)
+step        the fused greedy step (:meth:`vllm_csv.gpu.step.FusedStep.run`, five kernels)
+step_topk64 the fused top-64 step with values certified bit for bit
+==========  ===================================================================================
+
+and, with one host read per iteration (what :meth:`FusedStep.topk` adds to decide the dense
+rescue): ``step_sync`` (step + one copy of the ``[B]`` codes to the host) against ``dense_sync`` (dense + one read).
+Hidden states: the tests' peaked rows (``h = 6 sqrt(d) w_t + 0.3 noise``, as
+``benchmarks/screen_kernels.py``), random weights ``N(0, 1/d)``.
+
+Audit (``--audit-rows``, at the first shape, B = 64): certified rows against the dense argmax of
+the same batch (cuBLAS, first maximum), over families: peaked, soft (scale 2, noise 1), exact
+ties (duplicated head rows), tiny (2^-60) and huge (2^40) norms, and a top-8-with-values pass
+against the dense stable sort. Every row of the JSON names the device, versions and commit.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from vllm_csv import CertifiedHead, HeadConfig  # noqa: E402
+from vllm_csv.gpu import kernels  # noqa: E402
+from vllm_csv.gpu.step import FusedStep  # noqa: E402
+
+
+def provenance() -> dict:
+    import triton
+
+    return {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "cuda": torch.version.cuda,
+            "triton": triton.__version__, "commit": os.environ.get("VLLM_CSV_COMMIT", "unknown"),
+            "dtype": "bfloat16"}
+
+
+def graphed(fn):
+    """``fn`` captured in a CUDA graph (warmed up on a side stream first); returns the graph."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    return g
+
+
+def replay_ms(g, iters: int, after=None) -> float:
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    if after is None:
+        a.record()
+        for _ in range(iters):
+            g.replay()
+        b.record()
+        b.synchronize()
+        return a.elapsed_time(b) / iters
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        g.replay()
+        after()  # a host read: waits for the replay
+    return (time.perf_counter() - t0) * 1e3 / iters
+
+
+def peaked(W, B, gen, scale=6.0, noise=0.3):
+    V, d = W.shape
+    t = torch.randint(0, V, (B,), device=W.device, generator=gen)
+    h = scale * W[t].float() * d**0.5 + noise * torch.randn(B, d, device=W.device, generator=gen)
+    return h.to(W.dtype)
+
+
+def speed(a, prov, rows):
+    for shape in a.shapes:
+        V, d = map(int, shape.split("x"))
+        gen = torch.Generator(device="cuda").manual_seed(0)
+        W = (torch.randn(V, d, device="cuda", generator=gen) / d**0.5).bfloat16()
+        t0 = time.perf_counter()
+        head = CertifiedHead(W, config=HeadConfig(off_switch=False))
+        st = FusedStep(head)
+        prep_s = time.perf_counter() - t0
+        for B in a.batches:
+            h = peaked(W, B, gen)
+            k1 = torch.ones(B, dtype=torch.int32, device="cuda")
+            need0 = torch.zeros(B, dtype=torch.int8, device="cuda")
+            p = torch.zeros((max(17, B), d), dtype=torch.int8, device="cuda")
+            qT = st.screen.q_gemm.t()
+            out = {}
+            graphs = {
+                "dense": graphed(lambda: out.__setitem__("dense", F.linear(h, W).argmax(-1))),
+                "int8_gemm": graphed(lambda: torch._int_mm(p, qT)),
+                "step": graphed(lambda: out.__setitem__("step", st.run(h, k1, need0, 1))),
+            }
+            pq = kernels.quantize_rows(h, True, kernels.batch_tile(B))
+            graphs["screen"] = graphed(lambda: kernels.screen_block_max(pq[0], st.q, st.s, pq[1], None, B))
+            if B in a.topk_batches:
+                k64 = torch.full((B,), 64, dtype=torch.int32, device="cuda")
+                need1 = torch.ones(B, dtype=torch.int8, device="cuda")
+                graphs["step_topk64"] = graphed(lambda: out.__setitem__("topk", st.run(h, k64, need1, 64)))
+            times = {n: [] for n in graphs}
+            for _ in range(a.rounds):  # interleaved: drift hits every column alike
+                for n, g in graphs.items():
+                    times[n].append(replay_ms(g, a.iters))
+            med = {n: statistics.median(v) for n, v in times.items()}
+            sync_iters = max(20, a.iters // 4)
+            med["dense_sync"] = statistics.median(
+                [replay_ms(graphs["dense"], sync_iters, lambda: out["dense"][0].item()) for _ in range(3)])
+            med["step_sync"] = statistics.median(
+                [replay_ms(graphs["step"], sync_iters, lambda: bool(out["step"][2].cpu().any())) for _ in range(3)])
+            graphs["dense"].replay()
+            graphs["step"].replay()
+            torch.cuda.synchronize()
+            ids, _, code, count = out["step"]
+            cert = code == 0
+            mism = int((cert & (ids[:, 0] != out["dense"])).sum())
+            extra = {"certified": int(cert.sum()), "rows": B, "mismatches": mism,
+                     "scored_mean": float(FusedStep.scored(count).float().mean()),
+                     "screen_config": list(kernels._tuned.get((V, d, kernels.batch_tile(B), str(W.device)), ())),
+                     "prep_s": round(prep_s, 2)}
+            if "topk" in out:
+                graphs["step_topk64"].replay()
+                torch.cuda.synchronize()
+                tid, tv, tcode, _ = out["topk"]
+                dv, di = torch.sort(F.linear(h, W).float(), dim=1, descending=True, stable=True)
+                tc = tcode == 0
+                extra["topk64_certified"] = int(tc.sum())
+                extra["topk64_mismatches"] = int((tc[:, None] & ((tid != di[:, :64]) | (tv != dv[:, :64]))).any(1).sum())
+            for n, ms in med.items():
+                base = med["dense_sync"] if n == "step_sync" else med["dense"]
+                rows.append({**prov, "V": V, "d": d, "B": B, "measure": n, "ms": round(ms, 5),
+                             "baseline": "dense" if n != "step_sync" else "dense_sync",
+                             "speedup_vs_baseline": round(base / ms, 4), **extra})
+            print(f"{V}x{d} B={B:3d} " + " ".join(f"{n}={ms * 1e3:.1f}us" for n, ms in med.items())
+                  + f" | step {med['dense'] / med['step']:.2f}x, ceiling {med['dense'] / med['int8_gemm']:.2f}x,"
+                  f" sync {med['dense_sync'] / med['step_sync']:.2f}x | cert {extra['certified']}/{B}"
+                  f" mism {mism}" + (f" top64 cert {extra.get('topk64_certified')} mism {extra.get('topk64_mismatches')}"
+                                     if "topk" in out else ""), flush=True)
+        del W, head, st
+        torch.cuda.empty_cache()
+
+
+def audit(a, prov, rows):
+    V, d = map(int, a.shapes[0].split("x"))
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    W = (torch.randn(V, d, device="cuda", generator=gen) / d**0.5).bfloat16()
+    dup = torch.randint(0, V - 1, (2000,), device="cuda", generator=gen)
+    W[dup + 1] = W[dup]  # exact ties between neighbours
+    head = CertifiedHead(W, config=HeadConfig(off_switch=False))
+    st = FusedStep(head)
+    B = 64
+    k1 = torch.ones(B, dtype=torch.int32, device="cuda")
+    need0 = torch.zeros(B, dtype=torch.int8, device="cuda")
+    fams = ("peaked", "soft", "ties", "tiny", "huge")
+    tally = {f: [0, 0, 0] for f in fams}  # rows, certified, mismatches
+    t0 = time.perf_counter()
+    for i in range(a.audit_rows // B):
+        fam = fams[i % len(fams)]
+        if fam == "soft":
+            h = peaked(W, B, gen, scale=2.0, noise=1.0)
+        elif fam == "ties":
+            t = dup[torch.randint(0, len(dup), (B,), device="cuda", generator=gen)]
+            h = (6 * W[t].float() * d**0.5 + 0.3 * torch.randn(B, d, device="cuda", generator=gen)).bfloat16()
+        else:
+            h = peaked(W, B, gen)
+            if fam != "peaked":
+                h = (h.float() * (2.0**-60 if fam == "tiny" else 2.0**40)).bfloat16()
+        ids, _, code, _ = st.run(h, k1, need0, 1)
+        dense = F.linear(h, W).argmax(-1)
+        cert = code == 0
+        tally[fam][0] += B
+        tally[fam][1] += int(cert.sum())
+        tally[fam][2] += int((cert & (ids[:, 0] != dense)).sum())
+    # top-8 with values against the dense stable sort
+    k8 = torch.full((B,), 8, dtype=torch.int32, device="cuda")
+    need1 = torch.ones(B, dtype=torch.int8, device="cuda")
+    t8 = [0, 0, 0]
+    for i in range(max(1, a.audit_rows // B // 10)):
+        h = peaked(W, B, gen, scale=3.0, noise=0.5)
+        ids, vals, code, _ = st.run(h, k8, need1, 8)
+        dv, di = torch.sort(F.linear(h, W).float(), dim=1, descending=True, stable=True)
+        cert = code == 0
+        t8[0] += B
+        t8[1] += int(cert.sum())
+        t8[2] += int((cert[:, None] & ((ids[:, :8] != di[:, :8]) | (vals[:, :8] != dv[:, :8]))).any(1).sum())
+    for f, (n, c, m) in list(tally.items()) + [("top8_values", tuple(t8))]:
+        rows.append({**prov, "V": V, "d": d, "B": B, "measure": f"audit_{f}", "rows": n, "certified": c,
+                     "mismatches": m})
+        print(f"audit {f}: {c}/{n} certified, {m} mismatches", flush=True)
+    print(f"audit took {time.perf_counter() - t0:.1f} s", flush=True)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--shapes", nargs="+", default=["151936x1024", "128256x2048", "128256x4096", "262144x2560"])
+    p.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32, 64])
+    p.add_argument("--topk-batches", type=int, nargs="*", default=[1, 64])
+    p.add_argument("--iters", type=int, default=100)
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--audit-rows", type=int, default=153600)
+    p.add_argument("--json", default="results/gpu_step.json")
+    a = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("needs a CUDA device", file=sys.stderr)
+        return 2
+    prov = provenance()
+    print(json.dumps(prov), flush=True)
+    rows: list[dict] = []
+    Path(a.json).parent.mkdir(parents=True, exist_ok=True)
+    try:
+        speed(a, prov, rows)
+        if a.audit_rows:
+            audit(a, prov, rows)
+    finally:
+        Path(a.json).write_text(json.dumps(rows, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,256 @@
+"""The fused GPU step (:mod:`vllm_csv.gpu`): each Triton kernel against its torch reference over
+dtypes x shapes (odd V and d, padded vocabulary, bias), and the whole step against the dense
+head on adversarial batches (ties, huge and tiny norms, subnormals, NaN/inf rows, flat rows).
+
+On CUDA the kernels run compiled; elsewhere under Triton's interpreter (``TRITON_INTERPRET=1``,
+set here before the kernels are first imported), small shapes. The graph-capture test needs
+CUDA (marked ``gpu``).
+"""
+
+import math
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"
+pytest.importorskip("triton")
+
+from conftest import hidden_near_rows, peaked_head, same_bits  # noqa: E402
+from vllm_csv import CertifiedHead, HeadConfig  # noqa: E402
+from vllm_csv.gpu import kernels as K  # noqa: E402
+from vllm_csv.gpu.step import FusedStep, GraphedStep  # noqa: E402
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+DTYPES = [torch.bfloat16, torch.float16, torch.float32]
+SHAPES = [(1000, 96), (777, 129), (4099, 64)]  # odd V, odd d, a last block of 3 tokens
+
+pytestmark = pytest.mark.skipif(not (K.INTERPRET or torch.cuda.is_available()),
+                                reason="vllm_csv.gpu.kernels was imported without the interpreter on a CPU")
+
+
+def _head(V, d, dtype, bias=False, seed=0, pad=0):
+    W, g = peaked_head(V + pad, d, seed=seed, dtype=dtype)
+    b = (torch.randn(V + pad, generator=g) * 0.5).to(dtype) if bias else None
+    head = CertifiedHead(W.to(DEV), None if b is None else b.to(DEV), vocab_size=V,
+                         config=HeadConfig(budget=1.0, off_switch=False))
+    return head, g
+
+
+def _batch(W, B, g, dtype):
+    """Peaked rows, a flat row, a tiny-norm and a subnormal row, a zero row."""
+    h = hidden_near_rows(W.float().cpu(), B, g).float()
+    if B > 1:
+        h[1] = torch.randn(W.shape[1], generator=g) * 0.05  # flat: many near-ties
+    if B > 3:
+        h[2] *= 2.0**-60  # tiny norm (normal in every dtype but fp16, where it flushes to 0)
+        h[3] = 0.0
+    return h.to(dtype).to(DEV)
+
+
+def _engine_dense(head, h):
+    """The dense engine as the certificate models it: fp32 accumulation, one rounding to the
+    model dtype (cuBLAS on a GPU; on the CPU computed in fp32 here, since a CPU bf16 GEMM may
+    flush subnormals, a separate question of the dense engine's arithmetic)."""
+    b = None if head.bias is None else head.bias.float()
+    return torch.nn.functional.linear(h.float(), head.weight.float(), b).to(head.dtype).float()
+
+
+# ---- kernels against references -----------------------------------------------------------
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_quantize_rows(dtype):
+    g = torch.Generator().manual_seed(1)
+    h = torch.randn(9, 129, generator=g) * 3
+    h[1, 5] = math.nan
+    h[2, 0] = math.inf
+    h[3] = 0.0
+    h[4] *= 2.0**-130 if dtype != torch.float16 else 2.0**-20  # subnormal (fp16: small)
+    h[5] = 1e38 if dtype != torch.float16 else 6e4  # finite; fp32/bf16: the norm overflows fp32
+    h = h.to(dtype).to(DEV)
+    p, t, e, hn, ok = K.quantize_rows_triton(h, True, 16)
+    pr, tr, er, hnr, okr = K.quantize_rows_ref(h, True, 16)
+    assert ok.dtype == torch.int8 and torch.equal(ok, okr) and torch.equal(p, pr) and torch.equal(t, tr)
+    ok = ok.bool()
+    assert not ok[1] and not ok[2] and ok[3] and ok[4]
+    assert bool(ok[5]) == (dtype == torch.float16)
+    # sound, and within 2^-18 of the float64 norms (the references' own slack is 2^-20)
+    f = h.double().masked_fill(~ok[:, None], 0) - t.double()[:, None] * p[:9].double()
+    for got, want in ((e, f.norm(dim=1)), (hn, h.double().masked_fill(~ok[:, None], 0).norm(dim=1))):
+        assert (got.double() >= want).all() and (got.double() <= want * (1 + 2.0**-18) + 2.0**-140).all()
+    assert (p[9:] == 0).all()
+    _, _, _, _, none = K.quantize_rows_triton(h, False, 16)
+    assert not none.any()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("V,d", SHAPES)
+def test_screen_block_max(V, d, dtype):
+    head, g = _head(V, d, dtype, bias=(V % 2 == 1))
+    st = FusedStep(head)
+    for B in (1, 5, 17):
+        h = _batch(head.weight, B, g, dtype)
+        p, t, *_ = K.quantize_rows_triton(h, True, K.batch_tile(B))
+        got = K.screen_block_max_triton(p, st.q, st.s, t, st.sbias, B)
+        want = K.screen_block_max_ref(p, st.q, st.s, t, st.sbias, B)
+        assert got.shape == (B, -(-V // K.SUB)) and same_bits(got, want)
+
+
+def _selected(head, st, h, k):
+    p, t, e, hn, ok = K.quantize_rows_ref(h, True, K.batch_tile(h.shape[0]))
+    bmax = K.screen_block_max_ref(p, st.q, st.s, t, st.sbias, h.shape[0])
+    consts = tuple(st.consts.values())
+    return bmax, hn, e, ok, consts
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("V,d", SHAPES)
+def test_select_blocks(V, d, dtype):
+    head, g = _head(V, d, dtype, bias=(d % 2 == 1), seed=2)
+    st = FusedStep(head)
+    B = 6
+    h = _batch(head.weight, B, g, dtype)
+    k = torch.tensor([1, 2, 1, 3, 8, 5], dtype=torch.int32, device=DEV)
+    bmax, hn, e, ok, consts = _selected(head, st, h, k)
+    for cap in (K.CAP, 2):
+        got = K.select_blocks_triton(bmax, k, hn, e, ok, consts, cap, 8)
+        want = K.select_blocks_ref(bmax, k, hn, e, ok, consts, cap)
+        for a, b in zip(got, want):
+            assert same_bits(a, b) if a.is_floating_point() else torch.equal(a, b)
+    ok[4] = 0  # one row that may not be certified: none of the batch is
+    _, count, _, okb, _ = K.select_blocks_triton(bmax, k, hn, e, ok, consts, K.CAP, 8)
+    assert not okb.any() and (count == 0).all()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("V,d", SHAPES)
+def test_score_blocks(V, d, dtype):
+    head, g = _head(V, d, dtype, bias=(V % 2 == 0), seed=3)
+    st = FusedStep(head)
+    B = 5
+    h = _batch(head.weight, B, g, dtype)
+    nb = -(-V // K.SUB)
+    gen = torch.Generator().manual_seed(4)
+    m = min(nb, K.CAP)
+    cand = torch.full((B, K.CAP), -1, dtype=torch.int32)
+    for r in range(B):  # m distinct blocks, the partial last one among them, ascending; -1 after
+        pick = torch.cat([torch.tensor([nb - 1]), torch.randperm(nb - 1, generator=gen)[:m - 1]])
+        cand[r, :m] = pick.sort().values.int()
+    cand = cand.to(DEV)
+    count = torch.tensor([K.CAP, 3, 1, 0, K.CAP + 5], dtype=torch.int32, device=DEV)
+    got = K.score_blocks_triton(h, st.weight, st.bias, cand, count, st.coef, st.gam, st.tiny32)
+    want = K.score_blocks_ref(h, st.weight, st.bias, cand, count, st.coef, st.gam, st.tiny32)
+    ids = K.slot_ids(cand, count, V)
+    valid = ids >= 0
+    assert torch.equal(torch.isinf(got[0]) & (got[0] < 0), ~valid)
+    # the float64 sums differ in order only: the intervals agree almost everywhere ...
+    for a, b in zip(got, want):
+        assert (a == b).float().mean() >= 0.99
+    # ... and each holds the dense engine's value
+    zt = _engine_dense(head, h).gather(1, ids.clamp_min(0))
+    z, lo, up = got
+    assert ((lo <= zt) & (zt <= up) | ~valid).all()
+    assert ((z == zt) | (lo != up) | ~valid).all()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_certify_rows(dtype):
+    V, d = 4099, 64
+    head, g = _head(V, d, dtype, seed=5)
+    W = head.weight
+    W[7] = W[5]  # an exact tie between two tokens
+    head = CertifiedHead(W, config=HeadConfig(budget=1.0, off_switch=False))
+    st = FusedStep(head)
+    B = 8
+    h = _batch(W, B, g, dtype)
+    h[4] = (W[5].float() * 40).to(dtype)  # rows whose top-1 is the tie 5 == 7
+    h[5] = (W[5].float() * 40).to(dtype)
+    k = torch.tensor([1, 1, 1, 1, 1, 4, 16, 2], dtype=torch.int32, device=DEV)
+    need = torch.tensor([0, 0, 0, 0, 0, 1, 1, 0], dtype=torch.int8, device=DEV)
+    bmax, hn, e, ok, consts = _selected(head, st, h, k)
+    cand, count, tau, ok, live = K.select_blocks_ref(bmax, k, hn, e, ok, consts, K.CAP)
+    z, lo, up = K.score_blocks_ref(h, st.weight, None, cand, count, st.coef, st.gam, st.tiny32)
+    args = (z, lo, up, cand, count, k, need, tau, ok, live, V, 16, dtype)
+    got, want = K.certify_rows_triton(*args), K.certify_rows_ref(*args)
+    assert torch.equal(got[2], want[2])
+    cert = want[2] == 0
+    assert torch.equal(got[0][cert], want[0][cert]) and same_bits(got[1][cert], want[1][cert])
+    if dtype != torch.float32:  # (an fp32 value is rarely pinned to one number: no replay there)
+        assert cert[4], "the replayed tie certifies a k = 1 row"
+        assert got[0][4, 0] == 5
+    if cert[5]:  # a tie inside the top-k: both kept, the lower id first (as a stable sort)
+        assert got[0][5, :2].tolist() == [5, 7]
+
+
+# ---- the step against the dense head --------------------------------------------------------
+def _check_step(head, h, k, values):
+    st = FusedStep(head)
+    ids, vals, cert = st.topk(h, k, values=values)
+    dense = _engine_dense(head, h)
+    dv, di = torch.sort(dense, dim=1, descending=True, stable=True)
+    assert torch.equal(ids[cert], di[cert, :k]), "a certified row differs from the dense head"
+    if values:
+        assert same_bits(vals[cert], dv[cert, :k])
+    return cert
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("k,values", [(1, False), (1, True), (5, True), (12, True)])
+def test_step_matches_dense(dtype, k, values):
+    V, d = 4099, 96
+    head, g = _head(V, d, dtype, bias=True, seed=6, pad=5)  # padded vocabulary, bias
+    B = 12
+    h = _batch(head.weight, B, g, dtype)
+    cert = _check_step(head, h, k, values)
+    # it certifies every row the reference head certifies, but for rows past its capacity
+    ref = head.topk(h, k, values=values).certified
+    kk = torch.full((B,), k, dtype=torch.int32, device=DEV)
+    code = FusedStep(head).run(h, kk, torch.full((B,), int(values), dtype=torch.int8, device=DEV), k)[2]
+    assert (cert | ~ref | (code == 2)).all(), (cert, ref, code)
+    if k <= 5 and not (values and dtype == torch.float32):  # (fp32 values are rarely pinned to one
+        assert cert.float().mean() >= 0.25, cert  # number; a random tail's top-12 rarely separates)
+    hn = h.clone()
+    hn[6, 3] = math.nan  # a NaN row: no row of the batch is certified (CertifiedHead._prepare)
+    assert not _check_step(head, hn, k, values).any()
+
+
+def test_step_ties_and_huge():
+    V, d = 3000, 64
+    W, g = peaked_head(V, d, seed=7, dtype=torch.bfloat16)
+    W[11] = W[10]
+    W[12] = W[10]
+    head = CertifiedHead(W.to(DEV), config=HeadConfig(budget=1.0, off_switch=False))
+    h = (W[10].float()[None].repeat(4, 1) * torch.tensor([[30.0], [1e30], [2.0**-100], [1.0]])).bfloat16().to(DEV)
+    cert = _check_step(head, h, 1, False)
+    assert cert[0] and cert[1], cert  # the tie 10 == 11 == 12 replayed, at a normal and a huge norm
+    W[0, 0] = math.inf  # a head that is not finite: nothing is certified
+    head = CertifiedHead(W.to(DEV), config=HeadConfig(budget=1.0, off_switch=False))
+    assert not _check_step(head, h, 1, False).any()
+
+
+def test_fake_impls():
+    """Every op traces with its fake implementation (shapes only)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    head, g = _head(1000, 96, torch.bfloat16)
+    st = FusedStep(head)
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        h = torch.empty(3, 96, dtype=torch.bfloat16, device=DEV)
+        k = torch.ones(3, dtype=torch.int32, device=DEV)
+        ids, vals, code, count = st.run(h, k, k.to(torch.int8), 4)
+        assert ids.shape == (3, 4) and vals.shape == (3, 4) and code.shape == (3,)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_graphed_step_replays_eager():
+    head, g = _head(32768, 256, torch.bfloat16)
+    st = FusedStep(head)
+    gs = GraphedStep(st, [1, 4, 16])
+    for B in (1, 3, 4, 9):
+        h = _batch(head.weight, B, g, torch.bfloat16)
+        k = torch.ones(B, dtype=torch.int32, device=DEV)
+        need = torch.zeros(B, dtype=torch.int8, device=DEV)
+        want = st.run(h, k, need, 1)
+        got = gs.run(h, k, need, 1)
+        assert all(torch.equal(a, b) for a, b in zip(got, want))

@@ -1,0 +1,237 @@
+"""The fused certified step on CUDA: one object per head, its constants bound once.
+
+Pipeline of :meth:`FusedStep.run` (five kernels, :mod:`vllm_csv.gpu.kernels`; fixed shapes,
+no host sync, so a batch size's step is captured once in a CUDA graph and replayed)::
+
+    quantize_rows     h [B, d]            -> p int8 [BB, d], t, e, ||h||, ok        [B]
+    screen_block_max  p, q int8 [V, d]    -> block maxima                           [B, V / SUB]
+    select_blocks     block maxima, k     -> candidate blocks [B, CAP], tau, ok, live
+    score_blocks      h, W, candidates    -> z, lower, upper                        [B, CAP * SUB]
+    certify_rows      scores, tau, k      -> top-k ids, values [B, kmax], code      [B]
+
+The math is :meth:`vllm_csv.head.CertifiedHead._select_two_sided` with each row's own
+candidate blocks (:mod:`vllm_csv.gpu.kernels`'s docstring), on heads whose engine is plain
+(no soft-cap, ``scale = 1``) and rows read greedily or by top-k without temperature: the
+other rows take the head's reference path (:meth:`FusedStep.supports`).
+
+What the step hands back is on the device: the ids (and values) of every row, certified or
+not, and each row's code (:data:`vllm_csv.ops.cpu_step.REASONS`). :meth:`FusedStep.topk`
+finishes a step for a caller that needs every row: the rows whose code is not 0 take the
+dense head's values of the whole batch, after one host read of "did any row fail" (see there).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from ..errors import CSVError
+from ..ops import cpu_step
+from . import kernels
+from .kernels import CAP, SUB
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(0, n - 1).bit_length()
+
+
+class FusedStep:
+    """The fused step of ``head`` (a :class:`~vllm_csv.head.CertifiedHead` whose screen is the
+    exact int8 GEMM copy, :class:`~vllm_csv.screens.quantized.QuantizedScreen`).
+
+    Parameters
+    ----------
+    head : CertifiedHead
+        Its weight, bias, screen and error terms are read once, here. A head whose screen is
+        another (a CPU head's FBGEMM copy) gets an int8 copy of its own.
+    """
+
+    def __init__(self, head):
+        from ..screens.quantized import QuantizedScreen
+
+        if not kernels.available():
+            raise CSVError("the fused GPU step needs Triton")
+        screen = getattr(head.screen, "tight", head.screen)
+        if not (isinstance(screen, QuantizedScreen) and screen.int_gemm):
+            # (on CUDA the int8 screen is this one already; a CPU head, as under Triton's
+            # interpreter in the tests, has the FBGEMM or VNNI layout: a copy of its own here)
+            screen = QuantizedScreen(head.weight, head.bias, bits=8)
+            if not screen.int_gemm:
+                raise CSVError(f"the fused GPU step needs an exact int8 GEMM copy (d = {head.hidden_size})")
+        self.screen = screen
+        self.head = head
+        self.V, self.d = head.vocab_size, head.hidden_size
+        self.dtype = head.dtype
+        self.weight = head.weight if head.weight.is_contiguous() else head.weight.contiguous()
+        self.bias = head.bias
+        self.q = screen.q  # [V, d] view of the padded GEMM copy (row stride d8)
+        self.s = screen.s.reshape(-1).float().contiguous()
+        self.sbias = screen.bias  # fp32: the screen's centre adds it
+        self.certifiable = head.certifiable
+        rad = head._rad_total(screen.r_exact)  # noqa: F841 (sets head._rad_max for this radius)
+        delta = head._delta  # the exact int8 GEMM adds no relative term of its own (rel = 0)
+        self.consts = dict(rad_max=head._rad_max, act_coef=float(screen.n.max()) * (1 + delta) if self.V else 0.0,
+                           tiny=head._tiny, bslack_max=head._bias_slack(0.0)[1], delta=delta,
+                           limit=head.engine.limit, babs_max=head._babs_max)
+        self.coef = head._gamma + head._gamma64
+        self.gam = head._gamma
+        self.tiny32 = head._tiny32
+        self.nb = -(-self.V // SUB)
+
+    # ---- what it certifies ---------------------------------------------------------------
+    def supports(self, kmax: int, temperature: torch.Tensor | None = None) -> bool:
+        """Rows asking for ``k <= kmax`` on this head: the engine is plain, ``kmax`` at most
+        :data:`kernels.CAP` blocks' worth and the number of blocks, and no row is sampled with a
+        temperature (their kept-set certificate is the reference path's)."""
+        return (self.head._plain and 1 <= kmax <= min(64, self.nb)
+                and (temperature is None or not bool((temperature > 0).any())))
+
+    def cap_for(self, kmax: int) -> int:
+        """Candidate blocks a row may keep: :data:`kernels.CAP`, and no more than the head's
+        budget (``budget V`` tokens) allows."""
+        budget = max(kmax, math.ceil(self.head.config.budget * self.V))
+        return max(1, min(CAP, budget // SUB))
+
+    # ---- the step ------------------------------------------------------------------------
+    def run(self, hidden: torch.Tensor, k: torch.Tensor, need: torch.Tensor, kmax: int):
+        """One certified step, all on the device.
+
+        Parameters
+        ----------
+        hidden : torch.Tensor
+            ``[B, d]`` model dtype.
+        k : torch.Tensor
+            ``[B]`` int32, ``1 <= k <= kmax``.
+        need : torch.Tensor
+            ``[B]`` int8 0/1: the row reads the values of its top-k (certified bit for bit).
+        kmax : int
+            A host bound of ``k`` (one compiled kernel per power of two).
+
+        Returns
+        -------
+        ids : torch.Tensor
+            ``[B, kb]`` int64 (``kb = kmax`` rounded up to a power of two), descending by value,
+            ties by the lowest id; past a row's ``k`` its first id again.
+        values : torch.Tensor
+            ``[B, kb]`` fp32 holding model-dtype values.
+        code : torch.Tensor
+            ``[B]`` int32: 0 certified, else the fallback reason's index in
+            :data:`vllm_csv.ops.cpu_step.REASONS`.
+        count : torch.Tensor
+            ``[B]`` int32: the row's candidate blocks (:meth:`scored` turns it into tokens).
+
+        Five kernels and nothing else (no casts, no fills): what a captured graph replays.
+        """
+        B = hidden.shape[0]
+        kb = _pow2(kmax)
+        p, t, e, hnorm, ok = kernels.quantize_rows(hidden, self.certifiable, kernels.batch_tile(B))
+        bmax = kernels.screen_block_max(p, self.q, self.s, t, self.sbias, B)
+        c = self.consts
+        cand, count, tau, ok, live = kernels.select_blocks(
+            bmax, k, hnorm, e, ok, c["rad_max"], c["act_coef"], c["tiny"], c["bslack_max"], c["delta"],
+            c["limit"], c["babs_max"], self.cap_for(kmax), kb)
+        z, lower, upper = kernels.score_blocks(hidden, self.weight, self.bias, cand, count, self.coef, self.gam,
+                                               self.tiny32)
+        ids, vals, code = kernels.certify_rows(z, lower, upper, cand, count, k, need, tau, ok, live, self.V, kb,
+                                               self.dtype)
+        return ids, vals, code, count
+
+    @staticmethod
+    def scored(count: torch.Tensor) -> torch.Tensor:
+        """Tokens scored exactly per row, from :meth:`run`'s ``count``."""
+        return count.clamp(max=CAP) * SUB
+
+    def logits(self, ids: torch.Tensor, vals: torch.Tensor) -> torch.Tensor:
+        """``[B, V]`` model dtype: the certified values on ``ids``, ``-inf`` elsewhere (what a
+        sampler that reads a row of logits gets; repeated ids write the same value)."""
+        out = torch.full((ids.shape[0], self.V), -math.inf, dtype=self.dtype, device=ids.device)
+        return out.scatter_(1, ids, vals.to(self.dtype))
+
+    def topk(self, hidden: torch.Tensor, k: int, values: bool = False):
+        """``(ids [B, k], values [B, k], certified [B])`` of every row: certified rows from the
+        step, the others from the dense head (``F.linear`` on the whole batch, so its rows are
+        the engine's own bits), ties by the lowest id.
+
+        The one host sync: whether any row failed, read once after the step. The dense rescue
+        has to be the engine's cuBLAS GEMM over the whole batch (another GEMM, or the batch's
+        failing rows alone, may round differently), and launching it on every step would cost
+        the dense head; so the host decides. In a captured graph the same read follows the
+        replay."""
+        B = hidden.shape[0]
+        if not 1 <= k <= self.V:
+            raise CSVError(f"k must be in [1, {self.V}], got {k}")
+        kk = torch.full((B,), k, dtype=torch.int32, device=hidden.device)
+        need = torch.full((B,), int(values), dtype=torch.int8, device=hidden.device)
+        ids, vals, code, _ = self.run(hidden, kk, need, k)
+        ids, vals = ids[:, :k], vals[:, :k]
+        if bool(code.cpu().any()):  # the host sync (one copy of [B] int32): see the docstring
+            dense = F.linear(hidden, self.head.weight, self.head.bias).float()
+            dv, di = torch.sort(dense, dim=1, descending=True, stable=True)
+            cert = code == 0
+            ids = torch.where(cert[:, None], ids, di[:, :k])
+            vals = torch.where(cert[:, None], vals, dv[:, :k])
+        return ids, vals, code == 0
+
+
+class GraphedStep:
+    """:meth:`FusedStep.run` captured in a CUDA graph per (batch size, ``kmax`` bucket) and
+    replayed: a batch of ``B`` rows takes the smallest captured size ``>= B``, its extra rows
+    zero (finite: they certify nothing and hold no other row back).
+
+    Parameters
+    ----------
+    step : FusedStep
+    sizes : list of int
+        The batch sizes captured (vLLM's ``cudagraph_capture_sizes``); a batch above the largest
+        runs the step eagerly.
+    """
+
+    def __init__(self, step: FusedStep, sizes: list[int]):
+        self.step = step
+        self.sizes = sorted(set(int(s) for s in sizes))
+        self._graphs: dict[tuple[int, int], tuple] = {}
+        self.pool = None
+
+    def _capture(self, size: int, kb: int, dev):
+        st = self.step
+        h = torch.zeros((size, st.d), dtype=st.dtype, device=dev)
+        k = torch.ones(size, dtype=torch.int32, device=dev)
+        need = torch.zeros(size, dtype=torch.int8, device=dev)
+        s = torch.cuda.Stream(dev)
+        s.wait_stream(torch.cuda.current_stream(dev))
+        with torch.cuda.stream(s):  # compiles and autotunes outside the capture
+            for _ in range(2):
+                st.run(h, k, need, kb)
+        torch.cuda.current_stream(dev).wait_stream(s)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g, pool=self.pool):
+            out = st.run(h, k, need, kb)
+        self.pool = g.pool()
+        return g, h, k, need, out
+
+    def run(self, hidden: torch.Tensor, k: torch.Tensor, need: torch.Tensor, kmax: int):
+        """:meth:`FusedStep.run`'s outputs for ``hidden [B, d]`` (views of the graph's buffers,
+        valid until the next replay of the same size)."""
+        B = hidden.shape[0]
+        size = next((s for s in self.sizes if s >= B), None)
+        if size is None or not hidden.is_cuda:
+            return self.step.run(hidden, k, need, kmax)
+        kb = _pow2(kmax)
+        key = (size, kb)
+        if key not in self._graphs:
+            self._graphs[key] = self._capture(size, kb, hidden.device)
+        g, h, kk, nn, out = self._graphs[key]
+        h[:B].copy_(hidden)
+        kk[:B].copy_(k)
+        nn[:B].copy_(need)
+        if size > B:  # rows of an earlier, larger batch: zero (finite, k = 1, no values)
+            h[B:].zero_()
+            kk[B:].fill_(1)
+            nn[B:].zero_()
+        g.replay()
+        return tuple(o[:B] for o in out)
+
+
+REASONS = cpu_step.REASONS
