@@ -209,7 +209,7 @@ if triton is not None:
             km = k0 + ks < d
             a = tl.load(q_rows + (k0 + ks)[None, :], mask=rmask[:, None] & km[None, :], other=0)
             b = tl.load(p_cols + (k0 + ks)[:, None], mask=km[:, None], other=0)
-            acc = tl.dot(a, b, acc)
+            acc = tl.dot(a, b, acc, out_dtype=tl.int32)
         t = tl.load(t_ptr + bs, mask=bs < B, other=0.0)
         s = tl.load(s_ptr + rows, mask=rmask, other=0.0)
         y = acc.to(tl.float32) * t[None, :]
