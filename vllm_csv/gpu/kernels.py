@@ -196,7 +196,7 @@ if triton is not None:
     @triton.jit
     def _screen_block_max_kernel(q_ptr, p_ptr, s_ptr, t_ptr, bias_ptr, out_ptr, B, V, d, ldq, nb,
                                  HAS_BIAS: tl.constexpr, BB: tl.constexpr, BV: tl.constexpr,
-                                 BK: tl.constexpr):
+                                 BK: tl.constexpr, SUBC: tl.constexpr):
         pid = tl.program_id(0)
         rows = pid * BV + tl.arange(0, BV)
         bs = tl.arange(0, BB)
@@ -217,11 +217,11 @@ if triton is not None:
         if HAS_BIAS:
             y = y + tl.load(bias_ptr + rows, mask=rmask, other=0.0)[:, None]
         y = tl.where(rmask[:, None], y, float("-inf"))
-        if BV == SUB:
+        if BV == SUBC:
             m = tl.max(y, 0)[None, :]
         else:
-            m = tl.max(tl.reshape(y, (BV // SUB, SUB, BB)), 1)
-        blk = pid * (BV // SUB) + tl.arange(0, BV // SUB)
+            m = tl.max(tl.reshape(y, (BV // SUBC, SUBC, BB)), 1)
+        blk = pid * (BV // SUBC) + tl.arange(0, BV // SUBC)
         tl.store(out_ptr + bs[None, :] * nb + blk[:, None], m,
                  mask=(bs[None, :] < B) & (blk[:, None] < nb))
 
@@ -286,7 +286,7 @@ def screen_block_max_triton(p, q, s, t, bias, B: int):
         bv, bk, warps, stages = cfg
         _screen_block_max_kernel[(triton.cdiv(V, bv),)](
             q, p, s, t, bias if bias is not None else s, out, B, V, d, q.stride(0), nb,
-            HAS_BIAS=bias is not None, BB=BB, BV=bv, BK=bk, num_warps=warps, num_stages=stages, **_launch())
+            HAS_BIAS=bias is not None, BB=BB, BV=bv, BK=bk, SUBC=SUB, num_warps=warps, num_stages=stages, **_launch())
 
     launch(screen_config((V, d, BB, str(q.device)), launch))
     return out
