@@ -12,6 +12,7 @@ int8_gemm   ``torch._int_mm`` over the int8 copy (rows padded to 17): the one-by
 screen      the step's screen kernel alone (int8 GEMM + block maxima)
 step        the fused greedy step (:meth:`vllm_csv.gpu.step.FusedStep.run`, five kernels)
 step_topk64 the fused top-64 step with values certified bit for bit
+k_*         each kernel of the step alone (at the first shape, ``--breakdown-batches``)
 ==========  ===================================================================================
 
 and, with one host read per iteration (what :meth:`FusedStep.topk` adds to decide the dense
@@ -118,6 +119,19 @@ def speed(a, prov, rows):
                 k64 = torch.full((B,), 64, dtype=torch.int32, device="cuda")
                 need1 = torch.ones(B, dtype=torch.int8, device="cuda")
                 graphs["step_topk64"] = graphed(lambda: out.__setitem__("topk", st.run(h, k64, need1, 64)))
+            if shape == a.shapes[0] and B in a.breakdown_batches:  # each kernel of the step alone
+                pp, tt, ee, hn, ok = pq
+                bm = kernels.screen_block_max(pp, st.q, st.s, tt, None, B)
+                consts, cap = tuple(st.consts.values()), st.cap_for(1)
+                cand, count, tau, okb, live = kernels.select_blocks(bm, k1, hn, ee, ok, *consts, cap, 1)
+                sc = kernels.score_blocks(h, st.weight, None, cand, count, st.coef, st.gam, st.tiny32)
+                BB = kernels.batch_tile(B)
+                graphs["k_quantize"] = graphed(lambda: kernels.quantize_rows(h, True, BB))
+                graphs["k_select"] = graphed(lambda: kernels.select_blocks(bm, k1, hn, ee, ok, *consts, cap, 1))
+                graphs["k_score"] = graphed(lambda: kernels.score_blocks(h, st.weight, None, cand, count, st.coef,
+                                                                         st.gam, st.tiny32))
+                graphs["k_certify"] = graphed(lambda: kernels.certify_rows(*sc, cand, count, k1, need0, tau, okb,
+                                                                           live, V, 1, W.dtype))
             times = {n: [] for n in graphs}
             for _ in range(a.rounds):  # interleaved: drift hits every column alike
                 for n, g in graphs.items():
@@ -215,6 +229,8 @@ def main(argv=None) -> int:
     p.add_argument("--shapes", nargs="+", default=["151936x1024", "128256x2048", "128256x4096", "262144x2560"])
     p.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32, 64])
     p.add_argument("--topk-batches", type=int, nargs="*", default=[1, 64])
+    p.add_argument("--breakdown-batches", type=int, nargs="*", default=[1, 64],
+                   help="at the first shape, also time each kernel of the step alone (k_*)")
     p.add_argument("--iters", type=int, default=100)
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--audit-rows", type=int, default=153600)

@@ -394,8 +394,9 @@ def score_blocks_ref(h, w, bias, cand, count, coef: float, gam: float, tiny32: f
     """``(z, lower, upper)``, each ``[B, CAP * SUB]`` fp32: for slot ``c < min(count, CAP)`` and
     token ``j = cand[b, c] * SUB + i < V`` the interval of
     :meth:`vllm_csv.head.CertifiedHead._score` (``coef = gamma_(d+2) + 4 gamma64_d``, ``gam =
-    gamma_(d+2)`` for the bias, ``w`` and ``bias`` in the model dtype); every other slot
-    ``-inf``."""
+    gamma_(d+2)`` for the bias, ``w`` and ``bias`` in the model dtype); tokens past ``V`` of a
+    used slot ``-inf``. Slots past the count: ``-inf`` here, left unwritten by the kernel (never
+    read: :func:`certify_rows_ref` masks them)."""
     B, V = h.shape[0], w.shape[0]
     ids = slot_ids(cand, count, V)
     valid = ids >= 0
@@ -450,19 +451,23 @@ if triton is not None:
     @triton.jit
     def _score_blocks_kernel(h_ptr, w_ptr, bias_ptr, cand_ptr, count_ptr, z_ptr, lo_ptr, up_ptr, V, d,
                              coef, gam, tiny32, HAS_BIAS: tl.constexpr, DT: tl.constexpr, BF16: tl.constexpr,
-                             CAPC: tl.constexpr, SUBC: tl.constexpr, BK: tl.constexpr):
+                             CAPC: tl.constexpr, SUBC: tl.constexpr, TOK: tl.constexpr, BK: tl.constexpr):
+        # program (b, c, part): tokens part * TOK ... of the row's c-th candidate block. Many small
+        # programs, each with a wide tile in flight: a candidate block is 64 rows of W, and one
+        # program streaming them alone waits on memory latency (measured: ~36 us of fixed cost).
         b = tl.program_id(0).to(tl.int64)
         c = tl.program_id(1)
+        part = tl.program_id(2)
         n = tl.minimum(tl.load(count_ptr + b), CAPC)
-        i = tl.arange(0, SUBC)
-        out = b * (CAPC * SUBC) + c * SUBC + i
-        blk = tl.load(cand_ptr + b * CAPC + c)
-        ids = blk.to(tl.int64) * SUBC + i
-        valid = (ids >= 0) & (ids < tl.where((c < n) & (blk >= 0), V, 0))  # (vector compares: bool masks)
-        if c < n:
+        if c < n:  # slots past the row's count are never read (certify_rows masks them)
+            i = part * TOK + tl.arange(0, TOK)
+            out = b * (CAPC * SUBC) + c * SUBC + i
+            blk = tl.load(cand_ptr + b * CAPC + c)
+            ids = blk.to(tl.int64) * SUBC + i
+            valid = (ids >= 0) & (ids < tl.where(blk >= 0, V, 0))  # (vector compares: bool masks)
             ks = tl.arange(0, BK)
-            a = tl.zeros([SUBC], dtype=tl.float64)
-            A = tl.zeros([SUBC], dtype=tl.float64)
+            a = tl.zeros([TOK], dtype=tl.float64)
+            A = tl.zeros([TOK], dtype=tl.float64)
             for k0 in range(0, d, BK):
                 km = k0 + ks < d
                 w = _widen(tl.load(w_ptr + ids[:, None] * d + (k0 + ks)[None, :],
@@ -493,13 +498,9 @@ if triton is not None:
             tl.store(z_ptr + out, tl.where(valid, z, float("-inf")))
             tl.store(lo_ptr + out, tl.where(valid, lower, float("-inf")))
             tl.store(up_ptr + out, tl.where(valid, upper, float("-inf")))
-        else:
-            neg = tl.full([SUBC], float("-inf"), tl.float32)
-            tl.store(z_ptr + out, neg)
-            tl.store(lo_ptr + out, neg)
-            tl.store(up_ptr + out, neg)
 
 
+SCORE_TOKENS = 8  # tokens a scoring program: SUB / 8 programs a candidate block
 _TL_DTYPES = {}
 
 
@@ -514,10 +515,10 @@ def score_blocks_triton(h, w, bias, cand, count, coef: float, gam: float, tiny32
     V = w.shape[0]
     z, lo, up = (torch.empty((B, CAP * SUB), dtype=torch.float32, device=h.device) for _ in range(3))
     if B:
-        _score_blocks_kernel[(B, CAP)](_raw(h.contiguous()), _raw(w), _raw(bias if bias is not None else w), cand,
+        _score_blocks_kernel[(B, CAP, SUB // SCORE_TOKENS)](_raw(h.contiguous()), _raw(w), _raw(bias if bias is not None else w), cand,
                                        count, z, lo, up, V, d, coef, gam, tiny32, HAS_BIAS=bias is not None,
                                        DT=_tl_dtype(w.dtype), BF16=w.dtype == torch.bfloat16, CAPC=CAP, SUBC=SUB,
-                                       BK=min(64, triton.next_power_of_2(d)), **_launch())
+                                       TOK=SCORE_TOKENS, BK=min(512, triton.next_power_of_2(d)), **_launch())
     return z, lo, up
 
 
@@ -579,8 +580,8 @@ if triton is not None:
         ids = blk.to(tl.int64) * SUBC + (sl % SUBC)
         valid = (sl // SUBC < n) & (blk >= 0) & (ids < V)
         z = tl.where(valid, tl.load(z_ptr + b * S + sl), float("-inf"))
-        lower = tl.load(lo_ptr + b * S + sl)
-        upper = tl.where(valid, tl.load(up_ptr + b * S + sl), float("-inf"))
+        lower = tl.where(valid, tl.load(lo_ptr + b * S + sl), float("-inf"))  # (slots past the count
+        upper = tl.where(valid, tl.load(up_ptr + b * S + sl), float("-inf"))  # were never written)
         k = tl.load(k_ptr + b)
         tau = tl.load(tau_ptr + b)
         big = 9223372036854775807
