@@ -195,8 +195,8 @@ def _check_step(head, h, k, values):
     return cert
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("k,values", [(1, False), (1, True), (5, True), (12, True)])
+@pytest.mark.parametrize("dtype,k,values", [(dt, k, v) for dt in DTYPES for k, v in ((1, False), (1, True), (5, True))]
+                         + [(torch.bfloat16, 12, True)])  # (k > 8: the sorting path; interpreted, 40 s)
 def test_step_matches_dense(dtype, k, values):
     V, d = 4099, 96
     head, g = _head(V, d, dtype, bias=True, seed=6, pad=5)  # padded vocabulary, bias
@@ -255,3 +255,26 @@ def test_graphed_step_replays_eager():
         want = st.run(h, k, need, 1)
         got = gs.run(h, k, need, 1)
         assert all(torch.equal(a, b) for a, b in zip(got, want))
+
+
+@pytest.mark.parametrize("kval,values", [(1, False), (3, True)])
+def test_head_selects_through_the_step(kval, values):
+    """CertifiedHead's glue (``_select_fused``, what ``_select`` takes on CUDA): the rows it and
+    the head's own search both certify hold the same tokens (and, with values, the same bits)."""
+    head, g = _head(4099, 96, torch.bfloat16, bias=True, seed=8)
+    B = 10
+    h = _batch(head.weight, B, g, torch.bfloat16)
+    k = torch.full((B,), kval, device=DEV)
+    need = torch.full((B,), values, dtype=torch.bool, device=DEV)
+    got = head._select_fused(FusedStep(head), h, k, need)
+    want = head._select_two_sided(h, k, need)
+    assert got.exact.shape == want.exact.shape == (B, 4099) and got.exact.dtype == torch.bfloat16
+    assert [r is None for r in got.reason] == got.certified.tolist()
+    both = got.certified & want.certified
+    assert both.sum() >= B // 2
+    gi = torch.sort(got.exact[both].float(), dim=1, descending=True, stable=True).indices[:, :kval]
+    wi = torch.sort(want.exact[both].float(), dim=1, descending=True, stable=True).indices[:, :kval]
+    assert torch.equal(gi, wi)
+    if values:
+        assert same_bits(got.exact[both], want.exact[both])
+    assert ((got.exact > -math.inf).sum(1)[got.certified] == kval).all()  # -inf off the top-k

@@ -31,6 +31,7 @@ the row asked for values) and ``-inf`` on every other token.
 
 from __future__ import annotations
 
+import logging
 import math
 import time
 from collections.abc import Callable
@@ -61,6 +62,7 @@ class HeadConfig:
     max_topk: int = 64
     unit_roundoff: float = FP32_UNIT_ROUNDOFF  # accumulation precision assumed of the dense GEMM
     off_switch: bool = True
+    gpu_fused: bool = True  # CUDA: the fused Triton step (vllm_csv.gpu) where it applies
 
     def __post_init__(self):
         if self.screen not in SCREENS:
@@ -161,6 +163,7 @@ class CertifiedHead:
         self._babs_max = float(self._babs.max()) if V else 0.0
         self._slack_cache: dict[float, tuple[torch.Tensor, float]] = {}
         self.off_switch = OffSwitch() if self.config.off_switch else None
+        self._fused = None  # the fused GPU step, built on the first CUDA call (_fused_for)
 
     @property
     def _plain(self) -> bool:
@@ -403,8 +406,36 @@ class CertifiedHead:
 
     def _select(self, hidden: torch.Tensor, k: torch.Tensor, need_values: torch.Tensor,
                 temp: torch.Tensor | None = None) -> _Selection:
+        fused = self._fused_for(hidden, k, temp)
+        if fused is not None:
+            return self._select_fused(fused, hidden, k, need_values)
         sel = (self._select_two_sided if self.screen.two_sided else self._select_one_sided)
         return sel(hidden, k, need_values, temp)
+
+    def _fused_for(self, hidden: torch.Tensor, k: torch.Tensor, temp: torch.Tensor | None):
+        """The fused GPU step (:class:`vllm_csv.gpu.step.FusedStep`, built once) for rows on CUDA
+        that it certifies (:meth:`~vllm_csv.gpu.step.FusedStep.supports`), else None: CPU rows,
+        ``gpu_fused`` off, no Triton, a screen other than int8, soft-cap or scale, sampled rows
+        with a temperature, ``k`` above 64. Why it is not built is logged once."""
+        if not (hidden.is_cuda and self.config.gpu_fused and hidden.shape[0]):
+            return None
+        if getattr(self, "_fused", None) is None:
+            try:
+                from .gpu.step import FusedStep
+
+                self._fused = FusedStep(self)
+            except (ImportError, CSVError) as e:
+                logging.getLogger("vllm.csv_decode").info("CSV fused GPU step off: %s", e)
+                self._fused = False
+        fused = self._fused or None
+        return fused if fused is not None and fused.supports(int(k.max()), temp) else None
+
+    def _select_fused(self, fused, hidden, k, need_values) -> _Selection:
+        """:meth:`_select` by the fused step: the same certificate on each row's own candidate
+        blocks (:mod:`vllm_csv.gpu.kernels`), ``exact`` the certified values on their ids."""
+        ids, vals, code, count = fused.run(hidden, k.to(torch.int32), need_values.to(torch.int8), int(k.max()))
+        reason = [cpu_step.REASONS[c] for c in code.tolist()]  # one host transfer for the batch
+        return _Selection(fused.logits(ids, vals), fused.scored(count).long(), code == 0, reason)
 
     def _select_two_sided(self, hidden, k, need_values, temp=None) -> _Selection:
         """Certify with a threshold on the screen values: one read of ``y [B, V]`` (block

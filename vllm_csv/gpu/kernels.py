@@ -500,7 +500,10 @@ if triton is not None:
             tl.store(up_ptr + out, tl.where(valid, upper, float("-inf")))
 
 
-SCORE_TOKENS = 8  # tokens a scoring program: SUB / 8 programs a candidate block
+# tokens a scoring program: SUB / 8 programs a candidate block on a GPU (H100: the step's fixed cost
+# 36 -> 16 us at one row, 151936 x 1024, benchmarks/README.md); the interpreter, whose cost is per
+# program, takes a block a program (the same code with a wider tile)
+SCORE_TOKENS = SUB if INTERPRET else 8
 _TL_DTYPES = {}
 
 
