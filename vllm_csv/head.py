@@ -415,18 +415,24 @@ class CertifiedHead:
     def _fused_for(self, hidden: torch.Tensor, k: torch.Tensor, temp: torch.Tensor | None):
         """The fused GPU step (:class:`vllm_csv.gpu.step.FusedStep`, built once) for rows on CUDA
         that it certifies (:meth:`~vllm_csv.gpu.step.FusedStep.supports`), else None: CPU rows,
-        ``gpu_fused`` off, no Triton, a screen other than int8, soft-cap or scale, sampled rows
-        with a temperature, ``k`` above 64. Why it is not built is logged once."""
+        ``gpu_fused`` off, no Triton, a screen other than the exact int8 copy (the one ``auto``
+        and ``int8`` give on CUDA), soft-cap or scale, sampled rows with a temperature, ``k``
+        above 64. Why it is not built is logged once."""
         if not (hidden.is_cuda and self.config.gpu_fused and hidden.shape[0]):
             return None
         if getattr(self, "_fused", None) is None:
-            try:
-                from .gpu.step import FusedStep
+            from .screens.quantized import QuantizedScreen
 
-                self._fused = FusedStep(self)
-            except (ImportError, CSVError) as e:
-                logging.getLogger("vllm.csv_decode").info("CSV fused GPU step off: %s", e)
-                self._fused = False
+            self._fused = False
+            if not (isinstance(self.screen, QuantizedScreen) and self.screen.int_gemm):  # (what was asked for)
+                logging.getLogger("vllm.csv_decode").info("CSV fused GPU step off: screen %s", self.screen_name)
+            else:
+                try:
+                    from .gpu.step import FusedStep
+
+                    self._fused = FusedStep(self)
+                except (ImportError, CSVError) as e:
+                    logging.getLogger("vllm.csv_decode").info("CSV fused GPU step off: %s", e)
         fused = self._fused or None
         return fused if fused is not None and fused.supports(int(k.max()), temp) else None
 
