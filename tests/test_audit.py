@@ -196,6 +196,30 @@ def test_mutation_overflow_in_fp32_certifies_a_wrong_token(torch_reference_step)
     assert _wrong(cases, ["int8", "fp16"], _fp32_arithmetic) > 0
 
 
+@pytest.mark.parametrize("reference", [False, True])
+def test_mutation_accumulator_unguarded_certifies_a_wrong_token(reference, request):
+    """Issue 42: without the accumulator guard the sampler path (and ``topk`` without values)
+    certified id 0 where the dense GEMM's products overflow to a NaN logit at id 1; with the
+    CPU kernels and with the torch reference alike."""
+    if reference:
+        request.getfixturevalue("torch_reference_step")
+    cases = _regression("accumulator_overflow")
+    assert _wrong(cases, ["int8", "fp16", "auto"], lambda h: None) == 0
+
+    def unguarded(head):
+        head._accumulator_safe = lambda hnorm: torch.ones_like(hnorm, dtype=torch.bool)
+
+    assert _wrong(cases, ["int8", "fp16", "auto"], unguarded) > 0
+    case = cases[0]
+    for screen in ("int8", "fp16", "auto"):  # the sampler's path: the same guard
+        for mutate in (lambda h: None, unguarded):
+            head = audit.make_head(case, screen)
+            mutate(head)
+            out, stats = head.sampler_logits(case.hidden, torch.tensor([1]))
+            wrong = stats.certified and int(out[0].float().argmax()) != 1
+            assert wrong == (mutate is unguarded), (screen, stats.certified)
+
+
 def test_mutation_transform_in_fp32_certifies_a_wrong_token(torch_reference_step):
     cases = _regression("softcap_underflow") + _regression("scale_overflow")
     assert _wrong(cases, ["int8", "fp16"], lambda h: None) == 0

@@ -19,6 +19,7 @@ pytest.importorskip("triton")
 
 from conftest import hidden_near_rows, peaked_head, same_bits  # noqa: E402
 from vllm_csv import CertifiedHead, HeadConfig  # noqa: E402
+from vllm_csv.dense_engine import ACC_LIMIT  # noqa: E402
 from vllm_csv.gpu import kernels as K  # noqa: E402
 from vllm_csv.gpu.step import FusedStep, GraphedStep  # noqa: E402
 
@@ -81,6 +82,11 @@ def test_quantize_rows(dtype):
     assert (p[9:] == 0).all()
     _, _, _, _, none = K.quantize_rows_triton(h, False, 16)
     assert not none.any()
+    # the accumulator guard (DenseEngine.accumulator_safe): rows whose ||h|| max||w|| may overflow fp32
+    wmax = 1e36
+    okg = K.quantize_rows_triton(h, True, 16, wmax, 0.0)[4]
+    assert torch.equal(okg, K.quantize_rows_ref(h, True, 16, wmax, 0.0)[4])
+    assert torch.equal(okg.bool(), ok & (hn * wmax <= ACC_LIMIT))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -213,6 +219,17 @@ def test_step_matches_dense(dtype, k, values):
     hn = h.clone()
     hn[6, 3] = math.nan  # a NaN row: no row of the batch is certified (CertifiedHead._prepare)
     assert not _check_step(head, hn, k, values).any()
+
+
+def test_step_accumulator_overflow():
+    """Issue 42's reproducer: finite fp32 inputs whose products overflow the accumulator (the
+    dense logit of id 1 is NaN): the fused step does not certify it."""
+    from vllm_csv import audit
+
+    case = next(c for c in audit.regressions() if c.family == "accumulator_overflow")
+    head = CertifiedHead(case.weight.to(DEV), case.bias.to(DEV), config=HeadConfig(budget=1.0, off_switch=False))
+    ids, _, cert = FusedStep(head).topk(case.hidden.to(DEV), 1)
+    assert not cert.any() and int(ids[0, 0]) == 1
 
 
 def test_step_ties_and_huge():

@@ -252,6 +252,25 @@ def norms(g, dtype) -> Case:
     return c
 
 
+def accumulator(g, dtype) -> Case:
+    """Finite rows whose products and partial sums reach fp32's range inside the dense GEMM
+    (products of opposite signs round to ``-inf`` and ``inf``: NaN logits, which the dense argmax
+    takes), half of them in cancelling pairs whose sums would be small (issue 42). In fp16 no
+    product can get there: the family is then an ordinary one."""
+    V, d, B = _shape(g, 200, 16)
+    W = torch.randn(V, d, generator=g)
+    h = torch.randn(B, d, generator=g)
+    if _pick(g, (False, True)) and d >= 2:  # pairs: w_2j = -w_2j+1 (1 + small), h_2j = h_2j+1
+        n = d // 2
+        W[:, 1:2 * n:2] = -W[:, 0:2 * n:2] * (1 + 1e-3 * torch.rand(V, n, generator=g))
+        h[:, 1:2 * n:2] = h[:, 0:2 * n:2]
+    W[0] = 0.0  # a token whose logit is its bias alone
+    target = torch.finfo(torch.float32).max * _pick(g, (0.01, 0.3, 1.0, 3.0, 100.0))
+    h = h * (target / (W.abs().max() * h.abs().amax(1, keepdim=True)).clamp_min(1e-30))
+    b = torch.rand(V, generator=g) * 1e-30
+    return Case("accumulator", W.to(dtype), b.to(dtype), h.to(dtype), _k(g, V))
+
+
 def regressions() -> list[Case]:
     """The holes an adversarial audit found (issue 12), as fixed cases: each was certified
     with a token the dense head does not pick."""
@@ -273,6 +292,13 @@ def regressions() -> list[Case]:
         # an inf in row 8's hidden state: the bf16 dense GEMM (torch 2.13 on an Intel Xeon with
         # AMX) wrote NaN over finite row 7, whose argmax was certified (CertifiedHead._prepare)
         _renamed(nonfinite(torch.Generator().manual_seed(4988550), torch.bfloat16), "nonfinite_batch"),
+        # issue 42: finite fp32 inputs whose products overflow the accumulator to -inf and inf (the
+        # dense logit of id 1 is NaN, its argmax), while the largest screen value stays tiny:
+        # sampler_logits certified id 0 (CertifiedHead._accumulator_safe)
+        Case("accumulator_overflow",
+             t([[0.0, 0.0], [5624.15576171875, -5883.8056640625], [1444.3165283203125, -2056.38037109375]]),
+             t([3.9839369646649254e-32, 1.1827089709103463e-30, 2.2532302656109826e-30]),
+             t([[-3.2703789038413656e+35, -7.84651111293293e+34]]), 1),
     ]
 
 
@@ -282,7 +308,8 @@ def _renamed(case: Case, family: str) -> Case:
 
 
 FAMILIES: dict[str, Callable[[torch.Generator, torch.dtype], Case]] = {
-    f.__name__: f for f in (peaked, near_tie, ties, overflow, transform, bias_cancel, nonfinite, norms)}
+    f.__name__: f for f in (peaked, near_tie, ties, overflow, transform, bias_cancel, nonfinite, norms,
+                            accumulator)}
 
 
 def make_head(case: Case, screen: str, budget: float = 1.0):

@@ -33,6 +33,10 @@ import torch
 
 from .ops.cpu_step import single_valued
 
+# Largest bound of a product or partial sum the dense fp32 accumulation may reach
+# (DenseEngine.accumulator_safe): a quarter of fp32's range.
+ACC_LIMIT = torch.finfo(torch.float32).max / 4
+
 # Steps of nextafter applied to a tanh output: covers the implementation's error (one fp32
 # ulp each way, and a differing vectorised/scalar path) in every dtype.
 TANH_ULPS = 2
@@ -63,6 +67,23 @@ class DenseEngine:
         self.limit = lim
         # soft-cap bounds the output by softcap * scale: it must stay finite.
         self.ok = softcap is None or softcap * scale < min(fmax, torch.finfo(torch.float32).max) / 4
+
+    # ---- the accumulator -------------------------------------------------------------------
+    @staticmethod
+    def accumulator_safe(hnorm: torch.Tensor, wmax: float, babs_max: float) -> torch.Tensor:
+        """``[B]`` bool: the dense GEMM's fp32 accumulator cannot overflow on any token of these
+        rows, in any order: every product and partial sum of ``<w_i, h> + b_i`` is at most
+        ``||w_i|| ||h|| + |b_i|`` (Cauchy-Schwarz) before roundings, which at most double it, so
+        ``fl(hnorm * wmax) + babs_max <= ACC_LIMIT`` (a quarter of fp32's range) keeps them finite.
+
+        The one overflow guard of the dense accumulation for every path (``topk``,
+        ``sampler_logits``, the plugin's rows through :meth:`CertifiedHead._prepare`, and the
+        fused GPU step's ``quantize_rows``, which repeats this expression). A finite row can
+        otherwise overflow inside the GEMM (products of opposite signs to ``-inf`` and ``inf``, a
+        NaN logit that the dense argmax takes) while its largest screen value stays small.
+        ``hnorm`` and ``wmax`` are fp32 upper bounds (``wmax`` with its own slack, as
+        :attr:`CertifiedHead._wmax_up`); NaN compares False."""
+        return hnorm * wmax + babs_max <= ACC_LIMIT
 
     # ---- the engine's computation ------------------------------------------------------
     def round(self, x: torch.Tensor) -> torch.Tensor:

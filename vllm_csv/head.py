@@ -142,7 +142,10 @@ class CertifiedHead:
         self.certifiable = bool(torch.isfinite(self.weight).all()) and self.engine.ok and (
             self.bias is None or bool(torch.isfinite(self.bias).all()))
         g = gamma(self.hidden_size + 2, self.config.unit_roundoff)
-        self.acc_err = (g * self.weight.double().norm(dim=1)).float() * (1 + 4 * FP32_UNIT_ROUNDOFF)
+        wn64 = self.weight.double().norm(dim=1)
+        self.acc_err = (g * wn64).float() * (1 + 4 * FP32_UNIT_ROUNDOFF)
+        # max ||w_i||, an fp32 upper bound with room for the guard's own product's rounding
+        self._wmax_up = float(round_up32(wn64.max())) * (1 + 2.0**-20) if V else 0.0
         self.screen = make_screen(self.config.screen, self.weight, self.bias, index, two_sided)  # (ball's form)
         # screens that can leave a per-row power-of-two scale to the selection (one [B, V] pass less)
         self._defer = {"defer_row_scale": True} if getattr(self.screen, "defers_row_scale", False) else {}
@@ -219,7 +222,8 @@ class CertifiedHead:
 
     def _prepare(self, hidden: torch.Tensor):
         """``(hidden, ||h|| rounded up, ok)``: rows with NaN/inf (or an overflowing norm) are
-        zeroed so that they add no candidates, and are never certified (``ok`` False).
+        zeroed so that they add no candidates, and are never certified (``ok`` False), nor are rows
+        whose products could overflow the dense fp32 accumulator (:meth:`_accumulator_safe`).
 
         Nor is any other row of their batch: the dense head's value of a finite row is not
         always its own when another row of the batch holds an inf or a NaN. Measured with torch
@@ -229,7 +233,12 @@ class CertifiedHead:
         in 16 of 300 random bf16 batches with one ``inf``. The full path's token for such a row
         is then not the row's argmax, and "exact" means the full path's token."""
         hidden, hnorm, ok = cpu_step.prepare_rows(hidden, self.certifiable)  # one fused kernel on the CPU
-        return hidden, hnorm, ok & ok.all()  # (a tensor op: no host sync)
+        ok = ok & self._accumulator_safe(hnorm)  # a row that may overflow inside the GEMM: as one with inf
+        return hidden, hnorm, ok & ok.all()  # (tensor ops: no host sync)
+
+    def _accumulator_safe(self, hnorm: torch.Tensor) -> torch.Tensor:
+        """``[B]`` bool, :meth:`DenseEngine.accumulator_safe` for this head."""
+        return DenseEngine.accumulator_safe(hnorm, self._wmax_up, self._babs_max)
 
     def _intervals(self, hidden: torch.Tensor, tight: bool = False):
         """``lo, hi [B, V]`` around the dense engine's rounded pre-transform logit (``lo`` is None

@@ -126,7 +126,8 @@ class FusedStep:
         """
         B = hidden.shape[0]
         kb = _pow2(kmax)
-        p, t, e, hnorm, ok = kernels.quantize_rows(hidden, self.certifiable, kernels.batch_tile(B))
+        p, t, e, hnorm, ok = kernels.quantize_rows(hidden, self.certifiable, kernels.batch_tile(B),
+                                                   self.head._wmax_up, self.head._babs_max)
         bmax = kernels.screen_block_max(p, self.q, self.s, t, self.sbias, B)
         c = self.consts
         cand, count, tau, ok, live = kernels.select_blocks(
