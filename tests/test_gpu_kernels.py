@@ -73,7 +73,8 @@ def test_quantize_rows(dtype):
     pr, tr, er, hnr, okr = K.quantize_rows_ref(h, True, 16)
     assert ok.dtype == torch.int8 and torch.equal(ok, okr) and torch.equal(p, pr) and torch.equal(t, tr)
     ok = ok.bool()
-    assert not ok[1] and not ok[2] and ok[3] and ok[4]
+    assert not ok[1] and not ok[2] and ok[3]
+    assert bool(ok[4]) == (dtype == torch.float16)  # subnormal entries (bf16, fp32): a DAZ engine drops them
     assert bool(ok[5]) == (dtype == torch.float16)
     # sound, and within 2^-18 of the float64 norms (the references' own slack is 2^-20)
     f = h.double().masked_fill(~ok[:, None], 0) - t.double()[:, None] * p[:9].double()

@@ -271,6 +271,45 @@ def accumulator(g, dtype) -> Case:
     return Case("accumulator", W.to(dtype), b.to(dtype), h.to(dtype), _k(g, V))
 
 
+def subnormal(g, dtype) -> Case:
+    """Heads and hidden states whose products and partial sums sit around fp32's smallest normal
+    (``2^-126``): an engine that flushes subnormals to zero (AVX512-BF16 and AMX dot products,
+    ``torch.set_flush_denormal(True)``) computes other logits than gradual underflow. Row 0 sums
+    many tiny products, row 1 holds one larger product (issue 42). Run it under both
+    (:func:`flush_to_zero`)."""
+    V, d, B = _shape(g, 300, 64)
+    ew = _pick(g, (-48, -56, -60, -64, -66, -70, -75))
+    eh = _pick(g, (-48, -55, -60, -64, -66))
+    W = torch.randn(V, d, generator=g) * 2.0**ew
+    h = torch.randn(B, d, generator=g) * 2.0**eh
+    W[0] = 2.0 ** (ew - 3)
+    if V > 2:
+        W[1] = 0.0
+        W[1, 0] = 2.0 ** (ew + 3)
+    return Case("subnormal", W.to(dtype), None, h.to(dtype), _k(g, V))
+
+
+class flush_to_zero:
+    """``with flush_to_zero(on):`` x86 flush-to-zero and denormals-are-zero modes
+    (``torch.set_flush_denormal``), restored to IEEE after. The mode is a thread's (MXCSR), and
+    torch's worker threads keep the mode they started with, so torch runs on this thread alone
+    meanwhile (one intra-op thread). ``supported`` is False where the CPU cannot set them."""
+
+    def __init__(self, on: bool = True):
+        self.on = on
+        self.supported = True
+
+    def __enter__(self):
+        self.threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+        self.supported = torch.set_flush_denormal(self.on) or not self.on
+        return self
+
+    def __exit__(self, *exc):
+        torch.set_flush_denormal(False)
+        torch.set_num_threads(self.threads)
+
+
 def regressions() -> list[Case]:
     """The holes an adversarial audit found (issue 12), as fixed cases: each was certified
     with a token the dense head does not pick."""
@@ -309,7 +348,7 @@ def _renamed(case: Case, family: str) -> Case:
 
 FAMILIES: dict[str, Callable[[torch.Generator, torch.dtype], Case]] = {
     f.__name__: f for f in (peaked, near_tie, ties, overflow, transform, bias_cancel, nonfinite, norms,
-                            accumulator)}
+                            accumulator, subnormal)}
 
 
 def make_head(case: Case, screen: str, budget: float = 1.0):

@@ -37,6 +37,21 @@ from .ops.cpu_step import single_valued
 # (DenseEngine.accumulator_safe): a quarter of fp32's range.
 ACC_LIMIT = torch.finfo(torch.float32).max / 4
 
+
+
+def flush_slack(d: int) -> float:
+    """An absolute bound on what an engine that flushes subnormals to zero (FTZ: AVX512-BF16 and
+    AMX dot products, any x86 process after ``torch.set_flush_denormal(True)``) changes in one
+    dot product of length ``d`` with a bias, against gradual underflow: each of the ``d``
+    products and ``d + 1`` partial sums and the result may lose at most ``2^-126``; doubled.
+    Every interval of the head carries it (``CertifiedHead._tiny``, ``_tiny32``), so one
+    certificate holds for IEEE and FTZ engines alike; it is far below any logit a model makes
+    (``2^-112`` at ``d = 4096``). Inputs that such an engine reads as zero (DAZ: subnormal
+    entries of ``h``, ``W`` or ``b``) are refused instead (``cpu_step.prepare_rows``, the
+    head's ``certifiable``)."""
+    return 2.0 * (2 * d + 4) * 2.0**-126
+
+
 # Steps of nextafter applied to a tanh output: covers the implementation's error (one fp32
 # ulp each way, and a differing vectorised/scalar path) in every dtype.
 TANH_ULPS = 2

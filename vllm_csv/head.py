@@ -42,14 +42,14 @@ import torch
 import torch.nn.functional as F
 
 from .cpu_malloc import tune_malloc
-from .dense_engine import DenseEngine
+from .dense_engine import DenseEngine, flush_slack
 from .errors import CSVError
 from .fp import FP32_UNIT_ROUNDOFF, gamma, round_down32, round_up32, significand_bits
 from .off_switch import OffSwitch
 from .ops import cpu_step
 from .screens import DEFAULT_SCREEN, SCREENS, make_screen
 
-FALLBACK_REASONS = ("uncertified", "budget", "unsupported", "nonfinite", "off_switch")
+FALLBACK_REASONS = ("uncertified", "budget", "unsupported", "nonfinite", "off_switch", "arithmetic")
 
 
 @dataclass
@@ -139,8 +139,10 @@ class CertifiedHead:
         self.dtype = weight.dtype
         self.engine = DenseEngine(self.dtype, softcap, scale)
         # NaN/inf in the head or the bias: the dense argmax may pick them; no bound covers them.
+        # Subnormal weights or bias: an engine that reads them as zero (DAZ) computes another head.
         self.certifiable = bool(torch.isfinite(self.weight).all()) and self.engine.ok and (
-            self.bias is None or bool(torch.isfinite(self.bias).all()))
+            self.bias is None or bool(torch.isfinite(self.bias).all())) and not bool(
+            cpu_step.has_subnormal(self.weight)) and (self.bias is None or not bool(cpu_step.has_subnormal(self.bias)))
         g = gamma(self.hidden_size + 2, self.config.unit_roundoff)
         wn64 = self.weight.double().norm(dim=1)
         self.acc_err = (g * wn64).float() * (1 + 4 * FP32_UNIT_ROUNDOFF)
@@ -150,8 +152,9 @@ class CertifiedHead:
         # screens that can leave a per-row power-of-two scale to the selection (one [B, V] pass less)
         self._defer = {"defer_row_scale": True} if getattr(self.screen, "defers_row_scale", False) else {}
         self._delta = 2.0 ** (2 - significand_bits(self.dtype)) + 8 * FP32_UNIT_ROUNDOFF
-        self._tiny = 2 * torch.finfo(self.dtype).tiny
-        self._tiny32 = 2 * torch.finfo(torch.float32).tiny
+        # absolute terms: subnormal roundings, and what a flush-to-zero engine drops (flush_slack)
+        self._tiny = 2 * torch.finfo(self.dtype).tiny + flush_slack(self.hidden_size)
+        self._tiny32 = 2 * torch.finfo(torch.float32).tiny + flush_slack(self.hidden_size)
         self._gamma = g
         self._gamma64 = 4 * gamma(self.hidden_size + 2, 2.0**-53)  # float64 sums of _score
         self._rad_cache: dict = {}  # per screen tensor (a screen hands out one or two): _per_tensor
@@ -232,9 +235,19 @@ class CertifiedHead:
         ``inf`` (``vllm_csv.audit``, family ``nonfinite``, seed 4988550), and over some other row
         in 16 of 300 random bf16 batches with one ``inf``. The full path's token for such a row
         is then not the row's argmax, and "exact" means the full path's token."""
-        hidden, hnorm, ok = cpu_step.prepare_rows(hidden, self.certifiable)  # one fused kernel on the CPU
+        hidden, hnorm, ok = cpu_step.prepare_rows(hidden, self.certifiable and self.arithmetic_ok())
         ok = ok & self._accumulator_safe(hnorm)  # a row that may overflow inside the GEMM: as one with inf
         return hidden, hnorm, ok & ok.all()  # (tensor ops: no host sync)
+
+    def arithmetic_ok(self) -> bool:
+        """The dense engine's arithmetic is, now, the one the bounds assume. An fp32 head needs
+        torch's float32 matmul precision ``"highest"``: at ``"high"`` or ``"medium"`` (vLLM sets it
+        from ``VLLM_FLOAT32_MATMUL_PRECISION``) cuBLAS runs fp32 GEMMs in TF32 and oneDNN may use
+        bf16 passes, a unit roundoff of ``2^-11`` or worse, and an fp32 row 2^-12 ahead of another
+        was certified there (issue 42). Read on every step (a host read of a Python setting), so a
+        change after start-up is a change of engine; such steps certify nothing (reason
+        ``arithmetic``). bf16 and fp16 GEMMs accumulate in fp32 whatever this setting."""
+        return self.dtype != torch.float32 or torch.get_float32_matmul_precision() == "highest"
 
     def _accumulator_safe(self, hnorm: torch.Tensor) -> torch.Tensor:
         """``[B]`` bool, :meth:`DenseEngine.accumulator_safe` for this head."""
@@ -684,6 +697,9 @@ class CertifiedHead:
         stats.fallbacks["unsupported"] = csv_rows - len(rows)
         sw = self.off_switch if use_switch else None
         tried = bool(rows)
+        if tried and not self.arithmetic_ok():  # (the selection would refuse every row: skip it)
+            stats.fallbacks["arithmetic"] = len(rows)
+            tried = False
         if tried and sw is not None and not sw.allow(B, lambda: _time(lambda: dense_fn(hidden), hidden), kind):
             stats.fallbacks["off_switch"] = len(rows)
             tried = False

@@ -44,7 +44,7 @@ import torch
 
 from ..dense_engine import ACC_LIMIT, DenseEngine
 from ..fp import round_down32, round_up32
-from ..ops.cpu_step import single_valued, threshold_from
+from ..ops.cpu_step import has_subnormal, single_valued, threshold_from
 
 try:
     import triton
@@ -74,7 +74,8 @@ def quantize_rows_ref(h: torch.Tensor, certifiable: bool, rows_pad: int, wmax: f
     """``(p [rows_pad, d] int8, t [B], e [B], hnorm [B], ok [B] int8)`` for ``h [B, d]`` (flags
     are int8 0/1 throughout the step: no conversion kernels between the steps).
 
-    ``ok``: the row is finite, the head ``certifiable``, and the dense accumulator cannot overflow
+    ``ok``: the row is finite with no subnormal entry, the head ``certifiable``, and the dense
+    accumulator cannot overflow
     (:meth:`vllm_csv.dense_engine.DenseEngine.accumulator_safe` with the head's ``wmax`` and
     ``babs_max``, the kernel repeating its expression); rows that are not ``ok`` are
     quantised as zeros (``p = 0``, ``e = hnorm = 0``) and add no candidates. ``t = fl(max|h| *
@@ -85,6 +86,7 @@ def quantize_rows_ref(h: torch.Tensor, certifiable: bool, rows_pad: int, wmax: f
     B, d = h.shape
     h64 = h.double()
     ok = torch.isfinite(h64).all(1) & torch.isfinite(h64.norm(dim=1).float()) & certifiable
+    ok &= ~has_subnormal(h, dim=1)
     ok &= DenseEngine.accumulator_safe(_slack_up(h64.norm(dim=1)).float(), wmax, babs_max)
     hf = h.float().masked_fill(~ok[:, None], 0)
     t = (hf.abs().amax(1) * (1.0 / 127)).clamp_min(torch.finfo(torch.float32).tiny)
@@ -141,6 +143,7 @@ if triton is not None:
             m = k0 + cols < d
             x = _widen(tl.load(h_ptr + b * d + k0 + cols, mask=k0 + cols < dl, other=0), BF16)
             bad += (x != x).to(tl.int32) + (tl.abs(x) == float("inf")).to(tl.int32)
+            bad += ((x != 0) & (tl.abs(x) < 1.1754943508222875e-38)).to(tl.int32)  # (cpu_step.has_subnormal)
             amax = tl.maximum(amax, tl.abs(x))
             x64 = x.to(tl.float64)
             ss += x64 * x64

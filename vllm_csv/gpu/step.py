@@ -126,7 +126,8 @@ class FusedStep:
         """
         B = hidden.shape[0]
         kb = _pow2(kmax)
-        p, t, e, hnorm, ok = kernels.quantize_rows(hidden, self.certifiable, kernels.batch_tile(B),
+        p, t, e, hnorm, ok = kernels.quantize_rows(hidden, self.certifiable and self.head.arithmetic_ok(),
+                                                   kernels.batch_tile(B),
                                                    self.head._wmax_up, self.head._babs_max)
         bmax = kernels.screen_block_max(p, self.q, self.s, t, self.sbias, B)
         c = self.consts
@@ -220,7 +221,7 @@ class GraphedStep:
         if size is None or not hidden.is_cuda:
             return self.step.run(hidden, k, need, kmax)
         kb = _pow2(kmax)
-        key = (size, kb)
+        key = (size, kb, self.step.head.arithmetic_ok())  # (a graph bakes the engine's arithmetic in)
         if key not in self._graphs:
             self._graphs[key] = self._capture(size, kb, hidden.device)
         g, h, kk, nn, out = self._graphs[key]

@@ -176,14 +176,22 @@ def uses_kernels(t: torch.Tensor) -> bool:
 def prepare_rows_ref(h: torch.Tensor, certifiable: bool):
     """``(hm, hnorm, ok)`` for ``h [B, d]``: ``hnorm [B]`` fp32 = ``||h_b||`` computed in float64
     and rounded up (0 where not ``ok``); ``ok [B]`` bool = the norm is finite (no NaN/inf in
-    ``h_b``, no overflow) and ``certifiable``; ``hm`` = ``h`` with the rows that are not ``ok``
-    zeroed, so that they add no candidates."""
+    ``h_b``, no overflow), no entry is below fp32's smallest normal but zero (an engine that reads
+    subnormal inputs as zero, as AVX512-BF16 and AMX dot products do, would drop it:
+    :func:`vllm_csv.dense_engine.flush_slack`) and ``certifiable``; ``hm`` = ``h`` with the rows
+    that are not ``ok`` zeroed, so that they add no candidates."""
     n64 = h.double().norm(dim=1)
     n32 = round_up32(n64)
-    ok = torch.isfinite(n32)
+    ok = torch.isfinite(n32) & ~has_subnormal(h, dim=1)
     if not certifiable:
         ok = torch.zeros_like(ok)
     return h.masked_fill(~ok[:, None], 0), n32.masked_fill(~ok, 0), ok
+
+
+def has_subnormal(x: torch.Tensor, dim: int | None = None) -> torch.Tensor:
+    """Whether ``x`` holds a non-zero value below fp32's smallest normal (along ``dim``, or at all)."""
+    sub = (x != 0) & (x.abs() < torch.finfo(torch.float32).tiny)
+    return sub.any() if dim is None else sub.any(dim)
 
 
 def prepare_rows(h: torch.Tensor, certifiable: bool):

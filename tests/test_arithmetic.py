@@ -1,0 +1,141 @@
+"""Issue 42: the certificate under the dense engine's arithmetic.
+
+* fp32 heads certify only while torch's float32 matmul precision is ``"highest"``: at ``"high"``
+  or ``"medium"`` an engine may run fp32 GEMMs in TF32 or bf16 passes (on an H200 the dense
+  logits of the case below were ``[1024.0, 1024.0625]``, argmax 1, where IEEE fp32 gives
+  ``[1024.25, 1024.0625]``, argmax 0, which the certificate proves). The setting is read every
+  step: changing it after start-up changes what is certified, with reason ``arithmetic``.
+* The accumulator guard (finite inputs whose products overflow the GEMM's fp32 accumulator) is
+  tested with the audit's regressions and a mutation in ``tests/test_audit.py``.
+"""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from vllm_csv import CertifiedHead, HeadConfig
+
+
+@pytest.fixture
+def precision():
+    old = torch.get_float32_matmul_precision()
+    yield torch.set_float32_matmul_precision
+    torch.set_float32_matmul_precision(old)
+
+
+def _tf32_case():
+    d = 1024
+    W = torch.ones(4, d)
+    W[0] += 2**-12
+    W[1, 5] = 1.0625
+    W[2:] *= -1
+    return W, torch.ones(3, d)
+
+
+@pytest.mark.parametrize("screen", ["int8", "fp16", "auto"])
+def test_fp32_heads_certify_only_at_the_highest_precision(screen, precision):
+    W, h = _tf32_case()
+    head = CertifiedHead(W, config=HeadConfig(screen=screen, budget=1.0, off_switch=False))
+    precision("highest")
+    assert head.arithmetic_ok()
+    res = head.topk(h, 1, values=False)
+    assert res.certified.all() and (res.ids[:, 0] == 0).all()
+    _, stats = head.sampler_logits(h, torch.ones(3, dtype=torch.long))
+    assert stats.certified == 3
+    for p in ("high", "medium"):
+        precision(p)
+        assert not head.arithmetic_ok()
+        assert not head.topk(h, 1, values=False).certified.any()
+        out, stats = head.sampler_logits(h, torch.ones(3, dtype=torch.long))
+        assert stats.certified == 0 and stats.fallbacks["arithmetic"] == 3
+        assert torch.equal(out, F.linear(h, W))  # every row the engine's own, as computed now
+        # the sampler's rows read the head's intervals through _prepare: none may be certified
+        _, _, _, ok = head._intervals(h)
+        assert not ok.any()
+    precision("highest")
+    assert head.topk(h, 1, values=False).certified.all()
+
+
+def test_half_heads_do_not_depend_on_the_fp32_precision(precision):
+    W, h = _tf32_case()
+    for dt in (torch.bfloat16, torch.float16):
+        head = CertifiedHead(W.to(dt), config=HeadConfig(budget=1.0, off_switch=False))
+        precision("medium")
+        assert head.arithmetic_ok()
+        precision("highest")
+
+
+# ---- flush-to-zero and denormals-are-zero ---------------------------------------------------
+def _subnormal_wrong(seeds, dtypes, screens) -> tuple[int, int]:
+    from vllm_csv import audit
+
+    wrong = cert = 0
+    for seed in seeds:
+        for dt in dtypes:
+            for screen in screens:
+                for out in audit.run_case("subnormal", seed, dt, screen):
+                    wrong += out.wrong_ids + out.wrong_values
+                    cert += out.certified
+    return wrong, cert
+
+
+@pytest.mark.parametrize("ftz", [False, True])
+def test_subnormal_family_under_ieee_and_flush_to_zero(ftz):
+    from vllm_csv import audit
+
+    with audit.flush_to_zero(ftz) as mode:
+        if not mode.supported:
+            pytest.skip("this CPU cannot flush subnormals")
+        wrong, cert = _subnormal_wrong(list(range(6)) + [9], (torch.bfloat16, torch.float32), ("int8", "fp16"))
+    assert wrong == 0 and cert > 0
+
+
+def test_mutation_no_flush_slack_certifies_a_wrong_token(monkeypatch):
+    """Without the flush-to-zero slack (dense_engine.flush_slack), an FTZ engine's fp32 argmax
+    differs from a certified one (seed 9 of the family, found by the campaign)."""
+    from vllm_csv import audit
+    import vllm_csv.head as head_module
+
+    with audit.flush_to_zero(True) as mode:
+        if not mode.supported:
+            pytest.skip("this CPU cannot flush subnormals")
+        assert _subnormal_wrong([9], (torch.float32,), ("int8",))[0] == 0
+        monkeypatch.setattr(head_module, "flush_slack", lambda d: 0.0)
+        assert _subnormal_wrong([9], (torch.float32,), ("int8",))[0] > 0
+
+
+def test_subnormal_inputs_are_refused():
+    """What a DAZ engine reads as zero: a row with a subnormal entry, a head or bias with one."""
+    W = torch.randn(64, 32)
+    h = W[:3] * 8
+    h[1, 4] = 2.0**-130
+    head = CertifiedHead(W, config=HeadConfig(budget=1.0, off_switch=False))
+    res = head.topk(h[[0, 2]], 1, values=False)
+    assert res.certified.all()
+    assert not head.topk(h, 1, values=False).certified.any()  # (one row poisons its batch)
+    W[5, 3] = 2.0**-140
+    assert not CertifiedHead(W, config=HeadConfig(off_switch=False)).certifiable
+    b = torch.zeros(64)
+    b[2] = -(2.0**-127)
+    assert not CertifiedHead(W[:, :], b, config=HeadConfig(off_switch=False)).certifiable
+
+
+def test_issue_reproducer_bf16_under_flush_to_zero():
+    from vllm_csv import audit
+
+    V, d = 1024, 256
+    W = torch.zeros(V, d)
+    W[0, :64] = 2.0**-100
+    W[1, 0] = 2.0**-95
+    W[2:, :] = -(2.0**-20)
+    h = torch.full((16, d), 2.0**-27)
+    W, h = W.bfloat16(), h.bfloat16()
+    for ftz in (False, True):
+        with audit.flush_to_zero(ftz):
+            dense = F.linear(h, W).float().argmax(1)
+            for screen in ("int8", "fp16", "int4", "auto"):
+                head = CertifiedHead(W, None, config=HeadConfig(screen=screen, budget=0.05, off_switch=False))
+                r = head.topk(h, 1)
+                assert (r.ids[:, 0][r.certified] == dense[r.certified]).all()
+                out, stats = head.sampler_logits(h, torch.ones(16, dtype=torch.long))
+                assert (out.float().argmax(1) == dense).all()
