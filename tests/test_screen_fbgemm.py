@@ -360,3 +360,13 @@ def test_one_registry_of_screen_names():
     action = next(a for a in parser._actions if "--csv-screen" in a.option_strings)
     assert tuple(action.choices) == SCREENS
     assert typing.get_args(CSVDecodeConfig.model_fields["screen"].annotation) == SCREENS
+
+
+def test_huge_weights_refused_with_the_bound_in_the_message():
+    """The refusal names the bound it applies (max |w| about 1.7e10), not another (issue 42)."""
+    W = torch.randn(64, 32)
+    W[3, 4] = 2e10
+    with pytest.raises(CSVError, match=r"1\.7e\+10"):
+        FbgemmInt8Screen(W, None)
+    W[3, 4] = 1e10
+    FbgemmInt8Screen(W, None)  # below the bound: built

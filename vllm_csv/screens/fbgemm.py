@@ -134,7 +134,9 @@ class FbgemmInt8Screen:
         V, d = weight.shape
         q, s = quantize_rows(weight)
         if not bool(torch.isfinite(s).all()) or float(s.max()) * 2.0**C_MAX_LOG2 >= 2.0**127:
-            raise CSVError("LM head has non-finite or huge (> 1e36) weights")
+            # s = max|w_i| / 127: the bound is max|w| < 127 * 2^(127 - C_MAX_LOG2), the number said
+            wmax = 127 * 2.0 ** (127 - C_MAX_LOG2)
+            raise CSVError(f"LM head has non-finite or huge weights (max |w| must be below {wmax:.3g})")
         self.gemm = int8_linear(q, s)
         self.backend = self.gemm.backend
         self.s = s
