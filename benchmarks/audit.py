@@ -3,6 +3,7 @@ rows have been checked against the dense head of the same batch.
 
     python benchmarks/audit.py --rows 1000000 --json benchmarks/results/audit.json
     python benchmarks/audit.py --rows 300000 --random-seeds 1 --json out.json   # seeds drawn at random
+    python benchmarks/audit.py --flush-to-zero --families subnormal accumulator --json out.json
 
 Families, checks and regressions are those of :mod:`vllm_csv.audit` (the CI suite
 ``tests/test_audit.py`` draws from the same). Cases cycle through every family x dtype
@@ -33,7 +34,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from vllm_csv.audit import DTYPES, FAMILIES, run_case, run_sampled_case  # noqa: E402
+from vllm_csv.audit import DTYPES, FAMILIES, flush_to_zero, run_case, run_sampled_case  # noqa: E402
 from vllm_csv.audit_sampler import run_sampler_case  # noqa: E402
 
 from provenance import commit, machine  # noqa: E402  (benchmarks/provenance.py)
@@ -44,7 +45,7 @@ FIELDS = ("rows", "certified_ids", "certified_values", "certified_sampled", "wro
 
 
 def campaign(target: int, screens, log_every: float = 30.0, random_seeds: int | None = None,
-             sampler_target: int = 0) -> dict:
+             sampler_target: int = 0, families=None) -> dict:
     """Cases seed by seed (0, 1, 2, ...; with ``random_seeds``, the i-th seed is drawn from
     ``random.Random(random_seeds)``: a reproducible sweep of seeds anywhere in ``[0, 2^31)``)."""
     table: dict[tuple[str, str, str], dict[str, int]] = defaultdict(lambda: dict.fromkeys(FIELDS, 0))
@@ -55,7 +56,7 @@ def campaign(target: int, screens, log_every: float = 30.0, random_seeds: int | 
     by_mode: dict[str, int] = defaultdict(int)
     while total["certified_ids"] < target or total["certified_draws"] < sampler_target:
         case_seed = seed if rng is None else rng.randrange(2**31)
-        for fam in FAMILIES:
+        for fam in families or FAMILIES:
             for dt in DTYPES:
                 for sc in screens:
                     a, b = run_case(fam, case_seed, dt, sc)
@@ -93,8 +94,10 @@ def campaign(target: int, screens, log_every: float = 30.0, random_seeds: int | 
 
 def markdown(res: dict) -> str:
     t = res["total"]
-    lines = [f"Adversarial campaign: {res['seeds']} seeds x {len(FAMILIES)} families x {len(DTYPES)} dtypes "
-             f"x {len(res['screens'])} screens, {res['seconds']} s on {res['machine']} (commit {res['commit']}).", "",
+    fams = res.get("families", sorted(FAMILIES))
+    lines = [f"Adversarial campaign: {res['seeds']} seeds x {len(fams)} families x {len(DTYPES)} dtypes "
+             f"x {len(res['screens'])} screens, {res['seconds']} s on {res['machine']} (commit {res['commit']})"
+             + (", under flush-to-zero" if res.get("flush_to_zero") else "") + ".", "",
              f"**Total: {t['certified_ids']} certified rows checked for ids, {t['certified_values']} for ids and "
              f"value bits, {t['certified_sampled']} sampled top-k rows for the sampler's kept set and bits, of "
              f"{t['rows']} rows; {t['wrong_ids']} wrong ids, {t['wrong_values']} wrong values.**", "",
@@ -125,13 +128,21 @@ def main(argv=None) -> int:
                    help="draw each case seed from random.Random(N) instead of 0, 1, 2, ...")
     p.add_argument("--sampler-rows", type=int, default=100_000,
                    help="rows certified in vLLM's Sampler through the hook to check (0: none)")
+    p.add_argument("--families", nargs="+", default=None, choices=sorted(FAMILIES),
+                   help="a subset of the families (default: all)")
+    p.add_argument("--flush-to-zero", action="store_true",
+                   help="the whole campaign under x86 flush-to-zero and denormals-are-zero (one thread)")
     p.add_argument("--json", required=True)
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
-    res = campaign(args.rows, args.screens, random_seeds=args.random_seeds,
-                   sampler_target=args.sampler_rows)
+    with flush_to_zero(args.flush_to_zero) as mode:
+        if not mode.supported:
+            p.error("this CPU cannot flush subnormals")
+        res = campaign(args.rows, args.screens, random_seeds=args.random_seeds,
+                       sampler_target=args.sampler_rows, families=args.families)
     res.update(screens=args.screens, random_seeds=args.random_seeds, commit=commit(), torch=torch.__version__, provenance=machine(),
-               machine=f"{platform.machine()}, {args.threads} thread(s)")
+               machine=f"{platform.machine()}, {1 if args.flush_to_zero else args.threads} thread(s)",
+               families=args.families or sorted(FAMILIES), flush_to_zero=args.flush_to_zero)
     out = Path(args.json)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(res, indent=1))
