@@ -205,7 +205,8 @@ def test_sharded_matches_dense_on_audit_families(screen, size):
             dtype = audit.DTYPES[seed % 3]
             n, c, wrong = audit_run(family, seed, dtype, screen, size)
             assert wrong == 0, (family, seed, dtype)
-            rows, cert = rows + n, cert + c
+            if family not in audit.MOSTLY_REFUSED:
+                rows, cert = rows + n, cert + c
     assert cert > (0.3 if screen != "ball" else 0.1) * rows, (cert, rows)  # the certificate is not simply off
 
 

@@ -394,3 +394,4 @@ class ShardedHead:
     max_certified_k = CertifiedHead.max_certified_k
     _certify_kept = CertifiedHead._certify_kept  # (CertifiedHead._certify, on the gathered columns, calls it)
     _plain = CertifiedHead._plain  # (and reads this)
+    arithmetic_ok = CertifiedHead.arithmetic_ok  # (reads self.dtype and torch's setting, the same on every rank)
