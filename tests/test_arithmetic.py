@@ -139,3 +139,63 @@ def test_issue_reproducer_bf16_under_flush_to_zero():
                 assert (r.ids[:, 0][r.certified] == dense[r.certified]).all()
                 out, stats = head.sampler_logits(h, torch.ones(16, dtype=torch.long))
                 assert (out.float().argmax(1) == dense).all()
+
+
+# ---- probing the engine ----------------------------------------------------------------------
+def _bf16_partial_sums(h, w):
+    """An engine that rounds every partial sum to bf16 (as a reduced-precision split-K may)."""
+    acc = torch.zeros(h.shape[0], w.shape[0])
+    for j in range(h.shape[1]):
+        acc = (acc + h[:, j : j + 1].float() * w[:, j].float()[None]).bfloat16().float()
+    return acc.to(h.dtype)
+
+
+def _tf32(h, w):
+    """An engine that rounds fp32 inputs to TF32's 10-bit significand."""
+    def r(x):
+        b = x.float().contiguous().view(torch.int32)
+        return ((b + 0x1000) & ~0x1FFF).view(torch.float32)
+    return F.linear(r(h), r(w)).to(h.dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_probe_accepts_fp32_accumulation_and_rejects_others(dtype):
+    from vllm_csv.dense_engine import probe_engine
+
+    for d in (1, 64, 1024):
+        assert probe_engine(F.linear, dtype, d).fp32_accumulation
+    assert not probe_engine(_bf16_partial_sums, dtype, 256).fp32_accumulation
+    if dtype == torch.float32:
+        assert not probe_engine(_tf32, dtype, 256).fp32_accumulation
+
+
+def test_probe_reads_vllms_own_gemm():
+    pytest.importorskip("vllm")
+    from vllm_csv.dense_engine import probe_engine
+    from vllm_csv.vllm_plugin.logits_processor import vllm_linear
+
+    for dtype in (torch.bfloat16, torch.float32):
+        assert probe_engine(vllm_linear(), dtype, 512).fp32_accumulation
+
+
+def test_mutation_unprobed_engine_certifies_a_wrong_token(monkeypatch):
+    """A head whose engine rounds partial sums to bf16 certifies nothing; believed to accumulate
+    in fp32 (the probe removed), it certifies the IEEE argmax, which that engine does not pick."""
+    import vllm_csv.head as head_module
+    from vllm_csv.dense_engine import EngineProbe
+
+    d = 64
+    W = torch.zeros(8, d)
+    W[0] = 1.0
+    W[0, 0], W[0, -1] = 1024.0, -1024.0  # fp32: 62; bf16 partial sums: 0
+    W[1, :60] = 1.0  # 60 either way
+    W[2:] = -1.0
+    W, h = W.bfloat16(), torch.ones(2, d, dtype=torch.bfloat16)
+    engine = _bf16_partial_sums(h, W).float().argmax(1)
+    assert (engine == 1).all()
+    head = CertifiedHead(W, config=HeadConfig(budget=1.0, off_switch=False), engine_linear=_bf16_partial_sums)
+    assert not head.certifiable and not head.topk(h, 1, values=False).certified.any()
+    monkeypatch.setattr(head_module, "probe_engine", lambda *a: EngineProbe(True, False, False))
+    head = CertifiedHead(W, config=HeadConfig(budget=1.0, off_switch=False), engine_linear=_bf16_partial_sums)
+    res = head.topk(h, 1, values=False)
+    assert res.certified.any() and (res.ids[:, 0][res.certified] != engine[res.certified]).any()

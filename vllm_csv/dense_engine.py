@@ -28,6 +28,8 @@ This module is pure math on tensors: no policy, no state beyond the dtype and co
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
@@ -160,3 +162,79 @@ class DenseEngine:
 
     # Where the dense value is known bit for bit (same value, same sign of zero).
     single_valued = staticmethod(single_valued)
+
+
+# ---- probing the engine -----------------------------------------------------------------------
+@dataclass
+class EngineProbe:
+    """What the dense op did on crafted heads (:func:`probe_engine`)."""
+
+    fp32_accumulation: bool  # every probe row within the fp32-accumulation interval the bounds assume
+    ftz: bool  # products below 2^-126 came back flushed (informational: flush_slack covers it)
+    daz: bool  # a subnormal input came back read as zero (informational: such inputs are refused)
+    detail: str = ""
+
+    def describe(self) -> str:
+        model = "fp32 accumulation" if self.fp32_accumulation else f"NOT fp32 accumulation ({self.detail})"
+        return f"{model}, {'flush-to-zero' if self.ftz else 'gradual underflow'}" + (
+            ", denormals-are-zero" if self.daz else "")
+
+
+PROBE_ROWS, PROBE_BATCH = 512, 8  # the probe head's rows (the four probe rows, tiled) and batch
+
+
+def probe_rows(d: int) -> torch.Tensor:
+    """``[4, d]`` float64 probe heads for a hidden state of ones, each exact in fp32 accumulation and
+    off it under another arithmetic: a large value, ``d - 2`` ones and its negative (partial sums
+    rounded to a 16-bit dtype lose the ones); ``1 + 2^-12`` everywhere (TF32 inputs drop the
+    ``2^-12``); alternating ``+-(1 + 2^-7)`` then ones; and ``2^-7`` steps (accumulation in bf16)."""
+    rows = torch.ones(4, d, dtype=torch.float64)
+    if d >= 2:
+        rows[0, 0], rows[0, -1] = 2.0**10, -(2.0**10)
+    rows[1] *= 1 + 2.0**-12
+    rows[2, : d // 2 * 2 : 2] = 1 + 2.0**-7
+    rows[2, 1 : d // 2 * 2 : 2] = -1.0
+    rows[3] = 2.0**-7
+    rows[3, 0] = 1.0
+    return rows
+
+
+def probe_engine(linear: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], dtype: torch.dtype, d: int,
+                 device="cpu") -> EngineProbe:
+    """Run the dense op ``linear(h [B, d], w [V, d]) -> [B, V]`` (the engine's own, as the head
+    or vLLM computes it) on :func:`probe_rows` and on tiny magnitudes, and say what arithmetic it
+    did: whether every value lies in the interval the bounds assume (fp32 accumulation in any
+    order, gamma_(d+2) relative, :func:`flush_slack` absolute, one rounding to ``dtype``), and
+    whether it flushed subnormal products (FTZ) or read subnormal inputs as zero (DAZ). Outside
+    the interval, the head certifies nothing (:class:`~vllm_csv.head.CertifiedHead`)."""
+    from .fp import FP32_UNIT_ROUNDOFF, gamma, round_down32, round_up32
+
+    # the rows tiled to PROBE_ROWS and a batch of PROBE_BATCH: shapes like a head's, so that the op
+    # takes the kernel it takes there (oneDNN, for one, picks kernels by shape)
+    w = probe_rows(d).repeat(PROBE_ROWS // 4, 1).to(dtype)
+    h = torch.ones(PROBE_BATCH, d, dtype=dtype)
+    got = linear(h.to(device), w.to(device)).float().cpu()
+    a = w.double().sum(1)  # h = 1: the exact product, what fp32 accumulation approximates
+    A = w.double().abs().sum(1)
+    E = gamma(d + 2, FP32_UNIT_ROUNDOFF) * A + flush_slack(d)
+    lo = round_down32(a - E).to(dtype).float()
+    hi = round_up32(a + E).to(dtype).float()
+    inside = ((got >= lo) & (got <= hi)).all(0)
+    detail = "" if bool(inside.all()) else "probe rows " + ", ".join(
+        f"{i % 4}: {float(got[0, i])!r} outside [{float(lo[i])!r}, {float(hi[i])!r}]"
+        for i in range(4) if not inside[i])
+    ftz = daz = False
+    if dtype != torch.float16:  # (fp16 inputs cannot reach fp32's subnormals)
+        # sixteen products of 2^-128 (subnormal) sum to 2^-124 (normal) unless each is flushed
+        n = min(d, 16)
+        hp = torch.zeros(PROBE_BATCH, d, dtype=dtype)
+        hp[:, :n] = 2.0**-64
+        wp = torch.zeros(PROBE_ROWS, d, dtype=dtype)
+        wp[:, :n] = 2.0**-64
+        ftz = float(linear(hp.to(device), wp.to(device)).float().cpu()[0, 0]) < n * 2.0**-128 / 2
+        hs = torch.zeros(PROBE_BATCH, d, dtype=dtype)
+        hs[:, 0] = 2.0**-130  # subnormal in fp32 and bf16
+        ws = torch.zeros(PROBE_ROWS, d, dtype=dtype)
+        ws[:, 0] = 2.0**100
+        daz = float(linear(hs.to(device), ws.to(device)).float().cpu()[0, 0]) < 2.0**-30 / 2
+    return EngineProbe(bool(inside.all()), ftz, daz, detail)

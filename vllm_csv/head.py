@@ -42,7 +42,7 @@ import torch
 import torch.nn.functional as F
 
 from .cpu_malloc import tune_malloc
-from .dense_engine import DenseEngine, flush_slack
+from .dense_engine import DenseEngine, flush_slack, probe_engine
 from .errors import CSVError
 from .fp import FP32_UNIT_ROUNDOFF, gamma, round_down32, round_up32, significand_bits
 from .off_switch import OffSwitch
@@ -123,7 +123,8 @@ class CertifiedHead:
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
                  vocab_size: int | None = None, config: HeadConfig | None = None, index=None,
-                 softcap: float | None = None, scale: float = 1.0, two_sided: bool = False):
+                 softcap: float | None = None, scale: float = 1.0, two_sided: bool = False,
+                 engine_linear: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None):
         self.config = config or HeadConfig()
         if weight.device.type == "cpu":
             tune_malloc()
@@ -139,8 +140,15 @@ class CertifiedHead:
         self.dtype = weight.dtype
         self.engine = DenseEngine(self.dtype, softcap, scale)
         # NaN/inf in the head or the bias: the dense argmax may pick them; no bound covers them.
+        # The dense op on crafted heads (dense_engine.probe_engine; engine_linear(h, w): the
+        # engine's own GEMM, vLLM's in the plugin, F.linear by default): an arithmetic outside the
+        # bounds' model (partial sums in the model dtype, TF32 inputs) certifies nothing.
+        self.engine_probe = probe_engine(engine_linear or F.linear, self.dtype, self.hidden_size, weight.device)
+        if not self.engine_probe.fp32_accumulation:
+            logging.getLogger("vllm.csv_decode").warning(
+                "CSV certifies nothing on this head: the dense engine's arithmetic is %s", self.engine_probe.describe())
         # Subnormal weights or bias: an engine that reads them as zero (DAZ) computes another head.
-        self.certifiable = bool(torch.isfinite(self.weight).all()) and self.engine.ok and (
+        self.certifiable = self.engine_probe.fp32_accumulation and bool(torch.isfinite(self.weight).all()) and self.engine.ok and (
             self.bias is None or bool(torch.isfinite(self.bias).all())) and not bool(
             cpu_step.has_subnormal(self.weight)) and (self.bias is None or not bool(cpu_step.has_subnormal(self.bias)))
         g = gamma(self.hidden_size + 2, self.config.unit_roundoff)

@@ -225,7 +225,7 @@ class ShardedHead:
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, shard: Shard, comm: Collective, *,
                  config: HeadConfig | None = None, softcap: float | None = None, scale: float = 1.0,
-                 index=None):
+                 index=None, engine_linear=None):
         self.config = config or HeadConfig()
         if self.config.screen == "ball" and index is None and shard.real:
             raise CSVError(f"screen 'ball' with tensor parallelism needs the index of this rank's shard "
@@ -243,7 +243,7 @@ class ShardedHead:
         # the single-rank head over the shard's real rows: screen, bounds, exact scoring
         self.local = None if n == 0 else CertifiedHead(
             weight[:n], None if bias is None else bias[:n], config=local_cfg, softcap=softcap, scale=scale,
-            index=index, two_sided=True)
+            index=index, two_sided=True, engine_linear=engine_linear)
         if self.local is not None and not self.local.screen.two_sided:
             raise CSVError(f"screen {self.local.screen.name!r} is not supported with tensor parallelism")
         self.screen_name = "none" if self.local is None else self.local.screen.name

@@ -264,7 +264,7 @@ class CSVLogitsProcessor(LogitsProcessor):
                                                 shard)
                 self.csv_head = ShardedHead(
                     weight, bias, shard, VllmTPGroup(), config=self.csv_config.head_config(),
-                    softcap=self.soft_cap, scale=self.scale, index=index)
+                    softcap=self.soft_cap, scale=self.scale, index=index, engine_linear=vllm_linear())
                 self.csv_metrics = _metrics(self.csv_model_name, self.csv_head, index, lm_head.tp_rank)
                 return self.csv_head
             index = None
@@ -272,7 +272,8 @@ class CSVLogitsProcessor(LogitsProcessor):
                 index = load_or_build_index(weight[:V], None if bias is None else bias[:V], self.csv_config)
             self.csv_head = csv_head.CertifiedHead(
                 weight, bias, vocab_size=V, config=self.csv_config.head_config(), index=index,
-                softcap=self.soft_cap, scale=self.scale)
+                softcap=self.soft_cap, scale=self.scale, engine_linear=vllm_linear())
+            logger.info("CSV dense engine probed (vLLM's own GEMM): %s", self.csv_head.engine_probe.describe())
             self.csv_metrics = _metrics(self.csv_model_name, self.csv_head, index)
         return self.csv_head
 
@@ -286,6 +287,28 @@ class _Lane:
     series: Series  # each lane step's time (open in the metrics when they are on)
     timed: bool  # the times are in-place dense samples (not on CUDA: no sync to time it)
     with_sampler: bool = False  # each time includes vLLM's sampler call (sampler_hook.DenseTiming)
+
+
+def vllm_linear():
+    """``linear(h, w)``: vLLM's own unquantized GEMM, as its LM head's ``UnquantizedEmbeddingMethod``
+    runs it (on a CPU through ``dispatch_cpu_unquantized_gemm``'s kernel, oneDNN where it packs),
+    on weights ``w`` of a probe layer: what :func:`vllm_csv.dense_engine.probe_engine` runs on the
+    worker. None where vLLM's helpers are missing (the head then probes ``F.linear``)."""
+    try:
+        from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm, dispatch_unquantized_gemm
+        from vllm.platforms import current_platform
+    except ImportError:
+        return None
+    gemm = dispatch_unquantized_gemm()
+
+    def linear(h: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        layer = torch.nn.Module()
+        layer.weight = torch.nn.Parameter(w, requires_grad=False)
+        if current_platform.is_cpu():
+            dispatch_cpu_unquantized_gemm(layer, remove_weight=False)
+        return gemm(layer, h, layer.weight, None)
+
+    return linear
 
 
 def _unsupported(vc, layer) -> str | None:
