@@ -7,6 +7,7 @@ import sys
 import time
 
 from .errors import CSVError
+from .vocabulary import CLUSTER_FRACTION
 
 
 def _build_index(args) -> int:
@@ -64,7 +65,7 @@ def parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True)
     b = sub.add_parser("build-index", help="cluster the LM head of a Hugging Face model directory")
     b.add_argument("model_dir", help="directory with config.json and *.safetensors")
-    b.add_argument("--clusters", type=int, default=None, help="number of clusters (default 0.015 x V)")
+    b.add_argument("--clusters", type=int, default=None, help=f"number of clusters (default {CLUSTER_FRACTION} x V)")
     b.add_argument("--output", default=None, help="index file (default: the cache, keyed by fingerprint)")
     b.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), default=None,
                    help="dtype the model is served in (vllm serve --dtype; default: the checkpoint's). An index "

@@ -49,7 +49,7 @@ from .off_switch import OffSwitch
 from .ops import cpu_step
 from .screens import DEFAULT_SCREEN, SCREENS, make_screen
 
-FALLBACK_REASONS = ("uncertified", "budget", "unsupported", "nonfinite", "off_switch", "arithmetic")
+from .vocabulary import DEFAULT_BUDGET, DEFAULT_MAX_TOPK, FALLBACK_REASONS  # noqa: E402,F401  (head.FALLBACK_REASONS)
 
 
 @dataclass
@@ -57,9 +57,9 @@ class HeadConfig:
     screen: str = DEFAULT_SCREEN
     # max share of V scored exactly before the dense path: per row here, per batch (its rows'
     # scored columns together) in the sampler's rounds (sampling.rows.budget_of)
-    budget: float = 0.05
+    budget: float = DEFAULT_BUDGET
     epsilon: float | None = None  # epsilon-softmax mode (opt-in); None = exact only
-    max_topk: int = 64
+    max_topk: int = DEFAULT_MAX_TOPK
     unit_roundoff: float = FP32_UNIT_ROUNDOFF  # accumulation precision assumed of the dense GEMM
     off_switch: bool = True
     gpu_fused: bool = True  # CUDA: the fused Triton step (vllm_csv.gpu) where it applies

@@ -29,7 +29,7 @@ from .kmeans import KMEANS
 
 FORMAT_VERSION = "2"  # 2: the file carries a digest of its tensors
 TENSORS = ("perm", "offsets", "centroids", "radii", "bias_max", "row_norm_max")
-DEFAULT_CLUSTER_FRACTION = 0.015  # C = 0.015 V, as in the paper
+from .vocabulary import CLUSTER_FRACTION as DEFAULT_CLUSTER_FRACTION  # noqa: E402  (C = 0.015 V)
 
 
 def fingerprint_weights(weight: torch.Tensor, bias: torch.Tensor | None = None) -> str:

@@ -484,7 +484,7 @@ def certify_topk(z, lower, upper, k, outside_high, need_values):
 
 
 # ---- finish_selection ----------------------------------------------------------------------
-REASONS = (None, "nonfinite", "budget", "uncertified")  # finish_selection's codes, in order
+from ..vocabulary import KERNEL_REASONS as REASONS  # noqa: E402  (finish_selection's codes, in order)
 
 
 def finish_selection_ref(V: int, ids, z, in_top, ok, live, cert):

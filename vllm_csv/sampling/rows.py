@@ -53,6 +53,7 @@ from .nucleus import TopPQueries, all_off, has_top_k, min_p_bounds, top_k_bounds
 from ..ops.bools import all_, any_
 from ..ops.gather import rows_of
 from ..ops.topk import row_topk
+from ..vocabulary import reason_of
 from .outside import Outside
 from .head_adapter import HeadAdapter
 from .top_k_rows import TOP_K_GUESS, certify_top_k
@@ -487,8 +488,7 @@ def empty_state(adapter: HeadAdapter, R: int, dev: torch.device):
 
 def reasons(certified: torch.Tensor, finite: torch.Tensor, over_budget: torch.Tensor) -> list[str | None]:
     """Per row: None if certified, else why not (``nonfinite``, ``budget``, ``uncertified``)."""
-    return [None if c else ("nonfinite" if not f else ("budget" if b else "uncertified"))
-            for c, f, b in zip(certified.tolist(), finite.tolist(), over_budget.tolist())]
+    return [reason_of(c, f, b) for c, f, b in zip(certified.tolist(), finite.tolist(), over_budget.tolist())]
 
 
 class _Masks:

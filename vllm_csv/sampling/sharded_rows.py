@@ -63,6 +63,7 @@ from .head_adapter import HeadAdapter
 from .nucleus import min_p_bounds, min_p_drops_on_part, top_p_bounds
 from .outside import Outside
 from .rows import FIRST_GUESS, MAX_ROUNDS, Process, RowsResult, within_budget
+from ..vocabulary import reason_of
 
 EXPLICIT = 16  # tokens a rank sends per row and key (highest yhi; highest yhi + g)
 NOISY_KEY = True  # the second key: yhi + g on sampled rows (False: yhi again; sound, certifies less)
@@ -322,7 +323,6 @@ def certify_rows_sharded(adapter: ShardedAdapter, hidden: torch.Tensor, process:
         values.masked_fill_(masked, -math.inf)
     open_rows = finite & ~certified & ~over_budget
     over_budget |= open_rows & (cert.contenders & ~scored).any(1)
-    reason = [None if c else ("nonfinite" if not f else ("budget" if b else "uncertified"))
-              for c, f, b in zip(certified.tolist(), finite.tolist(), over_budget.tolist())]
+    reason = [reason_of(c, f, b) for c, f, b in zip(certified.tolist(), finite.tolist(), over_budget.tolist())]
     return RowsResult(values, certified, winner, reason, total)
 

@@ -17,6 +17,7 @@ import sys
 
 from ..errors import CSVError
 from ..screens import SCREENS
+from ..vocabulary import CLUSTER_FRACTION, DEFAULT_BUDGET, DEFAULT_MAX_TOPK
 from .config import SECTION, from_additional_config
 
 FLAGS = {  # namespace attribute -> config key
@@ -35,11 +36,11 @@ def add_csv_args(parser: argparse.ArgumentParser) -> None:
                         "FBGEMM on x86 CPUs, plus int4 for one-row batches on VNNI CPUs and large heads; cuBLASLt "
                         "on CUDA; fp16 on CPUs without FBGEMM).")
     g.add_argument("--csv-index", default=None, help="Index file for --csv-screen ball (default: cache).")
-    g.add_argument("--csv-clusters", type=int, default=None, help="Clusters when building an index.")
+    g.add_argument("--csv-clusters", type=int, default=None, help=f"Clusters when building an index (default {CLUSTER_FRACTION} x V).")
     g.add_argument("--csv-budget", type=float, default=None,
                    help="Max share of the vocabulary scored exactly before the dense path: per row in the head, "
-                        "per batch (its rows' scored columns together) in the sampler (default 0.05).")
-    g.add_argument("--csv-max-topk", type=int, default=None, help="Largest top_k certified (default 64).")
+                        f"per batch (its rows' scored columns together) in the sampler (default {DEFAULT_BUDGET}).")
+    g.add_argument("--csv-max-topk", type=int, default=None, help=f"Largest top_k certified (default {DEFAULT_MAX_TOPK}).")
 
 
 def apply_csv_args(args: argparse.Namespace, additional: dict | None) -> dict:

@@ -14,6 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from ..errors import CSVError
 from ..head import HeadConfig
 from ..screens import DEFAULT_SCREEN, SCREENS
+from ..vocabulary import CLUSTER_FRACTION, DEFAULT_BUDGET, DEFAULT_MAX_TOPK
 
 SECTION = "csv_decode"
 
@@ -24,10 +25,10 @@ class CSVDecodeConfig(BaseModel):
     enabled: bool = False
     screen: Literal[SCREENS] = DEFAULT_SCREEN
     index: str | None = Field(None, description="index file (screen 'ball'); default: the cache")
-    clusters: int | None = Field(None, ge=1, description="clusters when building an index (default 0.015 V)")
-    budget: float = Field(0.05, gt=0.0, le=1.0, description="max share of V scored, then dense: per row in the head, "
+    clusters: int | None = Field(None, ge=1, description=f"clusters when building an index (default {CLUSTER_FRACTION} V)")
+    budget: float = Field(DEFAULT_BUDGET, gt=0.0, le=1.0, description="max share of V scored, then dense: per row in the head, "
                           "per batch (the rows' scored columns together) in the sampler")
-    max_topk: int = Field(64, ge=1, le=1024, description="largest top_k certified; larger goes dense")
+    max_topk: int = Field(DEFAULT_MAX_TOPK, ge=1, le=1024, description="largest top_k certified; larger goes dense")
     off_switch: bool = True
 
     def head_config(self) -> HeadConfig:

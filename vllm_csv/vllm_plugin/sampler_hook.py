@@ -116,7 +116,7 @@ from ..sampling.sharded_rows import ShardedAdapter, certify_rows_sharded
 from .penalties import TouchedPenalties
 
 logger = init_logger("vllm.csv_decode")
-_SAMPLING_EPS = 1e-5
+from ..vocabulary import SAMPLING_EPS as _SAMPLING_EPS  # noqa: E402
 PLACEHOLDER = 0.0
 
 

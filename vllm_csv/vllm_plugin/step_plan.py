@@ -37,7 +37,7 @@ import torch
 
 from ..metrics import MODES  # noqa: F401  (row_mode's labels: one place, the metrics)
 
-_SAMPLING_EPS = 1e-5  # vLLM treats temperature below this as greedy
+from ..vocabulary import SAMPLING_EPS as _SAMPLING_EPS  # noqa: E402
 DEFER = -1  # certify the row in vLLM's sampler, with the seed it draws (sampler_hook)
 _local = threading.local()
 
