@@ -38,14 +38,6 @@ def ulp(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return x.abs() * rel + torch.finfo(dtype).tiny * rel
 
 
-def round_up_f32(x: float) -> float:
-    """The smallest fp32 value >= ``x`` (for constants that must stay upper bounds)."""
-    t = torch.tensor(x, dtype=torch.float32)
-    if t.item() < x:
-        t = torch.nextafter(t, torch.tensor(math.inf))
-    return t.item()
-
-
 def round_up32(x64: torch.Tensor) -> torch.Tensor:
     """fp64 -> fp32, rounding up (an upper bound stays an upper bound; ``inf`` past the range)."""
     x32 = x64.float()

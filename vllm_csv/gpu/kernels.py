@@ -407,7 +407,7 @@ def score_blocks_ref(h, w, bias, cand, count, coef: float, gam: float, tiny32: f
     gamma_(d+2)`` for the bias, ``w`` and ``bias`` in the model dtype); tokens past ``V`` of a
     used slot ``-inf``. Slots past the count: ``-inf`` here, left unwritten by the kernel (never
     read: :func:`certify_rows_ref` masks them)."""
-    B, V = h.shape[0], w.shape[0]
+    V = w.shape[0]
     ids = slot_ids(cand, count, V)
     valid = ids >= 0
     hd, wd = h.double(), w.double()

@@ -104,13 +104,6 @@ def gumbel_noise(seeds: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     return noise_of_bits(noise_bits(seeds, ids))
 
 
-def noisy_scores(x: torch.Tensor, seeds: torch.Tensor, ids: torch.Tensor | None = None) -> torch.Tensor:
-    """``double(x) + g`` for the columns ``ids`` of ``x [B, n]`` (default: all columns)."""
-    if ids is None:
-        ids = torch.arange(x.shape[1], device=x.device)
-    return x.double() + gumbel_noise(seeds, ids)
-
-
 def gumbel_argmax(x: torch.Tensor, seeds: torch.Tensor) -> torch.Tensor:
     """Torch reference of ``fused_gumbel_argmax`` (``x [B, V]`` fp32, ``seeds [B]`` int64) ->
     ``[B]`` int64. Like the kernel it compares ``(x - c) + g`` with ``c`` a logit of the row

@@ -293,13 +293,6 @@ def _top_k_levels(lo: torch.Tensor, hi: torch.Tensor, k: torch.Tensor, kmax: int
     return h.gather(1, k - 1)[:, 0], h.gather(1, k)[:, 0], lk[:, 0]  # H_k, H_(k+1), L_k
 
 
-def _prefix_before(sorted_vals: torch.Tensor, cums: torch.Tensor, thr: torch.Tensor, right: bool) -> torch.Tensor:
-    """Per row, the sum of the sorted weights whose value is ``< thr`` (``<= thr`` if ``right``)."""
-    k = torch.searchsorted(sorted_vals, thr, right=right)
-    padded = torch.cat([torch.zeros_like(cums[:, :1]), cums], 1)
-    return padded.gather(1, k)
-
-
 def _tagged_keys(x: torch.Tensor) -> torch.Tensor:
     """int64 keys of ``x = [lo | hi]`` (``[r, 2n]`` float32) whose order is the values' order with
     every lower bound before every upper bound of equal value: the float's bits made
