@@ -194,7 +194,9 @@ def test_mutation_unprobed_engine_certifies_a_wrong_token(monkeypatch):
     engine = _bf16_partial_sums(h, W).float().argmax(1)
     assert (engine == 1).all()
     head = CertifiedHead(W, config=HeadConfig(budget=1.0, off_switch=False), engine_linear=_bf16_partial_sums)
-    assert not head.certifiable and not head.topk(h, 1, values=False).certified.any()
+    assert not head.arithmetic_ok() and not head.topk(h, 1, values=False).certified.any()
+    _, stats = head.sampler_logits(h, torch.ones(2, dtype=torch.long))
+    assert stats.certified == 0 and stats.fallbacks["arithmetic"] == 2  # counted, as the contract asks
     monkeypatch.setattr(head_module, "probe_engine", lambda *a: EngineProbe(True, False, False))
     head = CertifiedHead(W, config=HeadConfig(budget=1.0, off_switch=False), engine_linear=_bf16_partial_sums)
     res = head.topk(h, 1, values=False)

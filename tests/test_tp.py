@@ -270,7 +270,9 @@ def test_mixed_plan_and_two_collectives_per_step():
             assert torch.equal(bits(out[i]), bits(dense[i]))
         else:
             assert check_rows(out[i : i + 1], cert[i : i + 1], dense[i : i + 1], int(topk[i])) == 0
-    assert group.gathers == 2 + ncalls + 1  # CSV's two, the dense rows' one, the reference's one
+    # CSV's two, the dense rows' one, the reference's one, and the head's one at construction (the
+    # ranks agree on the engine's probe)
+    assert group.gathers == 2 + ncalls + 1 + 1
 
 
 def test_disagreeing_ranks_never_split():
@@ -326,6 +328,9 @@ def threshold_violations(threshold) -> int:
             class Solo:
                 rank, size = 0, 2
 
+                def all_gather(self, x):  # (the head's one collective at construction: its probe)
+                    return torch.stack([x, x])
+
             try:
                 head = ShardedHead(w, b, shard, Solo(), config=HeadConfig(screen="int4"),
                                    softcap=case.softcap, scale=case.scale)
@@ -374,6 +379,9 @@ def test_ball_needs_the_shards_index_and_bad_shard():
 
     class Solo:
         rank, size = 0, 2
+
+        def all_gather(self, x):
+            return torch.stack([x, x])
 
     with pytest.raises(CSVError, match="ball.*index of this rank's shard"):
         ShardedHead(w, b, shard, Solo(), config=HeadConfig(screen="ball"))

@@ -148,7 +148,7 @@ class CertifiedHead:
             logging.getLogger("vllm.csv_decode").warning(
                 "CSV certifies nothing on this head: the dense engine's arithmetic is %s", self.engine_probe.describe())
         # Subnormal weights or bias: an engine that reads them as zero (DAZ) computes another head.
-        self.certifiable = self.engine_probe.fp32_accumulation and bool(torch.isfinite(self.weight).all()) and self.engine.ok and (
+        self.certifiable = bool(torch.isfinite(self.weight).all()) and self.engine.ok and (
             self.bias is None or bool(torch.isfinite(self.bias).all())) and not bool(
             cpu_step.has_subnormal(self.weight)) and (self.bias is None or not bool(cpu_step.has_subnormal(self.bias)))
         g = gamma(self.hidden_size + 2, self.config.unit_roundoff)
@@ -254,8 +254,11 @@ class CertifiedHead:
         bf16 passes, a unit roundoff of ``2^-11`` or worse, and an fp32 row 2^-12 ahead of another
         was certified there (issue 42). Read on every step (a host read of a Python setting), so a
         change after start-up is a change of engine; such steps certify nothing (reason
-        ``arithmetic``). bf16 and fp16 GEMMs accumulate in fp32 whatever this setting."""
-        return self.dtype != torch.float32 or torch.get_float32_matmul_precision() == "highest"
+        ``arithmetic``). bf16 and fp16 GEMMs accumulate in fp32 whatever this setting. And the
+        engine's probe (:func:`~vllm_csv.dense_engine.probe_engine`, at start-up) found the
+        accumulation the bounds assume."""
+        return self.engine_probe.fp32_accumulation and (
+            self.dtype != torch.float32 or torch.get_float32_matmul_precision() == "highest")
 
     def _accumulator_safe(self, hnorm: torch.Tensor) -> torch.Tensor:
         """``[B]`` bool, :meth:`DenseEngine.accumulator_safe` for this head."""

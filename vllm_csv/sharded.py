@@ -50,7 +50,7 @@ from typing import Protocol
 
 import torch
 
-from .dense_engine import DenseEngine
+from .dense_engine import DenseEngine, EngineProbe
 from .errors import CSVError
 from .fp import FP32_UNIT_ROUNDOFF
 from .head import CertifiedHead, HeadConfig, _reasons, _Selection
@@ -244,6 +244,11 @@ class ShardedHead:
         self.local = None if n == 0 else CertifiedHead(
             weight[:n], None if bias is None else bias[:n], config=local_cfg, softcap=softcap, scale=scale,
             index=index, two_sided=True, engine_linear=engine_linear)
+        # the engine's probe, one decision on every rank (arithmetic_ok reads it every step)
+        mine = 1.0 if self.local is None else float(self.local.engine_probe.fp32_accumulation)
+        agreed = bool(comm.all_gather(torch.tensor([mine], device=weight.device)).min() > 0)
+        self.engine_probe = EngineProbe(agreed, False, False) if self.local is None else replace(
+            self.local.engine_probe, fp32_accumulation=agreed)
         if self.local is not None and not self.local.screen.two_sided:
             raise CSVError(f"screen {self.local.screen.name!r} is not supported with tensor parallelism")
         self.screen_name = "none" if self.local is None else self.local.screen.name
