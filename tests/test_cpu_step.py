@@ -334,3 +334,33 @@ def test_interval_rows_refuses_bad_shapes():
         K.interval_rows(y, torch.zeros(2), torch.zeros(7), torch.zeros(2), None, None, None, True)
     with pytest.raises(RuntimeError, match="together"):
         K.interval_rows(y, torch.zeros(2), torch.zeros(8), torch.zeros(2), None, torch.zeros(8), None, True)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_outlier_rows_is_the_reference(dtype):
+    """The int8 screen's outlier test (issue 45): the kernel's one pass against the reference's
+    topk, on rows with one, two and eight equal outliers, just above and below the ratio, tiny,
+    zero and non-finite rows, and rows too short to test."""
+    g = torch.Generator().manual_seed(9)
+    for d in (16, 17, 64, 768):
+        h = torch.randn(12, d, generator=g)
+        h[1, 3] = 40.0
+        h[2, [3, 9]] = 30.0  # two equal outliers: the rest's rms is what they are measured against
+        h[3, :8] = 25.0  # eight
+        h[4] = torch.ones(d)
+        h[4, 0] = 6.125  # just above 6 times the rest's rms (1), in every dtype
+        h[5] = torch.ones(d)
+        h[5, 0] = 5.875  # just below
+        h[6] *= 1e-30
+        h[6, 2] = 1e-28
+        h[7] = 0.0
+        h[8, 1] = math.nan
+        h[9, 1] = math.inf
+        h = h.to(dtype)
+        got, want = C.outlier_rows(h, 6.0, 8), C.outlier_rows_ref(h, 6.0, 8)
+        assert torch.equal(got, want), (d, got, want)
+        if d > 16:
+            assert got[1] and got[2] and got[3] and got[4] and not got[5] and not got[7]
+            assert not got[8] and not got[9]
+        else:
+            assert not got.any()

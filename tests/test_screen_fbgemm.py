@@ -370,3 +370,47 @@ def test_huge_weights_refused_with_the_bound_in_the_message():
         FbgemmInt8Screen(W, None)
     W[3, 4] = 1e10
     FbgemmInt8Screen(W, None)  # below the bound: built
+
+
+@pytest.mark.parametrize("factor", [4.0, 16.0, 1e4])
+def test_outlier_channels_split_keep_the_bound(factor, backend):
+    """Issue 45: channels far above their row's rms are split off the 7-bit activations and scored
+    from the head's own weights; the bound holds (several outlier channels, more than
+    MAX_OUTLIERS of them, a bias, mixed norms), and the split screen prunes where the plain one
+    could not."""
+    g = torch.Generator().manual_seed(int(factor))
+    V, d = 2053, 96
+    W = adversarial_weights(V, d, g)
+    b = torch.randn(V, generator=g)
+    h = torch.randn(24, d, generator=g)
+    h[:, 5] *= factor
+    h[::3, 17] *= factor * 3
+    h[1, :12] *= factor  # twelve outlier channels in one row: the largest MAX_OUTLIERS split off
+    h[2] *= 1e-20
+    screen = FbgemmInt8Screen(W, b)
+    cols = fbscreen.outlier_channels(h)
+    assert cols is not None and cols.numel() <= fbscreen.MAX_OUTLIERS
+    assert 17 in cols.tolist() and (5 in cols.tolist() or factor < 16)
+    out, err, bound = check_bound(screen, W, h, b)
+    assert out.rel == fbscreen.REL_SPLIT
+    for row in h[:4]:
+        check_bound(screen, W, row[None], b)
+    plain = torch.randn(8, d, generator=g)
+    assert fbscreen.outlier_channels(plain) is None  # ordinary rows: the screen as before
+
+
+def test_mutation_split_without_its_error_term_breaks_the_bound():
+    """Drop the split's error term (rho = 0) and the same check finds a broken bound."""
+    g = torch.Generator().manual_seed(3)
+    # integer weights with 127 in every row: the int8 copy is exact (r = 0), so nothing else hides
+    # the split part's rounding; two outlier channels, 127 H and -126 H, cancel to H
+    W = torch.randint(-127, 128, (512, 64), generator=g).float()
+    W[:, 3], W[:, 4] = 127.0, -126.0
+    h = torch.randn(64, 64, generator=g)
+    h[:, 3] = h[:, 4] = 1e20 * (1 + torch.rand(64, generator=g))
+    screen = FbgemmInt8Screen(W, None)
+    assert float(screen.radius.max()) == 0.0
+    check_bound(screen, W, h)
+    screen.rho = 0.0
+    with pytest.raises(AssertionError, match="bound broken"):
+        check_bound(screen, W, h)

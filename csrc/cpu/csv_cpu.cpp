@@ -87,6 +87,49 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> prepare_rows(const at::Tensor& h_
   return {hm, hnorm, ok};
 }
 
+// ---- outlier_rows ---------------------------------------------------------------------
+// [B] bool: the row's largest |h_bj| exceeds `ratio` times the rms of the row without its `m`
+// largest |h| (vllm_csv.ops.cpu_step.outlier_rows_ref; the int8 screen's outlier channels). One pass
+// a row: float64 sum of squares and the m largest in a small sorted array. Rows with NaN/inf: false.
+at::Tensor outlier_rows(const at::Tensor& h_in, double ratio, int64_t m) {
+  TORCH_CHECK(h_in.dim() == 2 && h_in.device().is_cpu() && m >= 1 && m <= 64, "outlier_rows: h [B, d] on the CPU");
+  at::Tensor h = h_in.contiguous();
+  const int64_t B = h.size(0), d = h.size(1);
+  at::Tensor out = at::zeros({B}, h.options().dtype(at::kBool));
+  bool* op = out.data_ptr<bool>();
+  if (d <= 2 * m) return out;
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, h.scalar_type(), "outlier_rows", [&] {
+    const scalar_t* src = h.data_ptr<scalar_t>();
+    at::parallel_for(0, B, 1, [&](int64_t b0, int64_t b1) {
+      std::vector<double> top(m);
+      for (int64_t b = b0; b < b1; ++b) {
+        const scalar_t* row = src + b * d;
+        std::fill(top.begin(), top.end(), 0.0);  // descending
+        double ss = 0.0;
+        bool finite = true;
+        for (int64_t j = 0; j < d; ++j) {
+          const double a = std::fabs(at64(row, j));
+          finite &= std::isfinite(a);
+          ss += a * a;
+          if (a > top[m - 1]) {  // insert, keeping the m largest in order
+            int64_t i = m - 1;
+            while (i > 0 && top[i - 1] < a) {
+              top[i] = top[i - 1];
+              --i;
+            }
+            top[i] = a;
+          }
+        }
+        double big = 0.0;
+        for (int64_t i = 0; i < m; ++i) big += top[i] * top[i];
+        const double rest = std::max(ss - big, 0.0) / static_cast<double>(d - m);
+        op[b] = finite && top[0] > 0.0 && top[0] * top[0] > ratio * ratio * rest;
+      }
+    });
+  });
+  return out;
+}
+
 // ---- quantize_act7 --------------------------------------------------------------------
 std::tuple<at::Tensor, at::Tensor, at::Tensor, double> quantize_act7(const at::Tensor& h_in, double s_min,
                                                                     double s_max) {
@@ -730,6 +773,7 @@ at::Tensor interval_rows(at::Tensor& y, const at::Tensor& c, const at::Tensor& r
 
 TORCH_LIBRARY(vllm_csv_cpu, m) {
   m.def("abs_max_rows(Tensor y) -> Tensor");
+  m.def("outlier_rows(Tensor h, float ratio, int m) -> Tensor");
   m.def("interval_rows(Tensor(a!) y, Tensor c, Tensor rad, Tensor hnorm, Tensor? bslack, Tensor? nn, Tensor? e, "
         "bool two_sided) -> Tensor");
   m.def("prepare_rows(Tensor h, bool certifiable) -> (Tensor, Tensor, Tensor)");
@@ -751,6 +795,7 @@ TORCH_LIBRARY(vllm_csv_cpu, m) {
 TORCH_LIBRARY_IMPL(vllm_csv_cpu, CPU, m) {
   m.impl("prepare_rows", &prepare_rows);
   m.impl("abs_max_rows", &abs_max_rows);
+  m.impl("outlier_rows", &outlier_rows);
   m.impl("interval_rows", &interval_rows);
   m.impl("quantize_act7", &quantize_act7);
   m.impl("select_candidates", &select_candidates);

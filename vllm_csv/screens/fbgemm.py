@@ -41,6 +41,23 @@ last, in fp32. Non-finite ``h_b`` gets ``p_b = 0`` (its bound is ``nan``/``inf``
 sends that row dense) so that it cannot change the quantisation of the other rows. A product
 that overflows is ``inf``: that row goes dense too.
 
+Outlier channels. Trained models put a few channels of ``h`` far above the rest (massive
+activations): one channel at 15 times a row's rms sets ``t_b``, every other entry then falls
+within a few codes of zero and ``e_b`` is about the whole ``||h_b||``, so the screen prunes
+nothing (measured: ``benchmarks/README.md``, "Outlier channels and the int8 screen"). Channels
+``O`` with ``|h_bj| > OUTLIER_RATIO`` times the rms of the rest of the row in some row of the batch (at most
+``MAX_OUTLIERS``, the largest) are taken out: ``h' = h`` with ``O`` zeroed is quantised as
+above, and their part is computed from the head's own weights in fp32,
+``y_O = fl(h_O W_O^T)`` (``m = |O|`` products of exact fp32 values, any order:
+``|y_O - <w_iO, h_bO>| <= gamma_m ||w_i|| ||h_bO||``), then ``y = fl(y' + y_O)``. With ``y'`` as
+above (its ``3u |y'|``, and ``|y'| <= (1 + u) |y| + |y_O|``) and one more rounding,
+
+    |<w_i, h_b> - y_bi| <= r_i ||h_b|| + n_i (e'_b + (3u + gamma_m)(1 + gamma_m) rho ||h_bO||) + 5u |y_bi|
+
+with ``rho = max_i ||w_i|| / n_i`` (computed once; about 1), which is ``ScreenOut`` with that
+``e`` and ``rel = 5u`` (:data:`REL_SPLIT`). Batches without such a channel are screened as
+before, bit for bit.
+
 Soundness rests on the GEMM computing what its ops module says; the constructor checks it on
 this machine (a probe batch at the activation extremes against the float64 reference, bit for
 bit) and refuses (:class:`~vllm_csv.errors.CSVError`) where anything differs or is missing,
@@ -53,7 +70,7 @@ from __future__ import annotations
 import torch
 
 from ..errors import CSVError
-from ..fp import FP32_UNIT_ROUNDOFF, round_up32
+from ..fp import FP32_UNIT_ROUNDOFF, gamma, round_up32
 from ..ops import cpu_step, int8_vnni
 from ..ops.cpu_step import S_MIN, fold_scale
 from ..ops.fbgemm import ACT_MAX, ACT_MIN, C_MAX_LOG2, C_MIN_LOG2, PackedInt8Linear, packed_int8_linear_ref
@@ -61,6 +78,9 @@ from .copy_error import copy_error_norms
 from .quantized import quantize
 
 REL = 3 * FP32_UNIT_ROUNDOFF
+REL_SPLIT = 5 * FP32_UNIT_ROUNDOFF  # with outlier channels split off (module docstring)
+OUTLIER_RATIO = 10.0  # |h_bj| above this many times the rest of its row's rms: an outlier channel
+MAX_OUTLIERS = 8  # channels split off at most (the largest)
 PROBE_ROWS = 192
 
 
@@ -144,6 +164,11 @@ class FbgemmInt8Screen:
         slack = 1 + 4 * FP32_UNIT_ROUNDOFF
         self.radius = round_up32(r) * slack
         self.n = round_up32(n) * slack
+        # outlier channels (module docstring): the head's own weights, and rho = max ||w_i|| / n_i
+        self.weight = weight
+        wn = weight.double().norm(dim=1)
+        ratio = torch.where(self.n > 0, wn / self.n.double(), torch.zeros_like(wn))
+        self.rho = float(ratio.max()) * (1 + 2.0**-40) if V else 0.0
         self.s_min, self.s_max = float(s.min()), float(s.max())
         self.bias = None if bias is None else bias.float()
         # The VNNI GEMM hands back y's block maxima (ScreenOut.block_max) where y is its output
@@ -183,6 +208,9 @@ class FbgemmInt8Screen:
         if B == 0:
             y = torch.empty((0, self.s.shape[0])) if self.bias is None else self.bias.expand(0, -1).clone()
             return ScreenOut(y, self.radius, True, self.n, torch.empty(0), REL)
+        outliers = outlier_channels(h)
+        if outliers is not None:
+            return self._center_radius_split(h, outliers)
         # The activations: t_b, p_b and e_b of the module docstring, and the folded scale c
         # (0.0: rows scaled one by one). One fused kernel on the CPU (vllm_csv.ops.cpu_step).
         x, scale, e, c = cpu_step.quantize_act7(h, self.s_min, self.s_max)
@@ -198,3 +226,65 @@ class FbgemmInt8Screen:
         if self.bias is not None:
             out.y += self.bias
         return out
+
+    def _columns(self, cols: torch.Tensor) -> torch.Tensor:
+        """``[m, V]`` fp32: the head's weight columns ``cols`` (exact), each gathered once and kept
+        (a strided gather reads a cache line of every row of ``W``; a model's outlier channels are
+        the same few from token to token). At most :func:`_column_cache_size` are kept."""
+        cache = self.__dict__.setdefault("_col_cache", {})
+        out = []
+        for j in cols.tolist():
+            col = cache.get(j)
+            if col is None:
+                if len(cache) >= _column_cache_size():
+                    cache.pop(next(iter(cache)))  # the oldest
+                col = cache[j] = self.weight[:, j].float().contiguous()
+            out.append(col)
+        return torch.stack(out)
+
+    def _center_radius_split(self, h: torch.Tensor, cols: torch.Tensor):
+        """:meth:`center_radius` with the channels ``cols`` split off (module docstring, "Outlier
+        channels"): ``y = fl(y' + fl(h_O W_O^T))``, ``e = e' + (3u + gamma_m)(1 + gamma_m) rho ||h_O||``."""
+        from . import ScreenOut
+
+        hq = h.index_fill(1, cols, 0)
+        x, scale, e, c = cpu_step.quantize_act7(hq, self.s_min, self.s_max)
+        y = self.gemm.linear(x)
+        apply_row_scale(y, scale, c, False, None)  # (scaled in place: y_O is added to the center)
+        hO = h.index_select(1, cols).float()  # exact
+        y += hO @ self._columns(cols)  # m products a token, fp32
+        m = cols.numel()
+        coef = (3 * FP32_UNIT_ROUNDOFF + gamma(m)) * (1 + gamma(m)) * self.rho
+        nO = torch.linalg.vector_norm(hO.double(), dim=1)
+        e = round_up32(e.double() + coef * nO) * (1 + 4 * FP32_UNIT_ROUNDOFF)
+        out = ScreenOut(y, self.radius, True, self.n, e, REL_SPLIT)
+        if self.bias is not None:
+            out.y += self.bias
+        return out
+
+
+def _column_cache_size() -> int:
+    return 64  # channels whose fp32 weight columns are kept (a model's outlier channels recur)
+
+
+def outlier_channels(h: torch.Tensor) -> torch.Tensor | None:
+    """The channels of ``h [B, d]`` above :data:`OUTLIER_RATIO` times the rms of the rest of their
+    row in some row (ascending; the :data:`MAX_OUTLIERS` largest), or None (the common case: one
+    host read; also rows of at most ``2 MAX_OUTLIERS`` channels). Rows with NaN/inf contribute
+    none (they go dense); a zero row none."""
+    rows = cpu_step.outlier_rows(h, OUTLIER_RATIO, MAX_OUTLIERS)  # one pass on the CPU
+    if not bool(rows.any()):
+        return None
+    # the rms of the rest of each such row, its MAX_OUTLIERS largest left out (a few equal
+    # outliers would otherwise raise the rms they are measured against); float64: a tiny row's
+    # squares do not underflow
+    a = h[rows].double().abs().nan_to_num(0.0, 0.0, 0.0)
+    rest = a.sort(dim=1, descending=True).values[:, MAX_OUTLIERS:]
+    rms = rest.pow(2).mean(1, keepdim=True).sqrt()
+    big = a > OUTLIER_RATIO * rms
+    if not bool(big.any()):
+        return None
+    cols = big.any(0).nonzero().squeeze(1)
+    if cols.numel() > MAX_OUTLIERS:
+        cols = cols[a.amax(0)[cols].topk(MAX_OUTLIERS).indices].sort().values
+    return cols
