@@ -271,6 +271,24 @@ def accumulator(g, dtype) -> Case:
     return Case("accumulator", W.to(dtype), b.to(dtype), h.to(dtype), _k(g, V))
 
 
+def outliers(g, dtype) -> Case:
+    """Peaked rows with a few channels far above the rest (massive activations, as trained models
+    grow them): the int8 screen splits them off (issue 45); sometimes more of them than it splits,
+    some cancelling each other."""
+    c = peaked(g, dtype)
+    c.family = "outliers"
+    h = c.hidden.float()
+    d = h.shape[1]
+    n = min(d, int(_pick(g, (1, 2, 3, 8, 12))))
+    chans = torch.randperm(d, generator=g)[:n]
+    factor = _pick(g, (5.0, 12.0, 40.0, 300.0, 1e4))
+    h[:, chans] *= factor
+    if n >= 2 and _pick(g, (False, True)):
+        h[:, chans[1]] = -h[:, chans[0]]  # two that cancel
+    c.hidden = h.to(dtype)
+    return c
+
+
 def subnormal(g, dtype) -> Case:
     """Heads and hidden states whose products and partial sums sit around fp32's smallest normal
     (``2^-126``): an engine that flushes subnormals to zero (AVX512-BF16 and AMX dot products,
@@ -348,7 +366,7 @@ def _renamed(case: Case, family: str) -> Case:
 
 FAMILIES: dict[str, Callable[[torch.Generator, torch.dtype], Case]] = {
     f.__name__: f for f in (peaked, near_tie, ties, overflow, transform, bias_cancel, nonfinite, norms,
-                            accumulator, subnormal)}
+                            accumulator, subnormal, outliers)}
 
 
 # families built around rows the certificate must refuse (most of their rows): left out where a
