@@ -19,4 +19,11 @@ if ! python -c "import vllm" 2>/dev/null; then
         pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
     fi
 fi
-pip install -q -e ".[test,bench]"
+# vllm-csv itself, editable: reinstalled only when its packaging changes (not on every run.sh)
+STAMP=.venv/.vllm-csv-install
+WANT=$(cat pyproject.toml setup.py | sha256sum | cut -c1-16)
+if [ "$(cat "$STAMP" 2>/dev/null)" != "$WANT" ]; then
+    echo "vllm-csv: installing into ./.venv (once per packaging change)" >&2
+    pip install -q -e ".[test,bench]"
+    echo "$WANT" > "$STAMP"
+fi
