@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # On a CUDA machine with torch and Triton (no vLLM, no network needed): the fused GPU step's
-# benchmark and audit (benchmarks/gpu_step.py), then its tests compiled for the GPU. Results go to
+# benchmark and audit (benchmarks/gpu_step.py), its tests compiled for the GPU, then the dense
+# engine's arithmetic there (benchmarks/gpu_arithmetic.py, issue 42). Results go to
 # $OUT (or ./results/gpu). Budget: under 8 minutes on an H100 (each part under its own timeout).
 # Usage: VLLM_CSV_COMMIT=<sha> bash benchmarks/run_gpu.sh [gpu_step.py args]
 # RUN_LEGACY=1 also builds csrc/ and runs the earlier screen benchmarks and CUDA tests.
@@ -20,6 +21,10 @@ T1=$SECONDS
 VLLM_CSV_GPU_TUNE=0 timeout ${TEST_TIMEOUT:-150} python3 -m pytest -q -p no:cacheprovider -x tests/test_gpu_kernels.py 2>&1 \
     | tee "$OUT/pytest_gpu.log" | tail -25
 echo "tests: $((SECONDS - T1)) s"
+T2=$SECONDS  # issue 42 on a GPU: TF32, reduced-precision reductions, cancelling heads
+timeout ${ARITH_TIMEOUT:-150} python3 benchmarks/gpu_arithmetic.py --json "$OUT/gpu_arithmetic.json" 2>&1 \
+    | tee "$OUT/gpu_arithmetic.log" | tail -8
+echo "gpu_arithmetic.py: $((SECONDS - T2)) s"
 if [ "${RUN_LEGACY:-0}" = 1 ]; then
     python3 setup.py -q build_ext --inplace > "$OUT/build.log" 2>&1 || { tail -40 "$OUT/build.log"; exit 1; }
     python3 benchmarks/screen_kernels.py 2>&1 | tee "$OUT/screen_kernels.md"
