@@ -111,6 +111,12 @@ def test_screen_block_max(V, d, dtype):
         assert got.shape == (B, -(-V // K.SUB)) and same_bits(got, want)
 
 
+def _case(V, d, dtype, B, bias, seed):
+    """A head, its fused step and a batch of ``B`` rows (:func:`_batch`)."""
+    head, g = _head(V, d, dtype, bias=bias, seed=seed)
+    return head, FusedStep(head), _batch(head.weight, B, g, dtype)
+
+
 def _selected(head, st, h, k):
     p, t, e, hn, ok = K.quantize_rows_ref(h, True, K.batch_tile(h.shape[0]))
     bmax = K.screen_block_max_ref(p, st.q, st.s, t, st.sbias, h.shape[0])
@@ -121,10 +127,7 @@ def _selected(head, st, h, k):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("V,d", SHAPES)
 def test_select_blocks(V, d, dtype):
-    head, g = _head(V, d, dtype, bias=(d % 2 == 1), seed=2)
-    st = FusedStep(head)
-    B = 6
-    h = _batch(head.weight, B, g, dtype)
+    head, st, h = _case(V, d, dtype, 6, bias=(d % 2 == 1), seed=2)
     k = torch.tensor([1, 2, 1, 3, 8, 5], dtype=torch.int32, device=DEV)
     bmax, hn, e, ok, consts = _selected(head, st, h, k)
     for cap in (K.CAP, 2):
@@ -140,10 +143,8 @@ def test_select_blocks(V, d, dtype):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("V,d", SHAPES)
 def test_score_blocks(V, d, dtype):
-    head, g = _head(V, d, dtype, bias=(V % 2 == 0), seed=3)
-    st = FusedStep(head)
     B = 5
-    h = _batch(head.weight, B, g, dtype)
+    head, st, h = _case(V, d, dtype, B, bias=(V % 2 == 0), seed=3)
     nb = -(-V // K.SUB)
     gen = torch.Generator().manual_seed(4)
     m = min(nb, K.CAP)

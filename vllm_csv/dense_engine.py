@@ -33,12 +33,12 @@ from dataclasses import dataclass
 
 import torch
 
+from .fp import FP32_UNIT_ROUNDOFF, gamma, round_down32, round_up32
 from .ops.cpu_step import single_valued
 
 # Largest bound of a product or partial sum the dense fp32 accumulation may reach
 # (DenseEngine.accumulator_safe): a quarter of fp32's range.
 ACC_LIMIT = torch.finfo(torch.float32).max / 4
-
 
 
 def flush_slack(d: int) -> float:
@@ -207,8 +207,6 @@ def probe_engine(linear: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], d
     order, gamma_(d+2) relative, :func:`flush_slack` absolute, one rounding to ``dtype``), and
     whether it flushed subnormal products (FTZ) or read subnormal inputs as zero (DAZ). Outside
     the interval, the head certifies nothing (:class:`~vllm_csv.head.CertifiedHead`)."""
-    from .fp import FP32_UNIT_ROUNDOFF, gamma, round_down32, round_up32
-
     # the rows tiled to PROBE_ROWS and a batch of PROBE_BATCH: shapes like a head's, so that the op
     # takes the kernel it takes there (oneDNN, for one, picks kernels by shape)
     w = probe_rows(d).repeat(PROBE_ROWS // 4, 1).to(dtype)

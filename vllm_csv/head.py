@@ -48,8 +48,8 @@ from .fp import FP32_UNIT_ROUNDOFF, gamma, round_down32, round_up32, significand
 from .off_switch import OffSwitch
 from .ops import cpu_step
 from .screens import DEFAULT_SCREEN, SCREENS, make_screen
-
-from .vocabulary import DEFAULT_BUDGET, DEFAULT_MAX_TOPK, FALLBACK_REASONS  # noqa: E402,F401  (head.FALLBACK_REASONS)
+from .screens.copy_error import row_norms
+from .vocabulary import DEFAULT_BUDGET, DEFAULT_MAX_TOPK, FALLBACK_REASONS  # noqa: F401  (head.FALLBACK_REASONS)
 
 
 @dataclass
@@ -152,7 +152,7 @@ class CertifiedHead:
             self.bias is None or bool(torch.isfinite(self.bias).all())) and not bool(
             cpu_step.has_subnormal(self.weight)) and (self.bias is None or not bool(cpu_step.has_subnormal(self.bias)))
         g = gamma(self.hidden_size + 2, self.config.unit_roundoff)
-        wn64 = self.weight.double().norm(dim=1)
+        wn64 = row_norms(self.weight)  # (chunked: no float64 copy of all of W)
         self.acc_err = (g * wn64).float() * (1 + 4 * FP32_UNIT_ROUNDOFF)
         # max ||w_i||, an fp32 upper bound with room for the guard's own product's rounding
         self._wmax_up = float(round_up32(wn64.max())) * (1 + 2.0**-20) if V else 0.0
@@ -453,7 +453,7 @@ class CertifiedHead:
         above 64. Why it is not built is logged once."""
         if not (hidden.is_cuda and self.config.gpu_fused and hidden.shape[0]):
             return None
-        if getattr(self, "_fused", None) is None:
+        if self._fused is None:
             from .screens.quantized import QuantizedScreen
 
             self._fused = False
@@ -473,8 +473,7 @@ class CertifiedHead:
         """:meth:`_select` by the fused step: the same certificate on each row's own candidate
         blocks (:mod:`vllm_csv.gpu.kernels`), ``exact`` the certified values on their ids."""
         ids, vals, code, count = fused.run(hidden, k.to(torch.int32), need_values.to(torch.int8), int(k.max()))
-        reason = [cpu_step.REASONS[c] for c in code.tolist()]  # one host transfer for the batch
-        return _Selection(fused.logits(ids, vals), fused.scored(count).long(), code == 0, reason)
+        return _Selection(fused.logits(ids, vals), fused.scored(count).long(), code == 0, _reason_names(code))
 
     def _select_two_sided(self, hidden, k, need_values, temp=None) -> _Selection:
         """Certify with a threshold on the screen values: one read of ``y [B, V]`` (block
@@ -516,8 +515,7 @@ class CertifiedHead:
             in_top = torch.empty((B, 0), dtype=torch.bool, device=dev)
             cert, ids = torch.zeros(B, dtype=torch.bool, device=dev), ids[:0]
         exact, code = cpu_step.finish_selection(V, ids, z, in_top, ok, live, cert)  # fused on the CPU
-        reason = [cpu_step.REASONS[c] for c in code.tolist()]  # one host transfer for the batch
-        return _Selection(exact, torch.full((B,), n_scored, device=dev), code == 0, reason)
+        return _Selection(exact, torch.full((B,), n_scored, device=dev), code == 0, _reason_names(code))
 
     def _select_one_sided(self, hidden, k, need_values, temp=None) -> _Selection:
         """Grow ``S`` per row until the top-k certificate holds or ``budget`` is reached.
@@ -789,7 +787,13 @@ def row_split(ks: list[int], max_certified_k: int) -> RowSplit:
 def _reasons(certified: torch.Tensor, ok: torch.Tensor, live: torch.Tensor) -> list[str | None]:
     """Per row: None if certified, else ``nonfinite`` (inputs or bounds unusable), ``budget``
     (too many candidates) or ``uncertified``. One host transfer for the batch."""
-    return [cpu_step.REASONS[c] for c in cpu_step.outcome_codes(certified, ok, live).tolist()]
+    return _reason_names(cpu_step.outcome_codes(certified, ok, live))
+
+
+def _reason_names(code: torch.Tensor) -> list[str | None]:
+    """Per row, the fallback reason of an outcome code (:data:`vllm_csv.ops.cpu_step.REASONS`; None:
+    certified). One host transfer for the batch."""
+    return [cpu_step.REASONS[c] for c in code.tolist()]
 
 
 def _stable_topk(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:

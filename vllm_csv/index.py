@@ -26,10 +26,10 @@ from safetensors.torch import save_file
 from .errors import CSVError
 from .fp import round_up32
 from .kmeans import KMEANS
+from .vocabulary import CLUSTER_FRACTION as DEFAULT_CLUSTER_FRACTION  # (C = 0.015 V)
 
 FORMAT_VERSION = "2"  # 2: the file carries a digest of its tensors
 TENSORS = ("perm", "offsets", "centroids", "radii", "bias_max", "row_norm_max")
-from .vocabulary import CLUSTER_FRACTION as DEFAULT_CLUSTER_FRACTION  # noqa: E402  (C = 0.015 V)
 
 
 def fingerprint_weights(weight: torch.Tensor, bias: torch.Tensor | None = None) -> str:

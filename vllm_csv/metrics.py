@@ -26,10 +26,10 @@ import threading
 import time
 import weakref
 
+from .vocabulary import MODES  # the ``mode`` label of certified rows
+
 logger = logging.getLogger("vllm.csv_decode")
 PREFIX = "csv_decode"
-# The ``mode`` label of certified rows (step_plan.row_mode picks one a row; no vLLM import here)
-from .vocabulary import MODES  # noqa: E402,F401  (metrics.MODES)
 SCORED_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 65536, 262144)
 SECONDS_BUCKETS = (1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25, 0.5, 1.0)
 # How stale /metrics may be. A step's counts are added up in process and written to Prometheus

@@ -55,7 +55,6 @@ except ImportError:  # pragma: no cover - torch wheels without Triton
 SUB = 64  # tokens a block: the screen's block maxima, the candidate lists, the scoring programs
 CAP = 16  # candidate blocks a row may keep (SUB * CAP tokens scored at most); more: not live
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-_NEG_MIN_SUB = -2147483647  # int32 bits of the negative smallest fp32 subnormal (0x80000001)
 
 
 def available() -> bool:
@@ -514,13 +513,9 @@ if triton is not None:
 # 36 -> 16 us at one row, 151936 x 1024, benchmarks/README.md); the interpreter, whose cost is per
 # program, takes a block a program (the same code with a wider tile)
 SCORE_TOKENS = SUB if INTERPRET else 8
-_TL_DTYPES = {}
-
-
 def _tl_dtype(dtype: torch.dtype):
-    if not _TL_DTYPES:
-        _TL_DTYPES.update({torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32})
-    return _TL_DTYPES[dtype]
+    """Triton's name of a model dtype."""
+    return {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}[dtype]
 
 
 def score_blocks_triton(h, w, bias, cand, count, coef: float, gam: float, tiny32: float):

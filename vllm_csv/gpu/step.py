@@ -28,7 +28,6 @@ import torch
 import torch.nn.functional as F
 
 from ..errors import CSVError
-from ..ops import cpu_step
 from . import kernels
 from .kernels import CAP, SUB
 
@@ -70,9 +69,9 @@ class FusedStep:
         self.s = screen.s.reshape(-1).float().contiguous()
         self.sbias = screen.bias  # fp32: the screen's centre adds it
         self.certifiable = head.certifiable
-        rad = head._rad_total(screen.r_exact)  # noqa: F841 (sets head._rad_max for this radius)
+        rad_max = float(head._rad_total(screen.r_exact).max()) if self.V else 0.0  # the head's total radius
         delta = head._delta  # the exact int8 GEMM adds no relative term of its own (rel = 0)
-        self.consts = dict(rad_max=head._rad_max, act_coef=float(screen.n.max()) * (1 + delta) if self.V else 0.0,
+        self.consts = dict(rad_max=rad_max, act_coef=float(screen.n.max()) * (1 + delta) if self.V else 0.0,
                            tiny=head._tiny, bslack_max=head._bias_slack(0.0)[1], delta=delta,
                            limit=head.engine.limit, babs_max=head._babs_max)
         self.coef = head._gamma + head._gamma64
@@ -235,5 +234,3 @@ class GraphedStep:
         g.replay()
         return tuple(o[:B] for o in out)
 
-
-REASONS = cpu_step.REASONS

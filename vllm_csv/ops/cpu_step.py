@@ -60,6 +60,7 @@ import torch
 import torch.nn.functional as F
 
 from ..fp import FP32_UNIT_ROUNDOFF, round_down32, round_up32
+from ..vocabulary import KERNEL_REASONS as REASONS  # noqa: F401  (finish_selection's codes, in order)
 from .fbgemm import ACT_MAX, ACT_MIN, C_MAX_LOG2, C_MIN_LOG2
 
 logger = logging.getLogger("vllm.csv_decode")
@@ -188,10 +189,14 @@ def prepare_rows_ref(h: torch.Tensor, certifiable: bool):
     return h.masked_fill(~ok[:, None], 0), n32.masked_fill(~ok, 0), ok
 
 
-def has_subnormal(x: torch.Tensor, dim: int | None = None) -> torch.Tensor:
-    """Whether ``x`` holds a non-zero value below fp32's smallest normal (along ``dim``, or at all)."""
-    sub = (x != 0) & (x.abs() < torch.finfo(torch.float32).tiny)
-    return sub.any() if dim is None else sub.any(dim)
+def has_subnormal(x: torch.Tensor, dim: int | None = None, chunk: int = 8192) -> torch.Tensor:
+    """Whether ``x`` holds a non-zero value below fp32's smallest normal (along ``dim``, or at all:
+    then in chunks of rows, so that a head's check makes no temporaries of its size)."""
+    def sub(t):
+        return (t != 0) & (t.abs() < torch.finfo(torch.float32).tiny)
+    if dim is not None:
+        return sub(x).any(dim)
+    return torch.tensor(any(bool(sub(x[a : a + chunk]).any()) for a in range(0, max(1, x.shape[0]), chunk)))
 
 
 def prepare_rows(h: torch.Tensor, certifiable: bool):
@@ -508,7 +513,6 @@ def certify_topk(z, lower, upper, k, outside_high, need_values):
 
 
 # ---- finish_selection ----------------------------------------------------------------------
-from ..vocabulary import KERNEL_REASONS as REASONS  # noqa: E402  (finish_selection's codes, in order)
 
 
 def finish_selection_ref(V: int, ids, z, in_top, ok, live, cert):

@@ -7,6 +7,12 @@ from collections.abc import Callable
 import torch
 
 
+def row_norms(weight: torch.Tensor, chunk: int = 8192) -> torch.Tensor:
+    """``||w_i||`` in float64, chunked like :func:`copy_error_norms` (no float64 copy of all of
+    ``W`` at once)."""
+    return torch.cat([weight[a : a + chunk].double().norm(dim=1) for a in range(0, weight.shape[0], chunk)])
+
+
 def copy_error_norms(weight: torch.Tensor, copy_rows: Callable[[int, int], torch.Tensor],
                      chunk: int = 8192) -> tuple[torch.Tensor, torch.Tensor]:
     """``r_i = ||w_i - c_i||`` and ``n_i = ||c_i||`` in float64, for the copy whose rows

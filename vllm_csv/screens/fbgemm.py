@@ -74,13 +74,14 @@ from ..fp import FP32_UNIT_ROUNDOFF, gamma, round_up32
 from ..ops import cpu_step, int8_vnni
 from ..ops.cpu_step import S_MIN, fold_scale
 from ..ops.fbgemm import ACT_MAX, ACT_MIN, C_MAX_LOG2, C_MIN_LOG2, PackedInt8Linear, packed_int8_linear_ref
-from .copy_error import copy_error_norms
+from .copy_error import copy_error_norms, row_norms
 from .quantized import quantize
 
 REL = 3 * FP32_UNIT_ROUNDOFF
 REL_SPLIT = 5 * FP32_UNIT_ROUNDOFF  # with outlier channels split off (module docstring)
 OUTLIER_RATIO = 10.0  # |h_bj| above this many times the rest of its row's rms: an outlier channel
 MAX_OUTLIERS = 8  # channels split off at most (the largest)
+COLUMN_CACHE = 64  # channels whose fp32 weight columns are kept (a model's outlier channels recur)
 PROBE_ROWS = 192
 
 
@@ -166,7 +167,8 @@ class FbgemmInt8Screen:
         self.n = round_up32(n) * slack
         # outlier channels (module docstring): the head's own weights, and rho = max ||w_i|| / n_i
         self.weight = weight
-        wn = weight.double().norm(dim=1)
+        self._col_cache: dict[int, torch.Tensor] = {}  # (_columns)
+        wn = row_norms(weight, chunk)
         ratio = torch.where(self.n > 0, wn / self.n.double(), torch.zeros_like(wn))
         self.rho = float(ratio.max()) * (1 + 2.0**-40) if V else 0.0
         self.s_min, self.s_max = float(s.min()), float(s.max())
@@ -230,13 +232,13 @@ class FbgemmInt8Screen:
     def _columns(self, cols: torch.Tensor) -> torch.Tensor:
         """``[m, V]`` fp32: the head's weight columns ``cols`` (exact), each gathered once and kept
         (a strided gather reads a cache line of every row of ``W``; a model's outlier channels are
-        the same few from token to token). At most :func:`_column_cache_size` are kept."""
-        cache = self.__dict__.setdefault("_col_cache", {})
+        the same few from token to token). At most :data:`COLUMN_CACHE` are kept."""
+        cache = self._col_cache
         out = []
         for j in cols.tolist():
             col = cache.get(j)
             if col is None:
-                if len(cache) >= _column_cache_size():
+                if len(cache) >= COLUMN_CACHE:
                     cache.pop(next(iter(cache)))  # the oldest
                 col = cache[j] = self.weight[:, j].float().contiguous()
             out.append(col)
@@ -261,10 +263,6 @@ class FbgemmInt8Screen:
         if self.bias is not None:
             out.y += self.bias
         return out
-
-
-def _column_cache_size() -> int:
-    return 64  # channels whose fp32 weight columns are kept (a model's outlier channels recur)
 
 
 def outlier_channels(h: torch.Tensor) -> torch.Tensor | None:

@@ -113,10 +113,10 @@ from ..sampling.head_adapter import HeadAdapter
 from ..sampling.rows import certify_rows
 from ..sampling.rows_v2 import certify_rows_v2
 from ..sampling.sharded_rows import ShardedAdapter, certify_rows_sharded
+from ..vocabulary import SAMPLING_EPS as _SAMPLING_EPS
 from .penalties import TouchedPenalties
 
 logger = init_logger("vllm.csv_decode")
-from ..vocabulary import SAMPLING_EPS as _SAMPLING_EPS  # noqa: E402
 PLACEHOLDER = 0.0
 
 

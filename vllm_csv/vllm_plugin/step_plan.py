@@ -35,9 +35,9 @@ from dataclasses import dataclass
 
 import torch
 
-from ..metrics import MODES  # noqa: F401  (row_mode's labels: one place, the metrics)
+from ..vocabulary import MODES  # noqa: F401  (row_mode's labels)
+from ..vocabulary import SAMPLING_EPS as _SAMPLING_EPS
 
-from ..vocabulary import SAMPLING_EPS as _SAMPLING_EPS  # noqa: E402
 DEFER = -1  # certify the row in vLLM's sampler, with the seed it draws (sampler_hook)
 _local = threading.local()
 
