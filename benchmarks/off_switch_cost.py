@@ -44,7 +44,8 @@ def main() -> None:
     from vllm import LLM, SamplingParams
     from vllm.model_executor.layers.logits_processor import LogitsProcessor
 
-    from vllm_csv.vllm_plugin import logits_processor as lp, step_plan
+    from vllm_csv.vllm_plugin import logits_processor as lp
+    from vllm_csv.vllm_plugin.step import step_of
 
     cls, csv_forward = lp.CSVLogitsProcessor, lp.CSVLogitsProcessor.forward
     versions = ("csv", "dense", "plan")
@@ -57,8 +58,8 @@ def main() -> None:
         if mode[0] == "csv":
             out = csv_forward(self, lm_head, hidden, *rest, **kw)
         else:
-            if mode[0] == "plan":
-                step_plan.take_plan(hidden.shape[0])
+            if mode[0] == "plan" and step_of(self) is not None:
+                step_of(self).take_plan(hidden.shape[0])
             out = LogitsProcessor.forward(self, lm_head, hidden, *rest, **kw)
         layer_s[mode[0]].append(time.perf_counter() - t)
         return out

@@ -15,7 +15,7 @@ another model), bf16 head, the server's default screen.
 * dense: vLLM's own head (:class:`lm_head.VllmDenseHead`, oneDNN on CPU) and then vLLM's
   ``Sampler.forward`` on the dense logits -- what a server without CSV does for these rows;
 * CSV: the placeholder rows the plugin's head leaves, then the wrapped ``Sampler.forward``
-  (:mod:`vllm_csv.vllm_plugin.sampler_hook`: screen, certificate, exact scoring, vLLM's
+  (:mod:`vllm_csv.vllm_plugin.v1.sampler`: screen, certificate, exact scoring, vLLM's
   sampler on the certified rows; dense head for the rows it cannot certify).
 
 Both see the same metadata and the same seeds; the script checks they draw the same tokens.
@@ -98,7 +98,7 @@ def main(argv=None) -> int:
     from vllm_csv import CertifiedHead, HeadConfig
     from vllm_csv.hf_head import load_lm_head
     from vllm_csv.sampling.head_adapter import HeadAdapter
-    from vllm_csv.vllm_plugin import sampler_hook
+    from vllm_csv.vllm_plugin import patches, step as plugin_step
 
     model = Path(a.model) if a.model else fixture(a.hidden)
     lm = load_lm_head(model)
@@ -109,7 +109,7 @@ def main(argv=None) -> int:
     head = CertifiedHead(W, config=HeadConfig(screen=a.screen, off_switch=False, **extra))
     vhead = VllmDenseHead(W)
     adapter = HeadAdapter(head)
-    sampler_hook.install()
+    patches.install_samplers()
     sampler = Sampler()
     V = head.vocab_size
     g = torch.Generator().manual_seed(0)
@@ -145,9 +145,10 @@ def main(argv=None) -> int:
                                               use_switch=False)
                 logits[in_head] = part.to(W.dtype)
             if rows.numel():
-                logits[rows] = sampler_hook.PLACEHOLDER
-                sampler_hook.defer(sampler_hook.Deferred(logits, h[rows].clone(), rows, [modes[i] for i in rows],
-                                                         adapter, lambda: vhead(h), stats.append))
+                logits[rows] = plugin_step.PLACEHOLDER
+                plugin_step.hand_off(sampler, plugin_step.Deferred(
+                    logits, h[rows].clone(), rows, [modes[i] for i in rows], adapter, lambda: vhead(h),
+                    plugin_step.Tally(stats.append).account()))
             return sampler(logits=logits, sampling_metadata=md).sampled_token_ids[:, 0]
 
         td, tc, mism = [], [], 0

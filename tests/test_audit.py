@@ -50,12 +50,12 @@ def test_hooked_sampler_draws_what_the_dense_sampler_draws(family, seed, dtype, 
 
 def test_batches_the_hook_draws_itself_draw_what_the_dense_sampler_draws(monkeypatch):
     """Every row deferred on ordinary and tied heads: the batches whose every row certifies are
-    drawn by the hook (sampler_hook._drawn: the tokens, the random streams advanced as vLLM's),
+    drawn by the hook (vllm_plugin.v1.sampler._drawn: the tokens, the random streams advanced as vLLM's),
     the others by vLLM; tokens and streams are the dense run's either way."""
-    from vllm_csv.vllm_plugin import sampler_hook
+    from vllm_csv.vllm_plugin.v1 import sampler as v1_sampler
 
-    drawn, real = [], sampler_hook._drawn
-    monkeypatch.setattr(sampler_hook, "_drawn", lambda *a: drawn.append(1) or real(*a))
+    drawn, real = [], v1_sampler._drawn
+    monkeypatch.setattr(v1_sampler, "_drawn", lambda *a: drawn.append(1) or real(*a))
     for seed in range(20):
         for family in ("peaked", "near_tie", "ties"):
             out = audit_sampler.run_sampler_case(family, seed, audit.DTYPES[seed % 3], "int8", every_row=True)
@@ -76,11 +76,11 @@ def test_batches_the_hook_draws_beside_greedy_rows_draw_what_the_dense_sampler_d
     """Every row but the greedy ones deferred: where the deferred rows all certify and no processor
     touches a greedy row, the hook draws the batch (the greedy rows by vLLM's greedy_sample on
     their rows); tokens and streams are the dense run's either way."""
-    from vllm_csv.vllm_plugin import sampler_hook
+    from vllm_csv.vllm_plugin.v1 import sampler as v1_sampler
 
-    drawn, real = [], sampler_hook._with_greedy_rows
-    monkeypatch.setattr(sampler_hook, "_with_greedy_rows", lambda *a: (lambda t: t is not None and drawn.append(1)
-                                                                       or t)(real(*a)))
+    drawn, real = [], v1_sampler._with_greedy_rows
+    monkeypatch.setattr(v1_sampler, "_with_greedy_rows", lambda *a: (lambda t: t is not None and drawn.append(1)
+                                                                     or t)(real(*a)))
     for family, seed in _greedy_apart_cases():
         out = audit_sampler.run_sampler_case(family, seed, audit.DTYPES[seed % 3], "int8", greedy_apart=True)
         assert out.wrong_tokens == 0 and out.rng_out_of_step == 0, (family, seed)
@@ -90,13 +90,13 @@ def test_batches_the_hook_draws_beside_greedy_rows_draw_what_the_dense_sampler_d
 def test_mutation_greedy_rows_drawn_without_their_processors_are_caught(monkeypatch):
     """The hook drawing the greedy rows beside certified ones by their raw argmax, whatever
     processors touch them: the sampler audit finds wrong tokens."""
-    from vllm_csv.vllm_plugin import sampler_hook
+    from vllm_csv.vllm_plugin.v1 import sampler as v1_sampler
 
     def raw(sampler, logits, md, dev_rows, winner):
         tokens = sampler.greedy_sample(logits.float()).long()
         tokens[dev_rows] = winner
         return tokens
-    monkeypatch.setattr(sampler_hook, "_with_greedy_rows", raw)
+    monkeypatch.setattr(v1_sampler, "_with_greedy_rows", raw)
     out = [audit_sampler.run_sampler_case(family, seed, audit.DTYPES[seed % 3], "int8", greedy_apart=True)
            for family, seed in TOUCHED_GREEDY]
     assert all(o.wrong_tokens > 0 for o in out), out
@@ -107,9 +107,9 @@ def test_mutation_drawn_batches_that_leave_the_rng_alone_are_caught(monkeypatch)
     audit finds batches whose streams are out of step."""
     from vllm.v1.outputs import SamplerOutput
 
-    from vllm_csv.vllm_plugin import sampler_hook
+    from vllm_csv.vllm_plugin.v1 import sampler as v1_sampler
 
-    monkeypatch.setattr(sampler_hook, "_drawn", lambda md, tokens: SamplerOutput(
+    monkeypatch.setattr(v1_sampler, "_drawn", lambda md, tokens: SamplerOutput(
         sampled_token_ids=tokens.to(torch.int32).unsqueeze(-1), logprobs_tensors=None))
     out = [audit_sampler.run_sampler_case("peaked", seed, audit.DTYPES[seed % 3], "int8", every_row=True)
            for seed in range(20)]

@@ -405,7 +405,9 @@ def _layer_run(monkeypatch, lane: bool, name: str):
 
     from vllm_csv import head as csv_head, off_switch
     from vllm_csv.metrics import CSVMetrics
-    from vllm_csv.vllm_plugin import logits_processor as lp, step_plan
+    from vllm_csv.vllm_plugin import logits_processor as lp
+    from vllm_csv.vllm_plugin.plan import Plan
+    from vllm_csv.vllm_plugin.step import StepChannel
 
     clock = FakeClock()
     monkeypatch.setattr(csv_head, "time", clock)
@@ -432,18 +434,19 @@ def _layer_run(monkeypatch, lane: bool, name: str):
     allow = head.off_switch.allow
     monkeypatch.setattr(head.off_switch, "allow", lambda *a, **k: allows.append(1) or allow(*a, **k))
     layer = csv_layer(head, CSVMetrics(name, {"vocab_size": 2048}))
-    plans = [step_plan.Plan([str(i) for i in range(B)], [1] * B) for B in (4, 3, 4)]
+    layer.csv_channel = channel = StepChannel()  # (the runner's, as patches.py binds it)
+    plans = [Plan([str(i) for i in range(B)], [1] * B) for B in (4, 3, 4)]
     out = []
     for plan, steps in zip(plans, (300, 120, 200)):
         h = 8 * W[torch.randint(0, 2048, (len(plan.topk),), generator=g)]
         for _ in range(steps):
             tried.append(False)
-            with step_plan.active_plan(plan):
-                logits = layer.forward(None, h)
+            channel.open(plan)
+            logits = layer.forward(None, h)
             out.append((tried[-1], logits.argmax(1).tolist()))
             assert logits.argmax(1).tolist() == head.dense_logits(h).argmax(1).tolist()
-    with step_plan.active_plan(step_plan.Plan(["x"], [1])):  # another plan: the lane closes
-        layer.forward(None, h[:1])
+    channel.open(Plan(["x"], [1]))  # another plan: the lane closes
+    layer.forward(None, h[:1])
     layer.csv_metrics.flush()
     return out, head.off_switch, layer.csv_metrics, len(allows)
 

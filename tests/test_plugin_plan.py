@@ -5,8 +5,8 @@ import pytest
 pytest.importorskip("vllm")
 from vllm import SamplingParams  # noqa: E402
 
-from vllm_csv.vllm_plugin.step_plan import (  # noqa: E402
-    DEFER, active_plan, Plan, plan_row, row_mode, row_temperature, take_plan)
+from vllm_csv.vllm_plugin.plan import DEFER, Plan, plan_row, row_mode, row_temperature  # noqa: E402
+from vllm_csv.vllm_plugin.step import Step, StepChannel  # noqa: E402
 
 CERTIFIED = {
     "greedy": (SamplingParams(temperature=0), 1),
@@ -140,11 +140,15 @@ def test_plan_derived_fields():
 
 
 def test_plan_is_used_once_and_only_for_its_row_count():
-    assert take_plan(2) is None
-    with active_plan(Plan(["a", "b"], [1, 0])):
-        assert take_plan(3) is None
-        assert take_plan(2).topk == [1, 0]
-        assert take_plan(2) is None
+    assert Step().take_plan(2) is None
+    channel = StepChannel()
+    step = channel.open(Plan(["a", "b"], [1, 0]))
+    assert step.take_plan(3) is None
+    assert step.take_plan(2).topk == [1, 0]
+    assert step.take_plan(2) is None
+    step = channel.open(Plan(["a", "b"], [1, 0]))
+    channel.close_plan()  # the runner's step method returned: a later logits call is dense
+    assert step.take_plan(2) is None
 
 
 def test_max_topk_comes_from_the_runners_config():
@@ -181,25 +185,26 @@ def test_v1_plan_rows_in_batch_order_kept_per_request(monkeypatch):
     request states, and rebuilt when one changes (a request id reused by a new request too)."""
     from types import SimpleNamespace
 
-    from vllm_csv.vllm_plugin import step_plan
+    from vllm_csv.vllm_plugin import plan as plugin_plan
+    from vllm_csv.vllm_plugin.v1.plan import build_plan
 
     sps = {"a": SamplingParams(temperature=0), "b": SamplingParams(temperature=0.7, top_k=5, seed=1),
            "c": SamplingParams(temperature=0.8, top_p=0.9)}
     states = {r: SimpleNamespace(sampling_params=sp) for r, sp in sps.items()}
     runner = SimpleNamespace(input_batch=SimpleNamespace(req_ids=["c", "a", "x", "b"]), requests=states,
                              speculative_config=None)
-    calls = _count_calls(monkeypatch, step_plan, "plan_row")
-    p = step_plan._v1_plan(runner, 64)
+    calls = _count_calls(monkeypatch, plugin_plan, "plan_row")
+    p = build_plan(runner, 64)
     assert p.topk == [DEFER, 1, 0, 5] and p.modes == ["top_p", "greedy", "", "top_k"]
     assert p.temps == [pytest.approx(0.8), 0.0, 0.0, pytest.approx(0.7)]
     n = len(calls)
-    assert step_plan._v1_plan(runner, 64) is p and len(calls) == n  # same requests: the same plan
+    assert build_plan(runner, 64) is p and len(calls) == n  # same requests: the same plan
     states["x"] = SimpleNamespace(sampling_params=SamplingParams(temperature=0))  # a new request
-    q = step_plan._v1_plan(runner, 64)
+    q = build_plan(runner, 64)
     assert q.topk == [DEFER, 1, 1, 5] and len(calls) == n + 1  # only the new row is planned
     states["a"] = SimpleNamespace(sampling_params=SamplingParams(temperature=0.5))  # id reused, new request
-    assert step_plan._v1_plan(runner, 64).topk == [DEFER, DEFER, 1, 5]
-    assert step_plan._v1_plan(runner, 4).topk == [DEFER, DEFER, 1, DEFER]  # top_k 5 > max_topk 4: the sampler
+    assert build_plan(runner, 64).topk == [DEFER, DEFER, 1, 5]
+    assert build_plan(runner, 4).topk == [DEFER, DEFER, 1, DEFER]  # top_k 5 > max_topk 4: the sampler
 
 
 def test_v2_plan_rows_in_batch_order_kept_per_request(monkeypatch):
@@ -210,22 +215,22 @@ def test_v2_plan_rows_in_batch_order_kept_per_request(monkeypatch):
     parameters too) or max_topk differs, each request's row computed once."""
     from types import SimpleNamespace
 
-    from vllm_csv.vllm_plugin import step_plan
+    from vllm_csv.vllm_plugin.v2 import plan as v2_plan
 
     params = {"a": SamplingParams(temperature=0), "b": SamplingParams(temperature=0.7, top_k=5, seed=1),
               "c": SamplingParams(temperature=0.8, top_p=0.9)}
     runner = SimpleNamespace(_csv_sampling_params=params)
-    calls = _count_calls(monkeypatch, step_plan, "row_plan")
-    p = step_plan._v2_plan(runner, ["c", "a", "x", "b"], 64)
+    calls = _count_calls(monkeypatch, v2_plan, "row_plan")
+    p = v2_plan.build_plan(runner, 64, ["c", "a", "x", "b"])
     assert p.topk == [0, 1, 0, 5] and p.modes == ["", "greedy", "", "top_k"]
     n = len(calls)
-    assert step_plan._v2_plan(runner, ["c", "a", "x", "b"], 64) is p and len(calls) == n
-    assert step_plan._v2_plan(runner, ["a", "c", "x", "b"], 64).topk == [1, 0, 0, 5]  # reordered
+    assert v2_plan.build_plan(runner, 64, ["c", "a", "x", "b"]) is p and len(calls) == n
+    assert v2_plan.build_plan(runner, 64, ["a", "c", "x", "b"]).topk == [1, 0, 0, 5]  # reordered
     assert len(calls) == n  # rows kept per request
     params["a"] = SamplingParams(temperature=0.7, top_k=3, seed=2)  # id reused by a new request
-    q = step_plan._v2_plan(runner, ["a", "c", "x", "b"], 64)
+    q = v2_plan.build_plan(runner, 64, ["a", "c", "x", "b"])
     assert q.topk == [3, 0, 0, 5] and len(calls) == n + 1
-    assert step_plan._v2_plan(runner, ["a", "c", "x", "b"], 4).topk == [3, 0, 0, 0]  # k 5 > max_topk 4
+    assert v2_plan.build_plan(runner, 4, ["a", "c", "x", "b"]).topk == [3, 0, 0, 0]  # k 5 > max_topk 4
 
 
 def test_sampled_top_k_rows_go_to_a_certifiable_sampler():
@@ -236,7 +241,7 @@ def test_sampled_top_k_rows_go_to_a_certifiable_sampler():
 
     from vllm.v1.sample.sampler import Sampler
 
-    from vllm_csv.vllm_plugin import step_plan
+    from vllm_csv.vllm_plugin.v1.plan import build_plan, top_k_in_sampler
 
     sps = {"a": SamplingParams(temperature=0), "b": SamplingParams(temperature=0.7, top_k=5, seed=1),
            "c": SamplingParams(temperature=0.7, top_k=1)}
@@ -248,13 +253,13 @@ def test_sampled_top_k_rows_go_to_a_certifiable_sampler():
                                vllm_config=SimpleNamespace(parallel_config=SimpleNamespace(tensor_parallel_size=tp)))
 
     cpu = Sampler()
-    assert step_plan.top_k_in_sampler(runner(cpu)) is True
-    p = step_plan._v1_plan(runner(cpu), 64)
+    assert top_k_in_sampler(runner(cpu)) is True
+    p = build_plan(runner(cpu), 64)
     assert p.topk == [1, DEFER, DEFER] and p.modes == ["greedy", "top_k", "top_k"]
-    assert step_plan._v1_plan(runner(cpu, tp=2), 64).topk == [1, 5, 1]
-    assert step_plan._v1_plan(runner(None), 64).topk == [1, 5, 1]
+    assert build_plan(runner(cpu, tp=2), 64).topk == [1, 5, 1]
+    assert build_plan(runner(None), 64).topk == [1, 5, 1]
     cpu.topk_topp_sampler.use_fp64_gumbel = True  # not the draw the certificate replays
-    assert step_plan._v1_plan(runner(cpu), 64).topk == [1, 5, 1]
+    assert build_plan(runner(cpu), 64).topk == [1, 5, 1]
 
 
 def test_no_plan_under_speculative_decoding_or_pp_output_broadcast():
@@ -263,7 +268,7 @@ def test_no_plan_under_speculative_decoding_or_pp_output_broadcast():
     rows' hidden states)."""
     from types import SimpleNamespace
 
-    from vllm_csv.vllm_plugin import step_plan
+    from vllm_csv.vllm_plugin.v1.plan import build_plan
 
     states = {"a": SimpleNamespace(sampling_params=SamplingParams(temperature=0.8))}
 
@@ -271,7 +276,7 @@ def test_no_plan_under_speculative_decoding_or_pp_output_broadcast():
         return SimpleNamespace(input_batch=SimpleNamespace(req_ids=["a"]), requests=states,
                                **{"speculative_config": None, **kw})
 
-    assert step_plan._v1_plan(runner(), 64).topk == [DEFER]
-    assert step_plan._v1_plan(runner(broadcast_pp_output=False), 64).topk == [DEFER]
-    assert step_plan._v1_plan(runner(broadcast_pp_output=True), 64) is None
-    assert step_plan._v1_plan(runner(speculative_config=object()), 64) is None
+    assert build_plan(runner(), 64).topk == [DEFER]
+    assert build_plan(runner(broadcast_pp_output=False), 64).topk == [DEFER]
+    assert build_plan(runner(broadcast_pp_output=True), 64) is None
+    assert build_plan(runner(speculative_config=object()), 64) is None

@@ -18,7 +18,9 @@ from vllm.v1.sample.sampler import Sampler  # noqa: E402
 from vllm_csv import CertifiedHead, HeadConfig  # noqa: E402
 from vllm_csv.audit_sampler import logit_bias_processor, min_p_processor  # noqa: E402
 from vllm_csv.sampling.head_adapter import HeadAdapter  # noqa: E402
-from vllm_csv.vllm_plugin import sampler_hook  # noqa: E402
+from vllm_csv.vllm_plugin import patches, step as csv_step  # noqa: E402
+from vllm_csv.vllm_plugin.plan import DEFER, Plan  # noqa: E402
+from vllm_csv.vllm_plugin.v1 import masks as v1_masks, sampler as v1_sampler  # noqa: E402
 
 V, D, B = 1024, 48, 24
 
@@ -65,6 +67,14 @@ def run(sampler, logits, md, seed):
     return out, torch.rand(4), {i: gen.initial_seed() and torch.rand(2, generator=gen) for i, gen in md.generators.items()}
 
 
+
+def _runner_channel(layer, sampler) -> csv_step.StepChannel:
+    """One runner's step channel, bound to its layer and its sampler (as patches.py binds them)."""
+    channel = csv_step.StepChannel()
+    layer.csv_channel = sampler.csv_channel = channel
+    return channel
+
+
 CASES = {
     "temperature": dict(penalties=False, bias=False, allowed=False, bad=False),
     "penalties": dict(penalties=True, bias=False, allowed=False, bad=False),
@@ -84,7 +94,7 @@ CASES = {
 @pytest.mark.parametrize("case", sorted(CASES))
 @pytest.mark.parametrize("T", [1e-6, 2e-5, 0.8, 1e4])  # vLLM draws greedily below 1e-5
 def test_hooked_sampler_equals_dense_sampler(case, T):
-    sampler_hook.install()
+    patches.install_samplers()
     g = torch.Generator().manual_seed(4)  # a seed at which certified top-p rows once drew dropped tokens
     W, _ = peaked_head(V, D, seed=17, dtype=torch.bfloat16)
     head = CertifiedHead(W, config=HeadConfig(screen="fp16", budget=0.5, off_switch=False))
@@ -97,12 +107,12 @@ def test_hooked_sampler_equals_dense_sampler(case, T):
     certified_total = top_p_certified = top_k_certified = 0
     for rows in (torch.arange(B), torch.arange(0, B, 3)):  # all rows deferred; some deferred, others dense
         logits = dense.clone()
-        logits[rows] = sampler_hook.PLACEHOLDER
+        logits[rows] = csv_step.PLACEHOLDER
         seen = []
         modes = ["top_p" if md.top_p is not None and md.top_p[i] < 1 else
                  "top_k" if md.top_k is not None and md.top_k[i] < V else "sampling" for i in rows.tolist()]
-        sampler_hook.defer(sampler_hook.Deferred(logits, h[rows].clone(), rows, modes,
-                                                 HeadAdapter(head), lambda: head.dense_logits(h), seen.append))
+        csv_step.hand_off(sampler, csv_step.Deferred(logits, h[rows].clone(), rows, modes, HeadAdapter(head),
+                                                     lambda: head.dense_logits(h), csv_step.Tally(seen.append).account()))
         top_p_before = None if md.top_p is None else md.top_p.clone()
         got = run(sampler, logits, md, seed=5)
         if top_p_before is not None:
@@ -132,15 +142,17 @@ def test_top_k_rows_fail_if_top_k_is_ignored(monkeypatch):
 
 
 def test_sampler_refuses_a_mismatched_batch():
-    sampler_hook.install()
+    patches.install_samplers()
     W, g = peaked_head(V, D, seed=1, dtype=torch.bfloat16)
     head = CertifiedHead(W, config=HeadConfig(screen="fp16", off_switch=False))
     h = hidden_near_rows(W, 4, g)
-    sampler_hook.defer(sampler_hook.Deferred(torch.zeros(4, V), h, torch.arange(4), ["sampling"] * 4,
-                                             HeadAdapter(head), lambda: head.dense_logits(h), lambda st: None))
+    sampler = Sampler()
+    csv_step.hand_off(sampler, csv_step.Deferred(torch.zeros(4, V), h, torch.arange(4), ["sampling"] * 4,
+                                                 HeadAdapter(head), lambda: head.dense_logits(h),
+                                                 csv_step.Tally().account()))
     md = metadata(g, [1.0] * B, [], False, False, False, False)
     with pytest.raises(RuntimeError, match="refusing to sample from placeholders"):
-        Sampler()(logits=torch.zeros(B, V), sampling_metadata=md)
+        sampler(logits=torch.zeros(B, V), sampling_metadata=md)
 
 
 def _spy_masks(monkeypatch, which: str):
@@ -161,12 +173,13 @@ def _hooked(head, h, dense, md, rows, seed=5, full=False, sampler=None):
     """vLLM's sampler with the hook on ``rows``: (tokens, stats); ``full``: ``run``'s whole
     result (tokens, the global RNG's next draw, each generator's) for the tokens."""
     logits = dense.clone()
-    logits[rows] = sampler_hook.PLACEHOLDER
+    logits[rows] = csv_step.PLACEHOLDER
     seen = []
     modes = ["top_p" if md.top_p is not None and md.top_p[i] < 1 else "sampling" for i in rows.tolist()]
-    sampler_hook.defer(sampler_hook.Deferred(logits, h[rows].clone(), rows, modes, HeadAdapter(head),
-                                             lambda: head.dense_logits(h), seen.append))
-    out = run(sampler or Sampler(), logits, md, seed)
+    sampler = sampler or Sampler()
+    csv_step.hand_off(sampler, csv_step.Deferred(logits, h[rows].clone(), rows, modes, HeadAdapter(head),
+                                                 lambda: head.dense_logits(h), csv_step.Tally(seen.append).account()))
+    out = run(sampler, logits, md, seed)
     return (out if full else out[0]), seen[0]
 
 
@@ -176,7 +189,7 @@ def test_vllm_top_p_is_skipped_only_when_every_top_p_row_is_certified(case, monk
     draws what the dense sampler draws (``skipped``: a row without top-p left dense); a top-p row
     left dense (here: not deferred) keeps it (``kept``); every row certified, the hook's tokens
     are the draw and vLLM's sampler does not run (``drawn``: no mask pass at all)."""
-    sampler_hook.install()
+    patches.install_samplers()
     g = torch.Generator().manual_seed(8)
     W, _ = peaked_head(V, D, seed=19, dtype=torch.bfloat16)
     head = CertifiedHead(W, config=HeadConfig(screen="fp16", budget=0.5, off_switch=False))
@@ -215,7 +228,7 @@ def test_vllm_top_k_is_skipped_only_when_every_top_k_row_is_certified(case, monk
     sampler draws (``skipped``: a row without top-k left dense); a top-k row left dense (``kept``)
     keeps vLLM's top-k for the batch, with ``V`` (no top-k) on the certified rows; vLLM's values
     are restored after the draw. Every row certified (``drawn``): vLLM's sampler does not run."""
-    sampler_hook.install()
+    patches.install_samplers()
     head, h, md = _top_k_batch(12, 20, 0.8, 3.0)  # confident rows: every one certifies
     if case == "skipped":
         md.top_k[0] = V
@@ -265,7 +278,7 @@ def test_vllm_min_p_is_skipped_only_when_every_min_p_row_is_certified(case, monk
     mask over [B, V]) and draws what the dense sampler draws (``skipped``: row 0, without min-p,
     left dense); a min-p row left dense keeps it (``kept``); every row certified (``drawn``):
     vLLM's sampler does not run."""
-    sampler_hook.install()
+    patches.install_samplers()
     head, h, md = _min_p_batch(14, 0.2, 0.8, 3.0)
     dense = head.dense_logits(h)
     want = run(Sampler(), dense.clone(), md, seed=5)
@@ -286,7 +299,7 @@ def test_a_drop_left_on_a_certified_row_is_caught(mask, monkeypatch):
     is skipped (k = 2 or min-p 0.6, hot rows: dropped tokens often outdraw the winner)."""
     from vllm_csv.sampling import rows as rows_mod, top_k_rows
 
-    sampler_hook.install()
+    patches.install_samplers()
     real, real_fast = rows_mod._finish_rows, top_k_rows._handed_rows
     monkeypatch.setattr(rows_mod, "_finish_rows",
                         lambda out, r, s, v, m, up: real(out, r, s, v, m, torch.zeros_like(up)))
@@ -307,7 +320,7 @@ def test_a_drop_left_on_a_certified_row_is_caught(mask, monkeypatch):
 def test_rows_with_top_p_of_one_draw_like_vllm(monkeypatch):
     """top_p = 1.0 (vLLM's "no top-p") on deferred rows, beside a dense row with top_p < 1, so that
     vLLM applies its top-p to the whole batch: plain-sampling certificate, same draw as vLLM."""
-    sampler_hook.install()
+    patches.install_samplers()
     g = torch.Generator().manual_seed(9)
     W, _ = peaked_head(V, D, seed=23, dtype=torch.bfloat16)
     head = CertifiedHead(W, config=HeadConfig(screen="fp16", budget=0.5, off_switch=False))
@@ -402,13 +415,14 @@ def structured_head(kind: str, seed: int):
 def hooked_structured(head, h, dense, md, allowed, order, rows, seed):
     """The CSV step: placeholders for ``rows``, vLLM's bitmask on the head's output, the wrapped sampler."""
     logits = dense.clone()
-    logits[rows] = sampler_hook.PLACEHOLDER
+    logits[rows] = csv_step.PLACEHOLDER
     apply_grammar(logits, allowed, order)
     seen = []
     modes = ["structured" if int(i) in allowed else "sampling" for i in rows]
-    sampler_hook.defer(sampler_hook.Deferred(logits, h[rows].clone(), rows, modes, HeadAdapter(head),
-                                             lambda: head.dense_logits(h), seen.append))
-    return run(Sampler(), logits, md, seed), seen[0]
+    sampler = Sampler()
+    csv_step.hand_off(sampler, csv_step.Deferred(logits, h[rows].clone(), rows, modes, HeadAdapter(head),
+                                                 lambda: head.dense_logits(h), csv_step.Tally(seen.append).account()))
+    return run(sampler, logits, md, seed), seen[0]
 
 
 @pytest.mark.parametrize("sampling", sorted(STRUCTURED_SAMPLING))
@@ -419,7 +433,7 @@ def test_structured_rows_draw_what_vllm_draws_under_the_grammar(kind, sampling):
     with the same bitmask and seeds, over several batches of random and adversarial rows (greedy and
     sampled, seeded and not; structured rows beside unconstrained ones, sent out of batch order;
     every row deferred, or some deferred and others dense)."""
-    sampler_hook.install()
+    patches.install_samplers()
     certified = structured_certified = 0
     for trial in range(3):
         g = torch.Generator().manual_seed(100 * trial + len(kind))
@@ -455,9 +469,9 @@ def test_structured_rows_draw_what_vllm_draws_under_the_grammar(kind, sampling):
 def test_structured_rows_fail_if_the_mask_is_ignored(monkeypatch):
     """Broken-mask check: a certificate that does not see the bitmask (``masked`` dropped) draws
     forbidden tokens, and the comparison above catches it."""
-    sampler_hook.install()
-    real = sampler_hook.certify_rows
-    monkeypatch.setattr(sampler_hook, "certify_rows", lambda *a, **k: real(*a[:5]))  # no ``masked``
+    patches.install_samplers()
+    real = v1_sampler.certify_rows
+    monkeypatch.setattr(v1_sampler, "certify_rows", lambda *a, **k: real(*a[:5]))  # no ``masked``
     g = torch.Generator().manual_seed(3)
     W, head = structured_head("argmax_removed", seed=31)
     h = hidden_near_rows(W, B, g, scale=3.0)
@@ -473,7 +487,7 @@ def test_structured_rows_fail_if_the_mask_is_ignored(monkeypatch):
 
 
 def test_a_greedy_row_certified_in_the_head_is_wrong_once_the_grammar_masks_it():
-    """Why step_plan never certifies a structured row in the head (greedy included): the head's
+    """Why the plan never certifies a structured row in the head (greedy included): the head's
     top-1 certificate does not know the mask that follows it; with the winner forbidden, the
     sampler's argmax over the partial row is not the dense row's."""
     g = torch.Generator().manual_seed(6)
@@ -508,14 +522,14 @@ def min_tokens_processor(rows: dict[int, bool], stop: list[int]):
 def test_min_tokens_with_a_grammar_stays_dense_and_leaves_other_rows_certified(restore_row_deferred):
     """Row 0 has min_tokens and a grammar that allows only its stop tokens: vLLM's min_tokens
     processor masks them and then restores them (the row had nothing else), which is not a per-token
-    step. step_plan leaves such a row dense; the other deferred rows (one of them with min_tokens
+    step. The plan leaves such a row dense; the other deferred rows (one of them with min_tokens
     and no grammar) are still certified and draw what vLLM draws. Were row 0 deferred, every
     deferred row goes dense, and still draws what vLLM draws."""
     import dataclasses
 
     from vllm.v1.sample.logits_processor import LogitsProcessors
 
-    sampler_hook.install()
+    patches.install_samplers()
     g = torch.Generator().manual_seed(12)
     W, head = structured_head("argmax_removed", seed=35)
     h = hidden_near_rows(W, B, g, scale=3.0)
@@ -553,19 +567,19 @@ def test_temperature_copy_is_vllms_division_bit_for_bit(all_random):
     if all_random:
         temp[:3] = torch.tensor([2e-5, 0.5, 3.0])
     before = x.clone()
-    got = sampler_hook.temperature_copy(x, temp, all_random)
+    got = v1_sampler.temperature_copy(x, temp, all_random)
     want = Sampler.apply_temperature(x.clone(), temp, all_random)
     assert torch.equal(got.nan_to_num(), want.nan_to_num()) and torch.equal(got.isnan(), want.isnan())
     assert torch.equal(got.view(torch.int32)[~got.isnan()], want.view(torch.int32)[~want.isnan()])  # -0 too
     assert torch.equal(x.nan_to_num(), before.nan_to_num())
-    assert sampler_hook._stock_temperature(Sampler())
+    assert v1_sampler._stock_temperature(Sampler())
 
     class Other(Sampler):
         @staticmethod
         def apply_temperature(logits, temp, all_random):
             return logits.mul_(2.0)
 
-    assert not sampler_hook._stock_temperature(Other())
+    assert not v1_sampler._stock_temperature(Other())
 
 
 @pytest.mark.parametrize("case", ["temperature", "penalties", "bias", "allowed", "bad", "empty_processors"])
@@ -576,7 +590,7 @@ def test_rows_are_mapped_by_column_only_when_no_processor_acts(case, monkeypatch
     full rows. Either way the hooked sampler draws vLLM's tokens."""
     from vllm.v1.sample.logits_processor.builtin import MinTokensLogitsProcessor
 
-    sampler_hook.install()
+    patches.install_samplers()
     g = torch.Generator().manual_seed(8)
     W, _ = peaked_head(V, D, seed=19, dtype=torch.bfloat16)
     head = CertifiedHead(W, config=HeadConfig(screen="fp16", budget=0.5, off_switch=False))
@@ -590,20 +604,20 @@ def test_rows_are_mapped_by_column_only_when_no_processor_acts(case, monkeypatch
         mt.min_toks = {}
         md.logitsprocs = LogitsProcessors([lb, mt])
     idle = case in ("temperature", "empty_processors")
-    assert sampler_hook._processors_idle(md) == idle
+    assert v1_sampler._processors_idle(md) == idle
     seen_columns = []
-    real = sampler_hook.certify_rows
-    monkeypatch.setattr(sampler_hook, "certify_rows",
+    real = v1_sampler.certify_rows
+    monkeypatch.setattr(v1_sampler, "certify_rows",
                         lambda *a, **k: seen_columns.append(k.get("columns")) or real(*a, **k))
     sampler = Sampler()
     dense = head.dense_logits(h)
     want = run(sampler, dense.clone(), md, seed=3)
     logits = dense.clone()
     rows = torch.arange(B)
-    logits[rows] = sampler_hook.PLACEHOLDER
+    logits[rows] = csv_step.PLACEHOLDER
     seen = []
-    sampler_hook.defer(sampler_hook.Deferred(logits, h.clone(), rows, ["sampling"] * B, HeadAdapter(head),
-                                             lambda: head.dense_logits(h), seen.append))
+    csv_step.hand_off(sampler, csv_step.Deferred(logits, h.clone(), rows, ["sampling"] * B, HeadAdapter(head),
+                                                 lambda: head.dense_logits(h), csv_step.Tally(seen.append).account()))
     got = run(sampler, logits, md, seed=3)
     assert torch.equal(got[0], want[0])
     assert (seen_columns[0] is not None) == idle
@@ -621,11 +635,11 @@ def _switched_run(monkeypatch, certificate_cost: float, steps: int = 160):
 
     from vllm_csv import head as csv_head
     from vllm_csv.metrics import CSVMetrics
-    from vllm_csv.vllm_plugin import logits_processor as lp, step_plan
+    from vllm_csv.vllm_plugin import fill, logits_processor as lp
 
-    sampler_hook.install()
+    patches.install_samplers()
     clock = FakeClock()
-    for mod in (csv_head, lp, sampler_hook):
+    for mod in (csv_head, lp, fill, v1_sampler):
         monkeypatch.setattr(mod, "time", clock)
     Bs = 8
     g = torch.Generator().manual_seed(8)
@@ -640,7 +654,7 @@ def _switched_run(monkeypatch, certificate_cost: float, steps: int = 160):
         clock.now += 1.0
         return head.dense_logits(hidden)
 
-    real_mask, real_certify, tried = tts.apply_top_k_top_p, sampler_hook.certify_rows, []
+    real_mask, real_certify, tried = tts.apply_top_k_top_p, v1_sampler.certify_rows, []
 
     def mask(logits, k, p):
         clock.now += 0.0 if k is None else 1.0
@@ -653,15 +667,17 @@ def _switched_run(monkeypatch, certificate_cost: float, steps: int = 160):
 
     monkeypatch.setattr(LogitsProcessor, "forward", dense_forward)
     monkeypatch.setattr(tts, "apply_top_k_top_p", mask)
-    monkeypatch.setattr(sampler_hook, "certify_rows", certify)
+    monkeypatch.setattr(v1_sampler, "certify_rows", certify)
     layer = csv_layer(head, CSVMetrics(f"switched-{certificate_cost}", {"vocab_size": V}))
-    plan = step_plan.Plan([str(i) for i in range(Bs)], [step_plan.DEFER] * Bs, ["top_k"] * Bs, [0.8] * Bs)
+    plan = Plan([str(i) for i in range(Bs)], [DEFER] * Bs, ["top_k"] * Bs, [0.8] * Bs)
     sampler = Sampler()
+    channel = _runner_channel(layer, sampler)
     for step in range(steps):
         want = run(sampler, dense.clone(), md, seed=step)[0]
         tried.append(False)
-        with step_plan.active_plan(plan):
-            logits = layer.forward(None, h)
+        channel.open(plan)
+        logits = layer.forward(None, h)
+        channel.close_plan()
         assert torch.equal(run(sampler, logits, md, seed=step)[0], want), step
     return sum(tried), head.off_switch
 
@@ -718,7 +734,7 @@ def test_masks_on_rows_equal_vllm_on_every_row(kind, masks):
 
     g = torch.Generator().manual_seed(3)
     Bm, Vm = 24, 4099
-    on_rows = sampler_hook._masks_on_rows(vllm)
+    on_rows = v1_masks.masks_on_rows(vllm)
     for trial in range(4):
         x = _mask_rows(g, Bm, Vm, kind)
         need = torch.rand(Bm, generator=g) < (0.1, 0.4, 0.8, 1.0)[trial]
@@ -729,11 +745,11 @@ def test_masks_on_rows_equal_vllm_on_every_row(kind, masks):
             k = torch.where(torch.arange(Bm) % 3 == 1, Vm, k)
             need = (p < 1.0) | (k < Vm)
         want = vllm(x.clone(), k, p)
-        sampler_hook._rows_only = True
+        token = v1_masks._rows_only.set(True)  # (as inside v1_masks.draw_with_masks)
         try:
             got = on_rows(x.clone(), k, p)
         finally:
-            sampler_hook._rows_only = False
+            v1_masks._rows_only.reset(token)
         assert torch.equal(got[need].nan_to_num(), want[need].nan_to_num()), (kind, masks, trial)
         assert torch.equal(got[need].isnan(), want[need].isnan())
         rest = ~need
@@ -748,7 +764,7 @@ def test_uncertified_top_p_row_is_masked_alone(monkeypatch):
     (not the batch), and the draw is vLLM's."""
     from vllm.v1.sample.ops import topk_topp_sampler as tts
 
-    sampler_hook.install()
+    patches.install_samplers()
     g = torch.Generator().manual_seed(8)
     W, _ = peaked_head(V, D, seed=19, dtype=torch.bfloat16)
     head = CertifiedHead(W, config=HeadConfig(screen="fp16", budget=0.5, off_switch=False))
@@ -775,9 +791,7 @@ def test_a_slot_no_sampler_took_does_not_reach_the_next_step(monkeypatch):
     from its own logits, not with the earlier step's rows written into them."""
     from vllm.model_executor.layers.logits_processor import LogitsProcessor
 
-    from vllm_csv.vllm_plugin import step_plan
-
-    sampler_hook.install()
+    patches.install_samplers()
     g = torch.Generator().manual_seed(8)
     W, _ = peaked_head(V, D, seed=19, dtype=torch.bfloat16)
     head = CertifiedHead(W, config=HeadConfig(screen="fp16", budget=0.5, off_switch=False))
@@ -785,12 +799,14 @@ def test_a_slot_no_sampler_took_does_not_reach_the_next_step(monkeypatch):
                         head.dense_logits(x))
     layer = csv_layer(head)
     h = hidden_near_rows(W, 4, g, scale=3.0)
-    plan = step_plan.Plan([str(i) for i in range(4)], [step_plan.DEFER] * 4, ["sampling"] * 4, [0.8] * 4)
-    with step_plan.active_plan(plan):
-        layer.forward(None, h)  # rows deferred: a slot for this step's sampler
-    assert isinstance(sampler_hook._pending, sampler_hook.Deferred)
+    plan = Plan([str(i) for i in range(4)], [DEFER] * 4, ["sampling"] * 4, [0.8] * 4)
+    channel = _runner_channel(layer, Sampler())
+    channel.open(plan)
+    layer.forward(None, h)  # rows deferred: a hand-off for this step's sampler
+    channel.close_plan()
+    assert isinstance(channel.step.handoff, csv_step.Deferred)
     layer.forward(None, h)  # the next head call, no plan: vLLM's own logits
-    assert sampler_hook._pending is None  # its sampler call takes nothing from the earlier step
+    assert channel.step.handoff is None  # its sampler call takes nothing from the earlier step
 
 
 @pytest.mark.parametrize("bad_row", [1, 4])  # a row certified in the head's call / one deferred to the sampler
@@ -803,9 +819,8 @@ def test_a_nonfinite_row_anywhere_in_the_step_sends_every_row_dense(bad_row, mon
     from vllm.model_executor.layers.logits_processor import LogitsProcessor
 
     from vllm_csv.metrics import CSVMetrics
-    from vllm_csv.vllm_plugin import step_plan
 
-    sampler_hook.install()
+    patches.install_samplers()
     g = torch.Generator().manual_seed(9)
     W, _ = peaked_head(V, D, seed=19, dtype=torch.bfloat16)
     head = CertifiedHead(W, config=HeadConfig(screen="fp16", budget=0.5, off_switch=False))
@@ -823,12 +838,14 @@ def test_a_nonfinite_row_anywhere_in_the_step_sends_every_row_dense(bad_row, mon
     metrics = CSVMetrics(f"nonfinite-{bad_row}", {"vocab_size": V})
     monkeypatch.setattr(metrics, "record", lambda stats, *a, **k: seen.append(stats))
     layer = csv_layer(head, metrics)
-    plan = step_plan.Plan([str(i) for i in range(6)], [1, 1, 1] + [step_plan.DEFER] * 3,
+    plan = Plan([str(i) for i in range(6)], [1, 1, 1] + [DEFER] * 3,
                           ["greedy"] * 3 + ["sampling"] * 3, temps)
     sampler = Sampler()
     want = run(sampler, dense_forward(None, None, h), md, seed=2)[0]
-    with step_plan.active_plan(plan):
-        logits = layer.forward(None, h)
+    channel = _runner_channel(layer, sampler)
+    channel.open(plan)
+    logits = layer.forward(None, h)
+    channel.close_plan()
     assert torch.equal(run(sampler, logits, md, seed=2)[0], want)
     assert sum(s.certified for s in seen) == 0 and sum(s.fallbacks.get("nonfinite", 0) for s in seen) == 6, seen
 
@@ -838,7 +855,7 @@ def test_a_batch_asking_for_logprobs_is_drawn_by_vllm(logprobs_mode):
     """Every row certified but logprobs asked for: vLLM's own sampler runs on the filled logits
     (its logprobs read them), and the tokens and random streams are the dense run's; without
     logprobs the hook's tokens are the draw (no vLLM sampler call)."""
-    sampler_hook.install()
+    patches.install_samplers()
     g = torch.Generator().manual_seed(8)
     W, _ = peaked_head(V, D, seed=19, dtype=torch.bfloat16)
     head = CertifiedHead(W, config=HeadConfig(screen="fp16", budget=0.5, off_switch=False))
@@ -846,16 +863,16 @@ def test_a_batch_asking_for_logprobs_is_drawn_by_vllm(logprobs_mode):
     md = metadata(g, [0.8] * B, seeded=range(0, B, 2), penalties=False, bias=False, allowed=False, bad=False)
     dense = head.dense_logits(h)
     calls = []
-    real = sampler_hook._draw
+    real = v1_sampler.draw_with_masks
     for num_logprobs in (None, 2):
         md.max_num_logprobs = num_logprobs
         sampler = Sampler(logprobs_mode=logprobs_mode)
         want = run(sampler, dense.clone(), md, seed=5)
-        sampler_hook._draw = lambda *a, **k: calls.append(num_logprobs) or real(*a, **k)
+        v1_sampler.draw_with_masks = lambda *a, **k: calls.append(num_logprobs) or real(*a, **k)
         try:
             got, st = _hooked(head, h, dense, md, torch.arange(B), full=True, sampler=sampler)
         finally:
-            sampler_hook._draw = real
+            v1_sampler.draw_with_masks = real
         assert sum(st.certified.values()) == B
         assert all(torch.equal(a, b) for a, b in zip(got[:2], want[:2]))
         assert all(torch.equal(got[2][i], want[2][i]) for i in want[2])
@@ -869,7 +886,7 @@ def test_certified_rows_beside_greedy_rows_are_drawn_by_the_hook(case, monkeypat
     ``Sampler.sample`` does not run; tokens, global RNG and generators are the dense run's. A
     greedy row with a logit bias or penalties, or a sampled row, not deferred: vLLM draws the
     batch. A hook that takes the greedy rows' raw argmax anyway is caught."""
-    sampler_hook.install()
+    patches.install_samplers()
     g = torch.Generator().manual_seed(21)
     W, _ = peaked_head(V, D, seed=22, dtype=torch.bfloat16)
     head = CertifiedHead(W, config=HeadConfig(screen="fp16", budget=0.5, off_switch=False))
@@ -900,6 +917,6 @@ def test_certified_rows_beside_greedy_rows_are_drawn_by_the_hook(case, monkeypat
             tokens = logits.float().argmax(1)
             tokens[dev_rows] = winner
             return tokens
-        monkeypatch.setattr(sampler_hook, "_with_greedy_rows", raw)
+        monkeypatch.setattr(v1_sampler, "_with_greedy_rows", raw)
         wrong, _ = _hooked(head, h, dense, md, rows, full=True)
         assert torch.equal(wrong[0], want[0]) == (case == "greedy")

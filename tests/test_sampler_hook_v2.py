@@ -1,4 +1,4 @@
-"""The V2 runner's sampler hook (sampler_hook.resolve_v2): rows filled by the hook, then drawn by
+"""The V2 runner's sampler hook (vllm_plugin.v2.sampler.resolve): rows filled by the hook, then drawn by
 vLLM's own V2 ``gumbel_sample`` (Triton's interpreter on the CPU), give the tokens the dense
 logits give, with the seeds, positions and temperatures read through ``expanded_idx_mapping``
 as the kernel reads them; batches vLLM may draw otherwise stay dense. (On a GPU:
@@ -21,7 +21,10 @@ from test_sampling_gumbel_v2 import vllm_v2_run  # noqa: E402
 from vllm_csv import CertifiedHead, HeadConfig  # noqa: E402
 from vllm_csv.sampling.head_adapter import HeadAdapter  # noqa: E402
 from vllm_csv.sampling.rows_v2 import certify_rows_v2  # noqa: E402
-from vllm_csv.vllm_plugin import sampler_hook, step_plan  # noqa: E402
+from vllm_csv.sampling.sharded_rows import ShardedAdapter  # noqa: E402
+from vllm_csv.vllm_plugin import patches, step as csv_step  # noqa: E402
+from vllm_csv.vllm_plugin.plan import DEFER  # noqa: E402
+from vllm_csv.vllm_plugin.v2 import plan as v2_plan, sampler as v2_sampler  # noqa: E402
 
 V, D, SLOTS = 2048, 48, 40
 
@@ -61,9 +64,9 @@ def case(seed=0, B=24):
 
 def defer(head, h, rows, seen):
     logits = head.dense_logits(h).clone()
-    logits[rows] = sampler_hook.PLACEHOLDER
-    d = sampler_hook.Deferred(logits, h[rows].clone(), rows, ["sampling"] * rows.numel(), HeadAdapter(head),
-                              lambda: head.dense_logits(h), seen.append)
+    logits[rows] = csv_step.PLACEHOLDER
+    d = csv_step.Deferred(logits, h[rows].clone(), rows, ["sampling"] * rows.numel(), HeadAdapter(head),
+                          lambda: head.dense_logits(h), csv_step.Tally(seen.append).account())
     return d, logits
 
 
@@ -84,7 +87,7 @@ def test_resolve_v2_draws_the_dense_tokens(tmp_path):
     seen = []
     d, logits = defer(head, h, rows, seen)
     sampler = fake_sampler(temps, seeds)
-    st = sampler_hook.resolve_v2(sampler, d, logits, batch)
+    st = v2_sampler.resolve(sampler, d, logits, batch)
     dense = head.dense_logits(h)
     # a broken wiring: the seeds of the rows' own indices instead of their request slots
     wrong = certify_rows_v2(HeadAdapter(head), h[rows], torch.from_numpy(seeds)[rows],
@@ -114,8 +117,8 @@ def test_resolve_v2_leaves_batches_vllm_draws_otherwise_dense(why):
     if why == "subclass":
         sampler.__class__ = type("Watermarked", (V2Sampler,), {})
     if why == "sharded":
-        d.adapter = object.__new__(sampler_hook.ShardedAdapter)
-    st = sampler_hook.resolve_v2(sampler, d, logits, batch)
+        d.adapter = object.__new__(ShardedAdapter)
+    st = v2_sampler.resolve(sampler, d, logits, batch)
     assert torch.equal(logits, head.dense_logits(h)) and st.fallbacks == {"unsupported": 4} and not st.certified
 
 
@@ -138,9 +141,9 @@ def test_v2_plan_defers_sampled_rows_with_min_p_or_processors_to_a_certified_sam
               "j": SamplingParams(temperature=0.7, top_p=0.9, structured_outputs=json),
               "k": SamplingParams(temperature=0, min_tokens=2, structured_outputs=json)}
     ids = list(params)
-    D = step_plan.DEFER
+    D = DEFER
     ok = SimpleNamespace(_csv_sampling_params=params, sampler=fake_sampler(np.ones(SLOTS, np.float32), np.zeros(SLOTS, np.int64)))
-    p = step_plan._v2_plan(ok, ids, 64)
+    p = v2_plan.build_plan(ok, 64, ids)
     assert p.topk == [1, D, 0, D, 5, D, D, D, D, D, 0]
     assert p.modes == ["greedy", "sampling", "", "processed", "top_k", "min_p", "processed", "structured",
                        "structured", "structured", ""]
@@ -149,20 +152,20 @@ def test_v2_plan_defers_sampled_rows_with_min_p_or_processors_to_a_certified_sam
                          vllm_config=SimpleNamespace(parallel_config=SimpleNamespace(tensor_parallel_size=2)))
     other = SimpleNamespace(_csv_sampling_params=params, sampler=object())
     for runner in (tp, other):
-        assert step_plan._v2_plan(runner, ids, 64).topk == [1, 0, 0, 0, 5, 0, 0, 0, 0, 0, 0]
+        assert v2_plan.build_plan(runner, 64, ids).topk == [1, 0, 0, 0, 5, 0, 0, 0, 0, 0, 0]
 
 
 def test_the_v2_runner_and_sampler_are_wrapped():
     """install() wraps the classes vLLM 0.32's V2 worker builds (``vllm.v1.worker.gpu.model_runner
-    .GPUModelRunner``, its ``Sampler``); with no slot the sampler call is vLLM's own."""
+    .GPUModelRunner``, its ``Sampler``); with no hand-off the sampler call is vLLM's own."""
     from vllm.v1.worker.gpu.model_runner import GPUModelRunner
 
-    step_plan.install(lambda runner: 64)
-    sampler_hook.install()
+    patches.install_runners(lambda runner: 64)
+    patches.install_samplers()
     assert getattr(GPUModelRunner, "_csv_wrapped", False) and getattr(V2Sampler, "_csv_wrapped", False)
-    assert GPUModelRunner.sample.__name__ == "v2_sample" and V2Sampler.__call__.__name__ == "call"
-    sampler_hook.discard()
-    assert sampler_hook._take(torch.zeros(1, 1)) is None
+    assert GPUModelRunner.sample.__name__ == "sample" and V2Sampler.__call__.__name__ == "call"
+    assert GPUModelRunner.sample.__module__ == patches.__name__
+    assert csv_step.Step().take_handoff(torch.zeros(1, 1)) is None
 
 
 def test_certify_rows_v2_rows_out_of_reach_and_greedy_rows():

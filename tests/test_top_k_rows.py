@@ -77,7 +77,7 @@ def run(head, h, T, k, seeds, batch=16, p=None, min_p=None):
                            top_p=None if p is None else p[r], min_p=None if min_p is None else min_p[r],
                            columns=cols)
         c = res.certified
-        # what vLLM's sampler does with a certified row: its masks skipped (sampler_hook._masks_off),
+        # what vLLM's sampler does with a certified row: its masks skipped (vllm_plugin.v1.masks._masks_off),
         # the draw on the row as handed over; and (top-k alone) with the top-k applied again
         got = kernel((res.values.float() / T[r, None]).contiguous(), seeds[r])
         bad += int((got[c] != want[r][c]).sum() + (res.winner[c] != want[r][c]).sum())

@@ -1,7 +1,7 @@
 """Tensor parallelism (issue 11): deferred rows (the sampler's draw: temperature, top-p, min-p,
 penalties, logit_bias, ...) certified over a sharded head, simulated in one process.
 
-Each rank runs ``sampler_hook.resolve`` in its own thread (tests/test_tp.py's ThreadGroup) over
+Each rank runs ``vllm_plugin.v1.sampler.resolve`` in its own thread (tests/test_tp.py's ThreadGroup) over
 its own shard in vLLM's layout; the seeds are peeked once (the ranks' RNGs are in step in vLLM;
 threads share one here). Every rank must write the same logits and take the same decision;
 vLLM's sampler on those logits must draw what it draws on vLLM's dense TP logits.
@@ -29,9 +29,10 @@ from vllm_csv.sampling import sharded_rows  # noqa: E402
 from vllm_csv.sampling.nucleus import min_p_bounds, top_p_bounds  # noqa: E402
 from vllm_csv.sampling.sharded_rows import ShardedAdapter  # noqa: E402
 from vllm_csv.sharded import Shard, ShardedHead  # noqa: E402
-from vllm_csv.vllm_plugin import sampler_hook  # noqa: E402
+from vllm_csv.vllm_plugin import step as csv_step  # noqa: E402
+from vllm_csv.vllm_plugin.v1 import sampler as v1_sampler  # noqa: E402
 
-PEEK = sampler_hook.peek_seeds  # the real one (tests replace it for the threads)
+PEEK = v1_sampler.peek_seeds  # the real one (tests replace it for the threads)
 
 
 def resolve_tp(W, bias, h, md, rows, size, monkeypatch, screen="int8", softcap=None, scale=1.0, patch=None,
@@ -42,7 +43,7 @@ def resolve_tp(W, bias, h, md, rows, size, monkeypatch, screen="int8", softcap=N
     for i, gen in md.generators.items():
         gen.manual_seed(1000 + i)
     seeds = PEEK(B, md.generators)
-    monkeypatch.setattr(sampler_hook, "peek_seeds", lambda n, gens: seeds.clone())
+    monkeypatch.setattr(v1_sampler, "peek_seeds", lambda n, gens: seeds.clone())
 
     def rank(r, comm):
         shard = Shard.vllm_layout(V, r, size)
@@ -54,11 +55,11 @@ def resolve_tp(W, bias, h, md, rows, size, monkeypatch, screen="int8", softcap=N
         dense = dense_tp(comm, w, b, V, head.engine)
         ref = dense(h)
         logits = ref.clone()
-        logits[rows] = sampler_hook.PLACEHOLDER
+        logits[rows] = csv_step.PLACEHOLDER
         calls = []
-        d = sampler_hook.Deferred(logits, h[rows].clone(), rows, ["sampling"] * rows.numel(), ShardedAdapter(head),
-                                  lambda: calls.append(1) or dense(h), lambda st: None)
-        st, no_top_p, _ = sampler_hook.resolve(Sampler(), d, logits, md)
+        d = csv_step.Deferred(logits, h[rows].clone(), rows, ["sampling"] * rows.numel(), ShardedAdapter(head),
+                              lambda: calls.append(1) or dense(h), csv_step.Tally().account())
+        st, no_top_p, _ = v1_sampler.resolve(Sampler(), d, logits, md)
         return logits, st, no_top_p, ref, len(calls), head
 
     return run_ranks(size, rank)[0]
@@ -196,7 +197,7 @@ def test_tp_disagreeing_ranks_go_dense_together(monkeypatch):
             return z, lower, upper
 
         head.local._intervals, head.local._score = broken, broken_score
-        peek = sampler_hook.peek_seeds
+        peek = v1_sampler.peek_seeds
 
         def other_seed(n, gens):  # (each thread reads the module's function when it resolves)
             s = peek(n, gens)
@@ -205,7 +206,7 @@ def test_tp_disagreeing_ranks_go_dense_together(monkeypatch):
             return s
 
         rank1.append(threading.current_thread())
-        monkeypatch.setattr(sampler_hook, "peek_seeds", other_seed)
+        monkeypatch.setattr(v1_sampler, "peek_seeds", other_seed)
 
     res = resolve_tp(W, None, h, md, torch.arange(B), 2, monkeypatch, patch=patch)
     check_same_and_exact(res, md, torch.arange(B))

@@ -157,7 +157,8 @@ def run(c: dict) -> dict:
     from vllm_csv import CertifiedHead, HeadConfig
     from vllm_csv.sampling import rows_v2
     from vllm_csv.sampling.head_adapter import HeadAdapter
-    from vllm_csv.vllm_plugin import sampler_hook
+    from vllm_csv.vllm_plugin import step as csv_step
+    from vllm_csv.vllm_plugin.v2 import sampler as v2_sampler
 
     W, h, B = c["W"], c["h"], c["h"].shape[0]
     head = CertifiedHead(W, config=HeadConfig(screen=c["screen"], off_switch=False))
@@ -194,19 +195,19 @@ def run(c: dict) -> dict:
     out = {"dense": draw(dense), "rows": rows}
     for name in c["variants"]:
         logits = head.dense_logits(h).clone()
-        logits[rows] = sampler_hook.PLACEHOLDER
+        logits[rows] = csv_step.PLACEHOLDER
         logits = grammar(logits)  # (V2's runner: the bitmask on the head's output, then the sampler)
-        d = sampler_hook.Deferred(logits, h[rows].clone(), rows, list(c["modes"]), HeadAdapter(head),
-                                  lambda: head.dense_logits(h), lambda st: None)
+        d = csv_step.Deferred(logits, h[rows].clone(), rows, list(c["modes"]), HeadAdapter(head),
+                              lambda: head.dense_logits(h), csv_step.Tally().account())
         bounds = rows_v2.min_p_bounds
         if name == "no_drop":  # the certificate as it is; the written row keeps the dropped tokens
             rows_v2.min_p_bounds = lambda *a: (*bounds(*a)[:2], torch.zeros((), dtype=torch.bool))
         else:
-            sampler_hook.certify_rows_v2 = variants[name]
+            v2_sampler.certify_rows_v2 = variants[name]
         try:
-            st = sampler_hook.resolve_v2(sampler, d, logits, batch)
+            st = v2_sampler.resolve(sampler, d, logits, batch)
         finally:
-            sampler_hook.certify_rows_v2, rows_v2.min_p_bounds = real, bounds
+            v2_sampler.certify_rows_v2, rows_v2.min_p_bounds = real, bounds
         out[name] = {"draw": draw(logits), "certified": dict(st.certified), "fallbacks": dict(st.fallbacks)}
     return out
 

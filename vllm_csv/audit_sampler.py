@@ -1,5 +1,5 @@
 """Adversarial audit of the sampler path: vLLM's own ``Sampler`` drawing from certified rows
-(the sampler hook, :mod:`vllm_csv.vllm_plugin.sampler_hook`) against the same ``Sampler`` on the
+(the sampler hook, :mod:`vllm_csv.vllm_plugin.v1.sampler`) against the same ``Sampler`` on the
 dense head, on the audit's hostile heads and hidden states (:data:`vllm_csv.audit.FAMILIES`).
 
 Each case draws per-row sampling parameters: greedy, temperature alone, top-k, top-p, min-p and
@@ -161,9 +161,9 @@ def check_sampler(head, case: Case, batch: Batch, seed: int) -> SamplerOutcome:
 
     from .head import hidden_rows
     from .sampling.head_adapter import HeadAdapter
-    from .vllm_plugin import sampler_hook
+    from .vllm_plugin import patches, step as csv_step
 
-    sampler_hook.install()
+    patches.install_samplers()
     sampler = Sampler()
     dense = dense_reference(case)
     grammar = batch.grammar
@@ -171,18 +171,18 @@ def check_sampler(head, case: Case, batch: Batch, seed: int) -> SamplerOutcome:
     want = _sample(sampler, dense.clone() if grammar is None else dense.masked_fill(grammar, -math.inf), batch, seed)
     logits = dense.clone()
     rows = batch.deferred
-    logits[rows] = sampler_hook.PLACEHOLDER
+    logits[rows] = csv_step.PLACEHOLDER
     if grammar is not None:  # vLLM's apply_grammar_bitmask runs on the head's output, placeholders included
         logits.masked_fill_(grammar, -math.inf)
-    seen = []
-    sampler_hook.defer(sampler_hook.Deferred(logits, hidden_rows(case.hidden, rows), rows,  # (as the plugin's layer)
-                                             [batch.modes[i] for i in rows.tolist()], HeadAdapter(head),
-                                             lambda: dense_reference(case), seen.append))
+    tally = csv_step.Tally()
+    step = csv_step.hand_off(sampler, csv_step.Deferred(  # (as the plugin's layer)
+        logits, hidden_rows(case.hidden, rows), rows, [batch.modes[i] for i in rows.tolist()], HeadAdapter(head),
+        lambda: dense_reference(case), tally.account()))
     try:
         got = _sample(sampler, logits, batch, seed)
     finally:
-        sampler_hook.discard()
-    st = seen[0] if seen else sampler_hook.DeferredStats()
+        step.handoff = None
+    st = tally.seen[0] if tally.seen else csv_step.DeferredStats()
     wrong = int((got[0] != want[0]).sum())
     out_of_step = int(not torch.equal(got[1], want[1]) or
                       any(not torch.equal(a, b) for a, b in zip(got[2], want[2])))

@@ -404,7 +404,7 @@ def _finish_rows(out: torch.Tensor, rows: torch.Tensor, s_idx: torch.Tensor, val
     A token whose upper bound was ``-inf`` in that round (masked, or certainly dropped by min-p /
     top-k / top-p) was never compared with the winner: it must not compete on the row the sampler
     gets either (the sampler does not drop it again: a certified row is drawn with no top-p or
-    top-k, and vLLM's min-p may be skipped, ``sampler_hook._masks_off``). (Another round's drops
+    top-k, and vLLM's min-p may be skipped, ``vllm_plugin.v1.masks._masks_off``). (Another round's drops
     are not that proof's: the tail a top-p drops as one block may differ between rounds.)"""
     v = values[:, s_idx]
     if masked is not None:

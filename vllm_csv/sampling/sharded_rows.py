@@ -46,7 +46,7 @@ and a row whose seeds differ between ranks would go dense on every rank rather t
 its explicit scored tokens and ``-inf`` elsewhere (and where min-p / top-p certainly drop):
 every finite value lies within its token's bounds and was beaten by the winner, every other
 token (explicit or in the block) was compared through its bounds, so vLLM's draw returns the
-winner (the argument of :mod:`.rows` and :mod:`vllm_csv.vllm_plugin.sampler_hook`). Rows
+winner (the argument of :mod:`.rows` and :mod:`vllm_csv.vllm_plugin.v1.sampler`). Rows
 that are not certified are dense on every rank (the caller's collective dense path).
 """
 

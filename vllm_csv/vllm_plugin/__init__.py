@@ -2,10 +2,14 @@
 
 Loaded by vLLM (entry point group ``vllm.general_plugins``) in the API server before
 argument parsing, in the engine core and in every worker. ``register`` is idempotent
-and cheap: it adds the ``--csv-*`` flags, wraps the model runners so the head learns
-each row's sampling parameters, wraps vLLM's V1 ``Sampler`` (rows certified with the seed it
-draws, see ``sampler_hook``), and registers the replacement ``LogitsProcessor``,
-which turns itself back into vLLM's own class whenever CSV is not enabled.
+and cheap: behind the version gate it applies :mod:`.patches` (every change made to vLLM: the
+``--csv-*`` flags, the model runners' step, the samplers, the replacement ``LogitsProcessor``,
+which turns itself back into vLLM's own class whenever CSV is not enabled).
+
+Layout: :mod:`.step` (one step's state, passed from the runner to its layer and its sampler),
+:mod:`.plan` (which rows take the certified path), :mod:`.logits_processor` (the layer),
+:mod:`.fill` (deferred rows written into the logits), :mod:`.v1` and :mod:`.v2` (each runner
+generation's plan and sampler hook, one interface), :mod:`.cli_args` and :mod:`.config` (flags).
 """
 
 from __future__ import annotations
@@ -38,15 +42,9 @@ def register() -> None:
     if problem and os.environ.get("VLLM_CSV_ALLOW_UNSUPPORTED") != "1":
         logger.warning(problem)
         return
-    from vllm.model_executor.layers.logits_processor import LogitsProcessor
+    from . import patches
 
-    from . import cli_args, sampler_hook, step_plan
-    from .logits_processor import CSVLogitsProcessor
-
-    cli_args.install()
-    step_plan.install(_max_topk)
-    sampler_hook.install()
-    LogitsProcessor.register_oot(CSVLogitsProcessor)
+    patches.install(_max_topk)
 
 
 def _max_topk(runner=None) -> int:

@@ -2,9 +2,9 @@
 ``additional_config["csv_decode"]``.
 
 vLLM loads general plugins inside ``AsyncEngineArgs.add_cli_args`` right before it
-calls ``EngineArgs.add_cli_args``; wrapping that static method adds our argument group
-to the same parser, and wrapping ``EngineArgs.from_cli_args`` (which every entry point
-uses to turn the namespace into engine arguments) moves the flags into
+calls ``EngineArgs.add_cli_args``; wrapping that static method (:mod:`.patches`) adds our
+argument group to the same parser, and wrapping ``EngineArgs.from_cli_args`` (which every
+entry point uses to turn the namespace into engine arguments) moves the flags into
 ``additional_config``, where the engine core and the workers read them. Values are
 validated here, so a bad flag, or a ``--csv-index`` file that is missing or corrupt, stops
 ``vllm serve`` with one line before any model is loaded.
@@ -13,9 +13,7 @@ validated here, so a bad flag, or a ``--csv-index`` file that is missing or corr
 from __future__ import annotations
 
 import argparse
-import sys
 
-from ..errors import CSVError
 from ..screens import SCREENS
 from ..vocabulary import CLUSTER_FRACTION, DEFAULT_BUDGET, DEFAULT_MAX_TOPK
 from .config import SECTION, from_additional_config
@@ -68,36 +66,3 @@ def check_index_file(cfg) -> None:
 
         CSVIndex.load(cfg.index)
 
-
-def install() -> None:
-    """Wrap ``EngineArgs.add_cli_args`` / ``from_cli_args`` once per process."""
-    from vllm.engine.arg_utils import EngineArgs
-
-    if getattr(EngineArgs, "_csv_decode_wrapped", False):
-        return
-    orig_add = EngineArgs.add_cli_args
-    orig_from = EngineArgs.from_cli_args.__func__
-
-    def add_cli_args(parser, *a, **k):
-        parser = orig_add(parser, *a, **k)
-        if not any("--enable-csv-decode" in act.option_strings for act in parser._actions):
-            add_csv_args(parser)
-        return parser
-
-    def from_cli_args(cls, args):
-        engine_args = orig_from(cls, args)
-        try:
-            engine_args.additional_config = apply_csv_args(args, engine_args.additional_config)
-            check_index_file(from_additional_config(engine_args.additional_config))
-        except CSVError as e:
-            print(f"vllm serve: error: {e}", file=sys.stderr)
-            raise SystemExit(2) from None
-        if from_additional_config(engine_args.additional_config).enabled:
-            from ..metrics import ensure_multiprocess_dir
-
-            ensure_multiprocess_dir()  # before the engine processes start: they inherit it
-        return engine_args
-
-    EngineArgs.add_cli_args = staticmethod(add_cli_args)
-    EngineArgs.from_cli_args = classmethod(from_cli_args)
-    EngineArgs._csv_decode_wrapped = True

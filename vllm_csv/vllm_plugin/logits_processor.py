@@ -12,9 +12,10 @@ one append: the fast lane, :meth:`CSVLogitsProcessor._open_lane`).
 With tensor parallelism the head is a :class:`~vllm_csv.sharded.ShardedHead` over this
 rank's shard: every rank reaches the same decision, and dense rows take vLLM's all-gather.
 Rows planned ``DEFER`` (certified with the seed the sampler draws) are left as placeholders
-and handed to :mod:`.sampler_hook`, which fills them before vLLM's sampler reads them (under
-tensor parallelism through a :class:`~vllm_csv.sampling.sharded_rows.ShardedAdapter`: the
-same decision on every rank).
+and handed to the sampler on the runner's :class:`~.step.Step` (:mod:`.v1.sampler`,
+:mod:`.v2.sampler` fill them before vLLM's sampler reads them; under tensor parallelism through
+a :class:`~vllm_csv.sampling.sharded_rows.ShardedAdapter`: the same decision on every rank),
+with the step's :class:`~.step.StepAccount`, which the sampler settles here (:meth:`settle`).
 """
 
 from __future__ import annotations
@@ -29,8 +30,8 @@ from vllm.model_executor.layers.logits_processor import LogitsProcessor
 from .. import head as csv_head
 from ..metrics import Series
 from ..off_switch import WINDOW
-from . import sampler_hook, step_plan
 from .config import CSVDecodeConfig, from_additional_config
+from .step import PLACEHOLDER, Deferred, DeferredStats, DenseBatch, StepAccount, step_of
 
 logger = init_logger("vllm.csv_decode")
 
@@ -56,7 +57,8 @@ class CSVLogitsProcessor(LogitsProcessor):
         self._csv_logged = False
         self._csv_lane: _Lane | None = None  # switched-off steps that skip the ledger (_open_lane)
 
-    def _dense(self, lm_head, hidden: torch.Tensor, embedding_bias) -> torch.Tensor:
+    def dense_logits(self, lm_head, hidden: torch.Tensor, embedding_bias) -> torch.Tensor:
+        """vLLM's own logits of ``hidden`` (``[B, d]`` -> ``[B, V]``): its layer's forward."""
         return super().forward(lm_head, hidden, embedding_bias)
 
     def forward(self, lm_head, hidden_states: torch.Tensor, embedding_bias: torch.Tensor | None = None,
@@ -64,12 +66,15 @@ class CSVLogitsProcessor(LogitsProcessor):
         # The head (and its index) is built at the first call, which vLLM makes during
         # start-up (profiling / warm-up): a bad index stops the server there.
         t0 = time.perf_counter()  # the off-switch charges this layer's whole step, plan included
-        # A slot left by an earlier head call whose sampler call never came (none expected: each
+        # The runner's step (step.py; None: a call outside a runner's step, e.g. warm-up). A
+        # hand-off left by an earlier head call whose sampler call never came (none expected: each
         # step's sampler follows its head) must not reach this step's sampler: it would fill this
-        # step's logits with another step's rows where the shapes agree (sampler_hook._take).
-        sampler_hook.discard()
+        # step's logits with another step's rows where the shapes agree (Step.take_handoff).
+        step = step_of(self)
+        if step is not None:
+            step.handoff = None
         head = self._get_head(lm_head, embedding_bias)
-        plan = step_plan.take_plan(hidden_states.shape[0])
+        plan = None if step is None else step.take_plan(hidden_states.shape[0])
         if plan is None or skip_gather or hidden_states.dim() != 2:
             return super().forward(lm_head, hidden_states, embedding_bias, skip_gather)
         lane = self._csv_lane
@@ -78,8 +83,8 @@ class CSVLogitsProcessor(LogitsProcessor):
                 lane.left -= 1
                 logits = super().forward(lm_head, hidden_states, embedding_bias).to(head.dtype)
                 if lane.with_sampler:  # (the append comes with the sampler call's time)
-                    sampler_hook.defer(sampler_hook.DenseTiming(
-                        lambda s, h=time.perf_counter() - t0, out=lane.series.seconds: out.append(h + s)))
+                    step.handoff = StepAccount(self, "lane", series=lane.series, with_sampler=True,
+                                               head_seconds=time.perf_counter() - t0)
                 else:
                     lane.series.seconds.append(time.perf_counter() - t0)
                 return logits
@@ -92,13 +97,7 @@ class CSVLogitsProcessor(LogitsProcessor):
                 self.csv_metrics.record(csv_head.StepStats(rows=hidden_states.shape[0]))
             return out
         B = hidden_states.shape[0]
-        memo: list[torch.Tensor] = []
-
-        def dense_full() -> torch.Tensor:
-            """vLLM's dense logits of the whole batch, computed at most once a step."""
-            if not memo:
-                memo.append(self._dense(lm_head, hidden_states, embedding_bias))
-            return memo[0]
+        dense_full = DenseBatch(self, lm_head, hidden_states, embedding_bias)  # computed at most once
         ks, modes, deferred, in_head = plan.topk, plan.row_modes, plan.deferred, plan.in_head
         # The off-switch decides for the whole step here, once (the head's rows and the
         # sampler's are charged together against the dense time of all B rows; its ledger is
@@ -125,7 +124,7 @@ class CSVLogitsProcessor(LogitsProcessor):
             stats.fallbacks["unsupported"] = split.csv_rows - len(split.rows)
             stats.fallbacks["off_switch"] = plan.csv_rows - stats.fallbacks["unsupported"]
             if with_sampler:  # accounted once vLLM's sampler call is timed
-                sampler_hook.defer(sampler_hook.DenseTiming(lambda s: self._dense_step(head, stats, key, s)))
+                step.handoff = StepAccount(self, "dense", head=head, stats=stats, key=key, with_sampler=True)
             else:
                 self._dense_step(head, stats, key if not hidden_states.is_cuda else None)  # (CUDA: no sync to time it)
             steps = sw.refusals_ahead(key, kind)
@@ -156,20 +155,34 @@ class CSVLogitsProcessor(LogitsProcessor):
                 logits[sub] = part
             elif in_head:
                 logits[sub] = dense_full()[sub].to(head.dtype)
-            logits[rows.to(logits.device)] = sampler_hook.PLACEHOLDER
-            sampler_hook.defer(sampler_hook.Deferred(
+            logits[rows.to(logits.device)] = PLACEHOLDER
+            account = StepAccount(self, "deferred", head=head, stats=stats,
+                                  modes=self._head_modes(head, stats, ks, modes, in_head),
+                                  key=key if own_switch else None, with_sampler=with_sampler)
+            step.handoff = Deferred(
                 logits, csv_head.hidden_rows(hidden_states, rows.to(hidden_states.device)), rows,
-                [modes[i] for i in deferred], self._adapter(head), dense_full,
-                lambda st, stats=stats, hm=self._head_modes(head, stats, ks, modes, in_head):
-                    self._record(head, _merge(stats, st), {k: hm.get(k, 0) + st.certified.get(k, 0)
-                                                          for k in set(hm) | set(st.certified)},
-                                 key if own_switch else None),
-                seconds=time.perf_counter() - t0 - stats.seconds, with_sampler=with_sampler))
+                [modes[i] for i in deferred], self._adapter(head), dense_full, account,
+                seconds=time.perf_counter() - t0 - stats.seconds)
             self._log_first(head, stats)
             return logits
         self._log_first(head, stats)
         self._record(head, stats, self._head_modes(head, stats, ks, modes, range(B)), B if asked else None)
         return logits
+
+    def settle(self, account: StepAccount, deferred: DeferredStats | None, sampler_seconds: float) -> None:
+        """Close a step's account once its sampler call has run (:class:`~.step.Ledger`):
+        ``deferred`` what the sampler did with the step's deferred rows, ``sampler_seconds`` the
+        time of vLLM's sampler call where the account counts it (``with_sampler``)."""
+        if account.kind == "lane":
+            account.series.seconds.append(account.head_seconds + sampler_seconds)
+        elif account.kind == "dense":
+            self._dense_step(account.head, account.stats, account.key, sampler_seconds)
+        else:
+            deferred.seconds += sampler_seconds
+            hm = account.modes
+            self._record(account.head, _merge(account.stats, deferred),
+                         {k: hm.get(k, 0) + deferred.certified.get(k, 0) for k in set(hm) | set(deferred.certified)},
+                         account.key)
 
     def _dense_step(self, head, stats, key, sampler_seconds: float = 0.0) -> None:
         """The account of a step the off-switch sent dense: its time (plus vLLM's sampler call's,
@@ -280,13 +293,13 @@ class CSVLogitsProcessor(LogitsProcessor):
 
 @dataclass
 class _Lane:
-    plan: object  # the step plan whose steps take the lane (step_plan hands out the same object while the batch holds)
+    plan: object  # the step plan whose steps take the lane (the plan builders hand out the same object while the batch holds)
     key: object  # the steps' key in the off-switch: the batch size, or (B, "sampler")
     kind: str  # the off-switch's ledger
     left: int  # steps the lane may still take
     series: Series  # each lane step's time (open in the metrics when they are on)
     timed: bool  # the times are in-place dense samples (not on CUDA: no sync to time it)
-    with_sampler: bool = False  # each time includes vLLM's sampler call (sampler_hook.DenseTiming)
+    with_sampler: bool = False  # each time includes vLLM's sampler call (a StepAccount of kind "lane")
 
 
 def vllm_linear():

@@ -1,0 +1,190 @@
+"""Every change this plugin makes to vLLM, in one place, applied once per process behind the
+version gate (:func:`vllm_csv.vllm_plugin.register`).
+
+1. ``EngineArgs.add_cli_args`` / ``from_cli_args``: the ``--csv-*`` flags, moved into
+   ``additional_config`` (:mod:`.cli_args`);
+2. the model runners' step methods: V1 ``GPUModelRunner.execute_model`` (also vLLM-CPU's) and
+   V2 ``GPUModelRunner.execute_model`` / ``sample``: each opens the runner's
+   :class:`~.step.Step` with its plan (:mod:`.step`, :mod:`.plan`);
+3. the samplers: V1 ``Sampler.forward`` and V2 ``Sampler.__call__`` resolve the step's deferred
+   rows before vLLM's own code (:mod:`.v1.sampler`, :mod:`.v2.sampler`), and vLLM-CPU's
+   ``apply_top_k_top_p`` runs on the rows that need it during such a draw (:mod:`.v1.masks`);
+4. ``LogitsProcessor.register_oot``: the CSV layer (:mod:`.logits_processor`), which turns
+   itself back into vLLM's class whenever CSV is off.
+
+Each patch marks what it wrapped (``_csv_wrapped``), so a second :func:`install` is a no-op;
+each optional vLLM module (the V2 runner) is skipped where it does not import.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+from typing import Protocol
+
+from ..errors import CSVError
+from . import v1, v2
+from .step import LazyPlan, bind
+
+
+class Integration(Protocol):
+    """What a runner generation (:mod:`.v1`, :mod:`.v2`) offers the patches."""
+
+    def build_plan(self, runner, max_topk: int, req_ids=None): ...  # -> Plan | None
+
+    def certifiable_sampler(self, sampler) -> bool: ...
+
+    def sample(self, orig, sampler, logits, *args, **kwargs): ...
+
+
+def install(max_topk: Callable[[object], int]) -> None:
+    """Apply every patch (idempotent). ``max_topk(runner)`` gives the runner's ``--csv-max-topk``."""
+    from vllm.model_executor.layers.logits_processor import LogitsProcessor
+
+    from .logits_processor import CSVLogitsProcessor
+
+    _engine_args()
+    install_runners(max_topk)
+    install_samplers()
+    LogitsProcessor.register_oot(CSVLogitsProcessor)
+
+
+def _engine_args() -> None:
+    """Wrap ``EngineArgs.add_cli_args`` / ``from_cli_args`` (:mod:`.cli_args`)."""
+    from vllm.engine.arg_utils import EngineArgs
+
+    from .cli_args import add_csv_args, apply_csv_args, check_index_file
+    from .config import from_additional_config
+
+    if getattr(EngineArgs, "_csv_wrapped", False):
+        return
+    orig_add = EngineArgs.add_cli_args
+    orig_from = EngineArgs.from_cli_args.__func__
+
+    def add_cli_args(parser, *a, **k):
+        parser = orig_add(parser, *a, **k)
+        if not any("--enable-csv-decode" in act.option_strings for act in parser._actions):
+            add_csv_args(parser)
+        return parser
+
+    def from_cli_args(cls, args):
+        engine_args = orig_from(cls, args)
+        try:
+            engine_args.additional_config = apply_csv_args(args, engine_args.additional_config)
+            check_index_file(from_additional_config(engine_args.additional_config))
+        except CSVError as e:
+            print(f"vllm serve: error: {e}", file=sys.stderr)
+            raise SystemExit(2) from None
+        if from_additional_config(engine_args.additional_config).enabled:
+            from ..metrics import ensure_multiprocess_dir
+
+            ensure_multiprocess_dir()  # before the engine processes start: they inherit it
+        return engine_args
+
+    EngineArgs.add_cli_args = staticmethod(add_cli_args)
+    EngineArgs.from_cli_args = classmethod(from_cli_args)
+    EngineArgs._csv_wrapped = True
+
+
+def install_runners(max_topk: Callable[[object], int]) -> None:
+    """The V1 and V2 runners' step methods (each where it imports)."""
+    _v1_runner(max_topk)
+    _v2_runner(max_topk)
+
+
+def _v1_runner(max_topk) -> None:
+    """V1 ``execute_model`` opens the step; its plan is built lazily (at the logits call), so that
+    it sees the batch ``execute_model`` updates first, and closed when the method returns; the
+    hand-off for ``sample_tokens``' sampler call stays on the step."""
+    try:
+        from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+    except ImportError:
+        return
+    if getattr(GPUModelRunner, "_csv_wrapped", False):
+        return
+    orig = GPUModelRunner.execute_model
+
+    def execute_model(self, scheduler_output, *a, **k):
+        channel = bind(self)
+        channel.open(LazyPlan(self, v1.build_plan, max_topk(self)))
+        try:
+            return orig(self, scheduler_output, *a, **k)
+        finally:
+            channel.close_plan()
+
+    GPUModelRunner.execute_model = execute_model
+    GPUModelRunner._csv_wrapped = True
+
+
+def _v2_runner(max_topk) -> None:
+    """V2 ``execute_model`` keeps each new request's sampling parameters (the V2 runner keeps
+    none it would hand out); V2 ``sample`` (head and sampler together) opens the step."""
+    try:
+        from vllm.v1.worker.gpu.model_runner import GPUModelRunner as V2Runner
+    except ImportError:
+        return
+    if getattr(V2Runner, "_csv_wrapped", False):
+        return
+    from .plan import plannable
+
+    orig_exec, orig_sample = V2Runner.execute_model, V2Runner.sample
+
+    def execute_model(self, scheduler_output, *a, **k):
+        params = self.__dict__.setdefault("_csv_sampling_params", {})
+        for new in getattr(scheduler_output, "scheduled_new_reqs", ()) or ():
+            params[new.req_id] = new.sampling_params
+        rows = self.__dict__.setdefault("_csv_rows", {})  # (v2.plan.build_plan's rows)
+        for rid in getattr(scheduler_output, "finished_req_ids", ()) or ():
+            params.pop(rid, None)
+            rows.pop(rid, None)
+        return orig_exec(self, scheduler_output, *a, **k)
+
+    def sample(self, hidden_states, input_batch, grammar_output, *a, **k):
+        plan = None
+        if (plannable(self) and getattr(self, "batch_sharder", None) is None
+                and getattr(input_batch, "num_draft_tokens", 0) == 0):
+            plan = v2.build_plan(self, max_topk(self), input_batch.req_ids)
+        channel = bind(self)
+        step = channel.open(plan)
+        try:
+            return orig_sample(self, hidden_states, input_batch, grammar_output, *a, **k)
+        finally:
+            # a hand-off no sampler call took (none expected) must not reach the next step
+            step.plan = step.handoff = None
+
+    V2Runner.execute_model = execute_model
+    V2Runner.sample = sample
+    V2Runner._csv_wrapped = True
+
+
+def install_samplers() -> None:
+    """V1 ``Sampler.forward`` and V2 ``Sampler.__call__`` take the step's hand-off first; vLLM-CPU's
+    ``apply_top_k_top_p`` (read from its module at each ``forward_cpu`` call) runs on the rows
+    that need it during a draw with certified rows."""
+    from vllm.v1.sample.ops import topk_topp_sampler
+    from vllm.v1.sample.sampler import Sampler
+
+    from .v1.masks import masks_on_rows
+
+    if not getattr(Sampler, "_csv_wrapped", False):
+        orig = Sampler.forward
+
+        def forward(self, logits, sampling_metadata, predict_bonus_token=False, logprobs_mode_override=None):
+            return v1.sample(orig, self, logits, sampling_metadata, predict_bonus_token, logprobs_mode_override)
+
+        Sampler.forward = forward
+        Sampler._csv_wrapped = True
+    if not getattr(topk_topp_sampler.apply_top_k_top_p, "_csv_wrapped", False):
+        topk_topp_sampler.apply_top_k_top_p = masks_on_rows(topk_topp_sampler.apply_top_k_top_p)
+    try:
+        from vllm.v1.worker.gpu.sample.sampler import Sampler as V2Sampler
+    except ImportError:
+        return
+    if not getattr(V2Sampler, "_csv_wrapped", False):
+        orig_v2 = V2Sampler.__call__
+
+        def call(self, logits, input_batch, *a, **k):
+            return v2.sample(orig_v2, self, logits, input_batch, *a, **k)
+
+        V2Sampler.__call__ = call
+        V2Sampler._csv_wrapped = True

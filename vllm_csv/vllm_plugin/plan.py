@@ -1,0 +1,186 @@
+"""Which rows of the LM head may take the certified path this step: the policy, per request.
+
+``LogitsProcessor.forward`` sees hidden states, not sampling parameters. The model runner knows
+both: its wrapped step method (:mod:`.patches`) opens a :class:`~.step.Step` whose plan holds one
+entry per request in the order of the logits rows (built by :mod:`.v1.plan` or :mod:`.v2.plan`).
+Any logits call outside that method (warm-up, profiling, prompt logprobs, draft heads) or with an
+unexpected row count gets no plan, and every row is dense.
+
+``plan_row`` is the whole policy (SPEC, "Per-request features"): ``k > 0`` certifies
+the exact top-k in the LM head (greedy is ``k = 1``); :data:`DEFER` certifies the row's
+draw inside vLLM's sampler (:mod:`.v1.sampler`: plain temperature sampling, top-p and
+min-p sampling, greedy or sampled rows with penalties, ``logit_bias``,
+``allowed_token_ids``, bad words or ``min_tokens``, and greedy or sampled rows with structured
+output, certified over the tokens the grammar allows; each also with ``top_k``, and plain
+``top_k`` sampling above the head's limit, or at any ``k`` where the runner's sampler is the
+one the hook certifies: :func:`~.v1.plan.top_k_in_sampler`); ``0`` is the dense path.
+:func:`row_mode` names the mode for the metrics.
+
+A row with structured output is never certified in the head, greedy included: the runner
+applies the grammar bitmask to the head's output, after the head and before the sampler, and
+may remove the head's certified token, leaving the sampler to pick among the other scored
+tokens while a better allowed token outside ``S`` sits at ``-inf``. The sampler hook sees the
+mask (:mod:`.fill`, where the reason it is sound is written down).
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+
+from ..vocabulary import MODES  # noqa: F401  (row_mode's labels)
+from ..vocabulary import SAMPLING_EPS as _SAMPLING_EPS
+
+DEFER = -1  # certify the row in vLLM's sampler, with the seed it draws (v1.sampler, v2.sampler)
+
+
+@dataclass
+class Plan:
+    """One step's rows: the per-row entries, and what the head derives from them (computed at
+    most once per plan: :func:`.v1.plan.build_plan` and :func:`.v2.plan.build_plan` hand the same
+    plan to every step whose batch holds the same requests, so a decode run builds it once per
+    change of the batch)."""
+
+    req_ids: list[str]
+    topk: list[int]  # per row: k > 0, DEFER or 0 (dense)
+    modes: list[str] | None = None  # per row, row_mode (None: greedy for k == 1, else top_k)
+    temps: list[float] | None = None  # per row: temperature of a sampled row, 0.0 greedy (None: all greedy)
+
+    @functools.cached_property
+    def deferred(self) -> list[int]:
+        """Rows certified in the sampler (:data:`DEFER`)."""
+        return [i for i, k in enumerate(self.topk) if k == DEFER]
+
+    @functools.cached_property
+    def in_head(self) -> list[int]:
+        """Rows the head decides (certified there, or dense)."""
+        return [i for i, k in enumerate(self.topk) if k != DEFER]
+
+    @functools.cached_property
+    def row_modes(self) -> list[str]:
+        return list(self.modes or ["greedy" if k == 1 else "top_k" for k in self.topk])
+
+    @functools.cached_property
+    def row_temps(self) -> list[float]:
+        return list(self.temps) if self.temps is not None else [0.0] * len(self.topk)
+
+    @functools.cached_property
+    def topk_tensor(self) -> torch.Tensor:
+        """``topk`` as the head's ``[B]`` int64 host tensor (read, never written)."""
+        return torch.tensor(self.topk, dtype=torch.long)
+
+    def split(self, max_certified_k: int):
+        """The head's :func:`~vllm_csv.head.row_split` of the rows it decides (deferred rows
+        count as dense there), kept per ``max_certified_k``."""
+        cache = self.__dict__.setdefault("_splits", {})
+        if max_certified_k not in cache:
+            from ..head import row_split
+
+            cache[max_certified_k] = row_split([max(k, 0) for k in self.topk], max_certified_k)
+        return cache[max_certified_k]
+
+    @functools.cached_property
+    def csv_rows(self) -> int:
+        """Rows asking for CSV, in the head or in the sampler."""
+        return sum(k != 0 for k in self.topk)
+
+    @functools.cached_property
+    def temperature(self) -> torch.Tensor | None:
+        """The head's ``temperature`` argument: None when every row is greedy (``0``), which the
+        head reads as the same thing and certifies with its plain comparisons (fused on the CPU)."""
+        t = self.row_temps
+        return torch.tensor(t, dtype=torch.float32) if any(x > 0 for x in t) else None
+
+
+def _processed(sp) -> bool:
+    """Features applied by vLLM's logits processors / penalties before the draw, each
+    monotone per token (the sampler hooks run vLLM's own code on the bounds)."""
+    return bool(sp.logit_bias or sp.allowed_token_ids or sp.bad_words or getattr(sp, "bad_words_token_ids", None)
+                or sp.presence_penalty != 0.0 or sp.frequency_penalty != 0.0 or sp.repetition_penalty != 1.0
+                or sp.min_tokens)
+
+
+def _structured(sp) -> bool:
+    """Structured output (JSON schema, regex, choice, grammar): a bitmask on the logits."""
+    return getattr(sp, "structured_outputs", None) is not None
+
+
+def plan_row(sp, max_topk: int, top_k_in_sampler: bool = False) -> tuple[int, str]:
+    """(k, reason): k > 0 to certify the exact top-k of this request's row in the head,
+    :data:`DEFER` to certify its draw in the sampler, else 0 and why. ``top_k_in_sampler``
+    (:func:`top_k_in_sampler`): sampled top-k rows are certified in the sampler, at any ``k``."""
+    if sp is None:
+        return 0, "unsupported"
+    dense_if = (
+        sp.logprobs is not None or sp.prompt_logprobs is not None
+        or getattr(sp, "logprob_token_ids", None)
+        or getattr(sp, "logits_processors", None)
+        or getattr(sp, "thinking_token_budget", None) is not None
+        or getattr(sp, "watermarking", None) or getattr(sp, "repetition_detection", None) is not None
+    )
+    if dense_if:
+        return 0, "unsupported"
+    if _structured(sp):
+        if sp.min_tokens:  # vLLM's min_tokens restores stop tokens when the grammar masked all else: not per token
+            return 0, "unsupported"
+        # never the head's certificate (greedy included): the grammar bitmask follows the head
+        return DEFER, ""
+    if sp.top_p < 1.0 or sp.min_p > 0.0 or _processed(sp):  # (vLLM resets top-p / min-p for greedy requests)
+        return DEFER, ""
+    if sp.temperature < _SAMPLING_EPS:
+        return 1, ""
+    if 1 <= sp.top_k <= max_topk and not top_k_in_sampler:  # the exact top-k in the head: no sampler work
+        return sp.top_k, ""
+    return DEFER, ""  # plain sampling, or top_k above the head's limit
+
+
+def row_temperature(sp) -> float:
+    """What vLLM divides a sampled row's logits by before its top-k mask; ``0.0`` for a
+    greedy row (argmax, no division) or no parameters."""
+    t = 0.0 if sp is None else float(sp.temperature)
+    return t if t >= _SAMPLING_EPS else 0.0
+
+
+def row_mode(sp, k: int) -> str:
+    """The metric label of a row planned ``k`` (one of :data:`MODES`)."""
+    if k == DEFER:
+        if _structured(sp):
+            return "structured"
+        if sp.top_p < 1.0:
+            return "top_p"
+        if sp.min_p > 0.0:
+            return "min_p"
+        if _processed(sp):
+            return "processed"
+        return "top_k" if sp.top_k > 0 and sp.temperature >= _SAMPLING_EPS else "sampling"
+    return "greedy" if k == 1 and sp.temperature < _SAMPLING_EPS else "top_k"
+
+
+def row_plan(sp, max_topk: int, top_k_in_sampler: bool = False) -> tuple[int, str, float]:
+    """A row's plan entry ``(k, mode, temperature)``: :func:`plan_row`'s ``k``, its
+    :func:`row_mode` (``""`` for a dense row) and :func:`row_temperature`."""
+    k = plan_row(sp, max_topk, top_k_in_sampler)[0]
+    return k, row_mode(sp, k) if k else "", row_temperature(sp)
+
+
+def plannable(runner) -> bool:
+    """No speculative decoding, and no pipeline-parallel output broadcast (vLLM's external-launcher
+    mode sends the last stage's logits to every rank, which then samples them itself: the other
+    ranks would draw from the deferred rows' placeholders, whose hidden states only the last
+    rank stashed)."""
+    return getattr(runner, "speculative_config", None) is None and \
+        getattr(getattr(runner, "vllm_config", None), "speculative_config", None) is None and \
+        not getattr(runner, "broadcast_pp_output", False)
+
+
+def sampler_ok(runner, attr: str, certifiable) -> bool:
+    """``certifiable(runner.sampler)`` and no tensor parallelism, kept on the runner as ``attr``."""
+    cached = getattr(runner, attr, None)
+    if cached is None:
+        pc = getattr(getattr(runner, "vllm_config", None), "parallel_config", None)
+        cached = certifiable(getattr(runner, "sampler", None)) and getattr(pc, "tensor_parallel_size", 1) == 1
+        setattr(runner, attr, cached)
+    return cached
+

@@ -1,0 +1,241 @@
+"""One engine step's CSV state, passed explicitly from the model runner to its head and sampler.
+
+A step of vLLM's model runner computes the logits (``model.compute_logits``: our layer,
+:class:`~.logits_processor.CSVLogitsProcessor`) and then samples them (vLLM's ``Sampler``,
+wrapped: :mod:`.v1.sampler`, :mod:`.v2.sampler`). The layer sees hidden states, the sampler
+sees logits and the sampling metadata; what one learns the other needs. So each runner owns one
+:class:`StepChannel`, bound once to its own CSV layers and its own sampler (:func:`bind`), and:
+
+1. the runner's wrapped step method (:mod:`.patches`) opens a :class:`Step` with the step's
+   plan (:class:`~.plan.Plan`, built lazily from the runner's batch at the head), and closes the
+   plan when the method returns (a logits call outside a step gets no plan: dense);
+2. the layer takes the plan (:meth:`Step.take_plan`, once, for the expected row count) and
+   leaves the step's :class:`Handoff` for the sampler: the rows it deferred
+   (:class:`Deferred`) or, on a dense step the off-switch times with vLLM's sampler call, an
+   account alone;
+3. the sampler takes the hand-off (:meth:`Step.take_handoff`: once, shape-checked), certifies
+   or fills the deferred rows, and settles the step's :class:`StepAccount` (metrics and the
+   off-switch's ledger) with what it did.
+
+Nothing here is process-global: two runners in a process (a drafter beside a target) have two
+channels, and a layer or sampler no runner bound (warm-up outside a step, a drafter's head)
+gets no step and stays dense.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Protocol
+
+import torch
+
+if TYPE_CHECKING:
+    from ..head import StepStats
+    from ..metrics import Series
+    from .plan import Plan
+
+PLACEHOLDER = 0.0  # the value of a deferred row's logits until the sampler fills them
+
+
+@dataclass
+class DeferredStats:
+    """What the sampler did with a step's deferred rows."""
+
+    rows: int = 0
+    certified: dict[str, int] = field(default_factory=dict)  # by mode
+    fallbacks: dict[str, int] = field(default_factory=dict)
+    scored: int = 0
+    seconds: float = 0.0
+
+
+class Ledger(Protocol):
+    """Who keeps a step's account (the layer: its metrics and off-switch)."""
+
+    def settle(self, account: StepAccount, deferred: DeferredStats | None, sampler_seconds: float) -> None: ...
+
+
+@dataclass
+class StepAccount:
+    """A step's account the layer leaves open until vLLM's sampler call has run.
+
+    ``kind``:
+
+    * ``"deferred"``: rows certified in the sampler; the head's ``stats`` and certified
+      ``modes`` merge with the sampler's :class:`DeferredStats`;
+    * ``"dense"``: a step the off-switch sent dense, timed with the sampler call;
+    * ``"lane"``: a fast-lane step (:meth:`~.logits_processor.CSVLogitsProcessor._open_lane`):
+      its head time plus the sampler call's appended to ``series``.
+
+    ``key`` is the step's key in the off-switch (None: not timed); ``with_sampler``: the sampler
+    call's own time counts (the off-switch compares head plus sampler on both sides)."""
+
+    ledger: Ledger
+    kind: str
+    head: object = None  # CertifiedHead or ShardedHead
+    stats: StepStats | None = None
+    modes: dict[str, int] = field(default_factory=dict)
+    key: object = None
+    with_sampler: bool = False
+    series: Series | None = None
+    head_seconds: float = 0.0
+
+    def settle(self, deferred: DeferredStats | None = None, sampler_seconds: float = 0.0) -> None:
+        self.ledger.settle(self, deferred, sampler_seconds)
+
+
+class DenseBatch:
+    """vLLM's dense logits of the step's whole batch, computed at most once (the rescue of any
+    row not certified: bit for bit what vLLM computes without CSV; under tensor parallelism a
+    collective every rank calls)."""
+
+    def __init__(self, layer, lm_head, hidden: torch.Tensor, embedding_bias: torch.Tensor | None):
+        self._args = (layer, lm_head, hidden, embedding_bias)
+        self._logits: torch.Tensor | None = None
+
+    def __call__(self) -> torch.Tensor:
+        """``[B, V]`` in vLLM's logits dtype."""
+        if self._logits is None:
+            layer, lm_head, hidden, bias = self._args
+            self._logits = layer.dense_logits(lm_head, hidden, bias)
+        return self._logits
+
+
+@dataclass
+class Deferred:
+    """The rows the layer left for the sampler (placeholders in ``logits``)."""
+
+    logits: torch.Tensor  # [B, V] what the head returned (placeholder rows at ``rows``)
+    hidden: torch.Tensor  # [R, d] the deferred rows' hidden states (a copy)
+    rows: torch.Tensor  # [R] int64, CPU
+    modes: list[str]  # per deferred row
+    adapter: object  # sampling.head_adapter.HeadAdapter or sampling.sharded_rows.ShardedAdapter
+    dense: DenseBatch  # the dense head on the whole batch: [B, V]
+    account: StepAccount  # kind "deferred"
+    seconds: float = 0.0  # head time spent on them
+
+    @property
+    def with_sampler(self) -> bool:
+        return self.account.with_sampler
+
+
+Handoff = Deferred | StepAccount  # what the layer leaves for the sampler
+
+
+@dataclass
+class Step:
+    """One step of one runner: its plan until the layer takes it, then the layer's hand-off
+    until the sampler takes it."""
+
+    plan: Plan | LazyPlan | None = None
+    handoff: Handoff | None = None
+
+    def take_plan(self, num_rows: int) -> Plan | None:
+        """The plan for a logits call of ``num_rows`` rows; consumed by the first call, so a
+        second call in the same step (never expected) is dense."""
+        plan = self.plan
+        if isinstance(plan, LazyPlan):
+            plan = plan.resolve()
+        if plan is None or len(plan.topk) != num_rows:
+            return None
+        self.plan = None
+        return plan
+
+    def take_handoff(self, logits: torch.Tensor) -> Handoff | None:
+        """The layer's hand-off for the sampler call on ``logits``, consumed. Deferred rows for
+        logits of another shape are an error (placeholders would be sampled)."""
+        d, self.handoff = self.handoff, None
+        if isinstance(d, Deferred) and tuple(logits.shape) != tuple(d.logits.shape):
+            raise RuntimeError(f"vllm-csv: the sampler got logits of shape {tuple(logits.shape)} after the head "
+                               f"returned {tuple(d.logits.shape)} with rows left to certify; refusing to sample "
+                               "from placeholders")
+        return d
+
+
+class LazyPlan:
+    """A plan built at its first use (:meth:`Step.take_plan`), from the runner's state at that
+    moment (the runner updates its batch inside the wrapped method, before the logits)."""
+
+    def __init__(self, runner, build, max_topk: int):
+        self._runner, self._build, self._max_topk = runner, build, max_topk
+
+    def resolve(self) -> Plan | None:
+        return self._build(self._runner, self._max_topk)
+
+
+class StepChannel:
+    """A runner's current :class:`Step`, shared by the runner, its CSV layers and its sampler."""
+
+    def __init__(self):
+        self.step = Step()
+        self.model = None  # the model whose layers are bound (rebound if the runner reloads it)
+
+    def open(self, plan: Plan | LazyPlan | None) -> Step:
+        """A new step (any hand-off no sampler took is dropped with the old one)."""
+        self.step = Step(plan)
+        return self.step
+
+    def close_plan(self) -> None:
+        """The runner's step method returned: a later logits call (none expected) is dense."""
+        self.step.plan = None
+
+
+def step_of(consumer) -> Step | None:
+    """The current step of the runner ``consumer`` (a CSV layer or a sampler) is bound to."""
+    channel = getattr(consumer, "csv_channel", None)
+    return None if channel is None else channel.step
+
+
+def bind(runner) -> StepChannel:
+    """The runner's channel, bound to the CSV layers of its model and to its sampler (once; again
+    if the runner's model object changed)."""
+    channel = runner.__dict__.get("_csv_channel")
+    if channel is None:
+        channel = runner._csv_channel = StepChannel()
+    model = getattr(runner, "model", None)
+    if model is not None and channel.model is not model:
+        from .logits_processor import CSVLogitsProcessor
+
+        get = getattr(runner, "get_model", None)
+        try:
+            root = get() if callable(get) else model
+        except Exception:  # (a runner whose get_model refuses: the attribute as it is)
+            root = model
+        for m in root.modules() if isinstance(root, torch.nn.Module) else ():
+            if isinstance(m, CSVLogitsProcessor):
+                m.csv_channel = channel
+        channel.model = model
+    sampler = getattr(runner, "sampler", None)
+    if sampler is not None:
+        sampler.csv_channel = channel
+    return channel
+
+
+def hand_off(consumer, handoff: Handoff | None) -> Step:
+    """Leave ``handoff`` for ``consumer``'s next call (a sampler), as a layer does on its runner's
+    step; a consumer no runner bound gets a channel of its own. For harnesses (tests, the audit,
+    benchmarks) that drive vLLM's sampler without a runner."""
+    channel = getattr(consumer, "csv_channel", None)
+    if channel is None:
+        channel = consumer.csv_channel = StepChannel()
+    channel.step.handoff = handoff
+    return channel.step
+
+
+class Tally:
+    """A :class:`Ledger` that keeps what it is told, for harnesses: ``seen`` holds each settled
+    step's :class:`DeferredStats` (the sampler call's time added where the account counts it),
+    and ``then(stats)``, if given, is called with it."""
+
+    def __init__(self, then=None):
+        self.seen: list[DeferredStats] = []
+        self._then = then
+
+    def account(self, with_sampler: bool = False) -> StepAccount:
+        return StepAccount(self, "deferred", with_sampler=with_sampler)
+
+    def settle(self, account: StepAccount, deferred: DeferredStats | None, sampler_seconds: float) -> None:
+        if deferred is not None:
+            deferred.seconds += sampler_seconds
+        self.seen.append(deferred)
+        if self._then is not None:
+            self._then(deferred)

@@ -1,0 +1,60 @@
+"""The V2 runner's plan (``vllm.v1.worker.gpu.model_runner.GPUModelRunner``, CUDA): one
+:class:`~..plan.Plan` entry per request, in the batch's row order, from the sampling parameters
+the runner's wrapped ``execute_model`` keeps per request (:mod:`..patches`)."""
+
+from __future__ import annotations
+
+from ..plan import DEFER, Plan, row_plan, sampler_ok
+from .sampler import certifiable_sampler
+
+
+def sampler_certifiable(runner) -> bool:
+    """Whether the V2 ``runner``'s plain temperature-sampling rows are certified in its sampler
+    (:func:`~.sampler.resolve`): the sampler is the one the hook certifies and there is
+    no tensor parallelism. Read once per runner."""
+    return sampler_ok(runner, "_csv_v2_sampler", certifiable_sampler)
+
+
+# the rows the V2 sampler hook certifies (sampler.resolve)
+MODES = ("sampling", "min_p", "processed", "structured")
+
+
+def row_entry(row: tuple[int, str, float], in_sampler: bool) -> tuple[int, str]:
+    """A V2 row's ``(k, mode)``: the head's top-k rows as planned; of the rows to certify in the
+    sampler, temperature sampling with min-p, vLLM's native processors, structured output or
+    none of these, and greedy rows with processors or structured output (modes
+    :data:`MODES`) where the V2 sampler is certified (``in_sampler``); the others dense (the
+    V2 hook replays no top-k or top-p; a structured row with one is labelled ``structured``
+    and deferred, and the hook sends its batch dense: ``sampler._unsupported``)."""
+    k, mode, _ = row
+    if k > 0 or (k == DEFER and mode in MODES and in_sampler):
+        return k, mode
+    return 0, ""
+
+
+def build_plan(runner, max_topk: int, req_ids=None) -> Plan:
+    """The V2 runner's plan, in the batch's row order, from the sampling parameters its
+    ``execute_model`` kept per request (``_csv_sampling_params``; a row whose request is unknown
+    is dense). As :func:`..v1.plan.build_plan`: while the batch holds the same requests (ids and their
+    parameter objects, by identity) the last plan is handed out again, and each request's row is
+    computed once. Rows to certify in the sampler: :func:`row_entry`."""
+    params = runner.__dict__.get("_csv_sampling_params", {})
+    ps = tuple(map(params.get, req_ids))
+    cached = runner.__dict__.get("_csv_plan")
+    if cached is not None and cached[1] == max_topk and cached[2].req_ids == list(req_ids) and \
+            all(a is b for a, b in zip(cached[0], ps)):
+        return cached[2]
+    # req id -> (params, max_topk, row); execute_model drops a finished request's entry
+    memo = runner.__dict__.setdefault("_csv_rows", {})
+    rows = []
+    for rid, p in zip(req_ids, ps):
+        hit = memo.get(rid)
+        if hit is None or hit[0] is not p or hit[1] != max_topk:
+            hit = memo[rid] = (p, max_topk, row_plan(p, max_topk))
+        rows.append(hit[2])
+    in_sampler = sampler_certifiable(runner)
+    entries = [row_entry(r, in_sampler) for r in rows]
+    plan = Plan(list(req_ids), [k for k, _ in entries], [mode for _, mode in entries], [t for _, _, t in rows])
+    runner._csv_plan = (ps, max_topk, plan)
+    return plan
+

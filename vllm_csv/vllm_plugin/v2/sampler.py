@@ -1,0 +1,147 @@
+"""Certify rows of vLLM's V2 sampler (the V2 runner's ``Sampler.__call__``, wrapped in
+:mod:`..patches`).
+
+The V2 runner (``vllm.v1.worker.gpu.model_runner.GPUModelRunner``, CUDA): its ``Sampler.__call__``
+is wrapped as V1's ``Sampler.forward`` is (:mod:`..v1.sampler`), for temperature-sampling rows with min-p, vLLM's native processors,
+structured output or none of these, and greedy rows with processors or structured output
+(:func:`resolve`; the plan defers no other row there, :func:`.plan.row_entry`).
+V2 draws such a row with ``gumbel_sample`` from ``fl32(x / T)`` after its processors and min-p,
+and noise hashed from (request seed, position, token), no random state drawn at sampling time,
+so nothing is peeked; the certificate is :func:`~vllm_csv.sampling.rows_v2.certify_rows_v2`, the
+processors vLLM's own run on the bounds (:func:`_processors`).
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import torch
+
+from ...sampling.rows_v2 import certify_rows_v2
+from ...sampling.sharded_rows import ShardedAdapter
+from ..fill import finish, grammar_mask, write_certified
+from ..step import Deferred, DeferredStats, step_of
+
+
+def certifiable_sampler(sampler) -> bool:
+    """Whether ``sampler`` is the V2 runner's own ``Sampler`` (not a subclass: the watermarking
+    sampler draws otherwise) drawing with V2's fp32 Gumbel kernel (no fp64 noise, no trace replay,
+    no sampling mask) after vLLM's native logits processors only (no custom ones): the draw
+    :mod:`vllm_csv.sampling.gumbel_v2` replays."""
+    try:
+        from vllm.v1.worker.gpu.sample.bad_words import BadWordsState
+        from vllm.v1.worker.gpu.sample.logit_bias import LogitBiasState
+        from vllm.v1.worker.gpu.sample.penalties import PenaltiesState
+        from vllm.v1.worker.gpu.sample.sampler import Sampler
+    except ImportError:
+        return False
+    return type(sampler) is Sampler and not sampler.use_fp64_gumbel and sampler.trace_replay_state is None and \
+        not sampler.return_sampling_mask and \
+        all(type(p) in (LogitBiasState, PenaltiesState, BadWordsState) for p in sampler.logits_processors)
+
+
+def _unsupported(sampler, d: Deferred, logits: torch.Tensor, input_batch) -> str | None:
+    if not certifiable_sampler(sampler):
+        return "the sampler is not V2's fp32 Gumbel sampler"
+    if isinstance(d.adapter, ShardedAdapter):
+        return "tensor parallelism (the V2 sampler's certificate is not sharded)"
+    if logits.shape[0] != input_batch.num_reqs:
+        return "speculative decoding"
+    ss, batch = sampler.sampling_states, input_batch.idx_mapping_np
+    req = batch[d.rows.numpy()]  # the deferred rows' request slots
+    if bool(np.any(ss.top_k.np[batch] != ss.vocab_size) or np.any(ss.top_p.np[batch] != 1.0)):
+        # vLLM then masks every row with its top-k/top-p, or draws the batch with FlashInfer's
+        # fused sampler, whose noise is not the one replayed
+        return "top-k or top-p rows in the batch"
+    if not bool(np.all(ss.temperature.np[req] >= 0)):
+        return "a negative temperature"
+    tb = sampler.thinking_budget_state
+    if getattr(tb, "enabled", False) and bool(np.any(tb.use_thinking_budget[req])):
+        return "a thinking budget"
+    return None
+
+
+def _processors(sampler, input_batch, dev_rows: torch.Tensor, rows_np: np.ndarray, req: np.ndarray):
+    """vLLM's own V2 logits processors (logit bias, allowed ids and min_tokens; penalties; bad
+    words: :func:`certifiable_sampler` admits no other) as a map of ``[R, V]`` float32 bounds
+    of the deferred rows, out of place, with the batch's context cut down to those rows (each
+    kernel reads a row's request slot, position, input id and local position by row, and skips
+    requests by slot on the host). Each is monotone non-decreasing per token: a mask to
+    ``-inf``, an fp32 addition, the repetition penalty's multiplication by ``r`` or ``fl(1/r)``
+    by sign, subtractions of fixed amounts. The thinking budget, which runs after them, is
+    refused (:func:`_unsupported`). None where no processor has work on these rows."""
+    from vllm.v1.worker.gpu.sample.logits_processor.interface import LogitsContext
+
+    if not bool(np.any(sampler.needs_logits_processing[req])):
+        return None
+    slot = input_batch.expanded_idx_mapping[dev_rows]
+    idx = input_batch.logits_indices[dev_rows]
+    ctx = LogitsContext(expanded_idx_mapping=slot, idx_mapping=slot, idx_mapping_np=req,
+                        expanded_local_pos=input_batch.expanded_local_pos[dev_rows],
+                        input_ids=input_batch.input_ids[idx], pos=input_batch.positions[idx],
+                        seq_lens_upper_bound_np=input_batch.seq_lens_cpu_upper_bound.numpy()[rows_np])
+
+    def process(lo: torch.Tensor, hi: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        out = []
+        for x in (lo, hi):
+            x = x.float().clone()  # vLLM's processors work in place
+            for p in sampler.logits_processors:
+                x = p.apply(x, ctx)
+            out.append(x)
+        return out[0], out[1]
+
+    return process
+
+
+def resolve(sampler, d: Deferred, logits: torch.Tensor, input_batch) -> DeferredStats:
+    """Fill ``logits``' deferred rows (certified or dense) in place before V2's ``Sampler`` draws.
+
+    The rows are temperature sampling, with min-p, vLLM's native processors, structured output
+    or none of these, or greedy with processors or structured output
+    (:func:`~.plan.row_entry`): the grammar's ``-inf`` are read off the placeholders and
+    kept (:mod:`..fill`); V2 runs the processors, divides by
+    ``T`` (``T`` 0 or 1: not at
+    all), applies min-p and draws with ``gumbel_sample``, no top-k or top-p touching the batch, so
+    :func:`~vllm_csv.sampling.rows_v2.certify_rows_v2` certifies each row from the processors run
+    on its bounds (:func:`_processors`), its min-p, the request's seed
+    (``SamplingStates.seeds``, kept per request), the row's position
+    (``input_batch.positions[logits_indices]``) and temperature, read the way the kernels read
+    them (through ``expanded_idx_mapping``); a greedy row (``T = 0``, deferred for its
+    processors) by V2's argmax. Batches where vLLM could draw otherwise (top-k or top-p rows:
+    the fused FlashInfer sampler; speculative decoding; another sampler) and rows with a thinking
+    budget are dense. (Host reads: the
+    per-request states' numpy mirrors, which vLLM keeps on the host.)"""
+    t0 = time.perf_counter()
+    rows = d.rows
+    st = DeferredStats(rows=rows.numel())
+    dev = logits.device
+    dev_rows = rows.to(dev)
+    masked = grammar_mask(d, logits, dev_rows)
+    why = _unsupported(sampler, d, logits, input_batch)
+    certified = torch.zeros(rows.numel(), dtype=torch.bool)
+    if why is None:
+        ss = sampler.sampling_states
+        rows_np = rows.numpy()
+        req = input_batch.idx_mapping_np[rows_np]
+        slot = input_batch.expanded_idx_mapping[dev_rows].long()
+        pos = input_batch.positions[input_batch.logits_indices[dev_rows]].long()
+        min_p = ss.min_p.gpu[slot].float() if bool(np.any(ss.min_p.np[req] != 0)) else None
+        res = certify_rows_v2(d.adapter, d.hidden, ss.seeds.gpu[slot].long(), pos, ss.temperature.gpu[slot].float(),
+                              process=_processors(sampler, input_batch, dev_rows, rows_np, req), min_p=min_p,
+                              masked=masked)
+        certified = write_certified(logits, dev_rows, res, st)
+    finish(d, logits, dev_rows, certified, masked, st, why, t0)
+    return st
+
+
+
+def sample(orig, sampler, logits: torch.Tensor, input_batch, *a, **k):
+    """The wrapped ``Sampler.__call__`` (:mod:`..patches`): the step's deferred rows resolved
+    (:func:`resolve`) and their account settled, then vLLM's own ``orig``. (The layer leaves no
+    dense-step account on CUDA: no sync to time it.)"""
+    step = step_of(sampler)
+    d = None if step is None else step.take_handoff(logits)
+    if isinstance(d, Deferred):
+        d.account.settle(resolve(sampler, d, logits, input_batch))
+    return orig(sampler, logits, input_batch, *a, **k)
