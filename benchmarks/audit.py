@@ -146,6 +146,8 @@ def main(argv=None) -> int:
     out = Path(args.json)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(res, indent=1))
+    from record import record_run  # one row a measurement in benchmarks/results/results.csv
+    record_run("audit", res, source=out)
     md = markdown(res)
     out.with_suffix(".md").write_text(md)
     print(md)

@@ -95,6 +95,8 @@ def main() -> None:
     out = Path(a.json)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"machine": meta, "rows": rows}, indent=1))
+    from record import record_run  # one row a measurement in benchmarks/results/results.csv
+    record_run("int8_gemm_cpu", {"machine": meta, "rows": rows}, source=out)
     out.with_suffix(".md").write_text(markdown(meta, rows))
 
 

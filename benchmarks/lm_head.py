@@ -414,6 +414,8 @@ def main(argv=None) -> int:
     out = Path(args.json)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(results, indent=1))
+    from record import record_run  # one row a measurement in benchmarks/results/results.csv
+    record_run("lm_head", results, source=out)
     md = markdown(results)
     out.with_suffix(".md").write_text(md)
     try:

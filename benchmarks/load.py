@@ -245,6 +245,8 @@ def main(argv=None) -> int:
               **runs, "deterministic": cmp}
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps(report, indent=1))
+    from record import record_run  # one row a measurement in benchmarks/results/results.csv
+    record_run("load", report, source=args.json)
     print(json.dumps(report, indent=1))
     ok = cmp["differing"] == 0 and runs["csv"]["errors"] == 0
     return 0 if ok else 1

@@ -107,6 +107,8 @@ def main() -> None:
     print(f"dense: step median {base['step']['median_ms']:.3f} ms, layer median {base['layer']['median_ms']:.3f} ms")
     if a.json:
         Path(a.json).write_text(json.dumps(out, indent=1))
+        from record import record_run  # one row a measurement in benchmarks/results/results.csv
+        record_run("off_switch_cost", out, source=a.json)
 
 
 if __name__ == "__main__":

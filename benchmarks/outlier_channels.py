@@ -101,6 +101,8 @@ def main(argv=None) -> int:
     out = {"machine": machine(), "model": str(model), "V": V, "d": W.shape[1], "channels": chans, "rows": rows}
     Path(a.json).parent.mkdir(parents=True, exist_ok=True)
     Path(a.json).write_text(json.dumps(out, indent=1))
+    from record import record_run  # one row a measurement in benchmarks/results/results.csv
+    record_run("outlier_channels", out, source=a.json)
     return 0
 
 

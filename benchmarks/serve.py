@@ -350,7 +350,10 @@ def main(argv=None) -> int:
             f"{k} {w['speedup']}x" for k, w in pairs[-1]["workloads"].items()), file=sys.stderr)
     s = pairs[0] if args.pairs == 1 else combine(pairs)
     machine = f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores"
-    Path(args.json).write_text(json.dumps({"machine": machine, "model": args.model, "prompts": args.prompts, "commit": commit(), "provenance": provenance(), "vllm_args": args.vllm_args, "same_malloc": args.same_malloc, "same_metrics": args.same_metrics, "interleave": args.interleave, "control": args.control, "csv_first": args.csv_first, **s}, indent=1))
+    report = {"machine": machine, "model": args.model, "prompts": args.prompts, "commit": commit(), "provenance": provenance(), "vllm_args": args.vllm_args, "same_malloc": args.same_malloc, "same_metrics": args.same_metrics, "interleave": args.interleave, "control": args.control, "csv_first": args.csv_first, **s}
+    Path(args.json).write_text(json.dumps(report, indent=1))
+    from record import record_run  # one row a measurement in benchmarks/results/results.csv
+    record_run("serve", report, source=args.json)
     md = markdown(s, machine, Path(args.model).name)
     if args.control:
         md = ("A/A control (`--control`): both servers are plain `vllm serve`; the CSV column is the second "

@@ -102,6 +102,8 @@ def main(argv=None) -> int:
         out["learned"] = {"model": a.model.name, **learned(a.model, a.positions)}
     Path(a.json).parent.mkdir(parents=True, exist_ok=True)
     Path(a.json).write_text(json.dumps(out, indent=1))
+    from record import record_run  # one row a measurement in benchmarks/results/results.csv
+    record_run("tail_bound", out, source=a.json)
     for name in ("peaked_random", "learned"):
         if name in out:
             r = out[name]

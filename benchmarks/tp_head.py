@@ -183,6 +183,8 @@ def main(argv=None) -> int:
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(results, indent=1))
+        from record import record_run  # one row a measurement in benchmarks/results/results.csv
+        record_run("tp_head", results, source=args.json)
     return 0
 
 

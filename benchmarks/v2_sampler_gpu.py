@@ -162,10 +162,13 @@ def main() -> None:
         rows_out.append(row)
         print(f"B={B}: dense {d:.3f} ms, CSV {c:.3f} ms ({d / c:.2f}x), certified {row['certified_share']:.1%}")
     if a.json:
-        Path(a.json).write_text(json.dumps({
+        report = {
             "device": torch.cuda.get_device_name(), "torch": torch.__version__, "cuda": torch.version.cuda,
             "vocab": a.vocab, "hidden": a.hidden, "screen": a.screen, "temperature": 0.7,
-            "command": " ".join(sys.argv), "rows": rows_out}, indent=1))
+            "command": " ".join(sys.argv), "rows": rows_out}
+        Path(a.json).write_text(json.dumps(report, indent=1))
+        from record import record_run  # one row a measurement in benchmarks/results/results.csv
+        record_run("v2_sampler_gpu", report, source=a.json)
 
 
 if __name__ == "__main__":
