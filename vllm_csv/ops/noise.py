@@ -20,7 +20,7 @@ import torch
 
 from ..sampling.gumbel import bits_below, noise_of_bits
 from ..sampling.gumbel import noise_bits as _noise_bits_ref
-from .cpu_step import load_ops, uses_kernels
+from .build import fake, load_ops, uses_kernels
 
 
 def noise_candidates_ref(hi: torch.Tensor, seeds: torch.Tensor, hmax: torch.Tensor, table: torch.Tensor,
@@ -237,3 +237,28 @@ def pack_live(lo: torch.Tensor, hi: torch.Tensor, n: int) -> torch.Tensor:
     if uses_kernels(hi):
         return load_ops().pack_live(lo, hi, n)
     return pack_live_ref(lo, hi, n)
+
+
+# ---- fake implementations (shapes only: tracing, torch.compile) -------------------------------
+@fake("noise_candidates")
+def _(hi, seeds, hmax, table, force, ids, inv_level):
+    m = torch.library.get_ctx().new_dynamic_size()
+    return (hi.new_empty(m, dtype=torch.long), hi.new_empty(m, dtype=torch.long),
+            hi.new_empty(m, dtype=torch.long))
+
+
+@fake("noise_bits")
+def _(seeds, ids):
+    return seeds.new_empty(seeds.shape[0], ids.shape[-1], dtype=torch.long)
+
+
+@fake("row_stats")
+def _(lo, hi, k):
+    R = lo.shape[0]
+    return (lo.new_empty(R), lo.new_empty(R), lo.new_empty(R), lo.new_empty(R, dtype=torch.long),
+            lo.new_empty(R, k), lo.new_empty(R, k, dtype=torch.long))
+
+
+@fake("pack_live")
+def _(lo, hi, n):
+    return lo.new_empty(lo.shape[0], n, dtype=torch.long)
