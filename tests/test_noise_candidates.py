@@ -14,7 +14,8 @@ import torch
 from vllm_csv.ops.build import kernels_available
 from vllm_csv.ops.noise import noise_candidates, noise_candidates_ref
 from vllm_csv.sampling.certificate import LEVEL, LEVELS
-from vllm_csv.sampling.gumbel import bits_below, noise_bits
+from vllm_csv.ops.noise import bits_below
+from vllm_csv.ops.noise import noise_bits_ref as noise_bits
 
 pytestmark = pytest.mark.skipif(not kernels_available(), reason="CPU kernels not built here (no compiler)")
 K = torch.ops.vllm_csv_cpu if kernels_available() else None
@@ -93,7 +94,7 @@ def test_noise_bits_kernel_is_the_reference():
     """The noise bits of given tokens: the kernel and the torch reference agree bit for bit
     (shared and per-row ids, extreme seeds and ids)."""
     from vllm_csv.ops.noise import noise_bits
-    from vllm_csv.sampling.gumbel import noise_bits as ref
+    from vllm_csv.ops.noise import noise_bits_ref as ref
 
     if not kernels_available():
         pytest.skip("CPU kernels not built")
