@@ -26,14 +26,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.provenance import machine  # noqa: E402
 from benchmarks.timing import call_ms  # noqa: E402
-from vllm_csv.ops import cpu_step, int8_vnni  # noqa: E402
+from vllm_csv.ops import build, int8_vnni  # noqa: E402
 from vllm_csv.ops.fbgemm import PackedInt8Linear, act7_layout  # noqa: E402
 
 
 def vpdpbusd(V: int, d: int, B: int) -> int:
     """``vpdpbusd`` instructions the VNNI kernel issues for ``[B, d] x [V, d]^T``: one per 16 rows x
     ``GROUP`` columns x batch row (rows padded to the layout's ``PANEL``, k to its ``GROUP``)."""
-    return -(-V // cpu_step.PANEL) * (cpu_step.PANEL // 16) * -(-d // cpu_step.GROUP) * B
+    return -(-V // build.PANEL) * (build.PANEL // 16) * -(-d // build.GROUP) * B
 
 
 def run(shapes, batches, repeats: int) -> list[dict]:
@@ -50,7 +50,7 @@ def run(shapes, batches, repeats: int) -> list[dict]:
             for _ in range(repeats):
                 times["fbgemm"].append(call_ms(lambda: fb.linear(x)))
                 times["vnni"].append(call_ms(lambda: vn.linear(x)))
-                times["vnni_block_max"].append(call_ms(lambda: vn.linear_block_max(x, cpu_step.BLOCK)))
+                times["vnni_block_max"].append(call_ms(lambda: vn.linear_block_max(x, build.BLOCK)))
             row = {"V": V, "d": d, "B": B, "bit_identical": same}
             for k, v in times.items():
                 row[k + "_ms"], row[k + "_min_ms"] = statistics.median(v), min(v)

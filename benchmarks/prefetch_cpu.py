@@ -5,7 +5,7 @@
 
 The int8 kernel (:class:`vllm_csv.ops.int8_vnni.VnniInt8Linear`: VNNI below
 ``int8_vnni.AMX_FROM`` rows, AMX from there where the CPU has it) and the int4 one
-(:class:`vllm_csv.ops.int4_vnni.VnniInt4Linear`) read their weight ``ops.cpu_step.PREFETCH`` bytes
+(:class:`vllm_csv.ops.int4_vnni.VnniInt4Linear`) read their weight ``ops.build.PREFETCH`` bytes
 ahead of the stream on Intel CPUs (``csrc/cpu/int8_vnni.cpp``, ``prefetch_ahead``). For each shape
 and batch, each kernel runs ``--repeats`` times with that distance and with none
 (``set_prefetch_ahead``), one call after the other, so both see the same machine; the table
@@ -29,12 +29,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.provenance import machine  # noqa: E402
 from benchmarks.timing import call_ms  # noqa: E402
-from vllm_csv.ops import cpu_step, int4_vnni, int8_vnni  # noqa: E402
+from vllm_csv.ops import build, int4_vnni, int8_vnni  # noqa: E402
 from vllm_csv.ops.fbgemm import act7_layout  # noqa: E402
 
 
 def run(shapes, batches, repeats: int, distance: int) -> list[dict]:
-    ops = cpu_step.load_ops()
+    ops = build.load_ops()
     rows = []
     for V, d in shapes:
         g = torch.Generator().manual_seed(V + d)
@@ -89,8 +89,8 @@ def main() -> None:
     if why is not None:
         sys.exit(f"prefetch_cpu.py: the screens' kernels cannot run here ({why})")
     # the distance the kernels use on Intel CPUs (elsewhere they do not prefetch: compared at it too)
-    distance = cpu_step.PREFETCH
-    cpu_step.load_ops().set_prefetch_ahead(distance)
+    distance = build.PREFETCH
+    build.load_ops().set_prefetch_ahead(distance)
     torch.set_num_threads(a.threads)
     shapes = [tuple(int(v) for v in s.lower().split("x")) for s in a.shapes]
     meta = machine()

@@ -5,7 +5,7 @@ refusal of inputs outside the 7-bit layout."""
 import pytest
 import torch
 
-from vllm_csv.ops import cpu_step
+from vllm_csv.ops import build, step
 from vllm_csv.ops import int8_vnni as vnni
 from vllm_csv.ops.fbgemm import PackedInt8Linear, act7_layout, packed_int8_linear_ref
 from vllm_csv.screens.fbgemm import quantize_rows
@@ -52,8 +52,8 @@ def test_bit_exact_against_reference_and_fbgemm(V, d):
             assert torch.equal(y, packed_int8_linear_ref(p, q, s, c)), (B, c)
             assert torch.equal(y, vnni.int8_vnni_linear_ref(x, q, s))
             assert torch.equal(y, fb.linear(x)), (B, c)
-            y2, bmax = gemm.linear_block_max(x, cpu_step.BLOCK)
-            assert torch.equal(y2, y) and torch.equal(bmax, cpu_step.block_max(y)), (B, c)
+            y2, bmax = gemm.linear_block_max(x, build.BLOCK)
+            assert torch.equal(y2, y) and torch.equal(bmax, step.block_max(y)), (B, c)
 
 
 def test_integer_exact_at_the_accumulator_extremes():
@@ -151,7 +151,7 @@ def test_screen_uses_it_and_the_fake_traces():
 
     with FakeTensorMode() as mode:
         x = mode.from_tensor(act7_layout(torch.zeros(3, 20), 1.0))
-        out = cpu_step.load_ops().int8_vnni_linear(x, mode.from_tensor(gemm.packed), mode.from_tensor(gemm.zsum),
+        out = build.load_ops().int8_vnni_linear(x, mode.from_tensor(gemm.packed), mode.from_tensor(gemm.zsum),
                                                    mode.from_tensor(gemm.s), 300, 20, 256)[0]
     assert out.shape == (3, 300) and out.dtype == torch.float32
 
@@ -173,12 +173,12 @@ def test_amx_equals_vnni_bit_for_bit(V, d):
     s = torch.rand(V, generator=g) * 0.01 + 2.0**-20
     s[::37] = 2.0**100
     gemm = vnni.VnniInt8Linear(q, s)
-    ops = cpu_step.load_ops()
+    ops = build.load_ops()
     for B in (1, 2, 3, 4, 8, 15, 16, 17, 31, 32, 33, 48):
         p = extreme_inputs(B, d, g)
         for c in (2.0**-14, 1.0, 2.0**40):
             x = act7_layout(p, c)
-            for block in (0, 32, cpu_step.BLOCK):
+            for block in (0, 32, build.BLOCK):
                 args = (x, gemm.packed, gemm.zsum, gemm.s, V, d, block)
                 y_v, m_v = ops.int8_vnni_linear(*args)
                 y_a, m_a = ops.int8_amx_linear(*args)
@@ -208,7 +208,7 @@ def test_amx_picked_by_batch_and_refuses_bad_input():
     x = act7_layout(extreme_inputs(8, d, g), 0.25)
     x[3, 7] = 64 * 0.25
     with pytest.raises(RuntimeError, match="7-bit integers"):
-        cpu_step.load_ops().int8_amx_linear(x, gemm.packed, gemm.zsum, gemm.s, V, d, 0)
+        build.load_ops().int8_amx_linear(x, gemm.packed, gemm.zsum, gemm.s, V, d, 0)
 
 
 @pytest.mark.parametrize("distance", [0, 64, 4096, 1 << 20])
@@ -219,7 +219,7 @@ def test_software_prefetch_changes_no_result(distance):
     Bad distances are refused."""
     from vllm_csv.ops import int4_vnni
 
-    ops = cpu_step.load_ops()
+    ops = build.load_ops()
     g = torch.Generator().manual_seed(distance + 1)
     V, d = 4099, 1024
     q = extreme_weights(V, d, g)
@@ -228,10 +228,10 @@ def test_software_prefetch_changes_no_result(distance):
     xs = [act7_layout(extreme_inputs(B, d, g), 2.0**-7) for B in (1, 3, vnni.AMX_FROM, 8, 17)]
     before = ops.set_prefetch_ahead(0)
     try:
-        want = [(gemm.linear(x), gemm.linear_block_max(x, cpu_step.BLOCK), q4.linear(x)) for x in xs]
+        want = [(gemm.linear(x), gemm.linear_block_max(x, build.BLOCK), q4.linear(x)) for x in xs]
         assert ops.set_prefetch_ahead(distance) == 0
         for x, (y, (y2, bmax), y4) in zip(xs, want):
-            got2, gotmax = gemm.linear_block_max(x, cpu_step.BLOCK)
+            got2, gotmax = gemm.linear_block_max(x, build.BLOCK)
             assert torch.equal(gemm.linear(x), y) and torch.equal(got2, y2) and torch.equal(gotmax, bmax)
             assert torch.equal(q4.linear(x), y4)
         for bad in (-64, 100, (1 << 20) + 64):

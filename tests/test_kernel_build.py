@@ -8,16 +8,16 @@ import sys
 
 import pytest
 
-from vllm_csv.ops import cpu_step
+from vllm_csv.ops import build
 
-pytestmark = pytest.mark.skipif(cpu_step.load_ops() is None, reason="CPU kernels not built")
+pytestmark = pytest.mark.skipif(build.load_ops() is None, reason="CPU kernels not built")
 
-LOAD = ("import logging; logging.basicConfig(level=logging.INFO); from vllm_csv.ops import cpu_step; "
-        "print('ops', cpu_step.load_ops() is not None)")
+LOAD = ("import logging; logging.basicConfig(level=logging.INFO); from vllm_csv.ops import build; "
+        "print('ops', build.load_ops() is not None)")
 
 
 def _build_dir():
-    return cpu_step._build_directory(cpu_step._extension()[0])
+    return build._build_directory(build._extension()[0])
 
 
 def _load(timeout, **env):
@@ -41,10 +41,10 @@ def test_a_lock_left_by_a_killed_build_is_removed():
 
 
 def test_a_build_held_past_the_wait_falls_back_to_the_reference():
-    fd = os.open(os.path.join(_build_dir(), cpu_step.BUILD_LOCK), os.O_RDWR | os.O_CREAT, 0o644)
+    fd = os.open(os.path.join(_build_dir(), build.BUILD_LOCK), os.O_RDWR | os.O_CREAT, 0o644)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX)
-        r = _load(120, **{cpu_step.BUILD_WAIT_ENV: "1"})
+        r = _load(120, **{build.BUILD_WAIT_ENV: "1"})
     finally:
         os.close(fd)
     assert "ops False" in r.stdout, r.stderr

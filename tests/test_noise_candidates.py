@@ -11,13 +11,14 @@ import math
 import pytest
 import torch
 
-from vllm_csv.ops import cpu_step
+from vllm_csv.ops.build import kernels_available
 from vllm_csv.ops.noise import noise_candidates, noise_candidates_ref
 from vllm_csv.sampling.certificate import LEVEL, LEVELS
-from vllm_csv.sampling.gumbel import bits_below, noise_bits
+from vllm_csv.ops.noise import bits_below
+from vllm_csv.ops.noise import noise_bits_ref as noise_bits
 
-pytestmark = pytest.mark.skipif(not cpu_step.kernels_available(), reason="CPU kernels not built here (no compiler)")
-K = torch.ops.vllm_csv_cpu if cpu_step.kernels_available() else None
+pytestmark = pytest.mark.skipif(not kernels_available(), reason="CPU kernels not built here (no compiler)")
+K = torch.ops.vllm_csv_cpu if kernels_available() else None
 
 
 def _case(R: int, n: int, seed: int, packed: bool):
@@ -92,9 +93,8 @@ def test_kernel_refuses_bad_shapes():
 def test_noise_bits_kernel_is_the_reference():
     """The noise bits of given tokens: the kernel and the torch reference agree bit for bit
     (shared and per-row ids, extreme seeds and ids)."""
-    from vllm_csv.ops.cpu_step import kernels_available
     from vllm_csv.ops.noise import noise_bits
-    from vllm_csv.sampling.gumbel import noise_bits as ref
+    from vllm_csv.ops.noise import noise_bits_ref as ref
 
     if not kernels_available():
         pytest.skip("CPU kernels not built")
@@ -129,7 +129,6 @@ def test_row_stats_kernel_is_the_reference(k):
     """The fused row statistics equal the torch reference: maxima (NaN rows included), absmax
     (rows without NaN or +inf), live counts, and the top k lower bounds (values; indices hold
     those values, ties to the lowest index)."""
-    from vllm_csv.ops.cpu_step import kernels_available
     from vllm_csv.ops.noise import row_stats, row_stats_ref
 
     if not kernels_available():

@@ -102,7 +102,7 @@ def test_flat_nonzero_equals_torch(shape):
     flattened mask: sparse, half, none, all, one true element, the last element, strided views,
     chunk-straddling sizes, and bytes other than 0 and 1 viewed as bool (true, as torch reads them)."""
     from vllm_csv.ops.bools import flat_nonzero, flat_nonzero_ref
-    from vllm_csv.ops.cpu_step import kernels_available
+    from vllm_csv.ops.build import kernels_available
 
     g = torch.Generator().manual_seed(1)
     r = torch.rand(shape, generator=g)

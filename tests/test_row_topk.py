@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from vllm_csv.ops.cpu_step import load_ops
+from vllm_csv.ops.build import load_ops
 from vllm_csv.ops.topk import row_topk, row_topk_ref
 
 pytestmark = pytest.mark.skipif(load_ops() is None, reason="CPU kernels not built")

@@ -169,7 +169,7 @@ def test_a_loose_noise_threshold_is_caught(monkeypatch):
     in the torch reference of the certificate's pass (the kernel is held to list exactly the
     tokens a full scan lists: ``test_noise_candidates.test_draw_contenders_kernel_is_the_reference``)."""
     from vllm_csv.ops import noise
-    from vllm_csv.sampling import gumbel
+    from vllm_csv.ops.noise import bits_below
 
     V, d, B = 2048, 64, 256
     W, g = peaked_head(V, d, seed=21, dtype=torch.bfloat16)
@@ -178,7 +178,7 @@ def test_a_loose_noise_threshold_is_caught(monkeypatch):
     T = torch.full((B,), 3.0)
     monkeypatch.setattr(noise, "uses_kernels", lambda t: False)
     assert check(make_head(W), h, T, torch.zeros(B, dtype=torch.bool), seeds)[0] == 0  # the real threshold
-    monkeypatch.setattr(noise, "bits_below", lambda t: gumbel.bits_below(t + 2.0))
+    monkeypatch.setattr(noise, "bits_below", lambda t: bits_below(t + 2.0))
     mism, _ = check(make_head(W), h, T, torch.zeros(B, dtype=torch.bool), seeds)
     assert mism > 0
 

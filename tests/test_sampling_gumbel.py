@@ -85,7 +85,8 @@ def test_a_wrong_noise_is_caught():
 
 def test_in_place_hash_is_splitmix64():
     """noise_bits (in place, one buffer) == the out-of-place SplitMix64 of the module docstring."""
-    from vllm_csv.sampling.gumbel import GOLDEN, _i64, _shr, noise_bits, splitmix64
+    from vllm_csv.ops.noise import GOLDEN, _i64, _shr, splitmix64
+    from vllm_csv.ops.noise import noise_bits_ref as noise_bits
 
     gen = torch.Generator().manual_seed(5)
     seeds = torch.cat([_seeds(30, gen), torch.tensor([0, 2**31 - 1])])
@@ -97,7 +98,8 @@ def test_in_place_hash_is_splitmix64():
 def test_bits_below_skips_only_noise_below_the_threshold():
     """Every token whose bits are below bits_below(t) has noise < t (thresholds across the noise's
     range and past both ends), and the cut is tight: few tokens at or above it have noise < t."""
-    from vllm_csv.sampling.gumbel import bits_below, noise_bits, noise_of_bits
+    from vllm_csv.ops.noise import bits_below, noise_of_bits
+    from vllm_csv.ops.noise import noise_bits_ref as noise_bits
 
     gen = torch.Generator().manual_seed(6)
     seeds = _seeds(64, gen)

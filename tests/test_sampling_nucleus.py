@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from conftest import peaked_rows
-from vllm_csv.ops import cpu_step
+from vllm_csv.ops import build
 from vllm_csv.ops.masks import top_p_sums, top_p_sums_ref, unlisted_masses, unlisted_masses_ref
 from vllm_csv.sampling import nucleus
 from vllm_csv.sampling.nucleus import min_p_bounds, top_p_bounds
@@ -449,7 +449,7 @@ def test_top_p_sums_kernel_is_the_reference():
     longer than the vectors, queries at the first and last columns, -inf bounds, ties at the
     query's bounds and a token whose bounds are one point; it refuses queries outside the rows
     and masses of the wrong dtype."""
-    if not cpu_step.kernels_available():
+    if not build.kernels_available():
         pytest.skip("CPU kernels not built")
     g = torch.Generator().manual_seed(31)
     R, V = 6, 20011
@@ -481,7 +481,7 @@ def test_unlisted_masses_kernel_is_the_reference():
     two exps' ulps and float64 summation order, on rows longer than the vectors with a tail, -inf
     bounds, listed tokens at the first and last columns, a row whose shift is 0 and a list of no
     tokens; it refuses listed tokens outside the rows."""
-    ops = cpu_step.load_ops()
+    ops = build.load_ops()
     if ops is None:
         pytest.skip("CPU kernels not built (VLLM_CSV_CPU_KERNELS=0, or the build failed: see its log line)")
     if not ops.unlisted_masses_supported():
@@ -699,9 +699,9 @@ def test_a_negative_min_p_margin_on_the_row_is_caught(monkeypatch):
 def _cut_rows(seed: int):
     """7 rows of 20000 bounds (longer than a kernel task) for the cut kernels' tests; skips without
     the kernels."""
-    from vllm_csv.ops import cpu_step
+    from vllm_csv.ops import build
 
-    if not cpu_step.kernels_available():
+    if not build.kernels_available():
         pytest.skip("CPU kernels not built")
     g = torch.Generator().manual_seed(seed)
     lo = torch.randn(7, 20000, generator=g)

@@ -7,7 +7,7 @@ from vllm_csv import vocabulary as voc
 from vllm_csv.head import FALLBACK_REASONS, HeadConfig
 from vllm_csv.index import DEFAULT_CLUSTER_FRACTION
 from vllm_csv.metrics import MODES
-from vllm_csv.ops.cpu_step import REASONS
+from vllm_csv.ops.step import REASONS
 
 
 def test_defaults_come_from_the_vocabulary():

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 import torch
 
 from .fp import FP32_UNIT_ROUNDOFF, gamma, round_down32, round_up32
-from .ops.cpu_step import single_valued
+from .ops.step import single_valued
 
 # Largest bound of a product or partial sum the dense fp32 accumulation may reach
 # (DenseEngine.accumulator_safe): a quarter of fp32's range.
@@ -49,7 +49,7 @@ def flush_slack(d: int) -> float:
     Every interval of the head carries it (``CertifiedHead._tiny``, ``_tiny32``), so one
     certificate holds for IEEE and FTZ engines alike; it is far below any logit a model makes
     (``2^-112`` at ``d = 4096``). Inputs that such an engine reads as zero (DAZ: subnormal
-    entries of ``h``, ``W`` or ``b``) are refused instead (``cpu_step.prepare_rows``, the
+    entries of ``h``, ``W`` or ``b``) are refused instead (``ops.step.prepare_rows``, the
     head's ``certifiable``)."""
     return 2.0 * (2 * d + 4) * 2.0**-126
 

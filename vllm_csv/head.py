@@ -46,7 +46,8 @@ from .dense_engine import DenseEngine, flush_slack, probe_engine
 from .errors import CSVError
 from .fp import FP32_UNIT_ROUNDOFF, gamma, round_down32, round_up32, significand_bits
 from .off_switch import OffSwitch
-from .ops import cpu_step
+from .ops import step
+from .ops.build import uses_kernels
 from .screens import DEFAULT_SCREEN, SCREENS, make_screen
 from .screens.copy_error import row_norms
 from .vocabulary import DEFAULT_BUDGET, DEFAULT_MAX_TOPK, FALLBACK_REASONS  # noqa: F401  (head.FALLBACK_REASONS)
@@ -150,7 +151,7 @@ class CertifiedHead:
         # Subnormal weights or bias: an engine that reads them as zero (DAZ) computes another head.
         self.certifiable = bool(torch.isfinite(self.weight).all()) and self.engine.ok and (
             self.bias is None or bool(torch.isfinite(self.bias).all())) and not bool(
-            cpu_step.has_subnormal(self.weight)) and (self.bias is None or not bool(cpu_step.has_subnormal(self.bias)))
+            step.has_subnormal(self.weight)) and (self.bias is None or not bool(step.has_subnormal(self.bias)))
         g = gamma(self.hidden_size + 2, self.config.unit_roundoff)
         wn64 = row_norms(self.weight)  # (chunked: no float64 copy of all of W)
         self.acc_err = (g * wn64).float() * (1 + 4 * FP32_UNIT_ROUNDOFF)
@@ -181,7 +182,7 @@ class CertifiedHead:
 
     @property
     def _plain(self) -> bool:
-        """No soft-cap, no scale: the engine's comparisons are plain ones (cpu_step.certify_topk)."""
+        """No soft-cap, no scale: the engine's comparisons are plain ones (step.certify_topk)."""
         return self.engine.softcap is None and self.engine.scale == 1.0
 
     # ---- the dense engine's computation ------------------------------------------------
@@ -243,7 +244,7 @@ class CertifiedHead:
         ``inf`` (``vllm_csv.audit``, family ``nonfinite``, seed 4988550), and over some other row
         in 16 of 300 random bf16 batches with one ``inf``. The full path's token for such a row
         is then not the row's argmax, and "exact" means the full path's token."""
-        hidden, hnorm, ok = cpu_step.prepare_rows(hidden, self.certifiable and self.arithmetic_ok())
+        hidden, hnorm, ok = step.prepare_rows(hidden, self.certifiable and self.arithmetic_ok())
         ok = ok & self._accumulator_safe(hnorm)  # a row that may overflow inside the GEMM: as one with inf
         return hidden, hnorm, ok & ok.all()  # (tensor ops: no host sync)
 
@@ -280,13 +281,13 @@ class CertifiedHead:
         y, rad = out.y, self._rad_total(out.radius)
         delta = self._delta + out.rel
         bslack, bmax = self._bias_slack(out.rel)
-        ymax = cpu_step.abs_max_rows(y)  # max |y| (NaN/inf propagate), one pass
+        ymax = step.abs_max_rows(y)  # max |y| (NaN/inf propagate), one pass
         c = ymax * delta + self._tiny
         ok &= (ymax + c + self._rad_max * hnorm + bmax + self._babs_max) <= self.engine.limit
         # m = (c + bslack) + rad ||h|| + n (1 + delta) e, hi = y + m, lo = y - m over y: one pass on
-        # the CPU (cpu_step.interval_rows); no bias slack (bmax 0): bslack is all zeros, c + 0 is c
+        # the CPU (step.interval_rows); no bias slack (bmax 0): bslack is all zeros, c + 0 is c
         nn = None if out.n is None else out.n * (1 + delta)
-        hi = cpu_step.interval_rows(y, c, rad, hnorm, bslack if bmax else None, nn,
+        hi = step.interval_rows(y, c, rad, hnorm, bslack if bmax else None, nn,
                                     None if out.n is None else out.e, out.two_sided)
         return (y if out.two_sided else None), hi, hnorm, ok
 
@@ -308,11 +309,11 @@ class CertifiedHead:
         is the tighter bound, computed per column.)"""
         # a, and [a - E, a + E] rounded outwards to fp32 (one fused kernel on the CPU)
         coef = self._gamma + self._gamma64
-        if self.bias is None and cpu_step.uses_kernels(hidden) and hidden.dtype == self.dtype:
-            # one fused kernel on the CPU, the engine's rounding included (cpu_step.score_intervals)
-            *_, lower, upper, z = cpu_step.score_intervals(hidden, self.weight, ids, coef, self._tiny32)
+        if self.bias is None and uses_kernels(hidden) and hidden.dtype == self.dtype:
+            # one fused kernel on the CPU, the engine's rounding included (step.score_intervals)
+            *_, lower, upper, z = step.score_intervals(hidden, self.weight, ids, coef, self._tiny32)
             return z, lower, upper
-        a, E, lo32, hi32 = cpu_step.score_bounds_ref(hidden, self.weight, ids, coef, self._tiny32)
+        a, E, lo32, hi32 = step.score_bounds_ref(hidden, self.weight, ids, coef, self._tiny32)
         rnd = self.engine.round
         if self.bias is None:
             c = a
@@ -366,8 +367,8 @@ class CertifiedHead:
         never replayed.)
         """
         kmax = int(k.max())
-        if self._plain and temp is None and cpu_step.uses_kernels(z):  # the common case: one fused kernel
-            ok, in_top = cpu_step.certify_topk(z, lower, upper, k, outside_high, need_values)
+        if self._plain and temp is None and uses_kernels(z):  # the common case: one fused kernel
+            ok, in_top = step.certify_topk(z, lower, upper, k, outside_high, need_values)
         else:
             top = z.float().topk(kmax, dim=1).indices
             in_top = torch.zeros(z.shape, dtype=torch.bool, device=z.device).scatter_(
@@ -501,9 +502,9 @@ class CertifiedHead:
         kmax = int(k.max())
         budget = max(kmax, math.ceil(self.config.budget * V))
         act_coef = self._max_of(out.n) * (1 + delta) if out.n is not None else 0.0
-        # tau, thr, the candidate blocks and columns (cpu_step.select_candidates_ref is this
+        # tau, thr, the candidate blocks and columns (step.select_candidates_ref is this
         # docstring's search, step by step; one fused kernel on the CPU)
-        ids, tau, ok, live = cpu_step.select_candidates(
+        ids, tau, ok, live = step.select_candidates(
             y, rs, k, hnorm, out.e if out.n is not None else None, ok, self._rad_max, act_coef, self._tiny,
             self._bias_slack(out.rel)[1], delta, self.engine.limit, self._babs_max, budget, out.block_max)
         n_scored = ids.numel()
@@ -514,7 +515,7 @@ class CertifiedHead:
             z = torch.empty((B, 0), dtype=self.dtype, device=dev)
             in_top = torch.empty((B, 0), dtype=torch.bool, device=dev)
             cert, ids = torch.zeros(B, dtype=torch.bool, device=dev), ids[:0]
-        exact, code = cpu_step.finish_selection(V, ids, z, in_top, ok, live, cert)  # fused on the CPU
+        exact, code = step.finish_selection(V, ids, z, in_top, ok, live, cert)  # fused on the CPU
         return _Selection(exact, torch.full((B,), n_scored, device=dev), code == 0, _reason_names(code))
 
     def _select_one_sided(self, hidden, k, need_values, temp=None) -> _Selection:
@@ -787,13 +788,13 @@ def row_split(ks: list[int], max_certified_k: int) -> RowSplit:
 def _reasons(certified: torch.Tensor, ok: torch.Tensor, live: torch.Tensor) -> list[str | None]:
     """Per row: None if certified, else ``nonfinite`` (inputs or bounds unusable), ``budget``
     (too many candidates) or ``uncertified``. One host transfer for the batch."""
-    return _reason_names(cpu_step.outcome_codes(certified, ok, live))
+    return _reason_names(step.outcome_codes(certified, ok, live))
 
 
 def _reason_names(code: torch.Tensor) -> list[str | None]:
-    """Per row, the fallback reason of an outcome code (:data:`vllm_csv.ops.cpu_step.REASONS`; None:
+    """Per row, the fallback reason of an outcome code (:data:`vllm_csv.ops.step.REASONS`; None:
     certified). One host transfer for the batch."""
-    return [cpu_step.REASONS[c] for c in code.tolist()]
+    return [step.REASONS[c] for c in code.tolist()]
 
 
 def _stable_topk(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -54,7 +54,7 @@ from .dense_engine import DenseEngine, EngineProbe
 from .errors import CSVError
 from .fp import FP32_UNIT_ROUNDOFF
 from .head import CertifiedHead, HeadConfig, _reasons, _Selection
-from .ops.cpu_step import block_cols as _block_cols, block_max as _block_max
+from .ops.step import block_cols as _block_cols, block_max as _block_max
 from .off_switch import OffSwitch
 
 VOCAB_PADDING = 64  # vLLM's DEFAULT_VOCAB_PADDING_SIZE

@@ -9,7 +9,7 @@ The step (:class:`vllm_csv.gpu.step.FusedStep`) is five kernels, no host sync, f
    the maximum of each block of ``SUB`` tokens. It writes ``[B, ceil(V / SUB)]`` maxima, never
    ``[B, V]``.
 3. :func:`select_blocks` ``[B]`` programs: the threshold of
-   :func:`vllm_csv.ops.cpu_step.select_candidates_ref` from the block maxima (``y_1``, the
+   :func:`vllm_csv.ops.step.select_candidates_ref` from the block maxima (``y_1``, the
    k-th largest ``y_k``, ``tau``, ``thr``) and the candidate blocks (maximum ``>= thr``),
    compacted in ascending order into a fixed ``[B, CAP]`` list; more than ``CAP`` blocks: the
    row is not ``live`` (reason ``budget``).
@@ -17,10 +17,10 @@ The step (:class:`vllm_csv.gpu.step.FusedStep`) is five kernels, no host sync, f
    float64 with the dense engine's interval (:meth:`vllm_csv.head.CertifiedHead._score`): the
    rounded ends ``lower <= zt <= upper`` and ``z`` (the dense bits where the ends agree).
 5. :func:`certify_rows` ``[B]`` programs: the top-k certificate of
-   :func:`vllm_csv.ops.cpu_step.certify_topk_ref` per row against ``outside_high = tau`` and,
+   :func:`vllm_csv.ops.step.certify_topk_ref` per row against ``outside_high = tau`` and,
    for ``k = 1`` rows, the replayed tie (lowest id holding a value known bit for bit). Writes
    the top-k ids (descending, ties by the lowest id), their values and the row's outcome code
-   (:data:`vllm_csv.ops.cpu_step.REASONS`).
+   (:data:`vllm_csv.ops.step.REASONS`).
 
 Why blocks and not tokens past the GEMM: the k-th largest screen value, hence the threshold,
 is known only once every block has been read, so the GEMM cannot pick tokens itself; a
@@ -44,7 +44,7 @@ import torch
 
 from ..dense_engine import ACC_LIMIT, DenseEngine
 from ..fp import round_down32, round_up32
-from ..ops.cpu_step import has_subnormal, single_valued, threshold_from
+from ..ops.step import has_subnormal, single_valued, threshold_from
 
 try:
     import triton
@@ -142,7 +142,7 @@ if triton is not None:
             m = k0 + cols < d
             x = _widen(tl.load(h_ptr + b * d + k0 + cols, mask=k0 + cols < dl, other=0), BF16)
             bad += (x != x).to(tl.int32) + (tl.abs(x) == float("inf")).to(tl.int32)
-            bad += ((x != 0) & (tl.abs(x) < 1.1754943508222875e-38)).to(tl.int32)  # (cpu_step.has_subnormal)
+            bad += ((x != 0) & (tl.abs(x) < 1.1754943508222875e-38)).to(tl.int32)  # (ops.step.has_subnormal)
             amax = tl.maximum(amax, tl.abs(x))
             x64 = x.to(tl.float64)
             ss += x64 * x64
@@ -305,7 +305,7 @@ def screen_block_max_triton(p, q, s, t, bias, B: int):
 def select_blocks_ref(bmax, k, hnorm, e, ok, consts, cap: int):
     """``(cand [B, CAP] int32, count [B] int32, tau [B] fp32, ok [B] int8, live [B] int8)``.
 
-    The threshold of :func:`vllm_csv.ops.cpu_step.threshold_from` from ``y_1`` (largest block
+    The threshold of :func:`vllm_csv.ops.step.threshold_from` from ``y_1`` (largest block
     maximum) and ``y_k`` (``k``-th largest, with multiplicity: ``k`` distinct tokens reach it);
     ``ok`` also asks every row of the batch to be ``ok`` (:meth:`CertifiedHead._prepare`);
     candidate blocks are those with maximum ``>= thr``, ascending, the first ``CAP`` kept

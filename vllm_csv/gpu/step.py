@@ -15,7 +15,7 @@ candidate blocks (:mod:`vllm_csv.gpu.kernels`'s docstring), on heads whose engin
 other rows take the head's reference path (:meth:`FusedStep.supports`).
 
 What the step hands back is on the device: the ids (and values) of every row, certified or
-not, and each row's code (:data:`vllm_csv.ops.cpu_step.REASONS`). :meth:`FusedStep.topk`
+not, and each row's code (:data:`vllm_csv.ops.step.REASONS`). :meth:`FusedStep.topk`
 finishes a step for a caller that needs every row: the rows whose code is not 0 take the
 dense head's values of the whole batch, after one host read of "did any row fail" (see there).
 """
@@ -117,7 +117,7 @@ class FusedStep:
             ``[B, kb]`` fp32 holding model-dtype values.
         code : torch.Tensor
             ``[B]`` int32: 0 certified, else the fallback reason's index in
-            :data:`vllm_csv.ops.cpu_step.REASONS`.
+            :data:`vllm_csv.ops.step.REASONS`.
         count : torch.Tensor
             ``[B]`` int32: the row's candidate blocks (:meth:`scored` turns it into tokens).
 

@@ -1,5 +1,16 @@
-"""Kernels of vllm-csv: the CUDA extension ``vllm_csv._C`` where it was built, a torch
-reference everywhere (and always on CPU). Each op states its math in the docstring."""
+"""Kernels of vllm-csv, each beside its torch reference; each op states its math in its docstring.
+
+* here: the CUDA extension ``vllm_csv._C``'s int8 screen where it was built (a torch reference
+  everywhere else);
+* the CPU kernels (``csrc/cpu/X.cpp``, one library ``torch.ops.vllm_csv_cpu``): built and loaded
+  by :mod:`~vllm_csv.ops.build`, and wrapped one module a source (:data:`~vllm_csv.ops.build.KERNELS`):
+  :mod:`~vllm_csv.ops.step` (``csv_cpu.cpp``: the certified step's small passes),
+  :mod:`~vllm_csv.ops.int8_vnni`, :mod:`~vllm_csv.ops.int4_vnni` (the screens' GEMMs),
+  :mod:`~vllm_csv.ops.noise` (``gumbel_cpu.cpp``: the draw certificate's pass and the noise's hash),
+  :mod:`~vllm_csv.ops.masks` (``nucleus_cpu.cpp``), :mod:`~vllm_csv.ops.topk` (``topk_cpu.cpp``),
+  :mod:`~vllm_csv.ops.bools` (``bools_cpu.cpp``);
+* pure torch: :mod:`~vllm_csv.ops.fbgemm` (FBGEMM's exact int8 GEMM), :mod:`~vllm_csv.ops.gather`.
+"""
 
 from __future__ import annotations
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from .cpu_step import load_ops, uses_kernels
+from .build import fake, load_ops, uses_kernels
 
 
 def _fast(x: torch.Tensor, dim: int | None) -> bool:
@@ -49,3 +49,8 @@ def flat_nonzero(x: torch.Tensor) -> torch.Tensor:
     if x.dtype == torch.bool and uses_kernels(x):
         return load_ops().flat_nonzero(x)
     return flat_nonzero_ref(x)
+
+
+@fake("flat_nonzero")
+def _(x):
+    return x.new_empty(torch.library.get_ctx().new_dynamic_size(), dtype=torch.long)

@@ -1,6 +1,6 @@
 """The int4 screen's GEMM with AVX512-VNNI (``csrc/cpu/int4_vnni.cpp``), beside its torch reference.
 
-For ``x = [c p_b, -64 c, 63 c]`` (:func:`vllm_csv.ops.cpu_step.quantize_act7`'s layout: ``p_b``
+For ``x = [c p_b, -64 c, 63 c]`` (:func:`vllm_csv.ops.step.quantize_act7`'s layout: ``p_b``
 integers in ``[-64, 63]``, ``c`` a power of two), int4 weights ``q`` in ``[-7, 7]`` and fp16
 scales ``s`` per group of :data:`GROUP` columns, both return, bit for bit,
 
@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import torch
 
-from . import cpu_step
+from .build import cpu_supports, load_ops
 from .fbgemm import act7_decode
 
 GROUP = 32  # columns a scale
@@ -34,10 +34,9 @@ SCALE_MAX = 65504.0  # the largest fp16
 
 def unavailable_reason() -> str | None:
     """Why :class:`VnniInt4Linear` cannot run here (``None`` if it can)."""
-    ops = cpu_step.load_ops()
-    if ops is None:
+    if load_ops() is None:
         return "the CSV CPU kernels are not built"
-    if not ops.int4_vnni_supported():
+    if not cpu_supports("avx512_vnni_f16c"):
         return "this CPU has no AVX512-VNNI"
     return None
 
@@ -91,7 +90,7 @@ class VnniInt4Linear:
         why = unavailable_reason()
         if why is not None:
             raise RuntimeError(why)
-        ops = cpu_step.load_ops()
+        ops = load_ops()
         self._op = ops.int4_vnni_linear
         self.vocab_size, self.hidden_size = q.shape
         self.packed = ops.pack_int4_vnni(q)

@@ -1,7 +1,7 @@
 """The int8 screen's GEMM with AVX512-VNNI (``csrc/cpu/int8_vnni.cpp``), beside its torch reference.
 
 Same numbers as :class:`vllm_csv.ops.fbgemm.PackedInt8Linear`, bit for bit, for the same input
-layout ``x = [c p_b, -64 c, 63 c]`` (:func:`vllm_csv.ops.cpu_step.quantize_act7`):
+layout ``x = [c p_b, -64 c, 63 c]`` (:func:`vllm_csv.ops.step.quantize_act7`):
 
     y[b, i] = fl(fl(<p_b, q_i>) * fl(c s_i))
 
@@ -18,7 +18,7 @@ per 8), multiplies with ``vpdpbusd`` (unsigned codes ``p + 64`` in ``[0, 127]`` 
   the two roundings of FBGEMM's ``ReQuantizeForFloat`` and of :func:`int8_vnni_linear_ref`.
 
 With a block size it also returns the maxima of ``y`` over consecutive blocks of tokens, the
-first thing the candidate search reads (:func:`vllm_csv.ops.cpu_step.select_candidates`): taken
+first thing the candidate search reads (:func:`vllm_csv.ops.step.select_candidates`): taken
 in registers, they save that search its one full pass over ``[B, V]``.
 
 On CPUs with AMX-INT8 (Intel Sapphire Rapids and later), batches of :data:`AMX_FROM` rows or more
@@ -41,8 +41,7 @@ from __future__ import annotations
 
 import torch
 
-from . import cpu_step
-from .cpu_step import PANEL
+from .build import GROUP, PANEL, cpu_supports, fake, load_ops
 from .fbgemm import ACT_MIN, Int8Linear, act7_decode, packed_int8_linear_ref
 
 
@@ -51,16 +50,14 @@ AMX_FROM = 4  # batch rows from which the AMX kernel runs, where the CPU has it
 
 def amx_available() -> bool:
     """Whether this CPU has AMX-INT8 and this process may use it (the kernels built)."""
-    ops = cpu_step.load_ops()
-    return ops is not None and bool(ops.int8_amx_supported())
+    return cpu_supports("amx_int8")
 
 
 def unavailable_reason(d: int, vocab: int) -> str | None:
     """Why :class:`VnniInt8Linear` cannot run here (``None`` if it can)."""
-    ops = cpu_step.load_ops()
-    if ops is None:
+    if load_ops() is None:
         return "the CSV CPU kernels are not built"
-    if not ops.int8_vnni_supported():
+    if not cpu_supports("avx512_vnni"):
         return "this CPU has no AVX512-VNNI"
     if 127 * 128 * (d + 3) >= 2**31:
         return f"hidden size {d} overflows the int32 accumulator"
@@ -75,7 +72,7 @@ class VnniInt8Linear(Int8Linear):
     def __init__(self, q: torch.Tensor, s: torch.Tensor):
         super().__init__(q, s, unavailable_reason(q.shape[1], q.shape[0]))
         V = q.shape[0]
-        ops = cpu_step.load_ops()
+        ops = load_ops()
         self._op = ops.int8_vnni_linear
         self._amx = ops.int8_amx_linear if amx_available() else None  # (batches of AMX_FROM rows or more)
         if self._amx is not None:
@@ -95,7 +92,7 @@ class VnniInt8Linear(Int8Linear):
     def linear_block_max(self, x: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
         """:meth:`linear` and, in the same pass, the maxima of ``y`` over consecutive blocks of
         ``block`` tokens (a multiple of 32): ``(y [B, V], bmax [B, ceil(V / block)])``, ``bmax``
-        equal to :func:`vllm_csv.ops.cpu_step.block_max` of ``y`` (NaN propagates)."""
+        equal to :func:`vllm_csv.ops.step.block_max` of ``y`` (NaN propagates)."""
         return self._op_for(x)(x, self.packed, self.zsum, self.s, self.vocab_size, self.hidden_size, block)
 
     def kernel_for(self, rows: int) -> str:
@@ -115,3 +112,17 @@ def int8_vnni_linear_ref(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor) -> t
         return torch.empty((0, q.shape[0]), dtype=torch.float32)
     p, c = act7_decode(x, d, "int8_vnni_linear")
     return packed_int8_linear_ref(p, q, s, c)
+
+
+@fake("pack_int8_vnni")
+def _(q):
+    V, d = q.shape
+    return q.new_empty(-(-V // PANEL), -(-d // GROUP), 2, PANEL // 2, GROUP)
+
+
+def _int8_linear_fake(x, packed, zsum, s, V, d, block):
+    return s.new_empty(x.shape[0], V), s.new_empty(x.shape[0], -(-V // block) if block else 0)
+
+
+for _name in ("int8_vnni_linear", "int8_amx_linear"):  # (one op on two instruction sets)
+    fake(_name)(_int8_linear_fake)

@@ -14,7 +14,7 @@ import math
 
 import torch
 
-from .cpu_step import load_ops, uses_kernels
+from .build import cpu_supports, fake, load_ops, uses_kernels
 
 SUMS_CHUNK = 1 << 22  # top_p_sums_ref: elements of a chunk's [queries, n] temporaries
 
@@ -160,7 +160,27 @@ def unlisted_masses(lo: torch.Tensor, hi: torch.Tensor, c: torch.Tensor, ih: tor
     (1 ulp, as torch's own on AVX-512 CPUs): one pass over both sides on CPUs where the kernel
     runs (AVX-512, and libtorch exports ``Sleef_expf16_u10``), the reference elsewhere."""
     # (the op answers from what it found once, at its first call)
-    ops = load_ops() if uses_kernels(lo) else None
-    if ops is not None and ops.unlisted_masses_supported():
-        return ops.unlisted_masses(lo, hi, c, ih)
+    if uses_kernels(lo) and cpu_supports("sleef_expf16"):
+        return load_ops().unlisted_masses(lo, hi, c, ih)
     return unlisted_masses_ref(lo, hi, c, ih)
+
+
+# ---- fake implementations (shapes only: tracing, torch.compile) -------------------------------
+@fake("min_p_cut")
+def _(lo, hi, keep_at, drop_at):
+    return torch.empty_like(lo), torch.empty_like(hi)
+
+
+@fake("top_k_cut")
+def _(lo, hi, hk, hk1, lk):
+    return torch.empty_like(lo), torch.empty_like(hi)
+
+
+@fake("top_p_sums")
+def _(lo, hi, el, eh, qrow, qcol):
+    return lo.new_empty(qrow.shape[0], 4, dtype=torch.float64)
+
+
+@fake("unlisted_masses")
+def _(lo, hi, c, ih):
+    return lo.new_empty(lo.shape[0], 2, dtype=torch.float64)

@@ -9,6 +9,11 @@ sampled row, hashing its noise and comparing the raw bits with the row's thresho
 token's level; in torch that is about twenty ``[R, V]`` int64 and float64 passes (the hash
 alone is ten), 20-30 ms a step for 8 rows of 65536 tokens on a 2-core CPU, more than the dense
 head. The kernel does it in one pass per row and returns only the few tokens kept.
+
+The noise itself (vLLM's CPU Gumbel noise, :mod:`vllm_csv.sampling.gumbel`) is hashed from
+``(seed, token)`` alone: its torch reference (:func:`noise_bits_ref`, :func:`noise_of_bits`,
+:func:`bits_below`) lives here, beside the kernels that hash it, and the sampler reads it from
+here.
 """
 
 from __future__ import annotations
@@ -18,11 +23,70 @@ from typing import NamedTuple
 
 import torch
 
-from ..sampling.gumbel import bits_below, noise_of_bits
-from ..sampling.gumbel import noise_bits as _noise_bits_ref
-from .cpu_step import load_ops, uses_kernels
+from .build import fake, load_ops, uses_kernels
+
+GOLDEN = 0x9E3779B97F4A7C15
 
 
+# ---- the noise's hash (vllm_csv.sampling.gumbel's module docstring), torch reference ----------
+def _i64(x: int) -> int:
+    """A uint64 constant as the int64 bit pattern torch stores (int64 arithmetic wraps
+    like uint64 for +, *, ^)."""
+    return x - (1 << 64) if x >= 1 << 63 else x
+
+
+def _shr(x: torch.Tensor, n: int) -> torch.Tensor:
+    """Logical right shift of int64 tensors holding uint64 bits."""
+    return (x >> n) & ((1 << (64 - n)) - 1)
+
+
+def splitmix64(z: torch.Tensor) -> torch.Tensor:
+    """SplitMix64's finaliser on int64 tensors holding uint64 bits."""
+    z = (z ^ _shr(z, 30)) * _i64(0xBF58476D1CE4E5B9)
+    z = (z ^ _shr(z, 27)) * _i64(0x94D049BB133111EB)
+    return z ^ _shr(z, 31)
+
+
+def noise_bits_ref(seeds: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """The 53 random bits behind token ``ids``' noise in rows seeded ``seeds``: ``[B, n]`` int64
+    (``ids`` ``[B, n]`` or ``[n]``). The hash of :func:`splitmix64` in place on one buffer
+    (each out-of-place op of a ``[B, V]`` int64 tensor costs an allocation as long as the op)."""
+    key = splitmix64(seeds.long())[:, None]
+    ids = ids.long()
+    if ids.dim() == 1:
+        ids = ids[None]
+    z = torch.add(key, (ids + 1).mul_(_i64(GOLDEN)))  # [B, n]
+    tmp = torch.empty_like(z)
+    for shift, mult in ((30, _i64(0xBF58476D1CE4E5B9)), (27, _i64(0x94D049BB133111EB)), (31, None)):
+        torch.bitwise_right_shift(z, shift, out=tmp).bitwise_and_((1 << (64 - shift)) - 1)
+        z.bitwise_xor_(tmp)
+        if mult is not None:
+            z.mul_(mult)
+    return z.bitwise_right_shift_(11).bitwise_and_((1 << 53) - 1)
+
+
+def noise_of_bits(bits: torch.Tensor) -> torch.Tensor:
+    """``g = -log(-log u)``, ``u = (bits + 0.5) 2^-53``, in float64 (same shape)."""
+    u = (bits.double() + 0.5).mul_(2.0**-53)
+    return u.log_().neg_().log_().neg_()
+
+
+def bits_below(t: torch.Tensor) -> torch.Tensor:
+    """Per row, an int64 ``b`` such that every token whose bits are ``< b`` has noise ``< t``
+    (``t`` ``[B]`` float64), exactly and as :func:`noise_of_bits` computes it.
+
+    ``g`` increases with ``u``: ``g < t`` iff ``u < exp(-exp(-t))``. We take
+    ``t' = t - 1e-6`` and ``b = floor(exp(-exp(-t')) 2^53 - 0.5) - 2``: ``bits < b`` gives
+    ``u < exp(-exp(-t'))`` with room for the double roundings of this threshold, so the real
+    ``g < t - 1e-6``, and the computed ``g`` (within a few ulps, ``<= 1e-13`` for
+    ``|g| <= 38``) is below ``t``. ``b <= 0`` (no token skipped) when ``t`` is below the
+    noise's range (or NaN)."""
+    t = torch.nan_to_num(t.double(), nan=-math.inf, posinf=math.inf)  # NaN: skip nothing
+    u = torch.exp(-torch.exp(-(t - 1e-6)))
+    return (torch.floor(u * 2.0**53 - 0.5) - 2).clamp(-1, 2.0**53).long()
+
+
+# ---- noise_candidates ---------------------------------------------------------------------------
 def noise_candidates_ref(hi: torch.Tensor, seeds: torch.Tensor, hmax: torch.Tensor, table: torch.Tensor,
                          force: torch.Tensor, ids: torch.Tensor | None, inv_level: float):
     """The tokens whose noise may reach their row's threshold.
@@ -38,7 +102,7 @@ def noise_candidates_ref(hi: torch.Tensor, seeds: torch.Tensor, hmax: torch.Tens
     table : torch.Tensor
         ``[R, levels + 1]`` int64: a token ``level`` steps of ``1 / inv_level`` below ``hmax``
         is kept iff its noise bits are ``>= table[r, level]``
-        (:func:`vllm_csv.sampling.gumbel.bits_below`).
+        (:func:`bits_below`).
     force : torch.Tensor
         ``[R, k]`` int64 columns kept whatever their bits (``-1``: none).
     ids : torch.Tensor, optional
@@ -50,11 +114,11 @@ def noise_candidates_ref(hi: torch.Tensor, seeds: torch.Tensor, hmax: torch.Tens
     Returns
     -------
     (rows, cols, bits): ``[m]`` int64 each, the kept tokens row by row, columns ascending, and
-    their 53 noise bits (:func:`vllm_csv.sampling.gumbel.noise_bits`).
+    their 53 noise bits (:func:`noise_bits_ref`).
     """
     R, n = hi.shape
     tok = torch.arange(n, device=hi.device) if ids is None else ids
-    bits = _noise_bits_ref(seeds, tok).expand(R, n)
+    bits = noise_bits_ref(seeds, tok).expand(R, n)
     levels = table.shape[1] - 1
     gap = (hmax.double()[:, None] - hi.double()).mul_(inv_level).floor_().nan_to_num_(nan=levels).clamp_(0, levels)
     keep = (bits >= table.gather(1, gap.long())).logical_and_(hi > -math.inf)
@@ -111,7 +175,7 @@ def draw_contenders_ref(lo: torch.Tensor, hi: torch.Tensor, seeds: torch.Tensor,
         The thresholds' step below ``hmax`` and their count (:data:`~vllm_csv.sampling.
         certificate.LEVEL`, ``LEVELS``): a token ``q`` levels below is a candidate iff its noise
         may reach ``t + max(q - 0.01, 0) level``, ``t = L - 2 delta - hmax``
-        (:func:`~vllm_csv.sampling.gumbel.bits_below`, :func:`noise_candidates`).
+        (:func:`bits_below`, :func:`noise_candidates`).
 
     Returns
     -------
@@ -122,10 +186,10 @@ def draw_contenders_ref(lo: torch.Tensor, hi: torch.Tensor, seeds: torch.Tensor,
     dev = hi.device
     if direct:  # few columns (a later round's, on the contenders): every live token's noise
         ri, ci = (hi > -math.inf).nonzero().unbind(1)
-        bits = _noise_bits_ref(seeds, torch.arange(n, device=dev) if ids is None else ids)[ri, ci]
+        bits = noise_bits_ref(seeds, torch.arange(n, device=dev) if ids is None else ids)[ri, ci]
     else:
         top_tok = top_i if ids is None else ids.gather(1, top_i)
-        L = (top_v.double() + noise_of_bits(_noise_bits_ref(seeds, top_tok))).amax(1)  # <= best
+        L = (top_v.double() + noise_of_bits(noise_bits_ref(seeds, top_tok))).amax(1)  # <= best
         t = L - 2 * delta - hmax.double()
         k = torch.arange(levels + 1, dtype=torch.float64, device=dev)
         table = bits_below(t[:, None] + (k - 0.01).clamp_min(0) * level)  # [R, levels + 1]
@@ -157,13 +221,13 @@ def draw_contenders(lo, hi, seeds, hmax, delta, top_v, top_i, ids, direct: bool,
 
 
 def noise_bits(seeds: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-    """:func:`vllm_csv.sampling.gumbel.noise_bits` (the reference: ``[B, n]`` int64 from ``seeds [B]``
+    """:func:`noise_bits_ref` (``[B, n]`` int64 from ``seeds [B]``
     and ``ids [B, n]`` or ``[n]``), one kernel call on the CPU where it is built: for the few
     tokens a certificate hashes on their own, the reference's dozen small ops cost more than
     the hashing."""
     if uses_kernels(seeds):
         return load_ops().noise_bits(seeds, ids)
-    return _noise_bits_ref(seeds, ids)
+    return noise_bits_ref(seeds, ids)
 
 
 class RowStats(NamedTuple):
@@ -237,3 +301,28 @@ def pack_live(lo: torch.Tensor, hi: torch.Tensor, n: int) -> torch.Tensor:
     if uses_kernels(hi):
         return load_ops().pack_live(lo, hi, n)
     return pack_live_ref(lo, hi, n)
+
+
+# ---- fake implementations (shapes only: tracing, torch.compile) -------------------------------
+@fake("noise_candidates")
+def _(hi, seeds, hmax, table, force, ids, inv_level):
+    m = torch.library.get_ctx().new_dynamic_size()
+    return (hi.new_empty(m, dtype=torch.long), hi.new_empty(m, dtype=torch.long),
+            hi.new_empty(m, dtype=torch.long))
+
+
+@fake("noise_bits")
+def _(seeds, ids):
+    return seeds.new_empty(seeds.shape[0], ids.shape[-1], dtype=torch.long)
+
+
+@fake("row_stats")
+def _(lo, hi, k):
+    R = lo.shape[0]
+    return (lo.new_empty(R), lo.new_empty(R), lo.new_empty(R), lo.new_empty(R, dtype=torch.long),
+            lo.new_empty(R, k), lo.new_empty(R, k, dtype=torch.long))
+
+
+@fake("pack_live")
+def _(lo, hi, n):
+    return lo.new_empty(lo.shape[0], n, dtype=torch.long)

@@ -23,66 +23,10 @@ import math
 
 import torch
 
-GOLDEN = 0x9E3779B97F4A7C15
+from ..ops.noise import noise_bits_ref as noise_bits, noise_of_bits  # the noise's hash
+
 GUMBEL_MIN = -3.63  # below -log(-log(2^-54)) = -3.6226
 GUMBEL_MAX = 37.5  # above -log(-log(1 - 2^-54)) = 37.429
-
-
-def _i64(x: int) -> int:
-    """A uint64 constant as the int64 bit pattern torch stores (int64 arithmetic wraps
-    like uint64 for +, *, ^)."""
-    return x - (1 << 64) if x >= 1 << 63 else x
-
-
-def _shr(x: torch.Tensor, n: int) -> torch.Tensor:
-    """Logical right shift of int64 tensors holding uint64 bits."""
-    return (x >> n) & ((1 << (64 - n)) - 1)
-
-
-def splitmix64(z: torch.Tensor) -> torch.Tensor:
-    """SplitMix64's finaliser on int64 tensors holding uint64 bits."""
-    z = (z ^ _shr(z, 30)) * _i64(0xBF58476D1CE4E5B9)
-    z = (z ^ _shr(z, 27)) * _i64(0x94D049BB133111EB)
-    return z ^ _shr(z, 31)
-
-
-def noise_bits(seeds: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-    """The 53 random bits behind token ``ids``' noise in rows seeded ``seeds``: ``[B, n]`` int64
-    (``ids`` ``[B, n]`` or ``[n]``). The hash of :func:`splitmix64` in place on one buffer
-    (each out-of-place op of a ``[B, V]`` int64 tensor costs an allocation as long as the op)."""
-    key = splitmix64(seeds.long())[:, None]
-    ids = ids.long()
-    if ids.dim() == 1:
-        ids = ids[None]
-    z = torch.add(key, (ids + 1).mul_(_i64(GOLDEN)))  # [B, n]
-    tmp = torch.empty_like(z)
-    for shift, mult in ((30, _i64(0xBF58476D1CE4E5B9)), (27, _i64(0x94D049BB133111EB)), (31, None)):
-        torch.bitwise_right_shift(z, shift, out=tmp).bitwise_and_((1 << (64 - shift)) - 1)
-        z.bitwise_xor_(tmp)
-        if mult is not None:
-            z.mul_(mult)
-    return z.bitwise_right_shift_(11).bitwise_and_((1 << 53) - 1)
-
-
-def noise_of_bits(bits: torch.Tensor) -> torch.Tensor:
-    """``g = -log(-log u)``, ``u = (bits + 0.5) 2^-53``, in float64 (same shape)."""
-    u = (bits.double() + 0.5).mul_(2.0**-53)
-    return u.log_().neg_().log_().neg_()
-
-
-def bits_below(t: torch.Tensor) -> torch.Tensor:
-    """Per row, an int64 ``b`` such that every token whose bits are ``< b`` has noise ``< t``
-    (``t`` ``[B]`` float64), exactly and as :func:`noise_of_bits` computes it.
-
-    ``g`` increases with ``u``: ``g < t`` iff ``u < exp(-exp(-t))``. We take
-    ``t' = t - 1e-6`` and ``b = floor(exp(-exp(-t')) 2^53 - 0.5) - 2``: ``bits < b`` gives
-    ``u < exp(-exp(-t'))`` with room for the double roundings of this threshold, so the real
-    ``g < t - 1e-6``, and the computed ``g`` (within a few ulps, ``<= 1e-13`` for
-    ``|g| <= 38``) is below ``t``. ``b <= 0`` (no token skipped) when ``t`` is below the
-    noise's range (or NaN)."""
-    t = torch.nan_to_num(t.double(), nan=-math.inf, posinf=math.inf)  # NaN: skip nothing
-    u = torch.exp(-torch.exp(-(t - 1e-6)))
-    return (torch.floor(u * 2.0**53 - 0.5) - 2).clamp(-1, 2.0**53).long()
 
 
 def gumbel_noise(seeds: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:

@@ -56,9 +56,9 @@ import math
 import torch
 
 from ..fp import round_down32, round_up32
+from ..ops.noise import noise_bits_ref as noise_bits, noise_of_bits
 from ..ops.topk import row_topk
 from .certificate import certify_draw
-from .gumbel import noise_bits, noise_of_bits
 from .head_adapter import HeadAdapter
 from .nucleus import min_p_bounds, min_p_drops_on_part, top_p_bounds
 from .outside import Outside

@@ -51,7 +51,7 @@ class ScreenOut:
     e: torch.Tensor | None = None  # [B], e.g. the norm of the activation quantisation residual
     rel: float = 0.0  # plus rel * |y| (e.g. a half-precision rounding of the GEMM's output)
     row_scale: torch.Tensor | None = None  # [B]: when set, the center is fl(y * row_scale[:, None])
-    block_max: torch.Tensor | None = None  # [B, ceil(V / cpu_step.BLOCK)]: block maxima of y, when the GEMM took them
+    block_max: torch.Tensor | None = None  # [B, ceil(V / ops.build.BLOCK)]: block maxima of y, when the GEMM took them
 
 
 from .ball import BallScreen  # noqa: E402

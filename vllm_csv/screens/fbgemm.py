@@ -71,8 +71,8 @@ import torch
 
 from ..errors import CSVError
 from ..fp import FP32_UNIT_ROUNDOFF, gamma, round_up32
-from ..ops import cpu_step, int8_vnni
-from ..ops.cpu_step import S_MIN, fold_scale
+from ..ops import int8_vnni, step
+from ..ops.step import S_MIN, fold_scale
 from ..ops.fbgemm import ACT_MAX, ACT_MIN, C_MAX_LOG2, C_MIN_LOG2, PackedInt8Linear, packed_int8_linear_ref
 from .copy_error import copy_error_norms, row_norms
 from .quantized import quantize
@@ -112,7 +112,7 @@ def self_test_probe(V: int, d: int, largest: int) -> tuple[torch.Tensor, torch.T
 
 def apply_row_scale(y: torch.Tensor, scale: torch.Tensor, c: float, defer: bool,
                     bias: torch.Tensor | None) -> torch.Tensor | None:
-    """After a GEMM on :func:`~vllm_csv.ops.cpu_step.quantize_act7`'s activations: the per-row
+    """After a GEMM on :func:`~vllm_csv.ops.step.quantize_act7`'s activations: the per-row
     scale ``[B]`` the caller still has to apply (``defer`` asked, no bias, and the exponents did
     not fold into ``c``), else None, ``y`` then being the center (scaled here in place where they
     did not fold: a power of two, exact unless subnormal)."""
@@ -203,7 +203,7 @@ class FbgemmInt8Screen:
         center is ``fl(y_raw * row_scale)``, the very product this method would otherwise take
         over all of ``[B, V]``; a caller that needs only a few columns (or block maxima: the
         product is monotone) saves that pass. With the VNNI backend and no bias, ``block_max``
-        holds :func:`~vllm_csv.ops.cpu_step.block_max` of the returned ``y``, taken in the GEMM."""
+        holds :func:`~vllm_csv.ops.step.block_max` of the returned ``y``, taken in the GEMM."""
         from . import ScreenOut
 
         B = h.shape[0]
@@ -214,11 +214,11 @@ class FbgemmInt8Screen:
         if outliers is not None:
             return self._center_radius_split(h, outliers)
         # The activations: t_b, p_b and e_b of the module docstring, and the folded scale c
-        # (0.0: rows scaled one by one). One fused kernel on the CPU (vllm_csv.ops.cpu_step).
-        x, scale, e, c = cpu_step.quantize_act7(h, self.s_min, self.s_max)
+        # (0.0: rows scaled one by one). One fused kernel on the CPU (vllm_csv.ops.step).
+        x, scale, e, c = step.quantize_act7(h, self.s_min, self.s_max)
         bmax = None
         if self._fused_block_max:
-            y, bmax = self.gemm.linear_block_max(x, cpu_step.BLOCK)  # the search's block maxima, same pass
+            y, bmax = self.gemm.linear_block_max(x, step.BLOCK)  # the search's block maxima, same pass
         else:
             y = self.gemm.linear(x)
         row_scale = apply_row_scale(y, scale, c, defer_row_scale, self.bias)
@@ -250,7 +250,7 @@ class FbgemmInt8Screen:
         from . import ScreenOut
 
         hq = h.index_fill(1, cols, 0)
-        x, scale, e, c = cpu_step.quantize_act7(hq, self.s_min, self.s_max)
+        x, scale, e, c = step.quantize_act7(hq, self.s_min, self.s_max)
         y = self.gemm.linear(x)
         apply_row_scale(y, scale, c, False, None)  # (scaled in place: y_O is added to the center)
         hO = h.index_select(1, cols).float()  # exact
@@ -270,7 +270,7 @@ def outlier_channels(h: torch.Tensor) -> torch.Tensor | None:
     row in some row (ascending; the :data:`MAX_OUTLIERS` largest), or None (the common case: one
     host read; also rows of at most ``2 MAX_OUTLIERS`` channels). Rows with NaN/inf contribute
     none (they go dense); a zero row none."""
-    rows = cpu_step.outlier_rows(h, OUTLIER_RATIO, MAX_OUTLIERS)  # one pass on the CPU
+    rows = step.outlier_rows(h, OUTLIER_RATIO, MAX_OUTLIERS)  # one pass on the CPU
     if not bool(rows.any()):
         return None
     # the rms of the rest of each such row, its MAX_OUTLIERS largest left out (a few equal

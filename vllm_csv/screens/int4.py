@@ -7,7 +7,7 @@ up.
 
 Activations: as the int8 screen's (:mod:`.fbgemm`, whose docstring has the proof):
 ``h_b = c_b p_b + f_b`` with ``p_b`` integers in ``[-64, 63]``, ``c_b = t_b / 64`` a power of two,
-``e_b >= ||f_b||`` (:func:`~vllm_csv.ops.cpu_step.quantize_act7`).
+``e_b >= ||f_b||`` (:func:`~vllm_csv.ops.step.quantize_act7`).
 
 The GEMM (:mod:`vllm_csv.ops.int4_vnni`): ``A_big = <p_b, q_i>`` over group ``g`` (exact
 integers), ``z_bi`` their sum ``sum_g s_ig A_big`` with one rounding a group (fused
@@ -38,7 +38,7 @@ import torch
 
 from ..errors import CSVError
 from ..fp import FP32_UNIT_ROUNDOFF, gamma, round_up32
-from ..ops import cpu_step, int4_vnni
+from ..ops import int4_vnni, step
 from ..ops.fbgemm import ACT_MIN, act7_layout
 from ..ops.int4_vnni import GROUP, QMAX, dequantized, int4_linear_ref, quantize_int4
 from .copy_error import copy_error_norms
@@ -105,7 +105,7 @@ class VnniInt4Screen:
         if B == 0:
             y = torch.empty((0, self.n.shape[0])) if self.bias is None else self.bias.expand(0, -1).clone()
             return ScreenOut(y, self.radius, True, self.n, torch.empty(0), REL)
-        x, scale, e, c = cpu_step.quantize_act7(h, Z_MIN, self.z_max)
+        x, scale, e, c = step.quantize_act7(h, Z_MIN, self.z_max)
         # e' = e + gamma_G (||h|| + e), rounded up (NaN / inf rows stay NaN / inf: dense)
         e = round_up32((e.double() + self.gamma_g * (h.double().norm(dim=1) + e.double()))
                        * (1 + 4 * FP32_UNIT_ROUNDOFF))

@@ -1,18 +1,15 @@
-"""The small passes of the certified step on the CPU, fused (``csrc/cpu/csv_cpu.cpp``), beside
-their torch references.
+"""The certified step's small passes on the CPU, fused (``csrc/cpu/csv_cpu.cpp``), each beside its
+torch reference and its fake implementation.
 
 Why fused: the screen's GEMM streams the whole int8 head (50-150 MB) through the caches and
-evicts the code of the torch ops that follow; each distinct op then runs cold (30-200 us
-instead of 2-10 us), and the reference path below runs about 60 of them around each GEMM:
-1-2 ms a step, as much as half the GEMM itself at V = 65536. The kernels compute the same
-numbers in six calls. They are built once per machine with torch's C++ extension loader (a
-C++ compiler and ninja, both already needed by vLLM-CPU's own builds; about 45 s on 2 cores, cached in
-``TORCH_EXTENSIONS_DIR``). Where that fails, or with ``VLLM_CSV_CPU_KERNELS=0``, every call takes
-the torch reference, and one log line says why.
+evicts the code of the torch ops that follow, which then run cold (30-200 us instead of 2-10);
+the references below run about 60 of them around each GEMM, 1-2 ms a step. Where the kernels
+are not built (:mod:`vllm_csv.ops.build`), or on another device, every call takes the reference.
 
-Ops (registered as ``torch.ops.vllm_csv_cpu.*`` with fake implementations, so they trace):
+Ops (``torch.ops.vllm_csv_cpu.*``):
 
 * :func:`prepare_rows`: ``||h_b||`` rounded up and which rows may be certified;
+* :func:`abs_max_rows`, :func:`outlier_rows`: a row's largest ``|y|``; the int8 screen's outliers;
 * :func:`interval_rows`: the screen's intervals around its centres, in one pass (the sampling
   path's bounds on every token, :meth:`vllm_csv.head.CertifiedHead._intervals`);
 * :func:`quantize_act7`: the FBGEMM screen's activation quantisation (its docstring's ``t_b``,
@@ -23,154 +20,28 @@ Ops (registered as ``torch.ops.vllm_csv_cpu.*`` with fake implementations, so th
   :meth:`vllm_csv.head.CertifiedHead._score` (and, without a bias, the engine's rounding);
 * :func:`certify_topk`: the top-k certificate of :meth:`vllm_csv.head.CertifiedHead._certify`
   for a plain engine (no soft-cap or scale) and greedy rows;
-* :func:`finish_selection`: the ``[B, V]`` output of the certified rows and each row's outcome;
-* ``noise_candidates`` (:mod:`vllm_csv.ops.noise`, ``csrc/cpu/gumbel_cpu.cpp``): the sampling
-  certificate's pass over the vocabulary (noise hash and level thresholds), with ``row_stats``
-  and ``pack_live`` (each row's live columns);
-* ``min_p_cut`` and ``top_k_cut`` (:mod:`vllm_csv.ops.masks`, ``csrc/cpu/nucleus_cpu.cpp``):
-  vLLM's min-p and top-k masks on the sampling certificate's bounds, given each row's thresholds,
-  ``top_p_sums``, the four masses top-p decides a token on, over its whole row, and
-  ``unlisted_masses``, a row's masses off top-p's list of tokens (float64 sums in another order
-  than the reference's; ``unlisted_masses`` takes SLEEF's fp32 exp from libtorch, as torch's
-  own exp on AVX-512 CPUs, and runs only where it is there);
-* ``row_topk`` (:mod:`vllm_csv.ops.topk`, ``csrc/cpu/topk_cpu.cpp``): each row's k largest
-  values and their columns, as ``torch.topk``;
-* ``flat_nonzero`` (:mod:`vllm_csv.ops.bools`, ``csrc/cpu/bools_cpu.cpp``): the flat positions of
-  a bool tensor's true elements, as ``nonzero``.
+* :func:`finish_selection`: the ``[B, V]`` output of the certified rows and each row's outcome.
 
 Each kernel follows its reference operation by operation (fp32 where the reference is fp32,
 scalars rounded to fp32 as torch rounds a Python number), so the outputs agree bit for bit,
 except the float64 sums (norms, dot products), which the kernels take in index order and
 torch in its own: the bounds hold for any order (see each reference), and the two may differ
-in the last bit of ``hnorm``, ``e``, ``a``, ``lo``, ``hi`` (``tests/test_cpu_step.py``).
+in the last bit of ``hnorm``, ``e``, ``a``, ``lo``, ``hi`` (``tests/test_step.py``).
 """
 
 from __future__ import annotations
 
-import contextlib
-import fcntl
-import hashlib
-import logging
 import math
-import os
-import time
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
 from ..fp import FP32_UNIT_ROUNDOFF, round_down32, round_up32
 from ..vocabulary import KERNEL_REASONS as REASONS  # noqa: F401  (finish_selection's codes, in order)
+from .build import BLOCK, K_MIN, fake, uses_kernels
 from .fbgemm import ACT_MAX, ACT_MIN, C_MAX_LOG2, C_MIN_LOG2
 
-logger = logging.getLogger("vllm.csv_decode")
-
-BLOCK = 256  # tokens a block: the candidate search reads y once, as block maxima
-PANEL, GROUP = 32, 4  # the VNNI GEMM's weight panel: rows (two zmm tiles of int32 lanes), k a vpdpbusd lane sums
-PREFETCH = 4096  # bytes ahead of the weight stream the screens' GEMMs prefetch on Intel CPUs (none
-# elsewhere: csrc/cpu/int8_vnni.cpp, prefetch_ahead; measured: benchmarks/README.md, "Software prefetch")
-K_MIN = -143  # rows with max|h| < 2^K_MIN are not quantised (t / 64 would not be an fp32)
 S_MIN = 2.0**-126  # smallest normal fp32
-ENV = "VLLM_CSV_CPU_KERNELS"  # "0": always the torch reference
-BUILD_WAIT_ENV, BUILD_WAIT_S = "VLLM_CSV_CPU_BUILD_WAIT_S", 600.0  # longest wait for another process's
-# build of the kernels (a build takes 1-2 minutes here); after it, the torch reference runs
-BUILD_LOCK = "csv_build.lock"  # the flock that serialises builds (load_ops, _build_lock)
-SOURCES = tuple(Path(__file__).resolve().parents[2] / "csrc" / "cpu" / f
-                for f in ("csv_cpu.cpp", "int8_vnni.cpp", "gumbel_cpu.cpp", "int4_vnni.cpp", "nucleus_cpu.cpp",
-                          "topk_cpu.cpp", "bools_cpu.cpp"))
-
-_state: dict = {}
-
-
-def _extension():
-    """``(name, flags)`` of the kernels' build for these sources, flags and checkout."""
-    defs = dict(CSV_BLOCK=BLOCK, CSV_ACT_MIN=ACT_MIN, CSV_ACT_MAX=ACT_MAX, CSV_K_MIN=K_MIN,
-                CSV_C_MIN_LOG2=C_MIN_LOG2, CSV_C_MAX_LOG2=C_MAX_LOG2, CSV_PANEL=PANEL, CSV_GROUP=GROUP,
-                CSV_PREFETCH=PREFETCH)
-    flags = ["-O3", "-ffp-contract=off", "-fopenmp", *(f"-D{k}={v}" for k, v in defs.items())]
-    # One build directory per source version and checkout: two versions on one machine would
-    # otherwise rebuild over each other's library, even while the other loads it, and two
-    # checkouts of one version would rebuild it each time (ninja's commands hold the absolute
-    # source paths).
-    key = "\0".join([str(SOURCES[0].parent), *(f.read_text() for f in SOURCES), *flags])
-    return f"vllm_csv_cpu_{hashlib.sha256(key.encode()).hexdigest()[:12]}", flags
-
-
-def _build_directory(name: str) -> Path:
-    """Where torch's loader builds the extension ``name`` (``TORCH_EXTENSIONS_DIR``), created."""
-    from torch.utils.cpp_extension import _get_build_directory
-
-    return Path(_get_build_directory(name, verbose=False))
-
-
-@contextlib.contextmanager
-def _build_lock(build_dir: Path, wait_s: float):
-    """Hold an exclusive ``flock`` on ``build_dir/BUILD_LOCK`` for one build, waiting ``wait_s``
-    at most (``TimeoutError`` after that).
-
-    torch's loader guards a build with a lock *file* (``build_dir/lock``, its ``FileBaton``) that
-    a process killed mid-build leaves behind; every later load then waits on it forever (a
-    server that never starts). A ``flock`` ends with its holder. Every build of these sources
-    in this checkout holds this one, so a ``lock`` file found while holding it is such a
-    leftover: it is removed, with a warning.
-    """
-    fd = os.open(build_dir / BUILD_LOCK, os.O_RDWR | os.O_CREAT, 0o644)
-    try:
-        deadline = time.monotonic() + wait_s
-        while True:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                break
-            except BlockingIOError:
-                if time.monotonic() >= deadline:
-                    raise TimeoutError(f"another process held {build_dir / BUILD_LOCK} for {wait_s:g} s "
-                                       f"({BUILD_WAIT_ENV} sets the wait)") from None
-                time.sleep(0.1)
-        baton = build_dir / "lock"
-        if baton.exists():
-            logger.warning("CSV CPU kernels: removing %s, left by a build that did not finish", baton)
-            baton.unlink(missing_ok=True)
-        yield
-    finally:
-        os.close(fd)  # releases the flock
-
-
-def load_ops():
-    """``torch.ops.vllm_csv_cpu`` (built on first use), or None with the reason logged once."""
-    if "ops" in _state:
-        return _state["ops"]
-    ops, why = None, None
-    if os.environ.get(ENV, "1") == "0":
-        why = f"{ENV}=0"
-    elif not all(f.exists() for f in SOURCES):
-        why = f"{SOURCES[0].parent} is not installed (an editable install of vllm-csv has it)"
-    else:
-        try:
-            from torch.utils.cpp_extension import load
-
-            name, flags = _extension()
-            build_dir = _build_directory(name)
-            with _build_lock(build_dir, float(os.environ.get(BUILD_WAIT_ENV, BUILD_WAIT_S))):
-                load(name, [str(f) for f in SOURCES], is_python_module=False, verbose=False,
-                     extra_cflags=flags, build_directory=str(build_dir))
-            ops = torch.ops.vllm_csv_cpu
-        except Exception as e:  # no compiler, no ninja, a build error, a build that holds the lock too long
-            why = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
-    if ops is None:
-        logger.info("CSV CPU kernels unavailable (%s); the certified step uses its torch reference", why)
-    _state["ops"] = ops
-    if ops is not None:
-        _register_fakes()
-    return ops
-
-
-def kernels_available() -> bool:
-    return load_ops() is not None
-
-
-def uses_kernels(t: torch.Tensor) -> bool:
-    """Whether the ops on ``t`` run the fused kernels (else their torch references)."""
-    return t.device.type == "cpu" and load_ops() is not None
 
 
 # ---- prepare_rows ---------------------------------------------------------------------------
@@ -200,7 +71,14 @@ def has_subnormal(x: torch.Tensor, dim: int | None = None, chunk: int = 8192) ->
 
 
 def prepare_rows(h: torch.Tensor, certifiable: bool):
+    """Same as :func:`prepare_rows_ref` (``hnorm`` summed in index order); one pass on the CPU."""
     return torch.ops.vllm_csv_cpu.prepare_rows(h, certifiable) if uses_kernels(h) else prepare_rows_ref(h, certifiable)
+
+
+@fake("prepare_rows")
+def _(h, certifiable):
+    B = h.shape[0]
+    return torch.empty_like(h), h.new_empty(B, dtype=torch.float32), h.new_empty(B, dtype=torch.bool)
 
 
 # ---- abs_max_rows ---------------------------------------------------------------------------
@@ -214,6 +92,11 @@ def abs_max_rows(y: torch.Tensor) -> torch.Tensor:
     """Same as :func:`abs_max_rows_ref`, one pass over each row on the CPU (``torch.aminmax`` took
     0.7 ms for 8 rows of 65536 here)."""
     return torch.ops.vllm_csv_cpu.abs_max_rows(y) if uses_kernels(y) and y.dim() == 2 else abs_max_rows_ref(y)
+
+
+@fake("abs_max_rows")
+def _(y):
+    return y.new_empty(y.shape[0])
 
 
 # ---- outlier_rows ---------------------------------------------------------------------------
@@ -240,6 +123,11 @@ def outlier_rows(h: torch.Tensor, ratio: float, m: int) -> torch.Tensor:
     return outlier_rows_ref(h, ratio, m)
 
 
+@fake("outlier_rows")
+def _(h, ratio, m):
+    return h.new_empty(h.shape[0], dtype=torch.bool)
+
+
 # ---- interval_rows --------------------------------------------------------------------------
 def interval_rows_ref(y: torch.Tensor, c: torch.Tensor, rad: torch.Tensor, hnorm: torch.Tensor,
                       bslack: torch.Tensor | None, nn: torch.Tensor | None, e: torch.Tensor | None,
@@ -264,7 +152,7 @@ def interval_rows_ref(y: torch.Tensor, c: torch.Tensor, rad: torch.Tensor, hnorm
     -------
     ``hi = y + m`` (``[B, V]`` float32), ``m = (c + bslack) + rad hnorm + nn e`` in fp32, operation
     by operation (torch 2.13's CPU ``addcmul`` rounds each ``self + t1 t2`` once, a fused
-    multiply-add: the kernel does the same, and ``tests/test_cpu_step.py`` checks the bits); ``y``
+    multiply-add: the kernel does the same, and ``tests/test_step.py`` checks the bits); ``y``
     holds ``lo = y - m`` where ``two_sided``.
     """
     m = torch.addcmul(c[:, None] + bslack[None] if bslack is not None else c[:, None], rad[None], hnorm[:, None])
@@ -289,6 +177,11 @@ def interval_rows(y: torch.Tensor, c: torch.Tensor, rad: torch.Tensor, hnorm: to
             all(t.dtype == torch.float32 and t.shape == (n,) for t, n in f32):
         return torch.ops.vllm_csv_cpu.interval_rows(y, c, rad, hnorm, bslack, nn, e, two_sided)
     return interval_rows_ref(y, c, rad, hnorm, bslack, nn, e, two_sided)
+
+
+@fake("interval_rows")
+def _(y, c, rad, hnorm, bslack, nn, e, two_sided):
+    return torch.empty_like(y)
 
 
 # ---- quantize_act7 -------------------------------------------------------------------------
@@ -342,9 +235,17 @@ def quantize_act7_ref(h: torch.Tensor, s_min: float, s_max: float):
 
 
 def quantize_act7(h: torch.Tensor, s_min: float, s_max: float):
+    """Same as :func:`quantize_act7_ref` (``e`` summed in index order); one pass on the CPU."""
     if uses_kernels(h):
         return torch.ops.vllm_csv_cpu.quantize_act7(h, s_min, s_max)
     return quantize_act7_ref(h, s_min, s_max)
+
+
+@fake("quantize_act7")
+def _(h, s_min, s_max):
+    B, d = h.shape
+    f32 = torch.float32
+    return h.new_empty(B, d + 2, dtype=f32), h.new_empty(B, dtype=f32), h.new_empty(B, dtype=f32), 1.0
 
 
 # ---- select_candidates ----------------------------------------------------------------------
@@ -440,11 +341,20 @@ def select_candidates_ref(y, row_scale, k, hnorm, e, ok, rad_max: float, act_coe
 
 def select_candidates(y, row_scale, k, hnorm, e, ok, rad_max, act_coef, tiny, bslack_max, delta, limit,
                       babs_max, budget, bmax=None):
+    """Same as :func:`select_candidates_ref` (the same ``ids``, bit for bit); one call on the CPU."""
     if uses_kernels(y):
         return torch.ops.vllm_csv_cpu.select_candidates(y, row_scale, bmax, k, hnorm, e, ok, rad_max, act_coef, tiny,
                                                         bslack_max, delta, limit, babs_max, budget)
     return select_candidates_ref(y, row_scale, k, hnorm, e, ok, rad_max, act_coef, tiny, bslack_max, delta, limit,
                                  babs_max, budget, bmax)
+
+
+@fake("select_candidates")
+def _(y, row_scale, bmax, k, hnorm, e, ok, *scalars):
+    B = y.shape[0]
+    S = torch.library.get_ctx().new_dynamic_size()
+    return (y.new_empty(S, dtype=torch.long), y.new_empty(B), y.new_empty(B, dtype=torch.bool),
+            y.new_empty(B, dtype=torch.bool))
 
 
 # ---- score_intervals ------------------------------------------------------------------------
@@ -475,6 +385,7 @@ def score_bounds_ref(h: torch.Tensor, w: torch.Tensor, ids: torch.Tensor, coef: 
 
 
 def score_intervals(h: torch.Tensor, w: torch.Tensor, ids: torch.Tensor, coef: float, tiny32: float):
+    """Same as :func:`score_intervals_ref` (sums in index order) where ``h`` has ``w``'s dtype, on the CPU."""
     if uses_kernels(h) and h.dtype == w.dtype:
         return torch.ops.vllm_csv_cpu.score_intervals(h, w, ids, coef, tiny32)
     return score_intervals_ref(h, w, ids, coef, tiny32)
@@ -485,6 +396,15 @@ def single_valued(lower: torch.Tensor, upper: torch.Tensor) -> torch.Tensor:
     *and* the same sign of zero (a GEMM that cancels to ``+0.0`` and one that underflows from
     below to ``-0.0`` compare equal, but are not the same bits)."""
     return (lower == upper) & (torch.signbit(lower) == torch.signbit(upper))
+
+
+@fake("score_intervals")
+def _(h, w, ids, coef, tiny32):
+    B, S = h.shape[0], ids.shape[0]
+    f64, f32 = torch.float64, torch.float32
+    return (h.new_empty(B, S, dtype=f64), h.new_empty(B, S, dtype=f64), h.new_empty(B, S, dtype=f32),
+            h.new_empty(B, S, dtype=f32), h.new_empty(B, S, dtype=f32), h.new_empty(B, S, dtype=f32),
+            h.new_empty(B, S))
 
 
 # ---- certify_topk --------------------------------------------------------------------------
@@ -508,13 +428,17 @@ def certify_topk_ref(z, lower, upper, k, outside_high, need_values):
 
 
 def certify_topk(z, lower, upper, k, outside_high, need_values):
+    """Same as :func:`certify_topk_ref`; one call on the CPU where the kernel is built."""
     fn = torch.ops.vllm_csv_cpu.certify_topk if uses_kernels(z) else certify_topk_ref
     return fn(z, lower, upper, k, outside_high, need_values)
 
 
+@fake("certify_topk")
+def _(z, lower, upper, k, outside_high, need_values):
+    return z.new_empty(z.shape[0], dtype=torch.bool), z.new_empty(z.shape, dtype=torch.bool)
+
+
 # ---- finish_selection ----------------------------------------------------------------------
-
-
 def finish_selection_ref(V: int, ids, z, in_top, ok, live, cert):
     """``(exact [B, V] z.dtype, code [B] int64)``: ``exact`` holds ``z`` on the columns ``ids``
     where ``in_top``, ``-inf`` elsewhere; ``code`` indexes :data:`REASONS`: 0 certified
@@ -533,115 +457,11 @@ def outcome_codes(certified, ok, live) -> torch.Tensor:
 
 
 def finish_selection(V: int, ids, z, in_top, ok, live, cert):
+    """Same as :func:`finish_selection_ref`; one call on the CPU where the kernel is built."""
     fn = torch.ops.vllm_csv_cpu.finish_selection if uses_kernels(z) else finish_selection_ref
     return fn(V, ids, z, in_top, ok, live, cert)
 
 
-# ---- fake implementations (shapes only: tracing, torch.compile) -------------------------------
-def _register_fakes() -> None:
-    if _state.get("fakes"):
-        return
-    lib = "vllm_csv_cpu::"
-
-    @torch.library.register_fake(lib + "prepare_rows")
-    def _(h, certifiable):
-        B = h.shape[0]
-        return torch.empty_like(h), h.new_empty(B, dtype=torch.float32), h.new_empty(B, dtype=torch.bool)
-
-    @torch.library.register_fake(lib + "interval_rows")
-    def _(y, c, rad, hnorm, bslack, nn, e, two_sided):
-        return torch.empty_like(y)
-
-    @torch.library.register_fake(lib + "outlier_rows")
-    def _(h, ratio, m):
-        return h.new_empty(h.shape[0], dtype=torch.bool)
-
-    @torch.library.register_fake(lib + "abs_max_rows")
-    def _(y):
-        return y.new_empty(y.shape[0])
-
-    @torch.library.register_fake(lib + "quantize_act7")
-    def _(h, s_min, s_max):
-        B, d = h.shape
-        f32 = torch.float32
-        return h.new_empty(B, d + 2, dtype=f32), h.new_empty(B, dtype=f32), h.new_empty(B, dtype=f32), 1.0
-
-    @torch.library.register_fake(lib + "select_candidates")
-    def _(y, row_scale, bmax, k, hnorm, e, ok, *scalars):
-        B = y.shape[0]
-        S = torch.library.get_ctx().new_dynamic_size()
-        return (y.new_empty(S, dtype=torch.long), y.new_empty(B), y.new_empty(B, dtype=torch.bool),
-                y.new_empty(B, dtype=torch.bool))
-
-    @torch.library.register_fake(lib + "score_intervals")
-    def _(h, w, ids, coef, tiny32):
-        B, S = h.shape[0], ids.shape[0]
-        f64, f32 = torch.float64, torch.float32
-        return (h.new_empty(B, S, dtype=f64), h.new_empty(B, S, dtype=f64), h.new_empty(B, S, dtype=f32),
-                h.new_empty(B, S, dtype=f32), h.new_empty(B, S, dtype=f32), h.new_empty(B, S, dtype=f32),
-                h.new_empty(B, S))
-
-    @torch.library.register_fake(lib + "finish_selection")
-    def _(V, ids, z, in_top, ok, live, cert):
-        return z.new_empty(ok.shape[0], V), ids.new_empty(ok.shape[0])
-
-    @torch.library.register_fake(lib + "certify_topk")
-    def _(z, lower, upper, k, outside_high, need_values):
-        return z.new_empty(z.shape[0], dtype=torch.bool), z.new_empty(z.shape, dtype=torch.bool)
-
-    @torch.library.register_fake(lib + "pack_int8_vnni")
-    def _(q):
-        V, d = q.shape
-        return q.new_empty(-(-V // PANEL), -(-d // GROUP), 2, PANEL // 2, GROUP)
-
-    def int8_linear(x, packed, zsum, s, V, d, block):
-        return s.new_empty(x.shape[0], V), s.new_empty(x.shape[0], -(-V // block) if block else 0)
-
-    for name in ("int8_vnni_linear", "int8_amx_linear"):  # (one op on two instruction sets)
-        torch.library.register_fake(lib + name)(int8_linear)
-
-    @torch.library.register_fake(lib + "noise_candidates")
-    def _(hi, seeds, hmax, table, force, ids, inv_level):
-        m = torch.library.get_ctx().new_dynamic_size()
-        return (hi.new_empty(m, dtype=torch.long), hi.new_empty(m, dtype=torch.long),
-                hi.new_empty(m, dtype=torch.long))
-
-    @torch.library.register_fake(lib + "noise_bits")
-    def _(seeds, ids):
-        return seeds.new_empty(seeds.shape[0], ids.shape[-1], dtype=torch.long)
-
-    @torch.library.register_fake(lib + "row_stats")
-    def _(lo, hi, k):
-        R = lo.shape[0]
-        return (lo.new_empty(R), lo.new_empty(R), lo.new_empty(R), lo.new_empty(R, dtype=torch.long),
-                lo.new_empty(R, k), lo.new_empty(R, k, dtype=torch.long))
-
-    @torch.library.register_fake(lib + "pack_live")
-    def _(lo, hi, n):
-        return lo.new_empty(lo.shape[0], n, dtype=torch.long)
-
-    @torch.library.register_fake(lib + "min_p_cut")
-    def _(lo, hi, keep_at, drop_at):
-        return torch.empty_like(lo), torch.empty_like(hi)
-
-    @torch.library.register_fake(lib + "top_k_cut")
-    def _(lo, hi, hk, hk1, lk):
-        return torch.empty_like(lo), torch.empty_like(hi)
-
-    @torch.library.register_fake(lib + "top_p_sums")
-    def _(lo, hi, el, eh, qrow, qcol):
-        return lo.new_empty(qrow.shape[0], 4, dtype=torch.float64)
-
-    @torch.library.register_fake(lib + "unlisted_masses")
-    def _(lo, hi, c, ih):
-        return lo.new_empty(lo.shape[0], 2, dtype=torch.float64)
-
-    @torch.library.register_fake(lib + "row_topk")
-    def _(x, k):
-        return x.new_empty(x.shape[0], k), x.new_empty(x.shape[0], k, dtype=torch.long)
-
-    @torch.library.register_fake(lib + "flat_nonzero")
-    def _(x):
-        return x.new_empty(torch.library.get_ctx().new_dynamic_size(), dtype=torch.long)
-
-    _state["fakes"] = True
+@fake("finish_selection")
+def _(V, ids, z, in_top, ok, live, cert):
+    return z.new_empty(ok.shape[0], V), ids.new_empty(ok.shape[0])

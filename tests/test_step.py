@@ -1,5 +1,5 @@
 """The fused CPU kernels of the certified step (``csrc/cpu/csv_cpu.cpp``) against their torch
-references (:mod:`vllm_csv.ops.cpu_step`) and, where the two may differ in a last bit (float64
+references (:mod:`vllm_csv.ops.step`) and, where the two may differ in a last bit (float64
 sums in another order), against exact rational arithmetic: the bound must hold either way."""
 
 from __future__ import annotations
@@ -10,10 +10,11 @@ from fractions import Fraction
 import pytest
 import torch
 
-from vllm_csv.ops import cpu_step as C
+from vllm_csv.ops import step as C
+from vllm_csv.ops.build import kernels_available
 
-pytestmark = pytest.mark.skipif(not C.kernels_available(), reason="CPU kernels not built here (no compiler)")
-K = torch.ops.vllm_csv_cpu if C.kernels_available() else None
+pytestmark = pytest.mark.skipif(not kernels_available(), reason="CPU kernels not built here (no compiler)")
+K = torch.ops.vllm_csv_cpu if kernels_available() else None
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 

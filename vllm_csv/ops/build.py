@@ -1,0 +1,193 @@
+"""The build of the CPU kernels (``csrc/cpu/*.cpp``): compiler flags, the build lock, loading, the
+fake implementations and what the CPU offers them.
+
+Every source registers its ops in one library, ``torch.ops.vllm_csv_cpu``, built as one
+extension; each op's Python wrapper sits beside its torch reference in the module of its source
+(:data:`KERNELS`). The extension is built on first use, once per machine, source version and
+checkout, by torch's C++ extension loader (a C++ compiler and ninja, both already needed by
+vLLM-CPU's own builds; about 45 s on 2 cores, cached in ``TORCH_EXTENSIONS_DIR``), with
+``-ffp-contract=off`` (the kernels round as their references round) and ``-fopenmp`` (ATen's
+``parallel_for`` is header code: without it every kernel ran on one thread). Where that fails
+(no compiler, a non-editable install without ``csrc/``), or with ``VLLM_CSV_CPU_KERNELS=0``,
+:func:`load_ops` returns None, one log line says why, and every wrapper takes its torch
+reference: the same certificate, slower.
+
+Builds are serialised by a ``flock`` (:data:`BUILD_LOCK` in the build directory) that ends with
+its holder: a process waits at most ``VLLM_CSV_CPU_BUILD_WAIT_S`` (:data:`BUILD_WAIT_S`) seconds
+for another's build, then runs the reference; a ``lock`` file that torch's loader left behind
+when a build was killed is removed, with a warning (``tests/test_kernel_build.py``).
+
+What the CPU offers (AVX512-VNNI, AMX-INT8, SLEEF's vector exp) is detected by the kernels
+themselves at run time, where they are compiled; :func:`cpu_supports` asks them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import logging
+import os
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from .fbgemm import ACT_MAX, ACT_MIN, C_MAX_LOG2, C_MIN_LOG2
+
+logger = logging.getLogger("vllm.csv_decode")
+
+# ---- the constants compiled into the kernels (-D flags), one place each ----------------------
+BLOCK = 256  # tokens a block: the candidate search reads y once, as block maxima (ops.step)
+PANEL, GROUP = 32, 4  # the VNNI GEMM's weight panel: rows (two zmm tiles of int32 lanes), k a vpdpbusd lane sums
+PREFETCH = 4096  # bytes ahead of the weight stream the screens' GEMMs prefetch on Intel CPUs (none
+# elsewhere: csrc/cpu/int8_vnni.cpp, prefetch_ahead; measured: benchmarks/README.md, "Software prefetch")
+K_MIN = -143  # rows with max|h| < 2^K_MIN are not quantised (t / 64 would not be an fp32; ops.step.quantize_act7)
+
+ENV = "VLLM_CSV_CPU_KERNELS"  # "0": always the torch reference
+BUILD_WAIT_ENV, BUILD_WAIT_S = "VLLM_CSV_CPU_BUILD_WAIT_S", 600.0  # longest wait for another process's
+# build of the kernels (a build takes 1-2 minutes here); after it, the torch reference runs
+BUILD_LOCK = "csv_build.lock"  # the flock that serialises builds (load_ops, _build_lock)
+
+KERNELS = {  # csrc/cpu/<source>: the module of its ops, each beside its torch reference (in build order)
+    "csv_cpu.cpp": "vllm_csv.ops.step",  # the certified step's small passes
+    "int8_vnni.cpp": "vllm_csv.ops.int8_vnni",  # the int8 screen's GEMM (VNNI, AMX)
+    "gumbel_cpu.cpp": "vllm_csv.ops.noise",  # the draw certificate's pass over the vocabulary
+    "int4_vnni.cpp": "vllm_csv.ops.int4_vnni",  # the int4 screen's GEMM
+    "nucleus_cpu.cpp": "vllm_csv.ops.masks",  # min-p's and top-k's cuts, top-p's sums
+    "topk_cpu.cpp": "vllm_csv.ops.topk",  # each row's k largest values
+    "bools_cpu.cpp": "vllm_csv.ops.bools",  # a bool mask's true positions
+}
+SOURCES = tuple(Path(__file__).resolve().parents[2] / "csrc" / "cpu" / f for f in KERNELS)
+
+FEATURES = {  # what the kernels may use on this CPU -> the op that answers (cpuid, and Linux's permission for AMX)
+    "avx512_vnni": "int8_vnni_supported",  # AVX-512 F/BW and VNNI: the int8 GEMM
+    "avx512_vnni_f16c": "int4_vnni_supported",  # the same and F16C: the int4 GEMM
+    "amx_int8": "int8_amx_supported",  # AMX-INT8 tiles, usable by this process: the int8 GEMM's batches
+    "sleef_expf16": "unlisted_masses_supported",  # AVX-512 and libtorch's Sleef_expf16_u10: unlisted_masses
+}
+
+_state: dict = {}
+_fakes: dict[str, Callable] = {}  # op name -> its fake implementation (register_fake), registered once loaded
+
+
+def _extension():
+    """``(name, flags)`` of the kernels' build for these sources, flags and checkout."""
+    defs = dict(CSV_BLOCK=BLOCK, CSV_ACT_MIN=ACT_MIN, CSV_ACT_MAX=ACT_MAX, CSV_K_MIN=K_MIN,
+                CSV_C_MIN_LOG2=C_MIN_LOG2, CSV_C_MAX_LOG2=C_MAX_LOG2, CSV_PANEL=PANEL, CSV_GROUP=GROUP,
+                CSV_PREFETCH=PREFETCH)
+    flags = ["-O3", "-ffp-contract=off", "-fopenmp", *(f"-D{k}={v}" for k, v in defs.items())]
+    # One build directory per source version and checkout: two versions on one machine would
+    # otherwise rebuild over each other's library, even while the other loads it, and two
+    # checkouts of one version would rebuild it each time (ninja's commands hold the absolute
+    # source paths).
+    key = "\0".join([str(SOURCES[0].parent), *(f.read_text() for f in SOURCES), *flags])
+    return f"vllm_csv_cpu_{hashlib.sha256(key.encode()).hexdigest()[:12]}", flags
+
+
+def _build_directory(name: str) -> Path:
+    """Where torch's loader builds the extension ``name`` (``TORCH_EXTENSIONS_DIR``), created."""
+    from torch.utils.cpp_extension import _get_build_directory
+
+    return Path(_get_build_directory(name, verbose=False))
+
+
+@contextlib.contextmanager
+def _build_lock(build_dir: Path, wait_s: float):
+    """Hold an exclusive ``flock`` on ``build_dir/BUILD_LOCK`` for one build, waiting ``wait_s``
+    at most (``TimeoutError`` after that).
+
+    torch's loader guards a build with a lock *file* (``build_dir/lock``, its ``FileBaton``) that
+    a process killed mid-build leaves behind; every later load then waits on it forever (a
+    server that never starts). A ``flock`` ends with its holder. Every build of these sources
+    in this checkout holds this one, so a ``lock`` file found while holding it is such a
+    leftover: it is removed, with a warning.
+    """
+    fd = os.open(build_dir / BUILD_LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        deadline = time.monotonic() + wait_s
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() >= deadline:
+                    raise TimeoutError(f"another process held {build_dir / BUILD_LOCK} for {wait_s:g} s "
+                                       f"({BUILD_WAIT_ENV} sets the wait)") from None
+                time.sleep(0.1)
+        baton = build_dir / "lock"
+        if baton.exists():
+            logger.warning("CSV CPU kernels: removing %s, left by a build that did not finish", baton)
+            baton.unlink(missing_ok=True)
+        yield
+    finally:
+        os.close(fd)  # releases the flock
+
+
+def load_ops():
+    """``torch.ops.vllm_csv_cpu`` (built on first use), or None with the reason logged once."""
+    if "ops" in _state:
+        return _state["ops"]
+    ops, why = None, None
+    if os.environ.get(ENV, "1") == "0":
+        why = f"{ENV}=0"
+    elif not all(f.exists() for f in SOURCES):
+        why = f"{SOURCES[0].parent} is not installed (an editable install of vllm-csv has it)"
+    else:
+        try:
+            from torch.utils.cpp_extension import load
+
+            name, flags = _extension()
+            build_dir = _build_directory(name)
+            with _build_lock(build_dir, float(os.environ.get(BUILD_WAIT_ENV, BUILD_WAIT_S))):
+                load(name, [str(f) for f in SOURCES], is_python_module=False, verbose=False,
+                     extra_cflags=flags, build_directory=str(build_dir))
+            ops = torch.ops.vllm_csv_cpu
+        except Exception as e:  # no compiler, no ninja, a build error, a build that holds the lock too long
+            why = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+    if ops is None:
+        logger.info("CSV CPU kernels unavailable (%s); the certified step uses its torch reference", why)
+    _state["ops"] = ops
+    if ops is not None:
+        for op in list(_fakes):
+            _register_fake(op)
+    return ops
+
+
+def kernels_available() -> bool:
+    """Whether the CPU kernels are built and loaded in this process (:func:`load_ops`)."""
+    return load_ops() is not None
+
+
+def uses_kernels(t: torch.Tensor) -> bool:
+    """Whether the ops on ``t`` run the fused kernels (else their torch references)."""
+    return t.device.type == "cpu" and load_ops() is not None
+
+
+def cpu_supports(feature: str) -> bool:
+    """Whether the kernels may use ``feature`` (a key of :data:`FEATURES`) on this CPU, as they
+    detect it at run time; False where they are not built."""
+    ops = load_ops()
+    return ops is not None and bool(getattr(ops, FEATURES[feature])())
+
+
+# ---- fake implementations (shapes only: tracing, torch.compile) -------------------------------
+def fake(op: str) -> Callable[[Callable], Callable]:
+    """Decorator: ``fn`` is the fake implementation of ``torch.ops.vllm_csv_cpu.<op>`` (shapes
+    only), registered with ``torch.library.register_fake`` once the kernels are loaded (at once
+    if they already are; never where they are not). Each op module declares its ops' fakes beside
+    them."""
+    def register(fn: Callable) -> Callable:
+        _fakes[op] = fn
+        if _state.get("ops") is not None:
+            _register_fake(op)
+        return fn
+    return register
+
+
+def _register_fake(op: str) -> None:
+    done = _state.setdefault("fakes", set())
+    if op not in done:
+        torch.library.register_fake("vllm_csv_cpu::" + op)(_fakes[op])
+        done.add(op)
