@@ -61,10 +61,7 @@ def csv_layer(head, metrics=None):
     constructor (no vLLM config), as its first ``forward`` leaves it."""
     from vllm_csv.vllm_plugin.logits_processor import CSVLogitsProcessor
 
-    layer = CSVLogitsProcessor.__new__(CSVLogitsProcessor)
-    torch.nn.Module.__init__(layer)
-    layer.csv_head, layer.csv_metrics, layer._csv_logged, layer._csv_lane = head, metrics, True, None
-    return layer
+    return CSVLogitsProcessor.around(head, metrics)
 
 
 @pytest.fixture(autouse=True)

@@ -469,3 +469,94 @@ def test_fast_lane_is_the_switch_step_by_step(monkeypatch):
     assert fast[2].fallbacks["off_switch"]._value.get() == slow[2].fallbacks["off_switch"]._value.get() > 0
     assert fast[2].seconds._sum.get() == pytest.approx(slow[2].seconds._sum.get())
     assert [c.get() for c in fast[2].seconds._buckets] == [c.get() for c in slow[2].seconds._buckets]
+
+
+def _around_the_head(sw, steps: int, csv: float, dense: float, model: float, around: float) -> int:
+    """Steps of one batch size through ``sw`` as the plugin's layer drives it: the head takes ``csv``
+    or ``dense`` seconds, the rest of the step ``model`` seconds, plus ``around`` after a CSV step
+    (what CSV costs the model: its weights evicted from the cache, say). Returns the CSV steps."""
+    tried = 0
+    for _ in range(steps):
+        on = sw.allow(4, lambda: dense, "k")
+        if on:
+            sw.observe(4, csv)
+            tried += 1
+        else:
+            sw.observe_dense(4, dense)
+        sw.observe_outside(4, on, model + (around if on else 0.0))
+    return tried
+
+
+def test_csv_cheap_in_the_head_but_dear_around_it_turns_off():
+    """A CSV head step at half the dense head's time that makes the rest of the step 1.5 dense
+    heads slower (issue 45's AVX2 case: the head timed cheaper, serving slower): charged the time
+    around the head, CSV turns off and the whole steps stay within the promise; with nothing
+    around the head it stays on; a path that is dear in the head is off either way."""
+    n, dense, model = 3000, 1.0, 10.0
+    sw = OffSwitch()
+    tried = _around_the_head(sw, n, 0.5, dense, model, 1.5)
+    assert tried < 0.1 * n, tried
+    # the whole steps: CSV's extra over dense, counted on every step it ran, within 2% of dense
+    # plus the steps before the estimate (OUTSIDE_MIN samples of each side) and the credit
+    assert tried * (0.5 + 1.5 - dense) <= 0.02 * n * dense + 64 * dense + 3 * 32 * 2.0, tried
+    assert _around_the_head(OffSwitch(), n, 0.5, dense, model, 0.0) > 0.9 * n
+    assert _around_the_head(OffSwitch(), n, 0.5, dense, model, -0.2) > 0.9 * n  # faster around: kept
+    assert _around_the_head(OffSwitch(), n, 3.0, dense, model, 0.0) < 0.1 * n
+
+
+def test_mutation_time_around_the_head_ignored_keeps_csv_on(monkeypatch):
+    """With the outside difference left out of the charge (the switch before issue 45), the same
+    CSV path stays on: the test above can fail."""
+    import vllm_csv.off_switch as off_switch
+
+    monkeypatch.setattr(off_switch.OffSwitch, "outside_excess", lambda self, batch: 0.0)
+    assert _around_the_head(OffSwitch(), 3000, 0.5, 1.0, 10.0, 1.5) > 0.9 * 3000
+
+
+def test_layer_charges_csv_the_time_around_the_head(monkeypatch):
+    """The plugin's layer on a fake clock: a CSV head step cheaper than vLLM's dense head (0.5
+    against 1.0) after which the model's forward takes 1.5 longer. The layer reports the time
+    between its calls (less its own span) to the switch, which turns CSV off; with the model's
+    forward unaffected, CSV stays on. Answers are the dense ones throughout."""
+    from vllm.model_executor.layers.logits_processor import LogitsProcessor
+
+    from vllm_csv import head as csv_head
+    from vllm_csv.vllm_plugin import logits_processor as lp
+    from vllm_csv.vllm_plugin.plan import Plan
+    from vllm_csv.vllm_plugin.step import StepChannel
+
+    def run(around: float) -> int:
+        clock = FakeClock()
+        monkeypatch.setattr(csv_head, "time", clock)
+        monkeypatch.setattr(lp, "time", clock)
+        g = torch.Generator().manual_seed(0)
+        W = torch.randn(2048, 32, generator=g)
+        head = CertifiedHead(W, config=HeadConfig(budget=1.0))
+        select, tried = head._step_select, []
+
+        def timed_select(*a, **k):
+            clock.now += 0.5
+            tried[-1] = True
+            return select(*a, **k)
+
+        def dense_forward(self, lm_head, h, bias=None, skip_gather=False):
+            clock.now += 1.0
+            return head.dense_logits(h)
+
+        monkeypatch.setattr(head, "_step_select", timed_select)
+        monkeypatch.setattr(LogitsProcessor, "forward", dense_forward)
+        layer = csv_layer(head)
+        layer.csv_channel = channel = StepChannel()
+        plan = Plan([str(i) for i in range(4)], [1] * 4)
+        h = 8 * W[torch.randint(0, 2048, (4,), generator=g)]
+        for _ in range(1500):
+            clock.now += 10.0 + (around if tried and tried[-1] else 0.0)  # the model's forward
+            tried.append(False)
+            channel.open(plan)
+            logits = layer.forward(None, h)
+            assert logits.argmax(1).tolist() == head.dense_logits(h).argmax(1).tolist()
+        monkeypatch.undo()
+        return sum(tried)
+
+    assert run(1.5) < 150
+    assert run(0.0) > 1350

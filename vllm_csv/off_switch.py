@@ -1,6 +1,7 @@
-"""Adaptive off-switch: CSV may cost at most ``tolerance`` (2%) more head time than dense.
+"""Adaptive off-switch: CSV may cost at most ``tolerance`` (2%) more time than dense.
 
-A ledger over the whole run, in seconds of LM-head time:
+A ledger over the whole run, in seconds of LM-head time (plus what CSV costs around the head:
+"Around the head" below):
 
 * ``dense_total``: the dense head's time for every step seen, CSV or not (the current
   estimate for that batch size, :attr:`OffSwitch.dense_seconds`);
@@ -41,6 +42,20 @@ top-k, top-p and min-p passes on certified rows, a saving the head's time alone 
 That needs in-place dense samples of that key (:attr:`OffSwitch.samples_in_place`): a
 stand-alone first guess times the dense head only.
 
+Around the head. CSV can cost time outside the span it is timed on: its int8 copy and metadata
+may evict the model's weights from the last-level cache, its kernels' thread pool may contend
+with the model's, so the next step's forward runs slower (issue 45: on an AVX2 CPU, a head
+step timed cheaper than dense while serving got 5-8% slower). So the caller also reports, per
+key, the time *outside* the timed span of each timed step, up to the next step of the same
+batch (:meth:`observe_outside`: the wall time between the two layer calls, less the timed
+span), for CSV steps and dense steps apart; once both have :data:`OUTSIDE_MIN` samples, each
+CSV step is charged the difference of their medians on top of its own excess, and the CSV
+steps seen before that are charged it at once (:meth:`outside_excess`; its sign kept: an unbiased estimate, where a floor at 0 would charge
+CSV the noise of two medians). The ledger then holds whole steps as the user feels them: a
+path cheap in the head but dear around it turns off, and the promise above is on the whole
+step, up to the estimate of the outside difference. (Not under tensor parallelism: the ranks'
+outside times are not gathered; :class:`~vllm_csv.sharded.SharedOffSwitch`.)
+
 The promise is only as good as the dense estimate, so the estimate is measured *in place*:
 the median of the last :data:`WINDOW` dense steps of that batch size timed exactly as CSV
 steps are (same span of the same layer, in the serving loop, with the caches as the model's
@@ -62,6 +77,8 @@ from collections import deque
 from collections.abc import Callable, Hashable
 
 WINDOW = 8  # in-place dense samples kept per batch size (their median is the estimate)
+OUTSIDE_WINDOW = 16  # outside-the-span samples kept per key and side (observe_outside)
+OUTSIDE_MIN = 3  # samples of each side before the outside difference is charged
 # The most steps refusals_ahead() promises at once: bounds how long a fast lane (the plugin's
 # switched-off steps that skip the ledger) runs on one dense estimate before its samples are
 # reported, and the times it keeps.
@@ -85,6 +102,8 @@ class OffSwitch:
         self._since_probe: dict[Hashable, int] = {}  # CSV steps since the batch size's last probe
         self._probed: set[Hashable] = set()
         self._cold: set[Hashable] = set()  # batch sizes whose first (dense, cold) step is not yet reported
+        self._outside: dict[tuple[Hashable, bool], deque[float]] = {}  # (key, csv) -> outside times
+        self._outside_owed: dict[tuple[Hashable, str], int] = {}  # CSV steps charged before an outside estimate
 
     @property
     def dense_total(self) -> float:
@@ -168,7 +187,30 @@ class OffSwitch:
         if kind not in self._warm:
             self._warm.add(kind)
             return
-        self._excess[kind] = max(self._excess.get(kind, 0.0) + seconds - dense, -self.credit_steps * dense)
+        excess = seconds - dense
+        if self._outside_ready(batch):  # (with the steps charged before there was an estimate)
+            excess += self.outside_excess(batch) * (1 + self._outside_owed.pop((batch, kind), 0))
+        else:
+            self._outside_owed[(batch, kind)] = self._outside_owed.get((batch, kind), 0) + 1
+        self._excess[kind] = max(self._excess.get(kind, 0.0) + excess, -self.credit_steps * dense)
+
+    def observe_outside(self, batch: Hashable, csv: bool, seconds: float) -> None:
+        """The time outside the timed span of a step of ``batch`` (a CSV step if ``csv``, else a
+        dense one), up to the next step of the same batch: the model's forward and what else
+        the serving loop runs in between (module docstring, "Around the head")."""
+        self._outside.setdefault((batch, csv), deque(maxlen=OUTSIDE_WINDOW)).append(seconds)
+
+    def outside_excess(self, batch: Hashable) -> float:
+        """What a CSV step of ``batch`` costs outside its timed span more than a dense one: the
+        difference of the medians of :meth:`observe_outside`'s samples (0 until each side has
+        :data:`OUTSIDE_MIN`). Charged to every CSV step (:meth:`observe`), negative included
+        (a path that makes the rest of the step faster earns it)."""
+        if not self._outside_ready(batch):
+            return 0.0
+        return statistics.median(self._outside[(batch, True)]) - statistics.median(self._outside[(batch, False)])
+
+    def _outside_ready(self, batch: Hashable) -> bool:
+        return all(len(self._outside.get((batch, csv), ())) >= OUTSIDE_MIN for csv in (True, False))
 
     def observe_dense(self, batch: Hashable, seconds: float) -> None:
         """A dense step of ``batch`` rows timed in place (a probe, or CSV off): updates the

@@ -189,6 +189,11 @@ class SharedOffSwitch:
     def observe(self, batch: int, seconds: float) -> None:
         self._pending = (batch, seconds, self._kind)
 
+    def observe_outside(self, batch: int, csv: bool, seconds: float) -> None:
+        """Not kept under tensor parallelism: the ranks' times outside the head are not gathered,
+        and a rank's own would split the ranks' ledgers (:mod:`vllm_csv.off_switch`, "Around the
+        head")."""
+
     def observe_dense(self, batch: int, seconds: float) -> None:
         """Not sampled under tensor parallelism (see the class docstring)."""
 

@@ -56,6 +56,18 @@ class CSVLogitsProcessor(LogitsProcessor):
         self.csv_metrics = None
         self._csv_logged = False
         self._csv_lane: _Lane | None = None  # switched-off steps that skip the ledger (_open_lane)
+        self._csv_span: _Span | None = None  # the current step, for the time around the head (_outside)
+
+    @classmethod
+    def around(cls, head, metrics=None) -> CSVLogitsProcessor:
+        """The layer around a built ``head`` (a :class:`~vllm_csv.head.CertifiedHead`), without
+        vLLM's constructor (no vLLM config), as its first ``forward`` leaves it: for harnesses
+        (tests, benchmarks) that drive the layer without a server."""
+        layer = cls.__new__(cls)
+        torch.nn.Module.__init__(layer)
+        layer.csv_head, layer.csv_metrics, layer._csv_logged = head, metrics, True
+        layer._csv_lane = layer._csv_span = None
+        return layer
 
     def dense_logits(self, lm_head, hidden: torch.Tensor, embedding_bias) -> torch.Tensor:
         """vLLM's own logits of ``hidden`` (``[B, d]`` -> ``[B, V]``): its layer's forward."""
@@ -76,15 +88,21 @@ class CSVLogitsProcessor(LogitsProcessor):
         head = self._get_head(lm_head, embedding_bias)
         plan = None if step is None else step.take_plan(hidden_states.shape[0])
         if plan is None or skip_gather or hidden_states.dim() != 2:
+            self._csv_span = None
             return super().forward(lm_head, hidden_states, embedding_bias, skip_gather)
+        self._outside(head.off_switch, plan, t0)
         lane = self._csv_lane
         if lane is not None:
             if lane.plan is plan and lane.left:  # a step the switch surely refuses: vLLM's call, one append
                 lane.left -= 1
                 logits = super().forward(lm_head, hidden_states, embedding_bias).to(head.dtype)
                 if lane.with_sampler:  # (the append comes with the sampler call's time)
-                    step.handoff = StepAccount(self, "lane", series=lane.series, with_sampler=True,
+                    step.handoff = StepAccount(self, "lane", series=lane.series, with_sampler=True, key=lane.key,
                                                head_seconds=time.perf_counter() - t0)
+                elif lane.timed:
+                    seconds = time.perf_counter() - t0
+                    lane.series.seconds.append(seconds)
+                    self._span_done(lane.key, False, seconds)
                 else:
                     lane.series.seconds.append(time.perf_counter() - t0)
                 return logits
@@ -92,7 +110,9 @@ class CSVLogitsProcessor(LogitsProcessor):
         if not any(plan.topk):  # every row dense by its sampling parameters: count the rows
             out = super().forward(lm_head, hidden_states, embedding_bias, skip_gather)
             if head.off_switch is not None and not hidden_states.is_cuda:  # (CUDA: no sync to time it)
-                head.off_switch.observe_dense(hidden_states.shape[0], time.perf_counter() - t0)
+                seconds = time.perf_counter() - t0
+                head.off_switch.observe_dense(hidden_states.shape[0], seconds)
+                self._span_done(hidden_states.shape[0], False, seconds)
             if self.csv_metrics is not None:
                 self.csv_metrics.record(csv_head.StepStats(rows=hidden_states.shape[0]))
             return out
@@ -137,6 +157,7 @@ class CSVLogitsProcessor(LogitsProcessor):
                                                 temperature=plan.temperature, use_switch=False)
             if sw is not None and not asked and not hidden_states.is_cuda:  # every row dense: a sample
                 sw.observe_dense(B, stats.seconds)
+                self._span_done(B, False, stats.seconds)
         else:
             own_switch = asked
             sub = torch.tensor(in_head, dtype=torch.long, device=hidden_states.device)
@@ -175,6 +196,7 @@ class CSVLogitsProcessor(LogitsProcessor):
         time of vLLM's sampler call where the account counts it (``with_sampler``)."""
         if account.kind == "lane":
             account.series.seconds.append(account.head_seconds + sampler_seconds)
+            self._span_done(account.key, False, account.head_seconds + sampler_seconds)
         elif account.kind == "dense":
             self._dense_step(account.head, account.stats, account.key, sampler_seconds)
         else:
@@ -191,7 +213,24 @@ class CSVLogitsProcessor(LogitsProcessor):
         stats.seconds += sampler_seconds
         if key is not None:
             head.off_switch.observe_dense(key, stats.seconds)
+            self._span_done(key, False, stats.seconds)
         self._record(head, stats, {}, None)
+
+    def _outside(self, sw, plan, t0: float) -> None:
+        """The time the last step spent outside its timed span, up to this step (``t0``), to the
+        off-switch (:meth:`~vllm_csv.off_switch.OffSwitch.observe_outside`: CSV is charged what it
+        costs around the head too) where both steps are of the same batch (the same ``plan``: no
+        request came or went, so the model's work between them is alike) and the last one was
+        timed; this step's span starts here."""
+        prev, self._csv_span = self._csv_span, _Span(t0, plan)
+        if sw is not None and prev is not None and prev.plan is plan and prev.key is not None:
+            sw.observe_outside(prev.key, prev.csv, t0 - prev.t0 - prev.seconds)
+
+    def _span_done(self, key, csv: bool, seconds: float) -> None:
+        """The current step was timed: ``seconds`` under the off-switch's ``key``, CSV or dense."""
+        span = self._csv_span
+        if span is not None:
+            span.key, span.csv, span.seconds = key, csv, seconds
 
     def _open_lane(self, plan, key, kind: str, steps: int, stats, timed: bool, with_sampler: bool = False) -> None:
         """The fast lane: the next ``steps`` steps of this ``plan`` are ones the off-switch would
@@ -254,6 +293,7 @@ class CSVLogitsProcessor(LogitsProcessor):
         key vLLM's sampler call)."""
         if switch_key is not None:
             head.off_switch.observe(switch_key, stats.seconds)
+            self._span_done(switch_key, True, stats.seconds)
         if self.csv_metrics is not None:  # under TP: the global decision (rank 0) and per-rank counts
             sw = head.off_switch
             key = stats.rows if switch_key is None else switch_key
@@ -289,6 +329,17 @@ class CSVLogitsProcessor(LogitsProcessor):
             logger.info("CSV dense engine probed (vLLM's own GEMM): %s", self.csv_head.engine_probe.describe())
             self.csv_metrics = _metrics(self.csv_model_name, self.csv_head, index)
         return self.csv_head
+
+
+@dataclass
+class _Span:
+    """A step from its layer call's start (``t0``) to the next step's (:meth:`CSVLogitsProcessor._outside`)."""
+
+    t0: float
+    plan: object
+    key: object = None  # the off-switch's key, once the step is timed (None: not timed)
+    csv: bool = False
+    seconds: float = 0.0  # its timed span
 
 
 @dataclass
