@@ -32,12 +32,10 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from vllm_csv.testing.audit import DTYPES, FAMILIES, flush_to_zero, run_case, run_sampled_case
+from vllm_csv.testing.audit_sampler import run_sampler_case
 
-from vllm_csv.audit import DTYPES, FAMILIES, flush_to_zero, run_case, run_sampled_case  # noqa: E402
-from vllm_csv.audit_sampler import run_sampler_case  # noqa: E402
-
-from provenance import commit, machine  # noqa: E402  (benchmarks/provenance.py)
+from provenance import commit, machine  # (benchmarks/provenance.py)
 
 SCREENS = ("int8", "int4", "fp16", "ball")
 FIELDS = ("rows", "certified_ids", "certified_values", "certified_sampled", "wrong_ids", "wrong_values",

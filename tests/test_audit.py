@@ -16,9 +16,9 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from vllm_csv import audit, audit_sampler
 from vllm_csv.dense_engine import DenseEngine
 from vllm_csv.fp import ulp
+from vllm_csv.testing import audit, audit_sampler
 
 SCREENS = ("int8", "int4", "fp16", "ball")
 
