@@ -138,7 +138,7 @@ def test_tp_deferred_rows_on_adversarial_families(size, monkeypatch):
 
 @pytest.mark.parametrize("size", (2, 3))
 def test_tp_rows_with_their_own_sampling_parameters(size, monkeypatch):
-    """The sampler audit's batches (vllm_csv.audit_sampler.draw_batch: each row its own greedy,
+    """The sampler audit's batches (vllm_csv.testing.audit_sampler.draw_batch: each row its own greedy,
     temperature, top-k, top-p or min-p mix at edge values, seeded or not; penalties, logit bias,
     allowed ids and bad words by batch; some or all rows deferred) over the sharded adversarial
     heads. (Grammar masks: the single-rank audit; here they are left out.)"""
