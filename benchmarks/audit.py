@@ -5,7 +5,7 @@ rows have been checked against the dense head of the same batch.
     python benchmarks/audit.py --rows 300000 --random-seeds 1 --json out.json   # seeds drawn at random
     python benchmarks/audit.py --flush-to-zero --families subnormal accumulator --json out.json
 
-Families, checks and regressions are those of :mod:`vllm_csv.audit` (the CI suite
+Families, checks and regressions are those of :mod:`vllm_csv.testing.audit` (the CI suite
 ``tests/test_audit.py`` draws from the same). Cases cycle through every family x dtype
 (bf16, fp16, fp32) x screen (int8, int4, fp16, ball) with increasing seeds. Each case runs
 twice: ids only (``values=False``: greedy), and ids with value bits (``values=True``: top-k
@@ -14,7 +14,7 @@ markdown table per family, dtype and screen: rows, certified rows in each mode, 
 wrong values. Until ``--sampler-rows`` rows are certified there too, each case also runs as a
 batch drawn by vLLM's own ``Sampler`` through the sampler hook, every row with its own sampling
 parameters (greedy, temperature, top-k, top-p, min-p and their mixes; penalties, logit bias,
-allowed ids, bad words and grammar masks by batch: :mod:`vllm_csv.audit_sampler`), against the
+allowed ids, bad words and grammar masks by batch: :mod:`vllm_csv.testing.audit_sampler`), against the
 same ``Sampler`` on the dense head: wrong tokens (any row) and RNG streams out of step. The
 campaign is deterministic (seeded); it is a check, not a timing.
 """
@@ -32,12 +32,10 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from vllm_csv.testing.audit import DTYPES, FAMILIES, flush_to_zero, run_case, run_sampled_case
+from vllm_csv.testing.audit_sampler import run_sampler_case
 
-from vllm_csv.audit import DTYPES, FAMILIES, flush_to_zero, run_case, run_sampled_case  # noqa: E402
-from vllm_csv.audit_sampler import run_sampler_case  # noqa: E402
-
-from provenance import commit, machine  # noqa: E402  (benchmarks/provenance.py)
+from provenance import commit, machine  # (benchmarks/provenance.py)
 
 SCREENS = ("int8", "int4", "fp16", "ball")
 FIELDS = ("rows", "certified_ids", "certified_values", "certified_sampled", "wrong_ids", "wrong_values",

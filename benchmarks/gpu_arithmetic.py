@@ -23,16 +23,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from vllm_csv import CertifiedHead, HeadConfig  # noqa: E402
-from vllm_csv.dense_engine import probe_engine  # noqa: E402
+from vllm_csv import CertifiedHead, HeadConfig
+from vllm_csv.dense_engine import probe_engine
 
 
 def settings(device: str):

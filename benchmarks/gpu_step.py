@@ -39,11 +39,9 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from vllm_csv import CertifiedHead, HeadConfig  # noqa: E402
-from vllm_csv.gpu import kernels  # noqa: E402
-from vllm_csv.gpu.step import FusedStep  # noqa: E402
+from vllm_csv import CertifiedHead, HeadConfig
+from vllm_csv.gpu import kernels
+from vllm_csv.gpu.step import FusedStep
 
 
 def provenance() -> dict:

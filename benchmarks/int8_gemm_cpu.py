@@ -22,12 +22,10 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from benchmarks.provenance import machine  # noqa: E402
-from benchmarks.timing import call_ms  # noqa: E402
-from vllm_csv.ops import build, int8_vnni  # noqa: E402
-from vllm_csv.ops.fbgemm import PackedInt8Linear, act7_layout  # noqa: E402
+from provenance import machine
+from timing import call_ms
+from vllm_csv.ops import build, int8_vnni
+from vllm_csv.ops.fbgemm import PackedInt8Linear, act7_layout
 
 
 def vpdpbusd(V: int, d: int, B: int) -> int:

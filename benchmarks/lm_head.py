@@ -43,15 +43,13 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from vllm_csv import CertifiedHead, HeadConfig, build_index
+from vllm_csv.screens import SCREENS
+from vllm_csv.hf_head import load_lm_head
+from vllm_csv.ops.fbgemm import act7_layout
+from timing import median_ms, times_ms
 
-from vllm_csv import CertifiedHead, HeadConfig, build_index  # noqa: E402
-from vllm_csv.screens import SCREENS  # noqa: E402
-from vllm_csv.hf_head import load_lm_head  # noqa: E402
-from vllm_csv.ops.fbgemm import act7_layout  # noqa: E402
-from benchmarks.timing import median_ms, times_ms  # noqa: E402
-
-from provenance import machine  # noqa: E402  (benchmarks/provenance.py)
+from provenance import machine  # (benchmarks/provenance.py)
 
 
 class VllmDenseHead:
@@ -230,11 +228,7 @@ def _time_step(head, hbs: list, dense: dict, sync, repeats: int) -> dict:
 
 def bench_shapes(shapes, screens, batches, repeats, dtype, vllm_head: bool, profile: bool) -> dict:
     """Speed on real models' head sizes, random weights (module docstring)."""
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-    threads = torch.get_num_threads()
-    from conftest import hidden_near_rows, peaked_head  # (it sets 2 threads for the tests)
-
-    torch.set_num_threads(threads)
+    from vllm_csv.testing.heads import hidden_near_rows, peaked_head
 
     out = {}
     for shape in shapes:
@@ -397,7 +391,7 @@ def main(argv=None) -> int:
     torch.set_num_threads(args.threads)
     models = [Path(m) for m in args.model]
     if args.fixtures:
-        from fixtures import fixture
+        from vllm_csv.testing.fixtures import fixture
 
         models += [fixture(h, device=args.device) for h in args.fixtures]
     if not models and not args.shapes:

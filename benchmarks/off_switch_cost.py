@@ -18,13 +18,10 @@ import argparse
 import json
 import os
 import statistics
-import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from provenance import commit, machine  # noqa: E402  (benchmarks/provenance.py)
+from provenance import commit, machine  # (benchmarks/provenance.py)
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the runner in this process: its steps can be timed
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")

@@ -17,20 +17,17 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import time
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from lm_head import hidden_states  # (benchmarks/lm_head.py)
+from provenance import machine
 
-from lm_head import hidden_states  # noqa: E402  (benchmarks/lm_head.py)
-from provenance import machine  # noqa: E402
-
-import vllm_csv.screens.fbgemm as fb  # noqa: E402
-from vllm_csv import CertifiedHead, HeadConfig  # noqa: E402
-from vllm_csv.hf_head import load_lm_head  # noqa: E402
+import vllm_csv.screens.fbgemm as fb
+from vllm_csv import CertifiedHead, HeadConfig
+from vllm_csv.hf_head import load_lm_head
 
 SPLIT = fb.OUTLIER_RATIO
 

@@ -25,12 +25,10 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from benchmarks.provenance import machine  # noqa: E402
-from benchmarks.timing import call_ms  # noqa: E402
-from vllm_csv.ops import build, int4_vnni, int8_vnni  # noqa: E402
-from vllm_csv.ops.fbgemm import act7_layout  # noqa: E402
+from provenance import machine
+from timing import call_ms
+from vllm_csv.ops import build, int4_vnni, int8_vnni
+from vllm_csv.ops.fbgemm import act7_layout
 
 
 def run(shapes, batches, repeats: int, distance: int) -> list[dict]:

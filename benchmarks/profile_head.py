@@ -6,16 +6,14 @@
 from __future__ import annotations
 
 import argparse
-import sys
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from vllm_csv import CertifiedHead, HeadConfig
+from vllm_csv.testing.heads import hidden_near_rows, peaked_head
+from vllm_csv.testing.threads import use_test_threads
 
-from conftest import hidden_near_rows, peaked_head  # noqa: E402
-from vllm_csv import CertifiedHead, HeadConfig  # noqa: E402
+use_test_threads()  # (as importing the tests' conftest, which set them, used to)
 
 
 def main(argv=None) -> int:

@@ -9,7 +9,7 @@
 Rows: the deferred modes of ``benchmarks/serve.py``'s MIXED workload in turn (temperature,
 top-p, min-p, penalties on greedy rows, logit_bias; ``--modes`` for others, e.g. ``top_k``, or
 ``greedy``: plain greedy rows, certified in the head as the plugin's layer does), on
-real hidden states of the learned fixture (``benchmarks/fixtures.py``; ``--model DIR`` for
+real hidden states of the learned fixture (``vllm_csv.testing.fixtures``; ``--model DIR`` for
 another model), bf16 head, the server's default screen.
 
 * dense: vLLM's own head (:class:`lm_head.VllmDenseHead`, oneDNN on CPU) and then vLLM's
@@ -36,8 +36,6 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 MODES = ("temperature", "top_p", "min_p", "penalties", "logit_bias")  # serve.py's MIXED deferred modes
 # top_k 20 (above: 0.9 top-p / 0.1 min-p too), T 0.8; greedy: plain greedy rows, certified in the head
@@ -50,7 +48,7 @@ def metadata(B: int, V: int, out_tokens: list[list[int]], prompt: torch.Tensor, 
     from vllm.v1.sample.logits_processor import LogitsProcessors
     from vllm.v1.sample.metadata import SamplingMetadata
 
-    from vllm_csv.audit_sampler import logit_bias_processor, min_p_processor
+    from vllm_csv.testing.fakes import logit_bias_processor, min_p_processor
 
     modes = [cycle[i % len(cycle)] for i in range(B)]
     temp = torch.tensor([0.0 if m in ("penalties", "greedy") else 0.8 for m in modes])
@@ -90,7 +88,7 @@ def main(argv=None) -> int:
     a = p.parse_args(argv)
     torch.set_num_threads(a.threads)
 
-    from fixtures import fixture
+    from vllm_csv.testing.fixtures import fixture
     from lm_head import VllmDenseHead, hidden_states
     from provenance import commit, machine
     from vllm.v1.sample.sampler import Sampler

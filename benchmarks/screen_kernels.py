@@ -11,18 +11,16 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from vllm_csv import CertifiedHead, HeadConfig
+from vllm_csv.ops import has_cuda_kernels, int8_gemm, int8_screen, pad_for_int_gemm
+from vllm_csv.screens.quantized import quantize
+from vllm_csv.testing.heads import hidden_near_rows, peaked_head
+from vllm_csv.testing.threads import use_test_threads
 
-from conftest import hidden_near_rows, peaked_head  # noqa: E402
-from vllm_csv import CertifiedHead, HeadConfig  # noqa: E402
-from vllm_csv.ops import has_cuda_kernels, int8_gemm, int8_screen, pad_for_int_gemm  # noqa: E402
-from vllm_csv.screens.quantized import quantize  # noqa: E402
+use_test_threads()  # (as importing the tests' conftest, which set them, used to)
 
 
 def cuda_ms(fn, repeats: int = 50) -> float:

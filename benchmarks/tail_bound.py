@@ -25,46 +25,21 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from benchmarks.provenance import machine  # noqa: E402
-from vllm_csv.hf_head import load_lm_head  # noqa: E402
+from provenance import machine  # (benchmarks/provenance.py)
+from vllm_csv.hf_head import load_lm_head
+from vllm_csv.testing.heads import hidden_near_rows, peaked_head
+from vllm_csv.testing.tail_bound import survivors, top_cosine
 
 FRACTIONS = (0.0625, 0.125, 0.25, 0.5, 0.625, 0.75, 0.875, 0.9375)
 
 
-def surviving(h: torch.Tensor, W: torch.Tensor, k: int) -> torch.Tensor:
-    """``[B, V]`` bool: the tokens whose upper bound over the first ``k`` dimensions plus the tail's
-    Cauchy-Schwarz term reaches the row's largest lower bound (the row's top token among them)."""
-    head = h[:, :k] @ W[:, :k].T
-    slack = h[:, k:].norm(dim=1, keepdim=True) * W[:, k:].norm(dim=1)[None]
-    lb = (head - slack).max(dim=1, keepdim=True).values
-    return (head + slack) >= lb
-
-
-def survivors(h: torch.Tensor, W: torch.Tensor, k: int) -> float:
-    """Median share of the vocabulary a row keeps (:func:`surviving`)."""
-    return surviving(h, W, k).float().mean(dim=1).median().item()
-
-
-def top_cosine(h: torch.Tensor, W: torch.Tensor) -> float:
-    top = (h @ W.T).argmax(dim=1)
-    return torch.nn.functional.cosine_similarity(h, W[top]).median().item()
-
-
 def peaked(V: int, d: int, B: int) -> dict:
-    """The states ``lm_head.py --shapes`` times (the tests' ``peaked_head`` and ``hidden_near_rows``)."""
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-    threads = torch.get_num_threads()
-    from conftest import hidden_near_rows, peaked_head  # (it sets 2 threads for the tests)
-
-    torch.set_num_threads(threads)
+    """The states ``lm_head.py --shapes`` times (:mod:`vllm_csv.testing.heads`' ``peaked_head`` and
+    ``hidden_near_rows``)."""
     W, g = peaked_head(V, d, seed=0)
     h = hidden_near_rows(W, B, g)
     return {"V": V, "d": d, "rows": B, "top_cosine": top_cosine(h, W),

@@ -30,12 +30,10 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from vllm_csv.head import CertifiedHead, HeadConfig  # noqa: E402
-from vllm_csv.hf_head import load_lm_head  # noqa: E402
-from vllm_csv.sharded import Shard, ShardedHead, TorchGroup  # noqa: E402
-from benchmarks.timing import median_ms  # noqa: E402
+from vllm_csv.head import CertifiedHead, HeadConfig
+from vllm_csv.hf_head import load_lm_head
+from vllm_csv.sharded import Shard, ShardedHead, TorchGroup
+from timing import median_ms
 
 
 def sampler_rows(head, size: int, hb: torch.Tensor, mode: str, temperature: float, seed: int):
@@ -123,7 +121,7 @@ def run(rank: int, size: int, W, b, H, batches, screen, repeats, store: str | No
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--hidden", type=int, default=256, help="fixture model (benchmarks/fixtures.py)")
+    p.add_argument("--hidden", type=int, default=256, help="fixture model (vllm_csv.testing.fixtures)")
     p.add_argument("--model", default=None, help="a Hugging Face model directory instead of a fixture")
     p.add_argument("--tp", type=int, nargs="+", default=[1, 2])
     p.add_argument("--batches", type=int, nargs="+", default=[1, 8])
@@ -141,7 +139,7 @@ def main(argv=None) -> int:
     if args.model:
         model_dir = Path(args.model)
     else:
-        from fixtures import fixture
+        from vllm_csv.testing.fixtures import fixture
 
         model_dir = fixture(args.hidden)
     dtype = getattr(torch, args.dtype)

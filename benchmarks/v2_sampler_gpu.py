@@ -8,7 +8,7 @@
 
 vLLM's kernels come from the installed vLLM or from ``VLLM_V2_GUMBEL_PY`` (a copy of
 ``vllm/v1/worker/gpu/sample/gumbel.py``, vLLM 0.32.0: the GPU machines here have no vLLM) or
-``VLLM_V2_SAMPLE_DIR`` (:func:`load_vllm_v2_sample`). The
+``VLLM_V2_SAMPLE_DIR`` (:func:`vllm_csv.testing.vllm_v2.load_vllm_v2_sample`). The
 head's weights are random (peaked rows), so the certified share says little about a learned
 model; the point is the step's time. Both paths draw the same tokens (checked every step).
 Timings: CUDA events around each whole step, median over ``--repeats``.
@@ -19,93 +19,24 @@ Usage: python benchmarks/v2_sampler_gpu.py [--vocab V] [--hidden D] [--batches 1
 from __future__ import annotations
 
 import argparse
-import ast
-import importlib.util
 import json
-import os
 import statistics
 import sys
-import tempfile
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-
-
-def load_vllm_v2_sample(name: str, extra: str = ""):
-    """vLLM's ``vllm/v1/worker/gpu/sample/<name>.py`` (``gumbel``, ``min_p``, ``logit_bias``,
-    ``penalties``) as a module with Triton imported directly and vLLM's other imports given
-    placeholders (``object``: the GPU machines here have no vLLM; the kernels and their launch
-    functions need none of them), ``extra`` appended (e.g. a test kernel calling its jit functions
-    by name). Read from ``VLLM_V2_SAMPLE_DIR`` (copies of those files, vLLM 0.32.0; for ``gumbel``
-    also ``VLLM_V2_GUMBEL_PY``) or the installed vLLM; None where neither is there."""
-    path = os.environ.get("VLLM_V2_GUMBEL_PY") if name == "gumbel" else None
-    if not path and os.environ.get("VLLM_V2_SAMPLE_DIR"):
-        path = str(Path(os.environ["VLLM_V2_SAMPLE_DIR"]) / f"{name}.py")
-    if not path:
-        spec = importlib.util.find_spec("vllm")
-        if spec is None:
-            return None
-        path = str(Path(spec.origin).parent / "v1" / "worker" / "gpu" / "sample" / f"{name}.py")
-    src = Path(path).read_text()
-    assert "def apply_" in src or "def gumbel_sample(" in src, path
-    tree = ast.parse(src)
-    body, stubs = [], []
-    for node in tree.body:
-        mod = getattr(node, "module", None) or ""
-        if isinstance(node, ast.ImportFrom) and mod.startswith("vllm"):
-            if mod == "vllm.triton_utils":
-                body += ast.parse("import triton\nimport triton.language as tl").body
-            else:
-                stubs += [a.asname or a.name for a in node.names]
-            continue
-        if isinstance(node, ast.Import) and any(a.name.startswith("vllm") for a in node.names):
-            stubs += [(a.asname or a.name).split(".")[0] for a in node.names]
-            continue
-        body.append(node)
-    tree.body = ast.parse("\n".join(f"{n} = object" for n in stubs)).body + body
-    out = Path(tempfile.mkdtemp()) / f"vllm_v2_{name}.py"
-    out.write_text(ast.unparse(tree) + "\n" + extra)  # a file: Triton's jit reads its functions' source
-    spec = importlib.util.spec_from_file_location(f"vllm_v2_{name}", out)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-# A Triton kernel writing vLLM V2's per-token hash, uniform and fp32 Gumbel noise of every row and
-# token (``[R, n]`` each), to be appended to vLLM's ``gumbel.py`` (``load_vllm_v2_gumbel(NOISE_KERNEL)``)
-# so that it calls vLLM's own jit functions by their global names.
-NOISE_KERNEL = '''
-
-@triton.jit
-def _csv_noise_kernel(seed_ptr, pos_ptr, r_ptr, u_ptr, g_ptr, n, BLOCK: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)
-    blk = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    m = blk < n
-    seed = tl.load(seed_ptr + row)
-    pos = tl.load(pos_ptr + row)
-    r = murmur3_hash32(seed, pos, blk)
-    u = murmur3_uniform32(seed, pos, blk)
-    g = -tl.log(-_log1p_neg_stable(u))  # gumbel_noised_argmax's fp32 noise
-    tl.store(r_ptr + row * n + blk, r.to(tl.int64), mask=m)
-    tl.store(u_ptr + row * n + blk, u, mask=m)
-    tl.store(g_ptr + row * n + blk, g, mask=m)
-'''
-
-
-def load_vllm_v2_gumbel(extra: str = ""):
-    """:func:`load_vllm_v2_sample` of ``gumbel``."""
-    return load_vllm_v2_sample("gumbel", extra)
+from vllm_csv.testing.vllm_v2 import load_vllm_v2_gumbel
 
 
 def main() -> None:
-    from conftest import hidden_near_rows, peaked_head
     from vllm_csv import CertifiedHead, HeadConfig
     from vllm_csv.sampling.head_adapter import HeadAdapter
     from vllm_csv.sampling.rows_v2 import certify_rows_v2
+    from vllm_csv.testing.heads import hidden_near_rows, peaked_head
+    from vllm_csv.testing.threads import use_test_threads
 
+    use_test_threads()  # (as importing the tests' conftest, which set them, used to)
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--vocab", type=int, default=151936)
     ap.add_argument("--hidden", type=int, default=1024)

@@ -67,7 +67,7 @@ def test_half_heads_do_not_depend_on_the_fp32_precision(precision):
 
 # ---- flush-to-zero and denormals-are-zero ---------------------------------------------------
 def _subnormal_wrong(seeds, dtypes, screens) -> tuple[int, int]:
-    from vllm_csv import audit
+    from vllm_csv.testing import audit
 
     wrong = cert = 0
     for seed in seeds:
@@ -81,7 +81,7 @@ def _subnormal_wrong(seeds, dtypes, screens) -> tuple[int, int]:
 
 @pytest.mark.parametrize("ftz", [False, True])
 def test_subnormal_family_under_ieee_and_flush_to_zero(ftz):
-    from vllm_csv import audit
+    from vllm_csv.testing import audit
 
     with audit.flush_to_zero(ftz) as mode:
         if not mode.supported:
@@ -93,7 +93,7 @@ def test_subnormal_family_under_ieee_and_flush_to_zero(ftz):
 def test_mutation_no_flush_slack_certifies_a_wrong_token(monkeypatch):
     """Without the flush-to-zero slack (dense_engine.flush_slack), an FTZ engine's fp32 argmax
     differs from a certified one (seed 9 of the family, found by the campaign)."""
-    from vllm_csv import audit
+    from vllm_csv.testing import audit
     import vllm_csv.head as head_module
 
     with audit.flush_to_zero(True) as mode:
@@ -121,7 +121,7 @@ def test_subnormal_inputs_are_refused():
 
 
 def test_issue_reproducer_bf16_under_flush_to_zero():
-    from vllm_csv import audit
+    from vllm_csv.testing import audit
 
     V, d = 1024, 256
     W = torch.zeros(V, d)

@@ -1,11 +1,11 @@
 """Adversarial audit of the certificate (issue 12), bounded in time for CI.
 
 * Property suite: hypothesis draws families of hostile heads and hidden states
-  (:mod:`vllm_csv.audit`); every certified row must match the dense head of the same batch,
+  (:mod:`vllm_csv.testing.audit`); every certified row must match the dense head of the same batch,
   ids always, value bits where values were asked for.
-* The holes the audit found are fixed cases (:func:`vllm_csv.audit.regressions`).
+* The holes the audit found are fixed cases (:func:`vllm_csv.testing.audit.regressions`).
 * The sampler path: vLLM's own ``Sampler`` through the hook against the same ``Sampler`` on the
-  dense head, each row with its own sampling parameters (:mod:`vllm_csv.audit_sampler`).
+  dense head, each row with its own sampling parameters (:mod:`vllm_csv.testing.audit_sampler`).
 * Mutations: each fix, removed, lets these very checks find wrong rows, so they can fail.
 The long campaign (>= 1M certified rows) is ``benchmarks/audit.py``.
 """
@@ -16,9 +16,9 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from vllm_csv import audit, audit_sampler
 from vllm_csv.dense_engine import DenseEngine
 from vllm_csv.fp import ulp
+from vllm_csv.testing import audit, audit_sampler
 
 SCREENS = ("int8", "int4", "fp16", "ball")
 

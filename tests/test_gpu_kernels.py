@@ -17,11 +17,12 @@ import torch
 
 triton = pytest.importorskip("triton")
 
-from conftest import hidden_near_rows, peaked_head, same_bits  # noqa: E402
 from vllm_csv import CertifiedHead, HeadConfig  # noqa: E402
 from vllm_csv.dense_engine import ACC_LIMIT  # noqa: E402
 from vllm_csv.gpu import kernels as K  # noqa: E402
 from vllm_csv.gpu.step import FusedStep, GraphedStep  # noqa: E402
+from vllm_csv.testing.exact import same_bits  # noqa: E402
+from vllm_csv.testing.heads import hidden_near_rows, peaked_head  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]
@@ -234,7 +235,7 @@ def test_step_matches_dense(dtype, k, values):
 def test_step_accumulator_overflow():
     """Issue 42's reproducer: finite fp32 inputs whose products overflow the accumulator (the
     dense logit of id 1 is NaN): the fused step does not certify it."""
-    from vllm_csv import audit
+    from vllm_csv.testing import audit
 
     case = next(c for c in audit.regressions() if c.family == "accumulator_overflow")
     head = CertifiedHead(case.weight.to(DEV), case.bias.to(DEV), config=HeadConfig(budget=1.0, off_switch=False))

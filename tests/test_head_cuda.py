@@ -13,7 +13,7 @@ import torch
 
 from vllm_csv import CertifiedHead, HeadConfig, build_index
 from vllm_csv.fp import gamma
-from conftest import hidden_near_rows, peaked_head
+from vllm_csv.testing.heads import hidden_near_rows, peaked_head
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")]
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]

@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from vllm_csv import CertifiedHead, CSVError, HeadConfig, build_index
-from conftest import dense_topk, hidden_near_rows, peaked_head, same_bits
+from vllm_csv.testing.exact import dense_topk, same_bits
+from vllm_csv.testing.heads import hidden_near_rows, peaked_head
 
 SCREENS = ["int8", "int4", "fp16", "ball"]
 

@@ -5,7 +5,7 @@ from hypothesis import given, settings, strategies as st
 
 from vllm_csv import CertifiedHead, HeadConfig
 from vllm_csv.fp import gamma
-from conftest import dense_topk
+from vllm_csv.testing.exact import dense_topk
 
 
 @settings(max_examples=60, deadline=None)

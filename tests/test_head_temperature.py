@@ -14,8 +14,8 @@ exactly the kept set and values that the dense logits give, including
 import pytest
 import torch
 
-from conftest import hidden_near_rows, peaked_head
 from vllm_csv import CertifiedHead, HeadConfig
+from vllm_csv.testing.heads import hidden_near_rows, peaked_head
 
 apply_top_k_only = pytest.importorskip("vllm.v1.sample.ops.topk_topp_sampler").apply_top_k_only
 

@@ -7,7 +7,6 @@ inputs, certified top-k == dense top-k, a broken bound that the same checks catc
 import pytest
 import torch
 
-from conftest import dense_topk, hidden_near_rows, peaked_head
 from test_screen_fbgemm import (adversarial_hidden, adversarial_weights, check_bound,
                                 nonfinite_rows_do_not_disturb_the_others, topk_equals_dense)
 from vllm_csv import CertifiedHead, HeadConfig
@@ -15,6 +14,8 @@ from vllm_csv.errors import CSVError
 from vllm_csv.ops import int4_vnni
 from vllm_csv.ops.fbgemm import act7_layout
 from vllm_csv.screens import make_screen
+from vllm_csv.testing.exact import dense_topk
+from vllm_csv.testing.heads import hidden_near_rows, peaked_head
 
 pytestmark = pytest.mark.skipif(int4_vnni.unavailable_reason() is not None,
                                 reason=f"int4 VNNI kernel unavailable: {int4_vnni.unavailable_reason()}")

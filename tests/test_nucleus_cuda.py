@@ -10,9 +10,9 @@ import math
 import pytest
 import torch
 
-from conftest import peaked_rows
 from vllm_csv.ops.masks import top_p_sums, top_p_sums_ref
 from vllm_csv.sampling import nucleus
+from vllm_csv.testing.heads import peaked_rows
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")]
 

@@ -3,9 +3,9 @@
 import pytest
 import torch
 
-from conftest import FakeClock, csv_layer
 from vllm_csv import CertifiedHead, HeadConfig
 from vllm_csv.off_switch import LANE_MAX, OffSwitch
+from vllm_csv.testing.fakes import FakeClock, csv_layer
 
 
 def run(sw, csv_seconds, steps, batch=8, dense=1.0, alone=None):

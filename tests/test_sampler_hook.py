@@ -7,7 +7,8 @@ import math
 import pytest
 import torch
 
-from conftest import FakeClock, csv_layer, hidden_near_rows, peaked_head
+from vllm_csv.testing.fakes import FakeClock, csv_layer, logit_bias_processor, min_p_processor
+from vllm_csv.testing.heads import hidden_near_rows, peaked_head
 
 pytest.importorskip("vllm")
 from vllm.v1.sample.logits_processor import LogitsProcessors  # noqa: E402
@@ -16,7 +17,6 @@ from vllm.v1.sample.metadata import SamplingMetadata  # noqa: E402
 from vllm.v1.sample.sampler import Sampler  # noqa: E402
 
 from vllm_csv import CertifiedHead, HeadConfig  # noqa: E402
-from vllm_csv.audit_sampler import logit_bias_processor, min_p_processor  # noqa: E402
 from vllm_csv.sampling.head_adapter import HeadAdapter  # noqa: E402
 from vllm_csv.vllm_plugin import patches, step as csv_step  # noqa: E402
 from vllm_csv.vllm_plugin.plan import DEFER, Plan  # noqa: E402

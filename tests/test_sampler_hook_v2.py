@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import hidden_near_rows, peaked_head
+from vllm_csv.testing.heads import hidden_near_rows, peaked_head
 
 pytest.importorskip("vllm")
 pytest.importorskip("triton")

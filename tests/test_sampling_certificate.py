@@ -5,12 +5,12 @@ import math
 import pytest
 import torch
 
-from conftest import hidden_near_rows, peaked_head
 from vllm_csv import CertifiedHead, HeadConfig, build_index
 from vllm_csv.sampling import certificate
 from vllm_csv.sampling.certificate import certify_draw
 from vllm_csv.sampling.head_adapter import HeadAdapter
 from vllm_csv.sampling.rows import certify_rows
+from vllm_csv.testing.heads import hidden_near_rows, peaked_head
 
 pytest.importorskip("vllm")
 import vllm._custom_ops  # noqa: E402,F401

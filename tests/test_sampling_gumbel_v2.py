@@ -22,19 +22,17 @@ from vllm_csv.sampling import gumbel_v2
 triton = pytest.importorskip("triton")
 vllm = pytest.importorskip("vllm")
 GUMBEL_PY = Path(vllm.__file__).parent / "v1" / "worker" / "gpu" / "sample" / "gumbel.py"
-BENCH = Path(__file__).resolve().parents[1] / "benchmarks"  # v2_sampler_gpu.load_vllm_v2_sample
 
 REFERENCE = textwrap.dedent("""
     import os, sys
     os.environ["TRITON_INTERPRET"] = "1"
     import torch, triton
-    sys.path.insert(0, sys.argv[1])
-    from v2_sampler_gpu import NOISE_KERNEL, load_vllm_v2_gumbel
+    from vllm_csv.testing.vllm_v2 import NOISE_KERNEL, load_vllm_v2_gumbel
 
     mod = load_vllm_v2_gumbel(NOISE_KERNEL)
     noise_kernel = mod._csv_noise_kernel
 
-    case = torch.load(sys.argv[2])
+    case = torch.load(sys.argv[1])
     out = {}
     if case.get("noise", True):
         seeds, pos, n = case["seeds"], case["pos"], case["n"]
@@ -46,7 +44,7 @@ REFERENCE = textwrap.dedent("""
     idx = case.get("idx_mapping", torch.arange(x.shape[0], dtype=torch.int32))
     out["draw"] = mod.gumbel_sample(x.clone(), idx, case["temp"], case["seeds"], case["pos"],
                                     apply_temperature=case.get("apply_temperature", False), is_drafting=False)
-    torch.save(out, sys.argv[3])
+    torch.save(out, sys.argv[2])
 """)
 
 
@@ -56,7 +54,7 @@ def vllm_v2_run(case: dict, d: Path) -> dict:
     ``case``'s ``idx_mapping`` (default: row = request slot) and ``apply_temperature``."""
     torch.save(case, d / "case.pt")
     env = dict(os.environ, TRITON_INTERPRET="1", VLLM_V2_GUMBEL_PY=str(GUMBEL_PY))
-    p = subprocess.run([sys.executable, "-c", REFERENCE, str(BENCH), str(d / "case.pt"), str(d / "out.pt")],
+    p = subprocess.run([sys.executable, "-c", REFERENCE, str(d / "case.pt"), str(d / "out.pt")],
                        capture_output=True, text=True, env=env, timeout=900)
     if p.returncode != 0:
         pytest.skip(f"Triton's interpreter could not run vLLM's kernel here: {p.stderr[-500:]}")
@@ -164,10 +162,10 @@ def test_min_p_partial_rows_draw_the_certified_token():
     left unscored): the partial rows it returns, put through V2's min-p and draw, give the full
     rows' tokens; partial rows keeping the tokens min-p certainly drops do not (their maximum,
     hence their threshold, is lower than the full row's, so a dropped token can come back)."""
-    from conftest import peaked_head
     from vllm_csv import CertifiedHead, HeadConfig
     from vllm_csv.sampling import rows_v2
     from vllm_csv.sampling.head_adapter import HeadAdapter
+    from vllm_csv.testing.heads import peaked_head
 
     V, D, R = 2048, 48, 3000
     g = torch.Generator().manual_seed(0)
@@ -200,10 +198,10 @@ def test_grammar_masked_rows_draw_the_certified_token():
     Every certified winner, and the draw of every partial row it returns, is the masked full
     row's; no row with nothing allowed is certified; a certificate that ignores the mask is
     caught."""
-    from conftest import peaked_head
     from vllm_csv import CertifiedHead, HeadConfig
     from vllm_csv.sampling import rows_v2
     from vllm_csv.sampling.head_adapter import HeadAdapter
+    from vllm_csv.testing.heads import peaked_head
 
     V, D, R, B = 2048, 48, 3000, 20
     g = torch.Generator().manual_seed(1)
@@ -252,18 +250,17 @@ MIN_P_REFERENCE = textwrap.dedent("""
     import os, sys
     os.environ["TRITON_INTERPRET"] = "1"
     import torch
-    sys.path.insert(0, sys.argv[1])
-    from v2_sampler_gpu import load_vllm_v2_sample
-    x, min_p = torch.load(sys.argv[2])
+    from vllm_csv.testing.vllm_v2 import load_vllm_v2_sample
+    x, min_p = torch.load(sys.argv[1])
     load_vllm_v2_sample("min_p").apply_min_p(x, torch.arange(x.shape[0], dtype=torch.int32), min_p)
-    torch.save(x, sys.argv[3])
+    torch.save(x, sys.argv[2])
 """)
 
 
 def vllm_min_p(x: torch.Tensor, min_p: torch.Tensor, d: Path) -> torch.Tensor:
     """vLLM's V2 ``apply_min_p`` on ``x`` (row i reading ``min_p[i]``), Triton's interpreter."""
     torch.save((x.clone(), min_p), d / "min_p.pt")
-    p = subprocess.run([sys.executable, "-c", MIN_P_REFERENCE, str(BENCH), str(d / "min_p.pt"), str(d / "min_p_out.pt")],
+    p = subprocess.run([sys.executable, "-c", MIN_P_REFERENCE, str(d / "min_p.pt"), str(d / "min_p_out.pt")],
                        capture_output=True, text=True, env=dict(os.environ, TRITON_INTERPRET="1"), timeout=900)
     if p.returncode != 0:
         pytest.skip(f"Triton's interpreter could not run vLLM's kernel here: {p.stderr[-500:]}")

@@ -15,16 +15,12 @@ penalties kernels (``min_p.py``, ``logit_bias.py``, ``penalties.py``, loaded the
 """
 
 import math
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
 from vllm_csv.sampling import gumbel_v2
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-from v2_sampler_gpu import NOISE_KERNEL, load_vllm_v2_gumbel, load_vllm_v2_sample  # noqa: E402
+from vllm_csv.testing.vllm_v2 import NOISE_KERNEL, load_vllm_v2_gumbel, load_vllm_v2_sample
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")]
 triton = pytest.importorskip("triton")
@@ -140,10 +136,10 @@ def test_certified_rows_draw_the_dense_tokens(v2, screen):
     """certify_rows_v2 on a bf16 CUDA head (V 151936 x d 1024), its certified rows written as the
     V2 hook writes them (exact on S, -inf elsewhere; the others dense), then drawn by vLLM's
     gumbel_sample with temperature in its kernel: the dense logits' tokens on every row."""
-    from conftest import hidden_near_rows, peaked_head
     from vllm_csv import CertifiedHead, HeadConfig
     from vllm_csv.sampling.head_adapter import HeadAdapter
     from vllm_csv.sampling.rows_v2 import certify_rows_v2
+    from vllm_csv.testing.heads import hidden_near_rows, peaked_head
 
     W, g = peaked_head(151936, 1024, seed=7)
     W = W.to("cuda", torch.bfloat16)
@@ -234,10 +230,10 @@ def test_min_p_and_processor_rows_draw_the_dense_tokens(v2, v2s, screen):
     rows written as the hook writes them, then V2's pipeline compiled for the GPU (processors,
     ``apply_temperature``, ``apply_min_p``, ``gumbel_sample``) on the written and the dense
     logits: the same tokens on every row."""
-    from conftest import hidden_near_rows, peaked_head
     from vllm_csv import CertifiedHead, HeadConfig
     from vllm_csv.sampling.head_adapter import HeadAdapter
     from vllm_csv.sampling.rows_v2 import certify_rows_v2
+    from vllm_csv.testing.heads import hidden_near_rows, peaked_head
 
     V, D, R = 151936, 1024, 128
     W, g = peaked_head(V, D, seed=8)

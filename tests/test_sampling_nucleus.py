@@ -5,11 +5,11 @@ import math
 import pytest
 import torch
 
-from conftest import peaked_rows
 from vllm_csv.ops import build
 from vllm_csv.ops.masks import top_p_sums, top_p_sums_ref, unlisted_masses, unlisted_masses_ref
 from vllm_csv.sampling import nucleus
 from vllm_csv.sampling.nucleus import min_p_bounds, top_p_bounds
+from vllm_csv.testing.heads import peaked_rows
 
 pytest.importorskip("vllm")
 from vllm.v1.sample.ops.topk_topp_sampler import apply_top_k_top_p_pytorch  # noqa: E402

@@ -16,7 +16,6 @@ import torch
 import vllm_csv.ops.fbgemm as fbops
 import vllm_csv.ops.int8_vnni as vnni
 import vllm_csv.screens.fbgemm as fbscreen
-from conftest import dense_topk, hidden_near_rows, peaked_head, same_bits
 from vllm_csv import CertifiedHead, HeadConfig
 from vllm_csv.errors import CSVError
 from vllm_csv.ops.fbgemm import packed_int8_linear_ref
@@ -24,6 +23,8 @@ from vllm_csv.screens import SCREENS, hidden_norm_upper, make_screen
 from vllm_csv.screens.fbgemm import FbgemmInt8Screen, quantize_rows
 from vllm_csv.screens.half import HalfScreen
 from vllm_csv.screens.quantized import QuantizedScreen
+from vllm_csv.testing.exact import dense_topk, same_bits
+from vllm_csv.testing.heads import hidden_near_rows, peaked_head
 
 ROOT = Path(__file__).parents[1]
 pytestmark = pytest.mark.skipif(fbops.unavailable_reason(8, 8) is not None,

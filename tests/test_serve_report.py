@@ -1,9 +1,7 @@
-"""benchmarks/serve.py's summary of several server pairs: medians of per-pair ratios."""
+"""The serving benchmark's summary of several server pairs (vllm_csv/testing/serve_bench.py, run by
+benchmarks/serve.py): medians of per-pair ratios."""
 
-import sys
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+from vllm_csv.testing import serve_bench as serve
 
 
 def _pair(dense: float, csv: float, identical: bool = True, certified: float = 10.0) -> dict:
@@ -14,8 +12,6 @@ def _pair(dense: float, csv: float, identical: bool = True, certified: float = 1
 
 
 def test_pairs_give_the_median_ratio_and_sum_the_counts():
-    import serve
-
     # a slow pair (both servers slow: drift) does not move the median ratio; pooled tokens/s would
     pairs = [_pair(1000.0, 990.0), _pair(600.0, 600.0), _pair(1000.0, 1010.0, identical=False)]
     s = serve.combine(pairs)
@@ -36,8 +32,6 @@ def test_interleaved_rounds_alternate_and_give_the_median_ratio(monkeypatch):
     rounds' ratios (a slow round, both sides slow, does not move it), outputs compared."""
     import contextlib
     from types import SimpleNamespace
-
-    import serve
 
     calls = []
     clock = [0.0]
@@ -69,8 +63,6 @@ def test_server_flags_control_and_order():
     """--control makes the CSV side a second plain server (no CSV flag, its own port); --csv-first
     gives the CSV server the first port; any CSV flag goes to the CSV server only."""
     from types import SimpleNamespace
-
-    import serve
 
     def args(**k):
         return SimpleNamespace(**dict(dict(port=8110, csv_first=False, control=False, screen="int8",

@@ -1,17 +1,12 @@
-"""benchmarks/tail_bound.py's survivors are a sound bound: the true top token always survives; no
+"""benchmarks/tail_bound.py's survivors (vllm_csv/testing/tail_bound.py) are a sound bound: the true top token always survives; no
 dimension multiplied keeps everything, all of them only the top."""
-
-import sys
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+from vllm_csv.testing import tail_bound
 
 
 def test_the_top_token_always_survives():
-    import tail_bound
-
     g = torch.Generator().manual_seed(3)
     W = torch.randn(512, 64, generator=g, dtype=torch.float64)
     h = torch.randn(16, 64, generator=g, dtype=torch.float64)

@@ -7,11 +7,11 @@ import math
 import pytest
 import torch
 
-from conftest import hidden_near_rows, peaked_head
 from vllm_csv import CertifiedHead, HeadConfig
 from vllm_csv.sampling import rows, top_k_rows
 from vllm_csv.sampling.head_adapter import HeadAdapter
 from vllm_csv.sampling.rows import certify_rows
+from vllm_csv.testing.heads import hidden_near_rows, peaked_head
 
 pytest.importorskip("vllm")
 import vllm._custom_ops  # noqa: E402,F401

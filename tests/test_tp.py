@@ -19,11 +19,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from vllm_csv import audit
 from vllm_csv.errors import CSVError
 from vllm_csv.head import CertifiedHead, HeadConfig
 from vllm_csv.index import build_index
 from vllm_csv.sharded import Shard, ShardedHead, TorchGroup
+from vllm_csv.testing import audit
 
 
 class ThreadGroup:

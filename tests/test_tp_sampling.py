@@ -22,13 +22,13 @@ pytest.importorskip("vllm")
 from vllm.v1.sample.ops.topk_topp_sampler import apply_top_k_top_p_pytorch  # noqa: E402
 from vllm.v1.sample.sampler import Sampler  # noqa: E402
 
-from vllm_csv import audit  # noqa: E402
 from vllm_csv.errors import CSVError  # noqa: E402
 from vllm_csv.head import HeadConfig  # noqa: E402
 from vllm_csv.sampling import sharded_rows  # noqa: E402
 from vllm_csv.sampling.nucleus import min_p_bounds, top_p_bounds  # noqa: E402
 from vllm_csv.sampling.sharded_rows import ShardedAdapter  # noqa: E402
 from vllm_csv.sharded import Shard, ShardedHead  # noqa: E402
+from vllm_csv.testing import audit  # noqa: E402
 from vllm_csv.vllm_plugin import step as csv_step  # noqa: E402
 from vllm_csv.vllm_plugin.v1 import sampler as v1_sampler  # noqa: E402
 
@@ -94,7 +94,7 @@ def check_same_and_exact(res, md, rows):
 def test_tp_deferred_rows_draw_like_dense(case, size, monkeypatch):
     """A learned-like head, V not a multiple of 64 (padding rows on the last shard), every
     processing case of the single-rank hook test, sampled and greedy rows, seeded or not."""
-    from conftest import hidden_near_rows, peaked_head
+    from vllm_csv.testing.heads import hidden_near_rows, peaked_head
 
     V, D, B = 1000, 48, 16
     g = torch.Generator().manual_seed(3 + size)
@@ -139,11 +139,11 @@ def test_tp_deferred_rows_on_adversarial_families(size, monkeypatch):
 
 @pytest.mark.parametrize("size", (2, 3))
 def test_tp_rows_with_their_own_sampling_parameters(size, monkeypatch):
-    """The sampler audit's batches (vllm_csv.audit_sampler.draw_batch: each row its own greedy,
+    """The sampler audit's batches (vllm_csv.testing.audit_sampler.draw_batch: each row its own greedy,
     temperature, top-k, top-p or min-p mix at edge values, seeded or not; penalties, logit bias,
     allowed ids and bad words by batch; some or all rows deferred) over the sharded adversarial
     heads. (Grammar masks: the single-rank audit; here they are left out.)"""
-    from vllm_csv.audit_sampler import draw_batch
+    from vllm_csv.testing.audit_sampler import draw_batch
 
     rows_total = cert_total = 0
     for family in sorted(audit.FAMILIES):
@@ -167,7 +167,7 @@ def test_tp_disagreeing_ranks_go_dense_together(monkeypatch):
     one of its tokens has a NaN bound in row 3:
     those rows are dense on *every* rank (the collective dense path runs once on each), the
     others certified, the logits the same everywhere."""
-    from conftest import hidden_near_rows, peaked_head
+    from vllm_csv.testing.heads import hidden_near_rows, peaked_head
 
     V, D, B = 777, 40, 8
     g = torch.Generator().manual_seed(11)
@@ -276,7 +276,7 @@ def test_small_explicit_set_stays_exact(noisy_key, monkeypatch):
 def test_tp_sampler_keeps_the_off_switch_ledger_common(monkeypatch):
     """The shared off-switch's pending step time, different on each rank, is folded on the
     sampler's first gather: both ranks' ledgers take the slowest rank's time."""
-    from conftest import hidden_near_rows, peaked_head
+    from vllm_csv.testing.heads import hidden_near_rows, peaked_head
 
     V, D, B = 500, 32, 4
     g = torch.Generator().manual_seed(2)

@@ -10,7 +10,7 @@ the tokenizer a byte-level BPE trained on it with ``tokenizers``, the model a
 * :data:`TEST`, the model of the end-to-end tests: V = 8192, d = 256, small enough that a
   test server starts quickly, too small for CSV to pay (its tests turn the off-switch off).
 
-``benchmarks/fixtures.py`` trains more (V = 32768, d = 256 to 4096) with the same code.
+``vllm_csv.testing.fixtures`` trains more (V = 32768, d = 256 to 4096) with the same code.
 """
 
 from __future__ import annotations

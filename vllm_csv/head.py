@@ -241,7 +241,7 @@ class CertifiedHead:
         always its own when another row of the batch holds an inf or a NaN. Measured with torch
         2.13 on an Intel Xeon with AMX: bf16 ``F.linear`` and vLLM-CPU's own ``cpu_linear``
         (oneDNN) wrote NaN over every logit of row 7 of a 17-row batch whose row 8 held one
-        ``inf`` (``vllm_csv.audit``, family ``nonfinite``, seed 4988550), and over some other row
+        ``inf`` (``vllm_csv.testing.audit``, family ``nonfinite``, seed 4988550), and over some other row
         in 16 of 300 random bf16 batches with one ``inf``. The full path's token for such a row
         is then not the row's argmax, and "exact" means the full path's token."""
         hidden, hnorm, ok = step.prepare_rows(hidden, self.certifiable and self.arithmetic_ok())

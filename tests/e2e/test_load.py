@@ -1,23 +1,19 @@
-"""A CI-sized load run (benchmarks/load.py, 30 s a server): concurrent clients mixing every
+"""A CI-sized load run (the clients of benchmarks/load.py, vllm_csv/testing/load_bench.py, 30 s a server): concurrent clients mixing every
 sampling mode, streaming and not, n > 1 and stop strings, against the shared CSV and dense
 servers. CSV: no error, the certified counter grows, the server keeps serving."""
 
 from __future__ import annotations
 
 import asyncio
-import sys
-from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+from vllm_csv.testing import load_bench as load
 
 pytestmark = pytest.mark.e2e
 
 
 def test_mixed_load(csv_server, dense_server):
-    import load
-
     from vllm_csv.serve import csv_metrics
 
     before = csv_metrics(csv_server.base_url)

@@ -79,7 +79,7 @@ apart or more: a screen's interval after a temperature of 0.01, or a shift ``c``
 earlier round, :meth:`TopPQueries.narrowed`) read ``n_hi = 0`` as "no token may sort after
 ``i``", ``A = 0``, and kept ``i``: two tokens tied far below ``c``, one of which vLLM's top-p drops
 (the sort order of ties decides which), were both kept, and the draw could return the dropped
-one (found by ``vllm_csv.audit_sampler``: family ``near_tie``, seed 7716, bf16, temperature
+one (found by ``vllm_csv.testing.audit_sampler``: family ``near_tie``, seed 7716, bf16, temperature
 0.01, top-p 0.3).
 
 Deciding some tokens only (:class:`TopPQueries`). Leaving a token undecided is always sound

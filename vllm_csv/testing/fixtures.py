@@ -1,6 +1,6 @@
 """Learned-head fixtures: small Llama-style models trained here, cached between runs.
 
-    python benchmarks/fixtures.py --hidden 256 512 1024        # prints the model directories
+    python -m vllm_csv.testing.fixtures --hidden 256 512 1024        # prints the model directories
 
 Same recipe as the demo model (vllm_csv.demo_model): a byte-level BPE vocabulary of
 32768 trained on the Python standard library, a LlamaForCausalLM with an untied head,
@@ -13,17 +13,15 @@ the larger hidden sizes (2048 to 4096) that a GPU benchmark needs.
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from vllm_csv.demo_model import Recipe, ensure_model  # noqa: E402
+from ..demo_model import Recipe, ensure_model
 
 VOCAB = 32768
 
 
 def recipe(hidden: int, device: str = "cpu") -> Recipe:
+    """The training recipe of the fixture of hidden size ``hidden`` trained on ``device``."""
     if device != "cpu":
         return Recipe(vocab_size=VOCAB, hidden_size=hidden, layers=2, heads=max(4, hidden // 128),
                       seq_len=256, batch=32, steps=400, lr=1e-3, corpus_bytes=6_000_000)
@@ -33,6 +31,8 @@ def recipe(hidden: int, device: str = "cpu") -> Recipe:
 
 
 def fixture(hidden: int, cache_dir: str | None = None, device: str = "cpu") -> Path:
+    """The model directory of the fixture of hidden size ``hidden``: trained on ``device`` the
+    first time, then taken from ``cache_dir`` (default: the vllm-csv cache)."""
     tag = "" if device == "cpu" else f"-{device}"
     if device != "cpu":
         import torch

@@ -19,7 +19,7 @@ nonfinite      NaN/inf in the head, the bias or the hidden state
 norms          hidden-state norms from 1e-30 to 1e30 and outlier dimensions
 ============== ==============================================================================
 
-:func:`check` runs a :class:`~vllm_csv.head.CertifiedHead` on a case and compares each
+:func:`check` runs a :class:`~vllm_csv.CertifiedHead` on a case and compares each
 certified row with the dense head (``F.linear`` on the same batch, then vLLM's soft-cap and
 scale written out here independently): the ids always, and the values bit for bit where the
 head was asked for values. :func:`check_sampled` does the same for sampled top-k rows: what
@@ -35,6 +35,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
+from .heads import hidden_near_rows
 
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -142,16 +144,11 @@ def _k(g: torch.Generator, V: int) -> int:
     return min(V, _pick(g, (1, 1, 2, 3, 5, 8)))
 
 
-def _near_rows(W: torch.Tensor, B: int, g, scale: float = 6.0, noise: float = 0.3) -> torch.Tensor:
-    t = torch.randint(0, W.shape[0], (B,), generator=g)
-    return scale * W[t] * W.shape[1] ** 0.5 + noise * torch.randn(B, W.shape[1], generator=g)
-
-
 def peaked(g, dtype) -> Case:
     V, d, B = _shape(g)
     W = torch.randn(V, d, generator=g) / max(1, d) ** 0.5
     b = torch.randn(V, generator=g) if _pick(g, (False, True)) else None
-    h = _near_rows(W, B, g)
+    h = hidden_near_rows(W, B, g)  # (W fp32: the same draws and values)
     return Case("peaked", W.to(dtype), None if b is None else b.to(dtype), h.to(dtype), _k(g, V))
 
 
@@ -376,8 +373,8 @@ MOSTLY_REFUSED = ("accumulator", "subnormal")
 
 def make_head(case: Case, screen: str, budget: float = 1.0):
     """A :class:`CertifiedHead` for ``case`` (its own index for ``ball``), without off-switch."""
-    from .head import CertifiedHead, HeadConfig
-    from .index import build_index
+    from ..head import CertifiedHead, HeadConfig
+    from ..index import build_index
 
     index = None
     if screen == "ball":
@@ -399,7 +396,7 @@ def run_sampled_case(family: str, seed: int, dtype: torch.dtype, screen: str) ->
     try:
         head = make_head(case, screen)
     except Exception as e:
-        from .errors import CSVError
+        from ..errors import CSVError
 
         if isinstance(e, CSVError):
             return Outcome(case.hidden.shape[0], 0, 0, 0)
@@ -413,7 +410,7 @@ def run_case(family: str, seed: int, dtype: torch.dtype, screen: str) -> tuple[O
     try:
         head = make_head(case, screen)
     except Exception as e:  # a screen may refuse a head (e.g. fp16 overflow): that is no wrong row
-        from .errors import CSVError
+        from ..errors import CSVError
 
         if isinstance(e, CSVError):
             z = Outcome(case.hidden.shape[0], 0, 0, 0)

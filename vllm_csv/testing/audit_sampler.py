@@ -1,6 +1,6 @@
 """Adversarial audit of the sampler path: vLLM's own ``Sampler`` drawing from certified rows
 (the sampler hook, :mod:`vllm_csv.vllm_plugin.v1.sampler`) against the same ``Sampler`` on the
-dense head, on the audit's hostile heads and hidden states (:data:`vllm_csv.audit.FAMILIES`).
+dense head, on the audit's hostile heads and hidden states (:data:`vllm_csv.testing.audit.FAMILIES`).
 
 Each case draws per-row sampling parameters: greedy, temperature alone, top-k, top-p, min-p and
 their combinations, with values at the edges (``k = 1``, ``k = V - 1``, top-p 0.05 to 0.99,
@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .audit import FAMILIES, Case, _pick, dense_reference, make_head
+from .fakes import logit_bias_processor, min_p_processor
 
 ROW_MODES = ("greedy", "temperature", "top_k", "top_p", "min_p", "top_k_top_p", "top_k_min_p",
              "top_p_min_p", "top_k_top_p_min_p")
@@ -51,35 +52,6 @@ class SamplerOutcome:
     wrong_tokens: int
     rng_out_of_step: int  # 0 or 1
     certified_by_mode: dict[str, int] = field(default_factory=dict)
-
-
-def min_p_processor(values):
-    """vLLM's ``MinPLogitsProcessor`` as ``update_state`` leaves it on the CPU, for ``values``
-    (``[B]``, a tensor or a list; 0: no min-p)."""
-    from vllm.v1.sample.logits_processor.builtin import MinPLogitsProcessor
-
-    p = MinPLogitsProcessor.__new__(MinPLogitsProcessor)
-    p.min_p_cpu_tensor = torch.as_tensor(values, dtype=torch.float32)
-    p.min_p_cpu = p.min_p_cpu_tensor.numpy()
-    p.min_p_count = int((p.min_p_cpu_tensor > 0).sum())
-    p.use_double_tensor = False
-    p.min_p_device = p.min_p_cpu_tensor
-    p.min_p = p.min_p_device.unsqueeze(1)
-    return p
-
-
-def logit_bias_processor(biases: dict[int, dict[int, float]]):
-    """vLLM's ``LogitBiasLogitsProcessor`` as ``update_state`` leaves it on the CPU, for
-    ``biases`` (batch row -> {token id: bias})."""
-    from vllm.v1.sample.logits_processor.builtin import LogitBiasLogitsProcessor
-
-    lb = LogitBiasLogitsProcessor(None, torch.device("cpu"), False)
-    lb.biases = biases
-    reqs = [r for r, d in biases.items() for _ in d]
-    toks = [t for d in biases.values() for t in d]
-    lb.bias_tensor = torch.tensor([v for d in biases.values() for v in d.values()], dtype=torch.float32)
-    lb.logits_slice = (torch.tensor(reqs, dtype=torch.int32), torch.tensor(toks, dtype=torch.int32))
-    return lb
 
 
 @dataclass
@@ -159,9 +131,9 @@ def check_sampler(head, case: Case, batch: Batch, seed: int) -> SamplerOutcome:
     sampler) against the same ``Sampler`` on the dense head's logits (grammar ``-inf`` on both)."""
     from vllm.v1.sample.sampler import Sampler
 
-    from .head import hidden_rows
-    from .sampling.head_adapter import HeadAdapter
-    from .vllm_plugin import patches, step as csv_step
+    from ..head import hidden_rows
+    from ..sampling.head_adapter import HeadAdapter
+    from ..vllm_plugin import patches, step as csv_step
 
     patches.install_samplers()
     sampler = Sampler()
@@ -196,7 +168,7 @@ def run_sampler_case(family: str, seed: int, dtype: torch.dtype, screen: str,
     ``greedy_apart``: every row but the greedy ones deferred (the greedy rows carry the dense
     values, as a greedy row the head certified or left dense; where the deferred rows all certify
     and no processor touches the greedy rows, the hook draws the batch itself)."""
-    from .errors import CSVError
+    from ..errors import CSVError
 
     g = torch.Generator().manual_seed(seed)
     case = FAMILIES[family](g, dtype)

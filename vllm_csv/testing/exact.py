@@ -1,0 +1,26 @@
+"""What a certified row is checked against: the dense head's top-k, as vLLM computes the logits,
+and bit-for-bit equality of tensors."""
+
+from __future__ import annotations
+
+import torch
+
+
+def dense_topk(W, b, h, k, softcap=None, scale=1.0):
+    """The dense head's top-``k``: ``(ids [B, k], values [B, k], logits [B, V])``; the logits
+    ``F.linear(h, W, b)``, soft-capped and scaled as vLLM does, sorted descending with ties to the
+    lowest id."""
+    z = torch.nn.functional.linear(h, W, b)
+    if softcap is not None:
+        z = torch.tanh(z / softcap) * softcap
+    z = z * scale if scale != 1.0 else z
+    vals, ids = torch.sort(z, dim=1, descending=True, stable=True)
+    return ids[:, :k], vals[:, :k], z
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bit-for-bit equality (``torch.equal`` counts ``-0.0 == 0.0`` and never ``NaN == NaN``)."""
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return False
+    ints = {2: torch.int16, 4: torch.int32, 8: torch.int64}[a.element_size()]
+    return torch.equal(a.contiguous().view(ints), b.contiguous().view(ints))

@@ -1,0 +1,54 @@
+"""vLLM pieces built without vLLM's engine config, as a step leaves them: vLLM's CPU logits
+processors (min-p, logit bias), the plugin's LM-head layer, and a clock that advances only when
+told to."""
+
+from __future__ import annotations
+
+import torch
+
+
+class FakeClock:
+    """``time`` for the plugin's modules: advances only by the simulated costs."""
+
+    def __init__(self):
+        self.now = 0.0
+
+    def perf_counter(self):
+        return self.now
+
+
+def csv_layer(head, metrics=None):
+    """The plugin's LM-head layer (``CSVLogitsProcessor``) around ``head``, built without vLLM's
+    constructor (no vLLM config), as its first ``forward`` leaves it."""
+    from ..vllm_plugin.logits_processor import CSVLogitsProcessor
+
+    return CSVLogitsProcessor.around(head, metrics)
+
+
+def min_p_processor(values):
+    """vLLM's ``MinPLogitsProcessor`` as ``update_state`` leaves it on the CPU, for ``values``
+    (``[B]``, a tensor or a list; 0: no min-p)."""
+    from vllm.v1.sample.logits_processor.builtin import MinPLogitsProcessor
+
+    p = MinPLogitsProcessor.__new__(MinPLogitsProcessor)
+    p.min_p_cpu_tensor = torch.as_tensor(values, dtype=torch.float32)
+    p.min_p_cpu = p.min_p_cpu_tensor.numpy()
+    p.min_p_count = int((p.min_p_cpu_tensor > 0).sum())
+    p.use_double_tensor = False
+    p.min_p_device = p.min_p_cpu_tensor
+    p.min_p = p.min_p_device.unsqueeze(1)
+    return p
+
+
+def logit_bias_processor(biases: dict[int, dict[int, float]]):
+    """vLLM's ``LogitBiasLogitsProcessor`` as ``update_state`` leaves it on the CPU, for
+    ``biases`` (batch row -> {token id: bias})."""
+    from vllm.v1.sample.logits_processor.builtin import LogitBiasLogitsProcessor
+
+    lb = LogitBiasLogitsProcessor(None, torch.device("cpu"), False)
+    lb.biases = biases
+    reqs = [r for r, d in biases.items() for _ in d]
+    toks = [t for d in biases.values() for t in d]
+    lb.bias_tensor = torch.tensor([v for d in biases.values() for v in d.values()], dtype=torch.float32)
+    lb.logits_slice = (torch.tensor(reqs, dtype=torch.int32), torch.tensor(toks, dtype=torch.int32))
+    return lb
