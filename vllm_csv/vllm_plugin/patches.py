@@ -22,9 +22,12 @@ import sys
 from collections.abc import Callable
 from typing import Protocol
 
+import torch
+
 from ..errors import CSVError
 from . import v1, v2
-from .step import LazyPlan, bind
+from .logits_processor import CSVLogitsProcessor
+from .step import LazyPlan, StepChannel
 
 
 class Integration(Protocol):
@@ -41,12 +44,33 @@ def install(max_topk: Callable[[object], int]) -> None:
     """Apply every patch (idempotent). ``max_topk(runner)`` gives the runner's ``--csv-max-topk``."""
     from vllm.model_executor.layers.logits_processor import LogitsProcessor
 
-    from .logits_processor import CSVLogitsProcessor
-
     _engine_args()
     install_runners(max_topk)
     install_samplers()
     LogitsProcessor.register_oot(CSVLogitsProcessor)
+
+
+def bind(runner) -> StepChannel:
+    """The runner's channel, bound to the CSV layers of its model and to its sampler (once; again
+    if the runner's model object changed)."""
+    channel = runner.__dict__.get("_csv_channel")
+    if channel is None:
+        channel = runner._csv_channel = StepChannel()
+    model = getattr(runner, "model", None)
+    if model is not None and channel.model is not model:
+        get = getattr(runner, "get_model", None)
+        try:
+            root = get() if callable(get) else model
+        except Exception:  # (a runner whose get_model refuses: the attribute as it is)
+            root = model
+        for m in root.modules() if isinstance(root, torch.nn.Module) else ():
+            if isinstance(m, CSVLogitsProcessor):
+                m.csv_channel = channel
+        channel.model = model
+    sampler = getattr(runner, "sampler", None)
+    if sampler is not None:
+        sampler.csv_channel = channel
+    return channel
 
 
 def _engine_args() -> None:

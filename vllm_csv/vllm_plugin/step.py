@@ -4,7 +4,7 @@ A step of vLLM's model runner computes the logits (``model.compute_logits``: our
 :class:`~.logits_processor.CSVLogitsProcessor`) and then samples them (vLLM's ``Sampler``,
 wrapped: :mod:`.v1.sampler`, :mod:`.v2.sampler`). The layer sees hidden states, the sampler
 sees logits and the sampling metadata; what one learns the other needs. So each runner owns one
-:class:`StepChannel`, bound once to its own CSV layers and its own sampler (:func:`bind`), and:
+:class:`StepChannel`, bound once to its own CSV layers and its own sampler (:func:`~.patches.bind`), and:
 
 1. the runner's wrapped step method (:mod:`.patches`) opens a :class:`Step` with the step's
    plan (:class:`~.plan.Plan`, built lazily from the runner's batch at the head), and closes the
@@ -183,31 +183,6 @@ def step_of(consumer) -> Step | None:
     """The current step of the runner ``consumer`` (a CSV layer or a sampler) is bound to."""
     channel = getattr(consumer, "csv_channel", None)
     return None if channel is None else channel.step
-
-
-def bind(runner) -> StepChannel:
-    """The runner's channel, bound to the CSV layers of its model and to its sampler (once; again
-    if the runner's model object changed)."""
-    channel = runner.__dict__.get("_csv_channel")
-    if channel is None:
-        channel = runner._csv_channel = StepChannel()
-    model = getattr(runner, "model", None)
-    if model is not None and channel.model is not model:
-        from .logits_processor import CSVLogitsProcessor
-
-        get = getattr(runner, "get_model", None)
-        try:
-            root = get() if callable(get) else model
-        except Exception:  # (a runner whose get_model refuses: the attribute as it is)
-            root = model
-        for m in root.modules() if isinstance(root, torch.nn.Module) else ():
-            if isinstance(m, CSVLogitsProcessor):
-                m.csv_channel = channel
-        channel.model = model
-    sampler = getattr(runner, "sampler", None)
-    if sampler is not None:
-        sampler.csv_channel = channel
-    return channel
 
 
 def hand_off(consumer, handoff: Handoff | None) -> Step:
