@@ -1,0 +1,79 @@
+"""How a row certified in vLLM's sampler walks through the product's modules (issue 43).
+
+Drives vLLM's own V1 ``Sampler`` with the plugin's hook on one batch of the sampler audit
+(``vllm_csv.testing.audit_sampler``: a hostile head family, rows deferred to the sampler as the
+plugin's layer defers them) and records, with ``sys.setprofile``, every call from one
+``vllm_csv`` module into another (the harness's own modules, ``vllm_csv.testing``, left out).
+Prints, per module, how many times the walk entered it, and the total; ``--json`` writes them.
+A module entered once is a pipeline stage; one entered many times is a helper the walk keeps
+returning to (the issue counted 61 entries into 11 modules before the redesign).
+
+    python benchmarks/row_walk.py --family peaked --rows 1
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import sys
+
+import torch
+
+
+def walk(family: str, seed: int, rows: int, screen: str) -> tuple[collections.Counter, list[str]]:
+    from vllm_csv.testing import audit, audit_sampler
+
+    g = torch.Generator().manual_seed(seed)
+    case = audit.FAMILIES[family](g, torch.bfloat16)
+    case.hidden = case.hidden[:rows]
+    batch = audit_sampler.draw_batch(g, rows, case.weight.shape[0])
+    batch.deferred = torch.arange(rows)
+    head = audit.make_head(case, screen)
+    audit_sampler.check_sampler(head, case, batch, seed)  # warm-up (kernels, caches)
+
+    entries, order, stack = collections.Counter(), [], []
+
+    def product(frame) -> str | None:
+        name = frame.f_globals.get("__name__", "")
+        return name if name.startswith("vllm_csv") and not name.startswith("vllm_csv.testing") else None
+
+    def profile(frame, event, arg):
+        if event == "call":
+            mod = product(frame)
+            caller = frame.f_back
+            while caller is not None and product(caller) is None and caller.f_globals.get(
+                    "__name__", "").startswith(("torch", "vllm.", "numpy")):
+                caller = caller.f_back  # (through vLLM's and torch's frames to the product's caller)
+            src = None if caller is None else product(caller)
+            if mod is not None and mod != src:
+                entries[mod] += 1
+                order.append(mod)
+
+    sys.setprofile(profile)
+    try:
+        audit_sampler.check_sampler(head, case, batch, seed)
+    finally:
+        sys.setprofile(None)
+    return entries, order
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--family", default="peaked")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--rows", type=int, default=1)
+    ap.add_argument("--screen", default="int8")
+    ap.add_argument("--json", default=None)
+    a = ap.parse_args()
+    entries, order = walk(a.family, a.seed, a.rows, a.screen)
+    for mod, n in entries.most_common():
+        print(f"{n:5d}  {mod}")
+    print(f"{sum(entries.values()):5d}  entries into {len(entries)} modules")
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump({"args": vars(a), "entries": dict(entries), "order": order}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
