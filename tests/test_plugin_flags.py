@@ -96,3 +96,90 @@ def test_deleted_or_damaged_index_stops_serve_with_one_line(serve_parser, tmp_pa
     err = capsys.readouterr().err.strip().splitlines()
     assert e.value.code == 2 and len(err) == 1, err
     assert err[0].startswith("vllm serve: error: CSV index ") and str(p) in err[0] and msg in err[0], err
+
+
+# The flags of vllm serve as users and tests/e2e know them: name -> (namespace attribute, config key).
+SERVE_FLAGS = {"--enable-csv-decode": ("enable_csv_decode", "enabled"), "--csv-screen": ("csv_screen", "screen"),
+               "--csv-index": ("csv_index", "index"), "--csv-clusters": ("csv_clusters", "clusters"),
+               "--csv-budget": ("csv_budget", "budget"), "--csv-max-topk": ("csv_max_topk", "max_topk")}
+
+
+def csv_group(parser):
+    return next(g for g in parser._action_groups if g.title == "CSV-Decode (vllm-csv)")
+
+
+def test_flags_are_generated_from_the_config_fields(serve_parser):
+    """Every config field but the off-switch has its flag, under the names, types and choices
+    users know; nothing is written twice (issue 43)."""
+    from vllm_csv.screens import SCREENS
+    from vllm_csv.vllm_plugin.cli_args import flags
+    from vllm_csv.vllm_plugin.config import CSVDecodeConfig
+
+    assert set(CSVDecodeConfig.model_fields) - set(flags()) == {"off_switch"}
+    assert {f: (n, n) for n, f in flags().items()} == {f: (k, k) for f, (_, k) in SERVE_FLAGS.items()}
+    acts = {a.option_strings[0]: a for a in csv_group(serve_parser)._group_actions}
+    assert set(acts) == set(SERVE_FLAGS)
+    assert {f: a.dest for f, a in acts.items()} == {f: d for f, (d, _) in SERVE_FLAGS.items()}
+    assert all(a.default is None for a in acts.values())  # None: not given
+    assert {f: a.type for f, a in acts.items()} == {"--enable-csv-decode": None, "--csv-screen": None,
+                                                   "--csv-index": None, "--csv-clusters": int,
+                                                   "--csv-budget": float, "--csv-max-topk": int}
+    assert tuple(acts["--csv-screen"].choices) == SCREENS
+    assert acts["--enable-csv-decode"].nargs == 0 and acts["--enable-csv-decode"].const is True  # store_true
+    assert all(a.choices is None for f, a in acts.items() if f != "--csv-screen")
+
+
+def test_generated_help_lists_every_field_with_the_models_default(serve_parser):
+    """The help ``vllm serve --help=csv`` prints (vLLM's own formatter): each field's description
+    and the model's default, once (no argparse "(default: None)")."""
+    import re
+
+    from vllm_csv.vllm_plugin.cli_args import flags
+    from vllm_csv.vllm_plugin.config import CSVDecodeConfig, default_text
+
+    lines = {}
+    for action in csv_group(serve_parser)._group_actions:
+        fmt = serve_parser.formatter_class(prog="vllm serve")
+        fmt.add_argument(action)
+        lines[action.option_strings[0]] = " ".join(fmt.format_help().split())
+    assert set(lines) == set(flags().values())
+    for name, flag in flags().items():
+        info, line = CSVDecodeConfig.model_fields[name], lines[flag]
+        assert info.description.rstrip(".") in line and "(default: " not in line, line
+        shown = re.fullmatch(r".*\(default ([^()]*)\)\.", line).group(1)
+        assert shown == default_text(name)
+        if isinstance(info.default, bool):
+            assert shown == ("on" if info.default else "off")
+        elif info.default is None:  # decided at start-up: the text the field carries
+            assert shown == info.json_schema_extra["default_text"]
+        else:
+            assert type(info.default)(shown) == info.default == getattr(CSVDecodeConfig(), name)
+
+
+def test_readme_flag_table_is_the_config():
+    """The README's serving table names each flag's key and default as the model has them."""
+    from pathlib import Path
+
+    from vllm_csv.vllm_plugin.cli_args import flags
+    from vllm_csv.vllm_plugin.config import default_text
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    rows = [[c.strip().strip("`") for c in ln.strip("|").split("|")] for ln in readme.splitlines()
+            if ln.startswith("| `--")]
+    assert {r[0]: (r[1], r[2]) for r in rows} == {f: (n, default_text(n)) for n, f in flags().items()}
+
+
+def test_any_csv_flag_enables_and_errors_are_one_line():
+    ns = argparse.Namespace
+    assert apply_csv_args(ns(csv_budget=0.1), None) == {"csv_decode": {
+        "enabled": True, "screen": "auto", "budget": 0.1, "max_topk": 64, "off_switch": True}}
+    assert from_additional_config(apply_csv_args(ns(enable_csv_decode=True), None)).enabled
+    assert from_additional_config(apply_csv_args(ns(csv_index="f"), None)).enabled
+    # the JSON's own "enabled" wins over the implied one; flags override its other keys
+    out = apply_csv_args(ns(csv_max_topk=8), {"csv_decode": {"enabled": False, "max_topk": 4}, "x": 1})
+    assert out["x"] == 1 and (out["csv_decode"]["enabled"], out["csv_decode"]["max_topk"]) == (False, 8)
+    for bad, key in ((ns(csv_budget=2.0), "budget"), (ns(csv_clusters=0), "clusters"),
+                     (ns(csv_max_topk=2000), "max_topk")):
+        with pytest.raises(CSVError) as e:
+            apply_csv_args(bad, None)
+        assert "\n" not in str(e.value) and str(e.value).startswith(f"invalid csv_decode configuration: {key}: ")

@@ -14,14 +14,19 @@ def test_defaults_come_from_the_vocabulary():
     from vllm_csv.vllm_plugin.cli_args import add_csv_args
     from vllm_csv.vllm_plugin.config import CSVDecodeConfig
 
-    cfg = CSVDecodeConfig()
-    assert HeadConfig().budget == cfg.budget == voc.DEFAULT_BUDGET
-    assert HeadConfig().max_topk == cfg.max_topk == voc.DEFAULT_MAX_TOPK
+    from vllm_csv.screens import DEFAULT_SCREEN
+
+    cfg, head = CSVDecodeConfig(), HeadConfig()
+    assert head.budget == cfg.budget == voc.DEFAULT_BUDGET
+    assert head.max_topk == cfg.max_topk == voc.DEFAULT_MAX_TOPK
+    assert head.screen == cfg.screen == DEFAULT_SCREEN and head.off_switch == cfg.off_switch
+    assert cfg.head_config() == head
     assert DEFAULT_CLUSTER_FRACTION == voc.CLUSTER_FRACTION
     p = argparse.ArgumentParser()
     add_csv_args(p)
     text = " ".join(p.format_help().split())
     assert f"(default {voc.DEFAULT_BUDGET})" in text and f"(default {voc.DEFAULT_MAX_TOPK})" in text
+    assert f"(default {voc.CLUSTER_FRACTION} V)" in text and "(default: None)" not in text
 
 
 def test_reasons_and_modes_are_the_vocabulary():

@@ -8,7 +8,8 @@ them.
   names a row's outcome.
 * :data:`MODES`: the sampling modes a step's rows are counted under.
 * Defaults: :data:`DEFAULT_BUDGET`, :data:`DEFAULT_MAX_TOPK`, :data:`CLUSTER_FRACTION`
-  (``HeadConfig``, the plugin's config model, the CLI's help and the index builder read them).
+  (``HeadConfig``, the plugin's config model, and the index builder read them; the CLI's flags
+  and help are generated from the config model).
 * :data:`SAMPLING_EPS`: vLLM's threshold below which a temperature means greedy.
 """
 

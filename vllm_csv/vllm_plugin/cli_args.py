@@ -1,6 +1,9 @@
 """``--enable-csv-decode`` and ``--csv-*`` flags for ``vllm serve``, mapped onto
 ``additional_config["csv_decode"]``.
 
+The flags, their types, choices, help and defaults are generated from the fields of
+:class:`.config.CSVDecodeConfig`, the one place for each setting (flag names: :func:`.config.flag_of`).
+
 vLLM loads general plugins inside ``AsyncEngineArgs.add_cli_args`` right before it
 calls ``EngineArgs.add_cli_args``; wrapping that static method (:mod:`.patches`) adds our
 argument group to the same parser, and wrapping ``EngineArgs.from_cli_args`` (which every
@@ -13,45 +16,65 @@ validated here, so a bad flag, or a ``--csv-index`` file that is missing or corr
 from __future__ import annotations
 
 import argparse
+import types
+import typing
 
-from ..screens import SCREENS
-from ..vocabulary import CLUSTER_FRACTION, DEFAULT_BUDGET, DEFAULT_MAX_TOPK
-from .config import SECTION, from_additional_config
+from .config import SECTION, CSVDecodeConfig, default_text, flag_of, from_additional_config
 
-FLAGS = {  # namespace attribute -> config key
-    "enable_csv_decode": "enabled", "csv_screen": "screen", "csv_index": "index",
-    "csv_clusters": "clusters", "csv_budget": "budget",
-    "csv_max_topk": "max_topk",
-}
+GROUP = "CSV-Decode (vllm-csv)"
+ENABLE = "enabled"  # the field whose flag turns CSV on; any other flag given implies it
+
+
+def flags() -> dict[str, str]:
+    """Config field -> its ``vllm serve`` flag, for every field that has one (in field order)."""
+    return {name: f for name in CSVDecodeConfig.model_fields if (f := flag_of(name)) is not None}
+
+
+def _dest(flag: str) -> str:
+    return flag.lstrip("-").replace("-", "_")
+
+
+def help_of(name: str) -> str:
+    """Field ``name``'s flag help: its description and its default."""
+    desc = CSVDecodeConfig.model_fields[name].description or ""
+    # The trailing ``%(default).0s`` prints nothing; it tells argparse's ArgumentDefaultsHelpFormatter
+    # (vLLM's) that the help shows its default, so it does not add "(default: None)": the
+    # namespace's default stays None, meaning "not given".
+    return f"{desc.rstrip('.')} (default {default_text(name)}).".replace("%", "%%") + "%(default).0s"
+
+
+def _argument(name: str) -> dict:
+    """``add_argument`` keywords for field ``name``, from its annotation."""
+    ann = CSVDecodeConfig.model_fields[name].annotation
+    if typing.get_origin(ann) in (typing.Union, types.UnionType):  # X | None
+        ann = next(a for a in typing.get_args(ann) if a is not type(None))
+    kw: dict = {"default": None, "help": help_of(name)}
+    if ann is bool:
+        kw["action"] = "store_true"
+    elif typing.get_origin(ann) is typing.Literal:
+        kw["choices"] = typing.get_args(ann)
+    elif ann in (int, float):
+        kw["type"] = ann
+    elif ann is not str:
+        raise TypeError(f"no flag type for csv_decode.{name}: {ann!r}")
+    return kw
 
 
 def add_csv_args(parser: argparse.ArgumentParser) -> None:
-    g = parser.add_argument_group("CSV-Decode (vllm-csv)", "Certified sub-vocabulary decoding of the LM head.")
-    g.add_argument("--enable-csv-decode", action="store_true", default=None,
-                   help="Compute exact logits on a certified sub-vocabulary; dense otherwise.")
-    g.add_argument("--csv-screen", choices=SCREENS, default=None,
-                   help="Bound used to prune the vocabulary (default auto: int8 with our AVX512-VNNI kernel or "
-                        "FBGEMM on x86 CPUs, plus int4 for one-row batches on VNNI CPUs and large heads; cuBLASLt "
-                        "on CUDA; fp16 on CPUs without FBGEMM).")
-    g.add_argument("--csv-index", default=None, help="Index file for --csv-screen ball (default: cache).")
-    g.add_argument("--csv-clusters", type=int, default=None, help=f"Clusters when building an index (default {CLUSTER_FRACTION} x V).")
-    g.add_argument("--csv-budget", type=float, default=None,
-                   help="Max share of the vocabulary scored exactly before the dense path: per row in the head, "
-                        f"per batch (its rows' scored columns together) in the sampler (default {DEFAULT_BUDGET}).")
-    g.add_argument("--csv-max-topk", type=int, default=None, help=f"Largest top_k certified (default {DEFAULT_MAX_TOPK}).")
+    g = parser.add_argument_group(GROUP, "Certified sub-vocabulary decoding of the LM head.")
+    for name, flag in flags().items():
+        g.add_argument(flag, **_argument(name))
 
 
 def apply_csv_args(args: argparse.Namespace, additional: dict | None) -> dict:
     """Merge the flags present in ``args`` into a copy of ``additional`` and validate."""
     out = dict(additional or {})
     section = dict(out.get(SECTION) or {})
-    for attr, key in FLAGS.items():
-        value = getattr(args, attr, None)
-        if value is not None:
-            section[key] = value
+    given = {name: v for name, flag in flags().items() if (v := getattr(args, _dest(flag), None)) is not None}
+    section.update(given)
     if section:
-        if any(getattr(args, a, None) is not None for a in FLAGS if a != "enable_csv_decode"):
-            section.setdefault("enabled", True)
+        if any(name != ENABLE for name in given):
+            section.setdefault(ENABLE, True)
         out[SECTION] = from_additional_config({SECTION: section}).model_dump(exclude_none=True)
     return out
 
@@ -65,4 +88,3 @@ def check_index_file(cfg) -> None:
         from ..index import CSVIndex
 
         CSVIndex.load(cfg.index)
-
