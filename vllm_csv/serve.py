@@ -19,11 +19,24 @@ from pathlib import Path
 from .errors import CSVError
 
 DEMO_PROMPT = "def fibonacci(n):\n"
-# Teardown reports that plain `vllm serve` prints too when it is stopped (triton's nanobind
-# bindings list their objects alive at interpreter exit; multiprocessing's resource tracker
-# its semaphores): harmless, hundreds of lines. Dropped once the server was asked to stop.
-TEARDOWN_NOISE = ("nanobind: ", " - leaked ", " - ... skipped remainder", "See https://nanobind",
-                  "resource_tracker: There appear to be", "  warnings.warn('resource_tracker")
+# Teardown reports that plain `vllm serve` prints too when it is stopped: harmless, hundreds of
+# lines. Triton's nanobind bindings list their objects alive at interpreter exit (the lines
+# NANOBIND_LEAKS matches, printed by any vLLM process that exits, whoever stopped it: always
+# dropped; its last line, NANOBIND_URL, ends without a newline, so the next output is glued to
+# it); multiprocessing's resource tracker lists its semaphores (dropped once the server was
+# asked to stop).
+NANOBIND_LEAKS = re.compile(r"(\(\w[\w ]* pid=\d+\) )?(nanobind: leaked \d+ |nanobind: this is likely caused "
+                            r"| - leaked (function|type) \"| - leaked instance 0x| - \.\.\. skipped remainder"
+                            r"|nanobind::detail::nb_func_dealloc\()")
+NANOBIND_URL = "See https://nanobind.readthedocs.io/en/latest/refleaks.html"
+TEARDOWN_NOISE = ("resource_tracker: There appear to be", "  warnings.warn('resource_tracker")
+# vLLM's warning for each weight of an fp32 checkpoint loaded into a 16-bit model (11 lines for
+# the demo model, trained and saved in fp32, served in bf16): one line of ours instead, when the
+# model is the demo (a user's model keeps vLLM's warnings).
+DEMO_CAST = re.compile(r"Attempted to load weight \S+ with dtype torch\.float32 into parameter with dtype "
+                       r"torch\.(bfloat16|float16)\s*$")
+# The wrapper's exit code when a signal stopped it: the shell's 128 + N (Ctrl-C: 130).
+SIGNAL_EXIT = {signal.SIGINT: 130, signal.SIGTERM: 143}
 
 
 # vLLM 0.32's own shutdown race (vllm-project/vllm#48745, fix proposed in #49000): AsyncLLM
@@ -34,16 +47,19 @@ SHUTDOWN_RACE = ("AsyncLLM output_handler failed", "EngineDeadError")
 
 
 class _Forward:
-    """Copies the server's output to ours, line by line. After :meth:`stopping`, the lines of
-    :data:`TEARDOWN_NOISE` are counted instead of printed, and so is vLLM's report of its
-    shutdown race (:data:`SHUTDOWN_RACE`: the `output_handler failed` block, only when it ends
-    in an EngineDeadError; any other error after the stop is printed in full)."""
+    """Copies the server's output to ours, line by line. Triton's leak reports
+    (:data:`NANOBIND_LEAKS`) are counted instead of printed, and so are, for the ``demo``
+    model, vLLM's warnings of its weights cast at load (:data:`DEMO_CAST`: one line of ours
+    instead). After :meth:`stopping`, so are the lines of :data:`TEARDOWN_NOISE`, and so is
+    vLLM's report of its shutdown race (:data:`SHUTDOWN_RACE`: the `output_handler failed`
+    block, only when it ends in an EngineDeadError; any other error after the stop is printed
+    in full)."""
 
-    def __init__(self, stream, out=None):
+    def __init__(self, stream, out=None, demo: bool = False):
         import threading
 
-        self.stream, self.out = stream, out or sys.stdout
-        self.stop, self.dropped, self.race = False, 0, 0
+        self.stream, self.out, self.demo = stream, out or sys.stdout, demo
+        self.stop, self.dropped, self.race, self.casts = False, 0, 0, 0
         self.thread = threading.Thread(target=self._run, daemon=True)
         self.thread.start()
 
@@ -55,6 +71,11 @@ class _Forward:
         block: list[str] = []  # the lines of an `output_handler failed` report seen after the stop
         tag = ""  # its logger prefix (`[async_llm.py:906]`), carried by each line of the report
         for line in self.stream:
+            if line.startswith(NANOBIND_URL):  # the leak report's last line, and what was glued to it
+                self.dropped += 1
+                line = line[len(NANOBIND_URL):]
+                if not line.strip():
+                    continue
             if block and tag in line:
                 block.append(line)
                 continue
@@ -62,8 +83,14 @@ class _Forward:
             if self.stop and SHUTDOWN_RACE[0] in line:
                 m = re.search(r"\[[\w.]+:\d+\]", line)
                 block, tag = [line], (m.group(0) if m else SHUTDOWN_RACE[0])
-            elif self.stop and any(n in line for n in TEARDOWN_NOISE):
+            elif NANOBIND_LEAKS.match(line) or (self.stop and any(n in line for n in TEARDOWN_NOISE)):
                 self.dropped += 1
+            elif self.demo and DEMO_CAST.search(line):
+                if not self.casts:
+                    self._write([f"[vllm-csv] the demo model's checkpoint is float32, served in "
+                                 f"{DEMO_CAST.search(line).group(1)}: vLLM casts its weights at load (its "
+                                 "warning for each, `Attempted to load weight ...`, not shown)\n"])
+                self.casts += 1
             else:
                 self._write([line])
         self._end(block)
@@ -83,12 +110,55 @@ class _Forward:
     def close(self, timeout: float = 10.0) -> None:
         self.thread.join(timeout)
         if self.dropped:
-            print(f"[vllm-csv] server stopped ({self.dropped} lines of triton/multiprocessing teardown "
-                  "reports not shown)", file=sys.stderr)
+            print(f"[vllm-csv] {self.dropped} lines of triton/multiprocessing teardown reports "
+                  "(object leak lists at exit, harmless; plain `vllm serve` prints them too) not shown",
+                  file=sys.stderr)
         if self.race:
             print("[vllm-csv] vLLM reported its known shutdown race (an EngineDeadError from its "
                   "output handler after the engine stopped as asked; vllm-project/vllm#48745): "
                   "not shown", file=sys.stderr)
+
+
+class _Signals:
+    """The wrapper's SIGINT and SIGTERM while it runs a server (installed even where the shell
+    left SIGINT ignored, as it does for a job in the background of a script: vLLM's server
+    answers it there, and so must its wrapper). The first one records its exit code
+    (:data:`SIGNAL_EXIT`), tells the output relay that the server is stopping (its teardown
+    reports follow within seconds: a Ctrl-C reaches the server too) and raises
+    KeyboardInterrupt to leave whatever the wrapper waits on; a second one while the server
+    shuts down kills it instead of waiting."""
+
+    def __init__(self):
+        self.fwd: _Forward | None = None
+        self.proc: subprocess.Popen | None = None
+        self.code: int | None = None
+        self.saved: dict = {}
+
+    def __enter__(self) -> "_Signals":
+        try:
+            self.saved = {s: signal.signal(s, self._handle) for s in SIGNAL_EXIT}
+        except ValueError:  # not the main thread: no handlers (the caller's own stay)
+            self.saved = {}
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for s, h in self.saved.items():
+            signal.signal(s, h)
+
+    def _handle(self, signum, frame) -> None:
+        if self.code is None:
+            self.code = SIGNAL_EXIT[signum]
+            if self.fwd is not None:
+                self.fwd.stopping()
+            raise KeyboardInterrupt
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+
+
+def exit_code(returncode: int) -> int:
+    """The wrapper's exit code for the server's: the shell's 128 + N for a server killed by
+    signal N (Popen's returncode -N)."""
+    return 128 - returncode if returncode < 0 else returncode
 
 
 def _vllm_command() -> list[str]:
@@ -176,7 +246,8 @@ def summary(m: dict[str, float]) -> str:
 
 
 def serve(model: str | None, host: str, port: int, once: bool, extra: list[str], timeout: float) -> int:
-    if model is None:
+    demo = model is None
+    if demo:
         from .demo_model import ensure_demo_model
 
         model = str(ensure_demo_model())
@@ -185,30 +256,51 @@ def serve(model: str | None, host: str, port: int, once: bool, extra: list[str],
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     cmd = [*_vllm_command(), "serve", model, "--enable-csv-decode", "--host", host, "--port", str(port), *extra]
     print("[vllm-csv] " + " ".join(cmd), file=sys.stderr)
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            errors="replace")
-    fwd = _Forward(proc.stdout)
-    base = f"http://{host}:{port}"
-    try:
-        wait_healthy(proc, base, timeout)
-        served = json.loads(_get(base + "/v1/models"))["data"][0]["id"]
-        t0 = time.perf_counter()
-        text = demo_request(base, served)
-        print(f"\n[vllm-csv] request answered in {time.perf_counter() - t0:.2f}s (greedy, CSV path):\n"
-              f"{DEMO_PROMPT}{text}\n")
-        print(f"[vllm-csv] {summary(csv_metrics(base))}")
-        if once:
-            return 0
-        print(f"[vllm-csv] serving the OpenAI API on {base} (Ctrl-C to stop)", file=sys.stderr)
-        return proc.wait()
-    except KeyboardInterrupt:
-        return 130
-    finally:
-        fwd.stopping()
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGINT)  # vLLM's own clean shutdown (as Ctrl-C)
-            try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-        fwd.close()
+    with _Signals() as sig:  # the server is stopped whatever happens, and so is the relay
+        rc, proc, fwd = 130, None, None
+        try:
+            proc = sig.proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                               text=True, errors="replace")
+            fwd = sig.fwd = _Forward(proc.stdout, demo=demo)
+            rc = _run(proc, f"http://{host}:{port}", once, timeout)
+        except KeyboardInterrupt:
+            pass  # rc stays 130, or sig.code below
+        finally:
+            if fwd is not None:
+                fwd.stopping()
+            if proc is not None:
+                _stop(proc)
+            if fwd is not None:
+                fwd.close()
+        if sig.code:  # a signal stopped us, even one that came while the server shut down
+            print(f"[vllm-csv] stopped by {signal.Signals(sig.code - 128).name}: exit code {sig.code}",
+                  file=sys.stderr)
+        return sig.code or rc
+
+
+def _run(proc: subprocess.Popen, base: str, once: bool, timeout: float) -> int:
+    """Wait for the server, answer the demo request, then (unless ``once``) serve until the
+    server exits (its exit code, :func:`exit_code`) or a signal stops the wrapper."""
+    wait_healthy(proc, base, timeout)
+    served = json.loads(_get(base + "/v1/models"))["data"][0]["id"]
+    t0 = time.perf_counter()
+    text = demo_request(base, served)
+    print(f"\n[vllm-csv] request answered in {time.perf_counter() - t0:.2f}s (greedy, CSV path):\n"
+          f"{DEMO_PROMPT}{text}\n")
+    print(f"[vllm-csv] {summary(csv_metrics(base))}")
+    if once:
+        return 0
+    print(f"[vllm-csv] serving the OpenAI API on {base} (Ctrl-C to stop)", file=sys.stderr)
+    return exit_code(proc.wait())
+
+
+def _stop(proc: subprocess.Popen, timeout: float = 30.0) -> None:
+    """Stop the server as Ctrl-C does (vLLM's own clean shutdown), killed after ``timeout``
+    seconds or at a second signal."""
+    if proc.poll() is None:
+        try:
+            proc.send_signal(signal.SIGINT)
+            proc.wait(timeout=timeout)
+        except (subprocess.TimeoutExpired, KeyboardInterrupt):
+            proc.kill()
+    proc.wait()
