@@ -40,7 +40,13 @@ import torch
 import torch.nn.functional as F
 
 from vllm_csv import CertifiedHead, HeadConfig
-from vllm_csv.gpu import kernels
+from vllm_csv.gpu import screen as gpu_screen
+from vllm_csv.gpu.certify import certify_rows
+from vllm_csv.gpu.common import batch_tile
+from vllm_csv.gpu.quantize import quantize_rows
+from vllm_csv.gpu.score import score_blocks
+from vllm_csv.gpu.screen import screen_block_max
+from vllm_csv.gpu.select import select_blocks
 from vllm_csv.gpu.step import FusedStep
 
 
@@ -111,25 +117,25 @@ def speed(a, prov, rows):
                 "int8_gemm": graphed(lambda: torch._int_mm(p, qT)),
                 "step": graphed(lambda: out.__setitem__("step", st.run(h, k1, need0, 1))),
             }
-            pq = kernels.quantize_rows(h, True, kernels.batch_tile(B), head._wmax_up, head._babs_max)
-            graphs["screen"] = graphed(lambda: kernels.screen_block_max(pq[0], st.q, st.s, pq[1], None, B))
+            pq = quantize_rows(h, True, batch_tile(B), head._wmax_up, head._babs_max)
+            graphs["screen"] = graphed(lambda: screen_block_max(pq[0], st.q, st.s, pq[1], None, B))
             if B in a.topk_batches:
                 k64 = torch.full((B,), 64, dtype=torch.int32, device="cuda")
                 need1 = torch.ones(B, dtype=torch.int8, device="cuda")
                 graphs["step_topk64"] = graphed(lambda: out.__setitem__("topk", st.run(h, k64, need1, 64)))
             if shape == a.shapes[0] and B in a.breakdown_batches:  # each kernel of the step alone
                 pp, tt, ee, hn, ok = pq
-                bm = kernels.screen_block_max(pp, st.q, st.s, tt, None, B)
+                bm = screen_block_max(pp, st.q, st.s, tt, None, B)
                 consts, cap = tuple(st.consts.values()), st.cap_for(1)
-                cand, count, tau, okb, live = kernels.select_blocks(bm, k1, hn, ee, ok, *consts, cap, 1)
-                sc = kernels.score_blocks(h, st.weight, None, cand, count, st.coef, st.gam, st.tiny32)
-                BB = kernels.batch_tile(B)
-                graphs["k_quantize"] = graphed(lambda: kernels.quantize_rows(h, True, BB, head._wmax_up, head._babs_max))
-                graphs["k_select"] = graphed(lambda: kernels.select_blocks(bm, k1, hn, ee, ok, *consts, cap, 1))
-                graphs["k_score"] = graphed(lambda: kernels.score_blocks(h, st.weight, None, cand, count, st.coef,
-                                                                         st.gam, st.tiny32))
-                graphs["k_certify"] = graphed(lambda: kernels.certify_rows(*sc, cand, count, k1, need0, tau, okb,
-                                                                           live, V, 1, W.dtype))
+                cand, count, tau, okb, live = select_blocks(bm, k1, hn, ee, ok, *consts, cap, 1)
+                sc = score_blocks(h, st.weight, None, cand, count, st.coef, st.gam, st.tiny32)
+                BB = batch_tile(B)
+                graphs["k_quantize"] = graphed(lambda: quantize_rows(h, True, BB, head._wmax_up, head._babs_max))
+                graphs["k_select"] = graphed(lambda: select_blocks(bm, k1, hn, ee, ok, *consts, cap, 1))
+                graphs["k_score"] = graphed(lambda: score_blocks(h, st.weight, None, cand, count, st.coef,
+                                                                 st.gam, st.tiny32))
+                graphs["k_certify"] = graphed(lambda: certify_rows(*sc, cand, count, k1, need0, tau, okb,
+                                                                   live, V, 1, W.dtype))
             times = {n: [] for n in graphs}
             for _ in range(a.rounds):  # interleaved: drift hits every column alike
                 for n, g in graphs.items():
@@ -148,7 +154,7 @@ def speed(a, prov, rows):
             mism = int((cert & (ids[:, 0] != out["dense"])).sum())
             extra = {"certified": int(cert.sum()), "rows": B, "mismatches": mism,
                      "scored_mean": float(FusedStep.scored(count).float().mean()),
-                     "screen_config": list(kernels._tuned.get((V, d, kernels.batch_tile(B), str(W.device)), ())),
+                     "screen_config": list(gpu_screen._tuned.get((V, d, batch_tile(B), str(W.device)), ())),
                      "prep_s": round(prep_s, 2)}
             if "topk" in out:
                 graphs["step_topk64"].replay()

@@ -19,7 +19,12 @@ triton = pytest.importorskip("triton")
 
 from vllm_csv import CertifiedHead, HeadConfig  # noqa: E402
 from vllm_csv.dense_engine import ACC_LIMIT  # noqa: E402
-from vllm_csv.gpu import kernels as K  # noqa: E402
+from vllm_csv.gpu.certify import certify_rows_ref, certify_rows_triton  # noqa: E402
+from vllm_csv.gpu.common import CAP, INTERPRET, SUB, batch_tile, slot_ids  # noqa: E402
+from vllm_csv.gpu.quantize import quantize_rows_ref, quantize_rows_triton  # noqa: E402
+from vllm_csv.gpu.score import score_blocks_ref, score_blocks_triton  # noqa: E402
+from vllm_csv.gpu.screen import screen_block_max_ref, screen_block_max_triton  # noqa: E402
+from vllm_csv.gpu.select import select_blocks_ref, select_blocks_triton  # noqa: E402
 from vllm_csv.gpu.step import FusedStep, GraphedStep  # noqa: E402
 from vllm_csv.testing.exact import same_bits  # noqa: E402
 from vllm_csv.testing.heads import hidden_near_rows, peaked_head  # noqa: E402
@@ -33,7 +38,7 @@ def _interpreted() -> bool:
     """Triton runs interpreted in this process, its own library included."""
     from triton.runtime.interpreter import InterpretedFunction
 
-    return K.INTERPRET and isinstance(triton.language.standard.zeros, InterpretedFunction)
+    return INTERPRET and isinstance(triton.language.standard.zeros, InterpretedFunction)
 
 
 pytestmark = pytest.mark.skipif(not (torch.cuda.is_available() or _interpreted()),
@@ -78,8 +83,8 @@ def test_quantize_rows(dtype):
     h[4] *= 2.0**-130 if dtype != torch.float16 else 2.0**-20  # subnormal (fp16: small)
     h[5] = 1e38 if dtype != torch.float16 else 6e4  # finite; fp32/bf16: the norm overflows fp32
     h = h.to(dtype).to(DEV)
-    p, t, e, hn, ok = K.quantize_rows_triton(h, True, 16)
-    pr, tr, er, hnr, okr = K.quantize_rows_ref(h, True, 16)
+    p, t, e, hn, ok = quantize_rows_triton(h, True, 16)
+    pr, tr, er, hnr, okr = quantize_rows_ref(h, True, 16)
     assert ok.dtype == torch.int8 and torch.equal(ok, okr) and torch.equal(p, pr) and torch.equal(t, tr)
     ok = ok.bool()
     assert not ok[1] and not ok[2] and ok[3]
@@ -90,12 +95,12 @@ def test_quantize_rows(dtype):
     for got, want in ((e, f.norm(dim=1)), (hn, h.double().masked_fill(~ok[:, None], 0).norm(dim=1))):
         assert (got.double() >= want).all() and (got.double() <= want * (1 + 2.0**-18) + 2.0**-140).all()
     assert (p[9:] == 0).all()
-    _, _, _, _, none = K.quantize_rows_triton(h, False, 16)
+    _, _, _, _, none = quantize_rows_triton(h, False, 16)
     assert not none.any()
     # the accumulator guard (DenseEngine.accumulator_safe): rows whose ||h|| max||w|| may overflow fp32
     wmax = 1e36
-    okg = K.quantize_rows_triton(h, True, 16, wmax, 0.0)[4]
-    assert torch.equal(okg, K.quantize_rows_ref(h, True, 16, wmax, 0.0)[4])
+    okg = quantize_rows_triton(h, True, 16, wmax, 0.0)[4]
+    assert torch.equal(okg, quantize_rows_ref(h, True, 16, wmax, 0.0)[4])
     assert torch.equal(okg.bool(), ok & (hn * wmax <= ACC_LIMIT))
 
 
@@ -106,10 +111,10 @@ def test_screen_block_max(V, d, dtype):
     st = FusedStep(head)
     for B in (1, 5, 17):
         h = _batch(head.weight, B, g, dtype)
-        p, t, *_ = K.quantize_rows_triton(h, True, K.batch_tile(B))
-        got = K.screen_block_max_triton(p, st.q, st.s, t, st.sbias, B)
-        want = K.screen_block_max_ref(p, st.q, st.s, t, st.sbias, B)
-        assert got.shape == (B, -(-V // K.SUB)) and same_bits(got, want)
+        p, t, *_ = quantize_rows_triton(h, True, batch_tile(B))
+        got = screen_block_max_triton(p, st.q, st.s, t, st.sbias, B)
+        want = screen_block_max_ref(p, st.q, st.s, t, st.sbias, B)
+        assert got.shape == (B, -(-V // SUB)) and same_bits(got, want)
 
 
 def _case(V, d, dtype, B, bias, seed):
@@ -119,8 +124,8 @@ def _case(V, d, dtype, B, bias, seed):
 
 
 def _selected(head, st, h, k):
-    p, t, e, hn, ok = K.quantize_rows_ref(h, True, K.batch_tile(h.shape[0]))
-    bmax = K.screen_block_max_ref(p, st.q, st.s, t, st.sbias, h.shape[0])
+    p, t, e, hn, ok = quantize_rows_ref(h, True, batch_tile(h.shape[0]))
+    bmax = screen_block_max_ref(p, st.q, st.s, t, st.sbias, h.shape[0])
     consts = tuple(st.consts.values())
     return bmax, hn, e, ok, consts
 
@@ -131,13 +136,13 @@ def test_select_blocks(V, d, dtype):
     head, st, h = _case(V, d, dtype, 6, bias=(d % 2 == 1), seed=2)
     k = torch.tensor([1, 2, 1, 3, 8, 5], dtype=torch.int32, device=DEV)
     bmax, hn, e, ok, consts = _selected(head, st, h, k)
-    for cap in (K.CAP, 2):
-        got = K.select_blocks_triton(bmax, k, hn, e, ok, consts, cap, 8)
-        want = K.select_blocks_ref(bmax, k, hn, e, ok, consts, cap)
+    for cap in (CAP, 2):
+        got = select_blocks_triton(bmax, k, hn, e, ok, consts, cap, 8)
+        want = select_blocks_ref(bmax, k, hn, e, ok, consts, cap)
         for a, b in zip(got, want):
             assert same_bits(a, b) if a.is_floating_point() else torch.equal(a, b)
     ok[4] = 0  # one row that may not be certified: none of the batch is
-    _, count, _, okb, _ = K.select_blocks_triton(bmax, k, hn, e, ok, consts, K.CAP, 8)
+    _, count, _, okb, _ = select_blocks_triton(bmax, k, hn, e, ok, consts, CAP, 8)
     assert not okb.any() and (count == 0).all()
 
 
@@ -146,20 +151,20 @@ def test_select_blocks(V, d, dtype):
 def test_score_blocks(V, d, dtype):
     B = 5
     head, st, h = _case(V, d, dtype, B, bias=(V % 2 == 0), seed=3)
-    nb = -(-V // K.SUB)
+    nb = -(-V // SUB)
     gen = torch.Generator().manual_seed(4)
-    m = min(nb, K.CAP)
-    cand = torch.full((B, K.CAP), -1, dtype=torch.int32)
+    m = min(nb, CAP)
+    cand = torch.full((B, CAP), -1, dtype=torch.int32)
     for r in range(B):  # m distinct blocks, the partial last one among them, ascending; -1 after
         pick = torch.cat([torch.tensor([nb - 1]), torch.randperm(nb - 1, generator=gen)[:m - 1]])
         cand[r, :m] = pick.sort().values.int()
     cand = cand.to(DEV)
-    count = torch.tensor([K.CAP, 3, 1, 0, K.CAP + 5], dtype=torch.int32, device=DEV)
-    got = K.score_blocks_triton(h, st.weight, st.bias, cand, count, st.coef, st.gam, st.tiny32)
-    want = K.score_blocks_ref(h, st.weight, st.bias, cand, count, st.coef, st.gam, st.tiny32)
-    ids = K.slot_ids(cand, count, V)
+    count = torch.tensor([CAP, 3, 1, 0, CAP + 5], dtype=torch.int32, device=DEV)
+    got = score_blocks_triton(h, st.weight, st.bias, cand, count, st.coef, st.gam, st.tiny32)
+    want = score_blocks_ref(h, st.weight, st.bias, cand, count, st.coef, st.gam, st.tiny32)
+    ids = slot_ids(cand, count, V)
     valid = ids >= 0
-    used = (torch.arange(K.CAP, device=DEV)[None] < count[:, None].clamp(max=K.CAP)).repeat_interleave(K.SUB, 1)
+    used = (torch.arange(CAP, device=DEV)[None] < count[:, None].clamp(max=CAP)).repeat_interleave(SUB, 1)
     assert torch.equal((torch.isinf(got[0]) & (got[0] < 0))[used], ~valid[used])  # past V: -inf
     # the float64 sums differ in order only: the intervals agree almost everywhere ...
     for a, b in zip(got, want):
@@ -186,10 +191,10 @@ def test_certify_rows(dtype):
     k = torch.tensor([1, 1, 1, 1, 1, 4, 16, 2], dtype=torch.int32, device=DEV)
     need = torch.tensor([0, 0, 0, 0, 0, 1, 1, 0], dtype=torch.int8, device=DEV)
     bmax, hn, e, ok, consts = _selected(head, st, h, k)
-    cand, count, tau, ok, live = K.select_blocks_ref(bmax, k, hn, e, ok, consts, K.CAP)
-    z, lo, up = K.score_blocks_ref(h, st.weight, None, cand, count, st.coef, st.gam, st.tiny32)
+    cand, count, tau, ok, live = select_blocks_ref(bmax, k, hn, e, ok, consts, CAP)
+    z, lo, up = score_blocks_ref(h, st.weight, None, cand, count, st.coef, st.gam, st.tiny32)
     args = (z, lo, up, cand, count, k, need, tau, ok, live, V, 16, dtype)
-    got, want = K.certify_rows_triton(*args), K.certify_rows_ref(*args)
+    got, want = certify_rows_triton(*args), certify_rows_ref(*args)
     assert torch.equal(got[2], want[2])
     cert = want[2] == 0
     assert torch.equal(got[0][cert], want[0][cert]) and same_bits(got[1][cert], want[1][cert])

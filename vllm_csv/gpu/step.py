@@ -1,7 +1,7 @@
 """The fused certified step on CUDA: one object per head, its constants bound once.
 
-Pipeline of :meth:`FusedStep.run` (five kernels, :mod:`vllm_csv.gpu.kernels`; fixed shapes,
-no host sync, so a batch size's step is captured once in a CUDA graph and replayed)::
+Pipeline of :meth:`FusedStep.run` (five kernels, one module each in :mod:`vllm_csv.gpu`; fixed
+shapes, no host sync, so a batch size's step is captured once in a CUDA graph and replayed)::
 
     quantize_rows     h [B, d]            -> p int8 [BB, d], t, e, ||h||, ok        [B]
     screen_block_max  p, q int8 [V, d]    -> block maxima                           [B, V / SUB]
@@ -10,7 +10,7 @@ no host sync, so a batch size's step is captured once in a CUDA graph and replay
     certify_rows      scores, tau, k      -> top-k ids, values [B, kmax], code      [B]
 
 The math is :meth:`vllm_csv.head.CertifiedHead._select_two_sided` with each row's own
-candidate blocks (:mod:`vllm_csv.gpu.kernels`'s docstring), on heads whose engine is plain
+candidate blocks (:mod:`vllm_csv.gpu`'s docstring), on heads whose engine is plain
 (no soft-cap, ``scale = 1``) and rows read greedily or by top-k without temperature: the
 other rows take the head's reference path (:meth:`FusedStep.supports`).
 
@@ -28,8 +28,12 @@ import torch
 import torch.nn.functional as F
 
 from ..errors import CSVError
-from . import kernels
-from .kernels import CAP, SUB
+from .certify import certify_rows
+from .common import CAP, SUB, available, batch_tile
+from .quantize import quantize_rows
+from .score import score_blocks
+from .screen import screen_block_max
+from .select import select_blocks
 
 
 def _pow2(n: int) -> int:
@@ -50,7 +54,7 @@ class FusedStep:
     def __init__(self, head):
         from ..screens.quantized import QuantizedScreen
 
-        if not kernels.available():
+        if not available():
             raise CSVError("the fused GPU step needs Triton")
         screen = getattr(head.screen, "tight", head.screen)
         if not (isinstance(screen, QuantizedScreen) and screen.int_gemm):
@@ -82,14 +86,14 @@ class FusedStep:
     # ---- what it certifies ---------------------------------------------------------------
     def supports(self, kmax: int, temperature: torch.Tensor | None = None) -> bool:
         """Rows asking for ``k <= kmax`` on this head: the engine is plain, ``kmax`` at most
-        :data:`kernels.CAP` blocks' worth and the number of blocks, and no row is sampled with a
-        temperature (their kept-set certificate is the reference path's)."""
+        :data:`~vllm_csv.gpu.common.CAP` blocks' worth and the number of blocks, and no row is
+        sampled with a temperature (their kept-set certificate is the reference path's)."""
         return (self.head._plain and 1 <= kmax <= min(64, self.nb)
                 and (temperature is None or not bool((temperature > 0).any())))
 
     def cap_for(self, kmax: int) -> int:
-        """Candidate blocks a row may keep: :data:`kernels.CAP`, and no more than the head's
-        budget (``budget V`` tokens) allows."""
+        """Candidate blocks a row may keep: :data:`~vllm_csv.gpu.common.CAP`, and no more than
+        the head's budget (``budget V`` tokens) allows."""
         budget = max(kmax, math.ceil(self.head.config.budget * self.V))
         return max(1, min(CAP, budget // SUB))
 
@@ -125,18 +129,17 @@ class FusedStep:
         """
         B = hidden.shape[0]
         kb = _pow2(kmax)
-        p, t, e, hnorm, ok = kernels.quantize_rows(hidden, self.certifiable and self.head.arithmetic_ok(),
-                                                   kernels.batch_tile(B),
-                                                   self.head._wmax_up, self.head._babs_max)
-        bmax = kernels.screen_block_max(p, self.q, self.s, t, self.sbias, B)
+        p, t, e, hnorm, ok = quantize_rows(hidden, self.certifiable and self.head.arithmetic_ok(), batch_tile(B),
+                                           self.head._wmax_up, self.head._babs_max)
+        bmax = screen_block_max(p, self.q, self.s, t, self.sbias, B)
         c = self.consts
-        cand, count, tau, ok, live = kernels.select_blocks(
+        cand, count, tau, ok, live = select_blocks(
             bmax, k, hnorm, e, ok, c["rad_max"], c["act_coef"], c["tiny"], c["bslack_max"], c["delta"],
             c["limit"], c["babs_max"], self.cap_for(kmax), kb)
-        z, lower, upper = kernels.score_blocks(hidden, self.weight, self.bias, cand, count, self.coef, self.gam,
-                                               self.tiny32)
-        ids, vals, code = kernels.certify_rows(z, lower, upper, cand, count, k, need, tau, ok, live, self.V, kb,
-                                               self.dtype)
+        z, lower, upper = score_blocks(hidden, self.weight, self.bias, cand, count, self.coef, self.gam,
+                                       self.tiny32)
+        ids, vals, code = certify_rows(z, lower, upper, cand, count, k, need, tau, ok, live, self.V, kb,
+                                       self.dtype)
         return ids, vals, code, count
 
     @staticmethod

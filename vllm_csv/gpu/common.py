@@ -1,0 +1,96 @@
+"""What the fused step's kernels share: the block layout (:data:`SUB` tokens a block,
+:data:`CAP` candidate blocks a row), whether Triton is here (:func:`available`), the dispatch of
+each custom op between its Triton launcher and its torch reference (:func:`_use_triton`,
+:func:`_pick`), the launch options (:func:`_launch`), and the model-dtype bit helpers the
+kernels call (:func:`_raw` on the host; ``_widen`` and ``_rnd``, ``@triton.jit``, in the kernels).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - torch wheels without Triton
+    triton = tl = None
+
+SUB = 64  # tokens a block: the screen's block maxima, the candidate lists, the scoring programs
+CAP = 16  # candidate blocks a row may keep (SUB * CAP tokens scored at most); more: not live
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+LIB = "vllm_csv_gpu"  # the custom ops' namespace: torch.ops.vllm_csv_gpu.<kernel>
+
+
+def available() -> bool:
+    """Triton is importable (the step runs compiled on CUDA, or interpreted on the CPU)."""
+    return triton is not None
+
+
+def batch_tile(B: int) -> int:
+    """The GEMM's batch tile (tensor cores want at least 16 columns): the rows of ``p``."""
+    return max(16, triton.next_power_of_2(B)) if triton is not None else max(16, B)
+
+
+def slot_ids(cand: torch.Tensor, count: torch.Tensor, V: int) -> torch.Tensor:
+    """``[B, CAP * SUB]`` int64 token id of each scored slot, ``-1`` where the slot is empty."""
+    B = cand.shape[0]
+    used = torch.arange(CAP, device=cand.device)[None] < count[:, None].clamp(max=CAP)
+    ids = cand.long()[:, :, None] * SUB + torch.arange(SUB, device=cand.device)
+    ids = torch.where(used[:, :, None] & (ids < V) & (cand[:, :, None] >= 0), ids, -1)
+    return ids.view(B, CAP * SUB)
+
+
+def _raw(x: torch.Tensor) -> torch.Tensor:
+    """What a kernel loads for a model-dtype tensor: bf16 as its int16 bits (widened exactly by
+    :func:`_widen`), other dtypes as they are."""
+    return x.view(torch.int16) if x.dtype == torch.bfloat16 else x
+
+
+if triton is not None:
+    @triton.jit
+    def _widen(raw, BF16: tl.constexpr):
+        """A loaded model-dtype value in fp32, exactly. bf16 arrives as its bits (:func:`_raw`):
+        the fp32 with those 16 high bits. (Triton's interpreter converts bf16 subnormals wrongly;
+        the shift is exact compiled and interpreted.)"""
+        if BF16:
+            return (raw.to(tl.int32) << 16).to(tl.float32, bitcast=True)
+        else:
+            return raw.to(tl.float32)
+
+    @triton.jit
+    def _rnd(x, DT: tl.constexpr):
+        """The engine's rounding of fp32 ``x`` to the model dtype (to nearest, ties to even,
+        overflow to inf), back in fp32. bf16 by integer ops on the bits (exact compiled and
+        interpreted, subnormals included)."""
+        if DT == tl.bfloat16:
+            bits = x.to(tl.int32, bitcast=True)
+            bits = bits + (0x7FFF + ((bits >> 16) & 1))
+            return (bits & -65536).to(tl.float32, bitcast=True)
+        else:
+            return x.to(DT).to(tl.float32)
+
+
+def _tl_dtype(dtype: torch.dtype):
+    """Triton's name of a model dtype."""
+    return {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}[dtype]
+
+
+def _launch() -> dict:
+    """Launch options of every kernel: no fused multiply-add, so that each kernel's arithmetic is
+    its reference's operation for operation (the bounds are sound either way)."""
+    return {} if INTERPRET else {"enable_fp_fusion": False}
+
+
+def _use_triton(t: torch.Tensor) -> bool:
+    """Triton on CUDA tensors, and on CPU tensors under ``TRITON_INTERPRET=1``; else the reference."""
+    return triton is not None and (t.is_cuda or INTERPRET)
+
+
+def _pick(triton_fn, ref_fn):
+    """A custom op's body: ``triton_fn`` where :func:`_use_triton` holds for its first tensor, else
+    ``ref_fn``."""
+    def run(first, *args):
+        return (triton_fn if _use_triton(first) else ref_fn)(first, *args)
+    return run

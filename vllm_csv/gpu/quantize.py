@@ -1,0 +1,125 @@
+"""Step 1 of the fused step, :func:`quantize_rows` (``[B]`` programs): ``h`` -> int8 ``p``,
+scale ``t``, residual norm ``e >= ||h - t p||``, ``||h||`` rounded up, and which rows may be
+certified; beside its torch reference :func:`quantize_rows_ref` and its custom op
+``torch.ops.vllm_csv_gpu.quantize_rows``."""
+
+from __future__ import annotations
+
+import torch
+
+from ..dense_engine import ACC_LIMIT, DenseEngine
+from ..ops.step import has_subnormal
+from .common import LIB, _launch, _pick, _raw, tl, triton
+
+
+def _slack_up(x64):
+    """An fp32 upper bound of a non-negative float64 ``x`` (and of the float64 sum and sqrt it
+    came from, within ``2^-40`` relative): ``fl32(x (1 + 2^-20) + 2^-148)``."""
+    return x64 * (1 + 2.0**-20) + 2.0**-148
+
+
+def quantize_rows_ref(h: torch.Tensor, certifiable: bool, rows_pad: int, wmax: float = 0.0, babs_max: float = 0.0):
+    """``(p [rows_pad, d] int8, t [B], e [B], hnorm [B], ok [B] int8)`` for ``h [B, d]`` (flags
+    are int8 0/1 throughout the step: no conversion kernels between the steps).
+
+    ``ok``: the row is finite with no subnormal entry, the head ``certifiable``, and the dense
+    accumulator cannot overflow
+    (:meth:`vllm_csv.dense_engine.DenseEngine.accumulator_safe` with the head's ``wmax`` and
+    ``babs_max``, the kernel repeating its expression); rows that are not ``ok`` are
+    quantised as zeros (``p = 0``, ``e = hnorm = 0``) and add no candidates. ``t = fl(max|h| *
+    (1/127))`` (clamped to the smallest normal), ``p = round(h / t)`` clamped to ``+-127``
+    (any ``p`` is sound: ``e`` is measured on it), ``e`` and ``hnorm`` fp32 upper bounds of
+    ``||h - t p||`` and ``||h||`` (float64 sums, :func:`_slack_up`). Rows past ``B`` of ``p``
+    are zero (the GEMM's padding)."""
+    B, d = h.shape
+    h64 = h.double()
+    ok = torch.isfinite(h64).all(1) & torch.isfinite(h64.norm(dim=1).float()) & certifiable
+    ok &= ~has_subnormal(h, dim=1)
+    ok &= DenseEngine.accumulator_safe(_slack_up(h64.norm(dim=1)).float(), wmax, babs_max)
+    hf = h.float().masked_fill(~ok[:, None], 0)
+    t = (hf.abs().amax(1) * (1.0 / 127)).clamp_min(torch.finfo(torch.float32).tiny)
+    x = hf / t[:, None]
+    p = torch.round(x).clamp_(-127, 127)
+    f = hf.double() - t.double()[:, None] * p.double()
+    e = _slack_up(f.norm(dim=1)).float()
+    hnorm = _slack_up(hf.double().norm(dim=1)).float()
+    pp = torch.zeros((rows_pad, d), dtype=torch.int8, device=h.device)
+    pp[:B] = p.to(torch.int8)
+    return pp, t, e, hnorm, ok.to(torch.int8)
+
+
+if triton is not None:
+    from .common import _widen
+
+    @triton.jit
+    def _quantize_rows_kernel(h_ptr, p_ptr, t_ptr, e_ptr, hn_ptr, ok_ptr, B, d, certifiable, wmax, babs_max,
+                              acc_limit, BF16: tl.constexpr, BD: tl.constexpr):
+        b = tl.program_id(0).to(tl.int64)
+        cols = tl.arange(0, BD)
+        real = b < B  # programs past B write the zero rows of the GEMM's batch tile (loads masked off)
+        dl = tl.where(real, d, 0)  # (a vector compare makes the load mask: bool, also interpreted)
+        amax = tl.zeros([BD], dtype=tl.float32)
+        ss = tl.zeros([BD], dtype=tl.float64)
+        bad = tl.zeros([BD], dtype=tl.int32)
+        for k0 in range(0, d, BD):
+            m = k0 + cols < d
+            x = _widen(tl.load(h_ptr + b * d + k0 + cols, mask=k0 + cols < dl, other=0), BF16)
+            bad += (x != x).to(tl.int32) + (tl.abs(x) == float("inf")).to(tl.int32)
+            bad += ((x != 0) & (tl.abs(x) < 1.1754943508222875e-38)).to(tl.int32)  # (ops.step.has_subnormal)
+            amax = tl.maximum(amax, tl.abs(x))
+            x64 = x.to(tl.float64)
+            ss += x64 * x64
+        n64 = tl.sqrt(tl.sum(ss, 0))
+        hn = (n64 * (1 + 2.0**-20) + 2.0**-148).to(tl.float32)
+        acc = hn * wmax  # DenseEngine.accumulator_safe, operation for operation
+        acc = acc + babs_max
+        ok = (tl.sum(bad, 0) == 0) & (n64.to(tl.float32) < float("inf")) & (certifiable != 0) & (acc <= acc_limit)
+        t = tl.maximum(tl.max(amax, 0) * (1.0 / 127), 1.1754943508222875e-38)
+        t = tl.where(ok, t, 1.1754943508222875e-38)
+        fs = tl.zeros([BD], dtype=tl.float64)
+        for k0 in range(0, d, BD):
+            m = k0 + cols < d
+            x = _widen(tl.load(h_ptr + b * d + k0 + cols, mask=k0 + cols < dl, other=0), BF16)
+            x = tl.where(ok, x, 0.0)
+            # round half to even for |x / t| <= 127.5: adding 1.5 * 2^23 leaves the integer part
+            r = tl.div_rn(x, t) + 12582912.0
+            r = r - 12582912.0
+            r = tl.minimum(tl.maximum(r, -127.0), 127.0)
+            f = x.to(tl.float64) - t.to(tl.float64) * r.to(tl.float64)
+            fs += f * f
+            tl.store(p_ptr + b * d + k0 + cols, r.to(tl.int8), mask=m)
+        e = (tl.sqrt(tl.sum(fs, 0)) * (1 + 2.0**-20) + 2.0**-148).to(tl.float32)
+        tl.store(t_ptr + b, t, mask=real)
+        tl.store(e_ptr + b, tl.where(ok, e, 0.0), mask=real)
+        tl.store(hn_ptr + b, tl.where(ok, hn, 0.0), mask=real)
+        tl.store(ok_ptr + b, ok.to(tl.int8), mask=real)
+
+
+def quantize_rows_triton(h: torch.Tensor, certifiable: bool, rows_pad: int, wmax: float = 0.0,
+                         babs_max: float = 0.0):
+    B, d = h.shape
+    h = h.contiguous()
+    p = torch.empty((rows_pad, d), dtype=torch.int8, device=h.device)
+    t, e, hn = (torch.empty(B, dtype=torch.float32, device=h.device) for _ in range(3))
+    ok = torch.empty(B, dtype=torch.int8, device=h.device)
+    _quantize_rows_kernel[(rows_pad,)](_raw(h), p, t, e, hn, ok, B, d, int(certifiable), wmax, babs_max, ACC_LIMIT,
+                                       BF16=h.dtype == torch.bfloat16, BD=min(1024, triton.next_power_of_2(d)),
+                                       **_launch())
+    return p, t, e, hn, ok
+
+
+_quantize_rows = _pick(quantize_rows_triton, quantize_rows_ref)
+
+
+@torch.library.custom_op(f"{LIB}::quantize_rows", mutates_args=())
+def quantize_rows(h: torch.Tensor, certifiable: bool, rows_pad: int, wmax: float, babs_max: float
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Step 1 (:func:`quantize_rows_ref`)."""
+    return _quantize_rows(h, certifiable, rows_pad, wmax, babs_max)
+
+
+@quantize_rows.register_fake
+def _(h, certifiable, rows_pad, wmax, babs_max):
+    B, d = h.shape
+    f = [h.new_empty(B, dtype=torch.float32) for _ in range(3)]
+    return (h.new_empty((rows_pad, d), dtype=torch.int8), *f, h.new_empty(B, dtype=torch.int8))
