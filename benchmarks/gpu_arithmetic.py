@@ -110,6 +110,8 @@ def main(argv=None) -> int:
                 rows.append({**prov, "setting": name, "dtype": str(dtype)[6:], "d": d, "V": a.vocab,
                              "measure": "cancelling_heads", **tally})
                 print(name, dtype, d, tally, flush=True)
+        Path(a.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(a.json).write_text(json.dumps(rows, indent=1))  # (after each setting: a timeout keeps what ran)
     torch.set_float32_matmul_precision("highest")
     Path(a.json).parent.mkdir(parents=True, exist_ok=True)
     Path(a.json).write_text(json.dumps(rows, indent=1))
