@@ -14,7 +14,7 @@ The step (:class:`vllm_csv.gpu.step.FusedStep`) is five kernels, no host sync, f
    compacted in ascending order into a fixed ``[B, CAP]`` list; more than ``CAP`` blocks: the
    row is not ``live`` (reason ``budget``).
 4. :func:`score_blocks` ``[B, CAP]`` programs: every token of a candidate block scored in
-   float64 with the dense engine's interval (:meth:`vllm_csv.head.CertifiedHead._score`): the
+   float64 with the dense engine's interval (:func:`vllm_csv.head.bounds.score`): the
    rounded ends ``lower <= zt <= upper`` and ``z`` (the dense bits where the ends agree).
 5. :func:`certify_rows` ``[B]`` programs: the top-k certificate of
    :func:`vllm_csv.ops.cpu_step.certify_topk_ref` per row against ``outside_high = tau`` and,
@@ -25,7 +25,7 @@ The step (:class:`vllm_csv.gpu.step.FusedStep`) is five kernels, no host sync, f
 Why blocks and not tokens past the GEMM: the k-th largest screen value, hence the threshold,
 is known only once every block has been read, so the GEMM cannot pick tokens itself; a
 token of a block below the threshold has ``hi < tau`` (the search's argument,
-:meth:`vllm_csv.head.CertifiedHead._select_two_sided`), and every token of a block that
+:func:`vllm_csv.head.selection.select_two_sided`), and every token of a block that
 reaches it is scored exactly, so the certificate of each row holds with ``outside_high =
 tau`` on its own candidate blocks (not the batch's union, as on the CPU).
 
@@ -307,7 +307,7 @@ def select_blocks_ref(bmax, k, hnorm, e, ok, consts, cap: int):
 
     The threshold of :func:`vllm_csv.ops.cpu_step.threshold_from` from ``y_1`` (largest block
     maximum) and ``y_k`` (``k``-th largest, with multiplicity: ``k`` distinct tokens reach it);
-    ``ok`` also asks every row of the batch to be ``ok`` (:meth:`CertifiedHead._prepare`);
+    ``ok`` also asks every row of the batch to be ``ok`` (:func:`vllm_csv.head.bounds.prepare`);
     candidate blocks are those with maximum ``>= thr``, ascending, the first ``CAP`` kept
     (``-1`` past ``count``); ``live``: ``count <= cap``. ``consts`` =
     ``(rad_max, act_coef, tiny, bslack_max, delta, limit, babs_max)``."""
@@ -402,7 +402,7 @@ def select_blocks_triton(bmax, k, hnorm, e, ok, consts, cap: int, kmax: int):
 def score_blocks_ref(h, w, bias, cand, count, coef: float, gam: float, tiny32: float):
     """``(z, lower, upper)``, each ``[B, CAP * SUB]`` fp32: for slot ``c < min(count, CAP)`` and
     token ``j = cand[b, c] * SUB + i < V`` the interval of
-    :meth:`vllm_csv.head.CertifiedHead._score` (``coef = gamma_(d+2) + 4 gamma64_d``, ``gam =
+    :func:`vllm_csv.head.bounds.score` (``coef = gamma_(d+2) + 4 gamma64_d``, ``gam =
     gamma_(d+2)`` for the bias, ``w`` and ``bias`` in the model dtype); tokens past ``V`` of a
     used slot ``-inf``. Slots past the count: ``-inf`` here, left unwritten by the kernel (never
     read: :func:`certify_rows_ref` masks them)."""
@@ -539,7 +539,7 @@ def certify_rows_ref(z, lower, upper, cand, count, k, need, tau, ok, live, V: in
     ``fl_dtype(max(U, tau))`` (``U`` the largest ``upper`` of the other scored tokens) and is
     finite, and where ``need`` (``[B]`` bool: the row's values are read) every value in ``T`` is
     known bit for bit; a ``k = 1`` row that
-    fails is certified on a replayed tie (:meth:`vllm_csv.head.CertifiedHead._certify`). Codes
+    fails is certified on a replayed tie (:func:`vllm_csv.head.certificate.certify`). Codes
     1/2/3: not ``ok`` / not ``live`` / not certified. ``ids`` past ``k`` repeat the first id (a
     scatter then writes the same value twice)."""
     B, S = z.shape
