@@ -117,7 +117,7 @@ def speed(a, prov, rows):
                 "int8_gemm": graphed(lambda: torch._int_mm(p, qT)),
                 "step": graphed(lambda: out.__setitem__("step", st.run(h, k1, need0, 1))),
             }
-            pq = quantize_rows(h, True, batch_tile(B), head._wmax_up, head._babs_max)
+            pq = quantize_rows(h, True, batch_tile(B), head.errors.wmax_up, head.errors.babs_max)
             graphs["screen"] = graphed(lambda: screen_block_max(pq[0], st.q, st.s, pq[1], None, B))
             if B in a.topk_batches:
                 k64 = torch.full((B,), 64, dtype=torch.int32, device="cuda")
@@ -130,7 +130,7 @@ def speed(a, prov, rows):
                 cand, count, tau, okb, live = select_blocks(bm, k1, hn, ee, ok, *consts, cap, 1)
                 sc = score_blocks(h, st.weight, None, cand, count, st.coef, st.gam, st.tiny32)
                 BB = batch_tile(B)
-                graphs["k_quantize"] = graphed(lambda: quantize_rows(h, True, BB, head._wmax_up, head._babs_max))
+                graphs["k_quantize"] = graphed(lambda: quantize_rows(h, True, BB, head.errors.wmax_up, head.errors.babs_max))
                 graphs["k_select"] = graphed(lambda: select_blocks(bm, k1, hn, ee, ok, *consts, cap, 1))
                 graphs["k_score"] = graphed(lambda: score_blocks(h, st.weight, None, cand, count, st.coef,
                                                                  st.gam, st.tiny32))

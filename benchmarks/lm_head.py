@@ -261,7 +261,7 @@ def bench_shapes(shapes, screens, batches, repeats, dtype, vllm_head: bool, prof
 def profile_step(head, hb, dense_fn, repeats: int) -> dict:
     """Where the CSV step's time goes (median ms over ``repeats`` steps): the screen's GEMM
     alone (same shapes, FBGEMM screens only), the whole screen call, exact scoring
-    (``CertifiedHead._score``), and the rest (the runtime's own passes over ``[B, V]``)."""
+    (``CertifiedHead.score``), and the rest (the runtime's own passes over ``[B, V]``)."""
     B = hb.shape[0]
     ones = torch.ones(B, dtype=torch.long)
     parts: dict[str, list[float]] = {"screen": [], "score": []}
@@ -274,8 +274,8 @@ def profile_step(head, hb, dense_fn, repeats: int) -> dict:
             return r
         return run
 
-    screen_fn, score_fn = head.screen.center_radius, head._score
-    head.screen.center_radius, head._score = timed("screen", screen_fn), timed("score", score_fn)
+    screen_fn, score_fn = head.screen.center_radius, head.score
+    head.screen.center_radius, head.score = timed("screen", screen_fn), timed("score", score_fn)
     try:
         head.sampler_logits(hb, ones, dense_fn)
         for v in parts.values():
@@ -286,7 +286,7 @@ def profile_step(head, hb, dense_fn, repeats: int) -> dict:
             head.sampler_logits(hb, ones, dense_fn)
             steps.append((time.perf_counter() - t0) * 1e3)
     finally:
-        head.screen.center_radius, head._score = screen_fn, score_fn
+        head.screen.center_radius, head.score = screen_fn, score_fn
     out = {"step_ms": statistics.median(steps), "screen_ms": statistics.median(parts["screen"]),
            "score_ms": statistics.median(parts["score"]) if parts["score"] else 0.0}
     screen = head.screen.for_batch(B) if hasattr(head.screen, "for_batch") else head.screen  # (screens.by_batch)

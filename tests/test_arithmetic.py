@@ -49,8 +49,8 @@ def test_fp32_heads_certify_only_at_the_highest_precision(screen, precision):
         out, stats = head.sampler_logits(h, torch.ones(3, dtype=torch.long))
         assert stats.certified == 0 and stats.fallbacks["arithmetic"] == 3
         assert torch.equal(out, F.linear(h, W))  # every row the engine's own, as computed now
-        # the sampler's rows read the head's intervals through _prepare: none may be certified
-        _, _, _, ok = head._intervals(h)
+        # the sampler's rows read the head's intervals through prepare: none may be certified
+        _, _, _, ok = head.intervals(h)
         assert not ok.any()
     precision("highest")
     assert head.topk(h, 1, values=False).certified.all()
@@ -93,14 +93,14 @@ def test_subnormal_family_under_ieee_and_flush_to_zero(ftz):
 def test_mutation_no_flush_slack_certifies_a_wrong_token(monkeypatch):
     """Without the flush-to-zero slack (dense_engine.flush_slack), an FTZ engine's fp32 argmax
     differs from a certified one (seed 9 of the family, found by the campaign)."""
+    from vllm_csv.head import error_model
     from vllm_csv.testing import audit
-    import vllm_csv.head as head_module
 
     with audit.flush_to_zero(True) as mode:
         if not mode.supported:
             pytest.skip("this CPU cannot flush subnormals")
         assert _subnormal_wrong([9], (torch.float32,), ("int8",))[0] == 0
-        monkeypatch.setattr(head_module, "flush_slack", lambda d: 0.0)
+        monkeypatch.setattr(error_model, "flush_slack", lambda d: 0.0)  # (the error model's absolute terms)
         assert _subnormal_wrong([9], (torch.float32,), ("int8",))[0] > 0
 
 
@@ -181,8 +181,8 @@ def test_probe_reads_vllms_own_gemm():
 def test_mutation_unprobed_engine_certifies_a_wrong_token(monkeypatch):
     """A head whose engine rounds partial sums to bf16 certifies nothing; believed to accumulate
     in fp32 (the probe removed), it certifies the IEEE argmax, which that engine does not pick."""
-    import vllm_csv.head as head_module
     from vllm_csv.dense_engine import EngineProbe
+    from vllm_csv.head import certified
 
     d = 64
     W = torch.zeros(8, d)
@@ -197,7 +197,7 @@ def test_mutation_unprobed_engine_certifies_a_wrong_token(monkeypatch):
     assert not head.arithmetic_ok() and not head.topk(h, 1, values=False).certified.any()
     _, stats = head.sampler_logits(h, torch.ones(2, dtype=torch.long))
     assert stats.certified == 0 and stats.fallbacks["arithmetic"] == 2  # counted, as the contract asks
-    monkeypatch.setattr(head_module, "probe_engine", lambda *a: EngineProbe(True, False, False))
+    monkeypatch.setattr(certified, "probe_engine", lambda *a: EngineProbe(True, False, False))
     head = CertifiedHead(W, config=HeadConfig(budget=1.0, off_switch=False), engine_linear=_bf16_partial_sums)
     res = head.topk(h, 1, values=False)
     assert res.certified.any() and (res.ids[:, 0][res.certified] != engine[res.certified]).any()

@@ -47,7 +47,7 @@ def test_understated_int8_radius_is_caught():
     head = CertifiedHead(W, config=HeadConfig(screen="int8", budget=1.0))
     assert wrong_tokens(head, W, h)[0] == 0
     shrink_radius(head, 0.0)  # drop the quantisation error term
-    head.acc_err.zero_()
+    head.errors.acc_err.zero_()
     wrong, res = wrong_tokens(head, W, h)
     assert wrong > 0  # certified rows with a token the dense head would not pick
 

@@ -28,6 +28,7 @@ from vllm_csv.gpu.select import select_blocks_ref, select_blocks_triton  # noqa:
 from vllm_csv.gpu.step import FusedStep, GraphedStep  # noqa: E402
 from vllm_csv.testing.exact import same_bits  # noqa: E402
 from vllm_csv.testing.heads import hidden_near_rows, peaked_head  # noqa: E402
+from vllm_csv.head import selection  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]
@@ -233,7 +234,7 @@ def test_step_matches_dense(dtype, k, values):
     if k <= 5 and not (values and dtype == torch.float32):  # (fp32 values are rarely pinned to one
         assert cert.float().mean() >= 0.25, cert  # number; a random tail's top-12 rarely separates)
     hn = h.clone()
-    hn[6, 3] = math.nan  # a NaN row: no row of the batch is certified (CertifiedHead._prepare)
+    hn[6, 3] = math.nan  # a NaN row: no row of the batch is certified (CertifiedHead.prepare)
     assert not _check_step(head, hn, k, values).any()
 
 
@@ -292,15 +293,15 @@ def test_graphed_step_replays_eager():
 
 @pytest.mark.parametrize("kval,values", [(1, False), (3, True)])
 def test_head_selects_through_the_step(kval, values):
-    """CertifiedHead's glue (``_select_fused``, what ``_select`` takes on CUDA): the rows it and
+    """CertifiedHead's glue (``selection.select_fused``, what ``select`` takes on CUDA): the rows it and
     the head's own search both certify hold the same tokens (and, with values, the same bits)."""
     head, g = _head(4099, 96, torch.bfloat16, bias=True, seed=8)
     B = 10
     h = _batch(head.weight, B, g, torch.bfloat16)
     k = torch.full((B,), kval, device=DEV)
     need = torch.full((B,), values, dtype=torch.bool, device=DEV)
-    got = head._select_fused(FusedStep(head), h, k, need)
-    want = head._select_two_sided(h, k, need)
+    got = selection.select_fused(FusedStep(head), h, k, need)
+    want = selection.select_two_sided(head, h, k, need)
     assert got.exact.shape == want.exact.shape == (B, 4099) and got.exact.dtype == torch.bfloat16
     assert [r is None for r in got.reason] == got.certified.tolist()
     both = got.certified & want.certified

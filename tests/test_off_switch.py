@@ -106,34 +106,71 @@ def test_banked_savings_are_capped():
     assert tried <= (64 + 0.02 * 11_000) / 9 + 2
 
 
-def test_head_reports_off_switch_rows_and_stays_exact():
+def greedy_layer(head, monkeypatch, dense=None):
+    """The plugin's layer (``CSVLogitsProcessor``) around ``head``, which runs the off-switch for
+    the head (the head never does, issue 43), vLLM's dense forward replaced by ``dense`` (default
+    the head's dense logits). Returns ``step(h) -> (logits, tried CSV)`` (every row greedy) and
+    the list of the dense forward's batch sizes."""
+    from vllm.model_executor.layers.logits_processor import LogitsProcessor
+
+    from vllm_csv.vllm_plugin import step_plan
+
+    calls = []
+
+    def dense_forward(self, lm_head, h, bias=None, skip_gather=False):
+        calls.append(h.shape[0])
+        return (dense or head.dense_logits)(h)
+
+    monkeypatch.setattr(LogitsProcessor, "forward", dense_forward)
+    select, tried = head.select, []
+
+    def spy(*a, **k):
+        tried[-1] = True
+        return select(*a, **k)
+
+    monkeypatch.setattr(head, "select", spy)
+    layer, plans = csv_layer(head), {}
+
+    def step(h):
+        B = h.shape[0]
+        plan = plans.setdefault(B, step_plan.Plan([str(i) for i in range(B)], [1] * B))
+        tried.append(False)
+        with step_plan.active_plan(plan):
+            return layer.forward(None, h), tried[-1]
+
+    return step, calls
+
+
+def test_head_reports_off_switch_rows_and_stays_exact(monkeypatch):
     g = torch.Generator().manual_seed(0)
     W = torch.randn(2048, 32, generator=g)
     h = torch.randn(4, 32, generator=g)
     head = CertifiedHead(W, config=HeadConfig(budget=1.0))
     head.off_switch.dense_seconds[4] = 1e-9  # pretend the dense head is instantaneous: CSV is slower
     head.off_switch.probe_every = 0  # (and keep pretending: no in-place dense sample)
-    reasons = []
+    step, _ = greedy_layer(head, monkeypatch)
+    tried = []
     for _ in range(4):
-        logits, stats = head.sampler_logits(h, torch.ones(4, dtype=torch.long))
-        reasons.append(stats.fallbacks["off_switch"])
+        logits, t = step(h)
+        tried.append(t)
         assert torch.equal(logits.argmax(1), (h @ W.T).argmax(1))
-    assert reasons == [0, 0, 4, 4] and head.off_switch.times_tripped == 1  # the first step is a warm-up
+    assert tried == [True, True, False, False] and head.off_switch.times_tripped == 1  # the first step is a warm-up
 
 
-def test_head_probe_is_a_dense_step_timed_in_place():
+def test_head_probe_is_a_dense_step_timed_in_place(monkeypatch):
     g = torch.Generator().manual_seed(0)
     W = torch.randn(2048, 32, generator=g)
     h = torch.randn(4, 32, generator=g)
     head = CertifiedHead(W, config=HeadConfig(budget=1.0))
     sw = head.off_switch
     sw.dense_seconds[4] = 1e9  # a stand-alone guess far off: the in-place sample replaces it
-    off = []
+    step, _ = greedy_layer(head, monkeypatch)
+    tried = []
     for _ in range(3):
-        logits, stats = head.sampler_logits(h, torch.ones(4, dtype=torch.long))
-        off.append(stats.fallbacks["off_switch"])
+        logits, t = step(h)
+        tried.append(t)
         assert torch.equal(logits.argmax(1), (h @ W.T).argmax(1))
-    assert off == [0, 4, 0] and sw.probes == 1  # warm-up, probe, CSV
+    assert tried == [True, False, True] and sw.probes == 1  # warm-up, probe, CSV
     assert 0 < sw.dense_seconds[4] < 1.0
 
 
@@ -244,33 +281,37 @@ def test_any_alternation_stays_within_the_promise():
 
 
 def test_head_alternating_certifiable_and_tied_rows(monkeypatch):
-    """A real CertifiedHead on batches that alternate, phase by phase, between rows it certifies
-    (peaked hidden states: CSV costs the screen, 0.6 dense) and rows it cannot (a 300-way exact
-    tie, over the budget: screen + dense, 1.6 dense). Every step's answer is the dense argmax;
-    the simulated head time stays within the promise (with the switch stuck on it would not:
-    the tied phases cost more than the others save); CSV resumes in the phases it pays for."""
-    from vllm_csv import head as csv_head
+    """A real CertifiedHead in the plugin's layer on batches that alternate, phase by phase,
+    between rows it certifies (peaked hidden states: CSV costs the screen, 0.6 dense) and rows it
+    cannot (a 300-way exact tie, over the budget: screen + dense, 1.6 dense). Every step's answer
+    is the dense argmax; the simulated head time stays within the promise (with the switch stuck
+    on it would not: the tied phases cost more than the others save); CSV resumes in the phases
+    it pays for."""
+    from vllm_csv.head import runtime
+    from vllm_csv.vllm_plugin import logits_processor as lp
 
     clock = FakeClock()
-    monkeypatch.setattr(csv_head, "time", clock)
+    monkeypatch.setattr(runtime, "time", clock)
+    monkeypatch.setattr(lp, "time", clock)
     DENSE, SCREEN = 1.0, 0.6
     g = torch.Generator().manual_seed(0)
     W = torch.randn(2048, 32, generator=g)
     W[:300] = W[0]  # 300 identical rows: a hidden state along them ties 300 ways
     head = CertifiedHead(W, config=HeadConfig(budget=0.05))
-    select = head._step_select
-
-    def timed_select(*a, **k):
-        clock.now += SCREEN
-        return select(*a, **k)
-
-    monkeypatch.setattr(head, "_step_select", timed_select)
 
     def dense_fn(h):
         clock.now += DENSE
         return head.dense_logits(h)
 
-    B, steps, phases, k = 4, 60, 6, torch.ones(4, dtype=torch.long)
+    step, _ = greedy_layer(head, monkeypatch, dense_fn)
+    select = head.select
+
+    def timed_select(*a, **k):
+        clock.now += SCREEN
+        return select(*a, **k)
+
+    monkeypatch.setattr(head, "select", timed_select)
+    B, steps, phases = 4, 60, 6
     peaked = [8 * W[torch.randint(300, 2048, (B,), generator=g)] for _ in range(8)]
     tied = 8 * W[0].expand(B, -1).clone()
     untried = []
@@ -279,14 +320,14 @@ def test_head_alternating_certifiable_and_tied_rows(monkeypatch):
         off = 0
         for i in range(steps):
             h = peaked[i % 8] if pays else tied
-            logits, stats = head.sampler_logits(h, k, dense_fn)
+            logits, tried = step(h)
             assert torch.equal(logits.argmax(1), head.dense_logits(h).argmax(1))
-            if stats.fallbacks["off_switch"]:
+            if not tried:
                 off += 1
             elif pays:
-                assert stats.certified == B
+                assert head.last_certified.all()
             else:
-                assert stats.certified == 0 and stats.fallbacks["budget"] == B
+                assert not head.last_certified.any()
         untried.append(off)
     sw = head.off_switch
     dense_total = phases * steps * DENSE
@@ -306,38 +347,33 @@ def test_first_guess_times_one_dense_call():
     assert sw.dense_estimate(4, lambda: next(calls)) == 0.010  # measured once per batch size
 
 
-def test_first_step_of_a_batch_size_runs_dense_once():
+def test_first_step_of_a_batch_size_runs_dense_once(monkeypatch):
     """A new batch size's dense head runs for the first guess; that output is the step's: the
-    step does not also run CSV, and the head calls its dense function once. Its second step is
+    step does not also run CSV, and the layer calls its dense function once. Its second step is
     a probe (the first was cold, not a sample), then CSV."""
     g = torch.Generator().manual_seed(0)
     W = torch.randn(2048, 32, generator=g)
     head = CertifiedHead(W, config=HeadConfig(budget=1.0))
-    calls = []
-
-    def dense_fn(h):
-        calls.append(h.shape[0])
-        return head.dense_logits(h)
-
-    for B, want_off in ((4, 4), (4, 4), (4, 0), (3, 3), (3, 3), (3, 0)):
+    step, calls = greedy_layer(head, monkeypatch)
+    for B, want_tried in ((4, False), (4, False), (4, True), (3, False), (3, False), (3, True)):
         h = torch.randn(B, 32, generator=g)
         calls.clear()
-        logits, stats = head.sampler_logits(h, torch.ones(B, dtype=torch.long), dense_fn)
-        assert stats.fallbacks["off_switch"] == want_off and torch.equal(logits.argmax(1), (h @ W.T).argmax(1))
-        assert calls == ([B] if want_off else []), calls  # measured and used once; CSV steps call none
+        logits, tried = step(h)
+        assert tried == want_tried and torch.equal(logits.argmax(1), (h @ W.T).argmax(1))
+        assert calls == ([] if tried else [B]), calls  # measured and used once; CSV steps call none
     assert head.off_switch.probes == 4
 
 
-def test_head_leaves_the_switch_to_a_caller_that_asked_it():
-    """``use_switch=False`` (the plugin's steps with rows certified in the sampler: it asks the
-    switch once for all B rows): the head neither asks nor feeds the switch, and certifies."""
+def test_head_never_runs_the_switch():
+    """The head's own steps (``sampler_logits``) neither ask nor feed the off-switch it carries
+    for the plugin (whose step asks it once for all B rows), and certify."""
     g = torch.Generator().manual_seed(0)
     W = torch.randn(2048, 32, generator=g)
     h = torch.randn(4, 32, generator=g)
     head = CertifiedHead(W, config=HeadConfig(budget=1.0))
     head.off_switch.dense_seconds[4] = 1e-9  # the switch would send every step dense
-    for _ in range(4):
-        logits, stats = head.sampler_logits(h, torch.ones(4, dtype=torch.long), use_switch=False)
+    for use_switch in (False, True, False, True):  # (the keyword is accepted and ignored)
+        logits, stats = head.sampler_logits(h, torch.ones(4, dtype=torch.long), use_switch=use_switch)
         assert stats.fallbacks["off_switch"] == 0 and stats.certified == 4
         assert torch.equal(logits.argmax(1), (h @ W.T).argmax(1))
     sw = head.off_switch
@@ -403,21 +439,22 @@ def _layer_run(monkeypatch, lane: bool, name: str):
     Returns (per step: tried CSV, the layer's argmax), the switch, the metrics, allow() calls."""
     from vllm.model_executor.layers.logits_processor import LogitsProcessor
 
-    from vllm_csv import head as csv_head, off_switch
+    from vllm_csv import off_switch
+    from vllm_csv.head import runtime
     from vllm_csv.metrics import CSVMetrics
     from vllm_csv.vllm_plugin import logits_processor as lp
     from vllm_csv.vllm_plugin.plan import Plan
     from vllm_csv.vllm_plugin.step import StepChannel
 
     clock = FakeClock()
-    monkeypatch.setattr(csv_head, "time", clock)
+    monkeypatch.setattr(runtime, "time", clock)
     monkeypatch.setattr(lp, "time", clock)
     if not lane:
         monkeypatch.setattr(off_switch, "LANE_MAX", 0)
     g = torch.Generator().manual_seed(0)
     W = torch.randn(2048, 32, generator=g)
     head = CertifiedHead(W, config=HeadConfig(budget=1.0))
-    select, tried = head._step_select, []
+    select, tried = head.select, []
 
     def timed_select(*a, **k):
         clock.now += 2.7183
@@ -428,7 +465,7 @@ def _layer_run(monkeypatch, lane: bool, name: str):
         clock.now += 1.0
         return head.dense_logits(h)
 
-    monkeypatch.setattr(head, "_step_select", timed_select)
+    monkeypatch.setattr(head, "select", timed_select)
     monkeypatch.setattr(LogitsProcessor, "forward", dense_forward)
     allows = []
     allow = head.off_switch.allow
@@ -520,19 +557,19 @@ def test_layer_charges_csv_the_time_around_the_head(monkeypatch):
     forward unaffected, CSV stays on. Answers are the dense ones throughout."""
     from vllm.model_executor.layers.logits_processor import LogitsProcessor
 
-    from vllm_csv import head as csv_head
+    from vllm_csv.head import runtime
     from vllm_csv.vllm_plugin import logits_processor as lp
     from vllm_csv.vllm_plugin.plan import Plan
     from vllm_csv.vllm_plugin.step import StepChannel
 
     def run(around: float) -> int:
         clock = FakeClock()
-        monkeypatch.setattr(csv_head, "time", clock)
+        monkeypatch.setattr(runtime, "time", clock)
         monkeypatch.setattr(lp, "time", clock)
         g = torch.Generator().manual_seed(0)
         W = torch.randn(2048, 32, generator=g)
         head = CertifiedHead(W, config=HeadConfig(budget=1.0))
-        select, tried = head._step_select, []
+        select, tried = head.select, []
 
         def timed_select(*a, **k):
             clock.now += 0.5
@@ -543,7 +580,7 @@ def test_layer_charges_csv_the_time_around_the_head(monkeypatch):
             clock.now += 1.0
             return head.dense_logits(h)
 
-        monkeypatch.setattr(head, "_step_select", timed_select)
+        monkeypatch.setattr(head, "select", timed_select)
         monkeypatch.setattr(LogitsProcessor, "forward", dense_forward)
         layer = csv_layer(head)
         layer.csv_channel = channel = StepChannel()

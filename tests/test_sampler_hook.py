@@ -633,13 +633,13 @@ def _switched_run(monkeypatch, certificate_cost: float, steps: int = 160):
     from vllm.model_executor.layers.logits_processor import LogitsProcessor
     from vllm.v1.sample.ops import topk_topp_sampler as tts
 
-    from vllm_csv import head as csv_head
+    from vllm_csv.head import runtime
     from vllm_csv.metrics import CSVMetrics
     from vllm_csv.vllm_plugin import fill, logits_processor as lp
 
     patches.install_samplers()
     clock = FakeClock()
-    for mod in (csv_head, lp, fill, v1_sampler):
+    for mod in (runtime, lp, fill, v1_sampler):
         monkeypatch.setattr(mod, "time", clock)
     Bs = 8
     g = torch.Generator().manual_seed(8)
@@ -814,7 +814,7 @@ def test_a_nonfinite_row_anywhere_in_the_step_sends_every_row_dense(bad_row, mon
     """An ``inf`` in one hidden row of the step: the rows certified apart from it (in the head's
     call when it is deferred, in the sampler when it is in the head's call) are not certified
     either, since the dense GEMM of the whole batch may write NaN over finite rows (as torch's
-    bf16 GEMM did on an Intel Xeon with AMX; CertifiedHead._prepare): emulated here by a dense
+    bf16 GEMM did on an Intel Xeon with AMX; CertifiedHead.prepare): emulated here by a dense
     head that does so. The draws are the dense ones, every row counted ``nonfinite``."""
     from vllm.model_executor.layers.logits_processor import LogitsProcessor
 

@@ -276,7 +276,7 @@ def understated_bound_is_caught(head, W, h):
         return out
 
     head.screen.center_radius = shrunk
-    head.acc_err.zero_()
+    head.errors.acc_err.zero_()
     assert wrong_tokens(head, W, h) > 0
 
 

@@ -24,6 +24,7 @@ from vllm_csv.head import CertifiedHead, HeadConfig
 from vllm_csv.index import build_index
 from vllm_csv.sharded import Shard, ShardedHead, TorchGroup
 from vllm_csv.testing import audit
+from vllm_csv.testing.fakes import csv_layer
 
 
 class ThreadGroup:
@@ -278,7 +279,7 @@ def test_mixed_plan_and_two_collectives_per_step():
 def test_disagreeing_ranks_never_split():
     """Rank 1 alone refuses row 0 (its row check fails there: a rank-local reason, as a NaN in
     its copy of the row would be, but one that leaves the other rows usable; a NaN itself sends
-    the whole batch dense, ``CertifiedHead._prepare``), and rank 1's exact scores of row 1 come
+    the whole batch dense, ``CertifiedHead.prepare``), and rank 1's exact scores of row 1 come
     with a useless upper bound: rows 0 and 1 go dense on *every* rank, the others stay certified,
     and all ranks return the same logits."""
     case = learned_case(V=900, k=1, B=8)
@@ -287,7 +288,7 @@ def test_disagreeing_ranks_never_split():
     def patch(r, head):
         if r != 1:
             return
-        prepare, score = head.local._prepare, head.local._score
+        prepare, score = head.local.prepare, head.local.score
 
         def refuse_row_0(hidden):
             h, hnorm, ok = prepare(hidden)
@@ -301,7 +302,7 @@ def test_disagreeing_ranks_never_split():
             upper[1] = math.inf  # this rank cannot bound row 1 from above
             return z, lower, upper
 
-        head.local._prepare, head.local._score = refuse_row_0, broken
+        head.local.prepare, head.local.score = refuse_row_0, broken
 
     res = run_case(case, 2, "int8", hidden_of=hidden_of, patch=patch)
     (o0, c0, s0, d0), (o1, c1, s1, d1) = res
@@ -315,7 +316,7 @@ def test_disagreeing_ranks_never_split():
 def threshold_violations(threshold) -> int:
     """Tokens left unscored by ``threshold`` whose dense-value upper bound
     ``hi_i = y_i + delta |y_i| + spread`` (the half-width bound of
-    :meth:`CertifiedHead._select_two_sided`), in float64, reaches ``tau``; over shards of audit
+    :func:`vllm_csv.head.selection.select_two_sided`), in float64, reaches ``tau``; over shards of audit
     cases, with ``tau`` just above a token's screen value (the hardest place)."""
     bad = 0
     for family in ("peaked", "bias_cancel", "norms", "transform"):
@@ -409,7 +410,7 @@ def ball_bound_violations(offset_of=None) -> int:
         if offset_of is not None:
             head.screen.offset = offset_of(head.screen)
         h = torch.cat([audit._near_rows(W, 16, g), torch.randn(8, d, generator=g), 40 * torch.randn(4, d, generator=g)])
-        lo, hi, _, ok = head._intervals(h)
+        lo, hi, _, ok = head.intervals(h)
         z = h.double() @ W.double().T + bias.double()
         bad += int(((z < lo.double()) | (z > hi.double()))[ok].sum())
     return bad
@@ -455,24 +456,41 @@ def test_shard_index_file_per_rank_and_clear_mismatch(tmp_path):
 def test_shared_off_switch_is_common(monkeypatch):
     """Rank 1's CSV steps take 50 ms more than rank 0's; the dense head is set to 10 ms. Alone,
     rank 0 would always try CSV and rank 1 would turn it off: shared, both take the same
-    CSV/dense decision every step (off, then retried)."""
-    import vllm_csv.head as head_module  # the step (and its dense timing) is CertifiedHead's
+    CSV/dense decision every step (off, then retried). Driven through the plugin's layer, which
+    runs the off-switch (the head carries it and folds its pending time into the collectives)."""
+    from vllm.model_executor.layers.logits_processor import LogitsProcessor
 
-    real_time = head_module._time
-    monkeypatch.setattr(head_module, "_time", lambda fn, like: (real_time(fn, like), 0.01)[1])
+    from vllm_csv import head as csv_head
+    from vllm_csv.vllm_plugin import step_plan
+
+    real_time = csv_head.time_call
+    monkeypatch.setattr(csv_head, "time_call", lambda fn, like: (real_time(fn, like), 0.01)[1])
+    monkeypatch.setattr(LogitsProcessor, "forward", lambda self, lm_head, h, bias=None, skip_gather=False:
+                        self.dense_tp(h))  # each rank's layer: its collective dense path
     case = learned_case(V=500, B=4)
 
     def rank(r, comm):
         shard = Shard.vllm_layout(500, r, 2)
         w, b = shard_of(case.weight, None, shard)
         head = ShardedHead(w, b, shard, comm, config=HeadConfig(screen="int8"))
-        dense = dense_tp(comm, w, b, 500, head.engine)
-        decisions = []
+        layer = csv_layer(head)
+        layer.dense_tp = dense_tp(comm, w, b, 500, head.engine)
+        select, tried = head.select, []
+
+        def slow_select(*a, **k):  # (after the collectives: rank 0 does not wait for it)
+            tried[-1] = True
+            out = select(*a, **k)
+            if r == 1:
+                time.sleep(0.05)
+            return out
+
+        head.select = slow_select
+        plan = step_plan.Plan([str(i) for i in range(4)], [1] * 4)
         for _ in range(40):
-            t0 = time.perf_counter() - (0.05 if r == 1 else 0.0)
-            _, st = head.sampler_logits(case.hidden, torch.ones(4, dtype=torch.long), dense, t0=t0)
-            decisions.append(st.fallbacks["off_switch"] == 0)
-        return decisions
+            tried.append(False)
+            with step_plan.active_plan(plan):
+                layer.forward(None, case.hidden)
+        return tried
 
     res, _ = run_ranks(2, rank)
     assert res[0] == res[1]

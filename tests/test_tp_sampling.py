@@ -180,7 +180,7 @@ def test_tp_disagreeing_ranks_go_dense_together(monkeypatch):
     def patch(r, head):
         if r != 1:
             return
-        real, score = head.local._intervals, head.local._score
+        real, score = head.local.intervals, head.local.score
 
         def broken(hidden, **kw):
             lo, hi, hnorm, ok = real(hidden, **kw)
@@ -196,7 +196,7 @@ def test_tp_disagreeing_ranks_go_dense_together(monkeypatch):
             upper[1] = math.inf  # this rank cannot bound row 1 from above
             return z, lower, upper
 
-        head.local._intervals, head.local._score = broken, broken_score
+        head.local.intervals, head.local.score = broken, broken_score
         peek = v1_sampler.peek_seeds
 
         def other_seed(n, gens):  # (each thread reads the module's function when it resolves)

@@ -46,7 +46,7 @@ def flush_slack(d: int) -> float:
     AMX dot products, any x86 process after ``torch.set_flush_denormal(True)``) changes in one
     dot product of length ``d`` with a bias, against gradual underflow: each of the ``d``
     products and ``d + 1`` partial sums and the result may lose at most ``2^-126``; doubled.
-    Every interval of the head carries it (``CertifiedHead._tiny``, ``_tiny32``), so one
+    Every interval of the head carries it (:attr:`ErrorModel.tiny`, ``tiny32``, :mod:`vllm_csv.head.error_model`), so one
     certificate holds for IEEE and FTZ engines alike; it is far below any logit a model makes
     (``2^-112`` at ``d = 4096``). Inputs that such an engine reads as zero (DAZ: subnormal
     entries of ``h``, ``W`` or ``b``) are refused instead (``ops.step.prepare_rows``, the
@@ -94,12 +94,12 @@ class DenseEngine:
         ``fl(hnorm * wmax) + babs_max <= ACC_LIMIT`` (a quarter of fp32's range) keeps them finite.
 
         The one overflow guard of the dense accumulation for every path (``topk``,
-        ``sampler_logits``, the plugin's rows through :meth:`CertifiedHead._prepare`, and the
+        ``sampler_logits``, the plugin's rows through :func:`vllm_csv.head.bounds.prepare`, and the
         fused GPU step's ``quantize_rows``, which repeats this expression). A finite row can
         otherwise overflow inside the GEMM (products of opposite signs to ``-inf`` and ``inf``, a
         NaN logit that the dense argmax takes) while its largest screen value stays small.
         ``hnorm`` and ``wmax`` are fp32 upper bounds (``wmax`` with its own slack, as
-        :attr:`CertifiedHead._wmax_up`); NaN compares False."""
+        :attr:`ErrorModel.wmax_up`); NaN compares False."""
         return hnorm * wmax + babs_max <= ACC_LIMIT
 
     # ---- the engine's computation ------------------------------------------------------

@@ -17,13 +17,13 @@ over the shard):
    (plus the off-switch's last step time). ``tau`` = the ``k``-th largest ``lb`` over all
    ranks: at least ``k`` distinct tokens have a dense value ``>= tau``.
 2. candidates of the shard: ``y_i >= g^-1(tau - spread_r)`` (every other token of the shard
-   has ``hi < tau``, see :meth:`CertifiedHead._select_two_sided`), scored exactly
-   (:meth:`CertifiedHead._score`); the shard's ``k`` best scored tokens
+   has ``hi < tau``, see :func:`vllm_csv.head.selection.select_two_sided`), scored exactly
+   (:meth:`CertifiedHead.score`); the shard's ``k`` best scored tokens
    ``(global id, z, lower, upper)``, the largest ``upper`` of its other scored tokens, its
    candidate count and whether it stayed within the budget -- **collective 2**: all-gather
    ``[B, 4 k + 3]`` per rank.
 3. every rank decides from the same gathered numbers, with the single-rank certificate
-   (:meth:`CertifiedHead._certify`): ``T`` = the ``k`` gathered tokens of largest ``z``,
+   (:func:`vllm_csv.head.certificate.certify`): ``T`` = the ``k`` gathered tokens of largest ``z``,
    ``L`` = their smallest lower bound, ``U`` = the largest upper bound of the other gathered
    tokens, of every rank's other scored tokens and ``tau`` (every unscored token). ``L``
    beats ``U`` through the engine's arithmetic: ``T`` is the dense top-k. A row is certified
@@ -53,9 +53,12 @@ import torch
 from .dense_engine import DenseEngine, EngineProbe
 from .errors import CSVError
 from .fp import FP32_UNIT_ROUNDOFF
-from .head import CertifiedHead, HeadConfig, _reasons, _Selection
-from .ops.step import block_cols as _block_cols, block_max as _block_max
+from .head import CertifiedHead, HeadConfig, StepStats, certificate, runtime
+from .head.backend import backend_for
+from .head.certified import arithmetic_ok
+from .head.types import Selection
 from .off_switch import OffSwitch
+from .ops.step import block_cols as _block_cols, block_max as _block_max
 
 VOCAB_PADDING = 64  # vLLM's DEFAULT_VOCAB_PADDING_SIZE
 
@@ -243,6 +246,7 @@ class ShardedHead:
         self.vocab_size, self.hidden_size = shard.vocab_size, weight.shape[1]
         self.dtype = weight.dtype
         self.engine = DenseEngine(self.dtype, softcap, scale)
+        self.backend = backend_for(weight.device)
         n = shard.real
         local_cfg = replace(self.config, off_switch=False, budget=1.0)
         # the single-rank head over the shard's real rows: screen, bounds, exact scoring
@@ -263,10 +267,48 @@ class ShardedHead:
         self.off_switch = SharedOffSwitch(comm) if self.config.off_switch else None
         self.last_certified: torch.Tensor | None = None  # [B] bool of the last step (host)
 
+    @property
+    def max_certified_k(self) -> int:
+        """As :attr:`CertifiedHead.max_certified_k`."""
+        return min(self.config.max_topk, self.vocab_size)
+
+    def arithmetic_ok(self) -> bool:
+        """As :meth:`CertifiedHead.arithmetic_ok`, on the probe every rank agreed on (and torch's
+        setting, the same on every rank)."""
+        return arithmetic_ok(self.engine_probe, self.dtype)
+
+    def output(self, exact: torch.Tensor) -> torch.Tensor:
+        """As :meth:`CertifiedHead.output`."""
+        return certificate.output(self.engine, exact)
+
+    def select(self, hidden: torch.Tensor, k: torch.Tensor, need_values: torch.Tensor,
+               temp: torch.Tensor | None = None) -> Selection:
+        """One step's selection (:class:`~vllm_csv.head.selector.Selector`), the same on every
+        rank, with the off-switch's pending step time folded in through the first collective (so
+        every rank keeps the same ledger)."""
+        sw = self.off_switch
+        sel, pend = self._select(hidden, k, need_values, None if sw is None else sw.pending_tensor(), temp)
+        if sw is not None:
+            sw.fold(pend.cpu())
+        return sel
+
+    def sampler_logits(self, hidden: torch.Tensor, topk: torch.Tensor, dense_fn=None, t0: float | None = None,
+                       temperature: torch.Tensor | None = None, use_switch: bool = False
+                       ) -> tuple[torch.Tensor, StepStats]:
+        """:meth:`CertifiedHead.sampler_logits` over the sharded head: the same ``[B, V]`` on every
+        rank. ``dense_fn`` (required here) is the collective dense path (vLLM:
+        ``LogitsProcessor.forward``, which all-gathers); every decision that leads to it is the
+        same on every rank, so it is called by all ranks or by none. ``StepStats`` counts the
+        global decision; ``seconds`` is this rank's. ``use_switch`` is ignored (the plugin's step
+        runs the off-switch)."""
+        if dense_fn is None:
+            raise CSVError("the sharded head's sampler_logits needs the collective dense function")
+        return runtime.sampler_logits(self, hidden, topk, dense_fn, t0, temperature)
+
     # ---- one step ---------------------------------------------------------------------------
     def _select(self, hidden: torch.Tensor, k: torch.Tensor, need_values: torch.Tensor,
                 pending: torch.Tensor | None = None, temp: torch.Tensor | None = None
-                ) -> tuple[_Selection, torch.Tensor]:
+                ) -> tuple[Selection, torch.Tensor]:
         """Steps 1-3 of the module docstring. Returns the selection (global ``[B, V]``) and the
         gathered off-switch numbers ``[size, 1]`` (:meth:`SharedOffSwitch.pending_tensor`)."""
         B, V, dev = hidden.shape[0], self.vocab_size, hidden.device
@@ -308,7 +350,7 @@ class ShardedHead:
             ids = cols[(cand[live] if B > 1 else cand).any(0)]
             scored_here = ids.numel()
             if scored_here:
-                z, lower, upper = loc._score(hidden, ids, hnorm)
+                z, lower, upper = loc.score(hidden, ids, hnorm)
                 m = min(kmax, scored_here)
                 sel = z.float().topk(m, dim=1).indices
                 p2[:, :m] = z.float().gather(1, sel)
@@ -327,37 +369,39 @@ class ShardedHead:
         outside = self._outside(tau, g2[:, :, 4 * kmax])
         live_all = (g2[:, :, 4 * kmax + 2] > 0.5).all(1) & (g2[:, :, 4 * kmax + 1].sum(1) <= budget)
         # ---- 3. the same certificate on every rank -------------------------------------------
-        cert, in_top = CertifiedHead._certify(self, gz.to(self.dtype), glo, gup, k, outside, need_values, gid, temp)
+        cert, in_top = certificate.certify(self.engine, gz.to(self.dtype), glo, gup, k, outside, need_values, gid,
+                                           temp, self.backend.certify_plain)
         certified = okg & live_all & cert
         exact = torch.full((B, V), -math.inf, dtype=self.dtype, device=dev)
         put = in_top & (gid >= 0) & certified[:, None]
         r, c = put.nonzero(as_tuple=True)
         exact[r, gid[r, c].long()] = gz[r, c].to(self.dtype)
-        return _Selection(exact, torch.full((B,), scored, device=dev), certified,
-                          _reasons(certified, okg, live_all)), gathered_pending
+        return Selection(exact, torch.full((B,), scored, device=dev), certified,
+                         certificate.reasons(certified, okg, live_all)), gathered_pending
 
     def _screen(self, hidden: torch.Tensor, kmax: int) -> dict:
         """Screen of the shard's real rows: ``y [B, n]``, its block maxima, ``spread [B]`` and
         ``delta`` (every token has ``|hi_i - y_i|, |lo_i - y_i| <= delta |y_i| + spread``,
-        :meth:`CertifiedHead._select_two_sided`), the rows this rank may certify (``ok``) and
+        :func:`~vllm_csv.head.selection.select_two_sided`), the rows this rank may certify (``ok``) and
         ``lbs [B, kmax]``: lower bounds of the dense values of ``kmax`` distinct tokens
         (``-inf`` past the shard's size and on rows that are not ``ok``)."""
         loc = self.local
         B = hidden.shape[0]
-        hidden, hnorm, ok = loc._prepare(hidden)
+        errors = loc.errors
+        hidden, hnorm, ok = loc.prepare(hidden)
         out = loc.screen.center_radius(hidden)
         y = out.y
-        loc._rad_total(out.radius)  # sets rad_max
-        delta = loc._delta + out.rel
-        act = (loc._max_of(out.n) * (1 + delta) * out.e) if out.n is not None else 0.0
+        _, rad_max = errors.rad_total(out.radius)
+        delta = errors.delta + out.rel
+        act = (errors.max_of(out.n) * (1 + delta) * out.e) if out.n is not None else 0.0
         bmax = _block_max(y)
         src = bmax if kmax <= bmax.shape[1] else y  # k distinct tokens (the exact values if few blocks)
         top = src.topk(min(kmax, src.shape[1]), dim=1).values
         if top.shape[1] < kmax:  # a shard of fewer than k tokens
             top = torch.cat([top, top.new_full((B, kmax - top.shape[1]), -math.inf)], 1)
         y1 = top[:, 0]
-        spread = loc._rad_max * hnorm + act + loc._tiny + loc._bias_slack(out.rel)[1]
-        ok &= (y1 + delta * y1.abs() + spread + loc._babs_max) <= self.engine.limit  # False on NaN
+        spread = errors.spread(rad_max, hnorm, act, out.rel)
+        ok &= (y1 + delta * y1.abs() + spread + errors.babs_max) <= self.engine.limit  # False on NaN
         lbs = (top - delta * top.abs() - spread[:, None]).masked_fill(~ok[:, None], -math.inf)
         return dict(hidden=hidden, hnorm=hnorm, ok=ok, y=y, bmax=bmax, spread=spread, delta=delta, lbs=lbs)
 
@@ -365,12 +409,12 @@ class ShardedHead:
         """``[B]`` screen threshold of this shard: a token with ``y_i`` below it has ``hi_i < tau``.
 
         ``hi_i <= g(y_i) + spread`` with ``g(y) = y + delta |y|`` increasing, so
-        ``y_i < g^-1(tau - spread)`` gives ``hi_i < tau`` (:meth:`CertifiedHead._select_two_sided`);
+        ``y_i < g^-1(tau - spread)`` gives ``hi_i < tau`` (:func:`~vllm_csv.head.selection.select_two_sided`);
         the last line covers the rounding of this computation. ``tau`` may be any value: it
         only decides how many tokens are scored, never the soundness."""
         s = tau - spread
         thr = torch.where(s >= 0, s / (1 + delta), s / (1 - delta))
-        return thr - thr.abs() * (8 * FP32_UNIT_ROUNDOFF) - self.local._tiny
+        return thr - thr.abs() * (8 * FP32_UNIT_ROUNDOFF) - self.local.errors.tiny
 
     @staticmethod
     def _outside(tau: torch.Tensor, rest: torch.Tensor) -> torch.Tensor:
@@ -378,30 +422,3 @@ class ShardedHead:
         the unscored ones (:meth:`_threshold`) and ``rest [B, size]``, each rank's largest upper
         bound of its other scored tokens."""
         return torch.maximum(tau, rest.amax(1))
-
-    def _output(self, exact: torch.Tensor) -> torch.Tensor:
-        return CertifiedHead._output(self, exact)  # reads only self.engine and self.softcap
-
-    @property
-    def softcap(self):
-        return self.engine.softcap
-
-    def _step_select(self, hidden, k, need_values, temp=None) -> _Selection:
-        """One step's selection for :meth:`sampler_logits`, with the off-switch's pending step
-        time folded in through the first collective (so every rank keeps the same ledger)."""
-        sw = self.off_switch
-        sel, pend = self._select(hidden, k, need_values, None if sw is None else sw.pending_tensor(), temp)
-        if sw is not None:
-            sw.fold(pend.cpu())
-        return sel
-
-    # :meth:`CertifiedHead.sampler_logits` over the sharded head: the same ``[B, V]`` on every
-    # rank. ``dense_fn`` (required here) is the collective dense path (vLLM:
-    # ``LogitsProcessor.forward``, which all-gathers); every decision that leads to it is the
-    # same on every rank, so it is called by all ranks or by none. ``StepStats`` counts the
-    # global decision; ``seconds`` is this rank's.
-    sampler_logits = CertifiedHead.sampler_logits
-    max_certified_k = CertifiedHead.max_certified_k
-    _certify_kept = CertifiedHead._certify_kept  # (CertifiedHead._certify, on the gathered columns, calls it)
-    _plain = CertifiedHead._plain  # (and reads this)
-    arithmetic_ok = CertifiedHead.arithmetic_ok  # (reads self.dtype and torch's setting, the same on every rank)

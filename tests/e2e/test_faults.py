@@ -54,7 +54,7 @@ def test_nonfinite_hidden_states_mid_run(mode, csv_server, dense_server):
     """Two of six batched prompts get NaN and +inf LM-head inputs for three steps in the middle
     of their run, on the CSV server and on plain vLLM alike: those rows, and the other rows of
     the steps that hold them (the dense GEMM may write NaN into another row of such a batch:
-    ``CertifiedHead._prepare``), go dense and are counted (reason ``nonfinite``), every prompt
+    ``CertifiedHead.prepare``), go dense and are counted (reason ``nonfinite``), every prompt
     (the poisoned ones included) answers exactly as on plain vLLM, rows are certified again
     after those steps, and the server keeps serving."""
     toks = [tokens(csv_server, p) for p in PROMPTS]

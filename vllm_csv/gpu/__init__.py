@@ -16,7 +16,7 @@ host sync, fixed shapes):
    row is not ``live`` (reason ``budget``).
 4. :mod:`.score` -- :func:`~.score.score_blocks` ``[B, CAP, SUB / SCORE_TOKENS]`` programs: every
    token of a candidate block scored in float64 with the dense engine's interval
-   (:meth:`vllm_csv.head.CertifiedHead._score`): the rounded ends ``lower <= zt <= upper`` and
+   (:func:`vllm_csv.head.bounds.score`): the rounded ends ``lower <= zt <= upper`` and
    ``z`` (the dense bits where the ends agree).
 5. :mod:`.certify` -- :func:`~.certify.certify_rows` ``[B]`` programs: the top-k certificate of
    :func:`vllm_csv.ops.step.certify_topk_ref` per row against ``outside_high = tau`` and,
@@ -31,7 +31,7 @@ bit helpers.
 Why blocks and not tokens past the GEMM: the k-th largest screen value, hence the threshold,
 is known only once every block has been read, so the GEMM cannot pick tokens itself; a
 token of a block below the threshold has ``hi < tau`` (the search's argument,
-:meth:`vllm_csv.head.CertifiedHead._select_two_sided`), and every token of a block that
+:func:`vllm_csv.head.selection.select_two_sided`), and every token of a block that
 reaches it is scored exactly, so the certificate of each row holds with ``outside_high =
 tau`` on its own candidate blocks (not the batch's union, as on the CPU).
 

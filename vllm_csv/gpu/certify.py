@@ -23,7 +23,7 @@ def certify_rows_ref(z, lower, upper, cand, count, k, need, tau, ok, live, V: in
     ``fl_dtype(max(U, tau))`` (``U`` the largest ``upper`` of the other scored tokens) and is
     finite, and where ``need`` (``[B]`` bool: the row's values are read) every value in ``T`` is
     known bit for bit; a ``k = 1`` row that
-    fails is certified on a replayed tie (:meth:`vllm_csv.head.CertifiedHead._certify`). Codes
+    fails is certified on a replayed tie (:func:`vllm_csv.head.certificate.certify`). Codes
     1/2/3: not ``ok`` / not ``live`` / not certified. ``ids`` past ``k`` repeat the first id (a
     scatter then writes the same value twice)."""
     B, S = z.shape

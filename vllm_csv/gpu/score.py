@@ -1,6 +1,6 @@
 """Step 4 of the fused step, :func:`score_blocks` (``[B, CAP, SUB / SCORE_TOKENS]`` programs):
 every token of a candidate block scored in float64 with the dense engine's interval
-(:meth:`vllm_csv.head.CertifiedHead._score`): the rounded ends ``lower <= zt <= upper`` and ``z``
+(:func:`vllm_csv.head.bounds.score`): the rounded ends ``lower <= zt <= upper`` and ``z``
 (the dense bits where the ends agree). Beside it: its torch reference :func:`score_blocks_ref`
 and its custom op ``torch.ops.vllm_csv_gpu.score_blocks``."""
 
@@ -18,7 +18,7 @@ from .common import CAP, INTERPRET, LIB, SUB, _launch, _pick, _raw, _tl_dtype, s
 def score_blocks_ref(h, w, bias, cand, count, coef: float, gam: float, tiny32: float):
     """``(z, lower, upper)``, each ``[B, CAP * SUB]`` fp32: for slot ``c < min(count, CAP)`` and
     token ``j = cand[b, c] * SUB + i < V`` the interval of
-    :meth:`vllm_csv.head.CertifiedHead._score` (``coef = gamma_(d+2) + 4 gamma64_d``, ``gam =
+    :func:`vllm_csv.head.bounds.score` (``coef = gamma_(d+2) + 4 gamma64_d``, ``gam =
     gamma_(d+2)`` for the bias, ``w`` and ``bias`` in the model dtype); tokens past ``V`` of a
     used slot ``-inf``. Slots past the count: ``-inf`` here, left unwritten by the kernel (never
     read: :func:`certify_rows_ref` masks them)."""

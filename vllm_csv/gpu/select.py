@@ -18,7 +18,7 @@ def select_blocks_ref(bmax, k, hnorm, e, ok, consts, cap: int):
 
     The threshold of :func:`vllm_csv.ops.step.threshold_from` from ``y_1`` (largest block
     maximum) and ``y_k`` (``k``-th largest, with multiplicity: ``k`` distinct tokens reach it);
-    ``ok`` also asks every row of the batch to be ``ok`` (:meth:`CertifiedHead._prepare`);
+    ``ok`` also asks every row of the batch to be ``ok`` (:func:`vllm_csv.head.bounds.prepare`);
     candidate blocks are those with maximum ``>= thr``, ascending, the first ``CAP`` kept
     (``-1`` past ``count``); ``live``: ``count <= cap``. ``consts`` =
     ``(rad_max, act_coef, tiny, bslack_max, delta, limit, babs_max)``."""

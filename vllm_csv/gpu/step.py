@@ -9,7 +9,7 @@ shapes, no host sync, so a batch size's step is captured once in a CUDA graph an
     score_blocks      h, W, candidates    -> z, lower, upper                        [B, CAP * SUB]
     certify_rows      scores, tau, k      -> top-k ids, values [B, kmax], code      [B]
 
-The math is :meth:`vllm_csv.head.CertifiedHead._select_two_sided` with each row's own
+The math is :func:`vllm_csv.head.selection.select_two_sided` with each row's own
 candidate blocks (:mod:`vllm_csv.gpu`'s docstring), on heads whose engine is plain
 (no soft-cap, ``scale = 1``) and rows read greedily or by top-k without temperature: the
 other rows take the head's reference path (:meth:`FusedStep.supports`).
@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from ..errors import CSVError
+from ..head.certificate import is_plain
 from .certify import certify_rows
 from .common import CAP, SUB, available, batch_tile
 from .quantize import quantize_rows
@@ -73,14 +74,16 @@ class FusedStep:
         self.s = screen.s.reshape(-1).float().contiguous()
         self.sbias = screen.bias  # fp32: the screen's centre adds it
         self.certifiable = head.certifiable
-        rad_max = float(head._rad_total(screen.r_exact).max()) if self.V else 0.0  # the head's total radius
-        delta = head._delta  # the exact int8 GEMM adds no relative term of its own (rel = 0)
+        errors = head.errors  # the head's error model (vllm_csv.head.error_model)
+        rad_max = errors.rad_total(screen.r_exact)[1] if self.V else 0.0  # the head's total radius
+        delta = errors.delta  # the exact int8 GEMM adds no relative term of its own (rel = 0)
         self.consts = dict(rad_max=rad_max, act_coef=float(screen.n.max()) * (1 + delta) if self.V else 0.0,
-                           tiny=head._tiny, bslack_max=head._bias_slack(0.0)[1], delta=delta,
-                           limit=head.engine.limit, babs_max=head._babs_max)
-        self.coef = head._gamma + head._gamma64
-        self.gam = head._gamma
-        self.tiny32 = head._tiny32
+                           tiny=errors.tiny, bslack_max=errors.bias_slack(0.0)[1], delta=delta,
+                           limit=head.engine.limit, babs_max=errors.babs_max)
+        self.coef = errors.score_coef
+        self.gam = errors.gamma
+        self.tiny32 = errors.tiny32
+        self.wmax_up, self.babs_max = errors.wmax_up, errors.babs_max
         self.nb = -(-self.V // SUB)
 
     # ---- what it certifies ---------------------------------------------------------------
@@ -88,7 +91,7 @@ class FusedStep:
         """Rows asking for ``k <= kmax`` on this head: the engine is plain, ``kmax`` at most
         :data:`~vllm_csv.gpu.common.CAP` blocks' worth and the number of blocks, and no row is
         sampled with a temperature (their kept-set certificate is the reference path's)."""
-        return (self.head._plain and 1 <= kmax <= min(64, self.nb)
+        return (is_plain(self.head.engine) and 1 <= kmax <= min(64, self.nb)
                 and (temperature is None or not bool((temperature > 0).any())))
 
     def cap_for(self, kmax: int) -> int:
@@ -130,7 +133,7 @@ class FusedStep:
         B = hidden.shape[0]
         kb = _pow2(kmax)
         p, t, e, hnorm, ok = quantize_rows(hidden, self.certifiable and self.head.arithmetic_ok(), batch_tile(B),
-                                           self.head._wmax_up, self.head._babs_max)
+                                           self.wmax_up, self.babs_max)
         bmax = screen_block_max(p, self.q, self.s, t, self.sbias, B)
         c = self.consts
         cand, count, tau, ok, live = select_blocks(

@@ -1,13 +1,11 @@
-"""The one place that calls the certified head's internals (``CertifiedHead._intervals``,
-``_score``, ``transform``): the sampling certificate sees the head only through
-:class:`HeadAdapter`. When the head exposes public ``intervals`` / ``score`` with the same
-meaning, only :meth:`HeadAdapter._raw_intervals` and :meth:`HeadAdapter._raw_score` change.
+"""The sampler's view of a certified head: its public bounds (:class:`~vllm_csv.head.selector.Bounds`:
+``intervals``, ``score``) carried through the engine's soft-cap and scale, so that the sampling
+certificate compares what vLLM's sampler reads.
 """
 
 from __future__ import annotations
 
 import torch
-
 
 
 class HeadAdapter:
@@ -22,21 +20,13 @@ class HeadAdapter:
     """
 
     def __init__(self, head):
+        """``head``: a :class:`~vllm_csv.head.selector.Bounds` (a :class:`~vllm_csv.head.CertifiedHead`,
+        or a sharded head's ``local``)."""
         self.head = head
         self.vocab_size = head.vocab_size
         self.dtype = head.dtype
         self.budget = head.config.budget
         self._identity = head.softcap is None and head.scale == 1.0
-
-    # ---- the head's internals: the only calls into them -----------------------------
-    def _raw_intervals(self, hidden):
-        # the tight screen at every batch size: the draw and min-p / top-k / top-p compare the
-        # bounds of many tokens, not one winner's against the rest (on the demo head, int4 at
-        # one row left 15% of top-k 20 rows uncertified, int8 none)
-        return self.head._intervals(hidden, tight=True)
-
-    def _raw_score(self, hidden, ids, hnorm):
-        return self.head._score(hidden, ids, hnorm)
 
     # ---- bounds after the transform --------------------------------------------------
     def _post(self, lo: torch.Tensor | None, hi: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor]:
@@ -52,7 +42,10 @@ class HeadAdapter:
         """``(lo, hi, hnorm, finite)``: ``lo, hi [B, V]`` float32 bound the value the dense head
         hands to the sampler for every token (``lo`` is None for one-sided screens);
         ``finite [B]`` says which rows have usable bounds."""
-        lo, hi, hnorm, finite = self._raw_intervals(hidden)
+        # the tight screen at every batch size: the draw and min-p / top-k / top-p compare the
+        # bounds of many tokens, not one winner's against the rest (on the demo head, int4 at
+        # one row left 15% of top-k 20 rows uncertified, int8 none)
+        lo, hi, hnorm, finite = self.head.intervals(hidden, tight=True)
         lo, hi = self._post(lo, hi)
         return lo, hi, hnorm, finite
 
@@ -60,8 +53,8 @@ class HeadAdapter:
         """``(values, lower, upper)`` on columns ``ids``: ``values [B, n]`` (model dtype) is
         what the certified row hands to the sampler, ``lower <= dense <= upper`` (float32)
         bound what the dense head would have handed it, and ``values`` lies in between."""
-        z, lower, upper = self._raw_score(hidden, ids, hnorm)
-        values = self.head.transform(z)
+        z, lower, upper = self.head.score(hidden, ids, hnorm)
+        values = self.head.engine.transform(z)
         lower, upper = self._post(lower, upper)
         lower = torch.minimum(lower, values.float())  # both come from the same rounding; keep it explicit
         upper = torch.maximum(upper, values.float())

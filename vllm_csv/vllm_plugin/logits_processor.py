@@ -137,7 +137,7 @@ class CSVLogitsProcessor(LogitsProcessor):
         # (Also without the switch: the step's metrics count the same time.)
         with_sampler = bool(deferred) and not hidden_states.is_cuda and (sw is None or sw.samples_in_place)
         key = (B, kind) if with_sampler else B
-        if asked and not sw.allow(key, lambda: csv_head._time(dense_full, hidden_states), kind):
+        if asked and not sw.allow(key, lambda: csv_head.time_call(dense_full, hidden_states), kind):
             logits = dense_full().to(head.dtype)  # vLLM's own output: one GEMM, no copies
             seconds = time.perf_counter() - t0
             stats = csv_head.StepStats(rows=B, csv_rows=plan.csv_rows, seconds=seconds, screen=head.screen_name)
