@@ -60,16 +60,16 @@ def _run(head, h, k, temp=None):
 def test_backends_give_the_same_bits(dtype, monkeypatch):
     """The same head on the CPU kernels and on the torch reference (bound at construction):
     the same certified rows, ids and value bits."""
-    from vllm_csv.ops import cpu_step
+    from vllm_csv.ops import build
 
-    if cpu_step.load_ops() is None:
+    if build.load_ops() is None:
         pytest.skip("CPU kernels not built")
     W, g = peaked_head(3001, 40, seed=3, dtype=dtype)
     h = hidden_near_rows(W, 12, g, scale=3.0).to(dtype)
     k = torch.tensor([1, 2, 3, 1, 5, 1, 1, 2, 1, 4, 1, 1])
     temp = torch.tensor([0, 0.7, 1.5, 0, 2.0, 0, 0, 0.3, 0, 1.0, 0, 0], dtype=torch.float32)
     fast = CertifiedHead(W, config=HeadConfig(screen="fp16", budget=0.5, off_switch=False))
-    monkeypatch.setitem(cpu_step._state, "ops", None)
+    monkeypatch.setitem(build._state, "ops", None)
     ref = CertifiedHead(W, config=HeadConfig(screen="fp16", budget=0.5, off_switch=False))
     assert (fast.backend.name, ref.backend.name) == ("cpu", "torch")
     monkeypatch.undo()  # the kernels back: each head keeps the backend it was built with
