@@ -133,9 +133,10 @@ def test_hooked_sampler_equals_dense_sampler(case, T):
 def test_top_k_rows_fail_if_top_k_is_ignored(monkeypatch):
     """Broken-mask check: with vLLM's top-k left out of the certificate, certified top-k rows
     draw tokens vLLM's top-k removes."""
-    from vllm_csv.sampling import rows, top_k_rows
+    from vllm_csv.sampling import top_k_rows
+    from vllm_csv.sampling.nucleus import chain
 
-    for module in (rows, top_k_rows):  # the rounds, and the top-k rows' fast path
+    for module in (chain, top_k_rows):  # the rounds' masks, and the top-k rows' fast path
         monkeypatch.setattr(module, "top_k_bounds", lambda lo, hi, k: (lo, hi))
     with pytest.raises(AssertionError):
         test_hooked_sampler_equals_dense_sampler("top_k", 0.8)

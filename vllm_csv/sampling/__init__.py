@@ -3,7 +3,9 @@
 * :mod:`.gumbel` -- the noise ``fused_gumbel_argmax`` adds, for any token of a row.
 * :mod:`.certificate` -- which token the draw picks, certified from bounds on every token's
   sampler input (pure math, no vLLM).
-* :mod:`.nucleus` -- min-p / top-p keep-drop decisions from the same bounds.
+* :mod:`.nucleus` -- vLLM's min-p, top-k and top-p keep-drop decisions from the same bounds, one
+  module per mask (:mod:`.nucleus.min_p`, :mod:`.nucleus.top_k`, :mod:`.nucleus.top_p`,
+  :mod:`.nucleus.top_p_queries`), chained in vLLM's order by :mod:`.nucleus.chain`.
 * :mod:`.rows` -- the loop: bounds, vLLM's processors on them, certificate, exact scoring of
   the contenders.
 * :mod:`.top_k_rows` -- rows with a top-k (a min-p may come before it, a top-p after it), certified on their

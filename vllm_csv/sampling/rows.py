@@ -7,7 +7,7 @@ Pipeline (per batch of rows that the sampler will draw from):
    processors, penalties and temperature, run on the bounds; every step is monotone
    non-decreasing per token, so bounds map to bounds), then vLLM's min-p, top-k and top-p on
    the bounds of the rows still open (:mod:`.nucleus`); top-p decided for the tokens the draw's
-   certificate needs only (:class:`~.nucleus.TopPQueries`: the likely winners, then the
+   certificate needs only (:class:`~.nucleus.top_p_queries.TopPQueries`: the likely winners, then the
    contenders that leaves), the others left undecided;
 3. :func:`~.certificate.certify_draw` (packed: :func:`~.certificate.certify_draw_packed`); the
    contenders not yet scored (and the tokens of highest upper bound on rows with a top-k or a
@@ -49,7 +49,8 @@ from dataclasses import dataclass
 import torch
 
 from .certificate import DrawCertificate, certify_draw, certify_draw_packed, ruled_out
-from .nucleus import TopPQueries, all_off, has_top_k, min_p_bounds, top_k_bounds, top_p_bounds
+from .nucleus.chain import Masks
+from .nucleus.top_k import has_top_k
 from ..ops.bools import all_, any_
 from ..ops.gather import rows_of
 from ..ops.topk import row_topk
@@ -139,7 +140,7 @@ def certify_rows(adapter: HeadAdapter, hidden: torch.Tensor, process: Process, s
         The masks also choose tokens to score (never the proof): the winner must be certainly
         kept, and what decides that is not only the draw's contenders. With a top-k, each open
         row's ``k + 1`` highest upper bounds are scored (top-k compares the winner with the
-        ``k``-th largest upper bound of the others, :func:`~.nucleus.top_k_bounds`); with a
+        ``k``-th largest upper bound of the others, :func:`~.nucleus.top_k.top_k_bounds`); with a
         top-p, an open row whose contenders are all scored has its ``V / 32`` highest upper
         bounds scored (within :data:`TOP_P_FOCUS`), 4x more each such round (top-p compares
         masses, and the loosest are those of the tokens of highest upper bound, dropped ones
@@ -280,7 +281,7 @@ def _rounds(adapter: HeadAdapter, hidden: torch.Tensor, bounds: tuple, process: 
                 break
     narrow = None  # (columns, ruled-out summaries): the rounds after the one that set it, elementwise
     stuck = torch.zeros(R, dtype=torch.long, device=dev)  # top-p rows: rounds with every contender scored
-    masks = _Masks(min_p, top_k, top_p, V)
+    masks = Masks(min_p, top_k, top_p, V)
     asked = None  # top-p rows: the tokens whose decisions the draw's certificate needed so far
     by_query = None  # top-p rows: the last round's queries (TopPQueries), narrowed to the next round's bounds
     for rnd in range(MAX_ROUNDS + 1):
@@ -296,7 +297,7 @@ def _rounds(adapter: HeadAdapter, hidden: torch.Tensor, bounds: tuple, process: 
         else:
             ylo0, yhi0 = masks.before_top_p(*process(lo, hi, rows), ~certified)
             # top-p rows: first decided on their likely winners only, then on the draw's contenders
-            # that this leaves (nucleus docstring, "deciding some tokens only"); the rest stays
+            # that this leaves (nucleus.top_p_queries docstring); the rest stays
             # undecided, which the certificate allows for any token that cannot win
             # (asked: the previous round's contenders, which bounds that only tighten rarely add to)
             by_query = masks.top_p_queries(ylo0, yhi0, ~certified, by_query)
@@ -308,7 +309,7 @@ def _rounds(adapter: HeadAdapter, hidden: torch.Tensor, bounds: tuple, process: 
         if by_query is not None:
             # On a row left open: contenders that were not asked for are asked for now, and where
             # every contender is scored (only decisions can help) the contenders a short list
-            # left undecided are decided on a longer one (nucleus.TopPQueries.bounds). A row
+            # left undecided are decided on a longer one (TopPQueries.bounds). A row
             # certified above asks for the same tokens again (its one contender is its winner):
             # its bounds and certificate come out the same. A row with no certainly kept token
             # asks for every token (decided in full). Not in the first round, where nothing is
@@ -381,7 +382,7 @@ def _rounds(adapter: HeadAdapter, hidden: torch.Tensor, bounds: tuple, process: 
                                         winner, over_budget, stuck))
             masked, asked, min_p, top_k, top_p = (None if t is None else rows_of(t, k)
                                                   for t in (masked, asked, min_p, top_k, top_p))
-            masks = _Masks(min_p, top_k, top_p, V)
+            masks = Masks(min_p, top_k, top_p, V)
             by_query = None  # (its lists are the old rows': a new one for these)
             narrow = None if narrow is None else (narrow[0], narrow[1].rows(k))
         add(new)
@@ -489,49 +490,6 @@ def empty_state(adapter: HeadAdapter, R: int, dev: torch.device):
 def reasons(certified: torch.Tensor, finite: torch.Tensor, over_budget: torch.Tensor) -> list[str | None]:
     """Per row: None if certified, else why not (``nonfinite``, ``budget``, ``uncertified``)."""
     return [reason_of(c, f, b) for c, f, b in zip(certified.tolist(), finite.tolist(), over_budget.tolist())]
-
-
-class _Masks:
-    """vLLM's min-p, top-k and top-p on bounds (:mod:`.nucleus`, in that order), on chosen rows."""
-
-    def __init__(self, min_p: torch.Tensor | None, top_k: torch.Tensor | None, top_p: torch.Tensor | None,
-                 V: int):
-        self.min_p, self.top_k, self.top_p, self.V = min_p, top_k, top_p, V
-        self.top_k_on = not all_off(None, top_k, None, V)  # some row has a top-k / a top-p
-        self.top_p_on = not all_off(None, None, top_p, V)
-        self.off = not self.top_k_on and not self.top_p_on and all_off(min_p, None, None, V)
-
-    def before_top_p(self, ylo: torch.Tensor, yhi: torch.Tensor, rows: torch.Tensor):
-        """min-p and top-k on the rows ``rows`` (``[R]`` bool); the other rows' bounds are
-        returned unmasked (their decisions are not read)."""
-        if self.off:
-            return ylo, yhi
-        if self.min_p is not None:
-            ylo, yhi = min_p_bounds(ylo, yhi, torch.where(rows, self.min_p, 0.0))
-        if self.top_k is not None:
-            ylo, yhi = top_k_bounds(ylo, yhi, torch.where(rows, self.top_k, self.V))
-        return ylo, yhi
-
-    def top_p_of(self, ylo: torch.Tensor, yhi: torch.Tensor, rows: torch.Tensor):
-        """Then top-p, every token decided (:func:`~.nucleus.top_p_bounds`)."""
-        if self.off or self.top_p is None:
-            return ylo, yhi
-        return top_p_bounds(ylo, yhi, torch.where(rows, self.top_p, 1.0))
-
-    def top_p_queries(self, ylo: torch.Tensor, yhi: torch.Tensor, rows: torch.Tensor,
-                      last: TopPQueries | None = None) -> TopPQueries | None:
-        """Top-p deciding chosen tokens only (:class:`~.nucleus.TopPQueries`), where some row of
-        ``rows`` has one; None otherwise. ``last``: the previous round's, narrowed to these
-        bounds where they lie within its own (:meth:`~.nucleus.TopPQueries.narrowed`: bounds
-        only tighten from round to round, and the check costs two comparisons where a new list
-        costs a top-K and two exp passes)."""
-        if self.off or self.top_p is None:
-            return None
-        p = torch.where(rows, self.top_p, 1.0)
-        if not bool((p < 1.0).any()):
-            return None
-        q = None if last is None else last.narrowed(ylo, yhi, p)
-        return q if q is not None else TopPQueries(ylo, yhi, p)
 
 
 def _focus_counts(top_k: torch.Tensor | None, top_p: torch.Tensor | None, stuck: torch.Tensor,
