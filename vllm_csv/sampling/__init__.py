@@ -6,11 +6,17 @@
 * :mod:`.nucleus` -- vLLM's min-p, top-k and top-p keep-drop decisions from the same bounds, one
   module per mask (:mod:`.nucleus.min_p`, :mod:`.nucleus.top_k`, :mod:`.nucleus.top_p`,
   :mod:`.nucleus.top_p_queries`), chained in vLLM's order by :mod:`.nucleus.chain`.
-* :mod:`.rows` -- the loop: bounds, vLLM's processors on them, certificate, exact scoring of
-  the contenders.
+* :mod:`.scoring` -- what every loop below shares: the screen's bounds, exact scoring of chosen
+  columns within the budget, the loop's result (:class:`~.scoring.RowsResult`).
+* :mod:`.rows` -- the entry (:func:`~.rows.certify_rows`): the top-k rows' path first, then the
+  rounds for the rest.
+* :mod:`.rounds` -- the loop: bounds, vLLM's processors and masks on them, certificate, exact
+  scoring of the contenders, repeated.
 * :mod:`.top_k_rows` -- rows with a top-k (a min-p may come before it, a top-p after it), certified on their
   highest upper bounds alone (no rounds), before the loop.
 * :mod:`.head_adapter` -- the only place that calls the certified head's internals.
+* :mod:`.outside` and :mod:`.sharded_rows` -- the same under tensor parallelism (tokens of other
+  ranks known through block summaries).
 * :mod:`.gumbel_v2` -- the V2 runner's (CUDA) Gumbel noise, replayed, and its draw certificate;
   tested against vLLM's own Triton functions (by Triton's interpreter on the CPU, compiled on a
   GPU where one is lent);

@@ -37,7 +37,7 @@ is itself decided from gathered numbers):
    when its winner is explicit and scored, every rank could
    bound the row (``finite``) and the certificate holds. The contenders not yet scored are
    scored exactly by their owners (the same list on every rank; each scores its own columns)
-   and the round repeats, up to :data:`~.rows.MAX_ROUNDS` more times and the budget.
+   and the round repeats, up to :data:`~.scoring.MAX_ROUNDS` more times and the budget.
 
 The decision is a function of the gathered tensor only, computed by the same code on every
 rank: the ranks cannot split, whatever their local numbers are (each rank's local numbers are
@@ -63,7 +63,7 @@ from .head_adapter import HeadAdapter
 from .nucleus.min_p import min_p_bounds, min_p_drops_on_part
 from .nucleus.top_p import top_p_bounds
 from .outside import Outside
-from .rows import FIRST_GUESS, MAX_ROUNDS, Process, RowsResult, within_budget
+from .scoring import FIRST_GUESS, MAX_ROUNDS, Process, RowsResult, within_budget
 from ..vocabulary import reason_of
 
 EXPLICIT = 16  # tokens a rank sends per row and key (highest yhi; highest yhi + g)

@@ -13,7 +13,7 @@ masses or draw certificate over the vocabulary, no rounds. A row with a min-p an
 
 Pipeline (:func:`certify_top_k`):
 
-1. the screen's upper bounds ``hi [R, V]`` (computed once by the caller, :func:`~.rows.screen_bounds`);
+1. the screen's upper bounds ``hi [R, V]`` (computed once by the caller, :func:`~.scoring.screen_bounds`);
 2. each row's ``K + 1`` highest upper bounds (``K = TOP_K_GUESS (k + 1)``, or
    :data:`MIN_P_GUESS` on a row without a top-k; at most the row's share of the budget; one :func:`~vllm_csv.ops.topk.row_topk` pass): the first ``K`` are the
    row's candidates, the ``(K + 1)``-th value bounds every other token of the row (``-inf`` when

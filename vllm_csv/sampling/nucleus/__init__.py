@@ -17,7 +17,7 @@ One module per mask, each with its proof in its docstring, in vLLM's order:
 * :mod:`.top_p_queries` -- top-p deciding chosen tokens only (the draw's likely winners and
   contenders), from a per-row list of the highest upper bounds that later rounds narrow;
 * :mod:`.chain` -- the three in vLLM's order on chosen rows (what the rounds of
-  :mod:`~vllm_csv.sampling.rows` apply), and whether any is on.
+  :mod:`~vllm_csv.sampling.rounds` apply), and whether any is on.
 
 The outside blocks (:class:`~vllm_csv.sampling.outside.Outside`, tensor parallelism: tokens
 known through per-row, per-block summaries only, ``-inf`` on both sides in ``ylo, yhi``):

@@ -1,5 +1,5 @@
 """vLLM's three masks chained in its order (min-p, top-k, top-p) on bounds, on chosen rows:
-what each round of :mod:`~vllm_csv.sampling.rows` applies after ``process``.
+what each round of :mod:`~vllm_csv.sampling.rounds` applies after ``process``.
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ rule are :mod:`.top_p`'s (its docstring: the four masses, top-p's rounding, unde
 
 Deciding some tokens only (:class:`TopPQueries`). Leaving a token undecided is always sound
 (``ylo = -inf``, ``yhi`` kept), and the draw's certificate needs decisions only for its winner and
-for the tokens whose noisy upper bound reaches the winner's noisy lower bound (:mod:`~vllm_csv.sampling.rows` asks
+for the tokens whose noisy upper bound reaches the winner's noisy lower bound (:mod:`~vllm_csv.sampling.rounds` asks
 for those: tens of tokens a row, where on a learned head's screen bounds the tail leaves
 thousands undecided). Each asked token ``i`` is decided from a list per row, the ``K`` tokens of
 highest ``yhi`` (:data:`QUERY_LIST`), and the masses of the tokens off the list summed (``U_h``,
@@ -27,7 +27,7 @@ per token, the masses ``e^(y - c)`` in float64 as :func:`~.top_p.top_p_bounds` t
 decision the full computation makes with no tail, and no other token of the row is touched.
 (Before, such a row was decided again on a list 8x longer, then in full: a sort of ``2V``
 bounds per row, about 19 ms a row at ``V`` 65536 on 2 cores, where the sums take about 25 us a
-token.) From one round of :mod:`~vllm_csv.sampling.rows` to the next the bounds only
+token.) From one round of :mod:`~vllm_csv.sampling.rounds` to the next the bounds only
 tighten (checked: :meth:`TopPQueries.narrowed`), so the next round keeps the list's tokens and the
 unlisted masses (still bounds of what they bound; the ``K``-th ``yhi`` of the old list still bounds
 every unlisted ``yhi``, even where a listed token's exact value fell below it) and re-sorts the
@@ -112,7 +112,7 @@ class TopPQueries:
         new bounds re-sorted; the unlisted masses stay valid bounds (each ``yhi_j`` only fell,
         each ``ylo_j`` only rose), and so does ``kth`` (every unlisted ``yhi_j`` is at most the
         old one, at most ``kth``); so does the shift ``c`` (at least every ``yhi``). One round of
-        :mod:`~vllm_csv.sampling.rows` to the next changes the bounds of the tokens it scored only."""
+        :mod:`~vllm_csv.sampling.rounds` to the next changes the bounds of the tokens it scored only."""
         rows = has_top_p(top_p).nonzero().squeeze(1)
         n = self.rows.numel()
         if rows.numel() == 0 or n == 0:
