@@ -1,4 +1,4 @@
-"""What every certificate loop shares (:mod:`.rows`' rounds, :mod:`.rows_v2`, :mod:`.sharded_rows`):
+"""What every certificate loop shares (:mod:`.rounds`, :mod:`.rows_v2`, :mod:`.sharded_rows`):
 the screen's bounds, exact scoring of chosen columns within a budget, and the loop's result.
 
 A loop starts from the screen's bounds of every token (:func:`screen_bounds`) and an empty state
@@ -26,6 +26,8 @@ FIRST_GUESS = 8  # one-sided screens (no lower bounds): score the 8 highest uppe
 
 @dataclass
 class RowsResult:
+    """A loop's result for its ``R`` rows (``S``: the columns scored)."""
+
     values: torch.Tensor  # [R, V] model dtype: exact on S, -inf elsewhere and on masked tokens
     certified: torch.Tensor  # [R] bool
     winner: torch.Tensor  # [R] int64, the certified token (meaningful where certified)
@@ -33,6 +35,7 @@ class RowsResult:
     scored: int  # |S| (shared by the rows)
 
 
+# (lo, hi, rows) -> (ylo, yhi): a map from the head's values to the draw's inputs (certify_rows' process)
 Process = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 
 
