@@ -299,11 +299,12 @@ def _kept_all(ylo, yhi, *a, outside=None, **kw):
 def test_mutation_a_mask_left_out_of_the_certificate_draws_wrong_tokens(mask, monkeypatch):
     """vLLM's top-k, min-p or top-p read as keeping every token (in the rounds, the top-k rows'
     fast path and top-p's queries): the sampler audit finds tokens vLLM's draw does not give."""
-    from vllm_csv.sampling import nucleus, rows, top_k_rows
+    from vllm_csv.sampling import top_k_rows
+    from vllm_csv.sampling.nucleus import chain, top_p_queries
 
-    for module in (rows, top_k_rows):
+    for module in (chain, top_k_rows):  # the rounds' masks, and the top-k rows' fast path
         monkeypatch.setattr(module, mask, _kept_all)
     if mask == "top_p_bounds":
-        monkeypatch.setattr(nucleus.TopPQueries, "bounds", lambda self, only=None, settle=None, subset=None: (
+        monkeypatch.setattr(top_p_queries.TopPQueries, "bounds", lambda self, only=None, settle=None, subset=None: (
             (self.ylo, self.yhi) if subset is None else (self.ylo[subset], self.yhi[subset])))
     assert _sampler_wrong() > 0

@@ -1,7 +1,7 @@
 """Top-p's decisions on CUDA tensors (the V1 runner on a GPU): the same as on the CPU.
 
 On CUDA :func:`vllm_csv.ops.masks.top_p_sums` runs its torch reference (chunked ``[Q, n]``
-masks); on the CPU the kernel. Both feed :class:`~vllm_csv.sampling.nucleus.TopPQueries`,
+masks); on the CPU the kernel. Both feed :class:`~vllm_csv.sampling.nucleus.top_p_queries.TopPQueries`,
 whose decisions must not depend on the device. Skipped without a CUDA device (no vLLM needed).
 """
 
@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from vllm_csv.ops.masks import top_p_sums, top_p_sums_ref
-from vllm_csv.sampling import nucleus
+from vllm_csv.sampling.nucleus import top_p_queries
 from vllm_csv.testing.heads import peaked_rows
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")]
@@ -44,11 +44,11 @@ def test_top_p_sums_on_cuda_are_the_cpu_sums():
 def test_top_p_queries_decide_on_cuda_as_on_cpu(listed, monkeypatch):
     """The same bounds on both devices, with a list of 8 (most asked tokens decided on their
     whole row's sums) and the default one."""
-    monkeypatch.setattr(nucleus, "QUERY_LIST", listed)
+    monkeypatch.setattr(top_p_queries, "QUERY_LIST", listed)
     for seed in (3, 4):
         lo, hi, p, only = _rows(seed)
-        want = nucleus.TopPQueries(lo, hi, p).bounds(only, only)
-        got = nucleus.TopPQueries(lo.cuda(), hi.cuda(), p.cuda()).bounds(only.cuda(), only.cuda())
+        want = top_p_queries.TopPQueries(lo, hi, p).bounds(only, only)
+        got = top_p_queries.TopPQueries(lo.cuda(), hi.cuda(), p.cuda()).bounds(only.cuda(), only.cuda())
         for a, b in zip(got, want):
             assert torch.equal(a.cpu(), b)
         assert torch.isfinite(want[0][only]).any() and (want[1][only] == -math.inf).any()

@@ -133,9 +133,10 @@ def test_hooked_sampler_equals_dense_sampler(case, T):
 def test_top_k_rows_fail_if_top_k_is_ignored(monkeypatch):
     """Broken-mask check: with vLLM's top-k left out of the certificate, certified top-k rows
     draw tokens vLLM's top-k removes."""
-    from vllm_csv.sampling import rows, top_k_rows
+    from vllm_csv.sampling import top_k_rows
+    from vllm_csv.sampling.nucleus import chain
 
-    for module in (rows, top_k_rows):  # the rounds, and the top-k rows' fast path
+    for module in (chain, top_k_rows):  # the rounds' masks, and the top-k rows' fast path
         monkeypatch.setattr(module, "top_k_bounds", lambda lo, hi, k: (lo, hi))
     with pytest.raises(AssertionError):
         test_hooked_sampler_equals_dense_sampler("top_k", 0.8)
@@ -297,11 +298,11 @@ def test_a_drop_left_on_a_certified_row_is_caught(mask, monkeypatch):
     """Broken-output check: a certified row that keeps the tokens its certificate dropped (upper
     bound -inf after top-k / min-p) finite on the partial row draws them once vLLM's top-k / min-p
     is skipped (k = 2 or min-p 0.6, hot rows: dropped tokens often outdraw the winner)."""
-    from vllm_csv.sampling import rows as rows_mod, top_k_rows
+    from vllm_csv.sampling import rounds, top_k_rows
 
     patches.install_samplers()
-    real, real_fast = rows_mod._finish_rows, top_k_rows._handed_rows
-    monkeypatch.setattr(rows_mod, "_finish_rows",
+    real, real_fast = rounds._finish_rows, top_k_rows._handed_rows
+    monkeypatch.setattr(rounds, "_finish_rows",
                         lambda out, r, s, v, m, up: real(out, r, s, v, m, torch.zeros_like(up)))
     # (top-k rows: the fast path's output too, top_k_rows.certify_top_k)
     monkeypatch.setattr(top_k_rows, "_handed_rows", lambda V, c, z, up: real_fast(V, c, z, torch.zeros_like(up)))

@@ -216,7 +216,7 @@ def test_later_rounds_read_the_vocabulary_once(monkeypatch):
     """Elementwise: one certificate over the whole vocabulary (the first round), the others on
     the first round's contenders; same draws as every round over the vocabulary, and about as
     many rows certified (the narrow rounds only lose rows whose bound did not rise at all)."""
-    from vllm_csv.sampling import rows
+    from vllm_csv.sampling import rounds
 
     V, d, B = 4096, 64, 64
     W, g = peaked_head(V, d, seed=31, dtype=torch.bfloat16)
@@ -225,7 +225,7 @@ def test_later_rounds_read_the_vocabulary_once(monkeypatch):
     greedy = torch.arange(B) % 4 == 0
     head, T = make_head(W, screen="int8"), torch.full((B,), 0.8)
     full = []
-    monkeypatch.setattr(rows, "certify_draw_packed",
+    monkeypatch.setattr(rounds, "certify_draw_packed",
                         lambda *a: full.append(1) or certificate.certify_draw_packed(*a))
     share = {}
     for elementwise in (True, False):
@@ -239,13 +239,13 @@ def test_later_rounds_read_the_vocabulary_once(monkeypatch):
 def test_narrow_rounds_missing_a_contender_are_caught(monkeypatch):
     """Broken narrowing: the later rounds see only the first round's contender of lowest id in
     each row (the others neither scored nor summarised): some certified draws differ."""
-    from vllm_csv.sampling import rows
+    from vllm_csv.sampling import rounds
 
     V, d, B = 2048, 64, 256
     W, g = peaked_head(V, d, seed=13, dtype=torch.bfloat16)
     h = hidden_near_rows(W, B, g, scale=0.2)  # flat rows: several contenders
     seeds = torch.randint(0, 2**31, (B,), generator=g)
-    real = rows.certify_draw_packed
+    real = rounds.certify_draw_packed
 
     def one_contender(ylo, yhi, seeds, greedy):
         cert = real(ylo, yhi, seeds, greedy)
@@ -256,7 +256,7 @@ def test_narrow_rounds_missing_a_contender_are_caught(monkeypatch):
 
     args = (h, torch.full((B,), 2.0), torch.zeros(B, dtype=torch.bool), seeds)
     assert check(make_head(W, screen="int8"), *args)[0] == 0  # the real narrowing
-    monkeypatch.setattr(rows, "certify_draw_packed", one_contender)
+    monkeypatch.setattr(rounds, "certify_draw_packed", one_contender)
     assert check(make_head(W, screen="int8"), *args)[0] > 0
 
 
@@ -296,7 +296,7 @@ def test_a_narrow_round_on_unchanged_bounds_decides_as_the_full_round():
     full round certified: the summaries sit just below the bar they promise (they were the bar,
     and the later round's strict test failed on equality: every such row stayed undecided)."""
     from vllm_csv.sampling.certificate import ruled_out
-    from vllm_csv.sampling.rows import _certify_columns
+    from vllm_csv.sampling.rounds import _certify_columns
 
     g = torch.Generator().manual_seed(6)
     R, V = 64, 3000
@@ -325,10 +325,10 @@ def test_top_k_draws_equal_vllm_top_k_draws(screen, focus, monkeypatch):
     more rows."""
     from vllm.v1.sample.ops.topk_topp_sampler import apply_top_k_only
 
-    from vllm_csv.sampling import rows
+    from vllm_csv.sampling import rounds
 
     if not focus:
-        monkeypatch.setattr(rows, "_focus_counts", lambda top_k, top_p, stuck, V: torch.zeros_like(stuck))
+        monkeypatch.setattr(rounds, "_focus_counts", lambda top_k, top_p, stuck, V: torch.zeros_like(stuck))
 
     V, d, B = 1024, 48, 1600
     certified = 0
@@ -369,7 +369,7 @@ def test_top_p_draws_with_the_focus_equal_vllm_draws(p):
     logits), and the focus certifies no fewer rows."""
     from vllm.v1.sample.ops.topk_topp_sampler import apply_top_k_top_p_pytorch
 
-    from vllm_csv.sampling import rows
+    from vllm_csv.sampling import rounds
 
 
     V, d, B = 4096, 64, 96
@@ -388,7 +388,7 @@ def test_top_p_draws_with_the_focus_equal_vllm_draws(p):
             r = slice(s, s + 8)
             with pytest.MonkeyPatch.context() as mp:
                 if not focus:
-                    mp.setattr(rows, "_focus_counts", lambda top_k, top_p, stuck, V: torch.zeros_like(stuck))
+                    mp.setattr(rounds, "_focus_counts", lambda top_k, top_p, stuck, V: torch.zeros_like(stuck))
                 res = certify_rows(HeadAdapter(head), h[r], temperature_process(T[r], greedy[r]), seeds[r],
                                    greedy[r], top_p=P[r])
             c = res.certified
@@ -403,16 +403,16 @@ def test_top_p_focus_widens_with_the_vocabulary():
     """A top-p row stuck on its masses (every contender scored, still open) has its ``V / 32``
     highest upper bounds scored (within ``TOP_P_FOCUS``), 4x more each such round; top-k rows
     keep ``k + 1``, rows not stuck nothing; all at most ``V``."""
-    from vllm_csv.sampling import rows
+    from vllm_csv.sampling import rounds
 
     stuck = torch.tensor([0, 1, 2, 3, 1, 0])
     top_p = torch.tensor([0.9, 0.9, 0.9, 0.9, 1.0, 0.9])
     top_k = torch.tensor([0, 0, 0, 0, 0, 20])
-    lo, hi = rows.TOP_P_FOCUS
+    lo, hi = rounds.TOP_P_FOCUS
     for V, f in ((1024, lo), (32768, 1024), (65536, hi), (151936, hi), (1 << 20, hi)):
-        got = rows._focus_counts(top_k, top_p, stuck.clone(), V)
+        got = rounds._focus_counts(top_k, top_p, stuck.clone(), V)
         assert got.tolist() == [0, f, min(4 * f, V), min(16 * f, V), 0, 21], V
-    assert rows._focus_counts(None, top_p, stuck.clone(), 300).tolist() == [0, lo, 300, 300, 0, 0]
+    assert rounds._focus_counts(None, top_p, stuck.clone(), 300).tolist() == [0, lo, 300, 300, 0, 0]
 
 
 def test_packed_draw_certificate_is_the_full_one():
@@ -447,7 +447,7 @@ def test_a_round_that_would_score_nothing_ends_the_rows_over_budget():
     could serve have every contender scored already (they asked for a top-k / top-p focus that
     does not fit), no column is scored and the open rows are over budget (None), rather than
     a next round on unchanged bounds; a row with an unscored contender that fits is served."""
-    from vllm_csv.sampling.rows import next_columns
+    from vllm_csv.sampling.scoring import next_columns
 
     V = 16
     scored = torch.zeros(V, dtype=torch.bool)

@@ -7,8 +7,10 @@ import torch
 
 from vllm_csv.ops import build
 from vllm_csv.ops.masks import top_p_sums, top_p_sums_ref, unlisted_masses, unlisted_masses_ref
-from vllm_csv.sampling import nucleus
-from vllm_csv.sampling.nucleus import min_p_bounds, top_p_bounds
+from vllm_csv.sampling.nucleus import min_p as min_p_mask, top_k as top_k_mask, top_p as top_p_mask
+from vllm_csv.sampling.nucleus import top_p_queries as queries
+from vllm_csv.sampling.nucleus.min_p import min_p_bounds
+from vllm_csv.sampling.nucleus.top_p import top_p_bounds
 from vllm_csv.testing.heads import peaked_rows
 
 pytest.importorskip("vllm")
@@ -61,7 +63,7 @@ def test_min_p_decisions_are_sound(width):
 
 def test_a_negative_margin_is_caught(monkeypatch):
     """Broken bound: the top-p margin made negative (-0.02): wrong decisions appear."""
-    monkeypatch.setattr(nucleus, "gamma", lambda n: -0.01)
+    monkeypatch.setattr(top_p_mask, "gamma", lambda n: -0.01)
     y, g = rows(2, R=256)
     p = torch.rand(y.shape[0], generator=g) * 0.98 + 0.01
     kept = torch.isfinite(apply_top_k_top_p_pytorch(y.clone(), None, p))
@@ -80,7 +82,7 @@ def test_top_p_tail_is_dropped_as_a_block_soundly(width, monkeypatch):
     lo, hi = top_p_bounds(y - width, y + width, p)
     k, d = decisions(lo, hi, y)
     assert not (k & ~kept).any() and not (d & kept).any()
-    monkeypatch.setattr(nucleus, "TAIL_SCAN", 0)  # no tail: the full computation on every token
+    monkeypatch.setattr(top_p_mask, "TAIL_SCAN", 0)  # no tail: the full computation on every token
     k0, d0 = decisions(*top_p_bounds(y - width, y + width, p), y)
     assert not (k0 & ~kept).any() and not (d0 & kept).any()
     assert not (k0 & ~k).any()  # tokens kept for sure stay kept for sure (|ylo - t| is far)
@@ -90,7 +92,7 @@ def test_top_p_tail_is_dropped_as_a_block_soundly(width, monkeypatch):
 def test_a_wrong_tail_bound_is_caught(monkeypatch):
     """Broken bound: the tail's mass bound ignoring the rest of the row (A_j >= 1): kept tokens
     are dropped as part of the tail."""
-    monkeypatch.setattr(nucleus, "_tail_bound", lambda n, h, tot: n / n)
+    monkeypatch.setattr(top_p_mask, "_tail_bound", lambda n, h, tot: n / n)
     y, g = peaked_rows(4)
     p = torch.rand(y.shape[0], generator=g) * 0.98 + 0.01
     kept = torch.isfinite(apply_top_k_top_p_pytorch(y.clone(), None, p))
@@ -118,7 +120,7 @@ def test_min_p_drops_on_part_are_sound(shift):
     wherever the row's maximum lies; and the rule drops most of what the whole row's bounds drop."""
     y, lo, hi, mp = _part_case(5, shift)
     kept = vllm_min_p(y, mp)[:, :2048]
-    d = nucleus.min_p_drops_on_part(lo, hi, mp)
+    d = min_p_mask.min_p_drops_on_part(lo, hi, mp)
     assert not (d & kept).any()
     assert not d[mp == 0].any()
     whole = ~torch.isfinite(min_p_bounds(torch.cat([lo, y[:, 2048:]], 1), torch.cat([hi, y[:, 2048:]], 1), mp)[1])
@@ -131,16 +133,16 @@ def test_min_p_drops_on_part_with_a_wrong_maximum_are_caught():
     row's maximum: the rule's premise): tokens that vLLM keeps are dropped."""
     y, lo, hi, mp = _part_case(6, -8.0)
     kept = vllm_min_p(y, mp)[:, :2048]
-    assert (nucleus.min_p_drops_on_part(hi, hi, mp) & kept).any()
+    assert (min_p_mask.min_p_drops_on_part(hi, hi, mp) & kept).any()
 
 
 def test_a_negative_min_p_margin_is_caught(monkeypatch):
     """Broken bound: min-p's margin made negative: the part rule drops tokens vLLM keeps."""
-    monkeypatch.setattr(nucleus, "_min_p_margin", lambda y_abs, m_abs: torch.full_like(y_abs, -0.05))
+    monkeypatch.setattr(min_p_mask, "_min_p_margin", lambda y_abs, m_abs: torch.full_like(y_abs, -0.05))
     y, _, _, mp = _part_case(7, -8.0)
     kept = vllm_min_p(y, mp)[:, :2048]
     part = y[:, :2048]
-    assert (nucleus.min_p_drops_on_part(part, part, mp) & kept).any()
+    assert (min_p_mask.min_p_drops_on_part(part, part, mp) & kept).any()
 
 
 @pytest.mark.parametrize("finite_cols", [40, 256, 300, 1500])
@@ -164,7 +166,7 @@ def test_top_p_on_live_columns_decides_as_on_the_whole_row(finite_cols, monkeypa
     hb = torch.rand(32, L, generator=g).double() * 4 - 2
     outside = Outside(hi=hb, noisy=hb + 3, lel=hb - 1.5, leh=hb - 1.0, absmax=hb.abs() + 1, lo=hb - 0.7)
     got = [top_p_bounds(lo, hi, p), top_p_bounds(lo, hi, p, outside)]
-    monkeypatch.setattr(nucleus, "COMPACT_BELOW", 0.0)  # never compact
+    monkeypatch.setattr(top_p_mask, "COMPACT_BELOW", 0.0)  # never compact
     want = [top_p_bounds(lo, hi, p), top_p_bounds(lo, hi, p, outside)]
     for a, b in zip(got, want):
         for x, z in zip(a[:2], b[:2]):
@@ -209,7 +211,7 @@ def test_top_k_decisions_are_sound(width):
         else:
             lo, hi = y - width, y + width
         kept = vllm_top_k(y, k)
-        kl, kh = nucleus.top_k_bounds(lo, hi, k)
+        kl, kh = top_k_mask.top_k_bounds(lo, hi, k)
         kd, dd = decisions(kl, kh, y)
         assert not (kd & ~kept).any() and not (dd & kept).any()
         if width == 0.0:  # exact values: every finite token is decided
@@ -224,7 +226,7 @@ def test_top_k_then_top_p_decisions_are_sound():
     p = torch.rand(y.shape[0], generator=g) * 0.98 + 0.01
     kept = vllm_top_k(y, k, p)
     for width in (0.0, 1e-3, 0.05):
-        lo, hi = nucleus.top_k_bounds(y - width, y + width, k)
+        lo, hi = top_k_mask.top_k_bounds(y - width, y + width, k)
         kd, dd = decisions(*top_p_bounds(lo, hi, p), y)
         assert not (kd & ~kept).any() and not (dd & kept).any()
 
@@ -236,10 +238,10 @@ def test_a_top_k_cut_that_counts_the_token_itself_is_caught(monkeypatch):
         h = hi.topk(kmax + 1, dim=1).values
         hk1 = h.gather(1, k)[:, 0]
         return hk1, hk1, lo.topk(kmax, dim=1).values.gather(1, k - 1)[:, 0]
-    monkeypatch.setattr(nucleus, "_top_k_levels", broken)
+    monkeypatch.setattr(top_k_mask, "_top_k_levels", broken)
     y, k, _ = top_k_rows(3)
     kept = vllm_top_k(y, k)
-    kd, dd = decisions(*nucleus.top_k_bounds(y, y, k), y)
+    kd, dd = decisions(*top_k_mask.top_k_bounds(y, y, k), y)
     assert (kd & ~kept).any() or (dd & kept).any()
 
 
@@ -248,10 +250,10 @@ def _bisected(lo, el, eh, tot_h, need, upper):
     fin = lo > -math.inf
     a = lo.masked_fill(~fin, math.inf).amin(1) - 1.0
     b, good = upper.clone(), torch.full_like(a, -math.inf)
-    for _ in range(nucleus.BISECT_STEPS):
+    for _ in range(top_p_mask.BISECT_STEPS):
         m = torch.where(good > -math.inf, (good + b) / 2, torch.where(torch.isfinite(a), (a + b) / 2, a))
         above = lo >= m[:, None]
-        ok = (nucleus._tail_bound((el * above).sum(1, keepdim=True), (eh * above).sum(1, keepdim=True), tot_h)
+        ok = (top_p_mask._tail_bound((el * above).sum(1, keepdim=True), (eh * above).sum(1, keepdim=True), tot_h)
               > need).squeeze(1) & torch.isfinite(m)
         good, b = torch.where(ok, m, good), torch.where(ok, b, m)
     return good
@@ -275,7 +277,7 @@ def test_grid_tail_threshold_holds_over_the_exact_tail(scale):
     tot_h = eh.sum(1, keepdim=True)
     need = torch.full((R, 1), 0.9995, dtype=torch.float64)
     upper = lo.nan_to_num(nan=-math.inf).topk(256, dim=1).values[:, -1]
-    t = nucleus._grid_tail(lo, el, eh, tot_h, need, upper)
+    t = top_p_mask._grid_tail(lo, el, eh, tot_h, need, upper)
     found = t > -math.inf
     assert int(found.sum()) >= R // 2, int(found.sum())
     # as many rows as the bisection it replaces (BISECT_STEPS halvings of the same interval)
@@ -283,7 +285,7 @@ def test_grid_tail_threshold_holds_over_the_exact_tail(scale):
     for r in found.nonzero().squeeze(1).tolist():
         above = lo[r] >= t[r]
         n, h = el[r][above].sum(), eh[r][above].sum()
-        assert float(nucleus._tail_bound(n, h, tot_h[r, 0])) > float(need[r, 0])
+        assert float(top_p_mask._tail_bound(n, h, tot_h[r, 0])) > float(need[r, 0])
         assert float(t[r]) < float(upper[r])
 
 
@@ -299,9 +301,9 @@ def test_top_p_queries_are_sound(width, listed, monkeypatch):
     """Top-p deciding chosen tokens only (TopPQueries) never contradicts vLLM's top-p, with a
     list far shorter than the rows' nuclei (8: most sums bounded through the unlisted mass) and
     the default one; asked tokens and undecided ones alike (undecided: ylo = -inf, yhi kept)."""
-    from vllm_csv.sampling.nucleus import TopPQueries
+    from vllm_csv.sampling.nucleus.top_p_queries import TopPQueries
 
-    monkeypatch.setattr(nucleus, "QUERY_LIST", listed)
+    monkeypatch.setattr(queries, "QUERY_LIST", listed)
     for y, g in (rows(11), peaked_rows(12)):
         R, V = y.shape
         p = torch.rand(R, generator=g) * 0.98 + 0.01
@@ -335,9 +337,9 @@ def test_top_p_queries_on_a_subset_of_rows_equal_those_rows(listed, monkeypatch)
     """TopPQueries.bounds(..., subset): each subset row's bounds are that row of the whole result,
     bit for bit (asked tokens, settled ones, a row over QUERY_MAX decided in full, NaN / +inf
     rows), for single rows, several, and every query row."""
-    from vllm_csv.sampling.nucleus import TopPQueries
+    from vllm_csv.sampling.nucleus.top_p_queries import TopPQueries
 
-    monkeypatch.setattr(nucleus, "QUERY_LIST", listed)
+    monkeypatch.setattr(queries, "QUERY_LIST", listed)
     for y, g in (rows(13), peaked_rows(14)):
         R, V = y.shape
         p = torch.rand(R, generator=g) * 0.98 + 0.01
@@ -370,7 +372,7 @@ def test_top_p_queries_decide_as_the_full_computation(width, monkeypatch):
     list of 8 (then each token's whole-row sums, wherever the list leaves undecided a token that
     exact sums might decide); nothing is decided that the full computation does not. Through the
     kernel and through its torch reference alike."""
-    from vllm_csv.sampling.nucleus import TopPQueries
+    from vllm_csv.sampling.nucleus.top_p_queries import TopPQueries
 
     y, g = peaked_rows(13, R=24, V=2048)
     y[::2] = rows(13, R=12, V=2048)[0]
@@ -378,11 +380,11 @@ def test_top_p_queries_decide_as_the_full_computation(width, monkeypatch):
     lo = y - width * torch.rand(y.shape, generator=g)
     hi = y + width * torch.rand(y.shape, generator=g)
     only = _asked(y, g, 0.2)
-    monkeypatch.setattr(nucleus, "TAIL_SCAN", 0)
+    monkeypatch.setattr(top_p_mask, "TAIL_SCAN", 0)
     k0, d0 = decisions(*top_p_bounds(lo, hi, p), y)
     for listed, sums in ((2048, top_p_sums), (8, top_p_sums), (8, top_p_sums_ref)):
-        monkeypatch.setattr(nucleus, "QUERY_LIST", listed)
-        monkeypatch.setattr(nucleus, "top_p_sums", sums)
+        monkeypatch.setattr(queries, "QUERY_LIST", listed)
+        monkeypatch.setattr(queries, "top_p_sums", sums)
         k, d = decisions(*TopPQueries(lo, hi, p).bounds(only, only), y)
         assert torch.equal(k & only, k0 & only) and torch.equal(d & only, d0 & only)
         assert not (k & ~k0).any() and not (d & ~d0).any()
@@ -410,7 +412,7 @@ def test_whole_row_top_p_sums_are_sound(variant, monkeypatch):
     (``strict_may_follow``: a tied token may sort after it), one that counts the tokens tied at
     ``ylo_i`` as sorting before it (``ties_before``). Leaving ``i``'s own mass out of ``r_lo``
     (``no_own_mass``) is only weaker: sound, and deciding no more than the full computation."""
-    from vllm_csv.sampling.nucleus import TopPQueries
+    from vllm_csv.sampling.nucleus.top_p_queries import TopPQueries
 
     def broken(lo, hi, el, eh, qrow, qcol):
         out = top_p_sums_ref(lo, hi, el, eh, qrow, qcol)
@@ -426,9 +428,9 @@ def test_whole_row_top_p_sums_are_sound(variant, monkeypatch):
             out[:, 1] -= el_q.gather(1, qcol[:, None])[:, 0]
         return out
 
-    monkeypatch.setattr(nucleus, "QUERY_LIST", 4)
-    monkeypatch.setattr(nucleus, "TAIL_SCAN", 0)
-    monkeypatch.setattr(nucleus, "top_p_sums", {"kernel": top_p_sums, "reference": top_p_sums_ref}.get(variant, broken))
+    monkeypatch.setattr(queries, "QUERY_LIST", 4)
+    monkeypatch.setattr(top_p_mask, "TAIL_SCAN", 0)
+    monkeypatch.setattr(queries, "top_p_sums", {"kernel": top_p_sums, "reference": top_p_sums_ref}.get(variant, broken))
     wrong = 0
     for seed in range(4):
         y, lo, hi, g = _tied_rows(40 + seed)
@@ -521,7 +523,7 @@ def test_unlisted_masses_bound_the_exact_sums(variant, monkeypatch):
     at most, through the kernel and the reference, on rows of five spreads with ties and -inf
     and on learned-head-shaped rows; sums off by 1e-4 of themselves (past the 512 u widening, 3e-5)
     are caught."""
-    from vllm_csv.sampling.nucleus import TopPQueries
+    from vllm_csv.sampling.nucleus.top_p_queries import TopPQueries
 
     def off(sign_lo, sign_hi):
         def f(lo, hi, c, ih):
@@ -531,7 +533,7 @@ def test_unlisted_masses_bound_the_exact_sums(variant, monkeypatch):
 
     variants = {"kernel": unlisted_masses, "reference": unlisted_masses_ref,
                 "lower_too_high": off(+1, 0), "upper_too_low": off(0, -1)}
-    monkeypatch.setattr(nucleus, "unlisted_masses", variants[variant])
+    monkeypatch.setattr(queries, "unlisted_masses", variants[variant])
     caught = 0
     for y, g in (rows(41), peaked_rows(42)):
         p = torch.full((y.shape[0],), 0.9)
@@ -558,9 +560,9 @@ def test_narrowed_top_p_queries_are_sound(listed, width, monkeypatch):
     order changes, exact values fall below the old K-th bound) and some rows dropped out; they
     decide at least what the wide queries decided; bounds that are not within the old ones, or
     other rows, or another top-p, give None (the caller builds anew)."""
-    from vllm_csv.sampling.nucleus import TopPQueries
+    from vllm_csv.sampling.nucleus.top_p_queries import TopPQueries
 
-    monkeypatch.setattr(nucleus, "QUERY_LIST", listed)
+    monkeypatch.setattr(queries, "QUERY_LIST", listed)
     for y, g in (rows(21), peaked_rows(22)):
         R, V = y.shape
         p = torch.rand(R, generator=g) * 0.98 + 0.01
@@ -601,7 +603,7 @@ def test_narrowed_queries_keep_the_unlisted_below_the_old_list(monkeypatch):
     0.05, bounds [0, 5.5]) is listed; token 8 (y 4.9, bounds [-20, 4.95]) is not (the K-th bound
     is 5.0); the other listed tokens' exact values are -10. vLLM drops token 6 at p = 0.5
     (token 8 holds 99% of the mass): no query may keep it."""
-    from vllm_csv.sampling.nucleus import TopPQueries
+    from vllm_csv.sampling.nucleus.top_p_queries import TopPQueries
 
     V, K = 64, 8
     y = torch.full((1, V), -8.0)
@@ -616,7 +618,7 @@ def test_narrowed_queries_keep_the_unlisted_below_the_old_list(monkeypatch):
     assert not torch.isfinite(apply_top_k_top_p_pytorch(y.clone(), None, p))[0, 6]
     only = torch.zeros(1, V, dtype=torch.bool)
     only[0, 6] = True
-    monkeypatch.setattr(nucleus, "QUERY_LIST", K)
+    monkeypatch.setattr(queries, "QUERY_LIST", K)
     wide = TopPQueries(lo, hi, p)
     assert int(wide.is_listed[0].sum()) == K and bool(wide.is_listed[0, 6]) and not bool(wide.is_listed[0, 8])
     lo2, hi2 = lo.clone(), hi.clone()
@@ -689,7 +691,7 @@ def test_min_p_decisions_are_sound_on_adversarial_bounds(seed):
 def test_a_negative_min_p_margin_on_the_row_is_caught(monkeypatch):
     """Broken bound: min-p's margin made negative on the whole-row rule: tokens within the
     margin of the cut get decisions vLLM contradicts."""
-    monkeypatch.setattr(nucleus, "_min_p_margin", lambda y_abs, m_abs: torch.full_like(y_abs, -0.05))
+    monkeypatch.setattr(min_p_mask, "_min_p_margin", lambda y_abs, m_abs: torch.full_like(y_abs, -0.05))
     y, lo, hi, mp, _ = _adversarial_min_p_rows(14)
     nlo, nhi = min_p_bounds(y, y, mp)
     kept = vllm_min_p(y, mp)
@@ -787,15 +789,15 @@ def _tied_far_below(seed, R=32, V=512):
 
 @pytest.mark.parametrize("path", ["full", "queries", "narrowed", "narrowed_kept_stale"])
 def test_top_p_on_masses_that_underflow_keeps_no_tied_token(path, monkeypatch):
-    """Masses that underflow are not "no token" (nucleus docstring, "underflow in the masses"):
+    """Masses that underflow are not "no token" (nucleus.top_p docstring, "underflow in the masses"):
     two tokens tied far below the shift, one of which vLLM's top-p drops (whichever its sort puts
     first), are never certainly kept, and no decision contradicts vLLM's top-p. ``narrowed``: the
     shift left by wider bounds (1e4 above); ``narrowed_kept_stale``: without the rebuild that a
     stale shift triggers (the underflow margin alone)."""
-    from vllm_csv.sampling.nucleus import TopPQueries
+    from vllm_csv.sampling.nucleus.top_p_queries import TopPQueries
 
     if path == "narrowed_kept_stale":
-        monkeypatch.setattr(nucleus, "STALE_SHIFT", math.inf)
+        monkeypatch.setattr(queries, "STALE_SHIFT", math.inf)
     # the smallest case: token 0 in [-800, 0], token 1 exactly -800 (a tie when y_0 = -800)
     lo, hi, p = torch.tensor([[-800.0, -800.0]]), torch.tensor([[0.0, -800.0]]), torch.tensor([0.3])
     assert top_p_bounds(lo, hi, p)[0][0, 0] == -math.inf

@@ -49,7 +49,7 @@ class Spy:
 
     def __init__(self, monkeypatch):
         self.fast = self.rounds = self.tried = 0
-        orig_fast, orig_rounds = rows.certify_top_k, rows._rounds
+        orig_fast, orig_rounds = rows.certify_top_k, rows.run_rounds
 
         def fast(*a, **kw):
             self.tried += a[1].shape[0]
@@ -61,7 +61,7 @@ class Spy:
             self.rounds += hidden.shape[0]
             return orig_rounds(adapter, hidden, *a)
         monkeypatch.setattr(rows, "certify_top_k", fast)
-        monkeypatch.setattr(rows, "_rounds", rounds)
+        monkeypatch.setattr(rows, "run_rounds", rounds)
 
 
 def run(head, h, T, k, seeds, batch=16, p=None, min_p=None):

@@ -25,7 +25,8 @@ from vllm.v1.sample.sampler import Sampler  # noqa: E402
 from vllm_csv.errors import CSVError  # noqa: E402
 from vllm_csv.head import HeadConfig  # noqa: E402
 from vllm_csv.sampling import sharded_rows  # noqa: E402
-from vllm_csv.sampling.nucleus import min_p_bounds, top_p_bounds  # noqa: E402
+from vllm_csv.sampling.nucleus.min_p import min_p_bounds  # noqa: E402
+from vllm_csv.sampling.nucleus.top_p import top_p_bounds  # noqa: E402
 from vllm_csv.sampling.sharded_rows import ShardedAdapter  # noqa: E402
 from vllm_csv.sharded import Shard, ShardedHead  # noqa: E402
 from vllm_csv.testing import audit  # noqa: E402

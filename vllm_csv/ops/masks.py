@@ -1,7 +1,8 @@
 """vLLM's min-p and top-k masks on bounds, given each row's thresholds, and the sums top-p's
 decisions read (``csrc/cpu/nucleus_cpu.cpp``), beside their torch references. The thresholds,
-the decisions and their proofs are :func:`vllm_csv.sampling.nucleus.min_p_bounds`',
-:func:`~vllm_csv.sampling.nucleus.top_k_bounds`' and :class:`~vllm_csv.sampling.nucleus.TopPQueries`'.
+the decisions and their proofs are :func:`vllm_csv.sampling.nucleus.min_p.min_p_bounds`',
+:func:`~vllm_csv.sampling.nucleus.top_k.top_k_bounds`' and
+:class:`~vllm_csv.sampling.nucleus.top_p_queries.TopPQueries`'.
 
 Why fused: the reference is two comparisons and two ``where`` over ``[R, V]``; torch's ``where``
 and ``masked_fill`` on bool masks run a scalar loop on the CPU (about 0.7 ms each for 8 rows of
@@ -85,8 +86,8 @@ def top_k_cut(lo: torch.Tensor, hi: torch.Tensor, hk: torch.Tensor, hk1: torch.T
 
 def top_p_sums_ref(lo: torch.Tensor, hi: torch.Tensor, el: torch.Tensor, eh: torch.Tensor,
                    qrow: torch.Tensor, qcol: torch.Tensor) -> torch.Tensor:
-    """The four masses top-p decides a token on (:mod:`vllm_csv.sampling.nucleus`, "top-p"), each
-    summed over the whole row.
+    """The four masses top-p decides a token on (:mod:`vllm_csv.sampling.nucleus.top_p`, "top-p"),
+    each summed over the whole row.
 
     Parameters
     ----------
@@ -130,8 +131,9 @@ def top_p_sums(lo: torch.Tensor, hi: torch.Tensor, el: torch.Tensor, eh: torch.T
 
 
 def unlisted_masses_ref(lo: torch.Tensor, hi: torch.Tensor, c: torch.Tensor, ih: torch.Tensor) -> torch.Tensor:
-    """The masses of the tokens off top-p's list (:class:`vllm_csv.sampling.nucleus.TopPQueries`,
-    whose ``_unlisted`` bounds the exact sums from these).
+    """The masses of the tokens off top-p's list
+    (:class:`vllm_csv.sampling.nucleus.top_p_queries.TopPQueries`, whose ``_unlisted`` bounds the
+    exact sums from these).
 
     Parameters
     ----------

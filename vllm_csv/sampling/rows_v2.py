@@ -45,8 +45,8 @@ from ..ops.bools import any_
 from ..ops.topk import row_topk
 from .gumbel_v2 import certify_draw_v2, min_p_bounds, noise_bounds, temperature_bounds
 from .head_adapter import HeadAdapter
-from .rows import (FIRST_GUESS, MAX_ROUNDS, RowsResult, budget_of, contended, empty_state, next_columns, reasons,
-                   score_columns, screen_bounds)
+from .scoring import (FIRST_GUESS, MAX_ROUNDS, RowsResult, budget_of, contended, empty_state, next_columns, reasons,
+                      score_columns, screen_bounds)
 
 
 Bounds = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]

@@ -13,7 +13,7 @@ is itself decided from gathered numbers):
    are ``-inf``: every such step is elementwise per (row, token) and maps ``-inf`` to
    ``-inf``, so the shard's columns come out as on the full row);
 2. per rank and row, the tokens that min-p drops whatever the other ranks hold are left out
-   (:func:`~.nucleus.min_p_drops_on_part`: the rank's own largest lower bound is at most the
+   (:func:`~.nucleus.min_p.min_p_drops_on_part`: the rank's own largest lower bound is at most the
    row's maximum; min-p's ``-inf`` is then exactly what the dense row has for them). Of the
    others, the :data:`EXPLICIT` tokens of highest processed upper bound ``yhi`` and
    :data:`EXPLICIT` more of highest noisy upper bound ``yhi + g`` (sampled rows; ``g`` the
@@ -37,7 +37,7 @@ is itself decided from gathered numbers):
    when its winner is explicit and scored, every rank could
    bound the row (``finite``) and the certificate holds. The contenders not yet scored are
    scored exactly by their owners (the same list on every rank; each scores its own columns)
-   and the round repeats, up to :data:`~.rows.MAX_ROUNDS` more times and the budget.
+   and the round repeats, up to :data:`~.scoring.MAX_ROUNDS` more times and the budget.
 
 The decision is a function of the gathered tensor only, computed by the same code on every
 rank: the ranks cannot split, whatever their local numbers are (each rank's local numbers are
@@ -60,9 +60,10 @@ from ..ops.noise import noise_bits_ref as noise_bits, noise_of_bits
 from ..ops.topk import row_topk
 from .certificate import certify_draw
 from .head_adapter import HeadAdapter
-from .nucleus import min_p_bounds, min_p_drops_on_part, top_p_bounds
+from .nucleus.min_p import min_p_bounds, min_p_drops_on_part
+from .nucleus.top_p import top_p_bounds
 from .outside import Outside
-from .rows import FIRST_GUESS, MAX_ROUNDS, Process, RowsResult, within_budget
+from .scoring import FIRST_GUESS, MAX_ROUNDS, Process, RowsResult, within_budget
 from ..vocabulary import reason_of
 
 EXPLICIT = 16  # tokens a rank sends per row and key (highest yhi; highest yhi + g)

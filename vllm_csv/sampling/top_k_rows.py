@@ -13,7 +13,7 @@ masses or draw certificate over the vocabulary, no rounds. A row with a min-p an
 
 Pipeline (:func:`certify_top_k`):
 
-1. the screen's upper bounds ``hi [R, V]`` (computed once by the caller, :func:`~.rows.screen_bounds`);
+1. the screen's upper bounds ``hi [R, V]`` (computed once by the caller, :func:`~.scoring.screen_bounds`);
 2. each row's ``K + 1`` highest upper bounds (``K = TOP_K_GUESS (k + 1)``, or
    :data:`MIN_P_GUESS` on a row without a top-k; at most the row's share of the budget; one :func:`~vllm_csv.ops.topk.row_topk` pass): the first ``K`` are the
    row's candidates, the ``(K + 1)``-th value bounds every other token of the row (``-inf`` when
@@ -23,7 +23,7 @@ Pipeline (:func:`certify_top_k`):
    of it, and the bounds mapped by ``columns`` (monotone per token: bounds map to bounds); the
    others' bounds mapped too, as one more column: the ``(K + 1)``-th upper bound above, and below
    the row's smallest lower bound where the row has a min-p (``lo_min``), else ``-inf``;
-4. with a min-p, vLLM's min-p on those ``K + 1`` columns (:func:`~.nucleus.min_p_bounds`). Its
+4. with a min-p, vLLM's min-p on those ``K + 1`` columns (:func:`~.nucleus.min_p.min_p_bounds`). Its
    decision on a token rests on that token's own bounds, the row's maximum ``m`` and a margin
    of that token's ``|y|`` and ``|m|`` (:mod:`.nucleus`, "min-p"), and ``m`` lies between the
    columns' largest lower bound and their largest upper bound, which is the row's (the highest
@@ -33,7 +33,7 @@ Pipeline (:func:`certify_top_k`):
    does not, the column stands for tokens min-p may or may not keep (it is never certainly kept
    as one token stands for many: its lower bound becomes ``-inf``), which is what vLLM's top-k
    then sees;
-5. vLLM's top-k on those ``K + 1`` columns (:func:`~.nucleus.top_k_bounds`: certainly kept,
+5. vLLM's top-k on those ``K + 1`` columns (:func:`~.nucleus.top_k.top_k_bounds`: certainly kept,
    certainly dropped, undecided). The row goes on only if the others' column is certainly
    dropped (by min-p above, or here): its upper bound is below ``L_k``, the ``k``-th largest
    lower bound of the candidates, a lower bound of the dense ``k``-th value (after min-p: a
@@ -43,7 +43,7 @@ Pipeline (:func:`certify_top_k`):
    that decide "certainly kept" (the others are below ``L_k``, itself at most the ``k``-th largest
    candidate upper bound; one column at the others' bound gives the ``(k + 1)``-th as any number
    of others would);
-6. with a top-p, vLLM's top-p on the columns (:func:`~.nucleus.top_p_bounds`): every other
+6. with a top-p, vLLM's top-p on the columns (:func:`~.nucleus.top_p.top_p_bounds`): every other
    token is certainly dropped by min-p or top-k (step 5 checks that before top-p: top-p sees the
    others' column as one token of one token's mass, and could drop it where the many tokens it
    stands for are kept), so it adds nothing to any mass; vLLM's rounding is bounded for sums
@@ -76,7 +76,9 @@ import torch
 from ..ops.topk import row_topk
 from .certificate import certify_draw
 from .head_adapter import HeadAdapter
-from .nucleus import min_p_bounds, top_k_bounds, top_p_bounds
+from .nucleus.min_p import min_p_bounds
+from .nucleus.top_k import top_k_bounds
+from .nucleus.top_p import top_p_bounds
 
 TOP_K_GUESS = 4  # top-k rows: their 4 (k + 1) highest upper bounds scored first (also the rounds' first guess).
 # The demo model's top-k 20 rows needed 36 at the median, 65 at the 86th percentile, 86 at most

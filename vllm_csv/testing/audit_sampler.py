@@ -37,7 +37,7 @@ MIN_P = (1e-4, 0.01, 0.05, 0.1, 0.3, 0.95)
 
 
 # (family, seed, dtype, screen) of the cases that found wrong tokens: before the top-p fix for
-# masses that underflow (nucleus docstring), ties drawn at temperatures near 0.01; and before
+# masses that underflow (nucleus.top_p docstring), ties drawn at temperatures near 0.01; and before
 # head.hidden_rows, an inf in a row kept dense while finite rows of the batch were certified apart
 # from it (the AMX machine's bf16 GEMM wrote NaN over them in the dense batch)
 REGRESSIONS = (("near_tie", 7716, torch.bfloat16, "ball"), ("bias_cancel", 21, torch.bfloat16, "int8"),
