@@ -34,7 +34,7 @@ class HeadConfig:
     budget : float
         Max share of ``V`` scored exactly before the dense path: per row in the head, per batch
         (its rows' scored columns together) in the sampler's rounds
-        (:func:`vllm_csv.sampling.rows.budget_of`).
+        (:func:`vllm_csv.sampling.scoring.budget_of`).
     epsilon : float, optional
         Accepted and validated for callers of the old API; no effect. (The epsilon-softmax mode
         it configured, ``CertifiedHead.softmax_eps``, was reached by no serving flag and was
