@@ -201,3 +201,47 @@ def test_mutation_unprobed_engine_certifies_a_wrong_token(monkeypatch):
     head = CertifiedHead(W, config=HeadConfig(budget=1.0, off_switch=False), engine_linear=_bf16_partial_sums)
     res = head.topk(h, 1, values=False)
     assert res.certified.any() and (res.ids[:, 0][res.certified] != engine[res.certified]).any()
+
+
+NEW_API_CASE = r"""
+import sys, torch
+from vllm_csv import CertifiedHead, HeadConfig
+W = torch.ones(4, 1024); W[0] += 2**-12; W[1, 5] = 1.0625; W[2:] *= -1
+h = torch.ones(3, 1024)
+head = CertifiedHead(W, config=HeadConfig(screen="fp16", budget=1.0, off_switch=False))
+assert head.topk(h, 1, values=False).certified.all()
+exec(sys.argv[1])  # the new per-backend API (torch >= 2.9)
+ok = head.arithmetic_ok()
+res = head.topk(h, 1, values=False)
+_, stats = head.sampler_logits(h, torch.ones(3, dtype=torch.long))
+print(ok, int(res.certified.sum()), stats.certified)
+"""
+
+
+@pytest.mark.parametrize("setting,ieee", [
+    ('torch.backends.mkldnn.matmul.fp32_precision = "bf16"', False),
+    ('torch.backends.mkldnn.fp32_precision = "bf16"', False),
+    ('torch.backends.fp32_precision = "tf32"', False),
+    ('torch.backends.mkldnn.matmul.fp32_precision = "ieee"', True),
+    # another backend's: the CPU's own says "none" and torch's legacy reading then raises, so the
+    # head cannot learn its GEMM's precision: dense (the CPU GEMM is IEEE here, but that is a guess)
+    ('torch.backends.cuda.matmul.fp32_precision = "tf32"', False),
+])
+def test_fp32_heads_read_torchs_new_precision_api(setting, ieee):
+    """torch's per-backend ``fp32_precision`` (torch 2.9+): an fp32 head certifies only where its
+    backend's fp32 GEMM is IEEE. Once that API is used, ``torch.get_float32_matmul_precision()``
+    raises; the head once read it alone, so every step of an fp32 head raised (found here). In a
+    fresh process (the API's state is process-wide)."""
+    import os
+    import subprocess
+    import sys
+
+    if not hasattr(torch.backends.mkldnn, "matmul"):
+        pytest.skip("torch without the per-backend fp32_precision API")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [os.getcwd(), os.environ.get("PYTHONPATH")])))
+    out = subprocess.run([sys.executable, "-c", NEW_API_CASE, setting], capture_output=True, text=True, env=env,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    ok, certified, sampler_certified = out.stdout.split()[-3:]
+    assert ok == str(ieee)
+    assert (int(certified), int(sampler_certified)) == ((3, 3) if ieee else (0, 0))

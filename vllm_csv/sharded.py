@@ -247,6 +247,7 @@ class ShardedHead:
         self.dtype = weight.dtype
         self.engine = DenseEngine(self.dtype, softcap, scale)
         self.backend = backend_for(weight.device)
+        self._device_type = weight.device.type  # (arithmetic_ok: the backend whose fp32 setting counts)
         n = shard.real
         local_cfg = replace(self.config, off_switch=False, budget=1.0)
         # the single-rank head over the shard's real rows: screen, bounds, exact scoring
@@ -275,7 +276,7 @@ class ShardedHead:
     def arithmetic_ok(self) -> bool:
         """As :meth:`CertifiedHead.arithmetic_ok`, on the probe every rank agreed on (and torch's
         setting, the same on every rank)."""
-        return arithmetic_ok(self.engine_probe, self.dtype)
+        return arithmetic_ok(self.engine_probe, self.dtype, self._device_type)
 
     def output(self, exact: torch.Tensor) -> torch.Tensor:
         """As :meth:`CertifiedHead.output`."""

@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from ..cpu_malloc import tune_malloc
-from ..dense_engine import DenseEngine, probe_engine
+from ..dense_engine import DenseEngine, fp32_matmul_is_ieee, probe_engine
 from ..errors import CSVError
 from ..off_switch import OffSwitch
 from ..ops import step as cpu_ops
@@ -153,7 +153,9 @@ class CertifiedHead:
 
     def arithmetic_ok(self) -> bool:
         """The dense engine's arithmetic is, now, the one the bounds assume. An fp32 head needs
-        torch's float32 matmul precision ``"highest"``: at ``"high"`` or ``"medium"`` (vLLM sets it
+        torch's float32 matmul in IEEE fp32 (:func:`~vllm_csv.dense_engine.fp32_matmul_is_ieee`:
+        the legacy precision ``"highest"``, or the new per-backend ``fp32_precision`` ``"ieee"``):
+        at ``"high"`` or ``"medium"`` (vLLM sets it
         from ``VLLM_FLOAT32_MATMUL_PRECISION``) cuBLAS runs fp32 GEMMs in TF32 and oneDNN may use
         bf16 passes, a unit roundoff of ``2^-11`` or worse, and an fp32 row 2^-12 ahead of another
         was certified there (issue 42). Read on every step (a host read of a Python setting), so a
@@ -161,7 +163,7 @@ class CertifiedHead:
         ``arithmetic``). bf16 and fp16 GEMMs accumulate in fp32 whatever this setting. And the
         engine's probe (:func:`~vllm_csv.dense_engine.probe_engine`, at start-up) found the
         accumulation the bounds assume."""
-        return arithmetic_ok(self.engine_probe, self.dtype)
+        return arithmetic_ok(self.engine_probe, self.dtype, self.weight.device.type)
 
     # ---- bounds (selector.Bounds) -------------------------------------------------------
     def prepare(self, hidden: torch.Tensor):
@@ -283,7 +285,7 @@ class CertifiedHead:
         return runtime.sampler_logits(self, hidden, topk, dense_fn or self.dense_logits, t0, temperature)
 
 
-def arithmetic_ok(probe, dtype: torch.dtype) -> bool:
-    """:meth:`CertifiedHead.arithmetic_ok` of an engine ``probe`` and model ``dtype`` (the sharded
-    head's ranks agree on ``probe``)."""
-    return probe.fp32_accumulation and (dtype != torch.float32 or torch.get_float32_matmul_precision() == "highest")
+def arithmetic_ok(probe, dtype: torch.dtype, device_type: str = "cpu") -> bool:
+    """:meth:`CertifiedHead.arithmetic_ok` of an engine ``probe``, model ``dtype`` and the head's
+    ``device_type`` (the sharded head's ranks agree on ``probe``)."""
+    return probe.fp32_accumulation and (dtype != torch.float32 or fp32_matmul_is_ieee(device_type))
