@@ -154,6 +154,11 @@ def run(c: dict) -> dict:
     import vllm.triton_utils as tu
 
     tu.triton, tu.tl, tu.HAS_TRITON = triton, tl, True  # before vLLM's V2 sampling modules are imported
+    overlay = os.environ.get("VLLM_CSV_V2_SAMPLE_OVERLAY")  # another release's V2 sampling files (test_vllm033.py)
+    if overlay:
+        from vllm_csv.testing.vllm_v2 import overlay_vllm_v2_sample
+
+        overlay_vllm_v2_sample(overlay)
     from vllm_csv import CertifiedHead, HeadConfig
     from vllm_csv.sampling import rows_v2
     from vllm_csv.sampling.head_adapter import HeadAdapter
@@ -192,7 +197,10 @@ def run(c: dict) -> dict:
     }
     grammar = _grammar(c, B) if c.get("bitmask") else (lambda x: x)
     dense = grammar(dense)
-    out = {"dense": draw(dense), "rows": rows}
+    from vllm_csv.vllm_plugin.v2 import known
+
+    out = {"dense": draw(dense), "rows": rows, "sampler_file": sys.modules[type(sampler).__module__].__file__,
+           "release": known.matching_release(known.fingerprint())}
     for name in c["variants"]:
         logits = head.dense_logits(h).clone()
         logits[rows] = csv_step.PLACEHOLDER

