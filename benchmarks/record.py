@@ -407,7 +407,7 @@ def rows_from_tp_head(d: dict, source: str, **common) -> list[Row]:
         cfg = _cfg(model=label, tp=tp, mode=d.get("mode"), screen=d.get("screen"), temperature=d.get("temperature"))
         for b, bd in td.items():
             kw = dict(config=cfg, batch=int(b))
-            out.add("speedup", bd.get("speedup_vs_dense"), "x", f"dense head at the same TP size, same run", **kw)
+            out.add("speedup", bd.get("speedup_vs_dense"), "x", "dense head at the same TP size, same run", **kw)
             out.add("csv_ms", bd.get("csv_ms"), "ms", **kw)
             out.add("dense_ms", bd.get("dense_ms"), "ms", **kw)
             out.add("certified_share", bd.get("certified_share"), "share", **kw)

@@ -32,7 +32,7 @@ def walk(family: str, seed: int, rows: int, screen: str) -> tuple[collections.Co
     head = audit.make_head(case, screen)
     audit_sampler.check_sampler(head, case, batch, seed)  # warm-up (kernels, caches)
 
-    entries, order, stack = collections.Counter(), [], []
+    entries, order = collections.Counter(), []
 
     def product(frame) -> str | None:
         name = frame.f_globals.get("__name__", "")
