@@ -3,7 +3,9 @@
 Drives vLLM's own V1 ``Sampler`` with the plugin's hook on one batch of the sampler audit
 (``vllm_csv.testing.audit_sampler``: a hostile head family, rows deferred to the sampler as the
 plugin's layer defers them) and records, with ``sys.setprofile``, every call from one
-``vllm_csv`` module into another (the harness's own modules, ``vllm_csv.testing``, left out).
+``vllm_csv`` module into another, through vLLM's and torch's frames (the harness's own modules,
+``vllm_csv.testing``, and their calls left out: what the harness does in place of the layer, the
+hand-off, is not the row's walk).
 Prints, per module, how many times the walk entered it, and the total; ``--json`` writes them.
 A module entered once is a pipeline stage; one entered many times is a helper the walk keeps
 returning to (the issue counted 61 entries into 11 modules before the redesign).
@@ -46,7 +48,8 @@ def walk(family: str, seed: int, rows: int, screen: str) -> tuple[collections.Co
                     "__name__", "").startswith(("torch", "vllm.", "numpy")):
                 caller = caller.f_back  # (through vLLM's and torch's frames to the product's caller)
             src = None if caller is None else product(caller)
-            if mod is not None and mod != src:
+            harness = caller is not None and caller.f_globals.get("__name__", "").startswith("vllm_csv.testing")
+            if mod is not None and mod != src and not harness:  # (the harness's own calls: not the row's walk)
                 entries[mod] += 1
                 order.append(mod)
 
