@@ -113,7 +113,8 @@ def greedy_layer(head, monkeypatch, dense=None):
     the list of the dense forward's batch sizes."""
     from vllm.model_executor.layers.logits_processor import LogitsProcessor
 
-    from vllm_csv.vllm_plugin import step_plan
+    from vllm_csv.vllm_plugin.plan import Plan
+    from vllm_csv.vllm_plugin.step import StepChannel
 
     calls = []
 
@@ -130,13 +131,16 @@ def greedy_layer(head, monkeypatch, dense=None):
 
     monkeypatch.setattr(head, "select", spy)
     layer, plans = csv_layer(head), {}
+    layer.csv_channel = channel = StepChannel()  # (the runner's, as patches.py binds it)
 
     def step(h):
         B = h.shape[0]
-        plan = plans.setdefault(B, step_plan.Plan([str(i) for i in range(B)], [1] * B))
+        plan = plans.setdefault(B, Plan([str(i) for i in range(B)], [1] * B))
         tried.append(False)
-        with step_plan.active_plan(plan):
-            return layer.forward(None, h), tried[-1]
+        channel.open(plan)
+        out = layer.forward(None, h)
+        channel.close_plan()
+        return out, tried[-1]
 
     return step, calls
 

@@ -688,7 +688,9 @@ def test_off_switch_counts_the_sampler_passes_csv_skips(monkeypatch):
     ``(B, "sampler")``): a certificate dearer than the dense head but cheaper than the head plus
     the vLLM top-k pass it saves stays on; one dearer than both turns off. With the head's time
     alone on both sides (the switch without in-place samples of that key) the first case turned
-    off too. The draws are vLLM's in every step."""
+    off; the time around the head (issue 45: ``OffSwitch.observe_outside``, the sampler's pass
+    falls outside the head's span) now shows the saving there too, and it stays on; without that
+    charge it turns off as before. The draws are vLLM's in every step."""
     from vllm_csv.off_switch import OffSwitch
 
     n = 160
@@ -701,9 +703,16 @@ def test_off_switch_counts_the_sampler_passes_csv_skips(monkeypatch):
     # the switched-off steps (the fast lane's among them) were timed with the sampler call too
     assert sw.dense_seconds[(8, "sampler")] == pytest.approx(2.0)
     monkeypatch.undo()
-    monkeypatch.setattr(OffSwitch, "samples_in_place", False)  # the head's time alone, as before
+    monkeypatch.setattr(OffSwitch, "samples_in_place", False)  # the head's time alone on both sides
     tried, sw = _switched_run(monkeypatch, 1.3)
-    assert (8, "sampler") not in sw.dense_seconds and tried <= 0.1 * n, tried
+    # (on after the first outside samples of each side: the dense ones come from the probes)
+    assert (8, "sampler") not in sw.dense_seconds and tried >= 0.75 * n, tried
+    assert sw.outside_excess(8) == pytest.approx(-1.0)  # the top-k pass CSV skips, seen around the head
+    monkeypatch.undo()
+    monkeypatch.setattr(OffSwitch, "samples_in_place", False)
+    monkeypatch.setattr(OffSwitch, "outside_excess", lambda self, batch: 0.0)  # the switch before issue 45
+    tried, sw = _switched_run(monkeypatch, 1.3)
+    assert tried <= 0.1 * n, tried
 
 
 def _mask_rows(g, B, V, kind):

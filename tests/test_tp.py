@@ -25,6 +25,7 @@ from vllm_csv.index import build_index
 from vllm_csv.sharded import Shard, ShardedHead, TorchGroup
 from vllm_csv.testing import audit
 from vllm_csv.testing.fakes import csv_layer
+from vllm_csv.testing.heads import hidden_near_rows
 
 
 class ThreadGroup:
@@ -223,7 +224,7 @@ def test_regressions_sharded():
 def learned_case(V=1000, d=48, B=24, k=1, dtype=torch.bfloat16, seed=0):
     g = torch.Generator().manual_seed(seed)
     W = torch.randn(V, d, generator=g) / d**0.5
-    h = audit._near_rows(W, B, g)
+    h = hidden_near_rows(W, B, g)
     return audit.Case("learned", W.to(dtype), None, h.to(dtype), k)
 
 
@@ -409,7 +410,7 @@ def ball_bound_violations(offset_of=None) -> int:
         assert head.screen.two_sided
         if offset_of is not None:
             head.screen.offset = offset_of(head.screen)
-        h = torch.cat([audit._near_rows(W, 16, g), torch.randn(8, d, generator=g), 40 * torch.randn(4, d, generator=g)])
+        h = torch.cat([hidden_near_rows(W, 16, g), torch.randn(8, d, generator=g), 40 * torch.randn(4, d, generator=g)])
         lo, hi, _, ok = head.intervals(h)
         z = h.double() @ W.double().T + bias.double()
         bad += int(((z < lo.double()) | (z > hi.double()))[ok].sum())
@@ -461,7 +462,8 @@ def test_shared_off_switch_is_common(monkeypatch):
     from vllm.model_executor.layers.logits_processor import LogitsProcessor
 
     from vllm_csv import head as csv_head
-    from vllm_csv.vllm_plugin import step_plan
+    from vllm_csv.vllm_plugin.plan import Plan
+    from vllm_csv.vllm_plugin.step import StepChannel
 
     real_time = csv_head.time_call
     monkeypatch.setattr(csv_head, "time_call", lambda fn, like: (real_time(fn, like), 0.01)[1])
@@ -485,11 +487,13 @@ def test_shared_off_switch_is_common(monkeypatch):
             return out
 
         head.select = slow_select
-        plan = step_plan.Plan([str(i) for i in range(4)], [1] * 4)
+        plan = Plan([str(i) for i in range(4)], [1] * 4)
+        layer.csv_channel = channel = StepChannel()  # (the runner's, as patches.py binds it)
         for _ in range(40):
             tried.append(False)
-            with step_plan.active_plan(plan):
-                layer.forward(None, case.hidden)
+            channel.open(plan)
+            layer.forward(None, case.hidden)
+            channel.close_plan()
         return tried
 
     res, _ = run_ranks(2, rank)
