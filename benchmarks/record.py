@@ -288,13 +288,19 @@ class _Rows(list):
                            "baseline": baseline}))
 
 
+def _run_rows(benchmark: str, m, source: str, common: dict, **fixed) -> _Rows:
+    """The rows of a run whose JSON names its machine, threads and commit in one dict ``m``."""
+    return _Rows(benchmark=benchmark, machine=machine_words(m), threads=_threads(m),
+                 commit=short_commit(m.get("commit") if isinstance(m, dict) else ""), source=source, **fixed,
+                 **common)
+
+
 # --------------------------------------------------------------------------- per benchmark
 
 
 def rows_from_lm_head(d: dict, source: str, **common) -> list[Row]:
     m = d.get("machine", {})
-    out = _Rows(benchmark="lm_head", machine=machine_words(m), threads=_threads(m),
-                commit=short_commit(m.get("commit") if isinstance(m, dict) else ""), source=source, **common)
+    out = _run_rows("lm_head", m, source, common)
     for name, md in d.get("models", {}).items():
         label, shape = model_label(name)
         shape = f"{md['V']}x{md['d']}" if "V" in md else shape
@@ -472,9 +478,7 @@ def rows_from_v2_sampler_gpu(d: dict, source: str, **common) -> list[Row]:
 def rows_from_outlier_channels(d: dict, source: str, **common) -> list[Row]:
     m = d.get("machine")
     label, _ = model_label(d.get("model"))
-    out = _Rows(benchmark="outlier_channels", machine=machine_words(m), threads=_threads(m),
-                commit=short_commit(m.get("commit") if isinstance(m, dict) else ""), shape=f"{d['V']}x{d['d']}",
-                dtype="bf16", source=source, **common)
+    out = _run_rows("outlier_channels", m, source, common, shape=f"{d['V']}x{d['d']}", dtype="bf16")
     for r in d.get("rows", []):
         if "scored_share" not in r:
             continue
@@ -492,10 +496,9 @@ def rows_from_outlier_channels(d: dict, source: str, **common) -> list[Row]:
 def rows_from_load(d: dict, source: str, **common) -> list[Row]:
     m = d.get("machine")
     shape = _serve_shape(d.get("csv") or {}) or (model_label(d["model"])[1] if d.get("model") else "")
-    out = _Rows(benchmark="load", machine=machine_words(m), threads=_threads(m),
-                commit=short_commit(m.get("commit") if isinstance(m, dict) else ""), shape=shape,
-                batch=d.get("clients"), config=_cfg(model=model_label(d["model"])[0] if d.get("model") else None,
-                                                    seconds=d.get("seconds")), source=source, **common)
+    out = _run_rows("load", m, source, common, shape=shape, batch=d.get("clients"),
+                    config=_cfg(model=model_label(d["model"])[0] if d.get("model") else None,
+                                seconds=d.get("seconds")))
     c, dn = d.get("csv", {}), d.get("dense", {})
     if c.get("tokens_per_s") and dn.get("tokens_per_s"):
         out.add("tokens_per_s_ratio", c["tokens_per_s"] / dn["tokens_per_s"], "x", DENSE_SERVER,
@@ -514,8 +517,7 @@ def rows_from_load(d: dict, source: str, **common) -> list[Row]:
 
 def rows_from_int8_gemm_cpu(d: dict, source: str, **common) -> list[Row]:
     m = d.get("machine")
-    out = _Rows(benchmark="int8_gemm_cpu", machine=machine_words(m), threads=_threads(m),
-                commit=short_commit(m.get("commit") if isinstance(m, dict) else ""), dtype="int8", source=source, **common)
+    out = _run_rows("int8_gemm_cpu", m, source, common, dtype="int8")
     for r in d.get("rows", []):
         kw = dict(shape=f"{r['V']}x{r['d']}", batch=r.get("B"), config="kernel=vnni")
         if r.get("fbgemm_ms") and r.get("vnni_ms"):
@@ -528,8 +530,7 @@ def rows_from_int8_gemm_cpu(d: dict, source: str, **common) -> list[Row]:
 
 def rows_from_prefetch_cpu(d: dict, source: str, **common) -> list[Row]:
     m = d.get("machine")
-    out = _Rows(benchmark="prefetch_cpu", machine=machine_words(m), threads=_threads(m),
-                commit=short_commit(m.get("commit") if isinstance(m, dict) else ""), source=source, **common)
+    out = _run_rows("prefetch_cpu", m, source, common)
     for r in d.get("rows", []):
         kw = dict(shape=f"{r['V']}x{r['d']}", batch=r.get("B"), dtype=r.get("kernel", ""),
                   config=_cfg(kernel=r.get("kernel"), backend=r.get("backend"), prefetch_bytes=d.get("prefetch_bytes")))
@@ -543,8 +544,7 @@ def rows_from_prefetch_cpu(d: dict, source: str, **common) -> list[Row]:
 
 def rows_from_tail_bound(d: dict, source: str, **common) -> list[Row]:
     m = d.get("machine")
-    out = _Rows(benchmark="tail_bound", machine=machine_words(m), threads=_threads(m),
-                commit=short_commit(m.get("commit") if isinstance(m, dict) else ""), dtype="fp32", source=source, **common)
+    out = _run_rows("tail_bound", m, source, common, dtype="fp32")
     for case in ("peaked_random", "learned"):
         c = d.get(case)
         if not isinstance(c, dict):
