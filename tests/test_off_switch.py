@@ -1,5 +1,7 @@
 """The adaptive off-switch: CSV never costs more than 2% over the dense head, up to one step."""
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -436,32 +438,27 @@ def test_refusals_ahead_is_what_allow_would_refuse():
     assert on.refusals_ahead(4, "k") == 0  # never refused: nothing ahead
 
 
-def _layer_run(monkeypatch, lane: bool, name: str):
-    """Drive the plugin's layer (``CSVLogitsProcessor.forward``) over steps of three plans on a
-    head where CSV costs 2.7x the dense head (a fake clock: dense 1.0, a CSV step 2.7183),
-    with or without the fast lane.
-    Returns (per step: tried CSV, the layer's argmax), the switch, the metrics, allow() calls."""
+def _clocked_layer(monkeypatch, csv_seconds: float, metrics=None) -> SimpleNamespace:
+    """The plugin's layer on a fake clock around a 2048 x 32 head (off-switch on, budget 1):
+    vLLM's dense forward costs 1.0, a step that tries CSV ``csv_seconds``; ``tried`` gets one
+    entry per step the caller appends (True where CSV was tried), ``channel`` is the runner's
+    (as patches.py binds it), ``g`` the generator the head was drawn from."""
     from vllm.model_executor.layers.logits_processor import LogitsProcessor
 
-    from vllm_csv import off_switch
     from vllm_csv.head import runtime
-    from vllm_csv.metrics import CSVMetrics
     from vllm_csv.vllm_plugin import logits_processor as lp
-    from vllm_csv.vllm_plugin.plan import Plan
     from vllm_csv.vllm_plugin.step import StepChannel
 
     clock = FakeClock()
     monkeypatch.setattr(runtime, "time", clock)
     monkeypatch.setattr(lp, "time", clock)
-    if not lane:
-        monkeypatch.setattr(off_switch, "LANE_MAX", 0)
     g = torch.Generator().manual_seed(0)
     W = torch.randn(2048, 32, generator=g)
     head = CertifiedHead(W, config=HeadConfig(budget=1.0))
     select, tried = head.select, []
 
     def timed_select(*a, **k):
-        clock.now += 2.7183
+        clock.now += csv_seconds
         tried[-1] = True
         return select(*a, **k)
 
@@ -471,11 +468,27 @@ def _layer_run(monkeypatch, lane: bool, name: str):
 
     monkeypatch.setattr(head, "select", timed_select)
     monkeypatch.setattr(LogitsProcessor, "forward", dense_forward)
+    layer = csv_layer(head, metrics)
+    layer.csv_channel = channel = StepChannel()
+    return SimpleNamespace(clock=clock, head=head, layer=layer, channel=channel, tried=tried, W=W, g=g)
+
+
+def _layer_run(monkeypatch, lane: bool, name: str):
+    """Drive the plugin's layer (``CSVLogitsProcessor.forward``) over steps of three plans on a
+    head where CSV costs 2.7x the dense head (a fake clock: dense 1.0, a CSV step 2.7183),
+    with or without the fast lane.
+    Returns (per step: tried CSV, the layer's argmax), the switch, the metrics, allow() calls."""
+    from vllm_csv import off_switch
+    from vllm_csv.metrics import CSVMetrics
+    from vllm_csv.vllm_plugin.plan import Plan
+
+    if not lane:
+        monkeypatch.setattr(off_switch, "LANE_MAX", 0)
+    run = _clocked_layer(monkeypatch, 2.7183, CSVMetrics(name, {"vocab_size": 2048}))
+    head, layer, channel, tried, W, g = run.head, run.layer, run.channel, run.tried, run.W, run.g
     allows = []
     allow = head.off_switch.allow
     monkeypatch.setattr(head.off_switch, "allow", lambda *a, **k: allows.append(1) or allow(*a, **k))
-    layer = csv_layer(head, CSVMetrics(name, {"vocab_size": 2048}))
-    layer.csv_channel = channel = StepChannel()  # (the runner's, as patches.py binds it)
     plans = [Plan([str(i) for i in range(B)], [1] * B) for B in (4, 3, 4)]
     out = []
     for plan, steps in zip(plans, (300, 120, 200)):
@@ -559,37 +572,13 @@ def test_layer_charges_csv_the_time_around_the_head(monkeypatch):
     against 1.0) after which the model's forward takes 1.5 longer. The layer reports the time
     between its calls (less its own span) to the switch, which turns CSV off; with the model's
     forward unaffected, CSV stays on. Answers are the dense ones throughout."""
-    from vllm.model_executor.layers.logits_processor import LogitsProcessor
-
-    from vllm_csv.head import runtime
-    from vllm_csv.vllm_plugin import logits_processor as lp
     from vllm_csv.vllm_plugin.plan import Plan
-    from vllm_csv.vllm_plugin.step import StepChannel
 
     def run(around: float) -> int:
-        clock = FakeClock()
-        monkeypatch.setattr(runtime, "time", clock)
-        monkeypatch.setattr(lp, "time", clock)
-        g = torch.Generator().manual_seed(0)
-        W = torch.randn(2048, 32, generator=g)
-        head = CertifiedHead(W, config=HeadConfig(budget=1.0))
-        select, tried = head.select, []
-
-        def timed_select(*a, **k):
-            clock.now += 0.5
-            tried[-1] = True
-            return select(*a, **k)
-
-        def dense_forward(self, lm_head, h, bias=None, skip_gather=False):
-            clock.now += 1.0
-            return head.dense_logits(h)
-
-        monkeypatch.setattr(head, "select", timed_select)
-        monkeypatch.setattr(LogitsProcessor, "forward", dense_forward)
-        layer = csv_layer(head)
-        layer.csv_channel = channel = StepChannel()
+        r = _clocked_layer(monkeypatch, 0.5)
+        clock, head, layer, channel, tried = r.clock, r.head, r.layer, r.channel, r.tried
         plan = Plan([str(i) for i in range(4)], [1] * 4)
-        h = 8 * W[torch.randint(0, 2048, (4,), generator=g)]
+        h = 8 * r.W[torch.randint(0, 2048, (4,), generator=r.g)]
         for _ in range(1500):
             clock.now += 10.0 + (around if tried and tried[-1] else 0.0)  # the model's forward
             tried.append(False)
