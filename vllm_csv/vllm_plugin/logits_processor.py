@@ -99,20 +99,17 @@ class CSVLogitsProcessor(LogitsProcessor):
                 if lane.with_sampler:  # (the append comes with the sampler call's time)
                     step.handoff = StepAccount(self, "lane", series=lane.series, with_sampler=True, key=lane.key,
                                                head_seconds=time.perf_counter() - t0)
-                elif lane.timed:
+                else:
                     seconds = time.perf_counter() - t0
                     lane.series.seconds.append(seconds)
-                    self._span_done(lane.key, False, seconds)
-                else:
-                    lane.series.seconds.append(time.perf_counter() - t0)
+                    if lane.timed:
+                        self._span_done(lane.key, False, seconds)
                 return logits
             self._close_lane(head.off_switch)
         if not any(plan.topk):  # every row dense by its sampling parameters: count the rows
             out = super().forward(lm_head, hidden_states, embedding_bias, skip_gather)
             if head.off_switch is not None and not hidden_states.is_cuda:  # (CUDA: no sync to time it)
-                seconds = time.perf_counter() - t0
-                head.off_switch.observe_dense(hidden_states.shape[0], seconds)
-                self._span_done(hidden_states.shape[0], False, seconds)
+                self._observe(head.off_switch, hidden_states.shape[0], time.perf_counter() - t0)
             if self.csv_metrics is not None:
                 self.csv_metrics.record(csv_head.StepStats(rows=hidden_states.shape[0]))
             return out
@@ -156,8 +153,7 @@ class CSVLogitsProcessor(LogitsProcessor):
             logits, stats = head.sampler_logits(hidden_states, plan.topk_tensor, lambda h: dense_full(), t0=t0,
                                                 temperature=plan.temperature, use_switch=False)
             if sw is not None and not asked and not hidden_states.is_cuda:  # every row dense: a sample
-                sw.observe_dense(B, stats.seconds)
-                self._span_done(B, False, stats.seconds)
+                self._observe(sw, B, stats.seconds)
         else:
             own_switch = asked
             sub = torch.tensor(in_head, dtype=torch.long, device=hidden_states.device)
@@ -212,8 +208,7 @@ class CSVLogitsProcessor(LogitsProcessor):
         (None: not timed), and its metrics."""
         stats.seconds += sampler_seconds
         if key is not None:
-            head.off_switch.observe_dense(key, stats.seconds)
-            self._span_done(key, False, stats.seconds)
+            self._observe(head.off_switch, key, stats.seconds)
         self._record(head, stats, {}, None)
 
     def _outside(self, sw, plan, t0: float) -> None:
@@ -225,6 +220,13 @@ class CSVLogitsProcessor(LogitsProcessor):
         prev, self._csv_span = self._csv_span, _Span(t0, plan)
         if sw is not None and prev is not None and prev.plan is plan and prev.key is not None:
             sw.observe_outside(prev.key, prev.csv, t0 - prev.t0 - prev.seconds)
+
+    def _observe(self, sw, key, seconds: float, csv: bool = False) -> None:
+        """A step timed in place, to the off-switch: a CSV step's ``seconds`` to its ledger
+        (``observe``), a dense one's to the dense estimate of ``key`` (``observe_dense``); and the
+        step's span (:meth:`_outside`)."""
+        (sw.observe if csv else sw.observe_dense)(key, seconds)
+        self._span_done(key, csv, seconds)
 
     def _span_done(self, key, csv: bool, seconds: float) -> None:
         """The current step was timed: ``seconds`` under the off-switch's ``key``, CSV or dense."""
@@ -292,8 +294,7 @@ class CSVLogitsProcessor(LogitsProcessor):
         ``stats.seconds`` includes the work of rows certified in the sampler, and for the second
         key vLLM's sampler call)."""
         if switch_key is not None:
-            head.off_switch.observe(switch_key, stats.seconds)
-            self._span_done(switch_key, True, stats.seconds)
+            self._observe(head.off_switch, switch_key, stats.seconds, csv=True)
         if self.csv_metrics is not None:  # under TP: the global decision (rank 0) and per-rank counts
             sw = head.off_switch
             key = stats.rows if switch_key is None else switch_key

@@ -68,8 +68,8 @@ def bind(runner) -> StepChannel:
                 m.csv_channel = channel
         channel.model = model
     sampler = getattr(runner, "sampler", None)
-    if sampler is not None:
-        sampler.csv_channel = channel
+    if sampler is not None and sampler.__dict__.get("csv_channel") is not channel:  # (per step: skip
+        sampler.csv_channel = channel  # nn.Module.__setattr__ unless the runner's sampler is new)
     return channel
 
 
