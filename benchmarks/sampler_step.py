@@ -96,6 +96,7 @@ def main(argv=None) -> int:
     from vllm_csv import CertifiedHead, HeadConfig
     from vllm_csv.hf_head import load_lm_head
     from vllm_csv.sampling.head_adapter import HeadAdapter
+    from vllm_csv.testing.fakes import Tally, hand_off
     from vllm_csv.vllm_plugin import patches, step as plugin_step
 
     model = Path(a.model) if a.model else fixture(a.hidden)
@@ -144,9 +145,9 @@ def main(argv=None) -> int:
                 logits[in_head] = part.to(W.dtype)
             if rows.numel():
                 logits[rows] = plugin_step.PLACEHOLDER
-                plugin_step.hand_off(sampler, plugin_step.Deferred(
+                hand_off(sampler, plugin_step.Deferred(
                     logits, h[rows].clone(), rows, [modes[i] for i in rows], adapter, lambda: vhead(h),
-                    plugin_step.Tally(stats.append).account()))
+                    Tally(stats.append).account()))
             return sampler(logits=logits, sampling_metadata=md).sampled_token_ids[:, 0]
 
         td, tc, mism = [], [], 0

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from vllm_csv.testing.fakes import FakeClock, csv_layer, logit_bias_processor, min_p_processor
+from vllm_csv.testing.fakes import FakeClock, Tally, csv_layer, hand_off, logit_bias_processor, min_p_processor
 from vllm_csv.testing.heads import hidden_near_rows, peaked_head
 
 pytest.importorskip("vllm")
@@ -111,8 +111,8 @@ def test_hooked_sampler_equals_dense_sampler(case, T):
         seen = []
         modes = ["top_p" if md.top_p is not None and md.top_p[i] < 1 else
                  "top_k" if md.top_k is not None and md.top_k[i] < V else "sampling" for i in rows.tolist()]
-        csv_step.hand_off(sampler, csv_step.Deferred(logits, h[rows].clone(), rows, modes, HeadAdapter(head),
-                                                     lambda: head.dense_logits(h), csv_step.Tally(seen.append).account()))
+        hand_off(sampler, csv_step.Deferred(logits, h[rows].clone(), rows, modes, HeadAdapter(head),
+                                                     lambda: head.dense_logits(h), Tally(seen.append).account()))
         top_p_before = None if md.top_p is None else md.top_p.clone()
         got = run(sampler, logits, md, seed=5)
         if top_p_before is not None:
@@ -148,9 +148,9 @@ def test_sampler_refuses_a_mismatched_batch():
     head = CertifiedHead(W, config=HeadConfig(screen="fp16", off_switch=False))
     h = hidden_near_rows(W, 4, g)
     sampler = Sampler()
-    csv_step.hand_off(sampler, csv_step.Deferred(torch.zeros(4, V), h, torch.arange(4), ["sampling"] * 4,
+    hand_off(sampler, csv_step.Deferred(torch.zeros(4, V), h, torch.arange(4), ["sampling"] * 4,
                                                  HeadAdapter(head), lambda: head.dense_logits(h),
-                                                 csv_step.Tally().account()))
+                                                 Tally().account()))
     md = metadata(g, [1.0] * B, [], False, False, False, False)
     with pytest.raises(RuntimeError, match="refusing to sample from placeholders"):
         sampler(logits=torch.zeros(B, V), sampling_metadata=md)
@@ -178,8 +178,8 @@ def _hooked(head, h, dense, md, rows, seed=5, full=False, sampler=None):
     seen = []
     modes = ["top_p" if md.top_p is not None and md.top_p[i] < 1 else "sampling" for i in rows.tolist()]
     sampler = sampler or Sampler()
-    csv_step.hand_off(sampler, csv_step.Deferred(logits, h[rows].clone(), rows, modes, HeadAdapter(head),
-                                                 lambda: head.dense_logits(h), csv_step.Tally(seen.append).account()))
+    hand_off(sampler, csv_step.Deferred(logits, h[rows].clone(), rows, modes, HeadAdapter(head),
+                                                 lambda: head.dense_logits(h), Tally(seen.append).account()))
     out = run(sampler, logits, md, seed)
     return (out if full else out[0]), seen[0]
 
@@ -421,8 +421,8 @@ def hooked_structured(head, h, dense, md, allowed, order, rows, seed):
     seen = []
     modes = ["structured" if int(i) in allowed else "sampling" for i in rows]
     sampler = Sampler()
-    csv_step.hand_off(sampler, csv_step.Deferred(logits, h[rows].clone(), rows, modes, HeadAdapter(head),
-                                                 lambda: head.dense_logits(h), csv_step.Tally(seen.append).account()))
+    hand_off(sampler, csv_step.Deferred(logits, h[rows].clone(), rows, modes, HeadAdapter(head),
+                                                 lambda: head.dense_logits(h), Tally(seen.append).account()))
     return run(sampler, logits, md, seed), seen[0]
 
 
@@ -617,8 +617,8 @@ def test_rows_are_mapped_by_column_only_when_no_processor_acts(case, monkeypatch
     rows = torch.arange(B)
     logits[rows] = csv_step.PLACEHOLDER
     seen = []
-    csv_step.hand_off(sampler, csv_step.Deferred(logits, h.clone(), rows, ["sampling"] * B, HeadAdapter(head),
-                                                 lambda: head.dense_logits(h), csv_step.Tally(seen.append).account()))
+    hand_off(sampler, csv_step.Deferred(logits, h.clone(), rows, ["sampling"] * B, HeadAdapter(head),
+                                                 lambda: head.dense_logits(h), Tally(seen.append).account()))
     got = run(sampler, logits, md, seed=3)
     assert torch.equal(got[0], want[0])
     assert (seen_columns[0] is not None) == idle

@@ -22,6 +22,7 @@ from vllm_csv import CertifiedHead, HeadConfig  # noqa: E402
 from vllm_csv.sampling.head_adapter import HeadAdapter  # noqa: E402
 from vllm_csv.sampling.rows_v2 import certify_rows_v2  # noqa: E402
 from vllm_csv.sampling.sharded_rows import ShardedAdapter  # noqa: E402
+from vllm_csv.testing.fakes import Tally  # noqa: E402
 from vllm_csv.vllm_plugin import patches, step as csv_step  # noqa: E402
 from vllm_csv.vllm_plugin.plan import DEFER  # noqa: E402
 from vllm_csv.vllm_plugin.v2 import plan as v2_plan, sampler as v2_sampler  # noqa: E402
@@ -66,7 +67,7 @@ def defer(head, h, rows, seen):
     logits = head.dense_logits(h).clone()
     logits[rows] = csv_step.PLACEHOLDER
     d = csv_step.Deferred(logits, h[rows].clone(), rows, ["sampling"] * rows.numel(), HeadAdapter(head),
-                          lambda: head.dense_logits(h), csv_step.Tally(seen.append).account())
+                          lambda: head.dense_logits(h), Tally(seen.append).account())
     return d, logits
 
 

@@ -30,6 +30,7 @@ from vllm_csv.sampling.nucleus.top_p import top_p_bounds  # noqa: E402
 from vllm_csv.sampling.sharded_rows import ShardedAdapter  # noqa: E402
 from vllm_csv.sharded import Shard, ShardedHead  # noqa: E402
 from vllm_csv.testing import audit  # noqa: E402
+from vllm_csv.testing.fakes import Tally  # noqa: E402
 from vllm_csv.vllm_plugin import step as csv_step  # noqa: E402
 from vllm_csv.vllm_plugin.v1 import sampler as v1_sampler  # noqa: E402
 
@@ -59,7 +60,7 @@ def resolve_tp(W, bias, h, md, rows, size, monkeypatch, screen="int8", softcap=N
         logits[rows] = csv_step.PLACEHOLDER
         calls = []
         d = csv_step.Deferred(logits, h[rows].clone(), rows, ["sampling"] * rows.numel(), ShardedAdapter(head),
-                              lambda: calls.append(1) or dense(h), csv_step.Tally().account())
+                              lambda: calls.append(1) or dense(h), Tally().account())
         st, no_top_p, _ = v1_sampler.resolve(Sampler(), d, logits, md)
         return logits, st, no_top_p, ref, len(calls), head
 

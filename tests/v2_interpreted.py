@@ -162,6 +162,7 @@ def run(c: dict) -> dict:
     from vllm_csv import CertifiedHead, HeadConfig
     from vllm_csv.sampling import rows_v2
     from vllm_csv.sampling.head_adapter import HeadAdapter
+    from vllm_csv.testing.fakes import Tally
     from vllm_csv.vllm_plugin import step as csv_step
     from vllm_csv.vllm_plugin.v2 import sampler as v2_sampler
 
@@ -206,7 +207,7 @@ def run(c: dict) -> dict:
         logits[rows] = csv_step.PLACEHOLDER
         logits = grammar(logits)  # (V2's runner: the bitmask on the head's output, then the sampler)
         d = csv_step.Deferred(logits, h[rows].clone(), rows, list(c["modes"]), HeadAdapter(head),
-                              lambda: head.dense_logits(h), csv_step.Tally().account())
+                              lambda: head.dense_logits(h), Tally().account())
         bounds = rows_v2.min_p_bounds
         if name == "no_drop":  # the certificate as it is; the written row keeps the dropped tokens
             rows_v2.min_p_bounds = lambda *a: (*bounds(*a)[:2], torch.zeros((), dtype=torch.bool))

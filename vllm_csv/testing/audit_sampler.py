@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .audit import FAMILIES, Case, _pick, dense_reference, make_head
-from .fakes import logit_bias_processor, min_p_processor
+from .fakes import Tally, hand_off, logit_bias_processor, min_p_processor
 
 ROW_MODES = ("greedy", "temperature", "top_k", "top_p", "min_p", "top_k_top_p", "top_k_min_p",
              "top_p_min_p", "top_k_top_p_min_p")
@@ -146,8 +146,8 @@ def check_sampler(head, case: Case, batch: Batch, seed: int) -> SamplerOutcome:
     logits[rows] = csv_step.PLACEHOLDER
     if grammar is not None:  # vLLM's apply_grammar_bitmask runs on the head's output, placeholders included
         logits.masked_fill_(grammar, -math.inf)
-    tally = csv_step.Tally()
-    step = csv_step.hand_off(sampler, csv_step.Deferred(  # (as the plugin's layer)
+    tally = Tally()
+    step = hand_off(sampler, csv_step.Deferred(  # (as the plugin's layer)
         logits, hidden_rows(case.hidden, rows), rows, [batch.modes[i] for i in rows.tolist()], HeadAdapter(head),
         lambda: dense_reference(case), tally.account()))
     try:

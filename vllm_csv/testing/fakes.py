@@ -1,10 +1,13 @@
 """vLLM pieces built without vLLM's engine config, as a step leaves them: vLLM's CPU logits
-processors (min-p, logit bias), the plugin's LM-head layer, and a clock that advances only when
-told to."""
+processors (min-p, logit bias), the plugin's LM-head layer, the hand-off a layer leaves its
+sampler (and a ledger that keeps the sampler's account), and a clock that advances only when told
+to."""
 
 from __future__ import annotations
 
 import torch
+
+from ..vllm_plugin.step import DeferredStats, Handoff, Step, StepAccount, StepChannel
 
 
 class FakeClock:
@@ -52,3 +55,33 @@ def logit_bias_processor(biases: dict[int, dict[int, float]]):
     lb.bias_tensor = torch.tensor([v for d in biases.values() for v in d.values()], dtype=torch.float32)
     lb.logits_slice = (torch.tensor(reqs, dtype=torch.int32), torch.tensor(toks, dtype=torch.int32))
     return lb
+
+
+def hand_off(consumer, handoff: Handoff | None) -> Step:
+    """Leave ``handoff`` for ``consumer``'s next call (a sampler), as the plugin's layer does on its
+    runner's step; a consumer no runner bound gets a channel of its own."""
+    channel = getattr(consumer, "csv_channel", None)
+    if channel is None:
+        channel = consumer.csv_channel = StepChannel()
+    channel.step.handoff = handoff
+    return channel.step
+
+
+class Tally:
+    """A :class:`~vllm_csv.vllm_plugin.step.Ledger` that keeps what it is told, for harnesses: ``seen`` holds each settled
+    step's :class:`DeferredStats` (the sampler call's time added where the account counts it),
+    and ``then(stats)``, if given, is called with it."""
+
+    def __init__(self, then=None):
+        self.seen: list[DeferredStats] = []
+        self._then = then
+
+    def account(self, with_sampler: bool = False) -> StepAccount:
+        return StepAccount(self, "deferred", with_sampler=with_sampler)
+
+    def settle(self, account: StepAccount, deferred: DeferredStats | None, sampler_seconds: float) -> None:
+        if deferred is not None:
+            deferred.seconds += sampler_seconds
+        self.seen.append(deferred)
+        if self._then is not None:
+            self._then(deferred)

@@ -184,33 +184,3 @@ def step_of(consumer) -> Step | None:
     channel = getattr(consumer, "csv_channel", None)
     return None if channel is None else channel.step
 
-
-def hand_off(consumer, handoff: Handoff | None) -> Step:
-    """Leave ``handoff`` for ``consumer``'s next call (a sampler), as a layer does on its runner's
-    step; a consumer no runner bound gets a channel of its own. For harnesses (tests, the audit,
-    benchmarks) that drive vLLM's sampler without a runner."""
-    channel = getattr(consumer, "csv_channel", None)
-    if channel is None:
-        channel = consumer.csv_channel = StepChannel()
-    channel.step.handoff = handoff
-    return channel.step
-
-
-class Tally:
-    """A :class:`Ledger` that keeps what it is told, for harnesses: ``seen`` holds each settled
-    step's :class:`DeferredStats` (the sampler call's time added where the account counts it),
-    and ``then(stats)``, if given, is called with it."""
-
-    def __init__(self, then=None):
-        self.seen: list[DeferredStats] = []
-        self._then = then
-
-    def account(self, with_sampler: bool = False) -> StepAccount:
-        return StepAccount(self, "deferred", with_sampler=with_sampler)
-
-    def settle(self, account: StepAccount, deferred: DeferredStats | None, sampler_seconds: float) -> None:
-        if deferred is not None:
-            deferred.seconds += sampler_seconds
-        self.seen.append(deferred)
-        if self._then is not None:
-            self._then(deferred)
