@@ -262,10 +262,11 @@ def test_sampled_top_k_rows_go_to_a_certifiable_sampler():
     assert build_plan(runner(cpu), 64).topk == [1, 5, 1]
 
 
-def test_no_plan_under_speculative_decoding_or_pp_output_broadcast():
-    """Every row dense when a draft model runs or when vLLM broadcasts the last pipeline stage's
-    logits to every rank (each rank then samples them; only the last one stashed the deferred
-    rows' hidden states)."""
+def test_no_plan_under_pp_output_broadcast_and_no_sampler_rows_under_speculation():
+    """Every row dense when vLLM broadcasts the last pipeline stage's logits to every rank (each
+    rank then samples them; only the last one stashed the deferred rows' hidden states); under
+    speculative decoding no row is deferred to the sampler (a sampled request's rows are dense:
+    v1/spec.py, tested in test_spec_decode.py)."""
     from types import SimpleNamespace
 
     from vllm_csv.vllm_plugin.v1.plan import build_plan
@@ -279,4 +280,4 @@ def test_no_plan_under_speculative_decoding_or_pp_output_broadcast():
     assert build_plan(runner(), 64).topk == [DEFER]
     assert build_plan(runner(broadcast_pp_output=False), 64).topk == [DEFER]
     assert build_plan(runner(broadcast_pp_output=True), 64) is None
-    assert build_plan(runner(speculative_config=object()), 64) is None
+    assert build_plan(runner(speculative_config=object(), device="cpu"), 64).topk == [0]

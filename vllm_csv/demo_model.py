@@ -23,7 +23,7 @@ import shutil
 import sysconfig
 import tempfile
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from .cache import cache_root
@@ -159,6 +159,12 @@ def train(recipe: Recipe, out: Path, progress: bool = True, device: str = "cpu")
     return summary
 
 
+# The demo's draft model for speculative decoding (benchmarks, issue 46): the demo's corpus and
+# vocabulary, hence the same tokenizer (trained the same way on the same files), a quarter of its
+# width and one layer. Its head (65536 x 256) is most of what a draft token reads.
+DRAFT = replace(DEMO, hidden_size=256, layers=1, heads=4)
+
+
 def ensure_model(recipe: Recipe, cache_dir: str | os.PathLike | None = None, *,
                  name: str = "demo", progress: bool = True, device: str = "cpu") -> Path:
     """Return the model directory of ``recipe``, training it once (atomically, under a
@@ -192,12 +198,19 @@ def ensure_test_model(cache_dir: str | os.PathLike | None = None, progress: bool
     return ensure_model(TEST, cache_dir, name="test", progress=progress)
 
 
+def ensure_draft_model(cache_dir: str | os.PathLike | None = None, progress: bool = True) -> Path:
+    """The demo's draft model (:data:`DRAFT`: the demo's tokenizer), for speculative decoding."""
+    return ensure_model(DRAFT, cache_dir, name="draft", progress=progress)
+
+
 def main(argv: list[str] | None = None) -> int:
     import argparse
 
     p = argparse.ArgumentParser(prog="python -m vllm_csv.demo_model", description=__doc__)
     p.add_argument("--output", default=None, help="cache directory (default: the vllm-csv cache)")
-    print(ensure_demo_model(p.parse_args(argv).output))
+    p.add_argument("--draft", action="store_true", help="the demo's draft model (speculative decoding) instead")
+    args = p.parse_args(argv)
+    print((ensure_draft_model if args.draft else ensure_demo_model)(args.output))
     return 0
 
 

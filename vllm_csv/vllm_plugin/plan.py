@@ -165,14 +165,15 @@ def row_plan(sp, max_topk: int, top_k_in_sampler: bool = False) -> tuple[int, st
     return k, row_mode(sp, k) if k else "", row_temperature(sp)
 
 
-def plannable(runner) -> bool:
-    """No speculative decoding, and no pipeline-parallel output broadcast (vLLM's external-launcher
-    mode sends the last stage's logits to every rank, which then samples them itself: the other
-    ranks would draw from the deferred rows' placeholders, whose hidden states only the last
-    rank stashed)."""
-    return getattr(runner, "speculative_config", None) is None and \
-        getattr(getattr(runner, "vllm_config", None), "speculative_config", None) is None and \
-        not getattr(runner, "broadcast_pp_output", False)
+def plannable(runner, speculative_ok: bool = False) -> bool:
+    """No speculative decoding (unless ``speculative_ok``: the V1 runner's plan, :mod:`.v1.spec`),
+    and no pipeline-parallel output broadcast (vLLM's external-launcher mode sends the last
+    stage's logits to every rank, which then samples them itself: the other ranks would draw
+    from the deferred rows' placeholders, whose hidden states only the last rank stashed)."""
+    if getattr(runner, "broadcast_pp_output", False):
+        return False
+    return speculative_ok or (getattr(runner, "speculative_config", None) is None and
+                              getattr(getattr(runner, "vllm_config", None), "speculative_config", None) is None)
 
 
 def sampler_ok(runner, attr: str, certifiable) -> bool:

@@ -155,11 +155,11 @@ class LazyPlan:
     """A plan built at its first use (:meth:`Step.take_plan`), from the runner's state at that
     moment (the runner updates its batch inside the wrapped method, before the logits)."""
 
-    def __init__(self, runner, build, max_topk: int):
-        self._runner, self._build, self._max_topk = runner, build, max_topk
+    def __init__(self, runner, build, max_topk: int, **kwargs):
+        self._runner, self._build, self._max_topk, self._kwargs = runner, build, max_topk, kwargs
 
     def resolve(self) -> Plan | None:
-        return self._build(self._runner, self._max_topk)
+        return self._build(self._runner, self._max_topk, **self._kwargs)
 
 
 class StepChannel:

@@ -5,6 +5,7 @@ per-request states."""
 from __future__ import annotations
 
 from ..plan import Plan, plannable, row_plan, sampler_ok
+from . import spec
 from .sampler import certifiable_sampler
 
 
@@ -19,23 +20,31 @@ def top_k_in_sampler(runner) -> bool:
     return sampler_ok(runner, "_csv_top_k_in_sampler", certifiable_sampler)
 
 
-def build_plan(runner, max_topk: int, req_ids=None) -> Plan | None:
+def build_plan(runner, max_topk: int, req_ids=None, spec_tokens=None) -> Plan | None:
     """The V1 runner's plan, in the batch's row order. While the batch holds the very same
     request states (identity: a new request, even one reusing an id, is a new state) the last
     plan is handed out again, derived fields included: a decode step then costs one lookup a
-    row. The cache holds the states it was built from, so their ids cannot be reused meanwhile."""
+    row. The cache holds the states it was built from, so their ids cannot be reused meanwhile.
+    With speculative decoding, the rows of each request's draft tokens (``spec_tokens``:
+    ``scheduler_output.scheduled_spec_decode_tokens``), greedy requests' certified
+    (:mod:`.spec`)."""
     batch = runner.input_batch
-    if not plannable(runner) or getattr(batch, "num_prompt_logprobs", None):
+    cfg = spec.spec_config(runner)
+    if not plannable(runner, speculative_ok=True) or getattr(batch, "num_prompt_logprobs", None) or \
+            (cfg is not None and not spec.standard_verification(cfg)):
         return None
     states = tuple(map(runner.requests.get, batch.req_ids))
     cached = getattr(runner, "_csv_plan", None)
     if cached is not None and cached[1] == max_topk and len(cached[0]) == len(states) and \
             all(a is b for a, b in zip(cached[0], states)):
-        return cached[2]
-    in_sampler = top_k_in_sampler(runner)
-    rows = [_row(st, max_topk, in_sampler) for st in states]
-    plan = Plan(list(batch.req_ids), [r[0] for r in rows], [r[1] for r in rows], [r[2] for r in rows])
-    runner._csv_plan = (states, max_topk, plan)
+        plan = cached[2]
+    else:
+        in_sampler = top_k_in_sampler(runner)
+        rows = [_row(st, max_topk, in_sampler) for st in states]
+        plan = Plan(list(batch.req_ids), [r[0] for r in rows], [r[1] for r in rows], [r[2] for r in rows])
+        runner._csv_plan = (states, max_topk, plan)
+    if cfg is not None:
+        return spec.cached_target_plan(runner, plan, spec.draft_counts(spec_tokens, plan.req_ids))
     return plan
 
 

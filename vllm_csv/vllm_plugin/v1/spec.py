@@ -1,0 +1,139 @@
+"""Speculative decoding on the V1 runner (``GPUModelRunner``, also vLLM-CPU's): the target's
+verification rows and the drafter's head, certified where their readers need only the argmax.
+
+Target rows. With ``--speculative-config`` the runner scores ``1 + n_i`` rows for request ``i``
+(``n_i``: its draft tokens this step, ``scheduler_output.scheduled_spec_decode_tokens``), request
+after request in the batch's order: its ``n_i`` target rows, then its bonus row
+(``_calc_spec_decode_metadata``'s ``logits_indices``, read in vLLM 0.32.0). vLLM's
+``RejectionSampler`` reads a *greedy* request's rows only through ``argmax``: a target row's
+``target_logits.argmax(-1)`` decides whether the draft token is accepted (equal) and is the
+recovered token where it is not (``_rejection_greedy_sample``); the bonus row goes through the
+ordinary ``Sampler`` (greedy: argmax of the row). Between the head and that argmax it casts the
+row to fp32, applies the logits processors and sampling constraints, which are the identity on
+a plain greedy request's rows (no penalties, bias, min-tokens or top-p: those requests are not
+planned ``k = 1``, :func:`~..plan.plan_row`), and in a batch that is not all greedy divides by a
+temperature of 1 and runs the random path on every row, whose results it keeps only for the
+sampled requests (``is_greedy``) and whose random draws depend on shapes, not values. A row
+certified in the head with ``k = 1`` holds the dense value on its argmax and ``-inf`` elsewhere
+(:meth:`~vllm_csv.head.CertifiedHead.sampler_logits`; ties are never certified), so its argmax is
+the dense row's: the request's accepted tokens, recovered token and bonus token are those of the
+dense run, step for step. Those rows are counted under the mode ``spec_greedy``. This is the
+``standard`` verification; under another ``rejection_sample_method`` every row stays dense
+(:func:`standard_verification`).
+
+A batch that is not all greedy takes that random path only where vLLM expands each request's
+temperature to its rows correctly (:func:`mixed_batches_ok`). vLLM-CPU 0.32.0 does not: its C++
+stand-in for the expansion kernel (``vllm.utils.cpu_triton_utils._expand_kernel_impl``) writes an
+int64 copy of the float output and leaves the output uninitialised, so every row of such a
+batch, a greedy request's included, is divided by whatever that memory held (the dense runs are
+not reproducible either). There the greedy requests of a mixed batch stay dense too: the plugin
+makes nothing worse, and certifies what it can prove equal.
+
+Every other request's rows stay dense in a speculative step (sampled verification compares
+``target_prob / draft_prob`` with a uniform draw and draws recovered tokens from the residual:
+not certified yet), with the reason ``unsupported``; so does a request asking for logprobs,
+which reads the values (the plan's rule). A step whose row count is not ``sum(1 + n_i)`` gets no
+plan (dense).
+
+Drafter heads (a draft model, EAGLE, MTP). ``SpecDecodeBaseProposer._greedy_sample`` computes the
+drafter's logits and takes their argmax: the draft tokens. Wrapped (:func:`draft_step`), it opens
+a step on the proposer's own channel with every row planned ``k = 1`` (mode ``draft``), so the
+drafter's CSV layer certifies those argmaxes: the drafts, hence acceptance and outputs, are the
+dense run's. Not where the proposer post-processes the logits before the argmax (a
+heterogeneous draft vocabulary: ``constrain_draft_logits``; a local argmax reduction), nor for
+probabilistic drafts (``_sample_draft_tokens`` draws from the logits without
+``_greedy_sample``): those calls get no plan and stay dense.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..plan import Plan
+
+TARGET_MODE = "spec_greedy"  # greedy requests' verification and bonus rows (one of vocabulary.MODES)
+DRAFT_MODE = "draft"  # the drafter head's rows (one of vocabulary.MODES)
+
+
+def spec_config(runner):
+    """The V1 ``runner``'s ``SpeculativeConfig`` (a ``--speculative-config``), or None."""
+    cfg = getattr(runner, "speculative_config", None)
+    return cfg if cfg is not None else getattr(getattr(runner, "vllm_config", None), "speculative_config", None)
+
+
+def standard_verification(cfg) -> bool:
+    """Whether the rejection sampler verifies as read above (``rejection_sample_method``
+    ``standard``, the default). Not the others: ``synthetic`` accepts by calibrated rates, vLLM
+    0.33's ``fly`` accepts greedy drafts by the target rows' entropy (it reads their
+    probabilities), ``block`` verifies blocks of drafts from their probabilities."""
+    return getattr(cfg, "rejection_sample_method", "standard") == "standard"
+
+
+def draft_counts(spec_tokens, req_ids) -> tuple[int, ...]:
+    """``n_i`` per request of ``req_ids`` (the batch's order): its scheduled draft tokens in
+    ``spec_tokens`` (``scheduler_output.scheduled_spec_decode_tokens``: req_id -> token ids)."""
+    if not spec_tokens:
+        return (0,) * len(req_ids)
+    return tuple(len(spec_tokens.get(r, ())) for r in req_ids)
+
+
+def target_plan(base: Plan, counts: tuple[int, ...], mixed_ok: bool = True) -> Plan:
+    """The speculative step's plan from the batch's per-request ``base`` plan: request ``i``'s
+    entry repeated over its ``1 + counts[i]`` rows, ``k = 1`` for a greedy request (``base``
+    planned it ``k = 1`` with mode ``greedy``), dense for every other; every row dense where a
+    batch with a sampled request is not certifiable (``mixed_ok`` false: :func:`mixed_batches_ok`)."""
+    all_greedy = all(t == 0.0 for t in base.row_temps)
+    req_ids, topk, modes = [], [], []
+    for rid, k, mode, n in zip(base.req_ids, base.topk, base.row_modes, counts):
+        greedy = k == 1 and mode == "greedy" and (mixed_ok or all_greedy)
+        req_ids += [rid] * (1 + n)
+        topk += [1 if greedy else 0] * (1 + n)
+        modes += [TARGET_MODE if greedy else ""] * (1 + n)
+    return Plan(req_ids, topk, modes, [0.0] * len(topk))
+
+
+def cached_target_plan(runner, base: Plan, counts: tuple[int, ...]) -> Plan:
+    """:func:`target_plan`, handed out again while the batch's plan and the draft counts hold
+    (a decode run whose drafts keep their lengths builds it once)."""
+    cached = getattr(runner, "_csv_spec_plan", None)
+    if cached is not None and cached[0] is base and cached[1] == counts:
+        return cached[2]
+    mixed = runner.__dict__.get("_csv_spec_mixed_ok")
+    if mixed is None:
+        mixed = runner._csv_spec_mixed_ok = mixed_batches_ok(getattr(runner, "device", "cpu"))
+    plan = target_plan(base, counts, mixed)
+    runner._csv_spec_plan = (base, counts, plan)
+    return plan
+
+
+def mixed_batches_ok(device) -> bool:
+    """Whether vLLM's rejection sampler expands per-request temperatures to rows correctly on
+    ``device`` (module docstring): its ``expand_batch_to_tokens`` run three times on values that
+    uninitialised memory does not hold by chance. Once per runner, at its first speculative plan."""
+    try:
+        from vllm.v1.sample.rejection_sampler import expand_batch_to_tokens
+    except ImportError:
+        return False
+    temps = torch.tensor([0.3125, 0.0, 1.75], dtype=torch.float32, device=device)
+    cu = torch.tensor([2, 3, 6], dtype=torch.int32, device=device)
+    want = torch.tensor([0.3125, 0.3125, 1.0, 1.75, 1.75, 1.75], dtype=torch.float32, device=device)
+    try:
+        return all(torch.equal(expand_batch_to_tokens(temps, cu, 6, replace_from=0, replace_to=1), want)
+                   for _ in range(3))
+    except Exception:  # (a kernel that cannot run here: nothing to rely on)
+        return False
+
+
+def draft_plan(proposer, rows: int) -> Plan:
+    """Every one of ``rows`` drafter rows planned ``k = 1`` (kept per row count)."""
+    plans = proposer.__dict__.setdefault("_csv_draft_plans", {})
+    plan = plans.get(rows)
+    if plan is None:
+        plan = plans[rows] = Plan([""] * rows, [1] * rows, [DRAFT_MODE] * rows, [0.0] * rows)
+    return plan
+
+
+def certifiable_draft(proposer, hidden: torch.Tensor) -> bool:
+    """Whether ``_greedy_sample(hidden)`` reads the drafter's logits only through their argmax."""
+    return hidden.dim() == 2 and not getattr(proposer, "use_local_argmax_reduction", False) and \
+        not getattr(proposer, "use_heterogeneous_vocab", False)
