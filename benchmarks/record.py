@@ -336,18 +336,27 @@ def rows_from_serve(d: dict, source: str, **common) -> list[Row]:
                  pairs=len(d["pairs"]) if isinstance(d.get("pairs"), list) else None,
                  control=d.get("control") or None, csv_first=d.get("csv_first") or None)
     vargs = " ".join(d.get("vllm_args") or [])
+    if d.get("dense_args") is not None:  # the dense server ran other arguments (e.g. no speculation)
+        vargs += f"' dense_args='{' '.join(d['dense_args'])}"
+    baseline = DENSE_SERVER if d.get("dense_args") is None else \
+        f"plain `vllm serve` {' '.join(d['dense_args']) or '(no further arguments)'}, same model and requests"
     out = _Rows(benchmark="serve", machine=machine_words(prov, d.get("machine")),
                 threads=_threads(prov, d.get("machine")), commit=short_commit(d.get("commit")),
                 shape=_serve_shape(d), batch=d.get("prompts"), dtype="", source=source, **common)
     for w, wd in (d.get("workloads") or {}).items():
         cfg = _cfg(model=label, workload=w) + (" " + flags if flags else "") + (f" vllm_args='{vargs}'" if vargs else "")
-        out.add("tokens_per_s_ratio", wd.get("speedup"), "x", DENSE_SERVER, config=cfg,
+        out.add("tokens_per_s_ratio", wd.get("speedup"), "x", baseline, config=cfg,
                 note="median of per-pair/round ratios" if ("speedup_by_pair" in wd or "speedup_by_round" in wd) else "")
         out.add("csv_tokens_per_s", wd.get("csv_tokens_per_s"), "tokens/s", config=cfg)
         out.add("dense_tokens_per_s", wd.get("dense_tokens_per_s"), "tokens/s", config=cfg)
-        out.add("identical_outputs", wd.get("identical_outputs"), "bool", DENSE_SERVER, config=cfg)
+        out.add("identical_outputs", wd.get("identical_outputs"), "bool", baseline, config=cfg)
     cfg = _cfg(model=label, workload="all") + (" " + flags if flags else "") + (f" vllm_args='{vargs}'" if vargs else "")
     out.add("certified_share_of_csv_rows", d.get("certified_share_of_csv_rows"), "share", config=cfg)
+    sd = d.get("spec_decode")
+    if sd:  # speculative decoding: vLLM's acceptance on each side
+        for side in ("dense", "csv"):
+            out.add(f"{side}_acceptance_rate", (sd.get(side) or {}).get("acceptance_rate"), "share", config=cfg)
+        out.add("identical_spec_counts", sd.get("identical"), "bool", baseline, config=cfg)
     out.add("head_speedup_on_csv_steps", d.get("head_speedup_on_csv_steps"), "x",
             "the plugin's dense-head estimate for the same steps (server metrics)", config=cfg)
     return out

@@ -17,6 +17,7 @@ import argparse
 import json
 import os
 import platform
+import shlex
 import sys
 from pathlib import Path
 
@@ -60,10 +61,14 @@ def main(argv=None) -> int:
     p.add_argument("--csv-first", action="store_true",
                    help="--interleave: start the CSV server first, on --port (the dense one then on --port + 1); "
                         "with --control, whether the order of two identical servers matters")
+    p.add_argument("--dense-args", default=None,
+                   help="`vllm serve` arguments of the dense server instead of the trailing ones (one string, "
+                        "shell-split; '' for none): e.g. speculative decoding with CSV against plain dense decoding")
     p.add_argument("--json", required=True)
     p.add_argument("vllm_args", nargs=argparse.REMAINDER, help="further `vllm serve` arguments (after --)")
     args = p.parse_args(argv)
     args.vllm_args = args.vllm_args[1:] if args.vllm_args[:1] == ["--"] else args.vllm_args
+    args.dense_args = None if args.dense_args is None else shlex.split(args.dense_args)
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     if args.model is None:
         from vllm_csv.demo_model import ensure_demo_model
@@ -86,7 +91,7 @@ def main(argv=None) -> int:
             f"{k} {w['speedup']}x" for k, w in pairs[-1]["workloads"].items()), file=sys.stderr)
     s = pairs[0] if args.pairs == 1 else combine(pairs)
     machine = f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores"
-    report = {"machine": machine, "model": args.model, "prompts": args.prompts, "commit": commit(), "provenance": provenance(), "vllm_args": args.vllm_args, "same_malloc": args.same_malloc, "same_metrics": args.same_metrics, "interleave": args.interleave, "control": args.control, "csv_first": args.csv_first, **s}
+    report = {"machine": machine, "model": args.model, "prompts": args.prompts, "commit": commit(), "provenance": provenance(), "vllm_args": args.vllm_args, "dense_args": args.dense_args, "same_malloc": args.same_malloc, "same_metrics": args.same_metrics, "interleave": args.interleave, "control": args.control, "csv_first": args.csv_first, **s}
     Path(args.json).write_text(json.dumps(report, indent=1))
     from record import record_run  # one row a measurement in benchmarks/results/results.csv
     record_run("serve", report, source=args.json)

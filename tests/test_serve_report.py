@@ -48,6 +48,7 @@ def test_interleaved_rounds_alternate_and_give_the_median_ratio(monkeypatch):
 
     monkeypatch.setattr(serve, "server", fake_server)
     monkeypatch.setattr(serve, "csv_metrics", lambda base: {})
+    monkeypatch.setattr(serve, "spec_metrics", lambda base: {})
     monkeypatch.setattr(serve.time, "perf_counter", lambda: clock[0])
     monkeypatch.setattr(serve.time, "sleep", lambda s: None)
     args = SimpleNamespace(mixed=False, workloads=["greedy"], rounds=4, pause=0.0, per_turn=1, csv_first=False)
@@ -75,3 +76,21 @@ def test_server_flags_control_and_order():
     assert serve.server_flags(True, args(control=True)) == (8111, [])
     assert serve.server_flags(True, args(csv_first=True))[0] == 8110
     assert serve.server_flags(False, args(csv_first=True)) == (8111, [])
+
+
+def test_speculative_counters_are_read_with_the_acceptance_rate():
+    from vllm_csv.serve import parse_spec_metrics
+
+    text = "\n".join([
+        '# TYPE vllm:spec_decode_num_drafts_total counter',
+        'vllm:spec_decode_num_drafts_total{engine="0",model_name="m"} 10.0',
+        'vllm:spec_decode_num_draft_tokens_total{engine="0",model_name="m"} 30.0',
+        'vllm:spec_decode_num_accepted_tokens_total{engine="0",model_name="m"} 12.0',
+        'vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="0",model_name="m",position="0"} 8.0',
+        'vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="0",model_name="m",position="1"} 4.0',
+        'vllm:generation_tokens_total{model_name="m"} 99.0'])
+    m = parse_spec_metrics(text)
+    assert m["spec_decode_num_drafts"] == 10 and m["spec_decode_num_draft_tokens"] == 30
+    assert m["spec_decode_num_accepted_tokens"] == 12 and m["spec_decode_num_accepted_tokens_per_pos"] == 12
+    assert m["acceptance_rate"] == 0.4 and "generation_tokens" not in str(m)
+    assert parse_spec_metrics("vllm:generation_tokens_total 5.0") == {}

@@ -214,6 +214,28 @@ def csv_metrics(base: str) -> dict[str, float]:
         return {}
 
 
+def spec_metrics(base: str) -> dict[str, float]:
+    """vLLM's speculative-decoding counters on the server's ``/metrics`` (drafts, draft tokens,
+    accepted tokens; summed over labels), with the acceptance rate; empty without speculation."""
+    try:
+        return parse_spec_metrics(_get(base + "/metrics").decode())
+    except (urllib.error.URLError, OSError):
+        return {}
+
+
+def parse_spec_metrics(text: str) -> dict[str, float]:
+    """:func:`spec_metrics` of a ``/metrics`` page."""
+    import re
+
+    out: dict[str, float] = {}
+    for name, value in re.findall(r"^vllm:(spec_decode_num_\w+?)_total(?:\{[^}]*\})? ([0-9.eE+-]+)$", text, re.M):
+        out[name] = out.get(name, 0.0) + float(value)
+    drafted = out.get("spec_decode_num_draft_tokens", 0.0)
+    if drafted:
+        out["acceptance_rate"] = round(out.get("spec_decode_num_accepted_tokens", 0.0) / drafted, 4)
+    return out
+
+
 def parse_csv_metrics(text: str) -> dict[str, float]:
     """The ``csv_decode_*`` samples of a ``/metrics`` page (histogram buckets left out), keyed
     by name with its labels (``model_name`` dropped) and by bare name (summed over labels)."""

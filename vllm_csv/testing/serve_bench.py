@@ -17,7 +17,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from ..serve import _get, _post, _vllm_command, csv_metrics, wait_healthy
+from ..serve import _get, _post, _vllm_command, csv_metrics, spec_metrics, wait_healthy
 
 PROMPTS = [
     "import os\nimport sys\n", "def fibonacci(n):\n", "class Parser:\n    def __init__(self", "for i in range(",
@@ -74,8 +74,9 @@ def server(model: str, csv: bool, args):
     base URL; stopped on exit."""
     port, flags = server_flags(csv, args)
     base = f"http://127.0.0.1:{port}"
+    extra = args.vllm_args if csv or getattr(args, "dense_args", None) is None else args.dense_args
     cmd = [*_vllm_command(), "serve", model, "--host", "127.0.0.1", "--port", str(port), "--seed", "0",
-           "--max-model-len", "1024", *flags, *args.vllm_args]
+           "--max-model-len", "1024", *flags, *extra]
     env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE=os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"))
     if args.same_malloc:
         env.update(malloc_env())
@@ -139,6 +140,7 @@ def run_server(model: str, csv: bool, args) -> dict:
             res[name] = {"tokens": tokens, "seconds": round(secs, 2), "tokens_per_s": round(tokens / secs, 1),
                          "texts": texts}
         res["metrics"] = csv_metrics(base) if csv else {}
+        res["spec"] = spec_metrics(base)
         return res
 
 
@@ -177,6 +179,8 @@ def run_interleaved(model: str, args) -> dict:
                                   "tokens_per_s": round(a["tokens"] / a["seconds"], 1), "texts": a["texts"]}
         res[True]["metrics"] = csv_metrics(comp[True][1])
         res[False]["metrics"] = {}
+        for csv in (False, True):
+            res[csv]["spec"] = spec_metrics(comp[csv][1])
     s = summary(res[False], res[True])
     for name, rs in ratios.items():
         w = s["workloads"][name]
@@ -204,12 +208,15 @@ def summary(dense: dict, csv: dict) -> dict:
     csv_rows = m.get("csv_decode_csv_rows_total", 0.0)
     out = {"workloads": {}, "csv_metrics": m}
     for name in csv:
-        if name == "metrics":
+        if name in ("metrics", "spec"):
             continue
         out["workloads"][name] = {
             "dense_tokens_per_s": dense[name]["tokens_per_s"], "csv_tokens_per_s": csv[name]["tokens_per_s"],
             "speedup": round(csv[name]["tokens_per_s"] / dense[name]["tokens_per_s"], 3),
             "identical_outputs": dense[name]["texts"] == csv[name]["texts"]}
+    if dense.get("spec") or csv.get("spec"):  # speculative decoding: vLLM's draft and acceptance counts
+        out["spec_decode"] = {"dense": dense.get("spec"), "csv": csv.get("spec"),
+                              "identical": dense.get("spec") == csv.get("spec")}
     out["rows_total"] = m.get("csv_decode_rows_total", 0.0)
     out["csv_rows"] = csv_rows
     by_mode = {k.split('mode="')[1].split('"')[0]: v for k, v in m.items()
@@ -277,4 +284,8 @@ def markdown(s: dict, machine: str, model: str) -> str:
               f"{s['certified_share_of_csv_rows']:.1%} of them certified ({s['certified_share_of_all_rows']:.1%} of all "
               f"rows; by mode {s['certified_by_mode']}); fallbacks {s['fallbacks']}; "
               f"mean head step {s['csv_head_ms_mean']} ms; head time saved {s['head_seconds_saved_total']} s"]
+    if s.get("spec_decode"):
+        sd = s["spec_decode"]
+        lines += ["", f"Speculative decoding (vLLM's counters): dense {sd['dense']}; CSV {sd['csv']}; "
+                  f"identical: {sd['identical']}"]
     return "\n".join(lines) + "\n"
