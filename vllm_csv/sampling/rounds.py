@@ -25,6 +25,7 @@ import torch
 
 from ..ops.bools import all_, any_
 from ..ops.gather import rows_of
+from ..ops.noise import PER_CALL, DrawOps
 from ..ops.topk import row_topk
 from .certificate import DrawCertificate, certify_draw, certify_draw_packed, ruled_out
 from .head_adapter import HeadAdapter
@@ -128,7 +129,7 @@ def run_rounds(adapter: HeadAdapter, hidden: torch.Tensor, bounds: tuple, proces
             # narrow are read, and with a per-row map they can be mapped alone (no [n, V] pass)
             cols_n, rest = narrow
             ylo_c, yhi_c = columns(lo.index_select(1, cols_n), hi.index_select(1, cols_n), rows)
-            cert = _certify_columns(ylo_c, yhi_c, seeds, greedy, cols_n, rest, V)
+            cert = _certify_columns(ylo_c, yhi_c, seeds, greedy, cols_n, rest, V, adapter.draw)
             ylo = yhi = None  # (not mapped on every column this round: mapped below where read)
             by_query = None
         else:
@@ -140,9 +141,9 @@ def run_rounds(adapter: HeadAdapter, hidden: torch.Tensor, bounds: tuple, proces
             by_query = masks.top_p_queries(ylo0, yhi0, ~certified, by_query)
             ylo, yhi = masks.top_p_of(ylo0, yhi0, ~certified) if by_query is None else by_query.bounds(asked)
             if narrow is None:
-                cert = certify_draw_packed(ylo, yhi, seeds, greedy)
+                cert = certify_draw_packed(ylo, yhi, seeds, greedy, adapter.draw)
             else:
-                cert = _certify_columns(ylo[:, narrow[0]], yhi[:, narrow[0]], seeds, greedy, *narrow, V)
+                cert = _certify_columns(ylo[:, narrow[0]], yhi[:, narrow[0]], seeds, greedy, *narrow, V, adapter.draw)
         if by_query is not None:
             # On a row left open: contenders that were not asked for are asked for now, and where
             # every contender is scored (only decisions can help) the contenders a short list
@@ -169,7 +170,7 @@ def run_rounds(adapter: HeadAdapter, hidden: torch.Tensor, bounds: tuple, proces
                 new_lo, new_hi = by_query.bounds(asked, wanted & (late | settled)[:, None], ridx)
                 ylo.index_copy_(0, ridx, new_lo)  # (this round's own tensors: bounds() made them)
                 yhi.index_copy_(0, ridx, new_hi)
-                cert = _recertify(cert, ylo, yhi, seeds, greedy, ridx)
+                cert = _recertify(cert, ylo, yhi, seeds, greedy, ridx, adapter.draw)
                 wanted = _wanted(cert)
             asked = wanted if asked is None else wanted | asked
         now = cert.certified & finite & scored[cert.winner] & ~certified
@@ -287,9 +288,9 @@ def _focus(need: torch.Tensor, yhi: torch.Tensor, count: torch.Tensor, rows: tor
 
 
 def _recertify(cert: DrawCertificate, ylo: torch.Tensor, yhi: torch.Tensor, seeds: torch.Tensor,
-               greedy: torch.Tensor, rows: torch.Tensor) -> DrawCertificate:
+               greedy: torch.Tensor, rows: torch.Tensor, ops: DrawOps = PER_CALL) -> DrawCertificate:
     """``cert`` with the rows ``rows`` certified again on ``ylo, yhi`` (the others kept)."""
-    sub = certify_draw_packed(rows_of(ylo, rows), rows_of(yhi, rows), seeds[rows], greedy[rows])
+    sub = certify_draw_packed(rows_of(ylo, rows), rows_of(yhi, rows), seeds[rows], greedy[rows], ops)
     for name in ("winner", "certified", "contenders", "finite", "bar", "absmax", "hmax"):
         getattr(cert, name)[rows] = getattr(sub, name)
     return cert
@@ -305,12 +306,13 @@ def _wanted(cert: DrawCertificate) -> torch.Tensor:
 
 
 def _certify_columns(ylo: torch.Tensor, yhi: torch.Tensor, seeds: torch.Tensor, greedy: torch.Tensor,
-                     cols: torch.Tensor, rest: Outside, V: int) -> DrawCertificate:
+                     cols: torch.Tensor, rest: Outside, V: int, ops: DrawOps = PER_CALL) -> DrawCertificate:
     """:func:`~.certificate.certify_draw` on the columns ``cols`` (``[n]`` int64, ascending: ties
     still go to the lowest token id), whose bounds are ``ylo, yhi`` (``[R, n]``), every other token
-    of the ``V`` in ``rest``; the result in full-vocabulary coordinates."""
+    of the ``V`` in ``rest`` (``ops``: the adapter's bound passes); the result in full-vocabulary
+    coordinates."""
     R = ylo.shape[0]
-    cert = certify_draw(ylo, yhi, seeds, greedy, cols.expand(R, -1), rest)
+    cert = certify_draw(ylo, yhi, seeds, greedy, cols.expand(R, -1), rest, ops=ops)
     contenders = torch.zeros((R, V), dtype=torch.bool, device=ylo.device)
     contenders[:, cols] = cert.contenders
     winner = cols[cert.winner] if cols.numel() else cert.winner
