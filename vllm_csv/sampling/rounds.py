@@ -23,7 +23,7 @@ import math
 
 import torch
 
-from ..ops.bools import all_, any_
+from ..ops.bools import any_  # ([R, V] and [V] masks; a row mask [R] reduces with torch's own any / all)
 from ..ops.gather import rows_of
 from ..ops.noise import PER_CALL, DrawOps
 from ..ops.topk import row_topk
@@ -84,7 +84,7 @@ def run_rounds(adapter: HeadAdapter, hidden: torch.Tensor, bounds: tuple, proces
         idx = live[rows]
         out.certified[idx], out.winner[idx], out_over[idx] = certified[rows], winner[rows], over_budget[rows]
         done = rows & certified
-        if bool(any_(done)):
+        if bool(done.any()):
             r = done.nonzero().squeeze(1)
             s_idx = scored.nonzero().squeeze(1)
             if yhi is not None:
@@ -133,13 +133,11 @@ def run_rounds(adapter: HeadAdapter, hidden: torch.Tensor, bounds: tuple, proces
             ylo = yhi = None  # (not mapped on every column this round: mapped below where read)
             by_query = None
         else:
-            ylo0, yhi0 = masks.before_top_p(*process(lo, hi, rows), ~certified)
             # top-p rows: first decided on their likely winners only, then on the draw's contenders
             # that this leaves (nucleus.top_p_queries docstring); the rest stays
             # undecided, which the certificate allows for any token that cannot win
             # (asked: the previous round's contenders, which bounds that only tighten rarely add to)
-            by_query = masks.top_p_queries(ylo0, yhi0, ~certified, by_query)
-            ylo, yhi = masks.top_p_of(ylo0, yhi0, ~certified) if by_query is None else by_query.bounds(asked)
+            ylo, yhi, by_query = masks.round_bounds(*process(lo, hi, rows), ~certified, by_query, asked)
             if narrow is None:
                 cert = certify_draw_packed(ylo, yhi, seeds, greedy, adapter.draw)
             else:
@@ -159,7 +157,7 @@ def run_rounds(adapter: HeadAdapter, hidden: torch.Tensor, bounds: tuple, proces
             left = ~certified & ~cert.certified & (top_p < 1.0)
             settled = left & ~any_(cert.contenders & ~scored[None], 1)
             redo = left & (late | settled)
-            if bool(any_(redo)):
+            if bool(redo.any()):
                 asked = wanted if asked is None else wanted | asked
                 # Only the rows of redo get new bounds, and are certified again: another row's
                 # asked tokens did not grow (not late) and nothing was settled for it (its bounds
@@ -188,11 +186,11 @@ def run_rounds(adapter: HeadAdapter, hidden: torch.Tensor, bounds: tuple, proces
         # rows where no token is certainly kept yet (e.g. min-p / top-p undecided on screen
         # bounds): score their highest upper bounds first
         blind = open_rows & ~cert.finite
-        if bool(any_(blind)):  # (the full pass only when some row may be blind)
+        if bool(blind.any()):  # (the full pass only when some row may be blind)
             if yhi is None:  # (a narrow round: the full map, for these rows' highest upper bounds)
                 ylo, yhi = process(lo, hi, rows)
             blind &= any_(yhi > -math.inf, 1)
-        if bool(any_(blind)):
+        if bool(blind.any()):
             top = row_topk(yhi[blind], min(FIRST_GUESS, V))
             need[top.indices[top.values > -math.inf]] = True
             need &= ~scored
@@ -210,7 +208,7 @@ def run_rounds(adapter: HeadAdapter, hidden: torch.Tensor, bounds: tuple, proces
         if new is None:
             break
         keep = finite & ~certified & ~over_budget
-        if not bool(all_(keep)):
+        if not bool(keep.all()):
             # rows certified (or over budget) in this round leave: the next rounds, and the
             # scoring of their columns, run on the open rows only
             leave(~keep, yhi)
@@ -300,7 +298,7 @@ def _wanted(cert: DrawCertificate) -> torch.Tensor:
     """``[R, V]`` bool: the tokens whose top-p decisions a row's certificate reads: its
     contenders, every token where it had no certainly kept token to start from."""
     out = cert.contenders.clone()
-    if not bool(all_(cert.finite)):  # (a row-indexed write: torch.where over [R, V] is a scalar loop here)
+    if not bool(cert.finite.all()):  # (a row-indexed write: torch.where over [R, V] is a scalar loop here)
         out[(~cert.finite).nonzero().squeeze(1)] = True
     return out
 
