@@ -24,6 +24,7 @@ import torch
 
 
 def walk(family: str, seed: int, rows: int, screen: str) -> tuple[collections.Counter, list[str]]:
+    from vllm_csv.sampling.head_adapter import HeadAdapter
     from vllm_csv.testing import audit, audit_sampler
 
     g = torch.Generator().manual_seed(seed)
@@ -32,7 +33,8 @@ def walk(family: str, seed: int, rows: int, screen: str) -> tuple[collections.Co
     batch = audit_sampler.draw_batch(g, rows, case.weight.shape[0])
     batch.deferred = torch.arange(rows)
     head = audit.make_head(case, screen)
-    audit_sampler.check_sampler(head, case, batch, seed)  # warm-up (kernels, caches)
+    adapter = HeadAdapter(head)  # (built with the head, as the plugin's layer builds it: not the row's walk)
+    audit_sampler.check_sampler(head, case, batch, seed, adapter)  # warm-up (kernels, caches)
 
     entries, order = collections.Counter(), []
 
@@ -55,7 +57,7 @@ def walk(family: str, seed: int, rows: int, screen: str) -> tuple[collections.Co
 
     sys.setprofile(profile)
     try:
-        audit_sampler.check_sampler(head, case, batch, seed)
+        audit_sampler.check_sampler(head, case, batch, seed, adapter)
     finally:
         sys.setprofile(None)
     return entries, order

@@ -103,6 +103,9 @@ class OffSwitch:
         self._probed: set[Hashable] = set()
         self._cold: set[Hashable] = set()  # batch sizes whose first (dense, cold) step is not yet reported
         self._outside: dict[tuple[Hashable, bool], deque[float]] = {}  # (key, csv) -> outside times
+        # key -> outside_excess of its current windows, kept until observe_outside changes one
+        # (observe reads it every CSV step: two medians of up to OUTSIDE_WINDOW samples)
+        self._outside_estimate: dict[Hashable, float] = {}
         self._outside_owed: dict[tuple[Hashable, str], int] = {}  # CSV steps charged before an outside estimate
 
     @property
@@ -199,17 +202,25 @@ class OffSwitch:
         dense one), up to the next step of the same batch: the model's forward and what else
         the serving loop runs in between (module docstring, "Around the head")."""
         self._outside.setdefault((batch, csv), deque(maxlen=OUTSIDE_WINDOW)).append(seconds)
+        self._outside_estimate.pop(batch, None)  # the window changed: outside_excess recomputes it
 
     def outside_excess(self, batch: Hashable) -> float:
         """What a CSV step of ``batch`` costs outside its timed span more than a dense one: the
         difference of the medians of :meth:`observe_outside`'s samples (0 until each side has
         :data:`OUTSIDE_MIN`). Charged to every CSV step (:meth:`observe`), negative included
-        (a path that makes the rest of the step faster earns it)."""
-        if not self._outside_ready(batch):
-            return 0.0
-        return statistics.median(self._outside[(batch, True)]) - statistics.median(self._outside[(batch, False)])
+        (a path that makes the rest of the step faster earns it). Computed once per change of
+        the key's samples: the same two medians, kept until :meth:`observe_outside` adds one."""
+        est = self._outside_estimate.get(batch)
+        if est is None:
+            if not self._outside_ready(batch):
+                return 0.0
+            est = statistics.median(self._outside[(batch, True)]) - statistics.median(self._outside[(batch, False)])
+            self._outside_estimate[batch] = est
+        return est
 
     def _outside_ready(self, batch: Hashable) -> bool:
+        if batch in self._outside_estimate:  # (kept only once both sides had OUTSIDE_MIN samples)
+            return True
         return all(len(self._outside.get((batch, csv), ())) >= OUTSIDE_MIN for csv in (True, False))
 
     def observe_dense(self, batch: Hashable, seconds: float) -> None:

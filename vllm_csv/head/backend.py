@@ -6,8 +6,8 @@ Three backends, one interface (:class:`Backend`):
   device; the CPU's choice where the CSV CPU kernels are not built (``VLLM_CSV_CPU_KERNELS=0``,
   no compiler) and the one the mutation tests patch (``tests/conftest.py``,
   ``torch_reference_step``: set before the head is built);
-* ``cpu``: the fused CPU kernels (:mod:`vllm_csv.ops.step`'s public ops, the same bits as the
-  reference: ``tests/test_step.py``);
+* ``cpu``: the fused CPU kernels (:mod:`vllm_csv.ops.step`'s kernel paths, ``*_cpu``: the same
+  bits as the reference, ``tests/test_step.py``; the build is not asked again a call);
 * ``cuda``: the torch reference on the device, plus the fused Triton step where it applies
   (:mod:`vllm_csv.gpu`, built by the head on its first CUDA step) and a device synchronisation
   at the end of a step (the step's time is a host clock).
@@ -58,17 +58,18 @@ class CpuKernels(Backend):
     """The fused CPU kernels (``cpu``): :mod:`vllm_csv.ops.step`'s ops, built and loaded."""
 
     name = "cpu"
-    certify_plain = staticmethod(cpu_ops.certify_topk)
-    prepare_rows = staticmethod(cpu_ops.prepare_rows)
-    abs_max_rows = staticmethod(cpu_ops.abs_max_rows)
-    interval_rows = staticmethod(cpu_ops.interval_rows)
-    select_candidates = staticmethod(cpu_ops.select_candidates)
-    finish_selection = staticmethod(cpu_ops.finish_selection)
+    # the kernel paths themselves (``*_cpu``): the build was checked once, by backend_for
+    certify_plain = staticmethod(cpu_ops.certify_topk_cpu)
+    prepare_rows = staticmethod(cpu_ops.prepare_rows_cpu)
+    abs_max_rows = staticmethod(cpu_ops.abs_max_rows_cpu)
+    interval_rows = staticmethod(cpu_ops.interval_rows_cpu)
+    select_candidates = staticmethod(cpu_ops.select_candidates_cpu)
+    finish_selection = staticmethod(cpu_ops.finish_selection_cpu)
 
     def score_fused(self, h, w, ids, coef, tiny32):
         if h.dtype != w.dtype:  # (a hidden state in another dtype: the reference converts it)
             return None
-        *_, lower, upper, z = cpu_ops.score_intervals(h, w, ids, coef, tiny32)  # the engine's rounding included
+        *_, lower, upper, z = cpu_ops.score_intervals_cpu(h, w, ids, coef, tiny32)  # the engine's rounding included
         return z, lower, upper
 
 

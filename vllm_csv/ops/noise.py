@@ -19,6 +19,7 @@ here.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
@@ -214,10 +215,15 @@ def draw_contenders(lo, hi, seeds, hmax, delta, top_v, top_i, ids, direct: bool,
     reference's sixty-odd small ops cost about 0.5 ms a call whatever the batch; ``std::log`` may
     differ from torch's by an ulp, which the noise margin covers, so a token within an ulp of a
     threshold may be listed by one and not the other: both are sound)."""
-    if uses_kernels(hi):
-        return Contenders(*load_ops().draw_contenders(lo, hi, seeds, hmax, delta, top_v, top_i, ids, direct,
-                                                      level, levels))
-    return draw_contenders_ref(lo, hi, seeds, hmax, delta, top_v, top_i, ids, direct, level, levels)
+    fn = draw_contenders_cpu if uses_kernels(hi) else draw_contenders_ref
+    return fn(lo, hi, seeds, hmax, delta, top_v, top_i, ids, direct, level, levels)
+
+
+def draw_contenders_cpu(lo, hi, seeds, hmax, delta, top_v, top_i, ids, direct: bool, level: float,
+                        levels: int) -> Contenders:
+    """:func:`draw_contenders` on the kernels (the build not asked again: :class:`DrawOps`)."""
+    return Contenders(*torch.ops.vllm_csv_cpu.draw_contenders(lo, hi, seeds, hmax, delta, top_v, top_i, ids, direct,
+                                                              level, levels))
 
 
 def noise_bits(seeds: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
@@ -261,9 +267,12 @@ def row_stats(lo: torch.Tensor, hi: torch.Tensor, k: int) -> RowStats:
     """Same as :func:`row_stats_ref`, in one pass over the rows on the CPU where the kernel is
     built (the reference's seven passes, ``topk`` the dearest, cost about 1 ms for 8 rows of
     65536 tokens on 2 cores)."""
-    if uses_kernels(lo):
-        return RowStats(*load_ops().row_stats(lo, hi, k))
-    return row_stats_ref(lo, hi, k)
+    return row_stats_cpu(lo, hi, k) if uses_kernels(lo) else row_stats_ref(lo, hi, k)
+
+
+def row_stats_cpu(lo: torch.Tensor, hi: torch.Tensor, k: int) -> RowStats:
+    """:func:`row_stats` on the kernels (the build not asked again: :class:`DrawOps`)."""
+    return RowStats(*torch.ops.vllm_csv_cpu.row_stats(lo, hi, k))
 
 
 def pack_live_ref(lo: torch.Tensor, hi: torch.Tensor, n: int) -> torch.Tensor:
@@ -298,9 +307,36 @@ def pack_live(lo: torch.Tensor, hi: torch.Tensor, n: int) -> torch.Tensor:
     """Same as :func:`pack_live_ref`; one pass of vector compares on the CPU where the kernel is
     built (the reference's compares and ``nonzero`` over ``[R, V]`` cost about 0.5 ms for 8 rows
     of 65536 tokens on 2 cores: torch's bool passes are scalar loops here)."""
-    if uses_kernels(hi):
-        return load_ops().pack_live(lo, hi, n)
-    return pack_live_ref(lo, hi, n)
+    return pack_live_cpu(lo, hi, n) if uses_kernels(hi) else pack_live_ref(lo, hi, n)
+
+
+def pack_live_cpu(lo: torch.Tensor, hi: torch.Tensor, n: int) -> torch.Tensor:
+    """:func:`pack_live` on the kernels (the build not asked again: :class:`DrawOps`)."""
+    return torch.ops.vllm_csv_cpu.pack_live(lo, hi, n)
+
+
+# ---- the certificate's passes, bound once --------------------------------------------------------
+class DrawOps(NamedTuple):
+    """The passes :func:`vllm_csv.sampling.certificate.certify_draw` runs over a row's bounds,
+    bound once for the tensors of one device: the kernel paths (``*_cpu``) where the CPU kernels
+    run on them, else the torch references. A sampler's view of a head
+    (:class:`vllm_csv.sampling.head_adapter.HeadAdapter`) binds them when it is built
+    (:func:`draw_ops`); :data:`PER_CALL` asks each call, for callers with no binding."""
+
+    row_stats: Callable[..., RowStats]
+    pack_live: Callable[..., torch.Tensor]
+    draw_contenders: Callable[..., Contenders]
+
+
+def draw_ops(like: torch.Tensor) -> DrawOps:
+    """The :class:`DrawOps` for bounds on ``like``'s device (the kernels if they are built and
+    run there: :func:`~vllm_csv.ops.build.uses_kernels`)."""
+    if uses_kernels(like):
+        return DrawOps(row_stats_cpu, pack_live_cpu, draw_contenders_cpu)
+    return DrawOps(row_stats_ref, pack_live_ref, draw_contenders_ref)
+
+
+PER_CALL = DrawOps(row_stats, pack_live, draw_contenders)  # each call picks kernel or reference
 
 
 # ---- fake implementations (shapes only: tracing, torch.compile) -------------------------------

@@ -22,6 +22,11 @@ Ops (``torch.ops.vllm_csv_cpu.*``):
   for a plain engine (no soft-cap or scale) and greedy rows;
 * :func:`finish_selection`: the ``[B, V]`` output of the certified rows and each row's outcome.
 
+Each op ``X`` asks per call whether the kernels run on its tensors (built, and on the CPU) and
+takes ``X_cpu`` or ``X_ref``; ``X_cpu`` is the kernel path alone (with the layout checks that
+may still send a call to the reference), for what binds its backend once, when a head or screen
+is built (:class:`vllm_csv.head.backend.CpuKernels`, the screens): no check of the build a call.
+
 Each kernel follows its reference operation by operation (fp32 where the reference is fp32,
 scalars rounded to fp32 as torch rounds a Python number), so the outputs agree bit for bit,
 except the float64 sums (norms, dot products), which the kernels take in index order and
@@ -72,7 +77,12 @@ def has_subnormal(x: torch.Tensor, dim: int | None = None, chunk: int = 8192) ->
 
 def prepare_rows(h: torch.Tensor, certifiable: bool):
     """Same as :func:`prepare_rows_ref` (``hnorm`` summed in index order); one pass on the CPU."""
-    return torch.ops.vllm_csv_cpu.prepare_rows(h, certifiable) if uses_kernels(h) else prepare_rows_ref(h, certifiable)
+    return prepare_rows_cpu(h, certifiable) if uses_kernels(h) else prepare_rows_ref(h, certifiable)
+
+
+def prepare_rows_cpu(h: torch.Tensor, certifiable: bool):
+    """:func:`prepare_rows` on the kernels (module docstring: ``*_cpu``)."""
+    return torch.ops.vllm_csv_cpu.prepare_rows(h, certifiable)
 
 
 @fake("prepare_rows")
@@ -91,7 +101,12 @@ def abs_max_rows_ref(y: torch.Tensor) -> torch.Tensor:
 def abs_max_rows(y: torch.Tensor) -> torch.Tensor:
     """Same as :func:`abs_max_rows_ref`, one pass over each row on the CPU (``torch.aminmax`` took
     0.7 ms for 8 rows of 65536 here)."""
-    return torch.ops.vllm_csv_cpu.abs_max_rows(y) if uses_kernels(y) and y.dim() == 2 else abs_max_rows_ref(y)
+    return abs_max_rows_cpu(y) if uses_kernels(y) else abs_max_rows_ref(y)
+
+
+def abs_max_rows_cpu(y: torch.Tensor) -> torch.Tensor:
+    """:func:`abs_max_rows` on the kernels (module docstring: ``*_cpu``)."""
+    return torch.ops.vllm_csv_cpu.abs_max_rows(y) if y.dim() == 2 else abs_max_rows_ref(y)
 
 
 @fake("abs_max_rows")
@@ -118,9 +133,12 @@ def outlier_rows_ref(h: torch.Tensor, ratio: float, m: int) -> torch.Tensor:
 def outlier_rows(h: torch.Tensor, ratio: float, m: int) -> torch.Tensor:
     """Same as :func:`outlier_rows_ref` (the float64 sums in index order): one pass a row on the
     CPU, where the reference's sort-free torch ops still took 180 us for eight rows of 768."""
-    if uses_kernels(h) and h.dim() == 2:
-        return torch.ops.vllm_csv_cpu.outlier_rows(h, ratio, m)
-    return outlier_rows_ref(h, ratio, m)
+    return outlier_rows_cpu(h, ratio, m) if uses_kernels(h) else outlier_rows_ref(h, ratio, m)
+
+
+def outlier_rows_cpu(h: torch.Tensor, ratio: float, m: int) -> torch.Tensor:
+    """:func:`outlier_rows` on the kernels (module docstring: ``*_cpu``)."""
+    return torch.ops.vllm_csv_cpu.outlier_rows(h, ratio, m) if h.dim() == 2 else outlier_rows_ref(h, ratio, m)
 
 
 @fake("outlier_rows")
@@ -171,9 +189,16 @@ def interval_rows(y: torch.Tensor, c: torch.Tensor, rad: torch.Tensor, hnorm: to
     the kernel is built and every vector has its length (the reference makes five, through a
     ``[B, V]`` half-width: 0.37 against 0.10 ms for 8 rows of 65536 and 3.2 against 0.8 ms for 32,
     two threads, :mod:`~vllm_csv.cpu_malloc` tuned, measured 2026-11-26)."""
+    fn = interval_rows_cpu if uses_kernels(y) else interval_rows_ref
+    return fn(y, c, rad, hnorm, bslack, nn, e, two_sided)
+
+
+def interval_rows_cpu(y, c, rad, hnorm, bslack, nn, e, two_sided):
+    """:func:`interval_rows` on the kernels (module docstring: ``*_cpu``), where every vector has
+    its length and ``y`` its layout (else the reference)."""
     B, V = y.shape
     f32 = [(t, n) for t, n in ((c, B), (rad, V), (hnorm, B), (bslack, V), (nn, V), (e, B)) if t is not None]
-    if uses_kernels(y) and y.is_contiguous() and y.dtype == torch.float32 and \
+    if y.is_contiguous() and y.dtype == torch.float32 and \
             all(t.dtype == torch.float32 and t.shape == (n,) for t, n in f32):
         return torch.ops.vllm_csv_cpu.interval_rows(y, c, rad, hnorm, bslack, nn, e, two_sided)
     return interval_rows_ref(y, c, rad, hnorm, bslack, nn, e, two_sided)
@@ -236,9 +261,12 @@ def quantize_act7_ref(h: torch.Tensor, s_min: float, s_max: float):
 
 def quantize_act7(h: torch.Tensor, s_min: float, s_max: float):
     """Same as :func:`quantize_act7_ref` (``e`` summed in index order); one pass on the CPU."""
-    if uses_kernels(h):
-        return torch.ops.vllm_csv_cpu.quantize_act7(h, s_min, s_max)
-    return quantize_act7_ref(h, s_min, s_max)
+    return quantize_act7_cpu(h, s_min, s_max) if uses_kernels(h) else quantize_act7_ref(h, s_min, s_max)
+
+
+def quantize_act7_cpu(h: torch.Tensor, s_min: float, s_max: float):
+    """:func:`quantize_act7` on the kernels (module docstring: ``*_cpu``)."""
+    return torch.ops.vllm_csv_cpu.quantize_act7(h, s_min, s_max)
 
 
 @fake("quantize_act7")
@@ -342,11 +370,15 @@ def select_candidates_ref(y, row_scale, k, hnorm, e, ok, rad_max: float, act_coe
 def select_candidates(y, row_scale, k, hnorm, e, ok, rad_max, act_coef, tiny, bslack_max, delta, limit,
                       babs_max, budget, bmax=None):
     """Same as :func:`select_candidates_ref` (the same ``ids``, bit for bit); one call on the CPU."""
-    if uses_kernels(y):
-        return torch.ops.vllm_csv_cpu.select_candidates(y, row_scale, bmax, k, hnorm, e, ok, rad_max, act_coef, tiny,
-                                                        bslack_max, delta, limit, babs_max, budget)
-    return select_candidates_ref(y, row_scale, k, hnorm, e, ok, rad_max, act_coef, tiny, bslack_max, delta, limit,
-                                 babs_max, budget, bmax)
+    fn = select_candidates_cpu if uses_kernels(y) else select_candidates_ref
+    return fn(y, row_scale, k, hnorm, e, ok, rad_max, act_coef, tiny, bslack_max, delta, limit, babs_max, budget, bmax)
+
+
+def select_candidates_cpu(y, row_scale, k, hnorm, e, ok, rad_max, act_coef, tiny, bslack_max, delta, limit,
+                          babs_max, budget, bmax=None):
+    """:func:`select_candidates` on the kernels (module docstring: ``*_cpu``)."""
+    return torch.ops.vllm_csv_cpu.select_candidates(y, row_scale, bmax, k, hnorm, e, ok, rad_max, act_coef, tiny,
+                                                    bslack_max, delta, limit, babs_max, budget)
 
 
 @fake("select_candidates")
@@ -386,7 +418,13 @@ def score_bounds_ref(h: torch.Tensor, w: torch.Tensor, ids: torch.Tensor, coef: 
 
 def score_intervals(h: torch.Tensor, w: torch.Tensor, ids: torch.Tensor, coef: float, tiny32: float):
     """Same as :func:`score_intervals_ref` (sums in index order) where ``h`` has ``w``'s dtype, on the CPU."""
-    if uses_kernels(h) and h.dtype == w.dtype:
+    fn = score_intervals_cpu if uses_kernels(h) else score_intervals_ref
+    return fn(h, w, ids, coef, tiny32)
+
+
+def score_intervals_cpu(h: torch.Tensor, w: torch.Tensor, ids: torch.Tensor, coef: float, tiny32: float):
+    """:func:`score_intervals` on the kernels (module docstring: ``*_cpu``), where ``h`` has ``w``'s dtype."""
+    if h.dtype == w.dtype:
         return torch.ops.vllm_csv_cpu.score_intervals(h, w, ids, coef, tiny32)
     return score_intervals_ref(h, w, ids, coef, tiny32)
 
@@ -429,8 +467,13 @@ def certify_topk_ref(z, lower, upper, k, outside_high, need_values):
 
 def certify_topk(z, lower, upper, k, outside_high, need_values):
     """Same as :func:`certify_topk_ref`; one call on the CPU where the kernel is built."""
-    fn = torch.ops.vllm_csv_cpu.certify_topk if uses_kernels(z) else certify_topk_ref
+    fn = certify_topk_cpu if uses_kernels(z) else certify_topk_ref
     return fn(z, lower, upper, k, outside_high, need_values)
+
+
+def certify_topk_cpu(z, lower, upper, k, outside_high, need_values):
+    """:func:`certify_topk` on the kernels (module docstring: ``*_cpu``)."""
+    return torch.ops.vllm_csv_cpu.certify_topk(z, lower, upper, k, outside_high, need_values)
 
 
 @fake("certify_topk")
@@ -458,8 +501,13 @@ def outcome_codes(certified, ok, live) -> torch.Tensor:
 
 def finish_selection(V: int, ids, z, in_top, ok, live, cert):
     """Same as :func:`finish_selection_ref`; one call on the CPU where the kernel is built."""
-    fn = torch.ops.vllm_csv_cpu.finish_selection if uses_kernels(z) else finish_selection_ref
+    fn = finish_selection_cpu if uses_kernels(z) else finish_selection_ref
     return fn(V, ids, z, in_top, ok, live, cert)
+
+
+def finish_selection_cpu(V: int, ids, z, in_top, ok, live, cert):
+    """:func:`finish_selection` on the kernels (module docstring: ``*_cpu``)."""
+    return torch.ops.vllm_csv_cpu.finish_selection(V, ids, z, in_top, ok, live, cert)
 
 
 @fake("finish_selection")

@@ -45,7 +45,7 @@ from dataclasses import dataclass
 import torch
 
 from ..ops.gather import rows_of
-from ..ops.noise import RowStats, draw_contenders, pack_live, row_stats
+from ..ops.noise import PER_CALL, DrawOps, RowStats
 from .gumbel import noise_margin
 from .outside import Outside
 
@@ -69,7 +69,7 @@ class DrawCertificate:
 
 def certify_draw(ylo: torch.Tensor, yhi: torch.Tensor, seeds: torch.Tensor, greedy: torch.Tensor,
                  ids: torch.Tensor | None = None, outside: Outside | None = None,
-                 stats: RowStats | None = None) -> DrawCertificate:
+                 stats: RowStats | None = None, ops: DrawOps = PER_CALL) -> DrawCertificate:
     """Certify the token of each row's draw from bounds on its inputs.
 
     Parameters
@@ -89,6 +89,9 @@ def certify_draw(ylo: torch.Tensor, yhi: torch.Tensor, seeds: torch.Tensor, gree
         never the winner nor listed as contenders: a row they may contend in is not certified.
     stats : RowStats, optional
         ``row_stats(ylo, yhi, min(TOP_FIRST, V))`` where the caller has it already.
+    ops : DrawOps, optional
+        The passes over the bounds, bound once by the caller's head adapter
+        (:attr:`.HeadAdapter.draw`); default: each call picks kernel or reference.
 
     Returns
     -------
@@ -98,7 +101,7 @@ def certify_draw(ylo: torch.Tensor, yhi: torch.Tensor, seeds: torch.Tensor, gree
     """
     R, V = ylo.shape
     dev = ylo.device
-    st = row_stats(ylo, yhi, min(TOP_FIRST, V)) if stats is None else stats  # one pass for what is read first
+    st = ops.row_stats(ylo, yhi, min(TOP_FIRST, V)) if stats is None else stats  # one pass for what is read first
     lmax, hmax = st.lmax, st.hmax  # NaN propagates
     finite = (lmax > -math.inf) & (hmax < math.inf)  # (false for NaN too)
     if outside is not None:
@@ -150,7 +153,7 @@ def certify_draw(ylo: torch.Tensor, yhi: torch.Tensor, seeds: torch.Tensor, gree
         # (computed in float64: the difference of two fp32 is exact to 2^-52 relative, so
         # level k means max yhi - yhi_j >= (k - 0.01) LEVEL), each level's threshold from
         # bits alone; the TOP_FIRST tokens are kept whatever their bits (best is over them too)
-        c = draw_contenders(lo_r, hi_r, seeds_r, rows_of(hmax, rows), delta, rows_of(st.top_values, rows),
+        c = ops.draw_contenders(lo_r, hi_r, seeds_r, rows_of(hmax, rows), delta, rows_of(st.top_values, rows),
                             rows_of(st.top_indices, rows), tok, direct, LEVEL, LEVELS)
         if contenders is None:  # (else the greedy pass left these rows all False)
             contenders = torch.zeros((R, V), dtype=torch.bool, device=dev)
@@ -173,7 +176,7 @@ def certify_draw(ylo: torch.Tensor, yhi: torch.Tensor, seeds: torch.Tensor, gree
 
 
 def certify_draw_packed(ylo: torch.Tensor, yhi: torch.Tensor, seeds: torch.Tensor,
-                        greedy: torch.Tensor) -> DrawCertificate:
+                        greedy: torch.Tensor, ops: DrawOps = PER_CALL) -> DrawCertificate:
     """:func:`certify_draw`, on each row's live tokens only when every row has few of them.
 
     A token whose upper bound is ``-inf`` (masked; dropped by min-p, top-k or top-p) is never the
@@ -183,18 +186,18 @@ def certify_draw_packed(ylo: torch.Tensor, yhi: torch.Tensor, seeds: torch.Tenso
     in token order (``-inf`` padding) and only their noise is hashed. Ties are broken by the
     lowest column, which is the lowest token id, as in the full row. (NaN bounds stay live: such
     a row is never certified.) Same arguments and result as :func:`certify_draw` (no outside
-    blocks)."""
+    blocks; ``ops`` as there)."""
     R, V = yhi.shape
-    st = row_stats(ylo, yhi, min(TOP_FIRST, V)) if R else None
+    st = ops.row_stats(ylo, yhi, min(TOP_FIRST, V)) if R else None
     n = int(st.live.max()) if R else 0
     if n > PACK_BELOW * V:
-        return certify_draw(ylo, yhi, seeds, greedy, stats=st)
-    cols = pack_live(ylo, yhi, max(n, 1))  # V: padding
+        return certify_draw(ylo, yhi, seeds, greedy, stats=st, ops=ops)
+    cols = ops.pack_live(ylo, yhi, max(n, 1))  # V: padding
     pad = cols == V
     ids = cols.masked_fill(pad, 0)
     plo = ylo.gather(1, ids).masked_fill_(pad, -math.inf)
     phi = yhi.gather(1, ids).masked_fill_(pad, -math.inf)
-    cert = certify_draw(plo, phi, seeds, greedy, ids)
+    cert = certify_draw(plo, phi, seeds, greedy, ids, ops=ops)
     contenders = torch.zeros((R, V + 1), dtype=torch.bool, device=yhi.device)
     contenders.scatter_(1, cols, cert.contenders & ~pad)
     return DrawCertificate(ids.gather(1, cert.winner[:, None])[:, 0], cert.certified, contenders[:, :V], cert.finite,

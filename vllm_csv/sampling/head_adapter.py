@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import torch
 
+from ..ops.noise import DrawOps, draw_ops
+
 
 class HeadAdapter:
     """Bounds on the values the dense head hands to vLLM's sampler, after soft-cap and scale.
@@ -27,6 +29,9 @@ class HeadAdapter:
         self.dtype = head.dtype
         self.budget = head.config.budget
         self._identity = head.softcap is None and head.scale == 1.0
+        # the draw certificate's passes over these bounds, bound once: the CPU kernels where they
+        # run on the head's device, else the torch references (certificate.certify_draw's ops)
+        self.draw: DrawOps = draw_ops(head.weight)
 
     # ---- bounds after the transform --------------------------------------------------
     def _post(self, lo: torch.Tensor | None, hi: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor]:

@@ -23,8 +23,9 @@ import math
 
 import torch
 
-from ..ops.bools import all_, any_
+from ..ops.bools import any_  # ([R, V] and [V] masks; a row mask [R] reduces with torch's own any / all)
 from ..ops.gather import rows_of
+from ..ops.noise import PER_CALL, DrawOps
 from ..ops.topk import row_topk
 from .certificate import DrawCertificate, certify_draw, certify_draw_packed, ruled_out
 from .head_adapter import HeadAdapter
@@ -83,7 +84,7 @@ def run_rounds(adapter: HeadAdapter, hidden: torch.Tensor, bounds: tuple, proces
         idx = live[rows]
         out.certified[idx], out.winner[idx], out_over[idx] = certified[rows], winner[rows], over_budget[rows]
         done = rows & certified
-        if bool(any_(done)):
+        if bool(done.any()):
             r = done.nonzero().squeeze(1)
             s_idx = scored.nonzero().squeeze(1)
             if yhi is not None:
@@ -128,21 +129,19 @@ def run_rounds(adapter: HeadAdapter, hidden: torch.Tensor, bounds: tuple, proces
             # narrow are read, and with a per-row map they can be mapped alone (no [n, V] pass)
             cols_n, rest = narrow
             ylo_c, yhi_c = columns(lo.index_select(1, cols_n), hi.index_select(1, cols_n), rows)
-            cert = _certify_columns(ylo_c, yhi_c, seeds, greedy, cols_n, rest, V)
+            cert = _certify_columns(ylo_c, yhi_c, seeds, greedy, cols_n, rest, V, adapter.draw)
             ylo = yhi = None  # (not mapped on every column this round: mapped below where read)
             by_query = None
         else:
-            ylo0, yhi0 = masks.before_top_p(*process(lo, hi, rows), ~certified)
             # top-p rows: first decided on their likely winners only, then on the draw's contenders
             # that this leaves (nucleus.top_p_queries docstring); the rest stays
             # undecided, which the certificate allows for any token that cannot win
             # (asked: the previous round's contenders, which bounds that only tighten rarely add to)
-            by_query = masks.top_p_queries(ylo0, yhi0, ~certified, by_query)
-            ylo, yhi = masks.top_p_of(ylo0, yhi0, ~certified) if by_query is None else by_query.bounds(asked)
+            ylo, yhi, by_query = masks.round_bounds(*process(lo, hi, rows), ~certified, by_query, asked)
             if narrow is None:
-                cert = certify_draw_packed(ylo, yhi, seeds, greedy)
+                cert = certify_draw_packed(ylo, yhi, seeds, greedy, adapter.draw)
             else:
-                cert = _certify_columns(ylo[:, narrow[0]], yhi[:, narrow[0]], seeds, greedy, *narrow, V)
+                cert = _certify_columns(ylo[:, narrow[0]], yhi[:, narrow[0]], seeds, greedy, *narrow, V, adapter.draw)
         if by_query is not None:
             # On a row left open: contenders that were not asked for are asked for now, and where
             # every contender is scored (only decisions can help) the contenders a short list
@@ -158,7 +157,7 @@ def run_rounds(adapter: HeadAdapter, hidden: torch.Tensor, bounds: tuple, proces
             left = ~certified & ~cert.certified & (top_p < 1.0)
             settled = left & ~any_(cert.contenders & ~scored[None], 1)
             redo = left & (late | settled)
-            if bool(any_(redo)):
+            if bool(redo.any()):
                 asked = wanted if asked is None else wanted | asked
                 # Only the rows of redo get new bounds, and are certified again: another row's
                 # asked tokens did not grow (not late) and nothing was settled for it (its bounds
@@ -169,7 +168,7 @@ def run_rounds(adapter: HeadAdapter, hidden: torch.Tensor, bounds: tuple, proces
                 new_lo, new_hi = by_query.bounds(asked, wanted & (late | settled)[:, None], ridx)
                 ylo.index_copy_(0, ridx, new_lo)  # (this round's own tensors: bounds() made them)
                 yhi.index_copy_(0, ridx, new_hi)
-                cert = _recertify(cert, ylo, yhi, seeds, greedy, ridx)
+                cert = _recertify(cert, ylo, yhi, seeds, greedy, ridx, adapter.draw)
                 wanted = _wanted(cert)
             asked = wanted if asked is None else wanted | asked
         now = cert.certified & finite & scored[cert.winner] & ~certified
@@ -187,11 +186,11 @@ def run_rounds(adapter: HeadAdapter, hidden: torch.Tensor, bounds: tuple, proces
         # rows where no token is certainly kept yet (e.g. min-p / top-p undecided on screen
         # bounds): score their highest upper bounds first
         blind = open_rows & ~cert.finite
-        if bool(any_(blind)):  # (the full pass only when some row may be blind)
+        if bool(blind.any()):  # (the full pass only when some row may be blind)
             if yhi is None:  # (a narrow round: the full map, for these rows' highest upper bounds)
                 ylo, yhi = process(lo, hi, rows)
             blind &= any_(yhi > -math.inf, 1)
-        if bool(any_(blind)):
+        if bool(blind.any()):
             top = row_topk(yhi[blind], min(FIRST_GUESS, V))
             need[top.indices[top.values > -math.inf]] = True
             need &= ~scored
@@ -209,7 +208,7 @@ def run_rounds(adapter: HeadAdapter, hidden: torch.Tensor, bounds: tuple, proces
         if new is None:
             break
         keep = finite & ~certified & ~over_budget
-        if not bool(all_(keep)):
+        if not bool(keep.all()):
             # rows certified (or over budget) in this round leave: the next rounds, and the
             # scoring of their columns, run on the open rows only
             leave(~keep, yhi)
@@ -287,9 +286,9 @@ def _focus(need: torch.Tensor, yhi: torch.Tensor, count: torch.Tensor, rows: tor
 
 
 def _recertify(cert: DrawCertificate, ylo: torch.Tensor, yhi: torch.Tensor, seeds: torch.Tensor,
-               greedy: torch.Tensor, rows: torch.Tensor) -> DrawCertificate:
+               greedy: torch.Tensor, rows: torch.Tensor, ops: DrawOps = PER_CALL) -> DrawCertificate:
     """``cert`` with the rows ``rows`` certified again on ``ylo, yhi`` (the others kept)."""
-    sub = certify_draw_packed(rows_of(ylo, rows), rows_of(yhi, rows), seeds[rows], greedy[rows])
+    sub = certify_draw_packed(rows_of(ylo, rows), rows_of(yhi, rows), seeds[rows], greedy[rows], ops)
     for name in ("winner", "certified", "contenders", "finite", "bar", "absmax", "hmax"):
         getattr(cert, name)[rows] = getattr(sub, name)
     return cert
@@ -299,18 +298,19 @@ def _wanted(cert: DrawCertificate) -> torch.Tensor:
     """``[R, V]`` bool: the tokens whose top-p decisions a row's certificate reads: its
     contenders, every token where it had no certainly kept token to start from."""
     out = cert.contenders.clone()
-    if not bool(all_(cert.finite)):  # (a row-indexed write: torch.where over [R, V] is a scalar loop here)
+    if not bool(cert.finite.all()):  # (a row-indexed write: torch.where over [R, V] is a scalar loop here)
         out[(~cert.finite).nonzero().squeeze(1)] = True
     return out
 
 
 def _certify_columns(ylo: torch.Tensor, yhi: torch.Tensor, seeds: torch.Tensor, greedy: torch.Tensor,
-                     cols: torch.Tensor, rest: Outside, V: int) -> DrawCertificate:
+                     cols: torch.Tensor, rest: Outside, V: int, ops: DrawOps = PER_CALL) -> DrawCertificate:
     """:func:`~.certificate.certify_draw` on the columns ``cols`` (``[n]`` int64, ascending: ties
     still go to the lowest token id), whose bounds are ``ylo, yhi`` (``[R, n]``), every other token
-    of the ``V`` in ``rest``; the result in full-vocabulary coordinates."""
+    of the ``V`` in ``rest`` (``ops``: the adapter's bound passes); the result in full-vocabulary
+    coordinates."""
     R = ylo.shape[0]
-    cert = certify_draw(ylo, yhi, seeds, greedy, cols.expand(R, -1), rest)
+    cert = certify_draw(ylo, yhi, seeds, greedy, cols.expand(R, -1), rest, ops=ops)
     contenders = torch.zeros((R, V), dtype=torch.bool, device=ylo.device)
     contenders[:, cols] = cert.contenders
     winner = cols[cert.winner] if cols.numel() else cert.winner

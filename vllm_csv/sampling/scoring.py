@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..ops.bools import all_, any_
+from ..ops.bools import any_
 from ..vocabulary import reason_of
 from .head_adapter import HeadAdapter
 
@@ -143,7 +143,7 @@ def contended(contenders: torch.Tensor, rows: torch.Tensor | None, span: torch.T
     """``[V]`` bool: the tokens that are contenders in some row of ``rows`` (``[R]`` bool; None:
     all), reading only the columns ``span`` where given (the others hold no contender)."""
     if span is None:
-        return any_(contenders if rows is None or bool(all_(rows)) else contenders[rows], 0)
+        return any_(contenders if rows is None or bool(rows.all()) else contenders[rows], 0)
     out = torch.zeros(contenders.shape[1], dtype=torch.bool, device=contenders.device)
     sub = contenders[:, span]
     out[span] = any_(sub if rows is None else sub[rows], 0)

@@ -72,6 +72,7 @@ import torch
 from ..errors import CSVError
 from ..fp import FP32_UNIT_ROUNDOFF, gamma, round_up32
 from ..ops import int8_vnni, step
+from ..ops.build import uses_kernels
 from ..ops.step import S_MIN, fold_scale
 from ..ops.fbgemm import ACT_MAX, ACT_MIN, C_MAX_LOG2, C_MIN_LOG2, PackedInt8Linear, packed_int8_linear_ref
 from .copy_error import copy_error_norms, row_norms
@@ -173,6 +174,10 @@ class FbgemmInt8Screen:
         self.rho = float(ratio.max()) * (1 + 2.0**-40) if V else 0.0
         self.s_min, self.s_max = float(s.min()), float(s.max())
         self.bias = None if bias is None else bias.float()
+        # the activations' passes bound once: the CPU kernels where built, else their references
+        kernels = uses_kernels(weight)
+        self._quantize_act7 = step.quantize_act7_cpu if kernels else step.quantize_act7_ref
+        self._outlier_rows = step.outlier_rows_cpu if kernels else step.outlier_rows_ref
         # The VNNI GEMM hands back y's block maxima (ScreenOut.block_max) where y is its output
         # as is (no bias added after it).
         self._fused_block_max = bias is None and isinstance(self.gemm, int8_vnni.VnniInt8Linear)
@@ -210,12 +215,12 @@ class FbgemmInt8Screen:
         if B == 0:
             y = torch.empty((0, self.s.shape[0])) if self.bias is None else self.bias.expand(0, -1).clone()
             return ScreenOut(y, self.radius, True, self.n, torch.empty(0), REL)
-        outliers = outlier_channels(h)
+        outliers = outlier_channels(h, self._outlier_rows)
         if outliers is not None:
             return self._center_radius_split(h, outliers)
         # The activations: t_b, p_b and e_b of the module docstring, and the folded scale c
         # (0.0: rows scaled one by one). One fused kernel on the CPU (vllm_csv.ops.step).
-        x, scale, e, c = step.quantize_act7(h, self.s_min, self.s_max)
+        x, scale, e, c = self._quantize_act7(h, self.s_min, self.s_max)
         bmax = None
         if self._fused_block_max:
             y, bmax = self.gemm.linear_block_max(x, step.BLOCK)  # the search's block maxima, same pass
@@ -250,7 +255,7 @@ class FbgemmInt8Screen:
         from . import ScreenOut
 
         hq = h.index_fill(1, cols, 0)
-        x, scale, e, c = step.quantize_act7(hq, self.s_min, self.s_max)
+        x, scale, e, c = self._quantize_act7(hq, self.s_min, self.s_max)
         y = self.gemm.linear(x)
         apply_row_scale(y, scale, c, False, None)  # (scaled in place: y_O is added to the center)
         hO = h.index_select(1, cols).float()  # exact
@@ -265,12 +270,13 @@ class FbgemmInt8Screen:
         return out
 
 
-def outlier_channels(h: torch.Tensor) -> torch.Tensor | None:
+def outlier_channels(h: torch.Tensor, outlier_rows=step.outlier_rows) -> torch.Tensor | None:
     """The channels of ``h [B, d]`` above :data:`OUTLIER_RATIO` times the rms of the rest of their
     row in some row (ascending; the :data:`MAX_OUTLIERS` largest), or None (the common case: one
     host read; also rows of at most ``2 MAX_OUTLIERS`` channels). Rows with NaN/inf contribute
-    none (they go dense); a zero row none."""
-    rows = step.outlier_rows(h, OUTLIER_RATIO, MAX_OUTLIERS)  # one pass on the CPU
+    none (they go dense); a zero row none. ``outlier_rows``: :func:`vllm_csv.ops.step.outlier_rows`,
+    or the implementation a screen bound when it was built."""
+    rows = outlier_rows(h, OUTLIER_RATIO, MAX_OUTLIERS)  # one pass on the CPU
     if not bool(rows.any()):
         return None
     # the rms of the rest of each such row, its MAX_OUTLIERS largest left out (a few equal

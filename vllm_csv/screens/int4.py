@@ -39,6 +39,7 @@ import torch
 from ..errors import CSVError
 from ..fp import FP32_UNIT_ROUNDOFF, gamma, round_up32
 from ..ops import int4_vnni, step
+from ..ops.build import uses_kernels
 from ..ops.fbgemm import ACT_MIN, act7_layout
 from ..ops.int4_vnni import GROUP, QMAX, dequantized, int4_linear_ref, quantize_int4
 from .copy_error import copy_error_norms
@@ -82,6 +83,8 @@ class VnniInt4Screen:
         self.z_max = QMAX * -ACT_MIN * d * float(s.float().max()) if s.numel() else 1.0
         self.gamma_g = gamma(-(-d // GROUP)) * (1 + 8 * FP32_UNIT_ROUNDOFF)
         self.bias = None if bias is None else bias.float()
+        # the activations' pass bound once: the CPU kernels where built (the GEMM needs them), else the reference
+        self._quantize_act7 = step.quantize_act7_cpu if uses_kernels(weight) else step.quantize_act7_ref
         self.extra_bytes = self.gemm.nbytes + V * 4 * 2  # nibbles, fp16 scales; r, n
         self._self_test(q, s)
 
@@ -105,7 +108,7 @@ class VnniInt4Screen:
         if B == 0:
             y = torch.empty((0, self.n.shape[0])) if self.bias is None else self.bias.expand(0, -1).clone()
             return ScreenOut(y, self.radius, True, self.n, torch.empty(0), REL)
-        x, scale, e, c = step.quantize_act7(h, Z_MIN, self.z_max)
+        x, scale, e, c = self._quantize_act7(h, Z_MIN, self.z_max)
         # e' = e + gamma_G (||h|| + e), rounded up (NaN / inf rows stay NaN / inf: dense)
         e = round_up32((e.double() + self.gamma_g * (h.double().norm(dim=1) + e.double()))
                        * (1 + 4 * FP32_UNIT_ROUNDOFF))

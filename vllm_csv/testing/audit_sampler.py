@@ -126,9 +126,11 @@ def _sample(sampler, logits: torch.Tensor, batch: Batch, seed: int):
     return out, torch.rand(2), [torch.rand(2, generator=batch.md.generators[i]) for i in sorted(batch.gen_seeds)]
 
 
-def check_sampler(head, case: Case, batch: Batch, seed: int) -> SamplerOutcome:
+def check_sampler(head, case: Case, batch: Batch, seed: int, adapter=None) -> SamplerOutcome:
     """vLLM's ``Sampler`` with the hook on ``batch.deferred`` (certified or filled densely in the
-    sampler) against the same ``Sampler`` on the dense head's logits (grammar ``-inf`` on both)."""
+    sampler) against the same ``Sampler`` on the dense head's logits (grammar ``-inf`` on both).
+    ``adapter``: the head's :class:`~vllm_csv.sampling.head_adapter.HeadAdapter`, where the caller
+    keeps one across checks as the plugin's layer does (default: one built for this check)."""
     from vllm.v1.sample.sampler import Sampler
 
     from ..head import hidden_rows
@@ -137,6 +139,7 @@ def check_sampler(head, case: Case, batch: Batch, seed: int) -> SamplerOutcome:
 
     patches.install_samplers()
     sampler = Sampler()
+    adapter = HeadAdapter(head) if adapter is None else adapter  # (the plugin's layer builds one per head)
     dense = dense_reference(case)
     grammar = batch.grammar
     # (a copy: on fp32 logits vLLM's sampler works in place on its input)
@@ -148,7 +151,7 @@ def check_sampler(head, case: Case, batch: Batch, seed: int) -> SamplerOutcome:
         logits.masked_fill_(grammar, -math.inf)
     tally = Tally()
     step = hand_off(sampler, csv_step.Deferred(  # (as the plugin's layer)
-        logits, hidden_rows(case.hidden, rows), rows, [batch.modes[i] for i in rows.tolist()], HeadAdapter(head),
+        logits, hidden_rows(case.hidden, rows), rows, [batch.modes[i] for i in rows.tolist()], adapter,
         lambda: dense_reference(case), tally.account()))
     try:
         got = _sample(sampler, logits, batch, seed)

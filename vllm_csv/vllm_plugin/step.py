@@ -113,10 +113,6 @@ class Deferred:
     account: StepAccount  # kind "deferred"
     seconds: float = 0.0  # head time spent on them
 
-    @property
-    def with_sampler(self) -> bool:
-        return self.account.with_sampler
-
 
 Handoff = Deferred | StepAccount  # what the layer leaves for the sampler
 

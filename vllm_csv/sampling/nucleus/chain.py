@@ -39,6 +39,23 @@ class Masks:
         self.top_p_on = not all_off(None, None, top_p, V)
         self.off = not self.top_k_on and not self.top_p_on and all_off(min_p, None, None, V)
 
+    def round_bounds(self, ylo: torch.Tensor, yhi: torch.Tensor, rows: torch.Tensor, last: TopPQueries | None = None,
+                     asked: torch.Tensor | None = None):
+        """A round's bounds after the three masks on the rows ``rows`` (``[R]`` bool): min-p and
+        top-k (:meth:`before_top_p`), then top-p deciding the tokens ``asked`` only where some row
+        has one (:meth:`top_p_queries`, ``last`` as there; :meth:`.TopPQueries.bounds`), else
+        every token (:meth:`top_p_of`).
+
+        Returns
+        -------
+        ``(ylo, yhi, queries)``: the masked bounds and the round's :class:`~.top_p_queries.TopPQueries`
+        (None where no row has a top-p).
+        """
+        ylo, yhi = self.before_top_p(ylo, yhi, rows)
+        queries = self.top_p_queries(ylo, yhi, rows, last)
+        ylo, yhi = self.top_p_of(ylo, yhi, rows) if queries is None else queries.bounds(asked)
+        return ylo, yhi, queries
+
     def before_top_p(self, ylo: torch.Tensor, yhi: torch.Tensor, rows: torch.Tensor):
         """min-p and top-k on the rows ``rows`` (``[R]`` bool); the other rows' bounds are
         returned unmasked (their decisions are not read)."""

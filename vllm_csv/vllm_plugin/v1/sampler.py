@@ -373,7 +373,7 @@ def sample(orig, sampler, logits: torch.Tensor, md, predict_bonus_token: bool = 
         d.settle(None, time.perf_counter() - t0)
         return out
     st, settled, drawn = resolve(sampler, d, logits, md, predict_bonus_token, draw=True)
-    if not d.with_sampler:
+    if not d.account.with_sampler:  # (the account holds whether the sampler call's time counts)
         d.account.settle(st)
     t0 = time.perf_counter()
     if drawn is not None:
@@ -381,6 +381,6 @@ def sample(orig, sampler, logits: torch.Tensor, md, predict_bonus_token: bool = 
     else:
         out = draw_with_masks(sampler, orig, logits, md, settled, predict_bonus_token, logprobs_mode_override,
                    rows_only=certifiable_sampler(sampler))
-    if d.with_sampler:
+    if d.account.with_sampler:
         d.account.settle(st, time.perf_counter() - t0)
     return out
