@@ -3,7 +3,10 @@
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 bash scripts/setup_env.sh
-echo "vllm-csv tests: a first run trains a small test model inside pytest (minutes, no output meanwhile)" \
-     "and builds the CPU kernels (about a minute); later runs reuse both (~/.cache)." >&2
+# The CPU kernels built here, with their messages, before pytest (which would build them silently)
+.venv/bin/vllm-csv build-kernels || echo "vllm-csv tests: the CPU kernels did not build (see above);" \
+    "their tests skip and the torch reference runs" >&2
+echo "vllm-csv tests: a first run trains a small test model inside pytest (minutes, no output meanwhile);" \
+     "later runs reuse it (~/.cache)." >&2
 export VLLM_CPU_KVCACHE_SPACE=${VLLM_CPU_KVCACHE_SPACE:-1}
 exec .venv/bin/python -m pytest -ra -q "$@"

@@ -5,12 +5,16 @@ Every source registers its ops in one library, ``torch.ops.vllm_csv_cpu``, built
 extension; each op's Python wrapper sits beside its torch reference in the module of its source
 (:data:`KERNELS`). The extension is built on first use, once per machine, source version and
 checkout, by torch's C++ extension loader (a C++ compiler and ninja, both already needed by
-vLLM-CPU's own builds; about 45 s on 2 cores, cached in ``TORCH_EXTENSIONS_DIR``), with
+vLLM-CPU's own builds; about 45 s on 2 cores, 2-3 minutes under load, cached in
+``TORCH_EXTENSIONS_DIR``), with
 ``-ffp-contract=off`` (the kernels round as their references round) and ``-fopenmp`` (ATen's
 ``parallel_for`` is header code: without it every kernel ran on one thread). Where that fails
 (no compiler, a non-editable install without ``csrc/``), or with ``VLLM_CSV_CPU_KERNELS=0``,
 :func:`load_ops` returns None, one log line says why, and every wrapper takes its torch
-reference: the same certificate, slower.
+reference: the same certificate, slower. A build logs what it builds, where, and how long it
+took; ``vllm-csv build-kernels`` (:func:`build_kernels`) runs it ahead of time, as ``run.sh`` and
+``scripts/test.sh`` do, so that vLLM's worker finds the kernels built (no silent minutes at the
+server's start).
 
 Builds are serialised by a ``flock`` (:data:`BUILD_LOCK` in the build directory) that ends with
 its holder: a process waits at most ``VLLM_CSV_CPU_BUILD_WAIT_S`` (:data:`BUILD_WAIT_S`) seconds
@@ -107,11 +111,16 @@ def _build_lock(build_dir: Path, wait_s: float):
     fd = os.open(build_dir / BUILD_LOCK, os.O_RDWR | os.O_CREAT, 0o644)
     try:
         deadline = time.monotonic() + wait_s
+        waiting = False
         while True:
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
                 break
             except BlockingIOError:
+                if not waiting:
+                    waiting = True
+                    logger.info("CSV CPU kernels: another process is building them in %s; waiting for it "
+                                "(at most %g s)", build_dir, wait_s)
                 if time.monotonic() >= deadline:
                     raise TimeoutError(f"another process held {build_dir / BUILD_LOCK} for {wait_s:g} s "
                                        f"({BUILD_WAIT_ENV} sets the wait)") from None
@@ -141,8 +150,16 @@ def load_ops():
             name, flags = _extension()
             build_dir = _build_directory(name)
             with _build_lock(build_dir, float(os.environ.get(BUILD_WAIT_ENV, BUILD_WAIT_S))):
+                built = (build_dir / f"{name}.so").exists()  # (torch's loader names the library so)
+                if not built:
+                    logger.info("CSV CPU kernels: building %d sources of %s into %s (first use of this "
+                                "version on this machine: 1-3 minutes; later starts load the build from "
+                                "there)", len(SOURCES), SOURCES[0].parent, build_dir)
+                t0 = time.monotonic()
                 load(name, [str(f) for f in SOURCES], is_python_module=False, verbose=False,
                      extra_cflags=flags, build_directory=str(build_dir))
+                if not built:
+                    logger.info("CSV CPU kernels: built in %.0f s (cached in %s)", time.monotonic() - t0, build_dir)
             ops = torch.ops.vllm_csv_cpu
         except Exception as e:  # no compiler, no ninja, a build error, a build that holds the lock too long
             why = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
@@ -153,6 +170,30 @@ def load_ops():
         for op in list(_fakes):
             _register_fake(op)
     return ops
+
+
+def build_kernels() -> bool:
+    """Build (or find built) and load the kernels now, saying so on stderr whatever the logging
+    set-up: ``vllm-csv build-kernels``, which ``run.sh`` and ``scripts/test.sh`` run after the
+    install so that no server or test waits on the build unannounced. True where they loaded."""
+    import sys
+
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("[vllm-csv] %(message)s"))
+    level = logger.level
+    logger.addHandler(handler)
+    if logger.getEffectiveLevel() > logging.INFO:
+        logger.setLevel(logging.INFO)
+    propagate, logger.propagate = logger.propagate, False  # (once, not once more by a root handler)
+    try:
+        ops = load_ops()
+        if ops is not None:
+            logger.info("CSV CPU kernels: ready (%s)", _build_directory(_extension()[0]))
+        return ops is not None
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+        logger.propagate = propagate
 
 
 def kernels_available() -> bool:
