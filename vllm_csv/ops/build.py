@@ -23,6 +23,11 @@ when a build was killed is removed, with a warning (``tests/test_kernel_build.py
 
 What the CPU offers (AVX512-VNNI, AMX-INT8, SLEEF's vector exp) is detected by the kernels
 themselves at run time, where they are compiled; :func:`cpu_supports` asks them.
+``VLLM_CSV_CPU_ISA`` (:data:`ISA_ENV`: ``auto``, ``avx512`` or ``avx2``), read once when the
+kernels load (``csrc/cpu/isa.h``), caps what they detect: with ``avx2`` they run their AVX2 paths,
+report no AVX512-VNNI (the int8 screen takes FBGEMM) and no AMX, as on an AVX2-only CPU, so
+that those paths are tested on AVX-512 machines (``tests/test_cpu_isa.py``); ``avx512`` leaves
+out AMX only. :func:`isa_cap` says which cap holds.
 """
 
 from __future__ import annotations
@@ -53,6 +58,8 @@ ENV = "VLLM_CSV_CPU_KERNELS"  # "0": always the torch reference
 BUILD_WAIT_ENV, BUILD_WAIT_S = "VLLM_CSV_CPU_BUILD_WAIT_S", 600.0  # longest wait for another process's
 # build of the kernels (a build takes 1-2 minutes here); after it, the torch reference runs
 BUILD_LOCK = "csv_build.lock"  # the flock that serialises builds (load_ops, _build_lock)
+ISA_ENV = "VLLM_CSV_CPU_ISA"  # auto | avx512 | avx2: the widest vector ISA the kernels may use (csrc/cpu/isa.h)
+ISA_CAPS = {1: "avx2", 2: "avx512", 3: "auto"}  # the kernels' cpu_isa_cap() -> its name
 
 KERNELS = {  # csrc/cpu/<source>: the module of its ops, each beside its torch reference (in build order)
     "csv_cpu.cpp": "vllm_csv.ops.step",  # the certified step's small passes
@@ -64,6 +71,7 @@ KERNELS = {  # csrc/cpu/<source>: the module of its ops, each beside its torch r
     "bools_cpu.cpp": "vllm_csv.ops.bools",  # a bool mask's true positions
 }
 SOURCES = tuple(Path(__file__).resolve().parents[2] / "csrc" / "cpu" / f for f in KERNELS)
+HEADERS = (SOURCES[0].parent / "isa.h",)  # included by the sources (part of the build's key)
 
 FEATURES = {  # what the kernels may use on this CPU -> the op that answers (cpuid, and Linux's permission for AMX)
     "avx512_vnni": "int8_vnni_supported",  # AVX-512 F/BW and VNNI: the int8 GEMM
@@ -86,7 +94,7 @@ def _extension():
     # otherwise rebuild over each other's library, even while the other loads it, and two
     # checkouts of one version would rebuild it each time (ninja's commands hold the absolute
     # source paths).
-    key = "\0".join([str(SOURCES[0].parent), *(f.read_text() for f in SOURCES), *flags])
+    key = "\0".join([str(SOURCES[0].parent), *(f.read_text() for f in (*SOURCES, *HEADERS)), *flags])
     return f"vllm_csv_cpu_{hashlib.sha256(key.encode()).hexdigest()[:12]}", flags
 
 
@@ -141,7 +149,7 @@ def load_ops():
     ops, why = None, None
     if os.environ.get(ENV, "1") == "0":
         why = f"{ENV}=0"
-    elif not all(f.exists() for f in SOURCES):
+    elif not all(f.exists() for f in (*SOURCES, *HEADERS)):
         why = f"{SOURCES[0].parent} is not installed (an editable install of vllm-csv has it)"
     else:
         try:
@@ -167,9 +175,39 @@ def load_ops():
         logger.info("CSV CPU kernels unavailable (%s); the certified step uses its torch reference", why)
     _state["ops"] = ops
     if ops is not None:
+        _log_isa_cap(ops)
         for op in list(_fakes):
             _register_fake(op)
     return ops
+
+
+def _log_isa_cap(ops) -> None:
+    """Say which cap :data:`ISA_ENV` put on the kernels (nothing when none), and warn of a value
+    the kernels do not know (they take it as ``auto``)."""
+    raw = os.environ.get(ISA_ENV)
+    if raw is not None and raw.lower() not in ISA_CAPS.values():
+        logger.warning("%s=%r is not one of %s: the CSV CPU kernels use what the CPU has", ISA_ENV, raw,
+                       ", ".join(sorted(ISA_CAPS.values())))
+    cap = ISA_CAPS.get(int(ops.cpu_isa_cap()), "auto")
+    if cap != "auto":
+        logger.info("CSV CPU kernels: vector ISA capped at %s (%s)%s", cap, ISA_ENV,
+                    "; no AVX-512, no AMX: the int8 screen takes FBGEMM" if cap == "avx2" else "; no AMX")
+
+
+def isa_cap() -> str | None:
+    """The cap the kernels run under (``"auto"``, ``"avx512"``, ``"avx2"``; :data:`ISA_ENV`, read
+    once when they loaded), or None where they are not built."""
+    ops = load_ops()
+    return None if ops is None else ISA_CAPS.get(int(ops.cpu_isa_cap()), "auto")
+
+
+def no_avx512_reason(what: str) -> str:
+    """Why the kernels may not use ``what`` (an AVX-512 feature) here: the CPU lacks it, or
+    :data:`ISA_ENV` caps them below it."""
+    cap = isa_cap()
+    if cap == "avx2":
+        return f"{ISA_ENV}=avx2 caps the CPU kernels below {what}"
+    return f"this CPU has no {what}"
 
 
 def build_kernels() -> bool:
