@@ -1,7 +1,8 @@
 """``VLLM_CSV_CPU_ISA``: the CPU kernels' dispatch capped below what the CPU has (issue 45).
 
 With ``avx2`` on an AVX-512 machine the kernels run their AVX2 paths and report what an AVX2-only
-CPU reports (no AVX512-VNNI, no AMX, no SLEEF vector exp), so the int8 screen takes FBGEMM and
+CPU reports (no AVX512-VNNI, no AMX, no SLEEF vector exp), so the int8 screen takes FBGEMM (held
+to its AVX2 kernels here by FBGEMM_ENABLE_INSTRUCTIONS=AVX2) and
 ``unlisted_masses`` its reference, as on AMD Zen 2/3 or an older Xeon; the kernel tests then pass
 bit for bit against their torch references, as they do uncapped. The cap is read once, when the
 kernels load, so each case runs in a subprocess with the variable set. (About a minute and a half
@@ -51,10 +52,15 @@ print(json.dumps(dict(cap=build.isa_cap(), features={f: build.cpu_supports(f) fo
 
 
 def _env(isa: str | None) -> dict:
-    env = {k: v for k, v in os.environ.items() if k != build.ISA_ENV}
+    """The environment of a subprocess capped at ``isa``; at ``avx2`` FBGEMM too is held to its
+    AVX2 kernels (``vpmaddubsw``, whose int16 pair sums saturate: FBGEMM_ENABLE_INSTRUCTIONS), so
+    the int8 screen runs what it runs on an AVX2 CPU."""
+    env = {k: v for k, v in os.environ.items() if k not in (build.ISA_ENV, "FBGEMM_ENABLE_INSTRUCTIONS")}
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
     if isa is not None:
         env[build.ISA_ENV] = isa
+    if isa == "avx2":
+        env["FBGEMM_ENABLE_INSTRUCTIONS"] = "AVX2"
     return env
 
 

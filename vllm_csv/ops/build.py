@@ -25,7 +25,8 @@ What the CPU offers (AVX512-VNNI, AMX-INT8, SLEEF's vector exp) is detected by t
 themselves at run time, where they are compiled; :func:`cpu_supports` asks them.
 ``VLLM_CSV_CPU_ISA`` (:data:`ISA_ENV`: ``auto``, ``avx512`` or ``avx2``), read once when the
 kernels load (``csrc/cpu/isa.h``), caps what they detect: with ``avx2`` they run their AVX2 paths,
-report no AVX512-VNNI (the int8 screen takes FBGEMM) and no AMX, as on an AVX2-only CPU, so
+report no AVX512-VNNI (the int8 screen takes FBGEMM, whose own kernels
+``FBGEMM_ENABLE_INSTRUCTIONS=AVX2`` caps) and no AMX, as on an AVX2-only CPU, so
 that those paths are tested on AVX-512 machines (``tests/test_cpu_isa.py``); ``avx512`` leaves
 out AMX only. :func:`isa_cap` says which cap holds.
 """
@@ -189,9 +190,13 @@ def _log_isa_cap(ops) -> None:
         logger.warning("%s=%r is not one of %s: the CSV CPU kernels use what the CPU has", ISA_ENV, raw,
                        ", ".join(sorted(ISA_CAPS.values())))
     cap = ISA_CAPS.get(int(ops.cpu_isa_cap()), "auto")
-    if cap != "auto":
-        logger.info("CSV CPU kernels: vector ISA capped at %s (%s)%s", cap, ISA_ENV,
-                    "; no AVX-512, no AMX: the int8 screen takes FBGEMM" if cap == "avx2" else "; no AMX")
+    if cap == "avx2":
+        fbgemm = os.environ.get("FBGEMM_ENABLE_INSTRUCTIONS")
+        logger.info("CSV CPU kernels: vector ISA capped at avx2 (%s); no AVX-512, no AMX: the int8 screen takes "
+                    "FBGEMM%s", ISA_ENV, f" (FBGEMM_ENABLE_INSTRUCTIONS={fbgemm})" if fbgemm else
+                    ", which keeps its AVX-512 kernels unless FBGEMM_ENABLE_INSTRUCTIONS=AVX2")
+    elif cap != "auto":
+        logger.info("CSV CPU kernels: vector ISA capped at %s (%s); no AMX", cap, ISA_ENV)
 
 
 def isa_cap() -> str | None:
