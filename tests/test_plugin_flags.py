@@ -183,3 +183,21 @@ def test_any_csv_flag_enables_and_errors_are_one_line():
         with pytest.raises(CSVError) as e:
             apply_csv_args(bad, None)
         assert "\n" not in str(e.value) and str(e.value).startswith(f"invalid csv_decode configuration: {key}: ")
+
+
+def test_the_plugins_variables_are_declared_to_vllm(monkeypatch):
+    """vLLM warns of (or, failing on environment validation, refuses) any VLLM_* variable it does
+    not know: VLLM_CSV_CPU_ISA and the plugin's other variables are declared when it registers."""
+    from vllm import envs
+    from vllm.platforms import current_platform
+
+    from vllm_csv import vllm_plugin
+
+    monkeypatch.setattr(envs, "environment_variables", dict(envs.environment_variables))
+    monkeypatch.setenv("VLLM_CSV_CPU_ISA", "avx2")
+    monkeypatch.setenv("VLLM_CSV_CPU_KERNELS", "1")
+    with pytest.raises(ValueError, match="VLLM_CSV_"):
+        current_platform.validate_environ(True)
+    vllm_plugin.declare_env()
+    current_platform.validate_environ(True)
+    assert envs.VLLM_CSV_CPU_ISA == "avx2"

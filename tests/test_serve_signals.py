@@ -68,6 +68,7 @@ def fake(tmp_path, monkeypatch):
     pidfile = tmp_path / "pid"
     monkeypatch.setenv("FAKE_VLLM_PID", str(pidfile))
     monkeypatch.setattr(srv, "_vllm_command", lambda: [sys.executable, str(exe)])
+    monkeypatch.setattr(srv, "_prepare_kernels", lambda: None)  # (tested in test_kernel_build.py)
     serving = threading.Event()
     monkeypatch.setattr(srv, "csv_metrics", lambda base: serving.set() or {})
 

@@ -60,6 +60,14 @@ def _serve(args) -> int:
     return serve(args.model, args.host, args.port, args.once, args.vllm_args, args.timeout)
 
 
+def _build_kernels(args) -> int:
+    from .ops import build
+
+    if build.build_kernels() or build.os.environ.get(build.ENV, "1") == "0":
+        return 0
+    return 1  # (the build failed: its log line says why; the torch reference would run)
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="vllm-csv", description=__doc__)
     sub = p.add_subparsers(dest="command", required=True)
@@ -79,6 +87,9 @@ def parser() -> argparse.ArgumentParser:
     b.add_argument("--seed", type=int, default=0)
     b.add_argument("--quiet", action="store_true", help="no progress bar")
     b.set_defaults(func=_build_index)
+    k = sub.add_parser("build-kernels", help="build the CPU kernels now (else the first CPU server or test "
+                       "builds them: 1-3 minutes, once per version and machine)")
+    k.set_defaults(func=_build_kernels)
     s = sub.add_parser("serve", help="serve a model with CSV-Decode on (default: the embedded demo model)")
     s.add_argument("model", nargs="?", default=None, help="Hugging Face model directory (default: demo model)")
     s.add_argument("--host", default="127.0.0.1")

@@ -267,6 +267,20 @@ def summary(m: dict[str, float]) -> str:
             + (f"; {off:.0f} rows dense by the off-switch" if off else ""))
 
 
+def _prepare_kernels() -> None:
+    """On a CPU machine, build the CSV CPU kernels here, before the server starts (where its
+    worker would build them, silently for 1-3 minutes while vLLM waits on it): the build says what
+    it builds and how long it took, and the worker loads it. A failed build is said here too;
+    the server then runs the torch reference, as it would have."""
+    import torch
+
+    if torch.cuda.is_available():  # (the CUDA head runs no CPU kernel)
+        return
+    from .ops import build
+
+    build.build_kernels()
+
+
 def serve(model: str | None, host: str, port: int, once: bool, extra: list[str], timeout: float) -> int:
     demo = model is None
     if demo:
@@ -274,6 +288,7 @@ def serve(model: str | None, host: str, port: int, once: bool, extra: list[str],
 
         model = str(ensure_demo_model())
         print(f"[vllm-csv] serving the embedded demo model {model}", file=sys.stderr)
+    _prepare_kernels()
     env = dict(os.environ)
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     cmd = [*_vllm_command(), "serve", model, "--enable-csv-decode", "--host", host, "--port", str(port), *extra]

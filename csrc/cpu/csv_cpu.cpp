@@ -18,6 +18,8 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include "isa.h"
+
 #if defined(__x86_64__)
 #include <immintrin.h>
 #endif
@@ -209,7 +211,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, double> quantize_act7(const at::T
 // vectorises it (a single running max is a loop-carried dependence it will not reorder).
 constexpr int LANES = 16;
 
-__attribute__((target_clones("avx512f", "avx2", "default"))) float block_max(const float* r, int64_t n) {
+// (The body is inlined into one function per ISA, each vectorised for its target; block_max
+// picks the widest that CSV_CPU_SUPPORTS allows: target_clones would dispatch past the cap.)
+inline __attribute__((always_inline)) float block_max_body(const float* r, int64_t n) {
   float m[LANES], bad[LANES];
   for (int l = 0; l < LANES; ++l) m[l] = -INF32, bad[l] = 0.0f;
   int64_t i = 0;
@@ -229,6 +233,22 @@ __attribute__((target_clones("avx512f", "avx2", "default"))) float block_max(con
     for (int64_t q = 0; q < n; ++q)
       if (r[q] != r[q]) return NAN32;
   return out;
+}
+
+#if defined(__x86_64__)
+__attribute__((target("avx512f"))) float block_max_avx512(const float* r, int64_t n) { return block_max_body(r, n); }
+__attribute__((target("avx2"))) float block_max_avx2(const float* r, int64_t n) { return block_max_body(r, n); }
+#endif
+float block_max_any(const float* r, int64_t n) { return block_max_body(r, n); }
+
+float block_max(const float* r, int64_t n) {
+#if defined(__x86_64__)
+  static const auto fn = CSV_CPU_SUPPORTS("avx512f") ? block_max_avx512
+                                                     : (CSV_CPU_SUPPORTS("avx2") ? block_max_avx2 : block_max_any);
+  return fn(r, n);
+#else
+  return block_max_any(r, n);
+#endif
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> select_candidates(
@@ -469,7 +489,7 @@ __attribute__((target("avx512f"))) int64_t widen_avx512(const uint16_t* w, bool 
 }
 
 bool has_avx512f() {
-  static const bool yes = __builtin_cpu_supports("avx512f");
+  static const bool yes = CSV_CPU_SUPPORTS("avx512f");
   return yes;
 }
 #endif
@@ -728,8 +748,8 @@ using IntervalSpan = void (*)(float*, float*, int64_t, float, const float*, cons
 
 IntervalSpan interval_span() {  // the widest the CPU runs (the multiply-adds fused in each, as torch's)
 #if defined(__x86_64__)
-  if (__builtin_cpu_supports("avx512f")) return interval_span_avx512;
-  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return interval_span_avx2;
+  if (CSV_CPU_SUPPORTS("avx512f")) return interval_span_avx512;
+  if (CSV_CPU_SUPPORTS("avx2") && CSV_CPU_SUPPORTS("fma")) return interval_span_avx2;
 #endif
   return interval_tail;
 }
@@ -771,7 +791,12 @@ at::Tensor interval_rows(at::Tensor& y, const at::Tensor& c, const at::Tensor& r
 }
 }  // namespace
 
+// The cap VLLM_CSV_CPU_ISA put on the kernels' dispatch when the library loaded (isa.h):
+// 1 avx2, 2 avx512, 3 auto.
+int64_t cpu_isa_cap() { return csv_isa::loaded; }
+
 TORCH_LIBRARY(vllm_csv_cpu, m) {
+  m.def("cpu_isa_cap() -> int");
   m.def("abs_max_rows(Tensor y) -> Tensor");
   m.def("outlier_rows(Tensor h, float ratio, int m) -> Tensor");
   m.def("interval_rows(Tensor(a!) y, Tensor c, Tensor rad, Tensor hnorm, Tensor? bslack, Tensor? nn, Tensor? e, "
@@ -803,3 +828,5 @@ TORCH_LIBRARY_IMPL(vllm_csv_cpu, CPU, m) {
   m.impl("certify_topk", &certify_topk);
   m.impl("finish_selection", &finish_selection);
 }
+
+TORCH_LIBRARY_IMPL(vllm_csv_cpu, CompositeExplicitAutograd, m) { m.impl("cpu_isa_cap", &cpu_isa_cap); }

@@ -18,6 +18,8 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include "isa.h"
+
 #include <immintrin.h>
 
 #include <algorithm>
@@ -102,7 +104,7 @@ void chunk_keep_any(CHUNK_ARGS) {
   else CHUNK_CALL(true);
 }
 
-static const bool AVX512_DQ = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512dq");
+static const bool AVX512_DQ = CSV_CPU_SUPPORTS("avx512f") && CSV_CPU_SUPPORTS("avx512dq");
 
 // One row of noise_candidates: the kept columns (ascending) and their bits appended to cr, br.
 // forced: columns kept whatever their bits, ascending.
@@ -396,9 +398,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tenso
   const float* lp = lo.data_ptr<float>();
   const float* hp = hi.data_ptr<float>();
   const float inf = std::numeric_limits<float>::infinity(), nan = std::numeric_limits<float>::quiet_NaN();
-  static const auto stats_fn = __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl")
+  static const auto stats_fn = CSV_CPU_SUPPORTS("avx512bw") && CSV_CPU_SUPPORTS("avx512vl")
                                    ? chunk_stats_avx512
-                                   : (__builtin_cpu_supports("avx2") ? chunk_stats_avx2 : chunk_stats_any);
+                                   : (CSV_CPU_SUPPORTS("avx2") ? chunk_stats_avx2 : chunk_stats_any);
   constexpr int64_t SCH = 4096;  // tokens a chunk: statistics in registers, then the top check
   at::parallel_for(0, R, 1, [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r) {
@@ -503,9 +505,9 @@ at::Tensor pack_live(const at::Tensor& lo_in, const at::Tensor& hi_in, int64_t n
   at::Tensor cols = at::full({R, n}, V, lo.options().dtype(at::kLong));
   const float *lp = lo.data_ptr<float>(), *hp = hi.data_ptr<float>();
   int64_t* cp = cols.data_ptr<int64_t>();
-  static const auto fn = __builtin_cpu_supports("avx512f")
+  static const auto fn = CSV_CPU_SUPPORTS("avx512f")
                              ? live_cols_avx512
-                             : (__builtin_cpu_supports("avx2") ? live_cols_avx2 : live_cols_any);
+                             : (CSV_CPU_SUPPORTS("avx2") ? live_cols_avx2 : live_cols_any);
   std::vector<int64_t> counts(R);
   at::parallel_for(0, R, 1, [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r) counts[r] = fn(lp + r * V, hp + r * V, V, cp + r * n, n);

@@ -22,6 +22,8 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include "isa.h"
+
 #include <immintrin.h>
 
 #include <cmath>
@@ -41,8 +43,8 @@ constexpr int64_t BT = 8;      // batch rows a pass keeps
 
 bool cpu_has_vnni4() {
   __builtin_cpu_init();
-  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-         __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("f16c");
+  return CSV_CPU_SUPPORTS("avx512f") && CSV_CPU_SUPPORTS("avx512bw") &&
+         CSV_CPU_SUPPORTS("avx512vnni") && CSV_CPU_SUPPORTS("f16c");
 }
 
 // Panels p0 .. p1 for NB batch rows. codes [NB][G * 8] int32 (four signed activation bytes each),

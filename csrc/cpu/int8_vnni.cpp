@@ -21,6 +21,8 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include "isa.h"
+
 #include <cpuid.h>
 #include <immintrin.h>
 #include <sys/syscall.h>
@@ -66,8 +68,8 @@ static_assert(GROUP == 4 && PANEL == 2 * TILE, "the layout vpdpbusd and the two-
 
 bool cpu_has_vnni() {
   __builtin_cpu_init();
-  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-         __builtin_cpu_supports("avx512vnni");
+  return CSV_CPU_SUPPORTS("avx512f") && CSV_CPU_SUPPORTS("avx512bw") &&
+         CSV_CPU_SUPPORTS("avx512vnni");
 }
 
 // One panel (32 rows, two tiles) for NB batch rows: acc0[b], acc1[b] = sum_k code[b, k] q[row, k]
@@ -173,6 +175,7 @@ struct alignas(64) TileConfig {
 bool cpu_has_amx() {
   static const bool ok = [] {
     if (!cpu_has_vnni()) return false;  // (the tail groups and the rescale are AVX-512)
+    if (!csv_isa::allows("amx")) return false;  // (VLLM_CSV_CPU_ISA=avx512 or avx2)
     unsigned a = 0, b = 0, c = 0, d = 0;
     if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return false;
     if (!((d >> 24) & 1) || !((d >> 25) & 1)) return false;

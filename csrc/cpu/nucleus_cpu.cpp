@@ -37,6 +37,8 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include "isa.h"
+
 #include <immintrin.h>
 
 #include <algorithm>
@@ -139,9 +141,9 @@ std::tuple<at::Tensor, at::Tensor> cut_rows(const at::Tensor& lo_in, const at::T
 
 std::tuple<at::Tensor, at::Tensor> min_p_cut(const at::Tensor& lo, const at::Tensor& hi, const at::Tensor& keep_in,
                                              const at::Tensor& drop_in) {
-  static const auto fn = __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl")
+  static const auto fn = CSV_CPU_SUPPORTS("avx512bw") && CSV_CPU_SUPPORTS("avx512vl")
                              ? cut_row_avx512
-                             : (__builtin_cpu_supports("avx2") ? cut_row_avx2 : cut_row_any);
+                             : (CSV_CPU_SUPPORTS("avx2") ? cut_row_avx2 : cut_row_any);
   check_cut("min_p_cut", "keep_at, drop_at", lo, hi, {&keep_in, &drop_in});
   const at::Tensor keep = keep_in.contiguous(), drop = drop_in.contiguous();
   const float *kp = keep.data_ptr<float>(), *dp = drop.data_ptr<float>();
@@ -153,9 +155,9 @@ std::tuple<at::Tensor, at::Tensor> min_p_cut(const at::Tensor& lo, const at::Ten
 
 std::tuple<at::Tensor, at::Tensor> top_k_cut(const at::Tensor& lo, const at::Tensor& hi, const at::Tensor& hk_in,
                                              const at::Tensor& hk1_in, const at::Tensor& lk_in) {
-  static const auto fn = __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl")
+  static const auto fn = CSV_CPU_SUPPORTS("avx512bw") && CSV_CPU_SUPPORTS("avx512vl")
                              ? top_k_row_avx512
-                             : (__builtin_cpu_supports("avx2") ? top_k_row_avx2 : top_k_row_any);
+                             : (CSV_CPU_SUPPORTS("avx2") ? top_k_row_avx2 : top_k_row_any);
   check_cut("top_k_cut", "hk, hk1, lk", lo, hi, {&hk_in, &hk1_in, &lk_in});
   const at::Tensor hk = hk_in.contiguous(), hk1 = hk1_in.contiguous(), lk = lk_in.contiguous();
   const float *a = hk.data_ptr<float>(), *b = hk1.data_ptr<float>(), *c = lk.data_ptr<float>();
@@ -215,9 +217,9 @@ void top_p_query_any(const float* lo, const float* hi, const double* el, const d
 
 at::Tensor top_p_sums(const at::Tensor& lo_in, const at::Tensor& hi_in, const at::Tensor& el_in,
                       const at::Tensor& eh_in, const at::Tensor& qrow_in, const at::Tensor& qcol_in) {
-  static const auto fn = __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl")
+  static const auto fn = CSV_CPU_SUPPORTS("avx512bw") && CSV_CPU_SUPPORTS("avx512vl")
                              ? top_p_query_avx512
-                             : (__builtin_cpu_supports("avx2") ? top_p_query_avx2 : top_p_query_any);
+                             : (CSV_CPU_SUPPORTS("avx2") ? top_p_query_avx2 : top_p_query_any);
   check_cut("top_p_sums", "", lo_in, hi_in, {});
   TORCH_CHECK(el_in.sizes() == lo_in.sizes() && eh_in.sizes() == lo_in.sizes() &&
                   el_in.scalar_type() == at::kDouble && eh_in.scalar_type() == at::kDouble && el_in.device().is_cpu() &&
@@ -247,9 +249,9 @@ at::Tensor top_p_sums(const at::Tensor& lo_in, const at::Tensor& hi_in, const at
 }
 
 bool unlisted_masses_supported() {
-  static const bool ok = Sleef_expf16_u10 != nullptr && __builtin_cpu_supports("avx512f") &&
-                         __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl") &&
-                         __builtin_cpu_supports("avx512dq");
+  static const bool ok = Sleef_expf16_u10 != nullptr && CSV_CPU_SUPPORTS("avx512f") &&
+                         CSV_CPU_SUPPORTS("avx512bw") && CSV_CPU_SUPPORTS("avx512vl") &&
+                         CSV_CPU_SUPPORTS("avx512dq");
   return ok;
 }
 

@@ -16,6 +16,8 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include "isa.h"
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -93,9 +95,9 @@ void top_row_any(const float* x, int64_t n, int64_t k, float* ov, int64_t* oi, s
 }
 
 std::tuple<at::Tensor, at::Tensor> row_topk(const at::Tensor& x_in, int64_t k) {
-  static const RowFn top = __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl")
+  static const RowFn top = CSV_CPU_SUPPORTS("avx512bw") && CSV_CPU_SUPPORTS("avx512vl")
                                ? top_row_avx512
-                               : (__builtin_cpu_supports("avx2") ? top_row_avx2 : top_row_any);
+                               : (CSV_CPU_SUPPORTS("avx2") ? top_row_avx2 : top_row_any);
   TORCH_CHECK(x_in.dim() == 2 && x_in.scalar_type() == at::kFloat && x_in.device().is_cpu(),
               "row_topk: x [R, n] float32 on the CPU");
   const int64_t R = x_in.size(0), n = x_in.size(1);

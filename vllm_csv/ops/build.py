@@ -5,12 +5,16 @@ Every source registers its ops in one library, ``torch.ops.vllm_csv_cpu``, built
 extension; each op's Python wrapper sits beside its torch reference in the module of its source
 (:data:`KERNELS`). The extension is built on first use, once per machine, source version and
 checkout, by torch's C++ extension loader (a C++ compiler and ninja, both already needed by
-vLLM-CPU's own builds; about 45 s on 2 cores, cached in ``TORCH_EXTENSIONS_DIR``), with
+vLLM-CPU's own builds; about 45 s on 2 cores, 2-3 minutes under load, cached in
+``TORCH_EXTENSIONS_DIR``), with
 ``-ffp-contract=off`` (the kernels round as their references round) and ``-fopenmp`` (ATen's
 ``parallel_for`` is header code: without it every kernel ran on one thread). Where that fails
 (no compiler, a non-editable install without ``csrc/``), or with ``VLLM_CSV_CPU_KERNELS=0``,
 :func:`load_ops` returns None, one log line says why, and every wrapper takes its torch
-reference: the same certificate, slower.
+reference: the same certificate, slower. A build logs what it builds, where, and how long it
+took; ``vllm-csv build-kernels`` (:func:`build_kernels`) runs it ahead of time, as ``run.sh`` and
+``scripts/test.sh`` do, so that vLLM's worker finds the kernels built (no silent minutes at the
+server's start).
 
 Builds are serialised by a ``flock`` (:data:`BUILD_LOCK` in the build directory) that ends with
 its holder: a process waits at most ``VLLM_CSV_CPU_BUILD_WAIT_S`` (:data:`BUILD_WAIT_S`) seconds
@@ -19,6 +23,12 @@ when a build was killed is removed, with a warning (``tests/test_kernel_build.py
 
 What the CPU offers (AVX512-VNNI, AMX-INT8, SLEEF's vector exp) is detected by the kernels
 themselves at run time, where they are compiled; :func:`cpu_supports` asks them.
+``VLLM_CSV_CPU_ISA`` (:data:`ISA_ENV`: ``auto``, ``avx512`` or ``avx2``), read once when the
+kernels load (``csrc/cpu/isa.h``), caps what they detect: with ``avx2`` they run their AVX2 paths,
+report no AVX512-VNNI (the int8 screen takes FBGEMM, whose own kernels
+``FBGEMM_ENABLE_INSTRUCTIONS=AVX2`` caps) and no AMX, as on an AVX2-only CPU, so
+that those paths are tested on AVX-512 machines (``tests/test_cpu_isa.py``); ``avx512`` leaves
+out AMX only. :func:`isa_cap` says which cap holds.
 """
 
 from __future__ import annotations
@@ -49,6 +59,8 @@ ENV = "VLLM_CSV_CPU_KERNELS"  # "0": always the torch reference
 BUILD_WAIT_ENV, BUILD_WAIT_S = "VLLM_CSV_CPU_BUILD_WAIT_S", 600.0  # longest wait for another process's
 # build of the kernels (a build takes 1-2 minutes here); after it, the torch reference runs
 BUILD_LOCK = "csv_build.lock"  # the flock that serialises builds (load_ops, _build_lock)
+ISA_ENV = "VLLM_CSV_CPU_ISA"  # auto | avx512 | avx2: the widest vector ISA the kernels may use (csrc/cpu/isa.h)
+ISA_CAPS = {1: "avx2", 2: "avx512", 3: "auto"}  # the kernels' cpu_isa_cap() -> its name
 
 KERNELS = {  # csrc/cpu/<source>: the module of its ops, each beside its torch reference (in build order)
     "csv_cpu.cpp": "vllm_csv.ops.step",  # the certified step's small passes
@@ -60,6 +72,7 @@ KERNELS = {  # csrc/cpu/<source>: the module of its ops, each beside its torch r
     "bools_cpu.cpp": "vllm_csv.ops.bools",  # a bool mask's true positions
 }
 SOURCES = tuple(Path(__file__).resolve().parents[2] / "csrc" / "cpu" / f for f in KERNELS)
+HEADERS = (SOURCES[0].parent / "isa.h",)  # included by the sources (part of the build's key)
 
 FEATURES = {  # what the kernels may use on this CPU -> the op that answers (cpuid, and Linux's permission for AMX)
     "avx512_vnni": "int8_vnni_supported",  # AVX-512 F/BW and VNNI: the int8 GEMM
@@ -82,7 +95,7 @@ def _extension():
     # otherwise rebuild over each other's library, even while the other loads it, and two
     # checkouts of one version would rebuild it each time (ninja's commands hold the absolute
     # source paths).
-    key = "\0".join([str(SOURCES[0].parent), *(f.read_text() for f in SOURCES), *flags])
+    key = "\0".join([str(SOURCES[0].parent), *(f.read_text() for f in (*SOURCES, *HEADERS)), *flags])
     return f"vllm_csv_cpu_{hashlib.sha256(key.encode()).hexdigest()[:12]}", flags
 
 
@@ -107,11 +120,16 @@ def _build_lock(build_dir: Path, wait_s: float):
     fd = os.open(build_dir / BUILD_LOCK, os.O_RDWR | os.O_CREAT, 0o644)
     try:
         deadline = time.monotonic() + wait_s
+        waiting = False
         while True:
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
                 break
             except BlockingIOError:
+                if not waiting:
+                    waiting = True
+                    logger.info("CSV CPU kernels: another process is building them in %s; waiting for it "
+                                "(at most %g s)", build_dir, wait_s)
                 if time.monotonic() >= deadline:
                     raise TimeoutError(f"another process held {build_dir / BUILD_LOCK} for {wait_s:g} s "
                                        f"({BUILD_WAIT_ENV} sets the wait)") from None
@@ -132,7 +150,7 @@ def load_ops():
     ops, why = None, None
     if os.environ.get(ENV, "1") == "0":
         why = f"{ENV}=0"
-    elif not all(f.exists() for f in SOURCES):
+    elif not all(f.exists() for f in (*SOURCES, *HEADERS)):
         why = f"{SOURCES[0].parent} is not installed (an editable install of vllm-csv has it)"
     else:
         try:
@@ -141,8 +159,16 @@ def load_ops():
             name, flags = _extension()
             build_dir = _build_directory(name)
             with _build_lock(build_dir, float(os.environ.get(BUILD_WAIT_ENV, BUILD_WAIT_S))):
+                built = (build_dir / f"{name}.so").exists()  # (torch's loader names the library so)
+                if not built:
+                    logger.info("CSV CPU kernels: building %d sources of %s into %s (first use of this "
+                                "version on this machine: 1-3 minutes; later starts load the build from "
+                                "there)", len(SOURCES), SOURCES[0].parent, build_dir)
+                t0 = time.monotonic()
                 load(name, [str(f) for f in SOURCES], is_python_module=False, verbose=False,
                      extra_cflags=flags, build_directory=str(build_dir))
+                if not built:
+                    logger.info("CSV CPU kernels: built in %.0f s (cached in %s)", time.monotonic() - t0, build_dir)
             ops = torch.ops.vllm_csv_cpu
         except Exception as e:  # no compiler, no ninja, a build error, a build that holds the lock too long
             why = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
@@ -150,9 +176,67 @@ def load_ops():
         logger.info("CSV CPU kernels unavailable (%s); the certified step uses its torch reference", why)
     _state["ops"] = ops
     if ops is not None:
+        _log_isa_cap(ops)
         for op in list(_fakes):
             _register_fake(op)
     return ops
+
+
+def _log_isa_cap(ops) -> None:
+    """Say which cap :data:`ISA_ENV` put on the kernels (nothing when none), and warn of a value
+    the kernels do not know (they take it as ``auto``)."""
+    raw = os.environ.get(ISA_ENV)
+    if raw is not None and raw.lower() not in ISA_CAPS.values():
+        logger.warning("%s=%r is not one of %s: the CSV CPU kernels use what the CPU has", ISA_ENV, raw,
+                       ", ".join(sorted(ISA_CAPS.values())))
+    cap = ISA_CAPS.get(int(ops.cpu_isa_cap()), "auto")
+    if cap == "avx2":
+        fbgemm = os.environ.get("FBGEMM_ENABLE_INSTRUCTIONS")
+        logger.info("CSV CPU kernels: vector ISA capped at avx2 (%s); no AVX-512, no AMX: the int8 screen takes "
+                    "FBGEMM%s", ISA_ENV, f" (FBGEMM_ENABLE_INSTRUCTIONS={fbgemm})" if fbgemm else
+                    ", which keeps its AVX-512 kernels unless FBGEMM_ENABLE_INSTRUCTIONS=AVX2")
+    elif cap != "auto":
+        logger.info("CSV CPU kernels: vector ISA capped at %s (%s); no AMX", cap, ISA_ENV)
+
+
+def isa_cap() -> str | None:
+    """The cap the kernels run under (``"auto"``, ``"avx512"``, ``"avx2"``; :data:`ISA_ENV`, read
+    once when they loaded), or None where they are not built."""
+    ops = load_ops()
+    return None if ops is None else ISA_CAPS.get(int(ops.cpu_isa_cap()), "auto")
+
+
+def no_avx512_reason(what: str) -> str:
+    """Why the kernels may not use ``what`` (an AVX-512 feature) here: the CPU lacks it, or
+    :data:`ISA_ENV` caps them below it."""
+    cap = isa_cap()
+    if cap == "avx2":
+        return f"{ISA_ENV}=avx2 caps the CPU kernels below {what}"
+    return f"this CPU has no {what}"
+
+
+def build_kernels() -> bool:
+    """Build (or find built) and load the kernels now, saying so on stderr whatever the logging
+    set-up: ``vllm-csv build-kernels``, which ``run.sh`` and ``scripts/test.sh`` run after the
+    install so that no server or test waits on the build unannounced. True where they loaded."""
+    import sys
+
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("[vllm-csv] %(message)s"))
+    level = logger.level
+    logger.addHandler(handler)
+    if logger.getEffectiveLevel() > logging.INFO:
+        logger.setLevel(logging.INFO)
+    propagate, logger.propagate = logger.propagate, False  # (once, not once more by a root handler)
+    try:
+        ops = load_ops()
+        if ops is not None:
+            logger.info("CSV CPU kernels: ready (%s)", _build_directory(_extension()[0]))
+        return ops is not None
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+        logger.propagate = propagate
 
 
 def kernels_available() -> bool:

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import torch
 
-from .build import cpu_supports, load_ops
+from .build import cpu_supports, load_ops, no_avx512_reason
 from .fbgemm import act7_decode
 
 GROUP = 32  # columns a scale
@@ -37,7 +37,7 @@ def unavailable_reason() -> str | None:
     if load_ops() is None:
         return "the CSV CPU kernels are not built"
     if not cpu_supports("avx512_vnni_f16c"):
-        return "this CPU has no AVX512-VNNI"
+        return no_avx512_reason("AVX512-VNNI")
     return None
 
 

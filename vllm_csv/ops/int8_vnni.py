@@ -41,7 +41,7 @@ from __future__ import annotations
 
 import torch
 
-from .build import GROUP, PANEL, cpu_supports, fake, load_ops
+from .build import GROUP, PANEL, cpu_supports, fake, load_ops, no_avx512_reason
 from .fbgemm import ACT_MIN, Int8Linear, act7_decode, packed_int8_linear_ref
 
 
@@ -58,7 +58,7 @@ def unavailable_reason(d: int, vocab: int) -> str | None:
     if load_ops() is None:
         return "the CSV CPU kernels are not built"
     if not cpu_supports("avx512_vnni"):
-        return "this CPU has no AVX512-VNNI"
+        return no_avx512_reason("AVX512-VNNI")
     if 127 * 128 * (d + 3) >= 2**31:
         return f"hidden size {d} overflows the int32 accumulator"
     return None

@@ -51,6 +51,25 @@ def _on_cpu() -> bool:
         return False
 
 
+ENV_PREFIX = "VLLM_CSV_"  # this plugin's variables (VLLM_CSV_CPU_ISA, VLLM_CSV_CPU_KERNELS, ...)
+
+
+def declare_env() -> None:
+    """Declare this process's ``VLLM_CSV_*`` variables to vLLM, which warns at start of every
+    ``VLLM_*`` variable it does not know ("Unknown vLLM environment variable detected:
+    VLLM_CSV_CPU_ISA") and refuses to start with one under ``--fail-on-environ-validation``."""
+    import os
+
+    from vllm import envs
+
+    known = getattr(envs, "environment_variables", None)
+    if not isinstance(known, dict):
+        return
+    for name in os.environ:
+        if name.startswith(ENV_PREFIX):
+            known.setdefault(name, lambda name=name: os.environ.get(name))
+
+
 def register() -> None:
     global _registered
     if _registered:
@@ -59,6 +78,8 @@ def register() -> None:
     import os
 
     import vllm
+
+    declare_env()
 
     version = getattr(vllm, "__version__", "unknown")
     problem = check_vllm_version(version)
