@@ -31,10 +31,19 @@ from ..errors import CSVError
 from ..head.certificate import is_plain
 from .certify import certify_rows
 from .common import CAP, SUB, available, batch_tile
+from .gumbel_draw import block_upper, gumbel_draw
 from .quantize import quantize_rows
 from .score import score_blocks
 from .screen import screen_block_max
 from .select import select_blocks
+
+# The candidate blocks a V2 draw scores: those reaching the threshold of the DRAW_K-th largest block
+# maximum (select_blocks' k). Every other block stands on its screen bound plus its largest noise
+# (about log(SUB) + 0.6 = 4.7 at T = 1), so more blocks scored can only help, until the list
+# overflows: past CAP blocks select_blocks keeps the first CAP by index, not by value, and the
+# winner's block may be left out. On the peaked test heads k = 1 or 2 certify the most (k = 8
+# overflows CAP at V = 4099); a knob to tune on learned heads on a GPU (benchmarks/v2_fused_draw_gpu.py).
+DRAW_K = 2
 
 
 def _pow2(n: int) -> int:
@@ -144,6 +153,60 @@ class FusedStep:
         ids, vals, code = certify_rows(z, lower, upper, cand, count, k, need, tau, ok, live, self.V, kb,
                                        self.dtype)
         return ids, vals, code, count
+
+    def supports_draw(self) -> bool:
+        """V2 temperature rows (no processors, no min-p, no grammar: :func:`draw_v2`'s caller
+        checks) may be drawn on the device: the engine is plain (no soft-cap, ``scale = 1``: the
+        scored values are what V2's sampler reads)."""
+        return is_plain(self.head.engine) and self.nb >= 1
+
+    def draw_v2(self, hidden: torch.Tensor, seeds: torch.Tensor, pos: torch.Tensor, temp: torch.Tensor,
+                k: int = DRAW_K):
+        """vLLM V2's Gumbel draw of each row of ``hidden``, certified on the device (no host sync).
+
+        The step's first four kernels with ``k`` for the threshold (more candidate blocks than an
+        argmax needs, :data:`DRAW_K`), then :func:`~vllm_csv.gpu.gumbel_draw.gumbel_draw` on the
+        candidates' exact intervals and every other block's bound from its screen maximum
+        (:func:`~vllm_csv.gpu.gumbel_draw.block_upper`). A row whose candidate blocks overflow the
+        list is still decided (the blocks past the first ``CAP`` stand on their bounds), so the
+        draw reads the step's ``ok`` alone, not ``live``.
+
+        Parameters
+        ----------
+        hidden : torch.Tensor
+            ``[B, d]`` model dtype.
+        seeds, pos : torch.Tensor
+            ``[B]`` int64: the request's seed (V2's ``SamplingStates.seeds``), the position sampled.
+        temp : torch.Tensor
+            ``[B]`` fp32 temperature (0: greedy, V2's argmax).
+        k : int
+            The select kernel's ``k`` (at most 64 and the number of blocks).
+
+        Returns
+        -------
+        token : torch.Tensor
+            ``[B]`` int64, V2's draw where certified.
+        code : torch.Tensor
+            ``[B]`` int32, 0 certified (:mod:`vllm_csv.gpu.gumbel_draw`'s codes).
+        count : torch.Tensor
+            ``[B]`` int32 candidate blocks (:meth:`scored`).
+        """
+        B = hidden.shape[0]
+        k = max(1, min(k, 64, self.nb))
+        kb = _pow2(k)
+        kk = torch.full((B,), k, dtype=torch.int32, device=hidden.device)
+        p, t, e, hnorm, ok = quantize_rows(hidden, self.certifiable and self.head.arithmetic_ok(), batch_tile(B),
+                                           self.wmax_up, self.babs_max)
+        bmax = screen_block_max(p, self.q, self.s, t, self.sbias, B)
+        c = self.consts
+        cand, count, tau, ok, live = select_blocks(
+            bmax, kk, hnorm, e, ok, c["rad_max"], c["act_coef"], c["tiny"], c["bslack_max"], c["delta"],
+            c["limit"], c["babs_max"], self.cap_for(k), kb)
+        z, lower, upper = score_blocks(hidden, self.weight, self.bias, cand, count, self.coef, self.gam,
+                                       self.tiny32)
+        block_hi = block_upper(bmax, hnorm, e, c, self.dtype)
+        token, code = gumbel_draw(cand, count, lower, upper, block_hi, seeds, pos, temp, ok, self.V)
+        return token, code, count
 
     @staticmethod
     def scored(count: torch.Tensor) -> torch.Tensor:
