@@ -141,6 +141,35 @@ def test_kernel_matches_reference(V):
     assert int(code[9]) == CODE_CERTIFIED and int(tok[9]) == int(cand[9, 0]) * SUB
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_kernel_matches_reference_from_screen_maxima(dtype):
+    """The first kernel turning the screen's block maxima into bounds (block_upper's arithmetic,
+    operation for operation) against the reference; a NaN norm refuses its row."""
+    g = torch.Generator().manual_seed(21)
+    B, V = 10, 2111
+    x = _rows(B, V, g)
+    cand, count, lower, upper, bmax = _layout(x, torch.full((B,), 3))
+    bmax = bmax - 0.01 * torch.rand(bmax.shape, generator=g)  # screen values a little off the logits
+    hnorm = torch.rand(B, generator=g) * 8
+    hnorm[4] = math.nan
+    e = torch.rand(B, generator=g) * 0.1
+    consts = (1e-3, 0.02, 1e-30, 1e-6, 2.0**-20, dtype)  # rad_max, act_coef, tiny, bslack_max, delta
+    seeds = torch.randint(-2**62, 2**62, (B,), generator=g)
+    pos = torch.randint(0, 2**20, (B,), generator=g)
+    temp = torch.tensor([0.0, 0.3, 0.7, 1.0, 1.0, 1.5, 0.05, 3.0, 1.0, 0.7])
+    live = torch.ones(B, dtype=torch.int8)
+    args = [a.to(DEV) for a in (cand, count, lower, upper, bmax, seeds, pos, temp, live)]
+    tail = [hnorm.to(DEV), e.to(DEV), *consts]
+    tok, code = gumbel_draw_triton(*args, V, *tail)
+    rtok, rcode = gumbel_draw_ref(*args, V, *tail)
+    assert torch.equal(code, rcode) and torch.equal(tok, rtok), (code, rcode)
+    assert int(code[4]) != CODE_CERTIFIED and bool((code == CODE_CERTIFIED).any())
+    bh = block_upper(bmax.to(DEV), hnorm.to(DEV), e.to(DEV), dict(zip(
+        ("rad_max", "act_coef", "tiny", "bslack_max", "delta"), consts[:5])), dtype)
+    assert bool((bh[hnorm.isfinite()] >= bmax.to(DEV)[hnorm.isfinite()]).all())
+    assert torch.equal(bh, bh.to(dtype).float()) or bool(torch.isnan(bh).any())
+
+
 def test_fake_impl():
     from torch._subclasses.fake_tensor import FakeTensorMode
 

@@ -58,7 +58,7 @@ import torch
 from ..fp import round_down32, round_up32
 from ..sampling.gumbel_v2 import (DIV_ABS, DIV_REL, DIV_T_MAX, DIV_T_MIN, EPS_ABS, EPS_REL, comparison_margin,
                                   murmur3, noise, uniform)
-from .common import CAP, LIB, SUB, _launch, _use_triton, slot_ids, tl, triton
+from .common import CAP, INTERPRET, LIB, SUB, _launch, _tl_dtype, _use_triton, slot_ids, tl, triton
 
 BPP = 16  # blocks (of SUB tokens) a program of the outside-bound kernel hashes: 1024 tokens, vLLM's tile
 CODE_CERTIFIED, CODE_NOT_LIVE, CODE_TEMPERATURE, CODE_UNCERTIFIED = 0, 1, 2, 3
@@ -82,7 +82,9 @@ def _noise_hi(u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return g - eps, g + eps
 
 
-def gumbel_draw_ref(cand, count, lower, upper, block_hi, seeds, pos, temp, live, V: int):
+def gumbel_draw_ref(cand, count, lower, upper, block_hi, seeds, pos, temp, live, V: int, hnorm=None, e=None,
+                    rad_max: float = 0.0, act_coef: float = 0.0, tiny: float = 0.0, bslack_max: float = 0.0,
+                    delta: float = 0.0, dtype: torch.dtype = torch.float32):
     """``(token [B] int64, code [B] int32)``: :func:`gumbel_draw` in torch (float64).
 
     Parameters
@@ -95,14 +97,22 @@ def gumbel_draw_ref(cand, count, lower, upper, block_hi, seeds, pos, temp, live,
         :func:`~vllm_csv.gpu.score.score_blocks`; slots past ``count`` are not read).
     block_hi : torch.Tensor
         ``[B, nb]`` fp32 (``nb = ceil(V / SUB)``), an upper bound of the logit of every token of
-        each block that is not a candidate (candidate blocks' entries are not read).
+        each block that is not a candidate (candidate blocks' entries are not read); with
+        ``hnorm`` given, the screen's block maxima instead, turned into that bound by
+        :func:`block_upper` (in the first kernel: no ``[B, nb]`` pass of its own).
     seeds, pos : torch.Tensor
         ``[B]`` int64, each row's request seed and sampling position.
     temp : torch.Tensor
         ``[B]`` fp32, the row's temperature (0: greedy).
     live : torch.Tensor
         ``[B]`` int8, rows that may be certified.
+    hnorm, e, rad_max, act_coef, tiny, bslack_max, delta, dtype
+        :func:`block_upper`'s (the fused step's ``||h||``, screen residual, error constants and
+        model dtype), where ``block_hi`` holds the screen's block maxima.
     """
+    if hnorm is not None:
+        block_hi = block_upper(block_hi, hnorm, e, dict(rad_max=rad_max, act_coef=act_coef, tiny=tiny,
+                                                        bslack_max=bslack_max, delta=delta), dtype)
     B, nb = block_hi.shape
     dev = lower.device
     ids = slot_ids(cand, count, V)  # [B, S], -1 where empty
@@ -152,6 +162,7 @@ def gumbel_draw_ref(cand, count, lower, upper, block_hi, seeds, pos, temp, live,
 
 # ---- Triton ---------------------------------------------------------------------------------
 if triton is not None:
+    from .common import _rnd
     from .score import _down32, _up32
 
     # vLLM V2's murmur3 (vllm/v1/worker/gpu/sample/gumbel.py, Apache-2.0, copyright the vLLM
@@ -236,6 +247,8 @@ if triton is not None:
     @triton.jit
     def _outside_bound_kernel(block_hi_ptr, cand_ptr, count_ptr, seed_ptr, pos_ptr, temp_ptr,
                               out_hi_ptr, out_abs_ptr, out_bad_ptr, V, nb, nprog,
+                              hn_ptr, e_ptr, rad_max, act_coef, tiny, bslack_max, delta,
+                              FROM_SCREEN: tl.constexpr, DT: tl.constexpr,
                               BPPC: tl.constexpr, SUBC: tl.constexpr, CAPC: tl.constexpr):
         b = tl.program_id(0).to(tl.int64)
         p = tl.program_id(1)
@@ -249,6 +262,16 @@ if triton is not None:
         _, g_hi = _noise_bounds(_uniform(rmin))
         g_hi = tl.where(greedy, 0.0, g_hi)
         bh = tl.load(block_hi_ptr + b * nb + blk, mask=blk < nb, other=float("-inf"))
+        if FROM_SCREEN:  # block_upper, operation for operation (float64, then fp32 up, then the dtype)
+            spread = rad_max * tl.load(hn_ptr + b).to(tl.float64) + act_coef * tl.load(e_ptr + b).to(tl.float64)
+            spread = spread + tiny
+            spread = spread + bslack_max
+            y = bh.to(tl.float64)
+            ub = y + delta * tl.abs(y)
+            ub = ub + spread
+            ub = ub + tl.abs(ub) * 9.5367431640625e-07
+            ub = ub + tiny
+            bh = _rnd(_up32(ub), DT)
         q = _q_hi(bh, t, greedy)
         # the row's candidate blocks are not outside ([BPPC, CAPC] compare)
         n = tl.minimum(tl.load(count_ptr + b), CAPC)
@@ -310,7 +333,9 @@ if triton is not None:
         tl.store(code_ptr + b, code.to(tl.int32))
 
 
-def gumbel_draw_triton(cand, count, lower, upper, block_hi, seeds, pos, temp, live, V: int):
+def gumbel_draw_triton(cand, count, lower, upper, block_hi, seeds, pos, temp, live, V: int, hnorm=None, e=None,
+                       rad_max: float = 0.0, act_coef: float = 0.0, tiny: float = 0.0, bslack_max: float = 0.0,
+                       delta: float = 0.0, dtype: torch.dtype = torch.float32):
     B, nb = block_hi.shape
     dev = lower.device
     token = torch.empty(B, dtype=torch.int64, device=dev)
@@ -322,26 +347,31 @@ def gumbel_draw_triton(cand, count, lower, upper, block_hi, seeds, pos, temp, li
         out_bad = torch.empty((B, nprog), dtype=torch.int32, device=dev)
         seeds, pos, temp = seeds.long().contiguous(), pos.long().contiguous(), temp.float().contiguous()
         block_hi = block_hi.float().contiguous()
+        screen = hnorm is not None
         _outside_bound_kernel[(B, nprog)](block_hi, cand, count, seeds, pos, temp, out_hi, out_abs, out_bad,
-                                          V, nb, nprog, BPPC=BPP, SUBC=SUB, CAPC=CAP, **_launch())
+                                          V, nb, nprog, hnorm if screen else temp, e if screen else temp,
+                                          rad_max, act_coef, tiny, bslack_max, delta, FROM_SCREEN=screen,
+                                          DT=_tl_dtype(dtype), BPPC=BPP, SUBC=SUB, CAPC=CAP, **_launch())
         _gumbel_draw_kernel[(B,)](cand, count, lower, upper, seeds, pos, temp, live, out_hi, out_abs, out_bad,
                                   token, code, V, nprog, NPROG=triton.next_power_of_2(nprog), SUBC=SUB, CAPC=CAP,
-                                  **_launch())
+                                  **_launch(), **({} if INTERPRET else {"num_warps": 8}))
     return token, code
 
 
 @torch.library.custom_op(f"{LIB}::gumbel_draw", mutates_args=())
 def gumbel_draw(cand: torch.Tensor, count: torch.Tensor, lower: torch.Tensor, upper: torch.Tensor,
                 block_hi: torch.Tensor, seeds: torch.Tensor, pos: torch.Tensor, temp: torch.Tensor,
-                live: torch.Tensor, V: int) -> tuple[torch.Tensor, torch.Tensor]:
+                live: torch.Tensor, V: int, hnorm: torch.Tensor | None = None, e: torch.Tensor | None = None,
+                rad_max: float = 0.0, act_coef: float = 0.0, tiny: float = 0.0, bslack_max: float = 0.0,
+                delta: float = 0.0, dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
     """V2's Gumbel draw certified on the device (:func:`gumbel_draw_ref`)."""
-    if _use_triton(lower):
-        return gumbel_draw_triton(cand, count, lower, upper, block_hi, seeds, pos, temp, live, V)
-    return gumbel_draw_ref(cand, count, lower, upper, block_hi, seeds, pos, temp, live, V)
+    args = (cand, count, lower, upper, block_hi, seeds, pos, temp, live, V, hnorm, e, rad_max, act_coef, tiny,
+            bslack_max, delta, dtype)
+    return (gumbel_draw_triton if _use_triton(lower) else gumbel_draw_ref)(*args)
 
 
 @gumbel_draw.register_fake
-def _(cand, count, lower, upper, block_hi, seeds, pos, temp, live, V):
+def _(cand, count, lower, upper, block_hi, seeds, pos, temp, live, V, *args):
     B = lower.shape[0]
     return lower.new_empty(B, dtype=torch.int64), lower.new_empty(B, dtype=torch.int32)
 

@@ -31,7 +31,7 @@ from ..errors import CSVError
 from ..head.certificate import is_plain
 from .certify import certify_rows
 from .common import CAP, SUB, available, batch_tile
-from .gumbel_draw import block_upper, gumbel_draw
+from .gumbel_draw import gumbel_draw
 from .quantize import quantize_rows
 from .score import score_blocks
 from .screen import screen_block_max
@@ -94,6 +94,7 @@ class FusedStep:
         self.tiny32 = errors.tiny32
         self.wmax_up, self.babs_max = errors.wmax_up, errors.babs_max
         self.nb = -(-self.V // SUB)
+        self._draw_k: dict = {}
 
     # ---- what it certifies ---------------------------------------------------------------
     def supports(self, kmax: int, temperature: torch.Tensor | None = None) -> bool:
@@ -167,7 +168,7 @@ class FusedStep:
         The step's first four kernels with ``k`` for the threshold (more candidate blocks than an
         argmax needs, :data:`DRAW_K`), then :func:`~vllm_csv.gpu.gumbel_draw.gumbel_draw` on the
         candidates' exact intervals and every other block's bound from its screen maximum
-        (:func:`~vllm_csv.gpu.gumbel_draw.block_upper`). A row whose candidate blocks overflow the
+        (:func:`~vllm_csv.gpu.gumbel_draw.block_upper`, in the draw's first kernel). A row whose candidate blocks overflow the
         list is still decided (the blocks past the first ``CAP`` stand on their bounds), so the
         draw reads the step's ``ok`` alone, not ``live``.
 
@@ -194,7 +195,10 @@ class FusedStep:
         B = hidden.shape[0]
         k = max(1, min(k, 64, self.nb))
         kb = _pow2(k)
-        kk = torch.full((B,), k, dtype=torch.int32, device=hidden.device)
+        key = (B, k, hidden.device)
+        if key not in self._draw_k:  # (a constant: no fill launched a step)
+            self._draw_k[key] = torch.full((B,), k, dtype=torch.int32, device=hidden.device)
+        kk = self._draw_k[key]
         p, t, e, hnorm, ok = quantize_rows(hidden, self.certifiable and self.head.arithmetic_ok(), batch_tile(B),
                                            self.wmax_up, self.babs_max)
         bmax = screen_block_max(p, self.q, self.s, t, self.sbias, B)
@@ -204,8 +208,8 @@ class FusedStep:
             c["limit"], c["babs_max"], self.cap_for(k), kb)
         z, lower, upper = score_blocks(hidden, self.weight, self.bias, cand, count, self.coef, self.gam,
                                        self.tiny32)
-        block_hi = block_upper(bmax, hnorm, e, c, self.dtype)
-        token, code = gumbel_draw(cand, count, lower, upper, block_hi, seeds, pos, temp, ok, self.V)
+        token, code = gumbel_draw(cand, count, lower, upper, bmax, seeds, pos, temp, ok, self.V, hnorm, e,
+                                  c["rad_max"], c["act_coef"], c["tiny"], c["bslack_max"], c["delta"], self.dtype)
         return token, code, count
 
     @staticmethod
