@@ -56,8 +56,8 @@ import math
 import torch
 
 from ..fp import round_down32, round_up32
-from ..sampling.gumbel_v2 import (DIV_ABS, DIV_REL, DIV_T_MAX, DIV_T_MIN, EPS_ABS, EPS_REL, comparison_margin,
-                                  murmur3, noise, uniform)
+from ..gumbel_noise import (DIV_ABS, DIV_REL, DIV_T_MAX, DIV_T_MIN, EPS_ABS, EPS_REL, comparison_margin, murmur3,
+                            noise, uniform)
 from .common import CAP, INTERPRET, LIB, SUB, _launch, _tl_dtype, _use_triton, slot_ids, tl, triton
 
 BPP = 16  # blocks (of SUB tokens) a program of the outside-bound kernel hashes: 1024 tokens, vLLM's tile

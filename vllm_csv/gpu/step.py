@@ -168,9 +168,9 @@ class FusedStep:
         The step's first four kernels with ``k`` for the threshold (more candidate blocks than an
         argmax needs, :data:`DRAW_K`), then :func:`~vllm_csv.gpu.gumbel_draw.gumbel_draw` on the
         candidates' exact intervals and every other block's bound from its screen maximum
-        (:func:`~vllm_csv.gpu.gumbel_draw.block_upper`, in the draw's first kernel). A row whose candidate blocks overflow the
-        list is still decided (the blocks past the first ``CAP`` stand on their bounds), so the
-        draw reads the step's ``ok`` alone, not ``live``.
+        (:func:`~vllm_csv.gpu.gumbel_draw.block_upper`, in the draw's first kernel). A row whose
+        candidate blocks overflow the list is still decided (the blocks past the first ``CAP``
+        stand on their bounds), so the draw reads the step's ``ok`` alone, not ``live``.
 
         Parameters
         ----------
