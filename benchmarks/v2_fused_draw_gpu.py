@@ -2,7 +2,7 @@
 certified draw (issue 44's target: >= 1.3x the dense V2 step at B = 1 and 8).
 
     python benchmarks/v2_fused_draw_gpu.py --json results/gpu/v2_fused_draw.json \
-        [--shapes 151936x1024 128256x4096] [--batches 1 8 32] [--temps 0.7 1.0] [--draw-k 1 2 4 8]
+        [--shapes 151936x1024 128256x4096] [--batches 1 8 32] [--temps 0.7 1.0] [--caps 8 16]
 
 Per (V x d, B, T), bf16, both CUDA-graph replayed (one graph per measured call, ``--iters``
 replays a round, rounds interleaved, median per-replay time):
@@ -10,10 +10,11 @@ replays a round, rounds interleaved, median per-replay time):
 ==============  ===============================================================================
 dense           cuBLAS ``F.linear(h, W)``, then vLLM V2's ``gumbel_sample`` (temperature in its
                 kernel): the dense V2 step
-fused_k<k>      :meth:`vllm_csv.gpu.step.FusedStep.draw_v2` with select's ``k``: the int8
-                screen, candidate blocks, exact scoring, the Gumbel replay and certificate
-                (:mod:`vllm_csv.gpu.gumbel_draw`); tokens and codes stay on the device
-fused_sync_k<k> the same, eager, plus what a sampler needs to finish a step: one host read of
+fused_c<cap>    :meth:`vllm_csv.gpu.step.FusedStep.draw_v2` scoring ``cap`` candidate blocks: the
+                int8 screen, every block's noisy bound, the candidates, exact scoring, the Gumbel
+                replay and certificate (:mod:`vllm_csv.gpu.gumbel_draw`), six kernels; tokens
+                and codes stay on the device
+fused_sync_c<c> the same, eager, plus what a sampler needs to finish a step: one host read of
                 "did any row fail" and, where one did, the dense step for the batch (its
                 rows' draws taken from it); with the certified share this is the real cost
 ==============  ===============================================================================
@@ -80,7 +81,7 @@ def main() -> None:
     ap.add_argument("--shapes", nargs="+", default=["151936x1024", "128256x4096"])
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 8])
     ap.add_argument("--temps", type=float, nargs="+", default=[0.7, 1.0])
-    ap.add_argument("--draw-k", type=int, nargs="+", default=[1, 2, 4])
+    ap.add_argument("--caps", type=int, nargs="+", default=[8, 16], help="candidate blocks scored (<= 16)")
     ap.add_argument("--scale", type=float, default=2.0, help="hidden_near_rows' scale (peakedness)")
     ap.add_argument("--head", help="a torch.save'd [V, d] weight to use instead of a random head")
     ap.add_argument("--iters", type=int, default=20)
@@ -119,29 +120,29 @@ def main() -> None:
                 replay_dense, want = _graph(dense)
                 calls = {"dense": replay_dense}
                 shares = {}
-                for k in a.draw_k:
-                    replay, (tok, code, count) = _graph(lambda k=k: step.draw_v2(h, seeds, pos, temp, k=k))
+                for k in a.caps:
+                    replay, (tok, code, count) = _graph(lambda k=k: step.draw_v2(h, seeds, pos, temp, cap=k))
                     replay()
                     replay_dense()
                     torch.cuda.synchronize()
                     cert = code == 0
                     if not torch.equal(tok[cert], want[cert]):  # the audit: certified = dense draw
-                        sys.exit(f"MISMATCH V={V} d={d} B={B} T={T} k={k}: {tok[cert]} vs {want[cert]}")
+                        sys.exit(f"MISMATCH V={V} d={d} B={B} T={T} cap={k}: {tok[cert]} vs {want[cert]}")
                     shares[k] = float(cert.float().mean())
-                    calls[f"fused_k{k}"] = replay
+                    calls[f"fused_c{k}"] = replay
 
                     def synced(k=k):
-                        tok, code, _ = step.draw_v2(h, seeds, pos, temp, k=k)
+                        tok, code, _ = step.draw_v2(h, seeds, pos, temp, cap=k)
                         if bool((code != 0).any()):  # the one host read
                             return torch.where(code == 0, tok, dense())
                         return tok
 
-                    calls[f"fused_sync_k{k}"] = synced
+                    calls[f"fused_sync_c{k}"] = synced
                 t = _time(calls, a.iters, a.rounds)
                 row = {"V": V, "d": d, "batch": B, "temperature": T, "dense_ms": t["dense"],
                        **{f"{n}_ms": v for n, v in t.items() if n != "dense"},
                        **{f"speedup_{n}": t["dense"] / v for n, v in t.items() if n != "dense"},
-                       **{f"certified_k{k}": s for k, s in shares.items()}}
+                       **{f"certified_c{k}": s for k, s in shares.items()}}
                 rows_out.append(row)
                 best = max((n for n in t if n != "dense"), key=lambda n: t["dense"] / t[n])
                 print(f"V={V} d={d} B={B} T={T}: dense {t['dense']:.4f} ms; "

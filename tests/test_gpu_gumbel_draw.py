@@ -19,9 +19,10 @@ import torch
 triton = pytest.importorskip("triton")
 
 from vllm_csv import CertifiedHead, HeadConfig  # noqa: E402
-from vllm_csv.gpu.common import CAP, INTERPRET, SUB  # noqa: E402
+from vllm_csv.gpu.common import CAP, INTERPRET, SUB, slot_ids  # noqa: E402
 from vllm_csv.gpu.gumbel_draw import (BPP, CODE_CERTIFIED, CODE_NOT_LIVE, CODE_TEMPERATURE,  # noqa: E402
-                                      block_upper, gumbel_draw_ref, gumbel_draw_triton)
+                                      block_bounds_ref, block_bounds_triton, block_upper, draw_select_ref,
+                                      draw_select_triton, gumbel_draw_ref, gumbel_draw_triton)
 from vllm_csv.gpu.step import FusedStep  # noqa: E402
 from vllm_csv.sampling.gumbel_v2 import certify_draw_v2  # noqa: E402
 from vllm_csv.testing.heads import hidden_near_rows, peaked_head  # noqa: E402
@@ -57,29 +58,30 @@ def vllm_draw(mod, x, seeds, pos, temp):
                              pos.contiguous(), apply_temperature=True, is_drafting=False)
 
 
-def _layout(x: torch.Tensor, nc, width=0.0):
-    """The fused step's layout from dense logits ``x [B, V]``: the ``nc[b]`` blocks of largest
-    maxima as candidates (ascending), their tokens' bounds ``x -+ width`` (``-inf`` past ``V``),
-    every block's maximum (plus ``width``) as ``block_hi``."""
+def _stages(x: torch.Tensor, seeds, pos, temp, live, cap=CAP, width=0.0, block_hi=None, kernels=True):
+    """The draw on dense logits ``x [B, V]`` as the fused step lays it out: each block's bound the
+    block's maximum (plus ``width``; or ``block_hi``), the candidate blocks chosen by
+    :func:`draw_select`, their tokens' bounds ``x -+ width`` (``-inf`` past ``V``), the draw.
+    Returns ``(token, code, cand, count, lower, upper, bound, out_hi, block_hi)`` (on ``DEV``)."""
     B, V = x.shape
     nb = -(-V // SUB)
-    pad = torch.full((B, nb * SUB), -math.inf, device=x.device)
+    pad = torch.full((B, nb * SUB), -math.inf)
     pad[:, :V] = x
-    bmax = pad.view(B, nb, SUB).amax(2)
-    cand = torch.full((B, CAP), -1, dtype=torch.int32, device=x.device)
-    count = torch.zeros(B, dtype=torch.int32, device=x.device)
-    lower = torch.full((B, CAP * SUB), -math.inf, device=x.device)
-    upper = lower.clone()
-    for b in range(B):
-        n = min(int(nc[b]), nb, CAP)
-        top = bmax[b].nan_to_num(nan=math.inf).topk(n).indices.sort().values
-        cand[b, :n] = top.int()
-        count[b] = int(nc[b]) if int(nc[b]) > CAP else n
-        for c in range(n):
-            v = pad[b, int(top[c]) * SUB:(int(top[c]) + 1) * SUB]
-            lower[b, c * SUB:(c + 1) * SUB] = v - width
-            upper[b, c * SUB:(c + 1) * SUB] = v + width
-    return cand, count, lower, upper, bmax + width
+    if block_hi is None:
+        block_hi = pad.view(B, nb, SUB).amax(2) + width
+    bb, ds, gd = ((block_bounds_triton, draw_select_triton, gumbel_draw_triton) if kernels
+                  else (block_bounds_ref, draw_select_ref, gumbel_draw_ref))
+    seeds, pos, temp, live, bh = (a.to(DEV) for a in (seeds, pos, temp, live, block_hi))
+    bound, absq = bb(bh, seeds, pos, temp, V)
+    zero = torch.zeros(B, device=DEV)
+    cand, count, out_hi, out_abs, ok = ds(bound, absq, bh.nan_to_num(0.0), zero, zero, live, 0.0, 0.0, 0.0, 0.0,
+                                          0.0, math.inf, 0.0, cap)
+    ids = slot_ids(cand, count, V).cpu()
+    vals = pad.gather(1, ids.clamp_min(0))
+    lower = torch.where(ids >= 0, vals - width, -math.inf).to(DEV)
+    upper = torch.where(ids >= 0, vals + width, -math.inf).to(DEV)
+    token, code = gd(cand, count, lower, upper, out_hi, out_abs, seeds, pos, temp, live, V)
+    return token, code, cand, count, lower, upper, bound, out_hi, block_hi
 
 
 def _rows(B, V, g, peak=6.0):
@@ -98,25 +100,22 @@ def _rows(B, V, g, peak=6.0):
 
 # ---- kernels against the reference ----------------------------------------------------------
 @pytest.mark.parametrize("V", [1000, 777, 4099, BPP * SUB + 1])
-def test_kernel_matches_reference(V):
+def test_kernels_match_references(V):
+    """Each of the three kernels against its reference on the same inputs (the first within an
+    ulp: float64 logarithms of two libraries; the others bit for bit), over ties, NaN and
+    ``+inf`` bounds, nothing finite, greedy rows, tiny, huge and unusable temperatures."""
     g = torch.Generator().manual_seed(V)
     B = 16
     x = _rows(B, V, g)
-    nc = torch.randint(1, CAP + 1, (B,), generator=g)
-    nc[5:10] = 2
-    nc[3] = CAP + 3  # more blocks than the list holds (the caller's live refuses it; read the first CAP)
-    width = 0.0
-    cand, count, lower, upper, block_hi = _layout(x, nc, width)
-    lower[5, 3] = math.nan  # a NaN bound: refused
-    upper[6, 0] = math.inf  # a +inf bound: refused
-    nb = block_hi.shape[1]
-    outside = [i for i in range(nb) if i not in cand[7].tolist()]
-    block_hi[7, outside[0]] = math.nan  # a NaN bound outside the candidates: refused
-    lower[8], upper[8] = -math.inf, -math.inf  # nothing finite among the candidates
-    block_hi[8] = -math.inf
-    lower[9, 0:2], upper[9, 0:2] = 5.0, 5.0  # an exact tie (greedy row below): never certified
-    lower[9, 2:], upper[9, 2:] = -3.0, -3.0
-    block_hi[9] = -4.0
+    x[8] = -math.inf  # nothing finite
+    x[9, :] = -3.0  # an exact tie at the top (greedy row below): never certified
+    x[9, 5] = x[9, 700] = 5.0
+    nb = -(-V // SUB)
+    pad = torch.full((B, nb * SUB), -math.inf)
+    pad[:, :V] = x
+    block_hi = pad.view(B, nb, SUB).amax(2)
+    block_hi[7, :] = math.nan  # NaN bounds on every block: more than the list holds, refused
+    block_hi[6, 0] = math.inf  # one +inf block: a candidate (scored exactly)
     seeds = torch.randint(-2**62, 2**62, (B,), generator=g)
     seeds[:2] = torch.tensor([0, -1])
     pos = torch.randint(0, 2**20, (B,), generator=g)
@@ -125,61 +124,101 @@ def test_kernel_matches_reference(V):
                          math.nan])
     live = torch.ones(B, dtype=torch.int8)
     live[13] = 0
-    args = [a.to(DEV) for a in (cand, count, lower, upper, block_hi, seeds, pos, temp, live)]
+    dev = [a.to(DEV) for a in (block_hi, seeds, pos, temp, live)]
+    got = block_bounds_triton(*dev[:4], V)
+    want = block_bounds_ref(*dev[:4], V)
+    for a, b in zip(got, want):
+        same = (a == b) | (torch.isnan(a) & torch.isnan(b))
+        assert bool((same | (torch.nextafter(b, a) == a)).all()) and float(same.float().mean()) > 0.99
+    bound, absq = want
+    zero = torch.zeros(B, device=DEV)
+    ok = live.to(DEV)
+    sel = [f(bound, absq, dev[0].nan_to_num(0.0), zero, zero, ok, 0.0, 0.0, 0.0, 0.0, 0.0, math.inf, 0.0, cap)
+           for f in (draw_select_triton, draw_select_ref) for cap in (CAP, 3)]
+    for a, b in zip(sel[0], sel[2]):
+        assert torch.equal(a, b)
+    for a, b in zip(sel[1], sel[3]):
+        assert torch.equal(a, b)
+    assert not bool(sel[0][4].any())  # one row not ok: none of the batch is (select_blocks' rule)
+    cand, count, out_hi, out_abs, _ = sel[0]
+    ids = slot_ids(cand, count, V).cpu()
+    xs = torch.cat([x, torch.full((B, nb * SUB - V), -math.inf)], 1).gather(1, ids.clamp_min(0))
+    lower = torch.where(ids >= 0, xs, -math.inf)
+    upper = lower.clone()
+    lower[5, 3] = math.nan  # a NaN candidate bound: refused
+    upper[4, 1] = math.inf  # a +inf candidate bound: refused
+    args = [cand, count, lower.to(DEV), upper.to(DEV), out_hi, out_abs, *dev[1:4], torch.ones(B, dtype=torch.int8,
+                                                                                            device=DEV)]
+    args[-1][13] = 0
     tok, code = gumbel_draw_triton(*args, V)
     rtok, rcode = gumbel_draw_ref(*args, V)
     assert torch.equal(code, rcode) and torch.equal(tok, rtok), (code, rcode, tok, rtok)
     code = code.cpu()
     assert int(code[13]) == CODE_NOT_LIVE and int(code[14]) == CODE_TEMPERATURE and int(code[15]) == CODE_TEMPERATURE
-    for r in (5, 6, 7, 8, 9):
+    for r in (4, 5, 8, 9) + ((7,) if nb > CAP else ()):  # (every block a candidate: all scored exactly)
         assert int(code[r]) != CODE_CERTIFIED, r
-    assert int(code[0]) == CODE_CERTIFIED or int(code[11]) == CODE_CERTIFIED or int(code[10]) == CODE_CERTIFIED
-    # the greedy row without the tie: the larger candidate, strictly
-    lower[9, 0] = upper[9, 0] = 5.5
-    args[2], args[3] = lower.to(DEV), upper.to(DEV)
+    assert int((code == CODE_CERTIFIED).sum()) >= 4, code
+    # the greedy row without the tie: the larger token, strictly
+    args[2][9][ids[9] == 700] = 5.5
+    args[3][9][ids[9] == 700] = 5.5
     tok, code = gumbel_draw_triton(*args, V)
-    assert int(code[9]) == CODE_CERTIFIED and int(tok[9]) == int(cand[9, 0]) * SUB
+    assert int(code[9]) == CODE_CERTIFIED and int(tok[9]) == 700
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
-def test_kernel_matches_reference_from_screen_maxima(dtype):
+def test_kernels_match_references_from_screen_maxima(dtype):
     """The first kernel turning the screen's block maxima into bounds (block_upper's arithmetic,
-    operation for operation) against the reference; a NaN norm refuses its row."""
+    operation for operation) and the selection's ``ok`` (the batch's, the overflow check) against
+    the references; a NaN norm refuses its row."""
     g = torch.Generator().manual_seed(21)
     B, V = 10, 2111
-    x = _rows(B, V, g)
-    cand, count, lower, upper, bmax = _layout(x, torch.full((B,), 3))
-    bmax = bmax - 0.01 * torch.rand(bmax.shape, generator=g)  # screen values a little off the logits
+    nb = -(-V // SUB)
+    bmax = torch.randn(B, nb, generator=g) * 3
     hnorm = torch.rand(B, generator=g) * 8
     hnorm[4] = math.nan
     e = torch.rand(B, generator=g) * 0.1
-    consts = (1e-3, 0.02, 1e-30, 1e-6, 2.0**-20, dtype)  # rad_max, act_coef, tiny, bslack_max, delta
+    consts = (1e-3, 0.02, 1e-30, 1e-6, 2.0**-20)  # rad_max, act_coef, tiny, bslack_max, delta
     seeds = torch.randint(-2**62, 2**62, (B,), generator=g)
     pos = torch.randint(0, 2**20, (B,), generator=g)
     temp = torch.tensor([0.0, 0.3, 0.7, 1.0, 1.0, 1.5, 0.05, 3.0, 1.0, 0.7])
-    live = torch.ones(B, dtype=torch.int8)
-    args = [a.to(DEV) for a in (cand, count, lower, upper, bmax, seeds, pos, temp, live)]
-    tail = [hnorm.to(DEV), e.to(DEV), *consts]
-    tok, code = gumbel_draw_triton(*args, V, *tail)
-    rtok, rcode = gumbel_draw_ref(*args, V, *tail)
-    assert torch.equal(code, rcode) and torch.equal(tok, rtok), (code, rcode)
-    assert int(code[4]) != CODE_CERTIFIED and bool((code == CODE_CERTIFIED).any())
-    bh = block_upper(bmax.to(DEV), hnorm.to(DEV), e.to(DEV), dict(zip(
-        ("rad_max", "act_coef", "tiny", "bslack_max", "delta"), consts[:5])), dtype)
-    assert bool((bh[hnorm.isfinite()] >= bmax.to(DEV)[hnorm.isfinite()]).all())
-    assert torch.equal(bh, bh.to(dtype).float()) or bool(torch.isnan(bh).any())
+    dev = [a.to(DEV) for a in (bmax, seeds, pos, temp, hnorm, e)]
+    got = block_bounds_triton(*dev[:4], V, dev[4], dev[5], *consts, dtype)
+    want = block_bounds_ref(*dev[:4], V, dev[4], dev[5], *consts, dtype)
+    for a, b in zip(got, want):
+        same = (a == b) | (torch.isnan(a) & torch.isnan(b))
+        assert bool((same | (torch.nextafter(b, a) == a)).all()) and float(same.float().mean()) > 0.99
+    assert bool((want[0][4] == math.inf).all())  # the NaN norm: every block +inf
+    bh = block_upper(dev[0], dev[4], dev[5], dict(zip(("rad_max", "act_coef", "tiny", "bslack_max", "delta"),
+                                                      consts)), dtype)
+    fin = hnorm.isfinite().to(DEV)
+    assert bool((bh[fin] >= dev[0][fin].to(dtype).float()).all()) and torch.equal(bh[fin], bh[fin].to(dtype).float())
+    ok = torch.ones(B, dtype=torch.int8, device=DEV)
+    oks = []
+    for limit in (math.inf, float(bmax.amax(1).median()) + 0.6):
+        a = draw_select_triton(*want, dev[0], dev[4], dev[5], ok, *consts, limit, 0.5, CAP)
+        b = draw_select_ref(*want, dev[0], dev[4], dev[5], ok, *consts, limit, 0.5, CAP)
+        assert all(torch.equal(u, v) for u, v in zip(a, b))
+        oks.append(a[4].bool().cpu())
+    assert torch.equal(oks[0], hnorm.isfinite())  # NaN norm: not ok
+    assert bool(oks[1].any()) and bool((oks[0] & ~oks[1]).any())  # a finite limit: the rows that may pass it
 
 
-def test_fake_impl():
+def test_fake_impls():
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     B, V = 3, 1000
     nb = -(-V // SUB)
+    ops = torch.ops.vllm_csv_gpu
     with FakeTensorMode(allow_non_fake_inputs=True):
-        tok, code = torch.ops.vllm_csv_gpu.gumbel_draw(
-            torch.zeros(B, CAP, dtype=torch.int32), torch.zeros(B, dtype=torch.int32), torch.zeros(B, CAP * SUB),
-            torch.zeros(B, CAP * SUB), torch.zeros(B, nb), torch.zeros(B, dtype=torch.int64),
-            torch.zeros(B, dtype=torch.int64), torch.ones(B), torch.ones(B, dtype=torch.int8), V)
+        i64, f32 = torch.zeros(B, dtype=torch.int64), torch.ones(B)
+        bound, absq = ops.block_bounds(torch.zeros(B, nb), i64, i64, f32, V)
+        assert bound.shape == absq.shape == (B, nb)
+        cand, count, out_hi, out_abs, ok = ops.draw_select(bound, absq, torch.zeros(B, nb), f32, f32,
+                                                           torch.ones(B, dtype=torch.int8), 0.0, 0.0, 0.0, 0.0,
+                                                           0.0, 1e30, 0.0, CAP)
+        assert cand.shape == (B, CAP) and count.shape == out_hi.shape == ok.shape == (B,)
+        tok, code = ops.gumbel_draw(cand, count, torch.zeros(B, CAP * SUB), torch.zeros(B, CAP * SUB), out_hi,
+                                    out_abs, i64, i64, f32, ok, V)
         assert tok.shape == (B,) and tok.dtype == torch.int64 and code.shape == (B,) and code.dtype == torch.int32
 
 
@@ -187,45 +226,36 @@ def test_fake_impl():
 @pytest.mark.parametrize("width", [0.0, 1e-3])
 def test_certified_draws_equal_vllm_draws(vllm_gumbel, width):
     """Every certified row draws vLLM's token; the device rule certifies nothing the CPU rule (its
-    per-token bounds spread over the blocks) refuses, and with exact candidates most peaked rows
-    are certified."""
+    bounds spread over every token) refuses, and most rows are certified."""
     g = torch.Generator().manual_seed(11)
     B, V = 48, 3001
     x = _rows(B, V, g, peak=10.0)
-    nc = torch.full((B,), 6)
-    cand, count, lower, upper, block_hi = _layout(x, nc, width)
     seeds = torch.randint(-2**62, 2**62, (B,), generator=g)
     pos = torch.randint(0, 2**20, (B,), generator=g)
     temp = torch.tensor([0.0, 0.3, 0.7, 1.0, 1.5, 1e-3])[torch.arange(B) % 6]
     live = torch.ones(B, dtype=torch.int8)
-    args = [a.to(DEV) for a in (cand, count, lower, upper, block_hi, seeds, pos, temp, live)]
-    tok, code = gumbel_draw_triton(*args, V)
-    tok, code = tok.cpu(), code.cpu()
+    tok, code, cand, count, lower, upper, _, _, block_hi = _stages(x, seeds, pos, temp, live, width=width)
+    tok, code, cand, count, lower, upper = (t.cpu() for t in (tok, code, cand, count, lower, upper))
     cert = code == CODE_CERTIFIED
     want = vllm_draw(vllm_gumbel, x.to(DEV), seeds.to(DEV), pos.to(DEV), temp.to(DEV)).cpu()
-    assert int(cert.sum()) >= B // 3, int(cert.sum())
+    assert int(cert.sum()) >= B // 2, int(cert.sum())
     assert torch.equal(tok[cert], want[cert])
     # the CPU rule on the same bounds spread over every token (the tempered bounds per row)
-    nb = block_hi.shape[1]
-    ylo = torch.full((B, V), -math.inf)
-    yhi = block_hi.repeat_interleave(SUB, 1)[:, :V].clone()
-    ids = torch.arange(CAP * SUB)
-    for b in range(B):
-        n = int(count[b].clamp(max=CAP))
-        for c in range(n):
-            t = int(cand[b, c]) * SUB + torch.arange(SUB)
-            keep = t < V
-            ylo[b, t[keep]] = lower[b, c * SUB:(c + 1) * SUB][keep]
-            yhi[b, t[keep]] = upper[b, c * SUB:(c + 1) * SUB][keep]
     from vllm_csv.sampling.gumbel_v2 import temperature_bounds
 
+    ylo = torch.full((B, V), -math.inf)
+    yhi = block_hi.repeat_interleave(SUB, 1)[:, :V].clone()
+    ids = slot_ids(cand, count, V)
+    for b in range(B):
+        keep = ids[b] >= 0
+        ylo[b, ids[b, keep]] = lower[b, keep]
+        yhi[b, ids[b, keep]] = upper[b, keep]
     greedy = temp == 0
     qlo, qhi = temperature_bounds(ylo, yhi, torch.where(greedy, 1.0, temp))
     qlo, qhi = torch.where(greedy[:, None], ylo, qlo), torch.where(greedy[:, None], yhi, qhi)
     w, cpu_cert, _ = certify_draw_v2(qlo, qhi, seeds, pos, greedy=greedy)
     assert not bool((cert & ~cpu_cert).any())
     assert torch.equal(w[cert], tok[cert])
-    del ids, nb
 
 
 def test_a_wrong_position_is_caught(vllm_gumbel):
@@ -234,13 +264,10 @@ def test_a_wrong_position_is_caught(vllm_gumbel):
     g = torch.Generator().manual_seed(12)
     B, V = 48, 3001
     x = _rows(B, V, g, peak=3.0)
-    cand, count, lower, upper, block_hi = _layout(x, torch.full((B,), 8))
     seeds = torch.randint(-2**62, 2**62, (B,), generator=g)
     pos = torch.randint(0, 2**20, (B,), generator=g)
     temp = torch.full((B,), 1.0)
-    args = [a.to(DEV) for a in (cand, count, lower, upper, block_hi, seeds, pos + 1, temp,
-                                torch.ones(B, dtype=torch.int8))]
-    tok, code = (t.cpu() for t in gumbel_draw_triton(*args, V))
+    tok, code = (t.cpu() for t in _stages(x, seeds, pos + 1, temp, torch.ones(B, dtype=torch.int8))[:2])
     want = vllm_draw(vllm_gumbel, x.to(DEV), seeds.to(DEV), pos.to(DEV), temp.to(DEV)).cpu()
     cert = code == CODE_CERTIFIED
     assert bool((tok[cert] != want[cert]).any())
@@ -250,14 +277,15 @@ def test_a_wrong_position_is_caught(vllm_gumbel):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("V,d", [(4099, 64), (1000, 96)])
 def test_fused_draw_matches_vllm(vllm_gumbel, V, d, dtype):
-    """:meth:`FusedStep.draw_v2` on peaked rows: kernels and references agree, every certified
-    token is vLLM's draw from the dense head's logits, the blocks' bounds hold every dense
-    logit of their block, and a fair share of rows is certified."""
+    """:meth:`FusedStep.draw_v2` on peaked and softer rows: every certified token is vLLM's draw
+    from the dense head's logits, the blocks' bounds hold every dense logit of their block, and
+    most rows are certified."""
     W, g = peaked_head(V, d, seed=2, dtype=dtype)
     head = CertifiedHead(W.to(DEV), vocab_size=V, config=HeadConfig(budget=1.0, off_switch=False))
     st = FusedStep(head)
     B = 12
-    h = hidden_near_rows(W.float(), B, g, scale=2.0).to(dtype)
+    h = torch.cat([hidden_near_rows(W.float(), B // 2, g, scale=2.0), hidden_near_rows(W.float(), B // 2, g,
+                                                                                       scale=1.0)]).to(dtype)
     h[1] = (torch.randn(d, generator=g) * 0.05).to(dtype)  # flat: refused or drawn right
     h = h.to(DEV)
     seeds = torch.randint(-2**62, 2**62, (B,), generator=g).to(DEV)
@@ -268,7 +296,7 @@ def test_fused_draw_matches_vllm(vllm_gumbel, V, d, dtype):
     want = vllm_draw(vllm_gumbel, dense, seeds, pos, temp)
     cert = code == CODE_CERTIFIED
     assert torch.equal(tok[cert], want[cert])
-    assert int(cert.sum()) >= B // 3 and bool((cert & (temp > 0)).any()), (code, count)
+    assert int(cert.sum()) >= B // 2 and bool((cert & (temp > 0)).any()), (code, count)
     # the bound every block outside the candidates stands on
     from vllm_csv.gpu.quantize import quantize_rows_ref
     from vllm_csv.gpu.screen import screen_block_max_ref
@@ -282,3 +310,33 @@ def test_fused_draw_matches_vllm(vllm_gumbel, V, d, dtype):
     pad[:, :V] = dense
     ok = ok.bool()
     assert bool((pad.view(B, nb, SUB).amax(2) <= bh)[ok].all())
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need CUDA")
+def test_draw_v2_graph_replays_eager():
+    """:meth:`FusedStep.draw_v2` captured in a CUDA graph (fixed shapes, no host sync) replays the
+    eager draw, with new seeds and temperatures copied into its inputs."""
+    V, d, B = 32768, 256, 8
+    W, g = peaked_head(V, d, seed=6, dtype=torch.bfloat16)
+    head = CertifiedHead(W.to(DEV), config=HeadConfig(budget=1.0, off_switch=False))
+    st = FusedStep(head)
+    h = hidden_near_rows(W.float(), B, g, scale=1.5).bfloat16().to(DEV)
+    seeds = torch.randint(-2**62, 2**62, (B,), generator=g).to(DEV)
+    pos = torch.randint(0, 2**20, (B,), generator=g).to(DEV)
+    temp = torch.full((B,), 0.7, device=DEV)
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(2):
+            st.draw_v2(h, seeds, pos, temp)
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = st.draw_v2(h, seeds, pos, temp)
+    for T in (0.7, 1.0, 0.0):
+        seeds.copy_(torch.randint(-2**62, 2**62, (B,), generator=g).to(DEV))
+        temp.fill_(T)
+        graph.replay()
+        want = st.draw_v2(h, seeds, pos, temp)
+        assert all(torch.equal(a, b) for a, b in zip(out, want))

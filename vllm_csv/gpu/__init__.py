@@ -24,10 +24,11 @@ host sync, fixed shapes):
    the top-k ids (descending, ties by the lowest id), their values and the row's outcome code
    (:data:`vllm_csv.ops.step.REASONS`).
 
-Beside the five, for vLLM V2's temperature rows: :mod:`.gumbel_draw` --
-:func:`~.gumbel_draw.gumbel_draw` (``[B, V / 1024]`` then ``[B]`` programs), V2's Gumbel draw
-certified from the candidates' exact intervals and every other block's bound, its noise
-replayed per token (:meth:`.step.FusedStep.draw_v2` runs it after the first four).
+Beside the five, for vLLM V2's temperature rows: :mod:`.gumbel_draw` -- every block's noisy
+bound (``[B, V / 1024]`` programs), the candidate blocks of largest bound (``[B]``), and V2's
+Gumbel draw certified from the candidates' exact intervals, their noise replayed per token
+(``[B]``); :meth:`.step.FusedStep.draw_v2` runs them around the step's quantize, screen and
+scoring kernels.
 
 :mod:`.common` holds what they share: the block layout (``SUB``, ``CAP``), whether Triton is
 here, the dispatch between a kernel and its reference, the launch options and the model-dtype

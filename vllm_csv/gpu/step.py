@@ -31,20 +31,11 @@ from ..errors import CSVError
 from ..head.certificate import is_plain
 from .certify import certify_rows
 from .common import CAP, SUB, available, batch_tile
-from .gumbel_draw import gumbel_draw
+from .gumbel_draw import block_bounds, draw_select, gumbel_draw
 from .quantize import quantize_rows
 from .score import score_blocks
 from .screen import screen_block_max
 from .select import select_blocks
-
-# The candidate blocks a V2 draw scores: those reaching the threshold of the DRAW_K-th largest block
-# maximum (select_blocks' k). Every other block stands on its screen bound plus its largest noise
-# (about log(SUB) + 0.6 = 4.7 at T = 1), so more blocks scored can only help, until the list
-# overflows: past CAP blocks select_blocks keeps the first CAP by index, not by value, and the
-# winner's block may be left out. On the peaked test heads k = 1 or 2 certify the most (k = 8
-# overflows CAP at V = 4099); a knob to tune on learned heads on a GPU (benchmarks/v2_fused_draw_gpu.py).
-DRAW_K = 2
-
 
 def _pow2(n: int) -> int:
     return 1 << max(0, n - 1).bit_length()
@@ -94,7 +85,6 @@ class FusedStep:
         self.tiny32 = errors.tiny32
         self.wmax_up, self.babs_max = errors.wmax_up, errors.babs_max
         self.nb = -(-self.V // SUB)
-        self._draw_k: dict = {}
 
     # ---- what it certifies ---------------------------------------------------------------
     def supports(self, kmax: int, temperature: torch.Tensor | None = None) -> bool:
@@ -162,15 +152,15 @@ class FusedStep:
         return is_plain(self.head.engine) and self.nb >= 1
 
     def draw_v2(self, hidden: torch.Tensor, seeds: torch.Tensor, pos: torch.Tensor, temp: torch.Tensor,
-                k: int = DRAW_K):
+                cap: int | None = None):
         """vLLM V2's Gumbel draw of each row of ``hidden``, certified on the device (no host sync).
 
-        The step's first four kernels with ``k`` for the threshold (more candidate blocks than an
-        argmax needs, :data:`DRAW_K`), then :func:`~vllm_csv.gpu.gumbel_draw.gumbel_draw` on the
-        candidates' exact intervals and every other block's bound from its screen maximum
-        (:func:`~vllm_csv.gpu.gumbel_draw.block_upper`, in the draw's first kernel). A row whose
-        candidate blocks overflow the list is still decided (the blocks past the first ``CAP``
-        stand on their bounds), so the draw reads the step's ``ok`` alone, not ``live``.
+        Six kernels (:mod:`vllm_csv.gpu.gumbel_draw` has the argument): the step's quantize and
+        screen; every block's noisy bound from its screen maximum, temperature and largest
+        noise (:func:`~vllm_csv.gpu.gumbel_draw.block_bounds`); the ``cap`` blocks of largest
+        bound as candidates (:func:`~vllm_csv.gpu.gumbel_draw.draw_select`); the step's exact
+        scoring of them; the draw's certificate
+        (:func:`~vllm_csv.gpu.gumbel_draw.gumbel_draw`).
 
         Parameters
         ----------
@@ -180,8 +170,9 @@ class FusedStep:
             ``[B]`` int64: the request's seed (V2's ``SamplingStates.seeds``), the position sampled.
         temp : torch.Tensor
             ``[B]`` fp32 temperature (0: greedy, V2's argmax).
-        k : int
-            The select kernel's ``k`` (at most 64 and the number of blocks).
+        cap : int, optional
+            Candidate blocks a row scores (default :meth:`cap_for` of one token: the list's
+            :data:`~vllm_csv.gpu.common.CAP` within the head's budget).
 
         Returns
         -------
@@ -193,23 +184,19 @@ class FusedStep:
             ``[B]`` int32 candidate blocks (:meth:`scored`).
         """
         B = hidden.shape[0]
-        k = max(1, min(k, 64, self.nb))
-        kb = _pow2(k)
-        key = (B, k, hidden.device)
-        if key not in self._draw_k:  # (a constant: no fill launched a step)
-            self._draw_k[key] = torch.full((B,), k, dtype=torch.int32, device=hidden.device)
-        kk = self._draw_k[key]
+        cap = self.cap_for(1) if cap is None else max(1, min(cap, CAP))
         p, t, e, hnorm, ok = quantize_rows(hidden, self.certifiable and self.head.arithmetic_ok(), batch_tile(B),
                                            self.wmax_up, self.babs_max)
         bmax = screen_block_max(p, self.q, self.s, t, self.sbias, B)
         c = self.consts
-        cand, count, tau, ok, live = select_blocks(
-            bmax, kk, hnorm, e, ok, c["rad_max"], c["act_coef"], c["tiny"], c["bslack_max"], c["delta"],
-            c["limit"], c["babs_max"], self.cap_for(k), kb)
+        bound, absq = block_bounds(bmax, seeds, pos, temp, self.V, hnorm, e, c["rad_max"], c["act_coef"], c["tiny"],
+                                   c["bslack_max"], c["delta"], self.dtype)
+        cand, count, out_hi, out_abs, ok = draw_select(bound, absq, bmax, hnorm, e, ok, c["rad_max"], c["act_coef"],
+                                                       c["tiny"], c["bslack_max"], c["delta"], c["limit"],
+                                                       c["babs_max"], cap)
         z, lower, upper = score_blocks(hidden, self.weight, self.bias, cand, count, self.coef, self.gam,
                                        self.tiny32)
-        token, code = gumbel_draw(cand, count, lower, upper, bmax, seeds, pos, temp, ok, self.V, hnorm, e,
-                                  c["rad_max"], c["act_coef"], c["tiny"], c["bslack_max"], c["delta"], self.dtype)
+        token, code = gumbel_draw(cand, count, lower, upper, out_hi, out_abs, seeds, pos, temp, ok, self.V)
         return token, code, count
 
     @staticmethod
