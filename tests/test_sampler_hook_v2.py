@@ -326,7 +326,16 @@ def test_resolve_v2_draws_on_the_device_only_on_cuda(tmp_path, monkeypatch):
     d, logits_cpu = defer(head, h, rows, seen)
     v2_sampler.resolve(sampler, d, logits_cpu, batch)
     assert not calls  # the CPU path, unchanged
-    head.backend, head._fused = Cuda(), FusedStep(head)  # (what a CUDA head builds on its first step)
+    head.backend = Cuda()
+    assert head.fused_step() is None and head._fused is False  # an fp16 screen: no int8 copy, not built
+    head._fused = FusedStep(head)  # (what a CUDA head with the int8 screen builds on its first call)
+    assert head.fused_step() is head._fused
+    k = torch.ones(h.shape[0], dtype=torch.long)
+    assert head._fused_for(h, k, None) is head._fused  # greedy rows: the fused greedy step
+    assert head._fused_for(h, k, torch.full((h.shape[0],), 0.7)) is None  # temperature: not there
+    head.config.gpu_fused = False
+    assert head.fused_step() is None
+    head.config.gpu_fused = True
     adapter = HeadAdapter(head)
     assert isinstance(v2_sampler.fused_draw_for(adapter, None, None, None), FusedStep)
     assert v2_sampler.fused_draw_for(adapter, lambda lo, hi: (lo, hi), None, None) is None
