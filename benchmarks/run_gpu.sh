@@ -16,6 +16,7 @@ export VLLM_CSV_COMMIT=${VLLM_CSV_COMMIT:-$(git rev-parse --short HEAD 2>/dev/nu
 nvidia-smi -L
 python3 -c "import torch, triton; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'triton', triton.__version__, torch.cuda.get_device_name())"
 python3 -c "import vllm_csv.gpu.step" || exit 1
+if [ "${ONLY_V2_DRAW:-0}" != 1 ]; then  # ONLY_V2_DRAW=1: the V2 draw part alone (issue 44), under 5 minutes
 T0=$SECONDS
 timeout ${STEP_TIMEOUT:-330} python3 benchmarks/gpu_step.py --json "$OUT/gpu_step.json" "$@" 2>&1 | tee "$OUT/gpu_step.log"
 echo "gpu_step.py: $((SECONDS - T0)) s"
@@ -27,6 +28,7 @@ T2=$SECONDS  # issue 42 on a GPU: TF32, reduced-precision reductions, cancelling
 timeout ${ARITH_TIMEOUT:-150} python3 benchmarks/gpu_arithmetic.py --json "$OUT/gpu_arithmetic.json" 2>&1 \
     | tee "$OUT/gpu_arithmetic.log" | tail -8
 echo "gpu_arithmetic.py: $((SECONDS - T2)) s"
+fi
 if [ "${RUN_V2_DRAW:-1}" = 1 ]; then  # issue 44: V2 temperature rows drawn on the device
     python3 -c "import vllm" 2>/dev/null || export VLLM_V2_GUMBEL_PY=${VLLM_V2_GUMBEL_PY:-$PWD/tests/vllm_033/sample/gumbel.py}
     T3=$SECONDS
