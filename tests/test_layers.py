@@ -3,7 +3,8 @@ between modules at import time (issue 43). Read from the sources (``ast``), not 
 
 Layers, lowest first (a module may import its own layer and those below):
 
-1. ``base``: floating-point facts, errors, the vocabulary, the cache, the CPU allocator;
+1. ``base``: floating-point facts, errors, the vocabulary, the cache, the CPU allocator, vLLM V2's
+   Gumbel noise replica;
 2. ``ops``: the kernels and their references;
 3. ``math``: the dense engine's arithmetic, clustering, the index, the screens;
 4. ``head``: the certified head (CPU and GPU), its off-switch, tensor parallelism, loading a head;
@@ -21,7 +22,7 @@ import pytest
 ROOT = pathlib.Path(__file__).resolve().parents[1] / "vllm_csv"
 
 LAYERS = [
-    ("base", ("fp", "errors", "vocabulary", "cache", "cpu_malloc", "_C")),
+    ("base", ("fp", "errors", "vocabulary", "cache", "cpu_malloc", "_C", "gumbel_noise")),
     ("ops", ("ops",)),
     ("math", ("dense_engine", "kmeans", "index", "screens")),
     ("head", ("head", "gpu", "off_switch", "sharded", "hf_head")),

@@ -304,3 +304,49 @@ def test_resolve_v2_structured_rows_draw_the_dense_tokens(tmp_path, seed, screen
     assert torch.equal(out["none"]["draw"], dense) and not out["none"]["certified"], out["none"]
     if "no_mask" in out:
         assert not torch.equal(out["no_mask"]["draw"], dense)
+
+
+def test_resolve_v2_draws_on_the_device_only_on_cuda(tmp_path, monkeypatch):
+    """The device draw (:meth:`vllm_csv.gpu.step.FusedStep.draw_v2`) is taken only where the head's
+    backend, bound when it was built, is CUDA's, and only for rows with no processor, min-p or
+    grammar: a CPU head keeps :func:`certify_rows_v2`; the same head with CUDA's backend (its
+    fused step built here, the kernels' torch references running on the CPU) resolves through
+    the device draw, and the rows it writes draw the dense tokens under vLLM's own kernel."""
+    from vllm_csv.gpu.step import FusedStep
+    from vllm_csv.head.backend import Cuda
+
+    head, h, temps, seeds, batch = case(seed=2)
+    rows = torch.tensor([0, 1, 2, 3, 4, 6, 7, 9, 10, 12, 14, 15, 17, 18, 19, 21])
+    sampler = fake_sampler(temps, seeds)
+    calls = []
+    real = v2_sampler.draw_rows
+    monkeypatch.setattr(v2_sampler, "draw_rows", lambda *a: calls.append(a[0]) or real(*a))
+    assert head.fused_step() is None and v2_sampler.fused_draw_for(HeadAdapter(head), None, None, None) is None
+    seen = []
+    d, logits_cpu = defer(head, h, rows, seen)
+    v2_sampler.resolve(sampler, d, logits_cpu, batch)
+    assert not calls  # the CPU path, unchanged
+    head.backend = Cuda()
+    assert head.fused_step() is None and head._fused is False  # an fp16 screen: no int8 copy, not built
+    head._fused = FusedStep(head)  # (what a CUDA head with the int8 screen builds on its first call)
+    assert head.fused_step() is head._fused
+    k = torch.ones(h.shape[0], dtype=torch.long)
+    assert head._fused_for(h, k, None) is head._fused  # greedy rows: the fused greedy step
+    assert head._fused_for(h, k, torch.full((h.shape[0],), 0.7)) is None  # temperature: not there
+    head.config.gpu_fused = False
+    assert head.fused_step() is None
+    head.config.gpu_fused = True
+    adapter = HeadAdapter(head)
+    assert isinstance(v2_sampler.fused_draw_for(adapter, None, None, None), FusedStep)
+    assert v2_sampler.fused_draw_for(adapter, lambda lo, hi: (lo, hi), None, None) is None
+    assert v2_sampler.fused_draw_for(adapter, None, torch.zeros(2), None) is None
+    assert v2_sampler.fused_draw_for(adapter, None, None, torch.zeros(2, V, dtype=torch.bool)) is None
+    d, logits = defer(head, h, rows, seen)
+    st = v2_sampler.resolve(sampler, d, logits, batch)
+    assert len(calls) == 1 and calls[0] is head._fused
+    dense = head.dense_logits(h)
+    got, want, cpu = draws(tmp_path, batch, temps, seeds, logits, dense, logits_cpu)
+    assert torch.equal(got, want) and torch.equal(cpu, want)
+    assert st.certified.get("sampling", 0) >= 0.5 * rows.numel(), st
+    cert = (logits[rows] > -math.inf).sum(1) == 1  # a certified row: one finite value, its token
+    assert int(cert.sum()) == st.certified.get("sampling", 0)

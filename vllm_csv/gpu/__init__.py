@@ -24,6 +24,12 @@ host sync, fixed shapes):
    the top-k ids (descending, ties by the lowest id), their values and the row's outcome code
    (:data:`vllm_csv.ops.step.REASONS`).
 
+Beside the five, for vLLM V2's temperature rows: :mod:`.gumbel_draw` -- every block's noisy
+bound (``[B, V / 1024]`` programs), the candidate blocks of largest bound (``[B]``), and V2's
+Gumbel draw certified from the candidates' exact intervals, their noise replayed per token
+(``[B]``); :meth:`.step.FusedStep.draw_v2` runs them around the step's quantize, screen and
+scoring kernels.
+
 :mod:`.common` holds what they share: the block layout (``SUB``, ``CAP``), whether Triton is
 here, the dispatch between a kernel and its reference, the launch options and the model-dtype
 bit helpers.
@@ -43,4 +49,4 @@ of its modules) imports the five kernel modules, so every op is registered, once
 module is imported first.
 """
 
-from . import certify, quantize, score, screen, select  # noqa: F401 - registers every vllm_csv_gpu op
+from . import certify, gumbel_draw, quantize, score, screen, select  # noqa: F401 - registers every vllm_csv_gpu op

@@ -31,11 +31,11 @@ from ..errors import CSVError
 from ..head.certificate import is_plain
 from .certify import certify_rows
 from .common import CAP, SUB, available, batch_tile
+from .gumbel_draw import block_bounds, draw_select, gumbel_draw
 from .quantize import quantize_rows
 from .score import score_blocks
 from .screen import screen_block_max
 from .select import select_blocks
-
 
 def _pow2(n: int) -> int:
     return 1 << max(0, n - 1).bit_length()
@@ -144,6 +144,60 @@ class FusedStep:
         ids, vals, code = certify_rows(z, lower, upper, cand, count, k, need, tau, ok, live, self.V, kb,
                                        self.dtype)
         return ids, vals, code, count
+
+    def supports_draw(self) -> bool:
+        """V2 temperature rows (no processors, no min-p, no grammar: :func:`draw_v2`'s caller
+        checks) may be drawn on the device: the engine is plain (no soft-cap, ``scale = 1``: the
+        scored values are what V2's sampler reads)."""
+        return is_plain(self.head.engine) and self.nb >= 1
+
+    def draw_v2(self, hidden: torch.Tensor, seeds: torch.Tensor, pos: torch.Tensor, temp: torch.Tensor,
+                cap: int | None = None):
+        """vLLM V2's Gumbel draw of each row of ``hidden``, certified on the device (no host sync).
+
+        Six kernels (:mod:`vllm_csv.gpu.gumbel_draw` has the argument): the step's quantize and
+        screen; every block's noisy bound from its screen maximum, temperature and largest
+        noise (:func:`~vllm_csv.gpu.gumbel_draw.block_bounds`); the ``cap`` blocks of largest
+        bound as candidates (:func:`~vllm_csv.gpu.gumbel_draw.draw_select`); the step's exact
+        scoring of them; the draw's certificate
+        (:func:`~vllm_csv.gpu.gumbel_draw.gumbel_draw`).
+
+        Parameters
+        ----------
+        hidden : torch.Tensor
+            ``[B, d]`` model dtype.
+        seeds, pos : torch.Tensor
+            ``[B]`` int64: the request's seed (V2's ``SamplingStates.seeds``), the position sampled.
+        temp : torch.Tensor
+            ``[B]`` fp32 temperature (0: greedy, V2's argmax).
+        cap : int, optional
+            Candidate blocks a row scores (default :meth:`cap_for` of one token: the list's
+            :data:`~vllm_csv.gpu.common.CAP` within the head's budget).
+
+        Returns
+        -------
+        token : torch.Tensor
+            ``[B]`` int64, V2's draw where certified.
+        code : torch.Tensor
+            ``[B]`` int32, 0 certified (:mod:`vllm_csv.gpu.gumbel_draw`'s codes).
+        count : torch.Tensor
+            ``[B]`` int32 candidate blocks (:meth:`scored`).
+        """
+        B = hidden.shape[0]
+        cap = self.cap_for(1) if cap is None else max(1, min(cap, CAP))
+        p, t, e, hnorm, ok = quantize_rows(hidden, self.certifiable and self.head.arithmetic_ok(), batch_tile(B),
+                                           self.wmax_up, self.babs_max)
+        bmax = screen_block_max(p, self.q, self.s, t, self.sbias, B)
+        c = self.consts
+        bound, absq = block_bounds(bmax, seeds, pos, temp, self.V, hnorm, e, c["rad_max"], c["act_coef"], c["tiny"],
+                                   c["bslack_max"], c["delta"], self.dtype)
+        cand, count, out_hi, out_abs, ok = draw_select(bound, absq, bmax, hnorm, e, ok, c["rad_max"], c["act_coef"],
+                                                       c["tiny"], c["bslack_max"], c["delta"], c["limit"],
+                                                       c["babs_max"], cap)
+        z, lower, upper = score_blocks(hidden, self.weight, self.bias, cand, count, self.coef, self.gam,
+                                       self.tiny32)
+        token, code = gumbel_draw(cand, count, lower, upper, out_hi, out_abs, seeds, pos, temp, ok, self.V)
+        return token, code, count
 
     @staticmethod
     def scored(count: torch.Tensor) -> torch.Tensor:

@@ -196,12 +196,20 @@ class CertifiedHead:
         return selection.select_one_sided(self, hidden, k, need_values, temp)
 
     def _fused_for(self, hidden: torch.Tensor, k: torch.Tensor, temp: torch.Tensor | None):
-        """The fused GPU step (:class:`vllm_csv.gpu.step.FusedStep`, built once) for the rows it
-        certifies (:meth:`~vllm_csv.gpu.step.FusedStep.supports`), else None: not the CUDA
-        backend, ``gpu_fused`` off, no Triton, a screen other than the exact int8 copy (the one
-        ``auto`` and ``int8`` give on CUDA), soft-cap or scale, sampled rows with a temperature,
-        ``k`` above 64. Why it is not built is logged once."""
-        if not (self.backend.fused_gpu and self.config.gpu_fused and hidden.shape[0]):
+        """The fused GPU step (:meth:`fused_step`) for the rows it certifies
+        (:meth:`~vllm_csv.gpu.step.FusedStep.supports`), else None: no fused step, sampled rows
+        with a temperature, ``k`` above 64."""
+        if not hidden.shape[0]:
+            return None
+        fused = self.fused_step()
+        return fused if fused is not None and fused.supports(int(k.max()), temp) else None
+
+    def fused_step(self):
+        """The fused GPU step (:class:`vllm_csv.gpu.step.FusedStep`, built once, on the first call),
+        or None: not the CUDA backend (bound when the head was built), ``gpu_fused`` off, no
+        Triton, a screen other than the exact int8 copy (the one ``auto`` and ``int8`` give on
+        CUDA). Why it is not built is logged once."""
+        if not (self.backend.fused_gpu and self.config.gpu_fused):
             return None
         if self._fused is None:
             from ..screens.quantized import QuantizedScreen
@@ -216,8 +224,7 @@ class CertifiedHead:
                     self._fused = FusedStep(self)
                 except (ImportError, CSVError) as e:
                     logger.info("CSV fused GPU step off: %s", e)
-        fused = self._fused or None
-        return fused if fused is not None and fused.supports(int(k.max()), temp) else None
+        return self._fused or None
 
     # ---- public API ---------------------------------------------------------------------
     def topk(self, hidden: torch.Tensor, k: int, values: bool = True) -> TopKResult:

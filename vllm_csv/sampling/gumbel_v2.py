@@ -45,81 +45,14 @@ import math
 import torch
 
 from ..fp import round_down32, round_up32
+from ..gumbel_noise import (_M32, DIV_ABS, DIV_REL, DIV_T_MAX, DIV_T_MIN, EPS_ABS, EPS_REL, GUMBEL_MAX,  # noqa: F401
+                            GUMBEL_MIN, comparison_margin, murmur3, noise, noise_bounds, uniform)
 
-GUMBEL_MIN = -2.9
-GUMBEL_MAX = 23.5
-EPS_ABS, EPS_REL = 1e-5, 1e-5  # noise bounds: g +- (EPS_ABS + EPS_REL |g|)
-_M32 = 0xFFFFFFFF
-# Temperature: V2 divides the fp32 logits by T with Triton's fp32 ``/``, which is not the
-# correctly rounded division (vLLM's kernels say so; PTX ``div.full.f32``: at most 2 ulps,
-# i.e. 2^-22 |x / T|, for 2^-126 <= T <= 2^126). DIV_ABS covers results below the smallest
-# normal (a subnormal step or a flush to zero).
-DIV_REL, DIV_ABS = 2.0**-22, 2.0**-125
-DIV_T_MIN, DIV_T_MAX = 2.0**-126, 2.0**126
 # Min-p: the kernel's fp32 ``tl.log(min_p)`` lies within LOG_ABS + LOG_REL |log(min_p)| of the
 # real logarithm. libdevice's ``logf`` is within 1 ulp (2^-23 relative), an approximate
 # ``lg2.approx.f32`` times ln 2 within about 2^-22 absolute near 1; these allow 2^-20 of each
 # (tests/test_sampling_gumbel_v2_cuda.py measures the GPU's log against it).
 LOG_ABS, LOG_REL = 2.0**-20, 2.0**-20
-
-
-def _mul32(a: torch.Tensor, c: int) -> torch.Tensor:
-    return (a * c) & _M32
-
-
-def _rotl32(a: torch.Tensor, s: int) -> torch.Tensor:
-    return ((a << s) | (a >> (32 - s))) & _M32
-
-
-def _mix(h: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
-    key = _mul32(key, 0xCC9E2D51)
-    key = _mul32(_rotl32(key, 15), 0x1B873593)
-    h = _rotl32(h ^ key, 13)
-    return (h * 5 + 0xE6546B64) & _M32
-
-
-def _fmix(h: torch.Tensor) -> torch.Tensor:
-    h = h ^ (h >> 16)
-    h = _mul32(h, 0x85EBCA6B)
-    h = h ^ (h >> 13)
-    h = _mul32(h, 0xC2B2AE35)
-    return h ^ (h >> 16)
-
-
-def murmur3(seeds: torch.Tensor, pos: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-    """vLLM V2's ``murmur3_hash32(seed, pos, offset)`` (domain 0): ``[R, n]`` int64 holding uint32
-    values, for ``seeds``, ``pos`` ``[R]`` int64 and token ``ids`` ``[n]`` or ``[R, n]``."""
-    seeds, pos = seeds.long()[:, None], pos.long()[:, None]
-    ids = ids.long() if ids.dim() == 2 else ids.long()[None]
-    h = torch.zeros_like(seeds)
-    h = _mix(h, seeds & _M32)
-    h = _mix(h, (seeds >> 32) & _M32)
-    h = _mix(h, pos & _M32)
-    h = _mix(h.expand(-1, ids.shape[1]), ids & _M32)
-    return _fmix(h ^ 16)
-
-
-def uniform(seeds: torch.Tensor, pos: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-    """``u`` of the module docstring, ``[R, n]`` float32, bit for bit (both products are exact
-    and the sum is one fp32 rounding, as in the kernel with or without a fused multiply-add)."""
-    r = murmur3(seeds, pos, ids)
-    return (r >> 16).float() * 2.0**-16 + ((r & 0xFFFF).float() + 0.5) * 2.0**-32
-
-
-def noise(u: torch.Tensor) -> torch.Tensor:
-    """The real ``g(u)`` (float64) of the fp32 ``u``, with the kernel's clamp of ``1 - u``."""
-    ud = u.double()
-    one_minus = (1.0 - u).double().clamp_min(2.0**-24)  # the kernel's fp32 1 - u, then its clamp
-    L = torch.where(ud < 0.25, torch.log1p(-ud), torch.log(one_minus))
-    return -torch.log(-L)
-
-
-def noise_bounds(seeds: torch.Tensor, pos: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(g_lo, g_hi)`` float64 ``[R, n]``, around the noise the kernel adds to tokens ``ids``
-    of rows with ``seeds`` at positions ``pos`` (module docstring)."""
-    g = noise(uniform(seeds, pos, ids))
-    eps = EPS_ABS + EPS_REL * g.abs()
-    return g - eps, g + eps
 
 
 def temperature_bounds(ylo: torch.Tensor, yhi: torch.Tensor, temp: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -190,14 +123,6 @@ def min_p_bounds(qlo: torch.Tensor, qhi: torch.Tensor, min_p: torch.Tensor
     dropped = on & (qhi < thr_lo)
     kept = ~on | (qlo >= thr_hi)
     return qlo.masked_fill(~kept, -math.inf), qhi.masked_fill(dropped, -math.inf), dropped
-
-
-def comparison_margin(x_abs_max: torch.Tensor) -> torch.Tensor:
-    """How far the kernel's fp32 comparison of ``fl32(x_i + g_i)`` with ``fl32(x_j + g_j)`` can
-    stray from the real ``x_i + g_i`` against ``x_j + g_j``, for ``|x| <= x_abs_max``: each sum
-    rounds by at most ``2^-24 (|x| + |g|)``, so ``2^-23 (x_abs_max + 24)`` covers both
-    (float64, the shape of ``x_abs_max``)."""
-    return (x_abs_max.double() + 24.0) * 2.0**-23
 
 
 def certify_draw_v2(ylo: torch.Tensor, yhi: torch.Tensor, seeds: torch.Tensor, pos: torch.Tensor,

@@ -9,16 +9,24 @@ V2 draws such a row with ``gumbel_sample`` from ``fl32(x / T)`` after its proces
 and noise hashed from (request seed, position, token), no random state drawn at sampling time,
 so nothing is peeked; the certificate is :func:`~vllm_csv.sampling.rows_v2.certify_rows_v2`, the
 processors vLLM's own run on the bounds (:func:`_processors`).
+
+On CUDA (the head's backend, bound once when the head was built, runs the fused Triton step) rows
+with no processor, no min-p and no grammar are drawn on the device instead
+(:func:`fused_draw_for`, :meth:`vllm_csv.gpu.step.FusedStep.draw_v2`: candidate scoring and the
+Gumbel replay in kernels, no per-row Python loop, no ``[B, V]`` float64 pass); the CPU path is
+unchanged.
 """
 
 from __future__ import annotations
 
+import math
 import time
 
 import numpy as np
 import torch
 
 from ...sampling.rows_v2 import certify_rows_v2
+from ...sampling.scoring import RowsResult
 from ...sampling.sharded_rows import ShardedAdapter
 from ..fill import finish, grammar_mask, write_certified
 from ..step import Deferred, DeferredStats, step_of
@@ -97,6 +105,37 @@ def _processors(sampler, input_batch, dev_rows: torch.Tensor, rows_np: np.ndarra
     return process
 
 
+def fused_draw_for(adapter, process, min_p, masked):
+    """The head's fused GPU step (:meth:`vllm_csv.head.CertifiedHead.fused_step`: the CUDA backend
+    only, chosen when the head was built) when it may draw these rows on the device, else None:
+    another backend (the CPU path), a sharded adapter, a head with soft-cap or scale, or rows
+    with processors (``process``), min-p or a grammar mask (``masked``), which the device draw
+    does not bound yet."""
+    if process is not None or min_p is not None or masked is not None or isinstance(adapter, ShardedAdapter):
+        return None
+    fused_step = getattr(adapter.head, "fused_step", None)
+    fused = fused_step() if fused_step is not None else None
+    return fused if fused is not None and fused.supports_draw() else None
+
+
+# the device draw's codes (vllm_csv.gpu.gumbel_draw) as the fallback reasons the account counts
+_DRAW_REASONS = {1: "nonfinite", 2: "nonfinite", 3: "uncertified"}
+
+
+def draw_rows(fused, hidden: torch.Tensor, seeds: torch.Tensor, pos: torch.Tensor, temp: torch.Tensor) -> RowsResult:
+    """:meth:`~vllm_csv.gpu.step.FusedStep.draw_v2` as the rows' ``RowsResult``: a certified row's
+    values are ``-inf`` but at its token (0 there): V2's temperature keeps the one finite value
+    finite and its ``gumbel_sample`` (or, at ``T = 0``, its argmax) returns it. One host read of
+    the codes and counts, for the reasons and the account (the writing of the rows reads the
+    certified flags on the host anyway)."""
+    token, code, count = fused.draw_v2(hidden, seeds, pos, temp)
+    values = torch.full((hidden.shape[0], fused.V), -math.inf, dtype=fused.dtype, device=hidden.device)
+    values.scatter_(1, token[:, None], 0.0)
+    code_h, count_h = code.cpu(), fused.scored(count).cpu()
+    reasons = [_DRAW_REASONS.get(int(c)) for c in code_h]
+    return RowsResult(values, code == 0, token, reasons, int(count_h.sum()))
+
+
 def resolve(sampler, d: Deferred, logits: torch.Tensor, input_batch) -> DeferredStats:
     """Fill ``logits``' deferred rows (certified or dense) in place before V2's ``Sampler`` draws.
 
@@ -130,9 +169,13 @@ def resolve(sampler, d: Deferred, logits: torch.Tensor, input_batch) -> Deferred
         slot = input_batch.expanded_idx_mapping[dev_rows].long()
         pos = input_batch.positions[input_batch.logits_indices[dev_rows]].long()
         min_p = ss.min_p.gpu[slot].float() if bool(np.any(ss.min_p.np[req] != 0)) else None
-        res = certify_rows_v2(d.adapter, d.hidden, ss.seeds.gpu[slot].long(), pos, ss.temperature.gpu[slot].float(),
-                              process=_processors(sampler, input_batch, dev_rows, rows_np, req), min_p=min_p,
-                              masked=masked)
+        process = _processors(sampler, input_batch, dev_rows, rows_np, req)
+        seeds, temp = ss.seeds.gpu[slot].long(), ss.temperature.gpu[slot].float()
+        fused = fused_draw_for(d.adapter, process, min_p, masked)
+        if fused is not None:
+            res = draw_rows(fused, d.hidden, seeds, pos, temp)
+        else:
+            res = certify_rows_v2(d.adapter, d.hidden, seeds, pos, temp, process=process, min_p=min_p, masked=masked)
         certified = write_certified(logits, dev_rows, res, st)
     finish(d, logits, dev_rows, certified, masked, st, why, t0)
     return st

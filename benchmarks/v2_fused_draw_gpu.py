@@ -1,0 +1,163 @@
+"""V2 temperature sampling on a GPU, head + sample step: the dense V2 step against the fused
+certified draw (issue 44's target: >= 1.3x the dense V2 step at B = 1 and 8).
+
+    python benchmarks/v2_fused_draw_gpu.py --json results/gpu/v2_fused_draw.json \
+        [--shapes 151936x1024 128256x4096] [--batches 1 8 32] [--temps 0.7 1.0] [--caps 8 16]
+
+Per (V x d, B, T), bf16, both CUDA-graph replayed (one graph per measured call, ``--iters``
+replays a round, rounds interleaved, median per-replay time):
+
+==============  ===============================================================================
+dense           cuBLAS ``F.linear(h, W)``, then vLLM V2's ``gumbel_sample`` (temperature in its
+                kernel): the dense V2 step
+fused_c<cap>    :meth:`vllm_csv.gpu.step.FusedStep.draw_v2` scoring ``cap`` candidate blocks: the
+                int8 screen, every block's noisy bound, the candidates, exact scoring, the Gumbel
+                replay and certificate (:mod:`vllm_csv.gpu.gumbel_draw`), six kernels; tokens
+                and codes stay on the device
+fused_sync_c<c> the same, eager, plus what a sampler needs to finish a step: one host read of
+                "did any row fail" and, where one did, the dense step for the batch (its
+                rows' draws taken from it); with the certified share this is the real cost
+==============  ===============================================================================
+
+Each measured batch also checks every certified token against the dense step's draw of the same
+batch (same seeds and positions): a mismatch aborts. The head is random (peaked rows, the tests'
+``peaked_head``; hidden states ``hidden_near_rows`` at ``--scale``): the certified share on a
+learned head is another question (run ``--head PATH`` with a saved ``[V, d]`` weight for that).
+
+vLLM's ``gumbel.py`` comes from the installed vLLM or ``VLLM_V2_GUMBEL_PY`` (a copy;
+``benchmarks/run_gpu.sh`` points it at ``tests/vllm_033/sample/gumbel.py`` where vLLM is absent).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from vllm_csv.testing.vllm_v2 import load_vllm_v2_gumbel
+
+
+def _graph(fn):
+    """``fn`` captured in a CUDA graph (warmed up outside it): a replay function and its outputs."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        out = fn()
+    return g.replay, out
+
+
+def _time(calls: dict, iters: int, rounds: int) -> dict:
+    """Median per-call ms of each callable, rounds interleaved, CUDA events around ``iters`` calls."""
+    times = {n: [] for n in calls}
+    for _ in range(rounds):
+        for n, f in calls.items():
+            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            s.record()
+            for _ in range(iters):
+                f()
+            e.record()
+            torch.cuda.synchronize()
+            times[n].append(s.elapsed_time(e) / iters)
+    return {n: statistics.median(t) for n, t in times.items()}
+
+
+def main() -> None:
+    from vllm_csv import CertifiedHead, HeadConfig
+    from vllm_csv.gpu.step import FusedStep
+    from vllm_csv.testing.heads import hidden_near_rows, peaked_head
+
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--shapes", nargs="+", default=["151936x1024", "128256x4096"])
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 8])
+    ap.add_argument("--temps", type=float, nargs="+", default=[0.7, 1.0])
+    ap.add_argument("--caps", type=int, nargs="+", default=[8, 16], help="candidate blocks scored (<= 16)")
+    ap.add_argument("--scale", type=float, default=2.0, help="hidden_near_rows' scale (peakedness)")
+    ap.add_argument("--head", help="a torch.save'd [V, d] weight to use instead of a random head")
+    ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--rounds", type=int, default=7)
+    ap.add_argument("--json")
+    a = ap.parse_args()
+    v2 = load_vllm_v2_gumbel()
+    if v2 is None or not torch.cuda.is_available():
+        sys.exit("needs CUDA and vLLM's V2 gumbel.py (vLLM installed, or VLLM_V2_GUMBEL_PY)")
+    dev = torch.device("cuda")
+    rows_out = []
+    for shape in ([None] if a.head else a.shapes):
+        if a.head:
+            W = torch.load(a.head).to(torch.bfloat16)
+            g = torch.Generator().manual_seed(0)
+        else:
+            V, d = (int(x) for x in shape.split("x"))
+            W, g = peaked_head(V, d, seed=3)
+            W = W.to(torch.bfloat16)
+        V, d = W.shape
+        Wc = W.to(dev)
+        head = CertifiedHead(Wc, config=HeadConfig(screen="int8", off_switch=False))
+        step = head.fused_step() or FusedStep(head)
+        for B in a.batches:
+            h = hidden_near_rows(W, B, g, scale=a.scale).to(dev)
+            seeds = torch.randint(-2**62, 2**62, (B,), generator=g).to(dev)
+            pos = torch.randint(0, 2**20, (B,), generator=g).to(dev)
+            idx = torch.arange(B, dtype=torch.int32, device=dev)
+            for T in a.temps:
+                temp = torch.full((B,), T, device=dev)
+
+                def dense():
+                    return v2.gumbel_sample(F.linear(h, Wc), idx, temp, seeds, pos, apply_temperature=True,
+                                            is_drafting=False)
+
+                replay_dense, want = _graph(dense)
+                calls = {"dense": replay_dense}
+                shares = {}
+                for k in a.caps:
+                    replay, (tok, code, count) = _graph(lambda k=k: step.draw_v2(h, seeds, pos, temp, cap=k))
+                    replay()
+                    replay_dense()
+                    torch.cuda.synchronize()
+                    cert = code == 0
+                    if not torch.equal(tok[cert], want[cert]):  # the audit: certified = dense draw
+                        sys.exit(f"MISMATCH V={V} d={d} B={B} T={T} cap={k}: {tok[cert]} vs {want[cert]}")
+                    shares[k] = float(cert.float().mean())
+                    calls[f"fused_c{k}"] = replay
+
+                    def synced(k=k):
+                        tok, code, _ = step.draw_v2(h, seeds, pos, temp, cap=k)
+                        if bool((code != 0).any()):  # the one host read
+                            return torch.where(code == 0, tok, dense())
+                        return tok
+
+                    calls[f"fused_sync_c{k}"] = synced
+                t = _time(calls, a.iters, a.rounds)
+                row = {"V": V, "d": d, "batch": B, "temperature": T, "dense_ms": t["dense"],
+                       **{f"{n}_ms": v for n, v in t.items() if n != "dense"},
+                       **{f"speedup_{n}": t["dense"] / v for n, v in t.items() if n != "dense"},
+                       **{f"certified_c{k}": s for k, s in shares.items()}}
+                rows_out.append(row)
+                best = max((n for n in t if n != "dense"), key=lambda n: t["dense"] / t[n])
+                print(f"V={V} d={d} B={B} T={T}: dense {t['dense']:.4f} ms; "
+                      + ", ".join(f"{n} {v:.4f} ms ({t['dense'] / v:.2f}x)" for n, v in t.items() if n != "dense")
+                      + f"; certified {shares}; best {best}", flush=True)
+    if a.json:
+        import triton
+
+        report = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "cuda": torch.version.cuda,
+                  "triton": triton.__version__, "commit": os.environ.get("VLLM_CSV_COMMIT", "unknown"),
+                  "head": a.head or "peaked_head (random)", "scale": a.scale, "command": " ".join(sys.argv),
+                  "rows": rows_out}
+        Path(a.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(a.json).write_text(json.dumps(report, indent=1))
+
+
+if __name__ == "__main__":
+    main()

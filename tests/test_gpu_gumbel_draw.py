@@ -1,0 +1,342 @@
+"""The certified V2 Gumbel draw on the device (:mod:`vllm_csv.gpu.gumbel_draw`): the Triton
+kernels against their torch reference (odd V, ties, NaN/inf bounds, greedy, tiny and huge
+temperatures), every certified draw against vLLM's own V2 ``gumbel_sample`` on the dense logits
+with the same seeds and positions, the device rule never certifying a row the CPU rule
+(:func:`vllm_csv.sampling.gumbel_v2.certify_draw_v2`) would not, and the whole fused draw
+(:meth:`vllm_csv.gpu.step.FusedStep.draw_v2`) on heads.
+
+On CUDA the kernels run compiled; elsewhere under Triton's interpreter, in a process started with
+``TRITON_INTERPRET=1`` (``tests/test_gpu_kernels_interpreted.py`` starts it), where vLLM's
+``gumbel.py`` is loaded with Triton imported directly (:func:`vllm_csv.testing.vllm_v2.load_vllm_v2_gumbel`)
+and run in the same process.
+"""
+
+import math
+
+import pytest
+import torch
+
+triton = pytest.importorskip("triton")
+
+from vllm_csv import CertifiedHead, HeadConfig  # noqa: E402
+from vllm_csv.gpu.common import CAP, INTERPRET, SUB, slot_ids  # noqa: E402
+from vllm_csv.gpu.gumbel_draw import (BPP, CODE_CERTIFIED, CODE_NOT_LIVE, CODE_TEMPERATURE,  # noqa: E402
+                                      block_bounds_ref, block_bounds_triton, block_upper, draw_select_ref,
+                                      draw_select_triton, gumbel_draw_ref, gumbel_draw_triton)
+from vllm_csv.gpu.step import FusedStep  # noqa: E402
+from vllm_csv.sampling.gumbel_v2 import certify_draw_v2  # noqa: E402
+from vllm_csv.testing.heads import hidden_near_rows, peaked_head  # noqa: E402
+from vllm_csv.testing.vllm_v2 import load_vllm_v2_gumbel  # noqa: E402
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _interpreted() -> bool:
+    from triton.runtime.interpreter import InterpretedFunction
+
+    return INTERPRET and isinstance(triton.language.standard.zeros, InterpretedFunction)
+
+
+pytestmark = pytest.mark.skipif(not (torch.cuda.is_available() or _interpreted()),
+                                reason="on a CPU: run by test_gpu_kernels_interpreted.py, under the interpreter")
+
+
+@pytest.fixture(scope="module")
+def vllm_gumbel():
+    mod = load_vllm_v2_gumbel()
+    if mod is None:
+        pytest.skip("no vLLM gumbel.py here")
+    return mod
+
+
+def vllm_draw(mod, x, seeds, pos, temp):
+    """vLLM V2's ``gumbel_sample`` on ``x [B, V]`` fp32 (row i = request slot i), the temperature
+    applied in its kernel (what ``_temperature_kernel`` then ``gumbel_sample`` compute: ``T``
+    0 or 1 undivided either way, ``x / 1`` being ``x``)."""
+    idx = torch.arange(x.shape[0], dtype=torch.int32, device=x.device)
+    return mod.gumbel_sample(x.float().contiguous().clone(), idx, temp.float().contiguous(), seeds.contiguous(),
+                             pos.contiguous(), apply_temperature=True, is_drafting=False)
+
+
+def _stages(x: torch.Tensor, seeds, pos, temp, live, cap=CAP, width=0.0, block_hi=None, kernels=True):
+    """The draw on dense logits ``x [B, V]`` as the fused step lays it out: each block's bound the
+    block's maximum (plus ``width``; or ``block_hi``), the candidate blocks chosen by
+    :func:`draw_select`, their tokens' bounds ``x -+ width`` (``-inf`` past ``V``), the draw.
+    Returns ``(token, code, cand, count, lower, upper, bound, out_hi, block_hi)`` (on ``DEV``)."""
+    B, V = x.shape
+    nb = -(-V // SUB)
+    pad = torch.full((B, nb * SUB), -math.inf)
+    pad[:, :V] = x
+    if block_hi is None:
+        block_hi = pad.view(B, nb, SUB).amax(2) + width
+    bb, ds, gd = ((block_bounds_triton, draw_select_triton, gumbel_draw_triton) if kernels
+                  else (block_bounds_ref, draw_select_ref, gumbel_draw_ref))
+    seeds, pos, temp, live, bh = (a.to(DEV) for a in (seeds, pos, temp, live, block_hi))
+    bound, absq = bb(bh, seeds, pos, temp, V)
+    zero = torch.zeros(B, device=DEV)
+    cand, count, out_hi, out_abs, ok = ds(bound, absq, bh.nan_to_num(0.0), zero, zero, live, 0.0, 0.0, 0.0, 0.0,
+                                          0.0, math.inf, 0.0, cap)
+    ids = slot_ids(cand, count, V).cpu()
+    vals = pad.gather(1, ids.clamp_min(0))
+    lower = torch.where(ids >= 0, vals - width, -math.inf).to(DEV)
+    upper = torch.where(ids >= 0, vals + width, -math.inf).to(DEV)
+    token, code = gd(cand, count, lower, upper, out_hi, out_abs, seeds, pos, temp, live, V)
+    return token, code, cand, count, lower, upper, bound, out_hi, block_hi
+
+
+def _rows(B, V, g, peak=6.0):
+    """Rows of logits: Gaussian bulk (scale 1-3), a few peaked tokens, exact ties at the top in
+    some rows, a flat row, ``-inf`` stretches."""
+    x = torch.randn(B, V, generator=g) * (1 + 2 * torch.rand(B, 1, generator=g))
+    top = torch.randint(0, V, (B, 3), generator=g)
+    x.scatter_(1, top, x.gather(1, top) + peak * torch.rand(B, 3, generator=g) + 2)
+    if B > 2:
+        x[1, top[1, 1]] = x[1, top[1, 0]]  # an exact tie between two peaks
+        x[2] = 0.0  # flat: the noise decides
+    if B > 4:
+        x[4, : V // 2] = -math.inf
+    return x.to(torch.bfloat16).float()
+
+
+# ---- kernels against the reference ----------------------------------------------------------
+@pytest.mark.parametrize("V", [1000, 777, 4099, BPP * SUB + 1])
+def test_kernels_match_references(V):
+    """Each of the three kernels against its reference on the same inputs (the first within an
+    ulp: float64 logarithms of two libraries; the others bit for bit), over ties, NaN and
+    ``+inf`` bounds, nothing finite, greedy rows, tiny, huge and unusable temperatures."""
+    g = torch.Generator().manual_seed(V)
+    B = 16
+    x = _rows(B, V, g)
+    x[8] = -math.inf  # nothing finite
+    x[9, :] = -3.0  # an exact tie at the top (greedy row below): never certified
+    x[9, 5] = x[9, 700] = 5.0
+    nb = -(-V // SUB)
+    pad = torch.full((B, nb * SUB), -math.inf)
+    pad[:, :V] = x
+    block_hi = pad.view(B, nb, SUB).amax(2)
+    block_hi[7, :] = math.nan  # NaN bounds on every block: more than the list holds, refused
+    block_hi[6, 0] = math.inf  # one +inf block: a candidate (scored exactly)
+    seeds = torch.randint(-2**62, 2**62, (B,), generator=g)
+    seeds[:2] = torch.tensor([0, -1])
+    pos = torch.randint(0, 2**20, (B,), generator=g)
+    pos[0] = 2**31 - 1
+    temp = torch.tensor([1.0, 0.7, 1.0, 0.5, 2.0, 1.0, 1.0, 1.0, 1.0, 0.0, 1e-3, 1e3, 2.0**-126, 1e-40, -1.0,
+                         math.nan])
+    live = torch.ones(B, dtype=torch.int8)
+    live[13] = 0
+    dev = [a.to(DEV) for a in (block_hi, seeds, pos, temp, live)]
+    got = block_bounds_triton(*dev[:4], V)
+    want = block_bounds_ref(*dev[:4], V)
+    for a, b in zip(got, want):
+        same = (a == b) | (torch.isnan(a) & torch.isnan(b))
+        assert bool((same | (torch.nextafter(b, a) == a)).all()) and float(same.float().mean()) > 0.99
+    bound, absq = want
+    zero = torch.zeros(B, device=DEV)
+    ok = live.to(DEV)
+    sel = [f(bound, absq, dev[0].nan_to_num(0.0), zero, zero, ok, 0.0, 0.0, 0.0, 0.0, 0.0, math.inf, 0.0, cap)
+           for f in (draw_select_triton, draw_select_ref) for cap in (CAP, 3)]
+    for a, b in zip(sel[0], sel[2]):
+        assert torch.equal(a, b)
+    for a, b in zip(sel[1], sel[3]):
+        assert torch.equal(a, b)
+    assert not bool(sel[0][4].any())  # one row not ok: none of the batch is (select_blocks' rule)
+    cand, count, out_hi, out_abs, _ = sel[0]
+    ids = slot_ids(cand, count, V).cpu()
+    xs = torch.cat([x, torch.full((B, nb * SUB - V), -math.inf)], 1).gather(1, ids.clamp_min(0))
+    lower = torch.where(ids >= 0, xs, -math.inf)
+    upper = lower.clone()
+    lower[5, 3] = math.nan  # a NaN candidate bound: refused
+    upper[4, 1] = math.inf  # a +inf candidate bound: refused
+    args = [cand, count, lower.to(DEV), upper.to(DEV), out_hi, out_abs, *dev[1:4], torch.ones(B, dtype=torch.int8,
+                                                                                            device=DEV)]
+    args[-1][13] = 0
+    tok, code = gumbel_draw_triton(*args, V)
+    rtok, rcode = gumbel_draw_ref(*args, V)
+    assert torch.equal(code, rcode) and torch.equal(tok, rtok), (code, rcode, tok, rtok)
+    code = code.cpu()
+    assert int(code[13]) == CODE_NOT_LIVE and int(code[14]) == CODE_TEMPERATURE and int(code[15]) == CODE_TEMPERATURE
+    for r in (4, 5, 8, 9) + ((7,) if nb > CAP else ()):  # (every block a candidate: all scored exactly)
+        assert int(code[r]) != CODE_CERTIFIED, r
+    assert int((code == CODE_CERTIFIED).sum()) >= 4, code
+    # the greedy row without the tie: the larger token, strictly
+    args[2][9][ids[9] == 700] = 5.5
+    args[3][9][ids[9] == 700] = 5.5
+    tok, code = gumbel_draw_triton(*args, V)
+    assert int(code[9]) == CODE_CERTIFIED and int(tok[9]) == 700
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_kernels_match_references_from_screen_maxima(dtype):
+    """The first kernel turning the screen's block maxima into bounds (block_upper's arithmetic,
+    operation for operation) and the selection's ``ok`` (the batch's, the overflow check) against
+    the references; a NaN norm refuses its row."""
+    g = torch.Generator().manual_seed(21)
+    B, V = 10, 2111
+    nb = -(-V // SUB)
+    bmax = torch.randn(B, nb, generator=g) * 3
+    hnorm = torch.rand(B, generator=g) * 8
+    hnorm[4] = math.nan
+    e = torch.rand(B, generator=g) * 0.1
+    consts = (1e-3, 0.02, 1e-30, 1e-6, 2.0**-20)  # rad_max, act_coef, tiny, bslack_max, delta
+    seeds = torch.randint(-2**62, 2**62, (B,), generator=g)
+    pos = torch.randint(0, 2**20, (B,), generator=g)
+    temp = torch.tensor([0.0, 0.3, 0.7, 1.0, 1.0, 1.5, 0.05, 3.0, 1.0, 0.7])
+    dev = [a.to(DEV) for a in (bmax, seeds, pos, temp, hnorm, e)]
+    got = block_bounds_triton(*dev[:4], V, dev[4], dev[5], *consts, dtype)
+    want = block_bounds_ref(*dev[:4], V, dev[4], dev[5], *consts, dtype)
+    for a, b in zip(got, want):
+        same = (a == b) | (torch.isnan(a) & torch.isnan(b))
+        assert bool((same | (torch.nextafter(b, a) == a)).all()) and float(same.float().mean()) > 0.99
+    assert bool((want[0][4] == math.inf).all())  # the NaN norm: every block +inf
+    bh = block_upper(dev[0], dev[4], dev[5], dict(zip(("rad_max", "act_coef", "tiny", "bslack_max", "delta"),
+                                                      consts)), dtype)
+    fin = hnorm.isfinite().to(DEV)
+    assert bool((bh[fin] >= dev[0][fin].to(dtype).float()).all()) and torch.equal(bh[fin], bh[fin].to(dtype).float())
+    ok = torch.ones(B, dtype=torch.int8, device=DEV)
+    oks = []
+    for limit in (math.inf, float(bmax.amax(1).median()) + 0.6):
+        a = draw_select_triton(*want, dev[0], dev[4], dev[5], ok, *consts, limit, 0.5, CAP)
+        b = draw_select_ref(*want, dev[0], dev[4], dev[5], ok, *consts, limit, 0.5, CAP)
+        assert all(torch.equal(u, v) for u, v in zip(a, b))
+        oks.append(a[4].bool().cpu())
+    assert torch.equal(oks[0], hnorm.isfinite())  # NaN norm: not ok
+    assert bool(oks[1].any()) and bool((oks[0] & ~oks[1]).any())  # a finite limit: the rows that may pass it
+
+
+def test_fake_impls():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    B, V = 3, 1000
+    nb = -(-V // SUB)
+    ops = torch.ops.vllm_csv_gpu
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        i64, f32 = torch.zeros(B, dtype=torch.int64), torch.ones(B)
+        bound, absq = ops.block_bounds(torch.zeros(B, nb), i64, i64, f32, V)
+        assert bound.shape == absq.shape == (B, nb)
+        cand, count, out_hi, out_abs, ok = ops.draw_select(bound, absq, torch.zeros(B, nb), f32, f32,
+                                                           torch.ones(B, dtype=torch.int8), 0.0, 0.0, 0.0, 0.0,
+                                                           0.0, 1e30, 0.0, CAP)
+        assert cand.shape == (B, CAP) and count.shape == out_hi.shape == ok.shape == (B,)
+        tok, code = ops.gumbel_draw(cand, count, torch.zeros(B, CAP * SUB), torch.zeros(B, CAP * SUB), out_hi,
+                                    out_abs, i64, i64, f32, ok, V)
+        assert tok.shape == (B,) and tok.dtype == torch.int64 and code.shape == (B,) and code.dtype == torch.int32
+
+
+# ---- against vLLM's own draw ---------------------------------------------------------------
+@pytest.mark.parametrize("width", [0.0, 1e-3])
+def test_certified_draws_equal_vllm_draws(vllm_gumbel, width):
+    """Every certified row draws vLLM's token; the device rule certifies nothing the CPU rule (its
+    bounds spread over every token) refuses, and most rows are certified."""
+    g = torch.Generator().manual_seed(11)
+    B, V = 48, 3001
+    x = _rows(B, V, g, peak=10.0)
+    seeds = torch.randint(-2**62, 2**62, (B,), generator=g)
+    pos = torch.randint(0, 2**20, (B,), generator=g)
+    temp = torch.tensor([0.0, 0.3, 0.7, 1.0, 1.5, 1e-3])[torch.arange(B) % 6]
+    live = torch.ones(B, dtype=torch.int8)
+    tok, code, cand, count, lower, upper, _, _, block_hi = _stages(x, seeds, pos, temp, live, width=width)
+    tok, code, cand, count, lower, upper = (t.cpu() for t in (tok, code, cand, count, lower, upper))
+    cert = code == CODE_CERTIFIED
+    want = vllm_draw(vllm_gumbel, x.to(DEV), seeds.to(DEV), pos.to(DEV), temp.to(DEV)).cpu()
+    assert int(cert.sum()) >= B // 2, int(cert.sum())
+    assert torch.equal(tok[cert], want[cert])
+    # the CPU rule on the same bounds spread over every token (the tempered bounds per row)
+    from vllm_csv.sampling.gumbel_v2 import temperature_bounds
+
+    ylo = torch.full((B, V), -math.inf)
+    yhi = block_hi.repeat_interleave(SUB, 1)[:, :V].clone()
+    ids = slot_ids(cand, count, V)
+    for b in range(B):
+        keep = ids[b] >= 0
+        ylo[b, ids[b, keep]] = lower[b, keep]
+        yhi[b, ids[b, keep]] = upper[b, keep]
+    greedy = temp == 0
+    qlo, qhi = temperature_bounds(ylo, yhi, torch.where(greedy, 1.0, temp))
+    qlo, qhi = torch.where(greedy[:, None], ylo, qlo), torch.where(greedy[:, None], yhi, qhi)
+    w, cpu_cert, _ = certify_draw_v2(qlo, qhi, seeds, pos, greedy=greedy)
+    assert not bool((cert & ~cpu_cert).any())
+    assert torch.equal(w[cert], tok[cert])
+
+
+def test_a_wrong_position_is_caught(vllm_gumbel):
+    """The draw of the next position certified against vLLM's at this one: some rows differ (the
+    test above has teeth)."""
+    g = torch.Generator().manual_seed(12)
+    B, V = 48, 3001
+    x = _rows(B, V, g, peak=3.0)
+    seeds = torch.randint(-2**62, 2**62, (B,), generator=g)
+    pos = torch.randint(0, 2**20, (B,), generator=g)
+    temp = torch.full((B,), 1.0)
+    tok, code = (t.cpu() for t in _stages(x, seeds, pos + 1, temp, torch.ones(B, dtype=torch.int8))[:2])
+    want = vllm_draw(vllm_gumbel, x.to(DEV), seeds.to(DEV), pos.to(DEV), temp.to(DEV)).cpu()
+    cert = code == CODE_CERTIFIED
+    assert bool((tok[cert] != want[cert]).any())
+
+
+# ---- the fused draw on heads ------------------------------------------------------------------
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("V,d", [(4099, 64), (1000, 96)])
+def test_fused_draw_matches_vllm(vllm_gumbel, V, d, dtype):
+    """:meth:`FusedStep.draw_v2` on peaked and softer rows: every certified token is vLLM's draw
+    from the dense head's logits, the blocks' bounds hold every dense logit of their block, and
+    most rows are certified."""
+    W, g = peaked_head(V, d, seed=2, dtype=dtype)
+    head = CertifiedHead(W.to(DEV), vocab_size=V, config=HeadConfig(budget=1.0, off_switch=False))
+    st = FusedStep(head)
+    B = 12
+    h = torch.cat([hidden_near_rows(W.float(), B // 2, g, scale=2.0), hidden_near_rows(W.float(), B // 2, g,
+                                                                                       scale=1.0)]).to(dtype)
+    h[1] = (torch.randn(d, generator=g) * 0.05).to(dtype)  # flat: refused or drawn right
+    h = h.to(DEV)
+    seeds = torch.randint(-2**62, 2**62, (B,), generator=g).to(DEV)
+    pos = torch.randint(0, 2**20, (B,), generator=g).to(DEV)
+    temp = torch.tensor([0.0, 0.5, 0.7, 1.0])[torch.arange(B) % 4].to(DEV)
+    tok, code, count = st.draw_v2(h, seeds, pos, temp)
+    dense = torch.nn.functional.linear(h.float(), head.weight.float()).to(dtype).float()
+    want = vllm_draw(vllm_gumbel, dense, seeds, pos, temp)
+    cert = code == CODE_CERTIFIED
+    assert torch.equal(tok[cert], want[cert])
+    assert int(cert.sum()) >= B // 2 and bool((cert & (temp > 0)).any()), (code, count)
+    # the bound every block outside the candidates stands on
+    from vllm_csv.gpu.quantize import quantize_rows_ref
+    from vllm_csv.gpu.screen import screen_block_max_ref
+    from vllm_csv.gpu.common import batch_tile
+
+    p, t, e, hn, ok = quantize_rows_ref(h, True, batch_tile(B))
+    bmax = screen_block_max_ref(p, st.q, st.s, t, st.sbias, B)
+    bh = block_upper(bmax, hn, e, st.consts, dtype)
+    nb = bh.shape[1]
+    pad = torch.full((B, nb * SUB), -math.inf, device=h.device)
+    pad[:, :V] = dense
+    ok = ok.bool()
+    assert bool((pad.view(B, nb, SUB).amax(2) <= bh)[ok].all())
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need CUDA")
+def test_draw_v2_graph_replays_eager():
+    """:meth:`FusedStep.draw_v2` captured in a CUDA graph (fixed shapes, no host sync) replays the
+    eager draw, with new seeds and temperatures copied into its inputs."""
+    V, d, B = 32768, 256, 8
+    W, g = peaked_head(V, d, seed=6, dtype=torch.bfloat16)
+    head = CertifiedHead(W.to(DEV), config=HeadConfig(budget=1.0, off_switch=False))
+    st = FusedStep(head)
+    h = hidden_near_rows(W.float(), B, g, scale=1.5).bfloat16().to(DEV)
+    seeds = torch.randint(-2**62, 2**62, (B,), generator=g).to(DEV)
+    pos = torch.randint(0, 2**20, (B,), generator=g).to(DEV)
+    temp = torch.full((B,), 0.7, device=DEV)
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(2):
+            st.draw_v2(h, seeds, pos, temp)
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = st.draw_v2(h, seeds, pos, temp)
+    for T in (0.7, 1.0, 0.0):
+        seeds.copy_(torch.randint(-2**62, 2**62, (B,), generator=g).to(DEV))
+        temp.fill_(T)
+        graph.replay()
+        want = st.draw_v2(h, seeds, pos, temp)
+        assert all(torch.equal(a, b) for a, b in zip(out, want))
