@@ -12,8 +12,8 @@ dense           cuBLAS ``F.linear(h, W)``, then vLLM V2's ``gumbel_sample`` (tem
                 kernel): the dense V2 step
 fused_c<cap>    :meth:`vllm_csv.gpu.step.FusedStep.draw_v2` scoring ``cap`` candidate blocks: the
                 int8 screen, every block's noisy bound, the candidates, exact scoring, the Gumbel
-                replay and certificate (:mod:`vllm_csv.gpu.gumbel_draw`), six kernels; tokens
-                and codes stay on the device
+                replay and certificate (:mod:`vllm_csv.gpu.draw_bounds`,
+                :mod:`vllm_csv.gpu.gumbel_draw`), six kernels; tokens and codes stay on the device
 fused_sync_c<c> the same, eager, plus what a sampler needs to finish a step: one host read of
                 "did any row fail" and, where one did, the dense step for the batch (its
                 rows' draws taken from it); with the certified share this is the real cost

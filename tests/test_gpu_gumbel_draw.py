@@ -1,9 +1,9 @@
-"""The certified V2 Gumbel draw on the device (:mod:`vllm_csv.gpu.gumbel_draw`): the Triton
-kernels against their torch reference (odd V, ties, NaN/inf bounds, greedy, tiny and huge
-temperatures), every certified draw against vLLM's own V2 ``gumbel_sample`` on the dense logits
-with the same seeds and positions, the device rule never certifying a row the CPU rule
-(:func:`vllm_csv.sampling.gumbel_v2.certify_draw_v2`) would not, and the whole fused draw
-(:meth:`vllm_csv.gpu.step.FusedStep.draw_v2`) on heads.
+"""The certified V2 Gumbel draw on the device (:mod:`vllm_csv.gpu.gumbel_draw`, its first stages
+:mod:`vllm_csv.gpu.draw_bounds`): the Triton kernels against their torch reference (odd V, ties,
+NaN/inf bounds, greedy, tiny and huge temperatures), every certified draw against vLLM's own V2
+``gumbel_sample`` on the dense logits with the same seeds and positions, the device rule never
+certifying a row the CPU rule (:func:`vllm_csv.sampling.gumbel_v2.certify_draw_v2`) would not, and
+the whole fused draw (:meth:`vllm_csv.gpu.step.FusedStep.draw_v2`) on heads.
 
 On CUDA the kernels run compiled; elsewhere under Triton's interpreter, in a process started with
 ``TRITON_INTERPRET=1`` (``tests/test_gpu_kernels_interpreted.py`` starts it), where vLLM's
@@ -20,9 +20,10 @@ triton = pytest.importorskip("triton")
 
 from vllm_csv import CertifiedHead, HeadConfig  # noqa: E402
 from vllm_csv.gpu.common import CAP, INTERPRET, SUB, slot_ids  # noqa: E402
+from vllm_csv.gpu.draw_bounds import (block_bounds_ref, block_bounds_triton, block_upper,  # noqa: E402
+                                      draw_select_ref, draw_select_triton)
 from vllm_csv.gpu.gumbel_draw import (BPP, CODE_CERTIFIED, CODE_NOT_LIVE, CODE_TEMPERATURE,  # noqa: E402
-                                      block_bounds_ref, block_bounds_triton, block_upper, draw_select_ref,
-                                      draw_select_triton, gumbel_draw_ref, gumbel_draw_triton)
+                                      gumbel_draw_ref, gumbel_draw_triton)
 from vllm_csv.gpu.step import FusedStep  # noqa: E402
 from vllm_csv.sampling.gumbel_v2 import certify_draw_v2  # noqa: E402
 from vllm_csv.testing.heads import hidden_near_rows, peaked_head  # noqa: E402

@@ -2,7 +2,8 @@
 for bit, the noise bounded, and the constants of V2's temperature and of the comparison in its
 draw. Plain facts about vLLM's kernel, below every layer that certifies with them (the CPU
 certificate :mod:`vllm_csv.sampling.gumbel_v2`, which re-exports all of this and has the argument
-in its docstring, and the device draw :mod:`vllm_csv.gpu.gumbel_draw`).
+in its docstring, and the device draw :mod:`vllm_csv.gpu.gumbel_draw`, its replica on the device
+:mod:`vllm_csv.gpu.gumbel_jit`).
 
     r_i = murmur3_32(seed, pos, i)            (uint32; the request's seed, the token's position)
     u_i = fl32(hi16(r_i) 2^-16 + (lo16(r_i) + 0.5) 2^-32)      (exact operands, one rounding)

@@ -24,11 +24,12 @@ host sync, fixed shapes):
    the top-k ids (descending, ties by the lowest id), their values and the row's outcome code
    (:data:`vllm_csv.ops.step.REASONS`).
 
-Beside the five, for vLLM V2's temperature rows: :mod:`.gumbel_draw` -- every block's noisy
-bound (``[B, V / 1024]`` programs), the candidate blocks of largest bound (``[B]``), and V2's
-Gumbel draw certified from the candidates' exact intervals, their noise replayed per token
-(``[B]``); :meth:`.step.FusedStep.draw_v2` runs them around the step's quantize, screen and
-scoring kernels.
+Beside the five, for vLLM V2's temperature rows: :mod:`.draw_bounds` -- every block's noisy
+bound (``[B, V / 1024]`` programs) and the candidate blocks of largest bound (``[B]``); then
+:mod:`.gumbel_draw` (with the overview) -- V2's Gumbel draw certified from the candidates' exact
+intervals, their noise replayed per token (``[B]``); :mod:`.gumbel_jit` holds the replica of V2's
+noise and temperature they share. :meth:`.step.FusedStep.draw_v2` runs them around the step's
+quantize, screen and scoring kernels.
 
 :mod:`.common` holds what they share: the block layout (``SUB``, ``CAP``), whether Triton is
 here, the dispatch between a kernel and its reference, the launch options and the model-dtype
@@ -45,8 +46,8 @@ Each op is a ``torch.library`` custom op (``torch.ops.vllm_csv_gpu.<kernel>``) w
 implementation; ``<kernel>_ref`` is the same math in torch, the tests' oracle
 (``tests/test_gpu_kernels.py``), and ``<kernel>_triton`` its launcher. The kernels run under
 ``TRITON_INTERPRET=1`` on the CPU (CI) and compiled on CUDA. Importing this package (hence any
-of its modules) imports the five kernel modules, so every op is registered, once, whichever
+of its modules) imports every kernel module, so every op is registered, once, whichever
 module is imported first.
 """
 
-from . import certify, gumbel_draw, quantize, score, screen, select  # noqa: F401 - registers every vllm_csv_gpu op
+from . import certify, draw_bounds, gumbel_draw, quantize, score, screen, select  # noqa: F401 - registers every op

@@ -31,7 +31,8 @@ from ..errors import CSVError
 from ..head.certificate import is_plain
 from .certify import certify_rows
 from .common import CAP, SUB, available, batch_tile
-from .gumbel_draw import block_bounds, draw_select, gumbel_draw
+from .draw_bounds import block_bounds, draw_select
+from .gumbel_draw import gumbel_draw
 from .quantize import quantize_rows
 from .score import score_blocks
 from .screen import screen_block_max
@@ -157,8 +158,8 @@ class FusedStep:
 
         Six kernels (:mod:`vllm_csv.gpu.gumbel_draw` has the argument): the step's quantize and
         screen; every block's noisy bound from its screen maximum, temperature and largest
-        noise (:func:`~vllm_csv.gpu.gumbel_draw.block_bounds`); the ``cap`` blocks of largest
-        bound as candidates (:func:`~vllm_csv.gpu.gumbel_draw.draw_select`); the step's exact
+        noise (:func:`~vllm_csv.gpu.draw_bounds.block_bounds`); the ``cap`` blocks of largest
+        bound as candidates (:func:`~vllm_csv.gpu.draw_bounds.draw_select`); the step's exact
         scoring of them; the draw's certificate
         (:func:`~vllm_csv.gpu.gumbel_draw.gumbel_draw`).
 

@@ -1,0 +1,270 @@
+"""The first two stages of the certified V2 Gumbel draw on the device (:mod:`.gumbel_draw` has the
+overview and the rule): an upper bound of every block's noisy scores, then the candidate blocks,
+the ones of largest bound. Two custom ops (``torch.ops.vllm_csv_gpu.<op>``, each a Triton kernel
+beside its torch reference ``<op>_ref``, fixed shapes, no host sync):
+
+1. :func:`block_bounds` ``[B, ceil(nb / BPP)]`` programs: for every block ``b`` of ``SUB``
+   tokens, an upper bound of every token's noisy score ``fl32(x_i / T) + g_i`` there:
+   ``qhi(ub_b) + g_hi(min hash)``. ``ub_b`` bounds the block's logits (given, or from the
+   screen's block maximum, :func:`block_upper`'s arithmetic in the kernel); ``qhi`` is V2's
+   temperature bounded as :func:`~vllm_csv.sampling.gumbel_v2.temperature_bounds` does; the
+   noise is the block's largest: ``u`` is non-decreasing in the uint32 hash, ``g(u)`` decreasing
+   in ``u`` and ``g + eps(g)`` increasing in ``g``, so the token with the smallest hash
+   (:func:`~vllm_csv.gumbel_noise.murmur3`, integers only, every token hashed) has the largest
+   noise bound. Written rounded up to fp32, with ``|qhi|`` (the comparison margin needs it).
+2. :func:`draw_select` ``[B]`` programs: the row's candidates, the ``cap`` blocks of largest
+   bound (ties at the last: the first by index), compacted in ascending order as
+   :func:`~vllm_csv.gpu.select.select_blocks` lays them out (what :mod:`.score` scores); the
+   largest bound and ``|qhi|`` of the other blocks; the step's ``ok`` (every row of the batch
+   ``ok``, the overflow check of :func:`vllm_csv.ops.step.threshold_from`). The blocks that can
+   beat the winner are the ones of largest noisy bound, so they are the ones worth scoring
+   (a threshold on the logits alone, as for an argmax, misses a lower block with a large noise).
+
+The hash, noise and temperature replayed here are :mod:`.gumbel_jit`'s.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ..fp import round_up32
+from ..gumbel_noise import murmur3
+from .common import CAP, LIB, SUB, _launch, _tl_dtype, _use_triton, tl, triton
+from .gumbel_draw import BPP
+from .gumbel_jit import _noise_bounds_ref, _q_bounds, _temp_ref
+
+
+def block_upper(bmax: torch.Tensor, hnorm: torch.Tensor, e: torch.Tensor, consts: dict, dtype: torch.dtype):
+    """``[B, nb]`` fp32: an upper bound of the dense model-dtype logit of every token of each block
+    from the screen's block maxima ``bmax`` (:func:`~vllm_csv.gpu.screen.screen_block_max`), the
+    bound :func:`vllm_csv.head.selection.select_two_sided` stands on (a token of screen value
+    ``y`` has ``hi <= y + delta |y| + spread``, ``spread = rad_max ||h|| + act_coef e + tiny +
+    bslack_max``; ``y + delta |y|`` is increasing, so the block maximum bounds the block). In
+    float64, widened by ``2^-20`` relative and ``tiny``, rounded up to fp32, then to the model
+    dtype (rounding is monotone: the dense value, the engine's rounding of a smaller real, is
+    at most this). A NaN ``hnorm`` (a row that is not ``ok``) gives NaN: refused."""
+    c = consts
+    spread = (c["rad_max"] * hnorm.double() + c["act_coef"] * e.double() + c["tiny"] + c["bslack_max"])[:, None]
+    y = bmax.double()
+    ub = y + c["delta"] * y.abs() + spread
+    ub = ub + ub.abs() * 2.0**-20 + c["tiny"]
+    return round_up32(ub).to(dtype).float()
+
+
+# ---- torch references -----------------------------------------------------------------------
+def block_bounds_ref(block_hi, seeds, pos, temp, V: int, hnorm=None, e=None, rad_max: float = 0.0,
+                     act_coef: float = 0.0, tiny: float = 0.0, bslack_max: float = 0.0, delta: float = 0.0,
+                     dtype: torch.dtype = torch.float32):
+    """``(bound [B, nb] fp32, absq [B, nb] fp32)``: each block's noisy bound (module docstring, 1.),
+    ``+inf`` where ``qhi`` is NaN or ``+inf``, and its ``|qhi|`` (0 where not finite).
+
+    Parameters
+    ----------
+    block_hi : torch.Tensor
+        ``[B, nb]`` fp32 (``nb = ceil(V / SUB)``): an upper bound of the logit of every token of
+        each block; with ``hnorm`` given, the screen's block maxima instead, turned into that
+        bound by :func:`block_upper` (``hnorm, e, rad_max, act_coef, tiny, bslack_max, delta,
+        dtype`` are its arguments).
+    seeds, pos : torch.Tensor
+        ``[B]`` int64, each row's request seed and sampling position.
+    temp : torch.Tensor
+        ``[B]`` fp32, the row's temperature (0: greedy).
+    """
+    if hnorm is not None:
+        block_hi = block_upper(block_hi, hnorm, e, dict(rad_max=rad_max, act_coef=act_coef, tiny=tiny,
+                                                        bslack_max=bslack_max, delta=delta), dtype)
+    B, nb = block_hi.shape
+    t_div, greedy, _ = _temp_ref(temp)
+    tok = torch.arange(nb * SUB, device=block_hi.device)
+    r = murmur3(seeds, pos, tok.clamp(max=V - 1))
+    r = torch.where(tok[None] < V, r, 0xFFFFFFFF).view(B, nb, SUB).amin(2)
+    u = (r >> 16).float() * 2.0**-16 + ((r & 0xFFFF).float() + 0.5) * 2.0**-32
+    g_hi = _noise_bounds_ref(u)[1].masked_fill(greedy, 0.0)
+    bh = block_hi.double()
+    q = _q_bounds(bh, bh, t_div, greedy)[1]
+    bound = torch.where(q > -math.inf, q + g_hi, -math.inf)
+    bound = torch.where(torch.isnan(q) | (q == math.inf), math.inf, bound)
+    return round_up32(bound), torch.where(torch.isfinite(q), q.abs(), 0.0).float()
+
+
+def draw_select_ref(bound, absq, bmax, hnorm, e, ok, rad_max: float, act_coef: float, tiny: float,
+                    bslack_max: float, delta: float, limit: float, babs_max: float, cap: int):
+    """``(cand [B, CAP] int32, count [B] int32, out_hi [B] fp32, out_abs [B] fp32, ok [B] int8)``.
+
+    The ``min(cap, nb)`` blocks of largest ``bound`` (ties at the last: the first by index),
+    ascending, ``-1`` past ``count``; the largest ``bound`` and ``absq`` of the others (``-inf``,
+    0 where none); ``ok`` with every row of the batch ``ok`` and the overflow check of
+    :func:`vllm_csv.ops.step.threshold_from` (fp32, its order of operations) on the row's
+    largest screen value."""
+    B, nb = bound.shape
+    n = min(cap, nb, CAP)
+    vcap = bound.topk(n, dim=1).values[:, -1]
+    sel = bound >= vcap[:, None]
+    pos = sel.cumsum(1) - 1
+    keep = sel & (pos < n)
+    count = keep.sum(1).to(torch.int32)
+    cand = torch.full((B, CAP), -1, dtype=torch.int32, device=bound.device)
+    r, c = keep.nonzero(as_tuple=True)
+    cand[r, pos[r, c]] = c.to(torch.int32)
+    out_hi = bound.masked_fill(keep, -math.inf).amax(1)
+    out_abs = absq.masked_fill(keep, 0.0).amax(1)
+    ok = ok.bool()
+    ok = ok & ok.all()
+    spread = rad_max * hnorm + act_coef * e
+    spread = spread + tiny
+    spread = spread + bslack_max
+    y1 = bmax.amax(1)
+    top = y1 + delta * y1.abs()
+    top = top + spread
+    top = top + babs_max
+    ok = ok & (top <= limit)
+    return cand, count, out_hi, out_abs, ok.to(torch.int8)
+
+
+# ---- Triton ---------------------------------------------------------------------------------
+if triton is not None:
+    from .common import _rnd
+    from .gumbel_jit import _hash, _noise_bounds, _prefix, _q_hi, _temp, _uniform
+    from .score import _up32
+
+    @triton.jit
+    def _block_bounds_kernel(block_hi_ptr, seed_ptr, pos_ptr, temp_ptr, bound_ptr, absq_ptr, V, nb,
+                             hn_ptr, e_ptr, rad_max, act_coef, tiny, bslack_max, delta,
+                             FROM_SCREEN: tl.constexpr, DT: tl.constexpr, BPPC: tl.constexpr, SUBC: tl.constexpr):
+        b = tl.program_id(0).to(tl.int64)
+        blk = tl.program_id(1) * BPPC + tl.arange(0, BPPC)
+        tok = blk[:, None].to(tl.int64) * SUBC + tl.arange(0, SUBC)[None, :]
+        r = _hash(_prefix(tl.load(seed_ptr + b), tl.load(pos_ptr + b)), tok)
+        r = tl.where(tok < V, r, 0xFFFFFFFF)
+        rmin = tl.min(r, 1)  # [BPPC]: the block's largest noise is this token's
+        t, greedy, t_ok = _temp(temp_ptr, b)
+        _, g_hi = _noise_bounds(_uniform(rmin))
+        g_hi = tl.where(greedy, 0.0, g_hi)
+        m = blk < nb
+        bh = tl.load(block_hi_ptr + b * nb + blk, mask=m, other=float("-inf"))
+        if FROM_SCREEN:  # block_upper, operation for operation (float64, fp32 up, the dtype)
+            spread = rad_max * tl.load(hn_ptr + b).to(tl.float64) + act_coef * tl.load(e_ptr + b).to(tl.float64)
+            spread = spread + tiny
+            spread = spread + bslack_max
+            y = bh.to(tl.float64)
+            ub = y + delta * tl.abs(y)
+            ub = ub + spread
+            ub = ub + tl.abs(ub) * 9.5367431640625e-07
+            ub = ub + tiny
+            bh = _rnd(_up32(ub), DT)
+        q = _q_hi(bh, t, greedy)
+        bound = tl.where(q > float("-inf"), q + g_hi, float("-inf"))
+        bound = tl.where((q != q) | (q == float("inf")), float("inf"), bound)
+        absq = tl.where(tl.abs(q) < float("inf"), tl.abs(q), 0.0)
+        tl.store(bound_ptr + b * nb + blk, _up32(bound), mask=m)
+        tl.store(absq_ptr + b * nb + blk, absq.to(tl.float32), mask=m)
+
+    @triton.jit
+    def _draw_select_kernel(bound_ptr, absq_ptr, bmax_ptr, hn_ptr, e_ptr, ok_ptr, cand_ptr, count_ptr, ohi_ptr,
+                            oabs_ptr, okout_ptr, B, nb, n, rad_max, act_coef, tiny, bslack_max, delta, limit,
+                            babs_max, NB: tl.constexpr, BBATCH: tl.constexpr, CAPC: tl.constexpr):
+        b = tl.program_id(0).to(tl.int64)
+        idx = tl.arange(0, NB)
+        inb = idx < nb
+        x = tl.load(bound_ptr + b * nb + idx, mask=inb, other=float("-inf"))
+        work = x
+        vcap = tl.max(x, 0)
+        for j in tl.static_range(CAPC):  # the n-th largest, with multiplicity: drop one maximum a round
+            mx = tl.max(work, 0)
+            vcap = tl.where(j == n - 1, mx, vcap)
+            first = tl.argmax(work, 0)
+            work = tl.where(idx == first, float("-inf"), work)
+        sel = (x >= vcap) & inb
+        si = tl.where(sel, 1, 0)
+        pos = tl.cumsum(si, 0) - 1
+        keep = sel & (pos < n)
+        slots = tl.arange(0, CAPC)
+        tl.store(cand_ptr + b * CAPC + slots, tl.full([CAPC], -1, tl.int32))
+        tl.debug_barrier()
+        tl.store(cand_ptr + b * CAPC + pos, idx.to(tl.int32), mask=keep)
+        tl.store(count_ptr + b, tl.sum(tl.where(keep, 1, 0), 0))
+        tl.store(ohi_ptr + b, tl.max(tl.where(keep, float("-inf"), x), 0))
+        aq = tl.load(absq_ptr + b * nb + idx, mask=inb, other=0.0)
+        tl.store(oabs_ptr + b, tl.max(tl.where(keep, 0.0, aq), 0))
+        # ok: select_blocks' (every row of the batch, then threshold_from's overflow check, fp32)
+        rows = tl.arange(0, BBATCH)
+        all_ok = tl.min(tl.load(ok_ptr + rows, mask=rows < B, other=1).to(tl.int32), 0)
+        ok = (tl.load(ok_ptr + b).to(tl.int32) != 0) & (all_ok != 0)
+        y1 = tl.max(tl.load(bmax_ptr + b * nb + idx, mask=inb, other=float("-inf")), 0)
+        spread = rad_max * tl.load(hn_ptr + b) + act_coef * tl.load(e_ptr + b)
+        spread = spread + tiny
+        spread = spread + bslack_max
+        top = y1 + delta * tl.abs(y1)
+        top = top + spread
+        top = top + babs_max
+        ok = ok & (top <= limit)
+        tl.store(okout_ptr + b, ok.to(tl.int8))
+
+
+def block_bounds_triton(block_hi, seeds, pos, temp, V: int, hnorm=None, e=None, rad_max: float = 0.0,
+                        act_coef: float = 0.0, tiny: float = 0.0, bslack_max: float = 0.0, delta: float = 0.0,
+                        dtype: torch.dtype = torch.float32):
+    B, nb = block_hi.shape
+    bound = torch.empty((B, nb), dtype=torch.float32, device=block_hi.device)
+    absq = torch.empty((B, nb), dtype=torch.float32, device=block_hi.device)
+    if B:
+        screen = hnorm is not None
+        temp = temp.float().contiguous()
+        _block_bounds_kernel[(B, triton.cdiv(nb, BPP))](
+            block_hi.float().contiguous(), seeds.long().contiguous(), pos.long().contiguous(), temp, bound, absq,
+            V, nb, hnorm if screen else temp, e if screen else temp, rad_max, act_coef, tiny, bslack_max, delta,
+            FROM_SCREEN=screen, DT=_tl_dtype(dtype), BPPC=BPP, SUBC=SUB, **_launch())
+    return bound, absq
+
+
+def draw_select_triton(bound, absq, bmax, hnorm, e, ok, rad_max: float, act_coef: float, tiny: float,
+                       bslack_max: float, delta: float, limit: float, babs_max: float, cap: int):
+    B, nb = bound.shape
+    dev = bound.device
+    cand = torch.empty((B, CAP), dtype=torch.int32, device=dev)
+    count = torch.empty(B, dtype=torch.int32, device=dev)
+    out_hi = torch.empty(B, dtype=torch.float32, device=dev)
+    out_abs = torch.empty(B, dtype=torch.float32, device=dev)
+    okout = torch.empty(B, dtype=torch.int8, device=dev)
+    if B:
+        _draw_select_kernel[(B,)](bound, absq, bmax, hnorm, e, ok, cand, count, out_hi, out_abs, okout, B, nb,
+                                  min(cap, nb, CAP), rad_max, act_coef, tiny, bslack_max, delta, limit, babs_max,
+                                  NB=triton.next_power_of_2(nb), BBATCH=max(64, triton.next_power_of_2(B)),
+                                  CAPC=CAP, **_launch())
+    return cand, count, out_hi, out_abs, okout
+
+
+# ---- custom ops -----------------------------------------------------------------------------
+@torch.library.custom_op(f"{LIB}::block_bounds", mutates_args=())
+def block_bounds(block_hi: torch.Tensor, seeds: torch.Tensor, pos: torch.Tensor, temp: torch.Tensor, V: int,
+                 hnorm: torch.Tensor | None = None, e: torch.Tensor | None = None, rad_max: float = 0.0,
+                 act_coef: float = 0.0, tiny: float = 0.0, bslack_max: float = 0.0, delta: float = 0.0,
+                 dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every block's noisy bound (:func:`block_bounds_ref`)."""
+    args = (block_hi, seeds, pos, temp, V, hnorm, e, rad_max, act_coef, tiny, bslack_max, delta, dtype)
+    return (block_bounds_triton if _use_triton(block_hi) else block_bounds_ref)(*args)
+
+
+@block_bounds.register_fake
+def _(block_hi, *args):
+    return block_hi.new_empty(block_hi.shape, dtype=torch.float32), block_hi.new_empty(block_hi.shape,
+                                                                                      dtype=torch.float32)
+
+
+@torch.library.custom_op(f"{LIB}::draw_select", mutates_args=())
+def draw_select(bound: torch.Tensor, absq: torch.Tensor, bmax: torch.Tensor, hnorm: torch.Tensor, e: torch.Tensor,
+                ok: torch.Tensor, rad_max: float, act_coef: float, tiny: float, bslack_max: float, delta: float,
+                limit: float, babs_max: float, cap: int
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The draw's candidate blocks (:func:`draw_select_ref`)."""
+    args = (bound, absq, bmax, hnorm, e, ok, rad_max, act_coef, tiny, bslack_max, delta, limit, babs_max, cap)
+    return (draw_select_triton if _use_triton(bound) else draw_select_ref)(*args)
+
+
+@draw_select.register_fake
+def _(bound, *args):
+    B = bound.shape[0]
+    return (bound.new_empty((B, CAP), dtype=torch.int32), bound.new_empty(B, dtype=torch.int32),
+            bound.new_empty(B), bound.new_empty(B), bound.new_empty(B, dtype=torch.int8))
