@@ -33,11 +33,11 @@ def test_fakes_trace_the_kernels_shapes(B, V, d):
     """The fakes give the kernels' shapes and dtypes, on real and odd shapes."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from vllm_csv.ops import masks, step, topk
+    from vllm_csv.ops import masks, rows, topk
 
     h = torch.randn(B, d, dtype=torch.bfloat16)
     y = torch.randn(B, V)
-    real = (step.prepare_rows(h, True), step.quantize_act7(h.float(), 2.0**-10, 1.0), step.abs_max_rows(y),
+    real = (rows.prepare_rows(h, True), rows.quantize_act7(h.float(), 2.0**-10, 1.0), rows.abs_max_rows(y),
             topk.row_topk(y, 5), masks.min_p_cut(y, y, y[:, 0], y[:, 0]))
     K = torch.ops.vllm_csv_cpu
     with FakeTensorMode(allow_non_fake_inputs=True):

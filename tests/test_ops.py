@@ -125,3 +125,37 @@ def test_flat_nonzero_equals_torch(shape):
     if kernels_available() and r.numel():
         with pytest.raises(RuntimeError, match="bool"):
             torch.ops.vllm_csv_cpu.flat_nonzero(r)
+
+
+def test_mask_ops_bound_once_are_the_per_call_ops(monkeypatch):
+    """The masks' passes bound once for a device (ops.masks.mask_ops, what a HeadAdapter holds)
+    give the per-call ops' outputs bit for bit, and, bound to the kernels, never ask the build
+    again (issue 43: backends bound once)."""
+    from vllm_csv.ops import bools, build, masks, noise, topk
+
+    g = torch.Generator().manual_seed(5)
+    lo = torch.randn(3, 300, generator=g)
+    hi = lo + torch.rand(3, 300, generator=g)
+    hi[1, :7] = lo[1, :7] = -float("inf")
+    at = torch.randn(3, generator=g)
+    c = hi.amax(1, keepdim=True)
+    el, eh = torch.exp(lo.double() - c.double()), torch.exp(hi.double() - c.double())
+    qrow, qcol = torch.tensor([0, 1, 2, 2]), torch.tensor([0, 9, 5, 299])
+    ih = torch.tensor([[0, 1], [2, 3], [4, 5]])
+    calls = {
+        "min_p_cut": (lo, hi, at, at - 1), "top_k_cut": (lo, hi, at, at - 1, at - 2),
+        "top_p_sums": (lo, hi, el, eh, qrow, qcol), "unlisted_masses": (lo, hi, c, ih),
+        "row_topk": (hi, 5), "flat_nonzero": (hi > 0.5,), "row_stats": (lo, hi, 3),
+    }
+    want = {name: getattr(masks.PER_CALL, name)(*args) for name, args in calls.items()}
+    bound = masks.mask_ops(lo)
+    assert (bound.row_topk is masks.row_topk_cpu) == build.kernels_available()
+    if build.kernels_available():  # (bound: the build is not asked again)
+        for module in (build, masks, topk, bools, noise):
+            for name in ("load_ops", "uses_kernels", "cpu_supports"):
+                if hasattr(module, name):
+                    monkeypatch.setattr(module, name, lambda *a: pytest.fail("the build was asked"))
+    for name, args in calls.items():
+        got = getattr(bound, name)(*args)
+        for x, y in zip(torch.utils._pytree.tree_leaves(got), torch.utils._pytree.tree_leaves(want[name])):
+            assert x.dtype == y.dtype and torch.equal(x, y), name

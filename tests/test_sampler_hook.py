@@ -137,7 +137,7 @@ def test_top_k_rows_fail_if_top_k_is_ignored(monkeypatch):
     from vllm_csv.sampling.nucleus import chain
 
     for module in (chain, top_k_rows):  # the rounds' masks, and the top-k rows' fast path
-        monkeypatch.setattr(module, "top_k_bounds", lambda lo, hi, k: (lo, hi))
+        monkeypatch.setattr(module, "top_k_bounds", lambda lo, hi, k, ops=None: (lo, hi))
     with pytest.raises(AssertionError):
         test_hooked_sampler_equals_dense_sampler("top_k", 0.8)
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from vllm_csv.ops import build
-from vllm_csv.ops.masks import top_p_sums, top_p_sums_ref, unlisted_masses, unlisted_masses_ref
+from vllm_csv.ops.masks import PER_CALL, top_p_sums, top_p_sums_ref, unlisted_masses, unlisted_masses_ref
 from vllm_csv.sampling.nucleus import min_p as min_p_mask, top_k as top_k_mask, top_p as top_p_mask
 from vllm_csv.sampling.nucleus import top_p_queries as queries
 from vllm_csv.sampling.nucleus.min_p import min_p_bounds
@@ -234,7 +234,7 @@ def test_top_k_then_top_p_decisions_are_sound():
 def test_a_top_k_cut_that_counts_the_token_itself_is_caught(monkeypatch):
     """Broken bound: every token kept at ``H_(k+1)`` (right only for the tokens among the first
     ``k`` upper bounds): on exact values the (k+1)-th token is then kept, wrongly unless tied."""
-    def broken(lo, hi, k, kmax):
+    def broken(lo, hi, k, kmax, row_topk=None):
         h = hi.topk(kmax + 1, dim=1).values
         hk1 = h.gather(1, k)[:, 0]
         return hk1, hk1, lo.topk(kmax, dim=1).values.gather(1, k - 1)[:, 0]
@@ -384,8 +384,7 @@ def test_top_p_queries_decide_as_the_full_computation(width, monkeypatch):
     k0, d0 = decisions(*top_p_bounds(lo, hi, p), y)
     for listed, sums in ((2048, top_p_sums), (8, top_p_sums), (8, top_p_sums_ref)):
         monkeypatch.setattr(queries, "QUERY_LIST", listed)
-        monkeypatch.setattr(queries, "top_p_sums", sums)
-        k, d = decisions(*TopPQueries(lo, hi, p).bounds(only, only), y)
+        k, d = decisions(*TopPQueries(lo, hi, p, PER_CALL._replace(top_p_sums=sums)).bounds(only, only), y)
         assert torch.equal(k & only, k0 & only) and torch.equal(d & only, d0 & only)
         assert not (k & ~k0).any() and not (d & ~d0).any()
     assert (k0 & only).any() and (d0 & only).any()
@@ -430,14 +429,14 @@ def test_whole_row_top_p_sums_are_sound(variant, monkeypatch):
 
     monkeypatch.setattr(queries, "QUERY_LIST", 4)
     monkeypatch.setattr(top_p_mask, "TAIL_SCAN", 0)
-    monkeypatch.setattr(queries, "top_p_sums", {"kernel": top_p_sums, "reference": top_p_sums_ref}.get(variant, broken))
+    ops = PER_CALL._replace(top_p_sums={"kernel": top_p_sums, "reference": top_p_sums_ref}.get(variant, broken))
     wrong = 0
     for seed in range(4):
         y, lo, hi, g = _tied_rows(40 + seed)
         p = torch.rand(y.shape[0], generator=g) * 0.9 + 0.05
         kept = torch.isfinite(apply_top_k_top_p_pytorch(y.clone(), None, p))
         only = torch.isfinite(y) & (torch.rand(y.shape, generator=g) < 0.1)  # (within QUERY_MAX)
-        k, d = decisions(*TopPQueries(lo, hi, p).bounds(only, only), y)
+        k, d = decisions(*TopPQueries(lo, hi, p, ops).bounds(only, only), y)
         wrong += int((k & ~kept).sum() + (d & kept).sum())
         if variant in ("kernel", "reference", "no_own_mass"):
             k0, d0 = decisions(*top_p_bounds(lo, hi, p), y)
@@ -533,12 +532,12 @@ def test_unlisted_masses_bound_the_exact_sums(variant, monkeypatch):
 
     variants = {"kernel": unlisted_masses, "reference": unlisted_masses_ref,
                 "lower_too_high": off(+1, 0), "upper_too_low": off(0, -1)}
-    monkeypatch.setattr(queries, "unlisted_masses", variants[variant])
+    ops = PER_CALL._replace(unlisted_masses=variants[variant])
     caught = 0
     for y, g in (rows(41), peaked_rows(42)):
         p = torch.full((y.shape[0],), 0.9)
         lo = y - torch.rand(y.shape, generator=g) * 0.3
-        q = TopPQueries(lo, y, p)
+        q = TopPQueries(lo, y, p, ops)
         r = q.rows
         lo_r, hi_r = lo[r].double(), y[r].double()
         keep = ~q.is_listed

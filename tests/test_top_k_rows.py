@@ -262,7 +262,7 @@ def test_min_p_then_top_k_rows_draw_as_vllm(dtype, screen, bias, softcap, scale,
     bad, cert = run(head, h, T, k, seeds, batch=4, min_p=mp)
     assert bad == 0
     assert cert > 0.7 * B and spy.fast > 0.6 * B, (cert, spy.fast, spy.rounds)
-    monkeypatch.setattr(top_k_rows, "min_p_bounds", lambda lo, hi, min_p: (lo, hi))
+    monkeypatch.setattr(top_k_rows, "min_p_bounds", lambda lo, hi, min_p, ops=None: (lo, hi))
     bad, _ = run(head, h, T, k, seeds, batch=4, min_p=mp)
     assert bad > 0
 
@@ -286,8 +286,8 @@ def test_min_p_rows_without_top_k_draw_as_vllm(dtype, screen, bias, softcap, sca
         assert spy.tried == B and cert > 0.7 * B and spy.fast > 0.4 * B, (cert, spy.fast, spy.rounds)
     real = top_k_rows.min_p_bounds
 
-    def careless(lo, hi, min_p):
-        lo, hi = real(lo, hi, min_p)
+    def careless(lo, hi, min_p, ops=None):
+        lo, hi = real(lo, hi, min_p, ops=ops)
         return lo, hi.index_fill(1, torch.tensor([hi.shape[1] - 1]), -math.inf)  # the others "dropped"
     monkeypatch.setattr(top_k_rows, "min_p_bounds", careless)
     bad, _ = run(head, h, T, k, seeds, batch=4, min_p=mp)

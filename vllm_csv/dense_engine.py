@@ -49,7 +49,7 @@ def flush_slack(d: int) -> float:
     Every interval of the head carries it (:attr:`ErrorModel.tiny`, ``tiny32``, :mod:`vllm_csv.head.error_model`), so one
     certificate holds for IEEE and FTZ engines alike; it is far below any logit a model makes
     (``2^-112`` at ``d = 4096``). Inputs that such an engine reads as zero (DAZ: subnormal
-    entries of ``h``, ``W`` or ``b``) are refused instead (``ops.step.prepare_rows``, the
+    entries of ``h``, ``W`` or ``b``) are refused instead (``ops.rows.prepare_rows``, the
     head's ``certifiable``)."""
     return 2.0 * (2 * d + 4) * 2.0**-126
 

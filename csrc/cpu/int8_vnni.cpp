@@ -38,7 +38,7 @@
 
 // Bytes ahead of the weight stream that the screens' kernels prefetch (prefetcht0, one line per
 // line read; a prefetch past the weight's end is a hint and never faults): CSV_PREFETCH
-// (vllm_csv.ops.cpu_step) on Intel CPUs, where it measured 5-30% faster than the hardware
+// (vllm_csv.ops.build.PREFETCH) on Intel CPUs, where it measured 5-30% faster than the hardware
 // prefetcher alone, nothing elsewhere (on AMD EPYC software prefetches measured 15% slower); the
 // measurements: benchmarks/README.md, "Software prefetch in the screens' kernels".
 std::atomic<int64_t>& prefetch_bytes() {
@@ -61,8 +61,8 @@ int64_t set_prefetch_ahead(int64_t bytes) {
 namespace {
 
 constexpr int64_t TILE = 16;          // rows a tile (int32 lanes of a zmm)
-constexpr int64_t GROUP = CSV_GROUP;  // k a group (bytes vpdpbusd sums into one lane): vllm_csv.ops.cpu_step
-constexpr int64_t PANEL = CSV_PANEL;  // rows a panel (two tiles, interleaved by group): vllm_csv.ops.cpu_step
+constexpr int64_t GROUP = CSV_GROUP;  // k a group (bytes vpdpbusd sums into one lane): vllm_csv.ops.build
+constexpr int64_t PANEL = CSV_PANEL;  // rows a panel (two tiles, interleaved by group): vllm_csv.ops.build
 constexpr int64_t BT = 8;             // batch rows a pass keeps in registers
 static_assert(GROUP == 4 && PANEL == 2 * TILE, "the layout vpdpbusd and the two-tile panel loop need");
 

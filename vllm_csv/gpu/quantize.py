@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 
 from ..dense_engine import ACC_LIMIT, DenseEngine
-from ..ops.step import has_subnormal
+from ..ops.rows import has_subnormal
 from .common import LIB, _launch, _pick, _raw, tl, triton
 
 
@@ -65,7 +65,7 @@ if triton is not None:
             m = k0 + cols < d
             x = _widen(tl.load(h_ptr + b * d + k0 + cols, mask=k0 + cols < dl, other=0), BF16)
             bad += (x != x).to(tl.int32) + (tl.abs(x) == float("inf")).to(tl.int32)
-            bad += ((x != 0) & (tl.abs(x) < 1.1754943508222875e-38)).to(tl.int32)  # (ops.step.has_subnormal)
+            bad += ((x != 0) & (tl.abs(x) < 1.1754943508222875e-38)).to(tl.int32)  # (ops.rows.has_subnormal)
             amax = tl.maximum(amax, tl.abs(x))
             x64 = x.to(tl.float64)
             ss += x64 * x64

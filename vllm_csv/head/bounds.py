@@ -72,7 +72,7 @@ def intervals(screen, errors: ErrorModel, engine: DenseEngine, backend: Backend,
     c = ymax * delta + errors.tiny
     ok &= (ymax + c + rad_max * hnorm + bmax + errors.babs_max) <= engine.limit
     # m = (c + bslack) + rad ||h|| + n (1 + delta) e, hi = y + m, lo = y - m over y: one pass on
-    # the CPU (ops.step.interval_rows); no bias slack (bmax 0): bslack is all zeros, c + 0 is c
+    # the CPU (ops.rows.interval_rows); no bias slack (bmax 0): bslack is all zeros, c + 0 is c
     nn = None if out.n is None else out.n * (1 + delta)
     hi = backend.interval_rows(y, c, rad, hnorm, bslack if bmax else None, nn,
                                None if out.n is None else out.e, out.two_sided)

@@ -29,7 +29,7 @@ from ..cpu_malloc import tune_malloc
 from ..dense_engine import DenseEngine, fp32_matmul_is_ieee, probe_engine
 from ..errors import CSVError
 from ..off_switch import OffSwitch
-from ..ops import step as cpu_ops
+from ..ops.rows import has_subnormal
 from ..screens import make_screen
 from . import bounds, certificate, runtime, selection
 from .backend import backend_for
@@ -107,7 +107,7 @@ class CertifiedHead:
         # Subnormal weights or bias: an engine that reads them as zero (DAZ) computes another head.
         self.certifiable = bool(torch.isfinite(self.weight).all()) and self.engine.ok and (
             self.bias is None or bool(torch.isfinite(self.bias).all())) and not bool(
-            cpu_ops.has_subnormal(self.weight)) and (self.bias is None or not bool(cpu_ops.has_subnormal(self.bias)))
+            has_subnormal(self.weight)) and (self.bias is None or not bool(has_subnormal(self.bias)))
         self.screen = make_screen(self.config.screen, self.weight, self.bias, index, two_sided)  # (ball's form)
         # screens that can leave a per-row power-of-two scale to the selection (one [B, V] pass less)
         self.defer_row_scale = bool(getattr(self.screen, "defers_row_scale", False))

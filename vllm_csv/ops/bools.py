@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from .build import fake, load_ops, uses_kernels
+from .build import fake, uses_kernels
 
 
 def _fast(x: torch.Tensor, dim: int | None) -> bool:
@@ -47,7 +47,15 @@ def flat_nonzero(x: torch.Tensor) -> torch.Tensor:
     """Same as :func:`flat_nonzero_ref`; two passes of 8 bytes at a time on the CPU where the
     kernel is built."""
     if x.dtype == torch.bool and uses_kernels(x):
-        return load_ops().flat_nonzero(x)
+        return flat_nonzero_cpu(x)
+    return flat_nonzero_ref(x)
+
+
+def flat_nonzero_cpu(x: torch.Tensor) -> torch.Tensor:
+    """:func:`flat_nonzero` on the kernels, the build not asked again (for what binds its passes
+    once: :class:`vllm_csv.ops.masks.MaskOps`); a mask that is not bool takes the reference."""
+    if x.dtype == torch.bool:
+        return torch.ops.vllm_csv_cpu.flat_nonzero(x)
     return flat_nonzero_ref(x)
 
 

@@ -53,7 +53,7 @@ BLOCK = 256  # tokens a block: the candidate search reads y once, as block maxim
 PANEL, GROUP = 32, 4  # the VNNI GEMM's weight panel: rows (two zmm tiles of int32 lanes), k a vpdpbusd lane sums
 PREFETCH = 4096  # bytes ahead of the weight stream the screens' GEMMs prefetch on Intel CPUs (none
 # elsewhere: csrc/cpu/int8_vnni.cpp, prefetch_ahead; measured: benchmarks/README.md, "Software prefetch")
-K_MIN = -143  # rows with max|h| < 2^K_MIN are not quantised (t / 64 would not be an fp32; ops.step.quantize_act7)
+K_MIN = -143  # rows with max|h| < 2^K_MIN are not quantised (t / 64 would not be an fp32; ops.rows.quantize_act7)
 
 ENV = "VLLM_CSV_CPU_KERNELS"  # "0": always the torch reference
 BUILD_WAIT_ENV, BUILD_WAIT_S = "VLLM_CSV_CPU_BUILD_WAIT_S", 600.0  # longest wait for another process's
@@ -63,7 +63,8 @@ ISA_ENV = "VLLM_CSV_CPU_ISA"  # auto | avx512 | avx2: the widest vector ISA the 
 ISA_CAPS = {1: "avx2", 2: "avx512", 3: "auto"}  # the kernels' cpu_isa_cap() -> its name
 
 KERNELS = {  # csrc/cpu/<source>: the module of its ops, each beside its torch reference (in build order)
-    "csv_cpu.cpp": "vllm_csv.ops.step",  # the certified step's small passes
+    "csv_cpu.cpp": "vllm_csv.ops.step",  # the certified step's search, exact scores and certificate
+    "rows_cpu.cpp": "vllm_csv.ops.rows",  # the certified step's per-row passes (norms, intervals, quantisation)
     "int8_vnni.cpp": "vllm_csv.ops.int8_vnni",  # the int8 screen's GEMM (VNNI, AMX)
     "gumbel_cpu.cpp": "vllm_csv.ops.noise",  # the draw certificate's pass over the vocabulary
     "int4_vnni.cpp": "vllm_csv.ops.int4_vnni",  # the int4 screen's GEMM

@@ -94,7 +94,7 @@ class Int8Linear:
 
     def linear(self, x: torch.Tensor) -> torch.Tensor:
         """The GEMM on an input already laid out as :meth:`__call__` lays it out, ``[B, d + 2]``
-        fp32 (:func:`act7_layout`; :func:`vllm_csv.ops.step.quantize_act7` builds it in one pass)."""
+        fp32 (:func:`act7_layout`; :func:`vllm_csv.ops.rows.quantize_act7` builds it in one pass)."""
         raise NotImplementedError
 
 

@@ -1,6 +1,6 @@
 """The int4 screen's GEMM with AVX512-VNNI (``csrc/cpu/int4_vnni.cpp``), beside its torch reference.
 
-For ``x = [c p_b, -64 c, 63 c]`` (:func:`vllm_csv.ops.step.quantize_act7`'s layout: ``p_b``
+For ``x = [c p_b, -64 c, 63 c]`` (:func:`vllm_csv.ops.rows.quantize_act7`'s layout: ``p_b``
 integers in ``[-64, 63]``, ``c`` a power of two), int4 weights ``q`` in ``[-7, 7]`` and fp16
 scales ``s`` per group of :data:`GROUP` columns, both return, bit for bit,
 

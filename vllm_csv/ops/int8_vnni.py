@@ -1,7 +1,7 @@
 """The int8 screen's GEMM with AVX512-VNNI (``csrc/cpu/int8_vnni.cpp``), beside its torch reference.
 
 Same numbers as :class:`vllm_csv.ops.fbgemm.PackedInt8Linear`, bit for bit, for the same input
-layout ``x = [c p_b, -64 c, 63 c]`` (:func:`vllm_csv.ops.step.quantize_act7`):
+layout ``x = [c p_b, -64 c, 63 c]`` (:func:`vllm_csv.ops.rows.quantize_act7`):
 
     y[b, i] = fl(fl(<p_b, q_i>) * fl(c s_i))
 

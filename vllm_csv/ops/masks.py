@@ -7,15 +7,27 @@ the decisions and their proofs are :func:`vllm_csv.sampling.nucleus.min_p.min_p_
 Why fused: the reference is two comparisons and two ``where`` over ``[R, V]``; torch's ``where``
 and ``masked_fill`` on bool masks run a scalar loop on the CPU (about 0.7 ms each for 8 rows of
 65536 tokens on 2 cores, where one vectorised pass takes 30 us).
+
+Each op ``X`` asks per call whether the kernels run on its tensors and takes ``X_cpu`` (the kernel
+path alone) or ``X_ref``. :class:`MaskOps` binds them once for one device, with the other passes
+the masks and the sampler's rounds run over bounds (:func:`~vllm_csv.ops.topk.row_topk`,
+:func:`~vllm_csv.ops.bools.flat_nonzero`, :func:`~vllm_csv.ops.noise.row_stats`): a sampler's view
+of a head (:class:`vllm_csv.sampling.head_adapter.HeadAdapter`) builds it with the head
+(:func:`mask_ops`); :data:`PER_CALL` asks each call, for callers with no binding.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 
-from .build import cpu_supports, fake, load_ops, uses_kernels
+from .bools import flat_nonzero, flat_nonzero_cpu, flat_nonzero_ref
+from .build import cpu_supports, fake, uses_kernels
+from .noise import RowStats, row_stats, row_stats_cpu, row_stats_ref
+from .topk import TopK, row_topk, row_topk_cpu, row_topk_ref
 
 SUMS_CHUNK = 1 << 22  # top_p_sums_ref: elements of a chunk's [queries, n] temporaries
 
@@ -46,8 +58,14 @@ def min_p_cut(lo: torch.Tensor, hi: torch.Tensor, keep_at: torch.Tensor,
               drop_at: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Same as :func:`min_p_cut_ref`; one pass on the CPU where the kernel is built."""
     if uses_kernels(lo):
-        return load_ops().min_p_cut(lo, hi, keep_at, drop_at)
+        return min_p_cut_cpu(lo, hi, keep_at, drop_at)
     return min_p_cut_ref(lo, hi, keep_at, drop_at)
+
+
+def min_p_cut_cpu(lo: torch.Tensor, hi: torch.Tensor, keep_at: torch.Tensor,
+                  drop_at: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`min_p_cut` on the kernels (the build not asked again: :class:`MaskOps`)."""
+    return torch.ops.vllm_csv_cpu.min_p_cut(lo, hi, keep_at, drop_at)
 
 
 def top_k_cut_ref(lo: torch.Tensor, hi: torch.Tensor, hk: torch.Tensor, hk1: torch.Tensor,
@@ -80,8 +98,14 @@ def top_k_cut(lo: torch.Tensor, hi: torch.Tensor, hk: torch.Tensor, hk1: torch.T
     ``where``, comparisons and two ``masked_fill`` took about 4 ms for 8 rows of 65536 tokens on 2
     cores)."""
     if uses_kernels(lo):
-        return load_ops().top_k_cut(lo, hi, hk, hk1, lk)
+        return top_k_cut_cpu(lo, hi, hk, hk1, lk)
     return top_k_cut_ref(lo, hi, hk, hk1, lk)
+
+
+def top_k_cut_cpu(lo: torch.Tensor, hi: torch.Tensor, hk: torch.Tensor, hk1: torch.Tensor,
+                  lk: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`top_k_cut` on the kernels (the build not asked again: :class:`MaskOps`)."""
+    return torch.ops.vllm_csv_cpu.top_k_cut(lo, hi, hk, hk1, lk)
 
 
 def top_p_sums_ref(lo: torch.Tensor, hi: torch.Tensor, el: torch.Tensor, eh: torch.Tensor,
@@ -126,8 +150,14 @@ def top_p_sums(lo: torch.Tensor, hi: torch.Tensor, el: torch.Tensor, eh: torch.T
     """Same as :func:`top_p_sums_ref` (the float64 sums in another order); one pass over the row
     per query on the CPU where the kernel is built."""
     if uses_kernels(lo):
-        return load_ops().top_p_sums(lo, hi, el, eh, qrow, qcol)
+        return top_p_sums_cpu(lo, hi, el, eh, qrow, qcol)
     return top_p_sums_ref(lo, hi, el, eh, qrow, qcol)
+
+
+def top_p_sums_cpu(lo: torch.Tensor, hi: torch.Tensor, el: torch.Tensor, eh: torch.Tensor,
+                   qrow: torch.Tensor, qcol: torch.Tensor) -> torch.Tensor:
+    """:func:`top_p_sums` on the kernels (the build not asked again: :class:`MaskOps`)."""
+    return torch.ops.vllm_csv_cpu.top_p_sums(lo, hi, el, eh, qrow, qcol)
 
 
 def unlisted_masses_ref(lo: torch.Tensor, hi: torch.Tensor, c: torch.Tensor, ih: torch.Tensor) -> torch.Tensor:
@@ -163,8 +193,48 @@ def unlisted_masses(lo: torch.Tensor, hi: torch.Tensor, c: torch.Tensor, ih: tor
     runs (AVX-512, and libtorch exports ``Sleef_expf16_u10``), the reference elsewhere."""
     # (the op answers from what it found once, at its first call)
     if uses_kernels(lo) and cpu_supports("sleef_expf16"):
-        return load_ops().unlisted_masses(lo, hi, c, ih)
+        return unlisted_masses_cpu(lo, hi, c, ih)
     return unlisted_masses_ref(lo, hi, c, ih)
+
+
+def unlisted_masses_cpu(lo: torch.Tensor, hi: torch.Tensor, c: torch.Tensor, ih: torch.Tensor) -> torch.Tensor:
+    """:func:`unlisted_masses` on the kernels, where the CPU runs them (``cpu_supports("sleef_expf16")``,
+    asked once by :func:`mask_ops`; the build not asked again)."""
+    return torch.ops.vllm_csv_cpu.unlisted_masses(lo, hi, c, ih)
+
+
+# ---- the passes bound once --------------------------------------------------------------------
+class MaskOps(NamedTuple):
+    """The passes vLLM's masks on bounds (:mod:`vllm_csv.sampling.nucleus`) and the sampler's
+    rounds (:mod:`vllm_csv.sampling.rounds`) run over a row's bounds, bound once for the tensors of
+    one device: the kernel paths (``*_cpu``) where the CPU kernels run on them, else the torch
+    references. A sampler's view of a head (:class:`vllm_csv.sampling.head_adapter.HeadAdapter`)
+    binds them when it is built (:func:`mask_ops`); :data:`PER_CALL` asks each call, for callers
+    with no binding."""
+
+    min_p_cut: Callable[..., tuple[torch.Tensor, torch.Tensor]]
+    top_k_cut: Callable[..., tuple[torch.Tensor, torch.Tensor]]
+    top_p_sums: Callable[..., torch.Tensor]
+    unlisted_masses: Callable[..., torch.Tensor]
+    row_topk: Callable[..., TopK]
+    flat_nonzero: Callable[..., torch.Tensor]
+    row_stats: Callable[..., RowStats]
+
+
+def mask_ops(like: torch.Tensor) -> MaskOps:
+    """The :class:`MaskOps` for bounds on ``like``'s device (the kernels if they are built and run
+    there: :func:`~vllm_csv.ops.build.uses_kernels`; :func:`unlisted_masses`' where the CPU also
+    runs SLEEF's exp)."""
+    if uses_kernels(like):
+        unlisted = unlisted_masses_cpu if cpu_supports("sleef_expf16") else unlisted_masses_ref
+        return MaskOps(min_p_cut_cpu, top_k_cut_cpu, top_p_sums_cpu, unlisted, row_topk_cpu, flat_nonzero_cpu,
+                       row_stats_cpu)
+    return MaskOps(min_p_cut_ref, top_k_cut_ref, top_p_sums_ref, unlisted_masses_ref, row_topk_ref, flat_nonzero_ref,
+                   row_stats_ref)
+
+
+PER_CALL = MaskOps(min_p_cut, top_k_cut, top_p_sums, unlisted_masses, row_topk, flat_nonzero, row_stats)  # each
+# call picks kernel or reference
 
 
 # ---- fake implementations (shapes only: tracing, torch.compile) -------------------------------

@@ -13,7 +13,7 @@ from typing import NamedTuple
 
 import torch
 
-from .build import fake, load_ops, uses_kernels
+from .build import fake, uses_kernels
 
 
 class TopK(NamedTuple):
@@ -45,7 +45,15 @@ def row_topk(x: torch.Tensor, k: int) -> TopK:
     """Same as :func:`row_topk_ref` (the same values; equal values' columns ascending); one pass
     a row on the CPU where the kernel is built, for ``float32`` rows."""
     if x.dim() == 2 and x.dtype == torch.float32 and uses_kernels(x):
-        return TopK(*load_ops().row_topk(x, k))
+        return row_topk_cpu(x, k)
+    return row_topk_ref(x, k)
+
+
+def row_topk_cpu(x: torch.Tensor, k: int) -> TopK:
+    """:func:`row_topk` on the kernels, the build not asked again (for what binds its passes once:
+    :class:`vllm_csv.ops.masks.MaskOps`); rows that are not ``float32 [R, n]`` take the reference."""
+    if x.dim() == 2 and x.dtype == torch.float32:
+        return TopK(*torch.ops.vllm_csv_cpu.row_topk(x, k))
     return row_topk_ref(x, k)
 
 

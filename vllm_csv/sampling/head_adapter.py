@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import torch
 
+from ..ops.masks import MaskOps, mask_ops
 from ..ops.noise import DrawOps, draw_ops
 
 
@@ -32,6 +33,8 @@ class HeadAdapter:
         # the draw certificate's passes over these bounds, bound once: the CPU kernels where they
         # run on the head's device, else the torch references (certificate.certify_draw's ops)
         self.draw: DrawOps = draw_ops(head.weight)
+        # and the masks' passes (min-p's, top-k's and top-p's, the rounds' top-k of a row): the same
+        self.masks: MaskOps = mask_ops(head.weight)
 
     # ---- bounds after the transform --------------------------------------------------
     def _post(self, lo: torch.Tensor | None, hi: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor]:

@@ -67,6 +67,7 @@ def run_rounds(adapter: HeadAdapter, hidden: torch.Tensor, bounds: tuple, proces
     """
     R, V = hidden.shape[0], adapter.vocab_size
     dev = hidden.device
+    topk = adapter.masks.row_topk  # (each row's highest bounds: the pass the adapter bound)
     lo, hi, hnorm, finite, one_sided = bounds  # (masked tokens -inf already: screen_bounds)
     values, scored, certified, winner, over_budget = empty_state(adapter, R, dev)
     # the results, all R rows: a row's are written once, when it leaves the loop
@@ -95,14 +96,14 @@ def run_rounds(adapter: HeadAdapter, hidden: torch.Tensor, bounds: tuple, proces
                          None if masked is None else rows_of(masked, r), up)
 
     if one_sided and bool(finite.any()):
-        add(row_topk(hi[finite], min(FIRST_GUESS, V)).indices.unique())
+        add(topk(hi[finite], min(FIRST_GUESS, V)).indices.unique())
     elif top_p is not None and TOP_P_GUESS and bool((guess := finite & (top_p < 1.0)).any()):
         # top-p rows: their highest upper bounds scored before the first round, which then
         # often certifies (a top-p round is the costly part: masks, queries, certificate over
         # [R, V]); at most a quarter of the budget, shared by the rows
         n = min(TOP_P_GUESS, V, budget // (4 * int(guess.sum())))
         if n > 0:
-            add(row_topk(hi[guess], n).indices.unique())
+            add(topk(hi[guess], n).indices.unique())
     elif top_k is not None and bool((guess := finite & (top_k > 0) & (top_k < V)).any()):
         # top-k rows: their TOP_K_GUESS (k + 1) highest upper bounds scored before the first round
         # (the k + 1 are what the focus scores after a round anyway: they decide what top-k
@@ -112,14 +113,14 @@ def run_rounds(adapter: HeadAdapter, hidden: torch.Tensor, bounds: tuple, proces
         count = _focus_counts(top_k, None, torch.zeros_like(top_k), V).masked_fill(~guess, 0)
         for c in ((count * TOP_K_GUESS).clamp_(max=V), count):
             first = torch.zeros(V, dtype=torch.bool, device=dev)
-            _focus(first, hi, c, guess, scored)
+            _focus(first, hi, c, guess, scored, topk)
             ids = first.nonzero().squeeze(1)
             if ids.numel() <= budget // 4:
                 add(ids)
                 break
     narrow = None  # (columns, ruled-out summaries): the rounds after the one that set it, elementwise
     stuck = torch.zeros(R, dtype=torch.long, device=dev)  # top-p rows: rounds with every contender scored
-    masks = Masks(min_p, top_k, top_p, V)
+    masks = Masks(min_p, top_k, top_p, V, adapter.masks)
     asked = None  # top-p rows: the tokens whose decisions the draw's certificate needed so far
     by_query = None  # top-p rows: the last round's queries (TopPQueries), narrowed to the next round's bounds
     for rnd in range(MAX_ROUNDS + 1):
@@ -191,7 +192,7 @@ def run_rounds(adapter: HeadAdapter, hidden: torch.Tensor, bounds: tuple, proces
                 ylo, yhi = process(lo, hi, rows)
             blind &= any_(yhi > -math.inf, 1)
         if bool(blind.any()):
-            top = row_topk(yhi[blind], min(FIRST_GUESS, V))
+            top = topk(yhi[blind], min(FIRST_GUESS, V))
             need[top.indices[top.values > -math.inf]] = True
             need &= ~scored
             cert.contenders[blind] = False
@@ -201,7 +202,7 @@ def run_rounds(adapter: HeadAdapter, hidden: torch.Tensor, bounds: tuple, proces
             rows_f = open_rows & ~blind
             if masks.top_p_on:  # top-p rows with no contender left to score: stuck on masses
                 stuck += rows_f & (top_p < 1.0) & ~any_(cert.contenders & ~scored[None], 1)
-            _focus(need, hi, _focus_counts(top_k, top_p, stuck, V), rows_f, scored)
+            _focus(need, hi, _focus_counts(top_k, top_p, stuck, V), rows_f, scored, topk)
         if not bool(any_(need)) or rnd == MAX_ROUNDS:
             break
         new, over_budget = next_columns(need, cert.contenders, scored, open_rows, over_budget, budget)
@@ -218,7 +219,7 @@ def run_rounds(adapter: HeadAdapter, hidden: torch.Tensor, bounds: tuple, proces
                                         winner, over_budget, stuck))
             masked, asked, min_p, top_k, top_p = (None if t is None else rows_of(t, k)
                                                   for t in (masked, asked, min_p, top_k, top_p))
-            masks = Masks(min_p, top_k, top_p, V)
+            masks = Masks(min_p, top_k, top_p, V, adapter.masks)
             by_query = None  # (its lists are the old rows': a new one for these)
             narrow = None if narrow is None else (narrow[0], narrow[1].rows(k))
         add(new)
@@ -272,14 +273,15 @@ def _focus_counts(top_k: torch.Tensor | None, top_p: torch.Tensor | None, stuck:
 
 
 def _focus(need: torch.Tensor, yhi: torch.Tensor, count: torch.Tensor, rows: torch.Tensor,
-           scored: torch.Tensor) -> None:
+           scored: torch.Tensor, topk=row_topk) -> None:
     """Add to ``need`` (``[V]`` bool, in place) the unscored tokens among the ``count[r]`` highest
-    ``yhi`` of each row ``r`` of ``rows`` (``[R]`` bool)."""
+    ``yhi`` of each row ``r`` of ``rows`` (``[R]`` bool; ``topk``: :func:`~vllm_csv.ops.topk.row_topk`
+    or the adapter's bound one)."""
     on = rows & (count > 0)
     if not bool(on.any()):
         return
     c = count[on]
-    top = row_topk(yhi[on], int(c.max()))
+    top = topk(yhi[on], int(c.max()))
     take = (torch.arange(top.indices.shape[1], device=yhi.device)[None] < c[:, None]) & (top.values > -math.inf)
     ids = top.indices[take]
     need[ids[~scored[ids]]] = True

@@ -42,7 +42,6 @@ from typing import Callable
 import torch
 
 from ..ops.bools import any_
-from ..ops.topk import row_topk
 from .gumbel_v2 import certify_draw_v2, min_p_bounds, noise_bounds, temperature_bounds
 from .head_adapter import HeadAdapter
 from .scoring import (FIRST_GUESS, MAX_ROUNDS, RowsResult, budget_of, contended, empty_state, next_columns, reasons,
@@ -98,7 +97,7 @@ def certify_rows_v2(adapter: HeadAdapter, hidden: torch.Tensor, seeds: torch.Ten
     noise = noise_bounds(seeds, pos, torch.arange(V, device=dev))
 
     if one_sided and bool(finite.any()):  # no lower bounds: score the likely winners first
-        score_columns(adapter, hidden, hnorm, row_topk(hi[finite], min(FIRST_GUESS, V)).indices.unique(),
+        score_columns(adapter, hidden, hnorm, adapter.masks.row_topk(hi[finite], min(FIRST_GUESS, V)).indices.unique(),
                       values, lo, hi, scored, masked)
     dropped = None
     for rnd in range(MAX_ROUNDS + 1):

@@ -73,7 +73,6 @@ from typing import Callable, NamedTuple
 
 import torch
 
-from ..ops.topk import row_topk
 from .certificate import certify_draw
 from .head_adapter import HeadAdapter
 from .nucleus.min_p import min_p_bounds
@@ -176,7 +175,8 @@ def _try(adapter: HeadAdapter, hidden: torch.Tensor, hnorm: torch.Tensor, hi: to
     ``floor [R, 1]`` the others' lower bound)."""
     R, V = hi.shape
     Kmax = int(K.max())
-    top = row_topk(hi, min(Kmax + 1, V))
+    ops = adapter.masks  # (the passes the adapter bound: masks' and each row's top-k)
+    top = ops.row_topk(hi, min(Kmax + 1, V))
     # the row's candidates: its first K columns; the others' bound: its (K + 1)-th upper bound
     # (>= every other hi; -inf when K = V); past K a row's columns count as others
     listed = torch.arange(Kmax, device=hi.device)[None] < K[:, None]  # [R, Kmax]
@@ -191,17 +191,18 @@ def _try(adapter: HeadAdapter, hidden: torch.Tensor, hnorm: torch.Tensor, hi: to
     lower, upper = lower.masked_fill(~listed, -math.inf), upper.masked_fill(~listed, -math.inf)
     ylo, yhi = columns(torch.cat([lower, floor], 1), torch.cat([upper, others], 1), rows)  # the others' column last
     if min_p is not None:
-        ylo, yhi = min_p_bounds(ylo, yhi, min_p)
+        ylo, yhi = min_p_bounds(ylo, yhi, min_p, ops=ops)
     # the others' column stands for many tokens: never counted as one certainly kept token
     ylo[:, Kmax] = -math.inf
-    ylo, yhi = top_k_bounds(ylo, yhi, k)
+    ylo, yhi = top_k_bounds(ylo, yhi, k, ops)
     # The others must be dropped by min-p or top-k, before top-p: top-p sees their column as one
     # token of one token's mass, and could drop it where the many tokens it stands for are kept
     short = yhi[:, Kmax] > -math.inf
     if top_p is not None:
         ylo, yhi = top_p_bounds(ylo, yhi, top_p, row_length=V)
     ids_ext = torch.cat([cand, cand[:, :1]], 1)  # (the others' column: any id; it is dropped or the row open)
-    cert = certify_draw(ylo, yhi, seeds, torch.zeros(R, dtype=torch.bool, device=hi.device), ids=ids_ext)
+    cert = certify_draw(ylo, yhi, seeds, torch.zeros(R, dtype=torch.bool, device=hi.device), ids=ids_ext,
+                        ops=adapter.draw)
     winner = ids_ext.gather(1, cert.winner[:, None])[:, 0]
     values = _handed_rows(V, cand, z, yhi[:, :Kmax])
     return TopKRows(values, cert.certified & ~short, winner, int(ids.numel()), short)

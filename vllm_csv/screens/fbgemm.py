@@ -71,9 +71,9 @@ import torch
 
 from ..errors import CSVError
 from ..fp import FP32_UNIT_ROUNDOFF, gamma, round_up32
-from ..ops import int8_vnni, step
-from ..ops.build import uses_kernels
-from ..ops.step import S_MIN, fold_scale
+from ..ops import int8_vnni, rows
+from ..ops.build import BLOCK, uses_kernels
+from ..ops.rows import S_MIN, fold_scale
 from ..ops.fbgemm import ACT_MAX, ACT_MIN, C_MAX_LOG2, C_MIN_LOG2, PackedInt8Linear, packed_int8_linear_ref
 from .copy_error import copy_error_norms, row_norms
 from .quantized import quantize
@@ -113,7 +113,7 @@ def self_test_probe(V: int, d: int, largest: int) -> tuple[torch.Tensor, torch.T
 
 def apply_row_scale(y: torch.Tensor, scale: torch.Tensor, c: float, defer: bool,
                     bias: torch.Tensor | None) -> torch.Tensor | None:
-    """After a GEMM on :func:`~vllm_csv.ops.step.quantize_act7`'s activations: the per-row
+    """After a GEMM on :func:`~vllm_csv.ops.rows.quantize_act7`'s activations: the per-row
     scale ``[B]`` the caller still has to apply (``defer`` asked, no bias, and the exponents did
     not fold into ``c``), else None, ``y`` then being the center (scaled here in place where they
     did not fold: a power of two, exact unless subnormal)."""
@@ -176,8 +176,8 @@ class FbgemmInt8Screen:
         self.bias = None if bias is None else bias.float()
         # the activations' passes bound once: the CPU kernels where built, else their references
         kernels = uses_kernels(weight)
-        self._quantize_act7 = step.quantize_act7_cpu if kernels else step.quantize_act7_ref
-        self._outlier_rows = step.outlier_rows_cpu if kernels else step.outlier_rows_ref
+        self._quantize_act7 = rows.quantize_act7_cpu if kernels else rows.quantize_act7_ref
+        self._outlier_rows = rows.outlier_rows_cpu if kernels else rows.outlier_rows_ref
         # The VNNI GEMM hands back y's block maxima (ScreenOut.block_max) where y is its output
         # as is (no bias added after it).
         self._fused_block_max = bias is None and isinstance(self.gemm, int8_vnni.VnniInt8Linear)
@@ -219,11 +219,11 @@ class FbgemmInt8Screen:
         if outliers is not None:
             return self._center_radius_split(h, outliers)
         # The activations: t_b, p_b and e_b of the module docstring, and the folded scale c
-        # (0.0: rows scaled one by one). One fused kernel on the CPU (vllm_csv.ops.step).
+        # (0.0: rows scaled one by one). One fused kernel on the CPU (vllm_csv.ops.rows).
         x, scale, e, c = self._quantize_act7(h, self.s_min, self.s_max)
         bmax = None
         if self._fused_block_max:
-            y, bmax = self.gemm.linear_block_max(x, step.BLOCK)  # the search's block maxima, same pass
+            y, bmax = self.gemm.linear_block_max(x, BLOCK)  # the search's block maxima, same pass
         else:
             y = self.gemm.linear(x)
         row_scale = apply_row_scale(y, scale, c, defer_row_scale, self.bias)
@@ -270,11 +270,11 @@ class FbgemmInt8Screen:
         return out
 
 
-def outlier_channels(h: torch.Tensor, outlier_rows=step.outlier_rows) -> torch.Tensor | None:
+def outlier_channels(h: torch.Tensor, outlier_rows=rows.outlier_rows) -> torch.Tensor | None:
     """The channels of ``h [B, d]`` above :data:`OUTLIER_RATIO` times the rms of the rest of their
     row in some row (ascending; the :data:`MAX_OUTLIERS` largest), or None (the common case: one
     host read; also rows of at most ``2 MAX_OUTLIERS`` channels). Rows with NaN/inf contribute
-    none (they go dense); a zero row none. ``outlier_rows``: :func:`vllm_csv.ops.step.outlier_rows`,
+    none (they go dense); a zero row none. ``outlier_rows``: :func:`vllm_csv.ops.rows.outlier_rows`,
     or the implementation a screen bound when it was built."""
     rows = outlier_rows(h, OUTLIER_RATIO, MAX_OUTLIERS)  # one pass on the CPU
     if not bool(rows.any()):

@@ -7,7 +7,7 @@ up.
 
 Activations: as the int8 screen's (:mod:`.fbgemm`, whose docstring has the proof):
 ``h_b = c_b p_b + f_b`` with ``p_b`` integers in ``[-64, 63]``, ``c_b = t_b / 64`` a power of two,
-``e_b >= ||f_b||`` (:func:`~vllm_csv.ops.step.quantize_act7`).
+``e_b >= ||f_b||`` (:func:`~vllm_csv.ops.rows.quantize_act7`).
 
 The GEMM (:mod:`vllm_csv.ops.int4_vnni`): ``A_big = <p_b, q_i>`` over group ``g`` (exact
 integers), ``z_bi`` their sum ``sum_g s_ig A_big`` with one rounding a group (fused
@@ -38,7 +38,7 @@ import torch
 
 from ..errors import CSVError
 from ..fp import FP32_UNIT_ROUNDOFF, gamma, round_up32
-from ..ops import int4_vnni, step
+from ..ops import int4_vnni, rows
 from ..ops.build import uses_kernels
 from ..ops.fbgemm import ACT_MIN, act7_layout
 from ..ops.int4_vnni import GROUP, QMAX, dequantized, int4_linear_ref, quantize_int4
@@ -84,7 +84,7 @@ class VnniInt4Screen:
         self.gamma_g = gamma(-(-d // GROUP)) * (1 + 8 * FP32_UNIT_ROUNDOFF)
         self.bias = None if bias is None else bias.float()
         # the activations' pass bound once: the CPU kernels where built (the GEMM needs them), else the reference
-        self._quantize_act7 = step.quantize_act7_cpu if uses_kernels(weight) else step.quantize_act7_ref
+        self._quantize_act7 = rows.quantize_act7_cpu if uses_kernels(weight) else rows.quantize_act7_ref
         self.extra_bytes = self.gemm.nbytes + V * 4 * 2  # nibbles, fp16 scales; r, n
         self._self_test(q, s)
 

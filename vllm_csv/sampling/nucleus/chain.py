@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import torch
 
+from ...ops.masks import PER_CALL, MaskOps
 from .min_p import has_min_p, min_p_bounds
 from .top_k import has_top_k, top_k_bounds
 from .top_p import has_top_p, top_p_bounds
@@ -30,11 +31,14 @@ class Masks:
         not given), the rows' masks.
     V : int
         The vocabulary's size.
+    ops : MaskOps, optional
+        The masks' passes over the bounds, bound once (:attr:`.HeadAdapter.masks`); default: each
+        call picks kernel or reference.
     """
 
     def __init__(self, min_p: torch.Tensor | None, top_k: torch.Tensor | None, top_p: torch.Tensor | None,
-                 V: int):
-        self.min_p, self.top_k, self.top_p, self.V = min_p, top_k, top_p, V
+                 V: int, ops: MaskOps = PER_CALL):
+        self.min_p, self.top_k, self.top_p, self.V, self.ops = min_p, top_k, top_p, V, ops
         self.top_k_on = not all_off(None, top_k, None, V)  # some row has a top-k / a top-p
         self.top_p_on = not all_off(None, None, top_p, V)
         self.off = not self.top_k_on and not self.top_p_on and all_off(min_p, None, None, V)
@@ -62,9 +66,9 @@ class Masks:
         if self.off:
             return ylo, yhi
         if self.min_p is not None:
-            ylo, yhi = min_p_bounds(ylo, yhi, torch.where(rows, self.min_p, 0.0))
+            ylo, yhi = min_p_bounds(ylo, yhi, torch.where(rows, self.min_p, 0.0), ops=self.ops)
         if self.top_k is not None:
-            ylo, yhi = top_k_bounds(ylo, yhi, torch.where(rows, self.top_k, self.V))
+            ylo, yhi = top_k_bounds(ylo, yhi, torch.where(rows, self.top_k, self.V), self.ops)
         return ylo, yhi
 
     def top_p_of(self, ylo: torch.Tensor, yhi: torch.Tensor, rows: torch.Tensor):
@@ -86,4 +90,4 @@ class Masks:
         if not bool((p < 1.0).any()):
             return None
         q = None if last is None else last.narrowed(ylo, yhi, p)
-        return q if q is not None else TopPQueries(ylo, yhi, p)
+        return q if q is not None else TopPQueries(ylo, yhi, p, self.ops)

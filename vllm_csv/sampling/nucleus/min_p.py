@@ -43,8 +43,7 @@ import math
 import torch
 
 from ...fp import round_down32, round_up32
-from ...ops.masks import min_p_cut
-from ...ops.noise import row_stats
+from ...ops.masks import PER_CALL, MaskOps
 from ..outside import Outside
 
 MIN_P_FLOOR = 1e-20
@@ -62,18 +61,20 @@ def has_min_p(min_p: torch.Tensor) -> torch.Tensor:
     return min_p > 0
 
 
-def min_p_bounds(ylo: torch.Tensor, yhi: torch.Tensor, min_p: torch.Tensor, outside: Outside | None = None):
+def min_p_bounds(ylo: torch.Tensor, yhi: torch.Tensor, min_p: torch.Tensor, outside: Outside | None = None,
+                 ops: MaskOps = PER_CALL):
     """Apply min-p (``[R]`` float32, ``0`` = off) to bounds; see the module docstring.
     Returns ``(ylo, yhi)``, or ``(ylo, yhi, outside)`` when an outside block is given (see
     "the outside blocks" in the module docstring).
 
     Per-row thresholds, one fp32 comparison per token (:func:`~vllm_csv.ops.masks.min_p_cut`).
     A row without min-p keeps its bounds, but for NaN lower bounds, which become ``-inf`` (a
-    lower bound still)."""
+    lower bound still). ``ops``: the passes bound once (:attr:`.HeadAdapter.masks`); default:
+    each call picks kernel or reference."""
     on = has_min_p(min_p)
     if not bool(on.any()) or ylo.shape[1] == 0:
         return (ylo, yhi) if outside is None else (ylo, yhi, outside)
-    st = row_stats(ylo, yhi, 1)  # one pass: max ylo, max yhi (NaN if the row has one), A
+    st = ops.row_stats(ylo, yhi, 1)  # one pass: max ylo, max yhi (NaN if the row has one), A
     mlo, mhi = st.lmax.double(), st.hmax.double()
     if outside is not None:  # a block may hold the maximum: m <= max(max yhi, its hi)
         mhi = torch.maximum(mhi, outside.max_hi())
@@ -91,7 +92,7 @@ def min_p_bounds(ylo: torch.Tensor, yhi: torch.Tensor, min_p: torch.Tensor, outs
     keep_at = round_up32(mhi + logmp + eps)
     keep_at = torch.where(usable & (keep_at < math.inf), keep_at, math.nan).masked_fill_(~on, -math.inf)
     drop_at = round_down32(mlo + logmp - eps).masked_fill_(~usable, -math.inf)
-    new_lo, new_hi = min_p_cut(ylo, yhi, keep_at, drop_at)
+    new_lo, new_hi = ops.min_p_cut(ylo, yhi, keep_at, drop_at)
     if outside is None:
         return new_lo, new_hi
     # each block as one token: every y_j <= its hi, lo <= ylo_j and |y_j| <= its absmax

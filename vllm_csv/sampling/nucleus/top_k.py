@@ -20,8 +20,7 @@ from __future__ import annotations
 import torch
 
 from ...ops.gather import put_rows, rows_of
-from ...ops.masks import top_k_cut
-from ...ops.topk import row_topk
+from ...ops.masks import PER_CALL, MaskOps
 
 
 def has_top_k(top_k: torch.Tensor, V: int) -> torch.Tensor:
@@ -30,7 +29,8 @@ def has_top_k(top_k: torch.Tensor, V: int) -> torch.Tensor:
     return (top_k > 0) & (top_k < V)
 
 
-def top_k_bounds(ylo: torch.Tensor, yhi: torch.Tensor, top_k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def top_k_bounds(ylo: torch.Tensor, yhi: torch.Tensor, top_k: torch.Tensor,
+                 ops: MaskOps = PER_CALL) -> tuple[torch.Tensor, torch.Tensor]:
     """Apply top-k to bounds; see the module docstring.
 
     Parameters
@@ -39,6 +39,9 @@ def top_k_bounds(ylo: torch.Tensor, yhi: torch.Tensor, top_k: torch.Tensor) -> t
         ``[R, V]`` float32 bounds of the values vLLM's top-k sees (after temperature and min-p).
     top_k : torch.Tensor
         ``[R]`` int64, ``k >= V`` (vLLM's "no top-k") or ``k <= 0``: off.
+    ops : MaskOps, optional
+        The passes bound once (:attr:`.HeadAdapter.masks`); default: each call picks kernel or
+        reference.
 
     Returns
     -------
@@ -52,16 +55,17 @@ def top_k_bounds(ylo: torch.Tensor, yhi: torch.Tensor, top_k: torch.Tensor) -> t
     k = top_k[rows].long().to(ylo.device)[:, None]  # [r, 1], 1 <= k < V
     lo, hi = rows_of(ylo, rows), rows_of(yhi, rows)
     kmax = int(k.max())
-    new_lo, new_hi = top_k_cut(lo, hi, *_top_k_levels(lo, hi, k, kmax))
+    new_lo, new_hi = ops.top_k_cut(lo, hi, *_top_k_levels(lo, hi, k, kmax, ops.row_topk))
     return put_rows(ylo, rows, new_lo), put_rows(yhi, rows, new_hi)
 
 
-def _top_k_levels(lo: torch.Tensor, hi: torch.Tensor, k: torch.Tensor, kmax: int):
+def _top_k_levels(lo: torch.Tensor, hi: torch.Tensor, k: torch.Tensor, kmax: int, row_topk=PER_CALL.row_topk):
     """``(H_k, H_(k+1), L_k)``, ``[r]`` float32 each, of bounds ``lo, hi`` (``[r, V]``; ``k`` ``[r, 1]``
     int64 in ``[1, V)``): token ``i`` is certainly kept if ``lo_i`` is at least the ``k``-th
     largest upper bound of the *other* tokens, which is ``H_(k+1)`` if ``hi_i >= H_k`` (``i`` is
     among the ``k`` highest) and ``H_k`` otherwise; certainly dropped if ``hi_i < L_k``
-    (:func:`~vllm_csv.ops.masks.top_k_cut` applies them)."""
+    (:func:`~vllm_csv.ops.masks.top_k_cut` applies them; ``row_topk``: :func:`~vllm_csv.ops.topk.row_topk`
+    or the one bound)."""
     lk = row_topk(lo, kmax).values.gather(1, k - 1)  # L_k
     h = row_topk(hi, kmax + 1).values  # kmax + 1 <= V
     return h.gather(1, k - 1)[:, 0], h.gather(1, k)[:, 0], lk[:, 0]  # H_k, H_(k+1), L_k

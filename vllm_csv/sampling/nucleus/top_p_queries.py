@@ -41,10 +41,9 @@ import math
 import torch
 
 from ...fp import FP32_UNIT_ROUNDOFF as _U
-from ...ops.bools import all_, flat_nonzero
+from ...ops.bools import all_
 from ...ops.gather import rows_of
-from ...ops.masks import top_p_sums, unlisted_masses
-from ...ops.topk import row_topk
+from ...ops.masks import PER_CALL, MaskOps
 from .top_p import decide_on_sums, has_top_p, top_p_bounds, top_p_cuts
 
 DECIDE_FIRST = 16  # TopPQueries: each row's listed tokens of highest lower bound are always decided
@@ -63,10 +62,13 @@ class TopPQueries:
         ``[R, V]`` float32 bounds of the values top-p sees (after temperature, min-p, top-k).
     top_p : torch.Tensor
         ``[R]`` float32, ``1`` = off.
+    ops : MaskOps, optional
+        The passes bound once (:attr:`.HeadAdapter.masks`); default: each call picks kernel or
+        reference.
     """
 
-    def __init__(self, ylo: torch.Tensor, yhi: torch.Tensor, top_p: torch.Tensor):
-        self.ylo, self.yhi, self.top_p = ylo, yhi, top_p
+    def __init__(self, ylo: torch.Tensor, yhi: torch.Tensor, top_p: torch.Tensor, ops: MaskOps = PER_CALL):
+        self.ylo, self.yhi, self.top_p, self.ops = ylo, yhi, top_p, ops
         V = ylo.shape[1]
         self.rows = has_top_p(top_p).nonzero().squeeze(1)
         lo, hi = rows_of(ylo, self.rows), rows_of(yhi, self.rows)
@@ -76,7 +78,7 @@ class TopPQueries:
         self.usable = (torch.isfinite(c) | (c == -math.inf))[:, 0] & ~torch.isnan(lo.amax(1))
         self.c = torch.where(torch.isfinite(c), c, torch.zeros_like(c))
         K = self.listed = min(QUERY_LIST, V)
-        th, self.ih = row_topk(hi, K)
+        th, self.ih = ops.row_topk(hi, K)
         # every unlisted token's yhi is at most kth (what "covered" reads: module docstring)
         self.kth = th[:, -1].double()
         self.is_listed = torch.zeros_like(hi, dtype=torch.bool).scatter_(1, self.ih, True)
@@ -130,7 +132,7 @@ class TopPQueries:
         if not bool((self.c[pos, 0].double() - top <= STALE_SHIFT).all()):
             return None
         q = TopPQueries.__new__(TopPQueries)
-        q.ylo, q.yhi, q.top_p, q.rows, q.listed = ylo, yhi, top_p, rows, self.listed
+        q.ylo, q.yhi, q.top_p, q.rows, q.listed, q.ops = ylo, yhi, top_p, rows, self.listed, self.ops
         for name in ("usable", "c", "ih", "kth", "is_listed", "unl_h", "unl_l", "p_keep", "p_drop"):
             setattr(q, name, getattr(self, name)[pos])
         q._index(lo, hi)
@@ -150,7 +152,7 @@ class TopPQueries:
         in the CPU kernel, :func:`~vllm_csv.ops.masks.unlisted_masses`) adds at most 64 ulps; the
         float64 sum of at most ``V`` nonnegative terms, in any order, ``gamma_V`` (double): so
         ``(1 +- 512u)`` covers it all, and ``V 2^-126`` whatever underflows (either way)."""
-        e_lo, e_hi = unlisted_masses(lo, hi, self.c, self.ih).unbind(1)
+        e_lo, e_hi = self.ops.unlisted_masses(lo, hi, self.c, self.ih).unbind(1)
         tiny = lo.shape[1] * 2.0**-126
         return e_hi * (1 + 512 * _U) + tiny, (e_lo * (1 - 512 * _U) - tiny).clamp_min(0)
 
@@ -164,7 +166,7 @@ class TopPQueries:
         lo, hi = rows_of(self.ylo, self.rows[held]), rows_of(self.yhi, self.rows[held])
         c = self.c[held].double()
         el, eh = torch.exp(lo.double() - c), torch.exp(hi.double() - c)  # -inf -> 0
-        n_hi, r_lo, n_lo, r_hi = top_p_sums(lo, hi, el, eh, qrow, ci).unbind(1)
+        n_hi, r_lo, n_lo, r_hi = self.ops.top_p_sums(lo, hi, el, eh, qrow, ci).unbind(1)
         r_lo = r_lo + el[qrow, ci]  # i's own lower mass (r_lo counts i)
         return decide_on_sums(n_hi, r_lo, n_lo, r_hi, lo[qrow, ci].double(), p_keep, p_drop)
 
@@ -189,7 +191,7 @@ class TopPQueries:
             raise ValueError("TopPQueries.bounds: subset holds a row that asks no top-p decisions")
         keys = (at[:, None] * V + self.first[at]).reshape(-1)  # row * V + column
         if only is not None:
-            asked = flat_nonzero(rows_of(only, rows if subset is None else subset))
+            asked = self.ops.flat_nonzero(rows_of(only, rows if subset is None else subset))
             if subset is not None:
                 asked = at[asked // V] * V + asked % V
             keys = torch.cat([asked, keys]).unique()
