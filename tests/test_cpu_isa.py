@@ -32,7 +32,7 @@ pytestmark = [
 # capped at AVX2: every CPU source's dispatched paths (csv_cpu: block_max, interval_rows; gumbel:
 # noise_candidates' chunks, row_stats, pack_live; nucleus: the cuts and top-p sums; topk: row_topk;
 # bools: flat_nonzero), the int8 screen on FBGEMM (test_head_exact's heads).
-KERNEL_TESTS = ["tests/test_step.py", "tests/test_noise_candidates.py", "tests/test_row_topk.py",
+KERNEL_TESTS = ["tests/test_step.py", "tests/test_rows.py", "tests/test_noise_candidates.py", "tests/test_row_topk.py",
                 "tests/test_fakes.py", "tests/test_sampling_nucleus.py", "tests/test_ops.py",
                 "tests/test_head_exact.py", "tests/test_int8_vnni.py"]
 # (of test_ops.py its CPU kernels' tests, of test_sampling_nucleus.py its four kernel tests: the
