@@ -34,6 +34,11 @@ HEADLINES = [
      ("batch", "machine", "threads", "commit", "source")),
     ("Serving: CSV server's tokens/s over plain `vllm serve` (serve.py, demo model, interleaved)",
      dict(benchmark=["serve"], metric=["tokens_per_s_ratio"], config="model=demo interleave=True"), SHORT),
+    ("Speculative decoding served (serve.py, demo model, greedy, interleaved): CSV over the same `vllm serve` "
+     "(or, with dense_args, plain decoding); vLLM's acceptance rate on each side",
+     dict(benchmark=["serve"], metric=["tokens_per_s_ratio", "identical_outputs", "dense_acceptance_rate",
+                                       "csv_acceptance_rate"], config="speculative-config"),
+     ("config", "batch", "machine", "commit", "source")),
     ("Sampler step, CSV over vLLM's dense sampler step (sampler_step, demo model, bf16)",
      dict(benchmark=["sampler_step"], metric=["speedup"], config="model=demo screen=int8+int4"), SHORT),
     ("Exactness audits: rows checked and wrong (audit.py; every certified row against the dense head)",

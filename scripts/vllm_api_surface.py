@@ -33,7 +33,8 @@ FILES = (
     "vllm/v1/sample/logits_processor/__init__.py", "vllm/v1/sample/logits_processor/builtin.py",
     "vllm/v1/worker/gpu_model_runner.py", "vllm/v1/worker/cpu_model_runner.py",
     "vllm/v1/worker/gpu/model_runner.py", "vllm/v1/worker/gpu/input_batch.py",
-    "vllm/v1/worker/gpu/structured_outputs.py",
+    "vllm/v1/worker/gpu/structured_outputs.py", "vllm/v1/spec_decode/llm_base_proposer.py",
+    "vllm/v1/sample/rejection_sampler.py",
 )
 SAMPLE_DIR = "vllm/v1/worker/gpu/sample"
 SIGNATURES = (
@@ -57,6 +58,10 @@ SIGNATURES = (
     "vllm/model_executor/custom_op.py:CustomOp.register_oot",
     "vllm/engine/arg_utils.py:EngineArgs.add_cli_args",
     "vllm/engine/arg_utils.py:EngineArgs.from_cli_args",
+    "vllm/v1/spec_decode/llm_base_proposer.py:SpecDecodeBaseProposer._greedy_sample",
+    "vllm/v1/sample/rejection_sampler.py:RejectionSampler.forward",
+    "vllm/v1/sample/rejection_sampler.py:rejection_sample",
+    "vllm/v1/sample/rejection_sampler.py:expand_batch_to_tokens",
 )
 
 

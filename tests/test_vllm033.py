@@ -49,6 +49,9 @@ CHANGED = {
     "vllm/v1/worker/gpu/sample/penalties.py", "vllm/v1/worker/gpu/sample/sampler.py",
     "vllm/v1/worker/gpu/sample/states.py", "vllm/v1/worker/gpu/sample/watermark.py",
     "vllm/v1/worker/gpu/structured_outputs.py", "vllm/v1/worker/gpu_model_runner.py",
+    # speculative decoding (v1/spec.py): FLy verification in the rejection sampler (refused by the plan:
+    # standard_verification), the proposers' base class (_greedy_sample's body unchanged)
+    "vllm/v1/sample/rejection_sampler.py", "vllm/v1/spec_decode/llm_base_proposer.py",
 }
 
 
@@ -115,15 +118,19 @@ def test_surface_is_the_033_wheels():
 
 def test_032_to_033_changes_are_the_known_ones(installed_surface):
     """The files that changed are :data:`CHANGED`; of the signatures the plugin wraps or calls,
-    only ``apply_top_k_top_p`` (a keyword ``has_topp_only_rows``, default True) and V2's
-    ``SamplingStates.get_top_k_top_p`` (a ``vocab_size`` argument; the hook does not call it)
-    changed; every other one, the wrapped runner and sampler methods included, is 0.32's."""
+    only ``apply_top_k_top_p`` (a keyword ``has_topp_only_rows``, default True), V2's
+    ``SamplingStates.get_top_k_top_p`` (a ``vocab_size`` argument; the hook does not call it) and
+    ``rejection_sample`` (FLy's keywords) changed; every other one, the wrapped runner, sampler
+    and proposer methods included, is 0.32's."""
     a, b = installed_surface, SURFACE
     assert {f for f in set(a["files"]) | set(b["files"]) if a["files"].get(f) != b["files"].get(f)} == CHANGED
     diff = {k for k in a["signatures"] if a["signatures"][k] != b["signatures"][k]}
     top = "vllm/v1/sample/ops/topk_topp_sampler.py:apply_top_k_top_p"
     states = "vllm/v1/worker/gpu/sample/states.py:SamplingStates.get_top_k_top_p"
-    assert diff == {top, states}
+    rejection = "vllm/v1/sample/rejection_sampler.py:rejection_sample"
+    assert diff == {top, states, rejection}
+    assert [x[0] for x in b["signatures"][rejection]["args"]] == [x[0] for x in a["signatures"][rejection]["args"]] + \
+        ["fly_window_size", "fly_entropy_threshold", "fly_entropy_top_k"]  # (FLy: every row dense, v1/spec.py)
     assert b["signatures"][top]["args"] == a["signatures"][top]["args"] + [["has_topp_only_rows", "positional", "True"]]
     assert [x[0] for x in b["signatures"][states]["args"]] == ["self", "expanded_idx_mapping", "idx_mapping_np",
                                                                "vocab_size"]
