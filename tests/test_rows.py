@@ -12,18 +12,11 @@ import torch
 
 from vllm_csv.ops import rows as C
 from vllm_csv.ops.build import kernels_available
+from vllm_csv.testing.exact import ulps_apart
 
 pytestmark = pytest.mark.skipif(not kernels_available(), reason="CPU kernels not built here (no compiler)")
 K = torch.ops.vllm_csv_cpu if kernels_available() else None
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-
-
-def _ulps_apart(a: torch.Tensor, b: torch.Tensor) -> int:
-    """Largest distance in fp32 ulps (0 where equal, NaN == NaN)."""
-    both_nan = a.isnan() & b.isnan()
-    ai, bi = a.float().view(torch.int32).long(), b.float().view(torch.int32).long()
-    d = (ai - bi).abs().masked_fill(both_nan | (a == b), 0)
-    return int(d.max()) if d.numel() else 0
 
 
 def _adversarial_rows(d: int, dtype: torch.dtype, g: torch.Generator) -> torch.Tensor:
@@ -56,7 +49,7 @@ def test_prepare_rows_matches_reference_and_bounds_the_norm(dtype, d, certifiabl
     hm, hn, ok = K.prepare_rows(h, certifiable)
     rhm, rhn, rok = C.prepare_rows_ref(h, certifiable)
     assert torch.equal(ok, rok) and torch.equal(hm, rhm) and hm.dtype == h.dtype
-    assert _ulps_apart(hn, rhn) <= 1
+    assert ulps_apart(hn, rhn) <= 1
     for b in range(h.shape[0]):
         if ok[b]:
             assert Fraction(float(hn[b])) ** 2 >= _exact_sq(h[b]), b  # an upper bound, exactly
@@ -75,7 +68,7 @@ def test_quantize_act7_matches_reference_and_bounds_the_residual(dtype, d, s_min
         x, rs, e, c = K.quantize_act7(rows, s_min, 1.0)
         rx, rrs, re, rc = C.quantize_act7_ref(rows, s_min, 1.0)
         assert torch.equal(x, rx) and torch.equal(rs, rrs) and c == rc
-        assert _ulps_apart(e, re) <= 1
+        assert ulps_apart(e, re) <= 1
         scale = [1.0] * rows.shape[0] if c else rs.double().tolist()
         for b in range(rows.shape[0]):
             if not torch.isfinite(rows[b].float()).all():

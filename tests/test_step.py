@@ -13,18 +13,11 @@ import torch
 
 from vllm_csv.ops import step as C
 from vllm_csv.ops.build import kernels_available
+from vllm_csv.testing.exact import ulps_apart
 
 pytestmark = pytest.mark.skipif(not kernels_available(), reason="CPU kernels not built here (no compiler)")
 K = torch.ops.vllm_csv_cpu if kernels_available() else None
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-
-
-def _ulps_apart(a: torch.Tensor, b: torch.Tensor) -> int:
-    """Largest distance in fp32 ulps (0 where equal, NaN == NaN)."""
-    both_nan = a.isnan() & b.isnan()
-    ai, bi = a.float().view(torch.int32).long(), b.float().view(torch.int32).long()
-    d = (ai - bi).abs().masked_fill(both_nan | (a == b), 0)
-    return int(d.max()) if d.numel() else 0
 
 
 def _select_args(y, k, seed, rs=None, e=None, budget=64):
@@ -123,9 +116,9 @@ def test_score_intervals_hold_every_fp32_accumulation(dtype, d):
     known = C.single_valued(lower, upper)
     assert z.dtype == dtype and torch.equal(z[known], lower[known].to(dtype))
     assert torch.equal(z[~known], a[~known].float().to(dtype))
-    if _ulps_apart(lo, rlo) == 0 and _ulps_apart(hi, rhi) == 0 and torch.equal(a, ra):
+    if ulps_apart(lo, rlo) == 0 and ulps_apart(hi, rhi) == 0 and torch.equal(a, ra):
         assert torch.equal(z, rz) and torch.equal(lower, rlower) and torch.equal(upper, rupper)
-    assert _ulps_apart(lo, rlo) <= 1 and _ulps_apart(hi, rhi) <= 1
+    assert ulps_apart(lo, rlo) <= 1 and ulps_apart(hi, rhi) <= 1
     assert torch.allclose(a, ra, rtol=1e-12, atol=1e-300)
     hf, wf = h.float(), w[ids].float()
     orders = [hf @ wf.T]  # torch's fp32 GEMM

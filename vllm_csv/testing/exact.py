@@ -1,5 +1,6 @@
 """What a certified row is checked against: the dense head's top-k, as vLLM computes the logits,
-and bit-for-bit equality of tensors."""
+bit-for-bit equality of tensors, and the distance in fp32 ulps where a kernel's float64 sums may
+differ from torch's in the last bit."""
 
 from __future__ import annotations
 
@@ -24,3 +25,11 @@ def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
         return False
     ints = {2: torch.int16, 4: torch.int32, 8: torch.int64}[a.element_size()]
     return torch.equal(a.contiguous().view(ints), b.contiguous().view(ints))
+
+
+def ulps_apart(a: torch.Tensor, b: torch.Tensor) -> int:
+    """Largest distance in fp32 ulps (0 where equal, NaN == NaN)."""
+    both_nan = a.isnan() & b.isnan()
+    ai, bi = a.float().view(torch.int32).long(), b.float().view(torch.int32).long()
+    d = (ai - bi).abs().masked_fill(both_nan | (a == b), 0)
+    return int(d.max()) if d.numel() else 0
