@@ -48,6 +48,7 @@ from vllm_csv.gpu.score import score_blocks
 from vllm_csv.gpu.screen import screen_block_max
 from vllm_csv.gpu.select import select_blocks
 from vllm_csv.gpu.step import FusedStep
+from timing import cuda_graph
 
 
 def provenance() -> dict:
@@ -59,17 +60,8 @@ def provenance() -> dict:
 
 
 def graphed(fn):
-    """``fn`` captured in a CUDA graph (warmed up on a side stream first); returns the graph."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    return g
+    """``fn`` captured in a CUDA graph (:func:`timing.cuda_graph`); returns the graph."""
+    return cuda_graph(fn)[0]
 
 
 def replay_ms(g, iters: int, after=None) -> float:

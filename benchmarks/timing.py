@@ -1,6 +1,7 @@
 """Wall-clock timing of one call and of repeated calls: one place for how the CPU benchmarks
 time (``time.perf_counter``, milliseconds; ``sync`` waits for a device's queued work, e.g.
-``torch.cuda.synchronize``, where the call returns before its work is done)."""
+``torch.cuda.synchronize``, where the call returns before its work is done); and how the GPU
+benchmarks capture what they replay (:func:`cuda_graph`)."""
 
 from __future__ import annotations
 
@@ -29,3 +30,21 @@ def times_ms(fn: Callable[[], object], repeats: int, sync: Callable[[], object] 
 def median_ms(fn: Callable[[], object], repeats: int, sync: Callable[[], object] | None = None) -> float:
     """The median of :func:`times_ms`."""
     return statistics.median(times_ms(fn, repeats, sync))
+
+
+def cuda_graph(fn: Callable[[], object]):
+    """``fn`` captured in a CUDA graph after three warm-up calls on a side stream (allocations and
+    lazy initialisation happen outside the capture): ``(graph, out)``, ``out`` what ``fn`` returned
+    during the capture (in the graph's memory: each ``graph.replay()`` rewrites it)."""
+    import torch
+
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        out = fn()
+    return g, out

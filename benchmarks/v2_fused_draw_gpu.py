@@ -41,19 +41,12 @@ import torch
 import torch.nn.functional as F
 
 from vllm_csv.testing.vllm_v2 import load_vllm_v2_gumbel
+from timing import cuda_graph
 
 
 def _graph(fn):
-    """``fn`` captured in a CUDA graph (warmed up outside it): a replay function and its outputs."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        out = fn()
+    """``fn`` captured in a CUDA graph (:func:`timing.cuda_graph`): a replay function and its outputs."""
+    g, out = cuda_graph(fn)
     return g.replay, out
 
 
