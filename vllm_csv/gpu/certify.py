@@ -60,7 +60,7 @@ def certify_rows_ref(z, lower, upper, cand, count, k, need, tau, ok, live, V: in
 
 
 if triton is not None:
-    from .common import _rnd
+    from .common import _rnd, _slots
 
     @triton.jit
     def _certify_rows_kernel(z_ptr, lo_ptr, up_ptr, cand_ptr, count_ptr, k_ptr, need_ptr, tau_ptr, ok_ptr, live_ptr,
@@ -68,11 +68,7 @@ if triton is not None:
                              CAPC: tl.constexpr, SUBC: tl.constexpr):
         b = tl.program_id(0).to(tl.int64)
         S: tl.constexpr = CAPC * SUBC
-        sl = tl.arange(0, S)
-        n = tl.minimum(tl.load(count_ptr + b), CAPC)
-        blk = tl.load(cand_ptr + b * CAPC + sl // SUBC)
-        ids = blk.to(tl.int64) * SUBC + (sl % SUBC)
-        valid = (sl // SUBC < n) & (blk >= 0) & (ids < V)
+        sl, ids, valid = _slots(cand_ptr, count_ptr, b, V, SUBC, CAPC)
         z = tl.where(valid, tl.load(z_ptr + b * S + sl), float("-inf"))
         lower = tl.where(valid, tl.load(lo_ptr + b * S + sl), float("-inf"))  # (slots past the count
         upper = tl.where(valid, tl.load(up_ptr + b * S + sl), float("-inf"))  # were never written)

@@ -2,7 +2,7 @@
 :data:`CAP` candidate blocks a row), whether Triton is here (:func:`available`), the dispatch of
 each custom op between its Triton launcher and its torch reference (:func:`_use_triton`,
 :func:`_pick`), the launch options (:func:`_launch`), and the model-dtype bit helpers the
-kernels call (:func:`_raw` on the host; ``_widen`` and ``_rnd``, ``@triton.jit``, in the kernels).
+kernels call (:func:`_raw` on the host; ``_widen``, ``_rnd`` and ``_slots``, ``@triton.jit``, in the kernels).
 """
 
 from __future__ import annotations
@@ -58,6 +58,18 @@ if triton is not None:
             return (raw.to(tl.int32) << 16).to(tl.float32, bitcast=True)
         else:
             return raw.to(tl.float32)
+
+    @triton.jit
+    def _slots(cand_ptr, count_ptr, b, V, SUBC: tl.constexpr, CAPC: tl.constexpr):
+        """Row ``b``'s scored slots, :func:`slot_ids` in a kernel: ``(sl, ids, valid)``, the
+        ``CAPC * SUBC`` slot indices, their int64 token ids and whether each holds a token (a
+        used candidate block, a block id set, the token inside the vocabulary)."""
+        sl = tl.arange(0, CAPC * SUBC)
+        n = tl.minimum(tl.load(count_ptr + b), CAPC)
+        blk = tl.load(cand_ptr + b * CAPC + sl // SUBC)
+        ids = blk.to(tl.int64) * SUBC + (sl % SUBC)
+        valid = (sl // SUBC < n) & (blk >= 0) & (ids < V)
+        return sl, ids, valid
 
     @triton.jit
     def _rnd(x, DT: tl.constexpr):

@@ -98,6 +98,7 @@ def gumbel_draw_ref(cand, count, lower, upper, out_hi, out_abs, seeds, pos, temp
 
 # ---- Triton ---------------------------------------------------------------------------------
 if triton is not None:
+    from .common import _slots
     from .gumbel_jit import _hash, _noise_bounds, _prefix, _q_hi, _q_lo, _temp, _uniform
 
     @triton.jit
@@ -105,11 +106,7 @@ if triton is not None:
                             live_ptr, token_ptr, code_ptr, V, SUBC: tl.constexpr, CAPC: tl.constexpr):
         b = tl.program_id(0).to(tl.int64)
         S: tl.constexpr = CAPC * SUBC
-        sl = tl.arange(0, S)
-        n = tl.minimum(tl.load(count_ptr + b), CAPC)
-        blk = tl.load(cand_ptr + b * CAPC + sl // SUBC)
-        ids = blk.to(tl.int64) * SUBC + (sl % SUBC)
-        valid = (sl // SUBC < n) & (blk >= 0) & (ids < V)
+        sl, ids, valid = _slots(cand_ptr, count_ptr, b, V, SUBC, CAPC)
         lo = tl.where(valid, tl.load(lo_ptr + b * S + sl), float("-inf"))  # (slots past the count
         hi = tl.where(valid, tl.load(up_ptr + b * S + sl), float("-inf"))  # were never written)
         t, greedy, t_ok = _temp(temp_ptr, b)
