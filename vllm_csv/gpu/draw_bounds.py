@@ -128,6 +128,7 @@ if triton is not None:
     from .common import _rnd
     from .gumbel_jit import _hash, _noise_bounds, _prefix, _q_hi, _temp, _uniform
     from .score import _up32
+    from .select import _overflow_ok
 
     @triton.jit
     def _block_bounds_kernel(block_hi_ptr, seed_ptr, pos_ptr, temp_ptr, bound_ptr, absq_ptr, V, nb,
@@ -189,17 +190,9 @@ if triton is not None:
         aq = tl.load(absq_ptr + b * nb + idx, mask=inb, other=0.0)
         tl.store(oabs_ptr + b, tl.max(tl.where(keep, 0.0, aq), 0))
         # ok: select_blocks' (every row of the batch, then threshold_from's overflow check, fp32)
-        rows = tl.arange(0, BBATCH)
-        all_ok = tl.min(tl.load(ok_ptr + rows, mask=rows < B, other=1).to(tl.int32), 0)
-        ok = (tl.load(ok_ptr + b).to(tl.int32) != 0) & (all_ok != 0)
         y1 = tl.max(tl.load(bmax_ptr + b * nb + idx, mask=inb, other=float("-inf")), 0)
-        spread = rad_max * tl.load(hn_ptr + b) + act_coef * tl.load(e_ptr + b)
-        spread = spread + tiny
-        spread = spread + bslack_max
-        top = y1 + delta * tl.abs(y1)
-        top = top + spread
-        top = top + babs_max
-        ok = ok & (top <= limit)
+        ok, _ = _overflow_ok(ok_ptr, b, B, y1, tl.load(hn_ptr + b), tl.load(e_ptr + b), rad_max, act_coef, tiny,
+                             bslack_max, delta, limit, babs_max, BBATCH)
         tl.store(okout_ptr + b, ok.to(tl.int8))
 
 

@@ -41,6 +41,23 @@ def select_blocks_ref(bmax, k, hnorm, e, ok, consts, cap: int):
 
 if triton is not None:
     @triton.jit
+    def _overflow_ok(ok_ptr, b, B, y1, hn, ee, rad_max, act_coef, tiny, bslack_max, delta, limit, babs_max,
+                     BBATCH: tl.constexpr):
+        """:func:`~vllm_csv.ops.step.threshold_from`'s ``ok`` for row ``b`` (fp32, operation for
+        operation), and its ``spread``: the row's and every row of the batch's ``ok`` (``B`` rows),
+        and the overflow check of the row's largest block maximum ``y1``."""
+        rows = tl.arange(0, BBATCH)
+        all_ok = tl.min(tl.load(ok_ptr + rows, mask=rows < B, other=1).to(tl.int32), 0)
+        ok = (tl.load(ok_ptr + b).to(tl.int32) != 0) & (all_ok != 0)
+        spread = rad_max * hn + act_coef * ee
+        spread = spread + tiny
+        spread = spread + bslack_max
+        top = y1 + delta * tl.abs(y1)
+        top = top + spread
+        top = top + babs_max
+        return ok & (top <= limit), spread
+
+    @triton.jit
     def _select_blocks_kernel(bmax_ptr, k_ptr, hn_ptr, e_ptr, ok_ptr, cand_ptr, count_ptr, tau_ptr,
                               okout_ptr, live_ptr, B, nb, cap, rad_max, act_coef, tiny, bslack_max,
                               delta, limit, babs_max, dplus, dminus, KMAX: tl.constexpr, NB: tl.constexpr,
@@ -49,9 +66,6 @@ if triton is not None:
         idx = tl.arange(0, NB)
         x = tl.load(bmax_ptr + b * nb + idx, mask=idx < nb, other=float("-inf"))
         k = tl.load(k_ptr + b)
-        rows = tl.arange(0, BBATCH)
-        all_ok = tl.min(tl.load(ok_ptr + rows, mask=rows < B, other=1).to(tl.int32), 0)
-        ok = (tl.load(ok_ptr + b).to(tl.int32) != 0) & (all_ok != 0)
         y1 = tl.max(x, 0)
         yk = y1
         if KMAX <= 8:
@@ -64,16 +78,9 @@ if triton is not None:
         else:  # one sort of the row's block maxima (descending; duplicates kept)
             srt = tl.sort(x, 0, descending=True)
             yk = tl.sum(tl.where(idx == k - 1, srt, 0.0), 0)
-        hn = tl.load(hn_ptr + b)
-        ee = tl.load(e_ptr + b)
         # threshold_from, operation for operation (fp32)
-        spread = rad_max * hn + act_coef * ee
-        spread = spread + tiny
-        spread = spread + bslack_max
-        top = y1 + delta * tl.abs(y1)
-        top = top + spread
-        top = top + babs_max
-        ok = ok & (top <= limit)
+        ok, spread = _overflow_ok(ok_ptr, b, B, y1, tl.load(hn_ptr + b), tl.load(e_ptr + b), rad_max, act_coef, tiny,
+                                  bslack_max, delta, limit, babs_max, BBATCH)
         tau = yk - delta * tl.abs(yk)
         tau = tau - spread
         s = tau - spread
