@@ -74,12 +74,14 @@ def measure(url: str, pid: int | None, args) -> dict:
 @contextlib.contextmanager
 def started_server(args, csv: bool):
     """``vllm serve`` on ``args.model`` (plain, or with CSV): yields ``(base_url, pid)``."""
-    from vllm_csv.serve import _vllm_command, wait_healthy
+    from vllm_csv.serve import _vllm_command, wait_healthy, without_plugin
 
     port = args.port + int(csv)
     cmd = [*_vllm_command(), "serve", args.model, "--host", "127.0.0.1", "--port", str(port), "--seed", "0",
            "--max-model-len", "1024", *(["--enable-csv-decode"] if csv else [])]
     env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE=os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"))
+    if not csv:  # vLLM alone: its own dense path as the baseline
+        env = without_plugin(env)
     log = open(Path(args.json).with_suffix(f".{'csv' if csv else 'dense'}.log"), "w")
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
     try:
@@ -125,7 +127,7 @@ def main(argv=None) -> int:
     from provenance import machine
 
     report = {"clients": args.clients, "seconds": args.seconds, "machine": machine(),
-              **runs, "deterministic": cmp}
+              "dense_plugin": "external" if args.dense_url else False, **runs, "deterministic": cmp}
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps(report, indent=1))
     from record import record_run  # one row a measurement in benchmarks/results/results.csv

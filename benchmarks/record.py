@@ -47,7 +47,9 @@ KEY = ("benchmark", "metric", "config", "shape", "batch", "dtype", "machine", "t
 # baselines, spelled once
 VLLM_HEAD = "vLLM's dense head (its LogitsProcessor dispatch), same dtype, same run"
 FLINEAR = "dense F.linear head, same dtype, same run"
-DENSE_SERVER = "plain `vllm serve` (dense head), same model and requests"
+DENSE_SERVER = "vLLM alone: plain `vllm serve` without this plugin (dense head), same model and requests"
+# (serve runs before the dense server was vLLM alone: it loaded the plugin, with CSV off)
+DENSE_SERVER_PLUGIN = "plain `vllm serve` with the plugin loaded and CSV off (dense head), same model and requests"
 DENSE_STEP = "vLLM's dense sampler step (dense head + vLLM sampler), same rows"
 DENSE_HEAD = "dense head of the same batch (exact comparison)"
 CUBLAS = "cuBLAS bf16 F.linear + argmax (vLLM's dense head), CUDA-graph replayed"
@@ -321,6 +323,16 @@ def rows_from_lm_head(d: dict, source: str, **common) -> list[Row]:
     return out
 
 
+def _dense_server(d: dict) -> str:
+    """The baseline of a serving run: vLLM alone (``dense_plugin`` false, the default since the
+    benchmarks set ``VLLM_PLUGINS``), a server given by URL, or, for runs recorded before the
+    key existed, a dense server that loaded the plugin with CSV off."""
+    dp = d.get("dense_plugin", True)
+    if dp == "external":
+        return "the dense server given by URL (its plugins unknown), same requests"
+    return DENSE_SERVER if dp is False else DENSE_SERVER_PLUGIN
+
+
 def _serve_shape(d: dict) -> str:
     for k in (d.get("csv_metrics") or {}):
         m = re.search(r'hidden_size="(\d+)".*vocab_size="(\d+)"', k)
@@ -338,7 +350,7 @@ def rows_from_serve(d: dict, source: str, **common) -> list[Row]:
     vargs = " ".join(d.get("vllm_args") or [])
     if d.get("dense_args") is not None:  # the dense server ran other arguments (e.g. no speculation)
         vargs += f"' dense_args='{' '.join(d['dense_args'])}"
-    baseline = DENSE_SERVER if d.get("dense_args") is None else \
+    baseline = _dense_server(d) if d.get("dense_args") is None else \
         f"plain `vllm serve` {' '.join(d['dense_args']) or '(no further arguments)'}, same model and requests"
     out = _Rows(benchmark="serve", machine=machine_words(prov, d.get("machine")),
                 threads=_threads(prov, d.get("machine")), commit=short_commit(d.get("commit")),
@@ -510,7 +522,7 @@ def rows_from_load(d: dict, source: str, **common) -> list[Row]:
                                 seconds=d.get("seconds")))
     c, dn = d.get("csv", {}), d.get("dense", {})
     if c.get("tokens_per_s") and dn.get("tokens_per_s"):
-        out.add("tokens_per_s_ratio", c["tokens_per_s"] / dn["tokens_per_s"], "x", DENSE_SERVER,
+        out.add("tokens_per_s_ratio", c["tokens_per_s"] / dn["tokens_per_s"], "x", _dense_server(d),
                 note="ratio of the file's csv and dense tokens/s")
     for side, sd in (("csv", c), ("dense", dn)):
         out.add(f"{side}_tokens_per_s", sd.get("tokens_per_s"), "tokens/s")
@@ -520,7 +532,7 @@ def rows_from_load(d: dict, source: str, **common) -> list[Row]:
         out.add(f"{side}_rss_growth_second_half", sd.get("rss_growth_second_half"), "share")
     det = d.get("deterministic") if isinstance(d.get("deterministic"), dict) else {}
     out.add("deterministic_compared", det.get("compared"), "responses")
-    out.add("deterministic_differing", det.get("differing"), "responses", DENSE_SERVER)
+    out.add("deterministic_differing", det.get("differing"), "responses", _dense_server(d))
     return out
 
 

@@ -64,6 +64,10 @@ def main(argv=None) -> int:
     p.add_argument("--dense-args", default=None,
                    help="`vllm serve` arguments of the dense server instead of the trailing ones (one string, "
                         "shell-split; '' for none): e.g. speculative decoding with CSV against plain dense decoding")
+    p.add_argument("--dense-plugin", action="store_true",
+                   help="the dense server loads this plugin too, with CSV off (by default it is vLLM alone: "
+                        "VLLM_PLUGINS without the plugin, so the baseline is vLLM's own and whatever the plugin "
+                        "costs a server while off is charged to CSV); with it, the ratio leaves that cost out")
     p.add_argument("--json", required=True)
     p.add_argument("vllm_args", nargs=argparse.REMAINDER, help="further `vllm serve` arguments (after --)")
     args = p.parse_args(argv)
@@ -91,14 +95,17 @@ def main(argv=None) -> int:
             f"{k} {w['speedup']}x" for k, w in pairs[-1]["workloads"].items()), file=sys.stderr)
     s = pairs[0] if args.pairs == 1 else combine(pairs)
     machine = f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores"
-    report = {"machine": machine, "model": args.model, "prompts": args.prompts, "commit": commit(), "provenance": provenance(), "vllm_args": args.vllm_args, "dense_args": args.dense_args, "same_malloc": args.same_malloc, "same_metrics": args.same_metrics, "interleave": args.interleave, "control": args.control, "csv_first": args.csv_first, **s}
+    report = {"machine": machine, "model": args.model, "prompts": args.prompts, "commit": commit(), "provenance": provenance(), "vllm_args": args.vllm_args, "dense_args": args.dense_args, "dense_plugin": args.dense_plugin, "same_malloc": args.same_malloc, "same_metrics": args.same_metrics, "interleave": args.interleave, "control": args.control, "csv_first": args.csv_first, **s}
     Path(args.json).write_text(json.dumps(report, indent=1))
     from record import record_run  # one row a measurement in benchmarks/results/results.csv
     record_run("serve", report, source=args.json)
     md = markdown(s, machine, Path(args.model).name)
     if args.control:
-        md = ("A/A control (`--control`): both servers are plain `vllm serve`; the CSV column is the second "
-              "one.\n\n" + md)
+        md = ("A/A control (`--control`): both servers are plain `vllm serve` ("
+              + ("both with the plugin loaded, CSV off" if args.dense_plugin else "neither loads the plugin")
+              + "); the CSV column is the second one.\n\n" + md)
+    elif not args.dense_plugin:
+        md = "The dense server is vLLM without this plugin (VLLM_PLUGINS); the CSV one loads it.\n\n" + md
     Path(args.json).with_suffix(".md").write_text(md)
     print(md)
     return 0

@@ -94,3 +94,25 @@ def test_speculative_counters_are_read_with_the_acceptance_rate():
     assert m["spec_decode_num_accepted_tokens"] == 12 and m["spec_decode_num_accepted_tokens_per_pos"] == 12
     assert m["acceptance_rate"] == 0.4 and "generation_tokens" not in str(m)
     assert parse_spec_metrics("vllm:generation_tokens_total 5.0") == {}
+
+
+def test_dense_server_is_vllm_alone():
+    """The dense server does not load the plugin (its baseline is vLLM's own), unless
+    --dense-plugin; under --control both servers are alike; the environment names every other
+    installed general plugin, never this one."""
+    from types import SimpleNamespace
+
+    from vllm_csv.serve import PLUGIN_ENTRY_POINT, without_plugin
+
+    def args(**k):
+        return SimpleNamespace(**dict(dict(control=False, dense_plugin=False), **k))
+
+    assert not serve.loads_plugin(False, args()) and serve.loads_plugin(True, args())
+    assert not serve.loads_plugin(True, args(control=True)) and not serve.loads_plugin(False, args(control=True))
+    assert serve.loads_plugin(False, args(dense_plugin=True)) and serve.loads_plugin(True, args(dense_plugin=True, control=True))
+    env = without_plugin({"A": "1"})
+    assert env["A"] == "1" and env["VLLM_PLUGINS"]
+    assert PLUGIN_ENTRY_POINT not in env["VLLM_PLUGINS"].split(",")
+    from importlib.metadata import entry_points
+
+    assert PLUGIN_ENTRY_POINT in {e.name for e in entry_points(group="vllm.general_plugins")}  # installed as named

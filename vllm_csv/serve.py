@@ -171,6 +171,21 @@ def _vllm_command() -> list[str]:
     raise CSVError("the `vllm` command is not installed in this environment; `pip install vllm-csv[cpu]` or `[cuda]`")
 
 
+PLUGIN_ENTRY_POINT = "csv_decode"  # this plugin's name in vLLM's vllm.general_plugins (pyproject.toml)
+
+
+def without_plugin(env: dict[str, str]) -> dict[str, str]:
+    """``env`` for a ``vllm serve`` that does not load this plugin at all: ``VLLM_PLUGINS`` lists
+    every other installed general plugin (vLLM then loads only those). A benchmark's dense
+    server runs so, so that its baseline is vLLM's own dense path, and any cost the plugin puts
+    on a server whose CSV is off is charged to CSV rather than hidden in the baseline."""
+    from importlib.metadata import entry_points
+
+    others = sorted({e.name for e in entry_points(group="vllm.general_plugins")} - {PLUGIN_ENTRY_POINT})
+    # (an unknown name matches no plugin: "none" when there are no others, VLLM_PLUGINS="" being read as [""])
+    return dict(env, VLLM_PLUGINS=",".join(others) or "none")
+
+
 def _get(url: str, timeout: float = 5.0) -> bytes:
     with urllib.request.urlopen(url, timeout=timeout) as r:
         return r.read()

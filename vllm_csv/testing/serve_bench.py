@@ -17,7 +17,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from ..serve import _get, _post, _vllm_command, csv_metrics, spec_metrics, wait_healthy
+from ..serve import _get, _post, _vllm_command, csv_metrics, spec_metrics, wait_healthy, without_plugin
 
 PROMPTS = [
     "import os\nimport sys\n", "def fibonacci(n):\n", "class Parser:\n    def __init__(self", "for i in range(",
@@ -68,6 +68,15 @@ def server_flags(csv: bool, args) -> tuple[int, list[str]]:
     return port, flags
 
 
+def loads_plugin(csv: bool, args) -> bool:
+    """Whether the dense (``csv=False``) or the CSV server loads this plugin: the CSV one does;
+    the dense one is vLLM alone (:func:`vllm_csv.serve.without_plugin`) unless ``--dense-plugin``;
+    under ``--control`` both are alike (the plugin in both with ``--dense-plugin``, else in neither)."""
+    if getattr(args, "dense_plugin", False):
+        return True
+    return csv and not args.control
+
+
 @contextlib.contextmanager
 def server(model: str, csv: bool, args):
     """A running ``vllm serve`` (dense or CSV), warmed up; yields its ``complete(params)`` and its
@@ -78,6 +87,8 @@ def server(model: str, csv: bool, args):
     cmd = [*_vllm_command(), "serve", model, "--host", "127.0.0.1", "--port", str(port), "--seed", "0",
            "--max-model-len", "1024", *flags, *extra]
     env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE=os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"))
+    if not loads_plugin(csv, args):
+        env = without_plugin(env)
     if args.same_malloc:
         env.update(malloc_env())
     if args.same_metrics:  # each server its own fresh directory (files left by one would be read by the next)
