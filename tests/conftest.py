@@ -18,9 +18,9 @@ def _private_cache(tmp_path_factory, monkeypatch):
 @pytest.fixture
 def torch_reference_step(monkeypatch):
     """The certified step's torch reference instead of the fused CPU kernels
-    (:mod:`vllm_csv.ops.rows`, :mod:`vllm_csv.ops.step`), for tests that mutate the reference's
-    Python arithmetic (the kernels are checked against that reference in ``tests/test_rows.py``
-    and ``tests/test_step.py``)."""
+    (:mod:`vllm_csv.ops.rows`, :mod:`vllm_csv.ops.select`, :mod:`vllm_csv.ops.step`), for tests
+    that mutate the reference's Python arithmetic (the kernels are checked against that reference
+    in ``tests/test_rows.py``, ``tests/test_select.py`` and ``tests/test_step.py``)."""
     from vllm_csv.ops import build
 
     monkeypatch.setitem(build._state, "ops", None)

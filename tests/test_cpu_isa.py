@@ -29,12 +29,12 @@ pytestmark = [
 ]
 
 # The kernel-against-reference tests (and the head end to end on the kernels), as CI runs them
-# capped at AVX2: every CPU source's dispatched paths (csv_cpu: block_max, interval_rows; gumbel:
-# noise_candidates' chunks, row_stats, pack_live; nucleus: the cuts and top-p sums; topk: row_topk;
-# bools: flat_nonzero), the int8 screen on FBGEMM (test_head_exact's heads).
-KERNEL_TESTS = ["tests/test_step.py", "tests/test_rows.py", "tests/test_noise_candidates.py", "tests/test_row_topk.py",
-                "tests/test_fakes.py", "tests/test_sampling_nucleus.py", "tests/test_ops.py",
-                "tests/test_head_exact.py", "tests/test_int8_vnni.py"]
+# capped at AVX2: every CPU source's dispatched paths (select_cpu: block_max; csv_cpu: score_intervals;
+# rows_cpu: interval_rows; gumbel: noise_candidates' chunks; live_cpu: row_stats, pack_live; nucleus: the
+# cuts and top-p sums; topk: row_topk; bools: flat_nonzero), the int8 screen on FBGEMM (test_head_exact's heads).
+KERNEL_TESTS = ["tests/test_step.py", "tests/test_select.py", "tests/test_rows.py", "tests/test_noise_candidates.py",
+                "tests/test_live.py", "tests/test_row_topk.py", "tests/test_fakes.py", "tests/test_sampling_nucleus.py",
+                "tests/test_ops.py", "tests/test_head_exact.py", "tests/test_int8_vnni.py"]
 # (of test_ops.py its CPU kernels' tests, of test_sampling_nucleus.py its four kernel tests: the
 # whole file takes a minute and a half more)
 KERNEL_SELECT = "(not test_ops and not test_sampling_nucleus) or bool or nonzero or kernel_is_the_reference"

@@ -175,7 +175,7 @@ def test_bad_config_is_clear():
 def test_block_maxima_and_columns(V):
     """The candidate search reads ``y`` once as block maxima: every token at or above a
     threshold lies in a block whose maximum reaches it (tails and NaN rows included)."""
-    from vllm_csv.ops.step import block_cols as _block_cols, block_max as _block_max
+    from vllm_csv.ops.select import block_cols as _block_cols, block_max as _block_max
 
     g = torch.Generator().manual_seed(V)
     y = torch.randn(3, V, generator=g)

@@ -5,7 +5,7 @@ refusal of inputs outside the 7-bit layout."""
 import pytest
 import torch
 
-from vllm_csv.ops import build, step
+from vllm_csv.ops import build, select
 from vllm_csv.ops import int8_vnni as vnni
 from vllm_csv.ops.fbgemm import PackedInt8Linear, act7_layout, packed_int8_linear_ref
 from vllm_csv.screens.fbgemm import quantize_rows
@@ -53,7 +53,7 @@ def test_bit_exact_against_reference_and_fbgemm(V, d):
             assert torch.equal(y, vnni.int8_vnni_linear_ref(x, q, s))
             assert torch.equal(y, fb.linear(x)), (B, c)
             y2, bmax = gemm.linear_block_max(x, build.BLOCK)
-            assert torch.equal(y2, y) and torch.equal(bmax, step.block_max(y)), (B, c)
+            assert torch.equal(y2, y) and torch.equal(bmax, select.block_max(y)), (B, c)
 
 
 def test_integer_exact_at_the_accumulator_extremes():

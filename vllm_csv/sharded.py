@@ -58,7 +58,7 @@ from .head.backend import backend_for
 from .head.certified import arithmetic_ok
 from .head.types import Selection
 from .off_switch import OffSwitch
-from .ops.step import block_cols as _block_cols, block_max as _block_max
+from .ops.select import block_cols as _block_cols, block_max as _block_max
 
 VOCAB_PADDING = 64  # vLLM's DEFAULT_VOCAB_PADDING_SIZE
 

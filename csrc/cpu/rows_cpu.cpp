@@ -16,12 +16,14 @@
 // float64 in torch's order (norms): there the bound holds for any order, and the two may differ
 // in the last bit. Built with -ffp-contract=off (interval_rows' multiply-adds are explicit, as
 // torch's addcmul fuses them). The candidate search, the exact scores and the certificate that
-// follow these passes are in csv_cpu.cpp (vllm_csv/ops/step.py).
+// follow these passes are in select_cpu.cpp (vllm_csv/ops/select.py) and csv_cpu.cpp
+// (vllm_csv/ops/step.py).
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include "fp32.h"
 #include "isa.h"
 
 #if defined(__x86_64__)
@@ -42,17 +44,8 @@ constexpr int ACT_MIN = CSV_ACT_MIN, ACT_MAX = CSV_ACT_MAX;  // vllm_csv.ops.fbg
 constexpr int K_MIN = CSV_K_MIN;  // vllm_csv.ops.build.K_MIN
 constexpr int C_MIN_LOG2 = CSV_C_MIN_LOG2, C_MAX_LOG2 = CSV_C_MAX_LOG2;
 const double S_MIN = std::ldexp(1.0, -126);
-const float INF32 = std::numeric_limits<float>::infinity();
 
-inline float round_up32(double x) {  // vllm_csv.fp.round_up32
-  float f = static_cast<float>(x);
-  return static_cast<double>(f) < x ? std::nextafter(f, INF32) : f;
-}
-
-template <typename T>
-inline double at64(const T* p, int64_t j) {
-  return static_cast<double>(static_cast<float>(p[j]));
-}
+using namespace csv_fp32;  // round_up32, at64 (fp32.h)
 
 // ---- prepare_rows -------------------------------------------------------------------
 std::tuple<at::Tensor, at::Tensor, at::Tensor> prepare_rows(const at::Tensor& h_in, bool certifiable) {

@@ -10,7 +10,7 @@ host sync, fixed shapes):
    fl(fl(fl(acc) t_b) s_i) (+ b_i)`` and the maximum of each block of ``SUB`` tokens. It writes
    ``[B, ceil(V / SUB)]`` maxima, never ``[B, V]``. Its tile is tuned once per shape there.
 3. :mod:`.select` -- :func:`~.select.select_blocks` ``[B]`` programs: the threshold of
-   :func:`vllm_csv.ops.step.select_candidates_ref` from the block maxima (``y_1``, the
+   :func:`vllm_csv.ops.select.select_candidates_ref` from the block maxima (``y_1``, the
    k-th largest ``y_k``, ``tau``, ``thr``) and the candidate blocks (maximum ``>= thr``),
    compacted in ascending order into a fixed ``[B, CAP]`` list; more than ``CAP`` blocks: the
    row is not ``live`` (reason ``budget``).

@@ -16,7 +16,7 @@ beside its torch reference ``<op>_ref``, fixed shapes, no host sync):
    bound (ties at the last: the first by index), compacted in ascending order as
    :func:`~vllm_csv.gpu.select.select_blocks` lays them out (what :mod:`.score` scores); the
    largest bound and ``|qhi|`` of the other blocks; the step's ``ok`` (every row of the batch
-   ``ok``, the overflow check of :func:`vllm_csv.ops.step.threshold_from`). The blocks that can
+   ``ok``, the overflow check of :func:`vllm_csv.ops.select.threshold_from`). The blocks that can
    beat the winner are the ones of largest noisy bound, so they are the ones worth scoring
    (a threshold on the logits alone, as for an argmax, misses a lower block with a large noise).
 
@@ -96,7 +96,7 @@ def draw_select_ref(bound, absq, bmax, hnorm, e, ok, rad_max: float, act_coef: f
     The ``min(cap, nb)`` blocks of largest ``bound`` (ties at the last: the first by index),
     ascending, ``-1`` past ``count``; the largest ``bound`` and ``absq`` of the others (``-inf``,
     0 where none); ``ok`` with every row of the batch ``ok`` and the overflow check of
-    :func:`vllm_csv.ops.step.threshold_from` (fp32, its order of operations) on the row's
+    :func:`vllm_csv.ops.select.threshold_from` (fp32, its order of operations) on the row's
     largest screen value."""
     B, nb = bound.shape
     n = min(cap, nb, CAP)

@@ -1,5 +1,5 @@
 """Step 3 of the fused step, :func:`select_blocks` (``[B]`` programs): the threshold of
-:func:`vllm_csv.ops.step.select_candidates_ref` from the block maxima (``y_1``, the k-th largest
+:func:`vllm_csv.ops.select.select_candidates_ref` from the block maxima (``y_1``, the k-th largest
 ``y_k``, ``tau``, ``thr``) and the candidate blocks (maximum ``>= thr``), compacted in ascending
 order into a fixed ``[B, CAP]`` list; more than ``CAP`` blocks: the row is not ``live`` (reason
 ``budget``). Beside it: its torch reference :func:`select_blocks_ref` and its custom op
@@ -9,14 +9,14 @@ from __future__ import annotations
 
 import torch
 
-from ..ops.step import threshold_from
+from ..ops.select import threshold_from
 from .common import CAP, LIB, _launch, _use_triton, tl, triton
 
 
 def select_blocks_ref(bmax, k, hnorm, e, ok, consts, cap: int):
     """``(cand [B, CAP] int32, count [B] int32, tau [B] fp32, ok [B] int8, live [B] int8)``.
 
-    The threshold of :func:`vllm_csv.ops.step.threshold_from` from ``y_1`` (largest block
+    The threshold of :func:`vllm_csv.ops.select.threshold_from` from ``y_1`` (largest block
     maximum) and ``y_k`` (``k``-th largest, with multiplicity: ``k`` distinct tokens reach it);
     ``ok`` also asks every row of the batch to be ``ok`` (:func:`vllm_csv.head.bounds.prepare`);
     candidate blocks are those with maximum ``>= thr``, ascending, the first ``CAP`` kept
@@ -43,7 +43,7 @@ if triton is not None:
     @triton.jit
     def _overflow_ok(ok_ptr, b, B, y1, hn, ee, rad_max, act_coef, tiny, bslack_max, delta, limit, babs_max,
                      BBATCH: tl.constexpr):
-        """:func:`~vllm_csv.ops.step.threshold_from`'s ``ok`` for row ``b`` (fp32, operation for
+        """:func:`~vllm_csv.ops.select.threshold_from`'s ``ok`` for row ``b`` (fp32, operation for
         operation), and its ``spread``: the row's and every row of the batch's ``ok`` (``B`` rows),
         and the overflow check of the row's largest block maximum ``y1``."""
         rows = tl.arange(0, BBATCH)

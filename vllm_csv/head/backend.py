@@ -2,13 +2,15 @@
 
 Three backends, one interface (:class:`Backend`):
 
-* ``torch``: the torch reference of every op (the ``*_ref`` of :mod:`vllm_csv.ops.rows` and
-  :mod:`vllm_csv.ops.step`), on any device; the CPU's choice where the CSV CPU kernels are not
-  built (``VLLM_CSV_CPU_KERNELS=0``, no compiler) and the one the mutation tests patch
-  (``tests/conftest.py``, ``torch_reference_step``: set before the head is built);
-* ``cpu``: the fused CPU kernels (the kernel paths, ``*_cpu``, of :mod:`vllm_csv.ops.rows` and
-  :mod:`vllm_csv.ops.step`: the same bits as the reference, ``tests/test_rows.py`` and
-  ``tests/test_step.py``; the build is not asked again a call);
+* ``torch``: the torch reference of every op (the ``*_ref`` of :mod:`vllm_csv.ops.rows`,
+  :mod:`vllm_csv.ops.select` and :mod:`vllm_csv.ops.step`), on any device; the CPU's choice
+  where the CSV CPU kernels are not built (``VLLM_CSV_CPU_KERNELS=0``, no compiler) and the one
+  the mutation tests patch (``tests/conftest.py``, ``torch_reference_step``: set before the head
+  is built);
+* ``cpu``: the fused CPU kernels (the kernel paths, ``*_cpu``, of :mod:`vllm_csv.ops.rows`,
+  :mod:`vllm_csv.ops.select` and :mod:`vllm_csv.ops.step`: the same bits as the reference,
+  ``tests/test_rows.py``, ``tests/test_select.py`` and ``tests/test_step.py``; the build is not
+  asked again a call);
 * ``cuda``: the torch reference on the device, plus the fused Triton step where it applies
   (:mod:`vllm_csv.gpu`, built by the head on its first CUDA step) and a device synchronisation
   at the end of a step (the step's time is a host clock).
@@ -24,7 +26,7 @@ from collections.abc import Callable
 
 import torch
 
-from ..ops import build, rows as row_ops, step as cpu_ops
+from ..ops import build, rows as row_ops, select as select_ops, step as cpu_ops
 
 logger = logging.getLogger("vllm.csv_decode")
 _logged: set[str] = set()
@@ -40,7 +42,7 @@ class Backend:
     prepare_rows = staticmethod(row_ops.prepare_rows_ref)
     abs_max_rows = staticmethod(row_ops.abs_max_rows_ref)
     interval_rows = staticmethod(row_ops.interval_rows_ref)
-    select_candidates = staticmethod(cpu_ops.select_candidates_ref)
+    select_candidates = staticmethod(select_ops.select_candidates_ref)
     finish_selection = staticmethod(cpu_ops.finish_selection_ref)
 
     def score_fused(self, h: torch.Tensor, w: torch.Tensor, ids: torch.Tensor, coef: float, tiny32: float):
@@ -56,8 +58,8 @@ class Backend:
 
 
 class CpuKernels(Backend):
-    """The fused CPU kernels (``cpu``): the ops of :mod:`vllm_csv.ops.rows` and :mod:`vllm_csv.ops.step`,
-    built and loaded."""
+    """The fused CPU kernels (``cpu``): the ops of :mod:`vllm_csv.ops.rows`, :mod:`vllm_csv.ops.select`
+    and :mod:`vllm_csv.ops.step`, built and loaded."""
 
     name = "cpu"
     # the kernel paths themselves (``*_cpu``): the build was checked once, by backend_for
@@ -65,7 +67,7 @@ class CpuKernels(Backend):
     prepare_rows = staticmethod(row_ops.prepare_rows_cpu)
     abs_max_rows = staticmethod(row_ops.abs_max_rows_cpu)
     interval_rows = staticmethod(row_ops.interval_rows_cpu)
-    select_candidates = staticmethod(cpu_ops.select_candidates_cpu)
+    select_candidates = staticmethod(select_ops.select_candidates_cpu)
     finish_selection = staticmethod(cpu_ops.finish_selection_cpu)
 
     def score_fused(self, h, w, ids, coef, tiny32):

@@ -63,7 +63,7 @@ def select_two_sided(head, hidden: torch.Tensor, k: torch.Tensor, need_values: t
     kmax = int(k.max())
     budget = max(kmax, math.ceil(head.config.budget * V))
     act_coef = errors.max_of(out.n) * (1 + delta) if out.n is not None else 0.0
-    # tau, thr, the candidate blocks and columns (ops.step.select_candidates_ref is this
+    # tau, thr, the candidate blocks and columns (ops.select.select_candidates_ref is this
     # docstring's search, step by step; one fused kernel on the CPU)
     ids, tau, ok, live = backend.select_candidates(
         y, rs, k, hnorm, out.e if out.n is not None else None, ok, rad_max, act_coef, errors.tiny,

@@ -5,9 +5,11 @@
 * the CPU kernels (``csrc/cpu/X.cpp``, one library ``torch.ops.vllm_csv_cpu``): built and loaded
   by :mod:`~vllm_csv.ops.build`, and wrapped one module a source (:data:`~vllm_csv.ops.build.KERNELS`):
   :mod:`~vllm_csv.ops.rows` (``rows_cpu.cpp``: the certified step's per-row passes),
-  :mod:`~vllm_csv.ops.step` (``csv_cpu.cpp``: its candidate search, exact scores and certificate),
+  :mod:`~vllm_csv.ops.select` (``select_cpu.cpp``: its candidate search),
+  :mod:`~vllm_csv.ops.step` (``csv_cpu.cpp``: its exact scores and certificate),
   :mod:`~vllm_csv.ops.int8_vnni`, :mod:`~vllm_csv.ops.int4_vnni` (the screens' GEMMs),
   :mod:`~vllm_csv.ops.noise` (``gumbel_cpu.cpp``: the draw certificate's pass and the noise's hash),
+  :mod:`~vllm_csv.ops.live` (``live_cpu.cpp``: a sampled row's statistics and live columns),
   :mod:`~vllm_csv.ops.masks` (``nucleus_cpu.cpp``), :mod:`~vllm_csv.ops.topk` (``topk_cpu.cpp``),
   :mod:`~vllm_csv.ops.bools` (``bools_cpu.cpp``);
 * pure torch: :mod:`~vllm_csv.ops.fbgemm` (FBGEMM's exact int8 GEMM), :mod:`~vllm_csv.ops.gather`.

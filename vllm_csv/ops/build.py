@@ -49,7 +49,7 @@ from .fbgemm import ACT_MAX, ACT_MIN, C_MAX_LOG2, C_MIN_LOG2
 logger = logging.getLogger("vllm.csv_decode")
 
 # ---- the constants compiled into the kernels (-D flags), one place each ----------------------
-BLOCK = 256  # tokens a block: the candidate search reads y once, as block maxima (ops.step)
+BLOCK = 256  # tokens a block: the candidate search reads y once, as block maxima (ops.select)
 PANEL, GROUP = 32, 4  # the VNNI GEMM's weight panel: rows (two zmm tiles of int32 lanes), k a vpdpbusd lane sums
 PREFETCH = 4096  # bytes ahead of the weight stream the screens' GEMMs prefetch on Intel CPUs (none
 # elsewhere: csrc/cpu/int8_vnni.cpp, prefetch_ahead; measured: benchmarks/README.md, "Software prefetch")
@@ -63,17 +63,19 @@ ISA_ENV = "VLLM_CSV_CPU_ISA"  # auto | avx512 | avx2: the widest vector ISA the 
 ISA_CAPS = {1: "avx2", 2: "avx512", 3: "auto"}  # the kernels' cpu_isa_cap() -> its name
 
 KERNELS = {  # csrc/cpu/<source>: the module of its ops, each beside its torch reference (in build order)
-    "csv_cpu.cpp": "vllm_csv.ops.step",  # the certified step's search, exact scores and certificate
+    "csv_cpu.cpp": "vllm_csv.ops.step",  # the certified step's exact scores and certificate (and TORCH_LIBRARY)
+    "select_cpu.cpp": "vllm_csv.ops.select",  # the certified step's candidate search
     "rows_cpu.cpp": "vllm_csv.ops.rows",  # the certified step's per-row passes (norms, intervals, quantisation)
     "int8_vnni.cpp": "vllm_csv.ops.int8_vnni",  # the int8 screen's GEMM (VNNI, AMX)
     "gumbel_cpu.cpp": "vllm_csv.ops.noise",  # the draw certificate's pass over the vocabulary
+    "live_cpu.cpp": "vllm_csv.ops.live",  # a sampled row's interval statistics and live columns
     "int4_vnni.cpp": "vllm_csv.ops.int4_vnni",  # the int4 screen's GEMM
     "nucleus_cpu.cpp": "vllm_csv.ops.masks",  # min-p's and top-k's cuts, top-p's sums
     "topk_cpu.cpp": "vllm_csv.ops.topk",  # each row's k largest values
     "bools_cpu.cpp": "vllm_csv.ops.bools",  # a bool mask's true positions
 }
 SOURCES = tuple(Path(__file__).resolve().parents[2] / "csrc" / "cpu" / f for f in KERNELS)
-HEADERS = (SOURCES[0].parent / "isa.h",)  # included by the sources (part of the build's key)
+HEADERS = tuple(SOURCES[0].parent / f for f in ("isa.h", "fp32.h"))  # included by sources (part of the build key)
 
 FEATURES = {  # what the kernels may use on this CPU -> the op that answers (cpuid, and Linux's permission for AMX)
     "avx512_vnni": "int8_vnni_supported",  # AVX-512 F/BW and VNNI: the int8 GEMM

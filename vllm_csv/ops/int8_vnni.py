@@ -18,7 +18,7 @@ per 8), multiplies with ``vpdpbusd`` (unsigned codes ``p + 64`` in ``[0, 127]`` 
   the two roundings of FBGEMM's ``ReQuantizeForFloat`` and of :func:`int8_vnni_linear_ref`.
 
 With a block size it also returns the maxima of ``y`` over consecutive blocks of tokens, the
-first thing the candidate search reads (:func:`vllm_csv.ops.step.select_candidates`): taken
+first thing the candidate search reads (:func:`vllm_csv.ops.select.select_candidates`): taken
 in registers, they save that search its one full pass over ``[B, V]``.
 
 On CPUs with AMX-INT8 (Intel Sapphire Rapids and later), batches of :data:`AMX_FROM` rows or more
@@ -92,7 +92,7 @@ class VnniInt8Linear(Int8Linear):
     def linear_block_max(self, x: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
         """:meth:`linear` and, in the same pass, the maxima of ``y`` over consecutive blocks of
         ``block`` tokens (a multiple of 32): ``(y [B, V], bmax [B, ceil(V / block)])``, ``bmax``
-        equal to :func:`vllm_csv.ops.step.block_max` of ``y`` (NaN propagates)."""
+        equal to :func:`vllm_csv.ops.select.block_max` of ``y`` (NaN propagates)."""
         return self._op_for(x)(x, self.packed, self.zsum, self.s, self.vocab_size, self.hidden_size, block)
 
     def kernel_for(self, rows: int) -> str:

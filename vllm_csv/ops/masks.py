@@ -11,7 +11,7 @@ and ``masked_fill`` on bool masks run a scalar loop on the CPU (about 0.7 ms eac
 Each op ``X`` asks per call whether the kernels run on its tensors and takes ``X_cpu`` (the kernel
 path alone) or ``X_ref``. :class:`MaskOps` binds them once for one device, with the other passes
 the masks and the sampler's rounds run over bounds (:func:`~vllm_csv.ops.topk.row_topk`,
-:func:`~vllm_csv.ops.bools.flat_nonzero`, :func:`~vllm_csv.ops.noise.row_stats`): a sampler's view
+:func:`~vllm_csv.ops.bools.flat_nonzero`, :func:`~vllm_csv.ops.live.row_stats`): a sampler's view
 of a head (:class:`vllm_csv.sampling.head_adapter.HeadAdapter`) builds it with the head
 (:func:`mask_ops`); :data:`PER_CALL` asks each call, for callers with no binding.
 """
@@ -26,7 +26,7 @@ import torch
 
 from .bools import flat_nonzero, flat_nonzero_cpu, flat_nonzero_ref
 from .build import cpu_supports, fake, uses_kernels
-from .noise import RowStats, row_stats, row_stats_cpu, row_stats_ref
+from .live import RowStats, row_stats, row_stats_cpu, row_stats_ref
 from .topk import TopK, row_topk, row_topk_cpu, row_topk_ref
 
 SUMS_CHUNK = 1 << 22  # top_p_sums_ref: elements of a chunk's [queries, n] temporaries

@@ -1,8 +1,9 @@
 """The draw certificate's pass over the whole vocabulary (``csrc/cpu/gumbel_cpu.cpp``), beside
 its torch reference; the sampled rows' whole certificate pass (:func:`draw_contenders`, the
-vocabulary pass and what the certificate reads of it), the noise bits of a few tokens
-(:func:`noise_bits`), the row statistics the certificate reads first (:func:`row_stats`) and
-each row's live columns (:func:`pack_live`, for the packed certificate), from the same file.
+vocabulary pass and what the certificate reads of it) and the noise bits of a few tokens
+(:func:`noise_bits`), from the same file. The row statistics the certificate reads first and
+each row's live columns are :mod:`vllm_csv.ops.live`'s (``live_cpu.cpp``); :class:`DrawOps`
+binds them with :func:`draw_contenders`.
 
 Why fused: :func:`vllm_csv.sampling.certificate.certify_draw` must look at every live token of a
 sampled row, hashing its noise and comparing the raw bits with the row's threshold for the
@@ -25,6 +26,7 @@ from typing import NamedTuple
 import torch
 
 from .build import fake, load_ops, uses_kernels
+from .live import RowStats, pack_live, pack_live_cpu, pack_live_ref, row_stats, row_stats_cpu, row_stats_ref
 
 GOLDEN = 0x9E3779B97F4A7C15
 
@@ -236,85 +238,6 @@ def noise_bits(seeds: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     return noise_bits_ref(seeds, ids)
 
 
-class RowStats(NamedTuple):
-    lmax: torch.Tensor  # [R] float32, max lo (NaN if the row has a NaN)
-    hmax: torch.Tensor  # [R] float32, max hi (same)
-    absmax: torch.Tensor  # [R] float32, max(|hmax|, -min lo, -min hi), -inf counted as 0
-    live: torch.Tensor  # [R] int64, #{j: hi_j != -inf or lo_j is NaN}
-    top_values: torch.Tensor  # [R, k] float32, the k largest lo, descending
-    top_indices: torch.Tensor  # [R, k] int64
-
-
-def _live(lo: torch.Tensor, hi: torch.Tensor) -> torch.Tensor:
-    """``[R, n]`` bool: the live columns, ``hi != -inf`` or ``lo`` NaN (a NaN row stays live: it
-    is never certified)."""
-    return (hi != -math.inf) | torch.isnan(lo)
-
-
-def row_stats_ref(lo: torch.Tensor, hi: torch.Tensor, k: int) -> RowStats:
-    """What :func:`vllm_csv.sampling.certificate.certify_draw` reads first of bounds ``lo, hi``
-    (``[R, n]`` float32, ``1 <= k <= min(16, n)``): :class:`RowStats`. ``absmax`` is meant for
-    rows without NaN or ``+inf``; ties in the top ``k`` may be broken either way (the kernel
-    takes the lowest index)."""
-    top = lo.topk(k, dim=1)
-    hmax = hi.amax(1)
-    absmax = torch.maximum(hmax.abs(), torch.maximum(lo.nan_to_num(neginf=0.0).amin(1).neg_(),
-                                                     hi.nan_to_num(neginf=0.0).amin(1).neg_()))
-    return RowStats(lo.amax(1), hmax, absmax, _live(lo, hi).sum(1), top.values, top.indices)
-
-
-def row_stats(lo: torch.Tensor, hi: torch.Tensor, k: int) -> RowStats:
-    """Same as :func:`row_stats_ref`, in one pass over the rows on the CPU where the kernel is
-    built (the reference's seven passes, ``topk`` the dearest, cost about 1 ms for 8 rows of
-    65536 tokens on 2 cores)."""
-    return row_stats_cpu(lo, hi, k) if uses_kernels(lo) else row_stats_ref(lo, hi, k)
-
-
-def row_stats_cpu(lo: torch.Tensor, hi: torch.Tensor, k: int) -> RowStats:
-    """:func:`row_stats` on the kernels (the build not asked again: :class:`DrawOps`)."""
-    return RowStats(*torch.ops.vllm_csv_cpu.row_stats(lo, hi, k))
-
-
-def pack_live_ref(lo: torch.Tensor, hi: torch.Tensor, n: int) -> torch.Tensor:
-    """Each row's live columns, packed.
-
-    Parameters
-    ----------
-    lo, hi : torch.Tensor
-        ``[R, V]`` float32 bounds; a column is live where ``hi != -inf`` or ``lo`` is NaN (what
-        :class:`RowStats`'s ``live`` counts).
-    n : int
-        At least every row's live count.
-
-    Returns
-    -------
-    torch.Tensor
-        ``[R, n]`` int64: row ``r``'s live columns ascending, then ``V`` (padding).
-    """
-    R, V = hi.shape
-    live = _live(lo, hi)
-    ri, ci = live.nonzero().unbind(1)  # row-major: each row's live columns ascending
-    count = live.sum(1)
-    if R and n < int(count.max()):
-        raise RuntimeError("pack_live: a row has more than n live columns")
-    cols = torch.full((R, n), V, dtype=torch.long, device=hi.device)
-    start = count.cumsum(0) - count
-    cols[ri, torch.arange(ri.numel(), device=hi.device) - start[ri]] = ci
-    return cols
-
-
-def pack_live(lo: torch.Tensor, hi: torch.Tensor, n: int) -> torch.Tensor:
-    """Same as :func:`pack_live_ref`; one pass of vector compares on the CPU where the kernel is
-    built (the reference's compares and ``nonzero`` over ``[R, V]`` cost about 0.5 ms for 8 rows
-    of 65536 tokens on 2 cores: torch's bool passes are scalar loops here)."""
-    return pack_live_cpu(lo, hi, n) if uses_kernels(hi) else pack_live_ref(lo, hi, n)
-
-
-def pack_live_cpu(lo: torch.Tensor, hi: torch.Tensor, n: int) -> torch.Tensor:
-    """:func:`pack_live` on the kernels (the build not asked again: :class:`DrawOps`)."""
-    return torch.ops.vllm_csv_cpu.pack_live(lo, hi, n)
-
-
 # ---- the certificate's passes, bound once --------------------------------------------------------
 class DrawOps(NamedTuple):
     """The passes :func:`vllm_csv.sampling.certificate.certify_draw` runs over a row's bounds,
@@ -350,15 +273,3 @@ def _(hi, seeds, hmax, table, force, ids, inv_level):
 @fake("noise_bits")
 def _(seeds, ids):
     return seeds.new_empty(seeds.shape[0], ids.shape[-1], dtype=torch.long)
-
-
-@fake("row_stats")
-def _(lo, hi, k):
-    R = lo.shape[0]
-    return (lo.new_empty(R), lo.new_empty(R), lo.new_empty(R), lo.new_empty(R, dtype=torch.long),
-            lo.new_empty(R, k), lo.new_empty(R, k, dtype=torch.long))
-
-
-@fake("pack_live")
-def _(lo, hi, n):
-    return lo.new_empty(lo.shape[0], n, dtype=torch.long)

@@ -5,7 +5,8 @@ torch reference and its fake implementation: each reads the rows of one tensor (
 Why fused: the screen's GEMM streams the whole int8 head (50-150 MB) through the caches and
 evicts the code of the torch ops that follow, which then run cold (30-200 us instead of 2-10).
 Where the kernels are not built (:mod:`vllm_csv.ops.build`), or on another device, every call
-takes the reference. The search, scores and certificate that follow are :mod:`vllm_csv.ops.step`.
+takes the reference. The search that follows is :mod:`vllm_csv.ops.select`; the scores and
+certificate after it, :mod:`vllm_csv.ops.step`.
 
 Ops (``torch.ops.vllm_csv_cpu.*``):
 

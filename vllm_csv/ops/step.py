@@ -1,16 +1,15 @@
-"""The certified step's candidate search, exact scores and certificate on the CPU, fused
-(``csrc/cpu/csv_cpu.cpp``), each beside its torch reference and its fake implementation.
+"""The certified step's exact scores and certificate on the CPU, fused (``csrc/cpu/csv_cpu.cpp``),
+each beside its torch reference and its fake implementation.
 
 Why fused: the screen's GEMM streams the whole int8 head (50-150 MB) through the caches and
 evicts the code of the torch ops that follow, which then run cold (30-200 us instead of 2-10);
-the references here and in :mod:`vllm_csv.ops.rows` (the per-row passes before the search) run
-about 60 of them around each GEMM, 1-2 ms a step. Where the kernels are not built
-(:mod:`vllm_csv.ops.build`), or on another device, every call takes the reference.
+the references here, in :mod:`vllm_csv.ops.rows` (the per-row passes before the search) and in
+:mod:`vllm_csv.ops.select` (the candidate search) run about 60 of them around each GEMM, 1-2 ms
+a step. Where the kernels are not built (:mod:`vllm_csv.ops.build`), or on another device, every
+call takes the reference.
 
 Ops (``torch.ops.vllm_csv_cpu.*``):
 
-* :func:`select_candidates`: the two-sided threshold search of
-  :meth:`vllm_csv.head.CertifiedHead._select_two_sided`;
 * :func:`score_intervals`: the float64 dot products and their fp32 interval of
   :meth:`vllm_csv.head.CertifiedHead._score` (and, without a bias, the engine's rounding);
 * :func:`certify_topk`: the top-k certificate of :meth:`vllm_csv.head.CertifiedHead._certify`
@@ -36,122 +35,9 @@ import math
 import torch
 import torch.nn.functional as F
 
-from ..fp import FP32_UNIT_ROUNDOFF, round_down32, round_up32
+from ..fp import round_down32, round_up32
 from ..vocabulary import KERNEL_REASONS as REASONS  # noqa: F401  (finish_selection's codes, in order)
-from .build import BLOCK, fake, uses_kernels
-
-
-# ---- select_candidates ----------------------------------------------------------------------
-def block_max(y: torch.Tensor) -> torch.Tensor:
-    """``[B, ceil(V / BLOCK)]`` maxima of consecutive blocks of ``y [B, V]`` (NaN propagates)."""
-    B, V = y.shape
-    full = V // BLOCK * BLOCK
-    parts = [y[:, :full].reshape(B, -1, BLOCK).amax(2)] if full else []
-    if full < V:
-        parts.append(y[:, full:].amax(1, keepdim=True))
-    return parts[0] if len(parts) == 1 else torch.cat(parts, 1)
-
-
-def block_cols(blocks: torch.Tensor, V: int) -> torch.Tensor:
-    """The token ids of ``blocks`` (ascending)."""
-    cols = (blocks[:, None] * BLOCK + torch.arange(BLOCK, device=blocks.device)[None]).reshape(-1)
-    return cols[cols < V]
-
-
-def threshold_from(y1, yk, hnorm, e, ok, rad_max: float, act_coef: float, tiny: float, bslack_max: float,
-                   delta: float, limit: float, babs_max: float):
-    """``(tau, thr, ok)``, each ``[B]``, from a row's largest screen value ``y1`` and a lower bound
-    ``yk`` of its k-th largest (the search of :func:`select_candidates_ref`, whose arguments these
-    are): ``tau`` a lower bound of the row's k-th largest dense logit, ``thr`` the screen value
-    below which a token's dense upper bound is below ``tau`` (NaN on rows that cannot be
-    certified, which then add no candidates), ``ok`` with the overflow check added. fp32, in
-    this order of operations (the GPU step's select kernel repeats them one for one)."""
-    act = act_coef * e if e is not None else 0.0
-    spread = rad_max * hnorm + act + tiny + bslack_max
-    ok = ok & ((y1 + delta * y1.abs() + spread + babs_max) <= limit)  # False on NaN
-    tau = yk - delta * yk.abs() - spread
-    s = tau - spread
-    thr = torch.where(s >= 0, s / (1 + delta), s / (1 - delta))
-    thr = thr - thr.abs() * (8 * FP32_UNIT_ROUNDOFF) - tiny  # rounding of this very line
-    return tau, thr.masked_fill(~ok, math.nan), ok
-
-
-def select_candidates_ref(y, row_scale, k, hnorm, e, ok, rad_max: float, act_coef: float, tiny: float,
-                          bslack_max: float, delta: float, limit: float, babs_max: float, budget: int,
-                          bmax: torch.Tensor | None = None):
-    """The threshold search of :meth:`vllm_csv.head.CertifiedHead._select_two_sided` (its
-    docstring has the argument): ``(ids [S] int64 ascending, tau [B] fp32, ok [B], live [B])``.
-
-    Parameters
-    ----------
-    y : torch.Tensor
-        ``[B, V]`` fp32 screen values; the center is ``fl(y * row_scale[:, None])`` if
-        ``row_scale [B]`` is given, else ``y``.
-    k : torch.Tensor
-        ``[B]`` int64, ``k >= 1``.
-    hnorm, e : torch.Tensor
-        ``[B]`` fp32: ``||h_b||`` rounded up; the screen's activation term (or None).
-    ok : torch.Tensor
-        ``[B]`` bool: rows that may be certified (returned with the overflow check added).
-    rad_max, act_coef, tiny, bslack_max, delta, limit, babs_max : float
-        ``spread_b = rad_max ||h_b|| + act_coef e_b + tiny + bslack_max``, the relative
-        term ``delta`` and the engine's ``limit`` (:meth:`_select_two_sided`).
-    budget : int
-        Most candidates a row may have (more: not ``live``).
-    bmax : torch.Tensor, optional
-        ``[B, ceil(V / BLOCK)]`` fp32, :func:`block_max` of ``y`` when the screen's GEMM already
-        took it (:meth:`vllm_csv.ops.int8_vnni.VnniInt8Linear.linear_block_max`); else computed here.
-
-    Every token outside ``ids`` has a dense upper bound ``< tau_b`` on every row that is
-    ``ok & live``; rows that are not ``ok`` add no candidates."""
-    B, V = y.shape
-    rs = row_scale
-    kmax = int(k.max())
-    bmax = block_max(y) if bmax is None else bmax  # [B, nb]: the one full read of y
-    if rs is not None:
-        bmax = bmax * rs[:, None]  # = the block maxima of fl(y * rs): exact and monotone
-    if kmax == 1:
-        y1 = yk = bmax.amax(1)
-    elif kmax <= bmax.shape[1]:
-        top = bmax.topk(kmax, dim=1).values
-        y1, yk = top[:, 0], top.gather(1, (k - 1)[:, None])[:, 0]
-    else:  # fewer blocks than k (a small vocabulary): the exact k-th value
-        top = y.topk(kmax, dim=1).values
-        if rs is not None:
-            top = top * rs[:, None]
-        y1, yk = top[:, 0], top.gather(1, (k - 1)[:, None])[:, 0]
-    tau, thr, ok = threshold_from(y1, yk, hnorm, e, ok, rad_max, act_coef, tiny, bslack_max, delta, limit,
-                                  babs_max)
-    thr = thr[:, None]
-    blocks = bmax >= thr  # [B, nb]: blocks that hold a candidate
-    live = blocks.sum(1) <= budget  # each such block holds at least one candidate
-    cols = block_cols((blocks[live] if B > 1 else blocks).any(0).nonzero().squeeze(1), V)
-    cand = (y[:, cols] if rs is None else y[:, cols] * rs[:, None]) >= thr
-    live &= cand.sum(1) <= budget
-    ids = cols[(cand[live] if B > 1 else cand).any(0)]
-    return ids, tau, ok, live
-
-
-def select_candidates(y, row_scale, k, hnorm, e, ok, rad_max, act_coef, tiny, bslack_max, delta, limit,
-                      babs_max, budget, bmax=None):
-    """Same as :func:`select_candidates_ref` (the same ``ids``, bit for bit); one call on the CPU."""
-    fn = select_candidates_cpu if uses_kernels(y) else select_candidates_ref
-    return fn(y, row_scale, k, hnorm, e, ok, rad_max, act_coef, tiny, bslack_max, delta, limit, babs_max, budget, bmax)
-
-
-def select_candidates_cpu(y, row_scale, k, hnorm, e, ok, rad_max, act_coef, tiny, bslack_max, delta, limit,
-                          babs_max, budget, bmax=None):
-    """:func:`select_candidates` on the kernels (module docstring: ``*_cpu``)."""
-    return torch.ops.vllm_csv_cpu.select_candidates(y, row_scale, bmax, k, hnorm, e, ok, rad_max, act_coef, tiny,
-                                                    bslack_max, delta, limit, babs_max, budget)
-
-
-@fake("select_candidates")
-def _(y, row_scale, bmax, k, hnorm, e, ok, *scalars):
-    B = y.shape[0]
-    S = torch.library.get_ctx().new_dynamic_size()
-    return (y.new_empty(S, dtype=torch.long), y.new_empty(B), y.new_empty(B, dtype=torch.bool),
-            y.new_empty(B, dtype=torch.bool))
+from .build import fake, uses_kernels
 
 
 # ---- score_intervals ------------------------------------------------------------------------

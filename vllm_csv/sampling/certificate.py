@@ -45,7 +45,8 @@ from dataclasses import dataclass
 import torch
 
 from ..ops.gather import rows_of
-from ..ops.noise import PER_CALL, DrawOps, RowStats
+from ..ops.live import RowStats
+from ..ops.noise import PER_CALL, DrawOps
 from .gumbel import noise_margin
 from .outside import Outside
 

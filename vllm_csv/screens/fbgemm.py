@@ -208,7 +208,7 @@ class FbgemmInt8Screen:
         center is ``fl(y_raw * row_scale)``, the very product this method would otherwise take
         over all of ``[B, V]``; a caller that needs only a few columns (or block maxima: the
         product is monotone) saves that pass. With the VNNI backend and no bias, ``block_max``
-        holds :func:`~vllm_csv.ops.step.block_max` of the returned ``y``, taken in the GEMM."""
+        holds :func:`~vllm_csv.ops.select.block_max` of the returned ``y``, taken in the GEMM."""
         from . import ScreenOut
 
         B = h.shape[0]
