@@ -66,6 +66,7 @@ KERNELS = {  # csrc/cpu/<source>: the module of its ops, each beside its torch r
     "csv_cpu.cpp": "vllm_csv.ops.step",  # the certified step's search, exact scores and certificate
     "rows_cpu.cpp": "vllm_csv.ops.rows",  # the certified step's per-row passes (norms, intervals, quantisation)
     "int8_vnni.cpp": "vllm_csv.ops.int8_vnni",  # the int8 screen's GEMM (VNNI, AMX)
+    "int8_avx2.cpp": "vllm_csv.ops.int8_vnni",  # the same GEMM with AVX2, where the CPU has no VNNI
     "gumbel_cpu.cpp": "vllm_csv.ops.noise",  # the draw certificate's pass over the vocabulary
     "int4_vnni.cpp": "vllm_csv.ops.int4_vnni",  # the int4 screen's GEMM
     "nucleus_cpu.cpp": "vllm_csv.ops.masks",  # min-p's and top-k's cuts, top-p's sums
@@ -73,11 +74,12 @@ KERNELS = {  # csrc/cpu/<source>: the module of its ops, each beside its torch r
     "bools_cpu.cpp": "vllm_csv.ops.bools",  # a bool mask's true positions
 }
 SOURCES = tuple(Path(__file__).resolve().parents[2] / "csrc" / "cpu" / f for f in KERNELS)
-HEADERS = (SOURCES[0].parent / "isa.h",)  # included by the sources (part of the build's key)
+HEADERS = (SOURCES[0].parent / "isa.h", SOURCES[0].parent / "int8_layout.h")  # included by the sources (part of the build's key)
 
 FEATURES = {  # what the kernels may use on this CPU -> the op that answers (cpuid, and Linux's permission for AMX)
     "avx512_vnni": "int8_vnni_supported",  # AVX-512 F/BW and VNNI: the int8 GEMM
     "avx512_vnni_f16c": "int4_vnni_supported",  # the same and F16C: the int4 GEMM
+    "avx2_fma": "int8_avx2_supported",  # AVX2 and FMA: the int8 GEMM's AVX2 kernel (where no VNNI)
     "amx_int8": "int8_amx_supported",  # AMX-INT8 tiles, usable by this process: the int8 GEMM's batches
     "sleef_expf16": "unlisted_masses_supported",  # AVX-512 and libtorch's Sleef_expf16_u10: unlisted_masses
 }

@@ -54,11 +54,12 @@ def amx_available() -> bool:
 
 
 def unavailable_reason(d: int, vocab: int) -> str | None:
-    """Why :class:`VnniInt8Linear` cannot run here (``None`` if it can)."""
+    """Why :class:`VnniInt8Linear` cannot run here (``None`` if it can): it needs AVX512-VNNI or,
+    for its AVX2 kernel, AVX2 and FMA."""
     if load_ops() is None:
         return "the CSV CPU kernels are not built"
-    if not cpu_supports("avx512_vnni"):
-        return no_avx512_reason("AVX512-VNNI")
+    if not cpu_supports("avx512_vnni") and not cpu_supports("avx2_fma"):
+        return no_avx512_reason("AVX512-VNNI") + ", and no AVX2 with FMA"
     if 127 * 128 * (d + 3) >= 2**31:
         return f"hidden size {d} overflows the int32 accumulator"
     return None
@@ -77,6 +78,8 @@ class VnniInt8Linear(Int8Linear):
         self._amx = ops.int8_amx_linear if amx_available() else None  # (batches of AMX_FROM rows or more)
         if self._amx is not None:
             self.backend = "vnni+amx"
+        elif not cpu_supports("avx512_vnni"):
+            self.backend = "avx2"  # (the same op runs its AVX2 kernel where the CPU has no VNNI)
         self.packed = ops.pack_int8_vnni(q)
         n = self.packed.shape[0] * PANEL
         self.zsum = torch.zeros(n, dtype=torch.int32)
@@ -97,7 +100,9 @@ class VnniInt8Linear(Int8Linear):
 
     def kernel_for(self, rows: int) -> str:
         """Which kernel a batch of ``rows`` rows runs: ``"amx"`` from :data:`AMX_FROM` rows where the
-        CPU has AMX-INT8, else ``"vnni"``."""
+        CPU has AMX-INT8, ``"avx2"`` where it has no AVX512-VNNI, else ``"vnni"``."""
+        if self.backend == "avx2":
+            return "avx2"
         return "amx" if self._amx is not None and rows >= AMX_FROM else "vnni"
 
     def _op_for(self, x: torch.Tensor):
@@ -124,5 +129,5 @@ def _int8_linear_fake(x, packed, zsum, s, V, d, block):
     return s.new_empty(x.shape[0], V), s.new_empty(x.shape[0], -(-V // block) if block else 0)
 
 
-for _name in ("int8_vnni_linear", "int8_amx_linear"):  # (one op on two instruction sets)
+for _name in ("int8_vnni_linear", "int8_amx_linear", "int8_avx2_linear"):  # (one op on two instruction sets)
     fake(_name)(_int8_linear_fake)
