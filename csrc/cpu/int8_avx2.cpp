@@ -32,41 +32,43 @@ bool cpu_has_avx2_fma() {
 
 namespace {
 
-// Batch rows a pass over a panel serves: 4 ymm accumulators each (16 for 4 rows, some spilled
-// to L1), one weight read for 4 rows; measured under VLLM_CSV_CPU_ISA=avx2 on a Zen 4 core, 4
-// beat 2 (memory-bound batches of 4 rows) and 8 (no faster at 8 and 16 rows).
-constexpr int BT = 4;
+// Batch rows a pass over a panel serves (4 ymm accumulators each): up to BT = 4 rows in one pass
+// (16 accumulators, most spilled to L1, but the weight streams from memory once, which is what
+// bounds batches this small), more rows in tiles of BT_BIG = 2 (8 accumulators in registers: no
+// spill), each tile re-reading the chunk from L2. Measured under VLLM_CSV_CPU_ISA=avx2 on a Zen 4
+// core (benchmarks/README.md, "The int8 screen's AVX2 kernel"): tiles of 4 were 6-8% slower than
+// tiles of 2 at 8 and 16 rows, tiles of 2 slower than one pass at 3 and 4 rows.
+constexpr int BT = 4, BT_BIG = 2;
 
-// One tile (16 rows: two ymm of 8 rows a group) of a panel for NB batch rows: acc[b][h] = sum_k
-// code[b, k] q[row, k] over the tile's half h. The panel's two tiles are taken one after the
-// other (w: the panel plus 64 t), each reading its own 64-byte line of each 128-byte group: the
-// accumulators of 4 batch rows (8 ymm), the two weight halves, the ones and the broadcast codes
-// fit in the 16 ymm registers (a whole panel at once would spill). The first tile's lines are
-// prefetched pf bytes ahead (as in the VNNI kernel; a prefetch past the weight's end never
-// faults), and the hardware prefetcher brings the second's with them.
+// One panel (32 rows: four ymm of 8 rows a group) for NB batch rows: acc[b][j] = sum_k code[b, k]
+// q[row, k], j = 2 * tile + half. One sequential stream of 128 bytes a group, prefetched pf bytes
+// ahead (as in the VNNI kernel; a prefetch past the weight's end never faults).
 template <int NB>
-__attribute__((target("avx2,fma"))) inline void tile_dot(const int8_t* w, const uint32_t* codes, int64_t groups,
-                                                         int64_t pf, __m256i (*acc)[2]) {
+__attribute__((target("avx2,fma"))) inline void panel_dot(const int8_t* w, const uint32_t* codes, int64_t groups,
+                                                          int64_t pf, __m256i (*acc)[4]) {
   const __m256i ones = _mm256_set1_epi16(1);
-  for (int b = 0; b < NB; ++b) acc[b][0] = acc[b][1] = _mm256_setzero_si256();
+  for (int b = 0; b < NB; ++b)
+    for (int j = 0; j < 4; ++j) acc[b][j] = _mm256_setzero_si256();
   for (int64_t g = 0; g < groups; ++g) {
-    if (pf > 0) _mm_prefetch(reinterpret_cast<const char*>(w + g * 128 + pf), _MM_HINT_T0);
-    const __m256i x0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + g * 128));
-    const __m256i x1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + g * 128 + 32));
+    if (pf > 0) {
+      _mm_prefetch(reinterpret_cast<const char*>(w + g * 128 + pf), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(w + g * 128 + 64 + pf), _MM_HINT_T0);
+    }
+    __m256i x[4];
+    for (int j = 0; j < 4; ++j) x[j] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + g * 128 + 32 * j));
     for (int b = 0; b < NB; ++b) {
       const __m256i a = _mm256_set1_epi32(static_cast<int32_t>(codes[b * groups + g]));
-      // (pairs <= 32512: no saturation, see the top)
-      acc[b][0] = _mm256_add_epi32(acc[b][0], _mm256_madd_epi16(_mm256_maddubs_epi16(a, x0), ones));
-      acc[b][1] = _mm256_add_epi32(acc[b][1], _mm256_madd_epi16(_mm256_maddubs_epi16(a, x1), ones));
+      for (int j = 0; j < 4; ++j)  // (pairs <= 32512: no saturation, see the top)
+        acc[b][j] = _mm256_add_epi32(acc[b][j], _mm256_madd_epi16(_mm256_maddubs_epi16(a, x[j]), ones));
     }
   }
 }
 
-// y[b, rows r0 .. r0 + 15] from the tile's two halves acc[b][0], acc[b][1]; the running
+// y[b, rows r0 .. r0 + 15] from the tile's two halves acc[b][2 t], acc[b][2 t + 1]; the running
 // maxima mx[b][half] and NaN flags nan[b] as the VNNI kernel's store_tile keeps them (vmaxps
 // returns its second operand, v, when either is NaN; the flag keeps the NaN).
 template <int NB>
-__attribute__((target("avx2,fma"))) inline void store_tile(__m256i (*acc)[2], const int32_t* zsum,
+__attribute__((target("avx2,fma"))) inline void store_tile(__m256i (*acc)[4], int t, const int32_t* zsum,
                                                            const float* sv, float c, float* y, int64_t V,
                                                            int64_t r0, __m256 (*mx)[2], int* nan) {
   if (r0 >= V) return;
@@ -77,7 +79,7 @@ __attribute__((target("avx2,fma"))) inline void store_tile(__m256i (*acc)[2], co
     const __m256 s = _mm256_mul_ps(_mm256_loadu_ps(sv + r), _mm256_set1_ps(c));         // fl(c * s_i)
     if (nh >= 8) {
       for (int b = 0; b < NB; ++b) {
-        const __m256 v = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(acc[b][h], z)), s);
+        const __m256 v = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(acc[b][2 * t + h], z)), s);
         _mm256_storeu_ps(y + b * V + r, v);
         mx[b][h] = _mm256_max_ps(mx[b][h], v);
         nan[b] |= _mm256_movemask_ps(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
@@ -87,7 +89,7 @@ __attribute__((target("avx2,fma"))) inline void store_tile(__m256i (*acc)[2], co
                                            _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
       const __m256 mf = _mm256_castsi256_ps(m), ninf = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
       for (int b = 0; b < NB; ++b) {
-        const __m256 v = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(acc[b][h], z)), s);
+        const __m256 v = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(acc[b][2 * t + h], z)), s);
         _mm256_maskstore_ps(y + b * V + r, m, v);
         mx[b][h] = _mm256_max_ps(mx[b][h], _mm256_blendv_ps(ninf, v, mf));
         nan[b] |= _mm256_movemask_ps(_mm256_and_ps(_mm256_cmp_ps(v, v, _CMP_UNORD_Q), mf));
@@ -111,7 +113,7 @@ __attribute__((target("avx2,fma"))) void panels(const int8_t* packed, const int3
                                                 float c, const uint32_t* codes, float* y, int64_t groups,
                                                 int64_t V, int64_t np, int64_t ppc, int64_t k0, int64_t k1,
                                                 float* bmax, int64_t nblk, int64_t pf) {
-  __m256i acc[NB][2];
+  __m256i acc[NB][4];
   __m256 mx[NB][2];
   int nan[NB];
   for (int64_t k = k0; k < k1; ++k) {
@@ -121,10 +123,9 @@ __attribute__((target("avx2,fma"))) void panels(const int8_t* packed, const int3
     }
     const int64_t pe = (k + 1) * ppc < np ? (k + 1) * ppc : np;
     for (int64_t p = k * ppc; p < pe; ++p) {
-      for (int t = 0; t < 2; ++t) {
-        tile_dot<NB>(packed + p * groups * 128 + 64 * t, codes, groups, t == 0 ? pf : 0, acc);
-        store_tile<NB>(acc, zsum, sv, c, y, V, p * PANEL + t * TILE, mx, nan);
-      }
+      panel_dot<NB>(packed + p * groups * 128, codes, groups, pf, acc);
+      store_tile<NB>(acc, 0, zsum, sv, c, y, V, p * PANEL, mx, nan);
+      store_tile<NB>(acc, 1, zsum, sv, c, y, V, p * PANEL + TILE, mx, nan);
     }
     if (bmax != nullptr)
       for (int b = 0; b < NB; ++b)
@@ -139,13 +140,14 @@ const PanelFn PANEL_FNS[BT] = {panels<1>, panels<2>, panels<3>, panels<4>};
 }  // namespace
 
 // Chunk by chunk (a block, ppc panels: 256 KiB of weight at d = 1024, kept in L2 while every
-// batch tile of BT rows reads it), so that the weight streams from memory once at any batch.
+// batch tile reads it), so that the weight streams from memory once at any batch.
 void int8_avx2_chunks(const int8_t* packed, const int32_t* zsum, const float* sv, float c, const uint32_t* codes,
                       float* y, int64_t B, int64_t groups, int64_t V, int64_t np, int64_t ppc, int64_t k0,
                       int64_t k1, float* bmax, int64_t nblk, int64_t pf) {
+  const int64_t bt = B <= BT ? BT : BT_BIG;
   for (int64_t k = k0; k < k1; ++k)
-    for (int64_t b0 = 0; b0 < B; b0 += BT) {
-      const int64_t nb = B - b0 < BT ? B - b0 : BT;
+    for (int64_t b0 = 0; b0 < B; b0 += bt) {
+      const int64_t nb = B - b0 < bt ? B - b0 : bt;
       PANEL_FNS[nb - 1](packed, zsum, sv, c, codes + b0 * groups, y + b0 * V, groups, V, np, ppc, k, k + 1,
                         bmax == nullptr ? nullptr : bmax + b0 * nblk, nblk, pf);
     }

@@ -74,12 +74,10 @@ class VnniInt8Linear(Int8Linear):
         super().__init__(q, s, unavailable_reason(q.shape[1], q.shape[0]))
         V = q.shape[0]
         ops = load_ops()
-        self._op = ops.int8_vnni_linear
-        self._amx = ops.int8_amx_linear if amx_available() else None  # (batches of AMX_FROM rows or more)
-        if self._amx is not None:
-            self.backend = "vnni+amx"
-        elif not cpu_supports("avx512_vnni"):
-            self.backend = "avx2"  # (the same op runs its AVX2 kernel where the CPU has no VNNI)
+        vnni = cpu_supports("avx512_vnni")  # else AVX2 and FMA (unavailable_reason)
+        self._op = ops.int8_vnni_linear if vnni else ops.int8_avx2_linear
+        self._amx = ops.int8_amx_linear if vnni and amx_available() else None  # (batches of AMX_FROM rows or more)
+        self.backend = "vnni+amx" if self._amx is not None else "vnni" if vnni else "avx2"
         self.packed = ops.pack_int8_vnni(q)
         n = self.packed.shape[0] * PANEL
         self.zsum = torch.zeros(n, dtype=torch.int32)
