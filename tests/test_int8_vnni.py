@@ -290,4 +290,5 @@ def test_avx2_kernel_equals_the_reference_bit_for_bit(V, d):
                         same_bits(bmax, m_v)
     finally:
         torch.set_num_threads(threads)
-    assert bool(want.isnan().any()) and bool(want.isinf().any())
+    if V > 37:  # (a scale that overflows on a row that is not all zeros)
+        assert bool(want.isnan().any()) and bool(want.isinf().any())

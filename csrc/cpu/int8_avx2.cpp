@@ -1,5 +1,5 @@
 // The int8 screen's GEMM with AVX2 (vpmaddubsw, vpmaddwd), for CPUs without AVX512-VNNI (AMD
-// Zen 2/3, Intel before Ice Lake-SP): the same sums over the same packed weight
+// Zen 2/3, Intel Haswell to Skylake-SP): the same sums over the same packed weight
 // (int8_layout.h) as the VNNI kernel (int8_vnni.cpp), and the same y and block maxima, bit for
 // bit.
 //

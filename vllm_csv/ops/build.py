@@ -25,8 +25,9 @@ What the CPU offers (AVX512-VNNI, AMX-INT8, SLEEF's vector exp) is detected by t
 themselves at run time, where they are compiled; :func:`cpu_supports` asks them.
 ``VLLM_CSV_CPU_ISA`` (:data:`ISA_ENV`: ``auto``, ``avx512`` or ``avx2``), read once when the
 kernels load (``csrc/cpu/isa.h``), caps what they detect: with ``avx2`` they run their AVX2 paths,
-report no AVX512-VNNI (the int8 screen takes FBGEMM, whose own kernels
-``FBGEMM_ENABLE_INSTRUCTIONS=AVX2`` caps) and no AMX, as on an AVX2-only CPU, so
+report no AVX512-VNNI (the int8 screen takes its GEMM's AVX2 kernel, ``int8_avx2.cpp``; FBGEMM,
+its fallback and the tests' comparison, is capped by ``FBGEMM_ENABLE_INSTRUCTIONS=AVX2``) and no
+AMX, as on an AVX2-only CPU, so
 that those paths are tested on AVX-512 machines (``tests/test_cpu_isa.py``); ``avx512`` leaves
 out AMX only. :func:`isa_cap` says which cap holds.
 """
@@ -196,8 +197,9 @@ def _log_isa_cap(ops) -> None:
     if cap == "avx2":
         fbgemm = os.environ.get("FBGEMM_ENABLE_INSTRUCTIONS")
         logger.info("CSV CPU kernels: vector ISA capped at avx2 (%s); no AVX-512, no AMX: the int8 screen takes "
-                    "FBGEMM%s", ISA_ENV, f" (FBGEMM_ENABLE_INSTRUCTIONS={fbgemm})" if fbgemm else
-                    ", which keeps its AVX-512 kernels unless FBGEMM_ENABLE_INSTRUCTIONS=AVX2")
+                    "its AVX2 kernel (FBGEMM, where it falls back, %s)", ISA_ENV,
+                    f"FBGEMM_ENABLE_INSTRUCTIONS={fbgemm}" if fbgemm else
+                    "keeps its AVX-512 kernels unless FBGEMM_ENABLE_INSTRUCTIONS=AVX2")
     elif cap != "auto":
         logger.info("CSV CPU kernels: vector ISA capped at %s (%s); no AMX", cap, ISA_ENV)
 

@@ -65,7 +65,7 @@ DEFAULT_SCREEN = "auto"
 
 
 def _x86_screen(kind: str, weight: torch.Tensor, bias: torch.Tensor | None):
-    """The x86 kernel screen ``kind`` (``int8``: FBGEMM / AVX512-VNNI; ``int4``: AVX512-VNNI), or
+    """The x86 kernel screen ``kind`` (``int8``: AVX512-VNNI / AVX2 / FBGEMM; ``int4``: AVX512-VNNI), or
     None (one log line saying why) where it refuses."""
     if kind == "int8":
         from .fbgemm import FbgemmInt8Screen as cls
@@ -82,7 +82,7 @@ def _x86_screen(kind: str, weight: torch.Tensor, bias: torch.Tensor | None):
 
 def make_screen(name: str, weight: torch.Tensor, bias: torch.Tensor | None, index=None, two_sided: bool = False):
     """Build the screen ``name`` for the head ``weight [V, d]`` (and ``bias``); ``auto`` is
-    ``int8`` with an exact fast GEMM (FBGEMM or VNNI on CPU, with the VNNI ``int4`` for one-row
+    ``int8`` with an exact fast GEMM (VNNI, AVX2 or FBGEMM on CPU, with the VNNI ``int4`` for one-row
     batches; cuBLASLt on CUDA), else ``fp16``, else the ``int8`` torch reference (module
     docstring). ``two_sided`` asks the ball for its two-sided form (every other screen is
     two-sided)."""
