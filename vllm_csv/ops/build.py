@@ -81,6 +81,7 @@ FEATURES = {  # what the kernels may use on this CPU -> the op that answers (cpu
     "avx512_vnni": "int8_vnni_supported",  # AVX-512 F/BW and VNNI: the int8 GEMM
     "avx512_vnni_f16c": "int4_vnni_supported",  # the same and F16C: the int4 GEMM
     "avx2_fma": "int8_avx2_supported",  # AVX2 and FMA: the int8 GEMM's AVX2 kernel (where no VNNI)
+    "avx2_fma_f16c": "int4_avx2_supported",  # the same and F16C: the int4 GEMM's AVX2 kernel
     "amx_int8": "int8_amx_supported",  # AMX-INT8 tiles, usable by this process: the int8 GEMM's batches
     "sleef_expf16": "unlisted_masses_supported",  # AVX-512 and libtorch's Sleef_expf16_u10: unlisted_masses
 }
