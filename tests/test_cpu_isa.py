@@ -1,9 +1,10 @@
 """``VLLM_CSV_CPU_ISA``: the CPU kernels' dispatch capped below what the CPU has (issue 45).
 
 With ``avx2`` on an AVX-512 machine the kernels run their AVX2 paths and report what an AVX2-only
-CPU reports (no AVX512-VNNI, no AMX, no SLEEF vector exp), so the int8 screen takes FBGEMM (held
-to its AVX2 kernels here by FBGEMM_ENABLE_INSTRUCTIONS=AVX2) and
-``unlisted_masses`` its reference, as on AMD Zen 2/3 or an older Xeon; the kernel tests then pass
+CPU reports (AVX2 and FMA; no AVX512-VNNI, no AMX, no SLEEF vector exp), so the int8 screen takes
+its GEMM's AVX2 kernel (``csrc/cpu/int8_avx2.cpp``, compared with FBGEMM held to its AVX2 kernels
+here by FBGEMM_ENABLE_INSTRUCTIONS=AVX2), the int4 screen its AVX2 kernel and
+``unlisted_masses`` takes its reference, as on AMD Zen 2/3 or an older Xeon; the kernel tests then pass
 bit for bit against their torch references, as they do uncapped. The cap is read once, when the
 kernels load, so each case runs in a subprocess with the variable set. (About a minute and a half
 on 2 loaded cores.)
@@ -31,10 +32,12 @@ pytestmark = [
 # The kernel-against-reference tests (and the head end to end on the kernels), as CI runs them
 # capped at AVX2: every CPU source's dispatched paths (select_cpu: block_max; csv_cpu: score_intervals;
 # rows_cpu: interval_rows; gumbel: noise_candidates' chunks; live_cpu: row_stats, pack_live; nucleus: the
-# cuts and top-p sums; topk: row_topk; bools: flat_nonzero), the int8 screen on FBGEMM (test_head_exact's heads).
+# cuts and top-p sums; topk: row_topk; bools: flat_nonzero), the int8 GEMM's AVX2 kernel (test_int8_vnni.py,
+# against its reference and FBGEMM's AVX2 kernels) and the int8 screen on it (test_head_exact's heads); the
+# int4 GEMM's AVX2 kernel and screen (test_int4_vnni.py).
 KERNEL_TESTS = ["tests/test_step.py", "tests/test_select.py", "tests/test_rows.py", "tests/test_noise_candidates.py",
                 "tests/test_live.py", "tests/test_row_topk.py", "tests/test_fakes.py", "tests/test_sampling_nucleus.py",
-                "tests/test_ops.py", "tests/test_head_exact.py", "tests/test_int8_vnni.py"]
+                "tests/test_ops.py", "tests/test_head_exact.py", "tests/test_int8_vnni.py", "tests/test_int4_vnni.py"]
 # (of test_ops.py its CPU kernels' tests, of test_sampling_nucleus.py its four kernel tests: the
 # whole file takes a minute and a half more)
 KERNEL_SELECT = "(not test_ops and not test_sampling_nucleus) or bool or nonzero or kernel_is_the_reference"
@@ -74,13 +77,12 @@ def _probe(isa: str | None) -> dict:
     return json.loads(r.stdout.strip().splitlines()[-1]) | {"log": r.stderr}
 
 
-def test_avx2_cap_reports_an_avx2_cpu_and_the_int8_screen_takes_fbgemm():
+def test_avx2_cap_reports_an_avx2_cpu_and_the_int8_screen_takes_its_avx2_kernel():
     got = _probe("avx2")
     assert got["cap"] == "avx2"
-    assert not any(got["features"].values()), got["features"]
-    assert got["screen"] == "FbgemmInt8Screen" and got["backend"] == "fbgemm", got
-    for why in (got["int8"], got["int4"]):  # the reason names the cap, not the CPU
-        assert why == f"{build.ISA_ENV}=avx2 caps the CPU kernels below AVX512-VNNI"
+    assert got["features"] == {f: f.startswith("avx2_") for f in build.FEATURES}, got["features"]
+    assert got["screen"] == "FbgemmInt8Screen" and got["backend"] == "avx2", got
+    assert got["int8"] is None and got["int4"] is None  # (their AVX2 kernels)
 
 
 def test_avx512_cap_leaves_out_amx_only_and_auto_is_the_cpu():
@@ -105,4 +107,5 @@ def test_kernel_tests_pass_capped_at_avx2():
     tail = r.stdout[-4000:]
     assert r.returncode == 0, tail + r.stderr[-2000:]
     assert " passed" in tail and " failed" not in tail
-    assert f"{build.ISA_ENV}=avx2 caps the CPU kernels below AVX512-VNNI" in tail  # (test_int8_vnni's skips)
+    assert "int8 kernel unavailable" not in tail  # test_int8_vnni ran, on the AVX2 kernel
+    assert "this CPU has no AMX-INT8" in tail  # (its AMX tests skipped: the cap held)

@@ -16,7 +16,7 @@ pytestmark = pytest.mark.skipif(not build.kernels_available(), reason="CPU kerne
 # the int4 GEMM and draw_contenders, which no traced code calls)
 FAKES = {"prepare_rows", "abs_max_rows", "outlier_rows", "interval_rows", "quantize_act7", "select_candidates",
          "score_intervals", "certify_topk", "finish_selection", "pack_int8_vnni", "int8_vnni_linear",
-         "int8_amx_linear", "noise_candidates", "noise_bits", "row_stats", "pack_live", "min_p_cut", "top_k_cut",
+         "int8_amx_linear", "int8_avx2_linear", "noise_candidates", "noise_bits", "row_stats", "pack_live", "min_p_cut", "top_k_cut",
          "top_p_sums", "unlisted_masses", "row_topk", "flat_nonzero"}
 
 

@@ -1,4 +1,4 @@
-"""The AVX512-VNNI int4 screen (csrc/cpu/int4_vnni.cpp, vllm_csv/ops/int4_vnni.py,
+"""The int4 screen (csrc/cpu/int4_vnni.cpp: AVX512-VNNI, else AVX2; vllm_csv/ops/int4_vnni.py,
 vllm_csv/screens/int4.py): the GEMM bit for bit against its float64 reference over head shapes x
 batches x scales x extremes, its refusal of other inputs; the screen's bound on adversarial
 inputs, certified top-k == dense top-k, a broken bound that the same checks catch; and the
@@ -11,7 +11,7 @@ from test_screen_fbgemm import (adversarial_hidden, adversarial_weights, check_b
                                 nonfinite_rows_do_not_disturb_the_others, topk_equals_dense)
 from vllm_csv import CertifiedHead, HeadConfig
 from vllm_csv.errors import CSVError
-from vllm_csv.ops import int4_vnni
+from vllm_csv.ops import build, int4_vnni
 from vllm_csv.ops.fbgemm import act7_layout
 from vllm_csv.screens import make_screen
 from vllm_csv.testing.exact import dense_topk
@@ -49,6 +49,35 @@ def test_bit_exact_against_reference(V, d):
         for c in (1.0, 2.0**-14, 2.0**-3, 2.0**40):
             x = act7_layout(p, c)
             assert torch.equal(gemm.linear(x), int4_vnni.int4_linear_ref(x, q, s)), (B, c)
+
+
+@pytest.mark.skipif(not build.cpu_supports("avx2_fma_f16c"), reason="this CPU has no AVX2 with FMA and F16C")
+@pytest.mark.parametrize("V,d", [(1, 1), (7, 3), (31, 31), (33, 33), (47, 65), (1001, 100), (4099, 130), (515, 1027)])
+def test_avx2_kernel_equals_the_reference_bit_for_bit(V, d):
+    """The AVX2 kernel (int4_avx2_linear: nibbles unpacked with and/shift, vpmaddubsw into int16
+    over a group, vpmaddwd by ones; run whatever the CPU has) on the VNNI kernel's layout: V not
+    a multiple of 8 or 32 (masked tails), d not a multiple of the 32-column group or of 4, every
+    batch 1..9 (tiles of 2 rows), the extremes, scales up to overflow; against the reference
+    and, where the CPU has it, the VNNI kernel, bit for bit."""
+    g = torch.Generator().manual_seed(V * 13 + d)
+    q, s = extreme_weights(V, d, g)
+    s[0] = 2047 / 1024  # a full fp16 significand: with an odd A of 14 bits, s A needs 25 (one FMA rounds once)
+    gemm = int4_vnni.VnniInt4Linear(q, s)
+    ops = build.load_ops()
+    for B in range(1, 10):
+        p = torch.randint(-64, 64, (B, d), generator=g).float()
+        p[0] = 63.0
+        p[0, ::32] = 62.0  # A = 63 * 7 * 32 - 7 on row 0: odd
+        if B > 1:
+            p[1] = -64.0
+        for c in (2.0**-14, 1.0, 2.0**100):
+            x = act7_layout(p, c)
+            y = ops.int4_avx2_linear(x, gemm.packed, gemm.scales, V, d)
+            want = int4_vnni.int4_linear_ref(x, q, s)
+            assert torch.equal(y.isnan(), want.isnan()) and torch.equal(y.nan_to_num(), want.nan_to_num()), (B, c)
+            if build.cpu_supports("avx512_vnni_f16c"):
+                v = ops.int4_vnni_linear(x, gemm.packed, gemm.scales, V, d)
+                assert torch.equal(y.view(torch.int32), v.view(torch.int32)), (B, c)
 
 
 def test_refuses_inputs_outside_the_layout():
@@ -119,7 +148,7 @@ def test_certified_topk_equals_dense(dtype, V, d, bias):
     W, g = peaked_head(V, d, seed=V + d, dtype=dtype)
     b = (torch.randn(V, generator=g) * 0.1).to(dtype) if bias else None
     head = CertifiedHead(W, b, config=HeadConfig(screen="int4", budget=1.0))
-    assert head.screen_backend == "vnni"
+    assert head.screen_backend == ("vnni" if build.cpu_supports("avx512_vnni_f16c") else "avx2")
     topk_equals_dense(head, W, b, g)
 
 

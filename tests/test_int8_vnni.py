@@ -1,6 +1,8 @@
-"""The AVX512-VNNI int8 GEMM (csrc/cpu/int8_vnni.cpp, vllm_csv/ops/int8_vnni.py) against its torch
+"""The int8 GEMM (csrc/cpu/int8_vnni.cpp, int8_avx2.cpp; vllm_csv/ops/int8_vnni.py) against its torch
 reference and FBGEMM, bit for bit, over head shapes x batches x scales x code extremes, and its
-refusal of inputs outside the 7-bit layout."""
+refusal of inputs outside the 7-bit layout. It runs the AVX512-VNNI kernel where the CPU has it,
+else the AVX2 one (under VLLM_CSV_CPU_ISA=avx2 every test here runs that: tests/test_cpu_isa.py);
+the AVX2 kernel is also tested on its own against the reference and the VNNI kernel."""
 
 import pytest
 import torch
@@ -11,7 +13,7 @@ from vllm_csv.ops.fbgemm import PackedInt8Linear, act7_layout, packed_int8_linea
 from vllm_csv.screens.fbgemm import quantize_rows
 
 pytestmark = pytest.mark.skipif(vnni.unavailable_reason(8, 8) is not None,
-                                reason=f"VNNI kernel unavailable: {vnni.unavailable_reason(8, 8)}")
+                                reason=f"int8 kernel unavailable: {vnni.unavailable_reason(8, 8)}")
 
 
 def extreme_inputs(B, d, g):
@@ -144,7 +146,8 @@ def test_screen_uses_it_and_the_fake_traces():
     from vllm_csv.screens.fbgemm import FbgemmInt8Screen
 
     W = torch.randn(300, 20)
-    assert FbgemmInt8Screen(W, None).backend == ("vnni+amx" if vnni.amx_available() else "vnni")
+    assert FbgemmInt8Screen(W, None).backend == ("vnni+amx" if vnni.amx_available() else "vnni"
+                                                 if build.cpu_supports("avx512_vnni") else "avx2")
     q, s = quantize_rows(W)
     gemm = vnni.VnniInt8Linear(q, s)
     from torch._subclasses.fake_tensor import FakeTensorMode
@@ -224,7 +227,8 @@ def test_software_prefetch_changes_no_result(distance):
     V, d = 4099, 1024
     q = extreme_weights(V, d, g)
     gemm = vnni.VnniInt8Linear(q, torch.rand(V, generator=g) * 0.01 + 2.0**-20)
-    q4 = int4_vnni.VnniInt4Linear(*int4_vnni.quantize_int4(torch.randn(V, d, generator=g)))
+    q4 = (int4_vnni.VnniInt4Linear(*int4_vnni.quantize_int4(torch.randn(V, d, generator=g)))
+          if int4_vnni.unavailable_reason() is None else gemm)  # (no int4 kernel here: the int8 one twice)
     xs = [act7_layout(extreme_inputs(B, d, g), 2.0**-7) for B in (1, 3, vnni.AMX_FROM, 8, 17)]
     before = ops.set_prefetch_ahead(0)
     try:
@@ -239,3 +243,52 @@ def test_software_prefetch_changes_no_result(distance):
                 ops.set_prefetch_ahead(bad)
     finally:
         ops.set_prefetch_ahead(before)
+
+
+def same_bits(a, b):
+    """Equal bit for bit (NaN where the other is NaN, whatever its payload; every other value,
+    the sign of zero included, by its bits)."""
+    assert torch.equal(a.isnan(), b.isnan())
+    keep = ~a.isnan()
+    assert torch.equal(a[keep].view(torch.int32), b[keep].view(torch.int32))
+
+
+@pytest.mark.skipif(not build.cpu_supports("avx2_fma"), reason="this CPU has no AVX2 with FMA")
+@pytest.mark.parametrize("V,d", [(1, 1), (7, 3), (31, 5), (33, 7), (47, 13), (1001, 37), (4099, 130), (515, 1027)])
+def test_avx2_kernel_equals_the_reference_bit_for_bit(V, d):
+    """The AVX2 kernel (int8_avx2_linear: vpmaddubsw, vpmaddwd; run whatever the CPU has) on the
+    VNNI kernel's packed weight: V not a multiple of 32 (masked 8-row tails), d not a multiple
+    of 4, every batch 1..9 (tiles of 4 rows), code and weight extremes, scales that overflow
+    (inf, and NaN where the integer is 0), y and block maxima against the torch reference, and
+    against the VNNI kernel where the CPU has it."""
+    g = torch.Generator().manual_seed(V * 11 + d)
+    q = extreme_weights(V, d, g)
+    q[min(3, V - 1)] = 0  # A = 0: NaN times an infinite scale
+    s = torch.rand(V, generator=g) * 0.01 + 2.0**-20
+    s[::37] = 2.0**100  # times c = 2^40: inf
+    gemm = vnni.VnniInt8Linear(q, s)
+    ops = build.load_ops()
+    threads = torch.get_num_threads()
+    try:
+        for B in range(1, 10):
+            torch.set_num_threads(1 + B % 3)
+            p = extreme_inputs(B, d, g)
+            if B > 4:
+                p[4] = 0  # every A = 0 on this row
+            for c in (2.0**-14, 1.0, 2.0**40):
+                x = act7_layout(p, c)
+                want = packed_int8_linear_ref(p, q, s, c)
+                for block in (0, 32, build.BLOCK):
+                    args = (x, gemm.packed, gemm.zsum, gemm.s, V, d, block)
+                    y, bmax = ops.int8_avx2_linear(*args)
+                    same_bits(y, want)
+                    same_with_nan(bmax, torch.stack([want[:, i:i + block].amax(1) for i in range(0, V, block)], 1)
+                                  if block else want[:, :0])
+                    if build.cpu_supports("avx512_vnni"):
+                        y_v, m_v = ops.int8_vnni_linear(*args)
+                        same_bits(y, y_v)
+                        same_bits(bmax, m_v)
+    finally:
+        torch.set_num_threads(threads)
+    if V > 37:  # (a scale that overflows on a row that is not all zeros)
+        assert bool(want.isnan().any()) and bool(want.isinf().any())

@@ -29,18 +29,24 @@ from vllm_csv.testing.heads import hidden_near_rows, peaked_head
 ROOT = Path(__file__).parents[1]
 pytestmark = pytest.mark.skipif(fbops.unavailable_reason(8, 8) is not None,
                                 reason=f"FBGEMM unavailable: {fbops.unavailable_reason(8, 8)}")
-BACKENDS = (["fbgemm"] + (["vnni"] if vnni.unavailable_reason(8, 8) is None else [])
-            + (["vnni+amx"] if vnni.amx_available() else []))
+_OURS = vnni.unavailable_reason(8, 8) is None
+BACKENDS = (["fbgemm"] + (["vnni"] if _OURS and vnni.cpu_supports("avx512_vnni") else [])
+            + (["vnni+amx"] if vnni.amx_available() else [])
+            + (["avx2"] if _OURS and vnni.cpu_supports("avx2_fma") else []))
 
 
 @pytest.fixture(autouse=True, params=BACKENDS)
 def backend(request, monkeypatch):
     """Every test here runs with each GEMM backend this machine has (the screen picks VNNI, with
-    AMX from a few rows, where it can: pinning FBGEMM, or VNNI alone, hides the others)."""
+    AMX from a few rows, where it can, else the AVX2 kernel: pinning FBGEMM, VNNI alone, or the
+    AVX2 kernel as on a CPU without AVX-512, hides the others)."""
     if request.param == "fbgemm":
         monkeypatch.setattr(vnni, "unavailable_reason", lambda d, V: "pinned to FBGEMM by the test")
     elif request.param == "vnni":
         monkeypatch.setattr(vnni, "amx_available", lambda: False)
+    elif request.param == "avx2":
+        has = vnni.cpu_supports
+        monkeypatch.setattr(vnni, "cpu_supports", lambda f: f not in ("avx512_vnni", "amx_int8") and has(f))
     return request.param
 
 

@@ -1,4 +1,4 @@
-// The int4 screen's GEMM with AVX512-VNNI (vpdpbusd): half the bytes of the int8 copy.
+// The int4 screen's GEMM with AVX512-VNNI (vpdpbusd), else AVX2: half the bytes of the int8 copy.
 //
 // Computes (vllm_csv/ops/int4_vnni.py has the torch reference, bit for bit):
 //
@@ -17,6 +17,14 @@
 // nibble, q[32 p + l, 4 m + j] + 8 and in its high nibble q[32 p + 16 + l, 4 m + j] + 8 (tile 0
 // and tile 1 of vpdpbusd's operand, after a mask and a shift). Scales: [panel][group][32] fp16.
 // Rows past V and k past d hold q = 0 (nibble 8) and scale 0.
+//
+// Where the CPU has no AVX512-VNNI but AVX2, FMA and F16C (AMD Zen 2/3, Intel Haswell to
+// Skylake-SP; or VLLM_CSV_CPU_ISA=avx2), panels4_avx2 computes the same bits on the same layout:
+// each 64-byte vector as two ymm halves (rows 0-7 | 16-23 in bytes 0-31, rows 8-15 | 24-31 in
+// 32-63), nibbles unpacked with an and and a shift, vpmaddubsw of the unsigned nibbles by the
+// signed activation bytes into int16 pairs (at most 2 * 15 * 64 = 1920 in magnitude), summed in
+// int16 over the group's 8 subgroups (at most 15360 < 2^15: exact), vpmaddwd by ones into the
+// int32 group sum A, then the same cvtdq2ps and fused multiply-add as above.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -98,14 +106,72 @@ __attribute__((target("avx512f,avx512bw,avx512vnni,f16c"))) void panels4(
   }
 }
 
+bool cpu_has_avx2_f16c() {
+  __builtin_cpu_init();
+  return CSV_CPU_SUPPORTS("avx2") && CSV_CPU_SUPPORTS("fma") && CSV_CPU_SUPPORTS("f16c");
+}
+
+// panels4 with AVX2 (the top of the file). Per batch row four int16 and four fp32 accumulators
+// of 8 rows each (the panel's 32 rows); one pass over the panel for NB rows.
+template <int NB>
+__attribute__((target("avx2,fma,f16c"))) void panels4_avx2(
+    const uint8_t* packed, const uint16_t* scales, const int32_t* codes, const int32_t* p8, float c, float* y,
+    int64_t G, int64_t V, int64_t p0, int64_t p1, int64_t pf) {
+  const __m256i low = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+  const __m256 cv = _mm256_set1_ps(c);
+  for (int64_t p = p0; p < p1; ++p) {
+    __m256 z[NB][4];
+    for (int b = 0; b < NB; ++b)
+      for (int j = 0; j < 4; ++j) z[b][j] = _mm256_setzero_ps();
+    const uint8_t* w = packed + p * G * SPG * 64;
+    const uint16_t* sp = scales + p * G * PANEL;
+    for (int64_t g = 0; g < G; ++g) {
+      __m256i a[NB][4];  // int16 pair sums, rows 8 j .. 8 j + 7
+      for (int b = 0; b < NB; ++b)
+        for (int j = 0; j < 4; ++j) a[b][j] = _mm256_setzero_si256();
+      for (int64_t m = 0; m < SPG; ++m) {
+        const uint8_t* v = w + (g * SPG + m) * 64;
+        if (pf > 0) _mm_prefetch(reinterpret_cast<const char*>(v + pf), _MM_HINT_T0);
+        const __m256i v0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(v));
+        const __m256i v1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(v + 32));
+        const __m256i x[4] = {_mm256_and_si256(v0, low), _mm256_and_si256(v1, low),
+                              _mm256_and_si256(_mm256_srli_epi16(v0, 4), low),
+                              _mm256_and_si256(_mm256_srli_epi16(v1, 4), low)};
+        for (int b = 0; b < NB; ++b) {
+          const __m256i act = _mm256_set1_epi32(codes[b * G * SPG + g * SPG + m]);
+          for (int j = 0; j < 4; ++j) a[b][j] = _mm256_add_epi16(a[b][j], _mm256_maddubs_epi16(x[j], act));
+        }
+      }
+      for (int j = 0; j < 4; ++j) {
+        const __m256 sj = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sp + g * PANEL + 8 * j)));
+        for (int b = 0; b < NB; ++b) {
+          const __m256i A = _mm256_sub_epi32(_mm256_madd_epi16(a[b][j], ones), _mm256_set1_epi32(p8[b * G + g]));
+          z[b][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(A), sj, z[b][j]);
+        }
+      }
+    }
+    for (int j = 0; j < 4; ++j) {
+      const int64_t r0 = p * PANEL + 8 * j;
+      if (r0 >= V) continue;
+      const int64_t n = V - r0 < 8 ? V - r0 : 8;
+      const __m256i mk = _mm256_cmpgt_epi32(_mm256_set1_epi32((int32_t)n), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+      for (int b = 0; b < NB; ++b) _mm256_maskstore_ps(y + b * V + r0, mk, _mm256_mul_ps(z[b][j], cv));
+    }
+  }
+}
+
+constexpr int64_t BT2 = 2;  // batch rows a pass keeps, AVX2 (8 ymm accumulators each)
+
 using Panel4Fn = void (*)(const uint8_t*, const uint16_t*, const int32_t*, const int32_t*, float, float*, int64_t,
                           int64_t, int64_t, int64_t, int64_t);
 const Panel4Fn PANEL4_FNS[BT] = {panels4<1>, panels4<2>, panels4<3>, panels4<4>,
                                  panels4<5>, panels4<6>, panels4<7>, panels4<8>};
+const Panel4Fn PANEL4_AVX2_FNS[BT2] = {panels4_avx2<1>, panels4_avx2<2>};
 
 }  // namespace
 
 bool int4_vnni_supported() { return cpu_has_vnni4(); }
+bool int4_avx2_supported() { return cpu_has_avx2_f16c(); }
 
 // q [V, d] int8 in [-7, 7] -> [ceil(V / 32), ceil(d / 32) * 8, 64] uint8 (the layout above).
 at::Tensor pack_int4_vnni(const at::Tensor& q) {
@@ -135,9 +201,12 @@ at::Tensor pack_int4_vnni(const at::Tensor& q) {
 // y [B, V] fp32 (the formula above) for x = [c p_b, -64 c, 63 c] ([B, d + 2] fp32); packed by
 // pack_int4_vnni, scales [panels, G, 32] fp16 (as int16 bits). Refuses any other input: the
 // no-overflow condition is checked on every call.
-at::Tensor int4_vnni_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales, int64_t V,
-                            int64_t d) {
-  TORCH_CHECK(cpu_has_vnni4(), "int4_vnni_linear needs AVX512-VNNI");
+// avx2: the AVX2 kernel (else VNNI where the CPU has it, else AVX2).
+at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales, int64_t V,
+                       int64_t d, bool avx2) {
+  avx2 = avx2 || !cpu_has_vnni4();
+  TORCH_CHECK(avx2 || cpu_has_vnni4(), "int4_vnni_linear needs AVX512-VNNI");
+  TORCH_CHECK(!avx2 || cpu_has_avx2_f16c(), "int4_vnni_linear needs AVX512-VNNI or AVX2, FMA and F16C");
   TORCH_CHECK(packed.dim() == 3 && packed.size(2) == 64 && packed.is_contiguous() &&
                   packed.scalar_type() == at::kByte, "packed: pack_int4_vnni's layout");
   const int64_t np = packed.size(0), G = packed.size(1) / SPG;
@@ -178,17 +247,32 @@ at::Tensor int4_vnni_linear(const at::Tensor& x, const at::Tensor& packed, const
   const int32_t* cw = reinterpret_cast<const int32_t*>(cd);
   float* out = y.data_ptr<float>();
   const int64_t pf = prefetch_ahead();
+  const int64_t bt = avx2 ? BT2 : BT;
+  const Panel4Fn* fns = avx2 ? PANEL4_AVX2_FNS : PANEL4_FNS;
   at::parallel_for(0, np, 8, [&](int64_t a, int64_t e) {
-    for (int64_t b0 = 0; b0 < B; b0 += BT) {
-      const int64_t nb = B - b0 < BT ? B - b0 : BT;
-      PANEL4_FNS[nb - 1](w, sc, cw + b0 * G * SPG, ps + b0 * G, c, out + b0 * V, G, V, a, e, pf);
+    for (int64_t b0 = 0; b0 < B; b0 += bt) {
+      const int64_t nb = B - b0 < bt ? B - b0 : bt;
+      fns[nb - 1](w, sc, cw + b0 * G * SPG, ps + b0 * G, c, out + b0 * V, G, V, a, e, pf);
     }
   });
   return y;
 }
 
+at::Tensor int4_vnni_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales, int64_t V,
+                            int64_t d) {
+  return int4_linear(x, packed, scales, V, d, false);
+}
+
+// int4_vnni_linear on the AVX2 kernel whatever the CPU has (tests, benchmarks): the same result.
+at::Tensor int4_avx2_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales, int64_t V,
+                            int64_t d) {
+  return int4_linear(x, packed, scales, V, d, true);
+}
+
 TORCH_LIBRARY_FRAGMENT(vllm_csv_cpu, m) {
   m.def("int4_vnni_supported() -> bool");
+  m.def("int4_avx2_supported() -> bool");
+  m.def("int4_avx2_linear(Tensor x, Tensor packed, Tensor scales, int V, int d) -> Tensor");
   m.def("pack_int4_vnni(Tensor q) -> Tensor");
   m.def("int4_vnni_linear(Tensor x, Tensor packed, Tensor scales, int V, int d) -> Tensor");
 }
@@ -196,8 +280,10 @@ TORCH_LIBRARY_FRAGMENT(vllm_csv_cpu, m) {
 TORCH_LIBRARY_IMPL(vllm_csv_cpu, CPU, m) {
   m.impl("pack_int4_vnni", &pack_int4_vnni);
   m.impl("int4_vnni_linear", &int4_vnni_linear);
+  m.impl("int4_avx2_linear", &int4_avx2_linear);
 }
 
 TORCH_LIBRARY_IMPL(vllm_csv_cpu, CompositeExplicitAutograd, m) {
   m.impl("int4_vnni_supported", &int4_vnni_supported);
+  m.impl("int4_avx2_supported", &int4_avx2_supported);
 }

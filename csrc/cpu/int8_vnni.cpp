@@ -12,15 +12,17 @@
 // cvtdq2ps and mulps round to nearest even (MXCSR's default, which torch leaves alone): the
 // same two roundings as FBGEMM's ReQuantizeForFloat and the torch reference.
 //
-// Weight layout (pack_int8_vnni): rows in tiles of 16 (a zmm's int32 lanes), k in groups of 4,
-// a tile of one group is one 64-byte vector [16 rows][4 k] (vpdpbusd's operand); two tiles make
-// a panel of 32 rows, interleaved group by group, and panels follow each other, so a thread
-// streams its row range once. Rows past V and k past d are zero.
+// Weight layout (pack_int8_vnni, int8_layout.h): rows in tiles of 16 (a zmm's int32 lanes), k in
+// groups of 4, a tile of one group is one 64-byte vector [16 rows][4 k] (vpdpbusd's operand); two
+// tiles make a panel of 32 rows, interleaved group by group, and panels follow each other, so a
+// thread streams its row range once. Rows past V and k past d are zero. Where the CPU has no
+// AVX512-VNNI, int8_vnni_linear runs the AVX2 kernel (int8_avx2.cpp) on the same layout: same bits.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include "int8_layout.h"
 #include "isa.h"
 
 #include <cpuid.h>
@@ -60,11 +62,10 @@ int64_t set_prefetch_ahead(int64_t bytes) {
 
 namespace {
 
-constexpr int64_t TILE = 16;          // rows a tile (int32 lanes of a zmm)
-constexpr int64_t GROUP = CSV_GROUP;  // k a group (bytes vpdpbusd sums into one lane): vllm_csv.ops.build
-constexpr int64_t PANEL = CSV_PANEL;  // rows a panel (two tiles, interleaved by group): vllm_csv.ops.build
-constexpr int64_t BT = 8;             // batch rows a pass keeps in registers
-static_assert(GROUP == 4 && PANEL == 2 * TILE, "the layout vpdpbusd and the two-tile panel loop need");
+using csv_int8::GROUP;
+using csv_int8::PANEL;
+using csv_int8::TILE;
+constexpr int64_t BT = 8;  // batch rows a pass keeps in registers
 
 bool cpu_has_vnni() {
   __builtin_cpu_init();
@@ -253,6 +254,7 @@ __attribute__((target("amx-tile,amx-int8,avx512f,avx512bw,avx512vnni"))) void pa
 }  // namespace
 
 bool int8_vnni_supported() { return cpu_has_vnni(); }
+bool int8_avx2_supported() { return cpu_has_avx2_fma(); }  // (int8_avx2.cpp: where no VNNI)
 
 // q [V, d] int8 -> [ceil(V / 32), ceil(d / 4), 2, 16, 4] int8, zero padded: panel p, group g,
 // tile j, lane l holds q[32 p + 16 j + l, 4 g .. 4 g + 3].
@@ -313,11 +315,17 @@ at::Tensor act7_codes(const at::Tensor& x, int64_t d, int64_t groups, float* c_o
 // zsum [32 * panels] int32 = 64 * rowsum(q); s [32 * panels] fp32 (both zero past V).
 bool int8_amx_supported() { return cpu_has_amx(); }
 
-// int8_vnni_linear's body; amx: the AMX kernel (same result).
+enum class Kernel { BEST, AVX2, AMX };  // BEST: VNNI where the CPU has it, else AVX2
+
+// int8_vnni_linear's body, on the kernel asked for (the same result on each).
 std::tuple<at::Tensor, at::Tensor> int8_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& zsum,
-                                               const at::Tensor& s, int64_t V, int64_t d, int64_t block, bool amx) {
-  TORCH_CHECK(cpu_has_vnni(), "int8_vnni_linear needs AVX512-VNNI");
-  TORCH_CHECK(!amx || cpu_has_amx(), "int8_amx_linear needs AMX-INT8 (and the kernel's permission to use it)");
+                                               const at::Tensor& s, int64_t V, int64_t d, int64_t block,
+                                               Kernel kernel) {
+  const bool avx2 = kernel == Kernel::AVX2 || (kernel == Kernel::BEST && !cpu_has_vnni());
+  TORCH_CHECK(avx2 || cpu_has_vnni(), "int8_vnni_linear needs AVX512-VNNI");
+  TORCH_CHECK(!avx2 || cpu_has_avx2_fma(), "int8_vnni_linear needs AVX512-VNNI or AVX2 and FMA");
+  TORCH_CHECK(kernel != Kernel::AMX || cpu_has_amx(),
+              "int8_amx_linear needs AMX-INT8 (and the kernel's permission to use it)");
   TORCH_CHECK(packed.dim() == 5 && packed.size(2) == PANEL / TILE && packed.size(3) == TILE &&
                   packed.size(4) == GROUP && packed.is_contiguous() && packed.scalar_type() == at::kChar,
               "packed: pack_int8_vnni's layout");
@@ -344,7 +352,7 @@ std::tuple<at::Tensor, at::Tensor> int8_linear(const at::Tensor& x, const at::Te
   const int64_t pf = prefetch_ahead();
   // Chunks split over the threads; each thread streams its panels once per batch tile of BT
   // rows (one pass at decode batches, B <= 8).
-  if (amx) {
+  if (kernel == Kernel::AMX) {
     // A tiles read 16 rows of codes: the batch padded to a multiple of 16 with zero codes
     const int64_t rows = (B + MT - 1) / MT * MT;
     auto padded = at::zeros({rows, groups * GROUP}, codes.options());
@@ -352,6 +360,12 @@ std::tuple<at::Tensor, at::Tensor> int8_linear(const at::Tensor& x, const at::Te
     const uint8_t* pc = padded.data_ptr<uint8_t>();
     at::parallel_for(0, nchunk, 1, [&](int64_t k0, int64_t k1) {
       panels_amx(w, z, sc, c, pc, out, B, groups, V, np, ppc, k0, k1, bm, nchunk, pf);
+    });
+    return {y, bmax};
+  }
+  if (avx2) {
+    at::parallel_for(0, nchunk, 1, [&](int64_t k0, int64_t k1) {
+      int8_avx2_chunks(w, z, sc, c, cp, out, B, groups, V, np, ppc, k0, k1, bm, nchunk, pf);
     });
     return {y, bmax};
   }
@@ -368,19 +382,28 @@ std::tuple<at::Tensor, at::Tensor> int8_linear(const at::Tensor& x, const at::Te
 std::tuple<at::Tensor, at::Tensor> int8_vnni_linear(const at::Tensor& x, const at::Tensor& packed,
                                                     const at::Tensor& zsum, const at::Tensor& s, int64_t V,
                                                     int64_t d, int64_t block) {
-  return int8_linear(x, packed, zsum, s, V, d, block, false);
+  return int8_linear(x, packed, zsum, s, V, d, block, Kernel::BEST);
+}
+
+// int8_vnni_linear on the AVX2 kernel whatever the CPU has (tests, benchmarks): the same result.
+std::tuple<at::Tensor, at::Tensor> int8_avx2_linear(const at::Tensor& x, const at::Tensor& packed,
+                                                    const at::Tensor& zsum, const at::Tensor& s, int64_t V,
+                                                    int64_t d, int64_t block) {
+  return int8_linear(x, packed, zsum, s, V, d, block, Kernel::AVX2);
 }
 
 // int8_vnni_linear with AMX tiles: the same arguments and, bit for bit, the same result.
 std::tuple<at::Tensor, at::Tensor> int8_amx_linear(const at::Tensor& x, const at::Tensor& packed,
                                                    const at::Tensor& zsum, const at::Tensor& s, int64_t V,
                                                    int64_t d, int64_t block) {
-  return int8_linear(x, packed, zsum, s, V, d, block, true);
+  return int8_linear(x, packed, zsum, s, V, d, block, Kernel::AMX);
 }
 
 TORCH_LIBRARY_FRAGMENT(vllm_csv_cpu, m) {
   m.def("int8_vnni_supported() -> bool");
   m.def("int8_amx_supported() -> bool");
+  m.def("int8_avx2_supported() -> bool");
+  m.def("int8_avx2_linear(Tensor x, Tensor packed, Tensor zsum, Tensor s, int V, int d, int block) -> (Tensor, Tensor)");
   m.def("set_prefetch_ahead(int bytes) -> int");
   m.def("int8_amx_linear(Tensor x, Tensor packed, Tensor zsum, Tensor s, int V, int d, int block) -> (Tensor, Tensor)");
   m.def("pack_int8_vnni(Tensor q) -> Tensor");
@@ -391,10 +414,12 @@ TORCH_LIBRARY_IMPL(vllm_csv_cpu, CPU, m) {
   m.impl("pack_int8_vnni", &pack_int8_vnni);
   m.impl("int8_vnni_linear", &int8_vnni_linear);
   m.impl("int8_amx_linear", &int8_amx_linear);
+  m.impl("int8_avx2_linear", &int8_avx2_linear);
 }
 
 TORCH_LIBRARY_IMPL(vllm_csv_cpu, CompositeExplicitAutograd, m) {
   m.impl("int8_vnni_supported", &int8_vnni_supported);
   m.impl("int8_amx_supported", &int8_amx_supported);
+  m.impl("int8_avx2_supported", &int8_avx2_supported);
   m.impl("set_prefetch_ahead", &set_prefetch_ahead);
 }

@@ -25,8 +25,9 @@ What the CPU offers (AVX512-VNNI, AMX-INT8, SLEEF's vector exp) is detected by t
 themselves at run time, where they are compiled; :func:`cpu_supports` asks them.
 ``VLLM_CSV_CPU_ISA`` (:data:`ISA_ENV`: ``auto``, ``avx512`` or ``avx2``), read once when the
 kernels load (``csrc/cpu/isa.h``), caps what they detect: with ``avx2`` they run their AVX2 paths,
-report no AVX512-VNNI (the int8 screen takes FBGEMM, whose own kernels
-``FBGEMM_ENABLE_INSTRUCTIONS=AVX2`` caps) and no AMX, as on an AVX2-only CPU, so
+report no AVX512-VNNI (the int8 screen takes its GEMM's AVX2 kernel, ``int8_avx2.cpp``; FBGEMM,
+its fallback and the tests' comparison, is capped by ``FBGEMM_ENABLE_INSTRUCTIONS=AVX2``) and no
+AMX, as on an AVX2-only CPU, so
 that those paths are tested on AVX-512 machines (``tests/test_cpu_isa.py``); ``avx512`` leaves
 out AMX only. :func:`isa_cap` says which cap holds.
 """
@@ -67,6 +68,7 @@ KERNELS = {  # csrc/cpu/<source>: the module of its ops, each beside its torch r
     "select_cpu.cpp": "vllm_csv.ops.select",  # the certified step's candidate search
     "rows_cpu.cpp": "vllm_csv.ops.rows",  # the certified step's per-row passes (norms, intervals, quantisation)
     "int8_vnni.cpp": "vllm_csv.ops.int8_vnni",  # the int8 screen's GEMM (VNNI, AMX)
+    "int8_avx2.cpp": "vllm_csv.ops.int8_vnni",  # the same GEMM with AVX2, where the CPU has no VNNI
     "gumbel_cpu.cpp": "vllm_csv.ops.noise",  # the draw certificate's pass over the vocabulary
     "live_cpu.cpp": "vllm_csv.ops.live",  # a sampled row's interval statistics and live columns
     "int4_vnni.cpp": "vllm_csv.ops.int4_vnni",  # the int4 screen's GEMM
@@ -75,11 +77,13 @@ KERNELS = {  # csrc/cpu/<source>: the module of its ops, each beside its torch r
     "bools_cpu.cpp": "vllm_csv.ops.bools",  # a bool mask's true positions
 }
 SOURCES = tuple(Path(__file__).resolve().parents[2] / "csrc" / "cpu" / f for f in KERNELS)
-HEADERS = tuple(SOURCES[0].parent / f for f in ("isa.h", "fp32.h"))  # included by sources (part of the build key)
+HEADERS = tuple(SOURCES[0].parent / f for f in ("isa.h", "fp32.h", "int8_layout.h"))  # included by sources (part of the build key)
 
 FEATURES = {  # what the kernels may use on this CPU -> the op that answers (cpuid, and Linux's permission for AMX)
     "avx512_vnni": "int8_vnni_supported",  # AVX-512 F/BW and VNNI: the int8 GEMM
     "avx512_vnni_f16c": "int4_vnni_supported",  # the same and F16C: the int4 GEMM
+    "avx2_fma": "int8_avx2_supported",  # AVX2 and FMA: the int8 GEMM's AVX2 kernel (where no VNNI)
+    "avx2_fma_f16c": "int4_avx2_supported",  # the same and F16C: the int4 GEMM's AVX2 kernel
     "amx_int8": "int8_amx_supported",  # AMX-INT8 tiles, usable by this process: the int8 GEMM's batches
     "sleef_expf16": "unlisted_masses_supported",  # AVX-512 and libtorch's Sleef_expf16_u10: unlisted_masses
 }
@@ -196,8 +200,9 @@ def _log_isa_cap(ops) -> None:
     if cap == "avx2":
         fbgemm = os.environ.get("FBGEMM_ENABLE_INSTRUCTIONS")
         logger.info("CSV CPU kernels: vector ISA capped at avx2 (%s); no AVX-512, no AMX: the int8 screen takes "
-                    "FBGEMM%s", ISA_ENV, f" (FBGEMM_ENABLE_INSTRUCTIONS={fbgemm})" if fbgemm else
-                    ", which keeps its AVX-512 kernels unless FBGEMM_ENABLE_INSTRUCTIONS=AVX2")
+                    "its AVX2 kernel (FBGEMM, where it falls back, %s)", ISA_ENV,
+                    f"FBGEMM_ENABLE_INSTRUCTIONS={fbgemm}" if fbgemm else
+                    "keeps its AVX-512 kernels unless FBGEMM_ENABLE_INSTRUCTIONS=AVX2")
     elif cap != "auto":
         logger.info("CSV CPU kernels: vector ISA capped at %s (%s); no AMX", cap, ISA_ENV)
 

@@ -1,4 +1,6 @@
-"""The int4 screen's GEMM with AVX512-VNNI (``csrc/cpu/int4_vnni.cpp``), beside its torch reference.
+"""The int4 screen's GEMM with AVX512-VNNI, else AVX2 (``csrc/cpu/int4_vnni.cpp``), beside its torch
+reference. (The AVX2 kernel, ``int4_avx2_linear``, ``backend = "avx2"``: the same layout and bits,
+``vpmaddubsw`` into int16 over a group and ``vpmaddwd`` by ones instead of ``vpdpbusd``: the .cpp's top.)
 
 For ``x = [c p_b, -64 c, 63 c]`` (:func:`vllm_csv.ops.rows.quantize_act7`'s layout: ``p_b``
 integers in ``[-64, 63]``, ``c`` a power of two), int4 weights ``q`` in ``[-7, 7]`` and fp16
@@ -33,11 +35,12 @@ SCALE_MAX = 65504.0  # the largest fp16
 
 
 def unavailable_reason() -> str | None:
-    """Why :class:`VnniInt4Linear` cannot run here (``None`` if it can)."""
+    """Why :class:`VnniInt4Linear` cannot run here (``None`` if it can): it needs AVX512-VNNI
+    (and F16C) or, for its AVX2 kernel, AVX2, FMA and F16C."""
     if load_ops() is None:
         return "the CSV CPU kernels are not built"
-    if not cpu_supports("avx512_vnni_f16c"):
-        return no_avx512_reason("AVX512-VNNI")
+    if not cpu_supports("avx512_vnni_f16c") and not cpu_supports("avx2_fma_f16c"):
+        return no_avx512_reason("AVX512-VNNI") + ", and no AVX2 with FMA and F16C"
     return None
 
 
@@ -91,7 +94,9 @@ class VnniInt4Linear:
         if why is not None:
             raise RuntimeError(why)
         ops = load_ops()
-        self._op = ops.int4_vnni_linear
+        vnni = cpu_supports("avx512_vnni_f16c")  # else AVX2, FMA and F16C (unavailable_reason)
+        self._op = ops.int4_vnni_linear if vnni else ops.int4_avx2_linear
+        self.backend = "vnni" if vnni else "avx2"
         self.vocab_size, self.hidden_size = q.shape
         self.packed = ops.pack_int4_vnni(q)
         np_, G = self.packed.shape[0], s.shape[1]

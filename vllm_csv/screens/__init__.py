@@ -18,7 +18,7 @@ ball      paper's cluster bound ``<mu_c,h> + R_c ||h|| + bmax_c``      ``C (d + 
 int8      per-row int8 copy, ``|<w_i - s_i q_i, h>| <= r_i ||h||``     ``V d`` bytes + ``8 V``
           (+ the activation's quantisation residual); backends: FBGEMM
           on x86 CPUs (:mod:`.fbgemm`), cuBLASLt on CUDA, torch elsewhere
-int4      per-group int4 copy, same bound; backends: AVX512-VNNI       ``V d / 2`` + scales
+int4      per-group int4 copy, same bound; backends: AVX512-VNNI, AVX2 ``V d / 2`` + scales
           on x86 CPUs (:mod:`.int4`), torch elsewhere
 fp16      fp16 copy, ``|<w_i - fp16(w_i), h>| <= r_i ||h||`` + GEMM     ``2 V d`` + ``8 V``
 ========  ===========================================================  =====================
@@ -65,14 +65,14 @@ DEFAULT_SCREEN = "auto"
 
 
 def _x86_screen(kind: str, weight: torch.Tensor, bias: torch.Tensor | None):
-    """The x86 kernel screen ``kind`` (``int8``: FBGEMM / AVX512-VNNI; ``int4``: AVX512-VNNI), or
+    """The x86 kernel screen ``kind`` (``int8``: AVX512-VNNI / AVX2 / FBGEMM; ``int4``: AVX512-VNNI / AVX2), or
     None (one log line saying why) where it refuses."""
     if kind == "int8":
         from .fbgemm import FbgemmInt8Screen as cls
         missing = "no exact x86 int8 GEMM"
     else:
         from .int4 import VnniInt4Screen as cls
-        missing = "no AVX512-VNNI int4 kernel"
+        missing = "no AVX512-VNNI or AVX2 int4 kernel"
     try:
         return cls(weight, bias)
     except CSVError as e:
@@ -82,7 +82,7 @@ def _x86_screen(kind: str, weight: torch.Tensor, bias: torch.Tensor | None):
 
 def make_screen(name: str, weight: torch.Tensor, bias: torch.Tensor | None, index=None, two_sided: bool = False):
     """Build the screen ``name`` for the head ``weight [V, d]`` (and ``bias``); ``auto`` is
-    ``int8`` with an exact fast GEMM (FBGEMM or VNNI on CPU, with the VNNI ``int4`` for one-row
+    ``int8`` with an exact fast GEMM (VNNI, AVX2 or FBGEMM on CPU, with the VNNI ``int4`` for one-row
     batches; cuBLASLt on CUDA), else ``fp16``, else the ``int8`` torch reference (module
     docstring). ``two_sided`` asks the ball for its two-sided form (every other screen is
     two-sided)."""

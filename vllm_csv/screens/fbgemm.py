@@ -1,7 +1,7 @@
-"""The int8 screen on x86 CPUs: an exact int8 GEMM, our AVX512-VNNI kernel
-(:mod:`vllm_csv.ops.int8_vnni`) where the CPU has VNNI and the CSV CPU kernels are built, else
-FBGEMM's (:mod:`vllm_csv.ops.fbgemm`); both return the same bits, chosen once when the screen is
-built (``backend``: ``"vnni"``, ``"vnni+amx"`` where the CPU has AMX-INT8, or ``"fbgemm"``).
+"""The int8 screen on x86 CPUs: an exact int8 GEMM, our kernel (:mod:`vllm_csv.ops.int8_vnni`:
+AVX512-VNNI, or AVX2 where the CPU has no VNNI) where the CSV CPU kernels are built, else
+FBGEMM's (:mod:`vllm_csv.ops.fbgemm`); all return the same bits, chosen once when the screen is
+built (``backend``: ``"vnni"``, ``"vnni+amx"`` where the CPU has AMX-INT8, ``"avx2"``, or ``"fbgemm"``).
 
 Weights: per-row symmetric int8, ``deq_i = s_i q_i`` (``s_i = max|w_i| / 127`` in fp32, at least
 ``2^-126`` so that it is a normal number; ``q_i = round(w_i / s_i)``), packed once.
@@ -126,8 +126,9 @@ def apply_row_scale(y: torch.Tensor, scale: torch.Tensor, c: float, defer: bool,
 
 
 def int8_linear(q: torch.Tensor, s: torch.Tensor):
-    """The fastest exact int8 GEMM here for ``q [V, d]``, ``s [V]``: the VNNI kernel, else FBGEMM
-    (:class:`~vllm_csv.errors.CSVError` where neither runs)."""
+    """The fastest exact int8 GEMM here for ``q [V, d]``, ``s [V]``: our kernel (AVX512-VNNI, else
+    AVX2: faster than FBGEMM's AVX2 GEMM and its block-max pass at 1-4 rows, on par at 8-16), else
+    FBGEMM (:class:`~vllm_csv.errors.CSVError` where neither runs)."""
     why = int8_vnni.unavailable_reason(*q.shape[::-1])
     if why is None:
         return int8_vnni.VnniInt8Linear(q, s)
@@ -135,8 +136,8 @@ def int8_linear(q: torch.Tensor, s: torch.Tensor):
 
 
 class FbgemmInt8Screen:
-    """Per-row int8 copy of the head, scored by an exact int8 GEMM on x86 CPUs (AVX512-VNNI
-    kernel or FBGEMM: :func:`int8_linear`).
+    """Per-row int8 copy of the head, scored by an exact int8 GEMM on x86 CPUs (our AVX512-VNNI or
+    AVX2 kernel, or FBGEMM: :func:`int8_linear`).
 
     Parameters
     ----------

@@ -1,4 +1,4 @@
-"""The int4 screen on x86 CPUs with AVX512-VNNI: half the bytes of the int8 copy.
+"""The int4 screen on x86 CPUs with AVX512-VNNI or AVX2: half the bytes of the int8 copy.
 
 Weights: per group of 32 columns, ``deq_ig = s_ig q_ig`` with ``s_ig`` an fp16 normal number
 (``>= 2^-14``) and ``q`` integers in ``[-7, 7]`` (:func:`~vllm_csv.ops.int4_vnni.quantize_int4`);
@@ -49,7 +49,7 @@ Z_MIN = 2.0**-24  # the smallest nonzero |z| (module docstring)
 
 
 class VnniInt4Screen:
-    """Per-group int4 copy of the head, scored by the AVX512-VNNI int4 kernel (x86 CPUs).
+    """Per-group int4 copy of the head, scored by the int4 kernel (x86 CPUs: AVX512-VNNI, else AVX2).
 
     Parameters
     ----------
@@ -76,6 +76,7 @@ class VnniInt4Screen:
         except ValueError as e:
             raise CSVError(str(e)) from None
         self.gemm = int4_vnni.VnniInt4Linear(q, s)
+        self.backend = self.gemm.backend  # "vnni", or "avx2" where the CPU has no AVX512-VNNI
         r, n = copy_error_norms(weight, lambda a, b: dequantized(q, s, a, b), chunk)
         slack = 1 + 4 * FP32_UNIT_ROUNDOFF
         self.radius = round_up32(r) * slack
