@@ -25,7 +25,7 @@ import torch
 from int8_gemm_cpu import emulation
 from provenance import machine
 from timing import call_ms
-from vllm_csv.ops import build, int4_vnni, int8_vnni, step
+from vllm_csv.ops import build, int4_vnni, int8_vnni, select
 from vllm_csv.ops.fbgemm import act7_layout
 
 
@@ -43,7 +43,7 @@ def run(shapes, batches, repeats: int, threads: int) -> list[dict]:
             t = {"int8": [], "int4": []}
             for _ in range(repeats):
                 t["int8"].append(call_ms(lambda: i8.linear_block_max(x, build.BLOCK)))
-                t["int4"].append(call_ms(lambda: step.block_max(i4.linear(x))))
+                t["int4"].append(call_ms(lambda: select.block_max(i4.linear(x))))
             row = {"V": V, "d": d, "B": B, "threads": threads, "int8_kernel": i8.backend, "int4_kernel": i4.backend}
             for k, v in t.items():
                 row[k + "_ms"], row[k + "_min_ms"] = statistics.median(v), min(v)

@@ -34,7 +34,7 @@ import torch
 
 from provenance import machine
 from timing import call_ms
-from vllm_csv.ops import build, int8_vnni, step
+from vllm_csv.ops import build, int8_vnni, select
 from vllm_csv.ops.fbgemm import PackedInt8Linear, act7_layout
 
 
@@ -56,13 +56,13 @@ def run(shapes, batches, repeats: int, threads: int) -> list[dict]:
             x = act7_layout(torch.randint(-64, 64, (B, d), generator=g).float(), 2.0**-7)
             same = torch.equal(fb.linear(x), vn.linear(x))
             y, bmax = vn.linear_block_max(x, build.BLOCK)
-            same = same and torch.equal(bmax, step.block_max(fb.linear(x))) and torch.equal(y, fb.linear(x))
+            same = same and torch.equal(bmax, select.block_max(fb.linear(x))) and torch.equal(y, fb.linear(x))
             times = {"fbgemm": [], "vnni": [], "vnni_block_max": [], "fbgemm_block_max": []}
             for _ in range(repeats):
                 times["fbgemm"].append(call_ms(lambda: fb.linear(x)))
                 times["vnni"].append(call_ms(lambda: vn.linear(x)))
                 times["vnni_block_max"].append(call_ms(lambda: vn.linear_block_max(x, build.BLOCK)))
-                times["fbgemm_block_max"].append(call_ms(lambda: step.block_max(fb.linear(x))))
+                times["fbgemm_block_max"].append(call_ms(lambda: select.block_max(fb.linear(x))))
             row = {"V": V, "d": d, "B": B, "threads": threads, "kernel": vn.backend, "bit_identical": same}
             for k, v in times.items():
                 row[k + "_ms"], row[k + "_min_ms"] = statistics.median(v), min(v)
