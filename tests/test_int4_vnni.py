@@ -203,3 +203,26 @@ def test_auto_takes_int4_for_one_row_and_int8_for_more(monkeypatch):
         hb = h[:B].to(W.dtype)
         res = head.topk(hb, 1)
         assert bool(res.certified.all()) and torch.equal(res.ids, dense_topk(W, None, hb, 1)[0])
+
+
+def test_one_rounding_a_group():
+    """Each group's ``z + s A`` is one fused multiply-add (one rounding), in the reference and in
+    every kernel: a row whose second group's product ``s A`` needs 25 bits (``s = 2047 / 1024``, a
+    full fp16 significand, times ``A = 14105``, odd) and whose first group cancels all but its
+    last bits (``z = 2 * -14098``) gives exactly ``231 / 1024``; rounding the product first (a
+    multiply then an add) would give ``230 / 1024`` or ``232 / 1024``."""
+    d, G = 64, int4_vnni.GROUP
+    q = torch.zeros((3, d), dtype=torch.int8)
+    q[0, :G], q[0, G:] = -7, 7
+    s = torch.ones((3, 2), dtype=torch.float16)
+    s[0, 0], s[0, 1] = 2.0, 2047 / 1024
+    p = torch.full((1, d), 63.0)
+    p[0, :2] = 62.0  # group 0: sum p = 2014, A = -7 * 2014 = -14098
+    p[0, G] = 62.0  # group 1: sum p = 2015, A = 7 * 2015 = 14105
+    x = act7_layout(p, 1.0)
+    want = 231 / 1024
+    assert int4_vnni.int4_linear_ref(x, q, s)[0, 0].item() == want
+    gemm = int4_vnni.VnniInt4Linear(q, s)
+    assert gemm.linear(x)[0, 0].item() == want, gemm.backend
+    if build.cpu_supports("avx2_fma_f16c"):
+        assert build.load_ops().int4_avx2_linear(x, gemm.packed, gemm.scales, 3, d)[0, 0].item() == want
