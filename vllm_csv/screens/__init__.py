@@ -25,8 +25,8 @@ fp16      fp16 copy, ``|<w_i - fp16(w_i), h>| <= r_i ||h||`` + GEMM     ``2 V d`
 
 ``auto`` (the default) is the fastest sound screen measured (README, Benchmarks; benchmarks/README.md): ``int8``
 everywhere it has an exact fast GEMM (FBGEMM on x86 CPUs, cuBLASLt on CUDA), and on x86 CPUs
-with AVX512-VNNI ``int4`` for one-row batches on heads of at least ``2^25`` weights
-(``int8+int4``, :mod:`.by_batch`); on a CPU where
+with AVX512-VNNI or AVX2 ``int4`` for one-row batches on heads of at least ``2^25`` weights
+(``int8+int4``, :mod:`.by_batch`, which says what AVX2 measured); on a CPU where
 FBGEMM refuses (op missing, another quantized engine), ``fp16``, then the ``int8`` reference.
 Each fallback logs one line at start-up, with the reason.
 """
@@ -82,7 +82,7 @@ def _x86_screen(kind: str, weight: torch.Tensor, bias: torch.Tensor | None):
 
 def make_screen(name: str, weight: torch.Tensor, bias: torch.Tensor | None, index=None, two_sided: bool = False):
     """Build the screen ``name`` for the head ``weight [V, d]`` (and ``bias``); ``auto`` is
-    ``int8`` with an exact fast GEMM (VNNI, AVX2 or FBGEMM on CPU, with the VNNI ``int4`` for one-row
+    ``int8`` with an exact fast GEMM (VNNI, AVX2 or FBGEMM on CPU, with the ``int4`` kernel for one-row
     batches; cuBLASLt on CUDA), else ``fp16``, else the ``int8`` torch reference (module
     docstring). ``two_sided`` asks the ball for its two-sided form (every other screen is
     two-sided)."""
