@@ -6,6 +6,8 @@ plugin's layer defers them) and records, with ``sys.setprofile``, every call fro
 ``vllm_csv`` module into another, through vLLM's and torch's frames (the harness's own modules,
 ``vllm_csv.testing``, and their calls left out: what the harness does in place of the layer, the
 hand-off, is not the row's walk).
+The audit's dense reference runs vLLM's own sampler through the same wrapped ``Sampler`` first;
+that call takes no hand-off and is left out (:func:`no_step`).
 Prints, per module, how many times the walk entered it, and the total; ``--json`` writes them.
 A module entered once is a pipeline stage; one entered many times is a helper the walk keeps
 returning to (the issue counted 61 entries into 11 modules before the redesign).
@@ -52,15 +54,40 @@ def walk(family: str, seed: int, rows: int, screen: str) -> tuple[collections.Co
             src = None if caller is None else product(caller)
             harness = caller is not None and caller.f_globals.get("__name__", "").startswith("vllm_csv.testing")
             if mod is not None and mod != src and not harness:  # (the harness's own calls: not the row's walk)
-                entries[mod] += 1
-                order.append(mod)
+                calls.append((mod, frame.f_code.co_name))
 
+    calls: list[tuple[str, str]] = []
     sys.setprofile(profile)
     try:
         audit_sampler.check_sampler(head, case, batch, seed, adapter)
     finally:
         sys.setprofile(None)
+    for call in sampler_calls(calls):
+        if not no_step(call):
+            for mod, _ in call:
+                entries[mod] += 1
+                order.append(mod)
     return entries, order
+
+
+SAMPLE = ("vllm_csv.vllm_plugin.v1.sampler", "sample")  # the wrapped Sampler.forward
+
+
+def sampler_calls(calls: list[tuple[str, str]]) -> list[list[tuple[str, str]]]:
+    """``calls`` cut at each entry into the wrapped ``Sampler.forward``: one list per sampler call."""
+    out: list[list[tuple[str, str]]] = []
+    for c in calls:
+        if c == SAMPLE or not out:
+            out.append([])
+        out[-1].append(c)
+    return out
+
+
+def no_step(call: list[tuple[str, str]]) -> bool:
+    """A sampler call that found no step (no hand-off taken: vLLM's own sampler ran, with at most
+    the wrapped top-k/top-p's pass-through): the harness's dense reference, on the same
+    ``Sampler``, not the row's walk."""
+    return all(f != "take_handoff" for _, f in call)
 
 
 def main():
