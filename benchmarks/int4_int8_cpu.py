@@ -16,14 +16,11 @@ clearly faster here cannot win the step (by_batch's docstring has the step measu
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
-from pathlib import Path
 
 import torch
 
-from int8_gemm_cpu import emulation
-from provenance import machine
+from int8_gemm_cpu import run_and_write
 from timing import call_ms
 from vllm_csv.ops import build, int4_vnni, int8_vnni, select
 from vllm_csv.ops.fbgemm import act7_layout
@@ -62,13 +59,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=61)
     ap.add_argument("--json", required=True)
     a = ap.parse_args()
-    shapes = [tuple(int(v) for v in s.lower().split("x")) for s in a.shapes]
-    meta = machine()
-    meta["emulation"] = emulation()
-    rows = [r for t in a.threads for r in run(shapes, a.batches, a.repeats, t)]
-    out = Path(a.json)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"machine": meta, "rows": rows}, indent=1))
+    run_and_write(a, run)
 
 
 if __name__ == "__main__":

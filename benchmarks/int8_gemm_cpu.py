@@ -106,6 +106,20 @@ def emulation() -> str:
             f"(other clocks, caches and memory there).")
 
 
+def run_and_write(a, run) -> tuple[dict, list[dict], Path]:
+    """``run(shapes, a.batches, a.repeats, threads)`` at each of ``a.threads`` (``a.shapes`` as
+    ``VxD``), the machine (and :func:`emulation`) beside the rows, written to ``a.json``:
+    ``(machine, rows, path)``."""
+    shapes = [tuple(int(v) for v in s.lower().split("x")) for s in a.shapes]
+    meta = machine()
+    meta["emulation"] = emulation()
+    rows = [r for t in a.threads for r in run(shapes, a.batches, a.repeats, t)]
+    out = Path(a.json)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"machine": meta, "rows": rows}, indent=1))
+    return meta, rows, out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shapes", nargs="+", default=["151936x1024", "128256x2048", "32768x512"])
@@ -117,13 +131,7 @@ def main() -> None:
     why = int8_vnni.unavailable_reason(8, 8)
     if why is not None:
         sys.exit(f"int8_gemm_cpu.py: the int8 kernel cannot run here ({why})")
-    shapes = [tuple(int(v) for v in s.lower().split("x")) for s in a.shapes]
-    meta = machine()
-    meta["emulation"] = emulation()
-    rows = [r for t in a.threads for r in run(shapes, a.batches, a.repeats, t)]
-    out = Path(a.json)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"machine": meta, "rows": rows}, indent=1))
+    meta, rows, out = run_and_write(a, run)
     from record import record_run  # one row a measurement in benchmarks/results/results.csv
     record_run("int8_gemm_cpu", {"machine": meta, "rows": rows}, source=out)
     out.with_suffix(".md").write_text(markdown(meta, rows))
