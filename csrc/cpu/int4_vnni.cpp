@@ -205,7 +205,6 @@ at::Tensor pack_int4_vnni(const at::Tensor& q) {
 at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales, int64_t V,
                        int64_t d, bool avx2) {
   avx2 = avx2 || !cpu_has_vnni4();
-  TORCH_CHECK(avx2 || cpu_has_vnni4(), "int4_vnni_linear needs AVX512-VNNI");
   TORCH_CHECK(!avx2 || cpu_has_avx2_f16c(), "int4_vnni_linear needs AVX512-VNNI or AVX2, FMA and F16C");
   TORCH_CHECK(packed.dim() == 3 && packed.size(2) == 64 && packed.is_contiguous() &&
                   packed.scalar_type() == at::kByte, "packed: pack_int4_vnni's layout");

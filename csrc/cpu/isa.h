@@ -2,9 +2,9 @@
 //
 // Every kernel picks its vector path at run time (AVX-512, AVX2, scalar; AMX for the int8 GEMM's
 // batches) by asking CSV_CPU_SUPPORTS instead of __builtin_cpu_supports. VLLM_CSV_CPU_ISA caps
-// that answer, so that the AVX2 paths (and the Python choices that follow them: the int8 GEMM's
-// AVX2 kernel, no int4 screen, the reference of unlisted_masses) run, and are tested, on an
-// AVX-512 machine:
+// that answer, so that the AVX2 paths (and the Python choices that follow them: the int8 and int4
+// GEMMs' AVX2 kernels, the reference of unlisted_masses) run, and are tested, on an AVX-512
+// machine:
 //
 //   auto (or unset)  whatever the CPU has;
 //   avx512           no AMX (the int8 GEMM's VNNI kernel at every batch);

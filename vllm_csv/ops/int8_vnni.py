@@ -138,5 +138,5 @@ def _int8_linear_fake(x, packed, zsum, s, V, d, block):
     return s.new_empty(x.shape[0], V), s.new_empty(x.shape[0], -(-V // block) if block else 0)
 
 
-for _name in ("int8_vnni_linear", "int8_amx_linear", "int8_avx2_linear"):  # (one op on two instruction sets)
+for _name in ("int8_vnni_linear", "int8_amx_linear", "int8_avx2_linear"):  # (one op on three instruction sets)
     fake(_name)(_int8_linear_fake)

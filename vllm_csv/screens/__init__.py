@@ -16,15 +16,16 @@ name      bound                                                        extra mem
 ball      paper's cluster bound ``<mu_c,h> + R_c ||h|| + bmax_c``      ``C (d + 3)`` fp32
           (two-sided form ``|z_i - <mu_c,h> - b_i| <= R_c ||h||`` under TP)
 int8      per-row int8 copy, ``|<w_i - s_i q_i, h>| <= r_i ||h||``     ``V d`` bytes + ``8 V``
-          (+ the activation's quantisation residual); backends: FBGEMM
-          on x86 CPUs (:mod:`.fbgemm`), cuBLASLt on CUDA, torch elsewhere
-int4      per-group int4 copy, same bound; backends: AVX512-VNNI, AVX2 ``V d / 2`` + scales
-          on x86 CPUs (:mod:`.int4`), torch elsewhere
+          (+ the activation's quantisation residual); backends: our
+          AVX512-VNNI / AVX2 kernels, else FBGEMM, on x86 CPUs
+          (:mod:`.fbgemm`), cuBLASLt on CUDA, torch elsewhere
+int4      per-group int4 copy, same bound; backends: AVX512-VNNI /     ``V d / 2`` + scales
+          AVX2 on x86 CPUs (:mod:`.int4`), torch elsewhere
 fp16      fp16 copy, ``|<w_i - fp16(w_i), h>| <= r_i ||h||`` + GEMM     ``2 V d`` + ``8 V``
 ========  ===========================================================  =====================
 
 ``auto`` (the default) is the fastest sound screen measured (README, Benchmarks; benchmarks/README.md): ``int8``
-everywhere it has an exact fast GEMM (FBGEMM on x86 CPUs, cuBLASLt on CUDA), and on x86 CPUs
+everywhere it has an exact fast GEMM (on x86 CPUs our kernels or FBGEMM, cuBLASLt on CUDA), and on x86 CPUs
 with AVX512-VNNI or AVX2 ``int4`` for one-row batches on heads of at least ``2^25`` weights
 (``int8+int4``, :mod:`.by_batch`, which says what AVX2 measured); on a CPU where
 FBGEMM refuses (op missing, another quantized engine), ``fp16``, then the ``int8`` reference.
