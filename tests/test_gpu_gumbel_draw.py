@@ -50,6 +50,31 @@ def vllm_gumbel():
     return mod
 
 
+@pytest.fixture(scope="module")
+def vllm_min_p():
+    from vllm_csv.testing.vllm_v2 import load_vllm_v2_sample
+
+    try:
+        mod = load_vllm_v2_sample("min_p")
+    except FileNotFoundError:
+        mod = None
+    if mod is None:
+        pytest.skip("no vLLM min_p.py here (a machine without vLLM)")
+    return mod
+
+
+def vllm_min_p_draw(mod, mp_mod, x, seeds, pos, temp, min_p):
+    """vLLM V2's sampler on ``x [B, V]`` fp32 with min-p: its ``apply_temperature``, ``apply_min_p``
+    (``min_p.py``) then ``gumbel_sample`` without the temperature, as ``Sampler`` runs them."""
+    idx = torch.arange(x.shape[0], dtype=torch.int32, device=x.device)
+    x = x.float().contiguous().clone()
+    temp = temp.float().contiguous()
+    mod.apply_temperature(x, idx, temp)
+    mp_mod.apply_min_p(x, idx, min_p.float().contiguous())
+    return mod.gumbel_sample(x, idx, temp, seeds.contiguous(), pos.contiguous(), apply_temperature=False,
+                             is_drafting=False)
+
+
 def vllm_draw(mod, x, seeds, pos, temp):
     """vLLM V2's ``gumbel_sample`` on ``x [B, V]`` fp32 (row i = request slot i), the temperature
     applied in its kernel (what ``_temperature_kernel`` then ``gumbel_sample`` compute: ``T``
@@ -59,7 +84,7 @@ def vllm_draw(mod, x, seeds, pos, temp):
                              pos.contiguous(), apply_temperature=True, is_drafting=False)
 
 
-def _stages(x: torch.Tensor, seeds, pos, temp, live, cap=CAP, width=0.0, block_hi=None, kernels=True):
+def _stages(x: torch.Tensor, seeds, pos, temp, live, cap=CAP, width=0.0, block_hi=None, kernels=True, min_p=None):
     """The draw on dense logits ``x [B, V]`` as the fused step lays it out: each block's bound the
     block's maximum (plus ``width``; or ``block_hi``), the candidate blocks chosen by
     :func:`draw_select`, their tokens' bounds ``x -+ width`` (``-inf`` past ``V``), the draw.
@@ -72,16 +97,17 @@ def _stages(x: torch.Tensor, seeds, pos, temp, live, cap=CAP, width=0.0, block_h
         block_hi = pad.view(B, nb, SUB).amax(2) + width
     bb, ds, gd = ((block_bounds_triton, draw_select_triton, gumbel_draw_triton) if kernels
                   else (block_bounds_ref, draw_select_ref, gumbel_draw_ref))
-    seeds, pos, temp, live, bh = (a.to(DEV) for a in (seeds, pos, temp, live, block_hi))
-    bound, absq = bb(bh, seeds, pos, temp, V)
+    min_p = torch.zeros(B) if min_p is None else min_p
+    seeds, pos, temp, live, bh, min_p = (a.to(DEV) for a in (seeds, pos, temp, live, block_hi, min_p))
+    bound, qhi = bb(bh, seeds, pos, temp, V)
     zero = torch.zeros(B, device=DEV)
-    cand, count, out_hi, out_abs, ok = ds(bound, absq, bh.nan_to_num(0.0), zero, zero, live, 0.0, 0.0, 0.0, 0.0,
-                                          0.0, math.inf, 0.0, cap)
+    cand, count, out_hi, out_abs, out_q, ok = ds(bound, qhi, bh.nan_to_num(0.0), zero, zero, live, 0.0, 0.0, 0.0,
+                                                 0.0, 0.0, math.inf, 0.0, cap)
     ids = slot_ids(cand, count, V).cpu()
     vals = pad.gather(1, ids.clamp_min(0))
     lower = torch.where(ids >= 0, vals - width, -math.inf).to(DEV)
     upper = torch.where(ids >= 0, vals + width, -math.inf).to(DEV)
-    token, code = gd(cand, count, lower, upper, out_hi, out_abs, seeds, pos, temp, live, V)
+    token, code = gd(cand, count, lower, upper, out_hi, out_abs, out_q, seeds, pos, temp, min_p, live, V)
     return token, code, cand, count, lower, upper, bound, out_hi, block_hi
 
 
@@ -131,29 +157,41 @@ def test_kernels_match_references(V):
     for a, b in zip(got, want):
         same = (a == b) | (torch.isnan(a) & torch.isnan(b))
         assert bool((same | (torch.nextafter(b, a) == a)).all()) and float(same.float().mean()) > 0.99
-    bound, absq = want
+    bound, qhi = want
     zero = torch.zeros(B, device=DEV)
     ok = live.to(DEV)
-    sel = [f(bound, absq, dev[0].nan_to_num(0.0), zero, zero, ok, 0.0, 0.0, 0.0, 0.0, 0.0, math.inf, 0.0, cap)
+    sel = [f(bound, qhi, dev[0].nan_to_num(0.0), zero, zero, ok, 0.0, 0.0, 0.0, 0.0, 0.0, math.inf, 0.0, cap)
            for f in (draw_select_triton, draw_select_ref) for cap in (CAP, 3)]
     for a, b in zip(sel[0], sel[2]):
         assert torch.equal(a, b)
     for a, b in zip(sel[1], sel[3]):
         assert torch.equal(a, b)
-    assert not bool(sel[0][4].any())  # one row not ok: none of the batch is (select_blocks' rule)
-    cand, count, out_hi, out_abs, _ = sel[0]
+    assert not bool(sel[0][5].any())  # one row not ok: none of the batch is (select_blocks' rule)
+    cand, count, out_hi, out_abs, out_q, _ = sel[0]
     ids = slot_ids(cand, count, V).cpu()
     xs = torch.cat([x, torch.full((B, nb * SUB - V), -math.inf)], 1).gather(1, ids.clamp_min(0))
     lower = torch.where(ids >= 0, xs, -math.inf)
     upper = lower.clone()
     lower[5, 3] = math.nan  # a NaN candidate bound: refused
     upper[4, 1] = math.inf  # a +inf candidate bound: refused
-    args = [cand, count, lower.to(DEV), upper.to(DEV), out_hi, out_abs, *dev[1:4], torch.ones(B, dtype=torch.int8,
-                                                                                            device=DEV)]
+    no_min_p = torch.zeros(B, device=DEV)
+    args = [cand, count, lower.to(DEV), upper.to(DEV), out_hi, out_abs, out_q, *dev[1:4], no_min_p,
+            torch.ones(B, dtype=torch.int8, device=DEV)]
     args[-1][13] = 0
     tok, code = gumbel_draw_triton(*args, V)
     rtok, rcode = gumbel_draw_ref(*args, V)
     assert torch.equal(code, rcode) and torch.equal(tok, rtok), (code, rcode, tok, rtok)
+    # with min-p (none, usual values, 1 and above, NaN, negative, tiny), kernel and reference alike
+    mp = torch.tensor([0.05, 0.1, 0.5, 0.9, 1.0, 2.0, math.nan, -0.1, 1e-30, 0.3, 0.05, 0.2, 0.1, 0.1, 0.1, 0.1])
+    args[10] = mp.to(DEV)
+    tok_mp, code_mp = gumbel_draw_triton(*args, V)
+    rtok_mp, rcode_mp = gumbel_draw_ref(*args, V)
+    assert torch.equal(code_mp, rcode_mp) and torch.equal(tok_mp, rtok_mp), (code_mp, rcode_mp, tok_mp, rtok_mp)
+    cert_mp = code_mp.cpu() == CODE_CERTIFIED
+    assert not bool(cert_mp[4:6].any())  # min-p 1 and 2: no token is surely kept
+    none = torch.isnan(mp) | (mp <= 0)  # NaN and negative min-p: none, as the kernel reads them
+    assert torch.equal(code_mp.cpu()[none], code.cpu()[none]) and torch.equal(tok_mp.cpu()[none], tok.cpu()[none])
+    assert int(cert_mp.sum()) >= 3, code_mp
     code = code.cpu()
     assert int(code[13]) == CODE_NOT_LIVE and int(code[14]) == CODE_TEMPERATURE and int(code[15]) == CODE_TEMPERATURE
     for r in (4, 5, 8, 9) + ((7,) if nb > CAP else ()):  # (every block a candidate: all scored exactly)
@@ -199,7 +237,7 @@ def test_kernels_match_references_from_screen_maxima(dtype):
         a = draw_select_triton(*want, dev[0], dev[4], dev[5], ok, *consts, limit, 0.5, CAP)
         b = draw_select_ref(*want, dev[0], dev[4], dev[5], ok, *consts, limit, 0.5, CAP)
         assert all(torch.equal(u, v) for u, v in zip(a, b))
-        oks.append(a[4].bool().cpu())
+        oks.append(a[5].bool().cpu())
     assert torch.equal(oks[0], hnorm.isfinite())  # NaN norm: not ok
     assert bool(oks[1].any()) and bool((oks[0] & ~oks[1]).any())  # a finite limit: the rows that may pass it
 
@@ -212,14 +250,14 @@ def test_fake_impls():
     ops = torch.ops.vllm_csv_gpu
     with FakeTensorMode(allow_non_fake_inputs=True):
         i64, f32 = torch.zeros(B, dtype=torch.int64), torch.ones(B)
-        bound, absq = ops.block_bounds(torch.zeros(B, nb), i64, i64, f32, V)
-        assert bound.shape == absq.shape == (B, nb)
-        cand, count, out_hi, out_abs, ok = ops.draw_select(bound, absq, torch.zeros(B, nb), f32, f32,
+        bound, qhi = ops.block_bounds(torch.zeros(B, nb), i64, i64, f32, V)
+        assert bound.shape == qhi.shape == (B, nb)
+        cand, count, out_hi, out_abs, out_q, ok = ops.draw_select(bound, qhi, torch.zeros(B, nb), f32, f32,
                                                            torch.ones(B, dtype=torch.int8), 0.0, 0.0, 0.0, 0.0,
                                                            0.0, 1e30, 0.0, CAP)
-        assert cand.shape == (B, CAP) and count.shape == out_hi.shape == ok.shape == (B,)
+        assert cand.shape == (B, CAP) and count.shape == out_hi.shape == out_q.shape == ok.shape == (B,)
         tok, code = ops.gumbel_draw(cand, count, torch.zeros(B, CAP * SUB), torch.zeros(B, CAP * SUB), out_hi,
-                                    out_abs, i64, i64, f32, ok, V)
+                                    out_abs, out_q, i64, i64, f32, f32, ok, V)
         assert tok.shape == (B,) and tok.dtype == torch.int64 and code.shape == (B,) and code.dtype == torch.int32
 
 
@@ -259,6 +297,54 @@ def test_certified_draws_equal_vllm_draws(vllm_gumbel, width):
     assert torch.equal(w[cert], tok[cert])
 
 
+def test_certified_min_p_draws_equal_vllm_draws(vllm_gumbel, vllm_min_p):
+    """With min-p (V2's kernel after the temperature): every certified row draws vLLM's token, the
+    device rule certifies nothing the CPU rule (:func:`~vllm_csv.sampling.gumbel_v2.min_p_bounds`
+    then :func:`certify_draw_v2`, bounds spread over every token) refuses, most rows are
+    certified, and min-p matters here: the draw certified without it differs from vLLM's in some
+    rows (a hot temperature, a large min-p: the Gumbel winner of the whole row is dropped)."""
+    from vllm_csv.sampling.gumbel_v2 import min_p_bounds, temperature_bounds
+
+    g = torch.Generator().manual_seed(13)
+    B, V = 64, 3001
+    x = _rows(B, V, g, peak=4.0)
+    seeds = torch.randint(-2**62, 2**62, (B,), generator=g)
+    pos = torch.randint(0, 2**20, (B,), generator=g)
+    temp = torch.tensor([0.0, 0.7, 1.0, 1.5, 3.0, 5.0, 1.0, 2.0])[torch.arange(B) % 8]
+    min_p = torch.tensor([0.05, 0.1, 0.3, 0.6, 0.9, 0.0, 1.0, 0.5, 0.2, 0.8, 0.95])[torch.arange(B) % 11]
+    live = torch.ones(B, dtype=torch.int8)
+    want = vllm_min_p_draw(vllm_gumbel, vllm_min_p, x.to(DEV), seeds.to(DEV), pos.to(DEV), temp.to(DEV),
+                           min_p.to(DEV)).cpu()
+    tok, code, cand, count, lower, upper, _, _, block_hi = _stages(x, seeds, pos, temp, live, width=1e-3,
+                                                                    min_p=min_p)
+    rtok, rcode = _stages(x, seeds, pos, temp, live, width=1e-3, min_p=min_p, kernels=False)[:2]
+    tok, code, cand, count, lower, upper = (t.cpu() for t in (tok, code, cand, count, lower, upper))
+    assert torch.equal(code, rcode.cpu()) and torch.equal(tok, rtok.cpu())
+    cert = code == CODE_CERTIFIED
+    assert int(cert.sum()) >= B // 2, int(cert.sum())
+    assert torch.equal(tok[cert], want[cert])
+    assert not bool(cert[min_p >= 1.0].any())
+    # the CPU rule on the same bounds spread over every token
+    ylo = torch.full((B, V), -math.inf)
+    yhi = block_hi.repeat_interleave(SUB, 1)[:, :V].clone() + 1e-3
+    ids = slot_ids(cand, count, V)
+    for b in range(B):
+        keep = ids[b] >= 0
+        ylo[b, ids[b, keep]] = lower[b, keep]
+        yhi[b, ids[b, keep]] = upper[b, keep]
+    greedy = temp == 0
+    qlo, qhi = temperature_bounds(ylo, yhi, torch.where(greedy, 1.0, temp))
+    qlo, qhi = torch.where(greedy[:, None], ylo, qlo), torch.where(greedy[:, None], yhi, qhi)
+    qlo, qhi, _ = min_p_bounds(qlo, qhi, min_p.masked_fill(greedy, 0.0))
+    w, cpu_cert, _ = certify_draw_v2(qlo, qhi, seeds, pos, greedy=greedy)
+    assert not bool((cert & ~cpu_cert).any())
+    assert torch.equal(w[cert], tok[cert])
+    # teeth: the same bounds certified without min-p miss vLLM's min-p draw somewhere
+    tok0, code0 = (t.cpu() for t in _stages(x, seeds, pos, temp, live, width=1e-3)[:2])
+    cert0 = code0 == CODE_CERTIFIED
+    assert bool((tok0[cert0] != want[cert0]).any())
+
+
 def test_a_wrong_position_is_caught(vllm_gumbel):
     """The draw of the next position certified against vLLM's at this one: some rows differ (the
     test above has teeth)."""
@@ -278,9 +364,15 @@ def test_a_wrong_position_is_caught(vllm_gumbel):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("V,d", [(4099, 64), (1000, 96)])
 def test_fused_draw_matches_vllm(vllm_gumbel, V, d, dtype):
-    """:meth:`FusedStep.draw_v2` on peaked and softer rows: every certified token is vLLM's draw
-    from the dense head's logits, the blocks' bounds hold every dense logit of their block, and
+    """:meth:`FusedStep.draw_v2` on peaked and softer rows, without min-p and with it (where vLLM's
+    ``min_p.py`` is at hand): every certified token is vLLM's draw from the dense head's logits, the blocks' bounds hold every dense logit of their block, and
     most rows are certified."""
+    from vllm_csv.testing.vllm_v2 import load_vllm_v2_sample
+
+    try:
+        vllm_min_p = load_vllm_v2_sample("min_p")
+    except FileNotFoundError:
+        vllm_min_p = None
     W, g = peaked_head(V, d, seed=2, dtype=dtype)
     head = CertifiedHead(W.to(DEV), vocab_size=V, config=HeadConfig(budget=1.0, off_switch=False))
     st = FusedStep(head)
@@ -298,6 +390,13 @@ def test_fused_draw_matches_vllm(vllm_gumbel, V, d, dtype):
     cert = code == CODE_CERTIFIED
     assert torch.equal(tok[cert], want[cert])
     assert int(cert.sum()) >= B // 2 and bool((cert & (temp > 0)).any()), (code, count)
+    if vllm_min_p is not None:  # min-p on the same rows: vLLM's draw with its kernels
+        min_p = torch.tensor([0.05, 0.2, 0.5, 0.1])[torch.arange(B) % 4].to(DEV)
+        tok, code, count = st.draw_v2(h, seeds, pos, temp, min_p=min_p)
+        want = vllm_min_p_draw(vllm_gumbel, vllm_min_p, dense, seeds, pos, temp, min_p)
+        cert = code == CODE_CERTIFIED
+        assert torch.equal(tok[cert], want[cert])
+        assert int(cert.sum()) >= B // 2 and bool((cert & (temp > 0)).any()), (code, count)
     # the bound every block outside the candidates stands on
     from vllm_csv.gpu.quantize import quantize_rows_ref
     from vllm_csv.gpu.screen import screen_block_max_ref

@@ -262,6 +262,30 @@ def test_resolve_v2_min_p_and_processors_draw_the_dense_tokens(tmp_path, seed, s
         assert not torch.equal(out[bad]["draw"], dense), bad
 
 
+def test_resolve_v2_draws_min_p_rows_on_the_device(tmp_path):
+    """Temperature rows with min-p (0.3 to 0.9, hot temperatures) and no processor, the head's
+    backend CUDA's: the hook draws them with the device draw (its Triton kernels interpreted), and
+    vLLM's own V2 pipeline (temperature, ``min_p.py``, ``gumbel_sample``) then draws the dense
+    tokens; the device draw told no min-p is caught (the row's Gumbel winner min-p drops)."""
+    c = processed_case(3, B=24, screen="int8")
+    S = c["SLOTS"]
+    c.update({"rep": [1.0] * S, "freq": [0.0] * S, "pres": [0.0] * S, "min_tokens": [0] * S,
+              "bias": [{} for _ in range(S)], "allowed": [[] for _ in range(S)], "stop": [[] for _ in range(S)],
+              "bad": [[] for _ in range(S)], "output": [[] for _ in range(S)]})
+    for r, s in enumerate(c["slots"].tolist()):
+        c["temp"][s] = (1.0, 3.0, 6.0, 10.0, 0.0, 2.0)[r % 6]
+        c["min_p"][s] = (0.3, 0.6, 0.9, 0.0)[r % 4]
+    c["modes"] = ["min_p" if c["min_p"][s] else "sampling" for s in c["slots"][c["rows"]].tolist()]
+    c["variants"] = ["fused", "fused_no_min_p"]
+    c["budget"] = 1.0  # (the device draw's candidate list within the budget: a block of 64 at 5% of this V)
+    out = v2_pipeline(c, tmp_path)
+    dense, ok = out["dense"], out["fused"]
+    assert torch.equal(ok["draw"], dense), (ok, dense)
+    assert ok["device_rows"] == len(c["rows"]), ok
+    assert sum(ok["certified"].values()) >= 0.6 * len(c["rows"]) and ok["certified"].get("min_p", 0) > 0, ok
+    assert not torch.equal(out["fused_no_min_p"]["draw"], dense)
+
+
 def structured_case(seed: int, screen: str) -> dict:
     """:func:`processed_case` with a grammar on about half the deferred rows (V2's bitmask,
     ``v2_interpreted._grammar``): each forbids its row's two most likely tokens and a random half of the
@@ -339,7 +363,7 @@ def test_resolve_v2_draws_on_the_device_only_on_cuda(tmp_path, monkeypatch):
     adapter = HeadAdapter(head)
     assert isinstance(v2_sampler.fused_draw_for(adapter, None, None, None), FusedStep)
     assert v2_sampler.fused_draw_for(adapter, lambda lo, hi: (lo, hi), None, None) is None
-    assert v2_sampler.fused_draw_for(adapter, None, torch.zeros(2), None) is None
+    assert v2_sampler.fused_draw_for(adapter, None, torch.zeros(2), None) is head._fused  # min-p: on the device
     assert v2_sampler.fused_draw_for(adapter, None, None, torch.zeros(2, V, dtype=torch.bool)) is None
     d, logits = defer(head, h, rows, seen)
     st = v2_sampler.resolve(sampler, d, logits, batch)

@@ -18,6 +18,8 @@ and optionally ``bitmask``: ``{row: [ceil(V / 32)] int32}``, the grammar's packe
 structured rows, applied to the head's output (the dense logits and the placeholders alike)
 before the sampler, as V2's runner applies it (:func:`_grammar`).
 OUT gets, per variant of the hook (``ok``; ``no_min_p``: the certificate told no min-p;
+``fused``: the head's backend CUDA's, rows without processors or grammar drawn by the device
+draw (:meth:`vllm_csv.gpu.step.FusedStep.draw_v2`); ``fused_no_min_p``: that draw told no min-p;
 ``no_process``: no processors; ``no_drop``: min-p's dropped tokens left in the written row;
 ``no_mask``: the certificate told no grammar mask; ``none``: no row certified, every row the
 dense path's), the tokens drawn from the hook's rows and its counts, and the tokens drawn from
@@ -167,7 +169,7 @@ def run(c: dict) -> dict:
     from vllm_csv.vllm_plugin.v2 import sampler as v2_sampler
 
     W, h, B = c["W"], c["h"], c["h"].shape[0]
-    head = CertifiedHead(W, config=HeadConfig(screen=c["screen"], off_switch=False))
+    head = CertifiedHead(W, config=HeadConfig(screen=c["screen"], off_switch=False, budget=c.get("budget", 0.05)))
     slots = c["slots"].to(torch.int32)
     batch = SimpleNamespace(num_reqs=B, idx_mapping_np=slots.long().numpy(), expanded_idx_mapping=slots,
                             idx_mapping=slots, positions=c["positions"], logits_indices=c["logits_indices"],
@@ -195,6 +197,7 @@ def run(c: dict) -> dict:
         "no_process": lambda *a, process=None, min_p=None, masked=None: real(*a, min_p=min_p, masked=masked),
         "no_mask": lambda *a, masked=None, **k: real(*a, **k),
         "none": none,
+        "fused": real, "fused_no_min_p": real,
     }
     grammar = _grammar(c, B) if c.get("bitmask") else (lambda x: x)
     dense = grammar(dense)
@@ -208,7 +211,19 @@ def run(c: dict) -> dict:
         logits = grammar(logits)  # (V2's runner: the bitmask on the head's output, then the sampler)
         d = csv_step.Deferred(logits, h[rows].clone(), rows, list(c["modes"]), HeadAdapter(head),
                               lambda: head.dense_logits(h), Tally().account())
-        bounds = rows_v2.min_p_bounds
+        bounds, draw_rows, backend, fused = rows_v2.min_p_bounds, v2_sampler.draw_rows, head.backend, head._fused
+        if name.startswith("fused"):  # the CUDA backend's device draw (its kernels interpreted here)
+            from vllm_csv.gpu.step import FusedStep
+            from vllm_csv.head.backend import Cuda
+
+            head.backend, head._fused = Cuda(), FusedStep(head)
+            drawn = []  # the rows the device draw took
+
+            def device_draw(*a, **k):
+                drawn.append(int(a[1].shape[0]))
+                return draw_rows(*a[:5]) if name == "fused_no_min_p" else draw_rows(*a, **k)  # (told no min-p)
+
+            v2_sampler.draw_rows = device_draw
         if name == "no_drop":  # the certificate as it is; the written row keeps the dropped tokens
             rows_v2.min_p_bounds = lambda *a: (*bounds(*a)[:2], torch.zeros((), dtype=torch.bool))
         else:
@@ -216,8 +231,11 @@ def run(c: dict) -> dict:
         try:
             st = v2_sampler.resolve(sampler, d, logits, batch)
         finally:
-            v2_sampler.certify_rows_v2, rows_v2.min_p_bounds = real, bounds
+            v2_sampler.certify_rows_v2, rows_v2.min_p_bounds, v2_sampler.draw_rows = real, bounds, draw_rows
+            head.backend, head._fused = backend, fused
         out[name] = {"draw": draw(logits), "certified": dict(st.certified), "fallbacks": dict(st.fallbacks)}
+        if name.startswith("fused"):
+            out[name]["device_rows"] = sum(drawn)
     return out
 
 

@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import torch
 
+from .fp import round_down32, round_up32
+
 GUMBEL_MIN = -2.9
 GUMBEL_MAX = 23.5
 EPS_ABS, EPS_REL = 1e-5, 1e-5  # noise bounds: g +- (EPS_ABS + EPS_REL |g|)
@@ -28,6 +30,11 @@ _M32 = 0xFFFFFFFF
 # normal (a subnormal step or a flush to zero).
 DIV_REL, DIV_ABS = 2.0**-22, 2.0**-125
 DIV_T_MIN, DIV_T_MAX = 2.0**-126, 2.0**126
+# Min-p: the kernel's fp32 ``tl.log(min_p)`` lies within LOG_ABS + LOG_REL |log(min_p)| of the
+# real logarithm. libdevice's ``logf`` is within 1 ulp (2^-23 relative), an approximate
+# ``lg2.approx.f32`` times ln 2 within about 2^-22 absolute near 1; these allow 2^-20 of each
+# (tests/test_sampling_gumbel_v2_cuda.py measures the GPU's log against it).
+LOG_ABS, LOG_REL = 2.0**-20, 2.0**-20
 
 
 def _mul32(a: torch.Tensor, c: int) -> torch.Tensor:
@@ -95,3 +102,33 @@ def comparison_margin(x_abs_max: torch.Tensor) -> torch.Tensor:
     rounds by at most ``2^-24 (|x| + |g|)``, so ``2^-23 (x_abs_max + 24)`` covers both
     (float64, the shape of ``x_abs_max``)."""
     return (x_abs_max.double() + 24.0) * 2.0**-23
+
+
+def min_p_thresholds(m_lo: torch.Tensor, m_hi: torch.Tensor, min_p: torch.Tensor
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Bounds of V2's min-p threshold ``thr = fl32(m + c)`` (``vllm/v1/worker/gpu/sample/min_p.py``:
+    ``m`` the row's largest tempered logit, ``c`` the kernel's fp32 ``log(min_p)``; tokens below
+    ``thr`` become ``-inf``) for ``m_lo <= m <= m_hi``: ``c`` is within :data:`LOG_ABS` +
+    :data:`LOG_REL` ``|log min_p|`` of the real logarithm, the float64 sums round too (nudged
+    outwards by ``2^-50`` relative), and rounding to nearest is monotone, so the real sums'
+    bounds rounded outwards to fp32 hold ``thr``.
+
+    Parameters
+    ----------
+    m_lo, m_hi : torch.Tensor
+        ``[R, 1]`` (or ``[R]``) float64 bounds of the row's maximum.
+    min_p : torch.Tensor
+        The rows' ``min_p``, ``> 0``, the shape of ``m_lo``.
+
+    Returns
+    -------
+    (thr_lo, thr_hi) : tuple of torch.Tensor
+        fp32: a token with ``qhi < thr_lo`` is certainly dropped, one with ``qlo >= thr_hi``
+        certainly kept.
+    """
+    c = torch.log(min_p.double())
+    eps = LOG_ABS + LOG_REL * c.abs()
+    t_lo, t_hi = m_lo + (c - eps), m_hi + (c + eps)
+    thr_lo = round_down32(torch.where(torch.isfinite(t_lo), t_lo - t_lo.abs() * 2.0**-50, t_lo))
+    thr_hi = round_up32(torch.where(torch.isfinite(t_hi), t_hi + t_hi.abs() * 2.0**-50, t_hi))
+    return thr_lo, thr_hi

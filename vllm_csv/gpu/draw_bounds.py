@@ -11,11 +11,12 @@ beside its torch reference ``<op>_ref``, fixed shapes, no host sync):
    noise is the block's largest: ``u`` is non-decreasing in the uint32 hash, ``g(u)`` decreasing
    in ``u`` and ``g + eps(g)`` increasing in ``g``, so the token with the smallest hash
    (:func:`~vllm_csv.gumbel_noise.murmur3`, integers only, every token hashed) has the largest
-   noise bound. Written rounded up to fp32, with ``|qhi|`` (the comparison margin needs it).
+   noise bound. Written rounded up to fp32, with ``qhi`` (the comparison margin needs its
+   magnitude, min-p the row's largest).
 2. :func:`draw_select` ``[B]`` programs: the row's candidates, the ``cap`` blocks of largest
    bound (ties at the last: the first by index), compacted in ascending order as
    :func:`~vllm_csv.gpu.select.select_blocks` lays them out (what :mod:`.score` scores); the
-   largest bound and ``|qhi|`` of the other blocks; the step's ``ok`` (every row of the batch
+   largest bound, finite ``|qhi|`` and ``qhi`` of the other blocks; the step's ``ok`` (every row of the batch
    ``ok``, the overflow check of :func:`vllm_csv.ops.select.threshold_from`). The blocks that can
    beat the winner are the ones of largest noisy bound, so they are the ones worth scoring
    (a threshold on the logits alone, as for an argmax, misses a lower block with a large noise).
@@ -57,8 +58,9 @@ def block_upper(bmax: torch.Tensor, hnorm: torch.Tensor, e: torch.Tensor, consts
 def block_bounds_ref(block_hi, seeds, pos, temp, V: int, hnorm=None, e=None, rad_max: float = 0.0,
                      act_coef: float = 0.0, tiny: float = 0.0, bslack_max: float = 0.0, delta: float = 0.0,
                      dtype: torch.dtype = torch.float32):
-    """``(bound [B, nb] fp32, absq [B, nb] fp32)``: each block's noisy bound (module docstring, 1.),
-    ``+inf`` where ``qhi`` is NaN or ``+inf``, and its ``|qhi|`` (0 where not finite).
+    """``(bound [B, nb] fp32, qhi [B, nb] fp32)``: each block's noisy bound (module docstring, 1.),
+    ``+inf`` where ``qhi`` is NaN or ``+inf``, and its ``qhi``, the bound of its tokens' tempered
+    logits (NaN and infinities kept).
 
     Parameters
     ----------
@@ -86,16 +88,18 @@ def block_bounds_ref(block_hi, seeds, pos, temp, V: int, hnorm=None, e=None, rad
     q = _q_bounds(bh, bh, t_div, greedy)[1]
     bound = torch.where(q > -math.inf, q + g_hi, -math.inf)
     bound = torch.where(torch.isnan(q) | (q == math.inf), math.inf, bound)
-    return round_up32(bound), torch.where(torch.isfinite(q), q.abs(), 0.0).float()
+    return round_up32(bound), q.float()
 
 
-def draw_select_ref(bound, absq, bmax, hnorm, e, ok, rad_max: float, act_coef: float, tiny: float,
+def draw_select_ref(bound, qhi, bmax, hnorm, e, ok, rad_max: float, act_coef: float, tiny: float,
                     bslack_max: float, delta: float, limit: float, babs_max: float, cap: int):
-    """``(cand [B, CAP] int32, count [B] int32, out_hi [B] fp32, out_abs [B] fp32, ok [B] int8)``.
+    """``(cand [B, CAP] int32, count [B] int32, out_hi [B] fp32, out_abs [B] fp32, out_q [B] fp32,
+    ok [B] int8)``.
 
     The ``min(cap, nb)`` blocks of largest ``bound`` (ties at the last: the first by index),
-    ascending, ``-1`` past ``count``; the largest ``bound`` and ``absq`` of the others (``-inf``,
-    0 where none); ``ok`` with every row of the batch ``ok`` and the overflow check of
+    ascending, ``-1`` past ``count``; of the others: the largest ``bound`` (``-inf`` where none),
+    the largest finite ``|qhi|`` (0 where none) and the largest ``qhi`` (NaN as ``+inf``; ``-inf``
+    where none: an upper bound of their tokens' tempered logits, for min-p); ``ok`` with every row of the batch ``ok`` and the overflow check of
     :func:`vllm_csv.ops.select.threshold_from` (fp32, its order of operations) on the row's
     largest screen value."""
     B, nb = bound.shape
@@ -109,7 +113,8 @@ def draw_select_ref(bound, absq, bmax, hnorm, e, ok, rad_max: float, act_coef: f
     r, c = keep.nonzero(as_tuple=True)
     cand[r, pos[r, c]] = c.to(torch.int32)
     out_hi = bound.masked_fill(keep, -math.inf).amax(1)
-    out_abs = absq.masked_fill(keep, 0.0).amax(1)
+    out_abs = torch.where(torch.isfinite(qhi), qhi.abs(), 0.0).masked_fill(keep, 0.0).amax(1)
+    out_q = torch.where(torch.isnan(qhi), math.inf, qhi).masked_fill(keep, -math.inf).amax(1)
     ok = ok.bool()
     ok = ok & ok.all()
     spread = rad_max * hnorm + act_coef * e
@@ -120,7 +125,7 @@ def draw_select_ref(bound, absq, bmax, hnorm, e, ok, rad_max: float, act_coef: f
     top = top + spread
     top = top + babs_max
     ok = ok & (top <= limit)
-    return cand, count, out_hi, out_abs, ok.to(torch.int8)
+    return cand, count, out_hi, out_abs, out_q, ok.to(torch.int8)
 
 
 # ---- Triton ---------------------------------------------------------------------------------
@@ -131,7 +136,7 @@ if triton is not None:
     from .select import _overflow_ok
 
     @triton.jit
-    def _block_bounds_kernel(block_hi_ptr, seed_ptr, pos_ptr, temp_ptr, bound_ptr, absq_ptr, V, nb,
+    def _block_bounds_kernel(block_hi_ptr, seed_ptr, pos_ptr, temp_ptr, bound_ptr, qhi_ptr, V, nb,
                              hn_ptr, e_ptr, rad_max, act_coef, tiny, bslack_max, delta,
                              FROM_SCREEN: tl.constexpr, DT: tl.constexpr, BPPC: tl.constexpr, SUBC: tl.constexpr):
         b = tl.program_id(0).to(tl.int64)
@@ -158,13 +163,12 @@ if triton is not None:
         q = _q_hi(bh, t, greedy)
         bound = tl.where(q > float("-inf"), q + g_hi, float("-inf"))
         bound = tl.where((q != q) | (q == float("inf")), float("inf"), bound)
-        absq = tl.where(tl.abs(q) < float("inf"), tl.abs(q), 0.0)
         tl.store(bound_ptr + b * nb + blk, _up32(bound), mask=m)
-        tl.store(absq_ptr + b * nb + blk, absq.to(tl.float32), mask=m)
+        tl.store(qhi_ptr + b * nb + blk, q.to(tl.float32), mask=m)
 
     @triton.jit
-    def _draw_select_kernel(bound_ptr, absq_ptr, bmax_ptr, hn_ptr, e_ptr, ok_ptr, cand_ptr, count_ptr, ohi_ptr,
-                            oabs_ptr, okout_ptr, B, nb, n, rad_max, act_coef, tiny, bslack_max, delta, limit,
+    def _draw_select_kernel(bound_ptr, qhi_ptr, bmax_ptr, hn_ptr, e_ptr, ok_ptr, cand_ptr, count_ptr, ohi_ptr,
+                            oabs_ptr, oq_ptr, okout_ptr, B, nb, n, rad_max, act_coef, tiny, bslack_max, delta, limit,
                             babs_max, NB: tl.constexpr, BBATCH: tl.constexpr, CAPC: tl.constexpr):
         b = tl.program_id(0).to(tl.int64)
         idx = tl.arange(0, NB)
@@ -187,8 +191,11 @@ if triton is not None:
         tl.store(cand_ptr + b * CAPC + pos, idx.to(tl.int32), mask=keep)
         tl.store(count_ptr + b, tl.sum(tl.where(keep, 1, 0), 0))
         tl.store(ohi_ptr + b, tl.max(tl.where(keep, float("-inf"), x), 0))
-        aq = tl.load(absq_ptr + b * nb + idx, mask=inb, other=0.0)
+        q = tl.load(qhi_ptr + b * nb + idx, mask=inb, other=float("-inf"))
+        aq = tl.where(tl.abs(q) < float("inf"), tl.abs(q), 0.0)
         tl.store(oabs_ptr + b, tl.max(tl.where(keep, 0.0, aq), 0))
+        q = tl.where(q != q, float("inf"), q)
+        tl.store(oq_ptr + b, tl.max(tl.where(keep, float("-inf"), q), 0))
         # ok: select_blocks' (every row of the batch, then threshold_from's overflow check, fp32)
         y1 = tl.max(tl.load(bmax_ptr + b * nb + idx, mask=inb, other=float("-inf")), 0)
         ok, _ = _overflow_ok(ok_ptr, b, B, y1, tl.load(hn_ptr + b), tl.load(e_ptr + b), rad_max, act_coef, tiny,
@@ -201,18 +208,18 @@ def block_bounds_triton(block_hi, seeds, pos, temp, V: int, hnorm=None, e=None, 
                         dtype: torch.dtype = torch.float32):
     B, nb = block_hi.shape
     bound = torch.empty((B, nb), dtype=torch.float32, device=block_hi.device)
-    absq = torch.empty((B, nb), dtype=torch.float32, device=block_hi.device)
+    qhi = torch.empty((B, nb), dtype=torch.float32, device=block_hi.device)
     if B:
         screen = hnorm is not None
         temp = temp.float().contiguous()
         _block_bounds_kernel[(B, triton.cdiv(nb, BPP))](
-            block_hi.float().contiguous(), seeds.long().contiguous(), pos.long().contiguous(), temp, bound, absq,
+            block_hi.float().contiguous(), seeds.long().contiguous(), pos.long().contiguous(), temp, bound, qhi,
             V, nb, hnorm if screen else temp, e if screen else temp, rad_max, act_coef, tiny, bslack_max, delta,
             FROM_SCREEN=screen, DT=_tl_dtype(dtype), BPPC=BPP, SUBC=SUB, **_launch())
-    return bound, absq
+    return bound, qhi
 
 
-def draw_select_triton(bound, absq, bmax, hnorm, e, ok, rad_max: float, act_coef: float, tiny: float,
+def draw_select_triton(bound, qhi, bmax, hnorm, e, ok, rad_max: float, act_coef: float, tiny: float,
                        bslack_max: float, delta: float, limit: float, babs_max: float, cap: int):
     B, nb = bound.shape
     dev = bound.device
@@ -220,13 +227,14 @@ def draw_select_triton(bound, absq, bmax, hnorm, e, ok, rad_max: float, act_coef
     count = torch.empty(B, dtype=torch.int32, device=dev)
     out_hi = torch.empty(B, dtype=torch.float32, device=dev)
     out_abs = torch.empty(B, dtype=torch.float32, device=dev)
+    out_q = torch.empty(B, dtype=torch.float32, device=dev)
     okout = torch.empty(B, dtype=torch.int8, device=dev)
     if B:
-        _draw_select_kernel[(B,)](bound, absq, bmax, hnorm, e, ok, cand, count, out_hi, out_abs, okout, B, nb,
+        _draw_select_kernel[(B,)](bound, qhi, bmax, hnorm, e, ok, cand, count, out_hi, out_abs, out_q, okout, B, nb,
                                   min(cap, nb, CAP), rad_max, act_coef, tiny, bslack_max, delta, limit, babs_max,
                                   NB=triton.next_power_of_2(nb), BBATCH=max(64, triton.next_power_of_2(B)),
                                   CAPC=CAP, **_launch())
-    return cand, count, out_hi, out_abs, okout
+    return cand, count, out_hi, out_abs, out_q, okout
 
 
 # ---- custom ops -----------------------------------------------------------------------------
@@ -247,12 +255,12 @@ def _(block_hi, *args):
 
 
 @torch.library.custom_op(f"{LIB}::draw_select", mutates_args=())
-def draw_select(bound: torch.Tensor, absq: torch.Tensor, bmax: torch.Tensor, hnorm: torch.Tensor, e: torch.Tensor,
+def draw_select(bound: torch.Tensor, qhi: torch.Tensor, bmax: torch.Tensor, hnorm: torch.Tensor, e: torch.Tensor,
                 ok: torch.Tensor, rad_max: float, act_coef: float, tiny: float, bslack_max: float, delta: float,
                 limit: float, babs_max: float, cap: int
-                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The draw's candidate blocks (:func:`draw_select_ref`)."""
-    args = (bound, absq, bmax, hnorm, e, ok, rad_max, act_coef, tiny, bslack_max, delta, limit, babs_max, cap)
+    args = (bound, qhi, bmax, hnorm, e, ok, rad_max, act_coef, tiny, bslack_max, delta, limit, babs_max, cap)
     return (draw_select_triton if _use_triton(bound) else draw_select_ref)(*args)
 
 
@@ -260,4 +268,4 @@ def draw_select(bound: torch.Tensor, absq: torch.Tensor, bmax: torch.Tensor, hno
 def _(bound, *args):
     B = bound.shape[0]
     return (bound.new_empty((B, CAP), dtype=torch.int32), bound.new_empty(B, dtype=torch.int32),
-            bound.new_empty(B), bound.new_empty(B), bound.new_empty(B, dtype=torch.int8))
+            bound.new_empty(B), bound.new_empty(B), bound.new_empty(B), bound.new_empty(B, dtype=torch.int8))

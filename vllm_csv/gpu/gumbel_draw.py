@@ -35,6 +35,16 @@ near-ties are never certified: the comparison is strict with the margin on both 
 is a candidate, scored exactly); NaN or ``+inf`` among the candidates refuses the row. ``T = 0``:
 a greedy row, no noise and no margin (V2's argmax); ``T`` negative, NaN or outside ``[2^-126,
 2^126]``: refused.
+
+Min-p (V2's ``_min_p_kernel``, after the temperature: a token below ``fl32(m + log(min_p))`` becomes
+``-inf``, ``m`` the row's largest tempered logit): ``m`` lies between the candidates' largest
+``qlo`` and the larger of their largest ``qhi`` and the outside blocks' (``out_q``), which bounds
+the threshold (:func:`~vllm_csv.gumbel_noise.min_p_thresholds`). A candidate not surely kept
+(``qlo < thr_hi``) loses its lower bound (it cannot be the winner), one surely dropped (``qhi <
+thr_lo``) loses its upper bound, and the outside blocks do not compete when all are surely dropped
+(``out_q < thr_lo``), as :func:`~vllm_csv.sampling.gumbel_v2.min_p_bounds` has it on the CPU: the
+winner is then a token V2 keeps, ahead of every token it may keep. A min-p of 0, negative or NaN
+is none (the kernel masks nothing there); greedy rows ignore it (min-p keeps the maximum).
 """
 
 from __future__ import annotations
@@ -43,7 +53,7 @@ import math
 
 import torch
 
-from ..gumbel_noise import comparison_margin, uniform
+from ..gumbel_noise import LOG_ABS, LOG_REL, comparison_margin, min_p_thresholds, uniform
 from .common import CAP, INTERPRET, LIB, SUB, _launch, _use_triton, slot_ids, tl, triton
 from .gumbel_jit import _noise_bounds_ref, _q_bounds, _temp_ref
 
@@ -52,7 +62,7 @@ CODE_CERTIFIED, CODE_NOT_LIVE, CODE_TEMPERATURE, CODE_UNCERTIFIED = 0, 1, 2, 3
 
 
 # ---- torch reference ------------------------------------------------------------------------
-def gumbel_draw_ref(cand, count, lower, upper, out_hi, out_abs, seeds, pos, temp, live, V: int):
+def gumbel_draw_ref(cand, count, lower, upper, out_hi, out_abs, out_q, seeds, pos, temp, min_p, live, V: int):
     """``(token [B] int64, code [B] int32)``: the decision (module docstring, 3.) in torch.
 
     Parameters
@@ -62,10 +72,14 @@ def gumbel_draw_ref(cand, count, lower, upper, out_hi, out_abs, seeds, pos, temp
     lower, upper : torch.Tensor
         ``[B, CAP * SUB]`` fp32 bounds of the candidate tokens' logits (the slots of
         :func:`~vllm_csv.gpu.score.score_blocks`; slots past ``count`` are not read).
-    out_hi, out_abs : torch.Tensor
-        ``[B]`` fp32: the other blocks' largest noisy bound and ``|qhi|`` (:func:`~.draw_bounds.draw_select`).
+    out_hi, out_abs, out_q : torch.Tensor
+        ``[B]`` fp32: the other blocks' largest noisy bound, finite ``|qhi|`` and ``qhi``
+        (:func:`~.draw_bounds.draw_select`).
     seeds, pos, temp : torch.Tensor
         ``[B]``: as :func:`~.draw_bounds.block_bounds_ref`.
+    min_p : torch.Tensor
+        ``[B]`` fp32, each row's min-p (0, negative or NaN: none, as V2's kernel reads it; greedy
+        rows: ignored, min-p keeps the maximum).
     live : torch.Tensor
         ``[B]`` int8, rows that may be certified.
     """
@@ -77,9 +91,20 @@ def gumbel_draw_ref(cand, count, lower, upper, out_hi, out_abs, seeds, pos, temp
                          torch.where(valid, upper.double(), -math.inf), t_div, greedy)
     g_lo, g_hi = _noise_bounds_ref(uniform(seeds, pos, ids.clamp_min(0)))
     g_lo, g_hi = g_lo.masked_fill(greedy, 0.0), g_hi.masked_fill(greedy, 0.0)
+    bad = (torch.isnan(qlo) | torch.isnan(qhi) | (qhi == math.inf)).any(1)
+    o_hi = out_hi.double()
+    on = (min_p > 0) & ~greedy[:, 0]  # (module docstring, min-p)
+    if bool(on.any()):
+        nan_as = lambda x, v: torch.where(torch.isnan(x), v, x)  # noqa: E731
+        m_hi = torch.maximum(nan_as(qhi, math.inf).amax(1), nan_as(out_q.double(), math.inf))
+        thr_lo, thr_hi = min_p_thresholds(nan_as(qlo, -math.inf).amax(1), m_hi,
+                                          torch.where(on, min_p, 1.0))
+        thr_lo, thr_hi = thr_lo.double()[:, None], thr_hi.double()[:, None]
+        qlo = torch.where(on[:, None] & ~(qlo >= thr_hi), -math.inf, qlo)
+        qhi = torch.where(on[:, None] & (qhi < thr_lo), -math.inf, qhi)
+        o_hi = torch.where(on & (out_q.double() < thr_lo[:, 0]), -math.inf, o_hi)
     nlo = torch.where(qlo > -math.inf, qlo + g_lo, -math.inf)
     nhi = torch.where(qhi > -math.inf, qhi + g_hi, -math.inf)
-    bad = (torch.isnan(qlo) | torch.isnan(qhi) | (qhi == math.inf)).any(1)
     best = nlo.amax(1)
     slot = torch.arange(nlo.shape[1], device=dev)
     w = torch.where(nlo == best[:, None], slot, nlo.shape[1]).amin(1).clamp(max=nlo.shape[1] - 1)
@@ -88,7 +113,7 @@ def gumbel_draw_ref(cand, count, lower, upper, out_hi, out_abs, seeds, pos, temp
     m = torch.where(greedy[:, 0], 0.0, comparison_margin(A))
     bar = best - 2 * m
     others = ((nhi >= bar[:, None]) & (slot[None] != w[:, None])).sum(1)
-    cert = (others == 0) & (out_hi.double() < bar) & (best > -math.inf) & ~bad
+    cert = (others == 0) & (o_hi < bar) & (best > -math.inf) & ~bad
     token = torch.where(best > -math.inf, ids.gather(1, w[:, None])[:, 0], 0).clamp_min(0)
     code = torch.where(live.bool(), torch.where(t_ok, torch.where(cert, CODE_CERTIFIED, CODE_UNCERTIFIED),
                                                 CODE_TEMPERATURE), CODE_NOT_LIVE)
@@ -100,10 +125,12 @@ def gumbel_draw_ref(cand, count, lower, upper, out_hi, out_abs, seeds, pos, temp
 if triton is not None:
     from .common import _slots
     from .gumbel_jit import _hash, _noise_bounds, _prefix, _q_hi, _q_lo, _temp, _uniform
+    from .score import _down32, _up32
 
     @triton.jit
-    def _gumbel_draw_kernel(cand_ptr, count_ptr, lo_ptr, up_ptr, ohi_ptr, oabs_ptr, seed_ptr, pos_ptr, temp_ptr,
-                            live_ptr, token_ptr, code_ptr, V, SUBC: tl.constexpr, CAPC: tl.constexpr):
+    def _gumbel_draw_kernel(cand_ptr, count_ptr, lo_ptr, up_ptr, ohi_ptr, oabs_ptr, oq_ptr, seed_ptr, pos_ptr,
+                            temp_ptr, minp_ptr, live_ptr, token_ptr, code_ptr, V, log_abs, log_rel,
+                            SUBC: tl.constexpr, CAPC: tl.constexpr):
         b = tl.program_id(0).to(tl.int64)
         S: tl.constexpr = CAPC * SUBC
         sl, ids, valid = _slots(cand_ptr, count_ptr, b, V, SUBC, CAPC)
@@ -116,15 +143,34 @@ if triton is not None:
                                                   tl.where(valid, ids, 0))))
         g_lo = tl.where(greedy, 0.0, g_lo)
         g_hi = tl.where(greedy, 0.0, g_hi)
+        nbad = tl.sum(tl.where((qlo != qlo) | (qhi != qhi) | (qhi == float("inf")), 1, 0), 0)
+        o_hi = tl.load(ohi_ptr + b).to(tl.float64)
+        # min-p (min_p_thresholds, operation for operation): the winner must surely be kept;
+        # tokens and outside blocks surely dropped do not compete
+        mp = tl.where(greedy, 0.0, tl.load(minp_ptr + b))
+        on = mp > 0.0
+        o_q = tl.load(oq_ptr + b).to(tl.float64)
+        o_q = tl.where(o_q != o_q, float("inf"), o_q)
+        m_hi = tl.maximum(tl.max(tl.where(qhi != qhi, float("inf"), qhi), 0), o_q)
+        m_lo = tl.max(tl.where(qlo != qlo, float("-inf"), qlo), 0)
+        c = tl.log(tl.where(on, mp, 1.0).to(tl.float64))
+        eps = log_abs + log_rel * tl.abs(c)
+        t_lo = m_lo + (c - eps)
+        t_hi = m_hi + (c + eps)
+        thr_lo = _down32(tl.where(tl.abs(t_lo) < float("inf"), t_lo - tl.abs(t_lo) * 8.881784197001252e-16,
+                                  t_lo)).to(tl.float64)
+        thr_hi = _up32(tl.where(tl.abs(t_hi) < float("inf"), t_hi + tl.abs(t_hi) * 8.881784197001252e-16,
+                                t_hi)).to(tl.float64)
+        qlo = tl.where(on, tl.where(qlo >= thr_hi, qlo, float("-inf")), qlo)
+        qhi = tl.where(on, tl.where(qhi < thr_lo, float("-inf"), qhi), qhi)
+        o_hi = tl.where(on, tl.where(o_q < thr_lo, float("-inf"), o_hi), o_hi)
         nlo = tl.where((qlo > float("-inf")) & (qlo == qlo), qlo + g_lo, float("-inf"))
         nhi = tl.where(qhi > float("-inf"), qhi + g_hi, float("-inf"))
-        nbad = tl.sum(tl.where((qlo != qlo) | (qhi != qhi) | (qhi == float("inf")), 1, 0), 0)
         best = tl.max(nlo, 0)
         w = tl.min(tl.where(nlo == best, sl, S), 0)
         w = tl.where(w < S, w, 0)
         abs_lo = tl.where(tl.abs(qlo) < float("inf"), tl.abs(qlo), 0.0)
         abs_hi = tl.where(tl.abs(qhi) < float("inf"), tl.abs(qhi), 0.0)
-        o_hi = tl.load(ohi_ptr + b).to(tl.float64)
         A = tl.maximum(tl.maximum(tl.max(abs_lo, 0), tl.max(abs_hi, 0)), tl.load(oabs_ptr + b).to(tl.float64))
         m = tl.where(greedy, 0.0, (A + 24.0) * 1.1920928955078125e-07)
         bar = best - 2 * m
@@ -138,25 +184,26 @@ if triton is not None:
         tl.store(code_ptr + b, code.to(tl.int32))
 
 
-def gumbel_draw_triton(cand, count, lower, upper, out_hi, out_abs, seeds, pos, temp, live, V: int):
+def gumbel_draw_triton(cand, count, lower, upper, out_hi, out_abs, out_q, seeds, pos, temp, min_p, live, V: int):
     B = lower.shape[0]
     dev = lower.device
     token = torch.empty(B, dtype=torch.int64, device=dev)
     code = torch.empty(B, dtype=torch.int32, device=dev)
     if B:
-        _gumbel_draw_kernel[(B,)](cand, count, lower, upper, out_hi, out_abs, seeds.long().contiguous(),
-                                  pos.long().contiguous(), temp.float().contiguous(), live, token, code, V,
-                                  SUBC=SUB, CAPC=CAP, **_launch(), **({} if INTERPRET else {"num_warps": 8}))
+        _gumbel_draw_kernel[(B,)](cand, count, lower, upper, out_hi, out_abs, out_q, seeds.long().contiguous(),
+                                  pos.long().contiguous(), temp.float().contiguous(), min_p.float().contiguous(),
+                                  live, token, code, V, LOG_ABS, LOG_REL, SUBC=SUB, CAPC=CAP, **_launch(), **({} if INTERPRET else {"num_warps": 8}))
     return token, code
 
 
 # ---- custom ops -----------------------------------------------------------------------------
 @torch.library.custom_op(f"{LIB}::gumbel_draw", mutates_args=())
 def gumbel_draw(cand: torch.Tensor, count: torch.Tensor, lower: torch.Tensor, upper: torch.Tensor,
-                out_hi: torch.Tensor, out_abs: torch.Tensor, seeds: torch.Tensor, pos: torch.Tensor,
-                temp: torch.Tensor, live: torch.Tensor, V: int) -> tuple[torch.Tensor, torch.Tensor]:
+                out_hi: torch.Tensor, out_abs: torch.Tensor, out_q: torch.Tensor, seeds: torch.Tensor,
+                pos: torch.Tensor, temp: torch.Tensor, min_p: torch.Tensor, live: torch.Tensor,
+                V: int) -> tuple[torch.Tensor, torch.Tensor]:
     """V2's Gumbel draw certified on the device (:func:`gumbel_draw_ref`)."""
-    args = (cand, count, lower, upper, out_hi, out_abs, seeds, pos, temp, live, V)
+    args = (cand, count, lower, upper, out_hi, out_abs, out_q, seeds, pos, temp, min_p, live, V)
     return (gumbel_draw_triton if _use_triton(lower) else gumbel_draw_ref)(*args)
 
 

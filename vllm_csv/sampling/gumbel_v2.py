@@ -46,13 +46,9 @@ import torch
 
 from ..fp import round_down32, round_up32
 from ..gumbel_noise import (_M32, DIV_ABS, DIV_REL, DIV_T_MAX, DIV_T_MIN, EPS_ABS, EPS_REL, GUMBEL_MAX,  # noqa: F401
-                            GUMBEL_MIN, comparison_margin, murmur3, noise, noise_bounds, uniform)
+                            GUMBEL_MIN, LOG_ABS, LOG_REL, comparison_margin, min_p_thresholds, murmur3, noise,
+                            noise_bounds, uniform)
 
-# Min-p: the kernel's fp32 ``tl.log(min_p)`` lies within LOG_ABS + LOG_REL |log(min_p)| of the
-# real logarithm. libdevice's ``logf`` is within 1 ulp (2^-23 relative), an approximate
-# ``lg2.approx.f32`` times ln 2 within about 2^-22 absolute near 1; these allow 2^-20 of each
-# (tests/test_sampling_gumbel_v2_cuda.py measures the GPU's log against it).
-LOG_ABS, LOG_REL = 2.0**-20, 2.0**-20
 
 
 def temperature_bounds(ylo: torch.Tensor, yhi: torch.Tensor, temp: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -113,13 +109,8 @@ def min_p_bounds(qlo: torch.Tensor, qhi: torch.Tensor, min_p: torch.Tensor
         be ``-inf`` too (its maximum, hence its threshold, may be lower than the full row's).
     """
     on = (min_p > 0)[:, None]
-    c = torch.log(min_p.double())[:, None]
-    eps = LOG_ABS + LOG_REL * c.abs()
-    m_lo, m_hi = qlo.double().amax(1, keepdim=True), qhi.double().amax(1, keepdim=True)
-    t_lo, t_hi = m_lo + (c - eps), m_hi + (c + eps)
-    # the float64 sums round too (2^-53 relative): nudged outwards before rounding to fp32
-    thr_lo = round_down32(torch.where(torch.isfinite(t_lo), t_lo - t_lo.abs() * 2.0**-50, t_lo))
-    thr_hi = round_up32(torch.where(torch.isfinite(t_hi), t_hi + t_hi.abs() * 2.0**-50, t_hi))
+    thr_lo, thr_hi = min_p_thresholds(qlo.double().amax(1, keepdim=True), qhi.double().amax(1, keepdim=True),
+                                      min_p[:, None])
     dropped = on & (qhi < thr_lo)
     kept = ~on | (qlo >= thr_hi)
     return qlo.masked_fill(~kept, -math.inf), qhi.masked_fill(dropped, -math.inf), dropped

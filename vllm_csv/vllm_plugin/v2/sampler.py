@@ -11,7 +11,7 @@ so nothing is peeked; the certificate is :func:`~vllm_csv.sampling.rows_v2.certi
 processors vLLM's own run on the bounds (:func:`_processors`).
 
 On CUDA (the head's backend, bound once when the head was built, runs the fused Triton step) rows
-with no processor, no min-p and no grammar are drawn on the device instead
+with no processor and no grammar (min-p or not) are drawn on the device instead
 (:func:`fused_draw_for`, :meth:`vllm_csv.gpu.step.FusedStep.draw_v2`: candidate scoring and the
 Gumbel replay in kernels, no per-row Python loop, no ``[B, V]`` float64 pass); the CPU path is
 unchanged.
@@ -73,6 +73,25 @@ def _unsupported(sampler, d: Deferred, logits: torch.Tensor, input_batch) -> str
     return None
 
 
+def _has_work(processor, req: np.ndarray) -> bool:
+    """Whether V2's ``processor.apply`` changes any row of requests ``req`` (slots): each of the
+    native ones returns its input untouched when its own flag is off for every request of the
+    context (``LogitBiasState``: ``use_logit_bias``, allowed ids and min_tokens' stop tokens
+    included; ``PenaltiesState``: ``use_penalty``; ``BadWordsState``: ``num_bad_words``, read in
+    0.32.0 and 0.33.0). Another processor: True (:func:`certifiable_sampler` admits none)."""
+    from vllm.v1.worker.gpu.sample.bad_words import BadWordsState
+    from vllm.v1.worker.gpu.sample.logit_bias import LogitBiasState
+    from vllm.v1.worker.gpu.sample.penalties import PenaltiesState
+
+    if type(processor) is LogitBiasState:
+        return bool(np.any(processor.use_logit_bias[req]))
+    if type(processor) is PenaltiesState:
+        return bool(np.any(processor.use_penalty[req]))
+    if type(processor) is BadWordsState:
+        return bool(np.any(processor.num_bad_words.np[req] > 0))
+    return True
+
+
 def _processors(sampler, input_batch, dev_rows: torch.Tensor, rows_np: np.ndarray, req: np.ndarray):
     """vLLM's own V2 logits processors (logit bias, allowed ids and min_tokens; penalties; bad
     words: :func:`certifiable_sampler` admits no other) as a map of ``[R, V]`` float32 bounds
@@ -81,10 +100,13 @@ def _processors(sampler, input_batch, dev_rows: torch.Tensor, rows_np: np.ndarra
     requests by slot on the host). Each is monotone non-decreasing per token: a mask to
     ``-inf``, an fp32 addition, the repetition penalty's multiplication by ``r`` or ``fl(1/r)``
     by sign, subtractions of fixed amounts. The thinking budget, which runs after them, is
-    refused (:func:`_unsupported`). None where no processor has work on these rows."""
+    refused (:func:`_unsupported`). None where no processor has work on these rows
+    (:func:`_has_work`; not ``Sampler.needs_logits_processing``, which V2 also sets for a
+    temperature other than 1 or a min-p: with it, every tempered row would seem processed and
+    miss the device draw)."""
     from vllm.v1.worker.gpu.sample.logits_processor.interface import LogitsContext
 
-    if not bool(np.any(sampler.needs_logits_processing[req])):
+    if not any(_has_work(p, req) for p in sampler.logits_processors):
         return None
     slot = input_batch.expanded_idx_mapping[dev_rows]
     idx = input_batch.logits_indices[dev_rows]
@@ -109,9 +131,9 @@ def fused_draw_for(adapter, process, min_p, masked):
     """The head's fused GPU step (:meth:`vllm_csv.head.CertifiedHead.fused_step`: the CUDA backend
     only, chosen when the head was built) when it may draw these rows on the device, else None:
     another backend (the CPU path), a sharded adapter, a head with soft-cap or scale, or rows
-    with processors (``process``), min-p or a grammar mask (``masked``), which the device draw
-    does not bound yet."""
-    if process is not None or min_p is not None or masked is not None or isinstance(adapter, ShardedAdapter):
+    with processors (``process``) or a grammar mask (``masked``), which the device draw does not
+    bound yet (min-p it does: :mod:`vllm_csv.gpu.gumbel_draw`)."""
+    if process is not None or masked is not None or isinstance(adapter, ShardedAdapter):
         return None
     fused_step = getattr(adapter.head, "fused_step", None)
     fused = fused_step() if fused_step is not None else None
@@ -122,13 +144,15 @@ def fused_draw_for(adapter, process, min_p, masked):
 _DRAW_REASONS = {1: "nonfinite", 2: "nonfinite", 3: "uncertified"}
 
 
-def draw_rows(fused, hidden: torch.Tensor, seeds: torch.Tensor, pos: torch.Tensor, temp: torch.Tensor) -> RowsResult:
+def draw_rows(fused, hidden: torch.Tensor, seeds: torch.Tensor, pos: torch.Tensor, temp: torch.Tensor,
+              min_p: torch.Tensor | None = None) -> RowsResult:
     """:meth:`~vllm_csv.gpu.step.FusedStep.draw_v2` as the rows' ``RowsResult``: a certified row's
     values are ``-inf`` but at its token (0 there): V2's temperature keeps the one finite value
-    finite and its ``gumbel_sample`` (or, at ``T = 0``, its argmax) returns it. One host read of
+    finite and its ``gumbel_sample`` (or, at ``T = 0``, its argmax) returns it (V2's min-p keeps a
+    row's maximum). One host read of
     the codes and counts, for the reasons and the account (the writing of the rows reads the
     certified flags on the host anyway)."""
-    token, code, count = fused.draw_v2(hidden, seeds, pos, temp)
+    token, code, count = fused.draw_v2(hidden, seeds, pos, temp, min_p=min_p)
     values = torch.full((hidden.shape[0], fused.V), -math.inf, dtype=fused.dtype, device=hidden.device)
     values.scatter_(1, token[:, None], 0.0)
     code_h, count_h = code.cpu(), fused.scored(count).cpu()
@@ -173,7 +197,7 @@ def resolve(sampler, d: Deferred, logits: torch.Tensor, input_batch) -> Deferred
         seeds, temp = ss.seeds.gpu[slot].long(), ss.temperature.gpu[slot].float()
         fused = fused_draw_for(d.adapter, process, min_p, masked)
         if fused is not None:
-            res = draw_rows(fused, d.hidden, seeds, pos, temp)
+            res = draw_rows(fused, d.hidden, seeds, pos, temp, min_p)
         else:
             res = certify_rows_v2(d.adapter, d.hidden, seeds, pos, temp, process=process, min_p=min_p, masked=masked)
         certified = write_certified(logits, dev_rows, res, st)
