@@ -21,7 +21,7 @@ triton = pytest.importorskip("triton")
 from vllm_csv import CertifiedHead, HeadConfig  # noqa: E402
 from vllm_csv.gpu.common import CAP, INTERPRET, SUB, slot_ids  # noqa: E402
 from vllm_csv.gpu.draw_bounds import (block_bounds_ref, block_bounds_triton, block_upper,  # noqa: E402
-                                      draw_select_ref, draw_select_triton)
+                                      draw_select_ref, draw_select_triton, min_p_dropped_ref)
 from vllm_csv.gpu.gumbel_draw import (BPP, CODE_CERTIFIED, CODE_NOT_LIVE, CODE_TEMPERATURE,  # noqa: E402
                                       gumbel_draw_ref, gumbel_draw_triton)
 from vllm_csv.gpu.step import FusedStep  # noqa: E402
@@ -240,6 +240,31 @@ def test_kernels_match_references_from_screen_maxima(dtype):
         oks.append(a[5].bool().cpu())
     assert torch.equal(oks[0], hnorm.isfinite())  # NaN norm: not ok
     assert bool(oks[1].any()) and bool((oks[0] & ~oks[1]).any())  # a finite limit: the rows that may pass it
+    # with min-p: the blocks it surely drops and the maximum's block first, kernel and reference alike
+    min_p = torch.tensor([0.0, 0.05, 0.1, 0.3, 0.9, 1.0, math.nan, -1.0, 0.5, 0.2]).to(DEV)
+    for cap in (CAP, 3):
+        a = draw_select_triton(*want, dev[0], dev[4], dev[5], ok, *consts, math.inf, 0.5, cap, dev[3], min_p, dtype)
+        b = draw_select_ref(*want, dev[0], dev[4], dev[5], ok, *consts, math.inf, 0.5, cap, dev[3], min_p, dtype)
+        assert all(torch.equal(u, v) for u, v in zip(a, b)), (a, b)
+    on, dropped, top = min_p_dropped_ref(want[1], dev[0], dev[4], dev[5], dev[3], min_p, *consts, dtype)
+    assert not bool(on[[0, 6, 7]].any()) and not bool(on[0]) and bool(on[[1, 2, 3]].all())  # none, NaN, < 0; T = 0
+    assert not bool(dropped[~on].any()) and bool(dropped[on].any())
+    assert not bool(dropped.gather(1, top[:, None]).any())  # the maximum's block is never dropped
+    cand, count = a[0].cpu(), a[1].cpu()
+    for r in torch.nonzero(on.cpu()).flatten().tolist():  # it is a candidate, and no dropped block is
+        ids = cand[r, :count[r]]
+        assert int(top[r]) in ids.tolist() and not bool(dropped[r].cpu()[ids.long()].any())
+
+
+def test_select_keeps_every_block_above_the_last_value():
+    """Ties at the ``n``-th largest bound come after every larger block: ``[5, 5, 5, 9]`` with
+    two slots keeps 9 and the first 5 (a selection by index among ``>= 5`` kept 5, 5)."""
+    bound = torch.tensor([[5.0, 5.0, 5.0, 9.0], [-math.inf, -math.inf, 1.0, -math.inf]], device=DEV)
+    qhi, zero = bound.clone(), torch.zeros(2, device=DEV)
+    ok = torch.ones(2, dtype=torch.int8, device=DEV)
+    for f in (draw_select_triton, draw_select_ref):
+        cand, count = f(bound, qhi, bound, zero, zero, ok, 0.0, 0.0, 0.0, 0.0, 0.0, math.inf, 0.0, 2)[:2]
+        assert cand.cpu()[0, :2].tolist() == [0, 3] and cand.cpu()[1, :2].tolist() == [0, 2], cand
 
 
 def test_fake_impls():
@@ -397,6 +422,23 @@ def test_fused_draw_matches_vllm(vllm_gumbel, V, d, dtype):
         cert = code == CODE_CERTIFIED
         assert torch.equal(tok[cert], want[cert])
         assert int(cert.sum()) >= B // 2 and bool((cert & (temp > 0)).any()), (code, count)
+        # the blocks min-p surely drops, from the screen alone, hold only tokens vLLM's min-p drops
+        from vllm_csv.gpu.draw_bounds import block_bounds_ref
+
+        qhi = block_bounds_ref(bmax_of(st, h), seeds, pos, temp, V, *st_bound_args(st, h), dtype)[1]
+        _, hn_e = quantize_of(st, h)
+        on, dropped, _ = min_p_dropped_ref(qhi, bmax_of(st, h), hn_e[0], hn_e[1], temp, min_p, st.consts["rad_max"],
+                                           st.consts["act_coef"], st.consts["tiny"], st.consts["bslack_max"],
+                                           st.consts["delta"], dtype)
+        x = dense.clone()
+        idx = torch.arange(B, dtype=torch.int32, device=DEV)
+        vllm_gumbel.apply_temperature(x, idx, temp.float().contiguous())
+        vllm_min_p.apply_min_p(x, idx, min_p.float().contiguous())
+        nb = qhi.shape[1]
+        pad = torch.full((B, nb * SUB), -math.inf, device=x.device)
+        pad[:, :V] = x
+        kept = (pad.view(B, nb, SUB) > -math.inf).any(2)
+        assert bool(dropped.any()) and not bool((dropped & kept).any())
     # the bound every block outside the candidates stands on
     from vllm_csv.gpu.quantize import quantize_rows_ref
     from vllm_csv.gpu.screen import screen_block_max_ref
@@ -410,6 +452,30 @@ def test_fused_draw_matches_vllm(vllm_gumbel, V, d, dtype):
     pad[:, :V] = dense
     ok = ok.bool()
     assert bool((pad.view(B, nb, SUB).amax(2) <= bh)[ok].all())
+
+
+def quantize_of(st, h):
+    """``(p, (hnorm, e))`` of the fused step's quantize stage on ``h`` (its torch reference)."""
+    from vllm_csv.gpu.common import batch_tile
+    from vllm_csv.gpu.quantize import quantize_rows_ref
+
+    p, t, e, hn, ok = quantize_rows_ref(h, True, batch_tile(h.shape[0]))
+    return (p, t), (hn, e)
+
+
+def bmax_of(st, h):
+    """The screen's block maxima of ``h`` (the step's stages, torch references)."""
+    from vllm_csv.gpu.screen import screen_block_max_ref
+
+    (p, t), _ = quantize_of(st, h)
+    return screen_block_max_ref(p, st.q, st.s, t, st.sbias, h.shape[0])
+
+
+def st_bound_args(st, h):
+    """``block_bounds``' screen arguments after ``V``: ``hnorm, e`` and the step's constants."""
+    _, (hn, e) = quantize_of(st, h)
+    c = st.consts
+    return hn, e, c["rad_max"], c["act_coef"], c["tiny"], c["bslack_max"], c["delta"]
 
 
 @pytest.mark.gpu

@@ -16,7 +16,9 @@ beside its torch reference ``<op>_ref``, fixed shapes, no host sync):
 2. :func:`draw_select` ``[B]`` programs: the row's candidates, the ``cap`` blocks of largest
    bound (ties at the last: the first by index), compacted in ascending order as
    :func:`~vllm_csv.gpu.select.select_blocks` lays them out (what :mod:`.score` scores); the
-   largest bound, finite ``|qhi|`` and ``qhi`` of the other blocks; the step's ``ok`` (every row of the batch
+   largest bound, finite ``|qhi|`` and ``qhi`` of the other blocks; with min-p, the blocks it
+   surely drops left out of both and the block of largest ``qhi`` (the row's maximum's) a
+   candidate first (:func:`min_p_dropped_ref`); the step's ``ok`` (every row of the batch
    ``ok``, the overflow check of :func:`vllm_csv.ops.select.threshold_from`). The blocks that can
    beat the winner are the ones of largest noisy bound, so they are the ones worth scoring
    (a threshold on the logits alone, as for an argmax, misses a lower block with a large noise).
@@ -30,8 +32,8 @@ import math
 
 import torch
 
-from ..fp import round_up32
-from ..gumbel_noise import murmur3
+from ..fp import round_down32, round_up32
+from ..gumbel_noise import LOG_ABS, LOG_REL, min_p_thresholds, murmur3
 from .common import CAP, LIB, SUB, _launch, _tl_dtype, _use_triton, tl, triton
 from .gumbel_draw import BPP
 from .gumbel_jit import _noise_bounds_ref, _q_bounds, _temp_ref
@@ -91,30 +93,69 @@ def block_bounds_ref(block_hi, seeds, pos, temp, V: int, hnorm=None, e=None, rad
     return round_up32(bound), q.float()
 
 
+def min_p_dropped_ref(qhi, bmax, hnorm, e, temp, min_p, rad_max: float, act_coef: float, tiny: float,
+                      bslack_max: float, delta: float, dtype: torch.dtype):
+    """``(on [B], dropped [B, nb], top [B])``: the rows with a min-p (not greedy), the blocks min-p
+    surely drops in them, and each row's block of largest ``qhi`` (NaN first; the first by
+    index). Before any token is scored, the row's maximum is bounded below by the dense value of
+    its largest screen value's token: ``y1 - delta |y1| - spread`` (the lower side of
+    :func:`block_upper`'s bound, widened by ``2^-20`` relative and ``tiny``, rounded down to fp32,
+    then to the model dtype: rounding is monotone), through V2's temperature
+    (:func:`~.gumbel_jit._q_bounds`); :func:`~vllm_csv.gumbel_noise.min_p_thresholds` of it is
+    below the kernel's threshold, so a block whose ``qhi`` is under it holds no token min-p keeps.
+    The block of largest ``qhi`` is never dropped (it bounds the row's maximum)."""
+    t_div, greedy, _ = _temp_ref(temp)
+    on = (min_p > 0) & ~greedy[:, 0]
+    spread = rad_max * hnorm.double() + act_coef * e.double() + tiny + bslack_max
+    y = bmax.double().amax(1)
+    lb = y - delta * y.abs() - spread
+    lb = lb - lb.abs() * 2.0**-20 - tiny
+    lbq = round_down32(lb).to(dtype).double()[:, None]
+    m_lo = _q_bounds(lbq, lbq, t_div, greedy)[0]
+    thr = min_p_thresholds(m_lo, m_lo, torch.where(on, min_p, 1.0)[:, None])[0].double()
+    dropped = on[:, None] & (qhi.double() < thr)
+    top = torch.where(torch.isnan(qhi), math.inf, qhi).argmax(1)
+    return on, dropped, top
+
+
 def draw_select_ref(bound, qhi, bmax, hnorm, e, ok, rad_max: float, act_coef: float, tiny: float,
-                    bslack_max: float, delta: float, limit: float, babs_max: float, cap: int):
+                    bslack_max: float, delta: float, limit: float, babs_max: float, cap: int,
+                    temp=None, min_p=None, dtype: torch.dtype = torch.float32):
     """``(cand [B, CAP] int32, count [B] int32, out_hi [B] fp32, out_abs [B] fp32, out_q [B] fp32,
     ok [B] int8)``.
 
-    The ``min(cap, nb)`` blocks of largest ``bound`` (ties at the last: the first by index),
-    ascending, ``-1`` past ``count``; of the others: the largest ``bound`` (``-inf`` where none),
+    The ``min(cap, nb)`` blocks of largest ``bound`` (every block above the ``n``-th value, then the
+    ties at it, the first by index), ascending, ``-1`` past ``count``; of the others: the largest ``bound`` (``-inf`` where none),
     the largest finite ``|qhi|`` (0 where none) and the largest ``qhi`` (NaN as ``+inf``; ``-inf``
-    where none: an upper bound of their tokens' tempered logits, for min-p); ``ok`` with every row of the batch ``ok`` and the overflow check of
-    :func:`vllm_csv.ops.select.threshold_from` (fp32, its order of operations) on the row's
-    largest screen value."""
+    where none: an upper bound of their tokens' tempered logits, for min-p); ``ok`` with every
+    row of the batch ``ok`` and the overflow check of :func:`vllm_csv.ops.select.threshold_from`
+    (fp32, its order of operations) on the row's largest screen value. With ``min_p`` (``[B]``
+    fp32, 0: none; ``temp`` and ``dtype`` then given), in a row that has one, the blocks min-p
+    surely drops (:func:`min_p_dropped_ref`) are neither candidates nor among the others, and
+    the block of largest ``qhi`` is a candidate first: it holds the row's maximum, whose bounds
+    set the threshold (``bound`` itself is unchanged)."""
     B, nb = bound.shape
     n = min(cap, nb, CAP)
-    vcap = bound.topk(n, dim=1).values[:, -1]
-    sel = bound >= vcap[:, None]
-    pos = sel.cumsum(1) - 1
-    keep = sel & (pos < n)
+    key, dropped = bound, torch.zeros_like(bound, dtype=torch.bool)
+    if min_p is not None:
+        on, dropped, top = min_p_dropped_ref(qhi, bmax, hnorm, e, temp, min_p, rad_max, act_coef, tiny, bslack_max,
+                                             delta, dtype)
+        key = bound.masked_fill(dropped, -math.inf)
+        first = on[:, None] & (torch.arange(nb, device=bound.device)[None] == top[:, None])
+        key = key.masked_fill(first, math.inf)
+    vcap = key.topk(n, dim=1).values[:, -1:]
+    gt = key > vcap  # every block above the n-th value, then the ties at it by index
+    tie = (key == vcap) & ~dropped
+    keep = gt | (tie & (tie.cumsum(1) <= n - gt.sum(1, keepdim=True)))
+    pos = keep.cumsum(1) - 1
     count = keep.sum(1).to(torch.int32)
     cand = torch.full((B, CAP), -1, dtype=torch.int32, device=bound.device)
     r, c = keep.nonzero(as_tuple=True)
     cand[r, pos[r, c]] = c.to(torch.int32)
-    out_hi = bound.masked_fill(keep, -math.inf).amax(1)
-    out_abs = torch.where(torch.isfinite(qhi), qhi.abs(), 0.0).masked_fill(keep, 0.0).amax(1)
-    out_q = torch.where(torch.isnan(qhi), math.inf, qhi).masked_fill(keep, -math.inf).amax(1)
+    gone = keep | dropped
+    out_hi = bound.masked_fill(gone, -math.inf).amax(1)
+    out_abs = torch.where(torch.isfinite(qhi), qhi.abs(), 0.0).masked_fill(gone, 0.0).amax(1)
+    out_q = torch.where(torch.isnan(qhi), math.inf, qhi).masked_fill(gone, -math.inf).amax(1)
     ok = ok.bool()
     ok = ok & ok.all()
     spread = rad_max * hnorm + act_coef * e
@@ -131,8 +172,8 @@ def draw_select_ref(bound, qhi, bmax, hnorm, e, ok, rad_max: float, act_coef: fl
 # ---- Triton ---------------------------------------------------------------------------------
 if triton is not None:
     from .common import _rnd
-    from .gumbel_jit import _hash, _noise_bounds, _prefix, _q_hi, _temp, _uniform
-    from .score import _up32
+    from .gumbel_jit import _hash, _noise_bounds, _prefix, _q_hi, _q_lo, _temp, _uniform
+    from .score import _down32, _up32
     from .select import _overflow_ok
 
     @triton.jit
@@ -167,37 +208,65 @@ if triton is not None:
         tl.store(qhi_ptr + b * nb + blk, q.to(tl.float32), mask=m)
 
     @triton.jit
-    def _draw_select_kernel(bound_ptr, qhi_ptr, bmax_ptr, hn_ptr, e_ptr, ok_ptr, cand_ptr, count_ptr, ohi_ptr,
-                            oabs_ptr, oq_ptr, okout_ptr, B, nb, n, rad_max, act_coef, tiny, bslack_max, delta, limit,
-                            babs_max, NB: tl.constexpr, BBATCH: tl.constexpr, CAPC: tl.constexpr):
+    def _draw_select_kernel(bound_ptr, qhi_ptr, bmax_ptr, hn_ptr, e_ptr, ok_ptr, temp_ptr, minp_ptr, cand_ptr,
+                            count_ptr, ohi_ptr, oabs_ptr, oq_ptr, okout_ptr, B, nb, n, rad_max, act_coef, tiny,
+                            bslack_max, delta, limit, babs_max, log_abs, log_rel, MINP: tl.constexpr,
+                            DT: tl.constexpr, NB: tl.constexpr, BBATCH: tl.constexpr, CAPC: tl.constexpr):
         b = tl.program_id(0).to(tl.int64)
         idx = tl.arange(0, NB)
         inb = idx < nb
         x = tl.load(bound_ptr + b * nb + idx, mask=inb, other=float("-inf"))
-        work = x
-        vcap = tl.max(x, 0)
+        q = tl.load(qhi_ptr + b * nb + idx, mask=inb, other=float("-inf"))
+        bm = tl.load(bmax_ptr + b * nb + idx, mask=inb, other=float("-inf"))
+        y1 = tl.max(bm, 0)
+        key = x
+        drop = idx < 0  # (none)
+        if MINP:  # min_p_dropped_ref, operation for operation
+            t, greedy, _ = _temp(temp_ptr, b)
+            mp = tl.where(greedy, 0.0, tl.load(minp_ptr + b))
+            on = mp > 0.0
+            spread = rad_max * tl.load(hn_ptr + b).to(tl.float64) + act_coef * tl.load(e_ptr + b).to(tl.float64)
+            spread = spread + tiny
+            spread = spread + bslack_max
+            y = y1.to(tl.float64)
+            lb = y - delta * tl.abs(y)
+            lb = lb - spread
+            lb = lb - tl.abs(lb) * 9.5367431640625e-07
+            lb = lb - tiny
+            m_lo = _q_lo(_rnd(_down32(lb), DT), t, greedy)
+            c = tl.log(tl.where(on, mp, 1.0).to(tl.float64))
+            eps = log_abs + log_rel * tl.abs(c)
+            t_lo = m_lo + (c - eps)
+            thr = _down32(tl.where(tl.abs(t_lo) < float("inf"), t_lo - tl.abs(t_lo) * 8.881784197001252e-16,
+                                   t_lo)).to(tl.float64)
+            drop = tl.where(on, q.to(tl.float64) < thr, drop)
+            top = tl.argmax(tl.where(inb, tl.where(q != q, float("inf"), q), float("-inf")), 0)
+            key = tl.where(drop, float("-inf"), x)
+            key = tl.where(on, tl.where(idx == top, float("inf"), key), key)
+        work = key
+        vcap = tl.max(key, 0)
         for j in tl.static_range(CAPC):  # the n-th largest, with multiplicity: drop one maximum a round
             mx = tl.max(work, 0)
             vcap = tl.where(j == n - 1, mx, vcap)
             first = tl.argmax(work, 0)
             work = tl.where(idx == first, float("-inf"), work)
-        sel = (x >= vcap) & inb
-        si = tl.where(sel, 1, 0)
-        pos = tl.cumsum(si, 0) - 1
-        keep = sel & (pos < n)
+        gt = (key > vcap) & inb  # every block above the n-th value, then the ties at it by index
+        tie = (key == vcap) & inb & (drop == 0)
+        ngt = tl.sum(tl.where(gt, 1, 0), 0)
+        keep = gt | (tie & (tl.cumsum(tl.where(tie, 1, 0), 0) <= n - ngt))
+        pos = tl.cumsum(tl.where(keep, 1, 0), 0) - 1
         slots = tl.arange(0, CAPC)
         tl.store(cand_ptr + b * CAPC + slots, tl.full([CAPC], -1, tl.int32))
         tl.debug_barrier()
         tl.store(cand_ptr + b * CAPC + pos, idx.to(tl.int32), mask=keep)
         tl.store(count_ptr + b, tl.sum(tl.where(keep, 1, 0), 0))
-        tl.store(ohi_ptr + b, tl.max(tl.where(keep, float("-inf"), x), 0))
-        q = tl.load(qhi_ptr + b * nb + idx, mask=inb, other=float("-inf"))
+        gone = keep | drop
+        tl.store(ohi_ptr + b, tl.max(tl.where(gone, float("-inf"), x), 0))
         aq = tl.where(tl.abs(q) < float("inf"), tl.abs(q), 0.0)
-        tl.store(oabs_ptr + b, tl.max(tl.where(keep, 0.0, aq), 0))
+        tl.store(oabs_ptr + b, tl.max(tl.where(gone, 0.0, aq), 0))
         q = tl.where(q != q, float("inf"), q)
-        tl.store(oq_ptr + b, tl.max(tl.where(keep, float("-inf"), q), 0))
+        tl.store(oq_ptr + b, tl.max(tl.where(gone, float("-inf"), q), 0))
         # ok: select_blocks' (every row of the batch, then threshold_from's overflow check, fp32)
-        y1 = tl.max(tl.load(bmax_ptr + b * nb + idx, mask=inb, other=float("-inf")), 0)
         ok, _ = _overflow_ok(ok_ptr, b, B, y1, tl.load(hn_ptr + b), tl.load(e_ptr + b), rad_max, act_coef, tiny,
                              bslack_max, delta, limit, babs_max, BBATCH)
         tl.store(okout_ptr + b, ok.to(tl.int8))
@@ -220,7 +289,8 @@ def block_bounds_triton(block_hi, seeds, pos, temp, V: int, hnorm=None, e=None, 
 
 
 def draw_select_triton(bound, qhi, bmax, hnorm, e, ok, rad_max: float, act_coef: float, tiny: float,
-                       bslack_max: float, delta: float, limit: float, babs_max: float, cap: int):
+                       bslack_max: float, delta: float, limit: float, babs_max: float, cap: int,
+                       temp=None, min_p=None, dtype: torch.dtype = torch.float32):
     B, nb = bound.shape
     dev = bound.device
     cand = torch.empty((B, CAP), dtype=torch.int32, device=dev)
@@ -230,8 +300,11 @@ def draw_select_triton(bound, qhi, bmax, hnorm, e, ok, rad_max: float, act_coef:
     out_q = torch.empty(B, dtype=torch.float32, device=dev)
     okout = torch.empty(B, dtype=torch.int8, device=dev)
     if B:
-        _draw_select_kernel[(B,)](bound, qhi, bmax, hnorm, e, ok, cand, count, out_hi, out_abs, out_q, okout, B, nb,
-                                  min(cap, nb, CAP), rad_max, act_coef, tiny, bslack_max, delta, limit, babs_max,
+        mp = min_p is not None
+        _draw_select_kernel[(B,)](bound, qhi, bmax, hnorm, e, ok, temp.float().contiguous() if mp else hnorm,
+                                  min_p.float().contiguous() if mp else hnorm, cand, count, out_hi, out_abs, out_q,
+                                  okout, B, nb, min(cap, nb, CAP), rad_max, act_coef, tiny, bslack_max, delta, limit,
+                                  babs_max, LOG_ABS, LOG_REL, MINP=mp, DT=_tl_dtype(dtype),
                                   NB=triton.next_power_of_2(nb), BBATCH=max(64, triton.next_power_of_2(B)),
                                   CAPC=CAP, **_launch())
     return cand, count, out_hi, out_abs, out_q, okout
@@ -257,10 +330,12 @@ def _(block_hi, *args):
 @torch.library.custom_op(f"{LIB}::draw_select", mutates_args=())
 def draw_select(bound: torch.Tensor, qhi: torch.Tensor, bmax: torch.Tensor, hnorm: torch.Tensor, e: torch.Tensor,
                 ok: torch.Tensor, rad_max: float, act_coef: float, tiny: float, bslack_max: float, delta: float,
-                limit: float, babs_max: float, cap: int
+                limit: float, babs_max: float, cap: int, temp: torch.Tensor | None = None,
+                min_p: torch.Tensor | None = None, dtype: torch.dtype = torch.float32
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The draw's candidate blocks (:func:`draw_select_ref`)."""
-    args = (bound, qhi, bmax, hnorm, e, ok, rad_max, act_coef, tiny, bslack_max, delta, limit, babs_max, cap)
+    args = (bound, qhi, bmax, hnorm, e, ok, rad_max, act_coef, tiny, bslack_max, delta, limit, babs_max, cap, temp,
+            min_p, dtype)
     return (draw_select_triton if _use_triton(bound) else draw_select_ref)(*args)
 
 

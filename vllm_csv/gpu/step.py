@@ -196,7 +196,8 @@ class FusedStep:
                                   c["bslack_max"], c["delta"], self.dtype)
         cand, count, out_hi, out_abs, out_q, ok = draw_select(bound, qhi, bmax, hnorm, e, ok, c["rad_max"],
                                                               c["act_coef"], c["tiny"], c["bslack_max"], c["delta"],
-                                                              c["limit"], c["babs_max"], cap)
+                                                              c["limit"], c["babs_max"], cap, temp, min_p,
+                                                              self.dtype)
         z, lower, upper = score_blocks(hidden, self.weight, self.bias, cand, count, self.coef, self.gam,
                                        self.tiny32)
         if min_p is None:
