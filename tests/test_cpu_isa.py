@@ -34,10 +34,12 @@ pytestmark = [
 # rows_cpu: interval_rows; gumbel: noise_candidates' chunks; live_cpu: row_stats, pack_live; nucleus: the
 # cuts and top-p sums; topk: row_topk; bools: flat_nonzero), the int8 GEMM's AVX2 kernel (test_int8_vnni.py,
 # against its reference and FBGEMM's AVX2 kernels) and the int8 screen on it (test_head_exact's heads); the
-# int4 GEMM's AVX2 kernel and screen (test_int4_vnni.py).
+# int4 GEMM's AVX2 kernel and screen (test_int4_vnni.py); both screens on the AVX2 kernels with hidden
+# states along their copies' residuals (test_audit_aligned.py).
 KERNEL_TESTS = ["tests/test_step.py", "tests/test_select.py", "tests/test_rows.py", "tests/test_noise_candidates.py",
                 "tests/test_live.py", "tests/test_row_topk.py", "tests/test_fakes.py", "tests/test_sampling_nucleus.py",
-                "tests/test_ops.py", "tests/test_head_exact.py", "tests/test_int8_vnni.py", "tests/test_int4_vnni.py"]
+                "tests/test_ops.py", "tests/test_head_exact.py", "tests/test_int8_vnni.py", "tests/test_int4_vnni.py",
+                "tests/test_audit_aligned.py"]
 # (of test_ops.py its CPU kernels' tests, of test_sampling_nucleus.py its four kernel tests: the
 # whole file takes a minute and a half more)
 KERNEL_SELECT = "(not test_ops and not test_sampling_nucleus) or bool or nonzero or kernel_is_the_reference"
