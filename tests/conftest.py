@@ -24,3 +24,27 @@ def torch_reference_step(monkeypatch):
     from vllm_csv.ops import build
 
     monkeypatch.setitem(build._state, "ops", None)
+
+
+@pytest.fixture
+def reduced_precision_fp32(monkeypatch):
+    """torch's CPU fp32 matmuls set to bf16 passes (``mkldnn.matmul.fp32_precision = "bf16"``, as
+    ``VLLM_FLOAT32_MATMUL_PRECISION=medium`` asks), and what oneDNN then does on an AMX or
+    AVX512-BF16 CPU emulated here (this CPU may keep fp32 at that setting): fp32 operands of ``@``
+    rounded to bf16 while the setting is on."""
+    import torch
+
+    from vllm_csv.fp import fp32_matmul_is_ieee
+
+    real = torch.Tensor.__matmul__
+
+    def matmul(a, b):
+        if a.dtype == torch.float32 and b.dtype == torch.float32 and not fp32_matmul_is_ieee(a.device.type):
+            return real(a.bfloat16().float(), b.bfloat16().float())
+        return real(a, b)
+
+    old = torch.backends.mkldnn.matmul.fp32_precision
+    torch.backends.mkldnn.matmul.fp32_precision = "bf16"
+    monkeypatch.setattr(torch.Tensor, "__matmul__", matmul)
+    yield real
+    torch.backends.mkldnn.matmul.fp32_precision = old

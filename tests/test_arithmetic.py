@@ -245,3 +245,39 @@ def test_fp32_heads_read_torchs_new_precision_api(setting, ieee):
     ok, certified, sampler_certified = out.stdout.split()[-3:]
     assert ok == str(ieee)
     assert (int(certified), int(sampler_certified)) == ((3, 3) if ieee else (0, 0))
+
+
+def test_screens_own_fp32_products_ignore_reduced_precision(reduced_precision_fp32):
+    """The screens' own fp32 products (the int4 copy's torch path, the ball screen's centroids, the
+    int8 screen's torch reference; the outlier split: test_screen_fbgemm.py) stay within fp32
+    accumulation's error of the exact products when torch's fp32 matmuls are set to bf16 passes
+    (emulated: ``reduced_precision_fp32``): they run in float64 there (``fp.matmul32``); the
+    emulated engine itself is far off on the same operands (the check has teeth)."""
+    from vllm_csv.fp import gamma
+    from vllm_csv.index import build_index
+    from vllm_csv.ops import int8_screen_ref
+    from vllm_csv.screens import BallScreen, QuantizedScreen
+
+    real = reduced_precision_fp32
+    g = torch.Generator().manual_seed(5)
+    V, d = 700, 96
+    W = torch.randn(V, d, generator=g) * (1 + torch.rand(V, 1, generator=g))
+    h = torch.randn(6, d, generator=g) * 3 + 0.1
+
+    def close(y, a, b):  # y against the exact a @ b, within fp32 accumulation's bound
+        exact = real(a.double(), b.double())
+        tol = gamma(a.shape[1]) * real(a.double().abs(), b.double().abs()) + 1e-30
+        return bool(((y.double() - exact).abs() <= tol).all())
+
+    q4 = QuantizedScreen(W, None, bits=4)
+    deq = q4._deq(0, V)
+    assert close(q4.center_radius(h).y, h, deq.T)
+    idx = build_index(W, None, num_clusters=20, progress=False)
+    for two_sided in (False, True):
+        ball = BallScreen(idx, W, None, two_sided=two_sided)
+        ball.bmax = torch.zeros_like(ball.bmax)  # (adding 0 is exact: y is the product alone)
+        ball.offset = None
+        assert close(ball.center_radius(h).y, h, ball.centroids.T[:, ball.cluster_of])
+    qi = torch.randint(-127, 128, (V, d), generator=g, dtype=torch.int8)
+    assert close(int8_screen_ref(h, qi, torch.ones(V)), h, qi.float().T)
+    assert not close(h @ deq.T, h, deq.T)  # the emulated engine's own fp32 product

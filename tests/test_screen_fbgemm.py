@@ -421,3 +421,27 @@ def test_mutation_split_without_its_error_term_breaks_the_bound():
     screen.rho = 0.0
     with pytest.raises(AssertionError, match="bound broken"):
         check_bound(screen, W, h)
+
+
+def test_split_bound_holds_under_reduced_precision_fp32_matmuls(reduced_precision_fp32):
+    """The outlier split's fp32 products (``y += h_O W_O^T``) are the screen's own, not the dense
+    head's: under a bf16 fp32-matmul setting they run in float64 (``fp.matmul32``), so the
+    bound of the cancelling case above holds; the emulated engine breaks it when the split uses
+    ``@`` as before (the test has teeth)."""
+    from vllm_csv import fp
+
+    g = torch.Generator().manual_seed(3)
+    W = torch.randint(-127, 128, (512, 64), generator=g).float()
+    W[:, 3], W[:, 4] = 127.0, -126.0
+    h = torch.randn(64, 64, generator=g)
+    h[:, 3] = h[:, 4] = 1e20 * (1 + torch.rand(64, generator=g))
+    screen = FbgemmInt8Screen(W, None)
+    check_bound(screen, W, h)
+    real = reduced_precision_fp32
+    try:
+        fbscreen.matmul32 = lambda a, b: a @ b  # the split as it was: torch's fp32 matmul, whatever its setting
+        with pytest.raises(AssertionError, match="bound broken"):
+            check_bound(screen, W, h)
+    finally:
+        fbscreen.matmul32 = fp.matmul32
+    assert torch.equal(fp.matmul32(h, W.T), real(h.double(), W.T.double()).float())

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .fp import FP32_UNIT_ROUNDOFF, gamma, round_down32, round_up32
+from .fp import FP32_UNIT_ROUNDOFF, fp32_matmul_is_ieee, gamma, round_down32, round_up32  # noqa: F401
 from .ops.step import single_valued
 
 # Largest bound of a product or partial sum the dense fp32 accumulation may reach
@@ -178,27 +178,6 @@ class EngineProbe:
         model = "fp32 accumulation" if self.fp32_accumulation else f"NOT fp32 accumulation ({self.detail})"
         return f"{model}, {'flush-to-zero' if self.ftz else 'gradual underflow'}" + (
             ", denormals-are-zero" if self.daz else "")
-
-
-def fp32_matmul_is_ieee(device_type: str) -> bool:
-    """Whether torch runs fp32 GEMMs on ``device_type`` ("cuda", "cpu") in IEEE fp32, read from its
-    settings now. The per-backend setting (``torch.backends.cuda.matmul.fp32_precision``, or
-    ``torch.backends.mkldnn.matmul.fp32_precision`` on CPUs), else the backend's, else the global
-    ``torch.backends.fp32_precision``, decides where one is set (``"ieee"``; ``"tf32"`` or
-    ``"bf16"`` are not); where none is (``"none"``), the legacy
-    ``torch.get_float32_matmul_precision()`` must be ``"highest"``. That legacy call raises once
-    the new API was used (torch 2.9 and later: "mix of the legacy and new APIs"), which read alone
-    would have stopped every step of an fp32 head: it is read last, and a raise means "not IEEE"
-    (issue 42)."""
-    backend = getattr(torch.backends, "cuda" if device_type == "cuda" else "mkldnn", None)
-    for node in (getattr(backend, "matmul", None), backend, torch.backends):
-        p = getattr(node, "fp32_precision", None)
-        if p is not None and p != "none":
-            return p == "ieee"
-    try:
-        return torch.get_float32_matmul_precision() == "highest"
-    except RuntimeError:
-        return False
 
 
 PROBE_ROWS, PROBE_BATCH = 512, 8  # the probe head's rows (the four probe rows, tiled) and batch

@@ -48,3 +48,49 @@ def round_down32(x64: torch.Tensor) -> torch.Tensor:
     """fp64 -> fp32, rounding down (a lower bound stays a lower bound; ``-inf`` past the range)."""
     x32 = x64.float()
     return torch.where(x32.double() > x64, torch.nextafter(x32, torch.full_like(x32, -math.inf)), x32)
+
+
+def fp32_matmul_is_ieee(device_type: str) -> bool:
+    """Whether torch runs fp32 GEMMs on ``device_type`` ("cuda", "cpu") in IEEE fp32, read from its
+    settings now. The per-backend setting (``torch.backends.cuda.matmul.fp32_precision``, or
+    ``torch.backends.mkldnn.matmul.fp32_precision`` on CPUs), else the backend's, else the global
+    ``torch.backends.fp32_precision``, decides where one is set (``"ieee"``; ``"tf32"`` or
+    ``"bf16"`` are not); where none is (``"none"``), the legacy
+    ``torch.get_float32_matmul_precision()`` must be ``"highest"``. That legacy call raises once
+    the new API was used (torch 2.9 and later: "mix of the legacy and new APIs"), which read alone
+    would have stopped every step of an fp32 head: it is read last, and a raise means "not IEEE"
+    (issue 42)."""
+    backend = getattr(torch.backends, "cuda" if device_type == "cuda" else "mkldnn", None)
+    for node in (getattr(backend, "matmul", None), backend, torch.backends):
+        p = getattr(node, "fp32_precision", None)
+        if p is not None and p != "none":
+            return p == "ieee"
+    try:
+        return torch.get_float32_matmul_precision() == "highest"
+    except RuntimeError:
+        return False
+
+
+def matmul32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``a @ b`` of fp32 operands, within IEEE fp32 accumulation's error (``gamma_k`` of the
+    products' magnitudes, any order) whatever torch's fp32 matmul setting: torch's fp32 GEMM
+    where it runs IEEE fp32 (:func:`fp32_matmul_is_ieee`), else float64 rounded once to fp32
+    (at ``"high"`` or ``"medium"``, or an ``fp32_precision`` of ``"tf32"`` / ``"bf16"``, cuBLAS and
+    oneDNN round the operands to TF32 or bf16, 2^-11 or 2^-8 of each product, far outside the
+    screens' error terms, which assume fp32). For the screens' own fp32 products (an outlier
+    split, a dequantized copy, cluster centroids), not the dense head's (issue 42 holds that one
+    to the same setting).
+
+    Parameters
+    ----------
+    a, b : torch.Tensor
+        ``[n, k]`` and ``[k, m]`` float32.
+
+    Returns
+    -------
+    torch.Tensor
+        ``[n, m]`` float32.
+    """
+    if fp32_matmul_is_ieee(a.device.type):
+        return a @ b
+    return (a.double() @ b.double()).float()

@@ -21,6 +21,8 @@ import logging
 
 import torch
 
+from ..fp import matmul32
+
 logger = logging.getLogger("vllm.csv_decode")
 
 try:
@@ -59,7 +61,7 @@ def int8_gemm(p: torch.Tensor, q: torch.Tensor, vocab_size: int) -> torch.Tensor
 def int8_screen_ref(h: torch.Tensor, q: torch.Tensor, scale: torch.Tensor,
                     bias: torch.Tensor | None = None) -> torch.Tensor:
     """``y[b, i] = s_i * sum_j q[i, j] h[b, j] (+ bias_i)`` in fp32 (torch reference)."""
-    y = (h.float() @ q.float().T) * scale.float().reshape(1, -1)
+    y = matmul32(h.float(), q.float().T) * scale.float().reshape(1, -1)
     return y if bias is None else y + bias.float()
 
 

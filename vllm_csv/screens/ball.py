@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import torch
 
-from ..fp import FP32_UNIT_ROUNDOFF, gamma
+from ..fp import FP32_UNIT_ROUNDOFF, gamma, matmul32
 
 
 class BallScreen:
@@ -67,9 +67,9 @@ class BallScreen:
         from . import ScreenOut
 
         if not self.two_sided:
-            yc = h.float() @ self.centroids.T + self.bmax[None]
+            yc = matmul32(h.float(), self.centroids.T) + self.bmax[None]
             return ScreenOut(yc[:, self.cluster_of], self.radius, False)
-        y = (h.float() @ self.centroids.T)[:, self.cluster_of]
+        y = matmul32(h.float(), self.centroids.T)[:, self.cluster_of]
         if self.offset is not None:
             y += self.offset[None]
         return ScreenOut(y, self.radius, True)

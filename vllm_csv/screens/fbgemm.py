@@ -70,7 +70,7 @@ from __future__ import annotations
 import torch
 
 from ..errors import CSVError
-from ..fp import FP32_UNIT_ROUNDOFF, gamma, round_up32
+from ..fp import FP32_UNIT_ROUNDOFF, gamma, matmul32, round_up32
 from ..ops import int8_vnni, rows
 from ..ops.build import BLOCK, uses_kernels
 from ..ops.rows import S_MIN, fold_scale
@@ -260,7 +260,7 @@ class FbgemmInt8Screen:
         y = self.gemm.linear(x)
         apply_row_scale(y, scale, c, False, None)  # (scaled in place: y_O is added to the center)
         hO = h.index_select(1, cols).float()  # exact
-        y += hO @ self._columns(cols)  # m products a token, fp32
+        y += matmul32(hO, self._columns(cols))  # m products a token, fp32 (IEEE: fp.matmul32)
         m = cols.numel()
         coef = (3 * FP32_UNIT_ROUNDOFF + gamma(m)) * (1 + gamma(m)) * self.rho
         nO = torch.linalg.vector_norm(hO.double(), dim=1)

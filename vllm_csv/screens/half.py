@@ -29,6 +29,23 @@ from .copy_error import copy_error_norms
 FP16_REL = 2.0**-11 * (1 + 2.0**-10)
 
 
+def fp32_reduced(h16: torch.Tensor, w16: torch.Tensor) -> torch.Tensor:
+    """``F.linear(h16, w16)`` in fp16 with its partial sums kept in fp32 (the error term below,
+    ``gamma_d``, assumes fp32 accumulation). cuBLAS may otherwise reduce split-K partial sums in
+    fp16 (torch's ``allow_fp16_reduced_precision_reduction``, on by default): on CUDA that flag is
+    turned off for this call only and set back (vLLM's own GEMMs are untouched; torch reads it at
+    each call, so a CUDA graph captures the call as made here)."""
+    m = torch.backends.cuda.matmul
+    if not (h16.is_cuda and m.allow_fp16_reduced_precision_reduction):
+        return torch.nn.functional.linear(h16, w16)
+    old = m.allow_fp16_reduced_precision_reduction
+    m.allow_fp16_reduced_precision_reduction = False
+    try:
+        return torch.nn.functional.linear(h16, w16)
+    finally:
+        m.allow_fp16_reduced_precision_reduction = old
+
+
 class HalfScreen:
     name = "fp16"
     two_sided = True
@@ -54,7 +71,7 @@ class HalfScreen:
         t = torch.exp2(torch.ceil(torch.log2(amax)))
         t = torch.where(t < amax, t * 2, t)  # log2 rounding: t >= max|h_b| for sure
         h16 = (hf / t).to(torch.float16)
-        y16 = torch.nn.functional.linear(h16, self.w16)
+        y16 = fp32_reduced(h16, self.w16)
         # one pass: fp32 y = y16 * t (exact: t is a power of two) + bias (one fp32 rounding)
         y = torch.mul(y16, t) if self.bias is None else torch.addcmul(self.bias, y16, t)
         f = (h.double() - t.double() * h16.double()).norm(dim=1)

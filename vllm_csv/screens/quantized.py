@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from ..fp import FP32_UNIT_ROUNDOFF, gamma, round_up32
+from ..fp import FP32_UNIT_ROUNDOFF, gamma, matmul32, round_up32
 from .copy_error import copy_error_norms
 
 GROUP = 32
@@ -107,7 +107,8 @@ class QuantizedScreen:
             out = ScreenOut(int8_screen(h, self.q, self.s, None), self.radius, True)
         else:
             hf = h.float()
-            y = torch.cat([hf @ self._deq(a, a + self.chunk).T for a in range(0, self.q.shape[0], self.chunk)], 1)
+            y = torch.cat([matmul32(hf, self._deq(a, a + self.chunk).T) for a in range(0, self.q.shape[0], self.chunk)],
+                          1)
             out = ScreenOut(y, self.radius, True)
         if self.bias is not None:
             out.y += self.bias
