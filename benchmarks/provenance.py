@@ -24,6 +24,9 @@ def machine(device: str = "cpu") -> dict:
            "torch": torch.__version__, "quantized_engine": torch.backends.quantized.engine,
            "device": device, "commit": commit(), "loadavg_start": os.getloadavg(),
            "note": "shared machine: other sessions may have been running"}
+    cap = os.environ.get("VLLM_CSV_CPU_ISA", "auto")
+    if cap != "auto":  # the kernels' instruction sets capped (docs/kernels.md): an emulation, not this CPU's
+        out["isa_cap"] = cap
     try:
         import vllm
 

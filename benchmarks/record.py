@@ -216,7 +216,8 @@ def short_commit(c) -> str:
 
 def machine_words(m, fallback=None) -> str:
     """The machine in words from a benchmark's ``machine``/``provenance`` record: CPU model and the
-    instruction sets that matter here (AMX, AVX-512 VNNI), or the GPU's name."""
+    instruction sets that matter here (AMX, AVX-512 VNNI), and the kernels' cap where one was set
+    (``isa_cap``: AVX2 code on an AVX-512 core is not an AVX2 machine's figure), or the GPU's name."""
     for cand in (m, fallback):
         if isinstance(cand, dict):
             if cand.get("gpu"):
@@ -228,7 +229,9 @@ def machine_words(m, fallback=None) -> str:
                 flags = set(cand.get("cpu_flags", []))
                 isa = ("AMX" if "amx_int8" in flags else "AVX-512 VNNI" if "avx512_vnni" in flags
                        else "AVX2" if "avx2" in flags else "")
-                return f"{cpu} ({isa})" if isa else cpu
+                words = f"{cpu} ({isa})" if isa else cpu
+                cap = cand.get("isa_cap")  # provenance.machine: the kernels capped, an emulation
+                return f"{words}, {str(cap).upper()} code under VLLM_CSV_CPU_ISA={cap} (emulation)" if cap else words
     return "x86_64 CPU (model not recorded)"
 
 

@@ -226,3 +226,25 @@ def test_one_rounding_a_group():
     assert gemm.linear(x)[0, 0].item() == want, gemm.backend
     if build.cpu_supports("avx2_fma_f16c"):
         assert build.load_ops().int4_avx2_linear(x, gemm.packed, gemm.scales, 3, d)[0, 0].item() == want
+
+
+def test_auto_keeps_int8_alone_on_avx2_kernels_at_one_thread(monkeypatch):
+    """``auto``'s one-row int4 screen is skipped where it was measured not to pay (the AVX2 kernels,
+    one thread: ``by_batch.small_screen_pays``) and taken otherwise (both branches: natively, and
+    under ``VLLM_CSV_CPU_ISA=avx2``, which tests/test_cpu_isa.py runs this file with)."""
+    from vllm_csv.screens import by_batch
+    from vllm_csv.screens.by_batch import ByBatchScreen, small_screen_pays
+    from vllm_csv.screens.fbgemm import FbgemmInt8Screen
+
+    assert not small_screen_pays("avx2", 1) and small_screen_pays("avx2", 2)
+    assert small_screen_pays("vnni", 1) and small_screen_pays("fbgemm", 1) and small_screen_pays(None, 1)
+    W, _ = peaked_head(2048, 96, seed=5, dtype=torch.bfloat16)
+    monkeypatch.setattr(by_batch, "MIN_WEIGHTS", W.numel())
+    backend = make_screen("int8", W, None).backend
+    for threads in (1, 2):
+        monkeypatch.setattr(torch, "get_num_threads", lambda t=threads: t)
+        screen = make_screen("auto", W, None)
+        if backend == "avx2" and threads == 1:
+            assert isinstance(screen, FbgemmInt8Screen)
+        else:
+            assert isinstance(screen, ByBatchScreen)

@@ -96,6 +96,11 @@ def make_screen(name: str, weight: torch.Tensor, bias: torch.Tensor | None, inde
             from . import by_batch
 
             if name == "auto" and weight.numel() >= by_batch.MIN_WEIGHTS:  # one-row batches on int4
+                threads = torch.get_num_threads()
+                if not by_batch.small_screen_pays(getattr(screen, "backend", None), threads):
+                    logger.info("CSV screen auto: int8 alone (the one-row int4 screen does not pay on the %s "
+                                "kernels at %d thread)", screen.backend, threads)
+                    return screen
                 small = _x86_screen("int4", weight, bias)
                 if small is not None:
                     return by_batch.ByBatchScreen(screen, small)

@@ -16,8 +16,8 @@ decisions), where int4's width costs more than its bytes save. On a
 head of ``151936 x 1024`` (random weights, peaked hidden states: one or two tokens scored) the
 int4 step took 2.8 against 5.0 ms at one row; on small heads the two are even
 (:data:`MIN_WEIGHTS`). On AVX2 CPUs both screens run AVX2 kernels; measured as AVX2 code on a
-Zen 4 core, the demo head's int4 step took 1.02 against 1.54 ms at one row, 2 threads, but no
-less than the int8 step at 1 thread (1.98 against 1.93 ms): docs/kernels.md.
+Zen 4 core, the int4 step wins at one row with two threads and loses with one, so ``auto``
+keeps the int8 screen alone there (:func:`small_screen_pays`; docs/kernels.md).
 """
 
 from __future__ import annotations
@@ -27,6 +27,21 @@ import torch
 SMALL_BATCH = 1  # rows at most for the small-batch screen
 MIN_WEIGHTS = 2**25  # heads of fewer weights keep one screen: at 32768 x 512 (2^24) the int4 step
 # measured no faster than the int8 one (0.27 against 0.28 ms at one row), where the GEMM is small
+
+
+def small_screen_pays(backend: str | None, threads: int) -> bool:
+    """Whether ``auto``'s one-row int4 screen beats the int8 one its large batches use, from the
+    int8 screen's ``backend`` and the intra-op ``threads`` the kernels get (vLLM's CPU worker
+    binds one thread a core it owns: one on a 2-core VM). Not on the AVX2 kernels at one thread:
+    the demo head (V 65536, d 768, bf16, one row of held-out hidden states, ``benchmarks/lm_head.py
+    --screens int8 int4 --batches 1``, at ``8d6d517`` on a Zen 4 core, AVX2 code under
+    ``VLLM_CSV_CPU_ISA=avx2`` and the emulation's other variables) took 1.59 ms with int8 against
+    1.97 with int4 at one thread (1.93 / 1.98 and 1.75 / 1.99 in two earlier runs), 1.33 against
+    0.94 at two threads; the VNNI kernels at one thread: 1.20 against 1.08. The int4 kernel's
+    nibble unpacking and group sums cost AVX2 more multiplies a byte than VNNI, which one core
+    does not hide behind the halved bytes. (AVX2 code on an AVX-512 core: a real AVX2 CPU may
+    differ; issue 45.)"""
+    return not (backend == "avx2" and threads <= 1)
 
 
 class ByBatchScreen:
