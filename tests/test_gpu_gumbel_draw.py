@@ -84,7 +84,8 @@ def vllm_draw(mod, x, seeds, pos, temp):
                              pos.contiguous(), apply_temperature=True, is_drafting=False)
 
 
-def _stages(x: torch.Tensor, seeds, pos, temp, live, cap=CAP, width=0.0, block_hi=None, kernels=True, min_p=None):
+def _stages(x: torch.Tensor, seeds, pos, temp, live, cap=CAP, width=0.0, block_hi=None, kernels=True, min_p=None,
+            masked=None):
     """The draw on dense logits ``x [B, V]`` as the fused step lays it out: each block's bound the
     block's maximum (plus ``width``; or ``block_hi``), the candidate blocks chosen by
     :func:`draw_select`, their tokens' bounds ``x -+ width`` (``-inf`` past ``V``), the draw.
@@ -107,7 +108,8 @@ def _stages(x: torch.Tensor, seeds, pos, temp, live, cap=CAP, width=0.0, block_h
     vals = pad.gather(1, ids.clamp_min(0))
     lower = torch.where(ids >= 0, vals - width, -math.inf).to(DEV)
     upper = torch.where(ids >= 0, vals + width, -math.inf).to(DEV)
-    token, code = gd(cand, count, lower, upper, out_hi, out_abs, out_q, seeds, pos, temp, min_p, live, V)
+    token, code = gd(cand, count, lower, upper, out_hi, out_abs, out_q, seeds, pos, temp, min_p, live, V,
+                     None if masked is None else masked.to(DEV))
     return token, code, cand, count, lower, upper, bound, out_hi, block_hi
 
 
@@ -192,6 +194,15 @@ def test_kernels_match_references(V):
     none = torch.isnan(mp) | (mp <= 0)  # NaN and negative min-p: none, as the kernel reads them
     assert torch.equal(code_mp.cpu()[none], code.cpu()[none]) and torch.equal(tok_mp.cpu()[none], tok.cpu()[none])
     assert int(cert_mp.sum()) >= 3, code_mp
+    # with a grammar's mask (the candidates' likeliest tokens forbidden in some rows), alike again
+    masked = torch.rand(B, V, generator=g) < 0.3
+    masked[:4, ids[:4].clamp_min(0)[:, :8].flatten()] = True
+    masked[10] = True  # everything forbidden: nothing to draw, refused
+    tok_m, code_m = gumbel_draw_triton(*args, V, masked.to(DEV))
+    rtok_m, rcode_m = gumbel_draw_ref(*args, V, masked.to(DEV))
+    assert torch.equal(code_m, rcode_m) and torch.equal(tok_m, rtok_m), (code_m, rcode_m)
+    cert_m = code_m.cpu() == CODE_CERTIFIED
+    assert not bool(cert_m[10]) and not bool(masked[cert_m, tok_m.cpu()[cert_m]].any())
     code = code.cpu()
     assert int(code[13]) == CODE_NOT_LIVE and int(code[14]) == CODE_TEMPERATURE and int(code[15]) == CODE_TEMPERATURE
     for r in (4, 5, 8, 9) + ((7,) if nb > CAP else ()):  # (every block a candidate: all scored exactly)
@@ -368,6 +379,37 @@ def test_certified_min_p_draws_equal_vllm_draws(vllm_gumbel, vllm_min_p):
     tok0, code0 = (t.cpu() for t in _stages(x, seeds, pos, temp, live, width=1e-3)[:2])
     cert0 = code0 == CODE_CERTIFIED
     assert bool((tok0[cert0] != want[cert0]).any())
+
+
+def test_certified_masked_draws_equal_vllm_draws(vllm_gumbel, vllm_min_p):
+    """With a grammar's mask (``-inf`` on the forbidden tokens before the sampler: half the rows
+    forbid their likeliest tokens and a random third of the others), with min-p on some rows and
+    greedy ones: every certified row draws vLLM's token from the masked dense logits, most rows
+    are certified, and the draw told no mask draws a forbidden token somewhere (teeth)."""
+    g = torch.Generator().manual_seed(14)
+    B, V = 48, 3001
+    x = _rows(B, V, g, peak=6.0)
+    masked = torch.rand(B, V, generator=g) < 0.3
+    top = x.topk(3, dim=1).indices
+    masked[torch.arange(0, B, 2)[:, None], top[::2]] = True
+    masked[5] = False
+    seeds = torch.randint(-2**62, 2**62, (B,), generator=g)
+    pos = torch.randint(0, 2**20, (B,), generator=g)
+    temp = torch.tensor([0.0, 0.5, 0.7, 1.0, 1.5])[torch.arange(B) % 5]
+    min_p = torch.tensor([0.0, 0.1, 0.0, 0.3])[torch.arange(B) % 4]
+    live = torch.ones(B, dtype=torch.int8)
+    xm = x.masked_fill(masked, -math.inf)
+    want = vllm_min_p_draw(vllm_gumbel, vllm_min_p, xm.to(DEV), seeds.to(DEV), pos.to(DEV), temp.to(DEV),
+                           min_p.to(DEV)).cpu()
+    # (the blocks' bounds from the unmasked row, as the screen sees it)
+    tok, code = (t.cpu() for t in _stages(x, seeds, pos, temp, live, width=1e-3, min_p=min_p, masked=masked)[:2])
+    cert = code == CODE_CERTIFIED
+    assert int(cert.sum()) >= B // 2, int(cert.sum())
+    assert torch.equal(tok[cert], want[cert])
+    assert not bool(masked[cert, tok[cert]].any())
+    tok0, code0 = (t.cpu() for t in _stages(x, seeds, pos, temp, live, width=1e-3, min_p=min_p)[:2])
+    cert0 = code0 == CODE_CERTIFIED
+    assert bool(masked[cert0, tok0[cert0]].any())
 
 
 def test_a_wrong_position_is_caught(vllm_gumbel):

@@ -262,12 +262,10 @@ def test_resolve_v2_min_p_and_processors_draw_the_dense_tokens(tmp_path, seed, s
         assert not torch.equal(out[bad]["draw"], dense), bad
 
 
-def test_resolve_v2_draws_min_p_rows_on_the_device(tmp_path):
-    """Temperature rows with min-p (0.3 to 0.9, hot temperatures) and no processor, the head's
-    backend CUDA's: the hook draws them with the device draw (its Triton kernels interpreted), and
-    vLLM's own V2 pipeline (temperature, ``min_p.py``, ``gumbel_sample``) then draws the dense
-    tokens; the device draw told no min-p is caught (the row's Gumbel winner min-p drops)."""
-    c = processed_case(3, B=24, screen="int8")
+def device_case(seed: int = 3) -> dict:
+    """:func:`processed_case` without processors: temperature rows (hot ones too), min-p 0.3 to 0.9
+    on three rows in four, a greedy row in six; for the device draw (int8 screen)."""
+    c = processed_case(seed, B=24, screen="int8")
     S = c["SLOTS"]
     c.update({"rep": [1.0] * S, "freq": [0.0] * S, "pres": [0.0] * S, "min_tokens": [0] * S,
               "bias": [{} for _ in range(S)], "allowed": [[] for _ in range(S)], "stop": [[] for _ in range(S)],
@@ -276,8 +274,17 @@ def test_resolve_v2_draws_min_p_rows_on_the_device(tmp_path):
         c["temp"][s] = (1.0, 3.0, 6.0, 10.0, 0.0, 2.0)[r % 6]
         c["min_p"][s] = (0.3, 0.6, 0.9, 0.0)[r % 4]
     c["modes"] = ["min_p" if c["min_p"][s] else "sampling" for s in c["slots"][c["rows"]].tolist()]
-    c["variants"] = ["fused", "fused_no_min_p"]
     c["budget"] = 1.0  # (the device draw's candidate list within the budget: a block of 64 at 5% of this V)
+    return c
+
+
+def test_resolve_v2_draws_min_p_rows_on_the_device(tmp_path):
+    """Temperature rows with min-p (0.3 to 0.9, hot temperatures) and no processor, the head's
+    backend CUDA's: the hook draws them with the device draw (its Triton kernels interpreted), and
+    vLLM's own V2 pipeline (temperature, ``min_p.py``, ``gumbel_sample``) then draws the dense
+    tokens; the device draw told no min-p is caught (the row's Gumbel winner min-p drops)."""
+    c = device_case()
+    c["variants"] = ["fused", "fused_no_min_p"]
     out = v2_pipeline(c, tmp_path)
     dense, ok = out["dense"], out["fused"]
     assert torch.equal(ok["draw"], dense), (ok, dense)
@@ -286,13 +293,13 @@ def test_resolve_v2_draws_min_p_rows_on_the_device(tmp_path):
     assert not torch.equal(out["fused_no_min_p"]["draw"], dense)
 
 
-def structured_case(seed: int, screen: str) -> dict:
+def structured_case(seed: int, screen: str, base: dict | None = None) -> dict:
     """:func:`processed_case` with a grammar on about half the deferred rows (V2's bitmask,
     ``v2_interpreted._grammar``): each forbids its row's two most likely tokens and a random half of the
     others (bit ``j`` of word ``w`` allows token ``32 w + j``), so a certificate that ignores
     it draws forbidden tokens; one row's grammar allows everything (a request in its reasoning
-    phase, or whose grammar has terminated)."""
-    c = processed_case(seed, screen=screen)
+    phase, or whose grammar has terminated). ``base``: another case to put the grammars on."""
+    c = processed_case(seed, screen=screen) if base is None else base
     g = torch.Generator().manual_seed(100 + seed)
     W, h = c["W"], c["h"]
     top = torch.nn.functional.linear(h.float(), W.float()).topk(2, dim=1).indices
@@ -332,8 +339,8 @@ def test_resolve_v2_structured_rows_draw_the_dense_tokens(tmp_path, seed, screen
 
 def test_resolve_v2_draws_on_the_device_only_on_cuda(tmp_path, monkeypatch):
     """The device draw (:meth:`vllm_csv.gpu.step.FusedStep.draw_v2`) is taken only where the head's
-    backend, bound when it was built, is CUDA's, and only for rows with no processor, min-p or
-    grammar: a CPU head keeps :func:`certify_rows_v2`; the same head with CUDA's backend (its
+    backend, bound when it was built, is CUDA's, and only for rows with no processor (min-p and
+    a grammar's mask as wide as the head: it takes them): a CPU head keeps :func:`certify_rows_v2`; the same head with CUDA's backend (its
     fused step built here, the kernels' torch references running on the CPU) resolves through
     the device draw, and the rows it writes draw the dense tokens under vLLM's own kernel."""
     from vllm_csv.gpu.step import FusedStep
@@ -364,7 +371,8 @@ def test_resolve_v2_draws_on_the_device_only_on_cuda(tmp_path, monkeypatch):
     assert isinstance(v2_sampler.fused_draw_for(adapter, None, None, None), FusedStep)
     assert v2_sampler.fused_draw_for(adapter, lambda lo, hi: (lo, hi), None, None) is None
     assert v2_sampler.fused_draw_for(adapter, None, torch.zeros(2), None) is head._fused  # min-p: on the device
-    assert v2_sampler.fused_draw_for(adapter, None, None, torch.zeros(2, V, dtype=torch.bool)) is None
+    assert v2_sampler.fused_draw_for(adapter, None, None, torch.zeros(2, V, dtype=torch.bool)) is head._fused  # a grammar
+    assert v2_sampler.fused_draw_for(adapter, None, None, torch.zeros(2, V + 1, dtype=torch.bool)) is None  # wider
     d, logits = defer(head, h, rows, seen)
     st = v2_sampler.resolve(sampler, d, logits, batch)
     assert len(calls) == 1 and calls[0] is head._fused
@@ -374,3 +382,18 @@ def test_resolve_v2_draws_on_the_device_only_on_cuda(tmp_path, monkeypatch):
     assert st.certified.get("sampling", 0) >= 0.5 * rows.numel(), st
     cert = (logits[rows] > -math.inf).sum(1) == 1  # a certified row: one finite value, its token
     assert int(cert.sum()) == st.certified.get("sampling", 0)
+
+
+def test_resolve_v2_draws_structured_rows_on_the_device(tmp_path):
+    """:func:`device_case` with grammars on half its deferred rows (each forbidding its row's two
+    likeliest tokens and half the others), the head's backend CUDA's: every deferred row takes the
+    device draw with the grammar's mask, and vLLM's V2 pipeline then draws the dense tokens of the
+    masked rows; the device draw told no mask is caught (it draws forbidden tokens)."""
+    c = structured_case(4, "int8", base=device_case(4))
+    c["variants"] = ["fused", "fused_no_mask"]
+    out = v2_pipeline(c, tmp_path)
+    dense, ok = out["dense"], out["fused"]
+    assert ok["device_rows"] == len(c["rows"]), ok
+    assert torch.equal(ok["draw"], dense), (ok, dense)
+    assert ok["certified"].get("structured", 0) >= 0.5 * c["modes"].count("structured"), ok
+    assert not torch.equal(out["fused_no_mask"]["draw"], dense)

@@ -45,6 +45,13 @@ thr_lo``) loses its upper bound, and the outside blocks do not compete when all 
 (``out_q < thr_lo``), as :func:`~vllm_csv.sampling.gumbel_v2.min_p_bounds` has it on the CPU: the
 winner is then a token V2 keeps, ahead of every token it may keep. A min-p of 0, negative or NaN
 is none (the kernel masks nothing there); greedy rows ignore it (min-p keeps the maximum).
+
+Grammar (structured output: the runner writes ``-inf`` on the tokens its bitmask forbids before
+V2's sampler, ``masked [B, V]``): a forbidden candidate is no candidate (``-inf`` on both sides,
+so it neither wins nor competes, nor bounds min-p's maximum from below); the outside blocks'
+bounds stay upper bounds (masking only lowers a value), and min-p's maximum over the allowed
+tokens is at most theirs. :func:`~.draw_bounds.draw_select`'s early min-p drop is not used there
+(its lower bound of the maximum is a token the grammar may forbid).
 """
 
 from __future__ import annotations
@@ -62,7 +69,8 @@ CODE_CERTIFIED, CODE_NOT_LIVE, CODE_TEMPERATURE, CODE_UNCERTIFIED = 0, 1, 2, 3
 
 
 # ---- torch reference ------------------------------------------------------------------------
-def gumbel_draw_ref(cand, count, lower, upper, out_hi, out_abs, out_q, seeds, pos, temp, min_p, live, V: int):
+def gumbel_draw_ref(cand, count, lower, upper, out_hi, out_abs, out_q, seeds, pos, temp, min_p, live, V: int,
+                    masked=None):
     """``(token [B] int64, code [B] int32)``: the decision (module docstring, 3.) in torch.
 
     Parameters
@@ -80,12 +88,17 @@ def gumbel_draw_ref(cand, count, lower, upper, out_hi, out_abs, out_q, seeds, po
     min_p : torch.Tensor
         ``[B]`` fp32, each row's min-p (0, negative or NaN: none, as V2's kernel reads it; greedy
         rows: ignored, min-p keeps the maximum).
+    masked : torch.Tensor, optional
+        ``[B, V]`` bool, the tokens a grammar's bitmask set to ``-inf`` before the sampler (module
+        docstring, grammar).
     live : torch.Tensor
         ``[B]`` int8, rows that may be certified.
     """
     dev = lower.device
     ids = slot_ids(cand, count, V)  # [B, S], -1 where empty
     valid = ids >= 0
+    if masked is not None:  # the grammar's -inf: not candidates at all
+        valid = valid & ~masked.gather(1, ids.clamp_min(0))
     t_div, greedy, t_ok = _temp_ref(temp)
     qlo, qhi = _q_bounds(torch.where(valid, lower.double(), -math.inf),
                          torch.where(valid, upper.double(), -math.inf), t_div, greedy)
@@ -129,11 +142,14 @@ if triton is not None:
 
     @triton.jit
     def _gumbel_draw_kernel(cand_ptr, count_ptr, lo_ptr, up_ptr, ohi_ptr, oabs_ptr, oq_ptr, seed_ptr, pos_ptr,
-                            temp_ptr, minp_ptr, live_ptr, token_ptr, code_ptr, V, log_abs, log_rel,
-                            SUBC: tl.constexpr, CAPC: tl.constexpr):
+                            temp_ptr, minp_ptr, live_ptr, token_ptr, code_ptr, V, log_abs, log_rel, mask_ptr,
+                            HAS_MASK: tl.constexpr, SUBC: tl.constexpr, CAPC: tl.constexpr):
         b = tl.program_id(0).to(tl.int64)
         S: tl.constexpr = CAPC * SUBC
         sl, ids, valid = _slots(cand_ptr, count_ptr, b, V, SUBC, CAPC)
+        if HAS_MASK:  # the grammar's -inf: not candidates at all
+            gone = tl.load(mask_ptr + b * V + tl.where(valid, ids, 0), mask=valid, other=0)
+            valid = valid & (gone == 0)
         lo = tl.where(valid, tl.load(lo_ptr + b * S + sl), float("-inf"))  # (slots past the count
         hi = tl.where(valid, tl.load(up_ptr + b * S + sl), float("-inf"))  # were never written)
         t, greedy, t_ok = _temp(temp_ptr, b)
@@ -184,7 +200,8 @@ if triton is not None:
         tl.store(code_ptr + b, code.to(tl.int32))
 
 
-def gumbel_draw_triton(cand, count, lower, upper, out_hi, out_abs, out_q, seeds, pos, temp, min_p, live, V: int):
+def gumbel_draw_triton(cand, count, lower, upper, out_hi, out_abs, out_q, seeds, pos, temp, min_p, live, V: int,
+                       masked=None):
     B = lower.shape[0]
     dev = lower.device
     token = torch.empty(B, dtype=torch.int64, device=dev)
@@ -192,7 +209,9 @@ def gumbel_draw_triton(cand, count, lower, upper, out_hi, out_abs, out_q, seeds,
     if B:
         _gumbel_draw_kernel[(B,)](cand, count, lower, upper, out_hi, out_abs, out_q, seeds.long().contiguous(),
                                   pos.long().contiguous(), temp.float().contiguous(), min_p.float().contiguous(),
-                                  live, token, code, V, LOG_ABS, LOG_REL, SUBC=SUB, CAPC=CAP, **_launch(), **({} if INTERPRET else {"num_warps": 8}))
+                                  live, token, code, V, LOG_ABS, LOG_REL,
+                                  live if masked is None else masked.contiguous().view(torch.uint8),
+                                  HAS_MASK=masked is not None, SUBC=SUB, CAPC=CAP, **_launch(), **({} if INTERPRET else {"num_warps": 8}))
     return token, code
 
 
@@ -201,9 +220,9 @@ def gumbel_draw_triton(cand, count, lower, upper, out_hi, out_abs, out_q, seeds,
 def gumbel_draw(cand: torch.Tensor, count: torch.Tensor, lower: torch.Tensor, upper: torch.Tensor,
                 out_hi: torch.Tensor, out_abs: torch.Tensor, out_q: torch.Tensor, seeds: torch.Tensor,
                 pos: torch.Tensor, temp: torch.Tensor, min_p: torch.Tensor, live: torch.Tensor,
-                V: int) -> tuple[torch.Tensor, torch.Tensor]:
+                V: int, masked: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """V2's Gumbel draw certified on the device (:func:`gumbel_draw_ref`)."""
-    args = (cand, count, lower, upper, out_hi, out_abs, out_q, seeds, pos, temp, min_p, live, V)
+    args = (cand, count, lower, upper, out_hi, out_abs, out_q, seeds, pos, temp, min_p, live, V, masked)
     return (gumbel_draw_triton if _use_triton(lower) else gumbel_draw_ref)(*args)
 
 

@@ -147,13 +147,13 @@ class FusedStep:
         return ids, vals, code, count
 
     def supports_draw(self) -> bool:
-        """V2 temperature rows (min-p or not; no processors, no grammar: :func:`draw_v2`'s caller
+        """V2 temperature rows (min-p, a grammar's mask or neither; no processors: :func:`draw_v2`'s caller
         checks) may be drawn on the device: the engine is plain (no soft-cap, ``scale = 1``: the
         scored values are what V2's sampler reads)."""
         return is_plain(self.head.engine) and self.nb >= 1
 
     def draw_v2(self, hidden: torch.Tensor, seeds: torch.Tensor, pos: torch.Tensor, temp: torch.Tensor,
-                cap: int | None = None, min_p: torch.Tensor | None = None):
+                cap: int | None = None, min_p: torch.Tensor | None = None, masked: torch.Tensor | None = None):
         """vLLM V2's Gumbel draw of each row of ``hidden``, certified on the device (no host sync).
 
         Six kernels (:mod:`vllm_csv.gpu.gumbel_draw` has the argument): the step's quantize and
@@ -176,6 +176,8 @@ class FusedStep:
             :data:`~vllm_csv.gpu.common.CAP` within the head's budget).
         min_p : torch.Tensor, optional
             ``[B]`` fp32, each row's min-p (V2's ``_min_p_kernel`` after the temperature; 0: none).
+        masked : torch.Tensor, optional
+            ``[B, V]`` bool, the tokens a grammar's bitmask forbids (``-inf`` before the sampler).
 
         Returns
         -------
@@ -196,14 +198,14 @@ class FusedStep:
                                   c["bslack_max"], c["delta"], self.dtype)
         cand, count, out_hi, out_abs, out_q, ok = draw_select(bound, qhi, bmax, hnorm, e, ok, c["rad_max"],
                                                               c["act_coef"], c["tiny"], c["bslack_max"], c["delta"],
-                                                              c["limit"], c["babs_max"], cap, temp, min_p,
-                                                              self.dtype)
+                                                              c["limit"], c["babs_max"], cap, temp,
+                                                              min_p if masked is None else None, self.dtype)
         z, lower, upper = score_blocks(hidden, self.weight, self.bias, cand, count, self.coef, self.gam,
                                        self.tiny32)
         if min_p is None:
             min_p = torch.zeros_like(temp, dtype=torch.float32)
         token, code = gumbel_draw(cand, count, lower, upper, out_hi, out_abs, out_q, seeds, pos, temp, min_p, ok,
-                                  self.V)
+                                  self.V, masked)
         return token, code, count
 
     @staticmethod
