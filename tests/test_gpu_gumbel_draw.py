@@ -113,6 +113,25 @@ def _stages(x: torch.Tensor, seeds, pos, temp, live, cap=CAP, width=0.0, block_h
     return token, code, cand, count, lower, upper, bound, out_hi, block_hi
 
 
+def _spread_tempered(cand, count, lower, upper, block_hi, temp, V):
+    """``(qlo, qhi, greedy)``: the draw's bounds spread over every token (a candidate's own, each
+    other token its block's ``block_hi``), through V2's temperature as the CPU rule takes them
+    (a greedy row's untouched), for :func:`certify_draw_v2`."""
+    from vllm_csv.sampling.gumbel_v2 import temperature_bounds
+
+    B = lower.shape[0]
+    ylo = torch.full((B, V), -math.inf)
+    yhi = block_hi.repeat_interleave(SUB, 1)[:, :V].clone()
+    ids = slot_ids(cand, count, V)
+    for b in range(B):
+        keep = ids[b] >= 0
+        ylo[b, ids[b, keep]] = lower[b, keep]
+        yhi[b, ids[b, keep]] = upper[b, keep]
+    greedy = temp == 0
+    qlo, qhi = temperature_bounds(ylo, yhi, torch.where(greedy, 1.0, temp))
+    return torch.where(greedy[:, None], ylo, qlo), torch.where(greedy[:, None], yhi, qhi), greedy
+
+
 def _rows(B, V, g, peak=6.0):
     """Rows of logits: Gaussian bulk (scale 1-3), a few peaked tokens, exact ties at the top in
     some rows, a flat row, ``-inf`` stretches."""
@@ -316,18 +335,7 @@ def test_certified_draws_equal_vllm_draws(vllm_gumbel, width):
     assert int(cert.sum()) >= B // 2, int(cert.sum())
     assert torch.equal(tok[cert], want[cert])
     # the CPU rule on the same bounds spread over every token (the tempered bounds per row)
-    from vllm_csv.sampling.gumbel_v2 import temperature_bounds
-
-    ylo = torch.full((B, V), -math.inf)
-    yhi = block_hi.repeat_interleave(SUB, 1)[:, :V].clone()
-    ids = slot_ids(cand, count, V)
-    for b in range(B):
-        keep = ids[b] >= 0
-        ylo[b, ids[b, keep]] = lower[b, keep]
-        yhi[b, ids[b, keep]] = upper[b, keep]
-    greedy = temp == 0
-    qlo, qhi = temperature_bounds(ylo, yhi, torch.where(greedy, 1.0, temp))
-    qlo, qhi = torch.where(greedy[:, None], ylo, qlo), torch.where(greedy[:, None], yhi, qhi)
+    qlo, qhi, greedy = _spread_tempered(cand, count, lower, upper, block_hi, temp, V)
     w, cpu_cert, _ = certify_draw_v2(qlo, qhi, seeds, pos, greedy=greedy)
     assert not bool((cert & ~cpu_cert).any())
     assert torch.equal(w[cert], tok[cert])
@@ -339,7 +347,7 @@ def test_certified_min_p_draws_equal_vllm_draws(vllm_gumbel, vllm_min_p):
     then :func:`certify_draw_v2`, bounds spread over every token) refuses, most rows are
     certified, and min-p matters here: the draw certified without it differs from vLLM's in some
     rows (a hot temperature, a large min-p: the Gumbel winner of the whole row is dropped)."""
-    from vllm_csv.sampling.gumbel_v2 import min_p_bounds, temperature_bounds
+    from vllm_csv.sampling.gumbel_v2 import min_p_bounds
 
     g = torch.Generator().manual_seed(13)
     B, V = 64, 3001
@@ -361,16 +369,7 @@ def test_certified_min_p_draws_equal_vllm_draws(vllm_gumbel, vllm_min_p):
     assert torch.equal(tok[cert], want[cert])
     assert not bool(cert[min_p >= 1.0].any())
     # the CPU rule on the same bounds spread over every token
-    ylo = torch.full((B, V), -math.inf)
-    yhi = block_hi.repeat_interleave(SUB, 1)[:, :V].clone() + 1e-3
-    ids = slot_ids(cand, count, V)
-    for b in range(B):
-        keep = ids[b] >= 0
-        ylo[b, ids[b, keep]] = lower[b, keep]
-        yhi[b, ids[b, keep]] = upper[b, keep]
-    greedy = temp == 0
-    qlo, qhi = temperature_bounds(ylo, yhi, torch.where(greedy, 1.0, temp))
-    qlo, qhi = torch.where(greedy[:, None], ylo, qlo), torch.where(greedy[:, None], yhi, qhi)
+    qlo, qhi, greedy = _spread_tempered(cand, count, lower, upper, block_hi + 1e-3, temp, V)
     qlo, qhi, _ = min_p_bounds(qlo, qhi, min_p.masked_fill(greedy, 0.0))
     w, cpu_cert, _ = certify_draw_v2(qlo, qhi, seeds, pos, greedy=greedy)
     assert not bool((cert & ~cpu_cert).any())

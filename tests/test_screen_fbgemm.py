@@ -406,16 +406,21 @@ def test_outlier_channels_split_keep_the_bound(factor, backend):
     assert fbscreen.outlier_channels(plain) is None  # ordinary rows: the screen as before
 
 
-def test_mutation_split_without_its_error_term_breaks_the_bound():
-    """Drop the split's error term (rho = 0) and the same check finds a broken bound."""
+def cancelling_split():
+    """``(W, h, screen)``: integer weights with 127 in every row, so the int8 copy is exact (``r =
+    0``) and nothing else hides the split part's rounding; two outlier channels, ``127 H`` and
+    ``-126 H``, cancel to ``H``."""
     g = torch.Generator().manual_seed(3)
-    # integer weights with 127 in every row: the int8 copy is exact (r = 0), so nothing else hides
-    # the split part's rounding; two outlier channels, 127 H and -126 H, cancel to H
     W = torch.randint(-127, 128, (512, 64), generator=g).float()
     W[:, 3], W[:, 4] = 127.0, -126.0
     h = torch.randn(64, 64, generator=g)
     h[:, 3] = h[:, 4] = 1e20 * (1 + torch.rand(64, generator=g))
-    screen = FbgemmInt8Screen(W, None)
+    return W, h, FbgemmInt8Screen(W, None)
+
+
+def test_mutation_split_without_its_error_term_breaks_the_bound():
+    """Drop the split's error term (rho = 0) and the same check finds a broken bound."""
+    W, h, screen = cancelling_split()
     assert float(screen.radius.max()) == 0.0
     check_bound(screen, W, h)
     screen.rho = 0.0
@@ -430,12 +435,7 @@ def test_split_bound_holds_under_reduced_precision_fp32_matmuls(reduced_precisio
     ``@`` as before (the test has teeth)."""
     from vllm_csv import fp
 
-    g = torch.Generator().manual_seed(3)
-    W = torch.randint(-127, 128, (512, 64), generator=g).float()
-    W[:, 3], W[:, 4] = 127.0, -126.0
-    h = torch.randn(64, 64, generator=g)
-    h[:, 3] = h[:, 4] = 1e20 * (1 + torch.rand(64, generator=g))
-    screen = FbgemmInt8Screen(W, None)
+    W, h, screen = cancelling_split()
     check_bound(screen, W, h)
     real = reduced_precision_fp32
     try:
