@@ -2,7 +2,11 @@
 certified draw (issue 44's target: >= 1.3x the dense V2 step at B = 1 and 8).
 
     python benchmarks/v2_fused_draw_gpu.py --json results/gpu/v2_fused_draw.json \
-        [--shapes 151936x1024 128256x4096] [--batches 1 8 32] [--temps 0.7 1.0] [--caps 8 16]
+        [--shapes 151936x1024 128256x4096] [--batches 1 8 32] [--temps 0.7 1.0] [--caps 8 16] [--grammar 0 0.5]
+
+``--grammar s``: structured-output rows, a grammar forbidding a share ``s`` of each row's vocabulary
+(its two likeliest tokens among them), ``-inf`` written before the draw on both sides, as V2's
+runner writes the bitmask before its sampler (the device draw then takes the mask).
 
 Per (V x d, B, T), bf16, both CUDA-graph replayed (one graph per measured call, ``--iters``
 replays a round, rounds interleaved, median per-replay time):
@@ -76,6 +80,9 @@ def main() -> None:
     ap.add_argument("--temps", type=float, nargs="+", default=[0.7, 1.0])
     ap.add_argument("--caps", type=int, nargs="+", default=[8, 16], help="candidate blocks scored (<= 16)")
     ap.add_argument("--scale", type=float, default=2.0, help="hidden_near_rows' scale (peakedness)")
+    ap.add_argument("--grammar", type=float, nargs="+", default=[0.0],
+                    help="shares of the vocabulary a grammar forbids in each row (0: none; its likeliest "
+                         "tokens forbidden too), -inf written before the draw as V2's runner does")
     ap.add_argument("--head", help="a torch.save'd [V, d] weight to use instead of a random head")
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--rounds", type=int, default=7)
@@ -103,42 +110,51 @@ def main() -> None:
             seeds = torch.randint(-2**62, 2**62, (B,), generator=g).to(dev)
             pos = torch.randint(0, 2**20, (B,), generator=g).to(dev)
             idx = torch.arange(B, dtype=torch.int32, device=dev)
-            for T in a.temps:
+            for T, share in [(T, s) for T in a.temps for s in a.grammar]:
                 temp = torch.full((B,), T, device=dev)
+                masked = None
+                if share > 0:  # a grammar: -inf on its forbidden tokens (the likeliest ones among them)
+                    masked = torch.rand(B, V, generator=g) < share
+                    masked.scatter_(1, F.linear(h.float().cpu(), W.float()).topk(2, dim=1).indices, True)
+                    masked = masked.to(dev)
 
                 def dense():
-                    return v2.gumbel_sample(F.linear(h, Wc), idx, temp, seeds, pos, apply_temperature=True,
-                                            is_drafting=False)
+                    x = F.linear(h, Wc)
+                    if masked is not None:
+                        x = x.masked_fill(masked, float("-inf"))
+                    return v2.gumbel_sample(x, idx, temp, seeds, pos, apply_temperature=True, is_drafting=False)
 
                 replay_dense, want = _graph(dense)
                 calls = {"dense": replay_dense}
                 shares = {}
                 for k in a.caps:
-                    replay, (tok, code, count) = _graph(lambda k=k: step.draw_v2(h, seeds, pos, temp, cap=k))
+                    replay, (tok, code, count) = _graph(lambda k=k: step.draw_v2(h, seeds, pos, temp, cap=k,
+                                                                                 masked=masked))
                     replay()
                     replay_dense()
                     torch.cuda.synchronize()
                     cert = code == 0
                     if not torch.equal(tok[cert], want[cert]):  # the audit: certified = dense draw
-                        sys.exit(f"MISMATCH V={V} d={d} B={B} T={T} cap={k}: {tok[cert]} vs {want[cert]}")
+                        sys.exit(f"MISMATCH V={V} d={d} B={B} T={T} grammar={share} cap={k}: {tok[cert]} vs "
+                                 f"{want[cert]}")
                     shares[k] = float(cert.float().mean())
                     calls[f"fused_c{k}"] = replay
 
                     def synced(k=k):
-                        tok, code, _ = step.draw_v2(h, seeds, pos, temp, cap=k)
+                        tok, code, _ = step.draw_v2(h, seeds, pos, temp, cap=k, masked=masked)
                         if bool((code != 0).any()):  # the one host read
                             return torch.where(code == 0, tok, dense())
                         return tok
 
                     calls[f"fused_sync_c{k}"] = synced
                 t = _time(calls, a.iters, a.rounds)
-                row = {"V": V, "d": d, "batch": B, "temperature": T, "dense_ms": t["dense"],
+                row = {"V": V, "d": d, "batch": B, "temperature": T, "grammar": share, "dense_ms": t["dense"],
                        **{f"{n}_ms": v for n, v in t.items() if n != "dense"},
                        **{f"speedup_{n}": t["dense"] / v for n, v in t.items() if n != "dense"},
                        **{f"certified_c{k}": s for k, s in shares.items()}}
                 rows_out.append(row)
                 best = max((n for n in t if n != "dense"), key=lambda n: t["dense"] / t[n])
-                print(f"V={V} d={d} B={B} T={T}: dense {t['dense']:.4f} ms; "
+                print(f"V={V} d={d} B={B} T={T} grammar={share}: dense {t['dense']:.4f} ms; "
                       + ", ".join(f"{n} {v:.4f} ms ({t['dense'] / v:.2f}x)" for n, v in t.items() if n != "dense")
                       + f"; certified {shares}; best {best}", flush=True)
     if a.json:
