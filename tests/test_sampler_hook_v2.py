@@ -339,8 +339,8 @@ def test_resolve_v2_structured_rows_draw_the_dense_tokens(tmp_path, seed, screen
 
 def test_resolve_v2_draws_on_the_device_only_on_cuda(tmp_path, monkeypatch):
     """The device draw (:meth:`vllm_csv.gpu.step.FusedStep.draw_v2`) is taken only where the head's
-    backend, bound when it was built, is CUDA's, and only for rows with no processor (min-p and
-    a grammar's mask as wide as the head: it takes them): a CPU head keeps :func:`certify_rows_v2`; the same head with CUDA's backend (its
+    backend, bound when it was built, is CUDA's (with min-p, vLLM's processors and a grammar's mask
+    as wide as the head's rows: it takes them): a CPU head keeps :func:`certify_rows_v2`; the same head with CUDA's backend (its
     fused step built here, the kernels' torch references running on the CPU) resolves through
     the device draw, and the rows it writes draw the dense tokens under vLLM's own kernel."""
     from vllm_csv.gpu.step import FusedStep
@@ -369,7 +369,7 @@ def test_resolve_v2_draws_on_the_device_only_on_cuda(tmp_path, monkeypatch):
     head.config.gpu_fused = True
     adapter = HeadAdapter(head)
     assert isinstance(v2_sampler.fused_draw_for(adapter, None, None, None), FusedStep)
-    assert v2_sampler.fused_draw_for(adapter, lambda lo, hi: (lo, hi), None, None) is None
+    assert v2_sampler.fused_draw_for(adapter, lambda lo, hi: (lo, hi), None, None) is head._fused  # processors
     assert v2_sampler.fused_draw_for(adapter, None, torch.zeros(2), None) is head._fused  # min-p: on the device
     assert v2_sampler.fused_draw_for(adapter, None, None, torch.zeros(2, V, dtype=torch.bool)) is head._fused  # a grammar
     assert v2_sampler.fused_draw_for(adapter, None, None, torch.zeros(2, V + 1, dtype=torch.bool)) is None  # wider
@@ -397,3 +397,72 @@ def test_resolve_v2_draws_structured_rows_on_the_device(tmp_path):
     assert torch.equal(ok["draw"], dense), (ok, dense)
     assert ok["certified"].get("structured", 0) >= 0.5 * c["modes"].count("structured"), ok
     assert not torch.equal(out["fused_no_mask"]["draw"], dense)
+
+
+@pytest.mark.parametrize("screen", ["fp16", "int8"])
+def test_resolve_v2_draws_processed_rows_on_the_device(tmp_path, screen):
+    """:func:`processed_case`'s rows (min-p, vLLM's V2 processors aimed at each row's likely winners:
+    a bias of -8 or +3, allowed ids without its top token, min_tokens stop tokens, bad words,
+    repetition / frequency / presence penalties; greedy rows with processors), the head's backend
+    CUDA's: every deferred row takes the device draw with vLLM's processors run on its bounds
+    (:mod:`vllm_csv.gpu.processed`), and vLLM's V2 pipeline then draws the dense tokens; the
+    device draw told no processors draws other tokens (teeth)."""
+    c = processed_case(0, screen=screen)
+    c["budget"] = 1.0
+    c["variants"] = ["fused", "fused_no_process"]
+    out = v2_pipeline(c, tmp_path)
+    dense, ok = out["dense"], out["fused"]
+    assert ok["device_rows"] == len(c["rows"]), ok
+    assert torch.equal(ok["draw"], dense), (ok, dense)
+    assert sum(ok["certified"].values()) >= 0.6 * len(c["rows"]) and ok["certified"].get("processed", 0) > 0, ok
+    assert not torch.equal(out["fused_no_process"]["draw"], dense)
+
+
+def test_processed_bounds_hold_every_processed_value():
+    """:mod:`vllm_csv.gpu.processed` with a monotone per-token map (a bias raising a few tokens far
+    above their block, a mask, a repetition-style penalty): each block's processed bound holds the
+    processed value of every token of the block, and the candidates' processed intervals are the
+    map of their intervals at their ids (empty slots ``-inf``)."""
+    from vllm_csv.gpu.common import CAP, SUB, slot_ids
+    from vllm_csv.gpu.processed import processed_block_hi, processed_candidates
+
+    g = torch.Generator().manual_seed(9)
+    B, V = 3, 1000
+    nb = -(-V // SUB)
+    bias = torch.zeros(B, V)
+    bias[:, [7, 300, 999]] = torch.tensor([12.0, -5.0, 30.0])
+    gone = torch.zeros(B, V, dtype=torch.bool)
+    gone[:, 400:450] = True
+
+    def f(x):
+        y = torch.where(x > 0, x / 1.5, x * 1.5) + bias
+        return y.masked_fill(gone, -math.inf)
+
+    def process(lo, hi):
+        return f(lo), f(hi)
+
+    x = torch.randn(B, V, generator=g) * 3
+    pad = torch.full((B, nb * SUB), -math.inf)
+    pad[:, :V] = x
+    block_hi = pad.view(B, nb, SUB).amax(2) + 0.01
+    block_hi[1, 2] = math.nan
+    bh = processed_block_hi(process, block_hi, V)
+    pp = torch.full((B, nb * SUB), -math.inf)
+    pp[:, :V] = f(x)
+    fin = ~torch.isnan(bh)
+    assert bool((pp.view(B, nb, SUB).amax(2) <= bh)[fin].all()) and bool(torch.isnan(bh[1, 2]))
+    assert float(bh[0, 999 // SUB]) >= 30.0 - 10  # the raised token raised its block
+    cand = torch.full((B, CAP), -1, dtype=torch.int32)
+    cand[:, :3] = torch.tensor([0, 4, nb - 1], dtype=torch.int32)
+    count = torch.full((B,), 3, dtype=torch.int32)
+    ids = slot_ids(cand, count, V)
+    vals = pad.gather(1, ids.clamp_min(0))
+    lower, upper = vals - 0.001, vals + 0.001
+    lo, hi = processed_candidates(process, cand, count, lower, upper, V)
+    valid = ids >= 0
+    full = torch.full((B, V), -math.inf)
+    for b in range(B):
+        full[b, ids[b, valid[b]]] = lower[b, valid[b]]
+    want_lo = f(full)
+    assert torch.equal(lo[valid], want_lo.gather(1, ids.clamp_min(0))[valid])
+    assert bool((lo <= hi).all()) and bool((lo[~valid] == -math.inf).all()) and bool((hi[~valid] == -math.inf).all())

@@ -20,7 +20,7 @@ before the sampler, as V2's runner applies it (:func:`_grammar`).
 OUT gets, per variant of the hook (``ok``; ``no_min_p``: the certificate told no min-p;
 ``fused``: the head's backend CUDA's, rows without processors drawn by the device draw
 (:meth:`vllm_csv.gpu.step.FusedStep.draw_v2`); ``fused_no_min_p`` / ``fused_no_mask``: that draw
-told no min-p / no grammar mask;
+told no min-p / no grammar mask / no processors;
 ``no_process``: no processors; ``no_drop``: min-p's dropped tokens left in the written row;
 ``no_mask``: the certificate told no grammar mask; ``none``: no row certified, every row the
 dense path's), the tokens drawn from the hook's rows and its counts, and the tokens drawn from
@@ -198,7 +198,7 @@ def run(c: dict) -> dict:
         "no_process": lambda *a, process=None, min_p=None, masked=None: real(*a, min_p=min_p, masked=masked),
         "no_mask": lambda *a, masked=None, **k: real(*a, **k),
         "none": none,
-        "fused": real, "fused_no_min_p": real, "fused_no_mask": real,
+        "fused": real, "fused_no_min_p": real, "fused_no_mask": real, "fused_no_process": real,
     }
     grammar = _grammar(c, B) if c.get("bitmask") else (lambda x: x)
     dense = grammar(dense)
@@ -225,7 +225,9 @@ def run(c: dict) -> dict:
                 if name == "fused_no_min_p":
                     return draw_rows(*a[:5], None, *a[6:], **k)  # (told no min-p)
                 if name == "fused_no_mask":
-                    return draw_rows(*a[:6])  # (told no grammar mask)
+                    return draw_rows(*a[:6], None, *a[7:], **k)  # (told no grammar mask)
+                if name == "fused_no_process":
+                    return draw_rows(*a[:7])  # (told no processors)
                 return draw_rows(*a, **k)
 
             v2_sampler.draw_rows = device_draw

@@ -31,8 +31,9 @@ from ..errors import CSVError
 from ..head.certificate import is_plain
 from .certify import certify_rows
 from .common import CAP, SUB, available, batch_tile
-from .draw_bounds import block_bounds, draw_select
+from .draw_bounds import block_bounds, block_upper, draw_select
 from .gumbel_draw import gumbel_draw
+from .processed import processed_block_hi, processed_candidates
 from .quantize import quantize_rows
 from .score import score_blocks
 from .screen import screen_block_max
@@ -147,13 +148,14 @@ class FusedStep:
         return ids, vals, code, count
 
     def supports_draw(self) -> bool:
-        """V2 temperature rows (min-p, a grammar's mask or neither; no processors: :func:`draw_v2`'s caller
-        checks) may be drawn on the device: the engine is plain (no soft-cap, ``scale = 1``: the
-        scored values are what V2's sampler reads)."""
+        """V2 temperature rows (with min-p, a grammar's mask, vLLM's processors, any or none:
+        :func:`draw_v2`'s caller checks) may be drawn on the device: the engine is plain (no
+        soft-cap, ``scale = 1``: the scored values are what V2's sampler reads)."""
         return is_plain(self.head.engine) and self.nb >= 1
 
     def draw_v2(self, hidden: torch.Tensor, seeds: torch.Tensor, pos: torch.Tensor, temp: torch.Tensor,
-                cap: int | None = None, min_p: torch.Tensor | None = None, masked: torch.Tensor | None = None):
+                cap: int | None = None, min_p: torch.Tensor | None = None, masked: torch.Tensor | None = None,
+                process=None):
         """vLLM V2's Gumbel draw of each row of ``hidden``, certified on the device (no host sync).
 
         Six kernels (:mod:`vllm_csv.gpu.gumbel_draw` has the argument): the step's quantize and
@@ -178,6 +180,10 @@ class FusedStep:
             ``[B]`` fp32, each row's min-p (V2's ``_min_p_kernel`` after the temperature; 0: none).
         masked : torch.Tensor, optional
             ``[B, V]`` bool, the tokens a grammar's bitmask forbids (``-inf`` before the sampler).
+        process : callable, optional
+            vLLM's V2 logits processors on ``[B, V]`` bounds (``process(lo, hi) -> (lo', hi')``,
+            :func:`vllm_csv.vllm_plugin.v2.sampler._processors`), applied to the blocks' bounds and
+            the candidates' intervals (:mod:`vllm_csv.gpu.processed`).
 
         Returns
         -------
@@ -194,14 +200,23 @@ class FusedStep:
                                            self.wmax_up, self.babs_max)
         bmax = screen_block_max(p, self.q, self.s, t, self.sbias, B)
         c = self.consts
-        bound, qhi = block_bounds(bmax, seeds, pos, temp, self.V, hnorm, e, c["rad_max"], c["act_coef"], c["tiny"],
-                                  c["bslack_max"], c["delta"], self.dtype)
+        if process is None:
+            bound, qhi = block_bounds(bmax, seeds, pos, temp, self.V, hnorm, e, c["rad_max"], c["act_coef"],
+                                      c["tiny"], c["bslack_max"], c["delta"], self.dtype)
+        else:  # the blocks' bounds through vLLM's processors, then the same noisy bounds
+            bh = processed_block_hi(process, block_upper(bmax, hnorm, e, c, self.dtype), self.V)
+            bound, qhi = block_bounds(bh, seeds, pos, temp, self.V)
+        # (the early min-p drop bounds the row's maximum by its largest screen value's token, which a
+        # grammar may forbid or a processor lower: not with either)
+        early = min_p if masked is None and process is None else None
         cand, count, out_hi, out_abs, out_q, ok = draw_select(bound, qhi, bmax, hnorm, e, ok, c["rad_max"],
                                                               c["act_coef"], c["tiny"], c["bslack_max"], c["delta"],
-                                                              c["limit"], c["babs_max"], cap, temp,
-                                                              min_p if masked is None else None, self.dtype)
+                                                              c["limit"], c["babs_max"], cap, temp, early,
+                                                              self.dtype)
         z, lower, upper = score_blocks(hidden, self.weight, self.bias, cand, count, self.coef, self.gam,
                                        self.tiny32)
+        if process is not None:
+            lower, upper = processed_candidates(process, cand, count, lower, upper, self.V)
         if min_p is None:
             min_p = torch.zeros_like(temp, dtype=torch.float32)
         token, code = gumbel_draw(cand, count, lower, upper, out_hi, out_abs, out_q, seeds, pos, temp, min_p, ok,

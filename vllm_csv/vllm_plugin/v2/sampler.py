@@ -11,7 +11,7 @@ so nothing is peeked; the certificate is :func:`~vllm_csv.sampling.rows_v2.certi
 processors vLLM's own run on the bounds (:func:`_processors`).
 
 On CUDA (the head's backend, bound once when the head was built, runs the fused Triton step) rows
-with no processor (min-p, a grammar or neither) are drawn on the device instead
+(with min-p, a grammar, vLLM's native processors, any or none) are drawn on the device instead
 (:func:`fused_draw_for`, :meth:`vllm_csv.gpu.step.FusedStep.draw_v2`: candidate scoring and the
 Gumbel replay in kernels, no per-row Python loop, no ``[B, V]`` float64 pass); the CPU path is
 unchanged.
@@ -130,10 +130,10 @@ def _processors(sampler, input_batch, dev_rows: torch.Tensor, rows_np: np.ndarra
 def fused_draw_for(adapter, process, min_p, masked):
     """The head's fused GPU step (:meth:`vllm_csv.head.CertifiedHead.fused_step`: the CUDA backend
     only, chosen when the head was built) when it may draw these rows on the device, else None:
-    another backend (the CPU path), a sharded adapter, a head with soft-cap or scale, or rows
-    with processors (``process``), which the device draw does not bound yet (min-p and a
-    grammar's mask it does: :mod:`vllm_csv.gpu.gumbel_draw`)."""
-    if process is not None or isinstance(adapter, ShardedAdapter):
+    another backend (the CPU path), a sharded adapter, a head with soft-cap or scale, or a
+    grammar's mask narrower or wider than the head's rows. (Min-p, the mask and vLLM's processors
+    ``process`` it bounds: :mod:`vllm_csv.gpu.gumbel_draw`, :mod:`vllm_csv.gpu.processed`.)"""
+    if isinstance(adapter, ShardedAdapter):
         return None
     fused_step = getattr(adapter.head, "fused_step", None)
     fused = fused_step() if fused_step is not None else None
@@ -147,14 +147,14 @@ _DRAW_REASONS = {1: "nonfinite", 2: "nonfinite", 3: "uncertified"}
 
 
 def draw_rows(fused, hidden: torch.Tensor, seeds: torch.Tensor, pos: torch.Tensor, temp: torch.Tensor,
-              min_p: torch.Tensor | None = None, masked: torch.Tensor | None = None) -> RowsResult:
+              min_p: torch.Tensor | None = None, masked: torch.Tensor | None = None, process=None) -> RowsResult:
     """:meth:`~vllm_csv.gpu.step.FusedStep.draw_v2` as the rows' ``RowsResult``: a certified row's
     values are ``-inf`` but at its token (0 there): V2's temperature keeps the one finite value
     finite and its ``gumbel_sample`` (or, at ``T = 0``, its argmax) returns it (V2's min-p keeps a
     row's maximum). One host read of
     the codes and counts, for the reasons and the account (the writing of the rows reads the
     certified flags on the host anyway)."""
-    token, code, count = fused.draw_v2(hidden, seeds, pos, temp, min_p=min_p, masked=masked)
+    token, code, count = fused.draw_v2(hidden, seeds, pos, temp, min_p=min_p, masked=masked, process=process)
     values = torch.full((hidden.shape[0], fused.V), -math.inf, dtype=fused.dtype, device=hidden.device)
     values.scatter_(1, token[:, None], 0.0)
     code_h, count_h = code.cpu(), fused.scored(count).cpu()
@@ -199,7 +199,7 @@ def resolve(sampler, d: Deferred, logits: torch.Tensor, input_batch) -> Deferred
         seeds, temp = ss.seeds.gpu[slot].long(), ss.temperature.gpu[slot].float()
         fused = fused_draw_for(d.adapter, process, min_p, masked)
         if fused is not None:
-            res = draw_rows(fused, d.hidden, seeds, pos, temp, min_p, masked)
+            res = draw_rows(fused, d.hidden, seeds, pos, temp, min_p, masked, process)
         else:
             res = certify_rows_v2(d.adapter, d.hidden, seeds, pos, temp, process=process, min_p=min_p, masked=masked)
         certified = write_certified(logits, dev_rows, res, st)
