@@ -95,17 +95,20 @@ def block_bounds_ref(block_hi, seeds, pos, temp, V: int, hnorm=None, e=None, rad
 
 def min_p_dropped_ref(qhi, bmax, hnorm, e, temp, min_p, rad_max: float, act_coef: float, tiny: float,
                       bslack_max: float, delta: float, dtype: torch.dtype):
-    """``(on [B], dropped [B, nb], top [B])``: the rows with a min-p (not greedy), the blocks min-p
-    surely drops in them, and each row's block of largest ``qhi`` (NaN first; the first by
-    index). Before any token is scored, the row's maximum is bounded below by the dense value of
+    """``(on [B], dropped [B, nb], top [B])``: the rows with a min-p in ``(0, 1]`` (not greedy), the
+    blocks min-p surely drops in them, and each row's block of largest ``qhi`` (NaN first; the
+    first by index). Before any token is scored, the row's maximum is bounded below by the dense value of
     its largest screen value's token: ``y1 - delta |y1| - spread`` (the lower side of
     :func:`block_upper`'s bound, widened by ``2^-20`` relative and ``tiny``, rounded down to fp32,
     then to the model dtype: rounding is monotone), through V2's temperature
     (:func:`~.gumbel_jit._q_bounds`); :func:`~vllm_csv.gumbel_noise.min_p_thresholds` of it is
     below the kernel's threshold, so a block whose ``qhi`` is under it holds no token min-p keeps.
-    The block of largest ``qhi`` is never dropped (it bounds the row's maximum)."""
+    The block of largest ``qhi`` is never dropped (it bounds the row's maximum). Nor is a block
+    that holds the maximum, as long as the threshold is at most the maximum: ``min_p <= 1``, which
+    vLLM's ``SamplingParams`` requires; above it, no early drop (the blocks left out of
+    ``out_q`` could then hold the maximum that :func:`~.gumbel_draw.gumbel_draw` bounds by it)."""
     t_div, greedy, _ = _temp_ref(temp)
-    on = (min_p > 0) & ~greedy[:, 0]
+    on = (min_p > 0) & (min_p <= 1) & ~greedy[:, 0]
     spread = rad_max * hnorm.double() + act_coef * e.double() + tiny + bslack_max
     y = bmax.double().amax(1)
     lb = y - delta * y.abs() - spread
@@ -224,7 +227,7 @@ if triton is not None:
         if MINP:  # min_p_dropped_ref, operation for operation
             t, greedy, _ = _temp(temp_ptr, b)
             mp = tl.where(greedy, 0.0, tl.load(minp_ptr + b))
-            on = mp > 0.0
+            on = (mp > 0.0) & (mp <= 1.0)
             spread = rad_max * tl.load(hn_ptr + b).to(tl.float64) + act_coef * tl.load(e_ptr + b).to(tl.float64)
             spread = spread + tiny
             spread = spread + bslack_max
