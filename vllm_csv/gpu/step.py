@@ -163,7 +163,9 @@ class FusedStep:
         noise (:func:`~vllm_csv.gpu.draw_bounds.block_bounds`); the ``cap`` blocks of largest
         bound as candidates (:func:`~vllm_csv.gpu.draw_bounds.draw_select`); the step's exact
         scoring of them; the draw's certificate
-        (:func:`~vllm_csv.gpu.gumbel_draw.gumbel_draw`).
+        (:func:`~vllm_csv.gpu.gumbel_draw.gumbel_draw`). With ``process``, vLLM's processors run
+        on the blocks' bounds before the second kernel and on the candidates' intervals before
+        the last (:mod:`vllm_csv.gpu.processed`: torch passes over ``[B, V]``, no host sync).
 
         Parameters
         ----------
