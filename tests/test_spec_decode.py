@@ -76,6 +76,20 @@ def test_the_v1_plan_of_a_speculative_step():
     assert plain.topk == [1, DEFER]  # without speculation: the sampled row certified in the sampler
 
 
+
+def test_the_cached_speculative_plan_follows_each_request_s_draft_count():
+    """The batch's plan object is reused while its requests hold; the speculative plan built on it
+    is keyed on each request's draft count, not on the step's row count: counts moved between a
+    greedy request and a logprobs one (the same total rows) re-route the rows, and a reorder of
+    the batch (a new base plan) too."""
+    runner = _runner({"g": dict(temperature=0.0), "lp": dict(temperature=0.0, logprobs=2)})
+    assert build_plan(runner, 64, spec_tokens={"g": [1, 2], "lp": [3]}).topk == [1, 1, 1, 0, 0]
+    assert build_plan(runner, 64, spec_tokens={"g": [1], "lp": [3, 4]}).topk == [1, 1, 0, 0, 0]
+    assert build_plan(runner, 64, spec_tokens={"g": [1, 2], "lp": [3]}).topk == [1, 1, 1, 0, 0]
+    runner.input_batch.req_ids = ["lp", "g"]
+    assert build_plan(runner, 64, spec_tokens={"g": [1, 2], "lp": [3]}).topk == [0, 0, 1, 1, 1]
+    assert build_plan(runner, 64, spec_tokens={"g": [1], "lp": [3, 4]}).topk == [0, 0, 0, 1, 1]
+
 @pytest.fixture(scope="module", autouse=True)
 def cpu_kernels():
     """vLLM-CPU's C++ stand-ins for the rejection sampler's Triton kernels, as its worker registers

@@ -442,3 +442,96 @@ def test_a_block_min_p_may_thin_keeping_its_lower_side_is_caught(monkeypatch):
 
     monkeypatch.setattr(Outside, "forget_lower", lambda self, blocks: self)
     assert _blocks_case(4)[0] > 0
+
+
+def _sample_end_to_end(W, h, md, size, monkeypatch, seed=5):
+    """Rank 0 in this thread draws through the plugin-wrapped ``Sampler`` (the hook's
+    ``resolve(draw=True)``: where every row certifies, its tokens are the draw and the random
+    streams are advanced without vLLM's pass); the other ranks resolve in threads. Returns
+    ``(tokens, streams after, dense tokens, dense streams after, certified rows)``."""
+    from test_tp import ThreadGroup
+
+    from vllm_csv.testing.fakes import hand_off
+    from vllm_csv.vllm_plugin import patches
+
+    patches.install_samplers()
+    V, B = W.shape[0], h.shape[0]
+
+    def reset():
+        torch.manual_seed(seed)
+        for i, gen in md.generators.items():
+            gen.manual_seed(1000 + i)
+
+    def streams():
+        return torch.get_rng_state(), [gen.get_state() for gen in md.generators.values()]
+
+    reset()
+    seeds = PEEK(B, md.generators)
+    main = threading.current_thread()
+    monkeypatch.setattr(v1_sampler, "peek_seeds", lambda n, gens: PEEK(n, gens) if threading.current_thread() is main
+                        else seeds.clone())
+    group, out, errors, tally = ThreadGroup(size), [None] * size, [], Tally()
+    rows = torch.arange(B)
+
+    def body(r):
+        try:
+            comm = group.member(r)
+            shard = Shard.vllm_layout(V, r, size)
+            w, _ = shard_of(W, None, shard)
+            head = ShardedHead(w, None, shard, comm, config=HeadConfig(screen="int8", budget=0.5, off_switch=False))
+            dense = dense_tp(comm, w, None, V, head.engine)
+            ref = dense(h)
+            logits = ref.clone()
+            logits[rows] = csv_step.PLACEHOLDER
+            d = csv_step.Deferred(logits, h.clone(), rows, ["sampling"] * B, ShardedAdapter(head),
+                                  lambda: dense(h), (tally if r == 0 else Tally()).account())
+            if r == 0:
+                sampler = Sampler()
+                hand_off(sampler, d)
+                out[0] = (sampler(logits=logits, sampling_metadata=md).sampled_token_ids[:, 0].clone(), streams(), ref)
+            else:
+                v1_sampler.resolve(Sampler(), d, logits, md, draw=True)
+        except BaseException as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+            group.barrier.abort()
+
+    threads = [threading.Thread(target=body, args=(r,)) for r in range(1, size)]
+    for t in threads:
+        t.start()
+    body(0)
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
+    tokens, got_streams, ref = out[0]
+    reset()
+    want = Sampler()(logits=ref.clone(), sampling_metadata=md).sampled_token_ids[:, 0]
+    return tokens, got_streams, want, streams(), sum(tally.seen[0].certified.values())
+
+
+@pytest.mark.parametrize("size", (2, 3))
+def test_tp_drawn_batch_through_the_wrapped_sampler(size, monkeypatch):
+    """End to end under TP: every row deferred, drawn through the wrapped ``Sampler`` on rank 0.
+    Without top-k every row certifies and the hook's tokens are the draw (no second pass): the
+    tokens and the random streams after the step are vLLM's dense draw's. With ``top_k = 1`` on
+    half the rows at a high temperature (not decided on the gathered summaries: demoted to dense
+    after the certificate) the batch is drawn by vLLM: a hook that took the certificate's
+    winners as the draw before that demotion would draw past the top-k."""
+    from vllm_csv.testing.heads import hidden_near_rows, peaked_head
+
+    V, D, B = 1000 if size == 2 else 1100, 48, 12  # (1100: padded 1152, three shards of 384)
+    g = torch.Generator().manual_seed(7)
+    W, _ = peaked_head(V, D, seed=17, dtype=torch.bfloat16)
+    h = hidden_near_rows(W, B, g, scale=1.5)
+    md = metadata(g, [0.8] * B, seeded=range(0, B, 2), V=V, **CASES["temperature"])
+    tokens, got, want, expected, certified = _sample_end_to_end(W, h, md, size, monkeypatch)
+    assert certified == B  # (the drawn path)
+    assert torch.equal(tokens, want)
+    assert torch.equal(got[0], expected[0]) and all(torch.equal(a, b) for a, b in zip(got[1], expected[1]))
+    md = metadata(g, [4.0] * B, seeded=range(0, B, 2), V=V, **CASES["temperature"])
+    md.top_k = torch.tensor([1 if i % 2 else V for i in range(B)])
+    h = hidden_near_rows(W, B, g, scale=0.3)  # flat rows: at T = 4 the draw is rarely the argmax
+    tokens, got, want, expected, certified = _sample_end_to_end(W, h, md, size, monkeypatch)
+    assert certified <= B // 2
+    assert torch.equal(tokens, want), (tokens, want)
+    assert torch.equal(got[0], expected[0]) and all(torch.equal(a, b) for a, b in zip(got[1], expected[1]))
