@@ -431,7 +431,8 @@ def test_a_wrong_position_is_caught(vllm_gumbel):
 @pytest.mark.parametrize("V,d", [(4099, 64), (1000, 96)])
 def test_fused_draw_matches_vllm(vllm_gumbel, V, d, dtype):
     """:meth:`FusedStep.draw_v2` on peaked and softer rows, without min-p and with it (where vLLM's
-    ``min_p.py`` is at hand): every certified token is vLLM's draw from the dense head's logits, the blocks' bounds hold every dense logit of their block, and
+    ``min_p.py`` is at hand): every certified token is vLLM's draw from the dense head's logits,
+    the blocks' bounds hold every dense logit of their block, and
     most rows are certified."""
     from vllm_csv.testing.vllm_v2 import load_vllm_v2_sample
 

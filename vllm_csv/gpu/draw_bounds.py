@@ -97,8 +97,8 @@ def min_p_dropped_ref(qhi, bmax, hnorm, e, temp, min_p, rad_max: float, act_coef
                       bslack_max: float, delta: float, dtype: torch.dtype):
     """``(on [B], dropped [B, nb], top [B])``: the rows with a min-p in ``(0, 1]`` (not greedy), the
     blocks min-p surely drops in them, and each row's block of largest ``qhi`` (NaN first; the
-    first by index). Before any token is scored, the row's maximum is bounded below by the dense value of
-    its largest screen value's token: ``y1 - delta |y1| - spread`` (the lower side of
+    first by index). Before any token is scored, the row's maximum is bounded below by the dense
+    value of its largest screen value's token: ``y1 - delta |y1| - spread`` (the lower side of
     :func:`block_upper`'s bound, widened by ``2^-20`` relative and ``tiny``, rounded down to fp32,
     then to the model dtype: rounding is monotone), through V2's temperature
     (:func:`~.gumbel_jit._q_bounds`); :func:`~vllm_csv.gumbel_noise.min_p_thresholds` of it is
@@ -128,8 +128,9 @@ def draw_select_ref(bound, qhi, bmax, hnorm, e, ok, rad_max: float, act_coef: fl
     ok [B] int8)``.
 
     The ``min(cap, nb)`` blocks of largest ``bound`` (every block above the ``n``-th value, then the
-    ties at it, the first by index), ascending, ``-1`` past ``count``; of the others: the largest ``bound`` (``-inf`` where none),
-    the largest finite ``|qhi|`` (0 where none) and the largest ``qhi`` (NaN as ``+inf``; ``-inf``
+    ties at it, the first by index), ascending, ``-1`` past ``count``; of the others: the largest
+    ``bound`` (``-inf`` where none), the largest finite ``|qhi|`` (0 where none) and the largest
+    ``qhi`` (NaN as ``+inf``; ``-inf``
     where none: an upper bound of their tokens' tempered logits, for min-p); ``ok`` with every
     row of the batch ``ok`` and the overflow check of :func:`vllm_csv.ops.select.threshold_from`
     (fp32, its order of operations) on the row's largest screen value. With ``min_p`` (``[B]``
@@ -175,7 +176,7 @@ def draw_select_ref(bound, qhi, bmax, hnorm, e, ok, rad_max: float, act_coef: fl
 # ---- Triton ---------------------------------------------------------------------------------
 if triton is not None:
     from .common import _rnd
-    from .gumbel_jit import _hash, _noise_bounds, _prefix, _q_hi, _q_lo, _temp, _uniform
+    from .gumbel_jit import _hash, _min_p_thresholds, _noise_bounds, _prefix, _q_hi, _q_lo, _temp, _uniform
     from .score import _down32, _up32
     from .select import _overflow_ok
 
@@ -237,11 +238,7 @@ if triton is not None:
             lb = lb - tl.abs(lb) * 9.5367431640625e-07
             lb = lb - tiny
             m_lo = _q_lo(_rnd(_down32(lb), DT), t, greedy)
-            c = tl.log(tl.where(on, mp, 1.0).to(tl.float64))
-            eps = log_abs + log_rel * tl.abs(c)
-            t_lo = m_lo + (c - eps)
-            thr = _down32(tl.where(tl.abs(t_lo) < float("inf"), t_lo - tl.abs(t_lo) * 8.881784197001252e-16,
-                                   t_lo)).to(tl.float64)
+            thr, _ = _min_p_thresholds(m_lo, m_lo, tl.where(on, mp, 1.0), log_abs, log_rel)
             drop = tl.where(on, q.to(tl.float64) < thr, drop)
             top = tl.argmax(tl.where(inb, tl.where(q != q, float("inf"), q), float("-inf")), 0)
             key = tl.where(drop, float("-inf"), x)

@@ -137,8 +137,7 @@ def gumbel_draw_ref(cand, count, lower, upper, out_hi, out_abs, out_q, seeds, po
 # ---- Triton ---------------------------------------------------------------------------------
 if triton is not None:
     from .common import _slots
-    from .gumbel_jit import _hash, _noise_bounds, _prefix, _q_hi, _q_lo, _temp, _uniform
-    from .score import _down32, _up32
+    from .gumbel_jit import _hash, _min_p_thresholds, _noise_bounds, _prefix, _q_hi, _q_lo, _temp, _uniform
 
     @triton.jit
     def _gumbel_draw_kernel(cand_ptr, count_ptr, lo_ptr, up_ptr, ohi_ptr, oabs_ptr, oq_ptr, seed_ptr, pos_ptr,
@@ -161,7 +160,7 @@ if triton is not None:
         g_hi = tl.where(greedy, 0.0, g_hi)
         nbad = tl.sum(tl.where((qlo != qlo) | (qhi != qhi) | (qhi == float("inf")), 1, 0), 0)
         o_hi = tl.load(ohi_ptr + b).to(tl.float64)
-        # min-p (min_p_thresholds, operation for operation): the winner must surely be kept;
+        # min-p (module docstring): the winner must surely be kept;
         # tokens and outside blocks surely dropped do not compete
         mp = tl.where(greedy, 0.0, tl.load(minp_ptr + b))
         on = mp > 0.0
@@ -169,14 +168,7 @@ if triton is not None:
         o_q = tl.where(o_q != o_q, float("inf"), o_q)
         m_hi = tl.maximum(tl.max(tl.where(qhi != qhi, float("inf"), qhi), 0), o_q)
         m_lo = tl.max(tl.where(qlo != qlo, float("-inf"), qlo), 0)
-        c = tl.log(tl.where(on, mp, 1.0).to(tl.float64))
-        eps = log_abs + log_rel * tl.abs(c)
-        t_lo = m_lo + (c - eps)
-        t_hi = m_hi + (c + eps)
-        thr_lo = _down32(tl.where(tl.abs(t_lo) < float("inf"), t_lo - tl.abs(t_lo) * 8.881784197001252e-16,
-                                  t_lo)).to(tl.float64)
-        thr_hi = _up32(tl.where(tl.abs(t_hi) < float("inf"), t_hi + tl.abs(t_hi) * 8.881784197001252e-16,
-                                t_hi)).to(tl.float64)
+        thr_lo, thr_hi = _min_p_thresholds(m_lo, m_hi, tl.where(on, mp, 1.0), log_abs, log_rel)
         qlo = tl.where(on, tl.where(qlo >= thr_hi, qlo, float("-inf")), qlo)
         qhi = tl.where(on, tl.where(qhi < thr_lo, float("-inf"), qhi), qhi)
         o_hi = tl.where(on, tl.where(o_q < thr_lo, float("-inf"), o_hi), o_hi)
@@ -211,7 +203,8 @@ def gumbel_draw_triton(cand, count, lower, upper, out_hi, out_abs, out_q, seeds,
                                   pos.long().contiguous(), temp.float().contiguous(), min_p.float().contiguous(),
                                   live, token, code, V, LOG_ABS, LOG_REL,
                                   live if masked is None else masked.contiguous().view(torch.uint8),
-                                  HAS_MASK=masked is not None, SUBC=SUB, CAPC=CAP, **_launch(), **({} if INTERPRET else {"num_warps": 8}))
+                                  HAS_MASK=masked is not None, SUBC=SUB, CAPC=CAP, **_launch(),
+                                  **({} if INTERPRET else {"num_warps": 8}))
     return token, code
 
 

@@ -127,6 +127,19 @@ if triton is not None:
         return tl.where(GREEDY, x.to(tl.float64), _up32(q).to(tl.float64))
 
     @triton.jit
+    def _min_p_thresholds(m_lo, m_hi, mp, log_abs, log_rel):
+        """:func:`~vllm_csv.gumbel_noise.min_p_thresholds` of a row, operation for operation:
+        ``(thr_lo, thr_hi)`` float64 (fp32 values) for the maximum in ``[m_lo, m_hi]`` and min-p
+        ``mp > 0`` (a caller passes 1.0 where the row has none)."""
+        c = tl.log(mp.to(tl.float64))
+        eps = log_abs + log_rel * tl.abs(c)
+        t_lo = m_lo + (c - eps)
+        t_hi = m_hi + (c + eps)
+        thr_lo = _down32(tl.where(tl.abs(t_lo) < float("inf"), t_lo - tl.abs(t_lo) * 8.881784197001252e-16, t_lo))
+        thr_hi = _up32(tl.where(tl.abs(t_hi) < float("inf"), t_hi + tl.abs(t_hi) * 8.881784197001252e-16, t_hi))
+        return thr_lo.to(tl.float64), thr_hi.to(tl.float64)
+
+    @triton.jit
     def _temp(temp_ptr, b):
         """``(t_div, greedy, t_ok)`` of row ``b``."""
         t = tl.load(temp_ptr + b).to(tl.float64)
