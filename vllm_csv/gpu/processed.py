@@ -68,14 +68,13 @@ def processed_candidates(process, cand: torch.Tensor, count: torch.Tensor, lower
     B = lower.shape[0]
     ids = slot_ids(cand, count, V)
     valid = ids >= 0
-    sink = torch.where(valid, ids, V)  # empty slots write a column past the row, dropped
-    rows = []
-    for x in (lower, upper):
-        full = torch.full((B, V + 1), -math.inf, dtype=torch.float32, device=x.device)
-        full.scatter_(1, sink, torch.where(valid, x.float(), -math.inf))
-        rows.append(full[:, :V].contiguous())
-    plo, phi = process(rows[0], rows[1])
     idx = ids.clamp_min(0)
+
+    def row(x):  # (empty slots carry -inf to token 0: its maximum with token 0's own value leaves it)
+        full = torch.full((B, V), -math.inf, dtype=torch.float32, device=x.device)
+        return full.scatter_reduce_(1, idx, torch.where(valid, x.float(), -math.inf), "amax")
+
+    plo, phi = process(row(lower), row(upper))
     lo = torch.where(valid, plo.gather(1, idx), -math.inf)
     hi = torch.where(valid, phi.gather(1, idx), -math.inf)
     return lo, hi
