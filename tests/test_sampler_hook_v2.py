@@ -340,9 +340,10 @@ def test_resolve_v2_structured_rows_draw_the_dense_tokens(tmp_path, seed, screen
 def test_resolve_v2_draws_on_the_device_only_on_cuda(tmp_path, monkeypatch):
     """The device draw (:meth:`vllm_csv.gpu.step.FusedStep.draw_v2`) is taken only where the head's
     backend, bound when it was built, is CUDA's (with min-p, vLLM's processors and a grammar's mask
-    as wide as the head's rows: it takes them): a CPU head keeps :func:`certify_rows_v2`; the same head with CUDA's backend (its
-    fused step built here, the kernels' torch references running on the CPU) resolves through
-    the device draw, and the rows it writes draw the dense tokens under vLLM's own kernel."""
+    as wide as the head's rows: it takes them): a CPU head keeps :func:`certify_rows_v2`; the same
+    head with CUDA's backend (its fused step built here, the kernels' torch references running on
+    the CPU) resolves through the device draw, and the rows it writes draw the dense tokens under
+    vLLM's own kernel."""
     from vllm_csv.gpu.step import FusedStep
     from vllm_csv.head.backend import Cuda
 
@@ -352,7 +353,7 @@ def test_resolve_v2_draws_on_the_device_only_on_cuda(tmp_path, monkeypatch):
     calls = []
     real = v2_sampler.draw_rows
     monkeypatch.setattr(v2_sampler, "draw_rows", lambda *a: calls.append(a[0]) or real(*a))
-    assert head.fused_step() is None and v2_sampler.fused_draw_for(HeadAdapter(head), None, None, None) is None
+    assert head.fused_step() is None and v2_sampler.fused_draw_for(HeadAdapter(head), None) is None
     seen = []
     d, logits_cpu = defer(head, h, rows, seen)
     v2_sampler.resolve(sampler, d, logits_cpu, batch)
@@ -368,11 +369,9 @@ def test_resolve_v2_draws_on_the_device_only_on_cuda(tmp_path, monkeypatch):
     assert head.fused_step() is None
     head.config.gpu_fused = True
     adapter = HeadAdapter(head)
-    assert isinstance(v2_sampler.fused_draw_for(adapter, None, None, None), FusedStep)
-    assert v2_sampler.fused_draw_for(adapter, lambda lo, hi: (lo, hi), None, None) is head._fused  # processors
-    assert v2_sampler.fused_draw_for(adapter, None, torch.zeros(2), None) is head._fused  # min-p: on the device
-    assert v2_sampler.fused_draw_for(adapter, None, None, torch.zeros(2, V, dtype=torch.bool)) is head._fused  # a grammar
-    assert v2_sampler.fused_draw_for(adapter, None, None, torch.zeros(2, V + 1, dtype=torch.bool)) is None  # wider
+    assert isinstance(v2_sampler.fused_draw_for(adapter, None), FusedStep)
+    assert v2_sampler.fused_draw_for(adapter, torch.zeros(2, V, dtype=torch.bool)) is head._fused  # a grammar
+    assert v2_sampler.fused_draw_for(adapter, torch.zeros(2, V + 1, dtype=torch.bool)) is None  # a mask wider than V
     d, logits = defer(head, h, rows, seen)
     st = v2_sampler.resolve(sampler, d, logits, batch)
     assert len(calls) == 1 and calls[0] is head._fused

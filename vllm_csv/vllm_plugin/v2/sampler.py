@@ -19,6 +19,7 @@ unchanged.
 
 from __future__ import annotations
 
+import functools
 import math
 import time
 
@@ -33,6 +34,23 @@ from ..step import Deferred, DeferredStats, step_of
 from .known import v2_draw_known
 
 
+@functools.cache
+def _native_processors() -> dict:
+    """vLLM V2's native logits processors (the only ones :func:`certifiable_sampler` admits), each
+    class with whether an instance ``p`` changes any row of requests ``req`` (slots): its ``apply``
+    returns its input untouched when its own flag is off for every request of the context
+    (``LogitBiasState``: ``use_logit_bias``, allowed ids and min_tokens' stop tokens included;
+    ``PenaltiesState``: ``use_penalty``; ``BadWordsState``: ``num_bad_words``; read in 0.32.0 and
+    0.33.0). Raises ``ImportError`` where vLLM has no V2 sampler."""
+    from vllm.v1.worker.gpu.sample.bad_words import BadWordsState
+    from vllm.v1.worker.gpu.sample.logit_bias import LogitBiasState
+    from vllm.v1.worker.gpu.sample.penalties import PenaltiesState
+
+    return {LogitBiasState: lambda p, req: bool(np.any(p.use_logit_bias[req])),
+            PenaltiesState: lambda p, req: bool(np.any(p.use_penalty[req])),
+            BadWordsState: lambda p, req: bool(np.any(p.num_bad_words.np[req] > 0))}
+
+
 def certifiable_sampler(sampler) -> bool:
     """Whether ``sampler`` is the V2 runner's own ``Sampler`` (not a subclass: the watermarking
     sampler draws otherwise) drawing with V2's fp32 Gumbel kernel (no fp64 noise, no trace replay,
@@ -40,15 +58,13 @@ def certifiable_sampler(sampler) -> bool:
     :mod:`vllm_csv.sampling.gumbel_v2` replays, in a vLLM whose V2 sampling code is that of a
     release the replica was checked against (:func:`.known.v2_draw_known`: 0.32.0, 0.33.0)."""
     try:
-        from vllm.v1.worker.gpu.sample.bad_words import BadWordsState
-        from vllm.v1.worker.gpu.sample.logit_bias import LogitBiasState
-        from vllm.v1.worker.gpu.sample.penalties import PenaltiesState
         from vllm.v1.worker.gpu.sample.sampler import Sampler
+
+        native = _native_processors()
     except ImportError:
         return False
     return type(sampler) is Sampler and not sampler.use_fp64_gumbel and sampler.trace_replay_state is None and \
-        not sampler.return_sampling_mask and \
-        all(type(p) in (LogitBiasState, PenaltiesState, BadWordsState) for p in sampler.logits_processors) and \
+        not sampler.return_sampling_mask and all(type(p) in native for p in sampler.logits_processors) and \
         v2_draw_known()
 
 
@@ -73,25 +89,6 @@ def _unsupported(sampler, d: Deferred, logits: torch.Tensor, input_batch) -> str
     return None
 
 
-def _has_work(processor, req: np.ndarray) -> bool:
-    """Whether V2's ``processor.apply`` changes any row of requests ``req`` (slots): each of the
-    native ones returns its input untouched when its own flag is off for every request of the
-    context (``LogitBiasState``: ``use_logit_bias``, allowed ids and min_tokens' stop tokens
-    included; ``PenaltiesState``: ``use_penalty``; ``BadWordsState``: ``num_bad_words``, read in
-    0.32.0 and 0.33.0). Another processor: True (:func:`certifiable_sampler` admits none)."""
-    from vllm.v1.worker.gpu.sample.bad_words import BadWordsState
-    from vllm.v1.worker.gpu.sample.logit_bias import LogitBiasState
-    from vllm.v1.worker.gpu.sample.penalties import PenaltiesState
-
-    if type(processor) is LogitBiasState:
-        return bool(np.any(processor.use_logit_bias[req]))
-    if type(processor) is PenaltiesState:
-        return bool(np.any(processor.use_penalty[req]))
-    if type(processor) is BadWordsState:
-        return bool(np.any(processor.num_bad_words.np[req] > 0))
-    return True
-
-
 def _processors(sampler, input_batch, dev_rows: torch.Tensor, rows_np: np.ndarray, req: np.ndarray):
     """vLLM's own V2 logits processors (logit bias, allowed ids and min_tokens; penalties; bad
     words: :func:`certifiable_sampler` admits no other) as a map of ``[R, V]`` float32 bounds
@@ -101,12 +98,13 @@ def _processors(sampler, input_batch, dev_rows: torch.Tensor, rows_np: np.ndarra
     ``-inf``, an fp32 addition, the repetition penalty's multiplication by ``r`` or ``fl(1/r)``
     by sign, subtractions of fixed amounts. The thinking budget, which runs after them, is
     refused (:func:`_unsupported`). None where no processor has work on these rows
-    (:func:`_has_work`; not ``Sampler.needs_logits_processing``, which V2 also sets for a
+    (:func:`_native_processors`; not ``Sampler.needs_logits_processing``, which V2 also sets for a
     temperature other than 1 or a min-p: with it, every tempered row would seem processed and
     miss the device draw)."""
     from vllm.v1.worker.gpu.sample.logits_processor.interface import LogitsContext
 
-    if not any(_has_work(p, req) for p in sampler.logits_processors):
+    native = _native_processors()  # (the sampler is certifiable: its processors are these)
+    if not any(native[type(p)](p, req) for p in sampler.logits_processors):
         return None
     slot = input_batch.expanded_idx_mapping[dev_rows]
     idx = input_batch.logits_indices[dev_rows]
@@ -127,12 +125,12 @@ def _processors(sampler, input_batch, dev_rows: torch.Tensor, rows_np: np.ndarra
     return process
 
 
-def fused_draw_for(adapter, process, min_p, masked):
+def fused_draw_for(adapter, masked):
     """The head's fused GPU step (:meth:`vllm_csv.head.CertifiedHead.fused_step`: the CUDA backend
     only, chosen when the head was built) when it may draw these rows on the device, else None:
     another backend (the CPU path), a sharded adapter, a head with soft-cap or scale, or a
     grammar's mask narrower or wider than the head's rows. (Min-p, the mask and vLLM's processors
-    ``process`` it bounds: :mod:`vllm_csv.gpu.gumbel_draw`, :mod:`vllm_csv.gpu.processed`.)"""
+    it bounds: :mod:`vllm_csv.gpu.gumbel_draw`, :mod:`vllm_csv.gpu.processed`.)"""
     if isinstance(adapter, ShardedAdapter):
         return None
     fused_step = getattr(adapter.head, "fused_step", None)
@@ -197,7 +195,7 @@ def resolve(sampler, d: Deferred, logits: torch.Tensor, input_batch) -> Deferred
         min_p = ss.min_p.gpu[slot].float() if bool(np.any(ss.min_p.np[req] != 0)) else None
         process = _processors(sampler, input_batch, dev_rows, rows_np, req)
         seeds, temp = ss.seeds.gpu[slot].long(), ss.temperature.gpu[slot].float()
-        fused = fused_draw_for(d.adapter, process, min_p, masked)
+        fused = fused_draw_for(d.adapter, masked)
         if fused is not None:
             res = draw_rows(fused, d.hidden, seeds, pos, temp, min_p, masked, process)
         else:
