@@ -465,13 +465,18 @@ def rows_from_off_switch_cost(d: dict, source: str, **common) -> list[Row]:
     return out
 
 
-def rows_from_gpu_step(d: list, source: str, **common) -> list[Row]:
+def rows_from_gpu_step(d: list, source: str, benchmark: str = "gpu_step", **common) -> list[Row]:
+    """``gpu_step.py``'s rows, and ``gpu_learned.py``'s (the same form; ``head`` names the learned
+    head, ``measure=train`` its training run)."""
     out = []
     for r in d:
-        rs = _Rows(benchmark="gpu_step", machine=str(r.get("device", "GPU")), commit=short_commit(r.get("commit")),
+        rs = _Rows(benchmark=benchmark, machine=str(r.get("device", "GPU")), commit=short_commit(r.get("commit")),
                    shape=f"{r['V']}x{r['d']}", batch=r.get("B"), dtype=_dtype(r.get("dtype")),
-                   config=_cfg(measure=r.get("measure")), source=source, **common)
-        if "ms" in r:
+                   config=_cfg(head=r.get("head"), measure=r.get("measure")), source=source, **common)
+        if r.get("measure") == "train":
+            rs.add("val_loss", r.get("val_loss"), "nats")
+            rs.add("train_seconds", r.get("seconds"), "s")
+        elif "ms" in r:
             rs.add("us", r["ms"] * 1000, "us")
             base = CUBLAS_SYNC if r.get("baseline") == "dense_sync" else CUBLAS
             if r.get("measure") not in ("dense",):
@@ -496,6 +501,26 @@ def rows_from_v2_sampler_gpu(d: dict, source: str, **common) -> list[Row]:
         out.add("csv_ms", r.get("csv_ms"), "ms", **kw)
         out.add("dense_ms", r.get("dense_ms"), "ms", **kw)
         out.add("certified_share", r.get("certified_share"), "share", **kw)
+    return out
+
+
+def rows_from_v2_fused_draw(d: dict, source: str, **common) -> list[Row]:
+    """``v2_fused_draw_gpu.py``: per (V x d, B, T, grammar) the dense V2 step's time, each fused
+    draw's speed-up over it, and each candidate cap's certified share and mismatches."""
+    out = _Rows(benchmark="v2_fused_draw", machine=str(d.get("device", "GPU")), commit=short_commit(d.get("commit")),
+                dtype="bf16", source=source, **common)
+    weights = "random" if str(d.get("head", "")).startswith("peaked") else d.get("head")
+    for r in d.get("rows", []):
+        kw = dict(shape=f"{r['V']}x{r['d']}", batch=r.get("batch"),
+                  config=_cfg(weights=weights, temperature=r.get("temperature"), grammar=r.get("grammar") or None))
+        out.add("dense_ms", r.get("dense_ms"), "ms", **kw)
+        for k, v in r.items():
+            if k.startswith("speedup_"):
+                out.add(f"speedup_{k[len('speedup_'):]}", v, "x", V2_DENSE, **kw)
+            elif k.startswith("certified_c"):
+                out.add(f"certified_share_{k[len('certified_'):]}", v, "share", **kw)
+            elif k.startswith("mismatches_c"):
+                out.add(k, v, "rows", "vLLM V2 gumbel_sample on the cuBLAS logits, same batch", **kw)
     return out
 
 
@@ -590,6 +615,8 @@ CONVERTERS = {
     "lm_head": rows_from_lm_head, "serve": rows_from_serve, "sampler_step": rows_from_sampler_step,
     "audit": rows_from_audit, "tp_head": rows_from_tp_head, "off_switch_cost": rows_from_off_switch_cost,
     "gpu_step": rows_from_gpu_step, "v2_sampler_gpu": rows_from_v2_sampler_gpu,
+    "gpu_learned": lambda d, source, **c: rows_from_gpu_step(d, source, benchmark="gpu_learned", **c),
+    "v2_fused_draw": rows_from_v2_fused_draw,
     "outlier_channels": rows_from_outlier_channels, "load": rows_from_load,
     "int8_gemm_cpu": rows_from_int8_gemm_cpu, "prefetch_cpu": rows_from_prefetch_cpu,
     "tail_bound": rows_from_tail_bound,

@@ -24,9 +24,10 @@ fused_sync_c<c> the same, eager, plus what a sampler needs to finish a step: one
 ==============  ===============================================================================
 
 Each measured batch also checks every certified token against the dense step's draw of the same
-batch (same seeds and positions): a mismatch aborts. The head is random (peaked rows, the tests'
-``peaked_head``; hidden states ``hidden_near_rows`` at ``--scale``): the certified share on a
-learned head is another question (run ``--head PATH`` with a saved ``[V, d]`` weight for that).
+batch (same seeds and positions): mismatches are printed and counted (``mismatches_c<cap>``).
+The head is random (peaked rows, the tests' ``peaked_head``; hidden states ``hidden_near_rows``
+at ``--scale``): the certified share on a learned head with its own hidden states is
+``benchmarks/gpu_learned.py``'s. The JSON is rewritten after every cell.
 
 vLLM's ``gumbel.py`` comes from the installed vLLM or ``VLLM_V2_GUMBEL_PY`` (a copy;
 ``benchmarks/run_gpu.sh`` points it at ``tests/vllm_033/sample/gumbel.py`` where vLLM is absent).
@@ -93,6 +94,18 @@ def main() -> None:
         sys.exit("needs CUDA and vLLM's V2 gumbel.py (vLLM installed, or VLLM_V2_GUMBEL_PY)")
     dev = torch.device("cuda")
     rows_out = []
+
+    def write(rows):  # after every cell: a run cut short by its timeout keeps what it measured
+        if not a.json:
+            return
+        import triton
+
+        report = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "cuda": torch.version.cuda,
+                  "triton": triton.__version__, "commit": os.environ.get("VLLM_CSV_COMMIT", "unknown"),
+                  "head": a.head or "peaked_head (random)", "scale": a.scale, "command": " ".join(sys.argv),
+                  "rows": rows}
+        Path(a.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(a.json).write_text(json.dumps(report, indent=1))
     for shape in ([None] if a.head else a.shapes):
         if a.head:
             W = torch.load(a.head).to(torch.bfloat16)
@@ -126,7 +139,7 @@ def main() -> None:
 
                 replay_dense, want = _graph(dense)
                 calls = {"dense": replay_dense}
-                shares = {}
+                shares, mismatches = {}, {}
                 for k in a.caps:
                     replay, (tok, code, count) = _graph(lambda k=k: step.draw_v2(h, seeds, pos, temp, cap=k,
                                                                                  masked=masked))
@@ -134,9 +147,11 @@ def main() -> None:
                     replay_dense()
                     torch.cuda.synchronize()
                     cert = code == 0
-                    if not torch.equal(tok[cert], want[cert]):  # the audit: certified = dense draw
-                        sys.exit(f"MISMATCH V={V} d={d} B={B} T={T} grammar={share} cap={k}: {tok[cert]} vs "
-                                 f"{want[cert]}")
+                    bad = int((cert & (tok != want)).sum())  # the audit: certified = dense draw
+                    if bad:  # counted and reported (the run goes on: one device run a session)
+                        print(f"MISMATCH V={V} d={d} B={B} T={T} grammar={share} cap={k}: {tok[cert]} vs "
+                              f"{want[cert]}", flush=True)
+                    mismatches[k] = bad
                     shares[k] = float(cert.float().mean())
                     calls[f"fused_c{k}"] = replay
 
@@ -151,21 +166,14 @@ def main() -> None:
                 row = {"V": V, "d": d, "batch": B, "temperature": T, "grammar": share, "dense_ms": t["dense"],
                        **{f"{n}_ms": v for n, v in t.items() if n != "dense"},
                        **{f"speedup_{n}": t["dense"] / v for n, v in t.items() if n != "dense"},
-                       **{f"certified_c{k}": s for k, s in shares.items()}}
+                       **{f"certified_c{k}": s for k, s in shares.items()},
+                       **{f"mismatches_c{k}": m for k, m in mismatches.items()}}
                 rows_out.append(row)
+                write(rows_out)
                 best = max((n for n in t if n != "dense"), key=lambda n: t["dense"] / t[n])
                 print(f"V={V} d={d} B={B} T={T} grammar={share}: dense {t['dense']:.4f} ms; "
                       + ", ".join(f"{n} {v:.4f} ms ({t['dense'] / v:.2f}x)" for n, v in t.items() if n != "dense")
                       + f"; certified {shares}; best {best}", flush=True)
-    if a.json:
-        import triton
-
-        report = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "cuda": torch.version.cuda,
-                  "triton": triton.__version__, "commit": os.environ.get("VLLM_CSV_COMMIT", "unknown"),
-                  "head": a.head or "peaked_head (random)", "scale": a.scale, "command": " ".join(sys.argv),
-                  "rows": rows_out}
-        Path(a.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(a.json).write_text(json.dumps(report, indent=1))
 
 
 if __name__ == "__main__":
