@@ -18,7 +18,9 @@ steps of ``--batch`` sequences on the device instead of the CPU recipe's 60 of 8
    batch (cuBLAS bf16, first maximum); and a top-8-with-values pass against the dense stable sort;
 4. **speed** at each batch size on the first rows: dense (cuBLAS + argmax) against the step, both
    CUDA-graph replayed, rounds interleaved (as ``gpu_step.py``);
-5. **V2 draw** (where vLLM's V2 ``gumbel.py`` loads, ``VLLM_V2_GUMBEL_PY`` as ``run_gpu.sh`` sets
+5. **diagnosis** (``--diagnose-rows``): why rows are not live, estimated per candidate rule
+   (:func:`diagnose`);
+6. **V2 draw** (where vLLM's V2 ``gumbel.py`` loads, ``VLLM_V2_GUMBEL_PY`` as ``run_gpu.sh`` sets
    it): :meth:`FusedStep.draw_v2` at each ``--temps`` on batches of 64 rows, each certified token
    against V2's ``gumbel_sample`` on the dense logits (same seeds and positions).
 
@@ -149,6 +151,74 @@ def draw_audit(st: FusedStep, W, h, v2, T: float, n_rows: int, B: int = 64, seed
     return {"rows": rows, "certified": cert, "mismatches": mism}
 
 
+@torch.no_grad()
+def diagnose(st: FusedStep, h, n_rows: int, B: int = 64) -> list[dict]:
+    """Why learned rows are not live: an estimate in float64 (the relative term ``delta``, ``tiny``
+    and the bias slack left out, k = 1), per rule, of the tokens and 64-token blocks a row's
+    candidates need, and the share of rows within the step's 16 blocks. Rules: ``global`` (the
+    step's: ``rad_max ||h|| + act_coef e`` for every token), ``per_token`` (token ``i``'s own
+    radius and norm, ``r_i ||h|| + n_i e``), ``two_pass`` (the activation quantised twice, the
+    residual by a second int8 vector: ``e`` becomes the second residual's norm) and ``both``.
+    Also the terms' medians and the head's per-token radius against its maximum."""
+    from vllm_csv.gpu.common import SUB, batch_tile
+    from vllm_csv.gpu.quantize import quantize_rows_ref
+
+    errors = st.head.errors
+    r_tok = errors.rad_total(st.screen.r_exact)[0].double()
+    n_tok = st.screen.n.double().reshape(-1)
+    rad_max, act_coef = st.consts["rad_max"], st.consts["act_coef"]
+    qT = st.q.float().T  # (fp32 products: an estimate; exact below 2^24)
+    s_tok = st.s.double()
+    V = st.V
+    rules = ("global", "per_token", "two_pass", "both")
+    toks = {r: [] for r in rules}
+    blks = {r: [] for r in rules}
+    terms = {"rad_term": [], "act_term": [], "act_term_two_pass": [], "gap_y1_y2": [], "peak_to_rms": []}
+    for i in range(0, n_rows - B + 1, B):
+        x = h[i:i + B]
+        p, t, e, hn, ok = quantize_rows_ref(x, True, batch_tile(B), st.wmax_up, st.babs_max)
+        p = p[:B].double()
+        y = (p.float() @ qT).double() * t.double()[:, None] * s_tok[None]
+        res = x.double() - t.double()[:, None] * p
+        t2 = (res.abs().amax(1) / 127).clamp_min(1e-38)
+        p2 = torch.round(res / t2[:, None]).clamp(-127, 127)
+        e2 = (res - t2[:, None] * p2).norm(dim=1)
+        y2 = y + (p2.float() @ qT).double() * t2[:, None] * s_tok[None]
+        hn, e = hn.double(), e.double()
+        top2 = y.topk(2, dim=1).values
+        terms["rad_term"] += (rad_max * hn).tolist()
+        terms["act_term"] += (act_coef * e).tolist()
+        terms["act_term_two_pass"] += (act_coef * e2).tolist()
+        terms["gap_y1_y2"] += (top2[:, 0] - top2[:, 1]).tolist()
+        xf = x.double()
+        terms["peak_to_rms"] += (xf.abs().amax(1) / xf.pow(2).mean(1).sqrt()).tolist()
+        for rule in rules:
+            yy, ee = (y2, e2) if rule in ("two_pass", "both") else (y, e)
+            if rule in ("global", "two_pass"):
+                half = (rad_max * hn + act_coef * ee)[:, None].expand_as(yy)
+            else:
+                half = r_tok[None] * hn[:, None] + n_tok[None] * ee[:, None]
+            lo = (yy - half).amax(1, keepdim=True)
+            cand = (yy + half) >= lo
+            toks[rule] += cand.sum(1).tolist()
+            pad = (-V) % SUB
+            blks[rule] += F.pad(cand, (0, pad)).view(B, -1, SUB).any(2).sum(1).tolist()
+
+    def q(v, p):
+        return float(torch.tensor(v, dtype=torch.float64).quantile(p))
+
+    out = [{"measure": "diagnose_terms", **{f"{k}_p50": q(v, 0.5) for k, v in terms.items()},
+            "radius_over_max_p50": float((r_tok / r_tok.max()).median()),
+            "radius_over_max_p99": float((r_tok / r_tok.max()).quantile(0.99)) if V <= 2**24 else None}]
+    for rule in rules:
+        b = torch.tensor(blks[rule])
+        out.append({"measure": f"diagnose_{rule}", "rows": len(b), "tokens_p50": q(toks[rule], 0.5),
+                    "tokens_p99": q(toks[rule], 0.99), "blocks_p50": q(blks[rule], 0.5),
+                    "blocks_p99": q(blks[rule], 0.99), "share_within_16_blocks": float((b <= 16).float().mean()),
+                    "share_within_64_blocks": float((b <= 64).float().mean())})
+    return out
+
+
 def speed(st: FusedStep, W, h, B: int, iters: int, rounds: int) -> dict:
     """Median ms of dense (cuBLAS + argmax) and of the step on the first ``B`` rows, graph-replayed."""
     from gpu_step import graphed, replay_ms
@@ -176,6 +246,8 @@ def main(argv=None) -> int:
     p.add_argument("--small-rows", type=int, default=4096, help="rows audited at batch sizes below 64")
     p.add_argument("--temps", type=float, nargs="*", default=[0.7, 1.0])
     p.add_argument("--draw-rows", type=int, default=12800)
+    p.add_argument("--diagnose-rows", type=int, default=8192, help="rows of the live-share diagnosis (0: none)")
+    p.add_argument("--no-speed", action="store_true", help="skip the timed phase")
     p.add_argument("--iters", type=int, default=100)
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--budget-s", type=float, default=170.0, help="no new phase starts after this")
@@ -229,6 +301,9 @@ def main(argv=None) -> int:
              steps=recipe.steps, batch=recipe.batch, seconds=round(time.perf_counter() - t0, 1))
         head = CertifiedHead(W, config=HeadConfig(off_switch=False))
         st = FusedStep(head)
+        if a.diagnose_rows and left():
+            for r in diagnose(st, h, min(a.rows, a.diagnose_rows)):
+                emit(**base, B=64, **r)
         for B in sorted(a.batches, reverse=True):  # B = 64 first: the 100k-row audit
             if not left():
                 break
@@ -237,7 +312,7 @@ def main(argv=None) -> int:
             emit(**base, B=B, measure="audit_learned_greedy", **r)
         if left():
             emit(**base, B=64, measure="audit_learned_top8_values", **topk_audit(st, W, h, 8, min(a.rows, 6400)))
-        if cuda:
+        if cuda and not a.no_speed:
             for B in a.batches:
                 if not left():
                     break

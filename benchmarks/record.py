@@ -476,6 +476,10 @@ def rows_from_gpu_step(d: list, source: str, benchmark: str = "gpu_step", **comm
         if r.get("measure") == "train":
             rs.add("val_loss", r.get("val_loss"), "nats")
             rs.add("train_seconds", r.get("seconds"), "s")
+        elif str(r.get("measure", "")).startswith("diagnose"):  # gpu_learned's estimates
+            for k, v in r.items():
+                if k.endswith(("_p50", "_p99")) or k.startswith("share_"):
+                    rs.add(k, v, "share" if k.startswith("share_") else "")
         elif "ms" in r:
             rs.add("us", r["ms"] * 1000, "us")
             base = CUBLAS_SYNC if r.get("baseline") == "dense_sync" else CUBLAS
