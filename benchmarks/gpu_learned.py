@@ -156,8 +156,8 @@ def diagnose(st: FusedStep, h, n_rows: int, B: int = 64) -> list[dict]:
     """Why learned rows are not live: an estimate in float64 (the relative term ``delta``, ``tiny``
     and the bias slack left out, k = 1), per rule, of the tokens and 64-token blocks a row's
     candidates need, and the share of rows within the step's 16 blocks. Rules: ``global`` (the
-    step's: ``rad_max ||h|| + act_coef e`` for every token), ``per_token`` (token ``i``'s own
-    radius and norm, ``r_i ||h|| + n_i e``), ``two_pass`` (the activation quantised twice, the
+    step's until ``per_token`` replaced it: ``rad_max ||h|| + act_coef e`` for every token),
+    ``per_token`` (token ``i``'s own radius and norm, ``r_i ||h|| + n_i e``: the step's now), ``two_pass`` (the activation quantised twice, the
     residual by a second int8 vector: ``e`` becomes the second residual's norm) and ``both``.
     Also the terms' medians and the head's per-token radius against its maximum."""
     from vllm_csv.gpu.common import SUB, batch_tile
@@ -166,7 +166,7 @@ def diagnose(st: FusedStep, h, n_rows: int, B: int = 64) -> list[dict]:
     errors = st.head.errors
     r_tok = errors.rad_total(st.screen.r_exact)[0].double()
     n_tok = st.screen.n.double().reshape(-1)
-    rad_max, act_coef = st.consts["rad_max"], st.consts["act_coef"]
+    rad_max, act_coef = float(r_tok.max()), float(n_tok.max()) * (1 + errors.delta)
     qT = st.q.float().T  # (fp32 products: an estimate; exact below 2^24)
     s_tok = st.s.double()
     V = st.V

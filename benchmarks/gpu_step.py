@@ -45,7 +45,6 @@ from vllm_csv.gpu.certify import certify_rows
 from vllm_csv.gpu.common import batch_tile
 from vllm_csv.gpu.quantize import quantize_rows
 from vllm_csv.gpu.score import score_blocks
-from vllm_csv.gpu.screen import screen_block_max
 from vllm_csv.gpu.select import select_blocks
 from vllm_csv.gpu.step import FusedStep
 from timing import cuda_graph
@@ -110,20 +109,20 @@ def speed(a, prov, rows):
                 "step": graphed(lambda: out.__setitem__("step", st.run(h, k1, need0, 1))),
             }
             pq = quantize_rows(h, True, batch_tile(B), head.errors.wmax_up, head.errors.babs_max)
-            graphs["screen"] = graphed(lambda: screen_block_max(pq[0], st.q, st.s, pq[1], None, B))
+            graphs["screen"] = graphed(lambda: st.screen_bounds(pq[0], pq[1], pq[2], pq[3], B))
             if B in a.topk_batches:
                 k64 = torch.full((B,), 64, dtype=torch.int32, device="cuda")
                 need1 = torch.ones(B, dtype=torch.int8, device="cuda")
                 graphs["step_topk64"] = graphed(lambda: out.__setitem__("topk", st.run(h, k64, need1, 64)))
             if shape == a.shapes[0] and B in a.breakdown_batches:  # each kernel of the step alone
                 pp, tt, ee, hn, ok = pq
-                bm = screen_block_max(pp, st.q, st.s, tt, None, B)
-                consts, cap = tuple(st.consts.values()), st.cap_for(1)
-                cand, count, tau, okb, live = select_blocks(bm, k1, hn, ee, ok, *consts, cap, 1)
+                um, lm = st.screen_bounds(pp, tt, ee, hn, B)
+                lim, babs, cap = st.consts["limit"], st.consts["babs_max"], st.cap_for(1)
+                cand, count, tau, okb, live = select_blocks(um, lm, k1, ok, lim, babs, cap, 1)
                 sc = score_blocks(h, st.weight, None, cand, count, st.coef, st.gam, st.tiny32)
                 BB = batch_tile(B)
                 graphs["k_quantize"] = graphed(lambda: quantize_rows(h, True, BB, head.errors.wmax_up, head.errors.babs_max))
-                graphs["k_select"] = graphed(lambda: select_blocks(bm, k1, hn, ee, ok, *consts, cap, 1))
+                graphs["k_select"] = graphed(lambda: select_blocks(um, lm, k1, ok, lim, babs, cap, 1))
                 graphs["k_score"] = graphed(lambda: score_blocks(h, st.weight, None, cand, count, st.coef,
                                                                  st.gam, st.tiny32))
                 graphs["k_certify"] = graphed(lambda: certify_rows(*sc, cand, count, k1, need0, tau, okb,

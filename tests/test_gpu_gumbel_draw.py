@@ -101,9 +101,8 @@ def _stages(x: torch.Tensor, seeds, pos, temp, live, cap=CAP, width=0.0, block_h
     min_p = torch.zeros(B) if min_p is None else min_p
     seeds, pos, temp, live, bh, min_p = (a.to(DEV) for a in (seeds, pos, temp, live, block_hi, min_p))
     bound, qhi = bb(bh, seeds, pos, temp, V)
-    zero = torch.zeros(B, device=DEV)
-    cand, count, out_hi, out_abs, out_q, ok = ds(bound, qhi, bh.nan_to_num(0.0), zero, zero, live, 0.0, 0.0, 0.0,
-                                                 0.0, 0.0, math.inf, 0.0, cap)
+    flat = bh.nan_to_num(0.0)
+    cand, count, out_hi, out_abs, out_q, ok = ds(bound, qhi, flat, flat, live, math.inf, 0.0, cap)
     ids = slot_ids(cand, count, V).cpu()
     vals = pad.gather(1, ids.clamp_min(0))
     lower = torch.where(ids >= 0, vals - width, -math.inf).to(DEV)
@@ -179,10 +178,10 @@ def test_kernels_match_references(V):
         same = (a == b) | (torch.isnan(a) & torch.isnan(b))
         assert bool((same | (torch.nextafter(b, a) == a)).all()) and float(same.float().mean()) > 0.99
     bound, qhi = want
-    zero = torch.zeros(B, device=DEV)
     ok = live.to(DEV)
-    sel = [f(bound, qhi, dev[0].nan_to_num(0.0), zero, zero, ok, 0.0, 0.0, 0.0, 0.0, 0.0, math.inf, 0.0, cap)
-           for f in (draw_select_triton, draw_select_ref) for cap in (CAP, 3)]
+    flat = dev[0].nan_to_num(0.0)
+    sel = [f(bound, qhi, flat, flat, ok, math.inf, 0.0, cap) for f in (draw_select_triton, draw_select_ref)
+           for cap in (CAP, 3)]
     for a, b in zip(sel[0], sel[2]):
         assert torch.equal(a, b)
     for a, b in zip(sel[1], sel[3]):
@@ -235,48 +234,49 @@ def test_kernels_match_references(V):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
-def test_kernels_match_references_from_screen_maxima(dtype):
-    """The first kernel turning the screen's block maxima into bounds (block_upper's arithmetic,
-    operation for operation) and the selection's ``ok`` (the batch's, the overflow check) against
-    the references; a NaN norm refuses its row."""
+def test_kernels_match_references_from_screen_bounds(dtype):
+    """The first kernel taking the screen's block upper bounds to the model dtype (block_upper)
+    and the selection's ``ok`` (the batch's, the overflow check of the row's largest upper bound)
+    against the references; an overflowing row refuses itself, a row not ``ok`` the batch."""
     g = torch.Generator().manual_seed(21)
     B, V = 10, 2111
     nb = -(-V // SUB)
-    bmax = torch.randn(B, nb, generator=g) * 3
-    hnorm = torch.rand(B, generator=g) * 8
-    hnorm[4] = math.nan
-    e = torch.rand(B, generator=g) * 0.1
-    consts = (1e-3, 0.02, 1e-30, 1e-6, 2.0**-20)  # rad_max, act_coef, tiny, bslack_max, delta
+    umax = torch.randn(B, nb, generator=g) * 3
+    lmax = umax - torch.rand(B, nb, generator=g) * 0.05
+    umax[4, 3] = 1e35  # past the limits below: row 4 not ok
     seeds = torch.randint(-2**62, 2**62, (B,), generator=g)
     pos = torch.randint(0, 2**20, (B,), generator=g)
     temp = torch.tensor([0.0, 0.3, 0.7, 1.0, 1.0, 1.5, 0.05, 3.0, 1.0, 0.7])
-    dev = [a.to(DEV) for a in (bmax, seeds, pos, temp, hnorm, e)]
-    got = block_bounds_triton(*dev[:4], V, dev[4], dev[5], *consts, dtype)
-    want = block_bounds_ref(*dev[:4], V, dev[4], dev[5], *consts, dtype)
+    dev = [a.to(DEV) for a in (umax, seeds, pos, temp, lmax)]
+    got = block_bounds_triton(*dev[:4], V, True, dtype)
+    want = block_bounds_ref(*dev[:4], V, True, dtype)
     for a, b in zip(got, want):
         same = (a == b) | (torch.isnan(a) & torch.isnan(b))
         assert bool((same | (torch.nextafter(b, a) == a)).all()) and float(same.float().mean()) > 0.99
-    assert bool((want[0][4] == math.inf).all())  # the NaN norm: every block +inf
-    bh = block_upper(dev[0], dev[4], dev[5], dict(zip(("rad_max", "act_coef", "tiny", "bslack_max", "delta"),
-                                                      consts)), dtype)
-    fin = hnorm.isfinite().to(DEV)
-    assert bool((bh[fin] >= dev[0][fin].to(dtype).float()).all()) and torch.equal(bh[fin], bh[fin].to(dtype).float())
+    bh = block_upper(dev[0], dtype)
+    assert torch.equal(bh, dev[0].to(dtype).float())
+    if dtype != torch.float32:
+        assert not torch.equal(bh, dev[0])  # rounded to the model dtype, both ways
     ok = torch.ones(B, dtype=torch.int8, device=DEV)
     oks = []
-    for limit in (math.inf, float(bmax.amax(1).median()) + 0.6):
-        a = draw_select_triton(*want, dev[0], dev[4], dev[5], ok, *consts, limit, 0.5, CAP)
-        b = draw_select_ref(*want, dev[0], dev[4], dev[5], ok, *consts, limit, 0.5, CAP)
+    for limit in (1e30, float(umax.amax(1).median()) + 0.6):
+        a = draw_select_triton(*want, dev[0], dev[4], ok, limit, 0.5, CAP)
+        b = draw_select_ref(*want, dev[0], dev[4], ok, limit, 0.5, CAP)
         assert all(torch.equal(u, v) for u, v in zip(a, b))
         oks.append(a[5].bool().cpu())
-    assert torch.equal(oks[0], hnorm.isfinite())  # NaN norm: not ok
-    assert bool(oks[1].any()) and bool((oks[0] & ~oks[1]).any())  # a finite limit: the rows that may pass it
+    assert not bool(oks[0][4]) and bool(oks[0][torch.arange(B) != 4].all())  # the overflowing row alone
+    assert bool(oks[1].any()) and bool((oks[0] & ~oks[1]).any())  # a lower limit: the rows that may pass it
+    ok0 = ok.clone()
+    ok0[2] = 0
+    for f in (draw_select_triton, draw_select_ref):
+        assert not bool(f(*want, dev[0], dev[4], ok0, 1e30, 0.5, CAP)[5].any())  # one row not ok: none is
     # with min-p: the blocks it surely drops and the maximum's block first, kernel and reference alike
     min_p = torch.tensor([0.0, 0.05, 0.1, 0.3, 0.9, 1.0, math.nan, -1.0, 2.0, 0.2]).to(DEV)
     for cap in (CAP, 3):
-        a = draw_select_triton(*want, dev[0], dev[4], dev[5], ok, *consts, math.inf, 0.5, cap, dev[3], min_p, dtype)
-        b = draw_select_ref(*want, dev[0], dev[4], dev[5], ok, *consts, math.inf, 0.5, cap, dev[3], min_p, dtype)
+        a = draw_select_triton(*want, dev[0], dev[4], ok, math.inf, 0.5, cap, dev[3], min_p, dtype)
+        b = draw_select_ref(*want, dev[0], dev[4], ok, math.inf, 0.5, cap, dev[3], min_p, dtype)
         assert all(torch.equal(u, v) for u, v in zip(a, b)), (a, b)
-    on, dropped, top = min_p_dropped_ref(want[1], dev[0], dev[4], dev[5], dev[3], min_p, *consts, dtype)
+    on, dropped, top = min_p_dropped_ref(want[1], dev[4], dev[3], min_p, dtype)
     assert not bool(on[[0, 6, 7, 8]].any()) and bool(on[[1, 2, 3]].all())  # T = 0; NaN, < 0, > 1: none
     assert not bool(dropped[~on].any()) and bool(dropped[on].any())
     assert not bool(dropped.gather(1, top[:, None]).any())  # the maximum's block is never dropped
@@ -290,10 +290,10 @@ def test_select_keeps_every_block_above_the_last_value():
     """Ties at the ``n``-th largest bound come after every larger block: ``[5, 5, 5, 9]`` with
     two slots keeps 9 and the first 5 (a selection by index among ``>= 5`` kept 5, 5)."""
     bound = torch.tensor([[5.0, 5.0, 5.0, 9.0], [-math.inf, -math.inf, 1.0, -math.inf]], device=DEV)
-    qhi, zero = bound.clone(), torch.zeros(2, device=DEV)
+    qhi = bound.clone()
     ok = torch.ones(2, dtype=torch.int8, device=DEV)
     for f in (draw_select_triton, draw_select_ref):
-        cand, count = f(bound, qhi, bound, zero, zero, ok, 0.0, 0.0, 0.0, 0.0, 0.0, math.inf, 0.0, 2)[:2]
+        cand, count = f(bound, qhi, bound, bound, ok, math.inf, 0.0, 2)[:2]
         assert cand.cpu()[0, :2].tolist() == [0, 3] and cand.cpu()[1, :2].tolist() == [0, 2], cand
 
 
@@ -307,9 +307,8 @@ def test_fake_impls():
         i64, f32 = torch.zeros(B, dtype=torch.int64), torch.ones(B)
         bound, qhi = ops.block_bounds(torch.zeros(B, nb), i64, i64, f32, V)
         assert bound.shape == qhi.shape == (B, nb)
-        cand, count, out_hi, out_abs, out_q, ok = ops.draw_select(bound, qhi, torch.zeros(B, nb), f32, f32,
-                                                           torch.ones(B, dtype=torch.int8), 0.0, 0.0, 0.0, 0.0,
-                                                           0.0, 1e30, 0.0, CAP)
+        cand, count, out_hi, out_abs, out_q, ok = ops.draw_select(bound, qhi, torch.zeros(B, nb), torch.zeros(B, nb),
+                                                                  torch.ones(B, dtype=torch.int8), 1e30, 0.0, CAP)
         assert cand.shape == (B, CAP) and count.shape == out_hi.shape == out_q.shape == ok.shape == (B,)
         tok, code = ops.gumbel_draw(cand, count, torch.zeros(B, CAP * SUB), torch.zeros(B, CAP * SUB), out_hi,
                                     out_abs, out_q, i64, i64, f32, f32, ok, V)
@@ -467,11 +466,9 @@ def test_fused_draw_matches_vllm(vllm_gumbel, V, d, dtype):
         # the blocks min-p surely drops, from the screen alone, hold only tokens vLLM's min-p drops
         from vllm_csv.gpu.draw_bounds import block_bounds_ref
 
-        qhi = block_bounds_ref(bmax_of(st, h), seeds, pos, temp, V, *st_bound_args(st, h), dtype)[1]
-        _, hn_e = quantize_of(st, h)
-        on, dropped, _ = min_p_dropped_ref(qhi, bmax_of(st, h), hn_e[0], hn_e[1], temp, min_p, st.consts["rad_max"],
-                                           st.consts["act_coef"], st.consts["tiny"], st.consts["bslack_max"],
-                                           st.consts["delta"], dtype)
+        umax, lmax, _ = bounds_of(st, h)
+        qhi = block_bounds_ref(umax, seeds, pos, temp, V, True, dtype)[1]
+        on, dropped, _ = min_p_dropped_ref(qhi, lmax, temp, min_p, dtype)
         x = dense.clone()
         idx = torch.arange(B, dtype=torch.int32, device=DEV)
         vllm_gumbel.apply_temperature(x, idx, temp.float().contiguous())
@@ -482,13 +479,8 @@ def test_fused_draw_matches_vllm(vllm_gumbel, V, d, dtype):
         kept = (pad.view(B, nb, SUB) > -math.inf).any(2)
         assert bool(dropped.any()) and not bool((dropped & kept).any())
     # the bound every block outside the candidates stands on
-    from vllm_csv.gpu.quantize import quantize_rows_ref
-    from vllm_csv.gpu.screen import screen_block_max_ref
-    from vllm_csv.gpu.common import batch_tile
-
-    p, t, e, hn, ok = quantize_rows_ref(h, True, batch_tile(B))
-    bmax = screen_block_max_ref(p, st.q, st.s, t, st.sbias, B)
-    bh = block_upper(bmax, hn, e, st.consts, dtype)
+    umax, _, ok = bounds_of(st, h)
+    bh = block_upper(umax, dtype)
     nb = bh.shape[1]
     pad = torch.full((B, nb * SUB), -math.inf, device=h.device)
     pad[:, :V] = dense
@@ -496,28 +488,18 @@ def test_fused_draw_matches_vllm(vllm_gumbel, V, d, dtype):
     assert bool((pad.view(B, nb, SUB).amax(2) <= bh)[ok].all())
 
 
-def quantize_of(st, h):
-    """``(p, (hnorm, e))`` of the fused step's quantize stage on ``h`` (its torch reference)."""
+def bounds_of(st, h):
+    """``(umax, lmax, ok)``: the screen's block bounds of ``h`` on the step's head (its quantize and
+    screen stages, torch references)."""
     from vllm_csv.gpu.common import batch_tile
     from vllm_csv.gpu.quantize import quantize_rows_ref
-
-    p, t, e, hn, ok = quantize_rows_ref(h, True, batch_tile(h.shape[0]))
-    return (p, t), (hn, e)
-
-
-def bmax_of(st, h):
-    """The screen's block maxima of ``h`` (the step's stages, torch references)."""
     from vllm_csv.gpu.screen import screen_block_max_ref
 
-    (p, t), _ = quantize_of(st, h)
-    return screen_block_max_ref(p, st.q, st.s, t, st.sbias, h.shape[0])
-
-
-def st_bound_args(st, h):
-    """``block_bounds``' screen arguments after ``V``: ``hnorm, e`` and the step's constants."""
-    _, (hn, e) = quantize_of(st, h)
+    p, t, e, hn, ok = quantize_rows_ref(h, True, batch_tile(h.shape[0]), st.wmax_up, st.babs_max)
     c = st.consts
-    return hn, e, c["rad_max"], c["act_coef"], c["tiny"], c["bslack_max"], c["delta"]
+    umax, lmax = screen_block_max_ref(p, st.q, st.s, t, st.sbias, h.shape[0], hn, e, st.rad, st.nrm, c["delta"],
+                                      c["cst"])
+    return umax, lmax, ok
 
 
 @pytest.mark.gpu

@@ -108,14 +108,24 @@ def test_quantize_rows(dtype):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("V,d", SHAPES)
 def test_screen_block_max(V, d, dtype):
+    """Kernel = reference bit for bit, and the bounds hold every token's dense value: rounded to
+    the model dtype, each block's upper bound is at least its tokens' dense logits and its lower
+    bound at most their largest (ok rows)."""
     head, g = _head(V, d, dtype, bias=(V % 2 == 1))
     st = FusedStep(head)
+    c = st.consts
     for B in (1, 5, 17):
         h = _batch(head.weight, B, g, dtype)
-        p, t, *_ = quantize_rows_triton(h, True, batch_tile(B))
-        got = screen_block_max_triton(p, st.q, st.s, t, st.sbias, B)
-        want = screen_block_max_ref(p, st.q, st.s, t, st.sbias, B)
-        assert got.shape == (B, -(-V // SUB)) and same_bits(got, want)
+        p, t, e, hn, ok = quantize_rows_triton(h, True, batch_tile(B), st.wmax_up, st.babs_max)
+        args = (p, st.q, st.s, t, st.sbias, B, hn, e, st.rad, st.nrm, c["delta"], c["cst"])
+        got, want = screen_block_max_triton(*args), screen_block_max_ref(*args)
+        for a, b in zip(got, want):
+            assert a.shape == (B, -(-V // SUB)) and same_bits(a, b)
+        dense = torch.nn.functional.pad(_engine_dense(head, h), (0, (-V) % SUB), value=-math.inf)
+        dmax = dense.view(B, -1, SUB).amax(2)
+        rows = ok.bool()
+        assert (got[0].to(dtype).float() >= dmax)[rows].all()
+        assert (got[1].to(dtype).float() <= dmax)[rows].all()
 
 
 def _case(V, d, dtype, B, bias, seed):
@@ -125,10 +135,12 @@ def _case(V, d, dtype, B, bias, seed):
 
 
 def _selected(head, st, h, k):
-    p, t, e, hn, ok = quantize_rows_ref(h, True, batch_tile(h.shape[0]))
-    bmax = screen_block_max_ref(p, st.q, st.s, t, st.sbias, h.shape[0])
-    consts = tuple(st.consts.values())
-    return bmax, hn, e, ok, consts
+    """``(umax, lmax, ok, (limit, babs_max))`` of ``h`` on the step's head (references)."""
+    p, t, e, hn, ok = quantize_rows_ref(h, True, batch_tile(h.shape[0]), st.wmax_up, st.babs_max)
+    c = st.consts
+    umax, lmax = screen_block_max_ref(p, st.q, st.s, t, st.sbias, h.shape[0], hn, e, st.rad, st.nrm, c["delta"],
+                                      c["cst"])
+    return umax, lmax, ok, (c["limit"], c["babs_max"])
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -136,14 +148,21 @@ def _selected(head, st, h, k):
 def test_select_blocks(V, d, dtype):
     head, st, h = _case(V, d, dtype, 6, bias=(d % 2 == 1), seed=2)
     k = torch.tensor([1, 2, 1, 3, 8, 5], dtype=torch.int32, device=DEV)
-    bmax, hn, e, ok, consts = _selected(head, st, h, k)
+    umax, lmax, ok, consts = _selected(head, st, h, k)
     for cap in (CAP, 2):
-        got = select_blocks_triton(bmax, k, hn, e, ok, consts, cap, 8)
-        want = select_blocks_ref(bmax, k, hn, e, ok, consts, cap)
+        got = select_blocks_triton(umax, lmax, k, ok, *consts, cap, 8)
+        want = select_blocks_ref(umax, lmax, k, ok, *consts, cap)
         for a, b in zip(got, want):
             assert same_bits(a, b) if a.is_floating_point() else torch.equal(a, b)
+    # every block left out is below the k-th largest dense logit: its upper bound is, and outside
+    # is the largest of them
+    cand, count, outside, okb, live = want
+    dense = _engine_dense(head, h)
+    kth = dense.topk(8, dim=1).values.gather(1, (k.long() - 1)[:, None])[:, 0]
+    rows = okb.bool() & live.bool()
+    assert (outside.to(dtype).float() <= kth)[rows].all()
     ok[4] = 0  # one row that may not be certified: none of the batch is
-    _, count, _, okb, _ = select_blocks_triton(bmax, k, hn, e, ok, consts, CAP, 8)
+    _, count, _, okb, _ = select_blocks_triton(umax, lmax, k, ok, *consts, CAP, 8)
     assert not okb.any() and (count == 0).all()
 
 
@@ -191,8 +210,8 @@ def test_certify_rows(dtype):
     h[5] = (W[5].float() * 40).to(dtype)
     k = torch.tensor([1, 1, 1, 1, 1, 4, 16, 2], dtype=torch.int32, device=DEV)
     need = torch.tensor([0, 0, 0, 0, 0, 1, 1, 0], dtype=torch.int8, device=DEV)
-    bmax, hn, e, ok, consts = _selected(head, st, h, k)
-    cand, count, tau, ok, live = select_blocks_ref(bmax, k, hn, e, ok, consts, CAP)
+    umax, lmax, ok, consts = _selected(head, st, h, k)
+    cand, count, tau, ok, live = select_blocks_ref(umax, lmax, k, ok, *consts, CAP)
     z, lo, up = score_blocks_ref(h, st.weight, None, cand, count, st.coef, st.gam, st.tiny32)
     args = (z, lo, up, cand, count, k, need, tau, ok, live, V, 16, dtype)
     got, want = certify_rows_triton(*args), certify_rows_ref(*args)

@@ -1,5 +1,6 @@
 """Step 5 of the fused step, :func:`certify_rows` (``[B]`` programs): the top-k certificate of
-:func:`vllm_csv.ops.step.certify_topk_ref` per row against ``outside_high = tau`` and, for
+:func:`vllm_csv.ops.step.certify_topk_ref` per row against ``outside_high = tau`` (the step's
+``outside``: an upper bound of every token not scored, :func:`~.select.select_blocks`) and, for
 ``k = 1`` rows, the replayed tie (lowest id holding a value known bit for bit). Writes the top-k
 ids (descending, ties by the lowest id), their values and the row's outcome code
 (:data:`vllm_csv.ops.step.REASONS`). Beside it: its torch reference :func:`certify_rows_ref` and

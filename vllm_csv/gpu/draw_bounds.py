@@ -5,8 +5,8 @@ beside its torch reference ``<op>_ref``, fixed shapes, no host sync):
 
 1. :func:`block_bounds` ``[B, ceil(nb / BPP)]`` programs: for every block ``b`` of ``SUB``
    tokens, an upper bound of every token's noisy score ``fl32(x_i / T) + g_i`` there:
-   ``qhi(ub_b) + g_hi(min hash)``. ``ub_b`` bounds the block's logits (given, or from the
-   screen's block maximum, :func:`block_upper`'s arithmetic in the kernel); ``qhi`` is V2's
+   ``qhi(ub_b) + g_hi(min hash)``. ``ub_b`` bounds the block's logits (given, or the screen's
+   block upper bound rounded to the model dtype, :func:`block_upper`, in the kernel); ``qhi`` is V2's
    temperature bounded as :func:`~vllm_csv.sampling.gumbel_v2.temperature_bounds` does; the
    noise is the block's largest: ``u`` is non-decreasing in the uint32 hash, ``g(u)`` decreasing
    in ``u`` and ``g + eps(g)`` increasing in ``g``, so the token with the smallest hash
@@ -19,7 +19,7 @@ beside its torch reference ``<op>_ref``, fixed shapes, no host sync):
    largest bound, finite ``|qhi|`` and ``qhi`` of the other blocks; with min-p, the blocks it
    surely drops left out of both and the block of largest ``qhi`` (the row's maximum's) a
    candidate first (:func:`min_p_dropped_ref`); the step's ``ok`` (every row of the batch
-   ``ok``, the overflow check of :func:`vllm_csv.ops.select.threshold_from`). The blocks that can
+   ``ok``, the overflow check of :func:`~vllm_csv.gpu.select.select_blocks_ref`). The blocks that can
    beat the winner are the ones of largest noisy bound, so they are the ones worth scoring
    (a threshold on the logits alone, as for an argmax, misses a lower block with a large noise).
 
@@ -32,33 +32,23 @@ import math
 
 import torch
 
-from ..fp import round_down32, round_up32
+from ..fp import round_up32
 from ..gumbel_noise import LOG_ABS, LOG_REL, min_p_thresholds, murmur3
 from .common import CAP, LIB, SUB, _launch, _tl_dtype, _use_triton, tl, triton
 from .gumbel_draw import BPP
 from .gumbel_jit import _noise_bounds_ref, _q_bounds, _temp_ref
 
 
-def block_upper(bmax: torch.Tensor, hnorm: torch.Tensor, e: torch.Tensor, consts: dict, dtype: torch.dtype):
+def block_upper(umax: torch.Tensor, dtype: torch.dtype):
     """``[B, nb]`` fp32: an upper bound of the dense model-dtype logit of every token of each block
-    from the screen's block maxima ``bmax`` (:func:`~vllm_csv.gpu.screen.screen_block_max`), the
-    bound :func:`vllm_csv.head.selection.select_two_sided` stands on (a token of screen value
-    ``y`` has ``hi <= y + delta |y| + spread``, ``spread = rad_max ||h|| + act_coef e + tiny +
-    bslack_max``; ``y + delta |y|`` is increasing, so the block maximum bounds the block). In
-    float64, widened by ``2^-20`` relative and ``tiny``, rounded up to fp32, then to the model
-    dtype (rounding is monotone: the dense value, the engine's rounding of a smaller real, is
-    at most this). A NaN ``hnorm`` (a row that is not ``ok``) gives NaN: refused."""
-    c = consts
-    spread = (c["rad_max"] * hnorm.double() + c["act_coef"] * e.double() + c["tiny"] + c["bslack_max"])[:, None]
-    y = bmax.double()
-    ub = y + c["delta"] * y.abs() + spread
-    ub = ub + ub.abs() * 2.0**-20 + c["tiny"]
-    return round_up32(ub).to(dtype).float()
+    from the screen's block upper bounds ``umax`` (:func:`~vllm_csv.gpu.screen.screen_block_max`,
+    fp32 bounds of the dense accumulator), rounded to the model dtype: rounding is monotone, so
+    the dense value, the engine's rounding of a smaller real, is at most this."""
+    return umax.to(dtype).float()
 
 
 # ---- torch references -----------------------------------------------------------------------
-def block_bounds_ref(block_hi, seeds, pos, temp, V: int, hnorm=None, e=None, rad_max: float = 0.0,
-                     act_coef: float = 0.0, tiny: float = 0.0, bslack_max: float = 0.0, delta: float = 0.0,
+def block_bounds_ref(block_hi, seeds, pos, temp, V: int, from_screen: bool = False,
                      dtype: torch.dtype = torch.float32):
     """``(bound [B, nb] fp32, qhi [B, nb] fp32)``: each block's noisy bound (module docstring, 1.),
     ``+inf`` where ``qhi`` is NaN or ``+inf``, and its ``qhi``, the bound of its tokens' tempered
@@ -68,17 +58,15 @@ def block_bounds_ref(block_hi, seeds, pos, temp, V: int, hnorm=None, e=None, rad
     ----------
     block_hi : torch.Tensor
         ``[B, nb]`` fp32 (``nb = ceil(V / SUB)``): an upper bound of the logit of every token of
-        each block; with ``hnorm`` given, the screen's block maxima instead, turned into that
-        bound by :func:`block_upper` (``hnorm, e, rad_max, act_coef, tiny, bslack_max, delta,
-        dtype`` are its arguments).
+        each block; with ``from_screen``, the screen's block upper bounds instead, turned into
+        that bound by :func:`block_upper` (with ``dtype``).
     seeds, pos : torch.Tensor
         ``[B]`` int64, each row's request seed and sampling position.
     temp : torch.Tensor
         ``[B]`` fp32, the row's temperature (0: greedy).
     """
-    if hnorm is not None:
-        block_hi = block_upper(block_hi, hnorm, e, dict(rad_max=rad_max, act_coef=act_coef, tiny=tiny,
-                                                        bslack_max=bslack_max, delta=delta), dtype)
+    if from_screen:
+        block_hi = block_upper(block_hi, dtype)
     B, nb = block_hi.shape
     t_div, greedy, _ = _temp_ref(temp)
     tok = torch.arange(nb * SUB, device=block_hi.device)
@@ -93,14 +81,12 @@ def block_bounds_ref(block_hi, seeds, pos, temp, V: int, hnorm=None, e=None, rad
     return round_up32(bound), q.float()
 
 
-def min_p_dropped_ref(qhi, bmax, hnorm, e, temp, min_p, rad_max: float, act_coef: float, tiny: float,
-                      bslack_max: float, delta: float, dtype: torch.dtype):
+def min_p_dropped_ref(qhi, lmax, temp, min_p, dtype: torch.dtype):
     """``(on [B], dropped [B, nb], top [B])``: the rows with a min-p in ``(0, 1]`` (not greedy), the
     blocks min-p surely drops in them, and each row's block of largest ``qhi`` (NaN first; the
-    first by index). Before any token is scored, the row's maximum is bounded below by the dense
-    value of its largest screen value's token: ``y1 - delta |y1| - spread`` (the lower side of
-    :func:`block_upper`'s bound, widened by ``2^-20`` relative and ``tiny``, rounded down to fp32,
-    then to the model dtype: rounding is monotone), through V2's temperature
+    first by index). Before any token is scored, the row's maximum is bounded below by the largest of
+    the screen's block lower bounds ``lmax`` (fp32 bounds of a token's dense accumulator) rounded
+    to the model dtype (rounding is monotone), through V2's temperature
     (:func:`~.gumbel_jit._q_bounds`); :func:`~vllm_csv.gumbel_noise.min_p_thresholds` of it is
     below the kernel's threshold, so a block whose ``qhi`` is under it holds no token min-p keeps.
     The block of largest ``qhi`` is never dropped (it bounds the row's maximum). Nor is a block
@@ -109,11 +95,7 @@ def min_p_dropped_ref(qhi, bmax, hnorm, e, temp, min_p, rad_max: float, act_coef
     ``out_q`` could then hold the maximum that :func:`~.gumbel_draw.gumbel_draw` bounds by it)."""
     t_div, greedy, _ = _temp_ref(temp)
     on = (min_p > 0) & (min_p <= 1) & ~greedy[:, 0]
-    spread = rad_max * hnorm.double() + act_coef * e.double() + tiny + bslack_max
-    y = bmax.double().amax(1)
-    lb = y - delta * y.abs() - spread
-    lb = lb - lb.abs() * 2.0**-20 - tiny
-    lbq = round_down32(lb).to(dtype).double()[:, None]
+    lbq = lmax.amax(1).to(dtype).double()[:, None]
     m_lo = _q_bounds(lbq, lbq, t_div, greedy)[0]
     thr = min_p_thresholds(m_lo, m_lo, torch.where(on, min_p, 1.0)[:, None])[0].double()
     dropped = on[:, None] & (qhi.double() < thr)
@@ -121,8 +103,7 @@ def min_p_dropped_ref(qhi, bmax, hnorm, e, temp, min_p, rad_max: float, act_coef
     return on, dropped, top
 
 
-def draw_select_ref(bound, qhi, bmax, hnorm, e, ok, rad_max: float, act_coef: float, tiny: float,
-                    bslack_max: float, delta: float, limit: float, babs_max: float, cap: int,
+def draw_select_ref(bound, qhi, umax, lmax, ok, limit: float, babs_max: float, cap: int,
                     temp=None, min_p=None, dtype: torch.dtype = torch.float32):
     """``(cand [B, CAP] int32, count [B] int32, out_hi [B] fp32, out_abs [B] fp32, out_q [B] fp32,
     ok [B] int8)``.
@@ -132,8 +113,9 @@ def draw_select_ref(bound, qhi, bmax, hnorm, e, ok, rad_max: float, act_coef: fl
     ``bound`` (``-inf`` where none), the largest finite ``|qhi|`` (0 where none) and the largest
     ``qhi`` (NaN as ``+inf``; ``-inf``
     where none: an upper bound of their tokens' tempered logits, for min-p); ``ok`` with every
-    row of the batch ``ok`` and the overflow check of :func:`vllm_csv.ops.select.threshold_from`
-    (fp32, its order of operations) on the row's largest screen value. With ``min_p`` (``[B]``
+    row of the batch ``ok`` and the overflow check of
+    :func:`~vllm_csv.gpu.select.select_blocks_ref` on the row's screen bounds ``umax`` (``lmax``,
+    the lower ones, for min-p). With ``min_p`` (``[B]``
     fp32, 0: none; ``temp`` and ``dtype`` then given), in a row that has one, the blocks min-p
     surely drops (:func:`min_p_dropped_ref`) are neither candidates nor among the others, and
     the block of largest ``qhi`` is a candidate first: it holds the row's maximum, whose bounds
@@ -142,8 +124,7 @@ def draw_select_ref(bound, qhi, bmax, hnorm, e, ok, rad_max: float, act_coef: fl
     n = min(cap, nb, CAP)
     key, dropped = bound, torch.zeros_like(bound, dtype=torch.bool)
     if min_p is not None:
-        on, dropped, top = min_p_dropped_ref(qhi, bmax, hnorm, e, temp, min_p, rad_max, act_coef, tiny, bslack_max,
-                                             delta, dtype)
+        on, dropped, top = min_p_dropped_ref(qhi, lmax, temp, min_p, dtype)
         key = bound.masked_fill(dropped, -math.inf)
         first = on[:, None] & (torch.arange(nb, device=bound.device)[None] == top[:, None])
         key = key.masked_fill(first, math.inf)
@@ -162,14 +143,7 @@ def draw_select_ref(bound, qhi, bmax, hnorm, e, ok, rad_max: float, act_coef: fl
     out_q = torch.where(torch.isnan(qhi), math.inf, qhi).masked_fill(gone, -math.inf).amax(1)
     ok = ok.bool()
     ok = ok & ok.all()
-    spread = rad_max * hnorm + act_coef * e
-    spread = spread + tiny
-    spread = spread + bslack_max
-    y1 = bmax.amax(1)
-    top = y1 + delta * y1.abs()
-    top = top + spread
-    top = top + babs_max
-    ok = ok & (top <= limit)
+    ok = ok & ((umax.amax(1) + babs_max) <= limit)
     return cand, count, out_hi, out_abs, out_q, ok.to(torch.int8)
 
 
@@ -177,12 +151,11 @@ def draw_select_ref(bound, qhi, bmax, hnorm, e, ok, rad_max: float, act_coef: fl
 if triton is not None:
     from .common import _rnd
     from .gumbel_jit import _hash, _min_p_thresholds, _noise_bounds, _prefix, _q_hi, _q_lo, _temp, _uniform
-    from .score import _down32, _up32
-    from .select import _overflow_ok
+    from .score import _up32
+    from .select import _top_ok
 
     @triton.jit
     def _block_bounds_kernel(block_hi_ptr, seed_ptr, pos_ptr, temp_ptr, bound_ptr, qhi_ptr, V, nb,
-                             hn_ptr, e_ptr, rad_max, act_coef, tiny, bslack_max, delta,
                              FROM_SCREEN: tl.constexpr, DT: tl.constexpr, BPPC: tl.constexpr, SUBC: tl.constexpr):
         b = tl.program_id(0).to(tl.int64)
         blk = tl.program_id(1) * BPPC + tl.arange(0, BPPC)
@@ -195,16 +168,8 @@ if triton is not None:
         g_hi = tl.where(greedy, 0.0, g_hi)
         m = blk < nb
         bh = tl.load(block_hi_ptr + b * nb + blk, mask=m, other=float("-inf"))
-        if FROM_SCREEN:  # block_upper, operation for operation (float64, fp32 up, the dtype)
-            spread = rad_max * tl.load(hn_ptr + b).to(tl.float64) + act_coef * tl.load(e_ptr + b).to(tl.float64)
-            spread = spread + tiny
-            spread = spread + bslack_max
-            y = bh.to(tl.float64)
-            ub = y + delta * tl.abs(y)
-            ub = ub + spread
-            ub = ub + tl.abs(ub) * 9.5367431640625e-07
-            ub = ub + tiny
-            bh = _rnd(_up32(ub), DT)
+        if FROM_SCREEN:  # block_upper: the screen's fp32 bound to the model dtype
+            bh = _rnd(bh, DT)
         q = _q_hi(bh, t, greedy)
         bound = tl.where(q > float("-inf"), q + g_hi, float("-inf"))
         bound = tl.where((q != q) | (q == float("inf")), float("inf"), bound)
@@ -212,32 +177,24 @@ if triton is not None:
         tl.store(qhi_ptr + b * nb + blk, q.to(tl.float32), mask=m)
 
     @triton.jit
-    def _draw_select_kernel(bound_ptr, qhi_ptr, bmax_ptr, hn_ptr, e_ptr, ok_ptr, temp_ptr, minp_ptr, cand_ptr,
-                            count_ptr, ohi_ptr, oabs_ptr, oq_ptr, okout_ptr, B, nb, n, rad_max, act_coef, tiny,
-                            bslack_max, delta, limit, babs_max, log_abs, log_rel, MINP: tl.constexpr,
+    def _draw_select_kernel(bound_ptr, qhi_ptr, umax_ptr, lmax_ptr, ok_ptr, temp_ptr, minp_ptr, cand_ptr,
+                            count_ptr, ohi_ptr, oabs_ptr, oq_ptr, okout_ptr, B, nb, n, limit, babs_max, log_abs,
+                            log_rel, MINP: tl.constexpr,
                             DT: tl.constexpr, NB: tl.constexpr, BBATCH: tl.constexpr, CAPC: tl.constexpr):
         b = tl.program_id(0).to(tl.int64)
         idx = tl.arange(0, NB)
         inb = idx < nb
         x = tl.load(bound_ptr + b * nb + idx, mask=inb, other=float("-inf"))
         q = tl.load(qhi_ptr + b * nb + idx, mask=inb, other=float("-inf"))
-        bm = tl.load(bmax_ptr + b * nb + idx, mask=inb, other=float("-inf"))
-        y1 = tl.max(bm, 0)
+        u1 = tl.max(tl.load(umax_ptr + b * nb + idx, mask=inb, other=float("-inf")), 0)
         key = x
         drop = idx < 0  # (none)
         if MINP:  # min_p_dropped_ref, operation for operation
             t, greedy, _ = _temp(temp_ptr, b)
             mp = tl.where(greedy, 0.0, tl.load(minp_ptr + b))
             on = (mp > 0.0) & (mp <= 1.0)
-            spread = rad_max * tl.load(hn_ptr + b).to(tl.float64) + act_coef * tl.load(e_ptr + b).to(tl.float64)
-            spread = spread + tiny
-            spread = spread + bslack_max
-            y = y1.to(tl.float64)
-            lb = y - delta * tl.abs(y)
-            lb = lb - spread
-            lb = lb - tl.abs(lb) * 9.5367431640625e-07
-            lb = lb - tiny
-            m_lo = _q_lo(_rnd(_down32(lb), DT), t, greedy)
+            lb = tl.max(tl.load(lmax_ptr + b * nb + idx, mask=inb, other=float("-inf")), 0)
+            m_lo = _q_lo(_rnd(lb, DT), t, greedy)
             thr, _ = _min_p_thresholds(m_lo, m_lo, tl.where(on, mp, 1.0), log_abs, log_rel)
             drop = tl.where(on, q.to(tl.float64) < thr, drop)
             top = tl.argmax(tl.where(inb, tl.where(q != q, float("inf"), q), float("-inf")), 0)
@@ -246,9 +203,8 @@ if triton is not None:
         work = key
         vcap = tl.max(key, 0)
         for j in tl.static_range(CAPC):  # the n-th largest, with multiplicity: drop one maximum a round
-            mx = tl.max(work, 0)
+            mx, first = tl.max(work, 0, return_indices=True, return_indices_tie_break_left=True)
             vcap = tl.where(j == n - 1, mx, vcap)
-            first = tl.argmax(work, 0)
             work = tl.where(idx == first, float("-inf"), work)
         gt = (key > vcap) & inb  # every block above the n-th value, then the ties at it by index
         tie = (key == vcap) & inb & (drop == 0)
@@ -266,30 +222,25 @@ if triton is not None:
         tl.store(oabs_ptr + b, tl.max(tl.where(gone, 0.0, aq), 0))
         q = tl.where(q != q, float("inf"), q)
         tl.store(oq_ptr + b, tl.max(tl.where(gone, float("-inf"), q), 0))
-        # ok: select_blocks' (every row of the batch, then threshold_from's overflow check, fp32)
-        ok, _ = _overflow_ok(ok_ptr, b, B, y1, tl.load(hn_ptr + b), tl.load(e_ptr + b), rad_max, act_coef, tiny,
-                             bslack_max, delta, limit, babs_max, BBATCH)
+        # ok: select_blocks' (every row of the batch, then the overflow check, fp32)
+        ok = _top_ok(ok_ptr, b, B, u1, limit, babs_max, BBATCH)
         tl.store(okout_ptr + b, ok.to(tl.int8))
 
 
-def block_bounds_triton(block_hi, seeds, pos, temp, V: int, hnorm=None, e=None, rad_max: float = 0.0,
-                        act_coef: float = 0.0, tiny: float = 0.0, bslack_max: float = 0.0, delta: float = 0.0,
+def block_bounds_triton(block_hi, seeds, pos, temp, V: int, from_screen: bool = False,
                         dtype: torch.dtype = torch.float32):
     B, nb = block_hi.shape
     bound = torch.empty((B, nb), dtype=torch.float32, device=block_hi.device)
     qhi = torch.empty((B, nb), dtype=torch.float32, device=block_hi.device)
     if B:
-        screen = hnorm is not None
         temp = temp.float().contiguous()
         _block_bounds_kernel[(B, triton.cdiv(nb, BPP))](
             block_hi.float().contiguous(), seeds.long().contiguous(), pos.long().contiguous(), temp, bound, qhi,
-            V, nb, hnorm if screen else temp, e if screen else temp, rad_max, act_coef, tiny, bslack_max, delta,
-            FROM_SCREEN=screen, DT=_tl_dtype(dtype), BPPC=BPP, SUBC=SUB, **_launch())
+            V, nb, FROM_SCREEN=from_screen, DT=_tl_dtype(dtype), BPPC=BPP, SUBC=SUB, **_launch())
     return bound, qhi
 
 
-def draw_select_triton(bound, qhi, bmax, hnorm, e, ok, rad_max: float, act_coef: float, tiny: float,
-                       bslack_max: float, delta: float, limit: float, babs_max: float, cap: int,
+def draw_select_triton(bound, qhi, umax, lmax, ok, limit: float, babs_max: float, cap: int,
                        temp=None, min_p=None, dtype: torch.dtype = torch.float32):
     B, nb = bound.shape
     dev = bound.device
@@ -301,10 +252,9 @@ def draw_select_triton(bound, qhi, bmax, hnorm, e, ok, rad_max: float, act_coef:
     okout = torch.empty(B, dtype=torch.int8, device=dev)
     if B:
         mp = min_p is not None
-        _draw_select_kernel[(B,)](bound, qhi, bmax, hnorm, e, ok, temp.float().contiguous() if mp else hnorm,
-                                  min_p.float().contiguous() if mp else hnorm, cand, count, out_hi, out_abs, out_q,
-                                  okout, B, nb, min(cap, nb, CAP), rad_max, act_coef, tiny, bslack_max, delta, limit,
-                                  babs_max, LOG_ABS, LOG_REL, MINP=mp, DT=_tl_dtype(dtype),
+        _draw_select_kernel[(B,)](bound, qhi, umax, lmax, ok, temp.float().contiguous() if mp else bound,
+                                  min_p.float().contiguous() if mp else bound, cand, count, out_hi, out_abs, out_q,
+                                  okout, B, nb, min(cap, nb, CAP), limit, babs_max, LOG_ABS, LOG_REL, MINP=mp, DT=_tl_dtype(dtype),
                                   NB=triton.next_power_of_2(nb), BBATCH=max(64, triton.next_power_of_2(B)),
                                   CAPC=CAP, **_launch())
     return cand, count, out_hi, out_abs, out_q, okout
@@ -313,11 +263,9 @@ def draw_select_triton(bound, qhi, bmax, hnorm, e, ok, rad_max: float, act_coef:
 # ---- custom ops -----------------------------------------------------------------------------
 @torch.library.custom_op(f"{LIB}::block_bounds", mutates_args=())
 def block_bounds(block_hi: torch.Tensor, seeds: torch.Tensor, pos: torch.Tensor, temp: torch.Tensor, V: int,
-                 hnorm: torch.Tensor | None = None, e: torch.Tensor | None = None, rad_max: float = 0.0,
-                 act_coef: float = 0.0, tiny: float = 0.0, bslack_max: float = 0.0, delta: float = 0.0,
-                 dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+                 from_screen: bool = False, dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
     """Every block's noisy bound (:func:`block_bounds_ref`)."""
-    args = (block_hi, seeds, pos, temp, V, hnorm, e, rad_max, act_coef, tiny, bslack_max, delta, dtype)
+    args = (block_hi, seeds, pos, temp, V, from_screen, dtype)
     return (block_bounds_triton if _use_triton(block_hi) else block_bounds_ref)(*args)
 
 
@@ -328,14 +276,12 @@ def _(block_hi, *args):
 
 
 @torch.library.custom_op(f"{LIB}::draw_select", mutates_args=())
-def draw_select(bound: torch.Tensor, qhi: torch.Tensor, bmax: torch.Tensor, hnorm: torch.Tensor, e: torch.Tensor,
-                ok: torch.Tensor, rad_max: float, act_coef: float, tiny: float, bslack_max: float, delta: float,
+def draw_select(bound: torch.Tensor, qhi: torch.Tensor, umax: torch.Tensor, lmax: torch.Tensor, ok: torch.Tensor,
                 limit: float, babs_max: float, cap: int, temp: torch.Tensor | None = None,
                 min_p: torch.Tensor | None = None, dtype: torch.dtype = torch.float32
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The draw's candidate blocks (:func:`draw_select_ref`)."""
-    args = (bound, qhi, bmax, hnorm, e, ok, rad_max, act_coef, tiny, bslack_max, delta, limit, babs_max, cap, temp,
-            min_p, dtype)
+    args = (bound, qhi, umax, lmax, ok, limit, babs_max, cap, temp, min_p, dtype)
     return (draw_select_triton if _use_triton(bound) else draw_select_ref)(*args)
 
 

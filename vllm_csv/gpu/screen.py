@@ -1,8 +1,10 @@
 """Step 2 of the fused step, :func:`screen_block_max` (``[ceil(V / BV)]`` programs): the exact
-int8 GEMM ``<q_i, p_b>`` on tensor cores, its epilogue the screen's center ``y = fl(fl(fl(acc)
-t_b) s_i) (+ b_i)`` and the maximum of each block of ``SUB`` tokens. It writes ``[B, ceil(V /
-SUB)]`` maxima, never ``[B, V]``. Beside it: its torch reference :func:`screen_block_max_ref`,
-its tile tuner (:data:`SCREEN_CONFIGS`, :func:`screen_config`) and its custom op
+int8 GEMM ``<q_i, p_b>`` on tensor cores, its epilogue every token's bounds of its dense logit
+(the screen's center ``y = fl(fl(fl(acc) t_b) s_i) (+ b_i)`` widened by the token's own radius,
+norm and the row's activation error, :func:`screen_block_max_ref`) and, per block of ``SUB``
+tokens, the largest upper and the largest lower bound. It writes two ``[B, ceil(V / SUB)]``
+arrays, never ``[B, V]``. Beside it: its torch reference :func:`screen_block_max_ref`, its tile
+tuner (:data:`SCREEN_CONFIGS`, :func:`screen_config`) and its custom op
 ``torch.ops.vllm_csv_gpu.screen_block_max``."""
 
 from __future__ import annotations
@@ -15,27 +17,70 @@ import torch
 
 from .common import INTERPRET, LIB, SUB, _launch, _pick, tl, triton
 
+# the evaluation margin of the bounds' own fp32 arithmetic (module docstring of screen_block_max_ref)
+EVAL_MARGIN = 2.0**-20
+
 
 def screen_block_max_ref(p: torch.Tensor, q: torch.Tensor, s: torch.Tensor, t: torch.Tensor,
-                         bias: torch.Tensor | None, B: int):
-    """``[B, ceil(V / SUB)]`` fp32 block maxima of ``y = fl(fl(fl(acc) t_b) s_i) (+ b_i)``,
-    ``acc = <q_i, p_b>`` exact in int32 (``q [V, d]`` int8 with row scales ``s [V]``, ``p``
-    from :func:`quantize_rows_ref`; ``bias`` fp32 or None)."""
+                         bias: torch.Tensor | None, B: int, hn: torch.Tensor, e: torch.Tensor,
+                         rad: torch.Tensor, nrm: torch.Tensor, delta: float, cst: float):
+    """``(umax, lmax)``, each ``[B, ceil(V / SUB)]`` fp32: per block of ``SUB`` tokens, the largest
+    upper and the largest lower bound of a token's dense logit (``-inf`` past ``V``).
+
+    Token ``i`` of row ``b``: the screen's center ``y = fl(fl(fl(acc) t_b) s_i) (+ b_i)``, ``acc =
+    <q_i, p_b>`` exact in int32 (``q [V, d]`` int8 with row scales ``s [V]``, ``p`` from
+    :func:`~.quantize.quantize_rows_ref`; ``bias`` fp32 or None), and the dense logit within
+    ``y -+ (delta |y| + a + cst)``, ``a = rad_i ||h_b|| + nrm_i e_b``: ``rad [V]`` the token's total
+    radius (weight quantisation and the dense GEMM's accumulation,
+    :meth:`~vllm_csv.head.error_model.ErrorModel.rad_total`), ``nrm [V]`` its dequantised row's
+    norm times ``1 + delta``, ``e_b`` the row's activation error, ``hn = ||h_b||`` rounded up
+    (:func:`~.quantize.quantize_rows_ref`), ``cst`` the head's ``tiny`` plus its largest bias
+    slack, all fp32 values rounded up (:class:`~.step.FusedStep`): the head's error model
+    (:mod:`vllm_csv.head.error_model`) token by token, not with the largest radius and norm of
+    the vocabulary for every token, which on learned heads leaves most rows too many candidates.
+
+    The bounds' own fp32 arithmetic: ``U = fl(y + m + a + cst) + fl(S 2^-20)`` and ``L = fl(y - m
+    - a - cst) - fl(S 2^-20)`` with ``m = fl(delta |y|)``, ``S = fl(|y| + m + a + cst)``, left to
+    right. Each of the at most seven operations behind ``U`` or ``L`` rounds by at most ``2^-24``
+    of a partial result no larger than ``S (1 + 2^-21)`` (all its terms are at most ``S``'s in
+    magnitude), plus at most ``2^-149`` per product that underflows (``cst >= tiny`` covers
+    those); ``2^-20 S`` is more than ``7 * 2^-24 S (1 + 2^-21)`` plus the last addition's own
+    rounding, so ``U`` and ``L`` bound the real ``y -+ (delta |y| + a + cst)``. Nothing here
+    divides or takes a transcendental: the kernel's operations are these, in this order, and its
+    results are these bits (``enable_fp_fusion`` off)."""
     V = q.shape[0]
     acc = (p[:B].double() @ q.double().T).float()  # exact: |acc| <= 127^2 d < 2^31 < 2^53
-    y = acc * t[:, None] * s[None, :]
+    y = acc * t[:, None]
+    y = y * s[None, :]
     if bias is not None:
         y = y + bias[None, :]
+    a = rad[None, :] * hn[:, None]
+    a = a + nrm[None, :] * e[:, None]
+    ay = y.abs()
+    m = ay * delta
+    S = ay + m
+    S = S + a
+    S = S + cst
+    M = S * EVAL_MARGIN
+    U = y + m
+    U = U + a
+    U = U + cst
+    U = U + M
+    L = y - m
+    L = L - a
+    L = L - cst
+    L = L - M
     pad = (-V) % SUB
-    y = torch.nn.functional.pad(y, (0, pad), value=-math.inf)
-    return y.view(B, -1, SUB).amax(2)
+    U = torch.nn.functional.pad(U, (0, pad), value=-math.inf)
+    L = torch.nn.functional.pad(L, (0, pad), value=-math.inf)
+    return U.view(B, -1, SUB).amax(2), L.view(B, -1, SUB).amax(2)
 
 
 if triton is not None:
     @triton.jit
-    def _screen_block_max_kernel(q_ptr, p_ptr, s_ptr, t_ptr, bias_ptr, out_ptr, B, V, d, ldq, nb,
-                                 HAS_BIAS: tl.constexpr, BB: tl.constexpr, BV: tl.constexpr,
-                                 BK: tl.constexpr, SUBC: tl.constexpr):
+    def _screen_block_max_kernel(q_ptr, p_ptr, s_ptr, t_ptr, bias_ptr, hn_ptr, e_ptr, rad_ptr, nrm_ptr, umax_ptr,
+                                 lmax_ptr, B, V, d, ldq, nb, delta, cst, margin, HAS_BIAS: tl.constexpr,
+                                 BB: tl.constexpr, BV: tl.constexpr, BK: tl.constexpr, SUBC: tl.constexpr):
         pid = tl.program_id(0)
         rows = pid * BV + tl.arange(0, BV)
         bs = tl.arange(0, BB)
@@ -49,20 +94,44 @@ if triton is not None:
             a = tl.load(q_rows + (k0 + ks)[None, :], mask=rmask[:, None] & km[None, :], other=0)
             b = tl.load(p_cols + (k0 + ks)[:, None], mask=km[:, None], other=0)
             acc = tl.dot(a, b, acc, out_dtype=tl.int32)
-        t = tl.load(t_ptr + bs, mask=bs < B, other=0.0)
+        bm = bs < B
+        t = tl.load(t_ptr + bs, mask=bm, other=0.0)
         s = tl.load(s_ptr + rows, mask=rmask, other=0.0)
         y = acc.to(tl.float32) * t[None, :]
         y = y * s[:, None]
         if HAS_BIAS:
             y = y + tl.load(bias_ptr + rows, mask=rmask, other=0.0)[:, None]
-        y = tl.where(rmask[:, None], y, float("-inf"))
+        hn = tl.load(hn_ptr + bs, mask=bm, other=0.0)
+        ee = tl.load(e_ptr + bs, mask=bm, other=0.0)
+        w = tl.load(rad_ptr + rows, mask=rmask, other=0.0)[:, None] * hn[None, :]
+        w = w + tl.load(nrm_ptr + rows, mask=rmask, other=0.0)[:, None] * ee[None, :]
+        ay = tl.abs(y)
+        m = ay * delta
+        S = ay + m
+        S = S + w
+        S = S + cst
+        M = S * margin
+        u = y + m
+        u = u + w
+        u = u + cst
+        u = u + M
+        lo = y - m
+        lo = lo - w
+        lo = lo - cst
+        lo = lo - M
+        u = tl.where(rmask[:, None], u, float("-inf"))
+        lo = tl.where(rmask[:, None], lo, float("-inf"))
         if BV == SUBC:
-            m = tl.max(y, 0)[None, :]
+            mu = tl.max(u, 0)[None, :]
+            ml = tl.max(lo, 0)[None, :]
         else:
-            m = tl.max(tl.reshape(y, (BV // SUBC, SUBC, BB)), 1)
+            mu = tl.max(tl.reshape(u, (BV // SUBC, SUBC, BB)), 1)
+            ml = tl.max(tl.reshape(lo, (BV // SUBC, SUBC, BB)), 1)
         blk = pid * (BV // SUBC) + tl.arange(0, BV // SUBC)
-        tl.store(out_ptr + bs[None, :] * nb + blk[:, None], m,
-                 mask=(bs[None, :] < B) & (blk[:, None] < nb))
+        out = bs[None, :] * nb + blk[:, None]
+        om = (bs[None, :] < B) & (blk[:, None] < nb)
+        tl.store(umax_ptr + out, mu, mask=om)
+        tl.store(lmax_ptr + out, ml, mask=om)
 
 
 # (BV, BK, num_warps, num_stages) tried for the screen on a GPU, once per (V, d, batch tile):
@@ -109,21 +178,23 @@ def screen_config(key: tuple, launch) -> tuple:
     return _tuned[key]
 
 
-def screen_block_max_triton(p, q, s, t, bias, B: int):
+def screen_block_max_triton(p, q, s, t, bias, B: int, hn, e, rad, nrm, delta: float, cst: float):
     V, d = q.shape
     nb = triton.cdiv(V, SUB)
-    out = torch.empty((B, nb), dtype=torch.float32, device=q.device)
+    umax = torch.empty((B, nb), dtype=torch.float32, device=q.device)
+    lmax = torch.empty((B, nb), dtype=torch.float32, device=q.device)
     BB = p.shape[0]
     assert q.stride(1) == 1 and p.is_contiguous()
 
     def launch(cfg):
         bv, bk, warps, stages = cfg
         _screen_block_max_kernel[(triton.cdiv(V, bv),)](
-            q, p, s, t, bias if bias is not None else s, out, B, V, d, q.stride(0), nb,
-            HAS_BIAS=bias is not None, BB=BB, BV=bv, BK=bk, SUBC=SUB, num_warps=warps, num_stages=stages, **_launch())
+            q, p, s, t, bias if bias is not None else s, hn, e, rad, nrm, umax, lmax, B, V, d, q.stride(0), nb,
+            delta, cst, EVAL_MARGIN, HAS_BIAS=bias is not None, BB=BB, BV=bv, BK=bk, SUBC=SUB, num_warps=warps,
+            num_stages=stages, **_launch())
 
     launch(screen_config((V, d, BB, str(q.device)), launch))
-    return out
+    return umax, lmax
 
 
 _screen_block_max = _pick(screen_block_max_triton, screen_block_max_ref)
@@ -131,11 +202,13 @@ _screen_block_max = _pick(screen_block_max_triton, screen_block_max_ref)
 
 @torch.library.custom_op(f"{LIB}::screen_block_max", mutates_args=())
 def screen_block_max(p: torch.Tensor, q: torch.Tensor, s: torch.Tensor, t: torch.Tensor,
-                     bias: torch.Tensor | None, B: int) -> torch.Tensor:
+                     bias: torch.Tensor | None, B: int, hn: torch.Tensor, e: torch.Tensor, rad: torch.Tensor,
+                     nrm: torch.Tensor, delta: float, cst: float) -> tuple[torch.Tensor, torch.Tensor]:
     """Step 2 (:func:`screen_block_max_ref`)."""
-    return _screen_block_max(p, q, s, t, bias, B)
+    return _screen_block_max(p, q, s, t, bias, B, hn, e, rad, nrm, delta, cst)
 
 
 @screen_block_max.register_fake
-def _(p, q, s, t, bias, B):
-    return p.new_empty((B, -(-q.shape[0] // SUB)), dtype=torch.float32)
+def _(p, q, s, t, bias, B, hn, e, rad, nrm, delta, cst):
+    nb = -(-q.shape[0] // SUB)
+    return p.new_empty((B, nb), dtype=torch.float32), p.new_empty((B, nb), dtype=torch.float32)

@@ -4,13 +4,14 @@ Pipeline of :meth:`FusedStep.run` (five kernels, one module each in :mod:`vllm_c
 shapes, no host sync, so a batch size's step is captured once in a CUDA graph and replayed)::
 
     quantize_rows     h [B, d]            -> p int8 [BB, d], t, e, ||h||, ok        [B]
-    screen_block_max  p, q int8 [V, d]    -> block maxima                           [B, V / SUB]
-    select_blocks     block maxima, k     -> candidate blocks [B, CAP], tau, ok, live
+    screen_block_max  p, q int8 [V, d]    -> block upper, lower bounds              [B, V / SUB]
+    select_blocks     block bounds, k     -> candidate blocks [B, CAP], outside, ok, live
     score_blocks      h, W, candidates    -> z, lower, upper                        [B, CAP * SUB]
-    certify_rows      scores, tau, k      -> top-k ids, values [B, kmax], code      [B]
+    certify_rows      scores, outside, k  -> top-k ids, values [B, kmax], code      [B]
 
 The math is :func:`vllm_csv.head.selection.select_two_sided` with each row's own
-candidate blocks (:mod:`vllm_csv.gpu`'s docstring), on heads whose engine is plain
+candidate blocks and each token's own error terms (:mod:`vllm_csv.gpu`'s docstring,
+:func:`~vllm_csv.gpu.screen.screen_block_max_ref`), on heads whose engine is plain
 (no soft-cap, ``scale = 1``) and rows read greedily or by top-k without temperature: the
 other rows take the head's reference path (:meth:`FusedStep.supports`).
 
@@ -28,6 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from ..errors import CSVError
+from ..fp import round_down32, round_up32
 from ..head.certificate import is_plain
 from .certify import certify_rows
 from .common import CAP, SUB, available, batch_tile
@@ -77,11 +79,17 @@ class FusedStep:
         self.sbias = screen.bias  # fp32: the screen's centre adds it
         self.certifiable = head.certifiable
         errors = head.errors  # the head's error model (vllm_csv.head.error_model)
-        rad_max = errors.rad_total(screen.r_exact)[1] if self.V else 0.0  # the head's total radius
         delta = errors.delta  # the exact int8 GEMM adds no relative term of its own (rel = 0)
-        self.consts = dict(rad_max=rad_max, act_coef=float(screen.n.max()) * (1 + delta) if self.V else 0.0,
-                           tiny=errors.tiny, bslack_max=errors.bias_slack(0.0)[1], delta=delta,
-                           limit=head.engine.limit, babs_max=errors.babs_max)
+        # each token's total radius and dequantised norm (times 1 + delta), fp32 rounded up: the
+        # screen's epilogue widens each token's center by its own terms (screen_block_max_ref)
+        self.rad = round_up32(errors.rad_total(screen.r_exact)[0].double() * (1 + 2.0**-22)).contiguous()
+        self.nrm = round_up32(screen.n.reshape(-1).double() * (1 + delta)).contiguous()
+        # (kernels take Python floats as fp32: every constant is an fp32 value, rounded the safe way)
+        self.consts = dict(delta=float(round_up32(torch.tensor(delta, dtype=torch.float64))),
+                           cst=float(round_up32(torch.tensor(errors.tiny + errors.bias_slack(0.0)[1],
+                                                             dtype=torch.float64))),
+                           limit=float(round_down32(torch.tensor(head.engine.limit, dtype=torch.float64))),
+                           babs_max=float(round_up32(torch.tensor(errors.babs_max, dtype=torch.float64))))
         self.coef = errors.score_coef
         self.gam = errors.gamma
         self.tiny32 = errors.tiny32
@@ -136,16 +144,21 @@ class FusedStep:
         kb = _pow2(kmax)
         p, t, e, hnorm, ok = quantize_rows(hidden, self.certifiable and self.head.arithmetic_ok(), batch_tile(B),
                                            self.wmax_up, self.babs_max)
-        bmax = screen_block_max(p, self.q, self.s, t, self.sbias, B)
+        umax, lmax = self.screen_bounds(p, t, e, hnorm, B)
         c = self.consts
-        cand, count, tau, ok, live = select_blocks(
-            bmax, k, hnorm, e, ok, c["rad_max"], c["act_coef"], c["tiny"], c["bslack_max"], c["delta"],
-            c["limit"], c["babs_max"], self.cap_for(kmax), kb)
+        cand, count, outside, ok, live = select_blocks(umax, lmax, k, ok, c["limit"], c["babs_max"],
+                                                       self.cap_for(kmax), kb)
         z, lower, upper = score_blocks(hidden, self.weight, self.bias, cand, count, self.coef, self.gam,
                                        self.tiny32)
-        ids, vals, code = certify_rows(z, lower, upper, cand, count, k, need, tau, ok, live, self.V, kb,
+        ids, vals, code = certify_rows(z, lower, upper, cand, count, k, need, outside, ok, live, self.V, kb,
                                        self.dtype)
         return ids, vals, code, count
+
+    def screen_bounds(self, p, t, e, hnorm, B: int):
+        """Step 2 on this head: ``(umax, lmax)`` ``[B, nb]``, every block's largest upper and lower
+        bound of a token's dense logit (:func:`~vllm_csv.gpu.screen.screen_block_max`)."""
+        return screen_block_max(p, self.q, self.s, t, self.sbias, B, hnorm, e, self.rad, self.nrm,
+                                self.consts["delta"], self.consts["cst"])
 
     def supports_draw(self) -> bool:
         """V2 temperature rows (with min-p, a grammar's mask, vLLM's processors, any or none:
@@ -200,21 +213,18 @@ class FusedStep:
         cap = self.cap_for(1) if cap is None else max(1, min(cap, CAP))
         p, t, e, hnorm, ok = quantize_rows(hidden, self.certifiable and self.head.arithmetic_ok(), batch_tile(B),
                                            self.wmax_up, self.babs_max)
-        bmax = screen_block_max(p, self.q, self.s, t, self.sbias, B)
+        umax, lmax = self.screen_bounds(p, t, e, hnorm, B)
         c = self.consts
         if process is None:
-            bound, qhi = block_bounds(bmax, seeds, pos, temp, self.V, hnorm, e, c["rad_max"], c["act_coef"],
-                                      c["tiny"], c["bslack_max"], c["delta"], self.dtype)
+            bound, qhi = block_bounds(umax, seeds, pos, temp, self.V, True, self.dtype)
         else:  # the blocks' bounds through vLLM's processors, then the same noisy bounds
-            bh = processed_block_hi(process, block_upper(bmax, hnorm, e, c, self.dtype), self.V)
+            bh = processed_block_hi(process, block_upper(umax, self.dtype), self.V)
             bound, qhi = block_bounds(bh, seeds, pos, temp, self.V)
         # (the early min-p drop bounds the row's maximum by its largest screen value's token, which a
         # grammar may forbid or a processor lower: not with either)
         early = min_p if masked is None and process is None else None
-        cand, count, out_hi, out_abs, out_q, ok = draw_select(bound, qhi, bmax, hnorm, e, ok, c["rad_max"],
-                                                              c["act_coef"], c["tiny"], c["bslack_max"], c["delta"],
-                                                              c["limit"], c["babs_max"], cap, temp, early,
-                                                              self.dtype)
+        cand, count, out_hi, out_abs, out_q, ok = draw_select(bound, qhi, umax, lmax, ok, c["limit"], c["babs_max"],
+                                                              cap, temp, early, self.dtype)
         z, lower, upper = score_blocks(hidden, self.weight, self.bias, cand, count, self.coef, self.gam,
                                        self.tiny32)
         if process is not None:
