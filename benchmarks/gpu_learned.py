@@ -156,9 +156,10 @@ def diagnose(st: FusedStep, h, n_rows: int, B: int = 64) -> list[dict]:
     """Why learned rows are not live: an estimate in float64 (the relative term ``delta``, ``tiny``
     and the bias slack left out, k = 1), per rule, of the tokens and 64-token blocks a row's
     candidates need, and the share of rows within the step's 16 blocks. Rules: ``global`` (the
-    step's until ``per_token`` replaced it: ``rad_max ||h|| + act_coef e`` for every token),
-    ``per_token`` (token ``i``'s own radius and norm, ``r_i ||h|| + n_i e``: the step's now), ``two_pass`` (the activation quantised twice, the
-    residual by a second int8 vector: ``e`` becomes the second residual's norm) and ``both``.
+    step's until ``b6eb19d``: ``rad_max ||h|| + act_coef e`` for every token), ``per_token``
+    (token ``i``'s own radius and norm, ``r_i ||h|| + n_i e``), ``two_pass`` (the activation
+    quantised twice, the residual by a second int8 code: ``e`` becomes the second residual's
+    norm) and ``both`` (the step's since).
     Also the terms' medians and the head's per-token radius against its maximum."""
     from vllm_csv.gpu.common import SUB, batch_tile
     from vllm_csv.gpu.quantize import quantize_rows_ref
@@ -176,15 +177,15 @@ def diagnose(st: FusedStep, h, n_rows: int, B: int = 64) -> list[dict]:
     terms = {"rad_term": [], "act_term": [], "act_term_two_pass": [], "gap_y1_y2": [], "peak_to_rms": []}
     for i in range(0, n_rows - B + 1, B):
         x = h[i:i + B]
-        p, t, e, hn, ok = quantize_rows_ref(x, True, batch_tile(B), st.wmax_up, st.babs_max)
-        p = p[:B].double()
-        y = (p.float() @ qT).double() * t.double()[:, None] * s_tok[None]
-        res = x.double() - t.double()[:, None] * p
-        t2 = (res.abs().amax(1) / 127).clamp_min(1e-38)
-        p2 = torch.round(res / t2[:, None]).clamp(-127, 127)
+        p, t, _, hn, ok = quantize_rows_ref(x, True, batch_tile(B), st.wmax_up, st.babs_max)
+        p1, t1 = p[0, :B].double(), t[0].double()
+        y = (p1.float() @ qT).double() * t1[:, None] * s_tok[None]
+        res = x.double() - t1[:, None] * p1
+        e = res.norm(dim=1)  # one code (the estimate's; the kernel rounds it up)
+        p2, t2 = p[1, :B].double(), t[1].double()
         e2 = (res - t2[:, None] * p2).norm(dim=1)
         y2 = y + (p2.float() @ qT).double() * t2[:, None] * s_tok[None]
-        hn, e = hn.double(), e.double()
+        hn = hn.double()
         top2 = y.topk(2, dim=1).values
         terms["rad_term"] += (rad_max * hn).tolist()
         terms["act_term"] += (act_coef * e).tolist()

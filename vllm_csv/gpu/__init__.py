@@ -2,9 +2,9 @@
 torch reference and its custom op, and the step that runs them (:class:`.step.FusedStep`, no
 host sync, fixed shapes):
 
-1. :mod:`.quantize` -- :func:`~.quantize.quantize_rows` ``[B]`` programs: ``h`` -> int8 ``p``,
-   scale ``t``, residual norm ``e >= ||h - t p||``, ``||h||`` rounded up, and which rows may be
-   certified.
+1. :mod:`.quantize` -- :func:`~.quantize.quantize_rows` ``[B]`` programs: ``h`` -> two int8
+   codes (``h ~ t p + t2 p2``, the second the first's residual), residual norm ``e >= ||h - t p -
+   t2 p2||``, ``||h||`` rounded up, and which rows may be certified.
 2. :mod:`.screen` -- :func:`~.screen.screen_block_max` ``[ceil(V / BV)]`` programs: the exact
    int8 GEMM ``<q_i, p_b>`` on tensor cores, its epilogue every token's upper and lower bound
    of its dense logit (the screen's center ``y = fl(fl(fl(acc) t_b) s_i) (+ b_i)`` widened by

@@ -1,6 +1,7 @@
 """Step 2 of the fused step, :func:`screen_block_max` (``[ceil(V / BV)]`` programs): the exact
-int8 GEMM ``<q_i, p_b>`` on tensor cores, its epilogue every token's bounds of its dense logit
-(the screen's center ``y = fl(fl(fl(acc) t_b) s_i) (+ b_i)`` widened by the token's own radius,
+int8 GEMMs ``<q_i, p_b>`` and ``<q_i, p2_b>`` on tensor cores (one weight tile, both codes of the
+row, :mod:`.quantize`), their epilogue every token's bounds of its dense logit (the screen's
+center ``y = fl(fl(fl(acc) t_b + fl(acc2) t2_b) s_i) (+ b_i)`` widened by the token's own radius,
 norm and the row's activation error, :func:`screen_block_max_ref`) and, per block of ``SUB``
 tokens, the largest upper and the largest lower bound. It writes two ``[B, ceil(V / SUB)]``
 arrays, never ``[B, V]``. Beside it: its torch reference :func:`screen_block_max_ref`, its tile
@@ -17,8 +18,8 @@ import torch
 
 from .common import INTERPRET, LIB, SUB, _launch, _pick, tl, triton
 
-# the evaluation margin of the bounds' own fp32 arithmetic (module docstring of screen_block_max_ref)
-EVAL_MARGIN = 2.0**-20
+# the evaluation margin of the bounds' own fp32 arithmetic (screen_block_max_ref's docstring)
+EVAL_MARGIN = 2.0**-18
 
 
 def screen_block_max_ref(p: torch.Tensor, q: torch.Tensor, s: torch.Tensor, t: torch.Tensor,
@@ -27,38 +28,46 @@ def screen_block_max_ref(p: torch.Tensor, q: torch.Tensor, s: torch.Tensor, t: t
     """``(umax, lmax)``, each ``[B, ceil(V / SUB)]`` fp32: per block of ``SUB`` tokens, the largest
     upper and the largest lower bound of a token's dense logit (``-inf`` past ``V``).
 
-    Token ``i`` of row ``b``: the screen's center ``y = fl(fl(fl(acc) t_b) s_i) (+ b_i)``, ``acc =
-    <q_i, p_b>`` exact in int32 (``q [V, d]`` int8 with row scales ``s [V]``, ``p`` from
-    :func:`~.quantize.quantize_rows_ref`; ``bias`` fp32 or None), and the dense logit within
-    ``y -+ (delta |y| + a + cst)``, ``a = rad_i ||h_b|| + nrm_i e_b``: ``rad [V]`` the token's total
-    radius (weight quantisation and the dense GEMM's accumulation,
+    Token ``i`` of row ``b``: ``p [2, BB, d]`` int8 and ``t [2, B]`` the row's two codes and
+    scales (:func:`~.quantize.quantize_rows_ref`: ``h ~ t[0] p[0] + t[1] p[1]``), ``q [V, d]``
+    int8 with row scales ``s [V]``, ``acc_j = <q_i, p[j]_b>`` exact in int32, ``bias`` fp32 or
+    None. The screen's value ``y = fl(fl(fl(acc_0) t[0] + fl(acc_1) t[1]) s_i) (+ b_i)`` is
+    within ``y_r -+ 7 u A`` of the real ``y_r = s_i (t[0] acc_0 + t[1] acc_1) (+ b_i)`` (seven
+    roundings, ``u = 2^-24``, each at most ``u`` of a partial result no larger than ``A = s_i
+    (|fl(acc_0) t[0]| + |fl(acc_1) t[1]|) + |b_i|``), and the dense accumulator within ``y_r -+
+    (delta A + a + cst)`` by the head's error model (:mod:`vllm_csv.head.error_model`) token by
+    token: ``a = rad_i ||h_b|| + nrm_i e_b``, ``rad [V]`` the token's total radius (weight
+    quantisation and the dense GEMM's accumulation,
     :meth:`~vllm_csv.head.error_model.ErrorModel.rad_total`), ``nrm [V]`` its dequantised row's
-    norm times ``1 + delta``, ``e_b`` the row's activation error, ``hn = ||h_b||`` rounded up
-    (:func:`~.quantize.quantize_rows_ref`), ``cst`` the head's ``tiny`` plus its largest bias
-    slack, all fp32 values rounded up (:class:`~.step.FusedStep`): the head's error model
-    (:mod:`vllm_csv.head.error_model`) token by token, not with the largest radius and norm of
-    the vocabulary for every token, which on learned heads leaves most rows too many candidates.
+    norm times ``1 + delta``, ``e_b`` the row's activation error, ``hn = ||h_b||`` rounded up,
+    ``cst`` the head's ``tiny`` plus its largest bias slack, all fp32 values rounded up
+    (:class:`~.step.FusedStep`); not with the largest radius and norm of the vocabulary for
+    every token, which on learned heads left most rows too many candidates.
 
-    The bounds' own fp32 arithmetic: ``U = fl(y + m + a + cst) + fl(S 2^-20)`` and ``L = fl(y - m
-    - a - cst) - fl(S 2^-20)`` with ``m = fl(delta |y|)``, ``S = fl(|y| + m + a + cst)``, left to
-    right. Each of the at most seven operations behind ``U`` or ``L`` rounds by at most ``2^-24``
-    of a partial result no larger than ``S (1 + 2^-21)`` (all its terms are at most ``S``'s in
-    magnitude), plus at most ``2^-149`` per product that underflows (``cst >= tiny`` covers
-    those); ``2^-20 S`` is more than ``7 * 2^-24 S (1 + 2^-21)`` plus the last addition's own
-    rounding, so ``U`` and ``L`` bound the real ``y -+ (delta |y| + a + cst)``. Nothing here
-    divides or takes a transcendental: the kernel's operations are these, in this order, and its
-    results are these bits (``enable_fp_fusion`` off)."""
+    The bounds' own fp32 arithmetic: ``U = fl(y + m + a + cst) + fl(S 2^-18)`` and ``L = fl(y - m
+    - a - cst) - fl(S 2^-18)`` with ``m = fl(delta A)``, ``S = fl(A + m + a + cst)``, left to right.
+    With ``y``'s seven roundings, ``m``'s one, ``a``'s three and the three additions, at most
+    fourteen roundings of ``u`` of at most ``S (1 + 2^-20)`` each separate ``U`` from the real
+    bound; ``2^-18 S`` is four times that, with the last addition's own rounding, and ``S >= cst >=
+    2^-125`` makes it cover the products that underflow (``2^-149`` each). Nothing here divides or
+    takes a transcendental: the kernel's operations are these, in this order, and its results
+    are these bits (``enable_fp_fusion`` off)."""
     V = q.shape[0]
-    acc = (p[:B].double() @ q.double().T).float()  # exact: |acc| <= 127^2 d < 2^31 < 2^53
-    y = acc * t[:, None]
+    acc0 = (p[0, :B].double() @ q.double().T).float()  # exact: |acc| <= 127^2 d < 2^31 < 2^53
+    acc1 = (p[1, :B].double() @ q.double().T).float()
+    y0 = acc0 * t[0][:, None]
+    y1 = acc1 * t[1][:, None]
+    y = y0 + y1
     y = y * s[None, :]
+    A = y0.abs() + y1.abs()
+    A = A * s[None, :]
     if bias is not None:
         y = y + bias[None, :]
+        A = A + bias.abs()[None, :]
     a = rad[None, :] * hn[:, None]
     a = a + nrm[None, :] * e[:, None]
-    ay = y.abs()
-    m = ay * delta
-    S = ay + m
+    m = A * delta
+    S = A + m
     S = S + a
     S = S + cst
     M = S * EVAL_MARGIN
@@ -87,27 +96,36 @@ if triton is not None:
         ks = tl.arange(0, BK)
         rmask = rows < V
         acc = tl.zeros([BV, BB], dtype=tl.int32)
+        acc2 = tl.zeros([BV, BB], dtype=tl.int32)
         q_rows = q_ptr + rows.to(tl.int64)[:, None] * ldq
         p_cols = p_ptr + bs[None, :] * d
-        for k0 in range(0, d, BK):
+        for k0 in range(0, d, BK):  # one weight tile, both codes of every row
             km = k0 + ks < d
             a = tl.load(q_rows + (k0 + ks)[None, :], mask=rmask[:, None] & km[None, :], other=0)
             b = tl.load(p_cols + (k0 + ks)[:, None], mask=km[:, None], other=0)
             acc = tl.dot(a, b, acc, out_dtype=tl.int32)
+            b2 = tl.load(p_cols + BB * d + (k0 + ks)[:, None], mask=km[:, None], other=0)
+            acc2 = tl.dot(a, b2, acc2, out_dtype=tl.int32)
         bm = bs < B
         t = tl.load(t_ptr + bs, mask=bm, other=0.0)
+        t2 = tl.load(t_ptr + B + bs, mask=bm, other=0.0)
         s = tl.load(s_ptr + rows, mask=rmask, other=0.0)
-        y = acc.to(tl.float32) * t[None, :]
+        y0 = acc.to(tl.float32) * t[None, :]
+        y1 = acc2.to(tl.float32) * t2[None, :]
+        y = y0 + y1
         y = y * s[:, None]
+        A = tl.abs(y0) + tl.abs(y1)
+        A = A * s[:, None]
         if HAS_BIAS:
-            y = y + tl.load(bias_ptr + rows, mask=rmask, other=0.0)[:, None]
+            bias = tl.load(bias_ptr + rows, mask=rmask, other=0.0)[:, None]
+            y = y + bias
+            A = A + tl.abs(bias)
         hn = tl.load(hn_ptr + bs, mask=bm, other=0.0)
         ee = tl.load(e_ptr + bs, mask=bm, other=0.0)
         w = tl.load(rad_ptr + rows, mask=rmask, other=0.0)[:, None] * hn[None, :]
         w = w + tl.load(nrm_ptr + rows, mask=rmask, other=0.0)[:, None] * ee[None, :]
-        ay = tl.abs(y)
-        m = ay * delta
-        S = ay + m
+        m = A * delta
+        S = A + m
         S = S + w
         S = S + cst
         M = S * margin
@@ -183,7 +201,7 @@ def screen_block_max_triton(p, q, s, t, bias, B: int, hn, e, rad, nrm, delta: fl
     nb = triton.cdiv(V, SUB)
     umax = torch.empty((B, nb), dtype=torch.float32, device=q.device)
     lmax = torch.empty((B, nb), dtype=torch.float32, device=q.device)
-    BB = p.shape[0]
+    BB = p.shape[1]  # (p: [2, BB, d], the two codes of every row of the batch tile)
     assert q.stride(1) == 1 and p.is_contiguous()
 
     def launch(cfg):

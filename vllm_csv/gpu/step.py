@@ -3,7 +3,7 @@
 Pipeline of :meth:`FusedStep.run` (five kernels, one module each in :mod:`vllm_csv.gpu`; fixed
 shapes, no host sync, so a batch size's step is captured once in a CUDA graph and replayed)::
 
-    quantize_rows     h [B, d]            -> p int8 [BB, d], t, e, ||h||, ok        [B]
+    quantize_rows     h [B, d]            -> p int8 [2, BB, d], t [2, B], e, ||h||, ok [B]
     screen_block_max  p, q int8 [V, d]    -> block upper, lower bounds              [B, V / SUB]
     select_blocks     block bounds, k     -> candidate blocks [B, CAP], outside, ok, live
     score_blocks      h, W, candidates    -> z, lower, upper                        [B, CAP * SUB]
