@@ -479,7 +479,10 @@ def rows_from_gpu_step(d: list, source: str, benchmark: str = "gpu_step", **comm
         elif str(r.get("measure", "")).startswith("diagnose"):  # gpu_learned's estimates
             for k, v in r.items():
                 if k.endswith(("_p50", "_p99")) or k.startswith("share_"):
-                    rs.add(k, v, "share" if k.startswith("share_") else "")
+                    unit = ("share" if k.startswith("share_") else "tokens" if k.startswith("tokens")
+                            else "blocks" if k.startswith("blocks") else "ratio" if k.startswith(("peak", "radius"))
+                            else "logit")
+                    rs.add(k, v, unit)
         elif "ms" in r:
             rs.add("us", r["ms"] * 1000, "us")
             base = CUBLAS_SYNC if r.get("baseline") == "dense_sync" else CUBLAS
@@ -525,6 +528,19 @@ def rows_from_v2_fused_draw(d: dict, source: str, **common) -> list[Row]:
                 out.add(f"certified_share_{k[len('certified_'):]}", v, "share", **kw)
             elif k.startswith("mismatches_c"):
                 out.add(k, v, "rows", "vLLM V2 gumbel_sample on the cuBLAS logits, same batch", **kw)
+    return out
+
+
+def rows_from_v2_draw_breakdown(d: dict, source: str, **common) -> list[Row]:
+    """The V2 device draw's kernels one at a time (``{"device", "commit", "rows": [{V, d, B,
+    <kernel>: us}]}``), each CUDA-graph replayed alone, beside cuBLAS's ``F.linear``."""
+    out = _Rows(benchmark="v2_draw_breakdown", machine=str(d.get("device", "GPU")),
+                commit=short_commit(d.get("commit")), dtype="bf16", source=source, **common)
+    for r in d.get("rows", []):
+        for k, v in r.items():
+            if k not in ("V", "d", "B"):
+                out.add(k, v, "us", shape=f"{r['V']}x{r['d']}", batch=r.get("B"),
+                        config=_cfg(weights="random", temperature=1.0, cap=16))
     return out
 
 
@@ -620,7 +636,7 @@ CONVERTERS = {
     "audit": rows_from_audit, "tp_head": rows_from_tp_head, "off_switch_cost": rows_from_off_switch_cost,
     "gpu_step": rows_from_gpu_step, "v2_sampler_gpu": rows_from_v2_sampler_gpu,
     "gpu_learned": lambda d, source, **c: rows_from_gpu_step(d, source, benchmark="gpu_learned", **c),
-    "v2_fused_draw": rows_from_v2_fused_draw,
+    "v2_fused_draw": rows_from_v2_fused_draw, "v2_draw_breakdown": rows_from_v2_draw_breakdown,
     "outlier_channels": rows_from_outlier_channels, "load": rows_from_load,
     "int8_gemm_cpu": rows_from_int8_gemm_cpu, "prefetch_cpu": rows_from_prefetch_cpu,
     "tail_bound": rows_from_tail_bound,
