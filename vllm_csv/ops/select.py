@@ -16,8 +16,9 @@ Ops (``torch.ops.vllm_csv_cpu.*``):
 
 Beside it, its parts that others share: :func:`block_max` and :func:`block_cols` (the sharded
 head's search, :mod:`vllm_csv.sharded`; the VNNI GEMM takes the same maxima in its own pass,
-:meth:`vllm_csv.ops.int8_vnni.VnniInt8Linear.linear_block_max`) and :func:`threshold_from` (the
-GPU step's select kernel, :mod:`vllm_csv.gpu.select`, repeats it operation for operation).
+:meth:`vllm_csv.ops.int8_vnni.VnniInt8Linear.linear_block_max`) and :func:`threshold_from`. (The
+GPU step bounds each token by its own terms in its screen's epilogue instead,
+:mod:`vllm_csv.gpu.screen`, and selects on those bounds, :mod:`vllm_csv.gpu.select`.)
 
 The op asks per call whether the kernels run on its tensors (built, and on the CPU) and takes
 ``select_candidates_cpu`` or ``select_candidates_ref``; ``select_candidates_cpu`` is the kernel
@@ -61,7 +62,7 @@ def threshold_from(y1, yk, hnorm, e, ok, rad_max: float, act_coef: float, tiny: 
     are): ``tau`` a lower bound of the row's k-th largest dense logit, ``thr`` the screen value
     below which a token's dense upper bound is below ``tau`` (NaN on rows that cannot be
     certified, which then add no candidates), ``ok`` with the overflow check added. fp32, in
-    this order of operations (the GPU step's select kernel repeats them one for one)."""
+    this order of operations."""
     act = act_coef * e if e is not None else 0.0
     spread = rad_max * hnorm + act + tiny + bslack_max
     ok = ok & ((y1 + delta * y1.abs() + spread + babs_max) <= limit)  # False on NaN
