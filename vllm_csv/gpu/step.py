@@ -128,8 +128,12 @@ class FusedStep:
         Returns
         -------
         ids : torch.Tensor
-            ``[B, kb]`` int64 (``kb = kmax`` rounded up to a power of two), descending by value,
-            ties by the lowest id; past a row's ``k`` its first id again.
+            ``[B, kb]`` int64 (``kb = kmax`` rounded up to a power of two), descending by the scored
+            value, ties by the lowest id; past a row's ``k`` its first id again. A certified row
+            with ``need`` holds the dense head's top-k in its order; without, only the *set* is
+            certified (and for ``k = 1`` the argmax), the order within it following the scores,
+            which two tokens a rounding apart may share (as :meth:`CertifiedHead.topk
+            <vllm_csv.head.CertifiedHead.topk>` with ``values=False``).
         values : torch.Tensor
             ``[B, kb]`` fp32 holding model-dtype values.
         code : torch.Tensor
@@ -249,7 +253,8 @@ class FusedStep:
     def topk(self, hidden: torch.Tensor, k: int, values: bool = False):
         """``(ids [B, k], values [B, k], certified [B])`` of every row: certified rows from the
         step, the others from the dense head (``F.linear`` on the whole batch, so its rows are
-        the engine's own bits), ties by the lowest id.
+        the engine's own bits), ties by the lowest id. With ``values`` a certified row's ids (in
+        order) and values are the dense head's; without, its *set* of ids (:meth:`run`).
 
         The one host sync: whether any row failed, read once after the step. The dense rescue
         has to be the engine's cuBLAS GEMM over the whole batch (another GEMM, or the batch's
