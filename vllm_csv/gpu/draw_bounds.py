@@ -152,7 +152,7 @@ if triton is not None:
     from .common import _rnd
     from .gumbel_jit import _hash, _min_p_thresholds, _noise_bounds, _prefix, _q_hi, _q_lo, _temp, _uniform
     from .score import _up32
-    from .select import _top_ok
+    from .select import _kth_largest, _top_ok
 
     @triton.jit
     def _block_bounds_kernel(block_hi_ptr, seed_ptr, pos_ptr, temp_ptr, bound_ptr, qhi_ptr, V, nb,
@@ -200,12 +200,7 @@ if triton is not None:
             top = tl.argmax(tl.where(inb, tl.where(q != q, float("inf"), q), float("-inf")), 0)
             key = tl.where(drop, float("-inf"), x)
             key = tl.where(on, tl.where(idx == top, float("inf"), key), key)
-        work = key
-        vcap = tl.max(key, 0)
-        for j in tl.static_range(CAPC):  # the n-th largest, with multiplicity: drop one maximum a round
-            mx, first = tl.max(work, 0, return_indices=True, return_indices_tie_break_left=True)
-            vcap = tl.where(j == n - 1, mx, vcap)
-            work = tl.where(idx == first, float("-inf"), work)
+        vcap = _kth_largest(key, idx, n, CAPC, CAPC)  # the n-th largest, with multiplicity (CAPC rounds)
         gt = (key > vcap) & inb  # every block above the n-th value, then the ties at it by index
         tie = (key == vcap) & inb & (drop == 0)
         ngt = tl.sum(tl.where(gt, 1, 0), 0)

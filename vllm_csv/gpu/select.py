@@ -59,10 +59,11 @@ if triton is not None:
         return ok & (top <= limit)
 
     @triton.jit
-    def _kth_largest(x, idx, k, KMAX: tl.constexpr):
-        """The ``k``-th largest of ``x`` (with multiplicity; ``k <= KMAX``)."""
+    def _kth_largest(x, idx, k, KMAX: tl.constexpr, LOOP_MAX: tl.constexpr):
+        """The ``k``-th largest of ``x`` (with multiplicity; ``k <= KMAX``): ``KMAX`` rounds of a
+        reduction where ``KMAX <= LOOP_MAX``, else one sort."""
         xk = tl.max(x, 0)
-        if KMAX <= 8:
+        if KMAX <= LOOP_MAX:
             work = x
             for j in tl.static_range(KMAX):  # drop one maximum a round
                 m, first = tl.max(work, 0, return_indices=True, return_indices_tie_break_left=True)
@@ -83,7 +84,7 @@ if triton is not None:
         u = tl.load(umax_ptr + b * nb + idx, mask=inb, other=float("-inf"))
         lo = tl.load(lmax_ptr + b * nb + idx, mask=inb, other=float("-inf"))
         k = tl.load(k_ptr + b)
-        tau = _kth_largest(lo, idx, k, KMAX)
+        tau = _kth_largest(lo, idx, k, KMAX, 8)
         ok = _top_ok(ok_ptr, b, B, tl.max(u, 0), limit, babs_max, BBATCH)
         thr = tl.where(ok, tau, float("nan"))  # rows that cannot be certified add no candidates
         blocks = (u >= thr) & inb

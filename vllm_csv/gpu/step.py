@@ -41,6 +41,11 @@ from .score import score_blocks
 from .screen import screen_block_max
 from .select import select_blocks
 
+def _fp32(x: float, rounding) -> float:
+    """The fp32 value of ``x`` by ``rounding`` (:func:`~vllm_csv.fp.round_up32` or ``round_down32``)."""
+    return float(rounding(torch.tensor(x, dtype=torch.float64)))
+
+
 def _pow2(n: int) -> int:
     return 1 << max(0, n - 1).bit_length()
 
@@ -85,11 +90,10 @@ class FusedStep:
         self.rad = round_up32(errors.rad_total(screen.r_exact)[0].double() * (1 + 2.0**-22)).contiguous()
         self.nrm = round_up32(screen.n.reshape(-1).double() * (1 + delta)).contiguous()
         # (kernels take Python floats as fp32: every constant is an fp32 value, rounded the safe way)
-        self.consts = dict(delta=float(round_up32(torch.tensor(delta, dtype=torch.float64))),
-                           cst=float(round_up32(torch.tensor(errors.tiny + errors.bias_slack(0.0)[1],
-                                                             dtype=torch.float64))),
-                           limit=float(round_down32(torch.tensor(head.engine.limit, dtype=torch.float64))),
-                           babs_max=float(round_up32(torch.tensor(errors.babs_max, dtype=torch.float64))))
+        self.consts = dict(delta=_fp32(delta, round_up32),
+                           cst=_fp32(errors.tiny + errors.bias_slack(0.0)[1], round_up32),
+                           limit=_fp32(head.engine.limit, round_down32),
+                           babs_max=_fp32(errors.babs_max, round_up32))
         self.coef = errors.score_coef
         self.gam = errors.gamma
         self.tiny32 = errors.tiny32
