@@ -169,7 +169,8 @@ def speed(a, prov, rows):
                              "speedup_vs_baseline": round(base / ms, 4), **extra})
             print(f"{V}x{d} B={B:3d} " + " ".join(f"{n}={ms * 1e3:.1f}us" for n, ms in med.items())
                   + f" | step {med['dense'] / med['step']:.2f}x, ceiling {med['dense'] / med['int8_gemm']:.2f}x,"
-                  f" sync {med['dense_sync'] / med['step_sync']:.2f}x | cert {extra['certified']}/{B}"
+                  f" sync {med['dense_sync'] / med['step_sync']:.2f}x | tile {extra['screen_config']}"
+                  f" | cert {extra['certified']}/{B}"
                   f" mism {mism}" + (f" top64 cert {extra.get('topk64_certified')} mism {extra.get('topk64_mismatches')}"
                                      if "topk" in out else ""), flush=True)
         del W, head, st

@@ -23,7 +23,7 @@ from vllm_csv.gpu.certify import certify_rows_ref, certify_rows_triton  # noqa: 
 from vllm_csv.gpu.common import CAP, INTERPRET, SUB, batch_tile, slot_ids  # noqa: E402
 from vllm_csv.gpu.quantize import quantize_rows_ref, quantize_rows_triton  # noqa: E402
 from vllm_csv.gpu.score import score_blocks_ref, score_blocks_triton  # noqa: E402
-from vllm_csv.gpu.screen import screen_block_max_ref, screen_block_max_triton  # noqa: E402
+from vllm_csv.gpu.screen import SCREEN_CONFIGS, screen_block_max_ref, screen_block_max_triton, screen_configs  # noqa: E402
 from vllm_csv.gpu.select import select_blocks_ref, select_blocks_triton  # noqa: E402
 from vllm_csv.gpu.step import FusedStep, GraphedStep  # noqa: E402
 from vllm_csv.testing.exact import same_bits  # noqa: E402
@@ -75,7 +75,11 @@ def _engine_dense(head, h):
 
 # ---- kernels against references -----------------------------------------------------------
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_quantize_rows(dtype):
+@pytest.mark.parametrize("tile", [1024, 64])
+def test_quantize_rows(dtype, tile, monkeypatch):
+    """Kernel = reference bit for bit, both ways a program reads its row: one tile held in
+    registers (d <= QUANTIZE_TILE), or passes over tiles (a tile of 64: three passes here)."""
+    monkeypatch.setattr("vllm_csv.gpu.quantize.QUANTIZE_TILE", tile)
     g = torch.Generator().manual_seed(1)
     h = torch.randn(9, 129, generator=g) * 3
     h[1, 5] = math.nan
@@ -119,18 +123,32 @@ def test_screen_block_max(V, d, dtype):
     head, g = _head(V, d, dtype, bias=(V % 2 == 1))
     st = FusedStep(head)
     c = st.consts
-    for B in (1, 5, 17):
+    for B in (1, 5, 17) + ((33,) if V == 777 else ()):  # (33: a batch tile of 64, split in two and four)
         h = _batch(head.weight, B, g, dtype)
         p, t, e, hn, ok = quantize_rows_triton(h, True, batch_tile(B), st.wmax_up, st.babs_max)
         args = (p, st.q, st.s, t, st.sbias, B, hn, e, st.rad, st.nrm, c["delta"], c["cst"])
         got, want = screen_block_max_triton(*args), screen_block_max_ref(*args)
         for a, b in zip(got, want):
             assert a.shape == (B, -(-V // SUB)) and same_bits(a, b)
+        for bt in screen_splits(batch_tile(B)):  # the batch tile split over programs: the same bits
+            split = screen_block_max_triton(*args, config=(SUB, 64, 4, 1, bt) if INTERPRET else
+                                            next(c for c in SCREEN_CONFIGS if c[4] == bt))
+            assert all(same_bits(a, b) for a, b in zip(split, want)), bt
         dense = torch.nn.functional.pad(_engine_dense(head, h), (0, (-V) % SUB), value=-math.inf)
         dmax = dense.view(B, -1, SUB).amax(2)
         rows = ok.bool()
         assert (got[0].to(dtype).float() >= dmax)[rows].all()
         assert (got[1].to(dtype).float() <= dmax)[rows].all()
+
+
+def screen_splits(BB: int) -> list[int]:
+    """The batch-tile splits :func:`~vllm_csv.gpu.screen.screen_configs` tries for ``BB`` rows."""
+    return sorted({c[4] for c in screen_configs(BB) if c[4]})
+
+
+def test_screen_configs_split_only_wider_tiles():
+    assert screen_splits(16) == [] and screen_splits(32) == [16] and screen_splits(64) == [16, 32]
+    assert all(len(c) == 5 for c in SCREEN_CONFIGS)
 
 
 def _case(V, d, dtype, B, bias, seed):

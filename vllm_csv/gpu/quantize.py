@@ -79,49 +79,82 @@ if triton is not None:
         return tl.minimum(tl.maximum(r, -127.0), 127.0)
 
     @triton.jit
+    def _stats(x):
+        """One tile's share of the row's checks: (non-finite or subnormal entries, largest
+        ``|x|``, float64 sum of squares) as per-lane partials."""
+        bad = (x != x).to(tl.int32) + (tl.abs(x) == float("inf")).to(tl.int32)
+        bad += ((x != 0) & (tl.abs(x) < 1.1754943508222875e-38)).to(tl.int32)  # (ops.rows.has_subnormal)
+        x64 = x.to(tl.float64)
+        return bad, tl.abs(x), x64 * x64
+
+    @triton.jit
+    def _residual(x, t):
+        """The first code ``p1`` of a tile and its residual ``r = fl64(x - t p1)``."""
+        p1 = _code(x, t)
+        return p1, x.to(tl.float64) - t.to(tl.float64) * p1.to(tl.float64)
+
+    @triton.jit
+    def _second(r, t2):
+        """The second code ``p2`` of a tile's residual and what is left, ``fl64(r - t2 p2)``."""
+        p2 = _code(r.to(tl.float32), t2)
+        return p2, r - t2.to(tl.float64) * p2.to(tl.float64)
+
+    @triton.jit
     def _quantize_rows_kernel(h_ptr, p_ptr, t_ptr, e_ptr, hn_ptr, ok_ptr, B, d, plane, certifiable, wmax, babs_max,
-                              acc_limit, BF16: tl.constexpr, BD: tl.constexpr):
+                              acc_limit, BF16: tl.constexpr, BD: tl.constexpr, ONE: tl.constexpr):
+        # ONE (d <= BD): the row is one tile, loaded once and kept in registers with its first
+        # code; else three passes over it (checks and norm; the first code's residual; the codes)
         b = tl.program_id(0).to(tl.int64)
         cols = tl.arange(0, BD)
         real = b < B  # programs past B write the zero rows of the GEMM's batch tile (loads masked off)
         dl = tl.where(real, d, 0)  # (a vector compare makes the load mask: bool, also interpreted)
-        amax = tl.zeros([BD], dtype=tl.float32)
-        ss = tl.zeros([BD], dtype=tl.float64)
-        bad = tl.zeros([BD], dtype=tl.int32)
-        for k0 in range(0, d, BD):
-            x = _widen(tl.load(h_ptr + b * d + k0 + cols, mask=k0 + cols < dl, other=0), BF16)
-            bad += (x != x).to(tl.int32) + (tl.abs(x) == float("inf")).to(tl.int32)
-            bad += ((x != 0) & (tl.abs(x) < 1.1754943508222875e-38)).to(tl.int32)  # (ops.rows.has_subnormal)
-            amax = tl.maximum(amax, tl.abs(x))
-            x64 = x.to(tl.float64)
-            ss += x64 * x64
+        if ONE:
+            x1 = _widen(tl.load(h_ptr + b * d + cols, mask=cols < dl, other=0), BF16)
+            bad, amax, ss = _stats(x1)
+        else:
+            amax = tl.zeros([BD], dtype=tl.float32)
+            ss = tl.zeros([BD], dtype=tl.float64)
+            bad = tl.zeros([BD], dtype=tl.int32)
+            for k0 in range(0, d, BD):
+                x = _widen(tl.load(h_ptr + b * d + k0 + cols, mask=k0 + cols < dl, other=0), BF16)
+                bd, am, sq = _stats(x)
+                bad += bd
+                amax = tl.maximum(amax, am)
+                ss += sq
         n64 = tl.sqrt(tl.sum(ss, 0))
         hn = (n64 * (1 + 2.0**-20) + 2.0**-148).to(tl.float32)
         acc = hn * wmax  # DenseEngine.accumulator_safe, operation for operation
         acc = acc + babs_max
         ok = (tl.sum(bad, 0) == 0) & (n64.to(tl.float32) < float("inf")) & (certifiable != 0) & (acc <= acc_limit)
         t = tl.where(ok, _code_scale(amax), 1.1754943508222875e-38)
-        amax2 = tl.zeros([BD], dtype=tl.float32)
-        for k0 in range(0, d, BD):  # the first code's residual: its largest entry
-            x = _widen(tl.load(h_ptr + b * d + k0 + cols, mask=k0 + cols < dl, other=0), BF16)
-            x = tl.where(ok, x, 0.0)
-            r = x.to(tl.float64) - t.to(tl.float64) * _code(x, t).to(tl.float64)
-            amax2 = tl.maximum(amax2, tl.abs(r.to(tl.float32)))
-        t2 = _code_scale(amax2)
-        fs = tl.zeros([BD], dtype=tl.float64)
-        rs = tl.zeros([BD], dtype=tl.float64)
-        for k0 in range(0, d, BD):
-            m = k0 + cols < d
-            x = _widen(tl.load(h_ptr + b * d + k0 + cols, mask=k0 + cols < dl, other=0), BF16)
-            x = tl.where(ok, x, 0.0)
-            p1 = _code(x, t)
-            r = x.to(tl.float64) - t.to(tl.float64) * p1.to(tl.float64)
-            p2 = _code(r.to(tl.float32), t2)
-            f = r - t2.to(tl.float64) * p2.to(tl.float64)
-            fs += f * f
-            rs += r * r
-            tl.store(p_ptr + b * d + k0 + cols, p1.to(tl.int8), mask=m)
-            tl.store(p_ptr + plane + b * d + k0 + cols, p2.to(tl.int8), mask=m)
+        if ONE:
+            x1 = tl.where(ok, x1, 0.0)
+            p1, r1 = _residual(x1, t)
+            t2 = _code_scale(tl.abs(r1.to(tl.float32)))
+            p2, f = _second(r1, t2)
+            fs = f * f
+            rs = r1 * r1
+            m = cols < d
+            tl.store(p_ptr + b * d + cols, p1.to(tl.int8), mask=m)
+            tl.store(p_ptr + plane + b * d + cols, p2.to(tl.int8), mask=m)
+        else:
+            amax2 = tl.zeros([BD], dtype=tl.float32)
+            for k0 in range(0, d, BD):  # the first code's residual: its largest entry
+                x = _widen(tl.load(h_ptr + b * d + k0 + cols, mask=k0 + cols < dl, other=0), BF16)
+                p1, r = _residual(tl.where(ok, x, 0.0), t)
+                amax2 = tl.maximum(amax2, tl.abs(r.to(tl.float32)))
+            t2 = _code_scale(amax2)
+            fs = tl.zeros([BD], dtype=tl.float64)
+            rs = tl.zeros([BD], dtype=tl.float64)
+            for k0 in range(0, d, BD):
+                m = k0 + cols < d
+                x = _widen(tl.load(h_ptr + b * d + k0 + cols, mask=k0 + cols < dl, other=0), BF16)
+                p1, r = _residual(tl.where(ok, x, 0.0), t)
+                p2, f = _second(r, t2)
+                fs += f * f
+                rs += r * r
+                tl.store(p_ptr + b * d + k0 + cols, p1.to(tl.int8), mask=m)
+                tl.store(p_ptr + plane + b * d + k0 + cols, p2.to(tl.int8), mask=m)
         en = tl.sqrt(tl.sum(fs, 0)) + tl.sqrt(tl.sum(rs, 0)) * 8.881784197001252e-16
         e = (en * (1 + 2.0**-20) + 2.0**-148).to(tl.float32)
         tl.store(t_ptr + b, t, mask=real)
@@ -129,6 +162,10 @@ if triton is not None:
         tl.store(e_ptr + b, tl.where(ok, e, 0.0), mask=real)
         tl.store(hn_ptr + b, tl.where(ok, hn, 0.0), mask=real)
         tl.store(ok_ptr + b, ok.to(tl.int8), mask=real)
+
+
+# the widest tile a quantize program holds (entries of h): rows up to this width are loaded once
+QUANTIZE_TILE = 1024
 
 
 def quantize_rows_triton(h: torch.Tensor, certifiable: bool, rows_pad: int, wmax: float = 0.0,
@@ -139,9 +176,9 @@ def quantize_rows_triton(h: torch.Tensor, certifiable: bool, rows_pad: int, wmax
     t = torch.empty((2, B), dtype=torch.float32, device=h.device)
     e, hn = (torch.empty(B, dtype=torch.float32, device=h.device) for _ in range(2))
     ok = torch.empty(B, dtype=torch.int8, device=h.device)
+    bd = min(QUANTIZE_TILE, triton.next_power_of_2(d))
     _quantize_rows_kernel[(rows_pad,)](_raw(h), p, t, e, hn, ok, B, d, rows_pad * d, int(certifiable), wmax, babs_max,
-                                       ACC_LIMIT, BF16=h.dtype == torch.bfloat16,
-                                       BD=min(1024, triton.next_power_of_2(d)), **_launch())
+                                       ACC_LIMIT, BF16=h.dtype == torch.bfloat16, BD=bd, ONE=d <= bd, **_launch())
     return p, t, e, hn, ok
 
 

@@ -89,14 +89,18 @@ if triton is not None:
     @triton.jit
     def _screen_block_max_kernel(q_ptr, p_ptr, s_ptr, t_ptr, bias_ptr, hn_ptr, e_ptr, rad_ptr, nrm_ptr, umax_ptr,
                                  lmax_ptr, B, V, d, ldq, nb, delta, cst, margin, HAS_BIAS: tl.constexpr,
-                                 BB: tl.constexpr, BV: tl.constexpr, BK: tl.constexpr, SUBC: tl.constexpr):
+                                 BB: tl.constexpr, BV: tl.constexpr, BK: tl.constexpr, SUBC: tl.constexpr,
+                                 BT: tl.constexpr):
+        # program (weight tile vt, batch tile bt): BT of the BB rows, the batch tiles of a weight
+        # tile adjacent (their re-reads of it hit L2); BT = BB: one program a weight tile
         pid = tl.program_id(0)
-        rows = pid * BV + tl.arange(0, BV)
-        bs = tl.arange(0, BB)
+        vt = pid // (BB // BT)
+        rows = vt * BV + tl.arange(0, BV)
+        bs = (pid % (BB // BT)) * BT + tl.arange(0, BT)
         ks = tl.arange(0, BK)
         rmask = rows < V
-        acc = tl.zeros([BV, BB], dtype=tl.int32)
-        acc2 = tl.zeros([BV, BB], dtype=tl.int32)
+        acc = tl.zeros([BV, BT], dtype=tl.int32)
+        acc2 = tl.zeros([BV, BT], dtype=tl.int32)
         q_rows = q_ptr + rows.to(tl.int64)[:, None] * ldq
         p_cols = p_ptr + bs[None, :] * d
         for k0 in range(0, d, BK):  # one weight tile, both codes of every row
@@ -143,20 +147,32 @@ if triton is not None:
             mu = tl.max(u, 0)[None, :]
             ml = tl.max(lo, 0)[None, :]
         else:
-            mu = tl.max(tl.reshape(u, (BV // SUBC, SUBC, BB)), 1)
-            ml = tl.max(tl.reshape(lo, (BV // SUBC, SUBC, BB)), 1)
-        blk = pid * (BV // SUBC) + tl.arange(0, BV // SUBC)
+            mu = tl.max(tl.reshape(u, (BV // SUBC, SUBC, BT)), 1)
+            ml = tl.max(tl.reshape(lo, (BV // SUBC, SUBC, BT)), 1)
+        blk = vt * (BV // SUBC) + tl.arange(0, BV // SUBC)
         out = bs[None, :] * nb + blk[:, None]
         om = (bs[None, :] < B) & (blk[:, None] < nb)
         tl.store(umax_ptr + out, mu, mask=om)
         tl.store(lmax_ptr + out, ml, mask=om)
 
 
-# (BV, BK, num_warps, num_stages) tried for the screen on a GPU, once per (V, d, batch tile):
-# the fastest that compiles is kept (:func:`screen_config`)
-SCREEN_CONFIGS = ((64, 128, 4, 4), (64, 256, 4, 4), (64, 256, 4, 6), (64, 512, 4, 3),
-                  (128, 128, 4, 4), (128, 256, 8, 3), (128, 128, 8, 5), (128, 256, 4, 4))
-_INTERPRETED_CONFIG = (SUB, 64, 4, 1)
+# (BV, BK, num_warps, num_stages, BT) tried for the screen on a GPU, once per (V, d, batch tile BB):
+# the fastest that compiles is kept (:func:`screen_config`). BT, the batch rows a program holds
+# (0: all BB): at 64 rows two int32 accumulators and the epilogue's fp32 tiles of [BV, BB] crowd
+# the registers (H200, c8916a3: the screen took 78 us at B = 64 against 45 at B <= 8, the int8
+# GEMM 54), so wide batch tiles are also tried split, each program re-reading its weight tile
+# from L2; a split only where BT < BB (:func:`screen_configs`)
+SCREEN_CONFIGS = ((64, 128, 4, 4, 0), (64, 256, 4, 4, 0), (64, 256, 4, 6, 0), (64, 512, 4, 3, 0),
+                  (128, 128, 4, 4, 0), (128, 256, 8, 3, 0), (128, 128, 8, 5, 0), (128, 256, 4, 4, 0),
+                  (64, 256, 4, 4, 16), (128, 128, 4, 4, 16), (64, 256, 4, 4, 32), (128, 128, 4, 4, 32),
+                  (128, 256, 8, 3, 32))
+_INTERPRETED_CONFIG = (SUB, 64, 4, 1, 0)
+
+
+def screen_configs(BB: int) -> tuple:
+    """:data:`SCREEN_CONFIGS` for a batch tile of ``BB`` rows: those holding all of them, and the
+    splits into ``BT < BB`` rows a program."""
+    return tuple(c for c in SCREEN_CONFIGS if c[4] == 0 or (c[4] < BB and BB % c[4] == 0))
 _tuned: dict[tuple, tuple] = {}
 
 
@@ -172,7 +188,7 @@ def screen_config(key: tuple, launch) -> tuple:
         return SCREEN_CONFIGS[0]
     if key not in _tuned:
         best, errors = None, []
-        for cfg in SCREEN_CONFIGS:
+        for cfg in screen_configs(key[2]):
             try:
                 launch(cfg)
                 torch.cuda.synchronize()
@@ -196,7 +212,10 @@ def screen_config(key: tuple, launch) -> tuple:
     return _tuned[key]
 
 
-def screen_block_max_triton(p, q, s, t, bias, B: int, hn, e, rad, nrm, delta: float, cst: float):
+def screen_block_max_triton(p, q, s, t, bias, B: int, hn, e, rad, nrm, delta: float, cst: float,
+                            config: tuple | None = None):
+    """The kernel's launch; ``config`` (one of :data:`SCREEN_CONFIGS`) in place of
+    :func:`screen_config`'s (tests: every tile shape gives the reference's bits)."""
     V, d = q.shape
     nb = triton.cdiv(V, SUB)
     umax = torch.empty((B, nb), dtype=torch.float32, device=q.device)
@@ -205,13 +224,14 @@ def screen_block_max_triton(p, q, s, t, bias, B: int, hn, e, rad, nrm, delta: fl
     assert q.stride(1) == 1 and p.is_contiguous()
 
     def launch(cfg):
-        bv, bk, warps, stages = cfg
-        _screen_block_max_kernel[(triton.cdiv(V, bv),)](
+        bv, bk, warps, stages, bt = cfg
+        bt = bt or BB
+        _screen_block_max_kernel[(triton.cdiv(V, bv) * (BB // bt),)](
             q, p, s, t, bias if bias is not None else s, hn, e, rad, nrm, umax, lmax, B, V, d, q.stride(0), nb,
-            delta, cst, EVAL_MARGIN, HAS_BIAS=bias is not None, BB=BB, BV=bv, BK=bk, SUBC=SUB, num_warps=warps,
-            num_stages=stages, **_launch())
+            delta, cst, EVAL_MARGIN, HAS_BIAS=bias is not None, BB=BB, BV=bv, BK=bk, SUBC=SUB, BT=bt,
+            num_warps=warps, num_stages=stages, **_launch())
 
-    launch(screen_config((V, d, BB, str(q.device)), launch))
+    launch(config if config is not None else screen_config((V, d, BB, str(q.device)), launch))
     return umax, lmax
 
 
