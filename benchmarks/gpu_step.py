@@ -12,6 +12,8 @@ int8_gemm   ``torch._int_mm`` over the int8 copy (rows padded to 17): the one-by
 screen      the step's screen kernel alone (int8 GEMM + block maxima)
 step        the fused greedy step (:meth:`vllm_csv.gpu.step.FusedStep.run`, five kernels)
 step_topk64 the fused top-64 step with values certified bit for bit
+step_pdl    ``--pdl``: the same step with every kernel launched dependently
+            (:func:`vllm_csv.gpu.common.pdl`; its outputs checked against ``step``'s)
 k_*         each kernel of the step alone (at the first shape, ``--breakdown-batches``)
 ==========  ===================================================================================
 
@@ -40,6 +42,7 @@ import torch
 import torch.nn.functional as F
 
 from vllm_csv import CertifiedHead, HeadConfig
+from vllm_csv.gpu import common as gpu_common
 from vllm_csv.gpu import screen as gpu_screen
 from vllm_csv.gpu.certify import certify_rows
 from vllm_csv.gpu.common import batch_tile
@@ -120,6 +123,14 @@ def speed(a, prov, rows):
             }
             pq = quantize_rows(h, True, batch_tile(B), head.errors.wmax_up, head.errors.babs_max)
             graphs["screen"] = graphed(lambda: st.screen_bounds(pq[0], pq[1], pq[2], pq[3], B))
+            if a.pdl:  # the same step, its kernels launched dependently (captured with the flag on)
+                prev, gpu_common._PDL = gpu_common._PDL, True
+                try:
+                    graphs["step_pdl"] = graphed(lambda: out.__setitem__("step_pdl", st.run(h, k1, need0, 1)))
+                except Exception as e:  # noqa: BLE001 - recorded, the rest of the run goes on
+                    print(f"step_pdl: {type(e).__name__}: {str(e)[:300]}", flush=True)
+                finally:
+                    gpu_common._PDL = prev
             if B in a.topk_batches:
                 k64 = torch.full((B,), 64, dtype=torch.int32, device="cuda")
                 need1 = torch.ones(B, dtype=torch.int8, device="cuda")
@@ -157,6 +168,10 @@ def speed(a, prov, rows):
                      "scored_mean": float(FusedStep.scored(count).float().mean()),
                      "screen_config": list(gpu_screen._tuned.get((V, d, batch_tile(B), str(W.device)), ())),
                      "prep_s": round(prep_s, 2)}
+            if "step_pdl" in graphs:
+                graphs["step_pdl"].replay()
+                torch.cuda.synchronize()
+                extra["pdl_differs"] = int(not all(torch.equal(x, y) for x, y in zip(out["step_pdl"], out["step"])))
             if "topk" in out:
                 graphs["step_topk64"].replay()
                 torch.cuda.synchronize()
@@ -169,7 +184,9 @@ def speed(a, prov, rows):
                              "speedup_vs_baseline": round(base / ms, 4), **extra})
             print(f"{V}x{d} B={B:3d} " + " ".join(f"{n}={ms * 1e3:.1f}us" for n, ms in med.items())
                   + f" | step {med['dense'] / med['step']:.2f}x, ceiling {med['dense'] / med['int8_gemm']:.2f}x,"
-                  f" sync {med['dense_sync'] / med['step_sync']:.2f}x | tile {extra['screen_config']}"
+                  f" sync {med['dense_sync'] / med['step_sync']:.2f}x"
+                  + (f" | pdl {med['dense'] / med['step_pdl']:.2f}x differs {extra['pdl_differs']}"
+                     if "step_pdl" in med else "") + f" | tile {extra['screen_config']}"
                   f" | cert {extra['certified']}/{B}"
                   f" mism {mism}" + (f" top64 cert {extra.get('topk64_certified')} mism {extra.get('topk64_mismatches')}"
                                      if "topk" in out else ""), flush=True)
@@ -233,6 +250,7 @@ def main(argv=None) -> int:
     p.add_argument("--topk-batches", type=int, nargs="*", default=[1, 64])
     p.add_argument("--breakdown-batches", type=int, nargs="*", default=[1, 64],
                    help="at the first shape, also time each kernel of the step alone (k_*)")
+    p.add_argument("--pdl", action="store_true", help="also time the step with dependent launches (step_pdl)")
     p.add_argument("--iters", type=int, default=100)
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--audit-rows", type=int, default=153600)

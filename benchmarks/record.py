@@ -489,6 +489,8 @@ def rows_from_gpu_step(d: list, source: str, benchmark: str = "gpu_step", **comm
             if r.get("measure") not in ("dense",):
                 rs.add("speedup", r.get("speedup_vs_baseline"), "x", base)
             rs.add("certified_share", r["certified"] / r["rows"] if r.get("rows") else None, "share")
+            if r.get("measure") == "step_pdl":  # (gpu_step --pdl: its outputs against the step's)
+                rs.add("differs", r.get("pdl_differs"), "flag", "the same step launched without PDL")
         else:  # an exactness audit
             rs.add("rows", r.get("rows"), "rows")
             rs.add("certified", r.get("certified"), "rows")

@@ -333,6 +333,36 @@ def test_graphed_step_replays_eager():
         assert all(torch.equal(a, b) for a, b in zip(got, want))
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9,
+                    reason="programmatic dependent launch: a GPU of compute capability 9 or more")
+def test_dependent_launches_give_the_same_step_and_draws(monkeypatch):
+    """``VLLM_CSV_GPU_PDL=1`` (:func:`vllm_csv.gpu.common.pdl`): every kernel launched dependently
+    and waiting first; the step eager and graph-replayed, and the V2 draw, bit for bit as without."""
+    from vllm_csv.gpu import common
+
+    head, g = _head(32768, 256, torch.bfloat16, bias=True, seed=9)
+    st = FusedStep(head)
+    B = 9
+    h = _batch(head.weight, B, g, torch.bfloat16)
+    k = torch.tensor([1, 2, 5, 1, 3, 1, 8, 1, 1], dtype=torch.int32, device=DEV)
+    need = (torch.arange(B, device=DEV) % 2).to(torch.int8)
+    seeds = torch.arange(B, dtype=torch.int64, device=DEV) * 7919
+    pos = torch.arange(B, dtype=torch.int64, device=DEV) + 3
+    temp = torch.linspace(0.0, 1.5, B, device=DEV)
+
+    def outputs():
+        return (*st.run(h, k, need, 8), *GraphedStep(st, [16]).run(h, k, need, 8), *st.draw_v2(h, seeds, pos, temp))
+
+    monkeypatch.setattr(common, "_PDL", False)
+    want = outputs()
+    monkeypatch.setattr(common, "_PDL", True)
+    assert common._launch().get("launch_pdl") is True
+    for _ in range(3):
+        got = outputs()
+        assert all(same_bits(a, b) if a.is_floating_point() else torch.equal(a, b) for a, b in zip(got, want))
+
+
 @pytest.mark.parametrize("kval,values", [(1, False), (3, True)])
 def test_head_selects_through_the_step(kval, values):
     """CertifiedHead's glue (``selection.select_fused``, what ``select`` takes on CUDA): the rows it and

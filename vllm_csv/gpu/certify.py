@@ -61,12 +61,13 @@ def certify_rows_ref(z, lower, upper, cand, count, k, need, tau, ok, live, V: in
 
 
 if triton is not None:
-    from .common import _rnd, _slots
+    from .common import _pdl_wait, _rnd, _slots
 
     @triton.jit
     def _certify_rows_kernel(z_ptr, lo_ptr, up_ptr, cand_ptr, count_ptr, k_ptr, need_ptr, tau_ptr, ok_ptr, live_ptr,
                              ids_ptr, vals_ptr, code_ptr, V, DT: tl.constexpr, KMAX: tl.constexpr,
-                             CAPC: tl.constexpr, SUBC: tl.constexpr):
+                             CAPC: tl.constexpr, SUBC: tl.constexpr, PDL: tl.constexpr):
+        _pdl_wait(PDL)  # (common._launch: PDL launches wait for the kernel before)
         b = tl.program_id(0).to(tl.int64)
         S: tl.constexpr = CAPC * SUBC
         sl, ids, valid = _slots(cand_ptr, count_ptr, b, V, SUBC, CAPC)

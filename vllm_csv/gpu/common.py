@@ -72,6 +72,17 @@ if triton is not None:
         return sl, ids, valid
 
     @triton.jit
+    def _pdl_wait(PDL: tl.constexpr):
+        """A kernel's first statement: launched dependently (:func:`pdl`), wait until the kernel
+        before it has finished and its writes are visible, then let the next one launch. Before
+        the wait nothing is read or written, so the overlap hides launch latency only: no kernel
+        reads a predecessor's output early, and none writes memory that a predecessor (or the
+        caching allocator's reuse of it) may still read."""
+        if PDL:
+            tl.extra.cuda.gdc_wait()
+            tl.extra.cuda.gdc_launch_dependents()
+
+    @triton.jit
     def _rnd(x, DT: tl.constexpr):
         """The engine's rounding of fp32 ``x`` to the model dtype (to nearest, ties to even,
         overflow to inf), back in fp32. bf16 by integer ops on the bits (exact compiled and
@@ -89,10 +100,30 @@ def _tl_dtype(dtype: torch.dtype):
     return {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}[dtype]
 
 
+def pdl() -> bool:
+    """Whether the kernels launch with programmatic dependent launch (``VLLM_CSV_GPU_PDL=1``, on a
+    GPU of compute capability 9 or more, compiled): each kernel's launch then overlaps the end
+    of the one before it, and the kernel waits for that one (``griddepcontrol.wait``: its
+    whole grid finished, its writes visible) before touching any global memory (``_pdl_wait``,
+    the first statement of every kernel). Off by default until a GPU has timed it."""
+    global _PDL
+    if _PDL is None:
+        _PDL = (not INTERPRET and os.environ.get("VLLM_CSV_GPU_PDL", "0") == "1" and torch.cuda.is_available()
+                and torch.cuda.get_device_capability()[0] >= 9)
+    return _PDL
+
+
+_PDL: bool | None = None
+
+
 def _launch() -> dict:
     """Launch options of every kernel: no fused multiply-add, so that each kernel's arithmetic is
-    its reference's operation for operation (the bounds are sound either way)."""
-    return {} if INTERPRET else {"enable_fp_fusion": False}
+    its reference's operation for operation (the bounds are sound either way); the kernel's
+    ``PDL`` flag and, with it, the dependent launch (:func:`pdl`)."""
+    if INTERPRET:
+        return {"PDL": False}
+    on = pdl()
+    return {"enable_fp_fusion": False, "PDL": on, **({"launch_pdl": True} if on else {})}
 
 
 def _use_triton(t: torch.Tensor) -> bool:

@@ -149,14 +149,15 @@ def draw_select_ref(bound, qhi, umax, lmax, ok, limit: float, babs_max: float, c
 
 # ---- Triton ---------------------------------------------------------------------------------
 if triton is not None:
-    from .common import _rnd
+    from .common import _pdl_wait, _rnd
     from .gumbel_jit import _hash, _min_p_thresholds, _noise_bounds, _prefix, _q_hi, _q_lo, _temp, _uniform
     from .score import _up32
     from .select import _kth_largest, _top_ok
 
     @triton.jit
     def _block_bounds_kernel(block_hi_ptr, seed_ptr, pos_ptr, temp_ptr, bound_ptr, qhi_ptr, V, nb,
-                             FROM_SCREEN: tl.constexpr, DT: tl.constexpr, BPPC: tl.constexpr, SUBC: tl.constexpr):
+                             FROM_SCREEN: tl.constexpr, DT: tl.constexpr, BPPC: tl.constexpr, SUBC: tl.constexpr, PDL: tl.constexpr):
+        _pdl_wait(PDL)  # (common._launch: PDL launches wait for the kernel before)
         b = tl.program_id(0).to(tl.int64)
         blk = tl.program_id(1) * BPPC + tl.arange(0, BPPC)
         tok = blk[:, None].to(tl.int64) * SUBC + tl.arange(0, SUBC)[None, :]
@@ -180,7 +181,8 @@ if triton is not None:
     def _draw_select_kernel(bound_ptr, qhi_ptr, umax_ptr, lmax_ptr, ok_ptr, temp_ptr, minp_ptr, cand_ptr,
                             count_ptr, ohi_ptr, oabs_ptr, oq_ptr, okout_ptr, B, nb, n, limit, babs_max, log_abs,
                             log_rel, MINP: tl.constexpr,
-                            DT: tl.constexpr, NB: tl.constexpr, BBATCH: tl.constexpr, CAPC: tl.constexpr):
+                            DT: tl.constexpr, NB: tl.constexpr, BBATCH: tl.constexpr, CAPC: tl.constexpr, PDL: tl.constexpr):
+        _pdl_wait(PDL)  # (common._launch: PDL launches wait for the kernel before)
         b = tl.program_id(0).to(tl.int64)
         idx = tl.arange(0, NB)
         inb = idx < nb

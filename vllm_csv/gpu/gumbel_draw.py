@@ -136,13 +136,14 @@ def gumbel_draw_ref(cand, count, lower, upper, out_hi, out_abs, out_q, seeds, po
 
 # ---- Triton ---------------------------------------------------------------------------------
 if triton is not None:
-    from .common import _slots
+    from .common import _pdl_wait, _slots
     from .gumbel_jit import _hash, _min_p_thresholds, _noise_bounds, _prefix, _q_hi, _q_lo, _temp, _uniform
 
     @triton.jit
     def _gumbel_draw_kernel(cand_ptr, count_ptr, lo_ptr, up_ptr, ohi_ptr, oabs_ptr, oq_ptr, seed_ptr, pos_ptr,
                             temp_ptr, minp_ptr, live_ptr, token_ptr, code_ptr, V, log_abs, log_rel, mask_ptr,
-                            HAS_MASK: tl.constexpr, SUBC: tl.constexpr, CAPC: tl.constexpr):
+                            HAS_MASK: tl.constexpr, SUBC: tl.constexpr, CAPC: tl.constexpr, PDL: tl.constexpr):
+        _pdl_wait(PDL)  # (common._launch: PDL launches wait for the kernel before)
         b = tl.program_id(0).to(tl.int64)
         S: tl.constexpr = CAPC * SUBC
         sl, ids, valid = _slots(cand_ptr, count_ptr, b, V, SUBC, CAPC)

@@ -63,7 +63,7 @@ def quantize_rows_ref(h: torch.Tensor, certifiable: bool, rows_pad: int, wmax: f
 
 
 if triton is not None:
-    from .common import _widen
+    from .common import _pdl_wait, _widen
 
     @triton.jit
     def _code_scale(amax):
@@ -101,7 +101,8 @@ if triton is not None:
 
     @triton.jit
     def _quantize_rows_kernel(h_ptr, p_ptr, t_ptr, e_ptr, hn_ptr, ok_ptr, B, d, plane, certifiable, wmax, babs_max,
-                              acc_limit, BF16: tl.constexpr, BD: tl.constexpr, ONE: tl.constexpr):
+                              acc_limit, BF16: tl.constexpr, BD: tl.constexpr, ONE: tl.constexpr, PDL: tl.constexpr):
+        _pdl_wait(PDL)  # (common._launch: PDL launches wait for the kernel before)
         # ONE (d <= BD): the row is one tile, loaded once and kept in registers with its first
         # code; else three passes over it (checks and norm; the first code's residual; the codes)
         b = tl.program_id(0).to(tl.int64)

@@ -86,11 +86,14 @@ def screen_block_max_ref(p: torch.Tensor, q: torch.Tensor, s: torch.Tensor, t: t
 
 
 if triton is not None:
+    from .common import _pdl_wait
+
     @triton.jit
     def _screen_block_max_kernel(q_ptr, p_ptr, s_ptr, t_ptr, bias_ptr, hn_ptr, e_ptr, rad_ptr, nrm_ptr, umax_ptr,
                                  lmax_ptr, B, V, d, ldq, nb, delta, cst, margin, HAS_BIAS: tl.constexpr,
                                  BB: tl.constexpr, BV: tl.constexpr, BK: tl.constexpr, SUBC: tl.constexpr,
-                                 BT: tl.constexpr):
+                                 BT: tl.constexpr, PDL: tl.constexpr):
+        _pdl_wait(PDL)  # (common._launch: PDL launches wait for the kernel before)
         # program (weight tile vt, batch tile bt): BT of the BB rows, the batch tiles of a weight
         # tile adjacent (their re-reads of it hit L2); BT = BB: one program a weight tile
         pid = tl.program_id(0)

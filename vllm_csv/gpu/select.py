@@ -47,6 +47,8 @@ def select_blocks_ref(umax, lmax, k, ok, limit: float, babs_max: float, cap: int
 
 
 if triton is not None:
+    from .common import _pdl_wait
+
     @triton.jit
     def _top_ok(ok_ptr, b, B, u1, limit, babs_max, BBATCH: tl.constexpr):
         """:func:`select_blocks_ref`'s ``ok`` for row ``b`` (fp32, operation for operation): the
@@ -77,7 +79,8 @@ if triton is not None:
     @triton.jit
     def _select_blocks_kernel(umax_ptr, lmax_ptr, k_ptr, ok_ptr, cand_ptr, count_ptr, out_ptr, okout_ptr, live_ptr,
                               B, nb, cap, limit, babs_max, KMAX: tl.constexpr, NB: tl.constexpr,
-                              BBATCH: tl.constexpr, CAPC: tl.constexpr):
+                              BBATCH: tl.constexpr, CAPC: tl.constexpr, PDL: tl.constexpr):
+        _pdl_wait(PDL)  # (common._launch: PDL launches wait for the kernel before)
         b = tl.program_id(0).to(tl.int64)
         idx = tl.arange(0, NB)
         inb = idx < nb
