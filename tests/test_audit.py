@@ -261,7 +261,7 @@ def test_nonfinite_head_is_never_certified(where):
     """NaN/inf in the head or the bias: two independent layers keep every row dense: the
     head-level check, and (with it forced off) the NaN-propagating overflow guard."""
     g = torch.Generator().manual_seed(0)
-    case = audit.peaked(g, torch.float32)
+    case = audit.FAMILIES["peaked"](g, torch.float32)
     W = case.weight.clone()
     b = torch.zeros(W.shape[0]) if case.bias is None else case.bias.clone()
     (W.view(-1) if where == "weight" else b)[3] = math.nan
