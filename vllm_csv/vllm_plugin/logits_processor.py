@@ -377,8 +377,8 @@ def vllm_linear():
 
 
 def _unsupported(vc, layer) -> str | None:
-    # (speculative decoding: the V1 runner's plan certifies greedy requests' target rows and its
-    # drafters' greedy heads, v1/spec.py; the V2 runner's plan is none where there are drafts)
+    # (speculative decoding: the runners' plans certify greedy requests' target rows, v1/spec.py
+    # and v2/spec.py, and V1's drafters' greedy heads)
     mc = getattr(vc, "model_config", None)
     if mc is not None and getattr(mc, "logits_processors", None):
         return "custom --logits-processors"

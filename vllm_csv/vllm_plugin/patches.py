@@ -35,7 +35,8 @@ from .step import LazyPlan, StepChannel
 class Integration(Protocol):
     """What a runner generation (:mod:`.v1`, :mod:`.v2`) offers the patches."""
 
-    def build_plan(self, runner, max_topk: int, req_ids=None): ...  # -> Plan | None
+    # -> Plan | None; ``step``: what the runner's step knows (V1: ``spec_tokens``; V2: ``input_batch``)
+    def build_plan(self, runner, max_topk: int, req_ids=None, **step): ...
 
     def certifiable_sampler(self, sampler) -> bool: ...
 
@@ -203,25 +204,20 @@ def _v2_runner(max_topk) -> None:
         return
     if getattr(V2Runner, "_csv_wrapped", False):
         return
-    from .plan import plannable
-
     orig_exec, orig_sample = V2Runner.execute_model, V2Runner.sample
 
     def execute_model(self, scheduler_output, *a, **k):
         params = self.__dict__.setdefault("_csv_sampling_params", {})
         for new in getattr(scheduler_output, "scheduled_new_reqs", ()) or ():
             params[new.req_id] = new.sampling_params
-        rows = self.__dict__.setdefault("_csv_rows", {})  # (v2.plan.build_plan's rows)
+        rows = self.__dict__.setdefault("_csv_rows", {})  # (v2.plan.request_plan's rows)
         for rid in getattr(scheduler_output, "finished_req_ids", ()) or ():
             params.pop(rid, None)
             rows.pop(rid, None)
         return orig_exec(self, scheduler_output, *a, **k)
 
     def sample(self, hidden_states, input_batch, grammar_output, *a, **k):
-        plan = None
-        if (plannable(self) and getattr(self, "batch_sharder", None) is None
-                and getattr(input_batch, "num_draft_tokens", 0) == 0):
-            plan = v2.build_plan(self, max_topk(self), input_batch.req_ids)
+        plan = v2.build_plan(self, max_topk(self), input_batch=input_batch)
         channel = bind(self)
         step = channel.open(plan)
         try:

@@ -34,6 +34,7 @@ from ..vocabulary import MODES  # noqa: F401  (row_mode's labels)
 from ..vocabulary import SAMPLING_EPS as _SAMPLING_EPS
 
 DEFER = -1  # certify the row in vLLM's sampler, with the seed it draws (v1.sampler, v2.sampler)
+TARGET_MODE = "spec_greedy"  # greedy requests' verification and bonus rows (one of vocabulary.MODES)
 
 
 @dataclass
@@ -163,6 +164,24 @@ def row_plan(sp, max_topk: int, top_k_in_sampler: bool = False) -> tuple[int, st
     :func:`row_mode` (``""`` for a dense row) and :func:`row_temperature`."""
     k = plan_row(sp, max_topk, top_k_in_sampler)[0]
     return k, row_mode(sp, k) if k else "", row_temperature(sp)
+
+
+def target_plan(base: Plan, counts: tuple[int, ...], mixed_ok: bool = True) -> Plan:
+    """A speculative step's plan from the batch's per-request ``base`` plan, for a runner that lays
+    out request ``i``'s ``1 + counts[i]`` rows (its draft tokens' and its bonus row) one request
+    after another (V1: :mod:`.v1.spec`; V2: :mod:`.v2.spec`): the request's entry repeated over
+    them, ``k = 1`` (mode :data:`TARGET_MODE`) for a greedy request (``base`` planned it ``k = 1``
+    with mode ``greedy``; the rejection samplers read its rows through their argmax), dense for
+    every other; every row dense where a batch with a sampled request is not certifiable
+    (``mixed_ok`` false: :func:`.v1.spec.mixed_batches_ok`)."""
+    all_greedy = all(t == 0.0 for t in base.row_temps)
+    req_ids, topk, modes = [], [], []
+    for rid, k, mode, n in zip(base.req_ids, base.topk, base.row_modes, counts):
+        greedy = k == 1 and mode == "greedy" and (mixed_ok or all_greedy)
+        req_ids += [rid] * (1 + n)
+        topk += [1 if greedy else 0] * (1 + n)
+        modes += [TARGET_MODE if greedy else ""] * (1 + n)
+    return Plan(req_ids, topk, modes, [0.0] * len(topk))
 
 
 def plannable(runner, speculative_ok: bool = False) -> bool:

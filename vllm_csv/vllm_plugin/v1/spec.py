@@ -49,9 +49,8 @@ from __future__ import annotations
 
 import torch
 
-from ..plan import Plan
+from ..plan import TARGET_MODE, Plan, target_plan  # noqa: F401  (target_plan: shared with v2/spec.py)
 
-TARGET_MODE = "spec_greedy"  # greedy requests' verification and bonus rows (one of vocabulary.MODES)
 DRAFT_MODE = "draft"  # the drafter head's rows (one of vocabulary.MODES)
 
 
@@ -75,21 +74,6 @@ def draft_counts(spec_tokens, req_ids) -> tuple[int, ...]:
     if not spec_tokens:
         return (0,) * len(req_ids)
     return tuple(len(spec_tokens.get(r, ())) for r in req_ids)
-
-
-def target_plan(base: Plan, counts: tuple[int, ...], mixed_ok: bool = True) -> Plan:
-    """The speculative step's plan from the batch's per-request ``base`` plan: request ``i``'s
-    entry repeated over its ``1 + counts[i]`` rows, ``k = 1`` for a greedy request (``base``
-    planned it ``k = 1`` with mode ``greedy``), dense for every other; every row dense where a
-    batch with a sampled request is not certifiable (``mixed_ok`` false: :func:`mixed_batches_ok`)."""
-    all_greedy = all(t == 0.0 for t in base.row_temps)
-    req_ids, topk, modes = [], [], []
-    for rid, k, mode, n in zip(base.req_ids, base.topk, base.row_modes, counts):
-        greedy = k == 1 and mode == "greedy" and (mixed_ok or all_greedy)
-        req_ids += [rid] * (1 + n)
-        topk += [1 if greedy else 0] * (1 + n)
-        modes += [TARGET_MODE if greedy else ""] * (1 + n)
-    return Plan(req_ids, topk, modes, [0.0] * len(topk))
 
 
 def cached_target_plan(runner, base: Plan, counts: tuple[int, ...]) -> Plan:

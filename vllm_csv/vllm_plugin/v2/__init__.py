@@ -1,6 +1,6 @@
 """vLLM's V2 integration (``vllm.v1.worker.gpu.model_runner.GPUModelRunner``, CUDA, and its
 ``Sampler``): the interface :mod:`..v1` offers (:class:`~..patches.Integration`), with
-:mod:`.plan` and :mod:`.sampler`."""
+:mod:`.plan`, :mod:`.sampler` and :mod:`.spec` (speculative decoding)."""
 
 from .plan import build_plan
 from .sampler import certifiable_sampler, sample

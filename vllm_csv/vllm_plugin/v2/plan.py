@@ -4,7 +4,8 @@ the runner's wrapped ``execute_model`` keeps per request (:mod:`..patches`)."""
 
 from __future__ import annotations
 
-from ..plan import DEFER, Plan, row_plan, sampler_ok
+from ..plan import DEFER, Plan, plannable, row_plan, sampler_ok
+from . import spec
 from .sampler import certifiable_sampler
 
 
@@ -32,8 +33,30 @@ def row_entry(row: tuple[int, str, float], in_sampler: bool) -> tuple[int, str]:
     return 0, ""
 
 
-def build_plan(runner, max_topk: int, req_ids=None) -> Plan:
-    """The V2 runner's plan, in the batch's row order, from the sampling parameters its
+def build_plan(runner, max_topk: int, req_ids=None, input_batch=None) -> Plan | None:
+    """The plan of the V2 ``runner``'s ``sample`` call on ``input_batch`` (:mod:`..patches`), or
+    None (every row dense): :func:`request_plan` of its requests without speculative decoding
+    (a step with draft tokens there: none); with it, where the rejection sampler verifies greedy
+    requests by their argmax (:func:`.spec.verification_ok`), the greedy requests' rows in the
+    head, their target rows included (:func:`.spec.spec_plan`, in steps with and without
+    drafts); none where the batch is sharded over ranks for sampling (``batch_sharder``) or the
+    last stage's logits are broadcast (:func:`..plan.plannable`). Without ``input_batch``:
+    :func:`request_plan` of ``req_ids``."""
+    if input_batch is None:
+        return request_plan(runner, max_topk, req_ids)
+    if getattr(runner, "batch_sharder", None) is not None:
+        return None
+    if plannable(runner):
+        if getattr(input_batch, "num_draft_tokens", 0):
+            return None
+        return request_plan(runner, max_topk, input_batch.req_ids)
+    if plannable(runner, speculative_ok=True) and spec.verification_ok(getattr(runner, "rejection_sampler", None)):
+        return spec.spec_plan(request_plan(runner, max_topk, input_batch.req_ids), input_batch)
+    return None
+
+
+def request_plan(runner, max_topk: int, req_ids) -> Plan:
+    """The V2 runner's plan, one row a request, in the batch's row order, from the sampling parameters its
     ``execute_model`` kept per request (``_csv_sampling_params``; a row whose request is unknown
     is dense). As :func:`..v1.plan.build_plan`: while the batch holds the same requests (ids and their
     parameter objects, by identity) the last plan is handed out again, and each request's row is
@@ -57,4 +80,5 @@ def build_plan(runner, max_topk: int, req_ids=None) -> Plan:
     plan = Plan(list(req_ids), [k for k, _ in entries], [mode for _, mode in entries], [t for _, _, t in rows])
     runner._csv_plan = (ps, max_topk, plan)
     return plan
+
 

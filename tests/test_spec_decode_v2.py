@@ -1,0 +1,181 @@
+"""Speculative decoding on the V2 runner (vllm_plugin/v2/spec.py): the plan of a step with draft
+tokens (greedy requests' rows in the head, every other row dense) and the refusals, and vLLM's
+own V2 ``RejectionSampler`` (its Triton kernels under Triton's interpreter, in a subprocess:
+``v2_rejection_interpreted.py``) on the CSV layer's logits against the dense head's, over hostile
+head families, random draft counts and drafts (accepted and rejected), greedy and sampled
+requests mixed."""
+
+from __future__ import annotations
+
+import dataclasses
+import subprocess
+import sys
+import zlib
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+
+pytest.importorskip("vllm")
+pytest.importorskip("triton")
+pytest.importorskip("vllm.v1.worker.gpu.spec_decode.rejection_sampler")
+
+from vllm.model_executor.layers.logits_processor import LogitsProcessor  # noqa: E402
+
+from test_sampler_hook_v2 import SLOTS, fake_sampler  # noqa: E402
+from vllm_csv.errors import CSVError  # noqa: E402
+from vllm_csv.testing import audit  # noqa: E402
+from vllm_csv.testing.fakes import csv_layer  # noqa: E402
+from vllm_csv.vllm_plugin import step as csv_step  # noqa: E402
+from vllm_csv.vllm_plugin.plan import DEFER, TARGET_MODE, Plan, target_plan  # noqa: E402
+from vllm_csv.vllm_plugin.v2 import plan as v2_plan, spec as v2_spec  # noqa: E402
+
+
+def _rejection(sampler=None, **kw):
+    """What the plan reads of a V2 ``RejectionSampler``: standard verification unless ``kw`` says."""
+    rs = SimpleNamespace(sampler=sampler if sampler is not None else
+                         fake_sampler(np.ones(SLOTS, np.float32), np.zeros(SLOTS, np.int64)),
+                         synthetic_conditional_rates=None, use_block_verification=False, fly_window_size=0,
+                         enable_adaptive_verification=False, watermark_key=None)
+    for k, v in kw.items():
+        setattr(rs, k, v)
+    return rs
+
+
+def _runner(speculative=True, **rs):
+    from vllm import SamplingParams
+
+    params = {"g": SamplingParams(temperature=0.0), "s": SamplingParams(temperature=0.8),
+              "k": SamplingParams(temperature=0.7, top_k=5), "lp": SamplingParams(temperature=0.0, logprobs=2)}
+    runner = SimpleNamespace(_csv_sampling_params=params, speculative_config=object() if speculative else None)
+    runner.rejection_sampler = _rejection(**rs)
+    runner.sampler = runner.rejection_sampler.sampler
+    return runner
+
+
+def _batch(counts, req_ids=("g", "s", "k", "lp")):
+    cu = np.concatenate([[0], np.cumsum(np.asarray(counts) + 1)]).astype(np.int32)
+    return SimpleNamespace(req_ids=list(req_ids), num_reqs=len(req_ids), cu_num_logits_np=cu,
+                           num_draft_tokens=int(sum(counts)))
+
+
+def test_a_v2_step_with_drafts_certifies_greedy_requests_rows_in_the_head():
+    runner = _runner()
+    p = v2_plan.build_plan(runner, 64, input_batch=_batch((2, 0, 1, 1)))
+    assert p.topk == [1, 1, 1, 0, 0, 0, 0, 0] and p.row_modes[:3] == [TARGET_MODE] * 3
+    assert p.req_ids == ["g"] * 3 + ["s"] + ["k"] * 2 + ["lp"] * 2 and not p.deferred
+    # a step without drafts under speculation: the greedy request's row alone, nothing deferred
+    assert v2_plan.build_plan(runner, 64, input_batch=_batch((0, 0, 0, 0))).topk == [1, 0, 0, 0]
+    assert v2_spec.draft_counts(_batch((3, 0, 2, 1))) == (3, 0, 2, 1)
+    # without speculation: the plain plan (the sampled row deferred to the sampler hook)
+    plain = _runner(speculative=False)
+    assert v2_plan.build_plan(plain, 64, input_batch=_batch((0, 0, 0, 0))).topk == [1, DEFER, 5, 0]
+    assert v2_plan.build_plan(plain, 64, input_batch=_batch((1, 0, 0, 0))) is None  # (drafts without a config)
+
+
+@pytest.mark.parametrize("what", ["synthetic", "block", "fly", "adaptive", "watermark", "sampler", "sharder",
+                                  "broadcast", "layout"])
+def test_v2_steps_stay_dense_where_verification_reads_more_than_the_argmax(what):
+    rs = {"synthetic": dict(synthetic_conditional_rates=torch.ones(2)), "block": dict(use_block_verification=True),
+          "fly": dict(fly_window_size=4), "adaptive": dict(enable_adaptive_verification=True),
+          "watermark": dict(watermark_key=7), "sampler": dict(sampler=object())}.get(what, {})
+    runner = _runner(**rs)
+    batch = _batch((2, 0, 1, 1))
+    if what == "sharder":
+        runner.batch_sharder = object()
+    if what == "broadcast":
+        runner.broadcast_pp_output = True
+    if what == "layout":  # rows that are not one request's after another's
+        batch.cu_num_logits_np = np.array([0, 3, 3, 5, 7], np.int32)
+    assert v2_plan.build_plan(runner, 64, input_batch=batch) is None
+    assert v2_plan.build_plan(_runner(), 64, input_batch=_batch((2, 0, 1, 1))) is not None
+
+
+def _v2_rejection(case: dict, d: Path) -> list:
+    torch.save(case, d / "case.pt")
+    script = Path(__file__).resolve().parent / "v2_rejection_interpreted.py"
+    p = subprocess.run([sys.executable, str(script), str(d / "case.pt"), str(d / "out.pt")],
+                       capture_output=True, text=True, timeout=1500)
+    if p.returncode != 0:
+        raise AssertionError(p.stderr[-3000:])
+    return torch.load(d / "out.pt", weights_only=False)
+
+
+FAMILIES = ("peaked", "ties", "near_tie", "norms", "overflow", "nonfinite", "outliers")
+
+
+def test_v2_rejection_sampler_on_certified_rows_equals_dense(tmp_path, monkeypatch):
+    """vLLM's V2 ``RejectionSampler`` (``apply_sampling_params``, ``rejection_sample``) on the CSV
+    layer's logits of a speculative step, planned by :func:`~vllm_csv.vllm_plugin.plan.target_plan`
+    (greedy requests' rows certified ``k = 1``; sampled requests' rows dense, drawn with their
+    seeds), gives the tokens and accepted counts it gives on the dense head's, over hostile
+    families, screens, random batches, draft counts and drafts (the dense argmax, accepted, or a
+    random token)."""
+    S, num_spec = SLOTS, 3
+    temps = np.zeros(S, np.float32)
+    g0 = torch.Generator().manual_seed(11)
+    temps[::2] = torch.tensor([0.8, 1.0, 0.5])[torch.randint(0, 3, (S // 2,), generator=g0)].numpy()
+    seeds = torch.randint(0, 2**62, (S,), generator=g0).numpy()
+    batches, certified, greedy_rows, cases = [], 0, 0, []
+    for family in FAMILIES:
+        for screen in ("int8", "fp16"):
+            g = torch.Generator().manual_seed(zlib.crc32(f"{family}-{screen}-v2".encode()))
+            case = audit.FAMILIES[family](g, torch.bfloat16)
+            try:
+                head = audit.make_head(case, screen, budget=0.5)
+            except CSVError:  # (the fp16 screen refuses heads whose rows overflow fp16)
+                continue
+            cases.append((family, screen))
+
+            def dense(x, case=case):
+                return audit.dense_reference(dataclasses.replace(case, hidden=x))
+
+            monkeypatch.setattr(LogitsProcessor, "forward",
+                                lambda self, lm, x, bias=None, skip_gather=False, dense=dense: dense(x))
+            layer = csv_layer(head)
+            channel = csv_step.StepChannel()
+            layer.csv_channel = channel
+            for _ in range(3):
+                R = int(torch.randint(1, 6, (1,), generator=g))
+                slots = torch.randperm(S, generator=g)[:R]
+                counts = tuple(int(torch.randint(0, num_spec + 1, (1,), generator=g)) for _ in range(R))
+                N = sum(1 + c for c in counts)
+                hidden = case.hidden[torch.randint(0, case.hidden.shape[0], (N,), generator=g)]
+                want = dense(hidden)
+                top = want.float().argmax(-1)
+                rt = [float(temps[s]) for s in slots.tolist()]
+                base = Plan([str(i) for i in range(R)], [1 if t == 0 else DEFER for t in rt],
+                            ["greedy" if t == 0 else "sampling" for t in rt], rt)
+                plan = target_plan(base, counts)
+                channel.open(plan)
+                got = layer.forward(None, hidden)
+                channel.close_plan()
+                certified += int(head.last_certified.sum()) if any(plan.topk) else 0
+                greedy_rows += sum(plan.topk)
+                input_ids = torch.randint(0, case.weight.shape[0], (N,), generator=g)
+                local, positions, row = [], [], 0
+                for c in counts:  # the row after a target row holds its draft: the argmax, or not
+                    for j in range(c):
+                        if float(torch.rand(1, generator=g)) < 0.7:
+                            input_ids[row + j + 1] = top[row + j]
+                    start = int(torch.randint(8, 2**16, (1,), generator=g))
+                    local += list(range(c + 1))
+                    positions += list(range(start, start + c + 1))
+                    row += c + 1
+                cu = torch.tensor([0] + list(np.cumsum([c + 1 for c in counts])), dtype=torch.int32)
+                batches.append({"V": case.weight.shape[0], "slots": slots, "cu_num_logits": cu, "input_ids": input_ids,
+                                "positions": torch.tensor(positions), "local_pos": torch.tensor(local),
+                                "logits": {"dense": want, "csv": got}, "case": (family, screen, counts, rt)})
+    assert len(cases) >= 6, cases
+    out = _v2_rejection({"SLOTS": S, "temp": temps, "seeds": seeds, "num_spec": num_spec,
+                         "batches": [{k: v for k, v in b.items() if k != "case"} for b in batches]}, tmp_path)
+    accepted = 0
+    for b, res in zip(batches, out):
+        (sd, nd), (sc, nc) = res["dense"], res["csv"]
+        assert torch.equal(nd, nc), b["case"]
+        for i, n in enumerate(nd.tolist()):  # (past num_sampled the buffer holds nothing)
+            assert torch.equal(sd[i, :n], sc[i, :n]), (b["case"], i)
+        accepted += int(nd.sum()) - len(b["slots"])
+    assert certified > 0 and greedy_rows > 0 and accepted > 0, (certified, greedy_rows, accepted)
