@@ -184,20 +184,26 @@ def test_certify_rows_v2_rows_out_of_reach_and_greedy_rows():
     assert torch.equal(res.winner[:2], head.dense_logits(h[:2]).float().argmax(1))
 
 
-def v2_pipeline(case: dict, d) -> dict:
-    """``tests/v2_interpreted.py`` on ``case`` (vLLM's V2 ``Sampler.sample`` and processors in
-    Triton's interpreter, the hook in front), in a subprocess."""
+def interpreted(script: str, case: dict, d):
+    """``tests/<script>`` (``python script CASE OUT``: vLLM's V2 code with its Triton kernels under
+    the interpreter) on ``case``, in a subprocess; its output."""
     import subprocess
     import sys
     from pathlib import Path
 
     torch.save(case, d / "case.pt")
-    script = Path(__file__).resolve().parent / "v2_interpreted.py"
-    p = subprocess.run([sys.executable, str(script), str(d / "case.pt"), str(d / "out.pt")],
+    path = Path(__file__).resolve().parent / script
+    p = subprocess.run([sys.executable, str(path), str(d / "case.pt"), str(d / "out.pt")],
                        capture_output=True, text=True, timeout=1500)
     if p.returncode != 0:
         raise AssertionError(p.stderr[-3000:])
     return torch.load(d / "out.pt", weights_only=False)
+
+
+def v2_pipeline(case: dict, d) -> dict:
+    """``tests/v2_interpreted.py`` on ``case`` (vLLM's V2 ``Sampler.sample`` and processors in
+    Triton's interpreter, the hook in front), in a subprocess."""
+    return interpreted("v2_interpreted.py", case, d)
 
 
 def processed_case(seed: int, B: int = 16, screen: str = "fp16") -> dict:

@@ -8,10 +8,7 @@ requests mixed."""
 from __future__ import annotations
 
 import dataclasses
-import subprocess
-import sys
 import zlib
-from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
@@ -24,7 +21,7 @@ pytest.importorskip("vllm.v1.worker.gpu.spec_decode.rejection_sampler")
 
 from vllm.model_executor.layers.logits_processor import LogitsProcessor  # noqa: E402
 
-from test_sampler_hook_v2 import SLOTS, fake_sampler  # noqa: E402
+from test_sampler_hook_v2 import SLOTS, fake_sampler, interpreted  # noqa: E402
 from vllm_csv.errors import CSVError  # noqa: E402
 from vllm_csv.testing import audit  # noqa: E402
 from vllm_csv.testing.fakes import csv_layer  # noqa: E402
@@ -93,16 +90,6 @@ def test_v2_steps_stay_dense_where_verification_reads_more_than_the_argmax(what)
     assert v2_plan.build_plan(_runner(), 64, input_batch=_batch((2, 0, 1, 1))) is not None
 
 
-def _v2_rejection(case: dict, d: Path) -> list:
-    torch.save(case, d / "case.pt")
-    script = Path(__file__).resolve().parent / "v2_rejection_interpreted.py"
-    p = subprocess.run([sys.executable, str(script), str(d / "case.pt"), str(d / "out.pt")],
-                       capture_output=True, text=True, timeout=1500)
-    if p.returncode != 0:
-        raise AssertionError(p.stderr[-3000:])
-    return torch.load(d / "out.pt", weights_only=False)
-
-
 FAMILIES = ("peaked", "ties", "near_tie", "norms", "overflow", "nonfinite", "outliers")
 
 
@@ -169,7 +156,7 @@ def test_v2_rejection_sampler_on_certified_rows_equals_dense(tmp_path, monkeypat
                                 "positions": torch.tensor(positions), "local_pos": torch.tensor(local),
                                 "logits": {"dense": want, "csv": got}, "case": (family, screen, counts, rt)})
     assert len(cases) >= 6, cases
-    out = _v2_rejection({"SLOTS": S, "temp": temps, "seeds": seeds, "num_spec": num_spec,
+    out = interpreted("v2_rejection_interpreted.py", {"SLOTS": S, "temp": temps, "seeds": seeds, "num_spec": num_spec,
                          "batches": [{k: v for k, v in b.items() if k != "case"} for b in batches]}, tmp_path)
     accepted = 0
     for b, res in zip(batches, out):
