@@ -164,6 +164,12 @@ def train(recipe: Recipe, out: Path, progress: bool = True, device: str = "cpu")
 # width and one layer. Its head (65536 x 256) is most of what a draft token reads.
 DRAFT = replace(DEMO, hidden_size=256, layers=1, heads=4)
 
+# A small learned model of the class issue 45 measured on AVX2 CPUs (V 16384, d 384, 4 layers: the
+# head ~45% of the weights a token reads, ~22% of a step, so at most ~1.28x end to end): where CSV
+# must not cost the user anything (benchmarks/run_avx2.sh, certified_share.py). ~130 s on a CPU.
+SMALL = Recipe(vocab_size=16384, hidden_size=384, layers=4, heads=6, seq_len=128, batch=8, steps=200, lr=2e-3,
+               corpus_bytes=6_000_000)
+
 
 def ensure_model(recipe: Recipe, cache_dir: str | os.PathLike | None = None, *,
                  name: str = "demo", progress: bool = True, device: str = "cpu") -> Path:
@@ -203,14 +209,21 @@ def ensure_draft_model(cache_dir: str | os.PathLike | None = None, progress: boo
     return ensure_model(DRAFT, cache_dir, name="draft", progress=progress)
 
 
+def ensure_small_model(cache_dir: str | os.PathLike | None = None, progress: bool = True) -> Path:
+    """The small learned model of issue 45 (:data:`SMALL`)."""
+    return ensure_model(SMALL, cache_dir, name="issue45-v16384-d384-l4", progress=progress)
+
+
 def main(argv: list[str] | None = None) -> int:
     import argparse
 
     p = argparse.ArgumentParser(prog="python -m vllm_csv.demo_model", description=__doc__)
     p.add_argument("--output", default=None, help="cache directory (default: the vllm-csv cache)")
-    p.add_argument("--draft", action="store_true", help="the demo's draft model (speculative decoding) instead")
+    which = p.add_mutually_exclusive_group()
+    which.add_argument("--draft", action="store_true", help="the demo's draft model (speculative decoding) instead")
+    which.add_argument("--small", action="store_true", help="the small learned model of issue 45 (V 16384, d 384) instead")
     args = p.parse_args(argv)
-    print((ensure_draft_model if args.draft else ensure_demo_model)(args.output))
+    print((ensure_draft_model if args.draft else ensure_small_model if args.small else ensure_demo_model)(args.output))
     return 0
 
 

@@ -176,6 +176,8 @@ def screen_configs(BB: int) -> tuple:
     """:data:`SCREEN_CONFIGS` for a batch tile of ``BB`` rows: those holding all of them, and the
     splits into ``BT < BB`` rows a program."""
     return tuple(c for c in SCREEN_CONFIGS if c[4] == 0 or (c[4] < BB and BB % c[4] == 0))
+
+
 _tuned: dict[tuple, tuple] = {}
 
 
