@@ -521,7 +521,8 @@ def rows_from_v2_fused_draw(d: dict, source: str, **common) -> list[Row]:
     weights = "random" if str(d.get("head", "")).startswith("peaked") else d.get("head")
     for r in d.get("rows", []):
         kw = dict(shape=f"{r['V']}x{r['d']}", batch=r.get("batch"),
-                  config=_cfg(weights=weights, temperature=r.get("temperature"), grammar=r.get("grammar") or None))
+                  config=_cfg(weights=weights, temperature=r.get("temperature"), grammar=r.get("grammar") or None,
+                              bias=r.get("bias") or None))
         out.add("dense_ms", r.get("dense_ms"), "ms", **kw)
         for k, v in r.items():
             if k.startswith("speedup_"):

@@ -3,10 +3,15 @@ certified draw (issue 44's target: >= 1.3x the dense V2 step at B = 1 and 8).
 
     python benchmarks/v2_fused_draw_gpu.py --json results/gpu/v2_fused_draw.json \
         [--shapes 151936x1024 128256x4096] [--batches 1 8 32] [--temps 0.7 1.0] [--caps 8 16] [--grammar 0 0.5]
+        [--bias 0 2]
 
 ``--grammar s``: structured-output rows, a grammar forbidding a share ``s`` of each row's vocabulary
 (its two likeliest tokens among them), ``-inf`` written before the draw on both sides, as V2's
 runner writes the bitmask before its sampler (the device draw then takes the mask).
+``--bias b``: a processor on every row, a logit bias of up to ``+-b`` on 64 random tokens a row
+and on its likeliest token, added in fp32 on both sides (the dense step's logits, as V2's
+``LogitBiasState`` adds it; the device draw's blocks and candidates through ``process``, the
+``[B, V]`` passes of :mod:`vllm_csv.gpu.processed`, which nothing had timed).
 
 Per (V x d, B, T), bf16, both CUDA-graph replayed (one graph per measured call, ``--iters``
 replays a round, rounds interleaved, median per-replay time):
@@ -70,6 +75,12 @@ def _time(calls: dict, iters: int, rounds: int) -> dict:
     return {n: statistics.median(t) for n, t in times.items()}
 
 
+def _added(bias: torch.Tensor):
+    """The processors' map of a logit bias (``[B, V]`` fp32) on bounds: vLLM's fp32 addition,
+    monotone, so bounds map to bounds."""
+    return lambda lo, hi: (lo + bias, hi + bias)
+
+
 def main() -> None:
     from vllm_csv import CertifiedHead, HeadConfig
     from vllm_csv.gpu.step import FusedStep
@@ -84,6 +95,8 @@ def main() -> None:
     ap.add_argument("--grammar", type=float, nargs="+", default=[0.0],
                     help="shares of the vocabulary a grammar forbids in each row (0: none; its likeliest "
                          "tokens forbidden too), -inf written before the draw as V2's runner does")
+    ap.add_argument("--bias", type=float, nargs="+", default=[0.0],
+                    help="logit-bias magnitudes (0: no processor): rows drawn through the processors' map")
     ap.add_argument("--head", help="a torch.save'd [V, d] weight to use instead of a random head")
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--rounds", type=int, default=7)
@@ -123,8 +136,16 @@ def main() -> None:
             seeds = torch.randint(-2**62, 2**62, (B,), generator=g).to(dev)
             pos = torch.randint(0, 2**20, (B,), generator=g).to(dev)
             idx = torch.arange(B, dtype=torch.int32, device=dev)
-            for T, share in [(T, s) for T in a.temps for s in a.grammar]:
+            for T, share, b in [(T, s, b) for T in a.temps for s in a.grammar for b in a.bias]:
                 temp = torch.full((B,), T, device=dev)
+                bias, process = None, None
+                if b > 0:  # a logit bias on 64 random tokens a row and its likeliest one
+                    bias = torch.zeros(B, V)
+                    cols = torch.cat([torch.randint(0, V, (B, 64), generator=g),
+                                      F.linear(h.float().cpu(), W.float()).argmax(1, keepdim=True)], 1)
+                    bias.scatter_(1, cols, (torch.rand(B, 65, generator=g) * 2 - 1) * b)
+                    bias = bias.to(dev)
+                    process = _added(bias)
                 masked = None
                 if share > 0:  # a grammar: -inf on its forbidden tokens (the likeliest ones among them)
                     masked = torch.rand(B, V, generator=g) < share
@@ -135,6 +156,8 @@ def main() -> None:
                     x = F.linear(h, Wc)
                     if masked is not None:
                         x = x.masked_fill(masked, float("-inf"))
+                    if bias is not None:
+                        x = x.float() + bias
                     return v2.gumbel_sample(x, idx, temp, seeds, pos, apply_temperature=True, is_drafting=False)
 
                 replay_dense, want = _graph(dense)
@@ -142,28 +165,28 @@ def main() -> None:
                 shares, mismatches = {}, {}
                 for k in a.caps:
                     replay, (tok, code, count) = _graph(lambda k=k: step.draw_v2(h, seeds, pos, temp, cap=k,
-                                                                                 masked=masked))
+                                                                                 masked=masked, process=process))
                     replay()
                     replay_dense()
                     torch.cuda.synchronize()
                     cert = code == 0
                     bad = int((cert & (tok != want)).sum())  # the audit: certified = dense draw
                     if bad:  # counted and reported (the run goes on: one device run a session)
-                        print(f"MISMATCH V={V} d={d} B={B} T={T} grammar={share} cap={k}: {tok[cert]} vs "
+                        print(f"MISMATCH V={V} d={d} B={B} T={T} grammar={share} bias={b} cap={k}: {tok[cert]} vs "
                               f"{want[cert]}", flush=True)
                     mismatches[k] = bad
                     shares[k] = float(cert.float().mean())
                     calls[f"fused_c{k}"] = replay
 
                     def synced(k=k):
-                        tok, code, _ = step.draw_v2(h, seeds, pos, temp, cap=k, masked=masked)
+                        tok, code, _ = step.draw_v2(h, seeds, pos, temp, cap=k, masked=masked, process=process)
                         if bool((code != 0).any()):  # the one host read
                             return torch.where(code == 0, tok, dense())
                         return tok
 
                     calls[f"fused_sync_c{k}"] = synced
                 t = _time(calls, a.iters, a.rounds)
-                row = {"V": V, "d": d, "batch": B, "temperature": T, "grammar": share, "dense_ms": t["dense"],
+                row = {"V": V, "d": d, "batch": B, "temperature": T, "grammar": share, "bias": b, "dense_ms": t["dense"],
                        **{f"{n}_ms": v for n, v in t.items() if n != "dense"},
                        **{f"speedup_{n}": t["dense"] / v for n, v in t.items() if n != "dense"},
                        **{f"certified_c{k}": s for k, s in shares.items()},
@@ -171,7 +194,7 @@ def main() -> None:
                 rows_out.append(row)
                 write(rows_out)
                 best = max((n for n in t if n != "dense"), key=lambda n: t["dense"] / t[n])
-                print(f"V={V} d={d} B={B} T={T} grammar={share}: dense {t['dense']:.4f} ms; "
+                print(f"V={V} d={d} B={B} T={T} grammar={share} bias={b}: dense {t['dense']:.4f} ms; "
                       + ", ".join(f"{n} {v:.4f} ms ({t['dense'] / v:.2f}x)" for n, v in t.items() if n != "dense")
                       + f"; certified {shares}; best {best}", flush=True)
 
