@@ -71,6 +71,21 @@ if triton is not None:
         valid = (sl // SUBC < n) & (blk >= 0) & (ids < V)
         return sl, ids, valid
 
+    try:  # the grid-dependency intrinsics (CUDA, compute capability 9+): imported here, so that a
+        # Triton without them never meets the names in a kernel's source
+        from triton.language.extra.cuda import gdc_launch_dependents as _gdc_launch, gdc_wait as _gdc_wait
+        HAS_PDL = True
+    except Exception:  # noqa: BLE001 - another backend, an older Triton: no dependent launches
+        HAS_PDL = False
+
+        @triton.jit
+        def _gdc_wait():
+            pass
+
+        @triton.jit
+        def _gdc_launch():
+            pass
+
     @triton.jit
     def _pdl_wait(PDL: tl.constexpr):
         """A kernel's first statement: launched dependently (:func:`pdl`), wait until the kernel
@@ -79,8 +94,8 @@ if triton is not None:
         reads a predecessor's output early, and none writes memory that a predecessor (or the
         caching allocator's reuse of it) may still read."""
         if PDL:
-            tl.extra.cuda.gdc_wait()
-            tl.extra.cuda.gdc_launch_dependents()
+            _gdc_wait()
+            _gdc_launch()
 
     @triton.jit
     def _rnd(x, DT: tl.constexpr):
@@ -93,6 +108,8 @@ if triton is not None:
             return (bits & -65536).to(tl.float32, bitcast=True)
         else:
             return x.to(DT).to(tl.float32)
+else:  # pragma: no cover - torch wheels without Triton
+    HAS_PDL = False
 
 
 def _tl_dtype(dtype: torch.dtype):
@@ -108,8 +125,8 @@ def pdl() -> bool:
     the first statement of every kernel). Off by default until a GPU has timed it."""
     global _PDL
     if _PDL is None:
-        _PDL = (not INTERPRET and os.environ.get("VLLM_CSV_GPU_PDL", "0") == "1" and torch.cuda.is_available()
-                and torch.cuda.get_device_capability()[0] >= 9)
+        _PDL = (HAS_PDL and not INTERPRET and os.environ.get("VLLM_CSV_GPU_PDL", "0") == "1"
+                and torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 9)
     return _PDL
 
 
