@@ -72,6 +72,18 @@ def test_a_v2_step_with_drafts_certifies_greedy_requests_rows_in_the_head():
     assert v2_plan.build_plan(plain, 64, input_batch=_batch((1, 0, 0, 0))) is None  # (drafts without a config)
 
 
+def test_the_v2_speculative_plan_is_kept_while_the_batch_and_its_draft_counts_hold():
+    """As V1's: the same plan object while the batch's plan and each request's draft count hold;
+    counts moved between requests (the same row total) re-route the rows."""
+    runner = _runner()
+    p = v2_plan.build_plan(runner, 64, input_batch=_batch((2, 0, 1, 1)))
+    assert v2_plan.build_plan(runner, 64, input_batch=_batch((2, 0, 1, 1))) is p
+    q = v2_plan.build_plan(runner, 64, input_batch=_batch((1, 0, 1, 2)))
+    assert q is not p and q.topk == [1, 1, 0, 0, 0, 0, 0, 0]
+    r = v2_plan.build_plan(runner, 64, input_batch=_batch((1, 1, 1, 1), req_ids=("s", "g", "k", "lp")))
+    assert r.topk == [0, 0, 1, 1, 0, 0, 0, 0]  # (a reordered batch: a new base plan)
+
+
 @pytest.mark.parametrize("what", ["synthetic", "block", "fly", "adaptive", "watermark", "sampler", "sharder",
                                   "broadcast", "layout"])
 def test_v2_steps_stay_dense_where_verification_reads_more_than_the_argmax(what):

@@ -184,6 +184,18 @@ def target_plan(base: Plan, counts: tuple[int, ...], mixed_ok: bool = True) -> P
     return Plan(req_ids, topk, modes, [0.0] * len(topk))
 
 
+def kept_target_plan(runner, base: Plan, counts: tuple[int, ...], mixed_ok: bool = True) -> Plan:
+    """:func:`target_plan`, kept on ``runner`` and handed out again while the batch's plan (the
+    same object: the runners keep it while their batch holds) and the draft counts hold (a decode
+    run whose drafts keep their lengths builds it once)."""
+    cached = getattr(runner, "_csv_spec_plan", None)
+    if cached is not None and cached[0] is base and cached[1] == counts and cached[2] == mixed_ok:
+        return cached[3]
+    plan = target_plan(base, counts, mixed_ok)
+    runner._csv_spec_plan = (base, counts, mixed_ok, plan)
+    return plan
+
+
 def plannable(runner, speculative_ok: bool = False) -> bool:
     """No speculative decoding (unless ``speculative_ok``: the V1 runner's plan, :mod:`.v1.spec`),
     and no pipeline-parallel output broadcast (vLLM's external-launcher mode sends the last

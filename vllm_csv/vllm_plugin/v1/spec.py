@@ -49,7 +49,7 @@ from __future__ import annotations
 
 import torch
 
-from ..plan import TARGET_MODE, Plan, target_plan  # noqa: F401  (target_plan: shared with v2/spec.py)
+from ..plan import TARGET_MODE, Plan, kept_target_plan, target_plan  # noqa: F401  (shared with v2/spec.py)
 
 DRAFT_MODE = "draft"  # the drafter head's rows (one of vocabulary.MODES)
 
@@ -77,17 +77,12 @@ def draft_counts(spec_tokens, req_ids) -> tuple[int, ...]:
 
 
 def cached_target_plan(runner, base: Plan, counts: tuple[int, ...]) -> Plan:
-    """:func:`target_plan`, handed out again while the batch's plan and the draft counts hold
-    (a decode run whose drafts keep their lengths builds it once)."""
-    cached = getattr(runner, "_csv_spec_plan", None)
-    if cached is not None and cached[0] is base and cached[1] == counts:
-        return cached[2]
+    """:func:`~..plan.kept_target_plan`, with whether this runner's mixed batches are certifiable
+    (:func:`mixed_batches_ok`, checked once per runner)."""
     mixed = runner.__dict__.get("_csv_spec_mixed_ok")
     if mixed is None:
         mixed = runner._csv_spec_mixed_ok = mixed_batches_ok(getattr(runner, "device", "cpu"))
-    plan = target_plan(base, counts, mixed)
-    runner._csv_spec_plan = (base, counts, plan)
-    return plan
+    return kept_target_plan(runner, base, counts, mixed)
 
 
 def mixed_batches_ok(device) -> bool:

@@ -51,7 +51,7 @@ def build_plan(runner, max_topk: int, req_ids=None, input_batch=None) -> Plan | 
             return None
         return request_plan(runner, max_topk, input_batch.req_ids)
     if plannable(runner, speculative_ok=True) and spec.verification_ok(getattr(runner, "rejection_sampler", None)):
-        return spec.spec_plan(request_plan(runner, max_topk, input_batch.req_ids), input_batch)
+        return spec.spec_plan(runner, request_plan(runner, max_topk, input_batch.req_ids), input_batch)
     return None
 
 

@@ -19,7 +19,8 @@ rows certified with ``k = 1`` (the dense value on the argmax, ``-inf`` elsewhere
 certified) give the dense run's accepted tokens, recovered token and bonus token; each request
 is verified by its own temperature (``is_greedy = temp == 0.0`` per request), so a batch with
 sampled requests needs no check of an expansion (V1's :func:`~..v1.spec.mixed_batches_ok`). The
-sampled requests' rows stay dense. The plan is :func:`~..plan.target_plan`, as V1's.
+sampled requests' rows stay dense. The plan is :func:`~..plan.target_plan`, as V1's, kept while
+the batch and its draft counts hold.
 
 Dense instead (:func:`verification_ok`): any rejection method but ``standard`` (``synthetic``
 accepts by rates, ``block`` verifies blocks from probabilities, 0.33's ``fly`` reads the target
@@ -32,7 +33,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..plan import Plan, target_plan
+from ..plan import Plan, kept_target_plan
 from .sampler import certifiable_sampler
 
 
@@ -55,11 +56,12 @@ def draft_counts(input_batch) -> tuple[int, ...]:
     return tuple(int(n) - 1 for n in np.diff(cu))
 
 
-def spec_plan(base: Plan, input_batch) -> Plan | None:
-    """The plan of a V2 step with draft tokens from the batch's per-request ``base`` plan
-    (:func:`..plan.target_plan`); None (dense) where the rows are not one request's after
-    another's as read above (a request without its bonus row, a row count that is not theirs)."""
+def spec_plan(runner, base: Plan, input_batch) -> Plan | None:
+    """The plan of a V2 step under speculative decoding from the batch's per-request ``base``
+    plan (:func:`..plan.target_plan`, kept on ``runner`` while ``base`` and the draft counts
+    hold); None (dense) where the rows are not one request's after another's as read above (a
+    request without its bonus row, a row count that is not theirs)."""
     counts = draft_counts(input_batch)
     if len(counts) != len(base.req_ids) or min(counts, default=0) < 0:
         return None
-    return target_plan(base, counts)
+    return kept_target_plan(runner, base, counts)
