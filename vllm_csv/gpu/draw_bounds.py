@@ -156,7 +156,8 @@ if triton is not None:
 
     @triton.jit
     def _block_bounds_kernel(block_hi_ptr, seed_ptr, pos_ptr, temp_ptr, bound_ptr, qhi_ptr, V, nb,
-                             FROM_SCREEN: tl.constexpr, DT: tl.constexpr, BPPC: tl.constexpr, SUBC: tl.constexpr, PDL: tl.constexpr):
+                             FROM_SCREEN: tl.constexpr, DT: tl.constexpr, BPPC: tl.constexpr, SUBC: tl.constexpr,
+                             PDL: tl.constexpr):
         _pdl_wait(PDL)  # (common._launch: PDL launches wait for the kernel before)
         b = tl.program_id(0).to(tl.int64)
         blk = tl.program_id(1) * BPPC + tl.arange(0, BPPC)
@@ -180,8 +181,8 @@ if triton is not None:
     @triton.jit
     def _draw_select_kernel(bound_ptr, qhi_ptr, umax_ptr, lmax_ptr, ok_ptr, temp_ptr, minp_ptr, cand_ptr,
                             count_ptr, ohi_ptr, oabs_ptr, oq_ptr, okout_ptr, B, nb, n, limit, babs_max, log_abs,
-                            log_rel, MINP: tl.constexpr,
-                            DT: tl.constexpr, NB: tl.constexpr, BBATCH: tl.constexpr, CAPC: tl.constexpr, PDL: tl.constexpr):
+                            log_rel, MINP: tl.constexpr, DT: tl.constexpr, NB: tl.constexpr, BBATCH: tl.constexpr,
+                            CAPC: tl.constexpr, PDL: tl.constexpr):
         _pdl_wait(PDL)  # (common._launch: PDL launches wait for the kernel before)
         b = tl.program_id(0).to(tl.int64)
         idx = tl.arange(0, NB)
@@ -251,9 +252,9 @@ def draw_select_triton(bound, qhi, umax, lmax, ok, limit: float, babs_max: float
         mp = min_p is not None
         _draw_select_kernel[(B,)](bound, qhi, umax, lmax, ok, temp.float().contiguous() if mp else bound,
                                   min_p.float().contiguous() if mp else bound, cand, count, out_hi, out_abs, out_q,
-                                  okout, B, nb, min(cap, nb, CAP), limit, babs_max, LOG_ABS, LOG_REL, MINP=mp, DT=_tl_dtype(dtype),
-                                  NB=triton.next_power_of_2(nb), BBATCH=max(64, triton.next_power_of_2(B)),
-                                  CAPC=CAP, **_launch())
+                                  okout, B, nb, min(cap, nb, CAP), limit, babs_max, LOG_ABS, LOG_REL, MINP=mp,
+                                  DT=_tl_dtype(dtype), NB=triton.next_power_of_2(nb),
+                                  BBATCH=max(64, triton.next_power_of_2(B)), CAPC=CAP, **_launch())
     return cand, count, out_hi, out_abs, out_q, okout
 
 

@@ -69,7 +69,8 @@ if triton is not None:
     @triton.jit
     def _score_blocks_kernel(h_ptr, w_ptr, bias_ptr, cand_ptr, count_ptr, z_ptr, lo_ptr, up_ptr, V, d,
                              coef, gam, tiny32, HAS_BIAS: tl.constexpr, DT: tl.constexpr, BF16: tl.constexpr,
-                             CAPC: tl.constexpr, SUBC: tl.constexpr, TOK: tl.constexpr, BK: tl.constexpr, PDL: tl.constexpr):
+                             CAPC: tl.constexpr, SUBC: tl.constexpr, TOK: tl.constexpr, BK: tl.constexpr,
+                             PDL: tl.constexpr):
         _pdl_wait(PDL)  # (common._launch: PDL launches wait for the kernel before)
         # program (b, c, part): tokens part * TOK ... of the row's c-th candidate block. Many small
         # programs, each with a wide tile in flight: a candidate block is 64 rows of W, and one

@@ -41,6 +41,7 @@ from .score import score_blocks
 from .screen import screen_block_max
 from .select import select_blocks
 
+
 def _fp32(x: float, rounding) -> float:
     """The fp32 value of ``x`` by ``rounding`` (:func:`~vllm_csv.fp.round_up32` or ``round_down32``)."""
     return float(rounding(torch.tensor(x, dtype=torch.float64)))

@@ -16,9 +16,10 @@ Ops (``torch.ops.vllm_csv_cpu.*``):
 
 Beside it, its parts that others share: :func:`block_max` and :func:`block_cols` (the sharded
 head's search, :mod:`vllm_csv.sharded`; the VNNI GEMM takes the same maxima in its own pass,
-:meth:`vllm_csv.ops.int8_vnni.VnniInt8Linear.linear_block_max`) and :func:`threshold_from`. (The
-GPU step bounds each token by its own terms in its screen's epilogue instead,
-:mod:`vllm_csv.gpu.screen`, and selects on those bounds, :mod:`vllm_csv.gpu.select`.)
+:meth:`vllm_csv.ops.int8_vnni.VnniInt8Linear.linear_block_max`); and its own threshold,
+:func:`threshold_from`. (The GPU step no longer repeats it: it bounds each token by its own
+terms in its screen's epilogue, :mod:`vllm_csv.gpu.screen`, and selects on those bounds,
+:mod:`vllm_csv.gpu.select`.)
 
 The op asks per call whether the kernels run on its tensors (built, and on the CPU) and takes
 ``select_candidates_cpu`` or ``select_candidates_ref``; ``select_candidates_cpu`` is the kernel
