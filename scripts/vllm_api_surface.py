@@ -34,7 +34,8 @@ FILES = (
     "vllm/v1/worker/gpu_model_runner.py", "vllm/v1/worker/cpu_model_runner.py",
     "vllm/v1/worker/gpu/model_runner.py", "vllm/v1/worker/gpu/input_batch.py",
     "vllm/v1/worker/gpu/structured_outputs.py", "vllm/v1/spec_decode/llm_base_proposer.py",
-    "vllm/v1/sample/rejection_sampler.py",
+    "vllm/v1/sample/rejection_sampler.py", "vllm/v1/worker/gpu/spec_decode/rejection_sampler.py",
+    "vllm/v1/worker/gpu/spec_decode/rejection_sampler_utils.py",
 )
 SAMPLE_DIR = "vllm/v1/worker/gpu/sample"
 SIGNATURES = (
@@ -62,6 +63,9 @@ SIGNATURES = (
     "vllm/v1/sample/rejection_sampler.py:RejectionSampler.forward",
     "vllm/v1/sample/rejection_sampler.py:rejection_sample",
     "vllm/v1/sample/rejection_sampler.py:expand_batch_to_tokens",
+    "vllm/v1/worker/gpu/spec_decode/rejection_sampler.py:RejectionSampler.__call__",
+    "vllm/v1/worker/gpu/spec_decode/rejection_sampler.py:gather_draft_sampled",
+    "vllm/v1/worker/gpu/spec_decode/rejection_sampler_utils.py:rejection_sample",
 )
 
 

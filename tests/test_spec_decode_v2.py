@@ -26,7 +26,7 @@ from vllm_csv.errors import CSVError  # noqa: E402
 from vllm_csv.testing import audit  # noqa: E402
 from vllm_csv.testing.fakes import csv_layer  # noqa: E402
 from vllm_csv.vllm_plugin import step as csv_step  # noqa: E402
-from vllm_csv.vllm_plugin.plan import DEFER, TARGET_MODE, Plan, target_plan  # noqa: E402
+from vllm_csv.vllm_plugin.plan import DEFER, SPEC_SAMPLED_MODE, TARGET_MODE, Plan, target_plan  # noqa: E402
 from vllm_csv.vllm_plugin.v2 import plan as v2_plan, spec as v2_spec  # noqa: E402
 
 
@@ -59,12 +59,20 @@ def _batch(counts, req_ids=("g", "s", "k", "lp")):
 
 
 def test_a_v2_step_with_drafts_certifies_greedy_requests_rows_in_the_head():
+    """Greedy requests' rows in the head (``k = 1``), a plain temperature-sampling request's rows
+    deferred to the verification hook (mode ``spec_sampling``), a top-k or logprobs request's
+    dense; with probabilistic drafts (the speculator keeps ``draft_logits``) the sampled rows
+    stay dense."""
     runner = _runner()
     p = v2_plan.build_plan(runner, 64, input_batch=_batch((2, 0, 1, 1)))
-    assert p.topk == [1, 1, 1, 0, 0, 0, 0, 0] and p.row_modes[:3] == [TARGET_MODE] * 3
-    assert p.req_ids == ["g"] * 3 + ["s"] + ["k"] * 2 + ["lp"] * 2 and not p.deferred
-    # a step without drafts under speculation: the greedy request's row alone, nothing deferred
-    assert v2_plan.build_plan(runner, 64, input_batch=_batch((0, 0, 0, 0))).topk == [1, 0, 0, 0]
+    assert p.topk == [1, 1, 1, DEFER, 0, 0, 0, 0] and p.row_modes[:4] == [TARGET_MODE] * 3 + [SPEC_SAMPLED_MODE]
+    assert p.req_ids == ["g"] * 3 + ["s"] + ["k"] * 2 + ["lp"] * 2 and p.deferred == [3]
+    assert p.row_temps[3] == pytest.approx(0.8)
+    # a step without drafts under speculation: the greedy request's row, the sampled one deferred
+    assert v2_plan.build_plan(runner, 64, input_batch=_batch((0, 0, 0, 0))).topk == [1, DEFER, 0, 0]
+    runner.speculator = SimpleNamespace(draft_logits=torch.zeros(1))
+    p = v2_plan.build_plan(runner, 64, input_batch=_batch((2, 0, 1, 1)))
+    assert p.topk == [1, 1, 1, 0, 0, 0, 0, 0] and not p.deferred
     assert v2_spec.draft_counts(_batch((3, 0, 2, 1))) == (3, 0, 2, 1)
     # without speculation: the plain plan (the sampled row deferred to the sampler hook)
     plain = _runner(speculative=False)
@@ -79,9 +87,9 @@ def test_the_v2_speculative_plan_is_kept_while_the_batch_and_its_draft_counts_ho
     p = v2_plan.build_plan(runner, 64, input_batch=_batch((2, 0, 1, 1)))
     assert v2_plan.build_plan(runner, 64, input_batch=_batch((2, 0, 1, 1))) is p
     q = v2_plan.build_plan(runner, 64, input_batch=_batch((1, 0, 1, 2)))
-    assert q is not p and q.topk == [1, 1, 0, 0, 0, 0, 0, 0]
+    assert q is not p and q.topk == [1, 1, DEFER, 0, 0, 0, 0, 0]
     r = v2_plan.build_plan(runner, 64, input_batch=_batch((1, 1, 1, 1), req_ids=("s", "g", "k", "lp")))
-    assert r.topk == [0, 0, 1, 1, 0, 0, 0, 0]  # (a reordered batch: a new base plan)
+    assert r.topk == [DEFER, DEFER, 1, 1, 0, 0, 0, 0]  # (a reordered batch: a new base plan)
 
 
 @pytest.mark.parametrize("what", ["synthetic", "block", "fly", "adaptive", "watermark", "sampler", "sharder",
@@ -105,19 +113,42 @@ def test_v2_steps_stay_dense_where_verification_reads_more_than_the_argmax(what)
 FAMILIES = ("peaked", "ties", "near_tie", "norms", "overflow", "nonfinite", "outliers")
 
 
+def _verifier(temps, seeds):
+    """What :mod:`~vllm_csv.vllm_plugin.v2.verify` reads of a V2 ``RejectionSampler``: standard
+    verification around a V2 ``Sampler`` with these states, no logprobs, every prefill of one token."""
+    sampler = fake_sampler(temps, seeds)
+    sampler.sampling_states.max_num_logprobs = lambda idx: -1
+    sampler.req_states = SimpleNamespace(prefill_len=SimpleNamespace(gpu=torch.ones(SLOTS, dtype=torch.int32)))
+    return _rejection(sampler)
+
+
+def _input_batch(slots, cu, input_ids, positions, local):
+    N = int(cu[-1])
+    return SimpleNamespace(num_reqs=slots.numel(), idx_mapping_np=slots.numpy().astype(np.int64),
+                           cu_num_logits_np=cu.numpy(), logits_indices=torch.arange(N), input_ids=input_ids,
+                           positions=positions, expanded_local_pos=local,
+                           expanded_idx_mapping=torch.repeat_interleave(slots, torch.diff(cu)))
+
+
 def test_v2_rejection_sampler_on_certified_rows_equals_dense(tmp_path, monkeypatch):
     """vLLM's V2 ``RejectionSampler`` (``apply_sampling_params``, ``rejection_sample``) on the CSV
-    layer's logits of a speculative step, planned by :func:`~vllm_csv.vllm_plugin.plan.target_plan`
-    (greedy requests' rows certified ``k = 1``; sampled requests' rows dense, drawn with their
-    seeds), gives the tokens and accepted counts it gives on the dense head's, over hostile
-    families, screens, random batches, draft counts and drafts (the dense argmax, accepted, or a
-    random token)."""
+    layer's logits of a speculative step gives the tokens and accepted counts it gives on the
+    dense head's, over hostile families, screens, random batches, draft counts and drafts (the
+    dense argmax, accepted, or a random token), under two plans: ``csv``, greedy requests' rows
+    certified ``k = 1`` and sampled requests' rows dense; ``verified``, as
+    :func:`~vllm_csv.vllm_plugin.v2.spec.spec_plan` plans them, the sampled requests' rows also
+    deferred and resolved by the verification hook (:func:`~vllm_csv.vllm_plugin.v2.verify.resolve`:
+    their acceptances and next token certified, or dense). Also: the hook's drafts are V2's own
+    ``gather_draft_sampled``'s."""
+    from vllm_csv.vllm_plugin.v2 import verify as v2_verify
+
     S, num_spec = SLOTS, 3
     temps = np.zeros(S, np.float32)
     g0 = torch.Generator().manual_seed(11)
     temps[::2] = torch.tensor([0.8, 1.0, 0.5])[torch.randint(0, 3, (S // 2,), generator=g0)].numpy()
     seeds = torch.randint(0, 2**62, (S,), generator=g0).numpy()
-    batches, certified, greedy_rows, cases = [], 0, 0, []
+    rs = _verifier(temps, seeds)
+    batches, certified, greedy_rows, cases, verified_reqs = [], 0, 0, [], 0
     for family in FAMILIES:
         for screen in ("int8", "fp16"):
             g = torch.Generator().manual_seed(zlib.crc32(f"{family}-{screen}-v2".encode()))
@@ -136,9 +167,10 @@ def test_v2_rejection_sampler_on_certified_rows_equals_dense(tmp_path, monkeypat
             layer = csv_layer(head)
             channel = csv_step.StepChannel()
             layer.csv_channel = channel
+            rs.sampler.csv_channel = channel
             for _ in range(3):
                 R = int(torch.randint(1, 6, (1,), generator=g))
-                slots = torch.randperm(S, generator=g)[:R]
+                slots = torch.randperm(S, generator=g)[:R].to(torch.int32)
                 counts = tuple(int(torch.randint(0, num_spec + 1, (1,), generator=g)) for _ in range(R))
                 N = sum(1 + c for c in counts)
                 hidden = case.hidden[torch.randint(0, case.hidden.shape[0], (N,), generator=g)]
@@ -147,12 +179,6 @@ def test_v2_rejection_sampler_on_certified_rows_equals_dense(tmp_path, monkeypat
                 rt = [float(temps[s]) for s in slots.tolist()]
                 base = Plan([str(i) for i in range(R)], [1 if t == 0 else DEFER for t in rt],
                             ["greedy" if t == 0 else "sampling" for t in rt], rt)
-                plan = target_plan(base, counts)
-                channel.open(plan)
-                got = layer.forward(None, hidden)
-                channel.close_plan()
-                certified += int(head.last_certified.sum()) if any(plan.topk) else 0
-                greedy_rows += sum(plan.topk)
                 input_ids = torch.randint(0, case.weight.shape[0], (N,), generator=g)
                 local, positions, row = [], [], 0
                 for c in counts:  # the row after a target row holds its draft: the argmax, or not
@@ -164,17 +190,39 @@ def test_v2_rejection_sampler_on_certified_rows_equals_dense(tmp_path, monkeypat
                     positions += list(range(start, start + c + 1))
                     row += c + 1
                 cu = torch.tensor([0] + list(np.cumsum([c + 1 for c in counts])), dtype=torch.int32)
+                batch = _input_batch(slots, cu, input_ids, torch.tensor(positions), torch.tensor(local))
+                logits = {"dense": want}
+                for name, sampled in (("csv", False), ("verified", True)):
+                    plan = target_plan(base, counts, sampled=sampled)
+                    channel.open(plan)
+                    got = layer.forward(None, hidden)
+                    channel.close_plan()
+                    if sampled and plan.deferred:
+                        d = channel.step.take_handoff(got)
+                        st = v2_verify.resolve(rs, d, got, batch)
+                        verified_reqs += st.certified.get("spec_sampling", 0)
+                    elif any(plan.topk):
+                        certified += int(head.last_certified.sum())
+                    logits[name] = got
+                greedy_rows += sum(k == 1 for k in target_plan(base, counts).topk)
                 batches.append({"V": case.weight.shape[0], "slots": slots, "cu_num_logits": cu, "input_ids": input_ids,
                                 "positions": torch.tensor(positions), "local_pos": torch.tensor(local),
-                                "logits": {"dense": want, "csv": got}, "case": (family, screen, counts, rt)})
+                                "logits": logits, "case": (family, screen, counts, rt),
+                                "drafts": v2_verify.drafts_of(batch, rs.sampler.req_states.prefill_len.gpu)})
     assert len(cases) >= 6, cases
     out = interpreted("v2_rejection_interpreted.py", {"SLOTS": S, "temp": temps, "seeds": seeds, "num_spec": num_spec,
-                         "batches": [{k: v for k, v in b.items() if k != "case"} for b in batches]}, tmp_path)
-    accepted = 0
+                         "batches": [{k: v for k, v in b.items() if k not in ("case", "drafts")} for b in batches]},
+                      tmp_path)
+    accepted = sampled_accepted = 0
     for b, res in zip(batches, out):
-        (sd, nd), (sc, nc) = res["dense"], res["csv"]
-        assert torch.equal(nd, nc), b["case"]
-        for i, n in enumerate(nd.tolist()):  # (past num_sampled the buffer holds nothing)
-            assert torch.equal(sd[i, :n], sc[i, :n]), (b["case"], i)
+        assert torch.equal(res["gather_draft_sampled"], b["drafts"]), b["case"]
+        sd, nd = res["dense"]
+        for name in ("csv", "verified"):
+            sc, nc = res[name]
+            assert torch.equal(nd, nc), (name, b["case"])
+            for i, n in enumerate(nd.tolist()):  # (past num_sampled the buffer holds nothing)
+                assert torch.equal(sd[i, :n], sc[i, :n]), (name, b["case"], i)
         accepted += int(nd.sum()) - len(b["slots"])
+        sampled_accepted += sum(int(n) - 1 for n, t in zip(nd.tolist(), b["case"][3]) if t > 0)
     assert certified > 0 and greedy_rows > 0 and accepted > 0, (certified, greedy_rows, accepted)
+    assert verified_reqs > 0 and sampled_accepted > 0, (verified_reqs, sampled_accepted)

@@ -52,6 +52,10 @@ CHANGED = {
     # speculative decoding (v1/spec.py): FLy verification in the rejection sampler (refused by the plan:
     # standard_verification), the proposers' base class (_greedy_sample's body unchanged)
     "vllm/v1/sample/rejection_sampler.py", "vllm/v1/spec_decode/llm_base_proposer.py",
+    # V2's (v2/spec.py, v2/verify.py): FLy (refused: verification_ok), the bonus row found from the next
+    # row's local position, the spec-step seed of block verification (refused); the one-hot standard
+    # path the verification hook certifies (tl_rand32(seed, pos), x_d - lse, the residual draw) unchanged
+    "vllm/v1/worker/gpu/spec_decode/rejection_sampler.py", "vllm/v1/worker/gpu/spec_decode/rejection_sampler_utils.py",
 }
 
 
@@ -128,9 +132,11 @@ def test_032_to_033_changes_are_the_known_ones(installed_surface):
     top = "vllm/v1/sample/ops/topk_topp_sampler.py:apply_top_k_top_p"
     states = "vllm/v1/worker/gpu/sample/states.py:SamplingStates.get_top_k_top_p"
     rejection = "vllm/v1/sample/rejection_sampler.py:rejection_sample"
-    assert diff == {top, states, rejection}
-    assert [x[0] for x in b["signatures"][rejection]["args"]] == [x[0] for x in a["signatures"][rejection]["args"]] + \
-        ["fly_window_size", "fly_entropy_threshold", "fly_entropy_top_k"]  # (FLy: every row dense, v1/spec.py)
+    v2_rejection = "vllm/v1/worker/gpu/spec_decode/rejection_sampler_utils.py:rejection_sample"
+    assert diff == {top, states, rejection, v2_rejection}
+    for r in (rejection, v2_rejection):  # (FLy: every row dense, v1/spec.py, v2/spec.py)
+        assert [x[0] for x in b["signatures"][r]["args"]] == [x[0] for x in a["signatures"][r]["args"]] + \
+            ["fly_window_size", "fly_entropy_threshold", "fly_entropy_top_k"]
     assert b["signatures"][top]["args"] == a["signatures"][top]["args"] + [["has_topp_only_rows", "positional", "True"]]
     assert [x[0] for x in b["signatures"][states]["args"]] == ["self", "expanded_idx_mapping", "idx_mapping_np",
                                                                "vocab_size"]
@@ -148,6 +154,8 @@ def test_the_plugins_wrappers_take_033s_calls():
     assert sig["vllm/v1/worker/gpu/model_runner.py:GPUModelRunner.sample"] == ["self", "hidden_states", "input_batch",
                                                                                "grammar_output"]
     assert sig["vllm/v1/worker/gpu/sample/sampler.py:Sampler.__call__"][:3] == ["self", "logits", "input_batch"]
+    assert sig["vllm/v1/worker/gpu/spec_decode/rejection_sampler.py:RejectionSampler.__call__"] == [
+        "self", "logits", "input_batch", "draft_logits", "invalid_drafts"]
     for k in ("vllm/v1/worker/gpu_model_runner.py:GPUModelRunner.execute_model",
               "vllm/v1/worker/gpu/model_runner.py:GPUModelRunner.execute_model"):
         assert sig[k][:2] == ["self", "scheduler_output"]

@@ -9,7 +9,9 @@ speculative steps ``num_spec``, and ``batches``: a list of dicts, each with its 
 (batch order), ``cu_num_logits`` (``[R + 1]``: request ``i``'s rows, its target rows then its bonus
 row), ``input_ids`` (each row's input token: the row after a target row holds that row's draft
 token), ``positions``, ``local_pos`` (a row's index within its request) and ``logits`` (``{name:
-[N, V]}``). OUT gets, per batch and name, ``(sampled [R, num_spec + 1], num_sampled [R])``.
+[N, V]}``). OUT gets, per batch and name, ``(sampled [R, num_spec + 1], num_sampled [R])``, and
+V2's ``gather_draft_sampled`` of the batch (``"gather_draft_sampled"``: each row's input token,
+``-1`` on a draft slot within the prefill).
 """
 
 from __future__ import annotations
@@ -67,7 +69,11 @@ def run(c: dict) -> list:
             input_ids=b["input_ids"].to(torch.int32), positions=b["positions"].to(torch.int64),
             logits_indices=torch.arange(N, dtype=torch.int32), cu_num_logits=cu, cu_num_logits_np=cu.numpy(),
             seq_lens=seq_lens, seq_lens_cpu_upper_bound=seq_lens.clone(), num_draft_tokens=N - R)
-        res = {}
+        from vllm.v1.worker.gpu.spec_decode.rejection_sampler import gather_draft_sampled
+
+        res = {"gather_draft_sampled": gather_draft_sampled(
+            batch.input_ids, batch.positions, batch.logits_indices, batch.expanded_idx_mapping,
+            batch.expanded_local_pos, rs.sampler.req_states.prefill_len.gpu)[0].long()}
         for name, logits in b["logits"].items():
             o = rs(logits.clone(), batch, None)
             res[name] = (o.sampled_token_ids.clone(), o.num_sampled.clone())

@@ -21,8 +21,10 @@ FALLBACK_REASONS = (UNCERTIFIED, BUDGET, UNSUPPORTED, NONFINITE, OFF_SWITCH, ARI
 KERNEL_REASONS = (None, NONFINITE, BUDGET, UNCERTIFIED)  # outcome codes 0 (certified), 1, 2, 3
 
 # (spec_greedy: a greedy request's rows in a speculative step, its verification rows and bonus
-# row, vllm_plugin/v1/spec.py and v2/spec.py; draft: a V1 speculative drafter head's rows)
-MODES = ("greedy", "top_k", "sampling", "top_p", "min_p", "processed", "structured", "spec_greedy", "draft")
+# row, vllm_plugin/v1/spec.py and v2/spec.py; spec_sampling: a sampled request's rows there, V2's
+# verification certified, vllm_plugin/v2/verify.py; draft: a V1 speculative drafter head's rows)
+MODES = ("greedy", "top_k", "sampling", "top_p", "min_p", "processed", "structured", "spec_greedy", "spec_sampling",
+         "draft")
 
 DEFAULT_BUDGET = 0.05  # max share of V scored exactly before the dense path
 DEFAULT_MAX_TOPK = 64  # largest top_k certified

@@ -8,8 +8,9 @@ version gate (:func:`vllm_csv.vllm_plugin.register`).
    :class:`~.step.Step` with its plan (:mod:`.step`, :mod:`.plan`); V1's speculative
    drafters' ``SpecDecodeBaseProposer._greedy_sample`` opens one on the proposer's own channel
    (:mod:`.v1.spec`);
-3. the samplers: V1 ``Sampler.forward`` and V2 ``Sampler.__call__`` resolve the step's deferred
-   rows before vLLM's own code (:mod:`.v1.sampler`, :mod:`.v2.sampler`), and vLLM-CPU's
+3. the samplers: V1 ``Sampler.forward``, V2 ``Sampler.__call__`` and V2
+   ``RejectionSampler.__call__`` resolve the step's deferred rows before vLLM's own code
+   (:mod:`.v1.sampler`, :mod:`.v2.sampler`, :mod:`.v2.verify`), and vLLM-CPU's
    ``apply_top_k_top_p`` runs on the rows that need it during such a draw (:mod:`.v1.masks`);
 4. ``LogitsProcessor.register_oot``: the CSV layer (:mod:`.logits_processor`), which turns
    itself back into vLLM's class whenever CSV is off.
@@ -232,9 +233,9 @@ def _v2_runner(max_topk) -> None:
 
 
 def install_samplers() -> None:
-    """V1 ``Sampler.forward`` and V2 ``Sampler.__call__`` take the step's hand-off first; vLLM-CPU's
-    ``apply_top_k_top_p`` (read from its module at each ``forward_cpu`` call) runs on the rows
-    that need it during a draw with certified rows."""
+    """V1 ``Sampler.forward``, V2 ``Sampler.__call__`` and V2 ``RejectionSampler.__call__`` take the
+    step's hand-off first; vLLM-CPU's ``apply_top_k_top_p`` (read from its module at each
+    ``forward_cpu`` call) runs on the rows that need it during a draw with certified rows."""
     from vllm.v1.sample.ops import topk_topp_sampler
     from vllm.v1.sample.sampler import Sampler
 
@@ -262,3 +263,17 @@ def install_samplers() -> None:
 
         V2Sampler.__call__ = call
         V2Sampler._csv_wrapped = True
+    try:
+        from vllm.v1.worker.gpu.spec_decode.rejection_sampler import RejectionSampler as V2RejectionSampler
+    except ImportError:
+        return
+    if not getattr(V2RejectionSampler, "_csv_wrapped", False):
+        from .v2.verify import verify
+
+        orig_rs = V2RejectionSampler.__call__
+
+        def call_rs(self, logits, input_batch, *a, **k):
+            return verify(orig_rs, self, logits, input_batch, *a, **k)
+
+        V2RejectionSampler.__call__ = call_rs
+        V2RejectionSampler._csv_wrapped = True

@@ -35,6 +35,7 @@ from ..vocabulary import SAMPLING_EPS as _SAMPLING_EPS
 
 DEFER = -1  # certify the row in vLLM's sampler, with the seed it draws (v1.sampler, v2.sampler)
 TARGET_MODE = "spec_greedy"  # greedy requests' verification and bonus rows (one of vocabulary.MODES)
+SPEC_SAMPLED_MODE = "spec_sampling"  # sampled requests' rows in a V2 speculative step (v2/verify.py)
 
 
 @dataclass
@@ -166,33 +167,42 @@ def row_plan(sp, max_topk: int, top_k_in_sampler: bool = False) -> tuple[int, st
     return k, row_mode(sp, k) if k else "", row_temperature(sp)
 
 
-def target_plan(base: Plan, counts: tuple[int, ...], mixed_ok: bool = True) -> Plan:
+def target_plan(base: Plan, counts: tuple[int, ...], mixed_ok: bool = True, sampled: bool = False) -> Plan:
     """A speculative step's plan from the batch's per-request ``base`` plan, for a runner that lays
     out request ``i``'s ``1 + counts[i]`` rows (its draft tokens' and its bonus row) one request
     after another (V1: :mod:`.v1.spec`; V2: :mod:`.v2.spec`): the request's entry repeated over
     them, ``k = 1`` (mode :data:`TARGET_MODE`) for a greedy request (``base`` planned it ``k = 1``
-    with mode ``greedy``; the rejection samplers read its rows through their argmax), dense for
-    every other; every row dense where a batch with a sampled request is not certifiable
-    (``mixed_ok`` false: :func:`.v1.spec.mixed_batches_ok`)."""
+    with mode ``greedy``; the rejection samplers read its rows through their argmax); with
+    ``sampled`` (the V2 runner's verification hook, :mod:`.v2.verify`), :data:`DEFER` (mode
+    :data:`SPEC_SAMPLED_MODE`) for a plain temperature-sampling request (``base`` deferred it
+    with mode ``sampling``); dense for every other; every row dense where a batch with a sampled
+    request is not certifiable (``mixed_ok`` false: :func:`.v1.spec.mixed_batches_ok`)."""
     all_greedy = all(t == 0.0 for t in base.row_temps)
-    req_ids, topk, modes = [], [], []
-    for rid, k, mode, n in zip(base.req_ids, base.topk, base.row_modes, counts):
-        greedy = k == 1 and mode == "greedy" and (mixed_ok or all_greedy)
+    req_ids, topk, modes, temps = [], [], [], []
+    for rid, k, mode, t, n in zip(base.req_ids, base.topk, base.row_modes, base.row_temps, counts):
+        if k == 1 and mode == "greedy" and (mixed_ok or all_greedy):
+            entry = (1, TARGET_MODE, 0.0)
+        elif sampled and k == DEFER and mode == "sampling" and mixed_ok:
+            entry = (DEFER, SPEC_SAMPLED_MODE, t)
+        else:
+            entry = (0, "", 0.0)
         req_ids += [rid] * (1 + n)
-        topk += [1 if greedy else 0] * (1 + n)
-        modes += [TARGET_MODE if greedy else ""] * (1 + n)
-    return Plan(req_ids, topk, modes, [0.0] * len(topk))
+        topk += [entry[0]] * (1 + n)
+        modes += [entry[1]] * (1 + n)
+        temps += [entry[2]] * (1 + n)
+    return Plan(req_ids, topk, modes, temps)
 
 
-def kept_target_plan(runner, base: Plan, counts: tuple[int, ...], mixed_ok: bool = True) -> Plan:
+def kept_target_plan(runner, base: Plan, counts: tuple[int, ...], mixed_ok: bool = True,
+                     sampled: bool = False) -> Plan:
     """:func:`target_plan`, kept on ``runner`` and handed out again while the batch's plan (the
     same object: the runners keep it while their batch holds) and the draft counts hold (a decode
     run whose drafts keep their lengths builds it once)."""
     cached = getattr(runner, "_csv_spec_plan", None)
-    if cached is not None and cached[0] is base and cached[1] == counts and cached[2] == mixed_ok:
+    if cached is not None and cached[0] is base and cached[1:3] == (counts, (mixed_ok, sampled)):
         return cached[3]
-    plan = target_plan(base, counts, mixed_ok)
-    runner._csv_spec_plan = (base, counts, mixed_ok, plan)
+    plan = target_plan(base, counts, mixed_ok, sampled)
+    runner._csv_spec_plan = (base, counts, (mixed_ok, sampled), plan)
     return plan
 
 

@@ -1,0 +1,153 @@
+"""V2's verification certificate (vllm_csv/sampling/verify_v2.py): its Philox uniform bit for bit
+and its bound on the kernel's ``x_d - lse`` against vLLM's own Triton code (interpreted, in a
+subprocess: ``v2_verify_interpreted.py``), the decisions it takes and refuses, and whole requests
+against a float64 replay of V2's verification. (vLLM's ``RejectionSampler`` itself on the rows the
+hook hands over: test_spec_decode_v2.py.)"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from vllm_csv.gumbel_noise import noise
+from vllm_csv.sampling import verify_v2 as vv
+from vllm_csv.sampling.gumbel_v2 import uniform
+
+
+def test_the_uniform_and_the_logprob_bound_hold_against_v2s_own_triton_code(tmp_path):
+    pytest.importorskip("triton")
+    pytest.importorskip("vllm.v1.worker.gpu.spec_decode.rejection_sampler_utils")
+    from test_sampler_hook_v2 import interpreted
+
+    g = torch.Generator().manual_seed(5)
+    seeds = torch.randint(-2**63, 2**63 - 1, (3000,), generator=g, dtype=torch.int64)
+    seeds[:8] = torch.tensor([0, 1, -1, 2**31, 2**32, -2**63, 2**63 - 1, 12345])
+    pos = torch.randint(0, 2**20, (3000,), generator=g)
+    pos[:1000] = torch.randint(0, 2**40, (1000,), generator=g)  # (offsets above 2^32: the counter's high word)
+    # processed rows over several 8192-blocks: peaked, flat, huge and tiny, -inf tokens, a last partial block
+    V, M = 3 * 8192 + 517, 24
+    x = torch.randn(M, V, generator=g) * torch.logspace(-3, 2, M)[:, None]
+    x[5, ::3] = -math.inf
+    x[6] += 1e4
+    x[7, 100] += 60
+    x[8] = 0.0
+    drafts = torch.randint(0, V, (M,), generator=g)
+    drafts[7], drafts[5], drafts[9] = 100, 1, 0  # (row 5: a finite token beside the -inf ones; row 9: one of them)
+    x[9, 0] = -math.inf
+    out = interpreted("v2_verify_interpreted.py", {"seeds": seeds, "pos": pos, "x": x, "drafts": drafts}, tmp_path)
+    raw, v2 = out["rand"]
+    mine = vv.rand_uniform(seeds, pos)
+    assert torch.equal(raw.clamp(min=vv.RAND_MIN).view(torch.int32), mine.view(torch.int32))
+    assert torch.equal(v2.view(torch.int32), mine.view(torch.int32))
+    # the kernel's x_d - lse within the bound decide() uses, around the real value of the same x
+    real = x.double().gather(1, drafts[:, None]).squeeze(1) - torch.logsumexp(x.double(), 1)
+    slack = vv.logprob_slack(V, torch.full((M,), 1e4 + 500.0, dtype=torch.float64))
+    got = out["logprob"].double()
+    fin = torch.isfinite(real)
+    assert not bool(fin[9]) and torch.equal(got[~fin], real[~fin])
+    assert bool(((got - real)[fin].abs() <= slack[fin]).all()), (got - real)[fin].abs().max()
+
+
+def _rows(lo, hi=None):
+    lo = torch.tensor(lo, dtype=torch.float32)
+    return lo, lo.clone() if hi is None else torch.tensor(hi, dtype=torch.float32)
+
+
+def test_decide_accepts_rejects_and_leaves_open_what_the_bounds_do_not_settle():
+    # exact rows: p(d) = softmax(x)[d]; u well below, well above, and within the slack of p(d)
+    x = [[2.0, 1.0, 0.0, -1.0]] * 6
+    p0 = torch.softmax(torch.tensor(x[0], dtype=torch.float64), 0)
+    lo, hi = _rows(x)
+    drafts = torch.tensor([0, 0, 3, 3, 0, -1])
+    u = torch.tensor([float(p0[0]) * 0.5, min(float(p0[0]) * 1.5, 0.99), float(p0[3]) * 0.5,
+                      float(p0[3]) * 2.0, float(p0[0]) * (1 + 1e-6), 0.01], dtype=torch.float32)
+    dec = vv.decide(lo, hi, drafts, u).tolist()
+    assert dec == [vv.ACCEPT, vv.REJECT, vv.ACCEPT, vv.REJECT, vv.UNDECIDED, vv.UNDECIDED]
+    # loose bounds on the other tokens' mass leave a decision open that exact ones settle
+    lo2, hi2 = _rows([[2.0, -30.0, -30.0, -30.0]], [[2.0, 2.5, 2.5, 2.5]])
+    u2 = torch.tensor([0.7])
+    assert vv.decide(lo2, hi2, torch.tensor([0]), u2).tolist() == [vv.UNDECIDED]
+    assert vv.decide(lo2, lo2, torch.tensor([0]), u2).tolist() == [vv.ACCEPT]
+    # NaN or infinite bounds (a temperature outside fp32's range, a -inf draft) decide nothing
+    nan = torch.full((1, 4), math.nan)
+    assert vv.decide(nan, nan, torch.tensor([0]), u2).tolist() == [vv.UNDECIDED]
+    ninf = torch.tensor([[-math.inf, 0.0, 0.0, 0.0]])
+    assert vv.decide(ninf, ninf, torch.tensor([0]), torch.tensor([1e-9])).tolist() == [vv.UNDECIDED]
+    # u = 1 (Philox's largest words round to it): log u = 0, nothing is accepted for sure
+    assert vv.decide(lo[:1], hi[:1], torch.tensor([0]), torch.tensor([1.0])).tolist() != [vv.ACCEPT]
+
+
+def test_first_undecided_walks_each_request_to_its_first_row_not_accepted():
+    A, Rj, U = vv.ACCEPT, vv.REJECT, vv.UNDECIDED
+    dec = torch.tensor([A, A, U, A, Rj, U, U, A, U], dtype=torch.int8)
+    cu = [0, 3, 6, 7, 9]  # 2 drafts, 2 drafts, 0 drafts, 1 draft
+    assert vv.first_undecided(dec, cu) == ([2, 1, 0, 1], [A, Rj, A, A])
+    dec[1] = U
+    assert vv.first_undecided(dec, cu)[0][0] == 1 and vv.first_undecided(dec, cu)[1][0] == U
+
+
+def _replay(x: torch.Tensor, drafts: torch.Tensor, seeds, pos, cu):
+    """V2's verification of one-hot drafts in float64 on exact rows ``x`` (already divided by the
+    temperature): per request, accepted drafts and the next token (Gumbel draw, the rejected
+    draft removed)."""
+    u = vv.rand_uniform(seeds, pos).double()
+    lp = x.double().gather(1, drafts.clamp(min=0)[:, None]).squeeze(1) - torch.logsumexp(x.double(), 1)
+    out = []
+    for i in range(len(cu) - 1):
+        a, n = 0, cu[i + 1] - cu[i] - 1
+        while a < n and float(lp[cu[i] + a]) > math.log(float(u[cu[i] + a])):
+            a += 1
+        r = cu[i] + a
+        row = x[r].double().clone()
+        if a < n:
+            row[int(drafts[r])] = -math.inf
+        gum = noise(uniform(seeds[r:r + 1], pos[r:r + 1], torch.arange(x.shape[1])))[0]
+        out.append((a, int((row + gum).argmax())))
+    return out
+
+
+@pytest.mark.parametrize("screen", ["int8", "fp16"])
+def test_certified_requests_are_v2s_verification_replayed_in_float64(screen):
+    """Whole requests on a learned-like head: every certified request's accepted count and next
+    token are those of V2's verification replayed in float64 on the dense rows (the real-arithmetic
+    decisions, which the certificate's bounds hold too); most requests are certified; drafts are
+    accepted and rejected."""
+    from vllm_csv.head import CertifiedHead, HeadConfig
+    from vllm_csv.sampling.head_adapter import HeadAdapter
+    from vllm_csv.testing.heads import hidden_near_rows, peaked_head
+
+    V, D = 4096, 64
+    W, gw = peaked_head(V, D, seed=3, dtype=torch.bfloat16)
+    head = CertifiedHead(W, config=HeadConfig(screen=screen, off_switch=False, budget=0.2))
+    adapter = HeadAdapter(head)
+    g = torch.Generator().manual_seed(9)
+    counts = [int(c) for c in torch.randint(0, 4, (40,), generator=g)]
+    cu = [0] + list(np.cumsum([c + 1 for c in counts]))
+    N = cu[-1]
+    h = hidden_near_rows(W, N, gw, scale=1.5)
+    dense = head.dense_logits(h).float()
+    temps = torch.tensor([0.5, 0.8, 1.0, 1.3])[torch.randint(0, 4, (len(counts),), generator=g)]
+    temp = torch.repeat_interleave(temps, torch.tensor([c + 1 for c in counts]))
+    x = (dense / temp[:, None]).float()
+    seeds = torch.repeat_interleave(torch.randint(0, 2**62, (len(counts),), generator=g),
+                                    torch.tensor([c + 1 for c in counts]))
+    pos = torch.arange(N) + 100
+    drafts = torch.full((N,), -1, dtype=torch.long)
+    top2 = dense.topk(2, 1).indices
+    for i, c in enumerate(counts):
+        for j in range(c):
+            r = cu[i] + j
+            drafts[r] = top2[r, int(torch.randint(0, 2, (1,), generator=g))]
+    res = vv.certify_verification_v2(adapter, h, seeds, pos, temp, drafts, cu)
+    want = _replay(x, drafts, seeds, pos, cu)
+    cert = res.certified.tolist()
+    assert sum(cert) >= 0.8 * len(counts), res.reason
+    rejected = 0
+    for i, ok in enumerate(cert):
+        if ok:
+            assert (res.accepted[i], res.token[i]) == want[i], i
+            rejected += res.accepted[i] < counts[i]
+    assert rejected > 0 and sum(res.accepted[i] for i in range(len(cert)) if cert[i]) > 0

@@ -1,0 +1,276 @@
+"""Certify vLLM's Model Runner V2 verification of one-hot drafts (``standard`` rejection
+sampling; CUDA): for each sampled request of a speculative step, how many of its draft tokens
+are accepted and which token follows them, from bounds on its target rows.
+
+What V2 computes, read in 0.32.0 and 0.33.0 (``spec_decode/rejection_sampler_utils.py``,
+``draft_logits`` None: ngram drafts, or a greedy drafter's). Request ``i`` has rows
+``r_0 .. r_n`` (its ``n`` draft tokens' target rows, then its bonus row), each processed by the
+sampler's ``apply_sampling_params`` (for the requests certified here: ``x = fl32(l / T)``, not
+divided at ``T = 1``). Row ``r_j`` verifies draft ``d_j`` (the input token of row ``r_{j + 1}``):
+
+    lse_j  = G + log(sum_b s_b exp(m_b - G))     (fp32: blocks of 8192 tokens, m_b their maxima,
+                                                  s_b = sum exp(x - m_b), G = max_b m_b)
+    u_j    = max(tl.rand(seed, pos_j), 4.6566127342e-10)      (Philox 4x32-10: :func:`rand_uniform`)
+    accept d_j  iff  x_{d_j} - lse_j > log(u_j)
+
+from ``j = 0`` until the first rejection ``a`` (or ``a = n``: all accepted); the request's
+next token is then V2's Gumbel draw (:mod:`.gumbel_v2`, seed and ``pos_a``) from row ``r_a``
+with ``d_a`` removed (``-inf``), or from the bonus row ``r_n`` whole. Rows after ``r_a`` are not
+read.
+
+The certificate (:func:`certify_verification_v2`): ``x``'s bounds from the head's screen
+(:class:`.HeadAdapter`) through :func:`~.gumbel_v2.temperature_bounds`, every draft token
+scored exactly; :func:`decide` compares bounds on what the kernel computes for
+``x_d - lse`` with bounds on its ``log(u)`` (:func:`logprob_slack`, :func:`log_slack`) and
+answers accept, reject or undecided per row; an undecided row gets the tokens of highest upper
+bound scored (they carry its mass), up to :data:`ROUNDS` times within the head's budget. A
+request is certified when every row up to its first rejection is decided and the draw from
+``r_a`` (with ``d_a`` masked) is certified (:func:`~.rows_v2.certify_rows_v2`); otherwise its
+rows go dense.
+
+What is handed to V2's kernels for a certified request (:class:`Verified`), so that its
+unchanged code takes the same decisions: rows ``r_j, j < a``: ``0`` at ``d_j``, ``-inf``
+elsewhere (then ``lse = x_d``, ``x_d - lse = 0 > log(u)``: accepted, since ``log(u) < 0`` was
+certified: the kernel's ``log(u)`` lies within :func:`log_slack` of the real one, below the
+row's certified lower bound ``<= 0``); row ``r_a``: the draw's exact values on its scored set,
+``-inf`` elsewhere and at ``d_a`` (``x_d - lse = -inf``: rejected; the residual draw returns the
+certified winner, :mod:`.rows_v2`); rows after ``r_a``: ``-inf`` (not read).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from ..gumbel_noise import LOG_ABS, LOG_REL
+from .gumbel_v2 import temperature_bounds
+from .head_adapter import HeadAdapter
+from .rows_v2 import certify_rows_v2
+from .scoring import budget_of, score_columns, screen_bounds
+
+ROUNDS = 4  # scoring rounds for undecided acceptances
+FIRST = 32  # tokens of highest upper bound scored per row before the first decision (with the drafts)
+BLOCK = 8192  # V2's vocabulary block for the row statistics (``VOCAB_BLOCK_SIZE``)
+RAND_MIN = float(np.float32(4.6566127342e-10))  # ``tl_rand32``'s floor (``_TL_RAND_MIN``), as fp32
+ACCEPT, REJECT, UNDECIDED = 1, -1, 0
+
+_M32 = (1 << 32) - 1
+_PHILOX = (0xD2511F53, 0xCD9E8D57, 0x9E3779B9, 0xBB67AE85)  # round multipliers A, B; key steps
+
+
+def rand_uniform(seeds: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+    """V2's verification uniform ``tl_rand32(seed, pos, includes_zero=False)``, bit for bit.
+
+    Triton's ``tl.rand(seed, offset)`` (``triton/language/random.py``, read in 3.9; the same
+    Philox since 2.x: tests check it against Triton's own under its interpreter, and on a GPU):
+    ``randint4x``'s first word of Philox 4x32 with 10 rounds, counter ``(offset_lo, offset_hi,
+    0, 0)``, key ``(seed_lo, seed_hi)``, read as int32 ``x`` and mapped to
+    ``fl32(fl32(x') * fl32(4.6566127342e-10))``, ``x' = x`` or ``-x - 1`` where negative; vLLM
+    then clamps it below at the same constant.
+
+    Parameters
+    ----------
+    seeds, pos : torch.Tensor
+        ``[N]`` int64 (the request's seed, the row's position).
+
+    Returns
+    -------
+    torch.Tensor
+        ``[N]`` float32 on ``seeds``' device.
+    """
+    s = seeds.detach().cpu().numpy().astype(np.int64).view(np.uint64)
+    o = pos.detach().cpu().numpy().astype(np.int64).view(np.uint64)
+    m = np.uint64(_M32)
+    c0, c1 = o & m, (o >> np.uint64(32)) & m
+    c2 = np.zeros_like(c0)
+    c3 = np.zeros_like(c0)
+    k0, k1 = s & m, (s >> np.uint64(32)) & m
+    A, B, KA, KB = (np.uint64(v) for v in _PHILOX)
+    for _ in range(10):
+        pa, pb = A * c0, B * c2  # (exact: both factors below 2^32)
+        c0, c1, c2, c3 = ((pb >> np.uint64(32)) ^ c1 ^ k0, pb & m, (pa >> np.uint64(32)) ^ c3 ^ k1, pa & m)
+        k0, k1 = (k0 + KA) & m, (k1 + KB) & m
+    x = c0.astype(np.uint32).view(np.int32).astype(np.int64)
+    x = np.where(x < 0, -x - 1, x).astype(np.float32)
+    u = (x * np.float32(4.6566127342e-10)).astype(np.float32)
+    return torch.from_numpy(np.maximum(u, np.float32(RAND_MIN))).to(seeds.device)
+
+
+def log_slack(logu: torch.Tensor) -> torch.Tensor:
+    """How far the kernel's fp32 ``tl.log(u)`` may lie from the real ``log(u)`` (float64 ``[N]``):
+    :data:`~vllm_csv.gumbel_noise.LOG_ABS` + ``LOG_REL |log u|``, as for min-p's logarithm."""
+    return LOG_ABS + LOG_REL * logu.abs()
+
+
+def lse_bounds(qlo: torch.Tensor, qhi: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Bounds on the real ``log sum exp(x)`` of rows with ``qlo <= x <= qhi`` (``[N, V]`` float32,
+    ``-inf`` where a token is certainly ``-inf``): float64 ``[N]`` each (monotone in every ``x``)."""
+    return torch.logsumexp(qlo.double(), 1), torch.logsumexp(qhi.double(), 1)
+
+
+def logprob_slack(V: int, big: torch.Tensor) -> torch.Tensor:
+    """How far V2's fp32 ``x_d - lse`` may lie from the real value computed from the same ``x``
+    (float64 ``[N]``), ``big`` bounding ``|G|``, ``|x_d|`` and ``|x_d - lse|``:
+
+    * the sums: each ``s_b`` adds at most :data:`BLOCK` positive terms, the total
+      ``V / BLOCK`` more, any order: relative error ``gamma_(BLOCK + blocks)``, ``2^-23`` a term
+      here; each term's ``exp`` (Triton's fp32 ``exp``, an approximate ``ex2`` on NVIDIA GPUs of an
+      argument rounded once) within ``2^-21 + 104 * 2^-23`` relative (arguments below ``-104``
+      underflow: an absolute ``2^-126`` each, against a sum of at least 1, the maximum's term);
+      ``log(1 + r) <= 1.01 r``;
+    * the ``log``: :data:`~vllm_csv.gumbel_noise.LOG_ABS` + ``LOG_REL log(V)``;
+    * three fp32 roundings (``G + log``, ``x_d - lse``, the subtraction inside each ``exp``'s
+      argument is in the ``exp`` term): ``2^-23 big`` each."""
+    blocks = -(-V // BLOCK)
+    rel = (min(V, BLOCK) + blocks) * 2.0**-23 + 2 * (2.0**-21 + 104 * 2.0**-23) + V * 2.0**-126
+    return 1.01 * rel + LOG_ABS + LOG_REL * math.log(max(V, 2)) + 3 * 2.0**-23 * big
+
+
+def decide(qlo: torch.Tensor, qhi: torch.Tensor, drafts: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Each row's verification decision from bounds on its processed logits.
+
+    Parameters
+    ----------
+    qlo, qhi : torch.Tensor
+        ``[N, V]`` float32 bounds on ``x`` (what V2's kernel reads).
+    drafts : torch.Tensor
+        ``[N]`` int64, the draft token each row verifies (``< 0``: none, the bonus row).
+    u : torch.Tensor
+        ``[N]`` float32, :func:`rand_uniform` of each row.
+
+    Returns
+    -------
+    torch.Tensor
+        ``[N]`` int8: :data:`ACCEPT` or :data:`REJECT` where the kernel certainly decides so,
+        else :data:`UNDECIDED` (bonus rows included).
+    """
+    N, V = qlo.shape
+    d = drafts.clamp(min=0)[:, None]
+    xlo, xhi = qlo.gather(1, d).squeeze(1).double(), qhi.gather(1, d).squeeze(1).double()
+    llo, lhi = lse_bounds(qlo, qhi)
+    gmax = torch.maximum(qlo.double().amax(1).abs(), qhi.double().amax(1).abs())
+    big = torch.maximum(torch.maximum(gmax, torch.maximum(xlo.abs(), xhi.abs())), (xlo - lhi).abs() + (xhi - llo).abs())
+    slack = logprob_slack(V, big)
+    lp_lo, lp_hi = xlo - lhi - slack, xhi - llo + slack
+    logu = torch.log(u.double())
+    eps = log_slack(logu)
+    ok = (drafts >= 0) & torch.isfinite(lp_lo) & torch.isfinite(lp_hi) & torch.isfinite(llo) & torch.isfinite(lhi)
+    out = torch.zeros(N, dtype=torch.int8, device=qlo.device)
+    out[ok & (lp_lo > logu + eps)] = ACCEPT
+    out[ok & (lp_hi < logu - eps)] = REJECT
+    return out
+
+
+def first_undecided(dec: torch.Tensor, cu: list[int]) -> tuple[list[int], list[int]]:
+    """Per request (rows ``cu[i] .. cu[i + 1] - 1``): the index ``a`` of its first row not
+    accepted (its last row, the bonus, if all its drafts are), and that row's decision
+    (:data:`REJECT`, :data:`UNDECIDED`; :data:`ACCEPT` standing for the bonus row's draw)."""
+    d = dec.tolist()
+    first, what = [], []
+    for i in range(len(cu) - 1):
+        a, n = 0, cu[i + 1] - cu[i] - 1
+        while a < n and d[cu[i] + a] == ACCEPT:
+            a += 1
+        first.append(a)
+        what.append(ACCEPT if a == n else d[cu[i] + a])
+    return first, what
+
+
+@dataclass
+class Verified:
+    """:func:`certify_verification_v2`'s result for ``R`` requests over ``N`` rows."""
+
+    values: torch.Tensor  # [N, V] model dtype: the rows to hand to V2 (module docstring); certified requests only
+    certified: torch.Tensor  # [R] bool (host)
+    accepted: list[int]  # per request: drafts accepted (meaningful where certified)
+    token: list[int]  # per request: the token after them (meaningful where certified)
+    reason: list[str | None]  # per request: None if certified, else why not
+    scored: int  # tokens scored in the acceptance rounds plus the draws'
+
+
+def certify_verification_v2(adapter: HeadAdapter, hidden: torch.Tensor, seeds: torch.Tensor, pos: torch.Tensor,
+                            temp: torch.Tensor, drafts: torch.Tensor, cu: list[int]) -> Verified:
+    """Certify V2's verification (module docstring) of ``R`` sampled requests.
+
+    Parameters
+    ----------
+    adapter : HeadAdapter
+    hidden : torch.Tensor
+        ``[N, d]`` model dtype: each request's rows, its target rows then its bonus row,
+        request after request.
+    seeds, pos : torch.Tensor
+        ``[N]`` int64: each row's request seed and position (V2's ``pos`` of the row).
+    temp : torch.Tensor
+        ``[N]`` float32, each row's request temperature (``> 0``; V2 divides by it unless 1).
+    drafts : torch.Tensor
+        ``[N]`` int64: the draft token each target row verifies; ``-1`` on bonus rows.
+    cu : list of int
+        ``[R + 1]``: request ``i``'s rows are ``cu[i] .. cu[i + 1] - 1``.
+
+    Returns
+    -------
+    Verified
+    """
+    N, V, R = hidden.shape[0], adapter.vocab_size, len(cu) - 1
+    dev = hidden.device
+    values = torch.full((N, V), -math.inf, dtype=adapter.dtype, device=dev)
+    certified = torch.zeros(R, dtype=torch.bool)
+    reasons: list[str | None] = ["uncertified"] * R
+    accepted, token = [0] * R, [0] * R
+    lo, hi, hnorm, finite, _ = screen_bounds(adapter, hidden)
+    budget = budget_of(adapter)
+    scored = torch.zeros(V, dtype=torch.bool, device=dev)
+    vals = torch.full((N, V), -math.inf, dtype=adapter.dtype, device=dev)
+    target = drafts >= 0
+    first = torch.cat([drafts[target].unique(), hi.topk(min(FIRST, V), 1).indices[target].flatten().unique()])
+    score_columns(adapter, hidden, hnorm, first.unique(), vals, lo, hi, scored)
+    u = rand_uniform(seeds, pos)
+    fin = finite.cpu().tolist()
+    req_finite = [all(fin[cu[i]:cu[i + 1]]) and float(temp[cu[i]]) > 0 for i in range(R)]
+    for rnd in range(ROUNDS + 1):
+        qlo, qhi = temperature_bounds(lo, hi, temp)
+        dec = decide(qlo, qhi, drafts, u)
+        a, what = first_undecided(dec, cu)
+        open_rows = [cu[i] + a[i] for i in range(R) if req_finite[i] and what[i] == UNDECIDED]
+        room = budget - int(scored.sum())
+        if not open_rows or rnd == ROUNDS or room <= 0:
+            break
+        # the open rows' mass: their tokens of highest upper bound not scored yet
+        rows = torch.tensor(open_rows, device=dev)
+        width = min(V, FIRST << (2 * (rnd + 1)), max(1, room // len(open_rows)))
+        cand = qhi[rows].masked_fill(scored[None], -math.inf).topk(width, 1)
+        new = cand.indices[torch.isfinite(cand.values)].unique()
+        if new.numel() == 0:
+            break
+        score_columns(adapter, hidden, hnorm, new[:room], vals, lo, hi, scored)
+    n_scored = int(scored.sum())
+    # the draws: row r_a of each decided request, d_a masked where it was rejected
+    draw = [i for i in range(R) if req_finite[i] and what[i] != UNDECIDED]
+    for i in range(R):
+        if not req_finite[i]:
+            reasons[i] = "nonfinite"
+        elif i not in draw and int(scored.sum()) >= budget:
+            reasons[i] = "budget"
+    if draw:
+        rows = torch.tensor([cu[i] + a[i] for i in draw], device=dev)
+        masked = torch.zeros(len(draw), V, dtype=torch.bool, device=dev)
+        rej = torch.tensor([what[i] == REJECT for i in draw], device=dev)
+        masked[rej, drafts[rows].clamp(min=0)[rej]] = True
+        res = certify_rows_v2(adapter, hidden[rows], seeds[rows], pos[rows], temp[rows],
+                              masked=masked if bool(rej.any()) else None)
+        n_scored += res.scored
+        ok = res.certified.cpu().tolist()
+        win = res.winner.cpu().tolist()
+        for j, i in enumerate(draw):
+            if not ok[j]:
+                reasons[i] = res.reason[j]
+                continue
+            certified[i], reasons[i], accepted[i], token[i] = True, None, a[i], win[j]
+            r0 = cu[i]
+            for k in range(a[i]):  # accepted rows: one finite token, the draft
+                values[r0 + k, int(drafts[r0 + k])] = 0.0
+            values[r0 + a[i]] = res.values[j]
+    return Verified(values, certified, accepted, token, reasons, n_scored)

@@ -1,0 +1,149 @@
+"""Certify sampled requests' verification in vLLM's V2 ``RejectionSampler`` (the V2 runner's
+speculative steps, CUDA): the wrapped ``RejectionSampler.__call__`` (:mod:`..patches`).
+
+In a step with draft tokens the plan defers every row of a plain temperature-sampling request
+(mode ``spec_sampling``, :func:`~..plan.target_plan`): the head leaves them as placeholders and
+hands their hidden states over on the step. Here, before vLLM's own code:
+
+1. the drafts each row verifies, as V2's ``gather_draft_sampled`` makes them (:func:`drafts_of`:
+   the next row's input token; a placeholder ``-1`` where the request has not sampled past its
+   prefill, which makes its request dense here), each row's request seed, temperature and
+   position, read the way the kernels read them (``expanded_idx_mapping``, ``positions[logits_indices]``);
+2. :func:`~vllm_csv.sampling.verify_v2.certify_verification_v2`: the accepted drafts and the next
+   token of each request from bounds on its rows, decided or not;
+3. a certified request's rows are written as that module hands them to V2 (accepted rows: one
+   finite token, the draft; the first rejected row or the bonus row: the draw's exact values
+   with the rejected draft at ``-inf``; later rows ``-inf``), every other deferred row gets the
+   dense head's values (:mod:`..fill`).
+
+vLLM's unchanged ``RejectionSampler`` then verifies and draws from those logits: the same accepted
+counts and tokens as on the dense head's rows, and no random state to keep in step (V2's
+uniforms and Gumbel noise are hashed from the seed and the position).
+
+Dense instead (:func:`_unsupported`): probabilistic drafts (``draft_logits``: the ratio test
+reads the drafter's probabilities), drafts a grammar invalidated, a top-k or top-p anywhere in
+the batch, min-p or a processor acting on a deferred request, a thinking budget, logprobs asked
+in the batch (V2 computes them over every row), a sampler the V2 hook does not certify,
+verification other than ``standard``, tensor parallelism, deferred rows that are not whole
+requests.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import torch
+
+from ...sampling.scoring import RowsResult
+from ...sampling.sharded_rows import ShardedAdapter
+from ...sampling.verify_v2 import certify_verification_v2
+from ..fill import finish, write_certified
+from ..step import Deferred, DeferredStats, step_of
+from .sampler import _native_processors
+from .spec import verification_ok
+
+
+def drafts_of(input_batch, prefill_len: torch.Tensor) -> torch.Tensor:
+    """V2's ``gather_draft_sampled`` (``spec_decode/rejection_sampler.py``, read in 0.32.0 and
+    0.33.0) in torch: ``[num_logits]`` int64, each logits row's input token, ``-1`` where the row
+    is a draft slot of a request still within its prefill (``local_pos > 0`` and
+    ``pos - local_pos < prefill_len``). Row ``r``'s draft is entry ``r + 1``."""
+    idx = input_batch.logits_indices.long()
+    token = input_batch.input_ids[idx].long()
+    pos = input_batch.positions[idx].long()
+    local = input_batch.expanded_local_pos.long()
+    prefill = prefill_len[input_batch.expanded_idx_mapping.long()].long()
+    return torch.where((local > 0) & (pos - local < prefill), -1, token)
+
+
+def _unsupported(rs, d: Deferred, input_batch, draft_logits, invalid_drafts) -> str | None:
+    if not verification_ok(rs):
+        return "the rejection sampler is not V2's standard verification with its fp32 Gumbel sampler"
+    if isinstance(d.adapter, ShardedAdapter):
+        return "tensor parallelism (the V2 verification certificate is not sharded)"
+    if draft_logits is not None:
+        return "probabilistic drafts (the ratio test reads the drafter's probabilities)"
+    if invalid_drafts is not None:
+        return "drafts checked by a grammar"
+    ss, batch = rs.sampler.sampling_states, input_batch.idx_mapping_np
+    if bool(np.any(ss.top_k.np[batch] != ss.vocab_size) or np.any(ss.top_p.np[batch] != 1.0)):
+        return "top-k or top-p rows in the batch"
+    if ss.max_num_logprobs(batch) != -1:  # (NO_LOGPROBS: computed over every row when any asks)
+        return "logprobs in the batch"
+    slots = input_batch.expanded_idx_mapping[d.rows.to(input_batch.expanded_idx_mapping.device)].cpu().numpy()
+    if bool(np.any(ss.min_p.np[slots] != 0) or np.any(ss.temperature.np[slots] <= 0)):
+        return "min-p or a temperature of 0 on a deferred request"
+    native = _native_processors()
+    if any(native[type(p)](p, slots) for p in rs.sampler.logits_processors):
+        return "logits processors acting on a deferred request"
+    tb = rs.sampler.thinking_budget_state
+    if getattr(tb, "enabled", False) and bool(np.any(tb.use_thinking_budget[slots])):
+        return "a thinking budget"
+    return None
+
+
+def _requests(d: Deferred, input_batch) -> list[int] | None:
+    """The deferred rows as whole requests: ``cu`` (``[R + 1]``, offsets into the deferred rows)
+    where they are consecutive requests' rows in the batch's order, else None."""
+    cu_b = np.asarray(input_batch.cu_num_logits_np[: input_batch.num_reqs + 1], dtype=np.int64)
+    rows = d.rows.numpy()
+    want, cu = [], [0]
+    for i in range(input_batch.num_reqs):
+        if cu_b[i] < cu_b[i + 1] and cu_b[i] in rows:
+            want.extend(range(cu_b[i], cu_b[i + 1]))
+            cu.append(len(want))
+    return cu if len(want) == rows.size and bool(np.array_equal(np.asarray(want), rows)) else None
+
+
+def resolve(rs, d: Deferred, logits: torch.Tensor, input_batch, draft_logits=None,
+            invalid_drafts=None) -> DeferredStats:
+    """Fill ``logits``' deferred rows (certified requests' rows as
+    :mod:`vllm_csv.sampling.verify_v2` hands them over, the others dense) in place before V2's
+    ``RejectionSampler`` verifies them (module docstring). Host syncs: the drafts' and the
+    certificate's (its rounds read decisions on the host)."""
+    t0 = time.perf_counter()
+    rows = d.rows
+    st = DeferredStats(rows=rows.numel())
+    dev = logits.device
+    dev_rows = rows.to(dev)
+    why = _unsupported(rs, d, input_batch, draft_logits, invalid_drafts)
+    cu = None if why is not None else _requests(d, input_batch)
+    if why is None and cu is None:
+        why = "deferred rows that are not whole requests"
+    certified = torch.zeros(rows.numel(), dtype=torch.bool)
+    if why is None:
+        ss = rs.sampler.sampling_states
+        slot = input_batch.expanded_idx_mapping[dev_rows].long()
+        pos = input_batch.positions[input_batch.logits_indices[dev_rows]].long()
+        following = drafts_of(input_batch, rs.sampler.req_states.prefill_len.gpu.to(dev))
+        nxt = torch.clamp(dev_rows + 1, max=following.numel() - 1)
+        drafts = following[nxt]
+        bonus = torch.zeros(rows.numel(), dtype=torch.bool, device=dev)
+        bonus[torch.tensor(cu[1:], device=dev) - 1] = True
+        drafts = drafts.masked_fill(bonus, -1)
+        # a placeholder draft (-1 on a target row): its request stays dense
+        R = len(cu) - 1
+        bad = (drafts < 0) & ~bonus
+        req_of = torch.repeat_interleave(torch.arange(R, device=dev), torch.tensor(np.diff(cu), device=dev))
+        keep = torch.ones(R, dtype=torch.bool, device=dev)
+        keep[req_of[bad]] = False
+        res = certify_verification_v2(d.adapter, d.hidden, ss.seeds.gpu[slot].long(), pos,
+                                      ss.temperature.gpu[slot].float(), drafts, list(cu))
+        ok = res.certified.to(dev) & keep
+        per_row = ok[req_of]
+        reasons = [None if c else (res.reason[r] or "unsupported") for c, r in zip(per_row.tolist(), req_of.tolist())]
+        certified = write_certified(logits, dev_rows, RowsResult(res.values, per_row, torch.zeros_like(rows),
+                                                                 reasons, res.scored), st)
+    finish(d, logits, dev_rows, certified, None, st, why, t0)
+    return st
+
+
+def verify(orig, rs, logits: torch.Tensor, input_batch, draft_logits=None, invalid_drafts=None, *a, **k):
+    """The wrapped ``RejectionSampler.__call__`` (:mod:`..patches`): the step's deferred rows
+    resolved (:func:`resolve`) and their account settled, then vLLM's own ``orig``."""
+    step = step_of(rs.sampler)
+    d = None if step is None else step.take_handoff(logits)
+    if isinstance(d, Deferred):
+        d.account.settle(resolve(rs, d, logits, input_batch, draft_logits, invalid_drafts))
+    return orig(rs, logits, input_batch, draft_logits, invalid_drafts, *a, **k)
