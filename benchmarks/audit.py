@@ -15,8 +15,12 @@ wrong values. Until ``--sampler-rows`` rows are certified there too, each case a
 batch drawn by vLLM's own ``Sampler`` through the sampler hook, every row with its own sampling
 parameters (greedy, temperature, top-k, top-p, min-p and their mixes; penalties, logit bias,
 allowed ids, bad words and grammar masks by batch: :mod:`vllm_csv.testing.audit_sampler`), against the
-same ``Sampler`` on the dense head: wrong tokens (any row) and RNG streams out of step. The
-campaign is deterministic (seeded); it is a check, not a timing.
+same ``Sampler`` on the dense head: wrong tokens (any row) and RNG streams out of step. Until
+``--verify-requests`` requests are certified, each case with the int8 and fp16 screens also
+runs as sampled requests under V2's speculative verification (one-hot drafts:
+:mod:`vllm_csv.testing.audit_verify`), each certified request's accepted drafts and next token
+checked against V2's verification replayed in float64 on the dense rows. The campaign is
+deterministic (seeded); it is a check, not a timing.
 """
 
 from __future__ import annotations
@@ -34,16 +38,19 @@ import torch
 
 from vllm_csv.testing.audit import DTYPES, FAMILIES, flush_to_zero, run_case, run_sampled_case
 from vllm_csv.testing.audit_sampler import run_sampler_case
+from vllm_csv.testing.audit_verify import run_verify_case
 
 from provenance import commit, machine  # (benchmarks/provenance.py)
 
 SCREENS = ("int8", "int4", "fp16", "ball")
 FIELDS = ("rows", "certified_ids", "certified_values", "certified_sampled", "wrong_ids", "wrong_values",
-          "sampler_rows", "certified_draws", "wrong_tokens", "rng_out_of_step")
+          "sampler_rows", "certified_draws", "wrong_tokens", "rng_out_of_step", "verify_requests",
+          "certified_verifications", "verify_drafts_accepted", "verify_rejections", "wrong_verifications")
+VERIFY_SCREENS = ("int8", "fp16")  # the screens the CUDA head runs (V2's verification is CUDA's)
 
 
 def campaign(target: int, screens, log_every: float = 30.0, random_seeds: int | None = None,
-             sampler_target: int = 0, families=None) -> dict:
+             sampler_target: int = 0, families=None, verify_target: int = 0) -> dict:
     """Cases seed by seed (0, 1, 2, ...; with ``random_seeds``, the i-th seed is drawn from
     ``random.Random(random_seeds)``: a reproducible sweep of seeds anywhere in ``[0, 2^31)``)."""
     table: dict[tuple[str, str, str], dict[str, int]] = defaultdict(lambda: dict.fromkeys(FIELDS, 0))
@@ -52,25 +59,27 @@ def campaign(target: int, screens, log_every: float = 30.0, random_seeds: int | 
     rng = None if random_seeds is None else random.Random(random_seeds)
     seed = 0
     by_mode: dict[str, int] = defaultdict(int)
-    while total["certified_ids"] < target or total["certified_draws"] < sampler_target:
+    while (total["certified_ids"] < target or total["certified_draws"] < sampler_target
+           or total["certified_verifications"] < verify_target):
         case_seed = seed if rng is None else rng.randrange(2**31)
         for fam in families or FAMILIES:
             for dt in DTYPES:
                 for sc in screens:
-                    a, b = run_case(fam, case_seed, dt, sc)
-                    c = run_sampled_case(fam, case_seed, dt, sc) if sc != "ball" else None
                     row = table[(fam, str(dt).removeprefix("torch."), sc)]
-                    for t in (row, total):
-                        t["rows"] += a.rows
-                        t["certified_ids"] += a.certified
-                        t["certified_values"] += b.certified
-                        t["wrong_ids"] += a.wrong_ids + b.wrong_ids
-                        t["wrong_values"] += b.wrong_values
-                        if c is not None:  # sampled top-k rows (vLLM's kept set after the temperature)
-                            t["rows"] += c.rows
-                            t["certified_sampled"] += c.certified
-                            t["wrong_ids"] += c.wrong_ids
-                            t["wrong_values"] += c.wrong_values
+                    if total["certified_ids"] < target:  # (a campaign of draws or verifications alone skips them)
+                        a, b = run_case(fam, case_seed, dt, sc)
+                        c = run_sampled_case(fam, case_seed, dt, sc) if sc != "ball" else None
+                        for t in (row, total):
+                            t["rows"] += a.rows
+                            t["certified_ids"] += a.certified
+                            t["certified_values"] += b.certified
+                            t["wrong_ids"] += a.wrong_ids + b.wrong_ids
+                            t["wrong_values"] += b.wrong_values
+                            if c is not None:  # sampled top-k rows (vLLM's kept set after the temperature)
+                                t["rows"] += c.rows
+                                t["certified_sampled"] += c.certified
+                                t["wrong_ids"] += c.wrong_ids
+                                t["wrong_values"] += c.wrong_values
                     if total["certified_draws"] < sampler_target:  # vLLM's Sampler, hooked and not
                         # (one case in three: every row but the greedy ones deferred)
                         d = run_sampler_case(fam, case_seed, dt, sc, greedy_apart=case_seed % 3 == 0)
@@ -81,6 +90,14 @@ def campaign(target: int, screens, log_every: float = 30.0, random_seeds: int | 
                             t["rng_out_of_step"] += d.rng_out_of_step
                         for m, n in d.certified_by_mode.items():
                             by_mode[m] += n
+                    if total["certified_verifications"] < verify_target and sc in VERIFY_SCREENS:
+                        v = run_verify_case(fam, case_seed, dt, sc)
+                        for t in (row, total):
+                            t["verify_requests"] += v.requests
+                            t["certified_verifications"] += v.certified
+                            t["verify_drafts_accepted"] += v.drafts_accepted
+                            t["verify_rejections"] += v.rejections
+                            t["wrong_verifications"] += v.wrong
         seed += 1
         if time.perf_counter() - last > log_every:
             last = time.perf_counter()
@@ -103,6 +120,10 @@ def markdown(res: dict) -> str:
              f"{t['wrong_tokens']} tokens differ from the dense draw's, {t['rng_out_of_step']} batches with an RNG "
              f"out of step.** Certified draws by mode: "
              + ", ".join(f"{m} {n}" for m, n in res["certified_draws_by_mode"].items()) + ".", "",
+             f"**V2's speculative verification (sampled requests, one-hot drafts): {t['certified_verifications']} "
+             f"certified of {t['verify_requests']} requests ({t['verify_drafts_accepted']} drafts accepted, "
+             f"{t['verify_rejections']} requests with a rejection); {t['wrong_verifications']} differ from the "
+             f"float64 replay.**", "",
              "| family | dtype | rows | certified (ids) | certified (ids + values) | certified (sampled) | wrong ids "
              "| wrong values | sampler rows | certified draws | wrong tokens | RNG out of step |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
@@ -126,6 +147,8 @@ def main(argv=None) -> int:
                    help="draw each case seed from random.Random(N) instead of 0, 1, 2, ...")
     p.add_argument("--sampler-rows", type=int, default=100_000,
                    help="rows certified in vLLM's Sampler through the hook to check (0: none)")
+    p.add_argument("--verify-requests", type=int, default=100_000,
+                   help="sampled requests whose V2 speculative verification is certified, to check (0: none)")
     p.add_argument("--families", nargs="+", default=None, choices=sorted(FAMILIES),
                    help="a subset of the families (default: all)")
     p.add_argument("--flush-to-zero", action="store_true",
@@ -137,7 +160,8 @@ def main(argv=None) -> int:
         if not mode.supported:
             p.error("this CPU cannot flush subnormals")
         res = campaign(args.rows, args.screens, random_seeds=args.random_seeds,
-                       sampler_target=args.sampler_rows, families=args.families)
+                       sampler_target=args.sampler_rows, families=args.families,
+                       verify_target=args.verify_requests)
     res.update(screens=args.screens, random_seeds=args.random_seeds, commit=commit(), torch=torch.__version__, provenance=machine(),
                machine=f"{platform.machine()}, {1 if args.flush_to_zero else args.threads} thread(s)",
                families=args.families or sorted(FAMILIES), flush_to_zero=args.flush_to_zero)
@@ -150,7 +174,8 @@ def main(argv=None) -> int:
     out.with_suffix(".md").write_text(md)
     print(md)
     t = res["total"]
-    return 1 if t["wrong_ids"] or t["wrong_values"] or t["wrong_tokens"] or t["rng_out_of_step"] else 0
+    return 1 if t["wrong_ids"] or t["wrong_values"] or t["wrong_tokens"] or t["rng_out_of_step"] or \
+        t["wrong_verifications"] else 0
 
 
 if __name__ == "__main__":

@@ -62,10 +62,11 @@ from vllm.model_executor.custom_op import op_registry_oot
 from vllm.v1.sample.ops import topk_topp_sampler
 from vllm.v1.worker.gpu.model_runner import GPUModelRunner as V2Runner
 from vllm.v1.worker.gpu.sample.sampler import Sampler as V2Sampler
+from vllm.v1.worker.gpu.spec_decode.rejection_sampler import RejectionSampler as V2RejectionSampler
 from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 from vllm_csv.vllm_plugin.logits_processor import CSVLogitsProcessor
 from vllm_csv.vllm_plugin.v2 import known
-for c in (Sampler, V2Sampler, GPUModelRunner, V2Runner, EngineArgs):
+for c in (Sampler, V2Sampler, V2RejectionSampler, GPUModelRunner, V2Runner, EngineArgs):
     assert getattr(c, "_csv_wrapped", False), c
 assert getattr(topk_topp_sampler.apply_top_k_top_p, "_csv_wrapped", False)
 assert op_registry_oot["LogitsProcessor"] is CSVLogitsProcessor
@@ -76,5 +77,5 @@ print("check_vllm033: the plugin registers against vLLM", vllm.__version__, "(",
 EOF
 
 PYTHONPATH="$SRC:$PWD" "$PY" -m pytest -q -p no:cacheprovider tests/test_sampling_gumbel_v2.py tests/test_sampler_hook_v2.py \
-    tests/test_spec_decode_v2.py
+    tests/test_spec_decode_v2.py tests/test_verify_v2.py
 echo "check_vllm033: passed" >&2

@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 import torch
 
-from vllm_csv.gumbel_noise import noise
 from vllm_csv.sampling import verify_v2 as vv
-from vllm_csv.sampling.gumbel_v2 import uniform
+from vllm_csv.testing.audit_verify import replay, run_verify_case
+from vllm_csv.testing.families import DTYPES, FAMILIES
 
 
 def test_the_uniform_and_the_logprob_bound_hold_against_v2s_own_triton_code(tmp_path):
@@ -89,26 +89,6 @@ def test_first_undecided_walks_each_request_to_its_first_row_not_accepted():
     assert vv.first_undecided(dec, cu)[0][0] == 1 and vv.first_undecided(dec, cu)[1][0] == U
 
 
-def _replay(x: torch.Tensor, drafts: torch.Tensor, seeds, pos, cu):
-    """V2's verification of one-hot drafts in float64 on exact rows ``x`` (already divided by the
-    temperature): per request, accepted drafts and the next token (Gumbel draw, the rejected
-    draft removed)."""
-    u = vv.rand_uniform(seeds, pos).double()
-    lp = x.double().gather(1, drafts.clamp(min=0)[:, None]).squeeze(1) - torch.logsumexp(x.double(), 1)
-    out = []
-    for i in range(len(cu) - 1):
-        a, n = 0, cu[i + 1] - cu[i] - 1
-        while a < n and float(lp[cu[i] + a]) > math.log(float(u[cu[i] + a])):
-            a += 1
-        r = cu[i] + a
-        row = x[r].double().clone()
-        if a < n:
-            row[int(drafts[r])] = -math.inf
-        gum = noise(uniform(seeds[r:r + 1], pos[r:r + 1], torch.arange(x.shape[1])))[0]
-        out.append((a, int((row + gum).argmax())))
-    return out
-
-
 @pytest.mark.parametrize("screen", ["int8", "fp16"])
 def test_certified_requests_are_v2s_verification_replayed_in_float64(screen):
     """Whole requests on a learned-like head: every certified request's accepted count and next
@@ -142,7 +122,7 @@ def test_certified_requests_are_v2s_verification_replayed_in_float64(screen):
             r = cu[i] + j
             drafts[r] = top2[r, int(torch.randint(0, 2, (1,), generator=g))]
     res = vv.certify_verification_v2(adapter, h, seeds, pos, temp, drafts, cu)
-    want = _replay(x, drafts, seeds, pos, cu)
+    want = replay(x, drafts, seeds, pos, cu)
     cert = res.certified.tolist()
     assert sum(cert) >= 0.8 * len(counts), res.reason
     rejected = 0
@@ -151,3 +131,18 @@ def test_certified_requests_are_v2s_verification_replayed_in_float64(screen):
             assert (res.accepted[i], res.token[i]) == want[i], i
             rejected += res.accepted[i] < counts[i]
     assert rejected > 0 and sum(res.accepted[i] for i in range(len(cert)) if cert[i]) > 0
+
+
+def test_hostile_families_never_certify_a_verification_the_float64_replay_contradicts():
+    """The campaign's check (benchmarks/audit.py ``--verify-requests``) on two seeds of every
+    family, dtype and CUDA screen: no certified request differs from V2's verification replayed in
+    float64; requests are certified, with drafts accepted and rejected."""
+    tot = [0, 0, 0, 0]
+    for seed in (0, 1):
+        for fam in FAMILIES:
+            for dt in DTYPES:
+                for sc in ("int8", "fp16"):
+                    o = run_verify_case(fam, seed, dt, sc)
+                    assert o.wrong == 0, (fam, seed, dt, sc, o)
+                    tot = [a + b for a, b in zip(tot, (o.requests, o.certified, o.drafts_accepted, o.rejections))]
+    assert tot[1] > tot[0] // 2 and tot[2] > 0 and tot[3] > 0, tot
