@@ -135,6 +135,12 @@ def markdown(res: dict) -> str:
         lines.append(f"| {f} | {d} | {v['rows']} | {v['certified_ids']} | {v['certified_values']} | "
                      f"{v['certified_sampled']} | {v['wrong_ids']} | {v['wrong_values']} | {v['sampler_rows']} | "
                      f"{v['certified_draws']} | {v['wrong_tokens']} | {v['rng_out_of_step']} |")
+    if t.get("verify_requests"):
+        lines += ["", "| family | dtype | verification requests | certified | drafts accepted | with a rejection "
+                  "| differ from the replay |", "|---|---|---|---|---|---|---|"]
+        lines += [f"| {f} | {d} | {v['verify_requests']} | {v['certified_verifications']} | "
+                  f"{v['verify_drafts_accepted']} | {v['verify_rejections']} | {v['wrong_verifications']} |"
+                  for (f, d), v in sorted(agg.items()) if v["verify_requests"]]
     return "\n".join(lines) + "\n"
 
 

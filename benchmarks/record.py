@@ -419,11 +419,14 @@ def rows_from_audit(d: dict, source: str, **common) -> list[Row]:
                 threads=_threads(prov, d.get("machine")), commit=short_commit(d.get("commit")),
                 dtype="+".join(dtypes), config=cfg, source=source, **common)
     t = d.get("total", {})
+    ran = {k for k in ("rows", "sampler_rows") if t.get(k, 1)}  # (a campaign of verifications alone skips both)
     for k in ("rows", "certified_ids", "certified_values", "certified_sampled", "sampler_rows", "certified_draws"):
-        out.add(k, t.get(k), "rows" if k != "certified_draws" else "draws")
+        if ("sampler_rows" if k in ("sampler_rows", "certified_draws") else "rows") in ran:
+            out.add(k, t.get(k), "rows" if k != "certified_draws" else "draws")
     for k in ("wrong_ids", "wrong_values", "wrong_tokens", "rng_out_of_step"):
-        out.add(k, t.get(k), "rows" if k != "wrong_tokens" else "draws", DENSE_HEAD if k != "wrong_tokens"
-                else "vLLM's sampler on the dense logits, same seeds")
+        if ("sampler_rows" if k in ("wrong_tokens", "rng_out_of_step") else "rows") in ran:
+            out.add(k, t.get(k), "rows" if k != "wrong_tokens" else "draws", DENSE_HEAD if k != "wrong_tokens"
+                    else "vLLM's sampler on the dense logits, same seeds")
     if t.get("verify_requests"):  # (campaigns before the V2 verification audit have none)
         for k in ("verify_requests", "certified_verifications", "verify_drafts_accepted", "verify_rejections"):
             out.add(k, t.get(k), "requests" if k != "verify_drafts_accepted" else "drafts")
