@@ -226,3 +226,77 @@ def test_v2_rejection_sampler_on_certified_rows_equals_dense(tmp_path, monkeypat
         sampled_accepted += sum(int(n) - 1 for n, t in zip(nd.tolist(), b["case"][3]) if t > 0)
     assert certified > 0 and greedy_rows > 0 and accepted > 0, (certified, greedy_rows, accepted)
     assert verified_reqs > 0 and sampled_accepted > 0, (verified_reqs, sampled_accepted)
+
+
+@pytest.mark.parametrize("why", [None, "draft_logits", "invalid_drafts", "top_p", "logprobs", "min_p", "fp64",
+                                 "sharded", "not_whole", "placeholder"])
+def test_the_verification_hook_sends_what_it_cannot_certify_dense(why):
+    """:func:`~vllm_csv.vllm_plugin.v2.verify.resolve` on three sampled requests (2, 1 and 0 drafts):
+    with nothing in the way, requests certified (their rows partial); with probabilistic drafts,
+    drafts a grammar checks, a top-p or logprobs elsewhere in the batch, min-p on a request, fp64
+    noise, a sharded head or rows that are not whole requests, every deferred row is the dense
+    head's, counted ``unsupported``; a request with a placeholder draft (within its prefill) alone."""
+    from test_sampler_hook_v2 import case, defer
+    from vllm_csv.sampling.sharded_rows import ShardedAdapter
+    from vllm_csv.vllm_plugin.v2 import verify as v2_verify
+
+    head, h, temps, seeds, batch0 = case(seed=4, B=6)
+    slots = torch.as_tensor(batch0.idx_mapping_np[:3], dtype=torch.int32)
+    cu = torch.tensor([0, 3, 5, 6], dtype=torch.int32)
+    dense = head.dense_logits(h)
+    ids = dense.float().argmax(-1)
+    input_ids = torch.zeros(6, dtype=torch.long)
+    input_ids[1:3], input_ids[4] = ids[0:2], ids[3]  # (drafts: each target row's argmax)
+    positions, local = torch.tensor([40, 41, 42, 70, 71, 90]), torch.tensor([0, 1, 2, 0, 1, 0])
+    batch = _input_batch(slots, cu, input_ids, positions, local)
+    rows = torch.arange(6)
+    rs = _verifier(temps, seeds)
+    kw = {}
+    if why == "draft_logits":
+        kw["draft_logits"] = torch.zeros(SLOTS, 3, dense.shape[1])
+    if why == "invalid_drafts":
+        kw["invalid_drafts"] = torch.zeros(6, dtype=torch.bool)
+    if why in ("top_p", "logprobs", "min_p"):
+        other = np.setdiff1d(np.arange(SLOTS), batch.idx_mapping_np)[0]
+        batch.idx_mapping_np = np.append(batch.idx_mapping_np, other)  # (a fourth request, not deferred)
+        ss = rs.sampler.sampling_states
+        if why == "top_p":
+            ss.top_p.np[other] = 0.9
+        if why == "logprobs":
+            ss.max_num_logprobs = lambda idx: 2 if other in idx else -1
+        if why == "min_p":
+            ss.min_p.np[batch.idx_mapping_np[0]] = 0.1
+    if why == "fp64":
+        rs.sampler.use_fp64_gumbel = True
+    if why == "not_whole":
+        rows = torch.tensor([0, 1, 3, 4, 5])
+    if why == "placeholder":  # request 1's draft slot within its prefill: gather_draft_sampled gives -1
+        rs.sampler.req_states.prefill_len.gpu[int(slots[1])] = 80
+    d, logits = defer(head, h, rows, [])
+    if why == "sharded":
+        d.adapter = object.__new__(ShardedAdapter)
+    st = v2_verify.resolve(rs, d, logits, batch, **kw)
+    if why is None:
+        assert st.certified.get("sampling", 0) >= 3 and not torch.equal(logits, dense), st
+    elif why == "placeholder":
+        assert torch.equal(logits[3:5], dense[3:5]) and st.fallbacks.get("unsupported") == 2, st
+        assert st.certified.get("sampling", 0) >= 3, st
+    else:
+        assert torch.equal(logits, dense) and st.fallbacks == {"unsupported": rows.numel()} and not st.certified, st
+
+
+def test_the_v2_rejection_sampler_is_wrapped_and_its_calls_pass_through():
+    """install_samplers() wraps V2's ``RejectionSampler.__call__``; without a step's hand-off the
+    call is vLLM's own, every argument passed on."""
+    from vllm.v1.worker.gpu.spec_decode.rejection_sampler import RejectionSampler
+
+    from vllm_csv.vllm_plugin import patches
+    from vllm_csv.vllm_plugin.v2.verify import verify
+
+    patches.install_samplers()
+    assert getattr(RejectionSampler, "_csv_wrapped", False) and RejectionSampler.__call__.__module__ == patches.__name__
+    seen = []
+    rs = _rejection()
+    logits, batch, dl, inv = torch.zeros(2, 3), object(), torch.ones(1), torch.zeros(2, dtype=torch.bool)
+    out = verify(lambda *a: seen.append(a) or "out", rs, logits, batch, dl, inv)
+    assert out == "out" and seen == [(rs, logits, batch, dl, inv)]

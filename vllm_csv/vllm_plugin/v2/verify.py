@@ -96,6 +96,17 @@ def _requests(d: Deferred, input_batch) -> list[int] | None:
     return cu if len(want) == rows.size and bool(np.array_equal(np.asarray(want), rows)) else None
 
 
+def _row_drafts(input_batch, dev_rows: torch.Tensor, cu: list[int], prefill_len: torch.Tensor):
+    """``(drafts, bonus)`` of the deferred rows ``dev_rows`` (whole requests, offsets ``cu``): the
+    draft each target row verifies (:func:`drafts_of`'s next entry), ``-1`` on each request's
+    last row, its bonus row (``bonus``, ``[N]`` bool over the rows)."""
+    following = drafts_of(input_batch, prefill_len)
+    drafts = following[torch.clamp(dev_rows + 1, max=following.numel() - 1)]
+    bonus = torch.zeros(dev_rows.numel(), dtype=torch.bool, device=dev_rows.device)
+    bonus[torch.tensor(cu[1:], device=dev_rows.device) - 1] = True
+    return drafts.masked_fill(bonus, -1), bonus
+
+
 def resolve(rs, d: Deferred, logits: torch.Tensor, input_batch, draft_logits=None,
             invalid_drafts=None) -> DeferredStats:
     """Fill ``logits``' deferred rows (certified requests' rows as
@@ -116,25 +127,32 @@ def resolve(rs, d: Deferred, logits: torch.Tensor, input_batch, draft_logits=Non
         ss = rs.sampler.sampling_states
         slot = input_batch.expanded_idx_mapping[dev_rows].long()
         pos = input_batch.positions[input_batch.logits_indices[dev_rows]].long()
-        following = drafts_of(input_batch, rs.sampler.req_states.prefill_len.gpu.to(dev))
-        nxt = torch.clamp(dev_rows + 1, max=following.numel() - 1)
-        drafts = following[nxt]
-        bonus = torch.zeros(rows.numel(), dtype=torch.bool, device=dev)
-        bonus[torch.tensor(cu[1:], device=dev) - 1] = True
-        drafts = drafts.masked_fill(bonus, -1)
-        # a placeholder draft (-1 on a target row): its request stays dense
+        drafts, bonus = _row_drafts(input_batch, dev_rows, cu, rs.sampler.req_states.prefill_len.gpu.to(dev))
+        # a placeholder draft (-1 on a target row): its request stays dense, out of the certificate
         R = len(cu) - 1
-        bad = (drafts < 0) & ~bonus
-        req_of = torch.repeat_interleave(torch.arange(R, device=dev), torch.tensor(np.diff(cu), device=dev))
+        sizes = torch.tensor(np.diff(cu), device=dev)
+        req_of = torch.repeat_interleave(torch.arange(R, device=dev), sizes)
         keep = torch.ones(R, dtype=torch.bool, device=dev)
-        keep[req_of[bad]] = False
-        res = certify_verification_v2(d.adapter, d.hidden, ss.seeds.gpu[slot].long(), pos,
-                                      ss.temperature.gpu[slot].float(), drafts, list(cu))
-        ok = res.certified.to(dev) & keep
+        keep[req_of[(drafts < 0) & ~bonus]] = False
+        ok = torch.zeros(R, dtype=torch.bool, device=dev)
+        values = torch.empty((rows.numel(), logits.shape[1]), dtype=logits.dtype, device=dev)
+        reason = ["unsupported"] * R
+        scored = 0
+        if bool(keep.any()):
+            kept = keep[req_of]
+            kr = keep.nonzero().squeeze(1)
+            sub_cu = [0] + sizes[kr].cumsum(0).tolist()
+            res = certify_verification_v2(d.adapter, d.hidden[kept], ss.seeds.gpu[slot[kept]].long(), pos[kept],
+                                          ss.temperature.gpu[slot[kept]].float(), drafts[kept], sub_cu)
+            ok[kr] = res.certified.to(dev)
+            values[kept] = res.values.to(values.dtype)
+            for j, r in enumerate(kr.tolist()):
+                reason[r] = res.reason[j]
+            scored = res.scored
         per_row = ok[req_of]
-        reasons = [None if c else (res.reason[r] or "unsupported") for c, r in zip(per_row.tolist(), req_of.tolist())]
-        certified = write_certified(logits, dev_rows, RowsResult(res.values, per_row, torch.zeros_like(rows),
-                                                                 reasons, res.scored), st)
+        reasons = [None if c else (reason[r] or "unsupported") for c, r in zip(per_row.tolist(), req_of.tolist())]
+        certified = write_certified(logits, dev_rows, RowsResult(values, per_row, torch.zeros_like(rows), reasons,
+                                                                 scored), st)
     finish(d, logits, dev_rows, certified, None, st, why, t0)
     return st
 
