@@ -17,8 +17,8 @@ parameters (greedy, temperature, top-k, top-p, min-p and their mixes; penalties,
 allowed ids, bad words and grammar masks by batch: :mod:`vllm_csv.testing.audit_sampler`), against the
 same ``Sampler`` on the dense head: wrong tokens (any row) and RNG streams out of step. Until
 ``--verify-requests`` requests are certified, each case with the int8 and fp16 screens also
-runs as sampled requests under V2's speculative verification (one-hot drafts:
-:mod:`vllm_csv.testing.audit_verify`), each certified request's accepted drafts and next token
+runs as sampled requests under V2's speculative verification (one-hot drafts, and on odd seeds
+probabilistic ones: :mod:`vllm_csv.testing.audit_verify`), each certified request's accepted drafts and next token
 checked against V2's verification replayed in float64 on the dense rows. The campaign is
 deterministic (seeded); it is a check, not a timing.
 """
@@ -45,7 +45,8 @@ from provenance import commit, machine  # (benchmarks/provenance.py)
 SCREENS = ("int8", "int4", "fp16", "ball")
 FIELDS = ("rows", "certified_ids", "certified_values", "certified_sampled", "wrong_ids", "wrong_values",
           "sampler_rows", "certified_draws", "wrong_tokens", "rng_out_of_step", "verify_requests",
-          "certified_verifications", "verify_drafts_accepted", "verify_rejections", "wrong_verifications")
+          "certified_verifications", "certified_verifications_probabilistic", "verify_drafts_accepted",
+          "verify_rejections", "wrong_verifications")
 VERIFY_SCREENS = ("int8", "fp16")  # the screens the CUDA head runs (V2's verification is CUDA's)
 
 
@@ -91,10 +92,12 @@ def campaign(target: int, screens, log_every: float = 30.0, random_seeds: int | 
                         for m, n in d.certified_by_mode.items():
                             by_mode[m] += n
                     if total["certified_verifications"] < verify_target and sc in VERIFY_SCREENS:
-                        v = run_verify_case(fam, case_seed, dt, sc)
+                        # (odd seeds: probabilistic drafts, the drafter's logits beside)
+                        v = run_verify_case(fam, case_seed, dt, sc, probabilistic=case_seed % 2 == 1)
                         for t in (row, total):
                             t["verify_requests"] += v.requests
                             t["certified_verifications"] += v.certified
+                            t["certified_verifications_probabilistic"] += v.certified if case_seed % 2 else 0
                             t["verify_drafts_accepted"] += v.drafts_accepted
                             t["verify_rejections"] += v.rejections
                             t["wrong_verifications"] += v.wrong
@@ -120,8 +123,9 @@ def markdown(res: dict) -> str:
              f"{t['wrong_tokens']} tokens differ from the dense draw's, {t['rng_out_of_step']} batches with an RNG "
              f"out of step.** Certified draws by mode: "
              + ", ".join(f"{m} {n}" for m, n in res["certified_draws_by_mode"].items()) + ".", "",
-             f"**V2's speculative verification (sampled requests, one-hot drafts): {t['certified_verifications']} "
-             f"certified of {t['verify_requests']} requests ({t['verify_drafts_accepted']} drafts accepted, "
+             f"**V2's speculative verification (sampled requests): {t['certified_verifications']} "
+             f"certified of {t['verify_requests']} requests ({t['certified_verifications_probabilistic']} with "
+             f"probabilistic drafts, {t['verify_drafts_accepted']} drafts accepted, "
              f"{t['verify_rejections']} requests with a rejection); {t['wrong_verifications']} differ from the "
              f"float64 replay.**", "",
              "| family | dtype | rows | certified (ids) | certified (ids + values) | certified (sampled) | wrong ids "

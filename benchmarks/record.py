@@ -428,7 +428,8 @@ def rows_from_audit(d: dict, source: str, **common) -> list[Row]:
             out.add(k, t.get(k), "rows" if k != "wrong_tokens" else "draws", DENSE_HEAD if k != "wrong_tokens"
                     else "vLLM's sampler on the dense logits, same seeds")
     if t.get("verify_requests"):  # (campaigns before the V2 verification audit have none)
-        for k in ("verify_requests", "certified_verifications", "verify_drafts_accepted", "verify_rejections"):
+        for k in ("verify_requests", "certified_verifications", "certified_verifications_probabilistic",
+                  "verify_drafts_accepted", "verify_rejections"):
             out.add(k, t.get(k), "requests" if k != "verify_drafts_accepted" else "drafts")
         out.add("wrong_verifications", t.get("wrong_verifications"), "requests",
                 "V2's verification replayed in float64 on the dense rows, same seeds")

@@ -22,6 +22,9 @@ from types import SimpleNamespace
 
 os.environ["TRITON_INTERPRET"] = "1"
 
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+
 
 def _rejection_sampler(c, V: int):
     """vLLM's V2 ``RejectionSampler`` (made without ``__init__``: no CUDA) around its ``Sampler``,
@@ -48,6 +51,15 @@ def _rejection_sampler(c, V: int):
     return rs
 
 
+@triton.jit
+def _log1p(x):
+    """libdevice's ``log1p`` for the interpreter, which has no libdevice (the resampling of
+    probabilistic drafts calls it): ``log(u) x / (u - 1)`` with ``u = fl(1 + x)``, a few ulps from
+    the real one with numpy's ``log`` (``x`` itself where ``u`` rounds to 1)."""
+    u = 1.0 + x
+    return tl.where(u == 1.0, x, tl.log(u) * (x / (u - 1.0)))
+
+
 def run(c: dict) -> list:
     import torch
     import triton
@@ -55,6 +67,7 @@ def run(c: dict) -> list:
     import vllm.triton_utils as tu
 
     tu.triton, tu.tl, tu.HAS_TRITON = triton, tl, True  # before vLLM's V2 modules are imported
+    tu.tldevice = SimpleNamespace(log1p=_log1p)  # (the interpreter has no libdevice)
     samplers, out = {}, []
     for b in c["batches"]:
         rs = samplers.get(b["V"]) or samplers.setdefault(b["V"], _rejection_sampler(c, b["V"]))
@@ -75,7 +88,7 @@ def run(c: dict) -> list:
             batch.input_ids, batch.positions, batch.logits_indices, batch.expanded_idx_mapping,
             batch.expanded_local_pos, rs.sampler.req_states.prefill_len.gpu)[0].long()}
         for name, logits in b["logits"].items():
-            o = rs(logits.clone(), batch, None)
+            o = rs(logits.clone(), batch, b.get("draft_logits"))
             res[name] = (o.sampled_token_ids.clone(), o.num_sampled.clone())
         out.append(res)
     return out

@@ -1,9 +1,10 @@
-"""Certify vLLM's Model Runner V2 verification of one-hot drafts (``standard`` rejection
-sampling; CUDA): for each sampled request of a speculative step, how many of its draft tokens
-are accepted and which token follows them, from bounds on its target rows.
+"""Certify vLLM's Model Runner V2 verification of drafts (``standard`` rejection sampling; CUDA):
+for each sampled request of a speculative step, how many of its draft tokens are accepted and
+which token follows them, from bounds on its target rows.
 
-What V2 computes, read in 0.32.0 and 0.33.0 (``spec_decode/rejection_sampler_utils.py``,
-``draft_logits`` None: ngram drafts, or a greedy drafter's). Request ``i`` has rows
+What V2 computes, read in 0.32.0 and 0.33.0 (``spec_decode/rejection_sampler_utils.py``; one-hot
+drafts, ``draft_logits`` None: ngram drafts, or a drafter's greedy ones, every drafter's default;
+probabilistic drafts below). Request ``i`` has rows
 ``r_0 .. r_n`` (its ``n`` draft tokens' target rows, then its bonus row), each processed by the
 sampler's ``apply_sampling_params`` (for the requests certified here: ``x = fl32(l / T)``, not
 divided at ``T = 1``). Row ``r_j`` verifies draft ``d_j`` (the input token of row ``r_{j + 1}``):
@@ -18,6 +19,13 @@ next token is then V2's Gumbel draw (:mod:`.gumbel_v2`, seed and ``pos_a``) from
 with ``d_a`` removed (``-inf``), or from the bonus row ``r_n`` whole. Rows after ``r_a`` are not
 read.
 
+Probabilistic drafts (``draft_sample_method = "probabilistic"``: V2 keeps the drafter's logits
+``D``, and each draft was drawn from them): V2 accepts ``d_j`` iff ``x_d - lse > log(u) + q_d``
+with ``q = fl(D / T) - lse(fl(D / T))`` computed the same way (:func:`draft_logprob_bounds`: its
+inputs are known exactly, only its arithmetic is bounded), and draws the next token after a
+rejection from the residual ``t + log1p(-exp(q - t))`` where ``exp(q - t) < 1`` (``-inf``
+elsewhere), ``t = x - lse`` (:func:`residual_bounds`), without removing ``d_a``.
+
 The certificate (:func:`certify_verification_v2`): ``x``'s bounds from the head's screen
 (:class:`.HeadAdapter`) through :func:`~.gumbel_v2.temperature_bounds`, every draft token
 scored exactly; :func:`decide` compares bounds on what the kernel computes for
@@ -30,11 +38,14 @@ rows go dense.
 
 What is handed to V2's kernels for a certified request (:class:`Verified`), so that its
 unchanged code takes the same decisions: rows ``r_j, j < a``: ``0`` at ``d_j``, ``-inf``
-elsewhere (then ``lse = x_d``, ``x_d - lse = 0 > log(u)``: accepted, since ``log(u) < 0`` was
-certified: the kernel's ``log(u)`` lies within :func:`log_slack` of the real one, below the
-row's certified lower bound ``<= 0``); row ``r_a``: the draw's exact values on its scored set,
-``-inf`` elsewhere and at ``d_a`` (``x_d - lse = -inf``: rejected; the residual draw returns the
-certified winner, :mod:`.rows_v2`); rows after ``r_a``: ``-inf`` (not read).
+elsewhere (then ``lse = x_d``, ``x_d - lse = 0 > log(u) + q_d``: accepted, since the kernel's
+``log(u) + q_d < 0`` was certified, :func:`decide`); row ``r_a``: with one-hot drafts the draw's
+exact values on its scored set, ``-inf`` elsewhere and at ``d_a`` (``x_d - lse = -inf``:
+rejected; the residual draw returns the certified winner, :mod:`.rows_v2`); with probabilistic
+drafts the residual draw's winner alone (:func:`_residual_draws`); the bonus row: the draw's
+exact values; rows after ``r_a``: ``-inf`` (not read). A probabilistic rejected row's residual
+compares tokens through the row's lse, so its tokens of highest upper bound are scored until
+the lse is within :data:`LSE_WIDTH` before the draw.
 """
 
 from __future__ import annotations
@@ -49,10 +60,11 @@ from ..gumbel_noise import LOG_ABS, LOG_REL
 from .gumbel_v2 import temperature_bounds
 from .head_adapter import HeadAdapter
 from .rows_v2 import certify_rows_v2
-from .scoring import budget_of, score_columns, screen_bounds
+from .scoring import RowsResult, budget_of, score_columns, screen_bounds
 
 ROUNDS = 4  # scoring rounds for undecided acceptances
 FIRST = 32  # tokens of highest upper bound scored per row before the first decision (with the drafts)
+LSE_WIDTH = 0.01  # a rejected row's lse is pinned this tightly before its residual draw (probabilistic drafts)
 BLOCK = 8192  # V2's vocabulary block for the row statistics (``VOCAB_BLOCK_SIZE``)
 RAND_MIN = float(np.float32(4.6566127342e-10))  # ``tl_rand32``'s floor (``_TL_RAND_MIN``), as fp32
 ACCEPT, REJECT, UNDECIDED = 1, -1, 0
@@ -129,7 +141,8 @@ def logprob_slack(V: int, big: torch.Tensor) -> torch.Tensor:
     return 1.01 * rel + LOG_ABS + LOG_REL * math.log(max(V, 2)) + 3 * 2.0**-23 * big
 
 
-def decide(qlo: torch.Tensor, qhi: torch.Tensor, drafts: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+def decide(qlo: torch.Tensor, qhi: torch.Tensor, drafts: torch.Tensor, u: torch.Tensor,
+           draft_lp: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """Each row's verification decision from bounds on its processed logits.
 
     Parameters
@@ -140,12 +153,17 @@ def decide(qlo: torch.Tensor, qhi: torch.Tensor, drafts: torch.Tensor, u: torch.
         ``[N]`` int64, the draft token each row verifies (``< 0``: none, the bonus row).
     u : torch.Tensor
         ``[N]`` float32, :func:`rand_uniform` of each row.
+    draft_lp : tuple of torch.Tensor, optional
+        ``(lo, hi)`` float64 ``[N, V]``: bounds on the kernel's draft log-probabilities
+        (:func:`draft_logprob_bounds`; probabilistic drafts, which V2 accepts when
+        ``x_d - lse > log(u) + q_d``); None: one-hot drafts (``q_d = 0``).
 
     Returns
     -------
     torch.Tensor
         ``[N]`` int8: :data:`ACCEPT` or :data:`REJECT` where the kernel certainly decides so,
-        else :data:`UNDECIDED` (bonus rows included).
+        else :data:`UNDECIDED` (bonus rows included). An acceptance also needs ``log(u) + q_d < 0``
+        for certain: the row handed over for it holds the draft alone (``x_d - lse = 0``).
     """
     N, V = qlo.shape
     d = drafts.clamp(min=0)[:, None]
@@ -158,10 +176,76 @@ def decide(qlo: torch.Tensor, qhi: torch.Tensor, drafts: torch.Tensor, u: torch.
     logu = torch.log(u.double())
     eps = log_slack(logu)
     ok = (drafts >= 0) & torch.isfinite(lp_lo) & torch.isfinite(lp_hi) & torch.isfinite(llo) & torch.isfinite(lhi)
+    rhs_lo, rhs_hi = logu - eps, logu + eps
+    if draft_lp is not None:  # log(u) + q_d, one more fp32 rounding
+        qd_lo, qd_hi = draft_lp[0].gather(1, d).squeeze(1), draft_lp[1].gather(1, d).squeeze(1)
+        add = 2.0**-23 * (logu.abs() + torch.maximum(qd_lo.abs(), qd_hi.abs()))
+        rhs_lo, rhs_hi = rhs_lo + qd_lo - add, rhs_hi + qd_hi + add
+        ok &= torch.isfinite(rhs_lo) & torch.isfinite(rhs_hi)
     out = torch.zeros(N, dtype=torch.int8, device=qlo.device)
-    out[ok & (lp_lo > logu + eps)] = ACCEPT
-    out[ok & (lp_hi < logu - eps)] = REJECT
+    out[ok & (lp_lo > rhs_hi) & (rhs_hi < 0)] = ACCEPT
+    out[ok & (lp_hi < rhs_lo)] = REJECT
     return out
+
+
+def draft_logprob_bounds(draft: torch.Tensor, temp: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Bounds on V2's fp32 draft log-probabilities ``fl(draft / T) - lse`` of every token (the
+    draft logits are given exactly: only the kernel's division, sums, ``exp`` and ``log`` are
+    bounded, as for the target rows: :func:`logprob_slack`).
+
+    Parameters
+    ----------
+    draft : torch.Tensor
+        ``[N, V]`` the drafter's logits of each row as V2 keeps them (pre-temperature).
+    temp : torch.Tensor
+        ``[N]`` float32, the rows' temperatures.
+
+    Returns
+    -------
+    (lo, hi) : tuple of torch.Tensor
+        ``[N, V]`` float64; ``-inf`` on tokens whose draft logit is ``-inf``.
+    """
+    x = draft.float()
+    dlo, dhi = temperature_bounds(x, x, temp)
+    llo, lhi = lse_bounds(dlo, dhi)
+    big = torch.maximum(dlo.double().abs().nan_to_num(posinf=0.0).amax(1), dhi.double().abs().nan_to_num(posinf=0.0).amax(1))
+    slack = logprob_slack(x.shape[1], 2 * big + lhi.abs().nan_to_num(posinf=0.0))[:, None]
+    return dlo.double() - lhi[:, None] - slack, dhi.double() - llo[:, None] + slack
+
+
+def residual_bounds(qlo: torch.Tensor, qhi: torch.Tensor, dlo: torch.Tensor, dhi: torch.Tensor,
+                    lse: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Bounds on what V2's resampling kernel draws from on a rejected row with probabilistic
+    drafts: ``r = t + log1p(-exp(q - t))`` where the fp32 ``exp(q - t) < 1``, else ``-inf``, with
+    ``t = x - lse`` the target's log-probabilities (``x`` within ``qlo, qhi``, ``[R, V]`` float32)
+    and ``q`` the draft's (``dlo, dhi``, ``[R, V]`` float64, :func:`draft_logprob_bounds`).
+
+    ``r`` increases with ``t`` and decreases with ``q``; the kernel's ``exp`` is within
+    ``2^-21 + 104 * 2^-23`` relative of the real one (:func:`logprob_slack`), its ``log1p``
+    (libdevice) and the final addition within ``2^-22`` relative each: a token whose ratio may
+    reach 1 gets a lower bound of ``-inf``, one whose ratio is surely at least 1 both bounds
+    ``-inf``. ``lse``: other bounds on the rows' real lse (``[R]`` float64 each), intersected with
+    those of ``qlo, qhi``. Returns ``[R, V]`` float32, rounded outwards."""
+    from ..fp import round_down32, round_up32
+
+    llo, lhi = lse_bounds(qlo, qhi)
+    if lse is not None:
+        llo, lhi = torch.maximum(llo, lse[0]), torch.minimum(lhi, lse[1])
+    big = torch.maximum(qlo.double().abs().nan_to_num(posinf=0.0).amax(1), qhi.double().abs().nan_to_num(posinf=0.0).amax(1))
+    s = logprob_slack(qlo.shape[1], 2 * big + lhi.abs().nan_to_num(posinf=0.0))[:, None]
+    tlo, thi = qlo.double() - lhi[:, None] - s, qhi.double() - llo[:, None] + s
+    rel = 2.0**-21 + 104 * 2.0**-23
+    with torch.no_grad():
+        rho_lo = torch.exp((dlo - thi).clamp(max=100.0)) * (1 - rel)
+        rho_hi = torch.exp((dhi - tlo).clamp(max=100.0)) * (1 + rel)
+        r_hi = thi + torch.log1p(-rho_lo.clamp(max=1.0))
+        r_lo = tlo + torch.log1p(-rho_hi.clamp(max=1.0))
+    r_hi = torch.where(rho_lo < 1, r_hi + 2.0**-21 * r_hi.abs(), -math.inf)
+    r_lo = torch.where(rho_hi < 1 - 2.0**-20, r_lo - 2.0**-21 * r_lo.abs(), -math.inf)
+    # (NaN: a ratio of two -inf log-probabilities, a token the kernel gives -inf; not nan_to_num,
+    # which would also turn the infinities into the largest finite values)
+    return (round_down32(torch.where(torch.isnan(r_lo), -math.inf, r_lo)),
+            round_up32(torch.where(torch.isnan(r_hi), math.inf, r_hi)))
 
 
 def first_undecided(dec: torch.Tensor, cu: list[int]) -> tuple[list[int], list[int]]:
@@ -192,7 +276,8 @@ class Verified:
 
 
 def certify_verification_v2(adapter: HeadAdapter, hidden: torch.Tensor, seeds: torch.Tensor, pos: torch.Tensor,
-                            temp: torch.Tensor, drafts: torch.Tensor, cu: list[int]) -> Verified:
+                            temp: torch.Tensor, drafts: torch.Tensor, cu: list[int],
+                            draft_logits: torch.Tensor | None = None) -> Verified:
     """Certify V2's verification (module docstring) of ``R`` sampled requests.
 
     Parameters
@@ -209,6 +294,9 @@ def certify_verification_v2(adapter: HeadAdapter, hidden: torch.Tensor, seeds: t
         ``[N]`` int64: the draft token each target row verifies; ``-1`` on bonus rows.
     cu : list of int
         ``[R + 1]``: request ``i``'s rows are ``cu[i] .. cu[i + 1] - 1``.
+    draft_logits : torch.Tensor, optional
+        ``[N, V]``: probabilistic drafts, the drafter's logits (pre-temperature) each target row's
+        draft was drawn from (bonus rows: anything); None: one-hot drafts.
 
     Returns
     -------
@@ -228,13 +316,18 @@ def certify_verification_v2(adapter: HeadAdapter, hidden: torch.Tensor, seeds: t
     first = torch.cat([drafts[target].unique(), hi.topk(min(FIRST, V), 1).indices[target].flatten().unique()])
     score_columns(adapter, hidden, hnorm, first.unique(), vals, lo, hi, scored)
     u = rand_uniform(seeds, pos)
+    dlp = None if draft_logits is None else draft_logprob_bounds(draft_logits, temp)
     fin = finite.cpu().tolist()
     req_finite = [all(fin[cu[i]:cu[i + 1]]) and float(temp[cu[i]]) > 0 for i in range(R)]
     for rnd in range(ROUNDS + 1):
         qlo, qhi = temperature_bounds(lo, hi, temp)
-        dec = decide(qlo, qhi, drafts, u)
+        dec = decide(qlo, qhi, drafts, u, dlp)
         a, what = first_undecided(dec, cu)
         open_rows = [cu[i] + a[i] for i in range(R) if req_finite[i] and what[i] == UNDECIDED]
+        if dlp is not None:  # a residual draw compares tokens through the row's lse: pin it first
+            llo, lhi = lse_bounds(qlo, qhi)
+            open_rows += [cu[i] + a[i] for i in range(R) if req_finite[i] and what[i] == REJECT
+                          and not float(lhi[cu[i] + a[i]] - llo[cu[i] + a[i]]) < LSE_WIDTH]
         room = budget - int(scored.sum())
         if not open_rows or rnd == ROUNDS or room <= 0:
             break
@@ -254,17 +347,26 @@ def certify_verification_v2(adapter: HeadAdapter, hidden: torch.Tensor, seeds: t
             reasons[i] = "nonfinite"
         elif i not in draw and int(scored.sum()) >= budget:
             reasons[i] = "budget"
-    if draw:
-        rows = torch.tensor([cu[i] + a[i] for i in draw], device=dev)
-        masked = torch.zeros(len(draw), V, dtype=torch.bool, device=dev)
-        rej = torch.tensor([what[i] == REJECT for i in draw], device=dev)
-        masked[rej, drafts[rows].clamp(min=0)[rej]] = True
-        res = certify_rows_v2(adapter, hidden[rows], seeds[rows], pos[rows], temp[rows],
-                              masked=masked if bool(rej.any()) else None)
+    # the draws: row r_a of each decided request (the bonus row; with one-hot drafts also a
+    # rejected row, d_a masked; with probabilistic drafts a rejected row's residual: _residual_draws)
+    bonus_or_one_hot = [i for i in draw if what[i] == ACCEPT or dlp is None]
+    for group, residual in ((bonus_or_one_hot, False), ([i for i in draw if i not in bonus_or_one_hot], True)):
+        if not group:
+            continue
+        rows = torch.tensor([cu[i] + a[i] for i in group], device=dev)
+        if residual:
+            lse = lse_bounds(*temperature_bounds(lo[rows], hi[rows], temp[rows]))
+            res = _residual_draws(adapter, hidden[rows], seeds[rows], pos[rows], temp[rows],
+                                  (dlp[0][rows], dlp[1][rows]), drafts[rows], lse)
+        else:
+            masked = torch.zeros(len(group), V, dtype=torch.bool, device=dev)
+            rej = torch.tensor([what[i] == REJECT for i in group], device=dev)
+            masked[rej, drafts[rows].clamp(min=0)[rej]] = True
+            res = certify_rows_v2(adapter, hidden[rows], seeds[rows], pos[rows], temp[rows],
+                                  masked=masked if bool(rej.any()) else None)
         n_scored += res.scored
-        ok = res.certified.cpu().tolist()
-        win = res.winner.cpu().tolist()
-        for j, i in enumerate(draw):
+        ok, win = res.certified.cpu().tolist(), res.winner.cpu().tolist()
+        for j, i in enumerate(group):
             if not ok[j]:
                 reasons[i] = res.reason[j]
                 continue
@@ -274,3 +376,26 @@ def certify_verification_v2(adapter: HeadAdapter, hidden: torch.Tensor, seeds: t
                 values[r0 + k, int(drafts[r0 + k])] = 0.0
             values[r0 + a[i]] = res.values[j]
     return Verified(values, certified, accepted, token, reasons, n_scored)
+
+
+def _residual_draws(adapter: HeadAdapter, hidden: torch.Tensor, seeds: torch.Tensor, pos: torch.Tensor,
+                    temp: torch.Tensor, dlp: tuple[torch.Tensor, torch.Tensor], drafts: torch.Tensor,
+                    lse: tuple[torch.Tensor, torch.Tensor]):
+    """V2's draw from rejected rows' residuals (probabilistic drafts): :func:`~.rows_v2.certify_rows_v2`
+    on :func:`residual_bounds` (``T = 1`` there: the residual is drawn undivided), the rows' lse
+    held within ``lse`` (float64 ``[R]`` bounds from the acceptance rounds' scoring, which the
+    draw's own rounds, starting from the screen, would otherwise redo). A certified
+    row is handed over holding its winner alone (``0``; every other token ``-inf``): the kernel
+    then finds ``t_w = 0``, a ratio ``exp(q_w) < 1`` and the rest ``-inf``, so it draws the
+    winner, and rejects the draft (``x_d = -inf``), which needs the winner not to be the draft
+    and ``q_w`` surely below 0: rows where either fails are not certified."""
+    def residual(lo, hi):
+        qlo, qhi = temperature_bounds(lo, hi, temp)
+        return residual_bounds(qlo, qhi, *dlp, lse=lse)
+
+    res = certify_rows_v2(adapter, hidden, seeds, pos, torch.ones_like(temp), process=residual)
+    w = res.winner[:, None]
+    ok = res.certified & (res.winner != drafts) & (dlp[1].gather(1, w).squeeze(1) < -2.0**-19)
+    values = torch.full_like(res.values, -math.inf).scatter_(1, w, 0.0)
+    reason = [r if c else (r or "uncertified") for r, c in zip(res.reason, ok.tolist())]
+    return RowsResult(values, ok, res.winner, reason, res.scored)

@@ -1,5 +1,6 @@
 """Adversarial audit of V2's verification certificate (:mod:`vllm_csv.sampling.verify_v2`): hostile
-heads and hidden states (:mod:`.families`) as the rows of sampled requests with one-hot drafts,
+heads and hidden states (:mod:`.families`) as the rows of sampled requests with one-hot or
+probabilistic drafts,
 each certified request checked against V2's verification replayed in float64 on the dense rows
 (:func:`replay`: the real-arithmetic decisions, which every certified decision's bounds also
 hold, so a certified request that differs is a wrong certificate). vLLM's own kernels on the
@@ -29,13 +30,18 @@ class VerifyOutcome:
 
 
 def replay(x: torch.Tensor, drafts: torch.Tensor, seeds: torch.Tensor, pos: torch.Tensor,
-           cu: list[int]) -> list[tuple[int, int]]:
-    """V2's verification of one-hot drafts in float64 on rows ``x`` (``[N, V]``, after the
-    temperature): per request, the drafts accepted (``x_d - lse > log u``, ``u`` the Philox
-    uniform) and the next token (``argmax x + g``, the Gumbel noise of the row's seed and
-    position, the rejected draft removed)."""
+           cu: list[int], qx: torch.Tensor | None = None) -> list[tuple[int, int]]:
+    """V2's verification in float64 on rows ``x`` (``[N, V]``, after the temperature): per
+    request, the drafts accepted (``t_d > log u + q_d``, ``t = x - lse``, ``u`` the Philox uniform,
+    ``q`` the log-softmax of the drafter's tempered logits ``qx``, or 0: one-hot drafts) and the
+    next token (``argmax r + g``, the Gumbel noise of the row's seed and position, ``r`` the row
+    with the rejected draft removed, or with probabilistic drafts the residual
+    ``log(e^t - e^q)`` where positive; the bonus row whole)."""
     u = rand_uniform(seeds, pos).double()
-    lp = x.double().gather(1, drafts.clamp(min=0)[:, None]).squeeze(1) - torch.logsumexp(x.double(), 1)
+    t = x.double() - torch.logsumexp(x.double(), 1, keepdim=True)
+    q = None if qx is None else qx.double() - torch.logsumexp(qx.double(), 1, keepdim=True)
+    d = drafts.clamp(min=0)[:, None]
+    lp = t.gather(1, d).squeeze(1) - (0.0 if q is None else q.gather(1, d).squeeze(1))
     out = []
     for i in range(len(cu) - 1):
         a, n = 0, cu[i + 1] - cu[i] - 1
@@ -43,18 +49,21 @@ def replay(x: torch.Tensor, drafts: torch.Tensor, seeds: torch.Tensor, pos: torc
             a += 1
         r = cu[i] + a
         row = x[r].double().clone()
-        if a < n:
+        if a < n and q is None:
             row[int(drafts[r])] = -math.inf
+        elif a < n:
+            row = torch.where(q[r] < t[r], t[r] + torch.log1p(-torch.exp(q[r] - t[r])), -math.inf)
         g = noise(uniform(seeds[r:r + 1], pos[r:r + 1], torch.arange(x.shape[1])))[0]
         out.append((a, int((row + g).argmax())))
     return out
 
 
 def run_verify_case(family: str, seed: int, dtype: torch.dtype, screen: str, requests: int = 12,
-                    max_drafts: int = 3) -> VerifyOutcome:
+                    max_drafts: int = 3, probabilistic: bool = False) -> VerifyOutcome:
     """One case: ``requests`` sampled requests of up to ``max_drafts`` drafts each over the
     case's hidden states, temperatures from :data:`~.audit.TEMPERATURES`, drafts the row's best
-    or second-best dense token or a random one."""
+    or second-best dense token or a random one; ``probabilistic``: with the drafter's logits,
+    the dense row plus noise, the draft token (when not the best) overrated by 8."""
     from ..errors import CSVError
     from ..sampling.head_adapter import HeadAdapter
 
@@ -81,11 +90,17 @@ def run_verify_case(family: str, seed: int, dtype: torch.dtype, screen: str, req
         for j in range(c):
             r, how = cu[i] + j, int(torch.randint(0, 3, (1,), generator=g))
             drafts[r] = int(torch.randint(0, V, (1,), generator=g)) if how == 2 else int(top[r, min(how, V - 1)])
-    res = certify_verification_v2(HeadAdapter(head), hidden, seeds, pos, temp, drafts, cu)
+    draft = qx = None
+    if probabilistic:
+        draft = dense.nan_to_num(nan=0.0, posinf=1e4, neginf=-1e4) + 0.3 * torch.randn(N, V, generator=g)
+        boost = (drafts >= 0) & (drafts != top[:, 0])
+        draft[boost.nonzero().squeeze(1), drafts[boost]] += 8.0
+        qx = torch.where(temp[:, None] == 1.0, draft, draft / temp[:, None])
+    res = certify_verification_v2(HeadAdapter(head), hidden, seeds, pos, temp, drafts, cu, draft)
     cert = res.certified.tolist()
     if not any(cert):
         return VerifyOutcome(requests, 0, 0, 0, 0)
-    want = replay(x, drafts, seeds, pos, cu)
+    want = replay(x, drafts, seeds, pos, cu, qx)
     got = [(res.accepted[i], res.token[i]) for i in range(requests)]
     return VerifyOutcome(requests, sum(cert), sum(res.accepted[i] for i in range(requests) if cert[i]),
                          sum(cert[i] and res.accepted[i] < counts[i] for i in range(requests)),

@@ -20,7 +20,7 @@ certified) give the dense run's accepted tokens, recovered token and bonus token
 is verified by its own temperature (``is_greedy = temp == 0.0`` per request), so a batch with
 sampled requests needs no check of an expansion (V1's :func:`~..v1.spec.mixed_batches_ok`). A
 plain temperature-sampling request's rows are deferred to the verification hook
-(:mod:`.verify`) where the drafts are one-hot; other sampled requests' rows stay dense. The plan
+(:mod:`.verify`); other sampled requests' rows stay dense. The plan
 is :func:`~..plan.target_plan`, as V1's, kept while the batch and its draft counts hold.
 
 Dense instead (:func:`verification_ok`): any rejection method but ``standard`` (``synthetic``
@@ -57,22 +57,13 @@ def draft_counts(input_batch) -> tuple[int, ...]:
     return tuple(int(n) - 1 for n in np.diff(cu))
 
 
-def one_hot_drafts(runner) -> bool:
-    """Whether the runner's speculator proposes one-hot drafts (no ``draft_logits``: ngram, or a
-    drafter sampling greedily), whose verification :mod:`.verify` certifies for sampled requests;
-    not ``draft_sample_method = "probabilistic"`` (the ratio test reads the drafter's
-    probabilities)."""
-    return getattr(getattr(runner, "speculator", None), "draft_logits", None) is None
-
-
 def spec_plan(runner, base: Plan, input_batch) -> Plan | None:
     """The plan of a V2 step under speculative decoding from the batch's per-request ``base``
     plan (:func:`..plan.target_plan`, kept on ``runner`` while ``base`` and the draft counts
     hold): greedy requests' rows in the head, plain temperature-sampling requests' rows deferred
-    to the verification hook where the drafts are one-hot (:func:`one_hot_drafts`, :mod:`.verify`);
-    None (dense) where the rows are not one request's after another's as read above (a
+    to the verification hook (:mod:`.verify`); None (dense) where the rows are not one request's after another's as read above (a
     request without its bonus row, a row count that is not theirs)."""
     counts = draft_counts(input_batch)
     if len(counts) != len(base.req_ids) or min(counts, default=0) < 0:
         return None
-    return kept_target_plan(runner, base, counts, sampled=one_hot_drafts(runner))
+    return kept_target_plan(runner, base, counts, sampled=True)

@@ -12,16 +12,18 @@ hands their hidden states over on the step. Here, before vLLM's own code:
 2. :func:`~vllm_csv.sampling.verify_v2.certify_verification_v2`: the accepted drafts and the next
    token of each request from bounds on its rows, decided or not;
 3. a certified request's rows are written as that module hands them to V2 (accepted rows: one
-   finite token, the draft; the first rejected row or the bonus row: the draw's exact values
-   with the rejected draft at ``-inf``; later rows ``-inf``), every other deferred row gets the
-   dense head's values (:mod:`..fill`).
+   finite token, the draft; the first rejected row: with one-hot drafts the draw's exact values
+   with the rejected draft at ``-inf``, with probabilistic drafts (``draft_logits``, the
+   drafter's logits V2 keeps for its ratio test) the residual draw's winner alone; the bonus
+   row: the draw's exact values; later rows ``-inf``), every other deferred row gets the dense
+   head's values (:mod:`..fill`).
 
 vLLM's unchanged ``RejectionSampler`` then verifies and draws from those logits: the same accepted
 counts and tokens as on the dense head's rows, and no random state to keep in step (V2's
 uniforms and Gumbel noise are hashed from the seed and the position).
 
-Dense instead (:func:`_unsupported`): probabilistic drafts (``draft_logits``: the ratio test
-reads the drafter's probabilities), drafts a grammar invalidated, a top-k or top-p anywhere in
+Dense instead (:func:`_unsupported`): a draft vocabulary of another size (V2 then verifies over
+the smaller), drafts a grammar invalidated, a top-k or top-p anywhere in
 the batch, min-p or a processor acting on a deferred request, a thinking budget, logprobs asked
 in the batch (V2 computes them over every row), a sampler the V2 hook does not certify,
 verification other than ``standard``, tensor parallelism, deferred rows that are not whole
@@ -62,8 +64,8 @@ def _unsupported(rs, d: Deferred, input_batch, draft_logits, invalid_drafts) -> 
         return "the rejection sampler is not V2's standard verification with its fp32 Gumbel sampler"
     if isinstance(d.adapter, ShardedAdapter):
         return "tensor parallelism (the V2 verification certificate is not sharded)"
-    if draft_logits is not None:
-        return "probabilistic drafts (the ratio test reads the drafter's probabilities)"
+    if draft_logits is not None and draft_logits.shape[-1] != d.logits.shape[-1]:
+        return "a draft vocabulary of another size than the target's"
     if invalid_drafts is not None:
         return "drafts checked by a grammar"
     ss, batch = rs.sampler.sampling_states, input_batch.idx_mapping_np
@@ -142,8 +144,12 @@ def resolve(rs, d: Deferred, logits: torch.Tensor, input_batch, draft_logits=Non
             kept = keep[req_of]
             kr = keep.nonzero().squeeze(1)
             sub_cu = [0] + sizes[kr].cumsum(0).tolist()
+            draft = None
+            if draft_logits is not None:  # each target row's drafter logits: [slot, its local position]
+                step = input_batch.expanded_local_pos[dev_rows].long().clamp(max=draft_logits.shape[1] - 1)
+                draft = draft_logits[slot, step][kept]
             res = certify_verification_v2(d.adapter, d.hidden[kept], ss.seeds.gpu[slot[kept]].long(), pos[kept],
-                                          ss.temperature.gpu[slot[kept]].float(), drafts[kept], sub_cu)
+                                          ss.temperature.gpu[slot[kept]].float(), drafts[kept], sub_cu, draft)
             ok[kr] = res.certified.to(dev)
             values[kept] = res.values.to(values.dtype)
             for j, r in enumerate(kr.tolist()):
