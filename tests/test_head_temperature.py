@@ -26,14 +26,25 @@ def kept(logits: torch.Tensor, k: torch.Tensor, temp: torch.Tensor) -> torch.Ten
     return apply_top_k_only(x, k.clone())
 
 
+def kept_v2(logits: torch.Tensor, k: torch.Tensor, temp: torch.Tensor) -> torch.Tensor:
+    """The same with a division as V2's Triton ``/`` may do it (within 2 ulps, subnormal results
+    flushed: ``x fl(1 / t)``, then zero below the smallest normal)."""
+    x = logits.float() * (1.0 / temp[:, None])
+    x = torch.where(x.abs() < torch.finfo(torch.float32).tiny, torch.zeros_like(x), x)
+    return apply_top_k_only(x, k.clone())
+
+
 def check(head, W, h, k, temp):
+    """The head's row and the dense row keep the same set with the same values under V1's
+    division and under a V2-like one."""
     B = h.shape[0]
     ks = torch.full((B,), k, dtype=torch.long)
     t = torch.full((B,), temp, dtype=torch.float32)
     out, stats = head.sampler_logits(h, ks, temperature=t)
     dense = torch.nn.functional.linear(h, W)
-    a, b = kept(out, ks, t), kept(dense, ks, t)
-    assert torch.equal(torch.isfinite(a), torch.isfinite(b)) and torch.equal(a, b)
+    for keep in (kept, kept_v2):
+        a, b = keep(out, ks, t), keep(dense, ks, t)
+        assert torch.equal(torch.isfinite(a), torch.isfinite(b)) and torch.equal(a, b), keep.__name__
     return stats
 
 

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .fp import FP32_UNIT_ROUNDOFF, fp32_matmul_is_ieee, gamma, round_down32, round_up32  # noqa: F401
+from .fp import FP32_UNIT_ROUNDOFF, fp32_matmul_is_ieee, gamma, quotient_bounds, round_down32, round_up32  # noqa: F401
 from .ops.step import single_valued
 
 # Largest bound of a product or partial sum the dense fp32 accumulation may reach
@@ -147,8 +147,11 @@ class DenseEngine:
             ``[B]`` fp32, any real upper bound of every other token's *rounded* dense value
             (rounded here: ``fl_dtype`` is monotone, so ``fl_dtype(high)`` bounds it too).
         temperature : torch.Tensor, optional
-            ``[B]`` fp32: rows with ``t > 0`` are compared as vLLM's sampler sees them,
-            ``fl32(fl32(x) / t)`` (monotone in ``x``) of the transformed bounds.
+            ``[B]`` fp32: rows with ``t > 0`` are compared as vLLM's samplers see them, the
+            transformed bounds divided by ``t`` in fp32 by any division within
+            :data:`~vllm_csv.fp.DIV_REL` ``|q|`` + :data:`~vllm_csv.fp.DIV_ABS` of the real
+            quotient (:func:`~vllm_csv.fp.quotient_bounds`): V1's correctly rounded ``/`` and V2's
+            Triton ``/`` (up to 2 ulps off, subnormal results flushed) alike.
         """
         high = self.round(high)
         ok = low > high
@@ -157,7 +160,7 @@ class DenseEngine:
             ok &= lo_t > hi_t
             if temperature is not None:
                 t = torch.where(temperature > 0, temperature, 1.0).to(torch.float32)
-                ok &= (lo_t / t > hi_t / t) | (temperature <= 0)
+                ok &= (quotient_bounds(lo_t, lo_t, t)[0] > quotient_bounds(hi_t, hi_t, t)[1]) | (temperature <= 0)
         return ok & torch.isfinite(low)
 
     # Where the dense value is known bit for bit (same value, same sign of zero).

@@ -38,6 +38,31 @@ def ulp(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return x.abs() * rel + torch.finfo(dtype).tiny * rel
 
 
+# Division by a temperature. vLLM's V1 sampler divides with torch (correctly rounded); V2's kernels
+# with Triton's fp32 ``/``, which is not (vLLM's kernels say so; PTX ``div.full.f32``: at most 2
+# ulps, i.e. 2^-22 |x / T|, for 2^-126 <= T <= 2^126, subnormal results possibly flushed). A
+# certificate that holds for every division within DIV_REL |q| + DIV_ABS of the real quotient
+# ``q`` holds for both; DIV_ABS covers results below the smallest normal (a subnormal step or a
+# flush to zero).
+DIV_REL, DIV_ABS = 2.0**-22, 2.0**-125
+DIV_T_MIN, DIV_T_MAX = 2.0**-126, 2.0**126
+
+
+def quotient_bounds(lo: torch.Tensor, hi: torch.Tensor, t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp32 bounds on any fp32 division of ``lo <= x <= hi`` by ``t`` within :data:`DIV_REL` ``|q|``
+    + :data:`DIV_ABS` of the real quotient ``q`` (the correctly rounded one included):
+    ``q - DIV_REL |q| - DIV_ABS`` is increasing in ``q``, so its value at ``lo / t`` bounds every
+    ``x`` of the box from below (likewise above), computed in float64 and rounded outwards.
+    ``-inf`` stays ``-inf``; ``t`` outside ``[2^-126, 2^126]`` (or NaN) gives NaN bounds, which no
+    comparison accepts. ``t`` broadcasts against ``lo`` and ``hi``."""
+    t = t.double()
+    qlo, qhi = lo.double() / t, hi.double() / t
+    blo = torch.where(torch.isinf(qlo), qlo, qlo - qlo.abs() * DIV_REL - DIV_ABS)
+    bhi = torch.where(torch.isinf(qhi), qhi, qhi + qhi.abs() * DIV_REL + DIV_ABS)
+    bad = ~((t >= DIV_T_MIN) & (t <= DIV_T_MAX))
+    return round_down32(blo).masked_fill(bad, math.nan), round_up32(bhi).masked_fill(bad, math.nan)
+
+
 def round_up32(x64: torch.Tensor) -> torch.Tensor:
     """fp64 -> fp32, rounding up (an upper bound stays an upper bound; ``inf`` past the range)."""
     x32 = x64.float()

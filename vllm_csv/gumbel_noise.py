@@ -18,18 +18,15 @@ from __future__ import annotations
 
 import torch
 
-from .fp import round_down32, round_up32
+from .fp import DIV_ABS, DIV_REL, DIV_T_MAX, DIV_T_MIN, round_down32, round_up32  # noqa: F401
 
 GUMBEL_MIN = -2.9
 GUMBEL_MAX = 23.5
 EPS_ABS, EPS_REL = 1e-5, 1e-5  # noise bounds: g +- (EPS_ABS + EPS_REL |g|)
 _M32 = 0xFFFFFFFF
-# Temperature: V2 divides the fp32 logits by T with Triton's fp32 ``/``, which is not the
-# correctly rounded division (vLLM's kernels say so; PTX ``div.full.f32``: at most 2 ulps,
-# i.e. 2^-22 |x / T|, for 2^-126 <= T <= 2^126). DIV_ABS covers results below the smallest
-# normal (a subnormal step or a flush to zero).
-DIV_REL, DIV_ABS = 2.0**-22, 2.0**-125
-DIV_T_MIN, DIV_T_MAX = 2.0**-126, 2.0**126
+# Temperature: V2 divides the fp32 logits by T with Triton's fp32 ``/``, not the correctly
+# rounded division: DIV_REL, DIV_ABS and the range of T are fp.py's (one place: the head's
+# sampled top-k certificate holds for the same model of the division).
 # Min-p: the kernel's fp32 ``tl.log(min_p)`` lies within LOG_ABS + LOG_REL |log(min_p)| of the
 # real logarithm. libdevice's ``logf`` is within 1 ulp (2^-23 relative), an approximate
 # ``lg2.approx.f32`` times ln 2 within about 2^-22 absolute near 1; these allow 2^-20 of each

@@ -29,6 +29,7 @@ from collections.abc import Callable
 import torch
 
 from ..dense_engine import DenseEngine
+from ..fp import quotient_bounds
 from ..ops import step as cpu_ops
 
 
@@ -123,24 +124,33 @@ def certify_kept(engine: DenseEngine, z, lower, upper, k, kmax: int, outside_hig
                  ) -> tuple[torch.Tensor, torch.Tensor]:
     """The kept-set certificate of sampled rows (``temp > 0``; no soft-cap).
 
-    vLLM's sampler divides the row by ``t`` in fp32 and keeps every token whose
-    ``x = fl32(fl32(zt) / t)`` is at least the k-th largest ``x``, ties included, then
-    draws among them. Without soft-cap ``zt`` (one correctly rounded product by ``scale``)
-    and ``x`` are replayed exactly on tokens whose value is known bit for bit. With
-    ``x_k`` the k-th largest of those, the row is certified when every other token (a
-    scored one with an unknown value, any unscored one) is bounded strictly below ``x_k``
-    through the same ops (monotone: :meth:`DenseEngine.bound`, then ``/ t``). Then the
-    dense row's kept set is exactly the known tokens with ``x >= x_k``, with the same
-    values, and the rest of the row is masked either way. Returns ``(certified [B],
-    kept [B, S])``; a tie at the k-th value (common deep in a bf16 row) is no obstacle.
+    vLLM's samplers divide the row by ``t`` in fp32 and keep every token whose quotient is at
+    least the k-th largest quotient, ties included, then draw among them. V1 divides with
+    torch (correctly rounded), V2 with Triton's ``/`` (within 2 ulps, subnormal results
+    possibly flushed: :data:`~vllm_csv.fp.DIV_REL`, :data:`~vllm_csv.fp.DIV_ABS`), which
+    may tie what the correct division keeps apart; so the kept set is taken before the
+    division, where it is exact, and separated through it. Without soft-cap ``zt`` (one
+    correctly rounded product by ``scale``) is replayed exactly on tokens whose value is known
+    bit for bit. With ``z_k`` the k-th largest of those, the kept set is the known tokens with
+    ``zt >= z_k`` (ties at the k-th value included: equal inputs give equal quotients) when
+    every other token (a known one below ``z_k``, a scored one with an unknown value, any
+    unscored one, bounded through :meth:`DenseEngine.bound`) has a quotient surely below that
+    of ``z_k`` under any division of the model (:func:`~vllm_csv.fp.quotient_bounds`): then each
+    of them falls below every kept token's quotient, and the k-th largest quotient is a kept
+    token's, whatever the order the division leaves among the kept ones. Returns
+    ``(certified [B], kept [B, S])``; a tie at the k-th value (common deep in a bf16 row) is no
+    obstacle. A tie made by the division itself (two values overflowing to ``inf``, or
+    flushed to zero) is not certified: V1's and V2's divisions may make different ones.
     """
     sampled = temp > 0
     t = torch.where(sampled, temp, 1.0).to(torch.float32)
-    x = engine.transform(z).float() / t[:, None]
-    xk = x.masked_fill(~known, -math.inf).topk(kmax, dim=1).values.gather(1, (k - 1)[:, None])[:, 0]
+    zt = engine.transform(z).float()
+    zk = zt.masked_fill(~known, -math.inf).topk(kmax, dim=1).values.gather(1, (k - 1)[:, None])[:, 0]
+    kept = known & (zt >= zk[:, None])
     high = engine.round(torch.maximum(upper.masked_fill(known, -math.inf).amax(1), outside_high))
-    x_hi = engine.bound(high, up=True) / t
-    return sampled & (xk > x_hi), known & (x >= xk[:, None])
+    below = torch.maximum(zt.masked_fill(~known | kept, -math.inf).amax(1), engine.bound(high, up=True))
+    separated = quotient_bounds(zk, zk, t)[0] > quotient_bounds(below, below, t)[1]
+    return sampled & separated & (zk > -math.inf), kept
 
 
 def reasons(certified: torch.Tensor, ok: torch.Tensor, live: torch.Tensor) -> list[str | None]:

@@ -44,7 +44,7 @@ import math
 
 import torch
 
-from ..fp import round_down32, round_up32
+from ..fp import quotient_bounds
 from ..gumbel_noise import (_M32, DIV_ABS, DIV_REL, DIV_T_MAX, DIV_T_MIN, EPS_ABS, EPS_REL, GUMBEL_MAX,  # noqa: F401
                             GUMBEL_MIN, LOG_ABS, LOG_REL, comparison_margin, min_p_thresholds, murmur3, noise,
                             noise_bounds, uniform)
@@ -71,12 +71,7 @@ def temperature_bounds(ylo: torch.Tensor, yhi: torch.Tensor, temp: torch.Tensor)
         rows whose ``T`` lies outside ``[2^-126, 2^126]`` (or is NaN) get NaN bounds, which no
         certificate accepts.
     """
-    t = temp.double()[:, None]
-    qlo, qhi = ylo.double() / t, yhi.double() / t
-    lo = torch.where(torch.isinf(qlo), qlo, qlo - qlo.abs() * DIV_REL - DIV_ABS)
-    hi = torch.where(torch.isinf(qhi), qhi, qhi + qhi.abs() * DIV_REL + DIV_ABS)
-    bad = ~((t >= DIV_T_MIN) & (t <= DIV_T_MAX))
-    return round_down32(lo).masked_fill_(bad, math.nan), round_up32(hi).masked_fill_(bad, math.nan)
+    return quotient_bounds(ylo, yhi, temp[:, None])
 
 
 def min_p_bounds(qlo: torch.Tensor, qhi: torch.Tensor, min_p: torch.Tensor

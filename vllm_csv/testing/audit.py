@@ -65,11 +65,17 @@ def check(head, case: Case, values: bool) -> Outcome:
     return Outcome(case.hidden.shape[0], int(c.sum()), wrong_ids, wrong_values)
 
 
-def sampler_kept(logits: torch.Tensor, k: torch.Tensor, temp: torch.Tensor) -> torch.Tensor:
-    """What vLLM's CPU sampler draws from for top-k rows, written out here independently:
-    fp32, divided by the row's temperature, every token below the k-th largest value masked
-    to ``-inf`` (ties at the k-th value kept)."""
-    x = logits.float() / temp[:, None]
+def sampler_kept(logits: torch.Tensor, k: torch.Tensor, temp: torch.Tensor, v2: bool = False) -> torch.Tensor:
+    """What vLLM's sampler draws from for top-k rows, written out here independently: fp32,
+    divided by the row's temperature, every token below the k-th largest value masked to
+    ``-inf`` (ties at the k-th value kept). The division is V1's (torch, correctly rounded), or
+    with ``v2`` one as V2's Triton ``/`` may be (``x fl(1 / t)``, within 2 ulps, subnormal
+    results flushed to zero)."""
+    if v2:
+        x = logits.float() * (1.0 / temp[:, None])
+        x = torch.where(x.abs() < torch.finfo(torch.float32).tiny, torch.zeros_like(x), x)
+    else:
+        x = logits.float() / temp[:, None]
     kth = x.topk(int(k.max()), dim=1).values.gather(1, (k - 1)[:, None])
     return x.masked_fill(x < kth, -math.inf)
 
@@ -91,12 +97,15 @@ def check_sampled(head, case: Case, temp: float) -> Outcome:
 def sampled_mismatch(out: torch.Tensor, dense: torch.Tensor, k: torch.Tensor, temp: torch.Tensor,
                      certified: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``(wrong_set [B], wrong_bits [B])`` bool: certified rows of ``out`` whose kept set under
-    :func:`sampler_kept` differs from the dense row's, and those keeping more than one token
-    whose bits differ."""
-    a, b = sampler_kept(out, k, temp), sampler_kept(dense, k, temp)
-    ka, kb = a != -math.inf, b != -math.inf  # kept (+inf kept too: overflow by the division)
-    wrong_set = (ka != kb).any(1) & certified
-    wrong_bits = (_bits(a) != _bits(b)).any(1) & certified & (kb.sum(1) > 1)
+    :func:`sampler_kept` (V1's division or V2's) differs from the dense row's, and those keeping
+    more than one token whose bits differ."""
+    wrong_set = torch.zeros_like(certified)
+    wrong_bits = torch.zeros_like(certified)
+    for v2 in (False, True):
+        a, b = sampler_kept(out, k, temp, v2), sampler_kept(dense, k, temp, v2)
+        ka, kb = a != -math.inf, b != -math.inf  # kept (+inf kept too: overflow by the division)
+        wrong_set |= (ka != kb).any(1) & certified
+        wrong_bits |= (_bits(a) != _bits(b)).any(1) & certified & (kb.sum(1) > 1)
     return wrong_set, wrong_bits
 
 
