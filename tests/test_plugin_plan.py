@@ -209,8 +209,9 @@ def test_v1_plan_rows_in_batch_order_kept_per_request(monkeypatch):
 
 def test_v2_plan_rows_in_batch_order_kept_per_request(monkeypatch):
     """The V2 runner's plan (from the sampling parameters its execute_model kept per request):
-    rows in the batch's order, top-k rows in the head (here no certified sampler: other rows dense), a row whose
-    request is unknown dense; the same plan object while the batch holds the same requests (the
+    rows in the batch's order, greedy rows in the head (here no certified sampler: other rows
+    dense; a sampled top-k row is dense on V2, ``v2.plan.row_entry``), a row whose request is
+    unknown dense; the same plan object while the batch holds the same requests (the
     off-switch's fast lane keys on it), rebuilt when a request changes (a reused id with new
     parameters too) or max_topk differs, each request's row computed once."""
     from types import SimpleNamespace
@@ -222,15 +223,16 @@ def test_v2_plan_rows_in_batch_order_kept_per_request(monkeypatch):
     runner = SimpleNamespace(_csv_sampling_params=params)
     calls = _count_calls(monkeypatch, v2_plan, "row_plan")
     p = v2_plan.build_plan(runner, 64, ["c", "a", "x", "b"])
-    assert p.topk == [0, 1, 0, 5] and p.modes == ["", "greedy", "", "top_k"]
+    assert p.topk == [0, 1, 0, 0] and p.modes == ["", "greedy", "", ""]
     n = len(calls)
     assert v2_plan.build_plan(runner, 64, ["c", "a", "x", "b"]) is p and len(calls) == n
-    assert v2_plan.build_plan(runner, 64, ["a", "c", "x", "b"]).topk == [1, 0, 0, 5]  # reordered
+    assert v2_plan.build_plan(runner, 64, ["a", "c", "x", "b"]).topk == [1, 0, 0, 0]  # reordered
     assert len(calls) == n  # rows kept per request
-    params["a"] = SamplingParams(temperature=0.7, top_k=3, seed=2)  # id reused by a new request
+    params["b"] = SamplingParams(temperature=0)  # id reused by a new request
     q = v2_plan.build_plan(runner, 64, ["a", "c", "x", "b"])
-    assert q.topk == [3, 0, 0, 5] and len(calls) == n + 1
-    assert v2_plan.build_plan(runner, 4, ["a", "c", "x", "b"]).topk == [3, 0, 0, 0]  # k 5 > max_topk 4
+    assert q.topk == [1, 0, 0, 1] and len(calls) == n + 1
+    r = v2_plan.build_plan(runner, 4, ["a", "c", "x", "b"])  # another max_topk: rebuilt
+    assert r is not q and r.topk == [1, 0, 0, 1]
 
 
 def test_sampled_top_k_rows_go_to_a_certifiable_sampler():

@@ -127,8 +127,9 @@ def test_v2_plan_defers_sampled_rows_with_min_p_or_processors_to_a_certified_sam
     """Temperature rows, with min-p, processors, structured output or none of these, and greedy
     rows with processors or structured output are deferred where the V2 sampler is certified
     (and no tensor parallelism); top-p rows stay dense there (a structured one is deferred, and
-    the hook sends its batch dense), a structured row with min_tokens is dense, and plain
-    greedy rows are certified in the head."""
+    the hook sends its batch dense), a structured row with min_tokens is dense, plain greedy
+    rows are certified in the head, and sampled top-k rows are dense (V2 draws them with
+    FlashInfer's rejection sampler or its Triton top-k, which the head's kept set does not model)."""
     from vllm import SamplingParams
     from vllm.sampling_params import StructuredOutputsParams
 
@@ -145,15 +146,15 @@ def test_v2_plan_defers_sampled_rows_with_min_p_or_processors_to_a_certified_sam
     D = DEFER
     ok = SimpleNamespace(_csv_sampling_params=params, sampler=fake_sampler(np.ones(SLOTS, np.float32), np.zeros(SLOTS, np.int64)))
     p = v2_plan.build_plan(ok, 64, ids)
-    assert p.topk == [1, D, 0, D, 5, D, D, D, D, D, 0]
-    assert p.modes == ["greedy", "sampling", "", "processed", "top_k", "min_p", "processed", "structured",
+    assert p.topk == [1, D, 0, D, 0, D, D, D, D, D, 0]  # (a sampled top-k row: dense on V2, row_entry)
+    assert p.modes == ["greedy", "sampling", "", "processed", "", "min_p", "processed", "structured",
                        "structured", "structured", ""]
     assert p.deferred == [1, 3, 5, 6, 7, 8, 9] and p.row_temps[1] == pytest.approx(0.7) and p.row_temps[6] == 0.0
     tp = SimpleNamespace(_csv_sampling_params=params, sampler=ok.sampler,
                          vllm_config=SimpleNamespace(parallel_config=SimpleNamespace(tensor_parallel_size=2)))
     other = SimpleNamespace(_csv_sampling_params=params, sampler=object())
     for runner in (tp, other):
-        assert v2_plan.build_plan(runner, 64, ids).topk == [1, 0, 0, 0, 5, 0, 0, 0, 0, 0, 0]
+        assert v2_plan.build_plan(runner, 64, ids).topk == [1, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0]
 
 
 def test_the_v2_runner_and_sampler_are_wrapped():

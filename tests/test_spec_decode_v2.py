@@ -70,11 +70,11 @@ def test_a_v2_step_with_drafts_certifies_greedy_requests_rows_in_the_head():
     assert p.row_temps[3] == pytest.approx(0.8)
     # a step without drafts under speculation: the greedy request's row, the sampled one deferred
     assert v2_plan.build_plan(runner, 64, input_batch=_batch((0, 0, 0, 0))).topk == [1, DEFER, 0, 0]
-
     assert v2_spec.draft_counts(_batch((3, 0, 2, 1))) == (3, 0, 2, 1)
-    # without speculation: the plain plan (the sampled row deferred to the sampler hook)
+    # without speculation: the plain plan (the sampled row deferred to the sampler hook; a
+    # sampled top-k row dense on V2: v2.plan.row_entry)
     plain = _runner(speculative=False)
-    assert v2_plan.build_plan(plain, 64, input_batch=_batch((0, 0, 0, 0))).topk == [1, DEFER, 5, 0]
+    assert v2_plan.build_plan(plain, 64, input_batch=_batch((0, 0, 0, 0))).topk == [1, DEFER, 0, 0]
     assert v2_plan.build_plan(plain, 64, input_batch=_batch((1, 0, 0, 0))) is None  # (drafts without a config)
 
 

@@ -21,14 +21,24 @@ MODES = ("sampling", "min_p", "processed", "structured")
 
 
 def row_entry(row: tuple[int, str, float], in_sampler: bool) -> tuple[int, str]:
-    """A V2 row's ``(k, mode)``: the head's top-k rows as planned; of the rows to certify in the
-    sampler, temperature sampling with min-p, vLLM's native processors, structured output or
+    """A V2 row's ``(k, mode)``: greedy rows in the head (``k = 1``); of the rows to certify in
+    the sampler, temperature sampling with min-p, vLLM's native processors, structured output or
     none of these, and greedy rows with processors or structured output (modes
-    :data:`MODES`) where the V2 sampler is certified (``in_sampler``); the others dense (the
-    V2 hook replays no top-k or top-p; a structured row with one is labelled ``structured``
-    and deferred, and the hook sends its batch dense: ``sampler._unsupported``)."""
-    k, mode, _ = row
-    if k > 0 or (k == DEFER and mode in MODES and in_sampler):
+    :data:`MODES`) where the V2 sampler is certified (``in_sampler``); the others dense. Dense
+    also: sampled top-k rows, which the head certifies for V1's draw (every token at least the
+    k-th value kept, then the draw among them) but V2 does not draw that way: a batch with no
+    greedy row and no explicit seed goes to FlashInfer's ``top_k_sampling_from_probs``, whose
+    rejection sampling walks the whole row's probabilities (a row holding only the top-k set
+    draws another token from the same random numbers); other batches to vLLM's Triton top-k
+    (Qrita: exactly ``k`` kept, values within ``1e-9`` taken as duplicates and dropped by
+    position, a pivot searched at most 18 times), which the head's kept-set certificate does
+    not model. Top-p rows likewise (the V2 hook replays no top-k or top-p; a structured row
+    with one is labelled ``structured`` and deferred, and the hook sends its batch dense:
+    ``sampler._unsupported``)."""
+    k, mode, t = row
+    if k > 0 and (t == 0.0 or k == 1 and mode == "greedy"):
+        return k, mode
+    if k == DEFER and mode in MODES and in_sampler:
         return k, mode
     return 0, ""
 
