@@ -313,3 +313,64 @@ def test_the_v2_rejection_sampler_is_wrapped_and_its_calls_pass_through():
     logits, batch, dl, inv = torch.zeros(2, 3), object(), torch.ones(1), torch.zeros(2, dtype=torch.bool)
     out = verify(lambda *a: seen.append(a) or "out", rs, logits, batch, dl, inv)
     assert out == "out" and seen == [(rs, logits, batch, dl, inv)]
+
+
+@pytest.mark.parametrize("seed,screen", [(0, "int8"), (1, "fp16")])
+def test_the_verification_hook_with_vllms_processors_equals_dense(tmp_path, seed, screen):
+    """Sampled requests with vLLM's V2 processors (a bias of -4 and +2 on their top tokens,
+    allowed ids, min_tokens' stop tokens and bad words on them, repetition / frequency /
+    presence penalties on outputs holding them; the penalties also count the request's earlier
+    drafts) and without, drafts accepted and rejected: the hook in front of vLLM's V2
+    ``RejectionSampler``, all under Triton's interpreter (``v2_verify_hook_interpreted.py``),
+    gives the dense head's tokens and accepted counts; a hook told no processors does not."""
+    from test_sampler_hook_v2 import D, V
+
+    from vllm_csv.testing.heads import hidden_near_rows, peaked_head
+
+    g = torch.Generator().manual_seed(100 + seed)
+    W, gw = peaked_head(V, D, seed=seed, dtype=torch.bfloat16)
+    R, S, num_spec = 12, SLOTS, 3
+    counts = [int(torch.randint(0, num_spec + 1, (1,), generator=g)) for _ in range(R)]
+    cu = [0] + np.cumsum([n + 1 for n in counts]).tolist()
+    N = cu[-1]
+    h = hidden_near_rows(W, N, gw, scale=1.2)
+    top = torch.nn.functional.linear(h.float(), W.float()).topk(4, dim=1).indices
+    slots = torch.randperm(S, generator=g)[:R]
+    c = {"W": W, "h": h, "screen": screen, "SLOTS": S, "slots": slots, "num_spec": num_spec,
+         "cu_num_logits": torch.tensor(cu), "rows": torch.arange(N), "no_process": seed == 0,
+         "temp": [1.0] * S, "min_p": [0.0] * S, "seeds": torch.randint(-2**62, 2**62, (S,), generator=g).tolist(),
+         "rep": [1.0] * S, "freq": [0.0] * S, "pres": [0.0] * S, "min_tokens": [0] * S,
+         "bias": [{} for _ in range(S)], "allowed": [[] for _ in range(S)], "stop": [[] for _ in range(S)],
+         "bad": [[] for _ in range(S)], "prompt": [[1, 2, 3] for _ in range(S)], "output": [[] for _ in range(S)]}
+    input_ids = torch.randint(0, V, (N,), generator=g)
+    positions, local = [], []
+    for i, (s, n) in enumerate(zip(slots.tolist(), counts)):
+        r0, t = cu[i], top[cu[i]].tolist()
+        c["temp"][s] = (0.5, 0.8, 1.0, 1.3)[i % 4]
+        kind = i % 4
+        if kind == 1:
+            c["bias"][s] = {t[0]: -4.0, t[1]: 2.0}
+            c["allowed"][s] = [x for x in range(0, V, 3) if x != t[2]][:400] if i % 8 == 1 else []
+        if kind == 2:
+            c["min_tokens"][s], c["stop"][s], c["bad"][s] = 5, [t[0]], [t[1]]
+        if kind == 3:
+            c["rep"][s], c["freq"][s], c["pres"][s] = 1.8, 0.7, 0.5
+            c["output"][s] = [t[0], t[0], t[1]]
+        for j in range(n):  # the draft each target row verifies: its best token, its second, or any
+            u = float(torch.rand(1, generator=g))
+            input_ids[r0 + j + 1] = int(top[r0 + j, 0 if u < 0.5 else 1]) if u < 0.8 else int(input_ids[r0 + j + 1])
+        start = int(torch.randint(8, 2**16, (1,), generator=g))
+        positions += list(range(start, start + n + 1))
+        local += list(range(n + 1))
+    c.update(input_ids=input_ids, positions=torch.tensor(positions), local_pos=torch.tensor(local))
+    out = interpreted("v2_verify_hook_interpreted.py", c, tmp_path)
+    (sd, nd), (sh, nh) = out["dense"], out["hooked"]
+    assert torch.equal(nd, nh), (nd, nh)
+    for i, n in enumerate(nd.tolist()):
+        assert torch.equal(sd[i, :n], sh[i, :n]), i
+    certified, fallbacks = out["hooked_stats"]
+    assert certified.get("spec_sampling", 0) >= N // 2, (certified, fallbacks)
+    assert int(nd.sum()) > R  # (drafts accepted)
+    if seed == 0:
+        (sn, nn) = out["no_process"]
+        assert not (torch.equal(nn, nd) and all(torch.equal(sn[i, :n], sd[i, :n]) for i, n in enumerate(nd.tolist())))

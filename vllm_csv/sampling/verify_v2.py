@@ -59,7 +59,7 @@ import torch
 from ..gumbel_noise import LOG_ABS, LOG_REL
 from .gumbel_v2 import temperature_bounds
 from .head_adapter import HeadAdapter
-from .rows_v2 import certify_rows_v2
+from .rows_v2 import Bounds, certify_rows_v2
 from .scoring import RowsResult, budget_of, score_columns, screen_bounds
 
 ROUNDS = 4  # scoring rounds for undecided acceptances
@@ -277,7 +277,7 @@ class Verified:
 
 def certify_verification_v2(adapter: HeadAdapter, hidden: torch.Tensor, seeds: torch.Tensor, pos: torch.Tensor,
                             temp: torch.Tensor, drafts: torch.Tensor, cu: list[int],
-                            draft_logits: torch.Tensor | None = None) -> Verified:
+                            draft_logits: torch.Tensor | None = None, process: Bounds | None = None) -> Verified:
     """Certify V2's verification (module docstring) of ``R`` sampled requests.
 
     Parameters
@@ -297,6 +297,10 @@ def certify_verification_v2(adapter: HeadAdapter, hidden: torch.Tensor, seeds: t
     draft_logits : torch.Tensor, optional
         ``[N, V]``: probabilistic drafts, the drafter's logits (pre-temperature) each target row's
         draft was drawn from (bonus rows: anything); None: one-hot drafts.
+    process : callable, optional
+        ``(lo, hi) -> (lo, hi)``: vLLM's logits processors V2 runs before the temperature, on
+        ``[N, V]`` float32 bounds of all the rows (out of place; each monotone per token, as in
+        :func:`~.rows_v2.certify_rows_v2`). None: no processor acts on these rows.
 
     Returns
     -------
@@ -319,8 +323,11 @@ def certify_verification_v2(adapter: HeadAdapter, hidden: torch.Tensor, seeds: t
     dlp = None if draft_logits is None else draft_logprob_bounds(draft_logits, temp)
     fin = finite.cpu().tolist()
     req_finite = [all(fin[cu[i]:cu[i + 1]]) and float(temp[cu[i]]) > 0 for i in range(R)]
+    def processed(lo, hi):
+        return temperature_bounds(*((lo, hi) if process is None else process(lo, hi)), temp)
+
     for rnd in range(ROUNDS + 1):
-        qlo, qhi = temperature_bounds(lo, hi, temp)
+        qlo, qhi = processed(lo, hi)
         dec = decide(qlo, qhi, drafts, u, dlp)
         a, what = first_undecided(dec, cu)
         open_rows = [cu[i] + a[i] for i in range(R) if req_finite[i] and what[i] == UNDECIDED]
@@ -354,15 +361,16 @@ def certify_verification_v2(adapter: HeadAdapter, hidden: torch.Tensor, seeds: t
         if not group:
             continue
         rows = torch.tensor([cu[i] + a[i] for i in group], device=dev)
+        sub = None if process is None else _rows_of(process, rows, N)
         if residual:
-            lse = lse_bounds(*temperature_bounds(lo[rows], hi[rows], temp[rows]))
+            lse = lse_bounds(*processed(lo, hi))
             res = _residual_draws(adapter, hidden[rows], seeds[rows], pos[rows], temp[rows],
-                                  (dlp[0][rows], dlp[1][rows]), drafts[rows], lse)
+                                  (dlp[0][rows], dlp[1][rows]), drafts[rows], (lse[0][rows], lse[1][rows]), sub)
         else:
             masked = torch.zeros(len(group), V, dtype=torch.bool, device=dev)
             rej = torch.tensor([what[i] == REJECT for i in group], device=dev)
             masked[rej, drafts[rows].clamp(min=0)[rej]] = True
-            res = certify_rows_v2(adapter, hidden[rows], seeds[rows], pos[rows], temp[rows],
+            res = certify_rows_v2(adapter, hidden[rows], seeds[rows], pos[rows], temp[rows], process=sub,
                                   masked=masked if bool(rej.any()) else None)
         n_scored += res.scored
         ok, win = res.certified.cpu().tolist(), res.winner.cpu().tolist()
@@ -378,9 +386,21 @@ def certify_verification_v2(adapter: HeadAdapter, hidden: torch.Tensor, seeds: t
     return Verified(values, certified, accepted, token, reasons, n_scored)
 
 
+def _rows_of(process: Bounds, rows: torch.Tensor, N: int) -> Bounds:
+    """``process`` (a map of all ``N`` rows' bounds) as a map of the bounds of ``rows`` alone: run
+    on ``[N, V]`` tensors holding them (vLLM's processors read a row's context by its place among
+    the rows: a request's earlier drafts for the penalties), the other rows zeros."""
+    def sub(lo: torch.Tensor, hi: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        full = [torch.zeros((N, x.shape[1]), dtype=x.dtype, device=x.device).index_copy_(0, rows, x) for x in (lo, hi)]
+        plo, phi = process(*full)
+        return plo[rows], phi[rows]
+
+    return sub
+
+
 def _residual_draws(adapter: HeadAdapter, hidden: torch.Tensor, seeds: torch.Tensor, pos: torch.Tensor,
                     temp: torch.Tensor, dlp: tuple[torch.Tensor, torch.Tensor], drafts: torch.Tensor,
-                    lse: tuple[torch.Tensor, torch.Tensor]):
+                    lse: tuple[torch.Tensor, torch.Tensor], process: Bounds | None = None):
     """V2's draw from rejected rows' residuals (probabilistic drafts): :func:`~.rows_v2.certify_rows_v2`
     on :func:`residual_bounds` (``T = 1`` there: the residual is drawn undivided), the rows' lse
     held within ``lse`` (float64 ``[R]`` bounds from the acceptance rounds' scoring, which the
@@ -390,7 +410,7 @@ def _residual_draws(adapter: HeadAdapter, hidden: torch.Tensor, seeds: torch.Ten
     winner, and rejects the draft (``x_d = -inf``), which needs the winner not to be the draft
     and ``q_w`` surely below 0: rows where either fails are not certified."""
     def residual(lo, hi):
-        qlo, qhi = temperature_bounds(lo, hi, temp)
+        qlo, qhi = temperature_bounds(*((lo, hi) if process is None else process(lo, hi)), temp)
         return residual_bounds(qlo, qhi, *dlp, lse=lse)
 
     res = certify_rows_v2(adapter, hidden, seeds, pos, torch.ones_like(temp), process=residual)

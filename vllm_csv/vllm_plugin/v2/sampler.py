@@ -94,7 +94,10 @@ def _processors(sampler, input_batch, dev_rows: torch.Tensor, rows_np: np.ndarra
     words: :func:`certifiable_sampler` admits no other) as a map of ``[R, V]`` float32 bounds
     of the deferred rows, out of place, with the batch's context cut down to those rows (each
     kernel reads a row's request slot, position, input id and local position by row, and skips
-    requests by slot on the host). Each is monotone non-decreasing per token: a mask to
+    requests by slot on the host; the penalties read a request's earlier draft tokens from the
+    rows before it, so a speculative step's rows must be whole requests, in order). ``rows_np``:
+    each row's index into the batch's per-request arrays (its request's: the rows themselves
+    without draft tokens), ``req`` its request slot. Each is monotone non-decreasing per token: a mask to
     ``-inf``, an fp32 addition, the repetition penalty's multiplication by ``r`` or ``fl(1/r)``
     by sign, subtractions of fixed amounts. The thinking budget, which runs after them, is
     refused (:func:`_unsupported`). None where no processor has work on these rows

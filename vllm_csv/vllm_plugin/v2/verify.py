@@ -42,7 +42,7 @@ from ...sampling.sharded_rows import ShardedAdapter
 from ...sampling.verify_v2 import certify_verification_v2
 from ..fill import finish, write_certified
 from ..step import Deferred, DeferredStats, step_of
-from .sampler import _native_processors
+from .sampler import _processors
 from .spec import verification_ok
 
 
@@ -75,27 +75,27 @@ def _unsupported(rs, d: Deferred, input_batch, draft_logits, invalid_drafts) -> 
         return "logprobs in the batch"
     slots = input_batch.expanded_idx_mapping[d.rows.to(input_batch.expanded_idx_mapping.device)].cpu().numpy()
     if bool(np.any(ss.min_p.np[slots] != 0) or np.any(ss.temperature.np[slots] <= 0)):
-        return "min-p or a temperature of 0 on a deferred request"
-    native = _native_processors()
-    if any(native[type(p)](p, slots) for p in rs.sampler.logits_processors):
-        return "logits processors acting on a deferred request"
+        return "min-p or a temperature of 0 on a deferred request"  # (min-p: V2 takes its threshold
+        # with the rejected draft in the row, the draw without it; not modelled)
     tb = rs.sampler.thinking_budget_state
     if getattr(tb, "enabled", False) and bool(np.any(tb.use_thinking_budget[slots])):
         return "a thinking budget"
     return None
 
 
-def _requests(d: Deferred, input_batch) -> list[int] | None:
-    """The deferred rows as whole requests: ``cu`` (``[R + 1]``, offsets into the deferred rows)
-    where they are consecutive requests' rows in the batch's order, else None."""
+def _requests(d: Deferred, input_batch) -> tuple[list[int], list[int]] | None:
+    """The deferred rows as whole requests: ``(cu, reqs)``, ``cu`` (``[R + 1]``) offsets into the
+    deferred rows and ``reqs`` the requests' indices in the batch, where they are requests' rows
+    in the batch's order; else None."""
     cu_b = np.asarray(input_batch.cu_num_logits_np[: input_batch.num_reqs + 1], dtype=np.int64)
     rows = d.rows.numpy()
-    want, cu = [], [0]
+    want, cu, reqs = [], [0], []
     for i in range(input_batch.num_reqs):
         if cu_b[i] < cu_b[i + 1] and cu_b[i] in rows:
             want.extend(range(cu_b[i], cu_b[i + 1]))
             cu.append(len(want))
-    return cu if len(want) == rows.size and bool(np.array_equal(np.asarray(want), rows)) else None
+            reqs.append(i)
+    return (cu, reqs) if len(want) == rows.size and bool(np.array_equal(np.asarray(want), rows)) else None
 
 
 def _row_drafts(input_batch, dev_rows: torch.Tensor, cu: list[int], prefill_len: torch.Tensor):
@@ -121,11 +121,12 @@ def resolve(rs, d: Deferred, logits: torch.Tensor, input_batch, draft_logits=Non
     dev = logits.device
     dev_rows = rows.to(dev)
     why = _unsupported(rs, d, input_batch, draft_logits, invalid_drafts)
-    cu = None if why is not None else _requests(d, input_batch)
-    if why is None and cu is None:
+    found = None if why is not None else _requests(d, input_batch)
+    if why is None and found is None:
         why = "deferred rows that are not whole requests"
     certified = torch.zeros(rows.numel(), dtype=torch.bool)
     if why is None:
+        cu, reqs = found
         ss = rs.sampler.sampling_states
         slot = input_batch.expanded_idx_mapping[dev_rows].long()
         pos = input_batch.positions[input_batch.logits_indices[dev_rows]].long()
@@ -144,12 +145,15 @@ def resolve(rs, d: Deferred, logits: torch.Tensor, input_batch, draft_logits=Non
             kept = keep[req_of]
             kr = keep.nonzero().squeeze(1)
             sub_cu = [0] + sizes[kr].cumsum(0).tolist()
+            batch_req = np.asarray(reqs)[req_of[kept].cpu().numpy()]  # (each row's request in the batch)
+            process = _processors(rs.sampler, input_batch, dev_rows[kept], batch_req, slot[kept].cpu().numpy())
             draft = None
             if draft_logits is not None:  # each target row's drafter logits: [slot, its local position]
                 step = input_batch.expanded_local_pos[dev_rows].long().clamp(max=draft_logits.shape[1] - 1)
                 draft = draft_logits[slot, step][kept]
             res = certify_verification_v2(d.adapter, d.hidden[kept], ss.seeds.gpu[slot[kept]].long(), pos[kept],
-                                          ss.temperature.gpu[slot[kept]].float(), drafts[kept], sub_cu, draft)
+                                          ss.temperature.gpu[slot[kept]].float(), drafts[kept], sub_cu, draft,
+                                          process)
             ok[kr] = res.certified.to(dev)
             values[kept] = res.values.to(values.dtype)
             for j, r in enumerate(kr.tolist()):

@@ -1,0 +1,93 @@
+"""The V2 verification hook (``vllm_csv/vllm_plugin/v2/verify.py``) in front of vLLM's V2
+``RejectionSampler`` with vLLM's own V2 logits processors, their Triton kernels and the rejection
+kernels run by Triton's interpreter on the CPU: a helper of test_spec_decode_v2.py, run in a
+subprocess (``python v2_verify_hook_interpreted.py CASE OUT``).
+
+CASE (a ``torch.save``'d dict): the head ``W``, the ``screen``, the speculative batch (``h``
+``[N, d]``, request ``slots``, ``cu_num_logits``, ``input_ids``, ``positions``, ``local_pos``),
+``num_spec``, the rows to defer (``rows``: whole sampled requests) and, per slot, what
+``v2_interpreted._sampler`` reads (temperatures, seeds, min-p, biases, allowed ids, stop tokens,
+bad words, penalties, prompts and outputs). OUT gets the tokens and accepted counts vLLM's
+``RejectionSampler`` returns on the dense head's logits (``dense``) and on the hook's
+(``hooked``), the hook's stats (``certified``, ``fallbacks``), and with ``no_process`` also on
+the hook told no processors (``no_process``).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from types import SimpleNamespace
+
+os.environ["TRITON_INTERPRET"] = "1"
+
+
+def run(c: dict) -> dict:
+    import numpy as np
+    import torch
+    import triton
+    import triton.language as tl
+    import vllm.triton_utils as tu
+
+    tu.triton, tu.tl, tu.HAS_TRITON = triton, tl, True  # before vLLM's V2 modules are imported
+    from v2_interpreted import _sampler, _uva
+    from vllm.v1.worker.gpu.spec_decode.rejection_sampler import RejectionSampler
+
+    from vllm_csv import CertifiedHead, HeadConfig
+    from vllm_csv.sampling.head_adapter import HeadAdapter
+    from vllm_csv.testing.fakes import Tally
+    from vllm_csv.vllm_plugin import step as csv_step
+    from vllm_csv.vllm_plugin.v2 import verify
+
+    S, W, h = c["SLOTS"], c["W"], c["h"]
+    head = CertifiedHead(W, config=HeadConfig(screen=c["screen"], off_switch=False, budget=c.get("budget", 0.5)))
+    sampler = _sampler(c)
+    sampler.compute_nans, sampler.logprobs_mode = False, "raw_logprobs"
+    sampler.req_states = SimpleNamespace(prefill_len=_uva(np.ones(S, np.int32)))
+    rs = RejectionSampler.__new__(RejectionSampler)
+    rs.sampler, rs.watermark_key, rs.num_speculative_steps = sampler, None, c["num_spec"]
+    rs.enable_adaptive_verification = rs.use_block_verification = False
+    rs.synthetic_conditional_rates = None
+    rs.fly_window_size, rs.fly_entropy_threshold, rs.fly_entropy_top_k = 0, 0.0, 0  # (0.33's FLy: off)
+
+    slots = c["slots"].to(torch.int32)
+    cu = c["cu_num_logits"].to(torch.int32)
+    R, N = slots.numel(), int(cu[-1])
+    seq_lens = (c["positions"][cu[1:].long() - 1] + 1).to(torch.int32)
+    batch = SimpleNamespace(
+        num_reqs=R, req_ids=[str(i) for i in range(R)], idx_mapping=slots, idx_mapping_np=slots.numpy(),
+        expanded_idx_mapping=torch.repeat_interleave(slots, torch.diff(cu)),
+        expanded_local_pos=c["local_pos"].to(torch.int32), input_ids=c["input_ids"].to(torch.int32),
+        positions=c["positions"].to(torch.int64), logits_indices=torch.arange(N, dtype=torch.int32),
+        cu_num_logits=cu, cu_num_logits_np=cu.numpy(), seq_lens=seq_lens, seq_lens_cpu_upper_bound=seq_lens.clone(),
+        num_draft_tokens=N - R)
+
+    def verified(logits):
+        o = rs(logits.clone(), batch, None)
+        return o.sampled_token_ids.clone(), o.num_sampled.clone()
+
+    dense = head.dense_logits(h)
+    out = {"dense": verified(dense)}
+    rows = c["rows"]
+    for name in ["hooked"] + (["no_process"] if c.get("no_process") else []):
+        logits = dense.clone()
+        logits[rows] = csv_step.PLACEHOLDER
+        d = csv_step.Deferred(logits, h[rows].clone(), rows, ["spec_sampling"] * rows.numel(), HeadAdapter(head),
+                              lambda: head.dense_logits(h), Tally().account())
+        real = verify._processors
+        if name == "no_process":
+            verify._processors = lambda *a, **k: None
+        try:
+            st = verify.resolve(rs, d, logits, batch)
+        finally:
+            verify._processors = real
+        out[name] = verified(logits)
+        out[name + "_stats"] = (dict(st.certified), dict(st.fallbacks))
+    return out
+
+
+if __name__ == "__main__":
+    import torch
+
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    torch.save(run(torch.load(sys.argv[1], weights_only=False)), sys.argv[2])
