@@ -241,7 +241,7 @@ def test_v2_rejection_sampler_on_certified_rows_equals_dense(tmp_path, monkeypat
     assert verified_reqs > 0 and sampled_accepted > 0, (verified_reqs, sampled_accepted)
 
 
-@pytest.mark.parametrize("why", [None, "draft_logits", "invalid_drafts", "top_p", "logprobs", "min_p", "fp64",
+@pytest.mark.parametrize("why", [None, "draft_logits", "invalid_drafts", "top_p", "logprobs", "fp64",
                                  "sharded", "not_whole", "placeholder"])
 def test_the_verification_hook_sends_what_it_cannot_certify_dense(why):
     """:func:`~vllm_csv.vllm_plugin.v2.verify.resolve` on three sampled requests (2, 1 and 0 drafts):
@@ -269,7 +269,7 @@ def test_the_verification_hook_sends_what_it_cannot_certify_dense(why):
         kw["draft_logits"] = torch.zeros(SLOTS, 3, dense.shape[1] - 64)
     if why == "invalid_drafts":
         kw["invalid_drafts"] = torch.zeros(6, dtype=torch.bool)
-    if why in ("top_p", "logprobs", "min_p"):
+    if why in ("top_p", "logprobs"):
         other = np.setdiff1d(np.arange(SLOTS), batch.idx_mapping_np)[0]
         batch.idx_mapping_np = np.append(batch.idx_mapping_np, other)  # (a fourth request, not deferred)
         ss = rs.sampler.sampling_states
@@ -277,8 +277,6 @@ def test_the_verification_hook_sends_what_it_cannot_certify_dense(why):
             ss.top_p.np[other] = 0.9
         if why == "logprobs":
             ss.max_num_logprobs = lambda idx: 2 if other in idx else -1
-        if why == "min_p":
-            ss.min_p.np[batch.idx_mapping_np[0]] = 0.1
     if why == "fp64":
         rs.sampler.use_fp64_gumbel = True
     if why == "not_whole":
@@ -320,7 +318,7 @@ def test_the_verification_hook_with_vllms_processors_equals_dense(tmp_path, seed
     """Sampled requests with vLLM's V2 processors (a bias of -4 and +2 on their top tokens,
     allowed ids, min_tokens' stop tokens and bad words on them, repetition / frequency /
     presence penalties on outputs holding them; the penalties also count the request's earlier
-    drafts) and without, drafts accepted and rejected: the hook in front of vLLM's V2
+    drafts), with min-p (0.05 to 0.5) and with neither, drafts accepted and rejected: the hook in front of vLLM's V2
     ``RejectionSampler``, all under Triton's interpreter (``v2_verify_hook_interpreted.py``),
     gives the dense head's tokens and accepted counts; a hook told no processors does not."""
     from test_sampler_hook_v2 import D, V
@@ -348,6 +346,8 @@ def test_the_verification_hook_with_vllms_processors_equals_dense(tmp_path, seed
         r0, t = cu[i], top[cu[i]].tolist()
         c["temp"][s] = (0.5, 0.8, 1.0, 1.3)[i % 4]
         kind = i % 4
+        if kind in (0, 3) and i % 8 < 4:
+            c["min_p"][s] = (0.05, 0.2, 0.5)[i % 3]
         if kind == 1:
             c["bias"][s] = {t[0]: -4.0, t[1]: 2.0}
             c["allowed"][s] = [x for x in range(0, V, 3) if x != t[2]][:400] if i % 8 == 1 else []

@@ -148,3 +148,32 @@ def test_hostile_families_never_certify_a_verification_the_float64_replay_contra
                         assert o.wrong == 0, (fam, seed, dt, sc, probabilistic, o)
                         tot = [a + b for a, b in zip(tot, (o.requests, o.certified, o.drafts_accepted, o.rejections))]
         assert tot[1] > tot[0] // 3 and tot[2] > 0 and tot[3] > 0, (probabilistic, tot)
+
+
+def test_min_p_takes_its_threshold_with_the_rejected_draft_in_the_row():
+    """V2 applies min-p to the whole row, then its kernel draws with the rejected draft removed:
+    logits 10 (the draft), 9.5 and 9.0 at ``min_p = 0.5`` keep {10, 9.5}, so after a rejection
+    the next token is always the 9.5 one; a certificate that took the threshold without the
+    draft (9.5 + log 0.5 keeps 9.0 too) would draw among two."""
+    from vllm_csv.head import CertifiedHead, HeadConfig
+    from vllm_csv.sampling.head_adapter import HeadAdapter
+
+    V, d = 256, 16
+    W = torch.zeros(V, d)
+    W[:, 1] = -torch.linspace(1.0, 3.0, V)
+    W[:3, 1] = 0.0
+    W[0, 0], W[1, 0], W[2, 0] = 10.0, 9.5, 9.0
+    W = W.bfloat16()
+    head = CertifiedHead(W, config=HeadConfig(screen="int8", off_switch=False, budget=0.5))
+    h = torch.zeros(2, d, dtype=torch.bfloat16)
+    h[:, 0] = h[:, 1] = 1.0
+    drafts = torch.tensor([0, -1])
+    rejected = 0
+    for seed in range(60):
+        res = vv.certify_verification_v2(HeadAdapter(head), h, torch.tensor([seed, seed]), torch.tensor([7, 8]),
+                                         torch.ones(2), drafts, [0, 2], min_p=torch.full((2,), 0.5))
+        if bool(res.certified[0]) and res.accepted[0] == 0:
+            rejected += 1
+            assert res.token[0] == 1, seed
+            assert torch.isfinite(res.values[0]).nonzero().flatten().tolist() == [1], seed
+    assert rejected >= 5, rejected

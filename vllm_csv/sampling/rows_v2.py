@@ -53,7 +53,7 @@ Bounds = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor
 
 def certify_rows_v2(adapter: HeadAdapter, hidden: torch.Tensor, seeds: torch.Tensor, pos: torch.Tensor,
                     temp: torch.Tensor, process: Bounds | None = None, min_p: torch.Tensor | None = None,
-                    masked: torch.Tensor | None = None) -> RowsResult:
+                    masked: torch.Tensor | None = None, removed: torch.Tensor | None = None) -> RowsResult:
     """Certify V2's draw for each row of ``hidden``.
 
     Parameters
@@ -75,6 +75,9 @@ def certify_rows_v2(adapter: HeadAdapter, hidden: torch.Tensor, seeds: torch.Ten
         ``[R]`` float32, each row's ``min_p`` (0: none). None: no row has one.
     masked : torch.Tensor, optional
         ``[R, V]`` bool, the tokens the grammar bitmask set to ``-inf`` (None: none).
+    removed : torch.Tensor, optional
+        ``[R, V]`` bool, tokens the draw leaves out after min-p took its threshold with them
+        (V2's verification: a rejected draft; :mod:`.verify_v2`). None: none.
 
     Returns
     -------
@@ -111,6 +114,8 @@ def certify_rows_v2(adapter: HeadAdapter, hidden: torch.Tensor, seeds: torch.Ten
             # contenders, or the threshold stays as loose as their screen bounds
             maxers = (min_p > 0)[:, None] & (qhi >= qlo.amax(1, keepdim=True))
             qlo, qhi, dropped = min_p_bounds(qlo, qhi, min_p)
+        if removed is not None:
+            qlo, qhi = qlo.masked_fill(removed, -math.inf), qhi.masked_fill(removed, -math.inf)
         w, cert, contenders = certify_draw_v2(qlo, qhi, seeds, pos, noise=noise,
                                               greedy=greedy if any_greedy else None)
         if maxers is not None:
@@ -132,4 +137,6 @@ def certify_rows_v2(adapter: HeadAdapter, hidden: torch.Tensor, seeds: torch.Ten
         values.masked_fill_(dropped, -math.inf)
     if masked is not None:
         values.masked_fill_(masked, -math.inf)
+    if removed is not None:
+        values.masked_fill_(removed, -math.inf)
     return RowsResult(values, certified, winner, reasons(certified, finite, over_budget), int(scored.sum()))

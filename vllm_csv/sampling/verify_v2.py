@@ -57,7 +57,7 @@ import numpy as np
 import torch
 
 from ..gumbel_noise import LOG_ABS, LOG_REL
-from .gumbel_v2 import temperature_bounds
+from .gumbel_v2 import min_p_bounds, temperature_bounds
 from .head_adapter import HeadAdapter
 from .rows_v2 import Bounds, certify_rows_v2
 from .scoring import RowsResult, budget_of, score_columns, screen_bounds
@@ -277,7 +277,8 @@ class Verified:
 
 def certify_verification_v2(adapter: HeadAdapter, hidden: torch.Tensor, seeds: torch.Tensor, pos: torch.Tensor,
                             temp: torch.Tensor, drafts: torch.Tensor, cu: list[int],
-                            draft_logits: torch.Tensor | None = None, process: Bounds | None = None) -> Verified:
+                            draft_logits: torch.Tensor | None = None, process: Bounds | None = None,
+                            min_p: torch.Tensor | None = None) -> Verified:
     """Certify V2's verification (module docstring) of ``R`` sampled requests.
 
     Parameters
@@ -301,6 +302,10 @@ def certify_verification_v2(adapter: HeadAdapter, hidden: torch.Tensor, seeds: t
         ``(lo, hi) -> (lo, hi)``: vLLM's logits processors V2 runs before the temperature, on
         ``[N, V]`` float32 bounds of all the rows (out of place; each monotone per token, as in
         :func:`~.rows_v2.certify_rows_v2`). None: no processor acts on these rows.
+    min_p : torch.Tensor, optional
+        ``[N]`` float32, each row's ``min_p`` (0: none; None: no row has one). V2 applies it in
+        ``apply_sampling_params``, after the temperature, on the whole row (a rejected draft
+        included), before the kernels verify and draw (:func:`_min_p_draws`).
 
     Returns
     -------
@@ -324,7 +329,8 @@ def certify_verification_v2(adapter: HeadAdapter, hidden: torch.Tensor, seeds: t
     fin = finite.cpu().tolist()
     req_finite = [all(fin[cu[i]:cu[i + 1]]) and float(temp[cu[i]]) > 0 for i in range(R)]
     def processed(lo, hi):
-        return temperature_bounds(*((lo, hi) if process is None else process(lo, hi)), temp)
+        qlo, qhi = temperature_bounds(*((lo, hi) if process is None else process(lo, hi)), temp)
+        return (qlo, qhi) if min_p is None else min_p_bounds(qlo, qhi, min_p)[:2]
 
     for rnd in range(ROUNDS + 1):
         qlo, qhi = processed(lo, hi)
@@ -365,7 +371,12 @@ def certify_verification_v2(adapter: HeadAdapter, hidden: torch.Tensor, seeds: t
         if residual:
             lse = lse_bounds(*processed(lo, hi))
             res = _residual_draws(adapter, hidden[rows], seeds[rows], pos[rows], temp[rows],
-                                  (dlp[0][rows], dlp[1][rows]), drafts[rows], (lse[0][rows], lse[1][rows]), sub)
+                                  (dlp[0][rows], dlp[1][rows]), drafts[rows], (lse[0][rows], lse[1][rows]), sub,
+                                  None if min_p is None else min_p[rows])
+        elif min_p is not None:
+            rej = torch.tensor([what[i] == REJECT for i in group], device=dev)
+            res = _min_p_draws(adapter, hidden[rows], seeds[rows], pos[rows], temp[rows], min_p[rows],
+                               torch.where(rej, drafts[rows], -1), sub)
         else:
             masked = torch.zeros(len(group), V, dtype=torch.bool, device=dev)
             rej = torch.tensor([what[i] == REJECT for i in group], device=dev)
@@ -398,9 +409,24 @@ def _rows_of(process: Bounds, rows: torch.Tensor, N: int) -> Bounds:
     return sub
 
 
+def _min_p_draws(adapter: HeadAdapter, hidden: torch.Tensor, seeds: torch.Tensor, pos: torch.Tensor,
+                 temp: torch.Tensor, min_p: torch.Tensor, removed: torch.Tensor, process: Bounds | None = None):
+    """V2's draw from rows with min-p (one-hot drafts): V2 takes min-p's threshold on the whole
+    processed row, the rejected draft ``removed`` (``>= 0``; ``-1``: none, the bonus row) still
+    in it, then its kernel draws with the draft removed: :func:`~.rows_v2.certify_rows_v2` with
+    the draft ``removed`` after min-p (its certified rows carry ``-inf`` on the tokens min-p
+    certainly drops and on the draft)."""
+    gone = torch.zeros(hidden.shape[0], adapter.vocab_size, dtype=torch.bool, device=hidden.device)
+    rows = (removed >= 0).nonzero().squeeze(1)
+    gone[rows, removed[rows]] = True
+    return certify_rows_v2(adapter, hidden, seeds, pos, temp, process=process, min_p=min_p,
+                           removed=gone if rows.numel() else None)
+
+
 def _residual_draws(adapter: HeadAdapter, hidden: torch.Tensor, seeds: torch.Tensor, pos: torch.Tensor,
                     temp: torch.Tensor, dlp: tuple[torch.Tensor, torch.Tensor], drafts: torch.Tensor,
-                    lse: tuple[torch.Tensor, torch.Tensor], process: Bounds | None = None):
+                    lse: tuple[torch.Tensor, torch.Tensor], process: Bounds | None = None,
+                    min_p: torch.Tensor | None = None):
     """V2's draw from rejected rows' residuals (probabilistic drafts): :func:`~.rows_v2.certify_rows_v2`
     on :func:`residual_bounds` (``T = 1`` there: the residual is drawn undivided), the rows' lse
     held within ``lse`` (float64 ``[R]`` bounds from the acceptance rounds' scoring, which the
@@ -411,6 +437,8 @@ def _residual_draws(adapter: HeadAdapter, hidden: torch.Tensor, seeds: torch.Ten
     and ``q_w`` surely below 0: rows where either fails are not certified."""
     def residual(lo, hi):
         qlo, qhi = temperature_bounds(*((lo, hi) if process is None else process(lo, hi)), temp)
+        if min_p is not None:  # (the residual is of the row min-p left)
+            qlo, qhi = min_p_bounds(qlo, qhi, min_p)[:2]
         return residual_bounds(qlo, qhi, *dlp, lse=lse)
 
     res = certify_rows_v2(adapter, hidden, seeds, pos, torch.ones_like(temp), process=residual)

@@ -22,12 +22,14 @@ vLLM's unchanged ``RejectionSampler`` then verifies and draws from those logits:
 counts and tokens as on the dense head's rows, and no random state to keep in step (V2's
 uniforms and Gumbel noise are hashed from the seed and the position).
 
+vLLM's V2 processors (:func:`~.sampler._processors`, each row's context read as V2 reads it in
+a speculative step) and min-p run on the bounds (:mod:`vllm_csv.sampling.verify_v2`).
+
 Dense instead (:func:`_unsupported`): a draft vocabulary of another size (V2 then verifies over
-the smaller), drafts a grammar invalidated, a top-k or top-p anywhere in
-the batch, min-p or a processor acting on a deferred request, a thinking budget, logprobs asked
-in the batch (V2 computes them over every row), a sampler the V2 hook does not certify,
-verification other than ``standard``, tensor parallelism, deferred rows that are not whole
-requests.
+the smaller), drafts a grammar invalidated, a top-k or top-p anywhere in the batch, a thinking
+budget, logprobs asked in the batch (V2 computes them over every row), a sampler the V2 hook
+does not certify, verification other than ``standard``, tensor parallelism, deferred rows that
+are not whole requests.
 """
 
 from __future__ import annotations
@@ -74,9 +76,8 @@ def _unsupported(rs, d: Deferred, input_batch, draft_logits, invalid_drafts) -> 
     if ss.max_num_logprobs(batch) != -1:  # (NO_LOGPROBS: computed over every row when any asks)
         return "logprobs in the batch"
     slots = input_batch.expanded_idx_mapping[d.rows.to(input_batch.expanded_idx_mapping.device)].cpu().numpy()
-    if bool(np.any(ss.min_p.np[slots] != 0) or np.any(ss.temperature.np[slots] <= 0)):
-        return "min-p or a temperature of 0 on a deferred request"  # (min-p: V2 takes its threshold
-        # with the rejected draft in the row, the draw without it; not modelled)
+    if bool(np.any(ss.temperature.np[slots] <= 0)):
+        return "a temperature of 0 on a deferred request"
     tb = rs.sampler.thinking_budget_state
     if getattr(tb, "enabled", False) and bool(np.any(tb.use_thinking_budget[slots])):
         return "a thinking budget"
@@ -147,13 +148,14 @@ def resolve(rs, d: Deferred, logits: torch.Tensor, input_batch, draft_logits=Non
             sub_cu = [0] + sizes[kr].cumsum(0).tolist()
             batch_req = np.asarray(reqs)[req_of[kept].cpu().numpy()]  # (each row's request in the batch)
             process = _processors(rs.sampler, input_batch, dev_rows[kept], batch_req, slot[kept].cpu().numpy())
+            min_p = ss.min_p.gpu[slot].float() if bool(np.any(ss.min_p.np[slot.cpu().numpy()] != 0)) else None
             draft = None
             if draft_logits is not None:  # each target row's drafter logits: [slot, its local position]
                 step = input_batch.expanded_local_pos[dev_rows].long().clamp(max=draft_logits.shape[1] - 1)
                 draft = draft_logits[slot, step][kept]
             res = certify_verification_v2(d.adapter, d.hidden[kept], ss.seeds.gpu[slot[kept]].long(), pos[kept],
                                           ss.temperature.gpu[slot[kept]].float(), drafts[kept], sub_cu, draft,
-                                          process)
+                                          process, min_p[kept] if min_p is not None else None)
             ok[kr] = res.certified.to(dev)
             values[kept] = res.values.to(values.dtype)
             for j, r in enumerate(kr.tolist()):
