@@ -18,7 +18,7 @@ allowed ids, bad words and grammar masks by batch: :mod:`vllm_csv.testing.audit_
 same ``Sampler`` on the dense head: wrong tokens (any row) and RNG streams out of step. Until
 ``--verify-requests`` requests are certified, each case with the int8 and fp16 screens also
 runs as sampled requests under V2's speculative verification (one-hot drafts, and on odd seeds
-probabilistic ones: :mod:`vllm_csv.testing.audit_verify`), each certified request's accepted drafts and next token
+probabilistic ones; on half the seeds min-p on half the requests: :mod:`vllm_csv.testing.audit_verify`), each certified request's accepted drafts and next token
 checked against V2's verification replayed in float64 on the dense rows. The campaign is
 deterministic (seeded); it is a check, not a timing.
 """
@@ -92,8 +92,10 @@ def campaign(target: int, screens, log_every: float = 30.0, random_seeds: int | 
                         for m, n in d.certified_by_mode.items():
                             by_mode[m] += n
                     if total["certified_verifications"] < verify_target and sc in VERIFY_SCREENS:
-                        # (odd seeds: probabilistic drafts, the drafter's logits beside)
-                        v = run_verify_case(fam, case_seed, dt, sc, probabilistic=case_seed % 2 == 1)
+                        # (odd seeds: probabilistic drafts, the drafter's logits beside; seeds 2 and 3
+                        # modulo 4: min-p on half the requests)
+                        v = run_verify_case(fam, case_seed, dt, sc, probabilistic=case_seed % 2 == 1,
+                                            with_min_p=case_seed % 4 >= 2)
                         for t in (row, total):
                             t["verify_requests"] += v.requests
                             t["certified_verifications"] += v.certified

@@ -135,16 +135,16 @@ def test_certified_requests_are_v2s_verification_replayed_in_float64(screen):
 
 def test_hostile_families_never_certify_a_verification_the_float64_replay_contradicts():
     """The campaign's check (benchmarks/audit.py ``--verify-requests``) on two seeds of every
-    family, dtype and CUDA screen, one-hot and probabilistic drafts: no certified request differs
-    from V2's verification replayed in float64; requests are certified, with drafts accepted and
-    rejected."""
+    family, dtype and CUDA screen, one-hot and probabilistic drafts, min-p on the second seed: no
+    certified request differs from V2's verification replayed in float64; requests are
+    certified, with drafts accepted and rejected."""
     for probabilistic in (False, True):
         tot = [0, 0, 0, 0]
         for seed in (0, 1):
             for fam in FAMILIES:
                 for dt in DTYPES:
                     for sc in ("int8", "fp16"):
-                        o = run_verify_case(fam, seed, dt, sc, probabilistic=probabilistic)
+                        o = run_verify_case(fam, seed, dt, sc, probabilistic=probabilistic, with_min_p=seed == 1)
                         assert o.wrong == 0, (fam, seed, dt, sc, probabilistic, o)
                         tot = [a + b for a, b in zip(tot, (o.requests, o.certified, o.drafts_accepted, o.rejections))]
         assert tot[1] > tot[0] // 3 and tot[2] > 0 and tot[3] > 0, (probabilistic, tot)

@@ -30,15 +30,20 @@ class VerifyOutcome:
 
 
 def replay(x: torch.Tensor, drafts: torch.Tensor, seeds: torch.Tensor, pos: torch.Tensor,
-           cu: list[int], qx: torch.Tensor | None = None) -> list[tuple[int, int]]:
+           cu: list[int], qx: torch.Tensor | None = None, min_p: torch.Tensor | None = None) -> list[tuple[int, int]]:
     """V2's verification in float64 on rows ``x`` (``[N, V]``, after the temperature): per
     request, the drafts accepted (``t_d > log u + q_d``, ``t = x - lse``, ``u`` the Philox uniform,
     ``q`` the log-softmax of the drafter's tempered logits ``qx``, or 0: one-hot drafts) and the
     next token (``argmax r + g``, the Gumbel noise of the row's seed and position, ``r`` the row
     with the rejected draft removed, or with probabilistic drafts the residual
-    ``log(e^t - e^q)`` where positive; the bonus row whole)."""
+    ``log(e^t - e^q)`` where positive; the bonus row whole); ``min_p`` (``[N]``, 0: none) first
+    drops every token below ``max + log(min_p)`` of its row, the draft still in it."""
     u = rand_uniform(seeds, pos).double()
-    t = x.double() - torch.logsumexp(x.double(), 1, keepdim=True)
+    x = x.double()
+    if min_p is not None:
+        thr = x.amax(1, keepdim=True) + torch.log(min_p.double().clamp(min=1e-300))[:, None]
+        x = torch.where((min_p[:, None] > 0) & (x < thr), -math.inf, x)
+    t = x - torch.logsumexp(x, 1, keepdim=True)
     q = None if qx is None else qx.double() - torch.logsumexp(qx.double(), 1, keepdim=True)
     d = drafts.clamp(min=0)[:, None]
     lp = t.gather(1, d).squeeze(1) - (0.0 if q is None else q.gather(1, d).squeeze(1))
@@ -59,11 +64,12 @@ def replay(x: torch.Tensor, drafts: torch.Tensor, seeds: torch.Tensor, pos: torc
 
 
 def run_verify_case(family: str, seed: int, dtype: torch.dtype, screen: str, requests: int = 12,
-                    max_drafts: int = 3, probabilistic: bool = False) -> VerifyOutcome:
+                    max_drafts: int = 3, probabilistic: bool = False, with_min_p: bool = False) -> VerifyOutcome:
     """One case: ``requests`` sampled requests of up to ``max_drafts`` drafts each over the
     case's hidden states, temperatures from :data:`~.audit.TEMPERATURES`, drafts the row's best
     or second-best dense token or a random one; ``probabilistic``: with the drafter's logits,
-    the dense row plus noise, the draft token (when not the best) overrated by 8."""
+    the dense row plus noise, the draft token (when not the best) overrated by 8;
+    ``with_min_p``: half the requests with a min-p from 0.05 to 0.9."""
     from ..errors import CSVError
     from ..sampling.head_adapter import HeadAdapter
 
@@ -81,6 +87,10 @@ def run_verify_case(family: str, seed: int, dtype: torch.dtype, screen: str, req
     dense = dense_reference(dataclasses.replace(case, hidden=hidden)).float()
     temps = torch.tensor([_pick(g, TEMPERATURES) for _ in counts], dtype=torch.float32)
     temp = torch.repeat_interleave(temps, sizes)
+    min_p = None
+    if with_min_p:
+        mp = torch.tensor([_pick(g, (0.0, 0.05, 0.3, 0.9)) for _ in counts], dtype=torch.float32)
+        min_p = torch.repeat_interleave(mp, sizes)
     x = torch.where(temp[:, None] == 1.0, dense, dense / temp[:, None])  # (V2 does not divide at T = 1)
     seeds = torch.repeat_interleave(torch.randint(-2**62, 2**62, (requests,), generator=g), sizes)
     pos = torch.cat([torch.arange(int(s)) + int(torch.randint(0, 2**20, (1,), generator=g)) for s in sizes])
@@ -96,11 +106,11 @@ def run_verify_case(family: str, seed: int, dtype: torch.dtype, screen: str, req
         boost = (drafts >= 0) & (drafts != top[:, 0])
         draft[boost.nonzero().squeeze(1), drafts[boost]] += 8.0
         qx = torch.where(temp[:, None] == 1.0, draft, draft / temp[:, None])
-    res = certify_verification_v2(HeadAdapter(head), hidden, seeds, pos, temp, drafts, cu, draft)
+    res = certify_verification_v2(HeadAdapter(head), hidden, seeds, pos, temp, drafts, cu, draft, min_p=min_p)
     cert = res.certified.tolist()
     if not any(cert):
         return VerifyOutcome(requests, 0, 0, 0, 0)
-    want = replay(x, drafts, seeds, pos, cu, qx)
+    want = replay(x, drafts, seeds, pos, cu, qx, min_p)
     got = [(res.accepted[i], res.token[i]) for i in range(requests)]
     return VerifyOutcome(requests, sum(cert), sum(res.accepted[i] for i in range(requests) if cert[i]),
                          sum(cert[i] and res.accepted[i] < counts[i] for i in range(requests)),
