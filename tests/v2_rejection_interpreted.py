@@ -27,24 +27,33 @@ import triton.language as tl  # noqa: E402
 
 
 def _rejection_sampler(c, V: int):
-    """vLLM's V2 ``RejectionSampler`` (made without ``__init__``: no CUDA) around its ``Sampler``,
-    verifying as ``standard`` does (no synthetic rates, no block verification, no FLy window, no
-    adaptive verification, no watermark)."""
+    """vLLM's V2 ``RejectionSampler`` around its ``Sampler`` with the slots' temperatures and
+    seeds and no processor acting (:func:`standard`)."""
     import numpy as np
     import torch
-    from v2_interpreted import _sampler, _uva
-    from vllm.v1.worker.gpu.spec_decode.rejection_sampler import RejectionSampler
+    from v2_interpreted import _sampler
 
     S = c["SLOTS"]
     empty = [[] for _ in range(S)]
-    sampler = _sampler({"SLOTS": S, "W": torch.empty(V, 1), "temp": c["temp"], "min_p": np.zeros(S),
-                        "seeds": c["seeds"], "rep": np.ones(S), "freq": np.zeros(S), "pres": np.zeros(S),
-                        "min_tokens": np.zeros(S, np.int32), "bias": [{} for _ in range(S)], "allowed": empty,
-                        "stop": empty, "bad": empty, "prompt": [[1] for _ in range(S)], "output": empty})
+    return standard(_sampler({"SLOTS": S, "W": torch.empty(V, 1), "temp": c["temp"], "min_p": np.zeros(S),
+                              "seeds": c["seeds"], "rep": np.ones(S), "freq": np.zeros(S), "pres": np.zeros(S),
+                              "min_tokens": np.zeros(S, np.int32), "bias": [{} for _ in range(S)], "allowed": empty,
+                              "stop": empty, "bad": empty, "prompt": [[1] for _ in range(S)], "output": empty}),
+                    S, c["num_spec"])
+
+
+def standard(sampler, S: int, num_spec: int):
+    """vLLM's V2 ``RejectionSampler`` (made without ``__init__``: no CUDA) around ``sampler`` (of
+    ``S`` slots, every prefill one token), verifying as ``standard`` does (no synthetic rates,
+    no block verification, no FLy window, no adaptive verification, no watermark)."""
+    import numpy as np
+    from v2_interpreted import _uva
+    from vllm.v1.worker.gpu.spec_decode.rejection_sampler import RejectionSampler
+
     sampler.compute_nans, sampler.logprobs_mode = False, "raw_logprobs"
     sampler.req_states = SimpleNamespace(prefill_len=_uva(np.ones(S, np.int32)))
     rs = RejectionSampler.__new__(RejectionSampler)
-    rs.sampler, rs.watermark_key, rs.num_speculative_steps = sampler, None, c["num_spec"]
+    rs.sampler, rs.watermark_key, rs.num_speculative_steps = sampler, None, num_spec
     rs.enable_adaptive_verification = rs.use_block_verification = False
     rs.synthetic_conditional_rates = None
     rs.fly_window_size, rs.fly_entropy_threshold, rs.fly_entropy_top_k = 0, 0.0, 0  # (0.33's FLy: off)

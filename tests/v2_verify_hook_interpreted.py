@@ -23,15 +23,14 @@ os.environ["TRITON_INTERPRET"] = "1"
 
 
 def run(c: dict) -> dict:
-    import numpy as np
     import torch
     import triton
     import triton.language as tl
     import vllm.triton_utils as tu
 
     tu.triton, tu.tl, tu.HAS_TRITON = triton, tl, True  # before vLLM's V2 modules are imported
-    from v2_interpreted import _sampler, _uva
-    from vllm.v1.worker.gpu.spec_decode.rejection_sampler import RejectionSampler
+    from v2_interpreted import _sampler
+    from v2_rejection_interpreted import standard
 
     from vllm_csv import CertifiedHead, HeadConfig
     from vllm_csv.sampling.head_adapter import HeadAdapter
@@ -41,14 +40,7 @@ def run(c: dict) -> dict:
 
     S, W, h = c["SLOTS"], c["W"], c["h"]
     head = CertifiedHead(W, config=HeadConfig(screen=c["screen"], off_switch=False, budget=c.get("budget", 0.5)))
-    sampler = _sampler(c)
-    sampler.compute_nans, sampler.logprobs_mode = False, "raw_logprobs"
-    sampler.req_states = SimpleNamespace(prefill_len=_uva(np.ones(S, np.int32)))
-    rs = RejectionSampler.__new__(RejectionSampler)
-    rs.sampler, rs.watermark_key, rs.num_speculative_steps = sampler, None, c["num_spec"]
-    rs.enable_adaptive_verification = rs.use_block_verification = False
-    rs.synthetic_conditional_rates = None
-    rs.fly_window_size, rs.fly_entropy_threshold, rs.fly_entropy_top_k = 0, 0.0, 0  # (0.33's FLy: off)
+    rs = standard(_sampler(c), S, c["num_spec"])  # (vLLM's processors act: c's biases, penalties, ...)
 
     slots = c["slots"].to(torch.int32)
     cu = c["cu_num_logits"].to(torch.int32)
