@@ -46,7 +46,9 @@ def _runner(speculative=True, **rs):
     from vllm import SamplingParams
 
     params = {"g": SamplingParams(temperature=0.0), "s": SamplingParams(temperature=0.8),
-              "k": SamplingParams(temperature=0.7, top_k=5), "lp": SamplingParams(temperature=0.0, logprobs=2)}
+              "k": SamplingParams(temperature=0.7, top_k=5), "lp": SamplingParams(temperature=0.0, logprobs=2),
+              "m": SamplingParams(temperature=0.9, min_p=0.1), "b": SamplingParams(temperature=1.1, logit_bias={3: 1.0}),
+              "gb": SamplingParams(temperature=0.0, logit_bias={3: 1.0}), "p": SamplingParams(temperature=0.7, top_p=0.9)}
     runner = SimpleNamespace(_csv_sampling_params=params, speculative_config=object() if speculative else None)
     runner.rejection_sampler = _rejection(**rs)
     runner.sampler = runner.rejection_sampler.sampler
@@ -71,6 +73,10 @@ def test_a_v2_step_with_drafts_certifies_greedy_requests_rows_in_the_head():
     # a step without drafts under speculation: the greedy request's row, the sampled one deferred
     assert v2_plan.build_plan(runner, 64, input_batch=_batch((0, 0, 0, 0))).topk == [1, DEFER, 0, 0]
     assert v2_spec.draft_counts(_batch((3, 0, 2, 1))) == (3, 0, 2, 1)
+    # sampled requests with min-p or processors deferred too; a greedy one with processors, a
+    # top-p one: dense
+    q = v2_plan.build_plan(runner, 64, input_batch=_batch((1, 1, 1, 1), req_ids=("m", "b", "gb", "p")))
+    assert q.topk == [DEFER] * 4 + [0] * 4 and q.row_modes[:4] == [SPEC_SAMPLED_MODE] * 4
     # without speculation: the plain plan (the sampled row deferred to the sampler hook; a
     # sampled top-k row dense on V2: v2.plan.row_entry)
     plain = _runner(speculative=False)

@@ -36,6 +36,9 @@ from ..vocabulary import SAMPLING_EPS as _SAMPLING_EPS
 DEFER = -1  # certify the row in vLLM's sampler, with the seed it draws (v1.sampler, v2.sampler)
 TARGET_MODE = "spec_greedy"  # greedy requests' verification and bonus rows (one of vocabulary.MODES)
 SPEC_SAMPLED_MODE = "spec_sampling"  # sampled requests' rows in a V2 speculative step (v2/verify.py)
+# the base modes of the sampled requests whose verification the V2 hook certifies: temperature,
+# with min-p, vLLM's native processors, or neither (not top-k, top-p or structured output)
+SPEC_SAMPLED_FROM = ("sampling", "min_p", "processed")
 
 
 @dataclass
@@ -174,15 +177,16 @@ def target_plan(base: Plan, counts: tuple[int, ...], mixed_ok: bool = True, samp
     them, ``k = 1`` (mode :data:`TARGET_MODE`) for a greedy request (``base`` planned it ``k = 1``
     with mode ``greedy``; the rejection samplers read its rows through their argmax); with
     ``sampled`` (the V2 runner's verification hook, :mod:`.v2.verify`), :data:`DEFER` (mode
-    :data:`SPEC_SAMPLED_MODE`) for a plain temperature-sampling request (``base`` deferred it
-    with mode ``sampling``); dense for every other; every row dense where a batch with a sampled
+    :data:`SPEC_SAMPLED_MODE`) for a temperature-sampling request with min-p, vLLM's processors
+    or neither (``base`` deferred it with a mode of :data:`SPEC_SAMPLED_FROM`, at a temperature
+    above 0); dense for every other; every row dense where a batch with a sampled
     request is not certifiable (``mixed_ok`` false: :func:`.v1.spec.mixed_batches_ok`)."""
     all_greedy = all(t == 0.0 for t in base.row_temps)
     req_ids, topk, modes, temps = [], [], [], []
     for rid, k, mode, t, n in zip(base.req_ids, base.topk, base.row_modes, base.row_temps, counts):
         if k == 1 and mode == "greedy" and (mixed_ok or all_greedy):
             entry = (1, TARGET_MODE, 0.0)
-        elif sampled and k == DEFER and mode == "sampling" and mixed_ok:
+        elif sampled and k == DEFER and mode in SPEC_SAMPLED_FROM and t > 0.0 and mixed_ok:
             entry = (DEFER, SPEC_SAMPLED_MODE, t)
         else:
             entry = (0, "", 0.0)
