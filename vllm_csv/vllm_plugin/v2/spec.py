@@ -19,9 +19,9 @@ rows certified with ``k = 1`` (the dense value on the argmax, ``-inf`` elsewhere
 certified) give the dense run's accepted tokens, recovered token and bonus token; each request
 is verified by its own temperature (``is_greedy = temp == 0.0`` per request), so a batch with
 sampled requests needs no check of an expansion (V1's :func:`~..v1.spec.mixed_batches_ok`). A
-plain temperature-sampling request's rows are deferred to the verification hook
-(:mod:`.verify`); other sampled requests' rows stay dense. The plan
-is :func:`~..plan.target_plan`, as V1's, kept while the batch and its draft counts hold.
+temperature-sampling request's rows (with min-p, vLLM's processors or neither) are deferred to
+the verification hook (:mod:`.verify`); other sampled requests' rows stay dense. The plan is
+:func:`~..plan.target_plan`, as V1's, kept while the batch and its draft counts hold.
 
 Dense instead (:func:`verification_ok`): any rejection method but ``standard`` (``synthetic``
 accepts by rates, ``block`` verifies blocks from probabilities, 0.33's ``fly`` reads the target
@@ -60,7 +60,7 @@ def draft_counts(input_batch) -> tuple[int, ...]:
 def spec_plan(runner, base: Plan, input_batch) -> Plan | None:
     """The plan of a V2 step under speculative decoding from the batch's per-request ``base``
     plan (:func:`..plan.target_plan`, kept on ``runner`` while ``base`` and the draft counts
-    hold): greedy requests' rows in the head, plain temperature-sampling requests' rows deferred
+    hold): greedy requests' rows in the head, temperature-sampling requests' rows deferred
     to the verification hook (:mod:`.verify`); None (dense) where the rows are not one request's after another's as read above (a
     request without its bonus row, a row count that is not theirs)."""
     counts = draft_counts(input_batch)

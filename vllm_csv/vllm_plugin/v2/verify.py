@@ -1,9 +1,9 @@
 """Certify sampled requests' verification in vLLM's V2 ``RejectionSampler`` (the V2 runner's
 speculative steps, CUDA): the wrapped ``RejectionSampler.__call__`` (:mod:`..patches`).
 
-In a step with draft tokens the plan defers every row of a plain temperature-sampling request
-(mode ``spec_sampling``, :func:`~..plan.target_plan`): the head leaves them as placeholders and
-hands their hidden states over on the step. Here, before vLLM's own code:
+In a step with draft tokens the plan defers every row of a temperature-sampling request (with
+min-p, vLLM's processors or neither; mode ``spec_sampling``, :func:`~..plan.target_plan`): the
+head leaves them as placeholders and hands their hidden states over on the step. Here, before vLLM's own code:
 
 1. the drafts each row verifies, as V2's ``gather_draft_sampled`` makes them (:func:`drafts_of`:
    the next row's input token; a placeholder ``-1`` where the request has not sampled past its
