@@ -142,7 +142,8 @@ def logprob_slack(V: int, big: torch.Tensor) -> torch.Tensor:
 
 
 def decide(qlo: torch.Tensor, qhi: torch.Tensor, drafts: torch.Tensor, u: torch.Tensor,
-           draft_lp: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+           draft_lp: tuple[torch.Tensor, torch.Tensor] | None = None,
+           lse: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """Each row's verification decision from bounds on its processed logits.
 
     Parameters
@@ -157,6 +158,8 @@ def decide(qlo: torch.Tensor, qhi: torch.Tensor, drafts: torch.Tensor, u: torch.
         ``(lo, hi)`` float64 ``[N, V]``: bounds on the kernel's draft log-probabilities
         (:func:`draft_logprob_bounds`; probabilistic drafts, which V2 accepts when
         ``x_d - lse > log(u) + q_d``); None: one-hot drafts (``q_d = 0``).
+    lse : tuple of torch.Tensor, optional
+        :func:`lse_bounds` of ``qlo, qhi``, where the caller has them already.
 
     Returns
     -------
@@ -168,7 +171,7 @@ def decide(qlo: torch.Tensor, qhi: torch.Tensor, drafts: torch.Tensor, u: torch.
     N, V = qlo.shape
     d = drafts.clamp(min=0)[:, None]
     xlo, xhi = qlo.gather(1, d).squeeze(1).double(), qhi.gather(1, d).squeeze(1).double()
-    llo, lhi = lse_bounds(qlo, qhi)
+    llo, lhi = lse_bounds(qlo, qhi) if lse is None else lse
     gmax = torch.maximum(qlo.double().amax(1).abs(), qhi.double().amax(1).abs())
     big = torch.maximum(torch.maximum(gmax, torch.maximum(xlo.abs(), xhi.abs())), (xlo - lhi).abs() + (xhi - llo).abs())
     slack = logprob_slack(V, big)
@@ -206,11 +209,22 @@ def draft_logprob_bounds(draft: torch.Tensor, temp: torch.Tensor) -> tuple[torch
         ``[N, V]`` float64; ``-inf`` on tokens whose draft logit is ``-inf``.
     """
     x = draft.float()
-    dlo, dhi = temperature_bounds(x, x, temp)
-    llo, lhi = lse_bounds(dlo, dhi)
-    big = torch.maximum(dlo.double().abs().nan_to_num(posinf=0.0).amax(1), dhi.double().abs().nan_to_num(posinf=0.0).amax(1))
-    slack = logprob_slack(x.shape[1], 2 * big + lhi.abs().nan_to_num(posinf=0.0))[:, None]
-    return dlo.double() - lhi[:, None] - slack, dhi.double() - llo[:, None] + slack
+    return logprob_bounds(*temperature_bounds(x, x, temp))
+
+
+def logprob_bounds(qlo: torch.Tensor, qhi: torch.Tensor, lse: tuple[torch.Tensor, torch.Tensor] | None = None
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Bounds on V2's fp32 log-probabilities ``x - lse`` of every token of rows with
+    ``qlo <= x <= qhi`` (``[R, V]`` float32): the real ones' bounds (:func:`lse_bounds`, intersected
+    with ``lse``, other float64 ``[R]`` bounds on the rows' real lse, where given) widened by
+    :func:`logprob_slack` with ``2 max |x| + |lse|`` bounding ``|G|``, ``|x|`` and ``|x - lse|``
+    (infinities left out of the maxima). Returns ``[R, V]`` float64 each."""
+    llo, lhi = lse_bounds(qlo, qhi)
+    if lse is not None:
+        llo, lhi = torch.maximum(llo, lse[0]), torch.minimum(lhi, lse[1])
+    big = torch.maximum(qlo.double().abs().nan_to_num(posinf=0.0).amax(1), qhi.double().abs().nan_to_num(posinf=0.0).amax(1))
+    slack = logprob_slack(qlo.shape[1], 2 * big + lhi.abs().nan_to_num(posinf=0.0))[:, None]
+    return qlo.double() - lhi[:, None] - slack, qhi.double() - llo[:, None] + slack
 
 
 def residual_bounds(qlo: torch.Tensor, qhi: torch.Tensor, dlo: torch.Tensor, dhi: torch.Tensor,
@@ -224,16 +238,11 @@ def residual_bounds(qlo: torch.Tensor, qhi: torch.Tensor, dlo: torch.Tensor, dhi
     ``2^-21 + 104 * 2^-23`` relative of the real one (:func:`logprob_slack`), its ``log1p``
     (libdevice) and the final addition within ``2^-22`` relative each: a token whose ratio may
     reach 1 gets a lower bound of ``-inf``, one whose ratio is surely at least 1 both bounds
-    ``-inf``. ``lse``: other bounds on the rows' real lse (``[R]`` float64 each), intersected with
-    those of ``qlo, qhi``. Returns ``[R, V]`` float32, rounded outwards."""
+    ``-inf``. ``t``'s bounds: :func:`logprob_bounds` (with ``lse``). Returns ``[R, V]`` float32,
+    rounded outwards."""
     from ..fp import round_down32, round_up32
 
-    llo, lhi = lse_bounds(qlo, qhi)
-    if lse is not None:
-        llo, lhi = torch.maximum(llo, lse[0]), torch.minimum(lhi, lse[1])
-    big = torch.maximum(qlo.double().abs().nan_to_num(posinf=0.0).amax(1), qhi.double().abs().nan_to_num(posinf=0.0).amax(1))
-    s = logprob_slack(qlo.shape[1], 2 * big + lhi.abs().nan_to_num(posinf=0.0))[:, None]
-    tlo, thi = qlo.double() - lhi[:, None] - s, qhi.double() - llo[:, None] + s
+    tlo, thi = logprob_bounds(qlo, qhi, lse)
     rel = 2.0**-21 + 104 * 2.0**-23
     with torch.no_grad():
         rho_lo = torch.exp((dlo - thi).clamp(max=100.0)) * (1 - rel)
@@ -305,7 +314,7 @@ def certify_verification_v2(adapter: HeadAdapter, hidden: torch.Tensor, seeds: t
     min_p : torch.Tensor, optional
         ``[N]`` float32, each row's ``min_p`` (0: none; None: no row has one). V2 applies it in
         ``apply_sampling_params``, after the temperature, on the whole row (a rejected draft
-        included), before the kernels verify and draw (:func:`_min_p_draws`).
+        included), before the kernels verify and draw (:func:`_one_hot_draws`).
 
     Returns
     -------
@@ -328,17 +337,13 @@ def certify_verification_v2(adapter: HeadAdapter, hidden: torch.Tensor, seeds: t
     dlp = None if draft_logits is None else draft_logprob_bounds(draft_logits, temp)
     fin = finite.cpu().tolist()
     req_finite = [all(fin[cu[i]:cu[i + 1]]) and float(temp[cu[i]]) > 0 for i in range(R)]
-    def processed(lo, hi):
-        qlo, qhi = temperature_bounds(*((lo, hi) if process is None else process(lo, hi)), temp)
-        return (qlo, qhi) if min_p is None else min_p_bounds(qlo, qhi, min_p)[:2]
-
     for rnd in range(ROUNDS + 1):
-        qlo, qhi = processed(lo, hi)
-        dec = decide(qlo, qhi, drafts, u, dlp)
+        qlo, qhi = _processed(lo, hi, temp, process, min_p)
+        llo, lhi = lse_bounds(qlo, qhi)
+        dec = decide(qlo, qhi, drafts, u, dlp, (llo, lhi))
         a, what = first_undecided(dec, cu)
         open_rows = [cu[i] + a[i] for i in range(R) if req_finite[i] and what[i] == UNDECIDED]
         if dlp is not None:  # a residual draw compares tokens through the row's lse: pin it first
-            llo, lhi = lse_bounds(qlo, qhi)
             open_rows += [cu[i] + a[i] for i in range(R) if req_finite[i] and what[i] == REJECT
                           and not float(lhi[cu[i] + a[i]] - llo[cu[i] + a[i]]) < LSE_WIDTH]
         room = budget - int(scored.sum())
@@ -353,36 +358,30 @@ def certify_verification_v2(adapter: HeadAdapter, hidden: torch.Tensor, seeds: t
             break
         score_columns(adapter, hidden, hnorm, new[:room], vals, lo, hi, scored)
     n_scored = int(scored.sum())
-    # the draws: row r_a of each decided request, d_a masked where it was rejected
     draw = [i for i in range(R) if req_finite[i] and what[i] != UNDECIDED]
     for i in range(R):
         if not req_finite[i]:
             reasons[i] = "nonfinite"
-        elif i not in draw and int(scored.sum()) >= budget:
+        elif what[i] == UNDECIDED and n_scored >= budget:
             reasons[i] = "budget"
     # the draws: row r_a of each decided request (the bonus row; with one-hot drafts also a
-    # rejected row, d_a masked; with probabilistic drafts a rejected row's residual: _residual_draws)
-    bonus_or_one_hot = [i for i in draw if what[i] == ACCEPT or dlp is None]
-    for group, residual in ((bonus_or_one_hot, False), ([i for i in draw if i not in bonus_or_one_hot], True)):
+    # rejected row, d_a removed: _one_hot_draws; with probabilistic drafts a rejected row's
+    # residual: _residual_draws, its lse held within the last round's bounds)
+    one_hot = [i for i in draw if what[i] == ACCEPT or dlp is None]
+    d_list = drafts.tolist()
+    for group, residual in ((one_hot, False), ([i for i in draw if i not in one_hot], True)):
         if not group:
             continue
         rows = torch.tensor([cu[i] + a[i] for i in group], device=dev)
         sub = None if process is None else _rows_of(process, rows, N)
         if residual:
-            lse = lse_bounds(*processed(lo, hi))
             res = _residual_draws(adapter, hidden[rows], seeds[rows], pos[rows], temp[rows],
-                                  (dlp[0][rows], dlp[1][rows]), drafts[rows], (lse[0][rows], lse[1][rows]), sub,
+                                  (dlp[0][rows], dlp[1][rows]), drafts[rows], (llo[rows], lhi[rows]), sub,
                                   None if min_p is None else min_p[rows])
-        elif min_p is not None:
-            rej = torch.tensor([what[i] == REJECT for i in group], device=dev)
-            res = _min_p_draws(adapter, hidden[rows], seeds[rows], pos[rows], temp[rows], min_p[rows],
-                               torch.where(rej, drafts[rows], -1), sub)
         else:
-            masked = torch.zeros(len(group), V, dtype=torch.bool, device=dev)
-            rej = torch.tensor([what[i] == REJECT for i in group], device=dev)
-            masked[rej, drafts[rows].clamp(min=0)[rej]] = True
-            res = certify_rows_v2(adapter, hidden[rows], seeds[rows], pos[rows], temp[rows], process=sub,
-                                  masked=masked if bool(rej.any()) else None)
+            removed = torch.tensor([d_list[cu[i] + a[i]] if what[i] == REJECT else -1 for i in group], device=dev)
+            res = _one_hot_draws(adapter, hidden[rows], seeds[rows], pos[rows], temp[rows], removed, sub,
+                                 None if min_p is None else min_p[rows])
         n_scored += res.scored
         ok, win = res.certified.cpu().tolist(), res.winner.cpu().tolist()
         for j, i in enumerate(group):
@@ -392,9 +391,17 @@ def certify_verification_v2(adapter: HeadAdapter, hidden: torch.Tensor, seeds: t
             certified[i], reasons[i], accepted[i], token[i] = True, None, a[i], win[j]
             r0 = cu[i]
             for k in range(a[i]):  # accepted rows: one finite token, the draft
-                values[r0 + k, int(drafts[r0 + k])] = 0.0
+                values[r0 + k, d_list[r0 + k]] = 0.0
             values[r0 + a[i]] = res.values[j]
     return Verified(values, certified, accepted, token, reasons, n_scored)
+
+
+def _processed(lo: torch.Tensor, hi: torch.Tensor, temp: torch.Tensor, process: Bounds | None,
+               min_p: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Bounds on what V2's kernels read of rows with head values within ``lo, hi``: vLLM's
+    processors (``process``), the temperature, then min-p, in ``apply_sampling_params``' order."""
+    qlo, qhi = temperature_bounds(*((lo, hi) if process is None else process(lo, hi)), temp)
+    return (qlo, qhi) if min_p is None else min_p_bounds(qlo, qhi, min_p)[:2]
 
 
 def _rows_of(process: Bounds, rows: torch.Tensor, N: int) -> Bounds:
@@ -409,11 +416,12 @@ def _rows_of(process: Bounds, rows: torch.Tensor, N: int) -> Bounds:
     return sub
 
 
-def _min_p_draws(adapter: HeadAdapter, hidden: torch.Tensor, seeds: torch.Tensor, pos: torch.Tensor,
-                 temp: torch.Tensor, min_p: torch.Tensor, removed: torch.Tensor, process: Bounds | None = None):
-    """V2's draw from rows with min-p (one-hot drafts): V2 takes min-p's threshold on the whole
-    processed row, the rejected draft ``removed`` (``>= 0``; ``-1``: none, the bonus row) still
-    in it, then its kernel draws with the draft removed: :func:`~.rows_v2.certify_rows_v2` with
+def _one_hot_draws(adapter: HeadAdapter, hidden: torch.Tensor, seeds: torch.Tensor, pos: torch.Tensor,
+                   temp: torch.Tensor, removed: torch.Tensor, process: Bounds | None = None,
+                   min_p: torch.Tensor | None = None):
+    """V2's draw from the rows after a rejection of a one-hot draft ``removed`` (``>= 0``; ``-1``:
+    none, a bonus row): V2 processes the whole row (min-p's threshold taken with the draft still
+    in it), then its kernel draws with the draft removed: :func:`~.rows_v2.certify_rows_v2` with
     the draft ``removed`` after min-p (its certified rows carry ``-inf`` on the tokens min-p
     certainly drops and on the draft)."""
     gone = torch.zeros(hidden.shape[0], adapter.vocab_size, dtype=torch.bool, device=hidden.device)
@@ -435,11 +443,8 @@ def _residual_draws(adapter: HeadAdapter, hidden: torch.Tensor, seeds: torch.Ten
     then finds ``t_w = 0``, a ratio ``exp(q_w) < 1`` and the rest ``-inf``, so it draws the
     winner, and rejects the draft (``x_d = -inf``), which needs the winner not to be the draft
     and ``q_w`` surely below 0: rows where either fails are not certified."""
-    def residual(lo, hi):
-        qlo, qhi = temperature_bounds(*((lo, hi) if process is None else process(lo, hi)), temp)
-        if min_p is not None:  # (the residual is of the row min-p left)
-            qlo, qhi = min_p_bounds(qlo, qhi, min_p)[:2]
-        return residual_bounds(qlo, qhi, *dlp, lse=lse)
+    def residual(lo, hi):  # (the residual of the row min-p left)
+        return residual_bounds(*_processed(lo, hi, temp, process, min_p), *dlp, lse=lse)
 
     res = certify_rows_v2(adapter, hidden, seeds, pos, torch.ones_like(temp), process=residual)
     w = res.winner[:, None]
