@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from ..plan import Plan, plannable, row_plan, sampler_ok
 from . import spec
-from .sampler import certifiable_sampler
+from .sampler import certifiable_sampler, draws_on_cpu
 
 
 def top_k_in_sampler(runner) -> bool:
@@ -31,11 +31,7 @@ def top_k_in_head(runner) -> bool:
     taken as duplicates), neither of which the certificate models. Read once per runner."""
     cached = runner.__dict__.get("_csv_top_k_in_head")
     if cached is None:
-        from vllm.v1.sample.ops.topk_topp_sampler import TopKTopPSampler
-
-        tts = getattr(getattr(runner, "sampler", None), "topk_topp_sampler", None)
-        cached = tts is not None and getattr(tts.forward, "__func__", None) is TopKTopPSampler.forward_cpu
-        runner._csv_top_k_in_head = cached
+        cached = runner._csv_top_k_in_head = draws_on_cpu(getattr(runner, "sampler", None))
     return cached
 
 

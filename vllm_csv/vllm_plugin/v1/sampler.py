@@ -124,14 +124,19 @@ def _stock_temperature(sampler) -> bool:
     return getattr(type(sampler), "apply_temperature", None) is Sampler.apply_temperature
 
 
-def certifiable_sampler(sampler) -> bool:
-    """Whether ``sampler`` (a V1 ``Sampler``) draws with vLLM-CPU's fp32 Gumbel-max
-    (``TopKTopPSampler.forward_cpu``), the draw :mod:`vllm_csv.sampling` replays."""
+def draws_on_cpu(sampler) -> bool:
+    """Whether ``sampler`` (a V1 ``Sampler``) draws with vLLM-CPU's ``TopKTopPSampler.forward_cpu``
+    (torch's top-k and top-p masks, then the Gumbel-max draw, in fp32 or fp64)."""
     from vllm.v1.sample.ops.topk_topp_sampler import TopKTopPSampler
 
     tts = getattr(sampler, "topk_topp_sampler", None)
-    return tts is not None and getattr(tts.forward, "__func__", None) is TopKTopPSampler.forward_cpu and \
-        not tts.use_fp64_gumbel
+    return tts is not None and getattr(tts.forward, "__func__", None) is TopKTopPSampler.forward_cpu
+
+
+def certifiable_sampler(sampler) -> bool:
+    """Whether ``sampler`` (a V1 ``Sampler``) draws with vLLM-CPU's fp32 Gumbel-max
+    (:func:`draws_on_cpu`, not in fp64), the draw :mod:`vllm_csv.sampling` replays."""
+    return draws_on_cpu(sampler) and not sampler.topk_topp_sampler.use_fp64_gumbel
 
 
 def _unsupported(sampler, md, predict_bonus_token: bool, rows: torch.Tensor) -> str | None:

@@ -75,14 +75,21 @@ def _unsupported(sampler, d: Deferred, logits: torch.Tensor, input_batch) -> str
         return "tensor parallelism (the V2 sampler's certificate is not sharded)"
     if logits.shape[0] != input_batch.num_reqs:
         return "speculative decoding"
-    ss, batch = sampler.sampling_states, input_batch.idx_mapping_np
-    req = batch[d.rows.numpy()]  # the deferred rows' request slots
-    if bool(np.any(ss.top_k.np[batch] != ss.vocab_size) or np.any(ss.top_p.np[batch] != 1.0)):
-        # vLLM then masks every row with its top-k/top-p, or draws the batch with FlashInfer's
-        # fused sampler, whose noise is not the one replayed
-        return "top-k or top-p rows in the batch"
-    if not bool(np.all(ss.temperature.np[req] >= 0)):
+    req = input_batch.idx_mapping_np[d.rows.numpy()]  # the deferred rows' request slots
+    if not bool(np.all(sampler.sampling_states.temperature.np[req] >= 0)):
         return "a negative temperature"
+    return drawn_otherwise(sampler, input_batch.idx_mapping_np, req)
+
+
+def drawn_otherwise(sampler, batch: np.ndarray, req: np.ndarray) -> str | None:
+    """Why V2 would draw the deferred rows (request slots ``req``, of the batch's slots ``batch``)
+    other than the certificates replay, or None: a top-k or top-p row anywhere in the batch
+    (vLLM then masks every row with its top-k/top-p, or draws the batch with FlashInfer's fused
+    sampler, whose noise is not the one replayed), a thinking budget on a deferred request.
+    Shared by the sampler hook and the verification hook (:mod:`.verify`)."""
+    ss = sampler.sampling_states
+    if bool(np.any(ss.top_k.np[batch] != ss.vocab_size) or np.any(ss.top_p.np[batch] != 1.0)):
+        return "top-k or top-p rows in the batch"
     tb = sampler.thinking_budget_state
     if getattr(tb, "enabled", False) and bool(np.any(tb.use_thinking_budget[req])):
         return "a thinking budget"

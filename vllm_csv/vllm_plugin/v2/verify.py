@@ -44,7 +44,7 @@ from ...sampling.sharded_rows import ShardedAdapter
 from ...sampling.verify_v2 import certify_verification_v2
 from ..fill import finish, write_certified
 from ..step import Deferred, DeferredStats, step_of
-from .sampler import _processors
+from .sampler import _processors, drawn_otherwise
 from .spec import verification_ok
 
 
@@ -71,17 +71,12 @@ def _unsupported(rs, d: Deferred, input_batch, draft_logits, invalid_drafts) -> 
     if invalid_drafts is not None:
         return "drafts checked by a grammar"
     ss, batch = rs.sampler.sampling_states, input_batch.idx_mapping_np
-    if bool(np.any(ss.top_k.np[batch] != ss.vocab_size) or np.any(ss.top_p.np[batch] != 1.0)):
-        return "top-k or top-p rows in the batch"
     if ss.max_num_logprobs(batch) != -1:  # (NO_LOGPROBS: computed over every row when any asks)
         return "logprobs in the batch"
     slots = input_batch.expanded_idx_mapping[d.rows.to(input_batch.expanded_idx_mapping.device)].cpu().numpy()
     if bool(np.any(ss.temperature.np[slots] <= 0)):
         return "a temperature of 0 on a deferred request"
-    tb = rs.sampler.thinking_budget_state
-    if getattr(tb, "enabled", False) and bool(np.any(tb.use_thinking_budget[slots])):
-        return "a thinking budget"
-    return None
+    return drawn_otherwise(rs.sampler, batch, slots)
 
 
 def _requests(d: Deferred, input_batch) -> tuple[list[int], list[int]] | None:
