@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from vllm_csv import CertifiedHead, HeadConfig
+from vllm_csv.testing.audit import v2_divide
 
 
 @pytest.fixture
@@ -283,13 +284,6 @@ def test_screens_own_fp32_products_ignore_reduced_precision(reduced_precision_fp
     assert not close(h @ deq.T, h, deq.T)  # the emulated engine's own fp32 product
 
 
-def _ftz_div(x: torch.Tensor, t: float) -> torch.Tensor:
-    """A division within V2's model of Triton's fp32 ``/`` (``DIV_REL |q| + DIV_ABS``): the correctly
-    rounded quotient with subnormal results flushed to zero, as ``div.full.ftz.f32`` does."""
-    q = x.float() / t
-    return torch.where(q.abs() < torch.finfo(torch.float32).tiny, torch.zeros_like(q), q)
-
-
 @pytest.mark.parametrize("k", [1, 2])
 def test_sampled_top_k_rows_hold_under_a_flushing_division(k):
     """Found while certifying V2's verification: V2 divides by the temperature with Triton's fp32
@@ -301,9 +295,8 @@ def test_sampled_top_k_rows_hold_under_a_flushing_division(k):
     certified row's kept set must be the one any division within the model keeps."""
     t = 1e6
     a = torch.tensor(1e-32, dtype=torch.bfloat16)
-    b = torch.nextafter(a.float(), torch.tensor(0.0)).bfloat16()  # (the bf16 value below: rounds down)
-    b = torch.tensor(float(a) * (1 - 2.0**-8), dtype=torch.bfloat16) if b == a else b
-    assert float(a.float() / t) > float(b.float() / t) and float(_ftz_div(a, t)) == float(_ftz_div(b, t)) == 0.0
+    b = torch.tensor(float(a) * (1 - 2.0**-8), dtype=torch.bfloat16)  # (the bf16 value below a)
+    assert float(a.float() / t) > float(b.float() / t) and float(v2_divide(a, t)) == float(v2_divide(b, t)) == 0.0
     V, d = 64, 16
     W = torch.zeros(V, d, dtype=torch.bfloat16)
     W[3:, 1] = -torch.linspace(1e-31, 3e-31, V - 3).bfloat16()  # the rest of the row, below both
@@ -315,7 +308,7 @@ def test_sampled_top_k_rows_hold_under_a_flushing_division(k):
     head = CertifiedHead(W, config=HeadConfig(screen="int8", off_switch=False))
     logits, _ = head.sampler_logits(h, torch.tensor([k]), temperature=torch.tensor([t]))
     dense = F.linear(h, W)
-    q = _ftz_div(dense, t)
+    q = v2_divide(dense, t)
     kept_v2 = q >= q.topk(k).values[0, -1]
     assert bool(kept_v2[0, 1] & kept_v2[0, 2])  # (both kept by V2: the collision)
     got = torch.isfinite(logits[0])

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from vllm_csv import CertifiedHead, HeadConfig
+from vllm_csv.testing.audit import v2_divide
 from vllm_csv.testing.heads import hidden_near_rows, peaked_head
 
 apply_top_k_only = pytest.importorskip("vllm.v1.sample.ops.topk_topp_sampler").apply_top_k_only
@@ -27,11 +28,8 @@ def kept(logits: torch.Tensor, k: torch.Tensor, temp: torch.Tensor) -> torch.Ten
 
 
 def kept_v2(logits: torch.Tensor, k: torch.Tensor, temp: torch.Tensor) -> torch.Tensor:
-    """The same with a division as V2's Triton ``/`` may do it (within 2 ulps, subnormal results
-    flushed: ``x fl(1 / t)``, then zero below the smallest normal)."""
-    x = logits.float() * (1.0 / temp[:, None])
-    x = torch.where(x.abs() < torch.finfo(torch.float32).tiny, torch.zeros_like(x), x)
-    return apply_top_k_only(x, k.clone())
+    """The same with a division as V2's Triton ``/`` may do it (:func:`~vllm_csv.testing.audit.v2_divide`)."""
+    return apply_top_k_only(v2_divide(logits, temp[:, None]), k.clone())
 
 
 def check(head, W, h, k, temp):

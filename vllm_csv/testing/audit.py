@@ -65,17 +65,19 @@ def check(head, case: Case, values: bool) -> Outcome:
     return Outcome(case.hidden.shape[0], int(c.sum()), wrong_ids, wrong_values)
 
 
+def v2_divide(x: torch.Tensor, t: torch.Tensor | float) -> torch.Tensor:
+    """``x / t`` in fp32 as V2's Triton ``/`` may compute it (``fl(x fl(1 / t))``, within 2 ulps
+    of the quotient; subnormal results flushed to zero), not correctly rounded (``t`` broadcasts)."""
+    q = x.float() * (1.0 / torch.as_tensor(t, dtype=torch.float32))
+    return torch.where(q.abs() < torch.finfo(torch.float32).tiny, torch.zeros_like(q), q)
+
+
 def sampler_kept(logits: torch.Tensor, k: torch.Tensor, temp: torch.Tensor, v2: bool = False) -> torch.Tensor:
     """What vLLM's sampler draws from for top-k rows, written out here independently: fp32,
     divided by the row's temperature, every token below the k-th largest value masked to
     ``-inf`` (ties at the k-th value kept). The division is V1's (torch, correctly rounded), or
-    with ``v2`` one as V2's Triton ``/`` may be (``x fl(1 / t)``, within 2 ulps, subnormal
-    results flushed to zero)."""
-    if v2:
-        x = logits.float() * (1.0 / temp[:, None])
-        x = torch.where(x.abs() < torch.finfo(torch.float32).tiny, torch.zeros_like(x), x)
-    else:
-        x = logits.float() / temp[:, None]
+    with ``v2`` one as V2's may be (:func:`v2_divide`)."""
+    x = v2_divide(logits, temp[:, None]) if v2 else logits.float() / temp[:, None]
     kth = x.topk(int(k.max()), dim=1).values.gather(1, (k - 1)[:, None])
     return x.masked_fill(x < kth, -math.inf)
 
