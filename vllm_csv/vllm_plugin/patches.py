@@ -255,25 +255,25 @@ def install_samplers() -> None:
         from vllm.v1.worker.gpu.sample.sampler import Sampler as V2Sampler
     except ImportError:
         return
-    if not getattr(V2Sampler, "_csv_wrapped", False):
-        orig_v2 = V2Sampler.__call__
-
-        def call(self, logits, input_batch, *a, **k):
-            return v2.sample(orig_v2, self, logits, input_batch, *a, **k)
-
-        V2Sampler.__call__ = call
-        V2Sampler._csv_wrapped = True
+    _wrap_call(V2Sampler, v2.sample)
     try:
         from vllm.v1.worker.gpu.spec_decode.rejection_sampler import RejectionSampler as V2RejectionSampler
     except ImportError:
         return
-    if not getattr(V2RejectionSampler, "_csv_wrapped", False):
-        from .v2.verify import verify
+    from .v2.verify import verify
 
-        orig_rs = V2RejectionSampler.__call__
+    _wrap_call(V2RejectionSampler, verify)
 
-        def call_rs(self, logits, input_batch, *a, **k):
-            return verify(orig_rs, self, logits, input_batch, *a, **k)
 
-        V2RejectionSampler.__call__ = call_rs
-        V2RejectionSampler._csv_wrapped = True
+def _wrap_call(cls, hook) -> None:
+    """``cls.__call__(self, logits, input_batch, ...)`` through ``hook(orig, self, logits,
+    input_batch, ...)`` (once: marked ``_csv_wrapped``)."""
+    if getattr(cls, "_csv_wrapped", False):
+        return
+    orig = cls.__call__
+
+    def call(self, logits, input_batch, *a, **k):
+        return hook(orig, self, logits, input_batch, *a, **k)
+
+    cls.__call__ = call
+    cls._csv_wrapped = True
