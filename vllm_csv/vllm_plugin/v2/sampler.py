@@ -83,7 +83,7 @@ def _unsupported(sampler, d: Deferred, logits: torch.Tensor, input_batch) -> str
 
 def drawn_otherwise(sampler, batch: np.ndarray, req: np.ndarray) -> str | None:
     """Why V2 would draw the deferred rows (request slots ``req``, of the batch's slots ``batch``)
-    other than the certificates replay, or None: a top-k or top-p row anywhere in the batch
+    otherwise than the certificates replay, or None: a top-k or top-p row anywhere in the batch
     (vLLM then masks every row with its top-k/top-p, or draws the batch with FlashInfer's fused
     sampler, whose noise is not the one replayed), a thinking budget on a deferred request.
     Shared by the sampler hook and the verification hook (:mod:`.verify`)."""

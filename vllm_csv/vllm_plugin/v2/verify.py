@@ -142,8 +142,9 @@ def resolve(rs, d: Deferred, logits: torch.Tensor, input_batch, draft_logits=Non
             kr = keep.nonzero().squeeze(1)
             sub_cu = [0] + sizes[kr].cumsum(0).tolist()
             batch_req = np.asarray(reqs)[req_of[kept].cpu().numpy()]  # (each row's request in the batch)
-            process = _processors(rs.sampler, input_batch, dev_rows[kept], batch_req, slot[kept].cpu().numpy())
-            min_p = ss.min_p.gpu[slot].float() if bool(np.any(ss.min_p.np[slot.cpu().numpy()] != 0)) else None
+            slot_np = slot.cpu().numpy()
+            process = _processors(rs.sampler, input_batch, dev_rows[kept], batch_req, slot_np[kept.cpu().numpy()])
+            min_p = ss.min_p.gpu[slot].float() if bool(np.any(ss.min_p.np[slot_np] != 0)) else None
             draft = None
             if draft_logits is not None:  # each target row's drafter logits: [slot, its local position]
                 step = input_batch.expanded_local_pos[dev_rows].long().clamp(max=draft_logits.shape[1] - 1)
