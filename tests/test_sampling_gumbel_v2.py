@@ -287,3 +287,29 @@ def test_min_p_bounds_hold_vllm_min_p(tmp_path):
         if w == 0.0:
             assert float((kept | dropped)[finite].float().mean()) > 0.999
     assert bool((finite & ~kept_by_vllm).any()) and bool((finite & kept_by_vllm & (min_p > 0)[:, None]).any())
+
+
+def test_rounds_without_processors_rescore_only_what_moved():
+    """Without processors, certify_rows_v2 keeps the tempered bounds across its rounds and
+    recomputes only the columns it scored (each token's bounds are its own): the same
+    certificates, winners, rows and scored set as recomputing every row each round (an identity
+    processor forces that), on rows that take several rounds, with min-p and greedy rows mixed."""
+    from vllm_csv import CertifiedHead, HeadConfig
+    from vllm_csv.sampling import rows_v2
+    from vllm_csv.sampling.head_adapter import HeadAdapter
+    from vllm_csv.testing.heads import peaked_head
+
+    V, D, R = 2048, 48, 400
+    g = torch.Generator().manual_seed(4)
+    W, _ = peaked_head(V, D, seed=4, dtype=torch.bfloat16)
+    adapter = HeadAdapter(CertifiedHead(W, config=HeadConfig(screen="int8", off_switch=False, budget=0.1)))
+    h = (torch.randn(R, D, generator=g) * torch.rand(R, 1, generator=g) * 3).bfloat16()
+    temp = torch.tensor([0.0, 0.5, 1.0, 2.0, 4.0])[torch.randint(0, 5, (R,), generator=g)]
+    min_p = torch.where(torch.rand(R, generator=g) < 0.5, 0.0, 0.2)
+    seeds, pos = torch.randint(-2**62, 2**62, (R,), generator=g), torch.randint(0, 2**20, (R,), generator=g)
+    for mp in (None, min_p):
+        kept = rows_v2.certify_rows_v2(adapter, h, seeds, pos, temp, min_p=mp)
+        full = rows_v2.certify_rows_v2(adapter, h, seeds, pos, temp, process=lambda lo, hi: (lo, hi), min_p=mp)
+        assert torch.equal(kept.certified, full.certified) and kept.scored == full.scored
+        assert torch.equal(kept.winner[kept.certified], full.winner[full.certified])
+        assert torch.equal(kept.values, full.values) and 50 < int(kept.certified.sum()) < R

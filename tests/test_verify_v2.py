@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from vllm_csv.sampling import verify_v2 as vv
+from vllm_csv.sampling import verify_v2_bounds as vb
 from vllm_csv.testing.audit_verify import replay, run_verify_case
 from vllm_csv.testing.families import DTYPES, FAMILIES
 
@@ -39,12 +40,12 @@ def test_the_uniform_and_the_logprob_bound_hold_against_v2s_own_triton_code(tmp_
     x[9, 0] = -math.inf
     out = interpreted("v2_verify_interpreted.py", {"seeds": seeds, "pos": pos, "x": x, "drafts": drafts}, tmp_path)
     raw, v2 = out["rand"]
-    mine = vv.rand_uniform(seeds, pos)
-    assert torch.equal(raw.clamp(min=vv.RAND_MIN).view(torch.int32), mine.view(torch.int32))
+    mine = vb.rand_uniform(seeds, pos)
+    assert torch.equal(raw.clamp(min=vb.RAND_MIN).view(torch.int32), mine.view(torch.int32))
     assert torch.equal(v2.view(torch.int32), mine.view(torch.int32))
     # the kernel's x_d - lse within the bound decide() uses, around the real value of the same x
     real = x.double().gather(1, drafts[:, None]).squeeze(1) - torch.logsumexp(x.double(), 1)
-    slack = vv.logprob_slack(V, torch.full((M,), 1e4 + 500.0, dtype=torch.float64))
+    slack = vb.logprob_slack(V, torch.full((M,), 1e4 + 500.0, dtype=torch.float64))
     got = out["logprob"].double()
     fin = torch.isfinite(real)
     assert not bool(fin[9]) and torch.equal(got[~fin], real[~fin])
@@ -64,37 +65,35 @@ def test_decide_accepts_rejects_and_leaves_open_what_the_bounds_do_not_settle():
     drafts = torch.tensor([0, 0, 3, 3, 0, -1])
     u = torch.tensor([float(p0[0]) * 0.5, min(float(p0[0]) * 1.5, 0.99), float(p0[3]) * 0.5,
                       float(p0[3]) * 2.0, float(p0[0]) * (1 + 1e-6), 0.01], dtype=torch.float32)
-    dec = vv.decide(lo, hi, drafts, u).tolist()
-    assert dec == [vv.ACCEPT, vv.REJECT, vv.ACCEPT, vv.REJECT, vv.UNDECIDED, vv.UNDECIDED]
+    dec = vb.decide(lo, hi, drafts, u).tolist()
+    assert dec == [vb.ACCEPT, vb.REJECT, vb.ACCEPT, vb.REJECT, vb.UNDECIDED, vb.UNDECIDED]
     # loose bounds on the other tokens' mass leave a decision open that exact ones settle
     lo2, hi2 = _rows([[2.0, -30.0, -30.0, -30.0]], [[2.0, 2.5, 2.5, 2.5]])
     u2 = torch.tensor([0.7])
-    assert vv.decide(lo2, hi2, torch.tensor([0]), u2).tolist() == [vv.UNDECIDED]
-    assert vv.decide(lo2, lo2, torch.tensor([0]), u2).tolist() == [vv.ACCEPT]
+    assert vb.decide(lo2, hi2, torch.tensor([0]), u2).tolist() == [vb.UNDECIDED]
+    assert vb.decide(lo2, lo2, torch.tensor([0]), u2).tolist() == [vb.ACCEPT]
     # NaN or infinite bounds (a temperature outside fp32's range, a -inf draft) decide nothing
     nan = torch.full((1, 4), math.nan)
-    assert vv.decide(nan, nan, torch.tensor([0]), u2).tolist() == [vv.UNDECIDED]
+    assert vb.decide(nan, nan, torch.tensor([0]), u2).tolist() == [vb.UNDECIDED]
     ninf = torch.tensor([[-math.inf, 0.0, 0.0, 0.0]])
-    assert vv.decide(ninf, ninf, torch.tensor([0]), torch.tensor([1e-9])).tolist() == [vv.UNDECIDED]
+    assert vb.decide(ninf, ninf, torch.tensor([0]), torch.tensor([1e-9])).tolist() == [vb.UNDECIDED]
     # u = 1 (Philox's largest words round to it): log u = 0, nothing is accepted for sure
-    assert vv.decide(lo[:1], hi[:1], torch.tensor([0]), torch.tensor([1.0])).tolist() != [vv.ACCEPT]
+    assert vb.decide(lo[:1], hi[:1], torch.tensor([0]), torch.tensor([1.0])).tolist() != [vb.ACCEPT]
 
 
 def test_first_undecided_walks_each_request_to_its_first_row_not_accepted():
-    A, Rj, U = vv.ACCEPT, vv.REJECT, vv.UNDECIDED
+    A, Rj, U = vb.ACCEPT, vb.REJECT, vb.UNDECIDED
     dec = torch.tensor([A, A, U, A, Rj, U, U, A, U], dtype=torch.int8)
     cu = [0, 3, 6, 7, 9]  # 2 drafts, 2 drafts, 0 drafts, 1 draft
-    assert vv.first_undecided(dec, cu) == ([2, 1, 0, 1], [A, Rj, A, A])
+    assert vb.first_undecided(dec, cu) == ([2, 1, 0, 1], [A, Rj, A, A])
     dec[1] = U
-    assert vv.first_undecided(dec, cu)[0][0] == 1 and vv.first_undecided(dec, cu)[1][0] == U
+    assert vb.first_undecided(dec, cu)[0][0] == 1 and vb.first_undecided(dec, cu)[1][0] == U
 
 
-@pytest.mark.parametrize("screen", ["int8", "fp16"])
-def test_certified_requests_are_v2s_verification_replayed_in_float64(screen):
-    """Whole requests on a learned-like head: every certified request's accepted count and next
-    token are those of V2's verification replayed in float64 on the dense rows (the real-arithmetic
-    decisions, which the certificate's bounds hold too); most requests are certified; drafts are
-    accepted and rejected."""
+def _learned_requests(screen: str):
+    """40 sampled requests of 0-3 drafts (each row's best or second-best dense token) on a
+    learned-like head: ``(adapter, hidden, seeds, pos, temp, drafts, cu, x, counts)``, ``x`` the
+    dense rows as V2's kernels read them."""
     from vllm_csv.head import CertifiedHead, HeadConfig
     from vllm_csv.sampling.head_adapter import HeadAdapter
     from vllm_csv.testing.heads import hidden_near_rows, peaked_head
@@ -102,7 +101,6 @@ def test_certified_requests_are_v2s_verification_replayed_in_float64(screen):
     V, D = 4096, 64
     W, gw = peaked_head(V, D, seed=3, dtype=torch.bfloat16)
     head = CertifiedHead(W, config=HeadConfig(screen=screen, off_switch=False, budget=0.2))
-    adapter = HeadAdapter(head)
     g = torch.Generator().manual_seed(9)
     counts = [int(c) for c in torch.randint(0, 4, (40,), generator=g)]
     cu = [0] + list(np.cumsum([c + 1 for c in counts]))
@@ -121,6 +119,16 @@ def test_certified_requests_are_v2s_verification_replayed_in_float64(screen):
         for j in range(c):
             r = cu[i] + j
             drafts[r] = top2[r, int(torch.randint(0, 2, (1,), generator=g))]
+    return HeadAdapter(head), h, seeds, pos, temp, drafts, cu, x, counts
+
+
+@pytest.mark.parametrize("screen", ["int8", "fp16"])
+def test_certified_requests_are_v2s_verification_replayed_in_float64(screen):
+    """Whole requests on a learned-like head: every certified request's accepted count and next
+    token are those of V2's verification replayed in float64 on the dense rows (the real-arithmetic
+    decisions, which the certificate's bounds hold too); most requests are certified; drafts are
+    accepted and rejected."""
+    adapter, h, seeds, pos, temp, drafts, cu, x, counts = _learned_requests(screen)
     res = vv.certify_verification_v2(adapter, h, seeds, pos, temp, drafts, cu)
     want = replay(x, drafts, seeds, pos, cu)
     cert = res.certified.tolist()
@@ -131,6 +139,42 @@ def test_certified_requests_are_v2s_verification_replayed_in_float64(screen):
             assert (res.accepted[i], res.token[i]) == want[i], i
             rejected += res.accepted[i] < counts[i]
     assert rejected > 0 and sum(res.accepted[i] for i in range(len(cert)) if cert[i]) > 0
+
+
+class _Counting:
+    """A :class:`HeadAdapter` that records its screens and the columns it scores."""
+
+    def __init__(self, adapter):
+        self.adapter, self.screens, self.columns = adapter, 0, []
+
+    def __getattr__(self, name):
+        return getattr(self.adapter, name)
+
+    def intervals(self, hidden):
+        self.screens += 1
+        return self.adapter.intervals(hidden)
+
+    def score(self, hidden, ids, hnorm):
+        self.columns.append((hidden.shape[0], set(ids.tolist())))
+        return self.adapter.score(hidden, ids, hnorm)
+
+
+def test_the_draws_go_on_from_the_acceptance_rounds_bounds():
+    """The rows are screened once, and the draws after the acceptance rounds (one group of rows
+    each: the bonus and rejected rows) score no column the rounds scored: they go on from the
+    rounds' bounds and scored set (``certify_rows_v2(start=)``); the certified requests still
+    replay V2's verification."""
+    adapter, h, seeds, pos, temp, drafts, cu, x, counts = _learned_requests("int8")
+    counting = _Counting(adapter)
+    res = vv.certify_verification_v2(counting, h, seeds, pos, temp, drafts, cu)
+    assert counting.screens == 1
+    N = h.shape[0]
+    rounds = set().union(*(ids for n, ids in counting.columns if n == N))
+    draws = [ids for n, ids in counting.columns if n < N]
+    assert draws and not any(ids & rounds for ids in draws)
+    want = replay(x, drafts, seeds, pos, cu)
+    assert all((res.accepted[i], res.token[i]) == want[i] for i, ok in enumerate(res.certified.tolist()) if ok)
+    assert int(res.certified.sum()) >= 0.8 * len(counts)
 
 
 def test_hostile_families_never_certify_a_verification_the_float64_replay_contradicts():

@@ -1,9 +1,9 @@
-"""V2's verification arithmetic on a GPU (vllm_csv/sampling/verify_v2.py): Triton's ``tl.rand``
-compiled for the device against :func:`~vllm_csv.sampling.verify_v2.rand_uniform` bit for bit, and
+"""V2's verification arithmetic on a GPU (vllm_csv/sampling/verify_v2_bounds.py): Triton's ``tl.rand``
+compiled for the device against :func:`~vllm_csv.sampling.verify_v2_bounds.rand_uniform` bit for bit, and
 the device's fp32 ``x_d - lse`` (the operations of V2's ``_compute_max_and_sumexp``,
 ``_compute_global_logsumexp`` and ``_compute_global_logprobs_and_logsumexp``, in its blocks of
 8192 tokens, with the GPU's ``exp`` and ``log``) within
-:func:`~vllm_csv.sampling.verify_v2.logprob_slack` of the real value, at vocabulary scale. The
+:func:`~vllm_csv.sampling.verify_v2_bounds.logprob_slack` of the real value, at vocabulary scale. The
 interpreted test (test_verify_v2.py) runs vLLM's own functions with numpy's arithmetic; this one
 the GPU's. Skipped without CUDA."""
 
@@ -12,7 +12,7 @@ import math
 import pytest
 import torch
 
-from vllm_csv.sampling import verify_v2 as vv
+from vllm_csv.sampling import verify_v2_bounds as vv
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")]
 triton = pytest.importorskip("triton")

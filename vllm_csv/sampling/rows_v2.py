@@ -19,7 +19,11 @@ Pipeline (per batch of rows V2's ``gumbel_sample`` will draw from, rows with no 
    computed once: it depends on neither the bounds nor the round); the contenders not yet
    scored are scored exactly (their bounds shrink to the rounding interval of the dense value,
    intersected with the screen's) and 2-4 repeat until every row is decided, nothing is left to
-   score, or the budget is spent.
+   score, or the budget is spent (without processors, 3's bounds before min-p are kept between
+   rounds and recomputed on the scored columns alone: each token's are its own).
+
+A loop may also go on from another's bounds and scored columns (``start``: V2's verification
+hands its acceptance rounds' state to the draws after them, :mod:`.verify_v2`).
 
 Host syncs (on CUDA): a few a round (is anything left to score, the budget's room, the reasons
 at the end): the loop's length and the tokens it scores depend on them. The head runs eagerly,
@@ -44,8 +48,8 @@ import torch
 from ..ops.bools import any_
 from .gumbel_v2 import certify_draw_v2, min_p_bounds, noise_bounds, temperature_bounds
 from .head_adapter import HeadAdapter
-from .scoring import (FIRST_GUESS, MAX_ROUNDS, RowsResult, budget_of, contended, empty_state, next_columns, reasons,
-                      score_columns, screen_bounds)
+from .scoring import (FIRST_GUESS, MAX_ROUNDS, RowsResult, Screened, budget_of, contended, empty_state, next_columns,
+                      reasons, score_columns, screen_bounds)
 
 
 Bounds = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
@@ -53,7 +57,8 @@ Bounds = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor
 
 def certify_rows_v2(adapter: HeadAdapter, hidden: torch.Tensor, seeds: torch.Tensor, pos: torch.Tensor,
                     temp: torch.Tensor, process: Bounds | None = None, min_p: torch.Tensor | None = None,
-                    masked: torch.Tensor | None = None, removed: torch.Tensor | None = None) -> RowsResult:
+                    masked: torch.Tensor | None = None, removed: torch.Tensor | None = None,
+                    start: Screened | None = None) -> RowsResult:
     """Certify V2's draw for each row of ``hidden``.
 
     Parameters
@@ -78,17 +83,27 @@ def certify_rows_v2(adapter: HeadAdapter, hidden: torch.Tensor, seeds: torch.Ten
     removed : torch.Tensor, optional
         ``[R, V]`` bool, tokens the draw leaves out after min-p took its threshold with them
         (V2's verification: a rejected draft; :mod:`.verify_v2`). None: none.
+    start : Screened, optional
+        The rows' bounds and scored columns from an earlier loop over them (:mod:`.verify_v2`'s
+        acceptance rounds), taken over (tightened and filled in place) instead of screening the
+        rows again (the budget bounds the columns this loop adds to them). None: screen the rows.
 
     Returns
     -------
     RowsResult
         ``values [R, V]`` in the model dtype (exact on ``S``, ``-inf`` elsewhere and on the
         tokens min-p certainly drops or ``masked`` holds), ``certified``, ``winner``, a reason per row that is not
-        certified, ``|S|``.
+        certified, ``|S|`` (``start``'s columns included).
     """
     R, V = hidden.shape[0], adapter.vocab_size
     dev = hidden.device
-    lo, hi, hnorm, finite, one_sided = screen_bounds(adapter, hidden, masked)
+    if start is None:
+        lo, hi, hnorm, finite, one_sided = screen_bounds(adapter, hidden, masked)
+    else:
+        lo, hi, hnorm, finite, one_sided = start.lo, start.hi, start.hnorm, start.finite, start.one_sided
+        if masked is not None:
+            lo.masked_fill_(masked, -math.inf)
+            hi.masked_fill_(masked, -math.inf)
     greedy = temp == 0
     any_greedy = bool(greedy.any())  # (one sync: the rounds then skip the greedy passes where there is none)
     finite = finite & (temp >= 0)
@@ -97,17 +112,31 @@ def certify_rows_v2(adapter: HeadAdapter, hidden: torch.Tensor, seeds: torch.Ten
         min_p = min_p.masked_fill(greedy, 0.0)
     values, scored, certified, winner, over_budget = empty_state(adapter, R, dev)
     budget = budget_of(adapter)
+    if start is not None:  # (the budget is this loop's: the columns it adds, as from the screen)
+        values, scored = start.values, start.scored
+        budget += int(scored.sum())
     noise = noise_bounds(seeds, pos, torch.arange(V, device=dev))
 
     if one_sided and bool(finite.any()):  # no lower bounds: score the likely winners first
-        score_columns(adapter, hidden, hnorm, adapter.masks.row_topk(hi[finite], min(FIRST_GUESS, V)).indices.unique(),
-                      values, lo, hi, scored, masked)
-    dropped = None
-    for rnd in range(MAX_ROUNDS + 1):
+        first = adapter.masks.row_topk(hi[finite], min(FIRST_GUESS, V)).indices.unique()
+        first = first[~scored[first]]
+        if first.numel():
+            score_columns(adapter, hidden, hnorm, first, values, lo, hi, scored, masked)
+
+    def tempered(lo, hi):  # what V2 draws from before min-p: processed, then divided (greedy rows not)
         plo, phi = (lo, hi) if process is None else process(lo, hi)
         qlo, qhi = temperature_bounds(plo, phi, t_div)
         if any_greedy:
             qlo, qhi = torch.where(greedy[:, None], plo, qlo), torch.where(greedy[:, None], phi, qhi)
+        return qlo, qhi
+
+    dropped = tq = new = None
+    for rnd in range(MAX_ROUNDS + 1):
+        if tq is None or process is not None:
+            tq = tempered(lo, hi)
+        else:  # (each token's own map: only the columns scored last round moved)
+            tq[0][:, new], tq[1][:, new] = tempered(lo[:, new], hi[:, new])
+        qlo, qhi = tq
         maxers = None
         if min_p is not None:
             # the tokens that may be a min-p row's maximum set its threshold: scored with the

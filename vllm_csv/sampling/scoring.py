@@ -2,7 +2,7 @@
 the screen's bounds, exact scoring of chosen columns within a budget, and the loop's result.
 
 A loop starts from the screen's bounds of every token (:func:`screen_bounds`) and an empty state
-(:func:`empty_state`: nothing scored), scores the columns its certificate asks for
+(:func:`empty_state`: nothing scored), or from another loop's (:class:`Screened`), scores the columns its certificate asks for
 (:func:`next_columns` picks those that fit the budget, :func:`budget_of`; :func:`score_columns`
 scores them, the bounds only tightening), and ends with a :class:`RowsResult` (:func:`reasons`:
 why a row was not certified).
@@ -33,6 +33,28 @@ class RowsResult:
     winner: torch.Tensor  # [R] int64, the certified token (meaningful where certified)
     reason: list[str | None]  # None if certified, else "uncertified" / "budget" / "nonfinite"
     scored: int  # |S| (shared by the rows)
+
+
+@dataclass
+class Screened:
+    """Rows' bounds and scored set as a loop left them, for a loop that goes on from there instead
+    of screening and scoring the rows again (:mod:`.verify_v2`'s draws start from its acceptance
+    rounds'): ``lo, hi [R, V]`` float32 (tightened where scored), ``hnorm``, ``finite [R]``
+    bool, ``one_sided`` (as :func:`screen_bounds` gives them), ``values [R, V]`` in the model
+    dtype, exact on the columns ``scored [V]`` bool, ``-inf`` elsewhere."""
+
+    lo: torch.Tensor
+    hi: torch.Tensor
+    hnorm: torch.Tensor
+    finite: torch.Tensor
+    one_sided: bool
+    values: torch.Tensor
+    scored: torch.Tensor
+
+    def rows(self, idx: torch.Tensor) -> Screened:
+        """The state of rows ``idx`` alone, copied (a loop tightens and fills its state in place)."""
+        return Screened(self.lo[idx], self.hi[idx], self.hnorm[idx], self.finite[idx], self.one_sided,
+                        self.values[idx], self.scored.clone())
 
 
 # (lo, hi, rows) -> (ylo, yhi): a map from the head's values to the draw's inputs (certify_rows' process)

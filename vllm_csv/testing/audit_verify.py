@@ -15,7 +15,8 @@ from dataclasses import dataclass
 import torch
 
 from ..gumbel_noise import noise, uniform
-from ..sampling.verify_v2 import certify_verification_v2, rand_uniform
+from ..sampling.verify_v2 import certify_verification_v2
+from ..sampling.verify_v2_bounds import rand_uniform
 from .audit import TEMPERATURES, dense_reference, make_head
 from .families import FAMILIES, _pick
 
