@@ -19,7 +19,9 @@ same ``Sampler`` on the dense head: wrong tokens (any row) and RNG streams out o
 ``--verify-requests`` requests are certified, each case with the int8 and fp16 screens also
 runs as sampled requests under V2's speculative verification (one-hot drafts, and on odd seeds
 probabilistic ones; on half the seeds min-p on half the requests: :mod:`vllm_csv.testing.audit_verify`), each certified request's accepted drafts and next token
-checked against V2's verification replayed in float64 on the dense rows. The campaign is
+checked against V2's verification replayed in float64 on the dense rows. ``--verify-fused``: the
+verifications on the device path instead (:mod:`vllm_csv.sampling.verify_v2_fused`, its kernels'
+torch references on a CPU; int8 screen, one-hot drafts, no min-p). The campaign is
 deterministic (seeded); it is a check, not a timing.
 """
 
@@ -51,9 +53,11 @@ VERIFY_SCREENS = ("int8", "fp16")  # the screens the CUDA head runs (V2's verifi
 
 
 def campaign(target: int, screens, log_every: float = 30.0, random_seeds: int | None = None,
-             sampler_target: int = 0, families=None, verify_target: int = 0) -> dict:
+             sampler_target: int = 0, families=None, verify_target: int = 0, verify_fused: bool = False) -> dict:
     """Cases seed by seed (0, 1, 2, ...; with ``random_seeds``, the i-th seed is drawn from
-    ``random.Random(random_seeds)``: a reproducible sweep of seeds anywhere in ``[0, 2^31)``)."""
+    ``random.Random(random_seeds)``: a reproducible sweep of seeds anywhere in ``[0, 2^31)``).
+    ``verify_fused``: the verifications on the device path instead (int8 screen, one-hot drafts,
+    no min-p: :func:`~vllm_csv.sampling.verify_v2_fused.verify_fused`)."""
     table: dict[tuple[str, str, str], dict[str, int]] = defaultdict(lambda: dict.fromkeys(FIELDS, 0))
     total = dict.fromkeys(FIELDS, 0)
     t0 = last = time.perf_counter()
@@ -91,15 +95,16 @@ def campaign(target: int, screens, log_every: float = 30.0, random_seeds: int | 
                             t["rng_out_of_step"] += d.rng_out_of_step
                         for m, n in d.certified_by_mode.items():
                             by_mode[m] += n
-                    if total["certified_verifications"] < verify_target and sc in VERIFY_SCREENS:
+                    if total["certified_verifications"] < verify_target and sc in VERIFY_SCREENS and (
+                            not verify_fused or sc == "int8"):
                         # (odd seeds: probabilistic drafts, the drafter's logits beside; seeds 2 and 3
-                        # modulo 4: min-p on half the requests)
-                        v = run_verify_case(fam, case_seed, dt, sc, probabilistic=case_seed % 2 == 1,
-                                            with_min_p=case_seed % 4 >= 2)
+                        # modulo 4: min-p on half the requests; neither on the device path)
+                        v = run_verify_case(fam, case_seed, dt, sc, probabilistic=case_seed % 2 == 1 and not verify_fused,
+                                            with_min_p=case_seed % 4 >= 2 and not verify_fused, fused=verify_fused)
                         for t in (row, total):
                             t["verify_requests"] += v.requests
                             t["certified_verifications"] += v.certified
-                            t["certified_verifications_probabilistic"] += v.certified if case_seed % 2 else 0
+                            t["certified_verifications_probabilistic"] += v.certified if case_seed % 2 and not verify_fused else 0
                             t["verify_drafts_accepted"] += v.drafts_accepted
                             t["verify_rejections"] += v.rejections
                             t["wrong_verifications"] += v.wrong
@@ -161,6 +166,9 @@ def main(argv=None) -> int:
                    help="rows certified in vLLM's Sampler through the hook to check (0: none)")
     p.add_argument("--verify-requests", type=int, default=100_000,
                    help="sampled requests whose V2 speculative verification is certified, to check (0: none)")
+    p.add_argument("--verify-fused", action="store_true",
+                   help="the verifications on the device path (its kernels' torch references here; int8, "
+                        "one-hot drafts, no min-p)")
     p.add_argument("--families", nargs="+", default=None, choices=sorted(FAMILIES),
                    help="a subset of the families (default: all)")
     p.add_argument("--flush-to-zero", action="store_true",
@@ -173,8 +181,9 @@ def main(argv=None) -> int:
             p.error("this CPU cannot flush subnormals")
         res = campaign(args.rows, args.screens, random_seeds=args.random_seeds,
                        sampler_target=args.sampler_rows, families=args.families,
-                       verify_target=args.verify_requests)
-    res.update(screens=args.screens, random_seeds=args.random_seeds, commit=commit(), torch=torch.__version__, provenance=machine(),
+                       verify_target=args.verify_requests, verify_fused=args.verify_fused)
+    res.update(verify_fused=args.verify_fused or None, screens=args.screens, random_seeds=args.random_seeds,
+               commit=commit(), torch=torch.__version__, provenance=machine(),
                machine=f"{platform.machine()}, {1 if args.flush_to_zero else args.threads} thread(s)",
                families=args.families or sorted(FAMILIES), flush_to_zero=args.flush_to_zero)
     out = Path(args.json)

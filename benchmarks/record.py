@@ -57,6 +57,7 @@ CUBLAS_SYNC = "cuBLAS bf16 F.linear + argmax, with a host sync a step"
 FBGEMM = "FBGEMM int8 GEMM, same inputs"
 NO_PREFETCH = "same kernel without software prefetch"
 V2_DENSE = "dense bf16 head (cuBLAS) + vLLM V2 gumbel_sample"
+V2_VERIFY_DENSE = "dense bf16 head (cuBLAS) on the same rows (V2's rejection kernels, unchanged on both sides, left out)"
 
 # learned models by the name of their cache directory: V x d (from their configs, as recorded by
 # the serving metrics' csv_decode_info and lm_head.py)
@@ -414,7 +415,7 @@ def rows_from_audit(d: dict, source: str, **common) -> list[Row]:
                families=("+".join(d["families"]) if len(d["families"]) <= 3 else f"{len(d['families'])} families")
                if d.get("families") else ("all" if fams else None),
                flush_to_zero=d.get("flush_to_zero") or None,
-               random_seeds=d.get("random_seeds") or None)
+               random_seeds=d.get("random_seeds") or None, verify_fused=d.get("verify_fused") or None)
     out = _Rows(benchmark="audit", machine=machine_words(prov, d.get("machine")),
                 threads=_threads(prov, d.get("machine")), commit=short_commit(d.get("commit")),
                 dtype="+".join(dtypes), config=cfg, source=source, **common)
@@ -519,6 +520,25 @@ def rows_from_v2_sampler_gpu(d: dict, source: str, **common) -> list[Row]:
         out.add("csv_ms", r.get("csv_ms"), "ms", **kw)
         out.add("dense_ms", r.get("dense_ms"), "ms", **kw)
         out.add("certified_share", r.get("certified_share"), "share", **kw)
+    return out
+
+
+def rows_from_v2_verify_gpu(d: dict, source: str, **common) -> list[Row]:
+    """``v2_verify_gpu.py``: per (requests, temperature, draft kind) the certified verification's
+    speed-up over the dense head of the same rows, the times, the certified share of requests and
+    the tokens scored, for the reference path and (``_fused``) the device path."""
+    out = _Rows(benchmark="v2_verify_gpu", machine=str(d.get("device", "GPU")), commit=short_commit(d.get("commit")),
+                shape=f"{d['vocab']}x{d['hidden']}", dtype="bf16", source=source, **common)
+    for r in d.get("rows", []):
+        kw = dict(batch=r.get("rows"), config=_cfg(screen=d.get("screen"), weights="random", requests=r.get("requests"),
+                                                   drafts=d.get("drafts"), temperature=r.get("temperature"),
+                                                   draft_kind="probabilistic" if r.get("probabilistic") else "one-hot"))
+        out.add("dense_ms", r.get("dense_ms"), "ms", **kw)
+        for sfx in ("", "_fused"):  # the reference path, the device path (one-hot drafts)
+            out.add(f"speedup{sfx}", r.get(f"speedup{sfx}"), "x", V2_VERIFY_DENSE, **kw)
+            out.add(f"csv{sfx}_ms", r.get(f"csv{sfx}_ms"), "ms", **kw)
+            out.add(f"certified_share{sfx}", r.get(f"certified_share{sfx}"), "share of requests", **kw)
+            out.add(f"scored{sfx}", r.get(f"scored{sfx}"), "tokens", **kw)
     return out
 
 
@@ -646,7 +666,7 @@ def rows_from_tail_bound(d: dict, source: str, **common) -> list[Row]:
 CONVERTERS = {
     "lm_head": rows_from_lm_head, "serve": rows_from_serve, "sampler_step": rows_from_sampler_step,
     "audit": rows_from_audit, "tp_head": rows_from_tp_head, "off_switch_cost": rows_from_off_switch_cost,
-    "gpu_step": rows_from_gpu_step, "v2_sampler_gpu": rows_from_v2_sampler_gpu,
+    "gpu_step": rows_from_gpu_step, "v2_sampler_gpu": rows_from_v2_sampler_gpu, "v2_verify_gpu": rows_from_v2_verify_gpu,
     "gpu_learned": lambda d, source, **c: rows_from_gpu_step(d, source, benchmark="gpu_learned", **c),
     "v2_fused_draw": rows_from_v2_fused_draw, "v2_draw_breakdown": rows_from_v2_draw_breakdown,
     "outlier_channels": rows_from_outlier_channels, "load": rows_from_load,

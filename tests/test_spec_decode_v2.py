@@ -142,9 +142,17 @@ def test_v2_rejection_sampler_on_certified_rows_equals_dense(tmp_path, monkeypat
     certified ``k = 1`` and sampled requests' rows dense; ``verified``, as
     :func:`~vllm_csv.vllm_plugin.v2.spec.spec_plan` plans them, the sampled requests' rows also
     deferred and resolved by the verification hook (:func:`~vllm_csv.vllm_plugin.v2.verify.resolve`:
-    their acceptances and next token certified, or dense). Also: the hook's drafts are V2's own
-    ``gather_draft_sampled``'s."""
+    their acceptances and next token certified, or dense); and ``fused``, the same with the head's
+    backend CUDA's on int8 heads with one-hot drafts, where the hook takes the device path
+    (:func:`~vllm_csv.sampling.verify_v2_fused.verify_fused`, the kernels' torch references on the
+    CPU). Also: the hook's drafts are V2's own ``gather_draft_sampled``'s."""
+    from vllm_csv.gpu.step import FusedStep
+    from vllm_csv.head.backend import Cuda
     from vllm_csv.vllm_plugin.v2 import verify as v2_verify
+
+    fused_calls = []
+    real_fused = v2_verify.verify_fused
+    monkeypatch.setattr(v2_verify, "verify_fused", lambda *a: fused_calls.append(1) or real_fused(*a))
 
     S, num_spec = SLOTS, 3
     temps = np.zeros(S, np.float32)
@@ -152,7 +160,7 @@ def test_v2_rejection_sampler_on_certified_rows_equals_dense(tmp_path, monkeypat
     temps[::2] = torch.tensor([0.8, 1.0, 0.5])[torch.randint(0, 3, (S // 2,), generator=g0)].numpy()
     seeds = torch.randint(0, 2**62, (S,), generator=g0).numpy()
     rs = _verifier(temps, seeds)
-    batches, certified, greedy_rows, cases, verified_reqs = [], 0, 0, [], 0
+    batches, certified, greedy_rows, cases, verified_reqs, fused_reqs = [], 0, 0, [], 0, 0
     for family in FAMILIES:
         for screen in ("int8", "fp16"):
             g = torch.Generator().manual_seed(zlib.crc32(f"{family}-{screen}-v2".encode()))
@@ -211,15 +219,25 @@ def test_v2_rejection_sampler_on_certified_rows_equals_dense(tmp_path, monkeypat
                                 input_ids[row + j + 1] = z
                         row += c + 1
                 logits = {"dense": want}
-                for name, sampled in (("csv", False), ("verified", True)):
+                on_device = screen == "int8" and draft_logits is None
+                for name, sampled in (("csv", False), ("verified", True), ("fused", True))[:3 if on_device else 2]:
                     plan = target_plan(base, counts, sampled=sampled)
                     channel.open(plan)
                     got = layer.forward(None, hidden)
                     channel.close_plan()
                     if sampled and plan.deferred:
                         d = channel.step.take_handoff(got)
-                        st = v2_verify.resolve(rs, d, got, batch, draft_logits)
-                        verified_reqs += st.certified.get("spec_sampling", 0)
+                        if name == "fused":  # (CUDA's backend and the fused step it builds, for the hook)
+                            backend, head.backend, head._fused = head.backend, Cuda(), FusedStep(head)
+                        try:
+                            st = v2_verify.resolve(rs, d, got, batch, draft_logits)
+                        finally:
+                            if name == "fused":
+                                head.backend, head._fused = backend, None
+                        if name == "fused":
+                            fused_reqs += st.certified.get("spec_sampling", 0)
+                        else:
+                            verified_reqs += st.certified.get("spec_sampling", 0)
                     elif any(plan.topk):
                         certified += int(head.last_certified.sum())
                     logits[name] = got
@@ -236,7 +254,7 @@ def test_v2_rejection_sampler_on_certified_rows_equals_dense(tmp_path, monkeypat
     for b, res in zip(batches, out):
         assert torch.equal(res["gather_draft_sampled"], b["drafts"]), b["case"]
         sd, nd = res["dense"]
-        for name in ("csv", "verified"):
+        for name in [k for k in ("csv", "verified", "fused") if k in res]:
             sc, nc = res[name]
             assert torch.equal(nd, nc), (name, b["case"])
             for i, n in enumerate(nd.tolist()):  # (past num_sampled the buffer holds nothing)
@@ -245,6 +263,7 @@ def test_v2_rejection_sampler_on_certified_rows_equals_dense(tmp_path, monkeypat
         sampled_accepted += sum(int(n) - 1 for n, t in zip(nd.tolist(), b["case"][3]) if t > 0)
     assert certified > 0 and greedy_rows > 0 and accepted > 0, (certified, greedy_rows, accepted)
     assert verified_reqs > 0 and sampled_accepted > 0, (verified_reqs, sampled_accepted)
+    assert fused_calls and fused_reqs > 0, (len(fused_calls), fused_reqs)
 
 
 @pytest.mark.parametrize("why", [None, "draft_logits", "invalid_drafts", "top_p", "logprobs", "fp64",

@@ -175,9 +175,18 @@ class FusedStep:
         soft-cap, ``scale = 1``: the scored values are what V2's sampler reads)."""
         return is_plain(self.head.engine) and self.nb >= 1
 
+    def screen_rows(self, hidden: torch.Tensor):
+        """Steps 1-2 of the step on ``hidden`` (``[B, d]``): ``(umax, lmax, ok)``, every block's
+        largest upper and lower bound of a token's dense logit (``[B, nb]`` fp32) and the
+        quantization's per-row ``ok`` (``[B]`` int8), what :meth:`draw_v2` starts from."""
+        B = hidden.shape[0]
+        p, t, e, hnorm, ok = quantize_rows(hidden, self.certifiable and self.head.arithmetic_ok(), batch_tile(B),
+                                           self.wmax_up, self.babs_max)
+        return (*self.screen_bounds(p, t, e, hnorm, B), ok)
+
     def draw_v2(self, hidden: torch.Tensor, seeds: torch.Tensor, pos: torch.Tensor, temp: torch.Tensor,
                 cap: int | None = None, min_p: torch.Tensor | None = None, masked: torch.Tensor | None = None,
-                process=None):
+                process=None, screened: tuple | None = None):
         """vLLM V2's Gumbel draw of each row of ``hidden``, certified on the device (no host sync).
 
         Six kernels (:mod:`vllm_csv.gpu.gumbel_draw` has the argument): the step's quantize and
@@ -208,6 +217,10 @@ class FusedStep:
             vLLM's V2 logits processors on ``[B, V]`` bounds (``process(lo, hi) -> (lo', hi')``,
             :func:`vllm_csv.vllm_plugin.v2.sampler._processors`), applied to the blocks' bounds and
             the candidates' intervals (:mod:`vllm_csv.gpu.processed`).
+        screened : tuple, optional
+            :meth:`screen_rows` of these rows, computed already (V2's verification screens its
+            rows once, :mod:`vllm_csv.sampling.verify_v2_fused`): its ``ok`` must hold the whole
+            screened batch's (a row's ``ok`` and'ed with every row's). None: screened here.
 
         Returns
         -------
@@ -218,11 +231,8 @@ class FusedStep:
         count : torch.Tensor
             ``[B]`` int32 candidate blocks (:meth:`scored`).
         """
-        B = hidden.shape[0]
         cap = self.cap_for(1) if cap is None else max(1, min(cap, CAP))
-        p, t, e, hnorm, ok = quantize_rows(hidden, self.certifiable and self.head.arithmetic_ok(), batch_tile(B),
-                                           self.wmax_up, self.babs_max)
-        umax, lmax = self.screen_bounds(p, t, e, hnorm, B)
+        umax, lmax, ok = self.screen_rows(hidden) if screened is None else screened
         c = self.consts
         if process is None:
             bound, qhi = block_bounds(umax, seeds, pos, temp, self.V, True, self.dtype)

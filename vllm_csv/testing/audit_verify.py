@@ -65,12 +65,16 @@ def replay(x: torch.Tensor, drafts: torch.Tensor, seeds: torch.Tensor, pos: torc
 
 
 def run_verify_case(family: str, seed: int, dtype: torch.dtype, screen: str, requests: int = 12,
-                    max_drafts: int = 3, probabilistic: bool = False, with_min_p: bool = False) -> VerifyOutcome:
+                    max_drafts: int = 3, probabilistic: bool = False, with_min_p: bool = False,
+                    fused: bool = False) -> VerifyOutcome:
     """One case: ``requests`` sampled requests of up to ``max_drafts`` drafts each over the
     case's hidden states, temperatures from :data:`~.audit.TEMPERATURES`, drafts the row's best
     or second-best dense token or a random one; ``probabilistic``: with the drafter's logits,
     the dense row plus noise, the draft token (when not the best) overrated by 8;
-    ``with_min_p``: half the requests with a min-p from 0.05 to 0.9."""
+    ``with_min_p``: half the requests with a min-p from 0.05 to 0.9; ``fused``: certified on the
+    device path instead (:func:`~vllm_csv.sampling.verify_v2_fused.verify_fused`, the head's
+    fused step; one-hot drafts, no min-p: the other two flags must be off; a head the fused step
+    refuses certifies nothing)."""
     from ..errors import CSVError
     from ..sampling.head_adapter import HeadAdapter
 
@@ -107,7 +111,21 @@ def run_verify_case(family: str, seed: int, dtype: torch.dtype, screen: str, req
         boost = (drafts >= 0) & (drafts != top[:, 0])
         draft[boost.nonzero().squeeze(1), drafts[boost]] += 8.0
         qx = torch.where(temp[:, None] == 1.0, draft, draft / temp[:, None])
-    res = certify_verification_v2(HeadAdapter(head), hidden, seeds, pos, temp, drafts, cu, draft, min_p=min_p)
+    if fused:
+        from ..gpu.step import FusedStep
+        from ..sampling.verify_v2_fused import verify_fused
+
+        if probabilistic or with_min_p:
+            raise ValueError("the fused verification takes one-hot drafts and no min-p")
+        try:
+            step = FusedStep(head)
+        except CSVError:
+            return VerifyOutcome(requests, 0, 0, 0, 0)
+        if not step.supports_draw():
+            return VerifyOutcome(requests, 0, 0, 0, 0)
+        res = verify_fused(step, hidden, seeds, pos, temp, drafts, cu)
+    else:
+        res = certify_verification_v2(HeadAdapter(head), hidden, seeds, pos, temp, drafts, cu, draft, min_p=min_p)
     cert = res.certified.tolist()
     if not any(cert):
         return VerifyOutcome(requests, 0, 0, 0, 0)

@@ -10,13 +10,16 @@ head leaves them as placeholders and hands their hidden states over on the step.
    prefill, which makes its request dense here), each row's request seed, temperature and
    position, read the way the kernels read them (``expanded_idx_mapping``, ``positions[logits_indices]``);
 2. :func:`~vllm_csv.sampling.verify_v2.certify_verification_v2`: the accepted drafts and the next
-   token of each request from bounds on its rows, decided or not;
+   token of each request from bounds on its rows, decided or not; on CUDA's backend, for
+   one-hot drafts with neither min-p nor processors, the same certificate on the device
+   (:func:`~vllm_csv.sampling.verify_v2_fused.verify_fused`: the fused step's kernels, two host
+   reads instead of a few a round);
 3. a certified request's rows are written as that module hands them to V2 (accepted rows: one
    finite token, the draft; the first rejected row: with one-hot drafts the draw's exact values
    with the rejected draft at ``-inf``, with probabilistic drafts (``draft_logits``, the
    drafter's logits V2 keeps for its ratio test) the residual draw's winner alone; the bonus
-   row: the draw's exact values; later rows ``-inf``), every other deferred row gets the dense
-   head's values (:mod:`..fill`).
+   row: the draw's exact values; on the device path the token alone on either; later rows
+   ``-inf``), every other deferred row gets the dense head's values (:mod:`..fill`).
 
 vLLM's unchanged ``RejectionSampler`` then verifies and draws from those logits: the same accepted
 counts and tokens as on the dense head's rows, and no random state to keep in step (V2's
@@ -42,9 +45,10 @@ import torch
 from ...sampling.scoring import RowsResult
 from ...sampling.sharded_rows import ShardedAdapter
 from ...sampling.verify_v2 import certify_verification_v2
+from ...sampling.verify_v2_fused import verify_fused
 from ..fill import finish, write_certified
 from ..step import Deferred, DeferredStats, step_of
-from .sampler import _processors, drawn_otherwise
+from .sampler import _processors, drawn_otherwise, fused_draw_for
 from .spec import verification_ok
 
 
@@ -149,9 +153,14 @@ def resolve(rs, d: Deferred, logits: torch.Tensor, input_batch, draft_logits=Non
             if draft_logits is not None:  # each target row's drafter logits: [slot, its local position]
                 step = input_batch.expanded_local_pos[dev_rows].long().clamp(max=draft_logits.shape[1] - 1)
                 draft = draft_logits[slot, step][kept]
-            res = certify_verification_v2(d.adapter, d.hidden[kept], ss.seeds.gpu[slot[kept]].long(), pos[kept],
-                                          ss.temperature.gpu[slot[kept]].float(), drafts[kept], sub_cu, draft,
-                                          process, min_p[kept] if min_p is not None else None)
+            args = (d.hidden[kept], ss.seeds.gpu[slot[kept]].long(), pos[kept], ss.temperature.gpu[slot[kept]].float(),
+                    drafts[kept], sub_cu)
+            fused = fused_draw_for(d.adapter, None) if process is None and min_p is None and draft is None else None
+            if fused is not None:  # the device path: one-hot drafts, plain temperature (CUDA's backend)
+                res = verify_fused(fused, *args)
+            else:
+                res = certify_verification_v2(d.adapter, *args, draft, process,
+                                              min_p[kept] if min_p is not None else None)
             ok[kr] = res.certified.to(dev)
             values[kept] = res.values.to(values.dtype)
             for j, r in enumerate(kr.tolist()):

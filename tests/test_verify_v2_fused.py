@@ -1,0 +1,144 @@
+"""V2's verification certified on the device path (vllm_csv/sampling/verify_v2_fused.py): its lse
+bounds and first rows against their definitions, whole requests against V2's verification
+replayed in float64 and against the reference path (verify_v2.py), on a learned-like head and on
+the hostile families. Here the fused step's kernels run as their torch references (on CUDA
+compiled; under Triton's interpreter through test_gpu_kernels_interpreted.py), which
+tests/test_gpu_kernels.py and tests/test_gpu_gumbel_draw.py hold to the kernels bit for bit."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from vllm_csv.gpu.common import CAP, INTERPRET, SUB, slot_ids
+from vllm_csv.sampling import verify_v2 as vv
+from vllm_csv.sampling import verify_v2_bounds as vb
+from vllm_csv.sampling import verify_v2_fused as vf
+from vllm_csv.testing.audit_verify import replay, run_verify_case
+from vllm_csv.testing.families import DTYPES, FAMILIES
+
+pytest.importorskip("triton")
+
+
+def _fused(adapter):
+    from vllm_csv.gpu.step import FusedStep
+
+    return FusedStep(adapter.head)
+
+
+def test_lse_bounds_hold_the_rows_lse_and_count_the_other_blocks():
+    """On rows whose mass sits in candidate blocks, in blocks left out, or spread flat (V not a
+    multiple of the block), ``llo <= logsumexp(x) <= lhi`` for values anywhere within the bounds;
+    without the other blocks' mass (a bound on the candidates alone) the upper bound fails on
+    the rows whose mass is elsewhere; a NaN block bound leaves ``lhi`` NaN."""
+    g = torch.Generator().manual_seed(0)
+    V, N = 50 * SUB + 17, 64
+    nb = -(-V // SUB)
+    x = torch.randn(N, V, generator=g) * torch.tensor([0.1, 1.0, 4.0, 12.0]).repeat(N // 4)[:, None]
+    width = torch.rand(N, V, generator=g) * 0.05
+    cand = torch.full((N, CAP), -1, dtype=torch.int32)
+    k = 6
+    for r in range(N):  # a random set of k blocks (the row's mass anywhere)
+        cand[r, :k] = torch.randperm(nb, generator=g)[:k].sort().values.int()
+    count = torch.full((N,), k, dtype=torch.int32)
+    ids = slot_ids(cand, count, V)
+    lo, hi = x - width, x + width
+    qlo = torch.where(ids >= 0, lo.gather(1, ids.clamp(min=0)), -math.inf)
+    qhi = torch.where(ids >= 0, hi.gather(1, ids.clamp(min=0)), -math.inf)
+    pad = torch.full((N, nb * SUB - V), -math.inf)
+    block_q = torch.cat([hi, pad], 1).view(N, nb, SUB).amax(2)
+    llo, lhi, gmax = vf.lse_bounds_blocks(qlo, qhi, block_q, cand, V)
+    for t in (0.0, 0.5, 1.0):
+        lse = torch.logsumexp((lo + t * (hi - lo)).double(), 1)
+        assert bool((llo <= lse).all() & (lse <= lhi).all()), t
+    assert bool((gmax >= x.amax(1).abs()).all())
+    alone = torch.logsumexp(qhi.double(), 1)  # the mutation: the candidates' mass only
+    assert bool((alone < torch.logsumexp(x.double(), 1)).any())
+    nan_q = block_q.clone()
+    nan_q[0, :] = math.nan  # (the candidates' blocks are read from their slots: the others' NaN)
+    assert math.isnan(float(vf.lse_bounds_blocks(qlo, qhi, nan_q, cand, V)[1][0]))
+
+
+def test_first_rows_are_the_reference_walk():
+    """Each request's accepted lead and first row not accepted, on the device, equal the host
+    walk (:func:`~vllm_csv.sampling.verify_v2_bounds.first_undecided`) on random decisions."""
+    g = torch.Generator().manual_seed(1)
+    for _ in range(50):
+        sizes = torch.randint(1, 6, (int(torch.randint(1, 9, (1,), generator=g)),), generator=g)
+        cu = [0] + sizes.cumsum(0).tolist()
+        N = cu[-1]
+        dec = torch.tensor([vb.ACCEPT, vb.REJECT, vb.UNDECIDED])[torch.randint(0, 3, (N,), generator=g)]
+        dec[torch.tensor(cu[1:]) - 1] = vb.UNDECIDED  # (bonus rows: never accepted)
+        lead, a = vf.first_rows(dec.to(torch.int8), torch.tensor(cu), N)
+        want, _ = vb.first_undecided(dec, cu)
+        assert a.tolist() == want
+        assert lead.tolist() == [j - cu[i] < want[i] for i in range(len(cu) - 1) for j in range(cu[i], cu[i + 1])]
+
+
+def test_certified_requests_are_v2s_verification_replayed_in_float64():
+    """Whole requests on a learned-like head (test_verify_v2's): every request the device path
+    certifies has V2's accepted count and next token (float64 replay on the dense rows), most are
+    certified, with drafts accepted and rejected; the rows it hands over hold the accepted drafts
+    alone and the next token alone on the row after them; and it certifies nearly what the
+    reference path does."""
+    from test_verify_v2 import _learned_requests
+
+    adapter, h, seeds, pos, temp, drafts, cu, x, counts = _learned_requests("int8")
+    res = vf.verify_fused(_fused(adapter), h, seeds, pos, temp, drafts, cu)
+    ref = vv.certify_verification_v2(adapter, h, seeds, pos, temp, drafts, cu)
+    want = replay(x, drafts, seeds, pos, cu)
+    cert = res.certified.tolist()
+    assert sum(cert) >= 0.8 * len(counts) and sum(cert) >= int(ref.certified.sum()) - 4, (sum(cert), res.reason)
+    for i, ok in enumerate(cert):
+        if not ok:
+            continue
+        assert (res.accepted[i], res.token[i]) == want[i], i
+        r0, a = cu[i], res.accepted[i]
+        for j in range(a):  # the accepted rows: the draft alone
+            assert torch.isfinite(res.values[r0 + j]).nonzero().flatten().tolist() == [int(drafts[r0 + j])]
+        assert torch.isfinite(res.values[r0 + a]).nonzero().flatten().tolist() == [res.token[i]]
+    assert sum(res.accepted[i] for i in range(len(cert)) if cert[i]) > 0
+    assert sum(cert[i] and res.accepted[i] < counts[i] for i in range(len(cert))) > 0
+
+
+def test_hostile_families_never_certify_what_the_float64_replay_contradicts():
+    """The campaign's check (``benchmarks/audit.py --verify-fused``) on two seeds of every family
+    and dtype: no request certified on the device path differs from V2's verification replayed
+    in float64; requests are certified, with drafts accepted and rejected. (Under Triton's
+    interpreter: one seed, bf16, to keep its kernels' run within minutes.)"""
+    tot = [0, 0, 0, 0]
+    for seed in (0,) if INTERPRET else (0, 1):
+        for fam in FAMILIES:
+            for dt in (torch.bfloat16,) if INTERPRET else DTYPES:
+                o = run_verify_case(fam, seed, dt, "int8", fused=True)
+                assert o.wrong == 0, (fam, seed, dt, o)
+                tot = [a + b for a, b in zip(tot, (o.requests, o.certified, o.drafts_accepted, o.rejections))]
+    assert tot[1] > tot[0] // 3 and tot[2] > 0 and tot[3] > 0, tot
+
+
+@pytest.mark.skipif(INTERPRET, reason="the composition's mutation: run with the kernels' references")
+def test_a_draft_block_left_out_is_caught():
+    """The draft's own block is always scored (its value an exact interval): drafts of random
+    tokens (far from the row's likely ones, so plainly rejected) are rejected and the requests
+    certified; where the draft's block is not forced among the candidates, such a draft is not
+    scored and its rejection is not decidable (its value no interval), so fewer requests are
+    certified; none is certified wrong either way."""
+    from test_verify_v2 import _learned_requests
+
+    adapter, h, seeds, pos, temp, drafts, cu, x, counts = _learned_requests("int8")
+    g = torch.Generator().manual_seed(2)
+    drafts = torch.where(drafts >= 0, torch.randint(0, x.shape[1], drafts.shape, generator=g), drafts)
+    step = _fused(adapter)
+    base = vf.verify_fused(step, h, seeds, pos, temp, drafts, cu)
+    real_scatter = torch.Tensor.scatter
+    try:  # the mutation: the draft's block keeps its own bound (not forced first)
+        torch.Tensor.scatter = lambda self, dim, index, src: self.clone()
+        cut = vf.verify_fused(step, h, seeds, pos, temp, drafts, cu)
+    finally:
+        torch.Tensor.scatter = real_scatter
+    want = replay(x, drafts, seeds, pos, cu)
+    for res in (base, cut):
+        assert all((res.accepted[i], res.token[i]) == want[i] for i, ok in enumerate(res.certified.tolist()) if ok)
+    assert int(cut.certified.sum()) < int(base.certified.sum()) and int(base.certified.sum()) >= 30

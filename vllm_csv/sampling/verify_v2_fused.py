@@ -1,0 +1,160 @@
+"""V2's verification of sampled requests certified on the device (CUDA; the kernels' torch
+references elsewhere): :mod:`.verify_v2`'s certificate for one-hot drafts and plain temperature
+sampling (no min-p, no processors), as a fixed sequence of the fused step's kernels and torch
+passes over ``[N, nb]`` and ``[N, CAP * SUB]``, instead of rounds over ``[N, V]``.
+
+Pipeline, for ``N`` rows of ``R`` requests (each request's rows contiguous, its bonus row last)::
+
+    screen_rows    h [N, d]                 -> umax, lmax [N, nb], ok [N]    (FusedStep, once)
+    draw_select    block bounds, the draft's block first -> cand [N, CAP]   (where the mass is)
+    score_blocks   h, W, cand               -> lower, upper [N, CAP * SUB]  (dense intervals)
+    lse_bounds_blocks / decide_from (torch, float64) -> each row's decision [N]
+    first_rows     decisions                -> row_a [R]                    (segment sums)
+    draw_v2        rows a, the rejected draft masked, the screen reused -> token, code [R]
+
+Each row's lse is bounded from its candidates' exact intervals and, for every other block, its
+token count times the exponential of its bound (:func:`lse_bounds_blocks`); the draft's block is
+always a candidate, so the draft's value is an exact interval. The decisions are
+:func:`~.verify_v2_bounds.decide_from`'s, the rule of the reference path; the draw after the
+first row not accepted is the device draw (:meth:`~vllm_csv.gpu.step.FusedStep.draw_v2`) on that
+row with its draft masked (V2 removes it after min-p, which these rows do not have, so removing
+is masking) or on the bonus row. What is handed to V2's kernels: accepted rows the draft alone,
+row ``a`` the certified token alone (its draft ``-inf``: rejected; then the draw returns the one
+finite token), later rows ``-inf``, as :mod:`.verify_v2` hands a probabilistic row's residual.
+
+Host syncs: the seeds and positions read once for the uniforms (V2's ``tl.rand``, replayed by
+:func:`~.verify_v2_bounds.rand_uniform` on the host; issued before the kernels, so nothing waits
+on them), and the results read once at the end (the hook writes the dense rows of the requests
+left after reading them).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ..gpu.common import SUB, slot_ids
+from ..gpu.draw_bounds import block_upper, draw_select
+from ..gpu.score import score_blocks
+from .gumbel_v2 import temperature_bounds
+from .verify_v2 import Verified
+from .verify_v2_bounds import ACCEPT, REJECT, UNDECIDED, decide_from, rand_uniform
+
+_DRAW_REASONS = {1: "nonfinite", 2: "nonfinite"}  # (gpu.gumbel_draw's codes; the rest: "uncertified")
+
+
+def lse_bounds_blocks(qlo: torch.Tensor, qhi: torch.Tensor, block_q: torch.Tensor, cand: torch.Tensor, V: int
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Bounds on each row's real ``log sum exp(x)`` from its candidates and its blocks.
+
+    Parameters
+    ----------
+    qlo, qhi : torch.Tensor
+        ``[N, S]`` float32, the candidate slots' bounds on ``x`` (``-inf`` on both sides at an
+        empty slot).
+    block_q : torch.Tensor
+        ``[N, nb]`` float32, an upper bound on ``x`` of every token of each block (NaN: unknown).
+    cand : torch.Tensor
+        ``[N, CAP]`` int32, the candidate blocks (``-1``: none), whose tokens are the slots.
+    V : int
+        Tokens in the row (the last block holds ``V - (nb - 1) SUB``).
+
+    Returns
+    -------
+    (llo, lhi, gmax) : float64 ``[N]`` each
+        ``llo <= lse <= lhi`` (the candidates' lower bounds alone below; above, their upper
+        bounds and each other block's count times its bound), and ``gmax >= |max x|``. NaN or
+        ``+inf`` in a block's bound makes ``lhi`` NaN or ``+inf`` (no decision reads it).
+    """
+    N, nb = block_q.shape
+    is_cand = torch.zeros((N, nb + 1), dtype=torch.bool, device=cand.device)
+    is_cand.scatter_(1, torch.where(cand >= 0, cand, nb).long(), True)
+    counts = torch.full((nb,), float(SUB), dtype=torch.float64, device=cand.device)
+    counts[-1] = V - (nb - 1) * SUB
+    other = block_q.double().masked_fill(is_cand[:, :nb], -math.inf)
+    # (float64's rounding here is far inside the slack the decision adds: logprob_slack)
+    llo = torch.logsumexp(qlo.double(), 1)
+    lhi = torch.logsumexp(torch.cat([qhi.double(), other + counts.log()[None]], 1), 1)
+    top = torch.maximum(qhi.amax(1), torch.where(torch.isnan(other), math.inf, other).amax(1).float())
+    gmax = torch.maximum(qlo.amax(1).double().abs(), top.double().abs())
+    return llo, lhi, gmax
+
+
+def first_rows(dec: torch.Tensor, cu: torch.Tensor, N: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(lead [N] bool, a [R] int64)``: the rows accepted with every earlier row of their
+    request accepted, and each request's count of them (its first row not accepted is
+    ``cu[i] + a[i]``; the bonus row, never accepted, ends it). On the device, no host sync."""
+    sizes = cu[1:] - cu[:-1]
+    R = sizes.numel()
+    req_of = torch.repeat_interleave(torch.arange(R, device=dec.device), sizes, output_size=N)
+    nacc = (dec != ACCEPT).long()
+    before = nacc.cumsum(0) - nacc  # rows not accepted before each row, over the whole batch
+    lead = (nacc == 0) & (before == before[cu[:-1]][req_of])
+    a = torch.zeros(R, dtype=torch.long, device=dec.device).scatter_add_(0, req_of, lead.long())
+    return lead, a
+
+
+def verify_fused(step, hidden: torch.Tensor, seeds: torch.Tensor, pos: torch.Tensor, temp: torch.Tensor,
+                 drafts: torch.Tensor, cu: list[int]) -> Verified:
+    """Certify V2's verification of ``R`` requests on the device (module docstring).
+
+    Parameters
+    ----------
+    step : FusedStep
+        The head's fused step (:meth:`~vllm_csv.head.CertifiedHead.fused_step`; plain engine).
+    hidden, seeds, pos, temp, drafts, cu
+        As :func:`~.verify_v2.certify_verification_v2` (``temp > 0``; one-hot drafts, no min-p,
+        no processors).
+
+    Returns
+    -------
+    Verified
+        As :func:`~.verify_v2.certify_verification_v2`: the rows to hand to V2 (a certified
+        request's accepted rows its drafts alone, its row ``a`` its token alone), per request
+        certified, accepted drafts, next token, reason; ``scored`` the tokens scored exactly.
+    """
+    N, V, R = hidden.shape[0], step.V, len(cu) - 1
+    dev = hidden.device
+    u = rand_uniform(seeds, pos)  # (the one read before the kernels: seeds and positions)
+    cu_d = torch.tensor(cu, dtype=torch.long, device=dev)
+    umax, lmax, ok = step.screen_rows(hidden)
+    c = step.consts
+    # the acceptance: each row's blocks of largest bound, the draft's own block first
+    bh = block_upper(umax, step.dtype)
+    target = drafts >= 0
+    home = (drafts.clamp(min=0) // SUB)[:, None]
+    key = bh.scatter(1, home, torch.where(target[:, None], math.inf, bh.gather(1, home)))
+    cand, count, _, _, _, ok_rows = draw_select(key, bh, umax, lmax, ok, c["limit"], c["babs_max"], step.cap_for(1))
+    _, lower, upper = score_blocks(hidden, step.weight, step.bias, cand, count, step.coef, step.gam, step.tiny32)
+    ids = slot_ids(cand, count, V)
+    valid = ids >= 0
+    qlo, qhi = temperature_bounds(lower.masked_fill(~valid, -math.inf), upper.masked_fill(~valid, -math.inf), temp)
+    llo, lhi, gmax = lse_bounds_blocks(qlo, qhi, temperature_bounds(bh, bh, temp)[1], cand, V)
+    hit = ids == drafts[:, None]
+    xlo = qlo.masked_fill(~hit, -math.inf).amax(1).double()
+    xhi = qhi.masked_fill(~hit, -math.inf).amax(1).double()
+    dec = decide_from(xlo, xhi, (llo, lhi), gmax, V, drafts, u.to(dev))
+    dec = torch.where(ok_rows.bool(), dec, UNDECIDED)
+    # the draw: each request's first row not accepted, its draft masked (the bonus row: none)
+    lead, a = first_rows(dec, cu_d, N)
+    row_a = cu_d[:-1] + a
+    bonus = row_a == cu_d[1:] - 1
+    decided = bonus | (dec[row_a] == REJECT)
+    removed = torch.where(bonus, -1, drafts[row_a])
+    masked = torch.zeros((R, V), dtype=torch.bool, device=dev).scatter_(1, removed.clamp(min=0)[:, None],
+                                                                        (removed >= 0)[:, None])
+    ok_a = (ok[row_a].bool() & ok.bool().all()).to(ok.dtype)
+    token, code, count_a = step.draw_v2(hidden[row_a], seeds[row_a], pos[row_a], temp[row_a], masked=masked,
+                                        screened=(umax[row_a], lmax[row_a], ok_a))
+    certified = decided & (code == 0)
+    values = torch.full((N, V), -math.inf, dtype=step.dtype, device=dev)
+    values.scatter_(1, drafts.clamp(min=0)[:, None], torch.where(lead, 0.0, -math.inf)[:, None].to(step.dtype))
+    values.index_put_((row_a, token), torch.zeros(R, dtype=step.dtype, device=dev))
+    scored = step.scored(count).sum() + step.scored(count_a).sum()
+    # (the one read of the results: the hook writes the other requests' dense rows after it)
+    out = torch.cat([certified.long(), a, token, code.long(), scored[None]]).cpu()
+    cert_h, a_h, tok_h, code_h = (out[i * R:(i + 1) * R] for i in range(4))
+    reason = [None if bool(ok_) else _DRAW_REASONS.get(int(k), "uncertified")
+              for ok_, k in zip(cert_h.tolist(), code_h.tolist())]
+    return Verified(values, cert_h.bool(), a_h.tolist(), tok_h.tolist(), reason, int(out[-1]))
