@@ -8,6 +8,8 @@
 #            benchmarks/v2_fused_draw_gpu.py $DRAW_ARGS (head + sample against the dense V2 step)
 #   learned  a model trained on the device, its held-out hidden states through the fused step and
 #            the V2 draw, audited against cuBLAS (benchmarks/gpu_learned.py $LEARNED_ARGS)
+#   verify   V2's sampled speculative verification certified, against the dense head of the same
+#            rows, each certified request checked (benchmarks/v2_verify_gpu.py $VERIFY_ARGS)
 # Budget: all parts under 8 minutes on an H100; PARTS="tests draw learned" under 6.
 # Usage: VLLM_CSV_COMMIT=<sha> [PARTS="..."] bash benchmarks/run_gpu.sh [gpu_step.py args]
 # ONLY_V2_DRAW=1 is PARTS=draw; RUN_LEGACY=1 also builds csrc/ and runs the earlier screen
@@ -18,7 +20,7 @@ OUT=${OUT:-results/gpu}
 mkdir -p "$OUT"
 export TQDM_DISABLE=1 PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0}
 export VLLM_CSV_COMMIT=${VLLM_CSV_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
-PARTS=" ${PARTS:-step tests arith draw learned} "
+PARTS=" ${PARTS:-step tests arith draw learned verify} "
 [ "${ONLY_V2_DRAW:-0}" = 1 ] && PARTS=" draw "
 part() { [[ "$PARTS" == *" $1 "* ]]; }
 nvidia-smi -L
@@ -55,6 +57,12 @@ if part learned; then  # issue 44: learned heads trained on the device, their ow
     timeout ${LEARNED_TIMEOUT:-200} python3 benchmarks/gpu_learned.py --json "$OUT/gpu_learned.json" \
         ${LEARNED_ARGS:-} 2>&1 | tee "$OUT/gpu_learned.log"
     echo "learned: $((SECONDS - T4)) s"
+fi
+if part verify; then  # issue 46: V2's sampled verification certified, against the dense head
+    T5=$SECONDS
+    timeout ${VERIFY_TIMEOUT:-150} python3 benchmarks/v2_verify_gpu.py --json "$OUT/v2_verify_gpu.json" \
+        ${VERIFY_ARGS:-} 2>&1 | tee "$OUT/v2_verify_gpu.log"
+    echo "verify: $((SECONDS - T5)) s"
 fi
 if [ "${RUN_LEGACY:-0}" = 1 ]; then
     python3 setup.py -q build_ext --inplace > "$OUT/build.log" 2>&1 || { tail -40 "$OUT/build.log"; exit 1; }
