@@ -4,26 +4,24 @@ which token follows them, from bounds on its target rows. What V2 computes, and 
 its arithmetic: :mod:`.verify_v2_bounds`.
 
 The certificate (:func:`certify_verification_v2`): ``x``'s bounds from the head's screen
-(:class:`.HeadAdapter`) through :func:`~.gumbel_v2.temperature_bounds`, every draft token
-scored exactly; :func:`~.verify_v2_bounds.decide` answers accept, reject or undecided per row;
-an undecided row gets the tokens of highest upper
-bound scored (they carry its mass), up to :data:`ROUNDS` times within the head's budget. A
-request is certified when every row up to its first rejection is decided and the draw from
-``r_a`` (with ``d_a`` masked) is certified (:func:`~.rows_v2.certify_rows_v2`); otherwise its
-rows go dense.
+(:class:`.HeadAdapter`) through :func:`~.gumbel_v2.temperature_bounds`, every draft token scored
+exactly; :func:`~.verify_v2_bounds.decide` answers accept, reject or undecided per row; an undecided
+row gets the tokens of highest upper bound scored (they carry its mass), up to :data:`ROUNDS` times
+within the head's budget. A request is certified when every row up to its first rejection is decided
+and the draw from ``r_a`` (with ``d_a`` masked) is certified (:func:`~.rows_v2.certify_rows_v2`);
+otherwise its rows go dense.
 
-What is handed to V2's kernels for a certified request (:class:`Verified`), so that its
-unchanged code takes the same decisions: rows ``r_j, j < a``: ``0`` at ``d_j``, ``-inf``
-elsewhere (then ``lse = x_d``, ``x_d - lse = 0 > log(u) + q_d``: accepted, since the kernel's
-``log(u) + q_d < 0`` was certified, :func:`~.verify_v2_bounds.decide`); row ``r_a``: with one-hot drafts the draw's
-exact values on its scored set, ``-inf`` elsewhere and at ``d_a`` (``x_d - lse = -inf``:
-rejected; the residual draw returns the certified winner, :mod:`.rows_v2`); with probabilistic
-drafts the residual draw's winner alone (:func:`_residual_draws`); the bonus row: the draw's
-exact values; rows after ``r_a``: ``-inf`` (not read). A probabilistic rejected row's residual
-compares tokens through the row's lse, so its tokens of highest upper bound are scored until
-the lse is within :data:`LSE_WIDTH` before the draw.
+What is handed to V2's kernels for a certified request (:class:`Verified`), so that its unchanged
+code takes the same decisions: rows ``r_j, j < a``: ``0`` at ``d_j``, ``-inf`` elsewhere (then ``lse
+= x_d``, ``x_d - lse = 0 > log(u) + q_d``: accepted, since the kernel's ``log(u) + q_d < 0`` was
+certified, :func:`~.verify_v2_bounds.decide`); row ``r_a``: with one-hot drafts the draw's exact
+values on its scored set, ``-inf`` elsewhere and at ``d_a`` (``x_d - lse = -inf``: rejected; the
+residual draw returns the certified winner, :mod:`.rows_v2`); with probabilistic drafts the residual
+draw's winner alone (:func:`_residual_draws`); the bonus row: the draw's exact values; rows after
+``r_a``: ``-inf`` (not read). A probabilistic rejected row's residual compares tokens through the
+row's lse, so its tokens of highest upper bound are scored until the lse is within :data:`LSE_WIDTH`
+before the draw.
 """
-
 
 from __future__ import annotations
 
