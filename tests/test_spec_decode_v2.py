@@ -338,14 +338,17 @@ def test_the_v2_rejection_sampler_is_wrapped_and_its_calls_pass_through():
     assert out == "out" and seen == [(rs, logits, batch, dl, inv)]
 
 
-@pytest.mark.parametrize("seed,screen", [(0, "int8"), (1, "fp16")])
-def test_the_verification_hook_with_vllms_processors_equals_dense(tmp_path, seed, screen):
+@pytest.mark.parametrize("seed,screen,fused", [(0, "int8", False), (1, "fp16", False), (0, "int8", True)])
+def test_the_verification_hook_with_vllms_processors_equals_dense(tmp_path, seed, screen, fused):
     """Sampled requests with vLLM's V2 processors (a bias of -4 and +2 on their top tokens,
     allowed ids, min_tokens' stop tokens and bad words on them, repetition / frequency /
     presence penalties on outputs holding them; the penalties also count the request's earlier
     drafts), with min-p (0.05 to 0.5) and with neither, drafts accepted and rejected: the hook in front of vLLM's V2
     ``RejectionSampler``, all under Triton's interpreter (``v2_verify_hook_interpreted.py``),
-    gives the dense head's tokens and accepted counts; a hook told no processors does not."""
+    gives the dense head's tokens and accepted counts; a hook told no processors does not.
+    ``fused``: no min-p, the head's backend CUDA's: the hook takes the device path
+    (:func:`~vllm_csv.sampling.verify_v2_fused.verify_fused`, its kernels interpreted) with the
+    processors on its bounds."""
     from test_sampler_hook_v2 import D, V
 
     from vllm_csv.testing.heads import hidden_near_rows, peaked_head
@@ -360,7 +363,7 @@ def test_the_verification_hook_with_vllms_processors_equals_dense(tmp_path, seed
     top = torch.nn.functional.linear(h.float(), W.float()).topk(4, dim=1).indices
     slots = torch.randperm(S, generator=g)[:R]
     c = {"W": W, "h": h, "screen": screen, "SLOTS": S, "slots": slots, "num_spec": num_spec,
-         "cu_num_logits": torch.tensor(cu), "rows": torch.arange(N), "no_process": seed == 0,
+         "cu_num_logits": torch.tensor(cu), "rows": torch.arange(N), "no_process": seed == 0, "fused": fused,
          "temp": [1.0] * S, "min_p": [0.0] * S, "seeds": torch.randint(-2**62, 2**62, (S,), generator=g).tolist(),
          "rep": [1.0] * S, "freq": [0.0] * S, "pres": [0.0] * S, "min_tokens": [0] * S,
          "bias": [{} for _ in range(S)], "allowed": [[] for _ in range(S)], "stop": [[] for _ in range(S)],
@@ -371,7 +374,7 @@ def test_the_verification_hook_with_vllms_processors_equals_dense(tmp_path, seed
         r0, t = cu[i], top[cu[i]].tolist()
         c["temp"][s] = (0.5, 0.8, 1.0, 1.3)[i % 4]
         kind = i % 4
-        if kind in (0, 3) and i % 8 < 4:
+        if kind in (0, 3) and i % 8 < 4 and not fused:
             c["min_p"][s] = (0.05, 0.2, 0.5)[i % 3]
         if kind == 1:
             c["bias"][s] = {t[0]: -4.0, t[1]: 2.0}
@@ -395,6 +398,7 @@ def test_the_verification_hook_with_vllms_processors_equals_dense(tmp_path, seed
         assert torch.equal(sd[i, :n], sh[i, :n]), i
     certified, fallbacks = out["hooked_stats"]
     assert certified.get("spec_sampling", 0) >= N // 2, (certified, fallbacks)
+    assert out["device_path"] == fused
     assert int(nd.sum()) > R  # (drafts accepted)
     if seed == 0:
         (sn, nn) = out["no_process"]

@@ -10,7 +10,8 @@ CASE (a ``torch.save``'d dict): the head ``W``, the ``screen``, the speculative 
 bad words, penalties, prompts and outputs). OUT gets the tokens and accepted counts vLLM's
 ``RejectionSampler`` returns on the dense head's logits (``dense``) and on the hook's
 (``hooked``), the hook's stats (``certified``, ``fallbacks``), and with ``no_process`` also on
-the hook told no processors (``no_process``).
+the hook told no processors (``no_process``); with ``fused``, the head's backend is CUDA's (the
+hook's device path, :mod:`vllm_csv.sampling.verify_v2_fused`), and ``device_path`` says it ran.
 """
 
 from __future__ import annotations
@@ -40,6 +41,14 @@ def run(c: dict) -> dict:
 
     S, W, h = c["SLOTS"], c["W"], c["h"]
     head = CertifiedHead(W, config=HeadConfig(screen=c["screen"], off_switch=False, budget=c.get("budget", 0.5)))
+    if c.get("fused"):  # CUDA's backend and the fused step it builds: the hook's device path
+        from vllm_csv.gpu.step import FusedStep
+        from vllm_csv.head.backend import Cuda
+
+        head.backend, head._fused = Cuda(), FusedStep(head)
+    taken = []
+    real_fused = verify.verify_fused
+    verify.verify_fused = lambda *a: taken.append(1) or real_fused(*a)
     rs = standard(_sampler(c), S, c["num_spec"])  # (vLLM's processors act: c's biases, penalties, ...)
 
     slots = c["slots"].to(torch.int32)
@@ -75,6 +84,7 @@ def run(c: dict) -> dict:
             verify._processors = real
         out[name] = verified(logits)
         out[name + "_stats"] = (dict(st.certified), dict(st.fallbacks))
+    out["device_path"] = bool(taken)
     return out
 
 

@@ -121,7 +121,7 @@ def certify_verification_v2(adapter: HeadAdapter, hidden: torch.Tensor, seeds: t
         fresh: dict[int, torch.Tensor] = {}  # row -> its processed upper bounds, this round's
         while todo:
             rows = torch.tensor(todo, device=dev)
-            qlo, qhi = _processed(lo[rows], hi[rows], temp[rows], _rows_of(process, rows, N, len(todo) < N),
+            qlo, qhi = _processed(lo[rows], hi[rows], temp[rows], process_rows(process, rows, N, len(todo) < N),
                                   None if min_p is None else min_p[rows])
             llo[rows], lhi[rows] = lse = lse_bounds(qlo, qhi)
             dec[rows] = decide(qlo, qhi, drafts[rows], u[rows], None if dlp is None else (dlp[0][rows], dlp[1][rows]),
@@ -161,7 +161,7 @@ def certify_verification_v2(adapter: HeadAdapter, hidden: torch.Tensor, seeds: t
         if not group:
             continue
         rows = torch.tensor([cu[i] + a[i] for i in group], device=dev)
-        sub = _rows_of(process, rows, N)
+        sub = process_rows(process, rows, N)
         if residual:
             res = _residual_draws(adapter, hidden[rows], seeds[rows], pos[rows], temp[rows],
                                   (dlp[0][rows], dlp[1][rows]), drafts[rows], (llo[rows], lhi[rows]), sub,
@@ -192,7 +192,7 @@ def _processed(lo: torch.Tensor, hi: torch.Tensor, temp: torch.Tensor, process: 
     return (qlo, qhi) if min_p is None else min_p_bounds(qlo, qhi, min_p)[:2]
 
 
-def _rows_of(process: Bounds | None, rows: torch.Tensor, N: int, subset: bool = True) -> Bounds | None:
+def process_rows(process: Bounds | None, rows: torch.Tensor, N: int, subset: bool = True) -> Bounds | None:
     """``process`` (a map of all ``N`` rows' bounds) as a map of the bounds of ``rows`` alone: run
     on ``[N, V]`` tensors holding them (vLLM's processors read a row's context by its place among
     the rows: a request's earlier drafts for the penalties), the other rows zeros. ``process``

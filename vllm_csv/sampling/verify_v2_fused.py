@@ -1,6 +1,6 @@
 """V2's verification of sampled requests certified on the device (CUDA; the kernels' torch
-references elsewhere): :mod:`.verify_v2`'s certificate for one-hot drafts and plain temperature
-sampling (no min-p, no processors), as a fixed sequence of the fused step's kernels and torch
+references elsewhere): :mod:`.verify_v2`'s certificate for one-hot drafts and temperature
+sampling with vLLM's V2 processors or without (no min-p), as a fixed sequence of the fused step's kernels and torch
 passes over ``[N, nb]`` and ``[N, CAP * SUB]``, instead of rounds over ``[N, V]``.
 
 Pipeline, for ``N`` rows of ``R`` requests (each request's rows contiguous, its bonus row last)::
@@ -8,6 +8,7 @@ Pipeline, for ``N`` rows of ``R`` requests (each request's rows contiguous, its 
     screen_rows    h [N, d]                 -> umax, lmax [N, nb], ok [N]    (FusedStep, once)
     draw_select    block bounds, the draft's block first -> cand [N, CAP]   (where the mass is)
     score_blocks   h, W, cand               -> lower, upper [N, CAP * SUB]  (dense intervals)
+    (processors    vLLM's own, on the block bounds and the intervals: gpu.processed)
     lse_bounds_blocks / decide_from (torch, float64) -> each row's decision [N]
     first_rows     decisions                -> row_a [R]                    (segment sums)
     draw_v2        rows a, the rejected draft masked, the screen reused -> token, code [R]
@@ -36,9 +37,11 @@ import torch
 
 from ..gpu.common import SUB, slot_ids
 from ..gpu.draw_bounds import block_upper, draw_select
+from ..gpu.processed import processed_block_hi, processed_candidates
 from ..gpu.score import score_blocks
 from .gumbel_v2 import temperature_bounds
-from .verify_v2 import Verified
+from .rows_v2 import Bounds
+from .verify_v2 import Verified, process_rows
 from .verify_v2_bounds import ACCEPT, REJECT, UNDECIDED, decide_from, rand_uniform
 
 _DRAW_REASONS = {1: "nonfinite", 2: "nonfinite"}  # (gpu.gumbel_draw's codes; the rest: "uncertified")
@@ -96,16 +99,18 @@ def first_rows(dec: torch.Tensor, cu: torch.Tensor, N: int) -> tuple[torch.Tenso
 
 
 def verify_fused(step, hidden: torch.Tensor, seeds: torch.Tensor, pos: torch.Tensor, temp: torch.Tensor,
-                 drafts: torch.Tensor, cu: list[int]) -> Verified:
+                 drafts: torch.Tensor, cu: list[int], process: Bounds | None = None) -> Verified:
     """Certify V2's verification of ``R`` requests on the device (module docstring).
 
     Parameters
     ----------
     step : FusedStep
         The head's fused step (:meth:`~vllm_csv.head.CertifiedHead.fused_step`; plain engine).
-    hidden, seeds, pos, temp, drafts, cu
-        As :func:`~.verify_v2.certify_verification_v2` (``temp > 0``; one-hot drafts, no min-p,
-        no processors).
+    hidden, seeds, pos, temp, drafts, cu, process
+        As :func:`~.verify_v2.certify_verification_v2` (``temp > 0``; one-hot drafts, no min-p):
+        ``process`` (vLLM's processors on ``[N, V]`` bounds of all the rows) runs on the blocks'
+        bounds and the candidates' intervals (:mod:`vllm_csv.gpu.processed`), and on the drawn
+        rows' through :func:`~.verify_v2.process_rows`.
 
     Returns
     -------
@@ -122,11 +127,15 @@ def verify_fused(step, hidden: torch.Tensor, seeds: torch.Tensor, pos: torch.Ten
     c = step.consts
     # the acceptance: each row's blocks of largest bound, the draft's own block first
     bh = block_upper(umax, step.dtype)
+    if process is not None:  # (every processed value of a block's tokens below its bound)
+        bh = processed_block_hi(process, bh, V)
     target = drafts >= 0
     home = (drafts.clamp(min=0) // SUB)[:, None]
     key = bh.scatter(1, home, torch.where(target[:, None], math.inf, bh.gather(1, home)))
     cand, count, _, _, _, ok_rows = draw_select(key, bh, umax, lmax, ok, c["limit"], c["babs_max"], step.cap_for(1))
     _, lower, upper = score_blocks(hidden, step.weight, step.bias, cand, count, step.coef, step.gam, step.tiny32)
+    if process is not None:
+        lower, upper = processed_candidates(process, cand, count, lower, upper, V)
     ids = slot_ids(cand, count, V)
     valid = ids >= 0
     qlo, qhi = temperature_bounds(lower.masked_fill(~valid, -math.inf), upper.masked_fill(~valid, -math.inf), temp)
@@ -146,6 +155,7 @@ def verify_fused(step, hidden: torch.Tensor, seeds: torch.Tensor, pos: torch.Ten
                                                                         (removed >= 0)[:, None])
     ok_a = (ok[row_a].bool() & ok.bool().all()).to(ok.dtype)
     token, code, count_a = step.draw_v2(hidden[row_a], seeds[row_a], pos[row_a], temp[row_a], masked=masked,
+                                        process=process_rows(process, row_a, N),
                                         screened=(umax[row_a], lmax[row_a], ok_a))
     certified = decided & (code == 0)
     values = torch.full((N, V), -math.inf, dtype=step.dtype, device=dev)
