@@ -663,6 +663,23 @@ def rows_from_tail_bound(d: dict, source: str, **common) -> list[Row]:
     return out
 
 
+def rows_from_hidden_rank(d: dict, source: str, **common) -> list[Row]:
+    """``hidden_rank.py``: per model and ``k``, the share of the held-out hidden states' energy in
+    their top ``k`` directions, the median share of ``||h||`` left outside them, and the median share
+    of the vocabulary a screen over them would leave to score."""
+    prov = d.get("machine")
+    out = _Rows(benchmark="hidden_rank", machine=machine_words(prov), threads=_threads(prov),
+                commit=short_commit((prov or {}).get("commit")), dtype="fp32", source=source, **common)
+    for m in d.get("models", []):
+        label, _ = model_label(m["model"])
+        for k, v in m.get("k", {}).items():
+            kw = dict(shape=m["shape"], config=_cfg(model=label, k=k, positions=m.get("positions")))
+            out.add("energy_in_top_k", v.get("energy_fit"), "share", **kw)
+            out.add("rest_norm_median", v.get("rest_norm_median"), "share of ||h||", **kw)
+            out.add("vocab_left_median", v.get("left_median"), "share of V", **kw)
+    return out
+
+
 CONVERTERS = {
     "lm_head": rows_from_lm_head, "serve": rows_from_serve, "sampler_step": rows_from_sampler_step,
     "audit": rows_from_audit, "tp_head": rows_from_tp_head, "off_switch_cost": rows_from_off_switch_cost,
@@ -671,7 +688,7 @@ CONVERTERS = {
     "v2_fused_draw": rows_from_v2_fused_draw, "v2_draw_breakdown": rows_from_v2_draw_breakdown,
     "outlier_channels": rows_from_outlier_channels, "load": rows_from_load,
     "int8_gemm_cpu": rows_from_int8_gemm_cpu, "prefetch_cpu": rows_from_prefetch_cpu,
-    "tail_bound": rows_from_tail_bound,
+    "tail_bound": rows_from_tail_bound, "hidden_rank": rows_from_hidden_rank,
 }
 
 
