@@ -85,7 +85,7 @@ def vllm_draw(mod, x, seeds, pos, temp):
 
 
 def _stages(x: torch.Tensor, seeds, pos, temp, live, cap=CAP, width=0.0, block_hi=None, kernels=True, min_p=None,
-            masked=None):
+            masked=None, removed=None):
     """The draw on dense logits ``x [B, V]`` as the fused step lays it out: each block's bound the
     block's maximum (plus ``width``; or ``block_hi``), the candidate blocks chosen by
     :func:`draw_select`, their tokens' bounds ``x -+ width`` (``-inf`` past ``V``), the draw.
@@ -108,7 +108,7 @@ def _stages(x: torch.Tensor, seeds, pos, temp, live, cap=CAP, width=0.0, block_h
     lower = torch.where(ids >= 0, vals - width, -math.inf).to(DEV)
     upper = torch.where(ids >= 0, vals + width, -math.inf).to(DEV)
     token, code = gd(cand, count, lower, upper, out_hi, out_abs, out_q, seeds, pos, temp, min_p, live, V,
-                     None if masked is None else masked.to(DEV))
+                     None if masked is None else masked.to(DEV), None if removed is None else removed.to(DEV))
     return token, code, cand, count, lower, upper, bound, out_hi, block_hi
 
 
@@ -221,6 +221,13 @@ def test_kernels_match_references(V):
     assert torch.equal(code_m, rcode_m) and torch.equal(tok_m, rtok_m), (code_m, rcode_m)
     cert_m = code_m.cpu() == CODE_CERTIFIED
     assert not bool(cert_m[10]) and not bool(masked[cert_m, tok_m.cpu()[cert_m]].any())
+    # with a removed token (a candidate, the row's best, in half the rows), min-p on, alike again
+    removed = torch.where(torch.arange(B) % 2 == 0, x.argmax(1), -1)
+    tok_r, code_r = gumbel_draw_triton(*args, V, None, removed.to(DEV))
+    rtok_r, rcode_r = gumbel_draw_ref(*args, V, None, removed.to(DEV))
+    assert torch.equal(code_r, rcode_r) and torch.equal(tok_r, rtok_r), (code_r, rcode_r)
+    cert_r = code_r.cpu() == CODE_CERTIFIED
+    assert int(cert_r.sum()) >= 3 and not bool((tok_r.cpu() == removed)[cert_r].any())
     code = code.cpu()
     assert int(code[13]) == CODE_NOT_LIVE and int(code[14]) == CODE_TEMPERATURE and int(code[15]) == CODE_TEMPERATURE
     for r in (4, 5, 8, 9) + ((7,) if nb > CAP else ()):  # (every block a candidate: all scored exactly)
@@ -408,6 +415,38 @@ def test_certified_masked_draws_equal_vllm_draws(vllm_gumbel, vllm_min_p):
     tok0, code0 = (t.cpu() for t in _stages(x, seeds, pos, temp, live, width=1e-3, min_p=min_p)[:2])
     cert0 = code0 == CODE_CERTIFIED
     assert bool(masked[cert0, tok0[cert0]].any())
+
+
+def test_certified_draws_without_a_removed_token_equal_vllm_draws(vllm_gumbel, vllm_min_p):
+    """V2's verification draws after a rejection from the row processed whole (min-p's threshold
+    taken with the rejected draft in it), the draft then set to ``-inf``: with ``removed`` the
+    row's best token and min-p on most rows, every certified row draws vLLM's token so computed and
+    never the removed one, most rows are certified; the draw told to mask the token instead (the
+    threshold taken without it) draws another token somewhere (teeth)."""
+    g = torch.Generator().manual_seed(15)
+    B, V = 64, 3001
+    x = _rows(B, V, g, peak=2.0)
+    seeds = torch.randint(-2**62, 2**62, (B,), generator=g)
+    pos = torch.randint(0, 2**20, (B,), generator=g)
+    temp = torch.tensor([0.7, 1.0, 2.0, 3.0, 5.0])[torch.arange(B) % 5]
+    min_p = torch.tensor([0.0, 0.3, 0.5, 0.8])[torch.arange(B) % 4]
+    removed = x.argmax(1)
+    live = torch.ones(B, dtype=torch.int8)
+    idx = torch.arange(B, dtype=torch.int32, device=DEV)
+    q = x.float().to(DEV).contiguous().clone()
+    vllm_gumbel.apply_temperature(q, idx, temp.float().to(DEV))
+    vllm_min_p.apply_min_p(q, idx, min_p.float().to(DEV))
+    q[torch.arange(B, device=DEV), removed.to(DEV)] = -math.inf
+    want = vllm_gumbel.gumbel_sample(q, idx, temp.float().to(DEV), seeds.to(DEV), pos.to(DEV), apply_temperature=False,
+                                     is_drafting=False).cpu()
+    tok, code = (t.cpu() for t in _stages(x, seeds, pos, temp, live, width=1e-3, min_p=min_p, removed=removed)[:2])
+    cert = code == CODE_CERTIFIED
+    assert int(cert.sum()) >= B // 3, int(cert.sum())
+    assert torch.equal(tok[cert], want[cert]) and not bool((tok == removed)[cert].any())
+    one_hot = torch.zeros(B, V, dtype=torch.bool).scatter_(1, removed[:, None], True)
+    tok_m, code_m = (t.cpu() for t in _stages(x, seeds, pos, temp, live, width=1e-3, min_p=min_p, masked=one_hot)[:2])
+    cert_m = code_m == CODE_CERTIFIED
+    assert bool((tok_m[cert_m] != want[cert_m]).any())
 
 
 def test_a_wrong_position_is_caught(vllm_gumbel):

@@ -346,9 +346,9 @@ def test_the_verification_hook_with_vllms_processors_equals_dense(tmp_path, seed
     drafts), with min-p (0.05 to 0.5) and with neither, drafts accepted and rejected: the hook in front of vLLM's V2
     ``RejectionSampler``, all under Triton's interpreter (``v2_verify_hook_interpreted.py``),
     gives the dense head's tokens and accepted counts; a hook told no processors does not.
-    ``fused``: no min-p, the head's backend CUDA's: the hook takes the device path
+    ``fused``: the head's backend CUDA's: the hook takes the device path
     (:func:`~vllm_csv.sampling.verify_v2_fused.verify_fused`, its kernels interpreted) with the
-    processors on its bounds."""
+    processors and min-p on its bounds."""
     from test_sampler_hook_v2 import D, V
 
     from vllm_csv.testing.heads import hidden_near_rows, peaked_head
@@ -374,7 +374,7 @@ def test_the_verification_hook_with_vllms_processors_equals_dense(tmp_path, seed
         r0, t = cu[i], top[cu[i]].tolist()
         c["temp"][s] = (0.5, 0.8, 1.0, 1.3)[i % 4]
         kind = i % 4
-        if kind in (0, 3) and i % 8 < 4 and not fused:
+        if kind in (0, 3) and i % 8 < 4:
             c["min_p"][s] = (0.05, 0.2, 0.5)[i % 3]
         if kind == 1:
             c["bias"][s] = {t[0]: -4.0, t[1]: 2.0}

@@ -1,5 +1,5 @@
 """V2's verification certified on the device path (vllm_csv/sampling/verify_v2_fused.py): its lse
-bounds and first rows against their definitions, whole requests against V2's verification
+bounds, min-p's kept tokens and first rows against their definitions, whole requests against V2's verification
 replayed in float64 and against the reference path (verify_v2.py), on a learned-like head and on
 the hostile families. Here the fused step's kernels run as their torch references (on CUDA
 compiled; under Triton's interpreter through test_gpu_kernels_interpreted.py), which
@@ -61,6 +61,33 @@ def test_lse_bounds_hold_the_rows_lse_and_count_the_other_blocks():
     assert math.isnan(float(vf.lse_bounds_blocks(qlo, qhi, nan_q, cand, V)[1][0]))
 
 
+def test_min_p_kept_holds_v2s_min_p():
+    """Rows with min-p (0, 0.05 to 0.95, above 1, NaN): every token V2's min-p keeps on values
+    anywhere within the bounds keeps its upper bound, every token it drops on some such values
+    loses its lower bound, and a block all of whose tokens it drops ``-inf``, for candidates
+    and blocks alike; the row's maximum within ``gmax``."""
+    g = torch.Generator().manual_seed(3)
+    N, S, nb = 40, 64, 8
+    x = torch.randn(N, S, generator=g) * torch.tensor([0.5, 2.0, 6.0, 20.0]).repeat(N // 4)[:, None]
+    w = torch.rand(N, S, generator=g) * 0.05
+    block = torch.randn(N, nb, generator=g) * 3 + x.amax(1, keepdim=True) - 4
+    block[:, :2] = torch.maximum(block[:, :2], x.amax(1, keepdim=True))  # (a block above every candidate)
+    min_p = torch.tensor([0.0, 0.05, 0.2, 0.5, 0.95, 1.5, math.nan, 0.3])[torch.arange(N) % 8]
+    qlo, qhi, bq, gmax = vf.min_p_kept(x - w, x + w, block, min_p)  # (the same bounds as lo, hi below)
+    lo, hi = x - w, x + w
+    for t in (0.0, 0.5, 1.0):  # values within the bounds; the other blocks' tokens at their bound
+        v = torch.minimum(torch.maximum(lo + 2 * t * w, lo), hi)
+        m = torch.maximum(v.amax(1), block.amax(1))
+        thr = m + torch.log(min_p)
+        on = (min_p > 0)[:, None]
+        kept = ~on | (v >= thr[:, None])
+        assert bool((qhi[kept] > -math.inf).all())
+        assert bool((qlo[~kept] == -math.inf).all())
+        assert bool((bq[on & (block >= thr[:, None])] > -math.inf).all())
+        assert bool((gmax >= m.abs()).all())
+    assert bool((qlo[min_p.isnan() | (min_p == 0)] == (x - w)[min_p.isnan() | (min_p == 0)]).all())
+
+
 def test_first_rows_are_the_reference_walk():
     """Each request's accepted lead and first row not accepted, on the device, equal the host
     walk (:func:`~vllm_csv.sampling.verify_v2_bounds.first_undecided`) on random decisions."""
@@ -105,14 +132,15 @@ def test_certified_requests_are_v2s_verification_replayed_in_float64():
 
 def test_hostile_families_never_certify_what_the_float64_replay_contradicts():
     """The campaign's check (``benchmarks/audit.py --verify-fused``) on two seeds of every family
-    and dtype: no request certified on the device path differs from V2's verification replayed
-    in float64; requests are certified, with drafts accepted and rejected. (Under Triton's
-    interpreter: one seed, bf16, to keep its kernels' run within minutes.)"""
+    and dtype, min-p on half the requests of the second: no request certified on the device path
+    differs from V2's verification replayed in float64; requests are certified, with drafts
+    accepted and rejected. (Under Triton's interpreter: one seed, with min-p, bf16, to keep its
+    kernels' run within minutes.)"""
     tot = [0, 0, 0, 0]
-    for seed in (0,) if INTERPRET else (0, 1):
+    for seed in (1,) if INTERPRET else (0, 1):
         for fam in FAMILIES:
             for dt in (torch.bfloat16,) if INTERPRET else DTYPES:
-                o = run_verify_case(fam, seed, dt, "int8", fused=True)
+                o = run_verify_case(fam, seed, dt, "int8", fused=True, with_min_p=seed == 1)
                 assert o.wrong == 0, (fam, seed, dt, o)
                 tot = [a + b for a, b in zip(tot, (o.requests, o.certified, o.drafts_accepted, o.rejections))]
     assert tot[1] > tot[0] // 3 and tot[2] > 0 and tot[3] > 0, tot
@@ -142,3 +170,33 @@ def test_a_draft_block_left_out_is_caught():
     for res in (base, cut):
         assert all((res.accepted[i], res.token[i]) == want[i] for i, ok in enumerate(res.certified.tolist()) if ok)
     assert int(cut.certified.sum()) < int(base.certified.sum()) and int(base.certified.sum()) >= 30
+
+
+def test_min_p_decides_the_acceptance_where_it_drops_the_tail():
+    """A draft at logit 10 over 4095 tokens at 7 (without min-p its probability is about 1/205,
+    so most uniforms reject it); with ``min_p = 0.1`` V2's threshold ``10 + log 0.1`` drops the
+    tail, the row holds the draft alone and every uniform accepts it, and the bonus row (the
+    same) draws it again. The device path certifies that, as the float64 replay has it; one that
+    bounded the lse without min-p's drops would reject it (teeth: checked on the replay without
+    min-p, which rejects in most seeds)."""
+    from vllm_csv.head import CertifiedHead, HeadConfig
+    from vllm_csv.sampling.head_adapter import HeadAdapter
+
+    V, d = 4096, 16
+    W = torch.zeros(V, d)
+    W[:, 0] = 7.0
+    W[0, 0] = 10.0
+    W = W.bfloat16()
+    adapter = HeadAdapter(CertifiedHead(W, config=HeadConfig(screen="int8", off_switch=False, budget=0.5)))
+    h = torch.zeros(2, d, dtype=torch.bfloat16)
+    h[:, 0] = 1.0
+    drafts, cu, temp = torch.tensor([0, -1]), [0, 2], torch.ones(2)
+    x = (h.float() @ W.float().T)
+    rejected_without = 0
+    for seed in range(20):
+        seeds, pos = torch.tensor([seed, seed]), torch.tensor([7, 8])
+        res = vf.verify_fused(_fused(adapter), h, seeds, pos, temp, drafts, cu, min_p=torch.full((2,), 0.1))
+        assert bool(res.certified[0]) and (res.accepted[0], res.token[0]) == (1, 0), (seed, res.reason)
+        assert replay(x, drafts, seeds, pos, cu, None, torch.full((2,), 0.1))[0] == (1, 0)
+        rejected_without += replay(x, drafts, seeds, pos, cu)[0][0] == 0
+    assert rejected_without >= 15

@@ -52,6 +52,11 @@ so it neither wins nor competes, nor bounds min-p's maximum from below); the out
 bounds stay upper bounds (masking only lowers a value), and min-p's maximum over the allowed
 tokens is at most theirs. :func:`~.draw_bounds.draw_select`'s early min-p drop is not used there
 (its lower bound of the maximum is a token the grammar may forbid).
+
+Removed (V2's verification, :mod:`vllm_csv.sampling.verify_v2_fused`: after a rejection, V2 draws
+from the row processed whole, min-p included, with the rejected draft then set to ``-inf``): a
+candidate named in ``removed`` enters min-p's maximum as any other token, then has ``-inf`` on both
+sides (it neither wins nor competes). Left among the outside blocks, it only raises their bound.
 """
 
 from __future__ import annotations
@@ -70,7 +75,7 @@ CODE_CERTIFIED, CODE_NOT_LIVE, CODE_TEMPERATURE, CODE_UNCERTIFIED = 0, 1, 2, 3
 
 # ---- torch reference ------------------------------------------------------------------------
 def gumbel_draw_ref(cand, count, lower, upper, out_hi, out_abs, out_q, seeds, pos, temp, min_p, live, V: int,
-                    masked=None):
+                    masked=None, removed=None):
     """``(token [B] int64, code [B] int32)``: the decision (module docstring, 3.) in torch.
 
     Parameters
@@ -93,6 +98,9 @@ def gumbel_draw_ref(cand, count, lower, upper, out_hi, out_abs, out_q, seeds, po
         docstring, grammar).
     live : torch.Tensor
         ``[B]`` int8, rows that may be certified.
+    removed : torch.Tensor, optional
+        ``[B]`` int64, a token each row draws without (``-1``: none) after min-p took its
+        threshold with it (V2's verification: the rejected draft; module docstring, removed).
     """
     dev = lower.device
     ids = slot_ids(cand, count, V)  # [B, S], -1 where empty
@@ -106,6 +114,7 @@ def gumbel_draw_ref(cand, count, lower, upper, out_hi, out_abs, out_q, seeds, po
     g_lo, g_hi = g_lo.masked_fill(greedy, 0.0), g_hi.masked_fill(greedy, 0.0)
     bad = (torch.isnan(qlo) | torch.isnan(qhi) | (qhi == math.inf)).any(1)
     o_hi = out_hi.double()
+    gone = None if removed is None else (ids == removed[:, None]) & (removed[:, None] >= 0) & valid
     on = (min_p > 0) & ~greedy[:, 0]  # (module docstring, min-p)
     if bool(on.any()):
         nan_as = lambda x, v: torch.where(torch.isnan(x), v, x)  # noqa: E731
@@ -116,6 +125,8 @@ def gumbel_draw_ref(cand, count, lower, upper, out_hi, out_abs, out_q, seeds, po
         qlo = torch.where(on[:, None] & ~(qlo >= thr_hi), -math.inf, qlo)
         qhi = torch.where(on[:, None] & (qhi < thr_lo), -math.inf, qhi)
         o_hi = torch.where(on & (out_q.double() < thr_lo[:, 0]), -math.inf, o_hi)
+    if gone is not None:  # (after min-p's threshold, which it entered: module docstring, removed)
+        qlo, qhi = qlo.masked_fill(gone, -math.inf), qhi.masked_fill(gone, -math.inf)
     nlo = torch.where(qlo > -math.inf, qlo + g_lo, -math.inf)
     nhi = torch.where(qhi > -math.inf, qhi + g_hi, -math.inf)
     best = nlo.amax(1)
@@ -142,7 +153,8 @@ if triton is not None:
     @triton.jit
     def _gumbel_draw_kernel(cand_ptr, count_ptr, lo_ptr, up_ptr, ohi_ptr, oabs_ptr, oq_ptr, seed_ptr, pos_ptr,
                             temp_ptr, minp_ptr, live_ptr, token_ptr, code_ptr, V, log_abs, log_rel, mask_ptr,
-                            HAS_MASK: tl.constexpr, SUBC: tl.constexpr, CAPC: tl.constexpr, PDL: tl.constexpr):
+                            removed_ptr, HAS_MASK: tl.constexpr, HAS_REMOVED: tl.constexpr, SUBC: tl.constexpr,
+                            CAPC: tl.constexpr, PDL: tl.constexpr):
         _pdl_wait(PDL)  # (common._launch: PDL launches wait for the kernel before)
         b = tl.program_id(0).to(tl.int64)
         S: tl.constexpr = CAPC * SUBC
@@ -173,6 +185,11 @@ if triton is not None:
         qlo = tl.where(on, tl.where(qlo >= thr_hi, qlo, float("-inf")), qlo)
         qhi = tl.where(on, tl.where(qhi < thr_lo, float("-inf"), qhi), qhi)
         o_hi = tl.where(on, tl.where(o_q < thr_lo, float("-inf"), o_hi), o_hi)
+        if HAS_REMOVED:  # (after min-p's threshold, which it entered: module docstring, removed)
+            rm = tl.load(removed_ptr + b)
+            gone = valid & (ids == rm) & (rm >= 0)
+            qlo = tl.where(gone, float("-inf"), qlo)
+            qhi = tl.where(gone, float("-inf"), qhi)
         nlo = tl.where((qlo > float("-inf")) & (qlo == qlo), qlo + g_lo, float("-inf"))
         nhi = tl.where(qhi > float("-inf"), qhi + g_hi, float("-inf"))
         best = tl.max(nlo, 0)
@@ -194,7 +211,7 @@ if triton is not None:
 
 
 def gumbel_draw_triton(cand, count, lower, upper, out_hi, out_abs, out_q, seeds, pos, temp, min_p, live, V: int,
-                       masked=None):
+                       masked=None, removed=None):
     B = lower.shape[0]
     dev = lower.device
     token = torch.empty(B, dtype=torch.int64, device=dev)
@@ -204,7 +221,9 @@ def gumbel_draw_triton(cand, count, lower, upper, out_hi, out_abs, out_q, seeds,
                                   pos.long().contiguous(), temp.float().contiguous(), min_p.float().contiguous(),
                                   live, token, code, V, LOG_ABS, LOG_REL,
                                   live if masked is None else masked.contiguous().view(torch.uint8),
-                                  HAS_MASK=masked is not None, SUBC=SUB, CAPC=CAP, **_launch(),
+                                  token if removed is None else removed.long().contiguous(),
+                                  HAS_MASK=masked is not None, HAS_REMOVED=removed is not None, SUBC=SUB, CAPC=CAP,
+                                  **_launch(),
                                   **({} if INTERPRET else {"num_warps": 8}))
     return token, code
 
@@ -214,9 +233,10 @@ def gumbel_draw_triton(cand, count, lower, upper, out_hi, out_abs, out_q, seeds,
 def gumbel_draw(cand: torch.Tensor, count: torch.Tensor, lower: torch.Tensor, upper: torch.Tensor,
                 out_hi: torch.Tensor, out_abs: torch.Tensor, out_q: torch.Tensor, seeds: torch.Tensor,
                 pos: torch.Tensor, temp: torch.Tensor, min_p: torch.Tensor, live: torch.Tensor,
-                V: int, masked: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                V: int, masked: torch.Tensor | None = None,
+                removed: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """V2's Gumbel draw certified on the device (:func:`gumbel_draw_ref`)."""
-    args = (cand, count, lower, upper, out_hi, out_abs, out_q, seeds, pos, temp, min_p, live, V, masked)
+    args = (cand, count, lower, upper, out_hi, out_abs, out_q, seeds, pos, temp, min_p, live, V, masked, removed)
     return (gumbel_draw_triton if _use_triton(lower) else gumbel_draw_ref)(*args)
 
 

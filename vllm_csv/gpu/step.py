@@ -186,7 +186,7 @@ class FusedStep:
 
     def draw_v2(self, hidden: torch.Tensor, seeds: torch.Tensor, pos: torch.Tensor, temp: torch.Tensor,
                 cap: int | None = None, min_p: torch.Tensor | None = None, masked: torch.Tensor | None = None,
-                process=None, screened: tuple | None = None):
+                process=None, screened: tuple | None = None, removed: torch.Tensor | None = None):
         """vLLM V2's Gumbel draw of each row of ``hidden``, certified on the device (no host sync).
 
         Six kernels (:mod:`vllm_csv.gpu.gumbel_draw` has the argument): the step's quantize and
@@ -217,6 +217,9 @@ class FusedStep:
             vLLM's V2 logits processors on ``[B, V]`` bounds (``process(lo, hi) -> (lo', hi')``,
             :func:`vllm_csv.vllm_plugin.v2.sampler._processors`), applied to the blocks' bounds and
             the candidates' intervals (:mod:`vllm_csv.gpu.processed`).
+        removed : torch.Tensor, optional
+            ``[B]`` int64, a token each row draws without after min-p took its threshold with it
+            (``-1``: none; V2's verification after a rejection, :mod:`vllm_csv.gpu.gumbel_draw`).
         screened : tuple, optional
             :meth:`screen_rows` of these rows, computed already (V2's verification screens its
             rows once, :mod:`vllm_csv.sampling.verify_v2_fused`): its ``ok`` must hold the whole
@@ -240,7 +243,8 @@ class FusedStep:
             bh = processed_block_hi(process, block_upper(umax, self.dtype), self.V)
             bound, qhi = block_bounds(bh, seeds, pos, temp, self.V)
         # (the early min-p drop bounds the row's maximum by its largest screen value's token, which a
-        # grammar may forbid or a processor lower: not with either)
+        # grammar may forbid or a processor lower: not with either; a removed token is still in the
+        # row when min-p takes its threshold, so it may be that token)
         early = min_p if masked is None and process is None else None
         cand, count, out_hi, out_abs, out_q, ok = draw_select(bound, qhi, umax, lmax, ok, c["limit"], c["babs_max"],
                                                               cap, temp, early, self.dtype)
@@ -251,7 +255,7 @@ class FusedStep:
         if min_p is None:
             min_p = torch.zeros_like(temp, dtype=torch.float32)
         token, code = gumbel_draw(cand, count, lower, upper, out_hi, out_abs, out_q, seeds, pos, temp, min_p, ok,
-                                  self.V, masked)
+                                  self.V, masked, removed)
         return token, code, count
 
     @staticmethod

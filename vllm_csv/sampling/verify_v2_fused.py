@@ -1,6 +1,6 @@
 """V2's verification of sampled requests certified on the device (CUDA; the kernels' torch
 references elsewhere): :mod:`.verify_v2`'s certificate for one-hot drafts and temperature
-sampling with vLLM's V2 processors or without (no min-p), as a fixed sequence of the fused step's kernels and torch
+sampling, with min-p and vLLM's V2 processors or without, as a fixed sequence of the fused step's kernels and torch
 passes over ``[N, nb]`` and ``[N, CAP * SUB]``, instead of rounds over ``[N, V]``.
 
 Pipeline, for ``N`` rows of ``R`` requests (each request's rows contiguous, its bonus row last)::
@@ -8,7 +8,8 @@ Pipeline, for ``N`` rows of ``R`` requests (each request's rows contiguous, its 
     screen_rows    h [N, d]                 -> umax, lmax [N, nb], ok [N]    (FusedStep, once)
     draw_select    block bounds, the draft's block first -> cand [N, CAP]   (where the mass is)
     score_blocks   h, W, cand               -> lower, upper [N, CAP * SUB]  (dense intervals)
-    (processors    vLLM's own, on the block bounds and the intervals: gpu.processed)
+    (processors    vLLM's own, on the block bounds and the intervals: gpu.processed; then min-p's
+                   threshold bounds from them, as the device draw takes them)
     lse_bounds_blocks / decide_from (torch, float64) -> each row's decision [N]
     first_rows     decisions                -> row_a [R]                    (segment sums)
     draw_v2        rows a, the rejected draft masked, the screen reused -> token, code [R]
@@ -18,8 +19,8 @@ token count times the exponential of its bound (:func:`lse_bounds_blocks`); the 
 always a candidate, so the draft's value is an exact interval. The decisions are
 :func:`~.verify_v2_bounds.decide_from`'s, the rule of the reference path; the draw after the
 first row not accepted is the device draw (:meth:`~vllm_csv.gpu.step.FusedStep.draw_v2`) on that
-row with its draft masked (V2 removes it after min-p, which these rows do not have, so removing
-is masking) or on the bonus row. What is handed to V2's kernels: accepted rows the draft alone,
+row with its draft ``removed`` (in the row when min-p takes its threshold, then out of the draw,
+as V2 has it) or on the bonus row. What is handed to V2's kernels: accepted rows the draft alone,
 row ``a`` the certified token alone (its draft ``-inf``: rejected; then the draw returns the one
 finite token), later rows ``-inf``, as :mod:`.verify_v2` hands a probabilistic row's residual.
 
@@ -36,6 +37,7 @@ import math
 import torch
 
 from ..gpu.common import SUB, slot_ids
+from ..gumbel_noise import min_p_thresholds
 from ..gpu.draw_bounds import block_upper, draw_select
 from ..gpu.processed import processed_block_hi, processed_candidates
 from ..gpu.score import score_blocks
@@ -45,6 +47,29 @@ from .verify_v2 import Verified, process_rows
 from .verify_v2_bounds import ACCEPT, REJECT, UNDECIDED, decide_from, rand_uniform
 
 _DRAW_REASONS = {1: "nonfinite", 2: "nonfinite"}  # (gpu.gumbel_draw's codes; the rest: "uncertified")
+
+
+def min_p_kept(qlo: torch.Tensor, qhi: torch.Tensor, block_q: torch.Tensor, min_p: torch.Tensor
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """What V2's min-p (after the temperature: ``x < fl32(m + log(min_p))`` to ``-inf``, ``m`` the
+    row's maximum) leaves of the candidates' bounds ``qlo, qhi`` (``[N, S]`` fp32) and the other
+    blocks' ``block_q`` (``[N, nb]``; a candidate's block among them is not read): ``m`` lies
+    between the candidates' largest ``qlo`` and the largest ``qhi`` of all, so the threshold within
+    :func:`~vllm_csv.gumbel_noise.min_p_thresholds` of both; a token not surely kept loses its lower
+    bound, one surely dropped (and a block all of whose tokens are) both, as
+    :func:`~vllm_csv.gpu.gumbel_draw.gumbel_draw_ref` takes them. Rows with ``min_p`` 0, negative
+    or NaN are left alone (V2's kernel does). Returns ``(qlo, qhi, block_q, gmax)``, ``gmax >= |m|``
+    (float64)."""
+    on = (min_p > 0)[:, None]
+    m_lo = torch.where(torch.isnan(qlo), -math.inf, qlo).amax(1).double()
+    m_hi = torch.maximum(torch.where(torch.isnan(qhi), math.inf, qhi).amax(1),
+                         torch.where(torch.isnan(block_q), math.inf, block_q).amax(1)).double()
+    thr_lo, thr_hi = min_p_thresholds(m_lo, m_hi, torch.where(on[:, 0], min_p, 1.0))
+    thr_lo, thr_hi = thr_lo.double()[:, None], thr_hi.double()[:, None]
+    qlo = torch.where(on & ~(qlo.double() >= thr_hi), -math.inf, qlo)
+    qhi = torch.where(on & (qhi.double() < thr_lo), -math.inf, qhi)
+    block_q = torch.where(on & (block_q.double() < thr_lo), -math.inf, block_q)
+    return qlo, qhi, block_q, torch.maximum(m_lo.abs(), m_hi.abs())
 
 
 def lse_bounds_blocks(qlo: torch.Tensor, qhi: torch.Tensor, block_q: torch.Tensor, cand: torch.Tensor, V: int
@@ -99,18 +124,20 @@ def first_rows(dec: torch.Tensor, cu: torch.Tensor, N: int) -> tuple[torch.Tenso
 
 
 def verify_fused(step, hidden: torch.Tensor, seeds: torch.Tensor, pos: torch.Tensor, temp: torch.Tensor,
-                 drafts: torch.Tensor, cu: list[int], process: Bounds | None = None) -> Verified:
+                 drafts: torch.Tensor, cu: list[int], process: Bounds | None = None,
+                 min_p: torch.Tensor | None = None) -> Verified:
     """Certify V2's verification of ``R`` requests on the device (module docstring).
 
     Parameters
     ----------
     step : FusedStep
         The head's fused step (:meth:`~vllm_csv.head.CertifiedHead.fused_step`; plain engine).
-    hidden, seeds, pos, temp, drafts, cu, process
-        As :func:`~.verify_v2.certify_verification_v2` (``temp > 0``; one-hot drafts, no min-p):
+    hidden, seeds, pos, temp, drafts, cu, process, min_p
+        As :func:`~.verify_v2.certify_verification_v2` (``temp > 0``; one-hot drafts):
         ``process`` (vLLM's processors on ``[N, V]`` bounds of all the rows) runs on the blocks'
         bounds and the candidates' intervals (:mod:`vllm_csv.gpu.processed`), and on the drawn
-        rows' through :func:`~.verify_v2.process_rows`.
+        rows' through :func:`~.verify_v2.process_rows`; ``min_p`` (``[N]`` fp32) through
+        :func:`min_p_kept`, and in the draw.
 
     Returns
     -------
@@ -139,24 +166,28 @@ def verify_fused(step, hidden: torch.Tensor, seeds: torch.Tensor, pos: torch.Ten
     ids = slot_ids(cand, count, V)
     valid = ids >= 0
     qlo, qhi = temperature_bounds(lower.masked_fill(~valid, -math.inf), upper.masked_fill(~valid, -math.inf), temp)
-    llo, lhi, gmax = lse_bounds_blocks(qlo, qhi, temperature_bounds(bh, bh, temp)[1], cand, V)
+    block_q = temperature_bounds(bh, bh, temp)[1]
+    if min_p is not None:
+        qlo, qhi, block_q, gmax_mp = min_p_kept(qlo, qhi, block_q, min_p)
+    llo, lhi, gmax = lse_bounds_blocks(qlo, qhi, block_q, cand, V)
+    if min_p is not None:  # (the kept row's maximum is the row's)
+        gmax = torch.maximum(gmax, gmax_mp)
     hit = ids == drafts[:, None]
     xlo = qlo.masked_fill(~hit, -math.inf).amax(1).double()
     xhi = qhi.masked_fill(~hit, -math.inf).amax(1).double()
     dec = decide_from(xlo, xhi, (llo, lhi), gmax, V, drafts, u.to(dev))
     dec = torch.where(ok_rows.bool(), dec, UNDECIDED)
-    # the draw: each request's first row not accepted, its draft masked (the bonus row: none)
+    # the draw: each request's first row not accepted, its draft removed (the bonus row: none)
     lead, a = first_rows(dec, cu_d, N)
     row_a = cu_d[:-1] + a
     bonus = row_a == cu_d[1:] - 1
     decided = bonus | (dec[row_a] == REJECT)
     removed = torch.where(bonus, -1, drafts[row_a])
-    masked = torch.zeros((R, V), dtype=torch.bool, device=dev).scatter_(1, removed.clamp(min=0)[:, None],
-                                                                        (removed >= 0)[:, None])
     ok_a = (ok[row_a].bool() & ok.bool().all()).to(ok.dtype)
-    token, code, count_a = step.draw_v2(hidden[row_a], seeds[row_a], pos[row_a], temp[row_a], masked=masked,
+    token, code, count_a = step.draw_v2(hidden[row_a], seeds[row_a], pos[row_a], temp[row_a],
+                                        min_p=None if min_p is None else min_p[row_a],
                                         process=process_rows(process, row_a, N),
-                                        screened=(umax[row_a], lmax[row_a], ok_a))
+                                        screened=(umax[row_a], lmax[row_a], ok_a), removed=removed)
     certified = decided & (code == 0)
     values = torch.full((N, V), -math.inf, dtype=step.dtype, device=dev)
     values.scatter_(1, drafts.clamp(min=0)[:, None], torch.where(lead, 0.0, -math.inf)[:, None].to(step.dtype))

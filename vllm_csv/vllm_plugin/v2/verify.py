@@ -11,7 +11,7 @@ head leaves them as placeholders and hands their hidden states over on the step.
    position, read the way the kernels read them (``expanded_idx_mapping``, ``positions[logits_indices]``);
 2. :func:`~vllm_csv.sampling.verify_v2.certify_verification_v2`: the accepted drafts and the next
    token of each request from bounds on its rows, decided or not; on CUDA's backend, for
-   one-hot drafts without min-p, the same certificate on the device
+   one-hot drafts, the same certificate on the device
    (:func:`~vllm_csv.sampling.verify_v2_fused.verify_fused`: the fused step's kernels, two host
    reads instead of a few a round);
 3. a certified request's rows are written as that module hands them to V2 (accepted rows: one
@@ -155,12 +155,12 @@ def resolve(rs, d: Deferred, logits: torch.Tensor, input_batch, draft_logits=Non
                 draft = draft_logits[slot, step][kept]
             args = (d.hidden[kept], ss.seeds.gpu[slot[kept]].long(), pos[kept], ss.temperature.gpu[slot[kept]].float(),
                     drafts[kept], sub_cu)
-            fused = fused_draw_for(d.adapter, None) if min_p is None and draft is None else None
-            if fused is not None:  # the device path: one-hot drafts, no min-p (CUDA's backend)
-                res = verify_fused(fused, *args, process)
+            fused = fused_draw_for(d.adapter, None) if draft is None else None
+            mp = min_p[kept] if min_p is not None else None
+            if fused is not None:  # the device path: one-hot drafts (CUDA's backend)
+                res = verify_fused(fused, *args, process, mp)
             else:
-                res = certify_verification_v2(d.adapter, *args, draft, process,
-                                              min_p[kept] if min_p is not None else None)
+                res = certify_verification_v2(d.adapter, *args, draft, process, mp)
             ok[kr] = res.certified.to(dev)
             values[kept] = res.values.to(values.dtype)
             for j, r in enumerate(kr.tolist()):
