@@ -267,13 +267,14 @@ def test_v2_rejection_sampler_on_certified_rows_equals_dense(tmp_path, monkeypat
 
 
 @pytest.mark.parametrize("why", [None, "draft_logits", "invalid_drafts", "top_p", "logprobs", "fp64",
-                                 "sharded", "not_whole", "placeholder"])
+                                 "sharded", "not_whole", "placeholder", "past_vocab"])
 def test_the_verification_hook_sends_what_it_cannot_certify_dense(why):
     """:func:`~vllm_csv.vllm_plugin.v2.verify.resolve` on three sampled requests (2, 1 and 0 drafts):
     with nothing in the way, requests certified (their rows partial); with a drafter vocabulary
     of another size, drafts a grammar checks, a top-p or logprobs elsewhere in the batch, min-p on a request, fp64
     noise, a sharded head or rows that are not whole requests, every deferred row is the dense
-    head's, counted ``unsupported``; a request with a placeholder draft (within its prefill) alone."""
+    head's, counted ``unsupported``; a request with a placeholder draft (within its prefill) or a
+    draft past the vocabulary alone."""
     from test_sampler_hook_v2 import case, defer
     from vllm_csv.sampling.sharded_rows import ShardedAdapter
     from vllm_csv.vllm_plugin.v2 import verify as v2_verify
@@ -308,13 +309,15 @@ def test_the_verification_hook_sends_what_it_cannot_certify_dense(why):
         rows = torch.tensor([0, 1, 3, 4, 5])
     if why == "placeholder":  # request 1's draft slot within its prefill: gather_draft_sampled gives -1
         rs.sampler.req_states.prefill_len.gpu[int(slots[1])] = 80
+    if why == "past_vocab":  # request 1's draft a token past the vocabulary
+        batch.input_ids[4] = dense.shape[1]
     d, logits = defer(head, h, rows, [])
     if why == "sharded":
         d.adapter = object.__new__(ShardedAdapter)
     st = v2_verify.resolve(rs, d, logits, batch, **kw)
     if why is None:
         assert st.certified.get("sampling", 0) >= 3 and not torch.equal(logits, dense), st
-    elif why == "placeholder":
+    elif why in ("placeholder", "past_vocab"):
         assert torch.equal(logits[3:5], dense[3:5]) and st.fallbacks.get("unsupported") == 2, st
         assert st.certified.get("sampling", 0) >= 3, st
     else:

@@ -200,3 +200,21 @@ def test_min_p_decides_the_acceptance_where_it_drops_the_tail():
         assert replay(x, drafts, seeds, pos, cu, None, torch.full((2,), 0.1))[0] == (1, 0)
         rejected_without += replay(x, drafts, seeds, pos, cu)[0][0] == 0
     assert rejected_without >= 15
+
+
+def test_a_draft_past_the_vocabulary_certifies_nothing():
+    """A draft id at or past ``V`` (V2 never sends one; the hook keeps such a request dense) is
+    read by nothing out of range on the device path: its request is not certified, the others
+    are as before."""
+    from test_verify_v2 import _learned_requests
+
+    adapter, h, seeds, pos, temp, drafts, cu, x, counts = _learned_requests("int8")
+    step = _fused(adapter)
+    base = vf.verify_fused(step, h, seeds, pos, temp, drafts, cu)
+    i = next(i for i, c in enumerate(counts) if c > 0 and bool(base.certified[i]))
+    bad = drafts.clone()
+    bad[cu[i]] = x.shape[1]
+    res = vf.verify_fused(step, h, seeds, pos, temp, bad, cu)
+    assert not bool(res.certified[i])
+    others = [j for j in range(len(counts)) if j != i]
+    assert res.certified[others].tolist() == base.certified[others].tolist()

@@ -157,7 +157,7 @@ def verify_fused(step, hidden: torch.Tensor, seeds: torch.Tensor, pos: torch.Ten
     if process is not None:  # (every processed value of a block's tokens below its bound)
         bh = processed_block_hi(process, bh, V)
     target = drafts >= 0
-    home = (drafts.clamp(min=0) // SUB)[:, None]
+    home = (drafts.clamp(0, V - 1) // SUB)[:, None]  # (a draft past V, which V2 never sends, decides nothing)
     key = bh.scatter(1, home, torch.where(target[:, None], math.inf, bh.gather(1, home)))
     cand, count, _, _, _, ok_rows = draw_select(key, bh, umax, lmax, ok, c["limit"], c["babs_max"], step.cap_for(1))
     _, lower, upper = score_blocks(hidden, step.weight, step.bias, cand, count, step.coef, step.gam, step.tiny32)
@@ -190,7 +190,7 @@ def verify_fused(step, hidden: torch.Tensor, seeds: torch.Tensor, pos: torch.Ten
                                         screened=(umax[row_a], lmax[row_a], ok_a), removed=removed)
     certified = decided & (code == 0)
     values = torch.full((N, V), -math.inf, dtype=step.dtype, device=dev)
-    values.scatter_(1, drafts.clamp(min=0)[:, None], torch.where(lead, 0.0, -math.inf)[:, None].to(step.dtype))
+    values.scatter_(1, drafts.clamp(0, V - 1)[:, None], torch.where(lead, 0.0, -math.inf)[:, None].to(step.dtype))
     values.index_put_((row_a, token), torch.zeros(R, dtype=step.dtype, device=dev))
     scored = step.scored(count).sum() + step.scored(count_a).sum()
     # (the one read of the results: the hook writes the other requests' dense rows after it)

@@ -131,12 +131,13 @@ def resolve(rs, d: Deferred, logits: torch.Tensor, input_batch, draft_logits=Non
         slot = input_batch.expanded_idx_mapping[dev_rows].long()
         pos = input_batch.positions[input_batch.logits_indices[dev_rows]].long()
         drafts, bonus = _row_drafts(input_batch, dev_rows, cu, rs.sampler.req_states.prefill_len.gpu.to(dev))
-        # a placeholder draft (-1 on a target row): its request stays dense, out of the certificate
+        # a placeholder draft (-1 on a target row), or one past the vocabulary (which V2 would read
+        # out of its rows): its request stays dense, out of the certificate
         R = len(cu) - 1
         sizes = torch.tensor(np.diff(cu), device=dev)
         req_of = torch.repeat_interleave(torch.arange(R, device=dev), sizes)
         keep = torch.ones(R, dtype=torch.bool, device=dev)
-        keep[req_of[(drafts < 0) & ~bonus]] = False
+        keep[req_of[((drafts < 0) | (drafts >= logits.shape[1])) & ~bonus]] = False
         ok = torch.zeros(R, dtype=torch.bool, device=dev)
         values = torch.empty((rows.numel(), logits.shape[1]), dtype=logits.dtype, device=dev)
         reason = ["unsupported"] * R
