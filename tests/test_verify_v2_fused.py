@@ -88,18 +88,24 @@ def test_min_p_kept_holds_v2s_min_p():
     assert bool((qlo[min_p.isnan() | (min_p == 0)] == (x - w)[min_p.isnan() | (min_p == 0)]).all())
 
 
-def test_first_rows_are_the_reference_walk():
-    """Each request's accepted lead and first row not accepted, on the device, equal the host
-    walk (:func:`~vllm_csv.sampling.verify_v2_bounds.first_undecided`) on random decisions."""
+def test_first_rows_are_the_walk_of_each_request():
+    """Each request's accepted lead and first row not accepted, on the device
+    (:func:`~vllm_csv.sampling.verify_v2_bounds.first_rows`, which the host's
+    ``first_undecided`` reads too), equal a walk of each request's rows on random decisions, a
+    bonus row marked accepted included (it ends the walk all the same)."""
     g = torch.Generator().manual_seed(1)
     for _ in range(50):
         sizes = torch.randint(1, 6, (int(torch.randint(1, 9, (1,), generator=g)),), generator=g)
         cu = [0] + sizes.cumsum(0).tolist()
         N = cu[-1]
         dec = torch.tensor([vb.ACCEPT, vb.REJECT, vb.UNDECIDED])[torch.randint(0, 3, (N,), generator=g)]
-        dec[torch.tensor(cu[1:]) - 1] = vb.UNDECIDED  # (bonus rows: never accepted)
-        lead, a = vf.first_rows(dec.to(torch.int8), torch.tensor(cu), N)
-        want, _ = vb.first_undecided(dec, cu)
+        lead, a = vb.first_rows(dec.to(torch.int8), torch.tensor(cu), N)
+        want = []
+        for i in range(len(cu) - 1):  # the walk: accepted rows from the first, the bonus row last
+            n, j = cu[i + 1] - cu[i] - 1, 0
+            while j < n and int(dec[cu[i] + j]) == vb.ACCEPT:
+                j += 1
+            want.append(j)
         assert a.tolist() == want
         assert lead.tolist() == [j - cu[i] < want[i] for i in range(len(cu) - 1) for j in range(cu[i], cu[i + 1])]
 

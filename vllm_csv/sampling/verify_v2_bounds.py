@@ -244,16 +244,30 @@ def residual_bounds(qlo: torch.Tensor, qhi: torch.Tensor, dlo: torch.Tensor, dhi
             round_up32(torch.where(torch.isnan(r_hi), math.inf, r_hi)))
 
 
+def first_rows(dec: torch.Tensor, cu: torch.Tensor, N: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(lead [N] bool, a [R] int64)`` for decisions ``dec [N]`` of requests whose rows are
+    ``cu[i] .. cu[i + 1] - 1`` (``cu [R + 1]`` int64 on ``dec``'s device): the rows accepted with
+    every earlier row of their request accepted, and each request's count of them (its first row
+    not accepted is ``cu[i] + a[i]``; its last row, the bonus, ends the walk). No host sync."""
+    sizes = cu[1:] - cu[:-1]
+    R = sizes.numel()
+    req_of = torch.repeat_interleave(torch.arange(R, device=dec.device), sizes, output_size=N)
+    last = torch.zeros(N, dtype=torch.bool, device=dec.device)
+    last[cu[1:] - 1] = True
+    nacc = ((dec != ACCEPT) | last).long()
+    before = nacc.cumsum(0) - nacc  # rows not accepted before each row, over the whole batch
+    lead = (nacc == 0) & (before == before[cu[:-1]][req_of])
+    a = torch.zeros(R, dtype=torch.long, device=dec.device).scatter_add_(0, req_of, lead.long())
+    return lead, a
+
+
 def first_undecided(dec: torch.Tensor, cu: list[int]) -> tuple[list[int], list[int]]:
     """Per request (rows ``cu[i] .. cu[i + 1] - 1``): the index ``a`` of its first row not
-    accepted (its last row, the bonus, if all its drafts are), and that row's decision
-    (:data:`REJECT`, :data:`UNDECIDED`; :data:`ACCEPT` standing for the bonus row's draw)."""
-    d = dec.tolist()
-    first, what = [], []
-    for i in range(len(cu) - 1):
-        a, n = 0, cu[i + 1] - cu[i] - 1
-        while a < n and d[cu[i] + a] == ACCEPT:
-            a += 1
-        first.append(a)
-        what.append(ACCEPT if a == n else d[cu[i] + a])
-    return first, what
+    accepted (its last row, the bonus, if all its drafts are: :func:`first_rows`), and that row's
+    decision (:data:`REJECT`, :data:`UNDECIDED`; :data:`ACCEPT` standing for the bonus row's
+    draw), on the host."""
+    cu_t = torch.tensor(cu, dtype=torch.long, device=dec.device)
+    _, a = first_rows(dec, cu_t, dec.numel())
+    row = cu_t[:-1] + a
+    what = torch.where(row == cu_t[1:] - 1, ACCEPT, dec[row].long())
+    return a.tolist(), what.tolist()

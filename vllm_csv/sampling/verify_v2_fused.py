@@ -37,39 +37,33 @@ import math
 import torch
 
 from ..gpu.common import SUB, slot_ids
-from ..gumbel_noise import min_p_thresholds
 from ..gpu.draw_bounds import block_upper, draw_select
 from ..gpu.processed import processed_block_hi, processed_candidates
 from ..gpu.score import score_blocks
-from .gumbel_v2 import temperature_bounds
+from .gumbel_v2 import min_p_bounds, temperature_bounds
 from .rows_v2 import Bounds
 from .verify_v2 import Verified, process_rows
-from .verify_v2_bounds import ACCEPT, REJECT, UNDECIDED, decide_from, rand_uniform
+from .verify_v2_bounds import REJECT, UNDECIDED, decide_from, first_rows, rand_uniform
 
 _DRAW_REASONS = {1: "nonfinite", 2: "nonfinite"}  # (gpu.gumbel_draw's codes; the rest: "uncertified")
 
 
 def min_p_kept(qlo: torch.Tensor, qhi: torch.Tensor, block_q: torch.Tensor, min_p: torch.Tensor
                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """What V2's min-p (after the temperature: ``x < fl32(m + log(min_p))`` to ``-inf``, ``m`` the
-    row's maximum) leaves of the candidates' bounds ``qlo, qhi`` (``[N, S]`` fp32) and the other
-    blocks' ``block_q`` (``[N, nb]``; a candidate's block among them is not read): ``m`` lies
-    between the candidates' largest ``qlo`` and the largest ``qhi`` of all, so the threshold within
-    :func:`~vllm_csv.gumbel_noise.min_p_thresholds` of both; a token not surely kept loses its lower
-    bound, one surely dropped (and a block all of whose tokens are) both, as
-    :func:`~vllm_csv.gpu.gumbel_draw.gumbel_draw_ref` takes them. Rows with ``min_p`` 0, negative
-    or NaN are left alone (V2's kernel does). Returns ``(qlo, qhi, block_q, gmax)``, ``gmax >= |m|``
-    (float64)."""
-    on = (min_p > 0)[:, None]
+    """What V2's min-p leaves of the candidates' bounds ``qlo, qhi`` (``[N, S]`` fp32) and the other
+    blocks' ``block_q`` (``[N, nb]``; a candidate's block among them is not read):
+    :func:`~.gumbel_v2.min_p_bounds` on a row of the candidates and one column per block (its
+    tokens' upper bound, no lower bound), so a token not surely kept loses its lower bound and
+    one surely dropped (and a block all of whose tokens are) both. Rows with ``min_p`` 0,
+    negative or NaN are left alone (V2's kernel does). Returns ``(qlo, qhi, block_q, gmax)``,
+    ``gmax >= |m|`` (float64) for the row's maximum ``m``, which min-p keeps."""
+    S = qlo.shape[1]
+    lo, hi, _ = min_p_bounds(torch.cat([qlo, torch.full_like(block_q, -math.inf)], 1), torch.cat([qhi, block_q], 1),
+                             min_p)
     m_lo = torch.where(torch.isnan(qlo), -math.inf, qlo).amax(1).double()
     m_hi = torch.maximum(torch.where(torch.isnan(qhi), math.inf, qhi).amax(1),
                          torch.where(torch.isnan(block_q), math.inf, block_q).amax(1)).double()
-    thr_lo, thr_hi = min_p_thresholds(m_lo, m_hi, torch.where(on[:, 0], min_p, 1.0))
-    thr_lo, thr_hi = thr_lo.double()[:, None], thr_hi.double()[:, None]
-    qlo = torch.where(on & ~(qlo.double() >= thr_hi), -math.inf, qlo)
-    qhi = torch.where(on & (qhi.double() < thr_lo), -math.inf, qhi)
-    block_q = torch.where(on & (block_q.double() < thr_lo), -math.inf, block_q)
-    return qlo, qhi, block_q, torch.maximum(m_lo.abs(), m_hi.abs())
+    return lo[:, :S], hi[:, :S], hi[:, S:], torch.maximum(m_lo.abs(), m_hi.abs())
 
 
 def lse_bounds_blocks(qlo: torch.Tensor, qhi: torch.Tensor, block_q: torch.Tensor, cand: torch.Tensor, V: int
@@ -107,20 +101,6 @@ def lse_bounds_blocks(qlo: torch.Tensor, qhi: torch.Tensor, block_q: torch.Tenso
     top = torch.maximum(qhi.amax(1), torch.where(torch.isnan(other), math.inf, other).amax(1).float())
     gmax = torch.maximum(qlo.amax(1).double().abs(), top.double().abs())
     return llo, lhi, gmax
-
-
-def first_rows(dec: torch.Tensor, cu: torch.Tensor, N: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(lead [N] bool, a [R] int64)``: the rows accepted with every earlier row of their
-    request accepted, and each request's count of them (its first row not accepted is
-    ``cu[i] + a[i]``; the bonus row, never accepted, ends it). On the device, no host sync."""
-    sizes = cu[1:] - cu[:-1]
-    R = sizes.numel()
-    req_of = torch.repeat_interleave(torch.arange(R, device=dec.device), sizes, output_size=N)
-    nacc = (dec != ACCEPT).long()
-    before = nacc.cumsum(0) - nacc  # rows not accepted before each row, over the whole batch
-    lead = (nacc == 0) & (before == before[cu[:-1]][req_of])
-    a = torch.zeros(R, dtype=torch.long, device=dec.device).scatter_add_(0, req_of, lead.long())
-    return lead, a
 
 
 def verify_fused(step, hidden: torch.Tensor, seeds: torch.Tensor, pos: torch.Tensor, temp: torch.Tensor,

@@ -7,7 +7,7 @@ head leaves them as placeholders and hands their hidden states over on the step.
 
 1. the drafts each row verifies, as V2's ``gather_draft_sampled`` makes them (:func:`drafts_of`:
    the next row's input token; a placeholder ``-1`` where the request has not sampled past its
-   prefill, which makes its request dense here), each row's request seed, temperature and
+   prefill, which makes its request dense here, as does a draft past the vocabulary), each row's request seed, temperature and
    position, read the way the kernels read them (``expanded_idx_mapping``, ``positions[logits_indices]``);
 2. :func:`~vllm_csv.sampling.verify_v2.certify_verification_v2`: the accepted drafts and the next
    token of each request from bounds on its rows, decided or not; on CUDA's backend, for
