@@ -1,4 +1,4 @@
-"""``tests/test_gpu_kernels.py``, ``tests/test_gpu_gumbel_draw.py`` and ``tests/test_verify_v2_fused.py``
+"""``tests/test_gpu_kernels.py``, ``tests/test_gpu_gumbel_draw.py``, ``tests/test_verify_v2_fused.py`` and ``tests/test_gpu_philox.py``
 on a machine without CUDA: in a fresh process started with ``TRITON_INTERPRET=1``, so that Triton (its own library included) is imported in interpreter mode
 (this process has imported it already, through vLLM, in compiled mode)."""
 
@@ -14,7 +14,8 @@ pytest.importorskip("triton")
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="on CUDA these files run compiled, in process")
-@pytest.mark.parametrize("name", ["test_gpu_kernels.py", "test_gpu_gumbel_draw.py", "test_verify_v2_fused.py"])
+@pytest.mark.parametrize("name", ["test_gpu_kernels.py", "test_gpu_gumbel_draw.py", "test_verify_v2_fused.py",
+                                  "test_gpu_philox.py"])
 def test_gpu_kernels_under_the_interpreter(name):
     here = Path(__file__).resolve().parent
     env = dict(os.environ, TRITON_INTERPRET="1")

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import torch
 
+from vllm_csv.gumbel_noise import RAND_MIN, philox_uniform
 from vllm_csv.sampling import verify_v2 as vv
 from vllm_csv.sampling import verify_v2_bounds as vb
 from vllm_csv.testing.audit_verify import replay, run_verify_case
@@ -40,8 +41,8 @@ def test_the_uniform_and_the_logprob_bound_hold_against_v2s_own_triton_code(tmp_
     x[9, 0] = -math.inf
     out = interpreted("v2_verify_interpreted.py", {"seeds": seeds, "pos": pos, "x": x, "drafts": drafts}, tmp_path)
     raw, v2 = out["rand"]
-    mine = vb.rand_uniform(seeds, pos)
-    assert torch.equal(raw.clamp(min=vb.RAND_MIN).view(torch.int32), mine.view(torch.int32))
+    mine = philox_uniform(seeds, pos)
+    assert torch.equal(raw.clamp(min=RAND_MIN).view(torch.int32), mine.view(torch.int32))
     assert torch.equal(v2.view(torch.int32), mine.view(torch.int32))
     # the kernel's x_d - lse within the bound decide() uses, around the real value of the same x
     real = x.double().gather(1, drafts[:, None]).squeeze(1) - torch.logsumexp(x.double(), 1)

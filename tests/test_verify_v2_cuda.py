@@ -1,5 +1,6 @@
 """V2's verification arithmetic on a GPU (vllm_csv/sampling/verify_v2_bounds.py): Triton's ``tl.rand``
-compiled for the device against :func:`~vllm_csv.sampling.verify_v2_bounds.rand_uniform` bit for bit, and
+compiled for the device against :func:`~vllm_csv.gumbel_noise.philox_uniform` bit for bit (and the device's
+op, :mod:`vllm_csv.gpu.philox`, against it on the device), and
 the device's fp32 ``x_d - lse`` (the operations of V2's ``_compute_max_and_sumexp``,
 ``_compute_global_logsumexp`` and ``_compute_global_logprobs_and_logsumexp``, in its blocks of
 8192 tokens, with the GPU's ``exp`` and ``log``) within
@@ -12,6 +13,7 @@ import math
 import pytest
 import torch
 
+from vllm_csv.gumbel_noise import philox_uniform
 from vllm_csv.sampling import verify_v2_bounds as vv
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")]
@@ -61,7 +63,7 @@ def test_philox_uniform_bit_for_bit_on_the_gpu():
         pos[:2048] = torch.arange(2048)
         out = torch.empty(4096, device="cuda")
         _rand_kernel[(4,)](out, torch.tensor([seed], device="cuda"), pos.cuda(), 4096, BLOCK=1024)
-        mine = vv.rand_uniform(torch.full((4096,), seed), pos)
+        mine = philox_uniform(torch.full((4096,), seed), pos)
         worst += int((out.cpu().view(torch.int32) != mine.view(torch.int32)).sum())
     assert worst == 0
 
@@ -88,3 +90,19 @@ def test_the_gpus_logprob_lies_within_the_slack(V):
     slack = vv.logprob_slack(V, big)
     assert bool((err <= slack).all()), float((err / slack).max())
     print(f"V {V}: largest error {float(err.max()):.3e}, {float((err / slack).max()):.3f} of the slack")
+
+
+def test_the_device_op_draws_v2s_bits():
+    """The op (vllm_csv/gpu/philox.py, one seed per row) against the kernel above, which loads one
+    seed a program as V2's kernels do, and against the torch reference run on the device."""
+    from vllm_csv.gpu.philox import philox_uniform as op
+
+    g = torch.Generator().manual_seed(7)
+    for seed in torch.randint(-2**63, 2**63 - 1, (16,), generator=g).tolist() + [0, -1, 2**32]:
+        pos = torch.randint(0, 2**40, (4096,), generator=g).cuda()
+        seeds = torch.full((4096,), seed, device="cuda")
+        out = torch.empty(4096, device="cuda")
+        _rand_kernel[(4,)](out, seeds[:1], pos, 4096, BLOCK=1024)
+        got = op(seeds, pos)
+        assert torch.equal(got.view(torch.int32), out.view(torch.int32))
+        assert torch.equal(got.view(torch.int32), philox_uniform(seeds, pos).view(torch.int32))

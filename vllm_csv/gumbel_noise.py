@@ -1,6 +1,6 @@
 """vLLM's Model Runner V2 Gumbel noise (CUDA), recomputable for any token: the hash and uniform bit
 for bit, the noise bounded, and the constants of V2's temperature and of the comparison in its
-draw. Plain facts about vLLM's kernel, below every layer that certifies with them (the CPU
+draw; and V2's other random stream, the verification's Philox uniform (:func:`philox_uniform`). Plain facts about vLLM's kernel, below every layer that certifies with them (the CPU
 certificate :mod:`vllm_csv.sampling.gumbel_v2`, which re-exports all of this and has the argument
 in its docstring, and the device draw :mod:`vllm_csv.gpu.gumbel_draw`, its replica on the device
 :mod:`vllm_csv.gpu.gumbel_jit`).
@@ -12,6 +12,11 @@ in its docstring, and the device draw :mod:`vllm_csv.gpu.gumbel_draw`, its repli
 
 ``r`` and ``u`` are replayed bit for bit (:func:`murmur3`, :func:`uniform`); ``g`` is bounded
 (:func:`noise_bounds`: ``g(u) +- (EPS_ABS + EPS_REL |g|)`` around the real ``g(u)``).
+
+The speculative verification's uniform (``spec_decode/rejection_sampler_utils.py``) is
+``max(tl.rand(seed, pos), RAND_MIN)``: Triton's Philox 4x32-10, replayed bit for bit in torch
+integer ops on any device, with no host read (:func:`philox_uniform`; the device's kernel is
+:mod:`vllm_csv.gpu.philox`).
 """
 
 from __future__ import annotations
@@ -24,6 +29,10 @@ GUMBEL_MIN = -2.9
 GUMBEL_MAX = 23.5
 EPS_ABS, EPS_REL = 1e-5, 1e-5  # noise bounds: g +- (EPS_ABS + EPS_REL |g|)
 _M32 = 0xFFFFFFFF
+RAND_MIN = 4.6566125955216364e-10  # ``tl_rand32``'s floor ``_TL_RAND_MIN`` (4.6566127342e-10) as fp32
+PHILOX_A, PHILOX_B = 0xD2511F53, 0xCD9E8D57  # Philox 4x32's round multipliers
+PHILOX_KA, PHILOX_KB = 0x9E3779B9, 0xBB67AE85  # its key steps
+PHILOX_SCALE = 4.6566125955216364e-10  # ``uint_to_uniform_float``'s 4.6566127342e-10, as fp32
 # Temperature: V2 divides the fp32 logits by T with Triton's fp32 ``/``, not the correctly
 # rounded division: DIV_REL, DIV_ABS and the range of T are fp.py's (one place: the head's
 # sampled top-k certificate holds for the same model of the division).
@@ -75,6 +84,48 @@ def uniform(seeds: torch.Tensor, pos: torch.Tensor, ids: torch.Tensor) -> torch.
     and the sum is one fp32 rounding, as in the kernel with or without a fused multiply-add)."""
     r = murmur3(seeds, pos, ids)
     return (r >> 16).float() * 2.0**-16 + ((r & 0xFFFF).float() + 0.5) * 2.0**-32
+
+
+def _mul_hi_lo(a: int, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The high and low 32 bits of ``a * b`` (``a``, ``b`` below ``2^32``; ``b`` int64) in int64
+    without overflow: ``b`` split into 16-bit halves, every partial product below ``2^49``."""
+    pl, ph = a * (b & 0xFFFF), a * (b >> 16)
+    mid = pl + ((ph & 0xFFFF) << 16)
+    return (ph >> 16) + (mid >> 32), mid & _M32
+
+
+def philox_uniform(seeds: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+    """V2's verification uniform ``tl_rand32(seed, pos, includes_zero=False)``, bit for bit.
+
+    Triton's ``tl.rand(seed, offset)`` (``triton/language/random.py``, the same Philox since
+    2.x; tests hold it to Triton's own, interpreted and compiled): ``randint4x``'s first word of
+    Philox 4x32 with 10 rounds, counter ``(offset_lo, offset_hi, 0, 0)``, key ``(seed_lo,
+    seed_hi)``, read as int32 ``x`` and mapped to ``fl32(fl32(x') * fl32(4.6566127342e-10))``,
+    ``x' = x`` or ``-x - 1`` where negative; vLLM then clamps it below at the same constant.
+    Elementwise torch on ``seeds``' device: no host read, fixed shapes.
+
+    Parameters
+    ----------
+    seeds, pos : torch.Tensor
+        ``[N]`` int64 (the request's seed, the row's position), on one device.
+
+    Returns
+    -------
+    torch.Tensor
+        ``[N]`` float32.
+    """
+    s, o = seeds.long(), pos.long()
+    c0, c1 = o & _M32, (o >> 32) & _M32
+    c2 = c3 = torch.zeros_like(c0)
+    k0, k1 = s & _M32, (s >> 32) & _M32
+    for _ in range(10):
+        hb, lb = _mul_hi_lo(PHILOX_B, c2)
+        ha, la = _mul_hi_lo(PHILOX_A, c0)
+        c0, c1, c2, c3 = hb ^ c1 ^ k0, lb, ha ^ c3 ^ k1, la
+        k0, k1 = (k0 + PHILOX_KA) & _M32, (k1 + PHILOX_KB) & _M32
+    x = torch.where(c0 >= 2**31, c0 - 2**32, c0)  # (the word as int32)
+    x = torch.where(x < 0, -x - 1, x).float()
+    return (x * torch.tensor(PHILOX_SCALE, dtype=torch.float32)).clamp_min(RAND_MIN)
 
 
 def noise(u: torch.Tensor) -> torch.Tensor:

@@ -30,7 +30,8 @@ Beside the five, for vLLM V2's temperature rows: :mod:`.draw_bounds` -- every bl
 bound (``[B, V / 1024]`` programs) and the candidate blocks of largest bound (``[B]``); then
 :mod:`.gumbel_draw` (with the overview) -- V2's Gumbel draw certified from the candidates' exact
 intervals, their noise replayed per token (``[B]``); :mod:`.gumbel_jit` holds the replica of V2's
-noise and temperature they share. :meth:`.step.FusedStep.draw_v2` runs them around the step's
+noise and temperature they share. For V2's speculative verification: :mod:`.philox` -- each row's
+verification uniform (``tl.rand``, ``[N / 256]`` programs). :meth:`.step.FusedStep.draw_v2` runs them around the step's
 quantize, screen and scoring kernels.
 
 :mod:`.common` holds what they share: the block layout (``SUB``, ``CAP``), whether Triton is
@@ -55,4 +56,4 @@ of its modules) imports every kernel module, so every op is registered, once, wh
 module is imported first.
 """
 
-from . import certify, draw_bounds, gumbel_draw, quantize, score, screen, select  # noqa: F401 - registers every op
+from . import certify, draw_bounds, gumbel_draw, philox, quantize, score, screen, select  # noqa: F401 - registers every op

@@ -30,12 +30,13 @@ from dataclasses import dataclass
 
 import torch
 
+from ..gumbel_noise import philox_uniform
 from .gumbel_v2 import min_p_bounds, temperature_bounds
 from .head_adapter import HeadAdapter
 from .rows_v2 import Bounds, certify_rows_v2
 from .scoring import RowsResult, Screened, budget_of, score_columns, screen_bounds
 from .verify_v2_bounds import (ACCEPT, REJECT, UNDECIDED, decide, draft_logprob_bounds, first_undecided, lse_bounds,
-                               rand_uniform, residual_bounds)
+                               residual_bounds)
 
 ROUNDS = 4  # scoring rounds for undecided acceptances
 FIRST = 32  # tokens of highest upper bound scored per row before the first decision (with the drafts)
@@ -105,7 +106,7 @@ def certify_verification_v2(adapter: HeadAdapter, hidden: torch.Tensor, seeds: t
     target = drafts >= 0
     first = torch.cat([drafts[target].unique(), hi.topk(min(FIRST, V), 1).indices[target].flatten().unique()])
     score_columns(adapter, hidden, hnorm, first.unique(), state.values, lo, hi, scored)
-    u = rand_uniform(seeds, pos)
+    u = philox_uniform(seeds, pos)
     dlp = None if draft_logits is None else draft_logprob_bounds(draft_logits, temp)
     fin = finite.cpu().tolist()
     req_finite = [all(fin[cu[i]:cu[i + 1]]) and float(temp[cu[i]]) > 0 for i in range(R)]

@@ -11,7 +11,7 @@ divided at ``T = 1``). Row ``r_j`` verifies draft ``d_j`` (the input token of ro
 
     lse_j  = G + log(sum_b s_b exp(m_b - G))     (fp32: blocks of 8192 tokens, m_b their maxima,
                                                   s_b = sum exp(x - m_b), G = max_b m_b)
-    u_j    = max(tl.rand(seed, pos_j), 4.6566127342e-10)      (Philox 4x32-10: :func:`rand_uniform`)
+    u_j    = max(tl.rand(seed, pos_j), 4.6566127342e-10)      (Philox 4x32-10: :func:`~vllm_csv.gumbel_noise.philox_uniform`)
     accept d_j  iff  x_{d_j} - lse_j > log(u_j)
 
 from ``j = 0`` until the first rejection ``a`` (or ``a = n``: all accepted); the request's
@@ -35,56 +35,13 @@ from __future__ import annotations
 
 import math
 
-import numpy as np
 import torch
 
 from ..gumbel_noise import LOG_ABS, LOG_REL
 from .gumbel_v2 import temperature_bounds
 
 BLOCK = 8192  # V2's vocabulary block for the row statistics (``VOCAB_BLOCK_SIZE``)
-RAND_MIN = float(np.float32(4.6566127342e-10))  # ``tl_rand32``'s floor (``_TL_RAND_MIN``), as fp32
 ACCEPT, REJECT, UNDECIDED = 1, -1, 0
-
-_M32 = (1 << 32) - 1
-_PHILOX = (0xD2511F53, 0xCD9E8D57, 0x9E3779B9, 0xBB67AE85)  # round multipliers A, B; key steps
-
-
-def rand_uniform(seeds: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
-    """V2's verification uniform ``tl_rand32(seed, pos, includes_zero=False)``, bit for bit.
-
-    Triton's ``tl.rand(seed, offset)`` (``triton/language/random.py``, read in 3.9; the same
-    Philox since 2.x: tests check it against Triton's own under its interpreter, and on a GPU):
-    ``randint4x``'s first word of Philox 4x32 with 10 rounds, counter ``(offset_lo, offset_hi,
-    0, 0)``, key ``(seed_lo, seed_hi)``, read as int32 ``x`` and mapped to
-    ``fl32(fl32(x') * fl32(4.6566127342e-10))``, ``x' = x`` or ``-x - 1`` where negative; vLLM
-    then clamps it below at the same constant.
-
-    Parameters
-    ----------
-    seeds, pos : torch.Tensor
-        ``[N]`` int64 (the request's seed, the row's position).
-
-    Returns
-    -------
-    torch.Tensor
-        ``[N]`` float32 on ``seeds``' device.
-    """
-    s = seeds.detach().cpu().numpy().astype(np.int64).view(np.uint64)
-    o = pos.detach().cpu().numpy().astype(np.int64).view(np.uint64)
-    m = np.uint64(_M32)
-    c0, c1 = o & m, (o >> np.uint64(32)) & m
-    c2 = np.zeros_like(c0)
-    c3 = np.zeros_like(c0)
-    k0, k1 = s & m, (s >> np.uint64(32)) & m
-    A, B, KA, KB = (np.uint64(v) for v in _PHILOX)
-    for _ in range(10):
-        pa, pb = A * c0, B * c2  # (exact: both factors below 2^32)
-        c0, c1, c2, c3 = ((pb >> np.uint64(32)) ^ c1 ^ k0, pb & m, (pa >> np.uint64(32)) ^ c3 ^ k1, pa & m)
-        k0, k1 = (k0 + KA) & m, (k1 + KB) & m
-    x = c0.astype(np.uint32).view(np.int32).astype(np.int64)
-    x = np.where(x < 0, -x - 1, x).astype(np.float32)
-    u = (x * np.float32(4.6566127342e-10)).astype(np.float32)
-    return torch.from_numpy(np.maximum(u, np.float32(RAND_MIN))).to(seeds.device)
 
 
 def log_slack(logu: torch.Tensor) -> torch.Tensor:
@@ -129,7 +86,7 @@ def decide(qlo: torch.Tensor, qhi: torch.Tensor, drafts: torch.Tensor, u: torch.
     drafts : torch.Tensor
         ``[N]`` int64, the draft token each row verifies (``< 0``: none, the bonus row).
     u : torch.Tensor
-        ``[N]`` float32, :func:`rand_uniform` of each row.
+        ``[N]`` float32, :func:`~vllm_csv.gumbel_noise.philox_uniform` of each row.
     draft_lp : tuple of torch.Tensor, optional
         ``(lo, hi)`` float64 ``[N, V]``: bounds on the kernel's draft log-probabilities
         (:func:`draft_logprob_bounds`; probabilistic drafts, which V2 accepts when

@@ -24,10 +24,9 @@ as V2 has it) or on the bonus row. What is handed to V2's kernels: accepted rows
 row ``a`` the certified token alone (its draft ``-inf``: rejected; then the draw returns the one
 finite token), later rows ``-inf``, as :mod:`.verify_v2` hands a probabilistic row's residual.
 
-Host syncs: the seeds and positions read once for the uniforms (V2's ``tl.rand``, replayed by
-:func:`~.verify_v2_bounds.rand_uniform` on the host; issued before the kernels, so nothing waits
-on them), and the results read once at the end (the hook writes the dense rows of the requests
-left after reading them).
+Host syncs: the results read once at the end (the hook writes the dense rows of the requests
+left after reading them). The uniforms are V2's ``tl.rand`` on the device
+(:func:`vllm_csv.gpu.philox.philox_uniform`), so nothing before waits on the host.
 """
 
 from __future__ import annotations
@@ -38,12 +37,13 @@ import torch
 
 from ..gpu.common import SUB, slot_ids
 from ..gpu.draw_bounds import block_upper, draw_select
+from ..gpu.philox import philox_uniform
 from ..gpu.processed import processed_block_hi, processed_candidates
 from ..gpu.score import score_blocks
 from .gumbel_v2 import min_p_bounds, temperature_bounds
 from .rows_v2 import Bounds
 from .verify_v2 import Verified, process_rows
-from .verify_v2_bounds import REJECT, UNDECIDED, decide_from, first_rows, rand_uniform
+from .verify_v2_bounds import REJECT, UNDECIDED, decide_from, first_rows
 
 _DRAW_REASONS = {1: "nonfinite", 2: "nonfinite"}  # (gpu.gumbel_draw's codes; the rest: "uncertified")
 
@@ -128,7 +128,7 @@ def verify_fused(step, hidden: torch.Tensor, seeds: torch.Tensor, pos: torch.Ten
     """
     N, V, R = hidden.shape[0], step.V, len(cu) - 1
     dev = hidden.device
-    u = rand_uniform(seeds, pos)  # (the one read before the kernels: seeds and positions)
+    u = philox_uniform(seeds, pos)
     cu_d = torch.tensor(cu, dtype=torch.long, device=dev)
     umax, lmax, ok = step.screen_rows(hidden)
     c = step.consts
@@ -155,7 +155,7 @@ def verify_fused(step, hidden: torch.Tensor, seeds: torch.Tensor, pos: torch.Ten
     hit = ids == drafts[:, None]
     xlo = qlo.masked_fill(~hit, -math.inf).amax(1).double()
     xhi = qhi.masked_fill(~hit, -math.inf).amax(1).double()
-    dec = decide_from(xlo, xhi, (llo, lhi), gmax, V, drafts, u.to(dev))
+    dec = decide_from(xlo, xhi, (llo, lhi), gmax, V, drafts, u)
     dec = torch.where(ok_rows.bool(), dec, UNDECIDED)
     # the draw: each request's first row not accepted, its draft removed (the bonus row: none)
     lead, a = first_rows(dec, cu_d, N)

@@ -14,9 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ..gumbel_noise import noise, uniform
+from ..gumbel_noise import noise, philox_uniform, uniform
 from ..sampling.verify_v2 import certify_verification_v2
-from ..sampling.verify_v2_bounds import rand_uniform
 from .audit import TEMPERATURES, dense_reference, make_head
 from .families import FAMILIES, _pick
 
@@ -39,7 +38,7 @@ def replay(x: torch.Tensor, drafts: torch.Tensor, seeds: torch.Tensor, pos: torc
     with the rejected draft removed, or with probabilistic drafts the residual
     ``log(e^t - e^q)`` where positive; the bonus row whole); ``min_p`` (``[N]``, 0: none) first
     drops every token below ``max + log(min_p)`` of its row, the draft still in it."""
-    u = rand_uniform(seeds, pos).double()
+    u = philox_uniform(seeds, pos).double()
     x = x.double()
     if min_p is not None:
         thr = x.amax(1, keepdim=True) + torch.log(min_p.double().clamp(min=1e-300))[:, None]
