@@ -21,7 +21,7 @@ runs as sampled requests under V2's speculative verification (one-hot drafts, an
 probabilistic ones; on half the seeds min-p on half the requests: :mod:`vllm_csv.testing.audit_verify`), each certified request's accepted drafts and next token
 checked against V2's verification replayed in float64 on the dense rows. ``--verify-fused``: the
 verifications on the device path instead (:mod:`vllm_csv.sampling.verify_v2_fused`, its kernels'
-torch references on a CPU; int8 screen, one-hot drafts). The campaign is
+torch references on a CPU; int8 screen). The campaign is
 deterministic (seeded); it is a check, not a timing.
 """
 
@@ -56,7 +56,7 @@ def campaign(target: int, screens, log_every: float = 30.0, random_seeds: int | 
              sampler_target: int = 0, families=None, verify_target: int = 0, verify_fused: bool = False) -> dict:
     """Cases seed by seed (0, 1, 2, ...; with ``random_seeds``, the i-th seed is drawn from
     ``random.Random(random_seeds)``: a reproducible sweep of seeds anywhere in ``[0, 2^31)``).
-    ``verify_fused``: the verifications on the device path instead (int8 screen, one-hot drafts:
+    ``verify_fused``: the verifications on the device path instead (int8 screen:
     :func:`~vllm_csv.sampling.verify_v2_fused.verify_fused`)."""
     table: dict[tuple[str, str, str], dict[str, int]] = defaultdict(lambda: dict.fromkeys(FIELDS, 0))
     total = dict.fromkeys(FIELDS, 0)
@@ -97,9 +97,9 @@ def campaign(target: int, screens, log_every: float = 30.0, random_seeds: int | 
                             by_mode[m] += n
                     if total["certified_verifications"] < verify_target and sc in VERIFY_SCREENS and (
                             not verify_fused or sc == "int8"):
-                        # (odd seeds: probabilistic drafts, the drafter's logits beside, not on the
-                        # device path; seeds 2 and 3 modulo 4: min-p on half the requests)
-                        prob = case_seed % 2 == 1 and not verify_fused
+                        # (odd seeds: probabilistic drafts, the drafter's logits beside; seeds 2 and 3
+                        # modulo 4: min-p on half the requests)
+                        prob = case_seed % 2 == 1
                         v = run_verify_case(fam, case_seed, dt, sc, probabilistic=prob,
                                             with_min_p=case_seed % 4 >= 2, fused=verify_fused)
                         for t in (row, total):
@@ -168,8 +168,7 @@ def main(argv=None) -> int:
     p.add_argument("--verify-requests", type=int, default=100_000,
                    help="sampled requests whose V2 speculative verification is certified, to check (0: none)")
     p.add_argument("--verify-fused", action="store_true",
-                   help="the verifications on the device path (its kernels' torch references here; int8, "
-                        "one-hot drafts)")
+                   help="the verifications on the device path (its kernels' torch references here; int8)")
     p.add_argument("--families", nargs="+", default=None, choices=sorted(FAMILIES),
                    help="a subset of the families (default: all)")
     p.add_argument("--flush-to-zero", action="store_true",

@@ -8,8 +8,8 @@ host, so its syncs are part of its time), median over ``--repeats``:
 * CSV: :func:`vllm_csv.sampling.verify_v2.certify_verification_v2` (screen, acceptance rounds,
   the draws after them) and the dense head on the rows of the requests it leaves, as the V2 hook
   (:mod:`vllm_csv.vllm_plugin.v2.verify`) writes them;
-* CSV fused (one-hot drafts): the device path the hook takes on CUDA,
-  :func:`vllm_csv.sampling.verify_v2_fused.verify_fused` (the fused step's kernels, two host reads),
+* CSV fused: the device path the hook takes on CUDA, one-hot and probabilistic drafts,
+  :func:`vllm_csv.sampling.verify_v2_fused.verify_fused` (the fused step's kernels, one host read),
   and the same dense rows for the requests it leaves.
 
 V2's own rejection kernels (``apply_sampling_params``, ``rejection_sample``) run after both,
@@ -118,11 +118,11 @@ def main() -> None:
                     finish(certify_verification_v2(adapter, h, seeds, pos, t, drafts, cu, draft), "csv")
 
                 def csv_fused():
-                    finish(verify_fused(fused, h, seeds, pos, t, drafts, cu), "fused")
+                    finish(verify_fused(fused, h, seeds, pos, t, drafts, cu, draft_logits=draft), "fused")
 
                 row = {"requests": R, "rows": len(t), "temperature": temp, "probabilistic": probabilistic,
                        "dense_ms": statistics.median(times_ms(dense, a.repeats, sync))}
-                paths = [("csv", csv)] + ([("fused", csv_fused)] if fused is not None and draft is None else [])
+                paths = [("csv", csv)] + ([("fused", csv_fused)] if fused is not None else [])
                 x = head.dense_logits(h).float().cpu()
                 x = torch.where(t.cpu()[:, None] == 1.0, x, x / t.cpu()[:, None])
                 qx = None if draft is None else torch.where(t.cpu()[:, None] == 1.0, draft.cpu(), draft.cpu() / t.cpu()[:, None])

@@ -65,7 +65,7 @@ def test_min_p_kept_holds_v2s_min_p():
     """Rows with min-p (0, 0.05 to 0.95, above 1, NaN): every token V2's min-p keeps on values
     anywhere within the bounds keeps its upper bound, every token it drops on some such values
     loses its lower bound, and a block all of whose tokens it drops ``-inf``, for candidates
-    and blocks alike; the row's maximum within ``gmax``."""
+    and blocks alike; the row's maximum within ``(m_lo, m_hi)``."""
     g = torch.Generator().manual_seed(3)
     N, S, nb = 40, 64, 8
     x = torch.randn(N, S, generator=g) * torch.tensor([0.5, 2.0, 6.0, 20.0]).repeat(N // 4)[:, None]
@@ -73,7 +73,7 @@ def test_min_p_kept_holds_v2s_min_p():
     block = torch.randn(N, nb, generator=g) * 3 + x.amax(1, keepdim=True) - 4
     block[:, :2] = torch.maximum(block[:, :2], x.amax(1, keepdim=True))  # (a block above every candidate)
     min_p = torch.tensor([0.0, 0.05, 0.2, 0.5, 0.95, 1.5, math.nan, 0.3])[torch.arange(N) % 8]
-    qlo, qhi, bq, gmax = vf.min_p_kept(x - w, x + w, block, min_p)  # (the same bounds as lo, hi below)
+    qlo, qhi, bq, (m_lo, m_hi) = vf.min_p_kept(x - w, x + w, block, min_p)  # (the same bounds as lo, hi below)
     lo, hi = x - w, x + w
     for t in (0.0, 0.5, 1.0):  # values within the bounds; the other blocks' tokens at their bound
         v = torch.minimum(torch.maximum(lo + 2 * t * w, lo), hi)
@@ -84,7 +84,7 @@ def test_min_p_kept_holds_v2s_min_p():
         assert bool((qhi[kept] > -math.inf).all())
         assert bool((qlo[~kept] == -math.inf).all())
         assert bool((bq[on & (block >= thr[:, None])] > -math.inf).all())
-        assert bool((gmax >= m.abs()).all())
+        assert bool((m_lo <= m).all()) and bool((m <= m_hi).all())
     assert bool((qlo[min_p.isnan() | (min_p == 0)] == (x - w)[min_p.isnan() | (min_p == 0)]).all())
 
 
@@ -138,18 +138,88 @@ def test_certified_requests_are_v2s_verification_replayed_in_float64():
 
 def test_hostile_families_never_certify_what_the_float64_replay_contradicts():
     """The campaign's check (``benchmarks/audit.py --verify-fused``) on two seeds of every family
-    and dtype, min-p on half the requests of the second: no request certified on the device path
+    and dtype, one-hot and probabilistic drafts, min-p on half the requests of the second: no
+    request certified on the device path
     differs from V2's verification replayed in float64; requests are certified, with drafts
-    accepted and rejected. (Under Triton's interpreter: one seed, with min-p, bf16, to keep its
-    kernels' run within minutes.)"""
-    tot = [0, 0, 0, 0]
-    for seed in (1,) if INTERPRET else (0, 1):
-        for fam in FAMILIES:
-            for dt in (torch.bfloat16,) if INTERPRET else DTYPES:
-                o = run_verify_case(fam, seed, dt, "int8", fused=True, with_min_p=seed == 1)
-                assert o.wrong == 0, (fam, seed, dt, o)
-                tot = [a + b for a, b in zip(tot, (o.requests, o.certified, o.drafts_accepted, o.rejections))]
-    assert tot[1] > tot[0] // 3 and tot[2] > 0 and tot[3] > 0, tot
+    accepted and rejected. (Under Triton's interpreter: one seed, with min-p, bf16, one-hot
+    drafts, to keep its kernels' run within minutes.)"""
+    for probabilistic in (False,) if INTERPRET else (False, True):
+        tot = [0, 0, 0, 0]
+        for seed in (1,) if INTERPRET else (0, 1):
+            for fam in FAMILIES:
+                for dt in (torch.bfloat16,) if INTERPRET else DTYPES:
+                    o = run_verify_case(fam, seed, dt, "int8", fused=True, probabilistic=probabilistic,
+                                        with_min_p=seed == 1)
+                    assert o.wrong == 0, (fam, seed, dt, probabilistic, o)
+                    tot = [a + b for a, b in zip(tot, (o.requests, o.certified, o.drafts_accepted, o.rejections))]
+        assert tot[1] > tot[0] // 4 and tot[2] > 0 and tot[3] > 0, (probabilistic, tot)
+
+
+def test_the_residual_map_bounds_v2s_residual_on_rows_of_some_tokens():
+    """:func:`~vllm_csv.sampling.verify_v2_fused.residual_process` on what the device draw gives
+    it, rows holding some tokens only: the candidates' exact values (``-inf`` elsewhere) and each
+    block's bound spread over its tokens (``-inf`` below). Its bounds hold the real residual
+    ``t + log(1 - e^(q - t))`` (``t = x - lse`` over the whole row) of every token given, where
+    most of the row's mass lies in tokens not given, with min-p's threshold taken from the whole
+    row's maximum; rows not marked residual come back as given. Taking the lse from the tokens
+    given (as the reference's full rows may) would put the residual's lower bounds above it."""
+    from vllm_csv.sampling.verify_v2_bounds import draft_logprob_bounds
+
+    g = torch.Generator().manual_seed(11)
+    R, V = 16, 6 * SUB + 5
+    x = torch.randn(R, V, generator=g) * 2
+    x[:, :SUB] += 3.0  # (the first block holds most of the mass; it is never given below)
+    draft = x + torch.randn(R, V, generator=g)
+    temp = torch.tensor([1.0, 0.7, 1.3, 2.0]).repeat(R // 4)
+    min_p = torch.tensor([0.0, 0.0, 1e-3, 1e-2]).repeat(R // 4)
+    q = (x / temp[:, None]).double()
+    m = q.amax(1)
+    q = torch.where(q < m[:, None] + torch.log(min_p.double())[:, None], -math.inf, q)  # (V2's min-p)
+    lse = torch.logsumexp(q, 1)
+    t = q - lse[:, None]
+    d = torch.log_softmax((draft / temp[:, None]).double(), 1)
+    real = torch.where(d < t, t + torch.log1p(-torch.exp(d - t)), -math.inf)
+    dlp = draft_logprob_bounds(draft, temp)
+    residual = torch.arange(R) % 5 != 4
+    run = vf.residual_process(None, residual, temp, min_p, (m, m), dlp, (lse - 1e-9, lse + 1e-9), m.abs())
+    given = torch.zeros(R, V, dtype=torch.bool)
+    given[:, SUB:] = torch.rand(R, V - SUB, generator=g) < 0.3
+    part = x.masked_fill(~given, -math.inf)
+    rlo, rhi = run(part, part)
+    on = given & residual[:, None]
+    assert bool((rlo[on] <= real[on]).all()) and bool((real[on] <= rhi[on]).all())
+    assert bool((rlo[on] > -math.inf).any())  # (the bounds say something)
+    assert torch.equal(rlo[~residual], part[~residual]) and torch.equal(rhi[~residual], part[~residual])
+    nb = -(-V // SUB)
+    spread = torch.nn.functional.pad(x, (0, nb * SUB - V), value=-math.inf).view(R, nb, SUB).amax(2)
+    spread = spread.repeat_interleave(SUB, 1)[:, :V]
+    _, bhi = run(torch.full_like(spread, -math.inf), spread)
+    assert bool((real[residual] <= bhi[residual]).all())
+
+
+def test_probabilistic_requests_are_v2s_verification_replayed_in_float64():
+    """Probabilistic drafts (the drafter's logits near the target's, each draft overrated) on the
+    learned-like head: every request the device path certifies has V2's accepted count and next
+    token (float64 replay with the drafter's log-probabilities and the residual draw), requests
+    with a rejected draft (a residual draw) among them, handed over as the winner alone. (It
+    certifies fewer than the reference path, whose rounds pin a rejected row's lse before its
+    residual draw: here the lse comes from the acceptance's blocks.)"""
+    from test_verify_v2 import _learned_requests
+
+    adapter, h, seeds, pos, temp, drafts, cu, x, counts = _learned_requests("int8")
+    g = torch.Generator().manual_seed(4)
+    draft = x * temp[:, None] + 0.5 * torch.randn(x.shape, generator=g)
+    rows = (drafts >= 0).nonzero().squeeze(1)
+    draft[rows, drafts[rows]] += 1.5
+    res = vf.verify_fused(_fused(adapter), h, seeds, pos, temp, drafts, cu, draft_logits=draft)
+    want = replay(x, drafts, seeds, pos, cu, draft / temp[:, None])
+    cert = res.certified.tolist()
+    assert sum(cert) >= 0.5 * len(counts), (sum(cert), res.reason)
+    for i, ok in enumerate(cert):
+        if ok:
+            assert (res.accepted[i], res.token[i]) == want[i], i
+            assert torch.isfinite(res.values[cu[i] + res.accepted[i]]).nonzero().flatten().tolist() == [res.token[i]]
+    assert sum(cert[i] and res.accepted[i] < counts[i] for i in range(len(cert))) > 0
 
 
 @pytest.mark.skipif(INTERPRET, reason="the composition's mutation: run with the kernels' references")

@@ -5,7 +5,8 @@ subprocess (``python v2_verify_hook_interpreted.py CASE OUT``).
 
 CASE (a ``torch.save``'d dict): the head ``W``, the ``screen``, the speculative batch (``h``
 ``[N, d]``, request ``slots``, ``cu_num_logits``, ``input_ids``, ``positions``, ``local_pos``),
-``num_spec``, the rows to defer (``rows``: whole sampled requests) and, per slot, what
+``num_spec``, the rows to defer (``rows``: whole sampled requests), ``draft_logits`` (optional,
+``[SLOTS, num_spec, V]``: probabilistic drafts) and, per slot, what
 ``v2_interpreted._sampler`` reads (temperatures, seeds, min-p, biases, allowed ids, stop tokens,
 bad words, penalties, prompts and outputs). OUT gets the tokens and accepted counts vLLM's
 ``RejectionSampler`` returns on the dense head's logits (``dense``) and on the hook's
@@ -31,7 +32,9 @@ def run(c: dict) -> dict:
 
     tu.triton, tu.tl, tu.HAS_TRITON = triton, tl, True  # before vLLM's V2 modules are imported
     from v2_interpreted import _sampler
-    from v2_rejection_interpreted import standard
+    from v2_rejection_interpreted import _log1p, standard
+
+    tu.tldevice = SimpleNamespace(log1p=_log1p)  # (the interpreter has no libdevice: the residual's log1p)
 
     from vllm_csv import CertifiedHead, HeadConfig
     from vllm_csv.sampling.head_adapter import HeadAdapter
@@ -64,7 +67,7 @@ def run(c: dict) -> dict:
         num_draft_tokens=N - R)
 
     def verified(logits):
-        o = rs(logits.clone(), batch, None)
+        o = rs(logits.clone(), batch, c.get("draft_logits"))
         return o.sampled_token_ids.clone(), o.num_sampled.clone()
 
     dense = head.dense_logits(h)
@@ -79,7 +82,7 @@ def run(c: dict) -> dict:
         if name == "no_process":
             verify._processors = lambda *a, **k: None
         try:
-            st = verify.resolve(rs, d, logits, batch)
+            st = verify.resolve(rs, d, logits, batch, c.get("draft_logits"))
         finally:
             verify._processors = real
         out[name] = verified(logits)

@@ -74,8 +74,8 @@ def temperature_bounds(ylo: torch.Tensor, yhi: torch.Tensor, temp: torch.Tensor)
     return quotient_bounds(ylo, yhi, temp[:, None])
 
 
-def min_p_bounds(qlo: torch.Tensor, qhi: torch.Tensor, min_p: torch.Tensor
-                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def min_p_bounds(qlo: torch.Tensor, qhi: torch.Tensor, min_p: torch.Tensor,
+                 m: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Bounds on what V2's min-p leaves of ``qlo <= x <= qhi`` (the tempered logits).
 
     The kernel (``vllm/v1/worker/gpu/sample/min_p.py``) reads a row's fp32 ``min_p``; at 0 it
@@ -90,9 +90,12 @@ def min_p_bounds(qlo: torch.Tensor, qhi: torch.Tensor, min_p: torch.Tensor
     ----------
     qlo, qhi : torch.Tensor
         ``[R, n]`` float32 bounds of the tempered logits over the whole row (``n = V``: the
-        maximum is the row's).
+        maximum is the row's), or over some of its tokens where ``m`` is given.
     min_p : torch.Tensor
         ``[R]`` float32, each row's ``min_p`` (0: none).
+    m : tuple of torch.Tensor, optional
+        ``(m_lo, m_hi)``, ``[R]`` float64 bounds of the whole row's maximum, for columns that are
+        not the whole row (:mod:`.verify_v2_fused`'s candidates); None: taken from ``qlo, qhi``.
 
     Returns
     -------
@@ -104,8 +107,8 @@ def min_p_bounds(qlo: torch.Tensor, qhi: torch.Tensor, min_p: torch.Tensor
         be ``-inf`` too (its maximum, hence its threshold, may be lower than the full row's).
     """
     on = (min_p > 0)[:, None]
-    thr_lo, thr_hi = min_p_thresholds(qlo.double().amax(1, keepdim=True), qhi.double().amax(1, keepdim=True),
-                                      min_p[:, None])
+    m_lo, m_hi = (qlo.double().amax(1), qhi.double().amax(1)) if m is None else m
+    thr_lo, thr_hi = min_p_thresholds(m_lo[:, None], m_hi[:, None], min_p[:, None])
     dropped = on & (qhi < thr_lo)
     kept = ~on | (qlo >= thr_hi)
     return qlo.masked_fill(~kept, -math.inf), qhi.masked_fill(dropped, -math.inf), dropped

@@ -36,7 +36,7 @@ from .head_adapter import HeadAdapter
 from .rows_v2 import Bounds, certify_rows_v2
 from .scoring import RowsResult, Screened, budget_of, score_columns, screen_bounds
 from .verify_v2_bounds import (ACCEPT, REJECT, UNDECIDED, decide, draft_logprob_bounds, first_undecided, lse_bounds,
-                               residual_bounds)
+                               residual_alone_ok, residual_bounds)
 
 ROUNDS = 4  # scoring rounds for undecided acceptances
 FIRST = 32  # tokens of highest upper bound scored per row before the first decision (with the drafts)
@@ -232,16 +232,14 @@ def _residual_draws(adapter: HeadAdapter, hidden: torch.Tensor, seeds: torch.Ten
     on :func:`residual_bounds` (``T = 1`` there: the residual is drawn undivided), the rows' lse
     held within ``lse`` (float64 ``[R]`` bounds from the acceptance rounds' scoring, which the
     draw's own rounds would otherwise have to pin again). A certified
-    row is handed over holding its winner alone (``0``; every other token ``-inf``): the kernel
-    then finds ``t_w = 0``, a ratio ``exp(q_w) < 1`` and the rest ``-inf``, so it draws the
-    winner, and rejects the draft (``x_d = -inf``), which needs the winner not to be the draft
-    and ``q_w`` surely below 0: rows where either fails are not certified."""
+    row is handed over holding its winner alone (``0``; every other token ``-inf``), where
+    :func:`~.verify_v2_bounds.residual_alone_ok` holds; the others are not certified."""
     def residual(lo, hi):  # (the residual of the row min-p left)
         return residual_bounds(*_processed(lo, hi, temp, process, min_p), *dlp, lse=lse)
 
     res = certify_rows_v2(adapter, hidden, seeds, pos, torch.ones_like(temp), process=residual, start=start)
     w = res.winner[:, None]
-    ok = res.certified & (res.winner != drafts) & (dlp[1].gather(1, w).squeeze(1) < -2.0**-19)
+    ok = res.certified & residual_alone_ok(res.winner, drafts, dlp[1].gather(1, w).squeeze(1))
     values = torch.full_like(res.values, -math.inf).scatter_(1, w, 0.0)
     reason = [r if c else (r or "uncertified") for r, c in zip(res.reason, ok.tolist())]
     return RowsResult(values, ok, res.winner, reason, res.scored)

@@ -156,23 +156,35 @@ def draft_logprob_bounds(draft: torch.Tensor, temp: torch.Tensor) -> tuple[torch
     return logprob_bounds(*temperature_bounds(x, x, temp))
 
 
-def logprob_bounds(qlo: torch.Tensor, qhi: torch.Tensor, lse: tuple[torch.Tensor, torch.Tensor] | None = None
-                   ) -> tuple[torch.Tensor, torch.Tensor]:
+def logprob_bounds(qlo: torch.Tensor, qhi: torch.Tensor, lse: tuple[torch.Tensor, torch.Tensor] | None = None,
+                   gmax: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Bounds on V2's fp32 log-probabilities ``x - lse`` of every token of rows with
     ``qlo <= x <= qhi`` (``[R, V]`` float32): the real ones' bounds (:func:`lse_bounds`, intersected
     with ``lse``, other float64 ``[R]`` bounds on the rows' real lse, where given) widened by
     :func:`logprob_slack` with ``2 max |x| + |lse|`` bounding ``|G|``, ``|x|`` and ``|x - lse|``
-    (infinities left out of the maxima). Returns ``[R, V]`` float64 each."""
-    llo, lhi = lse_bounds(qlo, qhi)
-    if lse is not None:
-        llo, lhi = torch.maximum(llo, lse[0]), torch.minimum(lhi, lse[1])
+    (infinities left out of the maxima). Returns ``[R, V]`` float64 each.
+
+    Rows that bound only some tokens (the others ``-inf`` on both sides, or ``-inf`` below:
+    :mod:`.verify_v2_fused`'s candidates and blocks) give no lse: there ``lse`` is given and taken
+    alone, and ``gmax`` (float64 ``[R]``, ``>= |G|`` of the whole row) enters the maxima, with
+    ``|lse| <= gmax + log V`` (``G <= lse <= G + log V``)."""
+    V = qlo.shape[1]
     big = torch.maximum(qlo.double().abs().nan_to_num(posinf=0.0).amax(1), qhi.double().abs().nan_to_num(posinf=0.0).amax(1))
-    slack = logprob_slack(qlo.shape[1], 2 * big + lhi.abs().nan_to_num(posinf=0.0))[:, None]
+    if gmax is None:
+        llo, lhi = lse_bounds(qlo, qhi)
+        if lse is not None:
+            llo, lhi = torch.maximum(llo, lse[0]), torch.minimum(lhi, lse[1])
+        lse_abs = lhi.abs().nan_to_num(posinf=0.0)
+    else:
+        (llo, lhi), big = lse, torch.maximum(big, gmax)
+        lse_abs = gmax + math.log(V)
+    slack = logprob_slack(V, 2 * big + lse_abs)[:, None]
     return qlo.double() - lhi[:, None] - slack, qhi.double() - llo[:, None] + slack
 
 
 def residual_bounds(qlo: torch.Tensor, qhi: torch.Tensor, dlo: torch.Tensor, dhi: torch.Tensor,
-                    lse: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                    lse: tuple[torch.Tensor, torch.Tensor] | None = None, gmax: torch.Tensor | None = None
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
     """Bounds on what V2's resampling kernel draws from on a rejected row with probabilistic
     drafts: ``r = t + log1p(-exp(q - t))`` where the fp32 ``exp(q - t) < 1``, else ``-inf``, with
     ``t = x - lse`` the target's log-probabilities (``x`` within ``qlo, qhi``, ``[R, V]`` float32)
@@ -182,11 +194,11 @@ def residual_bounds(qlo: torch.Tensor, qhi: torch.Tensor, dlo: torch.Tensor, dhi
     ``2^-21 + 104 * 2^-23`` relative of the real one (:func:`logprob_slack`), its ``log1p``
     (libdevice) and the final addition within ``2^-22`` relative each: a token whose ratio may
     reach 1 gets a lower bound of ``-inf``, one whose ratio is surely at least 1 both bounds
-    ``-inf``. ``t``'s bounds: :func:`logprob_bounds` (with ``lse``). Returns ``[R, V]`` float32,
-    rounded outwards."""
+    ``-inf``. ``t``'s bounds: :func:`logprob_bounds` (with ``lse``, and ``gmax`` for rows that
+    bound only some tokens). Returns ``[R, V]`` float32, rounded outwards."""
     from ..fp import round_down32, round_up32
 
-    tlo, thi = logprob_bounds(qlo, qhi, lse)
+    tlo, thi = logprob_bounds(qlo, qhi, lse, gmax)
     rel = 2.0**-21 + 104 * 2.0**-23
     with torch.no_grad():
         rho_lo = torch.exp((dlo - thi).clamp(max=100.0)) * (1 - rel)
@@ -199,6 +211,15 @@ def residual_bounds(qlo: torch.Tensor, qhi: torch.Tensor, dlo: torch.Tensor, dhi
     # which would also turn the infinities into the largest finite values)
     return (round_down32(torch.where(torch.isnan(r_lo), -math.inf, r_lo)),
             round_up32(torch.where(torch.isnan(r_hi), math.inf, r_hi)))
+
+
+def residual_alone_ok(winner: torch.Tensor, drafts: torch.Tensor, q_hi: torch.Tensor) -> torch.Tensor:
+    """Whether a rejected row's residual winner (``[R]`` int64) may be handed to V2 alone (``0``,
+    every other token ``-inf``; probabilistic drafts): the kernel then finds ``t_w = 0``, a ratio
+    ``exp(q_w)`` and the rest ``-inf``, so it draws the winner, and rejects the draft (``x_d =
+    -inf``), which needs the winner not to be the draft and ``q_w`` (upper bound ``q_hi``, float64
+    ``[R]``) surely below 0, so that the fp32 ratio is below 1. ``[R]`` bool."""
+    return (winner != drafts) & (q_hi < -2.0**-19)
 
 
 def first_rows(dec: torch.Tensor, cu: torch.Tensor, N: int) -> tuple[torch.Tensor, torch.Tensor]:

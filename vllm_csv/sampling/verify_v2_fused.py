@@ -1,7 +1,8 @@
 """V2's verification of sampled requests certified on the device (CUDA; the kernels' torch
-references elsewhere): :mod:`.verify_v2`'s certificate for one-hot drafts and temperature
-sampling, with min-p and vLLM's V2 processors or without, as a fixed sequence of the fused step's kernels and torch
-passes over ``[N, nb]`` and ``[N, CAP * SUB]``, instead of rounds over ``[N, V]``.
+references elsewhere): :mod:`.verify_v2`'s certificate for temperature sampling, one-hot or
+probabilistic drafts, with min-p and vLLM's V2 processors or without, as a fixed sequence of the
+fused step's kernels and torch passes over ``[N, nb]`` and ``[N, CAP * SUB]`` (``[N, V]`` for the
+drafter's log-probabilities), instead of rounds over ``[N, V]``.
 
 Pipeline, for ``N`` rows of ``R`` requests (each request's rows contiguous, its bonus row last)::
 
@@ -11,8 +12,10 @@ Pipeline, for ``N`` rows of ``R`` requests (each request's rows contiguous, its 
     (processors    vLLM's own, on the block bounds and the intervals: gpu.processed; then min-p's
                    threshold bounds from them, as the device draw takes them)
     lse_bounds_blocks / decide_from (torch, float64) -> each row's decision [N]
+                   (probabilistic drafts: with the draft's log-probability, draft_logprob_bounds)
     first_rows     decisions                -> row_a [R]                    (segment sums)
     draw_v2        rows a, the rejected draft masked, the screen reused -> token, code [R]
+                   (probabilistic drafts: a rejected row's residual, residual_process)
 
 Each row's lse is bounded from its candidates' exact intervals and, for every other block, its
 token count times the exponential of its bound (:func:`lse_bounds_blocks`); the draft's block is
@@ -20,9 +23,13 @@ always a candidate, so the draft's value is an exact interval. The decisions are
 :func:`~.verify_v2_bounds.decide_from`'s, the rule of the reference path; the draw after the
 first row not accepted is the device draw (:meth:`~vllm_csv.gpu.step.FusedStep.draw_v2`) on that
 row with its draft ``removed`` (in the row when min-p takes its threshold, then out of the draw,
-as V2 has it) or on the bonus row. What is handed to V2's kernels: accepted rows the draft alone,
-row ``a`` the certified token alone (its draft ``-inf``: rejected; then the draw returns the one
-finite token), later rows ``-inf``, as :mod:`.verify_v2` hands a probabilistic row's residual.
+as V2 has it) or on the bonus row. With probabilistic drafts a rejected row is drawn from its
+residual at ``T = 1`` (:func:`residual_process`: the map the draw runs on its blocks' bounds and
+its candidates' intervals, with the lse, the row's maximum and min-p's threshold taken from the
+acceptance's bounds). What is handed to V2's kernels: accepted rows the draft alone, row ``a``
+the certified token alone (its draft ``-inf``: rejected; then the draw returns the one finite
+token; a residual's winner where :func:`~.verify_v2_bounds.residual_alone_ok` holds), later rows
+``-inf``, as :mod:`.verify_v2` hands a probabilistic row's residual.
 
 Host syncs: the results read once at the end (the hook writes the dense rows of the requests
 left after reading them). The uniforms are V2's ``tl.rand`` on the device
@@ -43,27 +50,29 @@ from ..gpu.score import score_blocks
 from .gumbel_v2 import min_p_bounds, temperature_bounds
 from .rows_v2 import Bounds
 from .verify_v2 import Verified, process_rows
-from .verify_v2_bounds import REJECT, UNDECIDED, decide_from, first_rows
+from .verify_v2_bounds import (REJECT, UNDECIDED, decide_from, draft_logprob_bounds, first_rows, residual_alone_ok,
+                               residual_bounds)
 
 _DRAW_REASONS = {1: "nonfinite", 2: "nonfinite"}  # (gpu.gumbel_draw's codes; the rest: "uncertified")
 
 
 def min_p_kept(qlo: torch.Tensor, qhi: torch.Tensor, block_q: torch.Tensor, min_p: torch.Tensor
-               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
     """What V2's min-p leaves of the candidates' bounds ``qlo, qhi`` (``[N, S]`` fp32) and the other
     blocks' ``block_q`` (``[N, nb]``; a candidate's block among them is not read):
     :func:`~.gumbel_v2.min_p_bounds` on a row of the candidates and one column per block (its
     tokens' upper bound, no lower bound), so a token not surely kept loses its lower bound and
     one surely dropped (and a block all of whose tokens are) both. Rows with ``min_p`` 0,
-    negative or NaN are left alone (V2's kernel does). Returns ``(qlo, qhi, block_q, gmax)``,
-    ``gmax >= |m|`` (float64) for the row's maximum ``m``, which min-p keeps."""
+    negative or NaN are left alone (V2's kernel does). Returns ``(qlo, qhi, block_q, (m_lo, m_hi))``,
+    float64 ``[N]`` bounds of the row's maximum ``m`` (a NaN bound: unknown, ``-inf`` below, ``+inf``
+    above), which min-p keeps."""
     S = qlo.shape[1]
-    lo, hi, _ = min_p_bounds(torch.cat([qlo, torch.full_like(block_q, -math.inf)], 1), torch.cat([qhi, block_q], 1),
-                             min_p)
     m_lo = torch.where(torch.isnan(qlo), -math.inf, qlo).amax(1).double()
     m_hi = torch.maximum(torch.where(torch.isnan(qhi), math.inf, qhi).amax(1),
                          torch.where(torch.isnan(block_q), math.inf, block_q).amax(1)).double()
-    return lo[:, :S], hi[:, :S], hi[:, S:], torch.maximum(m_lo.abs(), m_hi.abs())
+    lo, hi, _ = min_p_bounds(torch.cat([qlo, torch.full_like(block_q, -math.inf)], 1), torch.cat([qhi, block_q], 1),
+                             min_p, m=(m_lo, m_hi))
+    return lo[:, :S], hi[:, :S], hi[:, S:], (m_lo, m_hi)
 
 
 def lse_bounds_blocks(qlo: torch.Tensor, qhi: torch.Tensor, block_q: torch.Tensor, cand: torch.Tensor, V: int
@@ -103,21 +112,44 @@ def lse_bounds_blocks(qlo: torch.Tensor, qhi: torch.Tensor, block_q: torch.Tenso
     return llo, lhi, gmax
 
 
+def residual_process(process: Bounds | None, residual: torch.Tensor, temp: torch.Tensor, min_p: torch.Tensor | None,
+                     m: tuple[torch.Tensor, torch.Tensor] | None, dlp: tuple[torch.Tensor, torch.Tensor],
+                     lse: tuple[torch.Tensor, torch.Tensor], gmax: torch.Tensor) -> Bounds:
+    """The map the device draw runs on the bounds of ``R`` drawn rows (``[R, V]``, some tokens
+    only: a block's bound spread over its tokens, the candidates' intervals): on ``residual``
+    rows (``[R]`` bool) vLLM's processors, the temperature, min-p with the whole row's maximum
+    within ``m`` and the residual :func:`~.verify_v2_bounds.residual_bounds` of the draft's
+    log-probabilities ``dlp`` (``[R, V]`` float64) with the row's lse within ``lse`` and
+    ``|G| <= gmax`` (all from the acceptance's bounds, since the rows given hold some tokens
+    only: nothing is taken from them but each token's own bounds, so the map is per token and
+    monotone); on the other rows (bonus rows, drawn as usual) the processors alone."""
+    def run(lo: torch.Tensor, hi: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if process is not None:
+            lo, hi = process(lo, hi)
+        qlo, qhi = temperature_bounds(lo, hi, temp)
+        if min_p is not None:
+            qlo, qhi, _ = min_p_bounds(qlo, qhi, min_p, m=m)
+        rlo, rhi = residual_bounds(qlo, qhi, *dlp, lse=lse, gmax=gmax)
+        return torch.where(residual[:, None], rlo, lo), torch.where(residual[:, None], rhi, hi)
+    return run
+
+
 def verify_fused(step, hidden: torch.Tensor, seeds: torch.Tensor, pos: torch.Tensor, temp: torch.Tensor,
                  drafts: torch.Tensor, cu: list[int], process: Bounds | None = None,
-                 min_p: torch.Tensor | None = None) -> Verified:
+                 min_p: torch.Tensor | None = None, draft_logits: torch.Tensor | None = None) -> Verified:
     """Certify V2's verification of ``R`` requests on the device (module docstring).
 
     Parameters
     ----------
     step : FusedStep
         The head's fused step (:meth:`~vllm_csv.head.CertifiedHead.fused_step`; plain engine).
-    hidden, seeds, pos, temp, drafts, cu, process, min_p
-        As :func:`~.verify_v2.certify_verification_v2` (``temp > 0``; one-hot drafts):
+    hidden, seeds, pos, temp, drafts, cu, process, min_p, draft_logits
+        As :func:`~.verify_v2.certify_verification_v2` (``temp > 0``):
         ``process`` (vLLM's processors on ``[N, V]`` bounds of all the rows) runs on the blocks'
         bounds and the candidates' intervals (:mod:`vllm_csv.gpu.processed`), and on the drawn
         rows' through :func:`~.verify_v2.process_rows`; ``min_p`` (``[N]`` fp32) through
-        :func:`min_p_kept`, and in the draw.
+        :func:`min_p_kept`, and in the draw; ``draft_logits`` (``[N, V]``, probabilistic drafts)
+        into the acceptance's ratio and a rejected row's residual draw (:func:`residual_process`).
 
     Returns
     -------
@@ -147,28 +179,42 @@ def verify_fused(step, hidden: torch.Tensor, seeds: torch.Tensor, pos: torch.Ten
     valid = ids >= 0
     qlo, qhi = temperature_bounds(lower.masked_fill(~valid, -math.inf), upper.masked_fill(~valid, -math.inf), temp)
     block_q = temperature_bounds(bh, bh, temp)[1]
+    m = None
     if min_p is not None:
-        qlo, qhi, block_q, gmax_mp = min_p_kept(qlo, qhi, block_q, min_p)
+        qlo, qhi, block_q, m = min_p_kept(qlo, qhi, block_q, min_p)
     llo, lhi, gmax = lse_bounds_blocks(qlo, qhi, block_q, cand, V)
     if min_p is not None:  # (the kept row's maximum is the row's)
-        gmax = torch.maximum(gmax, gmax_mp)
+        gmax = torch.maximum(gmax, torch.maximum(m[0].abs(), m[1].abs()))
     hit = ids == drafts[:, None]
     xlo = qlo.masked_fill(~hit, -math.inf).amax(1).double()
     xhi = qhi.masked_fill(~hit, -math.inf).amax(1).double()
-    dec = decide_from(xlo, xhi, (llo, lhi), gmax, V, drafts, u)
+    d_col = drafts.clamp(0, V - 1)[:, None]
+    dlp = None if draft_logits is None else draft_logprob_bounds(draft_logits, temp)
+    draft_lp = None if dlp is None else (dlp[0].gather(1, d_col).squeeze(1), dlp[1].gather(1, d_col).squeeze(1))
+    dec = decide_from(xlo, xhi, (llo, lhi), gmax, V, drafts, u, draft_lp)
     dec = torch.where(ok_rows.bool(), dec, UNDECIDED)
-    # the draw: each request's first row not accepted, its draft removed (the bonus row: none)
+    # the draw: each request's first row not accepted, its draft removed (the bonus row: none);
+    # with probabilistic drafts a rejected row's residual instead (residual_process)
     lead, a = first_rows(dec, cu_d, N)
     row_a = cu_d[:-1] + a
     bonus = row_a == cu_d[1:] - 1
     decided = bonus | (dec[row_a] == REJECT)
-    removed = torch.where(bonus, -1, drafts[row_a])
     ok_a = (ok[row_a].bool() & ok.bool().all()).to(ok.dtype)
-    token, code, count_a = step.draw_v2(hidden[row_a], seeds[row_a], pos[row_a], temp[row_a],
-                                        min_p=None if min_p is None else min_p[row_a],
-                                        process=process_rows(process, row_a, N),
-                                        screened=(umax[row_a], lmax[row_a], ok_a), removed=removed)
+    proc_a = process_rows(process, row_a, N)
+    temp_a, min_p_a = temp[row_a], None if min_p is None else min_p[row_a]
+    if dlp is None:
+        removed = torch.where(bonus, -1, drafts[row_a])
+        draw = (temp_a, min_p_a, proc_a)
+    else:  # (the residual rows drawn at T = 1, their min-p inside the map)
+        removed, residual = torch.full_like(row_a, -1), ~bonus
+        draw = (torch.where(residual, 1.0, temp_a), None if min_p_a is None else min_p_a.masked_fill(residual, 0.0),
+                residual_process(proc_a, residual, temp_a, min_p_a, None if m is None else (m[0][row_a], m[1][row_a]),
+                                 (dlp[0][row_a], dlp[1][row_a]), (llo[row_a], lhi[row_a]), gmax[row_a]))
+    token, code, count_a = step.draw_v2(hidden[row_a], seeds[row_a], pos[row_a], draw[0], min_p=draw[1],
+                                        process=draw[2], screened=(umax[row_a], lmax[row_a], ok_a), removed=removed)
     certified = decided & (code == 0)
+    if dlp is not None:  # (a residual's winner is handed over alone)
+        certified &= bonus | residual_alone_ok(token, drafts[row_a], dlp[1][row_a].gather(1, token[:, None]).squeeze(1))
     values = torch.full((N, V), -math.inf, dtype=step.dtype, device=dev)
     values.scatter_(1, drafts.clamp(0, V - 1)[:, None], torch.where(lead, 0.0, -math.inf)[:, None].to(step.dtype))
     values.index_put_((row_a, token), torch.zeros(R, dtype=step.dtype, device=dev))

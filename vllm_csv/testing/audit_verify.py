@@ -72,8 +72,7 @@ def run_verify_case(family: str, seed: int, dtype: torch.dtype, screen: str, req
     the dense row plus noise, the draft token (when not the best) overrated by 8;
     ``with_min_p``: half the requests with a min-p from 0.05 to 0.9; ``fused``: certified on the
     device path instead (:func:`~vllm_csv.sampling.verify_v2_fused.verify_fused`, the head's
-    fused step; one-hot drafts: ``probabilistic`` must be off; a head the fused step refuses
-    certifies nothing)."""
+    fused step; a head the fused step refuses certifies nothing)."""
     from ..errors import CSVError
     from ..sampling.head_adapter import HeadAdapter
 
@@ -114,15 +113,13 @@ def run_verify_case(family: str, seed: int, dtype: torch.dtype, screen: str, req
         from ..gpu.step import FusedStep
         from ..sampling.verify_v2_fused import verify_fused
 
-        if probabilistic:
-            raise ValueError("the fused verification takes one-hot drafts")
         try:
             step = FusedStep(head)
         except CSVError:
             return VerifyOutcome(requests, 0, 0, 0, 0)
         if not step.supports_draw():
             return VerifyOutcome(requests, 0, 0, 0, 0)
-        res = verify_fused(step, hidden, seeds, pos, temp, drafts, cu, min_p=min_p)
+        res = verify_fused(step, hidden, seeds, pos, temp, drafts, cu, min_p=min_p, draft_logits=draft)
     else:
         res = certify_verification_v2(HeadAdapter(head), hidden, seeds, pos, temp, drafts, cu, draft, min_p=min_p)
     cert = res.certified.tolist()

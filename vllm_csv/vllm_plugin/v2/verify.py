@@ -10,10 +10,9 @@ head leaves them as placeholders and hands their hidden states over on the step.
    prefill, which makes its request dense here, as does a draft past the vocabulary), each row's request seed, temperature and
    position, read the way the kernels read them (``expanded_idx_mapping``, ``positions[logits_indices]``);
 2. :func:`~vllm_csv.sampling.verify_v2.certify_verification_v2`: the accepted drafts and the next
-   token of each request from bounds on its rows, decided or not; on CUDA's backend, for
-   one-hot drafts, the same certificate on the device
-   (:func:`~vllm_csv.sampling.verify_v2_fused.verify_fused`: the fused step's kernels, two host
-   reads instead of a few a round);
+   token of each request from bounds on its rows, decided or not; on CUDA's backend the same
+   certificate on the device (:func:`~vllm_csv.sampling.verify_v2_fused.verify_fused`: the fused
+   step's kernels, one host read instead of a few a round);
 3. a certified request's rows are written as that module hands them to V2 (accepted rows: one
    finite token, the draft; the first rejected row: with one-hot drafts the draw's exact values
    with the rejected draft at ``-inf``, with probabilistic drafts (``draft_logits``, the
@@ -156,10 +155,10 @@ def resolve(rs, d: Deferred, logits: torch.Tensor, input_batch, draft_logits=Non
                 draft = draft_logits[slot, step][kept]
             args = (d.hidden[kept], ss.seeds.gpu[slot[kept]].long(), pos[kept], ss.temperature.gpu[slot[kept]].float(),
                     drafts[kept], sub_cu)
-            fused = fused_draw_for(d.adapter, None) if draft is None else None
+            fused = fused_draw_for(d.adapter, None)
             mp = min_p[kept] if min_p is not None else None
-            if fused is not None:  # the device path: one-hot drafts (CUDA's backend)
-                res = verify_fused(fused, *args, process, mp)
+            if fused is not None:  # the device path (CUDA's backend)
+                res = verify_fused(fused, *args, process, mp, draft)
             else:
                 res = certify_verification_v2(d.adapter, *args, draft, process, mp)
             ok[kr] = res.certified.to(dev)
