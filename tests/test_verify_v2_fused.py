@@ -158,11 +158,13 @@ def test_hostile_families_never_certify_what_the_float64_replay_contradicts():
 def test_the_residual_map_bounds_v2s_residual_on_rows_of_some_tokens():
     """:func:`~vllm_csv.sampling.verify_v2_fused.residual_process` on what the device draw gives
     it, rows holding some tokens only: the candidates' exact values (``-inf`` elsewhere) and each
-    block's bound spread over its tokens (``-inf`` below). Its bounds hold the real residual
-    ``t + log(1 - e^(q - t))`` (``t = x - lse`` over the whole row) of every token given, where
-    most of the row's mass lies in tokens not given, with min-p's threshold taken from the whole
-    row's maximum; rows not marked residual come back as given. Taking the lse from the tokens
-    given (as the reference's full rows may) would put the residual's lower bounds above it."""
+    block's bound spread over its tokens (``-inf`` below), most of the row's mass in tokens not
+    given, min-p's threshold from the whole row's maximum. Wherever the kernel's lse ``L`` lies
+    within the bounds given (2 wide), its bounds hold the real residual ``t + log(1 - e^(q - t))``
+    (``t = x - L``) shifted by ``L - S`` (``S`` the lower lse bound: a shift common to the row,
+    which the draw's comparisons do not see), and they stay narrow (under 0.01) where the draft's
+    probability is well below the target's, where bounds on the residual itself would be 2 wide.
+    Rows not marked residual come back as given."""
     from vllm_csv.sampling.verify_v2_bounds import draft_logprob_bounds
 
     g = torch.Generator().manual_seed(11)
@@ -170,31 +172,34 @@ def test_the_residual_map_bounds_v2s_residual_on_rows_of_some_tokens():
     x = torch.randn(R, V, generator=g) * 2
     x[:, :SUB] += 3.0  # (the first block holds most of the mass; it is never given below)
     draft = x + torch.randn(R, V, generator=g)
+    draft[:, SUB::2] -= 6.0  # (tokens the drafter underrates: narrow residual bounds)
     temp = torch.tensor([1.0, 0.7, 1.3, 2.0]).repeat(R // 4)
     min_p = torch.tensor([0.0, 0.0, 1e-3, 1e-2]).repeat(R // 4)
     q = (x / temp[:, None]).double()
     m = q.amax(1)
     q = torch.where(q < m[:, None] + torch.log(min_p.double())[:, None], -math.inf, q)  # (V2's min-p)
     lse = torch.logsumexp(q, 1)
-    t = q - lse[:, None]
     d = torch.log_softmax((draft / temp[:, None]).double(), 1)
-    real = torch.where(d < t, t + torch.log1p(-torch.exp(d - t)), -math.inf)
     dlp = draft_logprob_bounds(draft, temp)
     residual = torch.arange(R) % 5 != 4
-    run = vf.residual_process(None, residual, temp, min_p, (m, m), dlp, (lse - 1e-9, lse + 1e-9), m.abs())
+    S, hi = lse - 1.5, lse + 0.5
+    run = vf.residual_process(None, residual, temp, min_p, (m, m), dlp, (S, hi), m.abs())
     given = torch.zeros(R, V, dtype=torch.bool)
     given[:, SUB:] = torch.rand(R, V - SUB, generator=g) < 0.3
     part = x.masked_fill(~given, -math.inf)
-    rlo, rhi = run(part, part)
-    on = given & residual[:, None]
-    assert bool((rlo[on] <= real[on]).all()) and bool((real[on] <= rhi[on]).all())
-    assert bool((rlo[on] > -math.inf).any())  # (the bounds say something)
-    assert torch.equal(rlo[~residual], part[~residual]) and torch.equal(rhi[~residual], part[~residual])
+    zlo, zhi = run(part, part)
     nb = -(-V // SUB)
     spread = torch.nn.functional.pad(x, (0, nb * SUB - V), value=-math.inf).view(R, nb, SUB).amax(2)
-    spread = spread.repeat_interleave(SUB, 1)[:, :V]
-    _, bhi = run(torch.full_like(spread, -math.inf), spread)
-    assert bool((real[residual] <= bhi[residual]).all())
+    _, bhi = run(torch.full((R, V), -math.inf), spread.repeat_interleave(SUB, 1)[:, :V])
+    on = given & residual[:, None]
+    for L in (S, lse, hi):  # (the kernel's lse, anywhere within the bounds)
+        t = q - L[:, None]
+        z = torch.where(d < t, t + torch.log1p(-torch.exp(d - t)), -math.inf) + (L - S)[:, None]
+        assert bool((zlo[on] <= z[on]).all()) and bool((z[on] <= zhi[on]).all()), L
+        assert bool((z[residual] <= bhi[residual]).all())
+    narrow = on & (d < q - hi[:, None] - 6)
+    assert int(narrow.sum()) > 100 and bool(((zhi - zlo)[narrow] < 0.01).all())
+    assert torch.equal(zlo[~residual], part[~residual]) and torch.equal(zhi[~residual], part[~residual])
 
 
 def test_probabilistic_requests_are_v2s_verification_replayed_in_float64():

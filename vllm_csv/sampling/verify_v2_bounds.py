@@ -156,35 +156,23 @@ def draft_logprob_bounds(draft: torch.Tensor, temp: torch.Tensor) -> tuple[torch
     return logprob_bounds(*temperature_bounds(x, x, temp))
 
 
-def logprob_bounds(qlo: torch.Tensor, qhi: torch.Tensor, lse: tuple[torch.Tensor, torch.Tensor] | None = None,
-                   gmax: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def logprob_bounds(qlo: torch.Tensor, qhi: torch.Tensor, lse: tuple[torch.Tensor, torch.Tensor] | None = None
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
     """Bounds on V2's fp32 log-probabilities ``x - lse`` of every token of rows with
     ``qlo <= x <= qhi`` (``[R, V]`` float32): the real ones' bounds (:func:`lse_bounds`, intersected
     with ``lse``, other float64 ``[R]`` bounds on the rows' real lse, where given) widened by
     :func:`logprob_slack` with ``2 max |x| + |lse|`` bounding ``|G|``, ``|x|`` and ``|x - lse|``
-    (infinities left out of the maxima). Returns ``[R, V]`` float64 each.
-
-    Rows that bound only some tokens (the others ``-inf`` on both sides, or ``-inf`` below:
-    :mod:`.verify_v2_fused`'s candidates and blocks) give no lse: there ``lse`` is given and taken
-    alone, and ``gmax`` (float64 ``[R]``, ``>= |G|`` of the whole row) enters the maxima, with
-    ``|lse| <= gmax + log V`` (``G <= lse <= G + log V``)."""
-    V = qlo.shape[1]
+    (infinities left out of the maxima). Returns ``[R, V]`` float64 each."""
+    llo, lhi = lse_bounds(qlo, qhi)
+    if lse is not None:
+        llo, lhi = torch.maximum(llo, lse[0]), torch.minimum(lhi, lse[1])
     big = torch.maximum(qlo.double().abs().nan_to_num(posinf=0.0).amax(1), qhi.double().abs().nan_to_num(posinf=0.0).amax(1))
-    if gmax is None:
-        llo, lhi = lse_bounds(qlo, qhi)
-        if lse is not None:
-            llo, lhi = torch.maximum(llo, lse[0]), torch.minimum(lhi, lse[1])
-        lse_abs = lhi.abs().nan_to_num(posinf=0.0)
-    else:
-        (llo, lhi), big = lse, torch.maximum(big, gmax)
-        lse_abs = gmax + math.log(V)
-    slack = logprob_slack(V, 2 * big + lse_abs)[:, None]
+    slack = logprob_slack(qlo.shape[1], 2 * big + lhi.abs().nan_to_num(posinf=0.0))[:, None]
     return qlo.double() - lhi[:, None] - slack, qhi.double() - llo[:, None] + slack
 
 
 def residual_bounds(qlo: torch.Tensor, qhi: torch.Tensor, dlo: torch.Tensor, dhi: torch.Tensor,
-                    lse: tuple[torch.Tensor, torch.Tensor] | None = None, gmax: torch.Tensor | None = None
-                    ) -> tuple[torch.Tensor, torch.Tensor]:
+                    lse: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Bounds on what V2's resampling kernel draws from on a rejected row with probabilistic
     drafts: ``r = t + log1p(-exp(q - t))`` where the fp32 ``exp(q - t) < 1``, else ``-inf``, with
     ``t = x - lse`` the target's log-probabilities (``x`` within ``qlo, qhi``, ``[R, V]`` float32)
@@ -194,11 +182,11 @@ def residual_bounds(qlo: torch.Tensor, qhi: torch.Tensor, dlo: torch.Tensor, dhi
     ``2^-21 + 104 * 2^-23`` relative of the real one (:func:`logprob_slack`), its ``log1p``
     (libdevice) and the final addition within ``2^-22`` relative each: a token whose ratio may
     reach 1 gets a lower bound of ``-inf``, one whose ratio is surely at least 1 both bounds
-    ``-inf``. ``t``'s bounds: :func:`logprob_bounds` (with ``lse``, and ``gmax`` for rows that
-    bound only some tokens). Returns ``[R, V]`` float32, rounded outwards."""
+    ``-inf``. ``t``'s bounds: :func:`logprob_bounds` (with ``lse``). Returns ``[R, V]`` float32,
+    rounded outwards."""
     from ..fp import round_down32, round_up32
 
-    tlo, thi = logprob_bounds(qlo, qhi, lse, gmax)
+    tlo, thi = logprob_bounds(qlo, qhi, lse)
     rel = 2.0**-21 + 104 * 2.0**-23
     with torch.no_grad():
         rho_lo = torch.exp((dlo - thi).clamp(max=100.0)) * (1 - rel)
@@ -211,6 +199,67 @@ def residual_bounds(qlo: torch.Tensor, qhi: torch.Tensor, dlo: torch.Tensor, dhi
     # which would also turn the infinities into the largest finite values)
     return (round_down32(torch.where(torch.isnan(r_lo), -math.inf, r_lo)),
             round_up32(torch.where(torch.isnan(r_hi), math.inf, r_hi)))
+
+
+def shifted_residual_bounds(qlo: torch.Tensor, qhi: torch.Tensor, dlo: torch.Tensor, dhi: torch.Tensor,
+                            lse: tuple[torch.Tensor, torch.Tensor], gmax: torch.Tensor
+                            ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Bounds on ``z = r + (L - S)``: what V2's resampling kernel draws from (:func:`residual_bounds`'
+    ``r``, fp32, the kernel's own) plus one shift common to the row, ``L`` the kernel's fp32 lse and
+    ``S = lse[0]``. V2's draw compares ``r_i + g_i`` between the tokens of one row, which a common
+    shift leaves alone, so a certificate on ``z`` is one on ``r`` (the comparison margin below);
+    and ``z`` depends on the lse only through the ratio, so a row whose lse is known loosely keeps
+    tight bounds wherever the draft's probability is well below the target's.
+
+    ``r = fl(t + c)``, ``t = fl(x - L)``, ``c = fl(log1p(-fl(exp(q - t))))``, hence ``z = x - S +
+    eta + c + rho`` with ``eta`` the rounding of ``t``, ``rho`` that of the sum. ``L`` lies within
+    ``lse`` widened by :func:`logprob_slack` ``s`` (which also covers ``eta``; its ``big`` as in
+    :func:`logprob_bounds` with ``gmax``), so ``t`` within ``[x_lo - lse[1] - s, x_hi - lse[0] +
+    s]``, which bounds the ratio and ``c`` as in :func:`residual_bounds` (``c`` decreases with
+    ``q`` and increases with ``t``); the ``log1p`` and the sum within ``2^-21 |r|``, ``|r| <= |z| +
+    W``, ``W = lse[1] - lse[0] + 2 s >= |L - S|``. The device draw's comparison margin is
+    ``2^-23 (A + 24)`` with ``A`` the largest ``|z|`` it is given, where ``|r|`` may be ``W``
+    larger: every bound is widened by ``2^-22 W`` more, which covers that on both sides of each
+    comparison. ``-inf`` where the ratio may reach 1 (below) or surely does (both), as there.
+
+    Parameters
+    ----------
+    qlo, qhi : torch.Tensor
+        ``[R, V]`` float32 bounds of the processed target logits (some tokens only: the others
+        ``-inf``, or ``-inf`` below).
+    dlo, dhi : torch.Tensor
+        ``[R, V]`` float64, the draft's log-probabilities (:func:`draft_logprob_bounds`).
+    lse : tuple of torch.Tensor
+        ``[R]`` float64 bounds of each row's real lse (over the whole row).
+    gmax : torch.Tensor
+        ``[R]`` float64, ``>= |G|`` of the whole row.
+
+    Returns
+    -------
+    (zlo, zhi) : tuple of torch.Tensor
+        ``[R, V]`` float32, rounded outwards.
+    """
+    from ..fp import round_down32, round_up32
+
+    V = qlo.shape[1]
+    big = torch.maximum(torch.maximum(qlo.double().abs().nan_to_num(posinf=0.0).amax(1),
+                                      qhi.double().abs().nan_to_num(posinf=0.0).amax(1)), gmax)
+    s = logprob_slack(V, 2 * big + gmax + math.log(V))[:, None]
+    llo, lhi = lse[0][:, None], lse[1][:, None]
+    xlo, xhi = qlo.double(), qhi.double()
+    rel = 2.0**-21 + 104 * 2.0**-23
+    W = lhi - llo + 2 * s
+    with torch.no_grad():
+        rho_lo = torch.exp((dlo - (xhi - llo + s)).clamp(max=100.0)) * (1 - rel)
+        rho_hi = torch.exp((dhi - (xlo - lhi - s)).clamp(max=100.0)) * (1 + rel)
+        z_hi = xhi - llo + s + torch.log1p(-rho_lo.clamp(max=1.0))
+        z_lo = xlo - llo - s + torch.log1p(-rho_hi.clamp(max=1.0))
+    z_hi = torch.where(rho_lo < 1, z_hi + 2.0**-21 * (z_hi.abs() + W) + 2.0**-22 * W, -math.inf)
+    z_lo = torch.where(rho_hi < 1 - 2.0**-20, z_lo - 2.0**-21 * (z_lo.abs() + W) - 2.0**-22 * W, -math.inf)
+    known = torch.isfinite(llo) & torch.isfinite(lhi)  # (S and W finite: else nothing is bounded)
+    z_lo, z_hi = z_lo.masked_fill(~known, -math.inf), z_hi.masked_fill(~known, math.inf)
+    return (round_down32(torch.where(torch.isnan(z_lo), -math.inf, z_lo)),
+            round_up32(torch.where(torch.isnan(z_hi), math.inf, z_hi)))
 
 
 def residual_alone_ok(winner: torch.Tensor, drafts: torch.Tensor, q_hi: torch.Tensor) -> torch.Tensor:

@@ -51,7 +51,7 @@ from .gumbel_v2 import min_p_bounds, temperature_bounds
 from .rows_v2 import Bounds
 from .verify_v2 import Verified, process_rows
 from .verify_v2_bounds import (REJECT, UNDECIDED, decide_from, draft_logprob_bounds, first_rows, residual_alone_ok,
-                               residual_bounds)
+                               shifted_residual_bounds)
 
 _DRAW_REASONS = {1: "nonfinite", 2: "nonfinite"}  # (gpu.gumbel_draw's codes; the rest: "uncertified")
 
@@ -118,9 +118,10 @@ def residual_process(process: Bounds | None, residual: torch.Tensor, temp: torch
     """The map the device draw runs on the bounds of ``R`` drawn rows (``[R, V]``, some tokens
     only: a block's bound spread over its tokens, the candidates' intervals): on ``residual``
     rows (``[R]`` bool) vLLM's processors, the temperature, min-p with the whole row's maximum
-    within ``m`` and the residual :func:`~.verify_v2_bounds.residual_bounds` of the draft's
-    log-probabilities ``dlp`` (``[R, V]`` float64) with the row's lse within ``lse`` and
-    ``|G| <= gmax`` (all from the acceptance's bounds, since the rows given hold some tokens
+    within ``m`` and the residual shifted by a constant of the row
+    (:func:`~.verify_v2_bounds.shifted_residual_bounds`, which the draw's comparisons do not see) of
+    the draft's log-probabilities ``dlp`` (``[R, V]`` float64) with the row's lse within ``lse``
+    and ``|G| <= gmax`` (all from the acceptance's bounds, since the rows given hold some tokens
     only: nothing is taken from them but each token's own bounds, so the map is per token and
     monotone); on the other rows (bonus rows, drawn as usual) the processors alone."""
     def run(lo: torch.Tensor, hi: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -129,7 +130,7 @@ def residual_process(process: Bounds | None, residual: torch.Tensor, temp: torch
         qlo, qhi = temperature_bounds(lo, hi, temp)
         if min_p is not None:
             qlo, qhi, _ = min_p_bounds(qlo, qhi, min_p, m=m)
-        rlo, rhi = residual_bounds(qlo, qhi, *dlp, lse=lse, gmax=gmax)
+        rlo, rhi = shifted_residual_bounds(qlo, qhi, *dlp, lse, gmax)
         return torch.where(residual[:, None], rlo, lo), torch.where(residual[:, None], rhi, hi)
     return run
 
