@@ -202,6 +202,8 @@ def test_the_residual_map_bounds_v2s_residual_on_rows_of_some_tokens():
     assert torch.equal(zlo[~residual], part[~residual]) and torch.equal(zhi[~residual], part[~residual])
 
 
+@pytest.mark.skipif(INTERPRET, reason="CI time: the kernels on probabilistic drafts run interpreted in "
+                                       "test_spec_decode_v2.py's hook case with seed 2")
 def test_probabilistic_requests_are_v2s_verification_replayed_in_float64():
     """Probabilistic drafts (the drafter's logits near the target's, each draft overrated) on the
     learned-like head: every request the device path certifies has V2's accepted count and next
@@ -290,6 +292,10 @@ def test_a_draft_past_the_vocabulary_certifies_nothing():
     from test_verify_v2 import _learned_requests
 
     adapter, h, seeds, pos, temp, drafts, cu, x, counts = _learned_requests("int8")
+    if INTERPRET:  # (CI time: the kernels interpreted twice, on the first 10 requests)
+        n = int(cu[10])
+        h, seeds, pos, temp, drafts, x = (t[:n] for t in (h, seeds, pos, temp, drafts, x))
+        cu, counts = cu[:11], counts[:10]
     step = _fused(adapter)
     base = vf.verify_fused(step, h, seeds, pos, temp, drafts, cu)
     i = next(i for i, c in enumerate(counts) if c > 0 and bool(base.certified[i]))
