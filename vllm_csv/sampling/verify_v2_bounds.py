@@ -166,9 +166,14 @@ def logprob_bounds(qlo: torch.Tensor, qhi: torch.Tensor, lse: tuple[torch.Tensor
     llo, lhi = lse_bounds(qlo, qhi)
     if lse is not None:
         llo, lhi = torch.maximum(llo, lse[0]), torch.minimum(lhi, lse[1])
-    big = torch.maximum(qlo.double().abs().nan_to_num(posinf=0.0).amax(1), qhi.double().abs().nan_to_num(posinf=0.0).amax(1))
+    big = _finite_abs_max(qlo, qhi)
     slack = logprob_slack(qlo.shape[1], 2 * big + lhi.abs().nan_to_num(posinf=0.0))[:, None]
     return qlo.double() - lhi[:, None] - slack, qhi.double() - llo[:, None] + slack
+
+
+def _finite_abs_max(qlo: torch.Tensor, qhi: torch.Tensor) -> torch.Tensor:
+    """``[R]`` float64: the largest ``|x|`` of the bounds' finite values (``+-inf`` count 0)."""
+    return torch.maximum(qlo.double().abs().nan_to_num(posinf=0.0).amax(1), qhi.double().abs().nan_to_num(posinf=0.0).amax(1))
 
 
 def residual_bounds(qlo: torch.Tensor, qhi: torch.Tensor, dlo: torch.Tensor, dhi: torch.Tensor,
@@ -184,21 +189,36 @@ def residual_bounds(qlo: torch.Tensor, qhi: torch.Tensor, dlo: torch.Tensor, dhi
     reach 1 gets a lower bound of ``-inf``, one whose ratio is surely at least 1 both bounds
     ``-inf``. ``t``'s bounds: :func:`logprob_bounds` (with ``lse``). Returns ``[R, V]`` float32,
     rounded outwards."""
+    tlo, thi = logprob_bounds(qlo, qhi, lse)
+    return _plus_log1m_ratio(tlo, thi, tlo, thi, dlo, dhi)
+
+
+def _plus_log1m_ratio(base_lo: torch.Tensor, base_hi: torch.Tensor, tlo: torch.Tensor, thi: torch.Tensor,
+                      dlo: torch.Tensor, dhi: torch.Tensor, w: torch.Tensor | None = None
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``base + c`` rounded outwards to fp32 (:func:`residual_bounds`, :func:`shifted_residual_bounds`):
+    ``c = log1p(-exp(q - t))`` bounded from ``t`` within ``tlo, thi`` and ``q`` within ``dlo, dhi``
+    (the kernel's ``exp`` within ``2^-21 + 104 * 2^-23`` relative), the ``log1p`` and the sum
+    within ``2^-21 |r|``; with ``w`` (``|r| <= |value| + w``), ``2^-21 w`` more and the margin's
+    ``2^-22 w``. ``-inf`` where the ratio may reach 1 (below) or surely does (both)."""
     from ..fp import round_down32, round_up32
 
-    tlo, thi = logprob_bounds(qlo, qhi, lse)
     rel = 2.0**-21 + 104 * 2.0**-23
     with torch.no_grad():
         rho_lo = torch.exp((dlo - thi).clamp(max=100.0)) * (1 - rel)
         rho_hi = torch.exp((dhi - tlo).clamp(max=100.0)) * (1 + rel)
-        r_hi = thi + torch.log1p(-rho_lo.clamp(max=1.0))
-        r_lo = tlo + torch.log1p(-rho_hi.clamp(max=1.0))
-    r_hi = torch.where(rho_lo < 1, r_hi + 2.0**-21 * r_hi.abs(), -math.inf)
-    r_lo = torch.where(rho_hi < 1 - 2.0**-20, r_lo - 2.0**-21 * r_lo.abs(), -math.inf)
+        hi = base_hi + torch.log1p(-rho_lo.clamp(max=1.0))
+        lo = base_lo + torch.log1p(-rho_hi.clamp(max=1.0))
+    if w is None:
+        hi, lo = hi + 2.0**-21 * hi.abs(), lo - 2.0**-21 * lo.abs()
+    else:
+        hi, lo = hi + 2.0**-21 * (hi.abs() + w) + 2.0**-22 * w, lo - 2.0**-21 * (lo.abs() + w) - 2.0**-22 * w
+    hi = torch.where(rho_lo < 1, hi, -math.inf)
+    lo = torch.where(rho_hi < 1 - 2.0**-20, lo, -math.inf)
     # (NaN: a ratio of two -inf log-probabilities, a token the kernel gives -inf; not nan_to_num,
     # which would also turn the infinities into the largest finite values)
-    return (round_down32(torch.where(torch.isnan(r_lo), -math.inf, r_lo)),
-            round_up32(torch.where(torch.isnan(r_hi), math.inf, r_hi)))
+    return (round_down32(torch.where(torch.isnan(lo), -math.inf, lo)),
+            round_up32(torch.where(torch.isnan(hi), math.inf, hi)))
 
 
 def shifted_residual_bounds(qlo: torch.Tensor, qhi: torch.Tensor, dlo: torch.Tensor, dhi: torch.Tensor,
@@ -239,27 +259,15 @@ def shifted_residual_bounds(qlo: torch.Tensor, qhi: torch.Tensor, dlo: torch.Ten
     (zlo, zhi) : tuple of torch.Tensor
         ``[R, V]`` float32, rounded outwards.
     """
-    from ..fp import round_down32, round_up32
-
     V = qlo.shape[1]
-    big = torch.maximum(torch.maximum(qlo.double().abs().nan_to_num(posinf=0.0).amax(1),
-                                      qhi.double().abs().nan_to_num(posinf=0.0).amax(1)), gmax)
+    big = torch.maximum(_finite_abs_max(qlo, qhi), gmax)
     s = logprob_slack(V, 2 * big + gmax + math.log(V))[:, None]
     llo, lhi = lse[0][:, None], lse[1][:, None]
     xlo, xhi = qlo.double(), qhi.double()
-    rel = 2.0**-21 + 104 * 2.0**-23
-    W = lhi - llo + 2 * s
-    with torch.no_grad():
-        rho_lo = torch.exp((dlo - (xhi - llo + s)).clamp(max=100.0)) * (1 - rel)
-        rho_hi = torch.exp((dhi - (xlo - lhi - s)).clamp(max=100.0)) * (1 + rel)
-        z_hi = xhi - llo + s + torch.log1p(-rho_lo.clamp(max=1.0))
-        z_lo = xlo - llo - s + torch.log1p(-rho_hi.clamp(max=1.0))
-    z_hi = torch.where(rho_lo < 1, z_hi + 2.0**-21 * (z_hi.abs() + W) + 2.0**-22 * W, -math.inf)
-    z_lo = torch.where(rho_hi < 1 - 2.0**-20, z_lo - 2.0**-21 * (z_lo.abs() + W) - 2.0**-22 * W, -math.inf)
+    z_lo, z_hi = _plus_log1m_ratio(xlo - llo - s, xhi - llo + s, xlo - lhi - s, xhi - llo + s, dlo, dhi,
+                                   w=lhi - llo + 2 * s)
     known = torch.isfinite(llo) & torch.isfinite(lhi)  # (S and W finite: else nothing is bounded)
-    z_lo, z_hi = z_lo.masked_fill(~known, -math.inf), z_hi.masked_fill(~known, math.inf)
-    return (round_down32(torch.where(torch.isnan(z_lo), -math.inf, z_lo)),
-            round_up32(torch.where(torch.isnan(z_hi), math.inf, z_hi)))
+    return z_lo.masked_fill(~known, -math.inf), z_hi.masked_fill(~known, math.inf)
 
 
 def residual_alone_ok(winner: torch.Tensor, drafts: torch.Tensor, q_hi: torch.Tensor) -> torch.Tensor:
