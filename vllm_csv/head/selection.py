@@ -78,7 +78,9 @@ def select_two_sided(head, hidden: torch.Tensor, k: torch.Tensor, need_values: t
         in_top = torch.empty((B, 0), dtype=torch.bool, device=dev)
         cert, ids = torch.zeros(B, dtype=torch.bool, device=dev), ids[:0]
     exact, code = backend.finish_selection(V, ids, z, in_top, ok, live, cert)  # fused on the CPU
-    return Selection(exact, torch.full((B,), n_scored, device=dev), code == 0, certificate.reason_names(code))
+    # k = 1 everywhere: each certified row's one column in T, read off [B, S] (no pass over [B, V])
+    top1 = ids[in_top.to(torch.uint8).argmax(1)] if kmax == 1 and in_top.shape[1] else None
+    return Selection(exact, torch.full((B,), n_scored, device=dev), code == 0, certificate.reason_names(code), top1)
 
 
 def select_one_sided(head, hidden: torch.Tensor, k: torch.Tensor, need_values: torch.Tensor,

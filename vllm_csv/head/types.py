@@ -110,12 +110,17 @@ class Selection:
         ``[B]`` bool.
     reason : list of (str or None)
         Per row: None if certified, else a fallback reason (:data:`FALLBACK_REASONS`).
+    top1 : torch.Tensor, optional
+        ``[B]`` int64 where every row asked ``k = 1``: a certified row's token (its only finite
+        column in ``exact``, the dense argmax); other rows' entries hold no meaning. None where
+        the strategy does not give it.
     """
 
     exact: torch.Tensor
     scored: torch.Tensor
     certified: torch.Tensor
     reason: list[str | None]
+    top1: torch.Tensor | None = None
 
 
 class Intervals(NamedTuple):

@@ -31,7 +31,7 @@ from .. import head as csv_head
 from ..metrics import Series
 from ..off_switch import WINDOW
 from .config import CSVDecodeConfig, from_additional_config
-from .step import PLACEHOLDER, Deferred, DeferredStats, DenseBatch, StepAccount, step_of
+from .step import PLACEHOLDER, Deferred, DeferredStats, DenseBatch, StepAccount, Top1, step_of
 
 logger = init_logger("vllm.csv_decode")
 
@@ -154,6 +154,9 @@ class CSVLogitsProcessor(LogitsProcessor):
                                                 temperature=plan.temperature, use_switch=False)
             if sw is not None and not asked and not hidden_states.is_cuda:  # every row dense: a sample
                 self._observe(sw, B, stats.seconds)
+            top1 = getattr(head, "last_top1", None)
+            if top1 is not None and stats.certified == B and split.kind == "top1":  # (every row k = 1)
+                step.handoff = Top1(logits, top1)  # for the readers of argmaxes alone (step.Top1)
         else:
             own_switch = asked
             sub = torch.tensor(in_head, dtype=torch.long, device=hidden_states.device)

@@ -10,7 +10,8 @@ version gate (:func:`vllm_csv.vllm_plugin.register`).
    (:mod:`.v1.spec`);
 3. the samplers: V1 ``Sampler.forward``, V2 ``Sampler.__call__`` and V2
    ``RejectionSampler.__call__`` resolve the step's deferred rows before vLLM's own code
-   (:mod:`.v1.sampler`, :mod:`.v2.sampler`, :mod:`.v2.verify`), and vLLM-CPU's
+   (:mod:`.v1.sampler`, :mod:`.v2.sampler`, :mod:`.v2.verify`), V1 ``RejectionSampler.forward``
+   verifies greedy drafts on the head's certified tokens (:mod:`.v1.spec`), and vLLM-CPU's
    ``apply_top_k_top_p`` runs on the rows that need it during such a draw (:mod:`.v1.masks`);
 4. ``LogitsProcessor.register_oot``: the CSV layer (:mod:`.logits_processor`), which turns
    itself back into vLLM's class whenever CSV is off.
@@ -184,13 +185,15 @@ def _v1_drafter() -> None:
     orig = SpecDecodeBaseProposer._greedy_sample
 
     def _greedy_sample(self, hidden_states, *a, **k):
-        if not spec.certifiable_draft(self, hidden_states):
+        if a or k or not spec.certifiable_draft(self, hidden_states):
             return orig(self, hidden_states, *a, **k)
         step = bind_drafter(self).open(spec.draft_plan(self, hidden_states.shape[0]))
         try:
-            return orig(self, hidden_states, *a, **k)
+            # orig's body where certifiable_draft holds (vLLM 0.32.0 and 0.33.0, the same source:
+            # tests/test_vllm033.py): compute_logits(hidden_states).argmax(dim=-1)
+            return spec.draft_tokens(step, self.model.compute_logits(hidden_states))
         finally:
-            step.plan = step.handoff = None  # (k = 1 rows leave no hand-off; nothing outlives the call)
+            step.plan = step.handoff = None  # (nothing outlives the call)
 
     SpecDecodeBaseProposer._greedy_sample = _greedy_sample
     SpecDecodeBaseProposer._csv_wrapped = True
@@ -233,14 +236,26 @@ def _v2_runner(max_topk) -> None:
 
 
 def install_samplers() -> None:
-    """V1 ``Sampler.forward``, V2 ``Sampler.__call__`` and V2 ``RejectionSampler.__call__`` take the
-    step's hand-off first; vLLM-CPU's ``apply_top_k_top_p`` (read from its module at each
+    """V1 ``Sampler.forward`` and ``RejectionSampler.forward``, V2 ``Sampler.__call__`` and V2
+    ``RejectionSampler.__call__`` take the step's hand-off first; vLLM-CPU's ``apply_top_k_top_p`` (read from its module at each
     ``forward_cpu`` call) runs on the rows that need it during a draw with certified rows."""
     from vllm.v1.sample.ops import topk_topp_sampler
     from vllm.v1.sample.sampler import Sampler
 
     from .v1.masks import masks_on_rows
 
+    from vllm.v1.sample.rejection_sampler import RejectionSampler
+
+    from .v1 import spec
+
+    if not getattr(RejectionSampler, "_csv_wrapped", False):
+        orig_verify = RejectionSampler.forward
+
+        def verify(self, metadata, draft_probs, logits, sampling_metadata):
+            return spec.verify(orig_verify, self, metadata, draft_probs, logits, sampling_metadata)
+
+        RejectionSampler.forward = verify
+        RejectionSampler._csv_wrapped = True
     if not getattr(Sampler, "_csv_wrapped", False):
         orig = Sampler.forward
 

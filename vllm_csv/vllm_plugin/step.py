@@ -114,7 +114,23 @@ class Deferred:
     seconds: float = 0.0  # head time spent on them
 
 
-Handoff = Deferred | StepAccount  # what the layer leaves for the sampler
+@dataclass
+class Top1:
+    """Every row of the step certified ``k = 1`` in the head, and each row's token: for the
+    readers of the logits that need only each row's argmax (V1's ``Sampler`` on an all-greedy
+    batch and V1's greedy verification, :mod:`.v1.sampler` and :mod:`.v1.spec`; a drafter's
+    ``_greedy_sample``), which then skip their passes over ``[B, V]`` (an fp32 cast, copies of the
+    rows, and torch's argmax, which alone took longer than the certified head on 32 rows of the
+    demo's head on a CPU). Sound because a row certified ``k = 1`` holds the dense value on its
+    token and ``-inf`` elsewhere (ties are never certified), so its argmax, before or after an fp32
+    cast, is that token, the dense row's argmax. A reader takes it only for the very ``logits``
+    the head returned (not a copy or a slice, which another step might have changed)."""
+
+    logits: torch.Tensor  # [B, V] what the head returned
+    tokens: torch.Tensor  # [B] int64 on the logits' device: each row's token (Selection.top1)
+
+
+Handoff = Deferred | StepAccount | Top1  # what the layer leaves for the sampler
 
 
 @dataclass

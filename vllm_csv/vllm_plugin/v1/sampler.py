@@ -46,6 +46,10 @@ generator), so vLLM's own pass over ``[B, V]`` (the fp32 copy, the temperature, 
 kernel's scan of the mostly ``-inf`` rows: 2.8 to 4.5 ms at 32 rows of 65536 on one thread here)
 and the write of the rows into the logits are skipped; nothing reads the logits after the
 sampler in the V1 runner without speculative decoding (``_sample``), which the hook refuses.
+Likewise a batch whose every row the head certified ``k = 1`` (plain greedy requests, each
+row's token on the step: :class:`~..step.Top1`): when vLLM's draw reads it only through each
+row's argmax (:func:`argmax_decides`), those tokens are the draw, with no fp32 copy and no argmax
+over ``[B, V]``.
 
 Under tensor parallelism (a :class:`~vllm_csv.sampling.sharded_rows.ShardedAdapter`) step 2
 runs vLLM's processors on each rank's shard and the certificate on gathered summaries
@@ -69,7 +73,7 @@ from ...sampling.sharded_rows import ShardedAdapter, certify_rows_sharded
 from ...vocabulary import SAMPLING_EPS as _SAMPLING_EPS
 from ..fill import finish, grammar_mask, write_certified
 from ..penalties import TouchedPenalties
-from ..step import Deferred, DeferredStats, StepAccount, step_of
+from ..step import Deferred, DeferredStats, StepAccount, Top1, step_of
 from .masks import draw_with_masks, min_p_of, wants_logprobs
 
 
@@ -349,6 +353,14 @@ def _with_greedy_rows(sampler, logits: torch.Tensor, md, dev_rows: torch.Tensor,
     return tokens
 
 
+def argmax_decides(md) -> bool:
+    """Whether vLLM's draw (``Sampler.forward``; the greedy verification of
+    ``RejectionSampler.forward``) reads the batch's logits only through each row's argmax: every
+    request greedy, no logprobs, no processor acting (:func:`_processors_idle`). Then the tokens of
+    a :class:`~..step.Top1` hand-off are its output, with no pass over ``[B, V]``."""
+    return bool(md.all_greedy) and not wants_logprobs(md) and _processors_idle(md)
+
+
 def _drawn(md, tokens: torch.Tensor):
     """vLLM 0.32's ``Sampler.forward`` output for a batch whose every row was certified, or drawn
     greedily beside the certified ones (:func:`resolve` with ``draw``), without drawing again:
@@ -370,6 +382,10 @@ def sample(orig, sampler, logits: torch.Tensor, md, predict_bonus_token: bool = 
     account settled (:class:`~..step.StepAccount`, with this call's time where it counts)."""
     step = step_of(sampler)
     d = None if step is None else step.take_handoff(logits)
+    if isinstance(d, Top1):  # every row certified k = 1 in the head (step.Top1)
+        if d.logits is logits and not predict_bonus_token and argmax_decides(md):
+            return _drawn(md, d.tokens)
+        d = None
     if d is None:
         return orig(sampler, logits, md, predict_bonus_token, logprobs_mode_override)
     if isinstance(d, StepAccount):  # a dense step the off-switch times with this call

