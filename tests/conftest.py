@@ -8,6 +8,31 @@ from vllm_csv.testing.threads import use_test_threads
 
 use_test_threads()
 
+INTERPRETED = "test_gpu_kernels_interpreted.py"  # Triton's interpreter in the background (its docstring)
+
+
+@pytest.hookimpl(trylast=True)  # (after -k / -m deselected what they deselect)
+def pytest_collection_modifyitems(config, items):
+    """The interpreted GPU tests last, so that their background runs overlap the unit tests."""
+    late = [it for it in items if it.path.name == INTERPRETED]
+    if late:
+        items[:] = [it for it in items if it.path.name != INTERPRETED] + late
+        config._csv_interpreted = late[0].module
+
+
+def pytest_runtest_setup(item):
+    """Start the interpreted runs at the first test outside ``tests/e2e``."""
+    module = getattr(item.config, "_csv_interpreted", None)
+    if module is not None and item.path.parent.name != "e2e":
+        module.Background.start()
+
+
+def pytest_sessionfinish(session):
+    """A session that ends early (``-x``) does not wait for the interpreted runs."""
+    module = getattr(session.config, "_csv_interpreted", None)
+    if module is not None:
+        module.Background.stop()
+
 
 @pytest.fixture(autouse=True)
 def _private_cache(tmp_path_factory, monkeypatch):
