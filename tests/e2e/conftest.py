@@ -80,15 +80,25 @@ class Server:
                 self.proc.wait()
 
 
-def start_server(model: str, args: list[str], log_path: Path, env: dict | None = None) -> Server:
+def launch_server(model: str, args: list[str], log_path: Path, env: dict | None = None,
+                  taken: tuple[int, ...] = ()) -> Server:
+    """A ``vllm serve`` process, started (not yet healthy: :func:`wait_healthy`), on a free port
+    not in ``taken``."""
     port = free_port()
+    while port in taken:
+        port = free_port()
     log = open(log_path, "w")
     cmd = [*vllm_command(), "serve", model, "--host", "127.0.0.1", "--port", str(port), "--seed", "0",
            "--max-model-len", "1024", *args]
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=server_env(env),
                             start_new_session=True)
-    server = Server(proc, port, model, log_path)
-    deadline = time.monotonic() + STARTUP_TIMEOUT
+    return Server(proc, port, model, log_path)
+
+
+def wait_healthy(server: Server, deadline: float) -> Server:
+    """``server`` once its ``/health`` answers (stopped, and an error, if it exits or the
+    ``time.monotonic()`` deadline passes first)."""
+    proc = server.proc
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             raise RuntimeError(f"server exited with {proc.returncode}:\n{server.log()[-4000:]}")
@@ -101,6 +111,27 @@ def start_server(model: str, args: list[str], log_path: Path, env: dict | None =
     raise RuntimeError(f"server not healthy after {STARTUP_TIMEOUT}s:\n{server.log()[-4000:]}")
 
 
+def start_server(model: str, args: list[str], log_path: Path, env: dict | None = None) -> Server:
+    return wait_healthy(launch_server(model, args, log_path, env), time.monotonic() + STARTUP_TIMEOUT)
+
+
+def start_servers(*specs: tuple) -> list[Server]:
+    """Servers of ``specs`` (each :func:`start_server`'s arguments) started together and waited
+    for together: a server's start-up is mostly one core's work (imports, the model's load and
+    compilation), so two of them start on CI's two cores in about the time of one. All stopped if
+    one fails."""
+    servers: list[Server] = []
+    try:
+        for spec in specs:
+            servers.append(launch_server(*spec, taken=tuple(s.port for s in servers)))
+        deadline = time.monotonic() + STARTUP_TIMEOUT
+        return [wait_healthy(s, deadline) for s in servers]
+    except BaseException:
+        for s in servers:
+            s.stop()
+        raise
+
+
 @pytest.fixture(scope="session")
 def test_model_dir() -> str:
     from vllm_csv.demo_model import ensure_test_model
@@ -109,15 +140,26 @@ def test_model_dir() -> str:
 
 
 @pytest.fixture(scope="session")
-def csv_server(test_model_dir, tmp_path_factory):
-    # Off-switch disabled: the test model's head is too small for CSV to pay on a CPU, so with it on CSV
-    # would stop trying after a few steps and the comparisons would test the dense path.
-    # The fault injector is loaded (test_faults.py); it touches only prompts carrying its markers.
-    s = start_server(test_model_dir, ["--enable-csv-decode", "--additional-config",
-                                      '{"csv_decode": {"off_switch": false}}'],
-                     tmp_path_factory.mktemp("logs") / "csv.log", env=fault_env())
-    yield s
-    s.stop()
+def served_pair(test_model_dir, tmp_path_factory):
+    """The session's CSV and dense servers, started together (:func:`start_servers`).
+
+    CSV with the off-switch disabled: the test model's head is too small for CSV to pay on a CPU,
+    so with it on CSV would stop trying after a few steps and the comparisons would test the
+    dense path. Both load the fault injector (test_faults.py), which touches only prompts
+    carrying its markers: a poisoned prompt gets plain vLLM's answer to it from the dense one."""
+    logs = tmp_path_factory.mktemp("logs")
+    csv, dense = start_servers(
+        (test_model_dir, ["--enable-csv-decode", "--additional-config", '{"csv_decode": {"off_switch": false}}'],
+         logs / "csv.log", fault_env()),
+        (test_model_dir, [], logs / "dense.log", fault_env()))
+    yield csv, dense
+    csv.stop()
+    dense.stop()
+
+
+@pytest.fixture(scope="session")
+def csv_server(served_pair):
+    return served_pair[0]
 
 
 @pytest.fixture(scope="session")
@@ -130,8 +172,5 @@ def default_csv_server(test_model_dir, tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
-def dense_server(test_model_dir, tmp_path_factory):
-    # The same fault injector as csv_server's: a poisoned prompt gets plain vLLM's answer to it.
-    s = start_server(test_model_dir, [], tmp_path_factory.mktemp("logs") / "dense.log", env=fault_env())
-    yield s
-    s.stop()
+def dense_server(served_pair):
+    return served_pair[1]

@@ -15,7 +15,7 @@ import urllib.request
 
 import pytest
 
-from .conftest import start_server
+from .conftest import start_servers
 from .test_serve import metrics
 
 pytestmark = pytest.mark.e2e
@@ -44,13 +44,10 @@ def spec_pair(request, test_model_dir, tmp_path_factory):
     cfg = json.dumps(METHODS[request.param](test_model_dir))
     logs = tmp_path_factory.mktemp(f"spec-{request.param}")
     common = ["--speculative-config", cfg, "--max-num-seqs", "8"]
-    csv = start_server(test_model_dir, [*common, "--enable-csv-decode", "--additional-config",
-                                        '{"csv_decode": {"off_switch": false}}'], logs / "csv.log")
-    try:
-        dense = start_server(test_model_dir, common, logs / "dense.log")
-    except Exception:
-        csv.stop()
-        raise
+    csv, dense = start_servers(
+        (test_model_dir, [*common, "--enable-csv-decode", "--additional-config", '{"csv_decode": {"off_switch": false}}'],
+         logs / "csv.log"),
+        (test_model_dir, common, logs / "dense.log"))
     yield csv, dense, request.param
     csv.stop()
     dense.stop()
