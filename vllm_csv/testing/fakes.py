@@ -45,10 +45,13 @@ def min_p_processor(values):
 
 def logit_bias_processor(biases: dict[int, dict[int, float]]):
     """vLLM's ``LogitBiasLogitsProcessor`` as ``update_state`` leaves it on the CPU, for
-    ``biases`` (batch row -> {token id: bias})."""
+    ``biases`` (batch row -> {token id: bias}). Its fields set here, not by its constructor
+    (0.33's makes empty tensors in pinned memory, which a machine without an accelerator
+    refuses: ``scripts/check_vllm033.sh`` runs the CUDA wheel's modules on the CPU)."""
     from vllm.v1.sample.logits_processor.builtin import LogitBiasLogitsProcessor
 
-    lb = LogitBiasLogitsProcessor(None, torch.device("cpu"), False)
+    lb = LogitBiasLogitsProcessor.__new__(LogitBiasLogitsProcessor)
+    lb.device = torch.device("cpu")
     lb.biases = biases
     reqs = [r for r, d in biases.items() for _ in d]
     toks = [t for d in biases.values() for t in d]
