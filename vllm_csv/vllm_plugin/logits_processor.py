@@ -154,9 +154,8 @@ class CSVLogitsProcessor(LogitsProcessor):
                                                 temperature=plan.temperature, use_switch=False)
             if sw is not None and not asked and not hidden_states.is_cuda:  # every row dense: a sample
                 self._observe(sw, B, stats.seconds)
-            top1 = getattr(head, "last_top1", None)
-            if top1 is not None and stats.certified == B and split.kind == "top1":  # (every row k = 1)
-                step.handoff = Top1(logits, top1)  # for the readers of argmaxes alone (step.Top1)
+            if head.last_top1 is not None and stats.certified == B:  # (set only where every row is k = 1)
+                step.handoff = Top1(logits, head.last_top1)  # for the readers of argmaxes alone (step.Top1)
         else:
             own_switch = asked
             sub = torch.tensor(in_head, dtype=torch.long, device=hidden_states.device)

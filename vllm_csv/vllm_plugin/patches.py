@@ -237,16 +237,15 @@ def _v2_runner(max_topk) -> None:
 
 def install_samplers() -> None:
     """V1 ``Sampler.forward`` and ``RejectionSampler.forward``, V2 ``Sampler.__call__`` and V2
-    ``RejectionSampler.__call__`` take the step's hand-off first; vLLM-CPU's ``apply_top_k_top_p`` (read from its module at each
-    ``forward_cpu`` call) runs on the rows that need it during a draw with certified rows."""
+    ``RejectionSampler.__call__`` take the step's hand-off first; vLLM-CPU's ``apply_top_k_top_p``
+    (read from its module at each ``forward_cpu`` call) runs on the rows that need it during a draw
+    with certified rows."""
     from vllm.v1.sample.ops import topk_topp_sampler
+    from vllm.v1.sample.rejection_sampler import RejectionSampler
     from vllm.v1.sample.sampler import Sampler
 
-    from .v1.masks import masks_on_rows
-
-    from vllm.v1.sample.rejection_sampler import RejectionSampler
-
     from .v1 import spec
+    from .v1.masks import masks_on_rows
 
     if not getattr(RejectionSampler, "_csv_wrapped", False):
         orig_verify = RejectionSampler.forward

@@ -152,6 +152,15 @@ class Step:
         self.plan = None
         return plan
 
+    def take_top1(self, logits: torch.Tensor) -> torch.Tensor | None:
+        """The tokens of a :class:`Top1` hand-off for these very ``logits`` (the hand-off taken;
+        one for other logits is dropped, None returned); any other hand-off is left in place."""
+        d = self.handoff
+        if not isinstance(d, Top1):
+            return None
+        self.handoff = None
+        return d.tokens if d.logits is logits else None
+
     def take_handoff(self, logits: torch.Tensor) -> Handoff | None:
         """The layer's hand-off for the sampler call on ``logits``, consumed. Deferred rows for
         logits of another shape are an error (placeholders would be sampled)."""

@@ -73,7 +73,7 @@ from ...sampling.sharded_rows import ShardedAdapter, certify_rows_sharded
 from ...vocabulary import SAMPLING_EPS as _SAMPLING_EPS
 from ..fill import finish, grammar_mask, write_certified
 from ..penalties import TouchedPenalties
-from ..step import Deferred, DeferredStats, StepAccount, Top1, step_of
+from ..step import Deferred, DeferredStats, StepAccount, step_of
 from .masks import draw_with_masks, min_p_of, wants_logprobs
 
 
@@ -381,11 +381,10 @@ def sample(orig, sampler, logits: torch.Tensor, md, predict_bonus_token: bool = 
     nothing for the sampler; else the step's hand-off resolved first (module docstring) and its
     account settled (:class:`~..step.StepAccount`, with this call's time where it counts)."""
     step = step_of(sampler)
+    tokens = None if step is None else step.take_top1(logits)  # every row certified k = 1 in the head
+    if tokens is not None and not predict_bonus_token and argmax_decides(md):
+        return _drawn(md, tokens)
     d = None if step is None else step.take_handoff(logits)
-    if isinstance(d, Top1):  # every row certified k = 1 in the head (step.Top1)
-        if d.logits is logits and not predict_bonus_token and argmax_decides(md):
-            return _drawn(md, d.tokens)
-        d = None
     if d is None:
         return orig(sampler, logits, md, predict_bonus_token, logprobs_mode_override)
     if isinstance(d, StepAccount):  # a dense step the off-switch times with this call

@@ -50,10 +50,11 @@ Drafter heads (a draft model, EAGLE, MTP). ``SpecDecodeBaseProposer._greedy_samp
 drafter's logits and takes their argmax: the draft tokens. Wrapped (:mod:`..patches`), it opens
 a step on the proposer's own channel with every row planned ``k = 1`` (mode ``draft``), so the
 drafter's CSV layer certifies those argmaxes: the drafts, hence acceptance and outputs, are the
-dense run's; where it certified every row, its tokens are the argmax (:func:`draft_tokens`). Not where the proposer post-processes the logits before the argmax (a
-heterogeneous draft vocabulary: ``constrain_draft_logits``; a local argmax reduction), nor for
-probabilistic drafts (``_sample_draft_tokens`` draws from the logits without
-``_greedy_sample``): those calls get no plan and stay dense.
+dense run's; where it certified every row, its tokens are the argmax (:func:`draft_tokens`). Not
+where the proposer post-processes the logits before the argmax (a heterogeneous draft vocabulary:
+``constrain_draft_logits``; a local argmax reduction), nor for probabilistic drafts
+(``_sample_draft_tokens`` draws from the logits without ``_greedy_sample``): those calls get no
+plan and stay dense.
 """
 
 from __future__ import annotations
@@ -61,7 +62,7 @@ from __future__ import annotations
 import torch
 
 from ..plan import TARGET_MODE, Plan, kept_target_plan, target_plan  # noqa: F401  (shared with v2/spec.py)
-from ..step import Top1, step_of
+from ..step import step_of
 from .sampler import argmax_decides
 
 DRAFT_MODE = "draft"  # the drafter head's rows (one of vocabulary.MODES)
@@ -133,10 +134,10 @@ def certifiable_draft(proposer, hidden: torch.Tensor) -> bool:
 
 def plain_verifier(rejection_sampler) -> bool:
     """Whether V1's ``rejection_sampler`` verifies greedy drafts by the target rows' argmax alone:
-    no synthetic acceptance rates and no FLy (vLLM 0.33: entropy of the target rows)."""
-    rs = rejection_sampler
-    return not getattr(rs, "synthetic_mode", False) and not getattr(rs, "use_fly", False) and \
-        getattr(rs, "fly_window_size", None) is None
+    no synthetic acceptance rates and no FLy (vLLM 0.33: entropy of the target rows; its
+    ``rejection_sample`` takes that path where ``fly_window_size`` is set)."""
+    return not getattr(rejection_sampler, "synthetic_mode", False) and \
+        getattr(rejection_sampler, "fly_window_size", None) is None
 
 
 def greedy_verification(metadata, tokens: torch.Tensor) -> torch.Tensor:
@@ -168,13 +169,11 @@ def verify(orig, rejection_sampler, metadata, draft_probs, logits: torch.Tensor,
     the argmaxes decide (module docstring), :func:`greedy_verification` on its tokens; else
     vLLM's ``orig``."""
     step = step_of(rejection_sampler.sampler)
-    d = None if step is None else step.handoff
-    if isinstance(d, Top1):
-        step.handoff = None  # (taken: the bonus rows' sampler call below must not read it)
-        if d.logits is logits and argmax_decides(md) and plain_verifier(rejection_sampler):
-            from vllm.v1.outputs import SamplerOutput
+    tokens = None if step is None else step.take_top1(logits)  # (taken: the bonus rows' sampler call must not read it)
+    if tokens is not None and argmax_decides(md) and plain_verifier(rejection_sampler):
+        from vllm.v1.outputs import SamplerOutput
 
-            return SamplerOutput(sampled_token_ids=greedy_verification(metadata, d.tokens), logprobs_tensors=None)
+        return SamplerOutput(sampled_token_ids=greedy_verification(metadata, tokens), logprobs_tensors=None)
     return orig(rejection_sampler, metadata, draft_probs, logits, md)
 
 
@@ -182,7 +181,5 @@ def draft_tokens(step, logits: torch.Tensor) -> torch.Tensor:
     """A drafter's greedy draft tokens from its ``logits`` (``[B, V]``): ``logits.argmax(dim=-1)``
     as vLLM's ``_greedy_sample`` takes them, or the certified tokens where the drafter's CSV
     layer certified every row (the step's :class:`~..step.Top1`): ``[B]`` int64 either way."""
-    d = step.handoff
-    if isinstance(d, Top1) and d.logits is logits:
-        return d.tokens
-    return logits.argmax(dim=-1)
+    tokens = step.take_top1(logits)
+    return logits.argmax(dim=-1) if tokens is None else tokens
