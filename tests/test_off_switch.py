@@ -361,13 +361,103 @@ def test_first_step_of_a_batch_size_runs_dense_once(monkeypatch):
     W = torch.randn(2048, 32, generator=g)
     head = CertifiedHead(W, config=HeadConfig(budget=1.0))
     step, calls = greedy_layer(head, monkeypatch)
-    for B, want_tried in ((4, False), (4, False), (4, True), (3, False), (3, False), (3, True)):
+    # (3 is below every batch size measured: nothing to borrow; 6 borrows 4's estimate, and
+    # tries CSV unless the ledger is off: this toy head's CSV may be slower than its dense head)
+    for B, want_tried in ((4, False), (4, False), (4, True), (3, False), (3, False), (3, True), (6, None)):
         h = torch.randn(B, 32, generator=g)
         calls.clear()
         logits, tried = step(h)
-        assert tried == want_tried and torch.equal(logits.argmax(1), (h @ W.T).argmax(1))
+        assert want_tried in (None, tried) and torch.equal(logits.argmax(1), (h @ W.T).argmax(1))
         assert calls == ([] if tried else [B]), calls  # measured and used once; CSV steps call none
-    assert head.off_switch.probes == 4
+    sw = head.off_switch
+    assert sw.probes == 4 and sw.dense_seconds[6] == sw.dense_seconds[4]  # no probe, no first guess
+    assert [tried] == list(sw._on.values())  # (one kind of step: greedy)
+
+
+def measured(sw, batch, seconds):
+    """``batch`` measured in place: its first (cold) step and one probe, both dense."""
+    assert not sw.allow(batch, lambda: seconds)
+    sw.observe_dense(batch, 10 * seconds)  # cold: not a sample
+    assert not sw.allow(batch, lambda: seconds)
+    sw.observe_dense(batch, seconds)
+    assert sw.dense_seconds[batch] == seconds
+
+
+def never(): raise AssertionError("a borrowed estimate times no first guess")
+
+
+def csv_steps_to_probe(sw, batch) -> int:
+    """CSV steps of ``batch`` (each 1 s) until :meth:`OffSwitch.allow` refuses one."""
+    n = 0
+    while sw.allow(batch, never):
+        sw.observe(batch, 1.0)
+        n += 1
+    return n
+
+
+def test_a_new_batch_size_borrows_the_largest_smaller_estimate():
+    sw = OffSwitch()
+    measured(sw, 8, 2.0)
+    measured(sw, 4, 1.0)  # (smaller than 8: nothing to borrow)
+    measured(sw, (8, "sampler"), 5.0)
+    assert sw.allow(12, never) and sw.dense_seconds[12] == 2.0  # 8's, not 4's: CSV at once
+    assert sw.allow((12, "sampler"), never) and sw.dense_seconds[(12, "sampler")] == 5.0  # its own tag's
+    assert sw.borrowed_estimate(2) is None and sw.borrowed_estimate((4, "sampler")) is None
+    assert sw.borrowed_estimate("other") is None and sw.borrowed_estimate((1, 2, 3)) is None
+    sw.observe(12, 1.0)
+    measured_8_again = 3.0
+    for _ in range(8):
+        sw.observe_dense(8, measured_8_again)
+    assert sw.allow(12, never) and sw.dense_seconds[12] == 3.0  # follows its lender until it has samples
+    sw.observe(12, 1.0)
+    assert csv_steps_to_probe(sw, 12) == sw.probe_every - 2  # its first probe: probe_every CSV steps in
+    sw.observe_dense(12, 30.0)  # the shape's cold call: not a sample, still borrowing
+    assert sw.dense_seconds[12] == 3.0
+    assert csv_steps_to_probe(sw, 12) == sw.probe_every
+    sw.observe_dense(12, 3.5)  # its own sample: its own estimate from now on
+    for _ in range(8):
+        sw.observe_dense(8, 9.0)
+    assert sw.allow(12, never) and sw.dense_seconds[12] == 3.5
+
+
+def run_varying(sw, ratio, steps, seed=0):
+    """Steps whose batch size changes at random among 8..32 (speculative decoding's row counts),
+    the dense head's time growing with it; CSV at ``ratio`` times the dense time. Returns
+    (tried steps, total time, the dense head's total time)."""
+    g = torch.Generator().manual_seed(seed)
+    tried, total, dense_total = 0, 0.0, 0.0
+    for B in torch.randint(8, 33, (steps,), generator=g).tolist():
+        dense = 1.0 + 0.05 * B
+        dense_total += dense
+        if sw.allow(B, lambda: dense):
+            sw.observe(B, ratio * dense)
+            tried, total = tried + 1, total + ratio * dense
+        else:
+            sw.observe_dense(B, dense)
+            total += dense
+    return tried, total, dense_total
+
+
+@pytest.mark.parametrize("ratio", [0.5, 1.5, 3.0])
+def test_varying_batch_sizes_keep_the_promise_and_few_probes(ratio, monkeypatch):
+    """Twenty-five batch sizes in random order: a fast CSV runs on all but about one step in 32
+    (before borrowing, each new batch size's first two steps ran dense too); a slow one still
+    costs at most the tolerance, up to the slack of the module docstring: one step's excess,
+    the warm-up, and the first batch size's first guess (here its own dense step)."""
+    steps = 2000
+    sw = OffSwitch(tolerance=0.02)
+    tried, total, dense_total = run_varying(sw, ratio, steps)
+    slack = 2 * (ratio - 1) * (1.0 + 0.05 * 32)
+    assert total <= dense_total * 1.02 + max(slack, 0.0), (ratio, total, dense_total)
+    if ratio < 1:
+        assert sw.times_tripped == 0 and tried + sw.probes == steps
+        assert sw.probes <= steps // 32 + 25 + 2, sw.probes  # at most one rounding a batch size
+        monkeypatch.setattr(OffSwitch, "borrowed_estimate", lambda self, batch: None)
+        before = OffSwitch(tolerance=0.02)
+        run_varying(before, ratio, steps)
+        assert before.probes >= sw.probes + 25  # (the two dense steps of each new batch size)
+    else:
+        assert sw.times_tripped >= 1
 
 
 def test_head_never_runs_the_switch():
