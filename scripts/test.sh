@@ -16,4 +16,5 @@ if [ $# -eq 0 ]; then
         || echo "vllm-csv tests: training the test model failed (see above); the end-to-end tests will try again" >&2
 fi
 export VLLM_CPU_KVCACHE_SPACE=${VLLM_CPU_KVCACHE_SPACE:-1}
-exec .venv/bin/python -m pytest -ra -q "$@"
+# (--durations: where CI's time goes, in every log; CI must stay under ~25 minutes)
+exec .venv/bin/python -m pytest -ra -q --durations=25 "$@"

@@ -1,4 +1,4 @@
-"""A CI-sized load run (the clients of benchmarks/load.py, vllm_csv/testing/load_bench.py, 30 s a server): concurrent clients mixing every
+"""A CI-sized load run (the clients of benchmarks/load.py, vllm_csv/testing/load_bench.py, 30 s, both servers at once): concurrent clients mixing every
 sampling mode, streaming and not, n > 1 and stop strings, against the shared CSV and dense
 servers. CSV: no error, the certified counter grows, the server keeps serving."""
 
@@ -11,19 +11,23 @@ import pytest
 from vllm_csv.testing import load_bench as load
 
 pytestmark = pytest.mark.e2e
+SECONDS = 30  # of load, both servers at once
 
 
 def test_mixed_load(csv_server, dense_server):
     from vllm_csv.serve import csv_metrics
 
+    async def both():  # (at once: each server's engine is one core's work; nothing here is timed)
+        return await asyncio.gather(*(load.run_load(s.base_url, clients=8, seconds=SECONDS)
+                                      for s in (csv_server, dense_server)))
+
     before = csv_metrics(csv_server.base_url)
-    csv = asyncio.run(load.run_load(csv_server.base_url, clients=8, seconds=30))
-    dense = asyncio.run(load.run_load(dense_server.base_url, clients=8, seconds=30))
+    csv, dense = asyncio.run(both())
     after = csv_metrics(csv_server.base_url)
-    s = load.summarize(csv, 30)
+    s = load.summarize(csv, SECONDS)
     assert s["errors"] == 0, s["error_samples"]
     assert s["requests"] >= 8 and s["tokens"] > 0
-    assert load.summarize(dense, 30)["errors"] == 0
+    assert load.summarize(dense, SECONDS)["errors"] == 0
     grown = after.get("csv_decode_rows_certified_total", 0) - before.get("csv_decode_rows_certified_total", 0)
     assert grown > 0, (before, after)
     # Deterministic answers are compared and reported; under load the two servers batch the

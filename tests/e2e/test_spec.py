@@ -15,7 +15,7 @@ import urllib.request
 
 import pytest
 
-from .conftest import start_servers
+from .conftest import EAGER, start_servers
 from .test_serve import metrics
 
 pytestmark = pytest.mark.e2e
@@ -40,10 +40,10 @@ METHODS = {
 @pytest.fixture(scope="module", params=sorted(METHODS))
 def spec_pair(request, test_model_dir, tmp_path_factory):
     """(csv server, dense server, method), both speculating the same way; CSV with the off-switch
-    disabled (the test model's head is too small for CSV to pay on a CPU)."""
+    disabled (the test model's head is too small for CSV to pay on a CPU). Both eager (:data:`EAGER`)."""
     cfg = json.dumps(METHODS[request.param](test_model_dir))
     logs = tmp_path_factory.mktemp(f"spec-{request.param}")
-    common = ["--speculative-config", cfg, "--max-num-seqs", "8"]
+    common = ["--speculative-config", cfg, "--max-num-seqs", "8", *EAGER]
     csv, dense = start_servers(
         (test_model_dir, [*common, "--enable-csv-decode", "--additional-config", '{"csv_decode": {"off_switch": false}}'],
          logs / "csv.log"),

@@ -20,13 +20,13 @@ import pytest
 
 from vllm_csv.metrics import FLUSH_SECONDS
 
-from .conftest import start_server
+from .conftest import EAGER, start_server
 from .test_serve import complete
 
 pytestmark = pytest.mark.e2e
 
 TP_ENV = {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}
-TP_ARGS = ["--tensor-parallel-size", "2", "--enforce-eager"]
+TP_ARGS = ["--tensor-parallel-size", "2", *EAGER]
 
 
 @pytest.fixture(scope="module")
