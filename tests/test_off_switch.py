@@ -41,7 +41,65 @@ def test_fast_csv_is_never_stopped():
     sw = OffSwitch()
     tried, total = run(sw, 0.5, 1000)
     assert sw.times_tripped == 0 and tried + sw.probes == 1000 and total == tried * 0.5 + sw.probes
-    assert 1000 // 33 - 1 <= sw.probes <= 1000 // 32 + 1  # probes: 1 step in 32, after the first
+    # probes: the first two steps, then intervals of 32, 64, then 128 CSV steps (each sample agrees)
+    assert sw.probes == 2 + 2 + (1000 - 4 - 32 - 64) // 129, sw.probes
+
+
+def test_probes_back_off_while_they_agree_and_come_back_when_not():
+    sw = OffSwitch()
+    dense = 1.0
+    gaps, since = [], 0
+    for i in range(3000):
+        if i == 1500:
+            dense = 0.6  # the machine got quieter: the dense head is faster now
+        if sw.allow(8, lambda: dense):
+            sw.observe(8, 0.5)
+            since += 1
+        else:
+            sw.observe_dense(8, dense)
+            gaps.append(since)
+            since = 0
+    # before the change: 32, 64, then 128 CSV steps between probes; after it, each probe that
+    # disagrees with the estimate brings the interval back to 32, until the median of the last
+    # WINDOW (8) samples has moved (the fifth new sample; the fourth sees the midpoint, 0.8),
+    # then it backs off again
+    assert gaps[:6] == [0, 0, 32, 64, 128, 128], gaps
+    k = next(i for i, g in enumerate(gaps) if sum(gaps[:i + 1]) + i + 1 > 1500)  # the first probe after
+    assert gaps[k + 1:k + 8] == [32, 32, 32, 32, 32, 64, 128], gaps
+    assert sw.dense_seconds[8] == 0.6
+
+
+def test_a_stale_estimate_lasts_at_most_one_interval(monkeypatch):
+    """CSV at 0.8 saves time against a dense head of 1.0; then the dense head gets faster (0.6)
+    and CSV costs more: the next probe finds it (at most BACKOFF * probe_every CSV steps later),
+    the interval falls back to probe_every until the estimate has moved, and the switch turns CSV
+    off. From the change on, the run keeps the promise up to those two stretches' excess (no
+    credit banked: savings from before the change would hide it). With the interval never
+    falling back (every sample "agrees"), the excess is more than twice that."""
+    from vllm_csv.off_switch import BACKOFF
+
+    def after_change() -> float:
+        sw = OffSwitch(tolerance=0.02, credit_steps=0)
+        total = dense_total = 0.0
+        for i in range(4000):
+            dense = t = 1.0 if i < 1000 else 0.6
+            if sw.allow(8, lambda: dense):
+                sw.observe(8, 0.8)
+                t = 0.8
+            else:
+                sw.observe_dense(8, dense)
+            if i >= 1000:
+                total, dense_total = total + t, dense_total + dense
+        assert sw.times_tripped >= 1
+        return total - dense_total * 1.02
+
+    stale = (BACKOFF * 32 + WINDOW_STEPS) * (0.8 - 0.6)
+    assert after_change() <= stale
+    monkeypatch.setattr("vllm_csv.off_switch.STABLE", float("inf"))
+    assert after_change() > 2 * stale
+
+
+WINDOW_STEPS = 5 * 32  # (after the change, the median needs WINDOW // 2 + 1 new samples, 32 steps apart)
 
 
 def test_no_probes_when_disabled():
@@ -459,7 +517,7 @@ def test_varying_batch_sizes_keep_the_promise_and_few_probes(ratio, monkeypatch)
         monkeypatch.setattr(OffSwitch, "interpolated_estimate", lambda self, batch: None)
         before = OffSwitch(tolerance=0.02)
         run_varying(before, ratio, steps)
-        assert before.probes >= sw.probes + 20  # (the two dense steps of each new batch size)
+        assert before.probes >= sw.probes + 10  # (the two dense steps of each new batch size)
     else:
         assert sw.times_tripped >= 1
 

@@ -66,7 +66,12 @@ the switch makes a *probe*: the first two steps of a batch size (the first is th
 cold first call, not a sample), then one step in every ``probe_every``, run dense and are timed
 (:meth:`allow` returns False; the caller times the step and reports it with
 :meth:`observe_dense`). A probe costs what CSV would have saved on
-that step, at most ``1 / probe_every`` of the savings.
+that step, at most ``1 / probe_every`` of the savings. A batch size whose probes keep agreeing
+with its estimate (each sample within :data:`STABLE` of it) is probed less often: its interval
+doubles at each such sample, up to :data:`BACKOFF` times ``probe_every``, and falls back to
+``probe_every`` at the first sample that does not agree (the machine's load changed): on a
+steady machine a probe then costs a quarter of that, and a stale estimate lasts at most one
+interval of the batch size's own steps before a probe finds it out.
 
 Interpolated estimates. Under speculative decoding a step's row count is the requests' drafts
 plus one each, so a run of eight requests meets some twenty batch sizes, and two dense steps for
@@ -98,6 +103,8 @@ OUTSIDE_MIN = 3  # samples of each side before the outside difference is charged
 # switched-off steps that skip the ledger) runs on one dense estimate before its samples are
 # reported, and the times it keeps.
 LANE_MAX = 256
+STABLE = 0.1  # a probe's sample agrees with the estimate within this fraction of it (module docstring)
+BACKOFF = 4  # the longest probe interval, in multiples of probe_every
 
 
 class OffSwitch:
@@ -116,6 +123,7 @@ class OffSwitch:
         self._samples: dict[Hashable, deque[float]] = {}
         self._since_probe: dict[Hashable, int] = {}  # CSV steps since the batch size's last probe
         self._probed: set[Hashable] = set()
+        self._interval: dict[Hashable, int] = {}  # CSV steps between probes, per batch size (default probe_every)
         self._cold: set[Hashable] = set()  # batch sizes whose first (dense, cold) step is not yet reported
         self._interpolated: set[Hashable] = set()  # batch sizes on an interpolated estimate (module docstring)
         self._outside: dict[tuple[Hashable, bool], deque[float]] = {}  # (key, csv) -> outside times
@@ -169,7 +177,7 @@ class OffSwitch:
             return False
         if on and self.probe_every:
             n = self._since_probe.get(batch)
-            if n is not None and n >= (self.probe_every if batch in self._probed else 0):
+            if n is not None and n >= (self._interval.get(batch, self.probe_every) if batch in self._probed else 0):
                 self._since_probe[batch] = 0
                 self._probed.add(batch)
                 self.probes += 1
@@ -283,6 +291,10 @@ class OffSwitch:
             self._cold.discard(batch)
             return
         s = self._samples.setdefault(batch, deque(maxlen=WINDOW))
+        if s and self.probe_every:  # (the probe interval: module docstring)
+            agrees = abs(seconds - self.dense_seconds[batch]) <= STABLE * self.dense_seconds[batch]
+            now = self._interval.get(batch, self.probe_every)
+            self._interval[batch] = min(2 * now, BACKOFF * self.probe_every) if agrees else self.probe_every
         s.append(seconds)
         self._interpolated.discard(batch)
         self.dense_seconds[batch] = statistics.median(s)
