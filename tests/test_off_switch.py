@@ -419,7 +419,7 @@ def test_first_step_of_a_batch_size_runs_dense_once(monkeypatch):
     W = torch.randn(2048, 32, generator=g)
     head = CertifiedHead(W, config=HeadConfig(budget=1.0))
     step, calls = greedy_layer(head, monkeypatch)
-    # (8 is above every batch size measured: nothing to interpolate; 6 lies between 4 and 8, and
+    # (8 is above the one batch size measured: no estimate from neighbours; 6 lies between 4 and 8, and
     # tries CSV unless the ledger is off: this toy head's CSV may be slower than its dense head)
     for B, want_tried in ((4, False), (4, False), (4, True), (8, False), (8, False), (8, True), (6, None)):
         h = torch.randn(B, 32, generator=g)
@@ -442,7 +442,7 @@ def measured(sw, batch, seconds):
     assert sw.dense_seconds[batch] == seconds
 
 
-def never(): raise AssertionError("an interpolated estimate times no first guess")
+def never(): raise AssertionError("an estimate from neighbours times no first guess")
 
 
 def csv_steps_to_probe(sw, batch) -> int:
@@ -454,32 +454,40 @@ def csv_steps_to_probe(sw, batch) -> int:
     return n
 
 
-def test_a_new_batch_size_between_two_measured_interpolates_them():
+def test_a_new_batch_size_takes_the_line_through_its_measured_neighbours():
     sw = OffSwitch()
     measured(sw, 8, 2.0)
-    measured(sw, 4, 1.0)  # (below 8: nothing to interpolate)
-    measured(sw, 16, 6.0)  # (above both: nothing to interpolate)
+    measured(sw, 4, 1.0)  # (below 8: no estimate from neighbours)
+    measured(sw, 16, 6.0)  # (twice the largest: too far to extrapolate)
     measured(sw, (8, "sampler"), 5.0)
     measured(sw, (16, "sampler"), 9.0)
     assert sw.allow(12, never) and sw.dense_seconds[12] == 4.0  # between 8 and 16: CSV at once
     assert sw.allow(6, never) and sw.dense_seconds[6] == 1.5  # between 4 and 8, not 4 and 16
     assert sw.allow((12, "sampler"), never) and sw.dense_seconds[(12, "sampler")] == 7.0  # its own tag's
-    for outside in (2, 17, (4, "sampler"), (20, "sampler"), "other", (1, 2, 3)):
-        assert sw.interpolated_estimate(outside) is None, outside
+    for outside in (2, 25, (4, "sampler"), (25, "sampler"), "other", (1, 2, 3)):
+        assert sw.neighbour_estimate(outside) is None, outside  # (25: more than 1.5 x 16 above)
+    assert sw.neighbour_estimate(20) == 6.0 + (6.0 - 2.0) / 8 * 4  # the line through 8 and 16
+    assert sw.neighbour_estimate((24, "sampler")) == 9.0 + (9.0 - 5.0) / 8 * 8
     sw.observe(12, 1.0)
     for _ in range(8):
         sw.observe_dense(8, 3.0)
     assert sw.allow(12, never) and sw.dense_seconds[12] == 4.5  # follows its neighbours until it has samples
     sw.observe(12, 1.0)
     assert csv_steps_to_probe(sw, 12) == sw.probe_every - 2  # its first probe: probe_every CSV steps in
-    sw.observe_dense(12, 30.0)  # the shape's cold call: not a sample, still interpolated
+    sw.observe_dense(12, 30.0)  # the shape's cold call: not a sample, still on its neighbours
     assert sw.dense_seconds[12] == 4.5
     assert csv_steps_to_probe(sw, 12) == sw.probe_every
     sw.observe_dense(12, 3.5)  # its own sample: its own estimate from now on
     for _ in range(8):
         sw.observe_dense(8, 9.0)
     assert sw.allow(12, never) and sw.dense_seconds[12] == 3.5
-    assert sw.interpolated_estimate(10) == (9.0 + 3.5) / 2  # (a measured batch size is a neighbour)
+    assert sw.neighbour_estimate(10) == (9.0 + 3.5) / 2  # (a measured batch size is a neighbour)
+    sw2 = OffSwitch()
+    measured(sw2, 8, 2.0)
+    measured(sw2, 10, 3.0)
+    measured(sw2, 16, 2.5)  # (more than 1.5 x 10: measured; noise: a larger batch timed faster)
+    assert sw2.neighbour_estimate(20) == 2.5  # the line's slope is at least 0
+    assert sw2.allow(20, never) and not sw2.allow(25, lambda: 1.0)  # 25 > 1.5 x 16: measured
 
 
 def run_varying(sw, ratio, steps, seed=0):
@@ -503,7 +511,7 @@ def run_varying(sw, ratio, steps, seed=0):
 @pytest.mark.parametrize("ratio", [0.5, 1.5, 3.0])
 def test_varying_batch_sizes_keep_the_promise_and_few_probes(ratio, monkeypatch):
     """Twenty-five batch sizes in random order: a fast CSV runs on all but about one step in 32
-    (without interpolation, each new batch size's first two steps ran dense too); a slow one still
+    (without estimates from neighbours, each new batch size's first two steps ran dense too); a slow one still
     costs at most the tolerance, up to the slack of the module docstring: one step's excess,
     the warm-up, and the first batch size's first guess (here its own dense step)."""
     steps = 2000
@@ -514,7 +522,7 @@ def test_varying_batch_sizes_keep_the_promise_and_few_probes(ratio, monkeypatch)
     if ratio < 1:
         assert sw.times_tripped == 0 and tried + sw.probes == steps
         assert sw.probes <= steps // 32 + 25 + 2, sw.probes  # at most one rounding a batch size
-        monkeypatch.setattr(OffSwitch, "interpolated_estimate", lambda self, batch: None)
+        monkeypatch.setattr(OffSwitch, "neighbour_estimate", lambda self, batch: None)
         before = OffSwitch(tolerance=0.02)
         run_varying(before, ratio, steps)
         assert before.probes >= sw.probes + 10  # (the two dense steps of each new batch size)

@@ -73,20 +73,24 @@ doubles at each such sample, up to :data:`BACKOFF` times ``probe_every``, and fa
 steady machine a probe then costs a quarter of that, and a stale estimate lasts at most one
 interval of the batch size's own steps before a probe finds it out.
 
-Interpolated estimates. Under speculative decoding a step's row count is the requests' drafts
-plus one each, so a run of eight requests meets some twenty batch sizes, and two dense steps for
-each new one kept a tenth of the rows dense (issue 46: 89.7% of the rows certified at eight
-sequences, where the certificate passed 99.86% of those it was asked about). A new batch size
-that lies between two measured in place, of the same kind of key (``int`` batch sizes, or
-``(B, tag)`` with the same ``tag``), takes the linear interpolation of the nearest measured one
-below and above it (:meth:`interpolated_estimate`) and tries CSV at once, with no first guess
-run; it follows them, refreshed at each step, until its own probes, on the schedule of one step
-in ``probe_every`` (the first of them is the shape's cold call, not a sample), give it in-place
-samples. A batch size below or above every one measured starts as above. (Borrowing the largest
-smaller one's estimate instead, a bound under the dense time, was tried: it charged CSV for the
-rows the lender does not have, and in the eight-sequence ngram run the switch kept 80% of the
-rows dense.) The promise then holds up to how far the dense time departs
-from a line between two measured batch sizes, until the new one has samples of its own.
+Estimates from neighbours. Under speculative decoding a step's row count is the requests'
+drafts plus one each, so a run of eight requests meets some ten batch sizes, and two dense
+steps for each new one kept a tenth of the rows dense (issue 46: 89.7% of the rows certified at
+eight sequences, where the certificate passed 99.86% of those it was asked about). A new batch
+size takes its estimate from those measured in place, of the same kind of key (``int`` batch
+sizes, or ``(B, tag)`` with the same ``tag``; :meth:`neighbour_estimate`): the line between
+the nearest measured below and above it, or, above every one measured but at most
+:data:`EXTRAPOLATE` times the largest, the line through the two largest (its slope at least 0),
+and tries CSV at once, with no first guess run. It follows them, refreshed at each step, until
+its own probes, on the schedule of one step in ``probe_every`` (the first of them is the
+shape's cold call, not a sample), give it in-place samples. Any other new batch size (below
+every one measured, far above them, or with fewer than two measured) starts as above.
+(Borrowing the largest smaller one's estimate, a bound under the dense time, was tried: it
+charged CSV for the rows the lender does not have, and in the eight-sequence ngram run the
+switch kept 80% of the rows dense. Interpolation alone did little there: that run's batch sizes
+first appear in increasing order, 1, 8, 9, 12, 15, 20, 24, 31, 32, each above all before it.)
+The promise then holds up to how far the dense time departs from those lines, until the new
+batch size has samples of its own.
 """
 
 from __future__ import annotations
@@ -105,6 +109,7 @@ OUTSIDE_MIN = 3  # samples of each side before the outside difference is charged
 LANE_MAX = 256
 STABLE = 0.1  # a probe's sample agrees with the estimate within this fraction of it (module docstring)
 BACKOFF = 4  # the longest probe interval, in multiples of probe_every
+EXTRAPOLATE = 1.5  # a new batch size at most this times the largest measured takes their line
 
 
 class OffSwitch:
@@ -125,7 +130,7 @@ class OffSwitch:
         self._probed: set[Hashable] = set()
         self._interval: dict[Hashable, int] = {}  # CSV steps between probes, per batch size (default probe_every)
         self._cold: set[Hashable] = set()  # batch sizes whose first (dense, cold) step is not yet reported
-        self._interpolated: set[Hashable] = set()  # batch sizes on an interpolated estimate (module docstring)
+        self._on_neighbours: set[Hashable] = set()  # batch sizes on their neighbours' estimate (module docstring)
         self._outside: dict[tuple[Hashable, bool], deque[float]] = {}  # (key, csv) -> outside times
         # key -> outside_excess of its current windows, kept until observe_outside changes one
         # (observe reads it every CSV step: two medians of up to OUTSIDE_WINDOW samples)
@@ -156,8 +161,8 @@ class OffSwitch:
         """Start a step of ``batch`` rows and of ``kind`` (its ledger): whether it may try CSV
         (else it runs dense, and the caller reports its time with :meth:`observe_dense`)."""
         self._kind = kind
-        if self.probe_every and (batch in self._interpolated or batch not in self.dense_seconds):
-            self._interpolate(batch)
+        if self.probe_every and (batch in self._on_neighbours or batch not in self.dense_seconds):
+            self._from_neighbours(batch)
         first = batch not in self.dense_seconds
         total = self._dense_total[kind] = self._dense_total.get(kind, 0.0) + self.dense_estimate(batch, measure_dense)
         on = self._excess.get(kind, 0.0) <= self.tolerance * total
@@ -184,36 +189,42 @@ class OffSwitch:
                 return False
         return on
 
-    def interpolated_estimate(self, batch: Hashable) -> float | None:
-        """The linear interpolation, at ``batch``'s size, of the in-place estimates of the nearest
-        batch sizes below and above it measured in place, of the same kind of key (module
-        docstring, "Interpolated estimates"); None where one side has none, or ``batch`` is
+    def neighbour_estimate(self, batch: Hashable) -> float | None:
+        """``batch``'s estimate from the batch sizes of its kind of key measured in place (module
+        docstring, "Estimates from neighbours"): the line between the nearest below and above
+        it, else, where ``batch`` is at most :data:`EXTRAPOLATE` times the largest, the line
+        through the two largest (slope at least 0); None otherwise, or where ``batch`` is
         neither an ``int`` nor ``(int, tag)``."""
         size, tag = _size_and_tag(batch)
         if size is None:
             return None
-        lo = hi = None
+        below, hi = [], None
         for other in self._samples:  # (keys with in-place samples: a few dozen at most)
             s, t = _size_and_tag(other)
             if t != tag or s is None or s == size:
                 continue
-            if s < size and (lo is None or s > lo[0]):
-                lo = (s, self.dense_seconds[other])
-            elif s > size and (hi is None or s < hi[0]):
+            if s < size:
+                below.append((s, self.dense_seconds[other]))
+            elif hi is None or s < hi[0]:
                 hi = (s, self.dense_seconds[other])
-        if lo is None or hi is None:
-            return None
-        return lo[1] + (hi[1] - lo[1]) * (size - lo[0]) / (hi[0] - lo[0])
+        below.sort()
+        if below and hi is not None:
+            (s0, e0), (s1, e1) = below[-1], hi
+            return e0 + (e1 - e0) * (size - s0) / (s1 - s0)
+        if hi is None and len(below) >= 2 and size <= EXTRAPOLATE * below[-1][0]:
+            (s0, e0), (s1, e1) = below[-2:]
+            return e1 + max(0.0, (e1 - e0) / (s1 - s0)) * (size - s1)
+        return None
 
-    def _interpolate(self, batch: Hashable) -> None:
-        """A new batch size takes an interpolated estimate where there is one, and one on such an
-        estimate follows its neighbours until it has samples of its own. Its probes then run on
-        the usual schedule: no dense step before its first CSV step, the first probe a cold call."""
-        est = self.interpolated_estimate(batch)
+    def _from_neighbours(self, batch: Hashable) -> None:
+        """A new batch size takes its neighbours' estimate where there is one, and one on such an
+        estimate follows them until it has samples of its own. Its probes then run on the usual
+        schedule: no dense step before its first CSV step, the first probe a cold call."""
+        est = self.neighbour_estimate(batch)
         if est is None:
             return
         if batch not in self.dense_seconds:
-            self._interpolated.add(batch)
+            self._on_neighbours.add(batch)
             self._probed.add(batch)  # (the usual schedule: probe_every CSV steps to the first probe)
             self._since_probe[batch] = 0
             self._cold.add(batch)
@@ -296,13 +307,13 @@ class OffSwitch:
             now = self._interval.get(batch, self.probe_every)
             self._interval[batch] = min(2 * now, BACKOFF * self.probe_every) if agrees else self.probe_every
         s.append(seconds)
-        self._interpolated.discard(batch)
+        self._on_neighbours.discard(batch)
         self.dense_seconds[batch] = statistics.median(s)
 
 
 def _size_and_tag(batch: Hashable) -> tuple[int | None, Hashable]:
     """A key's batch size and tag: ``B`` is ``(B, None)``, ``(B, tag)`` is itself; other keys
-    ``(None, None)`` (nothing interpolated for them)."""
+    ``(None, None)`` (no estimate from neighbours for them)."""
     if isinstance(batch, int):
         return batch, None
     if isinstance(batch, tuple) and len(batch) == 2 and isinstance(batch[0], int):
