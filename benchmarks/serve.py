@@ -47,6 +47,9 @@ def main(argv=None) -> int:
                    help="both servers up at once, each workload's rounds alternating between them (ABBA); "
                         "the speed-up is the median of the rounds' ratios (drift between runs cancels)")
     p.add_argument("--pause", type=float, default=1.0, help="--interleave: seconds of rest before each turn")
+    p.add_argument("--warmup-rounds", type=int, default=0,
+                   help="--interleave: untimed rounds of each workload on each server first, left out of the "
+                        "speed-up and of CSV's counts (the whole run's certified share is reported beside)")
     p.add_argument("--per-turn", type=int, default=1,
                    help="--interleave: batched requests a server's turn (longer turns: less scheduling jitter)")
     p.add_argument("--same-malloc", action="store_true",
@@ -84,6 +87,8 @@ def main(argv=None) -> int:
     if args.interleave:
         if args.pairs != 1:
             p.error("--interleave runs one pair of servers")
+    elif args.warmup_rounds:
+        p.error("--warmup-rounds needs --interleave")
         args.pair = 0
         pairs.append(run_interleaved(args.model, args))
     for i in range(0 if args.interleave else args.pairs):

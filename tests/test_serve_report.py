@@ -116,3 +116,54 @@ def test_dense_server_is_vllm_alone():
     from importlib.metadata import entry_points
 
     assert PLUGIN_ENTRY_POINT in {e.name for e in entry_points(group="vllm.general_plugins")}  # installed as named
+
+
+def test_warmup_rounds_run_first_and_are_left_out_of_the_counts(monkeypatch):
+    """--warmup-rounds: each server runs them before the timed rounds (untimed, outputs not
+    compared); CSV's counts and vLLM's speculative counters are those of the timed rounds alone
+    (the end's less the warm-up's), the whole run's certified share reported beside."""
+    import contextlib
+    from types import SimpleNamespace
+
+    calls, clock = [], [0.0]
+    counts = {True: 0, False: 0}  # requests served so far, per server
+
+    @contextlib.contextmanager
+    def fake_server(model, csv, args):
+        def complete(params):
+            calls.append(csv)
+            counts[csv] += 1
+            clock[0] += 1.0
+            return {"choices": [{"index": 0, "text": "same"}], "usage": {"completion_tokens": 100}}
+        yield complete, csv
+
+    def metrics(csv):  # 10 rows a request; the first two requests' rows all dense (warm-up)
+        n = counts[csv]
+        return {"csv_decode_info{screen=\"int8\"}": 1.0, "csv_decode_rows_total": 10.0 * n,
+                "csv_decode_csv_rows_total": 10.0 * n,
+                'csv_decode_rows_certified_total{mode="greedy"}': 10.0 * max(0, n - 2),
+                "csv_decode_rows_certified_total": 10.0 * max(0, n - 2)}
+
+    monkeypatch.setattr(serve, "server", fake_server)
+    monkeypatch.setattr(serve, "csv_metrics", metrics)
+    monkeypatch.setattr(serve, "spec_metrics", lambda csv: {"spec_decode_num_draft_tokens": 3.0 * counts[csv],
+                                                           "spec_decode_num_accepted_tokens": 1.0 * counts[csv] ** 2,
+                                                           "acceptance_rate": counts[csv] / 3.0})
+    monkeypatch.setattr(serve.time, "perf_counter", lambda: clock[0])
+    monkeypatch.setattr(serve.time, "sleep", lambda s: None)
+    args = SimpleNamespace(mixed=False, workloads=["greedy"], rounds=4, pause=0.0, per_turn=1, csv_first=False,
+                           warmup_rounds=2)
+    s = serve.run_interleaved("m", args)
+    assert calls[:4] == [False, False, True, True]  # the warm-up rounds, each server's in turn
+    assert s["rows_total"] == 40.0 and s["certified_share_of_all_rows"] == 1.0  # the timed rounds alone
+    assert s["certified_share_with_warmup"] == 40.0 / 60.0 and s["warmup_rounds"] == 2
+    assert s["csv_metrics"]['csv_decode_info{screen="int8"}'] == 1.0
+    spec = s["spec_decode"]["csv"]
+    assert spec["spec_decode_num_draft_tokens"] == 12.0 and spec["acceptance_rate"] == round((36 - 4) / 12.0, 4)
+    assert "after 2 untimed warm-up rounds per server" in serve.markdown(
+        dict(s, csv_head_ms_mean=None, head_seconds_saved_total=None), "m", "x")
+    args.warmup_rounds = 0  # without: the end's counts, warm-up requests and all
+    counts.update({True: 0, False: 0})
+    plain = serve.run_interleaved("m", args)
+    assert plain["rows_total"] == 40.0 and plain["certified_share_of_all_rows"] == 20.0 / 40.0
+    assert "warmup_rounds" not in plain and "certified_share_with_warmup" not in plain

@@ -165,6 +165,7 @@ def run_interleaved(model: str, args) -> dict:
         order = (True, False) if args.csv_first else (False, True)
         comp = {csv: stack.enter_context(server(model, csv, args)) for csv in order}
         res: dict = {False: {}, True: {}}
+        start = warm_up(comp, args)
         ratios: dict[str, list[float]] = {}
         for name, params in workloads(args).items():
             acc = {csv: {"tokens": 0, "seconds": 0.0, "texts": []} for csv in (False, True)}
@@ -188,17 +189,55 @@ def run_interleaved(model: str, args) -> dict:
                 a = acc[csv]
                 res[csv][name] = {"tokens": a["tokens"], "seconds": round(a["seconds"], 2),
                                   "tokens_per_s": round(a["tokens"] / a["seconds"], 1), "texts": a["texts"]}
-        res[True]["metrics"] = csv_metrics(comp[True][1])
+        end = csv_metrics(comp[True][1])
+        res[True]["metrics"] = since(end, start[True]["metrics"])
         res[False]["metrics"] = {}
         for csv in (False, True):
-            res[csv]["spec"] = spec_metrics(comp[csv][1])
+            res[csv]["spec"] = spec_since(spec_metrics(comp[csv][1]), start[csv]["spec"])
     s = summary(res[False], res[True])
+    if getattr(args, "warmup_rounds", 0):
+        s["warmup_rounds"] = args.warmup_rounds
+        s["csv_metrics_with_warmup"] = end
+        rows = end.get("csv_decode_rows_total", 0.0)
+        s["certified_share_with_warmup"] = end.get("csv_decode_rows_certified_total", 0.0) / rows if rows else 0.0
     for name, rs in ratios.items():
         w = s["workloads"][name]
         w["speedup_of_totals"] = w["speedup"]
         w["speedup"] = round(statistics.median(rs), 3)
         w["speedup_by_round"] = rs
     return s
+
+
+def warm_up(comp: dict, args) -> dict:
+    """``args.warmup_rounds`` untimed rounds of each workload on each server (``comp``: CSV or
+    not -> (complete, base)), before the timed ones: a server's first steps are its warm-up
+    (first calls of each shape, the off-switch's first dense steps of each batch size). Returns
+    each server's metrics after them (``{csv: {"metrics", "spec"}}``; empty without warm-up
+    rounds), which :func:`since` and :func:`spec_since` take off the end's."""
+    n = getattr(args, "warmup_rounds", 0)
+    for name, params in workloads(args).items() if n else ():
+        for csv in comp:
+            for _ in range(n):
+                run_round(comp[csv][0], name, params)
+    return {csv: {"metrics": csv_metrics(comp[csv][1]) if (n and csv) else {},
+                  "spec": spec_metrics(comp[csv][1]) if n else {}} for csv in comp}
+
+
+def since(end: dict[str, float], start: dict[str, float]) -> dict[str, float]:
+    """CSV's metrics (:func:`~vllm_csv.serve.csv_metrics`) counted between ``start`` and ``end``:
+    every sample is a counter or a histogram's sum or count, but ``csv_decode_info`` (a gauge of
+    1, kept)."""
+    return {k: v if k.startswith("csv_decode_info") else v - start.get(k, 0.0) for k, v in end.items()}
+
+
+def spec_since(end: dict[str, float], start: dict[str, float]) -> dict[str, float]:
+    """vLLM's speculative-decoding counters (:func:`~vllm_csv.serve.spec_metrics`) between
+    ``start`` and ``end``, the acceptance rate taken over that span."""
+    out = {k: v - start.get(k, 0.0) for k, v in end.items() if k != "acceptance_rate"}
+    drafted = out.get("spec_decode_num_draft_tokens", 0.0)
+    if drafted:
+        out["acceptance_rate"] = round(out.get("spec_decode_num_accepted_tokens", 0.0) / drafted, 4)
+    return out
 
 
 def malloc_env() -> dict[str, str]:
@@ -291,7 +330,9 @@ def markdown(s: dict, machine: str, model: str) -> str:
                        f"{w['speedup_of_totals']}x)")
         lines.append(f"| {name} | {w['dense_tokens_per_s']} | {w['csv_tokens_per_s']} | {w['speedup']}x{by_pair} | "
                      f"{w['identical_outputs']} |")
-    lines += ["", f"CSV path: {s['csv_rows']:.0f} of {s['rows_total']:.0f} head rows eligible, "
+    warm = (f" (after {s['warmup_rounds']} untimed warm-up rounds per server, not counted here; with them "
+            f"{s['certified_share_with_warmup']:.1%} of all rows certified)") if s.get("warmup_rounds") else ""
+    lines += ["", f"CSV path{warm}: {s['csv_rows']:.0f} of {s['rows_total']:.0f} head rows eligible, "
               f"{s['certified_share_of_csv_rows']:.1%} of them certified ({s['certified_share_of_all_rows']:.1%} of all "
               f"rows; by mode {s['certified_by_mode']}); fallbacks {s['fallbacks']}; "
               f"mean head step {s['csv_head_ms_mean']} ms; head time saved {s['head_seconds_saved_total']} s"]
