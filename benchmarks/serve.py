@@ -84,11 +84,11 @@ def main(argv=None) -> int:
     if args.pairs < 1:
         p.error("--pairs must be >= 1")
     pairs = []
+    if args.warmup_rounds and not args.interleave:
+        p.error("--warmup-rounds needs --interleave")
     if args.interleave:
         if args.pairs != 1:
             p.error("--interleave runs one pair of servers")
-    elif args.warmup_rounds:
-        p.error("--warmup-rounds needs --interleave")
         args.pair = 0
         pairs.append(run_interleaved(args.model, args))
     for i in range(0 if args.interleave else args.pairs):
