@@ -330,7 +330,8 @@ def markdown(s: dict, machine: str, model: str) -> str:
                        f"{w['speedup_of_totals']}x)")
         lines.append(f"| {name} | {w['dense_tokens_per_s']} | {w['csv_tokens_per_s']} | {w['speedup']}x{by_pair} | "
                      f"{w['identical_outputs']} |")
-    warm = (f" (after {s['warmup_rounds']} untimed warm-up rounds per server, not counted here; with them "
+    n = s.get("warmup_rounds")
+    warm = (f" (after {n} untimed warm-up round{'s' if n > 1 else ''} per server, not counted here; with them "
             f"{s['certified_share_with_warmup']:.1%} of all rows certified)") if s.get("warmup_rounds") else ""
     lines += ["", f"CSV path{warm}: {s['csv_rows']:.0f} of {s['rows_total']:.0f} head rows eligible, "
               f"{s['certified_share_of_csv_rows']:.1%} of them certified ({s['certified_share_of_all_rows']:.1%} of all "
