@@ -350,8 +350,8 @@ def rows_from_serve(d: dict, source: str, **common) -> list[Row]:
     label = model_label(d.get("model") or "demo-")[0] if d.get("model") else "demo"
     flags = _cfg(interleave=d.get("interleave") or None, same_malloc=d.get("same_malloc") or None,
                  pairs=len(d["pairs"]) if isinstance(d.get("pairs"), list) else None,
-                 control=d.get("control") or None, csv_first=d.get("csv_first") or None,
-                warmup_rounds=d.get("warmup_rounds") or None)
+                  control=d.get("control") or None, csv_first=d.get("csv_first") or None,
+                 warmup_rounds=d.get("warmup_rounds") or None)
     vargs = " ".join(d.get("vllm_args") or [])
     if d.get("dense_args") is not None:  # the dense server ran other arguments (e.g. no speculation)
         vargs += f"' dense_args='{' '.join(d['dense_args'])}"

@@ -152,7 +152,8 @@ class OffSwitch:
         only: the plugin's dense function keeps its output for the step (a second call would
         time nothing: that made the first guess about 0 and CSV look slower than it is), and
         the guess only stands until the in-place time of that same step replaces it (with
-        probes on, :meth:`allow` sends a batch size's first step dense)."""
+        probes on, :meth:`allow` sends a batch size's first step dense). Not called for a batch
+        size whose neighbours give its estimate (:meth:`neighbour_estimate`)."""
         if batch not in self.dense_seconds:
             self.dense_seconds[batch] = measure()
         return self.dense_seconds[batch]

@@ -332,7 +332,7 @@ def markdown(s: dict, machine: str, model: str) -> str:
                      f"{w['identical_outputs']} |")
     n = s.get("warmup_rounds")
     warm = (f" (after {n} untimed warm-up round{'s' if n > 1 else ''} per server, not counted here; with them "
-            f"{s['certified_share_with_warmup']:.1%} of all rows certified)") if s.get("warmup_rounds") else ""
+            f"{s['certified_share_with_warmup']:.1%} of all rows certified)") if n else ""
     lines += ["", f"CSV path{warm}: {s['csv_rows']:.0f} of {s['rows_total']:.0f} head rows eligible, "
               f"{s['certified_share_of_csv_rows']:.1%} of them certified ({s['certified_share_of_all_rows']:.1%} of all "
               f"rows; by mode {s['certified_by_mode']}); fallbacks {s['fallbacks']}; "
