@@ -266,6 +266,8 @@ def test_drafter_greedy_sample_certifies_its_argmax(monkeypatch):
     proposer.use_local_argmax_reduction = proposer.use_heterogeneous_vocab = False
     h = case.hidden[:7]
     want = audit.dense_reference(dataclasses.replace(case, hidden=h)).float().argmax(-1)
+    assert torch.equal(proposer._greedy_sample(h), want)  # (the first call dense: patches.watch_logits)
+    assert seen[-1] is None and head.last_top1 is None
     ids = proposer._greedy_sample(h)
     assert torch.equal(ids, want)
     assert seen[-1].topk == [1] * 7 and seen[-1].row_modes == [spec.DRAFT_MODE] * 7

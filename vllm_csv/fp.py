@@ -119,3 +119,11 @@ def matmul32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     if fp32_matmul_is_ieee(a.device.type):
         return a @ b
     return (a.double() @ b.double()).float()
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bit-for-bit equality (``torch.equal`` counts ``-0.0 == 0.0`` and never ``NaN == NaN``)."""
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return False
+    ints = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[a.element_size()]
+    return torch.equal(a.contiguous().view(ints), b.contiguous().view(ints))

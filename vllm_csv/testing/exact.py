@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import torch
 
+from ..fp import same_bits  # noqa: F401  (re-exported: the tests read it here)
+
 
 def dense_topk(W, b, h, k, softcap=None, scale=1.0):
     """The dense head's top-``k``: ``(ids [B, k], values [B, k], logits [B, V])``; the logits
@@ -17,14 +19,6 @@ def dense_topk(W, b, h, k, softcap=None, scale=1.0):
     z = z * scale if scale != 1.0 else z
     vals, ids = torch.sort(z, dim=1, descending=True, stable=True)
     return ids[:, :k], vals[:, :k], z
-
-
-def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Bit-for-bit equality (``torch.equal`` counts ``-0.0 == 0.0`` and never ``NaN == NaN``)."""
-    if a.shape != b.shape or a.dtype != b.dtype:
-        return False
-    ints = {2: torch.int16, 4: torch.int32, 8: torch.int64}[a.element_size()]
-    return torch.equal(a.contiguous().view(ints), b.contiguous().view(ints))
 
 
 def ulps_apart(a: torch.Tensor, b: torch.Tensor) -> int:

@@ -31,7 +31,7 @@ from .. import head as csv_head
 from ..metrics import Series
 from ..off_switch import WINDOW
 from .config import CSVDecodeConfig, from_additional_config
-from .step import PLACEHOLDER, Deferred, DeferredStats, DenseBatch, StepAccount, Top1, step_of
+from .step import PLACEHOLDER, Deferred, DeferredStats, DenseBatch, Returned, StepAccount, Top1, step_of
 
 logger = init_logger("vllm.csv_decode")
 
@@ -75,6 +75,15 @@ class CSVLogitsProcessor(LogitsProcessor):
 
     def forward(self, lm_head, hidden_states: torch.Tensor, embedding_bias: torch.Tensor | None = None,
                 skip_gather: bool = False):
+        logits, csv = self._forward(lm_head, hidden_states, embedding_bias, skip_gather)
+        step = step_of(self)
+        if step is not None and logits is not None:  # (for the model's compute_logits: step.Returned)
+            step.returned = Returned(logits, logits.clone() if step.snapshot else None, csv)
+        return logits
+
+    def _forward(self, lm_head, hidden_states: torch.Tensor, embedding_bias: torch.Tensor | None,
+                 skip_gather: bool) -> tuple[torch.Tensor | None, bool]:
+        """The logits, and whether they hold rows the head certified or deferred."""
         # The head (and its index) is built at the first call, which vLLM makes during
         # start-up (profiling / warm-up): a bad index stops the server there.
         t0 = time.perf_counter()  # the off-switch charges this layer's whole step, plan included
@@ -89,7 +98,7 @@ class CSVLogitsProcessor(LogitsProcessor):
         plan = None if step is None else step.take_plan(hidden_states.shape[0])
         if plan is None or skip_gather or hidden_states.dim() != 2:
             self._csv_span = None
-            return super().forward(lm_head, hidden_states, embedding_bias, skip_gather)
+            return super().forward(lm_head, hidden_states, embedding_bias, skip_gather), False
         self._outside(head.off_switch, plan, t0)
         lane = self._csv_lane
         if lane is not None:
@@ -104,7 +113,7 @@ class CSVLogitsProcessor(LogitsProcessor):
                     lane.series.seconds.append(seconds)
                     if lane.timed:
                         self._span_done(lane.key, False, seconds)
-                return logits
+                return logits, False
             self._close_lane(head.off_switch)
         if not any(plan.topk):  # every row dense by its sampling parameters: count the rows
             out = super().forward(lm_head, hidden_states, embedding_bias, skip_gather)
@@ -112,7 +121,7 @@ class CSVLogitsProcessor(LogitsProcessor):
                 self._observe(head.off_switch, hidden_states.shape[0], time.perf_counter() - t0)
             if self.csv_metrics is not None:
                 self.csv_metrics.record(csv_head.StepStats(rows=hidden_states.shape[0]))
-            return out
+            return out, False
         B = hidden_states.shape[0]
         dense_full = DenseBatch(self, lm_head, hidden_states, embedding_bias)  # computed at most once
         ks, modes, deferred, in_head = plan.topk, plan.row_modes, plan.deferred, plan.in_head
@@ -148,7 +157,7 @@ class CSVLogitsProcessor(LogitsProcessor):
             if steps:
                 self._open_lane(plan, key, kind, steps, stats, timed=not hidden_states.is_cuda,
                                 with_sampler=with_sampler)
-            return logits
+            return logits, False
         if not deferred:
             logits, stats = head.sampler_logits(hidden_states, plan.topk_tensor, lambda h: dense_full(), t0=t0,
                                                 temperature=plan.temperature, use_switch=False)
@@ -183,10 +192,10 @@ class CSVLogitsProcessor(LogitsProcessor):
                 [modes[i] for i in deferred], self._adapter(head), dense_full, account,
                 seconds=time.perf_counter() - t0 - stats.seconds)
             self._log_first(head, stats)
-            return logits
+            return logits, True
         self._log_first(head, stats)
         self._record(head, stats, self._head_modes(head, stats, ks, modes, range(B)), B if asked else None)
-        return logits
+        return logits, True
 
     def settle(self, account: StepAccount, deferred: DeferredStats | None, sampler_seconds: float) -> None:
         """Close a step's account once its sampler call has run (:class:`~.step.Ledger`):

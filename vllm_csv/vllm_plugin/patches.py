@@ -29,6 +29,7 @@ from typing import Protocol
 import torch
 
 from ..errors import CSVError
+from ..fp import same_bits
 from . import v1, v2
 from .logits_processor import CSVLogitsProcessor
 from .step import LazyPlan, StepChannel
@@ -69,6 +70,7 @@ def bind(runner) -> StepChannel:
         except Exception:  # (a runner whose get_model refuses: the attribute as it is)
             root = model
         _bind_layers(root, channel)
+        watch_logits(model, channel, type(root).__name__)
         channel.model = model
     sampler = getattr(runner, "sampler", None)
     if sampler is not None and sampler.__dict__.get("csv_channel") is not channel:  # (per step: skip
@@ -87,6 +89,7 @@ def bind_drafter(proposer) -> StepChannel:
     model = getattr(proposer, "model", None)
     if model is not None and channel.model is not model:
         _bind_layers(model, channel, keep_bound=True)
+        watch_logits(model, channel, type(model).__name__)
         channel.model = model
     return channel
 
@@ -98,6 +101,57 @@ def _bind_layers(root, channel: StepChannel, keep_bound: bool = False) -> None:
             if keep_bound and m.__dict__.get("csv_channel") not in (None, channel):
                 continue
             m.csv_channel = channel
+
+
+def watch_logits(model, channel: StepChannel, name: str) -> None:
+    """Wrap ``model.compute_logits`` (on the instance the runner or proposer calls) so that a model
+    which changes the head's logits after the head (:class:`~.step.Returned`) gets the dense head.
+
+    The channel's first call that reaches the layer runs dense and the layer keeps a copy of
+    its output: a model that returns another tensor, or the same one with other bits, changes
+    them (one warning; no plan for this channel again). Every later call checks the identity
+    alone (a copy and a comparison of ``[B, V]`` once per runner, then nothing: vLLM runs its
+    steps in inference mode, where a tensor's in-place writes leave no version counter to
+    compare): a call that returns another tensor than the layer's, with rows the head certified
+    or deferred, is made again dense (its hand-off dropped), so that step's tokens are vLLM's
+    too. ``name``: the model's class, for the warning. The first call's comparison reads the
+    result on the host once (a device sync, once per runner)."""
+    orig = getattr(model, "compute_logits", None)
+    if orig is None or getattr(orig, "_csv_channel", None) is channel:
+        return
+
+    def compute_logits(*args, **kwargs):
+        step = channel.step
+        first = not channel.logits_checked
+        if first:
+            step.plan, step.snapshot = None, True  # (this call dense: its bits show what the model does)
+        step.returned = None
+        try:
+            out = orig(*args, **kwargs)
+        finally:
+            step.snapshot = False
+        r, step.returned = step.returned, None
+        if r is None:  # (the layer was not called: nothing to compare)
+            return out
+        if first:
+            channel.logits_checked = True
+        if out is r.logits and (r.copy is None or same_bits(out, r.copy)):
+            return out
+        if channel.post_processing is None:
+            channel.post_processing = name
+            from vllm.logger import init_logger
+
+            init_logger("vllm.csv_decode").warning(
+                "CSV-Decode is off for this model: %s.compute_logits changes the head's logits after the head "
+                "(suppressed tokens, a scale, a soft-cap or a vocabulary map the certificate does not cover); "
+                "using the dense head.", name)
+        if not r.csv:
+            return out
+        step.plan = step.handoff = None
+        return orig(*args, **kwargs)  # (no plan: the layer computes vLLM's logits)
+
+    compute_logits._csv_channel = channel
+    model.compute_logits = compute_logits
 
 
 def _engine_args() -> None:

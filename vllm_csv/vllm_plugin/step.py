@@ -124,7 +124,8 @@ class Top1:
     demo's head on a CPU). Sound because a row certified ``k = 1`` holds the dense value on its
     token and ``-inf`` elsewhere (ties are never certified), so its argmax, before or after an fp32
     cast, is that token, the dense row's argmax. A reader takes it only for the very ``logits``
-    the head returned (not a copy or a slice, which another step might have changed)."""
+    the head returned (not a copy or a slice, which another step might have changed; a model that
+    writes into them after the head gets no plan: :class:`Returned`)."""
 
     logits: torch.Tensor  # [B, V] what the head returned
     tokens: torch.Tensor  # [B] int64 on the logits' device: each row's token (Selection.top1)
@@ -134,12 +135,31 @@ Handoff = Deferred | StepAccount | Top1  # what the layer leaves for the sampler
 
 
 @dataclass
+class Returned:
+    """What the CSV layer returned in the current ``model.compute_logits`` call. vLLM's runners
+    read the model's ``compute_logits``, not the layer's output: most models return the layer's
+    tensor as it is, but some change it after the head (vLLM 0.32: Gemma 4's ``suppress_tokens``
+    by an in-place ``index_fill_``, Moondream 3's answer token set to ``-inf``, a logit multiplier
+    or soft-cap applied outside the layer, EAGLE-3's draft-to-target vocabulary map). The head's
+    certificate covers the layer's output only, so a model whose ``compute_logits`` does not
+    return the layer's tensor with the layer's bits gets the dense head
+    (:func:`~.patches.watch_logits`: the bits are compared at the channel's first call, made
+    dense; vLLM runs its steps in inference mode, where tensors keep no version counter)."""
+
+    logits: torch.Tensor
+    copy: torch.Tensor | None  # a copy of ``logits`` as returned, where the step asked for one
+    csv: bool  # whether it holds rows the head certified or deferred (else vLLM's own logits)
+
+
+@dataclass
 class Step:
     """One step of one runner: its plan until the layer takes it, then the layer's hand-off
     until the sampler takes it."""
 
     plan: Plan | LazyPlan | None = None
     handoff: Handoff | None = None
+    returned: Returned | None = None  # the layer's output in the current compute_logits call
+    snapshot: bool = False  # the layer keeps a copy of what it returns (Returned.copy)
 
     def take_plan(self, num_rows: int) -> Plan | None:
         """The plan for a logits call of ``num_rows`` rows; consumed by the first call, so a
@@ -189,10 +209,13 @@ class StepChannel:
     def __init__(self):
         self.step = Step()
         self.model = None  # the model whose layers are bound (rebound if the runner reloads it)
+        self.logits_checked = False  # whether a call showed what the model does with the head's logits
+        self.post_processing: str | None = None  # the model (its class) changes them (Returned)
 
     def open(self, plan: Plan | LazyPlan | None) -> Step:
-        """A new step (any hand-off no sampler took is dropped with the old one)."""
-        self.step = Step(plan)
+        """A new step (any hand-off no sampler took is dropped with the old one); without a plan
+        once the model is known to change the head's logits after it."""
+        self.step = Step(None if self.post_processing else plan)
         return self.step
 
     def close_plan(self) -> None:
