@@ -2,36 +2,52 @@
 :data:`vllm_csv.testing.threads.TEST_THREADS` threads; its synthetic heads, dense references and
 fakes are in :mod:`vllm_csv.testing`."""
 
+import os
+import tempfile
+from pathlib import Path
+
+import background
 import pytest
 
 from vllm_csv.testing.threads import use_test_threads
 
 use_test_threads()
 
-INTERPRETED = "test_gpu_kernels_interpreted.py"  # Triton's interpreter in the background (its docstring)
+INTERPRETED = "test_gpu_kernels_interpreted.py"  # its tests collect the interpreted runs
+
 
 
 @pytest.hookimpl(trylast=True)  # (after -k / -m deselected what they deselect)
 def pytest_collection_modifyitems(config, items):
-    """The interpreted GPU tests last, so that their background runs overlap the unit tests."""
+    """The suite's subprocess work queued in the background (:mod:`background`): the interpreted
+    GPU files' runs, and the :data:`~background.DEFERRED` files' tests (moved to the end, where
+    they report their background outcome). Only in a run with other tests to overlap."""
     late = [it for it in items if it.path.name == INTERPRETED]
+    others = [it for it in items if it.path.name not in background.DEFERRED and it.path.name != INTERPRETED]
+    if not background.enabled() or not others:
+        return
+    jobs = background.defer(items, config.rootpath, Path(tempfile.mkdtemp(prefix="csv-background-")))
     if late:
         items[:] = [it for it in items if it.path.name != INTERPRETED] + late
-        config._csv_interpreted = late[0].module
+        jobs.update({name: background.interpreted_job(name) for name in background.INTERPRETED})
+    background.Jobs.start(jobs)
 
 
-def pytest_runtest_setup(item):
-    """Start the interpreted runs at the first test outside ``tests/e2e``."""
-    module = getattr(item.config, "_csv_interpreted", None)
-    if module is not None and item.path.parent.name != "e2e":
-        module.Background.start()
+@pytest.hookimpl(tryfirst=True)
+def pytest_pyfunc_call(pyfuncitem):
+    """A deferred test reports its background run's outcome instead of running here."""
+    return True if background.outcome(pyfuncitem) else None
+
+
+def pytest_runtest_logreport(report):
+    """In a deferred file's background run: each report, for the session that waits on it."""
+    if background.REPORT_ENV in os.environ:
+        background.record(report)
 
 
 def pytest_sessionfinish(session):
-    """A session that ends early (``-x``) does not wait for the interpreted runs."""
-    module = getattr(session.config, "_csv_interpreted", None)
-    if module is not None:
-        module.Background.stop()
+    """A session that ends early (``-x``) does not wait for the background runs."""
+    background.Jobs.stop()
 
 
 @pytest.fixture(autouse=True)

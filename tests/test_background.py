@@ -1,0 +1,92 @@
+"""The suite's background runs (``tests/background.py``): a deferred test reports its background
+run's outcome, a failure's text included, and a test the background run said nothing of fails."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from types import SimpleNamespace
+
+import background
+import pytest
+
+X = background.DEFERRED[0]
+
+
+def _report(tmp_path, monkeypatch, *reports):
+    """``reports`` recorded as a deferred run records them; the file they went to."""
+    path = tmp_path / "r.jsonl"
+    monkeypatch.setenv(background.REPORT_ENV, str(path))
+    for r in reports:
+        background.record(r)
+    return path
+
+
+def _test_report(nodeid, when, outcome, longrepr=None, text=""):
+    return SimpleNamespace(nodeid=nodeid, when=when, outcome=outcome, passed=outcome == "passed",
+                           skipped=outcome == "skipped", failed=outcome == "failed", longrepr=longrepr,
+                           longreprtext=text)
+
+
+@pytest.fixture
+def deferred(tmp_path, monkeypatch):
+    """Items of a deferred file whose background run has ended (exit 1, some output)."""
+    done = subprocess.CompletedProcess([], 1, "background stdout", "background stderr")
+    monkeypatch.setattr(background.Jobs, "futures", {X: SimpleNamespace(result=lambda: done)})
+    monkeypatch.setattr(background.Jobs, "reports", {})
+
+    return lambda name: SimpleNamespace(nodeid=f"tests/{X}::{name}", path=tmp_path / X)
+
+
+def test_each_outcome_is_reported_as_the_tests_own(tmp_path, monkeypatch, deferred):
+    path = _report(tmp_path, monkeypatch,
+                   _test_report(f"tests/{X}::ok", "setup", "passed"),
+                   _test_report(f"tests/{X}::ok", "call", "passed"),
+                   _test_report(f"tests/{X}::bad", "call", "failed", text="assert 1 == 2"),
+                   _test_report(f"tests/{X}::skip", "setup", "skipped", ("f", 1, "Skipped: no GPU")),
+                   _test_report(f"tests/{X}::teardown", "call", "passed"),
+                   _test_report(f"tests/{X}::teardown", "teardown", "failed", text="leaked"),
+                   _test_report("tests/test_rows.py::nested", "call", "failed", text="a nested run's"))
+    assert len(path.read_text().splitlines()) == 5  # neither passed setups nor a nested run's tests
+    for name in ("ok", "bad", "skip", "teardown", "silent"):
+        background.Jobs.reports[f"tests/{X}::{name}"] = path
+    assert background.outcome(deferred("ok")) is True
+    with pytest.raises(pytest.fail.Exception, match="assert 1 == 2"):
+        background.outcome(deferred("bad"))
+    with pytest.raises(pytest.skip.Exception, match="no GPU"):
+        background.outcome(deferred("skip"))
+    with pytest.raises(pytest.fail.Exception, match="(?s)teardown.*leaked"):
+        background.outcome(deferred("teardown"))
+    with pytest.raises(pytest.fail.Exception, match="(?s)reported nothing.*exit 1.*background stdout"):
+        background.outcome(deferred("silent"))
+
+
+def test_a_test_not_deferred_runs_here(deferred):
+    assert background.outcome(deferred("ok")) is False
+
+
+def test_a_deferred_file_runs_in_the_background_and_its_failure_reaches_the_session(tmp_path):
+    """A whole session (this conftest) over a passing test and a copy of a deferred file holding a
+    failing test: the deferred tests move to the end, run in a pytest process of their own, and
+    their outcomes are the session's."""
+    here = background.HERE
+    d = tmp_path / "tests"
+    d.mkdir()
+    (tmp_path / "pyproject.toml").write_text("[tool.pytest.ini_options]\n")
+    (d / "conftest.py").write_text((here / "conftest.py").read_text())
+    (d / "background.py").write_text((here / "background.py").read_text())
+    (d / "test_a.py").write_text("def test_here():\n    pass\n")
+    name = background.DEFERRED[0]
+    (d / name).write_text("import os\n\n"
+                          "def test_passes_away():\n    assert os.environ.get('VLLM_CSV_TEST_REPORT')\n\n"
+                          "def test_fails_away():\n    assert os.getpid() == -1, 'ran in the background'\n")
+    p = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-v", "tests"],
+                       cwd=tmp_path, capture_output=True, text=True, timeout=600,
+                       env={k: v for k, v in os.environ.items() if k != background.REPORT_ENV})
+    out = p.stdout
+    assert p.returncode == 1, out + p.stderr
+    order = [s.split("::")[0] for s in out.splitlines() if s.startswith("tests/") and "::" in s]
+    assert order[0] == "tests/test_a.py" and order[-1] == f"tests/{name}", out
+    assert f"tests/{name}::test_passes_away PASSED" in out, out
+    assert f"tests/{name}::test_fails_away FAILED" in out and "ran in the background" in out, out
