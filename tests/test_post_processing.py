@@ -127,12 +127,12 @@ def _draw(sampler, logits, md, seed=5):
 def _step(runner, channel, plan, h, md):
     """One step as the V1 runner runs it: the plan opened, the model's logits, the sampler; the
     tokens and the step's hand-off as the layer left it."""
-    channel.open(plan)
-    with torch.inference_mode():  # (as vLLM's steps run: no version counters)
+    with torch.inference_mode():  # (as vLLM's steps and sampler calls run: no version counters)
+        channel.open(plan)
         logits = runner.model.compute_logits(h)
-    channel.close_plan()
-    handoff = channel.step.handoff
-    return _draw(runner.sampler, logits, md), handoff
+        channel.close_plan()
+        handoff = channel.step.handoff
+        return _draw(runner.sampler, logits, md), handoff
 
 
 def _want(case, post, md):
