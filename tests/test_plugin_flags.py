@@ -201,3 +201,38 @@ def test_the_plugins_variables_are_declared_to_vllm(monkeypatch):
     vllm_plugin.declare_env()
     current_platform.validate_environ(True)
     assert envs.VLLM_CSV_CPU_ISA == "avx2"
+
+
+@pytest.mark.parametrize("what", ["--logits-processors", "plugin", "none"])
+def test_custom_logits_processors_keep_the_dense_head(what, monkeypatch, caplog):
+    """vLLM builds every installed logits-processor plugin (entry point group
+    ``vllm.logits_processors``) into every V1 batch, asked for or not, beside ``--logits-processors``:
+    they may act on any row (driven by ``extra_args``, which no sampling field shows), so either
+    keeps vLLM's own layer, with a warning. Found by review: with a plugin installed, a greedy row
+    certified ``k = 1`` came out as token 0 once the plugin banned its argmax."""
+    import importlib.metadata
+    import logging
+    from types import SimpleNamespace
+
+    import torch
+    import vllm.config
+    from vllm.model_executor.layers.logits_processor import LogitsProcessor
+
+    from vllm_csv.vllm_plugin.logits_processor import CSVLogitsProcessor
+
+    eps = [SimpleNamespace(name="ban_ids")] if what == "plugin" else []
+    monkeypatch.setattr(importlib.metadata, "entry_points",
+                        lambda group=None: eps if group == "vllm.logits_processors" else [])
+    mc = SimpleNamespace(logits_processors=["pkg.mod:Ban"] if what == "--logits-processors" else None,
+                         dtype=torch.bfloat16, served_model_name="m", model="m")
+    vc = SimpleNamespace(additional_config={"csv_decode": {"enabled": True}}, model_config=mc)
+    with vllm.config.set_current_vllm_config(vllm.config.VllmConfig()):  # (vLLM's own op reads it)
+        monkeypatch.setattr(vllm.config, "get_current_vllm_config", lambda: vc)  # (the plugin's read)
+        with caplog.at_level(logging.WARNING):
+            layer = CSVLogitsProcessor(64)
+    if what == "none":
+        assert type(layer) is CSVLogitsProcessor and "CSV-Decode is off" not in caplog.text
+    else:
+        assert type(layer) is LogitsProcessor
+        assert ("logits-processor plugins installed (ban_ids)" if what == "plugin" else
+                "custom --logits-processors") in caplog.text

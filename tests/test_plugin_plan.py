@@ -207,6 +207,30 @@ def test_v1_plan_rows_in_batch_order_kept_per_request(monkeypatch):
     assert build_plan(runner, 4).topk == [DEFER, DEFER, 1, DEFER]  # top_k 5 > max_topk 4: the sampler
 
 
+@pytest.mark.parametrize("second", ["logit_bias", "logprobs", "repetition_penalty", "temperature"])
+def test_v1_plan_follows_a_streaming_chunks_new_parameters(second):
+    """A streaming-input session's next chunk keeps the request's state and assigns it new sampling
+    parameters (vLLM 0.32 ``GPUModelRunner._update_streaming_request``): the plan follows them,
+    through the runner's plan cache and the per-state row cache alike. Found by review: a greedy
+    chunk followed by one with a logit bias kept ``k = 1`` in the head, and vLLM's processor then
+    ran on a row with one finite entry."""
+    from types import SimpleNamespace
+
+    from vllm_csv.vllm_plugin.v1.plan import build_plan
+
+    states = {r: SimpleNamespace(sampling_params=SamplingParams(temperature=0)) for r in "abc"}
+    runner = SimpleNamespace(input_batch=SimpleNamespace(req_ids=list("abc")), requests=states,
+                             speculative_config=None, _csv_top_k_in_head=True)
+    assert build_plan(runner, 64).topk == [1, 1, 1]
+    sp = {"logit_bias": SamplingParams(temperature=0, logit_bias={5: 100.0}),
+          "logprobs": SamplingParams(temperature=0, logprobs=2),
+          "repetition_penalty": SamplingParams(temperature=0, repetition_penalty=1.3),
+          "temperature": SamplingParams(temperature=0.8, seed=3)}[second]
+    states["b"].sampling_params = sp  # (the same state object)
+    k = plan_row(sp, 64)[0]
+    assert k != 1 and build_plan(runner, 64).topk == [1, k, 1]
+
+
 def test_v2_plan_rows_in_batch_order_kept_per_request(monkeypatch):
     """The V2 runner's plan (from the sampling parameters its execute_model kept per request):
     rows in the batch's order, greedy rows in the head (here no certified sampler: other rows

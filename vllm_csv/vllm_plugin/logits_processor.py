@@ -387,12 +387,29 @@ def vllm_linear():
     return linear
 
 
+def logits_processor_plugins() -> list[str]:
+    """The installed logits-processor plugins (entry points of vLLM's group
+    ``vllm.logits_processors``), which vLLM's ``build_logitsprocs`` loads beside
+    ``--logits-processors`` without being asked: custom processors driven by ``extra_args``
+    that no sampling field shows."""
+    from importlib.metadata import entry_points
+
+    try:
+        from vllm.v1.sample.logits_processor import LOGITSPROCS_GROUP as group
+    except ImportError:
+        group = "vllm.logits_processors"
+    return sorted(ep.name for ep in entry_points(group=group))
+
+
 def _unsupported(vc, layer) -> str | None:
     # (speculative decoding: the runners' plans certify greedy requests' target rows, v1/spec.py
     # and v2/spec.py, and V1's drafters' greedy heads)
     mc = getattr(vc, "model_config", None)
     if mc is not None and getattr(mc, "logits_processors", None):
         return "custom --logits-processors"
+    plugins = logits_processor_plugins()
+    if plugins:  # (vLLM loads every one into every V1 batch: they act on rows the plan cannot see)
+        return f"logits-processor plugins installed ({', '.join(plugins)})"
     if getattr(layer, "logits_as_input", False):
         return "the model passes logits, not hidden states"
     if getattr(layer, "head_dtype", None) is not None and mc is not None and layer.head_dtype != mc.dtype:

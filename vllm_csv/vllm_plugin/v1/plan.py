@@ -37,9 +37,11 @@ def top_k_in_head(runner) -> bool:
 
 def build_plan(runner, max_topk: int, req_ids=None, spec_tokens=None) -> Plan | None:
     """The V1 runner's plan, in the batch's row order. While the batch holds the very same
-    request states (identity: a new request, even one reusing an id, is a new state) the last
-    plan is handed out again, derived fields included: a decode step then costs one lookup a
-    row. The cache holds the states it was built from, so their ids cannot be reused meanwhile.
+    request states with the very same sampling parameters (identity: a new request, even one
+    reusing an id, is a new state; a streaming-input session's next chunk keeps its state and
+    brings new parameters, ``GPUModelRunner._update_streaming_request``) the last plan is handed
+    out again, derived fields included: a decode step then costs one lookup a row. The cache
+    holds the states and parameters it was built from, so their ids cannot be reused meanwhile.
     With speculative decoding, the rows of each request's draft tokens (``spec_tokens``:
     ``scheduler_output.scheduled_spec_decode_tokens``), greedy requests' certified
     (:mod:`.spec`)."""
@@ -49,15 +51,16 @@ def build_plan(runner, max_topk: int, req_ids=None, spec_tokens=None) -> Plan | 
             (cfg is not None and not spec.standard_verification(cfg)):
         return None
     states = tuple(map(runner.requests.get, batch.req_ids))
+    params = tuple(getattr(st, "sampling_params", None) for st in states)
     cached = getattr(runner, "_csv_plan", None)
     if cached is not None and cached[1] == max_topk and len(cached[0]) == len(states) and \
-            all(a is b for a, b in zip(cached[0], states)):
+            all(a is b for a, b in zip(cached[0], states)) and all(a is b for a, b in zip(cached[3], params)):
         plan = cached[2]
     else:
         in_sampler, in_head = top_k_in_sampler(runner), top_k_in_head(runner)
         rows = [_row(st, max_topk, in_sampler, in_head) for st in states]
         plan = Plan(list(batch.req_ids), [r[0] for r in rows], [r[1] for r in rows], [r[2] for r in rows])
-        runner._csv_plan = (states, max_topk, plan)
+        runner._csv_plan = (states, max_topk, plan, params)
     if cfg is not None:
         return spec.cached_target_plan(runner, plan, spec.draft_counts(spec_tokens, plan.req_ids))
     return plan
@@ -65,16 +68,17 @@ def build_plan(runner, max_topk: int, req_ids=None, spec_tokens=None) -> Plan | 
 
 def _row(state, max_topk: int, in_sampler: bool = False, in_head: bool = True) -> tuple[int, str, float]:
     """``(k, mode, temperature)`` of a request's row: a function of its sampling parameters
-    alone, so it is computed once and kept on vLLM's per-request state (which lives as long
-    as the request) instead of every step (about 10 us a row, 0.6 ms a step at 64 rows). A
+    alone, so it is computed once per parameters object and kept on vLLM's per-request state
+    (which lives as long as the request) instead of every step (about 10 us a row, 0.6 ms a step at 64 rows). A
     sampled top-k row planned in the head is dense unless ``in_head`` (:func:`top_k_in_head`)."""
+    sp = getattr(state, "sampling_params", None)
     cached = getattr(state, "_csv_row", None)
-    if cached is not None and cached[0] == (max_topk, in_sampler, in_head):
+    if cached is not None and cached[0] == (max_topk, in_sampler, in_head) and cached[2] is sp:
         return cached[1]
-    row = row_plan(getattr(state, "sampling_params", None), max_topk, in_sampler)
+    row = row_plan(sp, max_topk, in_sampler)
     if row[0] > 0 and row[2] > 0.0 and not in_head:
         row = (0, "", 0.0)
     if state is not None:
-        state._csv_row = ((max_topk, in_sampler, in_head), row)
+        state._csv_row = ((max_topk, in_sampler, in_head), row, sp)  # (sp: a streaming chunk's new parameters)
     return row
 
