@@ -227,3 +227,33 @@ def test_a_drafter_that_changes_its_heads_logits_drafts_vllms_tokens(post, head_
     assert proposer._csv_channel.post_processing == ("Model" if post else None)
     if post is None:
         assert bool(head_case.head.last_certified.all())
+
+
+def test_an_lm_head_lora_wrapper_gets_vllms_own_layer(head_case, monkeypatch):
+    """With an adapter on ``lm_head`` vLLM wraps the layer in ``LogitsProcessorWithLoRA``, whose
+    ``forward`` is ``type(base_layer).forward(wrapper, ...)``: the CSV layer's code with the wrapper
+    as ``self``. It runs vLLM's own layer code on the wrapper (its ``_get_logits`` adds the
+    adapter's delta), whatever the step's plan; before, it stopped on the wrapper's missing
+    attributes."""
+    from vllm.lora.layers.logits_processor import LogitsProcessorWithLoRA
+
+    # vLLM's layer as it is (forward reads _get_logits), its head the dense reference
+    monkeypatch.setattr(LogitsProcessor, "forward", lambda self, lm, x, bias=None, skip_gather=False:
+                        self._get_logits(x, lm, bias, skip_gather))
+    monkeypatch.setattr(LogitsProcessor, "_get_logits", lambda self, x, lm, bias=None, skip_gather=False:
+                        head_case.dense(x))
+    base = csv_layer(head_case.head)
+    base.logits_as_input, base.scale, base.soft_cap = False, 1.0, None  # (vLLM's constructor's)
+    wrapper = LogitsProcessorWithLoRA.__new__(LogitsProcessorWithLoRA)
+    torch.nn.Module.__init__(wrapper)
+    wrapper.base_layer = base
+    delta = torch.zeros(head_case.head.vocab_size, dtype=torch.bfloat16)
+    delta[_ids(head_case)] = 64.0  # the adapter moves most rows' argmax
+    wrapper._get_logits = lambda h, lm, bias=None, skip_gather=False: head_case.dense(h) + delta
+    runner, channel = _bound(head_case, None)
+    runner.model.logits_processor = wrapper
+    plan, md = _md("greedy")
+    want = _draw(Sampler(), head_case.dense(head_case.h) + delta, md)
+    for _ in range(3):
+        got, handoff = _step(runner, channel, dataclasses.replace(plan), head_case.h, md)
+        assert torch.equal(got, want) and handoff is None

@@ -75,6 +75,11 @@ class CSVLogitsProcessor(LogitsProcessor):
 
     def forward(self, lm_head, hidden_states: torch.Tensor, embedding_bias: torch.Tensor | None = None,
                 skip_gather: bool = False):
+        if not isinstance(self, CSVLogitsProcessor):
+            # vLLM's LoRA wrapper of an LM head an adapter targets (``LogitsProcessorWithLoRA``)
+            # calls ``type(base_layer).forward(wrapper, ...)``: its logits carry the adapter's delta,
+            # which no screen bounds, so vLLM's own layer code runs on the wrapper (dense, exact).
+            return LogitsProcessor.forward(self, lm_head, hidden_states, embedding_bias, skip_gather)
         logits, csv = self._forward(lm_head, hidden_states, embedding_bias, skip_gather)
         step = step_of(self)
         if step is not None and logits is not None:  # (for the model's compute_logits: step.Returned)
