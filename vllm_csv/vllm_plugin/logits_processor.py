@@ -28,6 +28,7 @@ from vllm.logger import init_logger
 from vllm.model_executor.layers.logits_processor import LogitsProcessor
 
 from .. import head as csv_head
+from ..errors import CSVError
 from ..metrics import Series
 from ..off_switch import WINDOW
 from .config import CSVDecodeConfig, from_additional_config
@@ -57,6 +58,9 @@ class CSVLogitsProcessor(LogitsProcessor):
         self._csv_logged = False
         self._csv_lane: _Lane | None = None  # switched-off steps that skip the ledger (_open_lane)
         self._csv_span: _Span | None = None  # the current step, for the time around the head (_outside)
+        self._csv_for = None  # (lm_head, its weight, embedding_bias) the head was built for (_head_for)
+        self._csv_off: str | None = None  # why this layer runs vLLM's code for good (_switch_off)
+        self._csv_stale = False  # the weights changed since the head was built (csv_invalidate)
 
     @classmethod
     def around(cls, head, metrics=None) -> CSVLogitsProcessor:
@@ -66,7 +70,8 @@ class CSVLogitsProcessor(LogitsProcessor):
         layer = cls.__new__(cls)
         torch.nn.Module.__init__(layer)
         layer.csv_head, layer.csv_metrics, layer._csv_logged = head, metrics, True
-        layer._csv_lane = layer._csv_span = None
+        layer._csv_lane = layer._csv_span = layer._csv_for = layer._csv_off = None
+        layer._csv_stale = False
         return layer
 
     def dense_logits(self, lm_head, hidden: torch.Tensor, embedding_bias) -> torch.Tensor:
@@ -99,9 +104,9 @@ class CSVLogitsProcessor(LogitsProcessor):
         step = step_of(self)
         if step is not None:
             step.handoff = None
-        head = self._get_head(lm_head, embedding_bias)
+        head = self._head_for(lm_head, embedding_bias)
         plan = None if step is None else step.take_plan(hidden_states.shape[0])
-        if plan is None or skip_gather or hidden_states.dim() != 2:
+        if head is None or plan is None or skip_gather or hidden_states.dim() != 2:
             self._csv_span = None
             return super().forward(lm_head, hidden_states, embedding_bias, skip_gather), False
         self._outside(head.off_switch, plan, t0)
@@ -316,12 +321,60 @@ class CSVLogitsProcessor(LogitsProcessor):
             key = stats.rows if switch_key is None else switch_key
             self.csv_metrics.record(stats, None if sw is None else sw.dense_seconds.get(key), modes)
 
+    def csv_invalidate(self) -> None:
+        """The served weights changed in place (vLLM's ``reload_weights``, ``update_weights``,
+        ``wake_up``: :func:`~.patches.watch_weights`): the head, its screen and its index describe
+        the old ones, so the next call builds them again from the weights as they are now."""
+        if self.csv_head is not None:
+            self.csv_head, self._csv_for, self._csv_stale = None, None, True
+            self._csv_lane = self._csv_span = None
+
+    def _switch_off(self, reason: str) -> None:
+        self._csv_off = reason
+        logger.warning("CSV-Decode is off for this LM head: %s; using the dense head.", reason)
+
+    def _head_for(self, lm_head, embedding_bias):
+        """The certified head for a call with this ``lm_head`` and ``embedding_bias``, built at the
+        first call (vLLM makes it during start-up: a bad index stops the server there), or None
+        where the call must be vLLM's own: a quantized head (its logits are not the float GEMM
+        the screens bound); another head or bias object than the one the screen was built for
+        (one layer called with several heads: DeepSeek and Bailing MTP drafters, Medusa; or a
+        replaced weight); a rebuild after the weights changed that the index file refuses."""
+        if self._csv_off is not None:
+            return None
+        built_for = getattr(self, "_csv_for", None)
+        if self.csv_head is not None and built_for is None:  # (a harness's layer: CSVLogitsProcessor.around)
+            return self.csv_head
+        if self.csv_head is None:
+            reason = _unsupported_head(lm_head)
+            if reason:
+                self._switch_off(reason)
+                return None
+            try:
+                self._get_head(lm_head, embedding_bias)
+            except CSVError as e:
+                if not self._csv_stale:
+                    raise
+                self._switch_off(f"the weights changed and the head could not be built again ({e})")
+                return None
+            self._csv_for = built_for = (lm_head, lm_head.weight, embedding_bias)
+        if lm_head is not built_for[0] or lm_head.weight is not built_for[1] or embedding_bias is not built_for[2]:
+            if not getattr(self, "_csv_warned_other", False):
+                self._csv_warned_other = True
+                logger.warning("CSV-Decode: this LM-head layer was called with another head or bias than the one "
+                               "its screen was built for (several heads on one layer, or a replaced weight); "
+                               "such calls use the dense head.")
+            return None
+        return self.csv_head
+
     def _get_head(self, lm_head, embedding_bias):
         if self.csv_head is None:
             from .index_loader import load_or_build_index
 
             weight = lm_head.weight
-            bias = embedding_bias if embedding_bias is not None else getattr(lm_head, "bias", None)
+            # vLLM's head adds ``embedding_bias`` alone (``quant_method.apply(..., bias=embedding_bias)``),
+            # never ``lm_head.bias`` (PhiMoE and Moondream 3 build one and do not pass it)
+            bias = embedding_bias
             V = self.org_vocab_size
             if getattr(lm_head, "tp_size", 1) > 1:  # vocab-sharded head: one decision on every rank
                 from ..sharded import Shard, ShardedHead, VllmTPGroup
@@ -335,7 +388,8 @@ class CSVLogitsProcessor(LogitsProcessor):
                 self.csv_head = ShardedHead(
                     weight, bias, shard, VllmTPGroup(), config=self.csv_config.head_config(),
                     softcap=self.soft_cap, scale=self.scale, index=index, engine_linear=vllm_linear())
-                self.csv_metrics = _metrics(self.csv_model_name, self.csv_head, index, lm_head.tp_rank)
+                if self.csv_metrics is None:  # (a rebuild keeps the metrics: csv_invalidate)
+                    self.csv_metrics = _metrics(self.csv_model_name, self.csv_head, index, lm_head.tp_rank)
                 return self.csv_head
             index = None
             if self.csv_config.screen == "ball" or self.csv_config.index:  # a given index is always checked
@@ -344,7 +398,8 @@ class CSVLogitsProcessor(LogitsProcessor):
                 weight, bias, vocab_size=V, config=self.csv_config.head_config(), index=index,
                 softcap=self.soft_cap, scale=self.scale, engine_linear=vllm_linear())
             logger.info("CSV dense engine probed (vLLM's own GEMM): %s", self.csv_head.engine_probe.describe())
-            self.csv_metrics = _metrics(self.csv_model_name, self.csv_head, index)
+            if self.csv_metrics is None:  # (a rebuild keeps the metrics: csv_invalidate)
+                self.csv_metrics = _metrics(self.csv_model_name, self.csv_head, index)
         return self.csv_head
 
 
@@ -404,6 +459,17 @@ def logits_processor_plugins() -> list[str]:
     except ImportError:
         group = "vllm.logits_processors"
     return sorted(ep.name for ep in entry_points(group=group))
+
+
+def _unsupported_head(lm_head) -> str | None:
+    """Why the screens cannot bound this ``lm_head``'s logits (None: they can)."""
+    qm = getattr(lm_head, "quant_method", None)
+    if qm is not None and type(qm).__name__ not in ("UnquantizedEmbeddingMethod", "UnquantizedLinearMethod"):
+        return f"a quantized LM head ({type(qm).__name__})"
+    w = getattr(lm_head, "weight", None)
+    if not isinstance(w, torch.Tensor) or not w.dtype.is_floating_point or w.element_size() < 2:
+        return "an LM head without a 16- or 32-bit float weight"
+    return None
 
 
 def _unsupported(vc, layer) -> str | None:

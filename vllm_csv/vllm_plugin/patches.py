@@ -192,10 +192,61 @@ def _engine_args() -> None:
 
 
 def install_runners(max_topk: Callable[[object], int]) -> None:
-    """The V1 and V2 runners' step methods and V1's drafters' (each where it imports)."""
+    """The V1 and V2 runners' step methods and V1's drafters' (each where it imports), and the
+    methods that change their weights in place (:func:`watch_weights`)."""
     _v1_runner(max_topk)
     _v1_drafter()
     _v2_runner(max_topk)
+    watch_weights()
+
+
+def invalidate_heads(runner) -> None:
+    """Every CSV layer of ``runner``'s model and of its drafter's builds its head again at its
+    next call (:meth:`~.logits_processor.CSVLogitsProcessor.csv_invalidate`)."""
+    roots = []
+    get = getattr(runner, "get_model", None)
+    try:
+        roots.append(get() if callable(get) else getattr(runner, "model", None))
+    except Exception:  # (a runner whose get_model refuses: the attribute as it is)
+        roots.append(getattr(runner, "model", None))
+    roots.append(getattr(getattr(runner, "drafter", None), "model", None))
+    for root in roots:
+        for m in root.modules() if isinstance(root, torch.nn.Module) else ():
+            if isinstance(m, CSVLogitsProcessor):
+                m.csv_invalidate()
+
+
+def watch_weights(targets=None) -> None:
+    """vLLM writes new weights into the served tensors in place (``reload_weights`` of the V1 and
+    V2 runners; the worker's ``update_weights`` / ``finish_weight_update``, RLHF weight sync;
+    ``wake_up`` after a level-2 sleep): after each (returned or raised), the runner's CSV heads
+    are built again from the weights as they are (their screens, error models and indexes
+    describe the old ones). ``targets``: ``[(class, method names)]`` (default: those, where they
+    import)."""
+    if targets is None:
+        targets = []
+        for mod, cls, names in (("vllm.v1.worker.gpu_model_runner", "GPUModelRunner", ("reload_weights",)),
+                                ("vllm.v1.worker.gpu.model_runner", "GPUModelRunner", ("reload_weights",)),
+                                ("vllm.v1.worker.gpu_worker", "Worker",
+                                 ("update_weights", "finish_weight_update", "wake_up"))):
+            try:
+                targets.append((getattr(__import__(mod, fromlist=[cls]), cls), names))
+            except (ImportError, AttributeError):
+                continue
+    for klass, names in targets:
+        for name in names:
+            orig = klass.__dict__.get(name)
+            if orig is None or getattr(orig, "_csv_wrapped", False):
+                continue
+
+            def wrapped(self, *a, _orig=orig, **k):
+                try:
+                    return _orig(self, *a, **k)
+                finally:
+                    invalidate_heads(getattr(self, "model_runner", self))
+
+            wrapped._csv_wrapped = True
+            setattr(klass, name, wrapped)
 
 
 def _v1_runner(max_topk) -> None:

@@ -1,0 +1,185 @@
+"""What the CSV layer's head is built from, and when it is built again (``logits_processor``:
+``_head_for``, ``csv_invalidate``; ``patches.watch_weights``). Found by review, each with a
+reproducer that certified tokens vLLM does not serve:
+
+* a bias vLLM does not add: PhiMoE and Moondream 3 build ``ParallelLMHead(bias=True)`` and pass
+  no ``embedding_bias``; vLLM's head adds ``embedding_bias`` alone, the plugin added ``lm_head.bias``;
+* one layer called with several heads (DeepSeek and Bailing MTP drafters, Medusa): every head
+  was certified with the first one's screen;
+* weights written in place after the head was built (``reload_weights``, RLHF
+  ``update_weights``, ``wake_up``): the screen described the old weights;
+* a quantized head stopped the server at warm-up instead of keeping vLLM's layer.
+
+The layer is built by its own constructor (as vLLM builds it, CSV on) around a head module with
+vLLM's ``UnquantizedEmbeddingMethod``; "vLLM's tokens" are vLLM's own ``LogitsProcessor.forward``
+on the same head."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import logging
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+pytest.importorskip("vllm")
+import vllm.config  # noqa: E402
+from vllm.model_executor.layers.logits_processor import LogitsProcessor  # noqa: E402
+from vllm.model_executor.layers.vocab_parallel_embedding import UnquantizedEmbeddingMethod  # noqa: E402
+
+from vllm_csv.errors import CSVError  # noqa: E402
+from vllm_csv.vllm_plugin import patches, step as csv_step  # noqa: E402
+from vllm_csv.vllm_plugin.logits_processor import CSVLogitsProcessor  # noqa: E402
+from vllm_csv.vllm_plugin.plan import Plan  # noqa: E402
+
+V, D, B = 4096, 256, 4
+
+
+def _layer(monkeypatch) -> CSVLogitsProcessor:
+    """The plugin's layer from its own constructor, CSV on (no plugin installed)."""
+    mc = SimpleNamespace(logits_processors=None, dtype=torch.bfloat16, served_model_name="m", model="m")
+    vc = SimpleNamespace(additional_config={"csv_decode": {"enabled": True, "off_switch": False}}, model_config=mc)
+    orig_ep = importlib.metadata.entry_points
+    monkeypatch.setattr(importlib.metadata, "entry_points",
+                        lambda group=None: [] if group == "vllm.logits_processors" else orig_ep(group=group))
+    with vllm.config.set_current_vllm_config(vllm.config.VllmConfig()):
+        with monkeypatch.context() as m:
+            m.setattr(vllm.config, "get_current_vllm_config", lambda: vc)
+            layer = CSVLogitsProcessor(V)
+    assert type(layer) is CSVLogitsProcessor
+    return layer
+
+
+def _lm_head(weight, bias=None, quant_method=None):
+    m = torch.nn.Module()
+    m.weight = torch.nn.Parameter(weight, requires_grad=False)
+    if bias is not None:
+        m.bias = torch.nn.Parameter(bias, requires_grad=False)
+    m.quant_method = quant_method or UnquantizedEmbeddingMethod()
+    m.tp_size = 1
+    if quant_method is None:
+        m.quant_method.process_weights_after_loading(m)  # (vLLM's CPU GEMM dispatch)
+    return m
+
+
+def _weight(seed):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(V, D, generator=g) * 0.05).bfloat16()
+
+
+H = (torch.randn(B, D, generator=torch.Generator().manual_seed(9))).bfloat16()
+
+
+def _tokens(layer, lm_head, bias=None):
+    """One greedy step through the layer (every row planned ``k = 1``): its tokens, the step's
+    hand-off, and vLLM's own layer's tokens on the same head."""
+    channel = csv_step.StepChannel()
+    layer.csv_channel = channel
+    channel.open(Plan([str(i) for i in range(B)], [1] * B, ["greedy"] * B, [0.0] * B))
+    with torch.inference_mode():
+        got = layer(lm_head, H, bias).float().argmax(-1)
+        want = LogitsProcessor.forward(layer, lm_head, H, bias).float().argmax(-1)
+    return got, channel.step.handoff, want
+
+
+def test_a_head_bias_vllm_does_not_add_is_not_bounded(monkeypatch):
+    b = torch.zeros(V).bfloat16()
+    b[11] = 8.0  # (it would decide every row's argmax)
+    layer, head = _layer(monkeypatch), _lm_head(_weight(0), b)
+    _tokens(layer, head)  # (the first call builds the head)
+    got, handoff, want = _tokens(layer, head)
+    assert torch.equal(got, want) and (want != 11).all()
+    assert isinstance(handoff, csv_step.Top1) and layer.csv_head.bias is None
+
+
+def test_another_head_on_the_same_layer_is_dense(monkeypatch, caplog):
+    layer, h1, h2 = _layer(monkeypatch), _lm_head(_weight(0)), _lm_head(_weight(1))
+    _tokens(layer, h1)
+    with caplog.at_level(logging.WARNING):
+        for _ in range(2):
+            got, handoff, want = _tokens(layer, h2)
+            assert torch.equal(got, want) and handoff is None
+        got, handoff, want = _tokens(layer, h1)  # the head it was built for: certified
+    assert torch.equal(got, want) and isinstance(handoff, csv_step.Top1)
+    assert caplog.text.count("called with another head or bias") == 1
+
+
+class Fp8LinearMethod:  # (a quantized head's method, by its name as vLLM's are)
+    def apply(self, layer, x, bias=None):
+        return x.float() @ layer.weight.float().t()
+
+
+def test_a_quantized_head_keeps_vllms_layer(monkeypatch, caplog):
+    layer = _layer(monkeypatch)
+    head = _lm_head(_weight(0), quant_method=Fp8LinearMethod())
+    with caplog.at_level(logging.WARNING):
+        for _ in range(2):
+            got, handoff, want = _tokens(layer, head)
+            assert torch.equal(got, want) and handoff is None
+    assert layer.csv_head is None and "a quantized LM head (Fp8LinearMethod)" in caplog.text
+
+
+@pytest.mark.parametrize("invalidate", [True, False])
+def test_weights_written_in_place_build_the_head_again(invalidate, monkeypatch):
+    """``reload_weights`` / ``update_weights`` copy new weights into the same tensors: after
+    :func:`patches.invalidate_heads` the next call certifies on them; without it (the mutation)
+    the old screen certifies the old argmax."""
+    layer, head = _layer(monkeypatch), _lm_head(_weight(0))
+    _tokens(layer, head)
+    runner = SimpleNamespace(model=torch.nn.Sequential(layer))
+    new = head.weight.detach().clone()
+    s = H.float().sum(0)
+    new[7] = (s / s.norm() * 3.0).bfloat16()  # (token 7 wins every row after the update; the screen's old row 7 loses)
+    head.weight.data.copy_(new)
+    head.quant_method.process_weights_after_loading(head)  # (as vLLM's reload does: its CPU GEMM's packing)
+    if invalidate:
+        patches.invalidate_heads(runner)
+    got, handoff, want = _tokens(layer, head)
+    assert (want == 7).all()
+    if invalidate:
+        assert torch.equal(got, want) and isinstance(handoff, csv_step.Top1)
+    else:
+        assert not torch.equal(got, want)
+
+
+def test_the_weight_changing_methods_invalidate_even_when_they_fail(monkeypatch):
+    calls = []
+
+    class Runner:
+        def reload_weights(self, fail=False):
+            calls.append("reload")
+            if fail:
+                raise RuntimeError("load failed")
+
+    monkeypatch.setattr(patches, "invalidate_heads", lambda runner: calls.append(("invalidate", runner)))
+    patches.watch_weights([(Runner, ("reload_weights",))])
+    r = Runner()
+    r.reload_weights()
+    with pytest.raises(RuntimeError):
+        r.reload_weights(fail=True)
+    assert calls == ["reload", ("invalidate", r), "reload", ("invalidate", r)]
+    patches.watch_weights([(Runner, ("reload_weights",))])  # (once)
+    r.reload_weights()
+    assert calls.count("reload") == 3 and len(calls) == 6
+    patches.watch_weights()
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+    from vllm.v1.worker.gpu_worker import Worker
+
+    assert all(getattr(getattr(Worker, n), "_csv_wrapped", False)
+               for n in ("update_weights", "finish_weight_update", "wake_up"))
+    assert getattr(GPUModelRunner.reload_weights, "_csv_wrapped", False)
+
+
+def test_a_rebuild_the_index_refuses_switches_the_layer_off(monkeypatch, caplog):
+    layer, head = _layer(monkeypatch), _lm_head(_weight(0))
+    _tokens(layer, head)
+    layer.csv_invalidate()
+
+    def refuse(*a):
+        raise CSVError("the index file's fingerprint does not match the weights")
+
+    monkeypatch.setattr(layer, "_get_head", refuse)
+    with caplog.at_level(logging.WARNING):
+        got, handoff, want = _tokens(layer, head)
+    assert torch.equal(got, want) and handoff is None and "could not be built again" in caplog.text
