@@ -46,6 +46,30 @@ def test_round_trip_and_fingerprint(head, tmp_path):
     assert fingerprint_weights(W, None) != fingerprint_weights(W, b)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("wrong", ["radii", "bias_max", "row_norm_max", None])
+def test_a_file_whose_numbers_do_not_bound_its_weights_is_refused(head, tmp_path, wrong, dtype):
+    """The fingerprint says which weights a file was built for, not that its numbers are right for
+    them: a file with the right fingerprint and a radius, bias maximum or row-norm maximum below
+    what the rows need (written by another tool, a bug, an edit; saved with a fresh digest) is
+    refused when a ball screen takes it (found by review: such a file certified wrong tokens);
+    the file ``build_index`` writes passes, in fp32 and bf16."""
+    from vllm_csv import CertifiedHead, HeadConfig
+
+    W, b = head[0].to(dtype), head[1].to(dtype)
+    idx = build_index(W, b, 20, progress=False)
+    if wrong is not None:
+        t = getattr(idx, wrong).clone()
+        t[int(torch.argmax(idx.sizes))] -= 1e-3 * (t.abs().max() + 1)  # one cluster's number, below its rows
+        setattr(idx, wrong, t)
+    back = CSVIndex.load(idx.save(tmp_path / "i.safetensors"), expect_fingerprint=fingerprint_weights(W, b))
+    if wrong is None:
+        CertifiedHead(W, b, config=HeadConfig(screen="ball"), index=back)
+    else:
+        with pytest.raises(CSVError, match="do not bound this head's rows"):
+            CertifiedHead(W, b, config=HeadConfig(screen="ball"), index=back)
+
+
 def test_corrupt_and_inconsistent_files(head, tmp_path):
     W, b = head
     p = build_index(W, b, 10, progress=False).save(tmp_path / "i.safetensors")

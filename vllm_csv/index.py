@@ -97,6 +97,33 @@ class CSVIndex:
         out[self.perm] = torch.repeat_interleave(torch.arange(self.num_clusters), self.sizes)
         return out
 
+    def check_bounds(self, weight: torch.Tensor, bias: torch.Tensor | None, chunk: int = 8192) -> None:
+        """Raise :class:`CSVError` unless the stored radii, bias maxima and row-norm maxima bound
+        ``weight`` and ``bias`` (``[V, d]``, ``[V]``) as :func:`build_index` computes them (float64
+        distances to the stored fp32 centroids, rounded up): the fingerprint says which weights a
+        file was built for, not that its numbers are right for them (a file written by another
+        tool or version, or edited, with the right fingerprint). One pass over the rows, ``chunk``
+        at a time."""
+        C, V = self.num_clusters, self.vocab_size
+        labels = self.cluster_of().to(weight.device)
+        mu = self.centroids.to(weight.device).double()
+        radii = torch.zeros(C, dtype=torch.float64, device=weight.device)
+        wmax = torch.zeros_like(radii)
+        for a in range(0, V, chunk):
+            w, lab = weight[a:a + chunk].double(), labels[a:a + chunk]
+            radii.scatter_reduce_(0, lab, (w - mu[lab]).norm(dim=1), "amax")
+            wmax.scatter_reduce_(0, lab, w.norm(dim=1), "amax")
+        bmax = torch.zeros_like(radii) if bias is None else torch.full_like(radii, -torch.inf).scatter_reduce_(
+            0, labels, bias.double(), "amax")
+        for name, need, have in (("radii", radii, self.radii), ("row norms", wmax, self.row_norm_max),
+                                 ("bias maxima", bmax, self.bias_max)):
+            # (2^-30 relative slack: the float64 sums' order may differ from the build's in the last
+            # bits; the ball screen widens every radius by (1 + 4u) and gamma terms well beyond it)
+            need = need.cpu()
+            if bool((need - need.abs() * 2.0**-30 > have.cpu().double()).any()):
+                raise CSVError(f"CSV index: its {name} do not bound this head's rows (the file carries these "
+                               "weights' fingerprint but not their numbers); rebuild it with `vllm-csv build-index`")
+
     def to(self, device) -> "CSVIndex":
         mv = lambda t: t.to(device)  # noqa: E731
         return CSVIndex(mv(self.perm), mv(self.offsets), mv(self.centroids), mv(self.radii),

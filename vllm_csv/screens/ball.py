@@ -44,6 +44,7 @@ class BallScreen:
         if index.fingerprint != fp:  # radii of other weights would not bound these rows
             raise CSVError(f"CSV index was built for other weights (fingerprint {index.fingerprint}, "
                            f"this head has {fp}); rebuild it with `vllm-csv build-index`")
+        index.check_bounds(weight, bias)  # (and its numbers are those weights')
         dev = weight.device
         self.centroids = index.centroids.to(dev)
         mu_norm = self.centroids.double().norm(dim=1).float()
