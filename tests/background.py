@@ -21,13 +21,15 @@ Two kinds of job, queued at the end of collection (``tests/conftest.py``) on two
 A run of only those files (``pytest tests/test_verify_v2.py``) runs them in place, and so does
 every run with ``VLLM_CSV_TEST_BACKGROUND=0`` (for ``--pdb`` and the like). A session that
 ends early (``-x``) does not wait: :meth:`Jobs.stop` drops the queued jobs and kills the
-running ones.
+running ones with their process groups; SIGTERM to the session does the same, and a background
+run dies with the session's process however that dies.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -55,7 +57,7 @@ def run(cmd: list[str], env: dict, cwd: Path, live: list | None = None, nice: bo
     """``cmd`` in ``cwd`` with ``env`` (``live``: where to list the process while it runs;
     ``nice``: at the lowest CPU priority)."""
     with subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                          preexec_fn=(lambda: os.nice(19)) if nice else None) as p:
+                          start_new_session=True, preexec_fn=_lowest_priority if nice else _die_with_parent) as p:
         if live is not None:
             live.append(p)
         try:
@@ -67,6 +69,21 @@ def run(cmd: list[str], env: dict, cwd: Path, live: list | None = None, nice: bo
             if live is not None:
                 live.remove(p)
     return subprocess.CompletedProcess(cmd, p.returncode, out, err)
+
+
+def _die_with_parent() -> None:
+    """(In the child) SIGKILL when the session's process dies, however it dies (Linux)."""
+    try:
+        import ctypes
+
+        ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
+def _lowest_priority() -> None:
+    os.nice(19)
+    _die_with_parent()
 
 
 def interpreted_job(name: str) -> tuple[list[str], dict, Path]:
@@ -95,6 +112,8 @@ class Jobs:
         if cls._pool is None and jobs:
             cls._pool = ThreadPoolExecutor(2, thread_name_prefix="csv-background")
             cls.futures = {name: cls._pool.submit(run, *job, cls._live, True) for name, job in jobs.items()}
+            # a session stopped by SIGTERM (a cancelled CI run) takes its background runs with it
+            signal.signal(signal.SIGTERM, lambda *_: (cls.stop(), os._exit(128 + signal.SIGTERM)))
 
     @classmethod
     def result(cls, name: str) -> subprocess.CompletedProcess | None:
@@ -106,8 +125,11 @@ class Jobs:
     def stop(cls) -> None:
         if cls._pool is not None:
             cls._pool.shutdown(wait=False, cancel_futures=True)
-            for p in list(cls._live):
-                p.kill()
+            for p in list(cls._live):  # (each run in its own process group: its subprocesses too)
+                try:
+                    os.killpg(p.pid, signal.SIGKILL)
+                except (ProcessLookupError, PermissionError):
+                    p.kill()
 
 
 # ---- deferred files: the background run's side --------------------------------------------

@@ -90,3 +90,37 @@ def test_a_deferred_file_runs_in_the_background_and_its_failure_reaches_the_sess
     assert order[0] == "tests/test_a.py" and order[-1] == f"tests/{name}", out
     assert f"tests/{name}::test_passes_away PASSED" in out, out
     assert f"tests/{name}::test_fails_away FAILED" in out and "ran in the background" in out, out
+
+
+def test_a_session_stopped_by_sigterm_takes_its_background_runs_with_it(tmp_path):
+    """A cancelled CI run (SIGTERM to pytest) leaves no background run behind."""
+    import signal
+    import time
+
+    here = background.HERE
+    d = tmp_path / "tests"
+    d.mkdir()
+    (tmp_path / "pyproject.toml").write_text("[tool.pytest.ini_options]\n")
+    (d / "conftest.py").write_text((here / "conftest.py").read_text())
+    (d / "background.py").write_text((here / "background.py").read_text())
+    (d / "test_a.py").write_text("import time\n\ndef test_here():\n    time.sleep(120)\n")
+    pid_file = tmp_path / "pid"
+    (d / background.DEFERRED[0]).write_text(
+        f"import os, time\n\ndef test_sleeps():\n    open({str(pid_file)!r}, 'w').write(str(os.getpid()))\n"
+        "    time.sleep(300)\n")
+    p = subprocess.Popen([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests"], cwd=tmp_path,
+                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                         env={k: v for k, v in os.environ.items() if k != background.REPORT_ENV})
+    try:
+        deadline = time.monotonic() + 120
+        while not (pid_file.exists() and pid_file.read_text()) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        pid = int(pid_file.read_text())
+        p.send_signal(signal.SIGTERM)
+        assert p.wait(timeout=60) == 128 + signal.SIGTERM
+        deadline = time.monotonic() + 20
+        while os.path.exists(f"/proc/{pid}") and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not os.path.exists(f"/proc/{pid}"), "the background run outlived its session"
+    finally:
+        p.kill()
