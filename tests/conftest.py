@@ -26,8 +26,8 @@ def pytest_collection_modifyitems(config, items):
     others = [it for it in items if it.path.name not in background.DEFERRED and it.path.name != INTERPRETED]
     if not background.enabled() or not others:
         return
-    # (the deferred files first: queued after the interpreted ones, which then overlapped the
-    # end-to-end servers' start-ups, the whole run took 20:00 of pytest against 18:08)
+    # (the deferred files first; with the interpreted ones first a run took 20:00 of pytest against
+    # 18:08, one run each: not separated from the machine's noise)
     jobs = background.defer(items, config.rootpath, Path(tempfile.mkdtemp(prefix="csv-background-")))
     if late:
         items[:] = [it for it in items if it.path.name != INTERPRETED] + late
