@@ -66,24 +66,34 @@ def test_a_test_not_deferred_runs_here(deferred):
     assert background.outcome(deferred("ok")) is False
 
 
+def _suite(root, plain: str, deferred: str) -> None:
+    """A project at ``root`` whose ``tests/`` holds this suite's conftest and background module, a
+    test file ``plain`` and a file named as the first deferred file holding ``deferred``."""
+    d = root / "tests"
+    d.mkdir()
+    (root / "pyproject.toml").write_text("[tool.pytest.ini_options]\n")
+    for name in ("conftest.py", "background.py"):
+        (d / name).write_text((background.HERE / name).read_text())
+    (d / "test_a.py").write_text(plain)
+    (d / background.DEFERRED[0]).write_text(deferred)
+
+
+def _env() -> dict:
+    """This environment, less a deferred run's report variable (a session, not a deferred run)."""
+    return {k: v for k, v in os.environ.items() if k != background.REPORT_ENV}
+
+
 def test_a_deferred_file_runs_in_the_background_and_its_failure_reaches_the_session(tmp_path):
     """A whole session (this conftest) over a passing test and a copy of a deferred file holding a
     failing test: the deferred tests move to the end, run in a pytest process of their own, and
     their outcomes are the session's."""
-    here = background.HERE
-    d = tmp_path / "tests"
-    d.mkdir()
-    (tmp_path / "pyproject.toml").write_text("[tool.pytest.ini_options]\n")
-    (d / "conftest.py").write_text((here / "conftest.py").read_text())
-    (d / "background.py").write_text((here / "background.py").read_text())
-    (d / "test_a.py").write_text("def test_here():\n    pass\n")
     name = background.DEFERRED[0]
-    (d / name).write_text("import os\n\n"
-                          "def test_passes_away():\n    assert os.environ.get('VLLM_CSV_TEST_REPORT')\n\n"
-                          "def test_fails_away():\n    assert os.getpid() == -1, 'ran in the background'\n")
+    _suite(tmp_path, "def test_here():\n    pass\n",
+           "import os\n\n"
+           "def test_passes_away():\n    assert os.environ.get('VLLM_CSV_TEST_REPORT')\n\n"
+           "def test_fails_away():\n    assert os.getpid() == -1, 'ran in the background'\n")
     p = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-v", "tests"],
-                       cwd=tmp_path, capture_output=True, text=True, timeout=600,
-                       env={k: v for k, v in os.environ.items() if k != background.REPORT_ENV})
+                       cwd=tmp_path, capture_output=True, text=True, timeout=600, env=_env())
     out = p.stdout
     assert p.returncode == 1, out + p.stderr
     order = [s.split("::")[0] for s in out.splitlines() if s.startswith("tests/") and "::" in s]
@@ -97,20 +107,12 @@ def test_a_session_stopped_by_sigterm_takes_its_background_runs_with_it(tmp_path
     import signal
     import time
 
-    here = background.HERE
-    d = tmp_path / "tests"
-    d.mkdir()
-    (tmp_path / "pyproject.toml").write_text("[tool.pytest.ini_options]\n")
-    (d / "conftest.py").write_text((here / "conftest.py").read_text())
-    (d / "background.py").write_text((here / "background.py").read_text())
-    (d / "test_a.py").write_text("import time\n\ndef test_here():\n    time.sleep(120)\n")
     pid_file = tmp_path / "pid"
-    (d / background.DEFERRED[0]).write_text(
-        f"import os, time\n\ndef test_sleeps():\n    open({str(pid_file)!r}, 'w').write(str(os.getpid()))\n"
-        "    time.sleep(300)\n")
+    _suite(tmp_path, "import time\n\ndef test_here():\n    time.sleep(120)\n",
+           f"import os, time\n\ndef test_sleeps():\n    open({str(pid_file)!r}, 'w').write(str(os.getpid()))\n"
+           "    time.sleep(300)\n")
     p = subprocess.Popen([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests"], cwd=tmp_path,
-                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                         env={k: v for k, v in os.environ.items() if k != background.REPORT_ENV})
+                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=_env())
     try:
         deadline = time.monotonic() + 120
         while not (pid_file.exists() and pid_file.read_text()) and time.monotonic() < deadline:

@@ -35,6 +35,7 @@ from .config import CSVDecodeConfig, from_additional_config
 from .step import PLACEHOLDER, Deferred, DeferredStats, DenseBatch, Returned, StepAccount, Top1, step_of
 
 logger = init_logger("vllm.csv_decode")
+OFF = "CSV-Decode is off for this LM head: %s; using the dense head."  # (at construction, or later: _switch_off)
 
 
 class CSVLogitsProcessor(LogitsProcessor):
@@ -47,7 +48,7 @@ class CSVLogitsProcessor(LogitsProcessor):
         reason = _unsupported(vc, self) if cfg.enabled else None
         if not cfg.enabled or reason:
             if reason:
-                logger.warning("CSV-Decode is off for this LM head: %s; using the dense head.", reason)
+                logger.warning(OFF, reason)
             self.__class__ = LogitsProcessor  # exactly vLLM's layer
             return
         self.csv_config: CSVDecodeConfig = cfg
@@ -61,6 +62,7 @@ class CSVLogitsProcessor(LogitsProcessor):
         self._csv_for = None  # (lm_head, its weight, embedding_bias) the head was built for (_head_for)
         self._csv_off: str | None = None  # why this layer runs vLLM's code for good (_switch_off)
         self._csv_stale = False  # the weights changed since the head was built (csv_invalidate)
+        self._csv_warned_other = False  # (one warning for calls with another head: _head_for)
 
     @classmethod
     def around(cls, head, metrics=None) -> CSVLogitsProcessor:
@@ -71,7 +73,7 @@ class CSVLogitsProcessor(LogitsProcessor):
         torch.nn.Module.__init__(layer)
         layer.csv_head, layer.csv_metrics, layer._csv_logged = head, metrics, True
         layer._csv_lane = layer._csv_span = layer._csv_for = layer._csv_off = None
-        layer._csv_stale = False
+        layer._csv_stale = layer._csv_warned_other = False
         return layer
 
     def dense_logits(self, lm_head, hidden: torch.Tensor, embedding_bias) -> torch.Tensor:
@@ -331,7 +333,7 @@ class CSVLogitsProcessor(LogitsProcessor):
 
     def _switch_off(self, reason: str) -> None:
         self._csv_off = reason
-        logger.warning("CSV-Decode is off for this LM head: %s; using the dense head.", reason)
+        logger.warning(OFF, reason)
 
     def _head_for(self, lm_head, embedding_bias):
         """The certified head for a call with this ``lm_head`` and ``embedding_bias``, built at the
@@ -342,7 +344,7 @@ class CSVLogitsProcessor(LogitsProcessor):
         replaced weight); a rebuild after the weights changed that the index file refuses."""
         if self._csv_off is not None:
             return None
-        built_for = getattr(self, "_csv_for", None)
+        built_for = self._csv_for
         if self.csv_head is not None and built_for is None:  # (a harness's layer: CSVLogitsProcessor.around)
             return self.csv_head
         if self.csv_head is None:
@@ -359,7 +361,7 @@ class CSVLogitsProcessor(LogitsProcessor):
                 return None
             self._csv_for = built_for = (lm_head, lm_head.weight, embedding_bias)
         if lm_head is not built_for[0] or lm_head.weight is not built_for[1] or embedding_bias is not built_for[2]:
-            if not getattr(self, "_csv_warned_other", False):
+            if not self._csv_warned_other:
                 self._csv_warned_other = True
                 logger.warning("CSV-Decode: this LM-head layer was called with another head or bias than the one "
                                "its screen was built for (several heads on one layer, or a replaced weight); "

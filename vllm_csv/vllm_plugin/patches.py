@@ -64,11 +64,7 @@ def bind(runner) -> StepChannel:
         channel = runner._csv_channel = StepChannel()
     model = getattr(runner, "model", None)
     if model is not None and channel.model is not model:
-        get = getattr(runner, "get_model", None)
-        try:
-            root = get() if callable(get) else model
-        except Exception:  # (a runner whose get_model refuses: the attribute as it is)
-            root = model
+        root = _root_model(runner)
         _bind_layers(root, channel)
         watch_logits(model, channel, type(root).__name__)
         channel.model = model
@@ -76,6 +72,17 @@ def bind(runner) -> StepChannel:
     if sampler is not None and sampler.__dict__.get("csv_channel") is not channel:  # (per step: skip
         sampler.csv_channel = channel  # nn.Module.__setattr__ unless the runner's sampler is new)
     return channel
+
+
+def _root_model(runner):
+    """The runner's model itself (``get_model()``: past a CUDA-graph or micro-batch wrapper), or
+    its ``model`` attribute where ``get_model`` is missing or refuses."""
+    model = getattr(runner, "model", None)
+    get = getattr(runner, "get_model", None)
+    try:
+        return get() if callable(get) else model
+    except Exception:  # (a runner whose get_model refuses: the attribute as it is)
+        return model
 
 
 def bind_drafter(proposer) -> StepChannel:
@@ -203,14 +210,7 @@ def install_runners(max_topk: Callable[[object], int]) -> None:
 def invalidate_heads(runner) -> None:
     """Every CSV layer of ``runner``'s model and of its drafter's builds its head again at its
     next call (:meth:`~.logits_processor.CSVLogitsProcessor.csv_invalidate`)."""
-    roots = []
-    get = getattr(runner, "get_model", None)
-    try:
-        roots.append(get() if callable(get) else getattr(runner, "model", None))
-    except Exception:  # (a runner whose get_model refuses: the attribute as it is)
-        roots.append(getattr(runner, "model", None))
-    roots.append(getattr(getattr(runner, "drafter", None), "model", None))
-    for root in roots:
+    for root in (_root_model(runner), getattr(getattr(runner, "drafter", None), "model", None)):
         for m in root.modules() if isinstance(root, torch.nn.Module) else ():
             if isinstance(m, CSVLogitsProcessor):
                 m.csv_invalidate()
