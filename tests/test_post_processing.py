@@ -6,7 +6,10 @@ the layer returned), the later steps open no plan, one warning; a call that retu
 tensor later is made again, dense (``patches.watch_logits``, ``step.Returned``). Before this, a
 row certified ``k = 1`` came out as the suppressed token (the Top1 hand-off) or token 0 (its
 other entries ``-inf``), and deferred rows were drawn from the head's logits without the
-model's change.
+model's change. A model that only sets the same tokens to ``-inf`` on every row (Gemma 4,
+Moondream 3) keeps CSV on V1's sampler: every row is deferred and certified over the other
+tokens, the model's ``-inf`` read off the placeholders and checked every step
+(``step.suppressed_tokens``, ``Plan.in_sampler``, ``fill.suppression_holds``).
 
 Each case runs the model's ``compute_logits`` as vLLM's runners call it (the model bound by
 ``patches.bind``, in inference mode as vLLM's steps run), then vLLM's own ``Sampler``, against
@@ -152,8 +155,11 @@ def _md(rows):
     return plan, _metadata(temps, seeds=[i for i, t in enumerate(temps) if t > 0])
 
 
+SUPPRESS = ("set_inf", "suppress")  # the same tokens set to -inf on every row: CSV kept (sampler)
+
+
 @pytest.mark.parametrize("rows", sorted(PLANS))
-@pytest.mark.parametrize("post", sorted(POST))
+@pytest.mark.parametrize("post", sorted(set(POST) - set(SUPPRESS)))
 def test_a_model_that_changes_the_heads_logits_gets_vllms_tokens(post, rows, head_case, caplog):
     plan, md = _md(rows)
     runner, channel = _bound(head_case, post)
@@ -206,6 +212,171 @@ def test_a_model_that_returns_the_heads_logits_keeps_csv(rows, first, head_case)
     assert channel.post_processing is None
     assert handed == ["NoneType"] + ["Top1" if rows == "greedy" else "Deferred"] * 2
     assert int(head_case.head.last_certified.sum()) > 0
+
+
+def _settled(runner, monkeypatch) -> list:
+    """The sampler's :class:`DeferredStats` of each step the layer settles (appended in order)."""
+    layer, seen = runner.model.logits_processor, []
+    orig = layer.settle
+
+    def settle(account, deferred, seconds):
+        seen.append(deferred)
+        return orig(account, deferred, seconds)
+
+    monkeypatch.setattr(layer, "settle", settle)
+    return seen
+
+
+def _grammar(logits, row, ids):
+    """xgrammar's bitmask on batch row ``row`` (the runner applies it after ``compute_logits``):
+    ``ids`` to exactly ``-inf``, the rest left as is."""
+    logits[row, ids] = -float("inf")
+    return logits
+
+
+GRAMMAR_ROW = 1
+
+
+@pytest.mark.parametrize("rows", sorted(PLANS) + ["structured"])
+@pytest.mark.parametrize("post", SUPPRESS)
+def test_a_model_that_suppresses_tokens_keeps_csv_in_the_sampler(post, rows, head_case, monkeypatch, caplog):
+    """Gemma 4's ``suppress_tokens`` and Moondream 3's answer token (the same tokens to ``-inf``
+    on every row, in place): rows 0 and 3's dense argmax suppressed, so their greedy token is
+    the next one. After the first call (dense: it shows the suppressed tokens), every row is
+    deferred (greedy ones too: the head's certificate does not see the mask) and certified in
+    vLLM's sampler over the other tokens; the tokens are those of the dense head with the same
+    suppression. ``structured``: row 1 has a grammar too (its own ``-inf`` on top)."""
+    plan, md = _md("sampled" if rows == "structured" else rows)
+    if rows == "structured":
+        plan = dataclasses.replace(plan, topk=[DEFER if i == GRAMMAR_ROW else k for i, k in enumerate(plan.topk)],
+                                   modes=["structured" if i == GRAMMAR_ROW else m for i, m in enumerate(plan.modes)])
+    runner, channel = _bound(head_case, post)
+    ids = _ids(head_case)
+    forbidden = torch.tensor([int(POST[post](head_case.dense(head_case.h), ids)[GRAMMAR_ROW].float().argmax()), 7])
+    settled = _settled(runner, monkeypatch)
+    want_logits = POST[post](head_case.dense(head_case.h), ids)
+    if rows == "structured":
+        want_logits = _grammar(want_logits, GRAMMAR_ROW, forbidden)
+    want = _draw(Sampler(), want_logits, md)
+    handed = []
+    with caplog.at_level(logging.INFO):
+        for _ in range(4):
+            with torch.inference_mode():
+                channel.open(dataclasses.replace(plan))
+                logits = runner.model.compute_logits(head_case.h)
+                channel.close_plan()
+                if rows == "structured":
+                    _grammar(logits, GRAMMAR_ROW, forbidden)
+                handoff = channel.step.handoff
+                got = _draw(runner.sampler, logits, md)
+            handed.append(type(handoff).__name__)
+            assert torch.equal(got, want), (post, rows, got.tolist(), want.tolist())
+    assert channel.post_processing is None
+    assert torch.equal(channel.suppressed.nonzero().flatten(), ids)
+    assert handed == ["NoneType"] + ["Deferred"] * 3
+    assert all(len(h) == B for h in [handoff.modes])  # (every row deferred, the greedy ones too)
+    assert all(sum(st.certified.values()) == B for st in settled), [st.certified for st in settled]
+    assert not any("changes the head's logits after the head" in r.getMessage() for r in caplog.records)
+    assert sum("sets 2 tokens to -inf after the head" in r.getMessage() for r in caplog.records) == 1
+
+
+def _moving(first, later, calls=1):
+    """A model that suppresses ``first`` on its first ``calls`` calls, then ``later``."""
+    n = []
+
+    def post(logits, _ids):
+        n.append(1)
+        return _suppress(logits, first if len(n) <= calls else later)
+    return post
+
+
+@pytest.mark.parametrize("rows", sorted(PLANS))
+def test_a_suppression_that_moves_goes_dense(rows, head_case, monkeypatch):
+    """A model whose ``-inf`` tokens change after the first call (none in vLLM 0.32 does): the
+    rows are not certified over the tokens seen first; each such step is dense (the sampler
+    reads the placeholders' ``-inf`` every step: ``fill.suppression_holds``), its tokens the dense
+    head's with the model's new tokens suppressed."""
+    plan, md = _md(rows)
+    runner, channel = _bound(head_case, None)
+    d = head_case.dense(head_case.h).float()
+    first, later = _ids(head_case), torch.tensor(sorted({int(d[1].argmax()), int(d[4].argmax()), int(d[0].argmax())}))
+    runner.model.post = _moving(first, later)
+    settled = _settled(runner, monkeypatch)
+    want = _draw(Sampler(), _suppress(head_case.dense(head_case.h), later), md)
+    for i in range(3):
+        got, handoff = _step(runner, channel, dataclasses.replace(plan), head_case.h, md)
+        if i > 0:
+            assert torch.equal(got, want), (i, got.tolist(), want.tolist())
+            assert type(handoff).__name__ == "Deferred"
+    assert all(not st.certified and st.fallbacks.get("unsupported") == B for st in settled[1:])
+
+
+def _some_rows(logits, ids):  # the tokens to -inf on the first rows only: not a fixed mask
+    logits[:2, ids] = -float("inf")
+    return logits
+
+
+@pytest.mark.parametrize("post", [_some_rows, lambda logits, ids: logits.index_fill_(1, ids, -1e4)])
+def test_a_change_that_is_not_a_fixed_mask_is_not_a_suppression(post, head_case):
+    """Tokens to ``-inf`` on some rows only, or to a finite value: the model gets the dense head."""
+    runner, channel = _bound(head_case, None)
+    runner.model.post = post
+    plan, md = _md("greedy")
+    want = _draw(Sampler(), post(head_case.dense(head_case.h), _ids(head_case)), md)
+    for _ in range(2):
+        got, handoff = _step(runner, channel, dataclasses.replace(plan), head_case.h, md)
+        assert torch.equal(got, want) and handoff is None
+    assert channel.suppressed is None and channel.post_processing == "Model"
+
+
+def test_a_runner_whose_sampler_does_not_certify_masks_gets_the_dense_head(head_case):
+    """V2's sampler hook does not certify plain greedy rows: a suppressing model there (the V2
+    runner binds V2's ``Sampler``, not V1's) gets no plan, as before."""
+    runner, channel = _bound(head_case, "suppress")
+    runner.sampler = torch.nn.Module()  # (not V1's Sampler)
+    channel = patches.bind(runner)
+    assert not channel.masks_ok
+    with torch.inference_mode():
+        channel.open(dataclasses.replace(GREEDY))
+        runner.model.compute_logits(head_case.h)
+    assert channel.suppressed is None and channel.post_processing == "Model"
+
+
+def test_a_plan_in_the_sampler():
+    """``Plan.in_sampler``: the rows the head would certify deferred, their modes and temperatures
+    kept; a speculative step's target rows dense; deferred and dense rows as they were."""
+    from vllm_csv.vllm_plugin.plan import TARGET_MODE
+
+    plan = Plan(list("abcde"), [1, 5, DEFER, 0, 1], ["greedy", "top_k", "sampling", "", TARGET_MODE],
+                [0.0, 0.7, 0.9, 0.0, 0.0])
+    got = plan.in_sampler
+    assert got.topk == [DEFER, DEFER, DEFER, 0, 0]
+    assert got.modes == ["greedy", "top_k", "sampling", "", ""]
+    assert got.temps == [0.0, 0.7, 0.9, 0.0, 0.0]
+    assert got.req_ids == plan.req_ids and plan.in_sampler is got
+
+
+def test_suppressed_tokens():
+    """The fixed ``-inf`` mask between the layer's output and the model's, or None."""
+    inf = float("inf")
+    x = torch.tensor([[1.0, 2.0, -inf, float("nan"), 0.5], [3.0, -1.0, -inf, 4.0, 0.0]], dtype=torch.bfloat16)
+
+    def after(f):
+        y = x.clone()
+        f(y)
+        return y
+
+    def cols(t):
+        return None if t is None else t.nonzero().flatten().tolist()
+
+    assert cols(csv_step.suppressed_tokens(x, after(lambda y: y.index_fill_(1, torch.tensor([0, 4]), -inf)))) == [0, 4]
+    assert cols(csv_step.suppressed_tokens(x, after(lambda y: y.index_fill_(1, torch.tensor([2, 3]), -inf)))) == [3]
+    assert csv_step.suppressed_tokens(x, x.clone()) is None  # (nothing changed)
+    assert csv_step.suppressed_tokens(x, after(lambda y: y[0, 1].fill_(-inf))) is None  # (one row only)
+    assert csv_step.suppressed_tokens(x, after(lambda y: y[:, 1].fill_(-1e30))) is None  # (finite)
+    assert csv_step.suppressed_tokens(x, after(lambda y: y[:, 1].fill_(inf))) is None
+    assert csv_step.suppressed_tokens(x, after(lambda y: y.index_fill_(1, torch.tensor([1]), -inf).mul_(2))) is None
+    assert csv_step.suppressed_tokens(x, x.float()) is None and csv_step.suppressed_tokens(x, x[:, :4]) is None
 
 
 @pytest.mark.parametrize("post", ["suppress", "vocab_map", None])

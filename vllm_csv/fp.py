@@ -125,5 +125,15 @@ def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Bit-for-bit equality (``torch.equal`` counts ``-0.0 == 0.0`` and never ``NaN == NaN``)."""
     if a.shape != b.shape or a.dtype != b.dtype:
         return False
+    return torch.equal(_bits(a), _bits(b))
+
+
+def _bits(a: torch.Tensor) -> torch.Tensor:
+    """``a``'s bits as integers of its width."""
     ints = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[a.element_size()]
-    return torch.equal(a.contiguous().view(ints), b.contiguous().view(ints))
+    return a.contiguous().view(ints)
+
+
+def other_bits(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Bool, ``a``'s shape: where ``a`` and ``b`` (same shape and dtype) differ bit for bit."""
+    return _bits(a) != _bits(b)

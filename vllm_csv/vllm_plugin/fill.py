@@ -54,12 +54,32 @@ def grammar_mask(d: Deferred, logits: torch.Tensor, dev_rows: torch.Tensor,
     """``[R, V]`` bool: the tokens the grammar bitmask set to ``-inf`` on the deferred rows (the
     placeholders are finite: module docstring, "structured output"); None where no row has one.
     The runner (V1 or V2) applies it to the rows of structured requests only, each labelled
-    ``structured`` (:func:`~.plan.row_mode`): without one, no ``[R, V]`` scan for it.
+    ``structured`` (:func:`~.plan.row_mode`): without one, no ``[R, V]`` scan for it. So does
+    a model that sets tokens to ``-inf`` after the head (``d.suppressed``), on every row.
     ``every_row``: ``dev_rows`` is ``0 .. B - 1``."""
-    if "structured" not in d.modes:
+    if "structured" not in d.modes and d.suppressed is None:
         return None
     masked = (logits if every_row else logits[dev_rows]) == -math.inf
     return masked if bool(any_(masked)) else None
+
+
+def suppression_holds(d: Deferred, masked: torch.Tensor | None) -> bool:
+    """Whether the model set exactly its suppressed tokens (``d.suppressed``, seen at the
+    channel's first call: :func:`~.step.suppressed_tokens`) to ``-inf`` on every deferred row
+    this step: no others on a row without structured output (a grammar adds its own on the
+    others). True where the model suppresses nothing. Otherwise the model's change is not the
+    fixed mask the rows are certified over, and they go dense."""
+    s = d.suppressed
+    if s is None:
+        return True
+    if masked is None:
+        return False
+    missing = bool(any_(s & ~masked))  # (a suppressed token left finite on some row)
+    plain = [i for i, m in enumerate(d.modes) if m != "structured"]
+    if not plain:
+        return not missing
+    idx = plain if len(plain) < len(d.modes) else slice(None)
+    return not missing and not bool(any_(masked[idx] & ~s))
 
 
 def write_certified(logits: torch.Tensor, dev_rows: torch.Tensor, res, st: DeferredStats,

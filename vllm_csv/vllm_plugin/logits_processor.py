@@ -202,7 +202,7 @@ class CSVLogitsProcessor(LogitsProcessor):
             step.handoff = Deferred(
                 logits, csv_head.hidden_rows(hidden_states, rows.to(hidden_states.device)), rows,
                 [modes[i] for i in deferred], self._adapter(head), dense_full, account,
-                seconds=time.perf_counter() - t0 - stats.seconds)
+                seconds=time.perf_counter() - t0 - stats.seconds, suppressed=step.suppressed)
             self._log_first(head, stats)
             return logits, True
         self._log_first(head, stats)

@@ -32,7 +32,7 @@ from ..errors import CSVError
 from ..fp import same_bits
 from . import v1, v2
 from .logits_processor import CSVLogitsProcessor
-from .step import LazyPlan, StepChannel
+from .step import LazyPlan, StepChannel, suppressed_tokens
 
 
 class Integration(Protocol):
@@ -71,6 +71,11 @@ def bind(runner) -> StepChannel:
     sampler = getattr(runner, "sampler", None)
     if sampler is not None and sampler.__dict__.get("csv_channel") is not channel:  # (per step: skip
         sampler.csv_channel = channel  # nn.Module.__setattr__ unless the runner's sampler is new)
+        from vllm.v1.sample.sampler import Sampler
+
+        # V1's sampler hook certifies deferred rows over the -inf a model writes on them
+        # (StepChannel.suppressed); V2's does not certify plain greedy rows there
+        channel.masks_ok = isinstance(sampler, Sampler)
     return channel
 
 
@@ -122,7 +127,14 @@ def watch_logits(model, channel: StepChannel, name: str) -> None:
     compare): a call that returns another tensor than the layer's, with rows the head certified
     or deferred, is made again dense (its hand-off dropped), so that step's tokens are vLLM's
     too. ``name``: the model's class, for the warning. The first call's comparison reads the
-    result on the host once (a device sync, once per runner)."""
+    result on the host once (a device sync, once per runner).
+
+    A model whose change is only to set the same tokens to ``-inf`` on every row, in place
+    (:func:`~.step.suppressed_tokens`: Gemma 4's ``suppress_tokens``, Moondream 3's answer
+    token), keeps CSV where the channel's sampler certifies rows over such masks
+    (``channel.masks_ok``, V1's): its tokens become :attr:`~.step.StepChannel.suppressed`, and
+    every row goes to the sampler, which reads them off the placeholders as it reads a grammar's
+    (and checks, every step, that the model wrote exactly those: :func:`~.fill.suppression_holds`)."""
     orig = getattr(model, "compute_logits", None)
     if orig is None or getattr(orig, "_csv_channel", None) is channel:
         return
@@ -144,6 +156,16 @@ def watch_logits(model, channel: StepChannel, name: str) -> None:
             channel.logits_checked = True
         if out is r.logits and (r.copy is None or same_bits(out, r.copy)):
             return out
+        if first and out is r.logits and channel.masks_ok:
+            tokens = suppressed_tokens(r.copy, out)
+            if tokens is not None:
+                channel.suppressed = tokens
+                from vllm.logger import init_logger
+
+                init_logger("vllm.csv_decode").info(
+                    "CSV-Decode: %s.compute_logits sets %d tokens to -inf after the head; every row is "
+                    "certified in the sampler, over the other tokens.", name, int(tokens.sum()))
+                return out
         if channel.post_processing is None:
             channel.post_processing = name
             from vllm.logger import init_logger

@@ -87,6 +87,21 @@ class Plan:
         return cache[max_certified_k]
 
     @functools.cached_property
+    def in_sampler(self) -> Plan:
+        """This plan for a model that sets tokens to ``-inf`` after the head
+        (:attr:`~.step.StepChannel.suppressed`): the rows the head would certify (greedy, top-k)
+        deferred to the sampler instead, their mode kept (the hook certifies them over the tokens
+        left, as it does structured output's), a speculative step's target rows dense (V1's
+        verification reads the head's rows; no hook certifies them over a mask)."""
+        topk, modes, temps = [], [], []
+        for k, mode, t in zip(self.topk, self.row_modes, self.row_temps):
+            entry = (0, "", 0.0) if k > 0 and mode == TARGET_MODE else (DEFER, mode, t) if k > 0 else (k, mode, t)
+            topk.append(entry[0])
+            modes.append(entry[1])
+            temps.append(entry[2])
+        return Plan(list(self.req_ids), topk, modes, temps)
+
+    @functools.cached_property
     def csv_rows(self) -> int:
         """Rows asking for CSV, in the head or in the sampler."""
         return sum(k != 0 for k in self.topk)

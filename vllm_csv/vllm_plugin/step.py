@@ -24,10 +24,13 @@ gets no step and stays dense.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
 import torch
+
+from ..fp import other_bits
 
 if TYPE_CHECKING:
     from ..head import StepStats
@@ -112,6 +115,9 @@ class Deferred:
     dense: DenseBatch  # the dense head on the whole batch: [B, V]
     account: StepAccount  # kind "deferred"
     seconds: float = 0.0  # head time spent on them
+    # [V] bool on the logits' device: the tokens the model sets to -inf after the head
+    # (StepChannel.suppressed), which every placeholder row must show at sampler time
+    suppressed: torch.Tensor | None = None
 
 
 @dataclass
@@ -151,6 +157,23 @@ class Returned:
     csv: bool  # whether it holds rows the head certified or deferred (else vLLM's own logits)
 
 
+def suppressed_tokens(returned: torch.Tensor, model: torch.Tensor) -> torch.Tensor | None:
+    """``[V]`` bool: the tokens a model's ``compute_logits`` suppressed, where all it did to the
+    layer's output ``returned`` (its copy) to give ``model`` was to set some tokens to ``-inf`` on
+    every row (Gemma 4's ``suppress_tokens``, Moondream 3's answer token); None where it did
+    anything else (another shape, another value anywhere, a token ``-inf`` on some rows only)
+    or nothing. A token already ``-inf`` in ``returned`` on every row is not counted (a model
+    that suppresses it too is caught at sampler time: :func:`~.fill.suppression_holds`)."""
+    if returned.shape != model.shape or returned.dtype != model.dtype or returned.dim() != 2 or returned.shape[0] == 0:
+        return None
+    changed = other_bits(returned, model)
+    neg_inf = model == -math.inf
+    if not bool(changed.any()) or bool((changed & ~neg_inf).any()):
+        return None
+    tokens = changed.any(0)
+    return tokens if bool(neg_inf[:, tokens].all()) else None
+
+
 @dataclass
 class Step:
     """One step of one runner: its plan until the layer takes it, then the layer's hand-off
@@ -160,6 +183,7 @@ class Step:
     handoff: Handoff | None = None
     returned: Returned | None = None  # the layer's output in the current compute_logits call
     snapshot: bool = False  # the layer keeps a copy of what it returns (Returned.copy)
+    suppressed: torch.Tensor | None = None  # StepChannel.suppressed when the step opened
 
     def take_plan(self, num_rows: int) -> Plan | None:
         """The plan for a logits call of ``num_rows`` rows; consumed by the first call, so a
@@ -169,6 +193,8 @@ class Step:
             plan = plan.resolve()
         if plan is None or len(plan.topk) != num_rows:
             return None
+        if self.suppressed is not None:  # (the model suppresses tokens after the head: StepChannel)
+            plan = plan.in_sampler
         self.plan = None
         return plan
 
@@ -211,11 +237,17 @@ class StepChannel:
         self.model = None  # the model whose layers are bound (rebound if the runner reloads it)
         self.logits_checked = False  # whether a call showed what the model does with the head's logits
         self.post_processing: str | None = None  # the model (its class) changes them (Returned)
+        # where the model only sets a fixed set of tokens to -inf after the head (suppressed_tokens)
+        # and the sampler certifies rows over such masks (V1's: masks_ok), those tokens ([V] bool):
+        # every row then goes to the sampler (Plan.in_sampler), which reads the -inf off the placeholders
+        self.suppressed: torch.Tensor | None = None
+        self.masks_ok = False
 
     def open(self, plan: Plan | LazyPlan | None) -> Step:
         """A new step (any hand-off no sampler took is dropped with the old one); without a plan
-        once the model is known to change the head's logits after it."""
-        self.step = Step(None if self.post_processing else plan)
+        once the model is known to change the head's logits after it (other than by
+        :attr:`suppressed` tokens)."""
+        self.step = Step(None if self.post_processing else plan, suppressed=self.suppressed)
         return self.step
 
     def close_plan(self) -> None:
