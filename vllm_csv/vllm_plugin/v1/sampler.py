@@ -137,6 +137,18 @@ def draws_on_cpu(sampler) -> bool:
     return tts is not None and getattr(tts.forward, "__func__", None) is TopKTopPSampler.forward_cpu
 
 
+def torch_masks() -> bool:
+    """Whether vLLM's ``apply_top_k_top_p`` (which ``forward_cpu`` calls) is torch's
+    (``apply_top_k_top_p_pytorch``: every token tied with the k-th value kept, top-p by a sort of
+    the row), the masks the certificates model. Not where vLLM found a Triton CPU backend
+    (triton-cpu installed: ``HAS_TRITON`` on the CPU platform): its Triton top-k (Qrita) keeps
+    exactly ``k``, taking values within ``1e-9`` as duplicates and dropping them by position,
+    and its top-p searches a pivot; a certified top-k row could then draw a token vLLM drops."""
+    from vllm.v1.sample.ops import topk_topp_sampler
+
+    return not topk_topp_sampler.HAS_TRITON
+
+
 def certifiable_sampler(sampler) -> bool:
     """Whether ``sampler`` (a V1 ``Sampler``) draws with vLLM-CPU's fp32 Gumbel-max
     (:func:`draws_on_cpu`, not in fp64), the draw :mod:`vllm_csv.sampling` replays."""
@@ -151,6 +163,8 @@ def _unsupported(sampler, md, predict_bonus_token: bool, rows: torch.Tensor) -> 
         return "the sampler is not vLLM's CPU Gumbel sampler"
     if predict_bonus_token or any(md.spec_token_ids or ()):
         return "speculative decoding"
+    if (md.top_k is not None or md.top_p is not None) and not torch_masks():
+        return "vLLM's Triton top-k / top-p (a Triton CPU backend), not the masks the certificate models"
     holder = md.thinking_budget_state_holder
     if holder is not None and holder.has_tracked_requests():
         return "a thinking budget (its state advances on every application)"
