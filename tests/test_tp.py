@@ -501,6 +501,30 @@ def test_shared_off_switch_is_common(monkeypatch):
     assert not all(res[0]) and sum(res[0]) >= 3  # off most of the time, retried now and then
 
 
+def test_shared_off_switch_gathers_on_the_heads_device():
+    """vLLM's NCCL group (``PyNcclCommunicator.all_gather``) asserts that a tensor it gathers is on
+    its own GPU: the off-switch's one-off gather of a batch size's dense time is made on the
+    head's device, as every other collective of the sharded head (a CPU tensor crashed the
+    worker on the first CSV step under TP on CUDA). Checked with a device no CPU tensor is on."""
+    from vllm_csv.sharded import SharedOffSwitch
+
+    class Comm:
+        rank, size, seen = 0, 2, []
+
+        def all_gather(self, x):
+            self.seen.append(x.device)
+            return torch.full((2, *x.shape), 0.01)
+
+    comm = Comm()
+    sw = SharedOffSwitch(comm, device="meta")
+    sw.allow(4, lambda: 0.02)
+    assert comm.seen == [torch.device("meta")]
+    case = learned_case(V=200, B=2)
+    shard = Shard.vllm_layout(200, 0, 2)
+    head = ShardedHead(*shard_of(case.weight, None, shard), shard, Comm(), config=HeadConfig(screen="int8"))
+    assert head.off_switch.device == case.weight.device
+
+
 def _gloo_worker(rank, size, path, case, q):
     import torch.distributed as dist
 

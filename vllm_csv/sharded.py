@@ -156,8 +156,9 @@ class SharedOffSwitch:
 
     samples_in_place = False  # (the class docstring): the plugin keys every step by its batch size
 
-    def __init__(self, comm: Collective, tolerance: float = 0.02):
+    def __init__(self, comm: Collective, tolerance: float = 0.02, device: torch.device | str = "cpu"):
         self.comm = comm
+        self.device = torch.device(device)  # the head's: vLLM's NCCL group gathers tensors on its GPU only
         self.switch = OffSwitch(tolerance, probe_every=0)
         self._pending: tuple[int, float, str] | None = None  # (batch, seconds, kind) of the last CSV step
         self._kind = ""
@@ -171,8 +172,9 @@ class SharedOffSwitch:
         if batch not in sw.dense_seconds:
             # one measurement: the plugin's dense function is computed at most once a step (a
             # second call returns the step's memo in microseconds, and min() would keep that)
-            t = torch.tensor([measure_dense()], dtype=torch.float32)  # shm all-gather: no fp64
-            sw.dense_seconds[batch] = float(self.comm.all_gather(t).max())  # one-off per batch size
+            t = torch.tensor([measure_dense()], dtype=torch.float32, device=self.device)  # shm all-gather: no fp64
+            # (the host read: one-off per batch size)
+            sw.dense_seconds[batch] = float(self.comm.all_gather(t).max())
         return sw.allow(batch, lambda: sw.dense_seconds[batch], kind)
 
     def pending_tensor(self) -> torch.Tensor:
@@ -265,7 +267,7 @@ class ShardedHead:
         self.screen_backend = None if self.local is None else self.local.screen_backend
         if shard.size * shard.rows > 2**24:  # global ids travel as fp32 in the collectives
             raise CSVError(f"vocabulary of {shard.size * shard.rows} rows is too large for the sharded head")
-        self.off_switch = SharedOffSwitch(comm) if self.config.off_switch else None
+        self.off_switch = SharedOffSwitch(comm, device=weight.device) if self.config.off_switch else None
         self.last_certified: torch.Tensor | None = None  # [B] bool of the last step (host)
         self.last_top1: torch.Tensor | None = None  # [B] int64 of the last step (runtime.sampler_logits)
 
