@@ -394,6 +394,42 @@ def test_ball_needs_the_shards_index_and_bad_shard():
         ShardedHead(w[:10], b, shard, Solo())
 
 
+@pytest.mark.parametrize("why", ["failed", "no_index"])
+def test_a_rank_that_cannot_build_its_head_stops_every_rank(why):
+    """A rank whose shard's head cannot be built (``failed``: its index file refused, as after a
+    weight update that changed its shard alone; ``no_index``: screen ``ball`` without one) says so
+    in the head's first collective, and every rank raises there, after the same collectives:
+    the layer then switches every rank to vLLM's dense path together (before, the failing rank
+    went dense alone and the ranks' collectives split: a hang under NCCL or gloo)."""
+    case = learned_case(V=256)
+    index = {r: build_index(case.weight[Shard.vllm_layout(256, r, 2).real_rows].float(), None, 4, progress=False)
+             for r in range(2)}
+
+    def rank(r, comm):
+        shard = Shard.vllm_layout(256, r, 2)
+        w, b = shard_of(case.weight, None, shard)
+        calls = []
+        gather = comm.all_gather
+        comm.all_gather = lambda x: (calls.append(tuple(x.shape)), gather(x))[1]
+        bad = r == 1
+        try:
+            ShardedHead(w, b, shard, comm, config=HeadConfig(screen="ball", off_switch=False),
+                        index=None if bad and why == "no_index" else index[r],
+                        failed=CSVError("index refused") if bad and why == "failed" else None)
+        except CSVError as e:
+            return str(e), calls
+        return None, calls
+
+    res, _ = run_ranks(2, rank)
+    assert res[0][0] is not None and "rank(s) [1] of 2 could not build" in res[0][0]
+    assert res[1][0] == "index refused" if why == "failed" else "index of this rank's shard" in res[1][0]
+    assert res[0][1] == res[1][1] == [(2,)]
+    ok, _ = run_ranks(2, lambda r, comm: ShardedHead(*shard_of(case.weight, None, Shard.vllm_layout(256, r, 2)),
+                                                      Shard.vllm_layout(256, r, 2), comm, index=index[r],
+                                                      config=HeadConfig(screen="ball", off_switch=False)))
+    assert all(h.local is not None for h in ok)
+
+
 def ball_bound_violations(offset_of=None) -> int:
     """Tokens whose exact logit (float64) leaves the two-sided ball's ``[lo, hi]`` (the head's
     intervals over the screen), over heads with a per-token bias (near-equal and spread) and
@@ -513,7 +549,7 @@ def test_shared_off_switch_gathers_on_the_heads_device():
 
         def all_gather(self, x):
             self.seen.append(x.device)
-            return torch.full((2, *x.shape), 0.01)
+            return torch.ones((2, *x.shape))  # (every rank: built, its time 1 s)
 
     comm = Comm()
     sw = SharedOffSwitch(comm, device="meta")

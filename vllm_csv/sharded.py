@@ -235,12 +235,8 @@ class ShardedHead:
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, shard: Shard, comm: Collective, *,
                  config: HeadConfig | None = None, softcap: float | None = None, scale: float = 1.0,
-                 index=None, engine_linear=None):
+                 index=None, engine_linear=None, failed: CSVError | None = None):
         self.config = config or HeadConfig()
-        if self.config.screen == "ball" and index is None and shard.real:
-            raise CSVError(f"screen 'ball' with tensor parallelism needs the index of this rank's shard "
-                           f"(rank {shard.rank} of {shard.size}, vocabulary rows {shard.real_rows.start}..."
-                           f"{shard.real_rows.stop})")
         if weight.dim() != 2 or weight.shape[0] != shard.rows or comm.size != shard.size or comm.rank != shard.rank:
             raise CSVError(f"shard {shard} does not match a {tuple(weight.shape)} head on rank "
                            f"{comm.rank} of {comm.size}")
@@ -252,17 +248,38 @@ class ShardedHead:
         self._device_type = weight.device.type  # (arithmetic_ok: the backend whose fp32 setting counts)
         n = shard.real
         local_cfg = replace(self.config, off_switch=False, budget=1.0)
-        # the single-rank head over the shard's real rows: screen, bounds, exact scoring
-        self.local = None if n == 0 else CertifiedHead(
-            weight[:n], None if bias is None else bias[:n], config=local_cfg, softcap=softcap, scale=scale,
-            index=index, two_sided=True, engine_linear=engine_linear)
-        # the engine's probe, one decision on every rank (arithmetic_ok reads it every step)
+        # the single-rank head over the shard's real rows: screen, bounds, exact scoring. A rank that
+        # cannot build it (``failed``: the caller's error, e.g. its shard's index refused) says so in
+        # the first collective, and every rank raises: the ranks never split between this head's
+        # collectives and vLLM's dense path (a rebuild after new weights that one rank's index refuses)
+        self.local = None
+        try:
+            if failed is not None:
+                raise failed
+            if self.config.screen == "ball" and index is None and n:
+                raise CSVError(f"screen 'ball' with tensor parallelism needs the index of this rank's shard "
+                               f"(rank {shard.rank} of {shard.size}, vocabulary rows {shard.real_rows.start}..."
+                               f"{shard.real_rows.stop})")
+            self.local = None if n == 0 else CertifiedHead(
+                weight[:n], None if bias is None else bias[:n], config=local_cfg, softcap=softcap, scale=scale,
+                index=index, two_sided=True, engine_linear=engine_linear)
+            if self.local is not None and not self.local.screen.two_sided:
+                raise CSVError(f"screen {self.local.screen.name!r} is not supported with tensor parallelism")
+        except CSVError as e:
+            failed = e
+        # the engine's probe, one decision on every rank (arithmetic_ok reads it every step), with
+        # whether each rank built its head
         mine = 1.0 if self.local is None else float(self.local.engine_probe.fp32_accumulation)
-        agreed = bool(comm.all_gather(torch.tensor([mine], device=weight.device)).min() > 0)
+        g = comm.all_gather(torch.tensor([mine, 0.0 if failed else 1.0], device=weight.device)).cpu()
+        if failed is not None:
+            raise failed
+        if bool((g[:, 1] < 0.5).any()):
+            ranks = [r for r in range(g.shape[0]) if g[r, 1] < 0.5]
+            raise CSVError(f"rank(s) {ranks} of {shard.size} could not build the head of their shard (their log "
+                           "says why); no rank uses CSV")
+        agreed = bool(g[:, 0].min() > 0)
         self.engine_probe = EngineProbe(agreed, False, False) if self.local is None else replace(
             self.local.engine_probe, fp32_accumulation=agreed)
-        if self.local is not None and not self.local.screen.two_sided:
-            raise CSVError(f"screen {self.local.screen.name!r} is not supported with tensor parallelism")
         self.screen_name = "none" if self.local is None else self.local.screen.name
         self.screen_backend = None if self.local is None else self.local.screen_backend
         if shard.size * shard.rows > 2**24:  # global ids travel as fp32 in the collectives

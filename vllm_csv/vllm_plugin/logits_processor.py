@@ -382,14 +382,18 @@ class CSVLogitsProcessor(LogitsProcessor):
                 from ..sharded import Shard, ShardedHead, VllmTPGroup
 
                 shard = Shard.of_lm_head(lm_head, V)
-                index = None
+                index = failed = None
                 if (self.csv_config.screen == "ball" or self.csv_config.index) and shard.real:
                     n = shard.real  # the shard's real rows: its index is fingerprinted on them
-                    index = load_or_build_index(weight[:n], None if bias is None else bias[:n], self.csv_config,
-                                                shard)
+                    try:
+                        index = load_or_build_index(weight[:n], None if bias is None else bias[:n],
+                                                    self.csv_config, shard)
+                    except CSVError as e:  # (raised on every rank by ShardedHead, after its first collective)
+                        failed = e
                 self.csv_head = ShardedHead(
                     weight, bias, shard, VllmTPGroup(), config=self.csv_config.head_config(),
-                    softcap=self.soft_cap, scale=self.scale, index=index, engine_linear=vllm_linear())
+                    softcap=self.soft_cap, scale=self.scale, index=index, engine_linear=vllm_linear(),
+                    failed=failed)
                 if self.csv_metrics is None:  # (a rebuild keeps the metrics: csv_invalidate)
                     self.csv_metrics = _metrics(self.csv_model_name, self.csv_head, index, lm_head.tp_rank)
                 return self.csv_head
