@@ -120,6 +120,21 @@ def test_a_quantized_head_keeps_vllms_layer(monkeypatch, caplog):
     assert layer.csv_head is None and "a quantized LM head (Fp8LinearMethod)" in caplog.text
 
 
+def test_an_added_vocabulary_under_tp_keeps_vllms_layer():
+    """Rows past the vocabulary in a vocabulary-sharded head (LoRA extra tokens, PLaMo 3's head
+    rounded up to a multiple of 16): the shard layout the sharded head needs does not hold, so
+    every rank keeps vLLM's layer (before: an error at start-up where vLLM serves)."""
+    from vllm_csv.vllm_plugin.logits_processor import _unsupported_head
+
+    head = _lm_head(_weight(0))
+    head.num_added_embeddings = 16
+    assert _unsupported_head(head) is None  # (one rank: the vocabulary's rows are sliced)
+    head.tp_size = 2
+    assert "an added vocabulary" in _unsupported_head(head)
+    head.num_added_embeddings = 0
+    assert _unsupported_head(head) is None
+
+
 @pytest.mark.parametrize("invalidate", [True, False])
 def test_weights_written_in_place_build_the_head_again(invalidate, monkeypatch):
     """``reload_weights`` / ``update_weights`` copy new weights into the same tensors: after

@@ -475,6 +475,9 @@ def _unsupported_head(lm_head) -> str | None:
     w = getattr(lm_head, "weight", None)
     if not isinstance(w, torch.Tensor) or not w.dtype.is_floating_point or w.element_size() < 2:
         return "an LM head without a 16- or 32-bit float weight"
+    if getattr(lm_head, "tp_size", 1) > 1 and getattr(lm_head, "num_added_embeddings", 0):
+        # (the same on every rank: each switches off; PLaMo 3 rounds its head's rows up this way)
+        return "an added vocabulary (LoRA extra tokens, or head rows past the vocabulary) under tensor parallelism"
     return None
 
 
