@@ -75,6 +75,7 @@ for c in (Sampler, RejectionSampler, SpecDecodeBaseProposer, V2Sampler, V2Reject
 assert getattr(topk_topp_sampler.apply_top_k_top_p, "_csv_wrapped", False)
 assert op_registry_oot["LogitsProcessor"] is CSVLogitsProcessor
 assert known.v2_draw_known() and known.matching_release(known.fingerprint()) == "0.33.0"
+assert known.v2_verify_known() and known.matching_release(known.verify_fingerprint(), known.KNOWN_VERIFY) == "0.33.0"
 # (the --csv-* flags on 0.33's parser are not parsed here: vLLM 0.33's own add_cli_args infers a
 # device for its defaults, which fails with the CUDA wheel on a machine without one)
 print("check_vllm033: the plugin registers against vLLM", vllm.__version__, "(", vllm.__file__, ")")

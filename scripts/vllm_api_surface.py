@@ -38,6 +38,7 @@ FILES = (
     "vllm/v1/worker/gpu/spec_decode/rejection_sampler_utils.py",
 )
 SAMPLE_DIR = "vllm/v1/worker/gpu/sample"
+SPEC_DIR = "vllm/v1/worker/gpu/spec_decode"
 SIGNATURES = (
     "vllm/v1/worker/gpu_model_runner.py:GPUModelRunner.execute_model",
     "vllm/v1/worker/gpu_model_runner.py:GPUModelRunner.sample_tokens",
@@ -161,7 +162,8 @@ def surface(root: Path, source: str) -> dict:
         sigs[s] = signature(trees[f], q)
     imports = {f"{m}:{n}": _defined(root, m, n) for m, n in plugin_imports()}
     return {"vllm": version, "source": source, "files": files, "signatures": sigs, "imports": imports,
-            "v2_draw": known.fingerprint(root / SAMPLE_DIR)}
+            "v2_draw": known.fingerprint(root / SAMPLE_DIR),
+            "v2_verify": known.verify_fingerprint(root / SPEC_DIR)}
 
 
 def main(argv: list[str]) -> int:

@@ -17,6 +17,7 @@ With the wheel at hand (``VLLM_033_WHEEL``), the committed surface is checked ag
 
 import ast
 import hashlib
+import importlib.util
 import json
 import logging
 import math
@@ -25,6 +26,7 @@ import subprocess
 import sys
 import textwrap
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -211,6 +213,39 @@ def test_v2_draw_fingerprints(installed_surface):
     edited = src.replace("h * 5 + 0xE6546B64", "h * 5 + 0xE6546B65")
     assert known.function_hash(edited, ast.parse(edited), "_murmur3_mix") != \
         known.KNOWN["0.33.0"]["gumbel:_murmur3_mix"]
+
+
+def test_v2_verification_fingerprints(installed_surface, tmp_path, monkeypatch, caplog):
+    """The V2 verification hooks certify on the rejection sampler's code of 0.32.0 and 0.33.0
+    (``v2.known.v2_verify_known``): the installed vLLM's and the wheel's fingerprints are those
+    releases'; the installed code with the verification uniform's seed changed (as 0.33's block
+    verification mixes in ``spec_step_seed``), nothing else, is not a known release, and the
+    runner's rejection sampler is then not trusted (its steps dense, one warning). Before, the
+    hooks checked the sampler's files alone."""
+    from vllm_csv.vllm_plugin.v2 import spec
+
+    assert known.matching_release(installed_surface["v2_verify"], known.KNOWN_VERIFY) == "0.32.0"
+    assert known.matching_release(SURFACE["v2_verify"], known.KNOWN_VERIFY) == "0.33.0"
+    src_dir = Path(importlib.util.find_spec("vllm.v1.worker.gpu.spec_decode").origin).parent
+    for name in known.VERIFY_FUNCTIONS:
+        (tmp_path / f"{name}.py").write_text((src_dir / f"{name}.py").read_text())
+    assert known.matching_release(known.verify_fingerprint(tmp_path), known.KNOWN_VERIFY) == "0.32.0"
+    utils = tmp_path / "rejection_sampler_utils.py"
+    src = utils.read_text()
+    assert src.count("tl_rand32(seed, pos, ") == 1
+    utils.write_text(src.replace("tl_rand32(seed, pos, ", "tl_rand32(seed ^ (1 << 32), pos, "))
+    assert known.matching_release(known.verify_fingerprint(tmp_path), known.KNOWN_VERIFY) is None
+    monkeypatch.setattr(known, "_checked", {})
+    monkeypatch.setattr(known, "verify_fingerprint", lambda directory=None, _d=tmp_path: known.fingerprint(
+        _d, known.VERIFY_FUNCTIONS, known.VERIFY_PACKAGE))
+    rs = SimpleNamespace(sampler=None)
+    monkeypatch.setattr(spec, "certifiable_sampler", lambda sampler: True)
+    with caplog.at_level(logging.WARNING):
+        assert not spec.verification_ok(rs) and not spec.verification_ok(rs)
+    assert caplog.text.count("V2 speculative verification") == 1
+    monkeypatch.setattr(known, "_checked", {})
+    monkeypatch.undo()
+    assert known.v2_verify_known()
 
 
 @pytest.mark.skipif(not os.environ.get("VLLM_033_WHEEL"), reason="VLLM_033_WHEEL (the 0.33.0 wheel) not given")

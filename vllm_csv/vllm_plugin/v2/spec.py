@@ -35,12 +35,14 @@ from __future__ import annotations
 import numpy as np
 
 from ..plan import Plan, kept_target_plan
+from .known import v2_verify_known
 from .sampler import certifiable_sampler
 
 
 def verification_ok(rejection_sampler) -> bool:
     """Whether the V2 ``rejection_sampler`` verifies greedy requests by their rows' argmax alone
-    (module docstring)."""
+    (module docstring), with the code of a release the verification certificate was checked
+    against (:func:`.known.v2_verify_known`)."""
     if rejection_sampler is None:
         return False
     return (getattr(rejection_sampler, "synthetic_conditional_rates", None) is None
@@ -48,7 +50,8 @@ def verification_ok(rejection_sampler) -> bool:
             and not getattr(rejection_sampler, "fly_window_size", 0)
             and not getattr(rejection_sampler, "enable_adaptive_verification", False)
             and getattr(rejection_sampler, "watermark_key", None) is None
-            and certifiable_sampler(getattr(rejection_sampler, "sampler", None)))
+            and certifiable_sampler(getattr(rejection_sampler, "sampler", None))
+            and v2_verify_known())
 
 
 def draft_counts(input_batch) -> tuple[int, ...]:
