@@ -214,6 +214,29 @@ def test_a_model_that_returns_the_heads_logits_keeps_csv(rows, first, head_case)
     assert int(head_case.head.last_certified.sum()) > 0
 
 
+@pytest.mark.parametrize("rows", sorted(PLANS))
+def test_a_new_model_object_is_checked_again(rows, head_case):
+    """A runner whose model object is replaced (a later vLLM's load_model, a caller's swap) by
+    one that suppresses tokens: its first call is dense and compared again, so its steps are
+    certified over its suppression (before, the old model's verdict held: Top1 hand-offs of the
+    suppressed tokens)."""
+    plan, md = _md(rows)
+    runner, channel = _bound(head_case, None)
+    for _ in range(2):
+        _step(runner, channel, dataclasses.replace(plan), head_case.h, md)
+    assert channel.logits_checked and channel.suppressed is None
+    runner.model = Model(runner.model.logits_processor, POST["suppress"], _ids(head_case))
+    patches.bind(runner)
+    want = _want(head_case, "suppress", md)
+    handed = []
+    for _ in range(2):
+        got, handoff = _step(runner, channel, dataclasses.replace(plan), head_case.h, md)
+        handed.append(type(handoff).__name__)
+        assert torch.equal(got, want), (got.tolist(), want.tolist())
+    assert handed == ["NoneType", "Deferred"]
+    assert torch.equal(channel.suppressed.nonzero().flatten(), _ids(head_case))
+
+
 def _settled(runner, monkeypatch) -> list:
     """The sampler's :class:`DeferredStats` of each step the layer settles (appended in order)."""
     layer, seen = runner.model.logits_processor, []

@@ -66,6 +66,7 @@ def bind(runner) -> StepChannel:
     if model is not None and channel.model is not model:
         root = _root_model(runner)
         _bind_layers(root, channel)
+        channel.forget_model()  # (another model: its first call shows what it does to the logits)
         watch_logits(model, channel, type(root).__name__)
         channel.model = model
     sampler = getattr(runner, "sampler", None)
@@ -101,6 +102,7 @@ def bind_drafter(proposer) -> StepChannel:
     model = getattr(proposer, "model", None)
     if model is not None and channel.model is not model:
         _bind_layers(model, channel, keep_bound=True)
+        channel.forget_model()
         watch_logits(model, channel, type(model).__name__)
         channel.model = model
     return channel

@@ -243,6 +243,12 @@ class StepChannel:
         self.suppressed: torch.Tensor | None = None
         self.masks_ok = False
 
+    def forget_model(self) -> None:
+        """What the model's calls showed (:attr:`logits_checked`, :attr:`post_processing`,
+        :attr:`suppressed`), dropped when the runner binds another model object: the next call
+        shows it again."""
+        self.logits_checked, self.post_processing, self.suppressed = False, None, None
+
     def open(self, plan: Plan | LazyPlan | None) -> Step:
         """A new step (any hand-off no sampler took is dropped with the old one); without a plan
         once the model is known to change the head's logits after it (other than by
