@@ -19,6 +19,10 @@ another model), bf16 head, the server's default screen.
   sampler on the certified rows; dense head for the rows it cannot certify).
 
 Both see the same metadata and the same seeds; the script checks they draw the same tokens.
+``--suppress N``: a model that sets ``N`` fixed tokens to ``-inf`` after the head (Gemma 4's
+``suppress_tokens``) on both sides; CSV then defers every row, greedy ones too, as the plugin
+does for such a model (``Plan.in_sampler``), and the sampler reads the ``-inf`` off the
+placeholders.
 Timings are medians over ``--repeats`` interleaved runs, on whatever else the machine runs.
 """
 
@@ -84,6 +88,9 @@ def main(argv=None) -> int:
     p.add_argument("--budget", type=float, default=None, help="HeadConfig.budget (default: its default)")
     p.add_argument("--profile", action="store_true", help="torch.profiler table of the CSV step")
     p.add_argument("--cprofile", action="store_true", help="cProfile of the CSV step")
+    p.add_argument("--suppress", type=int, default=0,
+                   help="a model that sets N fixed tokens to -inf after the head (Gemma 4's suppress_tokens): "
+                        "both sides write them; CSV defers every row, greedy ones too (Plan.in_sampler)")
     p.add_argument("--json", default=None)
     a = p.parse_args(argv)
     torch.set_num_threads(a.threads)
@@ -113,7 +120,14 @@ def main(argv=None) -> int:
     V = head.vocab_size
     g = torch.Generator().manual_seed(0)
     results = {"machine": machine("cpu"), "commit": commit(), "threads": a.threads, "screen": head.screen.name,
-               "budget": head.config.budget, "model": model.name, "modes": a.modes, "command": " ".join(sys.argv), "loadavg_before": os.getloadavg(), "rows": []}
+               "budget": head.config.budget, "model": model.name, "modes": a.modes, "suppress": a.suppress,
+               "command": " ".join(sys.argv), "loadavg_before": os.getloadavg(), "rows": []}
+    # the suppressed tokens: the dense argmax of the first rows, then others at random (they matter)
+    top = vhead(H[: a.suppress]).float().argmax(-1).tolist() if a.suppress else []
+    order = dict.fromkeys(top + torch.randperm(V, generator=torch.Generator().manual_seed(1)).tolist())
+    suppressed = torch.tensor(list(order)[: a.suppress], dtype=torch.long)
+    mask = torch.zeros(V, dtype=torch.bool)
+    mask[suppressed] = True
 
     for B in a.batches:
         hs = [H[i * B:(i + 1) * B] for i in range(a.steps)]
@@ -127,13 +141,17 @@ def main(argv=None) -> int:
             for i, gen in md.generators.items():
                 gen.manual_seed(100 + i + s)
 
+        def post(logits):  # the model's compute_logits after the head (--suppress)
+            return logits.index_fill_(1, suppressed, -float("inf")) if a.suppress else logits
+
         def dense_step(s):
-            return sampler(logits=vhead(hs[s]), sampling_metadata=md).sampled_token_ids[:, 0]
+            return sampler(logits=post(vhead(hs[s])), sampling_metadata=md).sampled_token_ids[:, 0]
 
         stats = []
 
-        in_head = torch.tensor([i for i, m in enumerate(modes) if m == "greedy"], dtype=torch.long)
-        rows = torch.tensor([i for i, m in enumerate(modes) if m != "greedy"], dtype=torch.long)
+        greedy_in_head = not a.suppress  # (a suppressing model: every row deferred, Plan.in_sampler)
+        in_head = torch.tensor([i for i, m in enumerate(modes) if m == "greedy" and greedy_in_head], dtype=torch.long)
+        rows = torch.tensor([i for i, m in enumerate(modes) if m != "greedy" or not greedy_in_head], dtype=torch.long)
 
         def csv_step(s):
             # as the plugin's layer: greedy rows certified in the head (k = 1), the others deferred
@@ -147,8 +165,8 @@ def main(argv=None) -> int:
                 logits[rows] = plugin_step.PLACEHOLDER
                 hand_off(sampler, plugin_step.Deferred(
                     logits, h[rows].clone(), rows, [modes[i] for i in rows], adapter, lambda: vhead(h),
-                    Tally(stats.append).account()))
-            return sampler(logits=logits, sampling_metadata=md).sampled_token_ids[:, 0]
+                    Tally(stats.append).account(), suppressed=mask if a.suppress else None))
+            return sampler(logits=post(logits), sampling_metadata=md).sampled_token_ids[:, 0]
 
         td, tc, mism = [], [], 0
         for rep in range(a.repeats + 1):  # the first pass warms up
@@ -175,7 +193,8 @@ def main(argv=None) -> int:
         row = {"batch": B, "dense_ms": statistics.median(td), "csv_ms": statistics.median(tc),
                "dense_min_ms": min(td), "csv_min_ms": min(tc),
                "certified_share": cert / max(1, sum(st.rows for st in stats)),
-               "scored_mean": statistics.mean(st.scored for st in stats), "fallbacks": fallbacks,
+               # (no deferred rows, --modes greedy alone: nothing scored in the sampler)
+               "scored_mean": statistics.mean(st.scored for st in stats) if stats else 0.0, "fallbacks": fallbacks,
                "mismatches": mism}
         row["speedup"] = row["dense_ms"] / row["csv_ms"]
         results["rows"].append(row)
