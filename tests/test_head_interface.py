@@ -94,3 +94,17 @@ def test_certificate_is_pure():
     ok, in_top = certificate.certify(eng, z, z, z, torch.tensor([2]), torch.tensor([1.5]),
                                      torch.tensor([True]), torch.arange(3))
     assert ok.tolist() == [True] and in_top.tolist() == [[True, False, True]]
+
+
+@pytest.mark.parametrize("screen", ["int8", "int4", "fp16"])
+def test_an_empty_batch_is_the_dense_heads_empty_answer(screen):
+    """``topk`` and ``sampler_logits`` on ``B = 0`` rows answer as the dense head does (``[0, k]``,
+    ``[0, V]``); ``topk`` stopped on ``k.max()`` of an empty tensor."""
+    W, _ = peaked_head(1000, 64, seed=1, dtype=torch.bfloat16)
+    head = CertifiedHead(W, config=HeadConfig(screen=screen, off_switch=False))
+    h = torch.zeros(0, 64, dtype=torch.bfloat16)
+    for k in (1, 5):
+        res = head.topk(h, k)
+        assert res.ids.shape == res.values.shape == (0, k) and res.certified.numel() == res.scored.numel() == 0
+    logits, _ = head.sampler_logits(h, torch.zeros(0, dtype=torch.long))
+    assert logits.shape == (0, 1000)

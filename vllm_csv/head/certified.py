@@ -247,6 +247,10 @@ class CertifiedHead:
         if not 1 <= k <= self.vocab_size:
             raise CSVError(f"k must be in [1, {self.vocab_size}], got {k}")
         dev = hidden.device
+        if B == 0:  # (no row: the dense head's empty answer, as F.linear gives it)
+            vals, ids = certificate.stable_topk(self.dense_logits(hidden), k)
+            none = torch.zeros(0, dtype=torch.bool, device=dev)
+            return TopKResult(ids, vals, none, none, torch.zeros(0, dtype=torch.long, device=dev))
         sel = self.select(hidden, torch.full((B,), k, device=dev), torch.full((B,), values, device=dev))
         logits = self.output(sel.exact)
         fb = ~sel.certified
