@@ -394,7 +394,8 @@ def rows_from_sampler_step(d: dict, source: str, **common) -> list[Row]:
     label, shape = model_label(d.get("model"))
     modes = d.get("modes") or ["temperature", "top_p", "min_p", "penalties", "logit_bias"]
     modes = "+".join(modes.split() if isinstance(modes, str) else modes)
-    cfg = _cfg(model=label, modes=modes, screen=d.get("screen"), budget=d.get("budget"))
+    cfg = _cfg(model=label, modes=modes, screen=d.get("screen"), budget=d.get("budget"),
+               suppress=d.get("suppress") or None)
     out = _Rows(benchmark="sampler_step", machine=machine_words(m), threads=d.get("threads") or _threads(m),
                 commit=short_commit(d.get("commit")), shape=shape, dtype="bf16", config=cfg, source=source,
                 **common)
