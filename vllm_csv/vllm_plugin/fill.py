@@ -74,12 +74,12 @@ def suppression_holds(d: Deferred, masked: torch.Tensor | None) -> bool:
         return True
     if masked is None:
         return False
-    missing = bool(any_(s & ~masked))  # (a suppressed token left finite on some row)
+    structured = [i for i, m in enumerate(d.modes) if m == "structured"]
+    if not structured:  # (the usual step: one pass, exactly those tokens on every row)
+        return not bool(any_(masked != s))
     plain = [i for i, m in enumerate(d.modes) if m != "structured"]
-    if not plain:
-        return not missing
-    idx = plain if len(plain) < len(d.modes) else slice(None)
-    return not missing and not bool(any_(masked[idx] & ~s))
+    # a grammar's row: at least those tokens (a suppressed token left finite fails)
+    return not bool(any_(s & ~masked[structured])) and not (plain and bool(any_(masked[plain] != s)))
 
 
 def write_certified(logits: torch.Tensor, dev_rows: torch.Tensor, res, st: DeferredStats,
