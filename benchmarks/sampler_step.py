@@ -20,9 +20,10 @@ another model), bf16 head, the server's default screen.
 
 Both see the same metadata and the same seeds; the script checks they draw the same tokens.
 ``--suppress N``: a model that sets ``N`` fixed tokens to ``-inf`` after the head (Gemma 4's
-``suppress_tokens``) on both sides; CSV then defers every row, greedy ones too, as the plugin
-does for such a model (``Plan.in_sampler``), and the sampler reads the ``-inf`` off the
-placeholders.
+``suppress_tokens``) on both sides; CSV then certifies greedy rows in the head over them (their
+top ``1 + N``: ``Plan.over_mask``; the model's ``compute_logits`` wrapper checks them and hands
+their argmaxes on: ``step.over_mask_tokens``) and defers the others, whose ``-inf`` the sampler
+reads off the placeholders.
 Timings are medians over ``--repeats`` interleaved runs, on whatever else the machine runs.
 """
 
@@ -90,7 +91,8 @@ def main(argv=None) -> int:
     p.add_argument("--cprofile", action="store_true", help="cProfile of the CSV step")
     p.add_argument("--suppress", type=int, default=0,
                    help="a model that sets N fixed tokens to -inf after the head (Gemma 4's suppress_tokens): "
-                        "both sides write them; CSV defers every row, greedy ones too (Plan.in_sampler)")
+                        "both sides write them; CSV certifies greedy rows in the head over them "
+                        "(Plan.over_mask), the others in the sampler")
     p.add_argument("--json", default=None)
     a = p.parse_args(argv)
     torch.set_num_threads(a.threads)
@@ -147,26 +149,43 @@ def main(argv=None) -> int:
         def dense_step(s):
             return sampler(logits=post(vhead(hs[s])), sampling_metadata=md).sampled_token_ids[:, 0]
 
-        stats = []
+        stats, head_stats = [], []  # the sampler's DeferredStats, the head's StepStats
 
-        greedy_in_head = not a.suppress  # (a suppressing model: every row deferred, Plan.in_sampler)
-        in_head = torch.tensor([i for i, m in enumerate(modes) if m == "greedy" and greedy_in_head], dtype=torch.long)
-        rows = torch.tensor([i for i, m in enumerate(modes) if m != "greedy" or not greedy_in_head], dtype=torch.long)
+        # greedy rows in the head (k = 1; over a suppression, the head leaves its tokens out: Plan.over_mask)
+        exclude = suppressed if a.suppress else None
+        in_head = torch.tensor([i for i, m in enumerate(modes) if m == "greedy"], dtype=torch.long)
+        rows = torch.tensor([i for i, m in enumerate(modes) if m != "greedy"], dtype=torch.long)
 
         def csv_step(s):
-            # as the plugin's layer: greedy rows certified in the head (k = 1), the others deferred
+            # as the plugin's layer: greedy rows certified in the head, the others deferred
             h = hs[s]
+            every = in_head.numel() == B
             logits = torch.empty((B, V), dtype=W.dtype)
+            handoff = over = None
             if in_head.numel():
-                part, _ = head.sampler_logits(h[in_head], torch.ones(in_head.numel(), dtype=torch.long),
-                                              use_switch=False)
-                logits[in_head] = part.to(W.dtype)
+                part, hst = head.sampler_logits(h if every else h[in_head],
+                                                torch.ones(in_head.numel(), dtype=torch.long), exclude=exclude)
+                head_stats.append(hst)
+                if every:
+                    logits = part
+                    if head.last_top1 is not None and hst.certified == B:
+                        handoff = plugin_step.Top1(logits, head.last_top1)
+                else:
+                    logits[in_head] = part.to(W.dtype)
+                got = head.last_certified
+                if exclude is not None and bool(got.any()):  # (the layer's _over_mask)
+                    over = (in_head[got], None if head.last_top1 is None else head.last_top1[got])
+                    logits[over[0][:, None], exclude[None]] = plugin_step.SUPPRESSED_PROBE
             if rows.numel():
                 logits[rows] = plugin_step.PLACEHOLDER
-                hand_off(sampler, plugin_step.Deferred(
+                handoff = plugin_step.Deferred(
                     logits, h[rows].clone(), rows, [modes[i] for i in rows], adapter, lambda: vhead(h),
-                    Tally(stats.append).account(), suppressed=mask if a.suppress else None))
-            return sampler(logits=post(logits), sampling_metadata=md).sampled_token_ids[:, 0]
+                    Tally(stats.append).account(), suppressed=mask if a.suppress else None)
+            out = post(logits)
+            if over is not None:  # (the plugin's compute_logits wrapper: patches.watch_logits)
+                assert plugin_step.over_mask_tokens(out, over[0], exclude, over[1]) is not None
+            hand_off(sampler, handoff)
+            return sampler(logits=out, sampling_metadata=md).sampled_token_ids[:, 0]
 
         td, tc, mism = [], [], 0
         for rep in range(a.repeats + 1):  # the first pass warms up
@@ -185,14 +204,15 @@ def main(argv=None) -> int:
                     tc.append((t3 - t2) * 1e3)
                 else:
                     stats.clear()
-        cert = sum(sum(st.certified.values()) for st in stats)
+                    head_stats.clear()
+        cert = sum(sum(st.certified.values()) for st in stats) + sum(st.certified for st in head_stats)
         fallbacks: dict[str, int] = {}
-        for st in stats:
+        for st in stats + head_stats:
             for r, n in st.fallbacks.items():
                 fallbacks[r] = fallbacks.get(r, 0) + n
         row = {"batch": B, "dense_ms": statistics.median(td), "csv_ms": statistics.median(tc),
                "dense_min_ms": min(td), "csv_min_ms": min(tc),
-               "certified_share": cert / max(1, sum(st.rows for st in stats)),
+               "certified_share": cert / max(1, sum(st.rows for st in stats) + sum(st.rows for st in head_stats)),
                # (no deferred rows, --modes greedy alone: nothing scored in the sampler)
                "scored_mean": statistics.mean(st.scored for st in stats) if stats else 0.0, "fallbacks": fallbacks,
                "mismatches": mism}

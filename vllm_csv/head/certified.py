@@ -185,10 +185,20 @@ class CertifiedHead:
         return bounds.score(self.errors, self.engine, self.backend, self.weight, self.bias, hidden, ids)
 
     # ---- selection (selector.Selector) --------------------------------------------------
+    @property
+    def can_exclude(self) -> bool:
+        """Whether :meth:`select` takes ``exclude`` (the two-sided threshold search)."""
+        return self.screen.two_sided
+
     def select(self, hidden: torch.Tensor, k: torch.Tensor, need_values: torch.Tensor,
-               temp: torch.Tensor | None = None) -> Selection:
+               temp: torch.Tensor | None = None, exclude: torch.Tensor | None = None) -> Selection:
         """Certify ``hidden [B, d]`` for ``k [B]`` (:mod:`.selection`): the fused GPU step where it
-        applies, else the two-sided threshold, else (the one-sided ball) the growing set."""
+        applies, else the two-sided threshold, else (the one-sided ball) the growing set.
+        ``exclude [n]``: tokens left out (:attr:`can_exclude`; the two-sided search, unfused)."""
+        if exclude is not None:
+            if not self.can_exclude:
+                raise CSVError(f"screen {self.screen_name} cannot leave tokens out of the certificate")
+            return selection.select_two_sided(self, hidden, k, need_values, temp, exclude)
         fused = self._fused_for(hidden, k, temp)
         if fused is not None:
             return selection.select_fused(fused, hidden, k, need_values)
@@ -263,7 +273,8 @@ class CertifiedHead:
     def sampler_logits(self, hidden: torch.Tensor, topk: torch.Tensor,
                        dense_fn: Callable[[torch.Tensor], torch.Tensor] | None = None,
                        t0: float | None = None, temperature: torch.Tensor | None = None,
-                       use_switch: bool = False) -> tuple[torch.Tensor, StepStats]:
+                       use_switch: bool = False, exclude: torch.Tensor | None = None
+                       ) -> tuple[torch.Tensor, StepStats]:
         """Logits for a sampler (:func:`.runtime.sampler_logits`).
 
         Parameters
@@ -288,13 +299,18 @@ class CertifiedHead:
         use_switch : bool
             Ignored (accepted for callers of the old signature): the head never runs the
             off-switch; the plugin's step asks it for the whole step (issue 43).
+        exclude : torch.Tensor, optional
+            ``[n]`` int64 on the head's device: tokens left out of every row's certificate
+            (:attr:`can_exclude`), which a model sets to ``-inf`` after the head: a certified
+            row holds the top-``k`` of the others, each proven above every other token but
+            those, and ``-inf`` on them.
 
         Returns
         -------
         (logits [B, V] model dtype, StepStats): certified rows hold the dense values on their
         top-k and ``-inf`` elsewhere; every other row holds ``dense_fn(hidden)``'s row.
         """
-        return runtime.sampler_logits(self, hidden, topk, dense_fn or self.dense_logits, t0, temperature)
+        return runtime.sampler_logits(self, hidden, topk, dense_fn or self.dense_logits, t0, temperature, exclude)
 
 
 def arithmetic_ok(probe, dtype: torch.dtype, device_type: str = "cpu") -> bool:

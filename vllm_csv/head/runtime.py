@@ -54,12 +54,14 @@ def time_call(fn: Callable[[], object], like: torch.Tensor) -> float:
 
 def sampler_logits(selector, hidden: torch.Tensor, topk: torch.Tensor,
                    dense_fn: Callable[[torch.Tensor], torch.Tensor], t0: float | None = None,
-                   temperature: torch.Tensor | None = None) -> tuple[torch.Tensor, StepStats]:
+                   temperature: torch.Tensor | None = None, exclude: torch.Tensor | None = None
+                   ) -> tuple[torch.Tensor, StepStats]:
     """One step of ``selector`` (:meth:`CertifiedHead.sampler_logits` has the parameters);
     sets ``selector.last_certified`` (``[B]`` bool, host) for the plugin's per-mode counts, and
     ``selector.last_top1``: where every row tried ``k = 1`` on the whole batch, each certified
     row's token (``[B]`` int64, :attr:`Selection.top1`; the argmax of its output row), else None
-    (the plugin hands it to readers that need only argmaxes: :class:`~vllm_csv.vllm_plugin.step.Top1`)."""
+    (the plugin hands it to readers that need only argmaxes: :class:`~vllm_csv.vllm_plugin.step.Top1`).
+    ``exclude``: tokens left out of every row's certificate (:meth:`Selector.select`)."""
     t0 = time.perf_counter() if t0 is None else t0
     B, dev = hidden.shape[0], hidden.device
     # decided on the host, as Python lists (B numbers; no device sync)
@@ -78,7 +80,8 @@ def sampler_logits(selector, hidden: torch.Tensor, topk: torch.Tensor,
         temp = None if temperature is None else temperature.cpu().float()
         if temp is not None and not every:
             temp = temp[torch.tensor(rows)]
-        sel = selector.select(hidden if every else hidden[ridx], k, k >= 2, None if temp is None else temp.to(dev))
+        sel = selector.select(hidden if every else hidden[ridx], k, k >= 2, None if temp is None else temp.to(dev),
+                              **({} if exclude is None else {"exclude": exclude}))
         certified = sel.certified.cpu()  # (host sync: the step's account and the dense merge are host decisions)
         if every:
             out = selector.output(sel.exact)

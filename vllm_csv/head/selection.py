@@ -20,12 +20,13 @@ import math
 
 import torch
 
+from ..ops.select import exclude_columns
 from . import certificate
 from .types import Selection
 
 
 def select_two_sided(head, hidden: torch.Tensor, k: torch.Tensor, need_values: torch.Tensor,
-                     temp: torch.Tensor | None = None) -> Selection:
+                     temp: torch.Tensor | None = None, exclude: torch.Tensor | None = None) -> Selection:
     """Certify with a threshold on the screen values.
 
     Token ``j`` has half-width ``m_j <= delta |y_j| + spread`` with
@@ -51,13 +52,23 @@ def select_two_sided(head, hidden: torch.Tensor, k: torch.Tensor, need_values: t
         ``[B]`` bool: the row's values are read (certified bit for bit).
     temp : torch.Tensor, optional
         ``[B]`` fp32: sampled rows' temperatures (0: greedy; None: every row greedy).
+    exclude : torch.Tensor, optional
+        ``[n]`` int64: tokens left out of the vocabulary (a model sets them to ``-inf`` after
+        the head): their screen values are ``-inf`` to the search
+        (:func:`~vllm_csv.ops.select.exclude_columns`), so they are never a row's largest or
+        k-th value, no bound is asked of them (nor is the overflow check: the model's ``-inf``
+        replaces even an overflowing dense value), and their exact scores never count; ``T`` is
+        the top-k of the other tokens, every other one of which is proven below it, and each
+        row holds ``-inf`` on them.
     """
     B, V = hidden.shape[0], head.vocab_size
     dev = hidden.device
     errors, backend = head.errors, head.backend
     hidden, hnorm, ok = head.prepare(hidden)
     out = head.screen.center_radius(hidden, **({"defer_row_scale": True} if head.defer_row_scale else {}))
-    y, rs = out.y, out.row_scale  # the center is fl(y * rs) (rs None: y); the product is monotone
+    y, rs, bmax = out.y, out.row_scale, out.block_max  # the center is fl(y * rs) (rs None: y); monotone
+    if exclude is not None:
+        bmax = exclude_columns(y, bmax, exclude)
     _, rad_max = errors.rad_total(out.radius)  # (cached while the screen's radius is the same tensor)
     delta = errors.delta + out.rel
     kmax = int(k.max())
@@ -67,10 +78,15 @@ def select_two_sided(head, hidden: torch.Tensor, k: torch.Tensor, need_values: t
     # docstring's search, step by step; one fused kernel on the CPU)
     ids, tau, ok, live = backend.select_candidates(
         y, rs, k, hnorm, out.e if out.n is not None else None, ok, rad_max, act_coef, errors.tiny,
-        errors.bias_slack(out.rel)[1], delta, head.engine.limit, errors.babs_max, budget, out.block_max)
+        errors.bias_slack(out.rel)[1], delta, head.engine.limit, errors.babs_max, budget, bmax)
     n_scored = ids.numel()
     if n_scored >= kmax:
         z, lower, upper = head.score(hidden, ids, hnorm)
+        # a left-out token's exact score never counts (where fewer than k tokens are left in
+        # some row, its k-th screen value is -inf and every column is a candidate, left-out ones too)
+        if exclude is not None:
+            gone = torch.isin(ids, exclude)[None]
+            z, lower, upper = (x.masked_fill(gone, -math.inf) for x in (z, lower, upper))
         cert, in_top = certificate.certify(head.engine, z, lower, upper, k, tau, need_values, ids, temp,
                                            backend.certify_plain)
     else:  # fewer candidates than k: nothing to certify (every row's outcome below)

@@ -66,15 +66,21 @@ class Selector(Protocol):
     def arithmetic_ok(self) -> bool:
         """The dense engine's arithmetic is, now, the one the bounds assume."""
 
+    @property
+    def can_exclude(self) -> bool:
+        """Whether :meth:`select` (and :meth:`sampler_logits`) take ``exclude``."""
+
     def select(self, hidden: torch.Tensor, k: torch.Tensor, need_values: torch.Tensor,
-               temp: torch.Tensor | None = None) -> Selection:
+               temp: torch.Tensor | None = None, exclude: torch.Tensor | None = None) -> Selection:
         """Certify rows ``hidden [B, d]`` for their ``k [B]`` (``need_values [B]``: their values
-        are read; ``temp [B]``: sampled rows' temperatures, 0 greedy, None all greedy)."""
+        are read; ``temp [B]``: sampled rows' temperatures, 0 greedy, None all greedy;
+        ``exclude [n]``: tokens left out of the certificate, where :attr:`can_exclude`: a
+        certified row's top-k is that of the other tokens, and it holds ``-inf`` on them)."""
 
     def output(self, exact: torch.Tensor) -> torch.Tensor:
         """``[B, V]``: the engine's soft-cap and scale of a selection's ``exact``, ``-inf`` kept."""
 
     def sampler_logits(self, hidden: torch.Tensor, topk: torch.Tensor, dense_fn=None, t0: float | None = None,
-                       temperature: torch.Tensor | None = None, use_switch: bool = False
-                       ) -> tuple[torch.Tensor, StepStats]:
+                       temperature: torch.Tensor | None = None, use_switch: bool = False,
+                       exclude: torch.Tensor | None = None) -> tuple[torch.Tensor, StepStats]:
         """One step: certified rows' logits, every other row ``dense_fn``'s."""

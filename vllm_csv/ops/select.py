@@ -56,6 +56,26 @@ def block_cols(blocks: torch.Tensor, V: int) -> torch.Tensor:
     return cols[cols < V]
 
 
+def exclude_columns(y: torch.Tensor, bmax: torch.Tensor | None, ids: torch.Tensor) -> torch.Tensor | None:
+    """Leave the tokens ``ids [n]`` out of a search: ``y [B, V]``'s columns ``ids`` set to ``-inf``
+    in place (never a candidate, never a row's largest or k-th value), and ``bmax`` (its block
+    maxima, :func:`block_max`, or None) returned as those of the new ``y``: the maxima of the
+    blocks holding ``ids`` taken again (``[B, n]`` reads, not a pass over ``y``)."""
+    y.index_fill_(1, ids, -math.inf)
+    if bmax is None or not ids.numel():
+        return bmax
+    B, V = y.shape
+    blocks = (ids // BLOCK).unique()
+    cols = block_cols(blocks, V)  # ascending, block by block
+    seg = torch.div(cols, BLOCK, rounding_mode="floor")
+    seg = torch.searchsorted(blocks, seg)  # each column's block among ``blocks``
+    new = torch.full((B, blocks.numel()), -math.inf, dtype=y.dtype, device=y.device)
+    new.scatter_reduce_(1, seg[None].expand(B, -1), y[:, cols], "amax")
+    out = bmax.clone()
+    out[:, blocks] = new.to(bmax.dtype)
+    return out
+
+
 def threshold_from(y1, yk, hnorm, e, ok, rad_max: float, act_coef: float, tiny: float, bslack_max: float,
                    delta: float, limit: float, babs_max: float):
     """``(tau, thr, ok)``, each ``[B]``, from a row's largest screen value ``y1`` and a lower bound

@@ -113,6 +113,35 @@ def sampled_mismatch(out: torch.Tensor, dense: torch.Tensor, k: torch.Tensor, te
 
 
 
+def excluded_tokens(g: torch.Generator, case: Case) -> torch.Tensor:
+    """Tokens a model might set to ``-inf`` after the head (Gemma 4's ``suppress_tokens``): the
+    dense argmax of some rows (the tokens that matter) and a few at random, fewer than ``V - k``."""
+    V = case.weight.shape[0]
+    dense = dense_reference(case).float().nan_to_num(nan=-math.inf)
+    rows = torch.randperm(case.hidden.shape[0], generator=g)[: 1 + int(torch.randint(0, 4, (1,), generator=g))]
+    n = int(torch.randint(0, 6, (1,), generator=g))
+    ids = torch.cat([dense[rows].argmax(1), torch.randint(0, V, (n,), generator=g)]).unique()
+    return ids[: max(1, V - case.k - 1)]
+
+
+def check_excluded(head, case: Case, exclude: torch.Tensor) -> Outcome:
+    """Rows certified over the tokens ``exclude`` left out (``head.sampler_logits(..., exclude=)``,
+    ``case.k`` a row: the argmax for ``k = 1``, else the top-k with its values), each compared,
+    after the model's ``-inf`` on ``exclude``, with the dense row with the same ``-inf``: the ids
+    (descending, ties to the lowest id) and, for ``k >= 2``, the value bits."""
+    B = case.hidden.shape[0]
+    out, _ = head.sampler_logits(case.hidden, torch.full((B,), case.k, dtype=torch.long), exclude=exclude)
+    c = head.last_certified
+    dense = dense_reference(case).index_fill(1, exclude, -math.inf)
+    out = out.index_fill(1, exclude, -math.inf)
+    dv, di = torch.sort(dense, dim=1, descending=True, stable=True)
+    ov, oi = torch.sort(out, dim=1, descending=True, stable=True)
+    k = case.k
+    wrong_ids = int(((oi[:, :k] != di[:, :k]).any(1) & c).sum())
+    wrong_values = int(((_bits(ov[:, :k]) != _bits(dv[:, :k])).any(1) & c).sum()) if k >= 2 else 0
+    return Outcome(B, int(c.sum()), wrong_ids, wrong_values)
+
+
 def make_head(case: Case, screen: str, budget: float = 1.0):
     """A :class:`CertifiedHead` for ``case`` (its own index for ``ball``), without off-switch."""
     from ..head import CertifiedHead, HeadConfig
@@ -130,32 +159,42 @@ def make_head(case: Case, screen: str, budget: float = 1.0):
 TEMPERATURES = (1e-2, 0.7, 1.0, 3.0, 1e4)  # vLLM's smallest sampled temperature is 0.01
 
 
+def head_or_none(case: Case, screen: str):
+    """:func:`make_head`, or None where the screen refuses the head (a ``CSVError``: e.g. fp16
+    overflow), which is no wrong row."""
+    from ..errors import CSVError
+
+    try:
+        return make_head(case, screen)
+    except CSVError:
+        return None
+
+
 def run_sampled_case(family: str, seed: int, dtype: torch.dtype, screen: str) -> Outcome:
     """One case as sampled top-k rows, at a temperature drawn from :data:`TEMPERATURES`."""
     g = torch.Generator().manual_seed(seed)
     case = FAMILIES[family](g, dtype)
     temp = _pick(g, TEMPERATURES)
-    try:
-        head = make_head(case, screen)
-    except Exception as e:
-        from ..errors import CSVError
+    head = head_or_none(case, screen)
+    return Outcome(case.hidden.shape[0], 0, 0, 0) if head is None else check_sampled(head, case, temp)
 
-        if isinstance(e, CSVError):
-            return Outcome(case.hidden.shape[0], 0, 0, 0)
-        raise
-    return check_sampled(head, case, temp)
+
+def run_excluded_case(family: str, seed: int, dtype: torch.dtype, screen: str) -> Outcome:
+    """One case certified over a few left-out tokens (:func:`excluded_tokens`), greedy
+    (``k = 1``) or top-k with values."""
+    g = torch.Generator().manual_seed(seed)
+    case = FAMILIES[family](g, dtype)
+    head = head_or_none(case, screen)
+    if head is None:
+        return Outcome(case.hidden.shape[0], 0, 0, 0)
+    return check_excluded(head, case, excluded_tokens(g, case))
 
 
 def run_case(family: str, seed: int, dtype: torch.dtype, screen: str) -> tuple[Outcome, Outcome]:
     """One case: ``(ids-only outcome, ids-and-values outcome)``."""
     case = FAMILIES[family](torch.Generator().manual_seed(seed), dtype)
-    try:
-        head = make_head(case, screen)
-    except Exception as e:  # a screen may refuse a head (e.g. fp16 overflow): that is no wrong row
-        from ..errors import CSVError
-
-        if isinstance(e, CSVError):
-            z = Outcome(case.hidden.shape[0], 0, 0, 0)
-            return z, z
-        raise
+    head = head_or_none(case, screen)
+    if head is None:
+        z = Outcome(case.hidden.shape[0], 0, 0, 0)
+        return z, z
     return check(head, case, values=False), check(head, case, values=True)

@@ -32,7 +32,8 @@ from ..errors import CSVError
 from ..metrics import Series
 from ..off_switch import WINDOW
 from .config import CSVDecodeConfig, from_additional_config
-from .step import PLACEHOLDER, Deferred, DeferredStats, DenseBatch, Returned, StepAccount, Top1, step_of
+from .step import (PLACEHOLDER, SUPPRESSED_PROBE, Deferred, DeferredStats, DenseBatch, Returned, StepAccount, Top1,
+                   step_of)
 
 logger = init_logger("vllm.csv_decode")
 OFF = "CSV-Decode is off for this LM head: %s; using the dense head."  # (at construction, or later: _switch_off)
@@ -107,7 +108,8 @@ class CSVLogitsProcessor(LogitsProcessor):
         if step is not None:
             step.handoff = None
         head = self._head_for(lm_head, embedding_bias)
-        plan = None if step is None else step.take_plan(hidden_states.shape[0])
+        plan = None if step is None else step.take_plan(hidden_states.shape[0],
+                                                        head is not None and head.can_exclude)
         if head is None or plan is None or skip_gather or hidden_states.dim() != 2:
             self._csv_span = None
             return super().forward(lm_head, hidden_states, embedding_bias, skip_gather), False
@@ -170,13 +172,18 @@ class CSVLogitsProcessor(LogitsProcessor):
                 self._open_lane(plan, key, kind, steps, stats, timed=not hidden_states.is_cuda,
                                 with_sampler=with_sampler)
             return logits, False
+        # a model that sets tokens to -inf after the head: the head's rows (greedy) over the others
+        exclude = step.suppressed_ids if head.can_exclude else None
         if not deferred:
             logits, stats = head.sampler_logits(hidden_states, plan.topk_tensor, lambda h: dense_full(), t0=t0,
-                                                temperature=plan.temperature, use_switch=False)
+                                                temperature=plan.temperature, use_switch=False, exclude=exclude)
             if sw is not None and not asked and not hidden_states.is_cuda:  # every row dense: a sample
                 self._observe(sw, B, stats.seconds)
             if head.last_top1 is not None and stats.certified == B:  # (set only where every row is k = 1)
                 step.handoff = Top1(logits, head.last_top1)  # for the readers of argmaxes alone (step.Top1)
+            if exclude is not None and stats.certified:
+                rows = torch.arange(B, device=logits.device)[head.last_certified.to(logits.device)]
+                self._over_mask(step, logits, rows, None if head.last_top1 is None else head.last_top1[rows])
         else:
             own_switch = asked
             sub = torch.tensor(in_head, dtype=torch.long, device=hidden_states.device)
@@ -186,13 +193,16 @@ class CSVLogitsProcessor(LogitsProcessor):
                                                   torch.tensor([ks[i] for i in in_head]),
                                                   lambda h: dense_full()[sub], t0=t0,
                                                   temperature=_rows(plan.temperature, in_head),
-                                                  use_switch=False)
+                                                  use_switch=False, exclude=exclude)
             else:
                 stats = csv_head.StepStats(rows=len(in_head), screen=head.screen_name)
             rows = torch.tensor(deferred, dtype=torch.long)
             logits = torch.empty((B, head.vocab_size), dtype=head.dtype, device=hidden_states.device)
             if part is not None:
                 logits[sub] = part
+                if exclude is not None and stats.certified:
+                    got = head.last_certified.to(sub.device)
+                    self._over_mask(step, logits, sub[got], None if head.last_top1 is None else head.last_top1[got])
             elif in_head:
                 logits[sub] = dense_full()[sub].to(head.dtype)
             logits[rows.to(logits.device)] = PLACEHOLDER
@@ -208,6 +218,15 @@ class CSVLogitsProcessor(LogitsProcessor):
         self._log_first(head, stats)
         self._record(head, stats, self._head_modes(head, stats, ks, modes, range(B)), B if asked else None)
         return logits, True
+
+    @staticmethod
+    def _over_mask(step, logits: torch.Tensor, rows: torch.Tensor, tokens: torch.Tensor | None) -> None:
+        """``rows`` of ``logits`` certified over the model's suppressed tokens (their ``tokens``,
+        or None), for the model's ``compute_logits`` wrapper to check (:func:`~.step.over_mask_tokens`):
+        the finite probe written at those tokens on those rows, where the model's ``-inf`` must show."""
+        ids = step.suppressed_ids
+        logits[rows[:, None], ids[None]] = SUPPRESSED_PROBE
+        step.over_mask = (rows, tokens)
 
     def settle(self, account: StepAccount, deferred: DeferredStats | None, sampler_seconds: float) -> None:
         """Close a step's account once its sampler call has run (:class:`~.step.Ledger`):

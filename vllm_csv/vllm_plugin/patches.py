@@ -32,7 +32,7 @@ from ..errors import CSVError
 from ..fp import same_bits
 from . import v1, v2
 from .logits_processor import CSVLogitsProcessor
-from .step import LazyPlan, StepChannel, suppressed_tokens
+from .step import LazyPlan, StepChannel, over_mask_tokens, suppressed_tokens
 
 
 class Integration(Protocol):
@@ -134,9 +134,13 @@ def watch_logits(model, channel: StepChannel, name: str) -> None:
     A model whose change is only to set the same tokens to ``-inf`` on every row, in place
     (:func:`~.step.suppressed_tokens`: Gemma 4's ``suppress_tokens``, Moondream 3's answer
     token), keeps CSV where the channel's sampler certifies rows over such masks
-    (``channel.masks_ok``, V1's): its tokens become :attr:`~.step.StepChannel.suppressed`, and
-    every row goes to the sampler, which reads them off the placeholders as it reads a grammar's
-    (and checks, every step, that the model wrote exactly those: :func:`~.fill.suppression_holds`)."""
+    (``channel.masks_ok``, V1's): its tokens become :attr:`~.step.StepChannel.suppressed`; greedy
+    rows are certified in the head over the other tokens (:meth:`~.plan.Plan.over_mask`; each
+    call here then checks, on those rows, that the model set at least those tokens to ``-inf``
+    and not the rows' own, else makes the call again dense: :func:`~.step.over_mask_tokens`),
+    and every other row goes to the sampler, which reads the tokens off the placeholders as it
+    reads a grammar's (and checks, every step, that the model wrote exactly those:
+    :func:`~.fill.suppression_holds`)."""
     orig = getattr(model, "compute_logits", None)
     if orig is None or getattr(orig, "_csv_channel", None) is channel:
         return
@@ -146,7 +150,7 @@ def watch_logits(model, channel: StepChannel, name: str) -> None:
         first = not channel.logits_checked
         if first:
             step.plan, step.snapshot = None, True  # (this call dense: its bits show what the model does)
-        step.returned = None
+        step.returned, step.over_mask = None, None
         try:
             out = orig(*args, **kwargs)
         finally:
@@ -157,16 +161,29 @@ def watch_logits(model, channel: StepChannel, name: str) -> None:
         if first:
             channel.logits_checked = True
         if out is r.logits and (r.copy is None or same_bits(out, r.copy)):
-            return out
+            over, step.over_mask = step.over_mask, None
+            if over is None or over_mask_tokens(out, over[0], step.suppressed_ids, over[1]) is not None:
+                return out  # (a Top1 hand-off the layer left holds: the check passed)
+            if not channel.warned_over_mask:
+                channel.warned_over_mask = True
+                from vllm.logger import init_logger
+
+                init_logger("vllm.csv_decode").warning(
+                    "CSV-Decode: %s.compute_logits suppressed other tokens than its first call did (a "
+                    "row's certified token, or not every token seen then); such a step is made again "
+                    "without CSV.", name)
+            step.plan = step.handoff = None
+            return orig(*args, **kwargs)  # (no plan: the layer computes vLLM's logits, the model masks them)
         if first and out is r.logits and channel.masks_ok:
             tokens = suppressed_tokens(r.copy, out)
             if tokens is not None:
-                channel.suppressed = tokens
+                channel.suppressed, channel.suppressed_ids = tokens, tokens.nonzero().squeeze(1)
                 from vllm.logger import init_logger
 
                 init_logger("vllm.csv_decode").info(
-                    "CSV-Decode: %s.compute_logits sets %d tokens to -inf after the head; every row is "
-                    "certified in the sampler, over the other tokens.", name, int(tokens.sum()))
+                    "CSV-Decode: %s.compute_logits sets %d tokens to -inf after the head; greedy rows are "
+                    "certified in the head over the other tokens, the others in the sampler.", name,
+                    channel.suppressed_ids.numel())
                 return out
         if channel.post_processing is None:
             channel.post_processing = name

@@ -86,20 +86,31 @@ class Plan:
             cache[max_certified_k] = row_split([max(k, 0) for k in self.topk], max_certified_k)
         return cache[max_certified_k]
 
-    @functools.cached_property
-    def in_sampler(self) -> Plan:
-        """This plan for a model that sets tokens to ``-inf`` after the head
-        (:attr:`~.step.StepChannel.suppressed`): the rows the head would certify (greedy, top-k)
-        deferred to the sampler instead, their mode kept (the hook certifies them over the tokens
-        left, as it does structured output's), a speculative step's target rows dense (V1's
-        verification reads the head's rows; no hook certifies them over a mask)."""
+    def over_mask(self, greedy_in_head: bool) -> Plan:
+        """This plan for a model that sets fixed tokens to ``-inf`` after the head
+        (:attr:`~.step.StepChannel.suppressed`), kept per argument. With ``greedy_in_head`` (the
+        head leaves tokens out of its certificate: ``can_exclude``), a greedy row stays ``k = 1``
+        and the layer certifies it over the other tokens (its token is then the best the model
+        leaves, proven above every other one; :func:`~.step.over_mask_tokens` checks the model's
+        ``-inf``); otherwise it is deferred. Sampled top-k rows are deferred, their mode kept (the
+        sampler hook certifies them over the tokens left, as it does structured output's); a
+        speculative step's target rows are dense (V1's verification reads the head's rows)."""
+        cache = self.__dict__.setdefault("_over_mask", {})
+        if greedy_in_head in cache:
+            return cache[greedy_in_head]
         topk, modes, temps = [], [], []
         for k, mode, t in zip(self.topk, self.row_modes, self.row_temps):
-            entry = (0, "", 0.0) if k > 0 and mode == TARGET_MODE else (DEFER, mode, t) if k > 0 else (k, mode, t)
+            if k > 0 and mode == TARGET_MODE:
+                entry = (0, "", 0.0)
+            elif k > 0 and not (k == 1 and mode == "greedy" and greedy_in_head):
+                entry = (DEFER, mode, t)
+            else:
+                entry = (k, mode, t)
             topk.append(entry[0])
             modes.append(entry[1])
             temps.append(entry[2])
-        return Plan(list(self.req_ids), topk, modes, temps)
+        cache[greedy_in_head] = plan = Plan(list(self.req_ids), topk, modes, temps)
+        return plan
 
     @functools.cached_property
     def csv_rows(self) -> int:

@@ -38,6 +38,9 @@ if TYPE_CHECKING:
     from .plan import Plan
 
 PLACEHOLDER = 0.0  # the value of a deferred row's logits until the sampler fills them
+# the value the layer leaves at a suppressing model's tokens on rows it certified over them
+# (step.over_mask_tokens): finite, so a token the model does not set to -inf shows
+SUPPRESSED_PROBE = -1.0
 
 
 @dataclass
@@ -174,6 +177,25 @@ def suppressed_tokens(returned: torch.Tensor, model: torch.Tensor) -> torch.Tens
     return tokens if bool(neg_inf[:, tokens].all()) else None
 
 
+def over_mask_tokens(logits: torch.Tensor, rows: torch.Tensor, suppressed_ids: torch.Tensor,
+                     tokens: torch.Tensor | None = None) -> torch.Tensor | None:
+    """``[R]`` int64: the tokens of ``rows`` (batch rows the head certified ``k = 1`` over a model's
+    suppressed tokens ``suppressed_ids [n]``: :meth:`~.plan.Plan.over_mask`), read off ``logits``
+    as the model returned them (``tokens [R]``: the head's, or None: each row's argmax, one pass),
+    where each is the dense row's argmax, else None (the step must be made again dense). The
+    layer left a finite value (:data:`SUPPRESSED_PROBE`) on those rows at ``suppressed_ids``, so
+    the model's ``-inf`` shows there: the model suppressed at least those tokens (a token it left
+    would hold its dense value, which the certificate did not compare) and not the row's token
+    (the best of the others, proven above each of them: whichever more it removes, the best left
+    is that token). Two gathers (``[R, n]``, ``[R]``) and one host sync on their verdict (the
+    step is remade before the sampler where it fails)."""
+    if tokens is None:
+        tokens = logits[rows].argmax(1)
+    kept = logits[rows, tokens] > -math.inf
+    gone = logits[rows[:, None], suppressed_ids[None]] == -math.inf
+    return tokens if bool(kept.all()) and bool(gone.all()) else None
+
+
 @dataclass
 class Step:
     """One step of one runner: its plan until the layer takes it, then the layer's hand-off
@@ -184,17 +206,24 @@ class Step:
     returned: Returned | None = None  # the layer's output in the current compute_logits call
     snapshot: bool = False  # the layer keeps a copy of what it returns (Returned.copy)
     suppressed: torch.Tensor | None = None  # StepChannel.suppressed when the step opened
+    suppressed_ids: torch.Tensor | None = None  # StepChannel.suppressed_ids
+    # (rows [R] int64, tokens [R] int64 or None) on the logits' device: the rows the head
+    # certified over the suppressed tokens (Plan.over_mask), which the model's compute_logits
+    # wrapper checks (over_mask_tokens)
+    over_mask: tuple[torch.Tensor, torch.Tensor | None] | None = None
 
-    def take_plan(self, num_rows: int) -> Plan | None:
+    def take_plan(self, num_rows: int, greedy_over_mask: bool = False) -> Plan | None:
         """The plan for a logits call of ``num_rows`` rows; consumed by the first call, so a
-        second call in the same step (never expected) is dense."""
+        second call in the same step (never expected) is dense. Where the model suppresses
+        tokens after the head (:attr:`suppressed`), its :meth:`~.plan.Plan.over_mask`
+        (``greedy_over_mask``: the head leaves tokens out of its certificate)."""
         plan = self.plan
         if isinstance(plan, LazyPlan):
             plan = plan.resolve()
         if plan is None or len(plan.topk) != num_rows:
             return None
         if self.suppressed is not None:  # (the model suppresses tokens after the head: StepChannel)
-            plan = plan.in_sampler
+            plan = plan.over_mask(greedy_over_mask)
         self.plan = None
         return plan
 
@@ -239,21 +268,25 @@ class StepChannel:
         self.post_processing: str | None = None  # the model (its class) changes them (Returned)
         # where the model only sets a fixed set of tokens to -inf after the head (suppressed_tokens)
         # and the sampler certifies rows over such masks (V1's: masks_ok), those tokens ([V] bool):
-        # every row then goes to the sampler (Plan.in_sampler), which reads the -inf off the placeholders
+        # greedy rows are then certified in the head over them where it can (Plan.over_mask), the
+        # others in the sampler, which reads the -inf off the placeholders
         self.suppressed: torch.Tensor | None = None
+        self.suppressed_ids: torch.Tensor | None = None  # the same tokens as ids ([n] int64, same device)
         self.masks_ok = False
+        self.warned_over_mask = False  # (the model removed a row's certified set: warned once)
 
     def forget_model(self) -> None:
         """What the model's calls showed (:attr:`logits_checked`, :attr:`post_processing`,
         :attr:`suppressed`), dropped when the runner binds another model object: the next call
         shows it again."""
-        self.logits_checked, self.post_processing, self.suppressed = False, None, None
+        self.logits_checked, self.post_processing, self.suppressed, self.suppressed_ids = False, None, None, None
 
     def open(self, plan: Plan | LazyPlan | None) -> Step:
         """A new step (any hand-off no sampler took is dropped with the old one); without a plan
         once the model is known to change the head's logits after it (other than by
         :attr:`suppressed` tokens)."""
-        self.step = Step(None if self.post_processing else plan, suppressed=self.suppressed)
+        self.step = Step(None if self.post_processing else plan, suppressed=self.suppressed,
+                         suppressed_ids=self.suppressed_ids)
         return self.step
 
     def close_plan(self) -> None:
