@@ -7,7 +7,8 @@ reproducer that certified tokens vLLM does not serve:
 * one layer called with several heads (DeepSeek and Bailing MTP drafters, Medusa): every head
   was certified with the first one's screen;
 * weights written in place after the head was built (``reload_weights``, RLHF
-  ``update_weights``, ``wake_up``): the screen described the old weights;
+  ``update_weights``, ``wake_up``; later, ``reset_weights`` and a model's own ``load_weights``
+  called by an RLHF framework): the screen described the old weights;
 * a quantized head stopped the server at warm-up instead of keeping vLLM's layer.
 
 The layer is built by its own constructor (as vLLM builds it, CSV on) around a head module with
@@ -158,6 +159,50 @@ def test_weights_written_in_place_build_the_head_again(invalidate, monkeypatch):
         assert not torch.equal(got, want)
 
 
+class _Model(torch.nn.Module):
+    """A served model: the CSV layer, its LM head, and vLLM's ``load_weights`` (copies in place)."""
+
+    def __init__(self, layer, lm_head):
+        super().__init__()
+        self.logits_processor, self.lm_head = layer, lm_head
+
+    def compute_logits(self, hidden):
+        return self.logits_processor(self.lm_head, hidden)
+
+    def load_weights(self, weights):
+        for name, w in weights:
+            self.get_parameter(name).data.copy_(w)
+        self.lm_head.quant_method.process_weights_after_loading(self.lm_head)
+        return {name for name, _ in weights}
+
+
+@pytest.mark.parametrize("watched", [True, False])
+def test_a_models_own_load_weights_builds_the_head_again(watched, monkeypatch):
+    """RLHF weight sync (verl, OpenRLHF, vLLM's RLHF examples) calls the served model's own
+    ``load_weights`` through ``collective_rpc`` / ``apply_model``, in place, past the runner's and
+    worker's methods: the bound model's ``load_weights`` is wrapped (``patches.bind``), so the next
+    step certifies on the new weights; without the wrap (the mutation: found by review) the old
+    screen certified the old argmax."""
+    layer, head = _layer(monkeypatch), _lm_head(_weight(0))
+    model = _Model(layer, head)
+    if not watched:
+        monkeypatch.setattr(patches, "watch_load_weights", lambda model: None)
+    patches.bind(SimpleNamespace(model=model))
+    _tokens(layer, head)
+    new = head.weight.detach().clone()
+    s = H.float().sum(0)
+    new[7] = (s / s.norm() * 3.0).bfloat16()  # (token 7 wins every row after the update)
+    assert model.load_weights([("lm_head.weight", new)]) == {"lm_head.weight"}
+    got, handoff, want = _tokens(layer, head)
+    assert (want == 7).all()
+    if watched:
+        assert torch.equal(got, want) and isinstance(handoff, csv_step.Top1)
+        patches.bind(SimpleNamespace(model=model))  # (another runner binding it: wrapped once)
+        assert getattr(model.load_weights, "_csv_wrapped", False)
+    else:
+        assert not torch.equal(got, want)
+
+
 def test_the_weight_changing_methods_invalidate_even_when_they_fail(monkeypatch):
     calls = []
 
@@ -182,7 +227,7 @@ def test_the_weight_changing_methods_invalidate_even_when_they_fail(monkeypatch)
     from vllm.v1.worker.gpu_worker import Worker
 
     assert all(getattr(getattr(Worker, n), "_csv_wrapped", False)
-               for n in ("update_weights", "finish_weight_update", "wake_up"))
+               for n in ("update_weights", "finish_weight_update", "reset_weights", "wake_up"))
     assert getattr(GPUModelRunner.reload_weights, "_csv_wrapped", False)
 
 

@@ -68,6 +68,7 @@ def bind(runner) -> StepChannel:
         _bind_layers(root, channel)
         channel.forget_model()  # (another model: its first call shows what it does to the logits)
         watch_logits(model, channel, type(root).__name__)
+        watch_load_weights(root)
         channel.model = model
     sampler = getattr(runner, "sampler", None)
     if sampler is not None and sampler.__dict__.get("csv_channel") is not channel:  # (per step: skip
@@ -104,6 +105,7 @@ def bind_drafter(proposer) -> StepChannel:
         _bind_layers(model, channel, keep_bound=True)
         channel.forget_model()
         watch_logits(model, channel, type(model).__name__)
+        watch_load_weights(model)
         channel.model = model
     return channel
 
@@ -257,19 +259,43 @@ def invalidate_heads(runner) -> None:
                 m.csv_invalidate()
 
 
+def watch_load_weights(model) -> None:
+    """Wrap ``model.load_weights`` (on the instance a runner or proposer serves): after each call
+    (returned or raised), every CSV layer under ``model`` builds its head again from the weights
+    as they are. RLHF frameworks sync weights by calling it themselves, in place, through
+    ``collective_rpc`` / ``LLM.apply_model`` (verl, OpenRLHF, vLLM's RLHF examples), past the
+    methods :func:`watch_weights` wraps; vLLM's own reloads call it too (one rebuild either way:
+    the layer builds at its next call)."""
+    orig = getattr(model, "load_weights", None)
+    if orig is None or getattr(orig, "_csv_wrapped", False) or not isinstance(model, torch.nn.Module):
+        return
+
+    def load_weights(*a, **k):
+        try:
+            return orig(*a, **k)
+        finally:
+            for m in model.modules():
+                if isinstance(m, CSVLogitsProcessor):
+                    m.csv_invalidate()
+
+    load_weights._csv_wrapped = True
+    model.load_weights = load_weights
+
+
 def watch_weights(targets=None) -> None:
     """vLLM writes new weights into the served tensors in place (``reload_weights`` of the V1 and
     V2 runners; the worker's ``update_weights`` / ``finish_weight_update``, RLHF weight sync;
-    ``wake_up`` after a level-2 sleep): after each (returned or raised), the runner's CSV heads
-    are built again from the weights as they are (their screens, error models and indexes
-    describe the old ones). ``targets``: ``[(class, method names)]`` (default: those, where they
-    import)."""
+    ``reset_weights``, the RL API's weight checker; ``wake_up`` after a level-2 sleep): after each
+    (returned or raised), the runner's CSV heads are built again from the weights as they are
+    (their screens, error models and indexes describe the old ones). ``targets``: ``[(class,
+    method names)]`` (default: those, where they import). A model's own ``load_weights`` called
+    from outside: :func:`watch_load_weights`."""
     if targets is None:
         targets = []
         for mod, cls, names in (("vllm.v1.worker.gpu_model_runner", "GPUModelRunner", ("reload_weights",)),
                                 ("vllm.v1.worker.gpu.model_runner", "GPUModelRunner", ("reload_weights",)),
                                 ("vllm.v1.worker.gpu_worker", "Worker",
-                                 ("update_weights", "finish_weight_update", "wake_up"))):
+                                 ("update_weights", "finish_weight_update", "reset_weights", "wake_up"))):
             try:
                 targets.append((getattr(__import__(mod, fromlist=[cls]), cls), names))
             except (ImportError, AttributeError):
