@@ -37,10 +37,12 @@ from vllm_csv.vllm_plugin.plan import Plan  # noqa: E402
 V, D, B = 4096, 256, 4
 
 
-def _layer(monkeypatch) -> CSVLogitsProcessor:
-    """The plugin's layer from its own constructor, CSV on (no plugin installed)."""
+def _layer(monkeypatch, **csv) -> CSVLogitsProcessor:
+    """The plugin's layer from its own constructor, CSV on (no plugin installed); ``csv``: more of
+    its configuration (``--csv-*``)."""
     mc = SimpleNamespace(logits_processors=None, dtype=torch.bfloat16, served_model_name="m", model="m")
-    vc = SimpleNamespace(additional_config={"csv_decode": {"enabled": True, "off_switch": False}}, model_config=mc)
+    vc = SimpleNamespace(additional_config={"csv_decode": {"enabled": True, "off_switch": False, **csv}},
+                         model_config=mc)
     orig_ep = importlib.metadata.entry_points
     monkeypatch.setattr(importlib.metadata, "entry_points",
                         lambda group=None: [] if group == "vllm.logits_processors" else orig_ep(group=group))
@@ -243,3 +245,40 @@ def test_a_rebuild_the_index_refuses_switches_the_layer_off(monkeypatch, caplog)
     with caplog.at_level(logging.WARNING):
         got, handoff, want = _tokens(layer, head)
     assert torch.equal(got, want) and handoff is None and "could not be built again" in caplog.text
+
+
+@pytest.mark.parametrize("case", ["target_index", "fp16_refuses"])
+def test_a_drafters_head_that_cannot_be_built_keeps_the_drafter_dense(case, tmp_path, monkeypatch, caplog):
+    """A drafter's layer (a draft model's or EAGLE's own head: ``bind_drafter``) builds its head at
+    its first proposal, mid-serving (vLLM never calls it at start-up). ``--csv-index`` (the
+    target's head's file) is not read for it (the cache serves it); a head its screen refuses
+    (fp16 rows too large) keeps the drafter dense, one warning. Before (found by review), both
+    raised and stopped the engine. The same failure on a target's layer (its first call is at
+    start-up) still stops the server with the message."""
+    from vllm_csv.index import build_index
+
+    monkeypatch.setenv("VLLM_CSV_CACHE", str(tmp_path / "cache"))
+    target_w, draft_w = _weight(0), _weight(1)
+    if case == "target_index":
+        csv = {"screen": "int8", "index": str(build_index(target_w.float(), None, 16, progress=False)
+                                              .save(tmp_path / "target.safetensors"))}
+    else:
+        csv, draft_w = {"screen": "fp16"}, (draft_w.float() * 8000).bfloat16()
+    target = _layer(monkeypatch, **csv)
+    _tokens(target, _lm_head(target_w))  # (the target's head, with the given index where there is one)
+    assert target.csv_head is not None
+    drafter = _layer(monkeypatch, **csv)
+    model = _Model(drafter, _lm_head(draft_w))
+    channel = patches.bind_drafter(SimpleNamespace(model=model))
+    assert channel.drafter
+    with caplog.at_level(logging.WARNING), torch.inference_mode():
+        got = model.compute_logits(H)
+        want = LogitsProcessor.forward(drafter, model.lm_head, H)
+    assert torch.equal(got, want)
+    if case == "target_index":  # (the drafter's head built without the target's file: CSV on)
+        assert drafter.csv_head is not None and drafter._csv_off is None
+    else:
+        assert drafter.csv_head is None and "drafter's head could not be built" in caplog.text
+    with pytest.raises(CSVError):  # (a target's layer: the start-up stop, with the reason)
+        with torch.inference_mode():
+            _layer(monkeypatch, **csv)(_lm_head(draft_w), H)

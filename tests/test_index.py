@@ -1,8 +1,10 @@
 """Index build, round trip, fingerprint checks, corrupt files, the CLI."""
 
 import json
+import logging
 import subprocess
 import sys
+import tempfile
 
 import pytest
 import torch
@@ -350,3 +352,31 @@ def test_serve_counts_vllms_shutdown_race_after_the_stop_only(after):
     out = io.StringIO()
     _Forward(iter(_RACE + after), out).close()
     assert out.getvalue() == "".join(_RACE + after)
+
+
+def test_a_cache_that_cannot_be_written_keeps_the_built_index(head, tmp_path, monkeypatch, caplog):
+    """A cache directory that cannot be written (read-only, a file in its place), or a process
+    with no home directory: the index built at start-up is used all the same, one warning, no
+    stop (found by review: the save's CSVError stopped the server; ``Path.home()``'s
+    RuntimeError too)."""
+    pytest.importorskip("vllm")
+    from pathlib import Path
+    from types import SimpleNamespace
+
+    from vllm_csv.cache import cache_root
+    from vllm_csv.vllm_plugin.index_loader import load_or_build_index
+
+    W, b = head
+    (tmp_path / "a_file").write_text("")
+    monkeypatch.setenv("VLLM_CSV_CACHE", str(tmp_path / "a_file" / "cache"))
+    with caplog.at_level(logging.WARNING):
+        idx = load_or_build_index(W, b, SimpleNamespace(index=None, clusters=10))
+    assert idx.fingerprint == fingerprint_weights(W, b)
+    assert any("not cached" in r.getMessage() for r in caplog.records)
+    monkeypatch.delenv("VLLM_CSV_CACHE")
+
+    def no_home():
+        raise RuntimeError("Could not determine home directory.")
+
+    monkeypatch.setattr(Path, "home", staticmethod(no_home))
+    assert cache_root().parent == Path(tempfile.gettempdir())

@@ -1,13 +1,22 @@
-"""Where vllm-csv keeps what it builds: ``$VLLM_CSV_CACHE`` or ``~/.cache/vllm_csv``."""
+"""Where vllm-csv keeps what it builds: ``$VLLM_CSV_CACHE`` or ``~/.cache/vllm_csv`` (a
+directory under the system's temporary one where the process has no home: a container run
+under an arbitrary user id with ``HOME`` unset)."""
 
 from __future__ import annotations
 
 import os
+import tempfile
 from pathlib import Path
 
 
 def cache_root() -> Path:
-    return Path(os.environ.get("VLLM_CSV_CACHE") or Path.home() / ".cache" / "vllm_csv")
+    given = os.environ.get("VLLM_CSV_CACHE")
+    if given:
+        return Path(given)
+    try:
+        return Path.home() / ".cache" / "vllm_csv"
+    except RuntimeError:  # (no HOME and no passwd entry for the user)
+        return Path(tempfile.gettempdir()) / f"vllm_csv-{os.getuid()}"
 
 
 def index_path(fingerprint: str, num_clusters: int) -> Path:

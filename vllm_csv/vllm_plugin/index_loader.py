@@ -44,5 +44,9 @@ def load_or_build_index(weight: torch.Tensor, bias: torch.Tensor | None, cfg, sh
     logger.info("building the CSV index (%d clusters) for this LM head%s; cached at %s", C,
                 "" if shard is None else f" shard (rank {shard.rank} of {shard.size})", path)
     idx = build_index(weight.float().cpu(), None if bias is None else bias.float().cpu(), C, progress=True)
-    idx.save(path)
+    try:
+        idx.save(path)
+    except CSVError as e:  # (a cache that cannot be written: this process keeps the index it built)
+        logger.warning("CSV index not cached (%s); set VLLM_CSV_CACHE to a writable directory to keep it "
+                       "between starts", e)
     return idx

@@ -371,12 +371,16 @@ class CSVLogitsProcessor(LogitsProcessor):
             if reason:
                 self._switch_off(reason)
                 return None
+            drafter = getattr(getattr(self, "csv_channel", None), "drafter", False)
             try:
-                self._get_head(lm_head, embedding_bias)
+                self._get_head(lm_head, embedding_bias, drafter)
             except CSVError as e:
-                if not self._csv_stale:
+                # a drafter's head is built at its first proposal, mid-serving (vLLM never calls it
+                # at start-up): its failure keeps the drafter dense instead of stopping the engine
+                if not (self._csv_stale or drafter):
                     raise
-                self._switch_off(f"the weights changed and the head could not be built again ({e})")
+                self._switch_off(f"the weights changed and the head could not be built again ({e})" if self._csv_stale
+                                 else f"the drafter's head could not be built ({e})")
                 return None
             self._csv_for = built_for = (lm_head, lm_head.weight, embedding_bias)
         if lm_head is not built_for[0] or lm_head.weight is not built_for[1] or embedding_bias is not built_for[2]:
@@ -388,10 +392,13 @@ class CSVLogitsProcessor(LogitsProcessor):
             return None
         return self.csv_head
 
-    def _get_head(self, lm_head, embedding_bias):
+    def _get_head(self, lm_head, embedding_bias, drafter: bool = False):
+        """Build the head (:meth:`_head_for`). ``drafter``: a speculative drafter's layer, which a
+        given ``--csv-index`` (the target's head's) does not describe: the cache serves it."""
         if self.csv_head is None:
             from .index_loader import load_or_build_index
 
+            cfg = self.csv_config.model_copy(update={"index": None}) if drafter else self.csv_config
             weight = lm_head.weight
             # vLLM's head adds ``embedding_bias`` alone (``quant_method.apply(..., bias=embedding_bias)``),
             # never ``lm_head.bias`` (PhiMoE and Moondream 3 build one and do not pass it)
@@ -402,11 +409,10 @@ class CSVLogitsProcessor(LogitsProcessor):
 
                 shard = Shard.of_lm_head(lm_head, V)
                 index = failed = None
-                if (self.csv_config.screen == "ball" or self.csv_config.index) and shard.real:
+                if (cfg.screen == "ball" or cfg.index) and shard.real:
                     n = shard.real  # the shard's real rows: its index is fingerprinted on them
                     try:
-                        index = load_or_build_index(weight[:n], None if bias is None else bias[:n],
-                                                    self.csv_config, shard)
+                        index = load_or_build_index(weight[:n], None if bias is None else bias[:n], cfg, shard)
                     except CSVError as e:  # (raised on every rank by ShardedHead, after its first collective)
                         failed = e
                 self.csv_head = ShardedHead(
@@ -417,8 +423,8 @@ class CSVLogitsProcessor(LogitsProcessor):
                     self.csv_metrics = _metrics(self.csv_model_name, self.csv_head, index, lm_head.tp_rank)
                 return self.csv_head
             index = None
-            if self.csv_config.screen == "ball" or self.csv_config.index:  # a given index is always checked
-                index = load_or_build_index(weight[:V], None if bias is None else bias[:V], self.csv_config)
+            if cfg.screen == "ball" or cfg.index:  # a given index is always checked
+                index = load_or_build_index(weight[:V], None if bias is None else bias[:V], cfg)
             self.csv_head = csv_head.CertifiedHead(
                 weight, bias, vocab_size=V, config=self.csv_config.head_config(), index=index,
                 softcap=self.soft_cap, scale=self.scale, engine_linear=vllm_linear())

@@ -100,6 +100,7 @@ def bind_drafter(proposer) -> StepChannel:
     channel = proposer.__dict__.get("_csv_channel")
     if channel is None:
         channel = proposer._csv_channel = StepChannel()
+        channel.drafter = True
     model = getattr(proposer, "model", None)
     if model is not None and channel.model is not model:
         _bind_layers(model, channel, keep_bound=True)

@@ -274,6 +274,7 @@ class StepChannel:
         self.suppressed_ids: torch.Tensor | None = None  # the same tokens as ids ([n] int64, same device)
         self.masks_ok = False
         self.warned_over_mask = False  # (the model removed a row's certified set: warned once)
+        self.drafter = False  # a speculative proposer's (patches.bind_drafter)
 
     def forget_model(self) -> None:
         """What the model's calls showed (:attr:`logits_checked`, :attr:`post_processing`,
