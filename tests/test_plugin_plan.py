@@ -259,6 +259,23 @@ def test_v2_plan_rows_in_batch_order_kept_per_request(monkeypatch):
     assert r is not q and r.topk == [1, 0, 0, 1]
 
 
+def test_a_v2_sampler_that_returns_sampling_masks_gets_no_plan():
+    """V2's ``return_sampling_mask`` returns each row's finite tokens, which a certified row
+    (``-inf`` outside its scored tokens) would narrow (found by review: a greedy row returned a
+    support of 1 token where dense returned 71): no plan, every row dense."""
+    from types import SimpleNamespace
+
+    from vllm_csv.vllm_plugin.v2 import plan as v2_plan
+
+    params = {"a": SamplingParams(temperature=0), "b": SamplingParams(temperature=0)}
+    batch = SimpleNamespace(req_ids=["a", "b"], num_draft_tokens=0)
+    for mask in (False, True):
+        runner = SimpleNamespace(_csv_sampling_params=params, sampler=SimpleNamespace(return_sampling_mask=mask),
+                                 speculative_config=None)
+        p = v2_plan.build_plan(runner, 64, input_batch=batch)
+        assert (p is None) is mask and (mask or p.topk == [1, 1])
+
+
 def test_sampled_top_k_rows_go_to_a_certifiable_sampler():
     """With vLLM-CPU's Gumbel sampler and no tensor parallelism, sampled top-k rows are certified
     in the sampler (mode ``top_k``, any ``k``); greedy rows stay in the head; with tensor

@@ -163,6 +163,22 @@ def test_vllm_cpu_expands_temperatures_wrongly_and_mixed_batches_stay_dense(monk
     assert spec.target_plan(base, (2, 1), mixed_ok=True).topk == [1, 1, 1, 0, 0]
 
 
+def test_a_sampled_row_made_dense_keeps_its_temperature_for_the_mixed_batch_rule():
+    """A sampled top-k row the head may not certify (``top_k_in_head`` false) is dense, its
+    temperature kept: a speculative step with it is still a mixed batch, whose greedy rows stay
+    dense where mixed batches are not certifiable (found by review: the row's temperature became
+    0, the batch read as all greedy, and its greedy rows were certified with ``mixed_ok`` false)."""
+    from vllm import SamplingParams
+
+    from vllm_csv.vllm_plugin.v1 import plan as v1_plan
+
+    rows = [v1_plan._row(types.SimpleNamespace(sampling_params=sp), 64, in_sampler=False, in_head=False)
+            for sp in (SamplingParams(temperature=0), SamplingParams(temperature=0.8, top_k=5))]
+    assert rows == [(1, "greedy", 0.0), (0, "", 0.8)]
+    base = Plan(["g", "s"], [r[0] for r in rows], [r[1] for r in rows], [r[2] for r in rows])
+    assert spec.target_plan(base, (2, 1), mixed_ok=False).topk == [0] * 5
+
+
 # (families with rows that certify, and the hostile ones: ties, overflow, non-finite rows, norms,
 # accumulator and subnormal traps, outlier channels)
 @pytest.mark.parametrize("family", sorted(audit.FAMILIES))

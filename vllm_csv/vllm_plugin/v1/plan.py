@@ -83,7 +83,7 @@ def _row(state, max_topk: int, in_sampler: bool = False, in_head: bool = True) -
         return cached[1]
     row = row_plan(sp, max_topk, in_sampler)
     if row[0] > 0 and row[2] > 0.0 and not in_head:
-        row = (0, "", 0.0)
+        row = (0, "", row[2])  # (its temperature kept: a speculative step reads whether the batch is all greedy)
     if state is not None:
         state._csv_row = ((max_topk, in_sampler, in_head), row, sp)  # (sp: a streaming chunk's new parameters)
     return row

@@ -49,12 +49,17 @@ def build_plan(runner, max_topk: int, req_ids=None, input_batch=None) -> Plan | 
     (a step with draft tokens there: none); with it, where the rejection sampler verifies greedy
     requests by their argmax (:func:`.spec.verification_ok`), the greedy requests' rows in the
     head, their target rows included (:func:`.spec.spec_plan`, in steps with and without
-    drafts); none where the batch is sharded over ranks for sampling (``batch_sharder``) or the
-    last stage's logits are broadcast (:func:`..plan.plannable`). Without ``input_batch``:
-    :func:`request_plan` of ``req_ids``."""
+    drafts); none where the batch is sharded over ranks for sampling (``batch_sharder``), the
+    last stage's logits are broadcast (:func:`..plan.plannable`), or the sampler returns each
+    row's sampling mask (``return_sampling_mask``: the finite tokens of the processed logits,
+    which a certified row, ``-inf`` outside its scored tokens, would narrow; vLLM 0.32/0.33 then
+    refuse greedy requests, but the sampler and the rejection sampler return it for every row).
+    Without ``input_batch``: :func:`request_plan` of ``req_ids``."""
     if input_batch is None:
         return request_plan(runner, max_topk, req_ids)
     if getattr(runner, "batch_sharder", None) is not None:
+        return None
+    if getattr(getattr(runner, "sampler", None), "return_sampling_mask", False):
         return None
     if plannable(runner):
         if getattr(input_batch, "num_draft_tokens", 0):
