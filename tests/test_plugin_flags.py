@@ -3,6 +3,7 @@
 import argparse
 
 import pytest
+import torch
 
 pytest.importorskip("vllm")
 
@@ -48,6 +49,8 @@ def test_additional_config_json_is_the_same_thing(serve_parser):
     (["--csv-epsilon", "0.01"], "unrecognized arguments"),  # removed: serving is exact only
     (["--csv-budget", "0"], "budget"),
     (["--csv-max-topk", "0"], "max_topk"),
+    (["--csv-index", ""], "index"),  # (was the cache, silently)
+    (["--additional-config", '{"csv_decode": true}'], "must be an object"),  # (was a TypeError's traceback)
 ])
 def test_bad_flags_exit_with_one_clear_line(serve_parser, argv, msg, capsys):
     with pytest.raises(SystemExit) as e:
@@ -62,6 +65,13 @@ def test_config_validation_and_version_check():
     with pytest.raises(CSVError, match="unknown_key"):
         from_additional_config({"csv_decode": {"unknown_key": 1}})
     assert from_additional_config(None).enabled is False
+    # vLLM allows an object of its own as additional_config: no section there, CSV off (was an
+    # AttributeError at every LogitsProcessor's construction); a section that is not an object
+    # is an error, not silently off
+    assert from_additional_config(object()).enabled is False
+    for bad in (True, 0, [], "on"):
+        with pytest.raises(CSVError, match="must be an object"):
+            from_additional_config({"csv_decode": bad})
     assert apply_csv_args(argparse.Namespace(), {"x": 1}) == {"x": 1}
     assert check_vllm_version("0.32.0") is None and check_vllm_version("0.32.1+cpu") is None
     assert "supports vLLM 0.32.x, 0.33.x;" in check_vllm_version("0.34.0")  # (0.33: tests/test_vllm033.py)
@@ -236,3 +246,23 @@ def test_custom_logits_processors_keep_the_dense_head(what, monkeypatch, caplog)
         assert type(layer) is LogitsProcessor
         assert ("logits-processor plugins installed (ban_ids)" if what == "plugin" else
                 "custom --logits-processors") in caplog.text
+
+
+def test_another_plugins_logits_processor_leaves_csv_uninstalled(monkeypatch, caplog):
+    """vLLM allows one out-of-tree ``LogitsProcessor`` (``register_oot`` asserts on a second): with
+    another plugin's already registered, CSV installs nothing, with one warning, instead of the
+    AssertionError that stopped every vLLM process (found by review)."""
+    import logging
+
+    from vllm.model_executor import custom_op
+
+    from vllm_csv.vllm_plugin import patches
+
+    class Other(torch.nn.Module):
+        pass
+
+    monkeypatch.setitem(custom_op.op_registry_oot, "LogitsProcessor", Other)
+    monkeypatch.setattr(patches, "_engine_args", lambda: pytest.fail("installed"))
+    with caplog.at_level(logging.WARNING):
+        patches.install(lambda r: 64)
+    assert "another plugin already replaces" in caplog.text

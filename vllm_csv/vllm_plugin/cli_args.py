@@ -69,7 +69,10 @@ def add_csv_args(parser: argparse.ArgumentParser) -> None:
 def apply_csv_args(args: argparse.Namespace, additional: dict | None) -> dict:
     """Merge the flags present in ``args`` into a copy of ``additional`` and validate."""
     out = dict(additional or {})
-    section = dict(out.get(SECTION) or {})
+    section = out.get(SECTION)
+    if section is not None and not isinstance(section, dict):
+        from_additional_config(out)  # (its one-line error)
+    section = dict(section or {})
     given = {name: v for name, flag in flags().items() if (v := getattr(args, _dest(flag), None)) is not None}
     section.update(given)
     if section:

@@ -35,14 +35,16 @@ class CSVDecodeConfig(BaseModel):
         DEFAULT_SCREEN, description="Bound used to prune the vocabulary; auto: int8 with our AVX512-VNNI kernel or "
         "FBGEMM on x86 CPUs, plus int4 for one-row batches on VNNI CPUs and large heads; cuBLASLt on CUDA; "
         "fp16 on CPUs without FBGEMM.")
-    index: str | None = Field(None, description="Index file for --csv-screen ball.",
+    index: str | None = Field(None, min_length=1, description="Index file for --csv-screen ball.",
                               json_schema_extra={"default_text": "cache"})
     clusters: int | None = Field(None, ge=1, description="Clusters when building an index.",
                                  json_schema_extra={"default_text": f"{CLUSTER_FRACTION} V"})
     budget: float = Field(DEFAULT_BUDGET, gt=0.0, le=1.0,
                           description="Max share of the vocabulary scored exactly before the dense path: per row in "
                           "the head, per batch (its rows' scored columns together) in the sampler.")
-    max_topk: int = Field(DEFAULT_MAX_TOPK, ge=1, le=1024, description="Largest top_k certified; larger goes dense.")
+    max_topk: int = Field(DEFAULT_MAX_TOPK, ge=1, le=1024,
+                          description="Largest top_k certified in the LM head; larger ones are certified in the "
+                          "sampler where it is vLLM-CPU's, dense elsewhere.")
     off_switch: bool = Field(True, description="Adaptive off-switch: steps run dense while CSV would cost "
                              "more than 2% more head time than dense (vllm_csv.off_switch).",
                              json_schema_extra={"flag": None})
@@ -72,11 +74,20 @@ def default_text(name: str) -> str:
     return str(info.default)
 
 
-def from_additional_config(additional: dict | None) -> CSVDecodeConfig:
-    """Parse ``additional_config[SECTION]``; a bad value raises one clear :class:`CSVError`."""
-    raw = (additional or {}).get(SECTION) or {}
+def from_additional_config(additional) -> CSVDecodeConfig:
+    """Parse ``additional_config[SECTION]``; a bad value raises one clear :class:`CSVError`.
+    ``additional`` that is not a mapping (vLLM also allows an object of its own there) holds
+    no section: CSV off."""
+    if not isinstance(additional, dict):
+        return CSVDecodeConfig()
+    raw = additional.get(SECTION)
+    if raw is None:
+        raw = {}
     if isinstance(raw, CSVDecodeConfig):
         return raw
+    if not isinstance(raw, dict):
+        raise CSVError(f"invalid csv_decode configuration: {SECTION} must be an object of settings "
+                       f"(e.g. {{\"enabled\": true}}), got {raw!r}")
     try:
         return CSVDecodeConfig.model_validate(raw)
     except ValidationError as e:

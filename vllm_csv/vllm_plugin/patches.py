@@ -50,10 +50,21 @@ def install(max_topk: Callable[[object], int]) -> None:
     """Apply every patch (idempotent). ``max_topk(runner)`` gives the runner's ``--csv-max-topk``."""
     from vllm.model_executor.layers.logits_processor import LogitsProcessor
 
+    from vllm.model_executor import custom_op
+
+    other = custom_op.op_registry_oot.get(LogitsProcessor.__name__)
+    if other is not None and other is not CSVLogitsProcessor:  # (vLLM asserts on a second registration)
+        from vllm.logger import init_logger
+
+        init_logger("vllm.csv_decode").warning(
+            "CSV-Decode is not installed: another plugin already replaces vLLM's LogitsProcessor (%s.%s); "
+            "vLLM allows one.", other.__module__, other.__qualname__)
+        return
     _engine_args()
     install_runners(max_topk)
     install_samplers()
-    LogitsProcessor.register_oot(CSVLogitsProcessor)
+    if other is None:
+        LogitsProcessor.register_oot(CSVLogitsProcessor)
 
 
 def bind(runner) -> StepChannel:
