@@ -180,9 +180,11 @@ def test_bad_input_to_build(head):
         build_index(W, progress=False)
 
 
-def write_model(d, W, b=None, tied=False, extra=None):
+def write_model(d, W, b=None, tied=False, extra=None, arch=None):
+    """A checkpoint; with a bias, by default a GPT-J's (the architecture whose vLLM model adds it)."""
     d.mkdir(parents=True, exist_ok=True)
-    (d / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"], "vocab_size": W.shape[0],
+    arch = arch or ("GPTJForCausalLM" if b is not None else "LlamaForCausalLM")
+    (d / "config.json").write_text(json.dumps({"architectures": [arch], "vocab_size": W.shape[0],
                                                "tie_word_embeddings": tied}))
     t = {"model.embed_tokens.weight": W.clone(), "model.norm.weight": torch.ones(W.shape[1])}
     if not tied:
@@ -211,6 +213,19 @@ def test_hf_head_loader(head, tmp_path):
     (bad / "model.safetensors").write_bytes(b"\x00" * 100)
     with pytest.raises(CSVError, match="corrupt"):
         load_lm_head(bad)
+
+
+def test_a_bias_vllm_does_not_add_is_not_indexed(head, tmp_path):
+    """PhiMoE and Moondream 3 checkpoints hold an ``lm_head.bias`` their vLLM model does not
+    pass to the head: ``build-index`` indexes the head vLLM serves, without it, so the server
+    accepts the file (found by review: the index held the bias, the worker refused it and told
+    the user to rebuild it, which wrote the same file again)."""
+    W, b = head
+    h = load_lm_head(write_model(tmp_path / "phimoe", W, b, arch="PhiMoEForCausalLM"))
+    assert torch.equal(h.weight, W * 2) and h.bias is None
+    out = tmp_path / "x.safetensors"
+    assert main(["build-index", str(tmp_path / "phimoe"), "--clusters", "12", "--output", str(out), "--quiet"]) == 0
+    CSVIndex.load(out, expect_fingerprint=fingerprint_weights(W * 2, None))
 
 
 def test_cli_build_index(head, tmp_path, capsys):

@@ -108,6 +108,29 @@ def test_deleted_or_damaged_index_stops_serve_with_one_line(serve_parser, tmp_pa
     assert err[0].startswith("vllm serve: error: CSV index ") and str(p) in err[0] and msg in err[0], err
 
 
+def test_a_tensor_parallel_index_is_checked_by_its_shards_files(serve_parser, tmp_path, capsys):
+    """With ``--tensor-parallel-size N`` the ranks read ``PATH``'s shard files (what ``vllm-csv
+    build-index --tensor-parallel-size N`` writes, and nothing at ``PATH``): the API server checks
+    those (found by review: it loaded ``PATH`` itself, so the documented workflow could not start);
+    a missing shard file is still one line."""
+    import torch
+
+    from vllm_csv import build_index
+    from vllm_csv.cache import shard_index_path
+
+    p = tmp_path / "head.safetensors"
+    for r in range(2):
+        build_index(torch.randn(300, 16, generator=torch.Generator().manual_seed(r)), None, 5,
+                    progress=False).save(shard_index_path(p, r, 2))
+    argv = ["--model", "m", "--csv-screen", "ball", "--csv-index", str(p), "--tensor-parallel-size", "2"]
+    assert from_additional_config(engine_args(serve_parser, argv).additional_config).index == str(p)
+    shard_index_path(p, 1, 2).unlink()
+    with pytest.raises(SystemExit) as e:
+        engine_args(serve_parser, argv)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == 2 and len(err) == 1 and "tp2-rank1" in err[0], err
+
+
 # The flags of vllm serve as users and tests/e2e know them: name -> (namespace attribute, config key).
 SERVE_FLAGS = {"--enable-csv-decode": ("enable_csv_decode", "enabled"), "--csv-screen": ("csv_screen", "screen"),
                "--csv-index": ("csv_index", "index"), "--csv-clusters": ("csv_clusters", "clusters"),

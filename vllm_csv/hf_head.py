@@ -1,4 +1,5 @@
-"""Read only the LM head (and its bias) from a Hugging Face model directory.
+"""Read only the LM head (and its bias, where vLLM adds it: :data:`BIAS_ADDED`) from a Hugging
+Face model directory.
 
 Looks for ``lm_head.weight``; when the model ties its head to the input embedding
 (``tie_word_embeddings``) or has no ``lm_head.weight``, takes the embedding matrix.
@@ -19,6 +20,10 @@ from .errors import CSVError
 HEAD_KEYS = ("lm_head.weight", "model.lm_head.weight", "output.weight")
 EMBED_SUFFIXES = ("embed_tokens.weight", "wte.weight", "word_embeddings.weight", "embeddings.weight")
 QUANT_SUFFIXES = ("qweight", "weight_scale", "weight_packed", "scales", "qzeros", "weight_zero_point")
+# the architectures whose vLLM model adds its lm_head.bias to the logits (it passes it to the
+# LogitsProcessor as embedding_bias; vLLM 0.32: GPT-J alone): the others' bias, if their
+# checkpoint holds one (PhiMoE, Moondream 3), is not part of the head vLLM serves
+BIAS_ADDED = ("GPTJForCausalLM",)
 
 
 @dataclass
@@ -91,6 +96,7 @@ def load_lm_head(model_dir: str | Path) -> LMHead:
         raise CSVError(f"the LM head {head} of {model_dir} is {weight.dtype} {tuple(weight.shape)}; "
                        "vllm-csv needs a 2-D fp16/bf16/fp32 head (quantized heads are not supported)")
     bias_key = prefix + ".bias"
-    bias = _get(keys[bias_key], bias_key) if bias_key in keys and head in HEAD_KEYS else None
+    adds_bias = any(a in BIAS_ADDED for a in cfg.get("architectures") or ())
+    bias = _get(keys[bias_key], bias_key) if bias_key in keys and head in HEAD_KEYS and adds_bias else None
     return LMHead(weight, bias, cfg.get("final_logit_softcapping"), float(cfg.get("logit_scale", 1.0) or 1.0),
                   int(cfg.get("vocab_size") or weight.shape[0]), head)

@@ -82,12 +82,17 @@ def apply_csv_args(args: argparse.Namespace, additional: dict | None) -> dict:
     return out
 
 
-def check_index_file(cfg) -> None:
+def check_index_file(cfg, tensor_parallel_size: int = 1) -> None:
     """A given ``--csv-index`` must exist and load (format, consistent clusters) before any
     engine process starts: a deleted or corrupt file is then one line, not the worker's
     traceback relayed by the engine core and the API server. Whether it was built for the
-    served weights needs the weights as loaded: the worker checks that (``index_loader``)."""
+    served weights needs the weights as loaded: the worker checks that (``index_loader``).
+    Under tensor parallelism the ranks read their shards' files (``cache.shard_index_path``:
+    what ``vllm-csv build-index --tensor-parallel-size N`` writes), not the path itself."""
     if cfg.enabled and cfg.index:
+        from ..cache import shard_index_path
         from ..index import CSVIndex
 
-        CSVIndex.load(cfg.index)
+        n = max(1, int(tensor_parallel_size or 1))
+        for path in [cfg.index] if n == 1 else [shard_index_path(cfg.index, r, n) for r in range(n)]:
+            CSVIndex.load(path)

@@ -238,7 +238,8 @@ def _engine_args() -> None:
         engine_args = orig_from(cls, args)
         try:
             engine_args.additional_config = apply_csv_args(args, engine_args.additional_config)
-            check_index_file(from_additional_config(engine_args.additional_config))
+            check_index_file(from_additional_config(engine_args.additional_config),
+                             getattr(engine_args, "tensor_parallel_size", 1))
         except CSVError as e:
             print(f"vllm serve: error: {e}", file=sys.stderr)
             raise SystemExit(2) from None
