@@ -395,3 +395,20 @@ def test_a_cache_that_cannot_be_written_keeps_the_built_index(head, tmp_path, mo
 
     monkeypatch.setattr(Path, "home", staticmethod(no_home))
     assert cache_root().parent == Path(tempfile.gettempdir())
+
+
+def test_an_index_rebuilt_while_serving_is_not_cached(head, tmp_path, monkeypatch):
+    """Weights written while serving (RLHF) rebuild the index (screen ``ball``) without writing it
+    to the cache, which would keep one file per weight version (found by review)."""
+    pytest.importorskip("vllm")
+    from types import SimpleNamespace
+
+    from vllm_csv.vllm_plugin.index_loader import load_or_build_index
+
+    W, b = head
+    monkeypatch.setenv("VLLM_CSV_CACHE", str(tmp_path / "cache"))
+    cfg = SimpleNamespace(index=None, clusters=10)
+    load_or_build_index(W, b, cfg, cache=False)
+    assert not list(tmp_path.rglob("*.safetensors"))
+    load_or_build_index(W, b, cfg)
+    assert len(list(tmp_path.rglob("*.safetensors"))) == 1

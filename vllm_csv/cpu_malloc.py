@@ -5,9 +5,11 @@ Each decoding step allocates a few ``[B, V]`` tensors. glibc serves blocks above
 pays a page fault per 4 KiB (measured: a ``[64, 32768]`` fp32 step spends about half of
 its time faulting). Raising the mmap and trim thresholds lets the heap reuse those
 pages. The heap keeps at most :data:`TRIM` of free memory at its top (a few steps' buffers,
-``[64, 151936]`` fp32 is 39 MB) and grows by :data:`TOP_PAD` at a time: with the trim
-threshold at 2 GiB and 64 MiB of padding, a server under load kept about 65 MB more than
-plain vLLM (64 clients, 5 minutes: RSS +6.1% against +4.5%). Set
+``[64, 151936]`` fp32 is 39 MB) and grows by :data:`TOP_PAD` at a time (now 256 MiB and
+16 MiB, blocks below 1 GiB from the heap; measured with an earlier, larger setting, a trim
+threshold of 2 GiB and 64 MiB of padding, a server under load kept about 65 MB more than plain
+vLLM: 64 clients, 5 minutes, RSS +6.1% against +4.5%). The settings are the process's (glibc
+has one heap policy), applied when the first CPU head is built. Set
 ``VLLM_CSV_MALLOC_TUNING=0`` to leave the allocator alone.
 """
 

@@ -19,9 +19,12 @@ from ..index import CSVIndex, build_index, default_num_clusters, fingerprint_wei
 logger = init_logger("vllm.csv_decode")
 
 
-def load_or_build_index(weight: torch.Tensor, bias: torch.Tensor | None, cfg, shard=None) -> CSVIndex:
+def load_or_build_index(weight: torch.Tensor, bias: torch.Tensor | None, cfg, shard=None,
+                        cache: bool = True) -> CSVIndex:
     """The index of ``weight`` (``shard``: a :class:`~vllm_csv.sharded.Shard` whose real rows
-    ``weight`` are). A given file that does not match these rows is a :class:`CSVError`."""
+    ``weight`` are). A given file that does not match these rows is a :class:`CSVError`.
+    ``cache``: a built index is written to the cache (not for weights written while serving:
+    an RLHF run would leave one file per weight version)."""
     fp = fingerprint_weights(weight.cpu(), None if bias is None else bias.cpu())
     if cfg.index:
         if shard is None:
@@ -41,9 +44,12 @@ def load_or_build_index(weight: torch.Tensor, bias: torch.Tensor | None, cfg, sh
             return CSVIndex.load(path, expect_fingerprint=fp)
         except CSVError as e:
             logger.warning("cached CSV index unusable (%s); rebuilding", e)
-    logger.info("building the CSV index (%d clusters) for this LM head%s; cached at %s", C,
-                "" if shard is None else f" shard (rank {shard.rank} of {shard.size})", path)
+    logger.info("building the CSV index (%d clusters) for this LM head%s; %s", C,
+                "" if shard is None else f" shard (rank {shard.rank} of {shard.size})",
+                f"cached at {path}" if cache else "not cached (weights written while serving)")
     idx = build_index(weight.float().cpu(), None if bias is None else bias.float().cpu(), C, progress=True)
+    if not cache:
+        return idx
     try:
         idx.save(path)
     except CSVError as e:  # (a cache that cannot be written: this process keeps the index it built)

@@ -348,7 +348,9 @@ class CSVLogitsProcessor(LogitsProcessor):
         the old ones, so the next call builds them again from the weights as they are now."""
         if self.csv_head is not None:
             self.csv_head, self._csv_for, self._csv_stale = None, None, True
-            self._csv_lane = self._csv_span = None
+            # (the adapter holds the old head: dropped too, so its screen's memory is free before
+            # the new one is built)
+            self._csv_lane = self._csv_span = self._csv_adapter = None
 
     def _switch_off(self, reason: str) -> None:
         self._csv_off = reason
@@ -412,7 +414,8 @@ class CSVLogitsProcessor(LogitsProcessor):
                 if (cfg.screen == "ball" or cfg.index) and shard.real:
                     n = shard.real  # the shard's real rows: its index is fingerprinted on them
                     try:
-                        index = load_or_build_index(weight[:n], None if bias is None else bias[:n], cfg, shard)
+                        index = load_or_build_index(weight[:n], None if bias is None else bias[:n], cfg, shard,
+                                                    cache=not self._csv_stale)
                     except CSVError as e:  # (raised on every rank by ShardedHead, after its first collective)
                         failed = e
                 self.csv_head = ShardedHead(
@@ -424,7 +427,8 @@ class CSVLogitsProcessor(LogitsProcessor):
                 return self.csv_head
             index = None
             if cfg.screen == "ball" or cfg.index:  # a given index is always checked
-                index = load_or_build_index(weight[:V], None if bias is None else bias[:V], cfg)
+                index = load_or_build_index(weight[:V], None if bias is None else bias[:V], cfg,
+                                            cache=not self._csv_stale)
             self.csv_head = csv_head.CertifiedHead(
                 weight, bias, vocab_size=V, config=self.csv_config.head_config(), index=index,
                 softcap=self.soft_cap, scale=self.scale, engine_linear=vllm_linear())
