@@ -7,11 +7,12 @@ tensor later is made again, dense (``patches.watch_logits``, ``step.Returned``).
 row certified ``k = 1`` came out as the suppressed token (the Top1 hand-off) or token 0 (its
 other entries ``-inf``), and deferred rows were drawn from the head's logits without the
 model's change. A model that only sets the same tokens to ``-inf`` on every row (Gemma 4,
-Moondream 3) keeps CSV on the V1 runner: greedy rows are certified in the head over the other
+Moondream 3) keeps CSV: greedy and draft rows are certified in the head over the other
 tokens (the head leaves them out: ``exclude``), the model's ``-inf`` checked on them after its
-call (``Plan.over_mask``, ``step.over_mask_tokens``); every other row is deferred and certified
-in the sampler over the other tokens, the model's ``-inf`` read off the placeholders and
-checked every step (``step.suppressed_tokens``, ``fill.suppression_holds``).
+call (``Plan.over_mask``, ``step.over_mask_tokens``); on the V1 runner every other row is
+deferred and certified in the sampler over the other tokens, the model's ``-inf`` read off the
+placeholders and checked every step (``step.suppressed_tokens``, ``fill.suppression_holds``),
+elsewhere dense.
 
 Each case runs the model's ``compute_logits`` as vLLM's runners call it (the model bound by
 ``patches.bind``, in inference mode as vLLM's steps run), then vLLM's own ``Sampler``, against
@@ -433,17 +434,33 @@ def test_a_change_that_is_not_a_fixed_mask_is_not_a_suppression(post, head_case)
     assert channel.suppressed is None and channel.post_processing == "Model"
 
 
-def test_a_runner_whose_sampler_does_not_certify_masks_gets_the_dense_head(head_case):
-    """V2's sampler hook does not certify plain greedy rows: a suppressing model there (the V2
-    runner binds V2's ``Sampler``, not V1's) gets no plan, as before."""
+@pytest.mark.parametrize("rows", sorted(PLANS))
+def test_a_runner_whose_sampler_does_not_certify_masks_keeps_greedy_rows_in_the_head(rows, head_case):
+    """V2's sampler hook does not certify rows over a model's ``-inf`` (the V2 runner binds V2's
+    ``Sampler``, not V1's: ``masks_ok`` false): a suppressing model's greedy rows are certified in
+    the head over the other tokens all the same (the head's certificate needs no sampler), its
+    other rows are dense (before: every row dense); the tokens are the dense head's with the
+    same suppression."""
+    plan, md = _md(rows)
     runner, channel = _bound(head_case, "suppress")
     runner.sampler = torch.nn.Module()  # (not V1's Sampler)
     channel = patches.bind(runner)
     assert not channel.masks_ok
-    with torch.inference_mode():
-        channel.open(dataclasses.replace(GREEDY))
-        runner.model.compute_logits(head_case.h)
-    assert channel.suppressed is None and channel.post_processing == "Model"
+    want = _want(head_case, "suppress", md)
+    greedy = [i for i, m in enumerate(plan.modes) if m == "greedy"]
+    for i in range(3):
+        with torch.inference_mode():
+            channel.open(dataclasses.replace(plan))
+            logits = runner.model.compute_logits(head_case.h)
+            channel.close_plan()
+            handoff = channel.step.handoff
+            got = _draw(Sampler(), logits, md)  # (vLLM's sampler on the logits the runner hands it)
+        assert torch.equal(got, want), (i, got.tolist(), want.tolist())
+        if i:
+            assert type(handoff).__name__ == ("Top1" if rows == "greedy" else "NoneType")
+            certified = runner.model.logits_processor.csv_head.last_certified
+            assert certified.nonzero().flatten().tolist() == greedy
+    assert channel.post_processing is None and channel.suppressed is not None
 
 
 @pytest.mark.parametrize("greedy_in_head", [True, False])
@@ -453,13 +470,18 @@ def test_a_plan_over_a_mask(greedy_in_head):
     step's target rows dense; deferred and dense rows as they were."""
     from vllm_csv.vllm_plugin.plan import TARGET_MODE
 
-    plan = Plan(list("abcdef"), [1, 5, DEFER, 0, 1, 1], ["greedy", "top_k", "sampling", "", TARGET_MODE, "top_k"],
-                [0.0, 0.7, 0.9, 0.0, 0.0, 0.5])
+    plan = Plan(list("abcdefg"), [1, 5, DEFER, 0, 1, 1, 1],
+                ["greedy", "top_k", "sampling", "", TARGET_MODE, "top_k", "draft"], [0.0, 0.7, 0.9, 0.0, 0.0, 0.5, 0.0])
     got = plan.over_mask(greedy_in_head)
-    assert got.topk == [1 if greedy_in_head else DEFER, DEFER, DEFER, 0, 0, DEFER]
-    assert got.modes == ["greedy", "top_k", "sampling", "", "", "top_k"]
-    assert got.temps == [0.0, 0.7, 0.9, 0.0, 0.0, 0.5]
+    head = 1 if greedy_in_head else DEFER
+    assert got.topk == [head, DEFER, DEFER, 0, 0, DEFER, head]
+    assert got.modes == ["greedy", "top_k", "sampling", "", "", "top_k", "draft"]
+    assert got.temps == [0.0, 0.7, 0.9, 0.0, 0.0, 0.5, 0.0]
     assert got.req_ids == plan.req_ids and plan.over_mask(greedy_in_head) is got
+    # where the sampler does not certify rows over masks (V2's): what would be deferred is dense
+    v2 = plan.over_mask(greedy_in_head, defer_ok=False)
+    head = 1 if greedy_in_head else 0
+    assert v2.topk == [head, 0, 0, 0, 0, 0, head] and v2.modes[:3] == ["greedy" if greedy_in_head else "", "", ""]
 
 
 def test_a_head_that_cannot_leave_tokens_out_defers_greedy_rows(head_case, monkeypatch):
@@ -516,8 +538,10 @@ def test_a_drafter_that_changes_its_heads_logits_drafts_vllms_tokens(post, head_
     for _ in range(2):  # (the first call dense, the second certified where the drafter is plain)
         with torch.inference_mode():
             assert torch.equal(proposer._greedy_sample(head_case.h), want)
-    assert proposer._csv_channel.post_processing == ("Model" if post else None)
-    if post is None:
+    # (a drafter that suppresses tokens keeps its draft rows certified over the other tokens)
+    assert proposer._csv_channel.post_processing == ("Model" if post == "vocab_map" else None)
+    assert (proposer._csv_channel.suppressed is not None) is (post == "suppress")
+    if post != "vocab_map":
         assert bool(head_case.head.last_certified.all())
 
 

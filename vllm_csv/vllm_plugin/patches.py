@@ -87,7 +87,7 @@ def bind(runner) -> StepChannel:
         from vllm.v1.sample.sampler import Sampler
 
         # V1's sampler hook certifies deferred rows over the -inf a model writes on them
-        # (StepChannel.suppressed); V2's does not certify plain greedy rows there
+        # (StepChannel.suppressed); V2's does not: its rows other than greedy ones are then dense
         channel.masks_ok = isinstance(sampler, Sampler)
     return channel
 
@@ -147,14 +147,14 @@ def watch_logits(model, channel: StepChannel, name: str) -> None:
 
     A model whose change is only to set the same tokens to ``-inf`` on every row, in place
     (:func:`~.step.suppressed_tokens`: Gemma 4's ``suppress_tokens``, Moondream 3's answer
-    token), keeps CSV where the channel's sampler certifies rows over such masks
-    (``channel.masks_ok``, V1's): its tokens become :attr:`~.step.StepChannel.suppressed`; greedy
+    token), keeps CSV: its tokens become :attr:`~.step.StepChannel.suppressed`; greedy and draft
     rows are certified in the head over the other tokens (:meth:`~.plan.Plan.over_mask`; each
     call here then checks, on those rows, that the model set at least those tokens to ``-inf``
     and not the rows' own, else makes the call again dense: :func:`~.step.over_mask_tokens`),
-    and every other row goes to the sampler, which reads the tokens off the placeholders as it
-    reads a grammar's (and checks, every step, that the model wrote exactly those:
-    :func:`~.fill.suppression_holds`)."""
+    and every other row goes to the sampler where it certifies rows over such masks
+    (``channel.masks_ok``, V1's), which reads the tokens off the placeholders as it reads a
+    grammar's (and checks, every step, that the model wrote exactly those:
+    :func:`~.fill.suppression_holds`), else is dense."""
     orig = getattr(model, "compute_logits", None)
     if orig is None or getattr(orig, "_csv_channel", None) is channel:
         return
@@ -188,7 +188,7 @@ def watch_logits(model, channel: StepChannel, name: str) -> None:
                     "without CSV.", name)
             step.plan = step.handoff = None
             return orig(*args, **kwargs)  # (no plan: the layer computes vLLM's logits, the model masks them)
-        if first and out is r.logits and channel.masks_ok:
+        if first and out is r.logits:
             tokens = suppressed_tokens(r.copy, out)
             if tokens is not None:
                 channel.suppressed, channel.suppressed_ids = tokens, tokens.nonzero().squeeze(1)

@@ -35,6 +35,7 @@ from ..vocabulary import SAMPLING_EPS as _SAMPLING_EPS
 
 DEFER = -1  # certify the row in vLLM's sampler, with the seed it draws (v1.sampler, v2.sampler)
 TARGET_MODE = "spec_greedy"  # greedy requests' verification and bonus rows (one of vocabulary.MODES)
+DRAFT_MODE = "draft"  # a drafter's rows (v1.spec.draft_plan; one of vocabulary.MODES)
 SPEC_SAMPLED_MODE = "spec_sampling"  # sampled requests' rows in a V2 speculative step (v2/verify.py)
 # the base modes of the sampled requests whose verification the V2 hook certifies: temperature,
 # with min-p, vLLM's native processors, or neither (not top-k, top-p or structured output)
@@ -86,30 +87,34 @@ class Plan:
             cache[max_certified_k] = row_split([max(k, 0) for k in self.topk], max_certified_k)
         return cache[max_certified_k]
 
-    def over_mask(self, greedy_in_head: bool) -> Plan:
+    def over_mask(self, greedy_in_head: bool, defer_ok: bool = True) -> Plan:
         """This plan for a model that sets fixed tokens to ``-inf`` after the head
-        (:attr:`~.step.StepChannel.suppressed`), kept per argument. With ``greedy_in_head`` (the
-        head leaves tokens out of its certificate: ``can_exclude``), a greedy row stays ``k = 1``
-        and the layer certifies it over the other tokens (its token is then the best the model
-        leaves, proven above every other one; :func:`~.step.over_mask_tokens` checks the model's
-        ``-inf``); otherwise it is deferred. Sampled top-k rows are deferred, their mode kept (the
-        sampler hook certifies them over the tokens left, as it does structured output's); a
-        speculative step's target rows are dense (V1's verification reads the head's rows)."""
+        (:attr:`~.step.StepChannel.suppressed`), kept per arguments. With ``greedy_in_head`` (the
+        head leaves tokens out of its certificate: ``can_exclude``), a greedy or draft row stays
+        ``k = 1`` and the layer certifies it over the other tokens (its token is then the best the
+        model leaves, proven above every other one; :func:`~.step.over_mask_tokens` checks the
+        model's ``-inf``). Every other row the plan certifies (and a greedy one the head cannot
+        take) is deferred to the sampler with its mode kept, where the runner's sampler hook
+        certifies rows over such masks (``defer_ok``: V1's, as it does structured output's), else
+        dense; a speculative step's target rows are dense (V1's verification reads the head's rows)."""
         cache = self.__dict__.setdefault("_over_mask", {})
-        if greedy_in_head in cache:
-            return cache[greedy_in_head]
+        key = (greedy_in_head, defer_ok)
+        if key in cache:
+            return cache[key]
         topk, modes, temps = [], [], []
         for k, mode, t in zip(self.topk, self.row_modes, self.row_temps):
             if k > 0 and mode == TARGET_MODE:
                 entry = (0, "", 0.0)
-            elif k > 0 and not (k == 1 and mode == "greedy" and greedy_in_head):
-                entry = (DEFER, mode, t)
+            elif k == 1 and mode in ("greedy", DRAFT_MODE) and greedy_in_head:
+                entry = (k, mode, t)
+            elif k != 0:
+                entry = (DEFER, mode, t) if defer_ok else (0, "", t)
             else:
                 entry = (k, mode, t)
             topk.append(entry[0])
             modes.append(entry[1])
             temps.append(entry[2])
-        cache[greedy_in_head] = plan = Plan(list(self.req_ids), topk, modes, temps)
+        cache[key] = plan = Plan(list(self.req_ids), topk, modes, temps)
         return plan
 
     @functools.cached_property

@@ -207,6 +207,7 @@ class Step:
     snapshot: bool = False  # the layer keeps a copy of what it returns (Returned.copy)
     suppressed: torch.Tensor | None = None  # StepChannel.suppressed when the step opened
     suppressed_ids: torch.Tensor | None = None  # StepChannel.suppressed_ids
+    masks_ok: bool = False  # StepChannel.masks_ok
     # (rows [R] int64, tokens [R] int64 or None) on the logits' device: the rows the head
     # certified over the suppressed tokens (Plan.over_mask), which the model's compute_logits
     # wrapper checks (over_mask_tokens)
@@ -216,14 +217,15 @@ class Step:
         """The plan for a logits call of ``num_rows`` rows; consumed by the first call, so a
         second call in the same step (never expected) is dense. Where the model suppresses
         tokens after the head (:attr:`suppressed`), its :meth:`~.plan.Plan.over_mask`
-        (``greedy_over_mask``: the head leaves tokens out of its certificate)."""
+        (``greedy_over_mask``: the head leaves tokens out of its certificate; deferred rows where
+        the sampler certifies rows over such masks, :attr:`masks_ok`)."""
         plan = self.plan
         if isinstance(plan, LazyPlan):
             plan = plan.resolve()
         if plan is None or len(plan.topk) != num_rows:
             return None
         if self.suppressed is not None:  # (the model suppresses tokens after the head: StepChannel)
-            plan = plan.over_mask(greedy_over_mask)
+            plan = plan.over_mask(greedy_over_mask, self.masks_ok)
         self.plan = None
         return plan
 
@@ -266,10 +268,10 @@ class StepChannel:
         self.model = None  # the model whose layers are bound (rebound if the runner reloads it)
         self.logits_checked = False  # whether a call showed what the model does with the head's logits
         self.post_processing: str | None = None  # the model (its class) changes them (Returned)
-        # where the model only sets a fixed set of tokens to -inf after the head (suppressed_tokens)
-        # and the sampler certifies rows over such masks (V1's: masks_ok), those tokens ([V] bool):
-        # greedy rows are then certified in the head over them where it can (Plan.over_mask), the
-        # others in the sampler, which reads the -inf off the placeholders
+        # where the model only sets a fixed set of tokens to -inf after the head (suppressed_tokens),
+        # those tokens ([V] bool): greedy and draft rows are then certified in the head over them
+        # where it can (Plan.over_mask), the others in the sampler where it certifies rows over
+        # such masks (V1's: masks_ok), reading the -inf off the placeholders, else dense
         self.suppressed: torch.Tensor | None = None
         self.suppressed_ids: torch.Tensor | None = None  # the same tokens as ids ([n] int64, same device)
         self.masks_ok = False
@@ -287,7 +289,7 @@ class StepChannel:
         once the model is known to change the head's logits after it (other than by
         :attr:`suppressed` tokens)."""
         self.step = Step(None if self.post_processing else plan, suppressed=self.suppressed,
-                         suppressed_ids=self.suppressed_ids)
+                         suppressed_ids=self.suppressed_ids, masks_ok=self.masks_ok)
         return self.step
 
     def close_plan(self) -> None:

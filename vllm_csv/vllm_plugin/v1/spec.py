@@ -61,11 +61,9 @@ from __future__ import annotations
 
 import torch
 
-from ..plan import TARGET_MODE, Plan, kept_target_plan, target_plan  # noqa: F401  (shared with v2/spec.py)
+from ..plan import DRAFT_MODE, TARGET_MODE, Plan, kept_target_plan, target_plan  # noqa: F401  (shared with v2/spec.py)
 from ..step import step_of
 from .sampler import argmax_decides
-
-DRAFT_MODE = "draft"  # the drafter head's rows (one of vocabulary.MODES)
 
 
 def spec_config(runner):
