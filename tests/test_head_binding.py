@@ -187,22 +187,25 @@ def test_a_models_own_load_weights_builds_the_head_again(watched, monkeypatch):
     screen certified the old argmax."""
     layer, head = _layer(monkeypatch), _lm_head(_weight(0))
     model = _Model(layer, head)
+    drafter = _Model(_layer(monkeypatch), head)  # (EAGLE: a drafter sharing the target's LM head)
     if not watched:
-        monkeypatch.setattr(patches, "watch_load_weights", lambda model: None)
-    patches.bind(SimpleNamespace(model=model))
+        monkeypatch.setattr(patches, "watch_load_weights", lambda model, invalidate: None)
+    patches.bind(SimpleNamespace(model=model, drafter=SimpleNamespace(model=drafter)))
     _tokens(layer, head)
+    _tokens(drafter.logits_processor, head)
     new = head.weight.detach().clone()
     s = H.float().sum(0)
     new[7] = (s / s.norm() * 3.0).bfloat16()  # (token 7 wins every row after the update)
     assert model.load_weights([("lm_head.weight", new)]) == {"lm_head.weight"}
     got, handoff, want = _tokens(layer, head)
+    drafted = _tokens(drafter.logits_processor, head)[0]  # (the drafter's layer, invalidated too)
     assert (want == 7).all()
     if watched:
-        assert torch.equal(got, want) and isinstance(handoff, csv_step.Top1)
+        assert torch.equal(got, want) and isinstance(handoff, csv_step.Top1) and torch.equal(drafted, want)
         patches.bind(SimpleNamespace(model=model))  # (another runner binding it: wrapped once)
         assert getattr(model.load_weights, "_csv_wrapped", False)
     else:
-        assert not torch.equal(got, want)
+        assert not torch.equal(got, want) and not torch.equal(drafted, want)
 
 
 def test_the_weight_changing_methods_invalidate_even_when_they_fail(monkeypatch):

@@ -79,7 +79,7 @@ def bind(runner) -> StepChannel:
         _bind_layers(root, channel)
         channel.forget_model()  # (another model: its first call shows what it does to the logits)
         watch_logits(model, channel, type(root).__name__)
-        watch_load_weights(root)
+        watch_load_weights(root, lambda: invalidate_heads(runner))  # (its drafter's too: EAGLE shares the head)
         channel.model = model
     sampler = getattr(runner, "sampler", None)
     if sampler is not None and sampler.__dict__.get("csv_channel") is not channel:  # (per step: skip
@@ -117,7 +117,7 @@ def bind_drafter(proposer) -> StepChannel:
         _bind_layers(model, channel, keep_bound=True)
         channel.forget_model()
         watch_logits(model, channel, type(model).__name__)
-        watch_load_weights(model)
+        watch_load_weights(model, lambda: _invalidate(model))
         channel.model = model
     return channel
 
@@ -267,18 +267,24 @@ def invalidate_heads(runner) -> None:
     """Every CSV layer of ``runner``'s model and of its drafter's builds its head again at its
     next call (:meth:`~.logits_processor.CSVLogitsProcessor.csv_invalidate`)."""
     for root in (_root_model(runner), getattr(getattr(runner, "drafter", None), "model", None)):
-        for m in root.modules() if isinstance(root, torch.nn.Module) else ():
-            if isinstance(m, CSVLogitsProcessor):
-                m.csv_invalidate()
+        _invalidate(root)
 
 
-def watch_load_weights(model) -> None:
+def _invalidate(root) -> None:
+    """Every CSV layer under ``root`` builds its head again at its next call."""
+    for m in root.modules() if isinstance(root, torch.nn.Module) else ():
+        if isinstance(m, CSVLogitsProcessor):
+            m.csv_invalidate()
+
+
+def watch_load_weights(model, invalidate: Callable[[], None]) -> None:
     """Wrap ``model.load_weights`` (on the instance a runner or proposer serves): after each call
-    (returned or raised), every CSV layer under ``model`` builds its head again from the weights
-    as they are. RLHF frameworks sync weights by calling it themselves, in place, through
+    (returned or raised), ``invalidate()`` (the runner's CSV layers and its drafter's,
+    :func:`invalidate_heads`, or a drafter's own) builds the heads again from the weights as
+    they are. RLHF frameworks sync weights by calling it themselves, in place, through
     ``collective_rpc`` / ``LLM.apply_model`` (verl, OpenRLHF, vLLM's RLHF examples), past the
     methods :func:`watch_weights` wraps; vLLM's own reloads call it too (one rebuild either way:
-    the layer builds at its next call)."""
+    a layer builds at its next call)."""
     orig = getattr(model, "load_weights", None)
     if orig is None or getattr(orig, "_csv_wrapped", False) or not isinstance(model, torch.nn.Module):
         return
@@ -287,9 +293,7 @@ def watch_load_weights(model) -> None:
         try:
             return orig(*a, **k)
         finally:
-            for m in model.modules():
-                if isinstance(m, CSVLogitsProcessor):
-                    m.csv_invalidate()
+            invalidate()
 
     load_weights._csv_wrapped = True
     model.load_weights = load_weights
