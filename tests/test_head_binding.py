@@ -208,6 +208,36 @@ def test_a_models_own_load_weights_builds_the_head_again(watched, monkeypatch):
         assert not torch.equal(got, want) and not torch.equal(drafted, want)
 
 
+def test_weights_synced_before_the_first_step_build_the_head_again(monkeypatch):
+    """An RLHF framework loads dummy weights and syncs the real ones with the model's
+    ``load_weights`` before the first step: the head vLLM's start-up calls built must be built
+    again (found by review: the wrap came with the first step's ``bind``, too late). The runner's
+    ``load_model`` wraps it (``patches.watch_model_loads``)."""
+    layer, head = _layer(monkeypatch), _lm_head(_weight(0))
+
+    class Runner:
+        def load_model(self):
+            self.model = _Model(layer, head)
+
+    patches.watch_model_loads([Runner])
+    patches.watch_model_loads([Runner])  # (once)
+    runner = Runner()
+    runner.load_model()
+    _tokens(layer, head)  # (start-up: the head built on the dummy weights)
+    new = head.weight.detach().clone()
+    s = H.float().sum(0)
+    new[7] = (s / s.norm() * 3.0).bfloat16()
+    runner.model.load_weights([("lm_head.weight", new)])  # (before any step: no bind yet)
+    got, handoff, want = _tokens(layer, head)
+    assert (want == 7).all() and torch.equal(got, want)
+    from vllm.v1.worker.cpu_model_runner import CPUModelRunner
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    patches.watch_model_loads()
+    assert getattr(GPUModelRunner.load_model, "_csv_wrapped", False)
+    assert getattr(CPUModelRunner.__dict__["load_model"], "_csv_wrapped", False)
+
+
 def test_the_weight_changing_methods_invalidate_even_when_they_fail(monkeypatch):
     calls = []
 

@@ -228,6 +228,31 @@ def test_a_bias_vllm_does_not_add_is_not_indexed(head, tmp_path):
     CSVIndex.load(out, expect_fingerprint=fingerprint_weights(W * 2, None))
 
 
+def test_a_bias_the_transformers_backend_adds_is_indexed_with_bias_yes(head, tmp_path, monkeypatch):
+    """vLLM's Transformers backend adds ``lm_head.bias`` whatever the architecture: ``build-index
+    --bias yes`` indexes it, and an index built without it (``auto``) is refused at start-up with
+    that flag named (found by review: the message said to rebuild, which wrote the same file)."""
+    pytest.importorskip("vllm")
+    from types import SimpleNamespace
+
+    from vllm_csv.vllm_plugin.index_loader import load_or_build_index
+
+    W, b = head
+    m = write_model(tmp_path / "m", W, b, arch="SomeNewForCausalLM")
+    assert load_lm_head(m).bias is None and torch.equal(load_lm_head(m, "yes").bias, b)
+    assert load_lm_head(write_model(tmp_path / "g", W, b), "no").bias is None
+    out = tmp_path / "x.safetensors"
+    assert main(["build-index", str(m), "--clusters", "12", "--output", str(out), "--quiet"]) == 0
+    with pytest.raises(CSVError, match="--bias yes"):
+        load_or_build_index(W * 2, b, SimpleNamespace(index=str(out), clusters=None))
+    assert main(["build-index", str(m), "--clusters", "12", "--output", str(out), "--quiet", "--bias", "yes"]) == 0
+    assert load_or_build_index(W * 2, b, SimpleNamespace(index=str(out), clusters=None)).fingerprint == \
+        fingerprint_weights(W * 2, b)
+    with pytest.raises(CSVError) as e:  # (another head altogether: no bias hint)
+        load_or_build_index(W * 3, b, SimpleNamespace(index=str(out), clusters=None))
+    assert "--bias" not in str(e.value)
+
+
 def test_cli_build_index(head, tmp_path, capsys):
     W, b = head
     m = write_model(tmp_path / "m", W, b)

@@ -289,3 +289,35 @@ def test_another_plugins_logits_processor_leaves_csv_uninstalled(monkeypatch, ca
     with caplog.at_level(logging.WARNING):
         patches.install(lambda r: 64)
     assert "another plugin already replaces" in caplog.text
+
+
+def test_a_plugin_loaded_later_replaces_csvs_logits_processor(monkeypatch, caplog):
+    """The other order (found by review): vllm-csv registered first, another plugin's
+    ``register_oot`` of ``LogitsProcessor`` replaces CSV's with one warning, in both of vLLM's
+    forms (a call, a decorator), instead of failing vLLM's duplicate-name assert."""
+    import logging
+
+    from vllm.model_executor import custom_op
+    from vllm.model_executor.layers.logits_processor import LogitsProcessor
+
+    from vllm_csv.vllm_plugin import patches
+    from vllm_csv.vllm_plugin.logits_processor import CSVLogitsProcessor
+
+    base = custom_op.PluggableLayer
+    monkeypatch.setattr(base, "register_oot", base.__dict__["register_oot"])  # (restored after the test)
+    for form in ("call", "decorator"):
+        monkeypatch.setitem(custom_op.op_registry_oot, "LogitsProcessor", CSVLogitsProcessor)
+        patches._yield_to_later_plugins()
+        patches._yield_to_later_plugins()  # (once)
+
+        class Other(torch.nn.Module):
+            pass
+
+        caplog.clear()
+        with caplog.at_level(logging.WARNING):
+            if form == "call":
+                LogitsProcessor.register_oot(Other)
+            else:
+                LogitsProcessor.register_oot()(Other)
+        assert custom_op.op_registry_oot["LogitsProcessor"] is Other
+        assert caplog.text.count("another plugin replaces") == 1

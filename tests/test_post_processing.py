@@ -499,6 +499,20 @@ def test_a_head_that_cannot_leave_tokens_out_defers_greedy_rows(head_case, monke
     assert handed == ["NoneType", "Deferred", "Deferred"] and len(handoff.modes) == B
 
 
+def test_a_first_call_without_rows_checks_nothing(head_case):
+    """A first call with no row (none expected from vLLM) shows nothing of what the model does:
+    the next call is checked instead (found by review as a suspicion: it marked the model
+    checked, a suppressing model then plain)."""
+    runner, channel = _bound(head_case, "suppress")
+    with torch.inference_mode():
+        channel.open(None)
+        runner.model.compute_logits(head_case.h[:0])
+    assert not channel.logits_checked
+    plan, md = _md("greedy")
+    _step(runner, channel, dataclasses.replace(plan), head_case.h, md)
+    assert channel.logits_checked and channel.suppressed is not None
+
+
 def test_suppressed_tokens():
     """The fixed ``-inf`` mask between the layer's output and the model's, or None."""
     inf = float("inf")

@@ -16,7 +16,7 @@ def _build_index(args) -> int:
     from .index import build_index, default_num_clusters
 
     t0 = time.perf_counter()
-    head = load_lm_head(args.model_dir)
+    head = load_lm_head(args.model_dir, args.bias)
     w = head.weight[: head.vocab_size]
     b = None if head.bias is None else head.bias[: head.vocab_size]
     if args.dtype:  # the weights as vLLM serves them: the index is fingerprinted (and bounds) those
@@ -82,6 +82,9 @@ def parser() -> argparse.ArgumentParser:
     b.add_argument("--tensor-parallel-size", type=int, default=1,
                    help="write one index per vocabulary shard of vllm serve --tensor-parallel-size N (with "
                         "--output PATH: PATH's name gets .tpN-rankR; the cache needs no name)")
+    b.add_argument("--bias", choices=("auto", "yes", "no"), default="auto",
+                   help="index lm_head.bias: auto (where vLLM's model of the architecture adds it: GPT-J), yes "
+                        "(vLLM's Transformers backend, --model-impl transformers, adds it always), no")
     b.add_argument("--method", choices=("torch", "sklearn"), default="torch", help="k-means implementation")
     b.add_argument("--iters", type=int, default=25, help="Lloyd iterations (default 25)")
     b.add_argument("--seed", type=int, default=0)

@@ -76,8 +76,14 @@ def _get(shard: Path, key: str) -> torch.Tensor:
         raise CSVError(f"cannot read {key} from {shard}: {e}") from None
 
 
-def load_lm_head(model_dir: str | Path) -> LMHead:
-    """Return the head of the model in ``model_dir``, or raise :class:`CSVError`."""
+def load_lm_head(model_dir: str | Path, bias: str = "auto") -> LMHead:
+    """Return the head of the model in ``model_dir``, or raise :class:`CSVError`. ``bias``:
+    ``"auto"`` reads ``lm_head.bias`` where vLLM's own model of the architecture adds it
+    (:data:`BIAS_ADDED`), ``"yes"`` wherever the checkpoint holds one (vLLM's Transformers
+    backend, ``--model-impl transformers`` or an architecture vLLM has no model of, adds it
+    always), ``"no"`` never."""
+    if bias not in ("auto", "yes", "no"):
+        raise CSVError(f"bias must be auto, yes or no, got {bias!r}")
     model_dir = Path(model_dir)
     if not model_dir.is_dir():
         raise CSVError(f"model directory not found: {model_dir}")
@@ -96,7 +102,7 @@ def load_lm_head(model_dir: str | Path) -> LMHead:
         raise CSVError(f"the LM head {head} of {model_dir} is {weight.dtype} {tuple(weight.shape)}; "
                        "vllm-csv needs a 2-D fp16/bf16/fp32 head (quantized heads are not supported)")
     bias_key = prefix + ".bias"
-    adds_bias = any(a in BIAS_ADDED for a in cfg.get("architectures") or ())
+    adds_bias = bias == "yes" or bias == "auto" and any(a in BIAS_ADDED for a in cfg.get("architectures") or ())
     bias = _get(keys[bias_key], bias_key) if bias_key in keys and head in HEAD_KEYS and adds_bias else None
     return LMHead(weight, bias, cfg.get("final_logit_softcapping"), float(cfg.get("logit_scale", 1.0) or 1.0),
                   int(cfg.get("vocab_size") or weight.shape[0]), head)

@@ -19,6 +19,21 @@ from ..index import CSVIndex, build_index, default_num_clusters, fingerprint_wei
 logger = init_logger("vllm.csv_decode")
 
 
+def _bias_hint(path, weight: torch.Tensor, bias: torch.Tensor | None) -> str:
+    """Where a given index is the head's without the bias vLLM adds here, the ``build-index``
+    flag that writes the served head's (else nothing)."""
+    if bias is None:
+        return ""
+    try:
+        built = CSVIndex.load(path).fingerprint
+    except CSVError:
+        return ""
+    if built != fingerprint_weights(weight.cpu(), None):
+        return ""
+    return ("; the file is this head's without the lm_head.bias vLLM adds here (its Transformers backend adds it "
+            "always): build it with `vllm-csv build-index MODEL --bias yes`")
+
+
 def load_or_build_index(weight: torch.Tensor, bias: torch.Tensor | None, cfg, shard=None,
                         cache: bool = True) -> CSVIndex:
     """The index of ``weight`` (``shard``: a :class:`~vllm_csv.sharded.Shard` whose real rows
@@ -28,7 +43,10 @@ def load_or_build_index(weight: torch.Tensor, bias: torch.Tensor | None, cfg, sh
     fp = fingerprint_weights(weight.cpu(), None if bias is None else bias.cpu())
     if cfg.index:
         if shard is None:
-            return CSVIndex.load(cfg.index, expect_fingerprint=fp)  # mismatch or corruption: CSVError
+            try:
+                return CSVIndex.load(cfg.index, expect_fingerprint=fp)  # mismatch or corruption: CSVError
+            except CSVError as e:
+                raise CSVError(f"{e}{_bias_hint(cfg.index, weight, bias)}") from None
         path = shard_index_path(cfg.index, shard.rank, shard.size)
         try:
             return CSVIndex.load(path, expect_fingerprint=fp)

@@ -65,6 +65,34 @@ def install(max_topk: Callable[[object], int]) -> None:
     install_samplers()
     if other is None:
         LogitsProcessor.register_oot(CSVLogitsProcessor)
+        _yield_to_later_plugins()
+
+
+def _yield_to_later_plugins() -> None:
+    """A plugin loaded after this one that registers its own ``LogitsProcessor`` replaces CSV's
+    (one warning) instead of failing vLLM's duplicate-name assert, which stopped every process,
+    CSV on or off: ``PluggableLayer.register_oot`` drops CSV's entry first."""
+    from vllm.model_executor import custom_op
+
+    base = custom_op.PluggableLayer
+    orig = base.__dict__["register_oot"]
+    if getattr(orig, "_csv_wrapped", False):
+        return
+
+    def register_oot(cls, _decorated_layer_cls=None, name: str | None = None):
+        reg = name if name is not None else cls.__name__
+        if custom_op.op_registry_oot.get(reg) is CSVLogitsProcessor and _decorated_layer_cls is not CSVLogitsProcessor:
+            del custom_op.op_registry_oot[reg]
+            from vllm.logger import init_logger
+
+            init_logger("vllm.csv_decode").warning(
+                "CSV-Decode is off: another plugin replaces vLLM's LogitsProcessor (vLLM allows one).")
+        return orig.__func__(cls, _decorated_layer_cls, name)
+
+    wrapped = classmethod(register_oot)
+    register_oot._csv_wrapped = True
+    wrapped._csv_wrapped = True  # (read on the classmethod object in the class's __dict__)
+    base.register_oot = wrapped
 
 
 def bind(runner) -> StepChannel:
@@ -172,6 +200,8 @@ def watch_logits(model, channel: StepChannel, name: str) -> None:
         r, step.returned = step.returned, None
         if r is None:  # (the layer was not called: nothing to compare)
             return out
+        if first and r.logits.dim() == 2 and not r.logits.shape[0]:
+            return out  # (a call with no row shows nothing: the next call is the first again)
         if first:
             channel.logits_checked = True
         if out is r.logits and (r.copy is None or same_bits(out, r.copy)):
@@ -256,11 +286,42 @@ def _engine_args() -> None:
 
 def install_runners(max_topk: Callable[[object], int]) -> None:
     """The V1 and V2 runners' step methods and V1's drafters' (each where it imports), and the
-    methods that change their weights in place (:func:`watch_weights`)."""
+    methods that change their weights in place (:func:`watch_weights`, :func:`watch_model_loads`)."""
     _v1_runner(max_topk)
     _v1_drafter()
     _v2_runner(max_topk)
     watch_weights()
+    watch_model_loads()
+
+
+def watch_model_loads(classes=None) -> None:
+    """Wrap the runners' ``load_model`` (``classes``; default V1's and vLLM-CPU's and V2's, where
+    they import): once it returns, the loaded model's ``load_weights`` is watched
+    (:func:`watch_load_weights`), before vLLM's start-up calls build any head. An RLHF framework
+    that loads dummy weights syncs the real ones with ``load_weights`` before the first step,
+    when :func:`bind` (at the first step) has not wrapped it yet: the heads built at start-up
+    then described the dummy weights."""
+    if classes is None:
+        classes = []
+        for mod, cls in (("vllm.v1.worker.gpu_model_runner", "GPUModelRunner"),
+                         ("vllm.v1.worker.cpu_model_runner", "CPUModelRunner"),
+                         ("vllm.v1.worker.gpu.model_runner", "GPUModelRunner")):
+            try:
+                classes.append(getattr(__import__(mod, fromlist=[cls]), cls))
+            except (ImportError, AttributeError):
+                continue
+    for klass in classes:
+        orig = klass.__dict__.get("load_model")
+        if orig is None or getattr(orig, "_csv_wrapped", False):
+            continue
+
+        def load_model(self, *a, _orig=orig, **k):
+            out = _orig(self, *a, **k)
+            watch_load_weights(_root_model(self), lambda runner=self: invalidate_heads(runner))
+            return out
+
+        load_model._csv_wrapped = True
+        klass.load_model = load_model
 
 
 def invalidate_heads(runner) -> None:
