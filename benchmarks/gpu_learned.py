@@ -178,7 +178,7 @@ def diagnose(st: FusedStep, h, n_rows: int, B: int = 64) -> list[dict]:
     terms = {"rad_term": [], "act_term": [], "act_term_two_pass": [], "gap_y1_y2": [], "peak_to_rms": []}
     for i in range(0, n_rows - B + 1, B):
         x = h[i:i + B]
-        p, t, _, hn, ok = quantize_rows_ref(x, True, batch_tile(B), st.wmax_up, st.babs_max)
+        p, t, _, hn, ok = quantize_rows_ref(x, True, batch_tile(B), st.guard_scale, st.babs_max)
         p1, t1 = p[0, :B].double(), t[0].double()
         y = (p1.float() @ qT).double() * t1[:, None] * s_tok[None]
         res = x.double() - t1[:, None] * p1

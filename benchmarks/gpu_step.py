@@ -121,7 +121,7 @@ def speed(a, prov, rows):
                 "int8_gemm": graphed(lambda: torch._int_mm(p, qT)),
                 "step": graphed(lambda: out.__setitem__("step", st.run(h, k1, need0, 1))),
             }
-            pq = quantize_rows(h, True, batch_tile(B), head.errors.wmax_up, head.errors.babs_max)
+            pq = quantize_rows(h, True, batch_tile(B), head.errors.guard_scale, head.errors.babs_max)
             graphs["screen"] = graphed(lambda: st.screen_bounds(pq[0], pq[1], pq[2], pq[3], B))
             if a.pdl:  # the same step, its kernels launched dependently (captured with the flag on)
                 prev, gpu_common._PDL = gpu_common._PDL, True
@@ -142,7 +142,7 @@ def speed(a, prov, rows):
                 cand, count, tau, okb, live = select_blocks(um, lm, k1, ok, lim, babs, cap, 1)
                 sc = score_blocks(h, st.weight, None, cand, count, st.coef, st.gam, st.tiny32)
                 BB = batch_tile(B)
-                graphs["k_quantize"] = graphed(lambda: quantize_rows(h, True, BB, head.errors.wmax_up, head.errors.babs_max))
+                graphs["k_quantize"] = graphed(lambda: quantize_rows(h, True, BB, head.errors.guard_scale, head.errors.babs_max))
                 graphs["k_select"] = graphed(lambda: select_blocks(um, lm, k1, ok, lim, babs, cap, 1))
                 graphs["k_score"] = graphed(lambda: score_blocks(h, st.weight, None, cand, count, st.coef,
                                                                  st.gam, st.tiny32))

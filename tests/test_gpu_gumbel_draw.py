@@ -534,7 +534,7 @@ def bounds_of(st, h):
     from vllm_csv.gpu.quantize import quantize_rows_ref
     from vllm_csv.gpu.screen import screen_block_max_ref
 
-    p, t, e, hn, ok = quantize_rows_ref(h, True, batch_tile(h.shape[0]), st.wmax_up, st.babs_max)
+    p, t, e, hn, ok = quantize_rows_ref(h, True, batch_tile(h.shape[0]), st.guard_scale, st.babs_max)
     c = st.consts
     umax, lmax = screen_block_max_ref(p, st.q, st.s, t, st.sbias, h.shape[0], hn, e, st.rad, st.nrm, c["delta"],
                                       c["cst"])

@@ -125,7 +125,7 @@ def test_screen_block_max(V, d, dtype):
     c = st.consts
     for B in (1, 5, 17) + ((33,) if V == 777 else ()):  # (33: a batch tile of 64, split in two and four)
         h = _batch(head.weight, B, g, dtype)
-        p, t, e, hn, ok = quantize_rows_triton(h, True, batch_tile(B), st.wmax_up, st.babs_max)
+        p, t, e, hn, ok = quantize_rows_triton(h, True, batch_tile(B), st.guard_scale, st.babs_max)
         args = (p, st.q, st.s, t, st.sbias, B, hn, e, st.rad, st.nrm, c["delta"], c["cst"])
         got, want = screen_block_max_triton(*args), screen_block_max_ref(*args)
         for a, b in zip(got, want):
@@ -159,7 +159,7 @@ def _case(V, d, dtype, B, bias, seed):
 
 def _selected(head, st, h, k):
     """``(umax, lmax, ok, (limit, babs_max))`` of ``h`` on the step's head (references)."""
-    p, t, e, hn, ok = quantize_rows_ref(h, True, batch_tile(h.shape[0]), st.wmax_up, st.babs_max)
+    p, t, e, hn, ok = quantize_rows_ref(h, True, batch_tile(h.shape[0]), st.guard_scale, st.babs_max)
     c = st.consts
     umax, lmax = screen_block_max_ref(p, st.q, st.s, t, st.sbias, h.shape[0], hn, e, st.rad, st.nrm, c["delta"],
                                       c["cst"])

@@ -232,3 +232,41 @@ def test_left_out_tokens_never_count(screen, left):
             assert bool(c.any()), (screen, left, k)
         else:
             assert not bool(c.any())
+
+
+@pytest.mark.parametrize("path", ["cpu", "int_gemm_torch", "int_gemm_torch_scaled", "fused_quantize_ref"])
+def test_an_integer_screens_product_never_overflows(path, monkeypatch):
+    """An integer screen's codes stretch ``h`` to ``+-127`` whatever its scale, so its first
+    product, scaled back (``fl(acc) t``), reaches ``127 d max|h|`` even where the true logits are
+    modest: at ``max|h| = 1e35`` (d = 64) it overflowed fp32 on the CUDA screen's paths (the exact
+    int8 GEMM's ``-inf`` centre, the fused step's NaN bound that Triton's maximum drops), and the
+    certified token was not the dense one (found by review, run under Triton's interpreter).
+    The accumulator guard covers it now (``ErrorModel.guard_scale``): such a row is dense."""
+    import vllm_csv.head.certified as certified
+    from vllm_csv.head.backend import Backend
+    from vllm_csv.screens.quantized import QuantizedScreen
+
+    d, V = 64, 65
+    W = torch.zeros(V, d)
+    for j in range(64):
+        W[j, j] = -(1.0 + (j > 0) * 0.5 + j / 128)
+    W[64] = -1e-20  # (the dense argmax: tiny weights pointing against h)
+    W = W.to(torch.bfloat16)
+    h = torch.full((1, d), 1e35).to(torch.bfloat16)
+    scale = 0.5 if path.endswith("scaled") else 1.0
+    dense = (torch.nn.functional.linear(h, W) * scale).float()
+    assert int(dense.argmax(1)) == 64
+    if path.startswith("int_gemm"):  # (the CUDA head's non-fused selection: exact int8 GEMM, torch ops)
+        monkeypatch.setattr(certified, "make_screen", lambda name, w, b, index, two_sided: QuantizedScreen(w, b, bits=8))
+        monkeypatch.setattr(certified, "backend_for", lambda device: Backend())
+    head = CertifiedHead(W, None, config=HeadConfig(budget=1.0, off_switch=False), scale=scale)
+    if path == "fused_quantize_ref":  # (the fused GPU step's first kernel, its reference: the row not ok)
+        from vllm_csv.gpu.quantize import quantize_rows_ref
+
+        ok = quantize_rows_ref(h, True, 16, head.errors.guard_scale, head.errors.babs_max)[4]
+        assert not bool(ok.any())
+        return
+    for k in (1, 2):
+        res = head.topk(h, k, values=True)
+        want = torch.sort(dense, dim=1, descending=True, stable=True).indices[:, :k]
+        assert torch.equal(res.ids[res.certified], want[res.certified]), (path, k, res.ids, want)

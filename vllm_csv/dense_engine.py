@@ -39,6 +39,9 @@ from .ops.step import single_valued
 # Largest bound of a product or partial sum the dense fp32 accumulation may reach
 # (DenseEngine.accumulator_safe): a quarter of fp32's range.
 ACC_LIMIT = torch.finfo(torch.float32).max / 4
+# an integer screen's codes of h reach +-127 whatever its scale: its first product, scaled back,
+# is at most SCREEN_STRETCH d max|h| (ErrorModel.guard_scale)
+SCREEN_STRETCH = 127.0
 
 
 def flush_slack(d: int) -> float:
@@ -99,7 +102,7 @@ class DenseEngine:
         otherwise overflow inside the GEMM (products of opposite signs to ``-inf`` and ``inf``, a
         NaN logit that the dense argmax takes) while its largest screen value stays small.
         ``hnorm`` and ``wmax`` are fp32 upper bounds (``wmax`` with its own slack, as
-        :attr:`ErrorModel.wmax_up`); NaN compares False."""
+        :attr:`ErrorModel.guard_scale`); NaN compares False."""
         return hnorm * wmax + babs_max <= ACC_LIMIT
 
     # ---- the engine's computation ------------------------------------------------------

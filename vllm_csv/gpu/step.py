@@ -98,7 +98,7 @@ class FusedStep:
         self.coef = errors.score_coef
         self.gam = errors.gamma
         self.tiny32 = errors.tiny32
-        self.wmax_up, self.babs_max = errors.wmax_up, errors.babs_max
+        self.guard_scale, self.babs_max = errors.guard_scale, errors.babs_max
         self.nb = -(-self.V // SUB)
 
     # ---- what it certifies ---------------------------------------------------------------
@@ -152,7 +152,7 @@ class FusedStep:
         B = hidden.shape[0]
         kb = _pow2(kmax)
         p, t, e, hnorm, ok = quantize_rows(hidden, self.certifiable and self.head.arithmetic_ok(), batch_tile(B),
-                                           self.wmax_up, self.babs_max)
+                                           self.guard_scale, self.babs_max)
         umax, lmax = self.screen_bounds(p, t, e, hnorm, B)
         c = self.consts
         cand, count, outside, ok, live = select_blocks(umax, lmax, k, ok, c["limit"], c["babs_max"],
@@ -181,7 +181,7 @@ class FusedStep:
         quantization's per-row ``ok`` (``[B]`` int8), what :meth:`draw_v2` starts from."""
         B = hidden.shape[0]
         p, t, e, hnorm, ok = quantize_rows(hidden, self.certifiable and self.head.arithmetic_ok(), batch_tile(B),
-                                           self.wmax_up, self.babs_max)
+                                           self.guard_scale, self.babs_max)
         return (*self.screen_bounds(p, t, e, hnorm, B), ok)
 
     def draw_v2(self, hidden: torch.Tensor, seeds: torch.Tensor, pos: torch.Tensor, temp: torch.Tensor,

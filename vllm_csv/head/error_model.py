@@ -16,7 +16,8 @@ interval into one that holds ``zt_i``:
   (:attr:`ErrorModel.tiny`, :attr:`ErrorModel.tiny32`; :func:`vllm_csv.dense_engine.flush_slack`);
 * the exact scores' float64 error (:attr:`ErrorModel.score_coef`, :func:`vllm_csv.ops.step.score_intervals`);
 * the accumulator guard (:meth:`ErrorModel.accumulator_safe`): a row is certified only when
-  ``||h|| max_i ||w_i|| + max |b|`` bounds every product and partial sum well inside fp32.
+  ``||h|| max_i ||w_i|| + max |b|`` bounds every product and partial sum of the dense GEMM well
+  inside fp32, and ``127 d ||h||`` those of an integer screen's GEMM (:attr:`ErrorModel.guard_scale`).
 
 Half-width of token ``i`` for a screen output ``(y, radius r, rel, n, e)``
 (:meth:`vllm_csv.head.bounds.intervals`)::
@@ -36,7 +37,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..dense_engine import DenseEngine, flush_slack
+from ..dense_engine import SCREEN_STRETCH, DenseEngine, flush_slack
 from ..fp import FP32_UNIT_ROUNDOFF, gamma, round_up32, significand_bits
 from ..screens.copy_error import row_norms
 
@@ -71,8 +72,12 @@ class ErrorModel:
     acc_err : torch.Tensor
         ``[V]`` fp32: ``gamma ||w_i||``, rounded up; times ``||h||`` it bounds the dense GEMM's
         accumulation error of ``<w_i, h>``.
-    wmax_up : float
-        ``max_i ||w_i||`` rounded up, with room for the guard's own product's rounding.
+    guard_scale : float
+        The accumulator guard's scale (:meth:`accumulator_safe`): ``max_i ||w_i||`` rounded up
+        or, where larger, ``SCREEN_STRETCH d`` (an integer screen's first product: its codes
+        stretch ``h`` to ``+-127``, so ``|fl(acc) t| <= 127 d max|h| <= 127 d ||h||``, whatever the
+        head's rows; it overflowed fp32 on a CUDA screen at ``max|h| ~ 1e34``, a ``-inf`` centre and
+        a NaN bound that Triton's maximum drops), with room for the guard's own product's rounding.
     babs : torch.Tensor
         ``[V]`` fp32: ``max(|b_i|, the screen's per-token offset)``: the pre-bias magnitude of
         every relative error is at most ``|y_i|`` plus this.
@@ -86,7 +91,7 @@ class ErrorModel:
     tiny: float
     tiny32: float
     acc_err: torch.Tensor
-    wmax_up: float
+    guard_scale: float
     babs: torch.Tensor
     babs_max: float
     _rad_cache: dict = field(default_factory=dict, repr=False, compare=False)
@@ -111,7 +116,7 @@ class ErrorModel:
             tiny=2 * torch.finfo(weight.dtype).tiny + flush_slack(d),
             tiny32=2 * torch.finfo(torch.float32).tiny + flush_slack(d),
             acc_err=(g * wn64).float() * (1 + 4 * FP32_UNIT_ROUNDOFF),
-            wmax_up=float(round_up32(wn64.max())) * (1 + 2.0**-20) if V else 0.0,
+            guard_scale=max(float(round_up32(wn64.max())), SCREEN_STRETCH * d) * (1 + 2.0**-20) if V else 0.0,
             babs=babs,
             babs_max=float(babs.max()) if V else 0.0)
 
@@ -154,6 +159,7 @@ class ErrorModel:
         return rad_max * hnorm + act + self.tiny + self.bias_slack(rel)[1]
 
     def accumulator_safe(self, hnorm: torch.Tensor) -> torch.Tensor:
-        """``[B]`` bool: no product or partial sum of the dense GEMM can overflow fp32
-        (:meth:`DenseEngine.accumulator_safe`). A row that may overflow there is one with inf."""
-        return DenseEngine.accumulator_safe(hnorm, self.wmax_up, self.babs_max)
+        """``[B]`` bool: no product or partial sum of the dense GEMM can overflow fp32, nor an
+        integer screen's scaled product (:meth:`DenseEngine.accumulator_safe` with
+        :attr:`guard_scale`). A row that may overflow there is one with inf."""
+        return DenseEngine.accumulator_safe(hnorm, self.guard_scale, self.babs_max)
