@@ -449,6 +449,37 @@ def test_certified_draws_without_a_removed_token_equal_vllm_draws(vllm_gumbel, v
     assert bool((tok_m[cert_m] != want[cert_m]).any())
 
 
+def test_a_greedy_row_with_min_p_and_a_removed_token_is_not_certified(vllm_gumbel, vllm_min_p):
+    """A greedy row (``T = 0``) whose min-p took its threshold with a token that is then removed:
+    V2 masks every token below that threshold, the whole row possibly (token 0), so "min-p keeps
+    the maximum" no longer holds; such a row is not certified, by the kernel and its reference
+    alike (found by review: the runner-up was certified where vLLM drew token 0). Greedy rows
+    without a min-p, and sampled rows, are certified as before."""
+    g = torch.Generator().manual_seed(16)
+    B, V = 24, 3001
+    x = _rows(B, V, g, peak=2.0)
+    seeds = torch.randint(-2**62, 2**62, (B,), generator=g)
+    pos = torch.randint(0, 2**20, (B,), generator=g)
+    temp = torch.tensor([0.0, 0.0, 0.7, 1.0])[torch.arange(B) % 4]
+    min_p = torch.tensor([0.9, 0.0, 0.0, 0.3, 0.5, 0.9])[torch.arange(B) % 6]
+    removed = x.argmax(1)
+    live = torch.ones(B, dtype=torch.int8)
+    idx = torch.arange(B, dtype=torch.int32, device=DEV)
+    q = x.float().to(DEV).contiguous().clone()
+    vllm_gumbel.apply_temperature(q, idx, temp.float().to(DEV))
+    vllm_min_p.apply_min_p(q, idx, min_p.float().to(DEV))
+    q[torch.arange(B, device=DEV), removed.to(DEV)] = -math.inf
+    want = vllm_gumbel.gumbel_sample(q, idx, temp.float().to(DEV), seeds.to(DEV), pos.to(DEV), apply_temperature=False,
+                                     is_drafting=False).cpu()
+    refused = (temp == 0) & (min_p > 0)
+    for kernels in (True, False):
+        tok, code = (t.cpu() for t in _stages(x, seeds, pos, temp, live, width=1e-3, min_p=min_p, removed=removed,
+                                             kernels=kernels)[:2])
+        cert = code == CODE_CERTIFIED
+        assert not bool(cert[refused].any()) and bool(cert[(temp == 0) & (min_p == 0)].all())
+        assert torch.equal(tok[cert], want[cert])
+
+
 def test_a_wrong_position_is_caught(vllm_gumbel):
     """The draw of the next position certified against vLLM's at this one: some rows differ (the
     test above has teeth)."""

@@ -44,7 +44,11 @@ the threshold (:func:`~vllm_csv.gumbel_noise.min_p_thresholds`). A candidate not
 thr_lo``) loses its upper bound, and the outside blocks do not compete when all are surely dropped
 (``out_q < thr_lo``), as :func:`~vllm_csv.sampling.gumbel_v2.min_p_bounds` has it on the CPU: the
 winner is then a token V2 keeps, ahead of every token it may keep. A min-p of 0, negative or NaN
-is none (the kernel masks nothing there); greedy rows ignore it (min-p keeps the maximum).
+is none (the kernel masks nothing there); greedy rows ignore it (min-p keeps the maximum),
+except where a token is removed after min-p took its threshold (below): the maximum may be that
+token, and V2 then masks every token below its threshold, the whole row possibly (token 0), so
+such a greedy row is not certified (found by review; V2's verification hook plans no greedy row
+with a removed token: latent).
 
 Grammar (structured output: the runner writes ``-inf`` on the tokens its bitmask forbids before
 V2's sampler, ``masked [B, V]``): a forbidden candidate is no candidate (``-inf`` on both sides,
@@ -138,6 +142,8 @@ def gumbel_draw_ref(cand, count, lower, upper, out_hi, out_abs, out_q, seeds, po
     bar = best - 2 * m
     others = ((nhi >= bar[:, None]) & (slot[None] != w[:, None])).sum(1)
     cert = (others == 0) & (o_hi < bar) & (best > -math.inf) & ~bad
+    if removed is not None:  # (a greedy row's min-p with a token removed after it: module docstring, min-p)
+        cert &= ~(greedy[:, 0] & (min_p > 0) & (removed >= 0))
     token = torch.where(best > -math.inf, ids.gather(1, w[:, None])[:, 0], 0).clamp_min(0)
     code = torch.where(live.bool(), torch.where(t_ok, torch.where(cert, CODE_CERTIFIED, CODE_UNCERTIFIED),
                                                 CODE_TEMPERATURE), CODE_NOT_LIVE)
@@ -202,6 +208,8 @@ if triton is not None:
         bar = best - 2 * m
         others = tl.sum(tl.where((nhi >= bar) & (sl != w), 1, 0), 0)
         cert = (others == 0) & (o_hi < bar) & (best > float("-inf")) & (nbad == 0)
+        if HAS_REMOVED:  # (a greedy row's min-p with a token removed after it: module docstring, min-p)
+            cert = cert & ~(greedy & (tl.load(minp_ptr + b) > 0.0) & (rm >= 0))
         tok = tl.sum(tl.where(sl == w, ids, 0), 0)
         tok = tl.where(best > float("-inf"), tl.maximum(tok, 0), 0)
         live = tl.load(live_ptr + b) != 0
