@@ -417,6 +417,19 @@ def test_certified_masked_draws_equal_vllm_draws(vllm_gumbel, vllm_min_p):
     assert bool(masked[cert0, tok0[cert0]].any())
 
 
+def _vllm_draw_without(vllm_gumbel, vllm_min_p, x, seeds, pos, temp, min_p, removed):
+    """vLLM V2's draw of rows ``x`` after a rejection: temperature, min-p (its threshold taken with
+    the rejected token ``removed`` in the row), the token then set to ``-inf``, the Gumbel draw."""
+    B = x.shape[0]
+    idx = torch.arange(B, dtype=torch.int32, device=DEV)
+    q = x.float().to(DEV).contiguous().clone()
+    vllm_gumbel.apply_temperature(q, idx, temp.float().to(DEV))
+    vllm_min_p.apply_min_p(q, idx, min_p.float().to(DEV))
+    q[torch.arange(B, device=DEV), removed.to(DEV)] = -math.inf
+    return vllm_gumbel.gumbel_sample(q, idx, temp.float().to(DEV), seeds.to(DEV), pos.to(DEV), apply_temperature=False,
+                                     is_drafting=False).cpu()
+
+
 def test_certified_draws_without_a_removed_token_equal_vllm_draws(vllm_gumbel, vllm_min_p):
     """V2's verification draws after a rejection from the row processed whole (min-p's threshold
     taken with the rejected draft in it), the draft then set to ``-inf``: with ``removed`` the
@@ -432,13 +445,7 @@ def test_certified_draws_without_a_removed_token_equal_vllm_draws(vllm_gumbel, v
     min_p = torch.tensor([0.0, 0.3, 0.5, 0.8])[torch.arange(B) % 4]
     removed = x.argmax(1)
     live = torch.ones(B, dtype=torch.int8)
-    idx = torch.arange(B, dtype=torch.int32, device=DEV)
-    q = x.float().to(DEV).contiguous().clone()
-    vllm_gumbel.apply_temperature(q, idx, temp.float().to(DEV))
-    vllm_min_p.apply_min_p(q, idx, min_p.float().to(DEV))
-    q[torch.arange(B, device=DEV), removed.to(DEV)] = -math.inf
-    want = vllm_gumbel.gumbel_sample(q, idx, temp.float().to(DEV), seeds.to(DEV), pos.to(DEV), apply_temperature=False,
-                                     is_drafting=False).cpu()
+    want = _vllm_draw_without(vllm_gumbel, vllm_min_p, x, seeds, pos, temp, min_p, removed)
     tok, code = (t.cpu() for t in _stages(x, seeds, pos, temp, live, width=1e-3, min_p=min_p, removed=removed)[:2])
     cert = code == CODE_CERTIFIED
     assert int(cert.sum()) >= B // 3, int(cert.sum())
@@ -464,13 +471,7 @@ def test_a_greedy_row_with_min_p_and_a_removed_token_is_not_certified(vllm_gumbe
     min_p = torch.tensor([0.9, 0.0, 0.0, 0.3, 0.5, 0.9])[torch.arange(B) % 6]
     removed = x.argmax(1)
     live = torch.ones(B, dtype=torch.int8)
-    idx = torch.arange(B, dtype=torch.int32, device=DEV)
-    q = x.float().to(DEV).contiguous().clone()
-    vllm_gumbel.apply_temperature(q, idx, temp.float().to(DEV))
-    vllm_min_p.apply_min_p(q, idx, min_p.float().to(DEV))
-    q[torch.arange(B, device=DEV), removed.to(DEV)] = -math.inf
-    want = vllm_gumbel.gumbel_sample(q, idx, temp.float().to(DEV), seeds.to(DEV), pos.to(DEV), apply_temperature=False,
-                                     is_drafting=False).cpu()
+    want = _vllm_draw_without(vllm_gumbel, vllm_min_p, x, seeds, pos, temp, min_p, removed)
     refused = (temp == 0) & (min_p > 0)
     for kernels in (True, False):
         tok, code = (t.cpu() for t in _stages(x, seeds, pos, temp, live, width=1e-3, min_p=min_p, removed=removed,

@@ -148,6 +148,18 @@ def _want(case, post, md):
     return _draw(Sampler(), POST[post](logits, _ids(case)) if post else logits, md)
 
 
+def _steps_equal(case, runner, channel, plan, md, n: int):
+    """``n`` steps of a suppressing model (``POST["suppress"]``), each one's tokens those of the
+    dense head with the same suppression; the hand-offs' kinds, and the last hand-off."""
+    want = _want(case, "suppress", md)
+    handed = []
+    for _ in range(n):
+        got, handoff = _step(runner, channel, dataclasses.replace(plan), case.h, md)
+        handed.append(type(handoff).__name__)
+        assert torch.equal(got, want), (got.tolist(), want.tolist())
+    return handed, handoff
+
+
 GREEDY = Plan([str(i) for i in range(B)], [1] * B, ["greedy"] * B, [0.0] * B)
 SAMPLED = Plan([str(i) for i in range(B)], [1, DEFER, 1, DEFER, DEFER, 1],
                ["greedy", "sampling", "greedy", "sampling", "sampling", "greedy"], [0.0, 0.9, 0.0, 0.9, 0.9, 0.0])
@@ -231,12 +243,7 @@ def test_a_new_model_object_is_checked_again(rows, head_case):
     assert channel.logits_checked and channel.suppressed is None
     runner.model = Model(runner.model.logits_processor, POST["suppress"], _ids(head_case))
     patches.bind(runner)
-    want = _want(head_case, "suppress", md)
-    handed = []
-    for _ in range(2):
-        got, handoff = _step(runner, channel, dataclasses.replace(plan), head_case.h, md)
-        handed.append(type(handoff).__name__)
-        assert torch.equal(got, want), (got.tolist(), want.tolist())
+    handed, _ = _steps_equal(head_case, runner, channel, plan, md, 2)
     assert handed == ["NoneType", "Top1" if rows == "greedy" else "Deferred"]
     assert torch.equal(channel.suppressed.nonzero().flatten(), _ids(head_case))
 
@@ -490,12 +497,7 @@ def test_a_head_that_cannot_leave_tokens_out_defers_greedy_rows(head_case, monke
     monkeypatch.setattr(type(head_case.head), "can_exclude", property(lambda self: False))
     plan, md = _md("greedy")
     runner, channel = _bound(head_case, "suppress")
-    want = _want(head_case, "suppress", md)
-    handed = []
-    for _ in range(3):
-        got, handoff = _step(runner, channel, dataclasses.replace(plan), head_case.h, md)
-        handed.append(type(handoff).__name__)
-        assert torch.equal(got, want), (got.tolist(), want.tolist())
+    handed, handoff = _steps_equal(head_case, runner, channel, plan, md, 3)
     assert handed == ["NoneType", "Deferred", "Deferred"] and len(handoff.modes) == B
 
 
