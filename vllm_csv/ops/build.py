@@ -54,7 +54,9 @@ BLOCK = 256  # tokens a block: the candidate search reads y once, as block maxim
 PANEL, GROUP = 32, 4  # the VNNI GEMM's weight panel: rows (two zmm tiles of int32 lanes), k a vpdpbusd lane sums
 PREFETCH = 4096  # bytes ahead of the weight stream the screens' GEMMs prefetch on Intel CPUs (none
 # elsewhere: csrc/cpu/int8_vnni.cpp, prefetch_ahead; measured: benchmarks/README.md, "Software prefetch")
-K_MIN = -143  # rows with max|h| < 2^K_MIN are not quantised (t / 64 would not be an fp32; ops.rows.quantize_act7)
+K_MIN = -119  # rows with max|h| < 2^K_MIN are not quantised: t / 64 would be subnormal, which a flush-to-zero
+# engine (x86 FTZ/DAZ: torch.set_flush_denormal) reads as 0, and the screen's centre with it (found by review:
+# a row of max|h| ~ 1e-37 with a bias certified the bias's favourite; ops.rows.quantize_act7)
 
 ENV = "VLLM_CSV_CPU_KERNELS"  # "0": always the torch reference
 BUILD_WAIT_ENV, BUILD_WAIT_S = "VLLM_CSV_CPU_BUILD_WAIT_S", 600.0  # longest wait for another process's

@@ -19,7 +19,10 @@ returns ``fl(fl(A_bi) c s_i)`` bit for bit (:class:`~vllm_csv.ops.fbgemm.PackedI
 * one shared exponent (every row of the batch has the same ``t``, always at ``B = 1``), and
   ``2^-14 <= c = t / 64 <= 2^100`` with ``c s_i`` normal for every ``i``: ``y = fl(fl(A) c s_i)``;
 * otherwise ``c = 1`` and ``y = fl(fl(fl(A) s_i) t_b / 64)`` (a power-of-two scaling: exact,
-  except for an absolute ``|delta| <= 2^-150`` where the result is subnormal).
+  except for an absolute ``|delta| <= 2^-150`` where the result is subnormal, ``2^-126`` where a
+  flush-to-zero engine flushes it). The factor ``t_b / 64`` itself is never subnormal: rows with
+  ``max|h| < 2^K_MIN = 2^-119`` are not quantised (:data:`vllm_csv.ops.build.K_MIN`; found by
+  review: under x86 FTZ/DAZ a subnormal factor read as 0 left the centre at the bias).
 
 Each ``fl`` is a relative ``(1 + e)``, ``|e| <= u = 2^-24`` (``fl(A)`` is exact below ``2^24``,
 i.e. ``d <= 2048``); a nonzero product is at least ``c s_i >= 2^-126`` or ``s_i``: normal, no
