@@ -58,6 +58,7 @@ SIGNATURES = (
     "vllm/model_executor/layers/logits_processor.py:LogitsProcessor.__init__",
     "vllm/model_executor/layers/logits_processor.py:LogitsProcessor.forward",
     "vllm/model_executor/custom_op.py:CustomOp.register_oot",
+    "vllm/model_executor/custom_op.py:PluggableLayer.register_oot",
     "vllm/engine/arg_utils.py:EngineArgs.add_cli_args",
     "vllm/engine/arg_utils.py:EngineArgs.from_cli_args",
     "vllm/v1/spec_decode/llm_base_proposer.py:SpecDecodeBaseProposer._greedy_sample",

@@ -248,7 +248,10 @@ def test_rejection_sampler_on_certified_rows_equals_dense(family, screen, batch,
         if any(plan.topk):
             certified += int(head.last_certified.sum())
         rows += sum(plan.topk)
-    if family in ("peaked", "norms"):  # rows that certify: the comparison is not all dense
+    # rows that certify: the comparison is not all dense (the norms family's largest rows, 1e30
+    # with a 1e4 outlier, are past the accumulator guard: ErrorModel.guard_scale)
+    guarded = bool(head.errors.accumulator_safe(case.hidden.double().norm(dim=1).float() * (1 + 2.0**-20)).all())
+    if family == "peaked" or family == "norms" and guarded:
         assert certified > 0, (family, rows)
         assert on_tokens or batch == "mixed"  # (all-greedy steps verified on the head's tokens)
 
