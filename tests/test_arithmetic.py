@@ -246,7 +246,7 @@ def test_onednns_fpmath_mode_is_not_ieee_on_cpus(var, monkeypatch):
 def test_probe_reads_vllms_own_gemm():
     pytest.importorskip("vllm")
     from vllm_csv.dense_engine import probe_engine
-    from vllm_csv.vllm_plugin.logits_processor import vllm_linear
+    from vllm_csv.vllm_plugin.head_builder import vllm_linear
 
     for dtype in (torch.bfloat16, torch.float32):
         assert probe_engine(vllm_linear(), dtype, 512).fp32_accumulation

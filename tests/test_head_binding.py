@@ -127,15 +127,15 @@ def test_an_added_vocabulary_under_tp_keeps_vllms_layer():
     """Rows past the vocabulary in a vocabulary-sharded head (LoRA extra tokens, PLaMo 3's head
     rounded up to a multiple of 16): the shard layout the sharded head needs does not hold, so
     every rank keeps vLLM's layer (before: an error at start-up where vLLM serves)."""
-    from vllm_csv.vllm_plugin.logits_processor import _unsupported_head
+    from vllm_csv.vllm_plugin.head_builder import unsupported_head
 
     head = _lm_head(_weight(0))
     head.num_added_embeddings = 16
-    assert _unsupported_head(head) is None  # (one rank: the vocabulary's rows are sliced)
+    assert unsupported_head(head) is None  # (one rank: the vocabulary's rows are sliced)
     head.tp_size = 2
-    assert "an added vocabulary" in _unsupported_head(head)
+    assert "an added vocabulary" in unsupported_head(head)
     head.num_added_embeddings = 0
-    assert _unsupported_head(head) is None
+    assert unsupported_head(head) is None
 
 
 @pytest.mark.parametrize("invalidate", [True, False])
@@ -189,7 +189,7 @@ def test_a_models_own_load_weights_builds_the_head_again(watched, monkeypatch):
     model = _Model(layer, head)
     drafter = _Model(_layer(monkeypatch), head)  # (EAGLE: a drafter sharing the target's LM head)
     if not watched:
-        monkeypatch.setattr(patches, "watch_load_weights", lambda model, invalidate: None)
+        monkeypatch.setattr(patches.binding, "watch_load_weights", lambda model, invalidate: None)
     patches.bind(SimpleNamespace(model=model, drafter=SimpleNamespace(model=drafter)))
     _tokens(layer, head)
     _tokens(drafter.logits_processor, head)
@@ -247,7 +247,7 @@ def test_the_weight_changing_methods_invalidate_even_when_they_fail(monkeypatch)
             if fail:
                 raise RuntimeError("load failed")
 
-    monkeypatch.setattr(patches, "invalidate_heads", lambda runner: calls.append(("invalidate", runner)))
+    monkeypatch.setattr(patches.weights, "invalidate_heads", lambda runner: calls.append(("invalidate", runner)))
     patches.watch_weights([(Runner, ("reload_weights",))])
     r = Runner()
     r.reload_weights()

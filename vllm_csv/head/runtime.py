@@ -81,7 +81,7 @@ def sampler_logits(selector, hidden: torch.Tensor, topk: torch.Tensor,
         if temp is not None and not every:
             temp = temp[torch.tensor(rows)]
         sel = selector.select(hidden if every else hidden[ridx], k, k >= 2, None if temp is None else temp.to(dev),
-                              **({} if exclude is None else {"exclude": exclude}))
+                              exclude)
         certified = sel.certified.cpu()  # (host sync: the step's account and the dense merge are host decisions)
         if every:
             out = selector.output(sel.exact)

@@ -4,7 +4,7 @@ Registered with ``LogitsProcessor.register_oot``. At construction it reads
 ``additional_config["csv_decode"]``; when CSV is off it turns itself back into
 vLLM's own class, so the layer is exactly what vLLM would have built. When on, the
 first ``forward`` builds a :class:`~vllm_csv.head.CertifiedHead` from the layer's
-weights, and each step's rows take the certified path or vLLM's dense code
+weights (:mod:`.head_builder`), and each step's rows take the certified path or vLLM's dense code
 (``super()._get_logits`` + soft-cap + scale, unchanged) as the runner's plan says. The
 off-switch decides once per step, here (a step it sends dense is vLLM's own call and a few
 counters, :mod:`vllm_csv.off_switch`; while it surely would again, the step is vLLM's call and
@@ -32,6 +32,7 @@ from ..errors import CSVError
 from ..metrics import Series
 from ..off_switch import WINDOW
 from .config import CSVDecodeConfig, from_additional_config
+from .head_builder import build_head, unsupported_config, unsupported_head
 from .step import (PLACEHOLDER, SUPPRESSED_PROBE, Deferred, DeferredStats, DenseBatch, Returned, StepAccount, Top1,
                    step_of)
 
@@ -46,7 +47,7 @@ class CSVLogitsProcessor(LogitsProcessor):
 
         vc = get_current_vllm_config()
         cfg = from_additional_config(getattr(vc, "additional_config", None))
-        reason = _unsupported(vc, self) if cfg.enabled else None
+        reason = unsupported_config(vc, self) if cfg.enabled else None
         if not cfg.enabled or reason:
             if reason:
                 logger.warning(OFF, reason)
@@ -182,8 +183,7 @@ class CSVLogitsProcessor(LogitsProcessor):
             if head.last_top1 is not None and stats.certified == B:  # (set only where every row is k = 1)
                 step.handoff = Top1(logits, head.last_top1)  # for the readers of argmaxes alone (step.Top1)
             if exclude is not None and stats.certified:
-                rows = torch.arange(B, device=logits.device)[head.last_certified.to(logits.device)]
-                self._over_mask(step, logits, rows, None if head.last_top1 is None else head.last_top1[rows])
+                self._over_mask(step, logits, head, None)
         else:
             own_switch = asked
             sub = torch.tensor(in_head, dtype=torch.long, device=hidden_states.device)
@@ -201,8 +201,7 @@ class CSVLogitsProcessor(LogitsProcessor):
             if part is not None:
                 logits[sub] = part
                 if exclude is not None and stats.certified:
-                    got = head.last_certified.to(sub.device)
-                    self._over_mask(step, logits, sub[got], None if head.last_top1 is None else head.last_top1[got])
+                    self._over_mask(step, logits, head, sub)
             elif in_head:
                 logits[sub] = dense_full()[sub].to(head.dtype)
             logits[rows.to(logits.device)] = PLACEHOLDER
@@ -220,10 +219,15 @@ class CSVLogitsProcessor(LogitsProcessor):
         return logits, True
 
     @staticmethod
-    def _over_mask(step, logits: torch.Tensor, rows: torch.Tensor, tokens: torch.Tensor | None) -> None:
-        """``rows`` of ``logits`` certified over the model's suppressed tokens (their ``tokens``,
-        or None), for the model's ``compute_logits`` wrapper to check (:func:`~.step.over_mask_tokens`):
-        the finite probe written at those tokens on those rows, where the model's ``-inf`` must show."""
+    def _over_mask(step, logits: torch.Tensor, head, sub: torch.Tensor | None) -> None:
+        """The rows of ``logits`` the ``head``'s last call certified over the model's suppressed
+        tokens (its rows: ``sub`` of ``logits``'s, None every row), for the model's
+        ``compute_logits`` wrapper to check (:func:`~.step.over_mask_tokens`, with the rows' tokens
+        where the call certified argmaxes alone): the finite probe written at those tokens on
+        those rows, where the model's ``-inf`` must show."""
+        got = head.last_certified.to(logits.device)
+        rows = got.nonzero().squeeze(1) if sub is None else sub.to(logits.device)[got]
+        tokens = None if head.last_top1 is None else head.last_top1[got.to(head.last_top1.device)]
         ids = step.suppressed_ids
         logits[rows[:, None], ids[None]] = SUPPRESSED_PROBE
         step.over_mask = (rows, tokens)
@@ -369,7 +373,7 @@ class CSVLogitsProcessor(LogitsProcessor):
         if self.csv_head is not None and built_for is None:  # (a harness's layer: CSVLogitsProcessor.around)
             return self.csv_head
         if self.csv_head is None:
-            reason = _unsupported_head(lm_head)
+            reason = unsupported_head(lm_head)
             if reason:
                 self._switch_off(reason)
                 return None
@@ -395,46 +399,11 @@ class CSVLogitsProcessor(LogitsProcessor):
         return self.csv_head
 
     def _get_head(self, lm_head, embedding_bias, drafter: bool = False):
-        """Build the head (:meth:`_head_for`). ``drafter``: a speculative drafter's layer, which a
-        given ``--csv-index`` (the target's head's) does not describe: the cache serves it."""
+        """Build the head (:meth:`_head_for`; :func:`.head_builder.build_head`)."""
         if self.csv_head is None:
-            from .index_loader import load_or_build_index
-
-            cfg = self.csv_config.model_copy(update={"index": None}) if drafter else self.csv_config
-            weight = lm_head.weight
-            # vLLM's head adds ``embedding_bias`` alone (``quant_method.apply(..., bias=embedding_bias)``),
-            # never ``lm_head.bias`` (PhiMoE and Moondream 3 build one and do not pass it)
-            bias = embedding_bias
-            V = self.org_vocab_size
-            if getattr(lm_head, "tp_size", 1) > 1:  # vocab-sharded head: one decision on every rank
-                from ..sharded import Shard, ShardedHead, VllmTPGroup
-
-                shard = Shard.of_lm_head(lm_head, V)
-                index = failed = None
-                if (cfg.screen == "ball" or cfg.index) and shard.real:
-                    n = shard.real  # the shard's real rows: its index is fingerprinted on them
-                    try:
-                        index = load_or_build_index(weight[:n], None if bias is None else bias[:n], cfg, shard,
-                                                    cache=not self._csv_stale)
-                    except CSVError as e:  # (raised on every rank by ShardedHead, after its first collective)
-                        failed = e
-                self.csv_head = ShardedHead(
-                    weight, bias, shard, VllmTPGroup(), config=self.csv_config.head_config(),
-                    softcap=self.soft_cap, scale=self.scale, index=index, engine_linear=vllm_linear(),
-                    failed=failed)
-                if self.csv_metrics is None:  # (a rebuild keeps the metrics: csv_invalidate)
-                    self.csv_metrics = _metrics(self.csv_model_name, self.csv_head, index, lm_head.tp_rank)
-                return self.csv_head
-            index = None
-            if cfg.screen == "ball" or cfg.index:  # a given index is always checked
-                index = load_or_build_index(weight[:V], None if bias is None else bias[:V], cfg,
-                                            cache=not self._csv_stale)
-            self.csv_head = csv_head.CertifiedHead(
-                weight, bias, vocab_size=V, config=self.csv_config.head_config(), index=index,
-                softcap=self.soft_cap, scale=self.scale, engine_linear=vllm_linear())
-            logger.info("CSV dense engine probed (vLLM's own GEMM): %s", self.csv_head.engine_probe.describe())
+            self.csv_head, metrics = build_head(self, lm_head, embedding_bias, drafter)
             if self.csv_metrics is None:  # (a rebuild keeps the metrics: csv_invalidate)
-                self.csv_metrics = _metrics(self.csv_model_name, self.csv_head, index)
+                self.csv_metrics = metrics()
         return self.csv_head
 
 
@@ -458,82 +427,6 @@ class _Lane:
     series: Series  # each lane step's time (open in the metrics when they are on)
     timed: bool  # the times are in-place dense samples (not on CUDA: no sync to time it)
     with_sampler: bool = False  # each time includes vLLM's sampler call (a StepAccount of kind "lane")
-
-
-def vllm_linear():
-    """``linear(h, w)``: vLLM's own unquantized GEMM, as its LM head's ``UnquantizedEmbeddingMethod``
-    runs it (on a CPU through ``dispatch_cpu_unquantized_gemm``'s kernel, oneDNN where it packs),
-    on weights ``w`` of a probe layer: what :func:`vllm_csv.dense_engine.probe_engine` runs on the
-    worker. None where vLLM's helpers are missing (the head then probes ``F.linear``)."""
-    try:
-        from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm, dispatch_unquantized_gemm
-        from vllm.platforms import current_platform
-    except ImportError:
-        return None
-    gemm = dispatch_unquantized_gemm()
-
-    def linear(h: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        layer = torch.nn.Module()
-        layer.weight = torch.nn.Parameter(w, requires_grad=False)
-        if current_platform.is_cpu():
-            dispatch_cpu_unquantized_gemm(layer, remove_weight=False)
-        return gemm(layer, h, layer.weight, None)
-
-    return linear
-
-
-def logits_processor_plugins() -> list[str]:
-    """The installed logits-processor plugins (entry points of vLLM's group
-    ``vllm.logits_processors``), which vLLM's ``build_logitsprocs`` loads beside
-    ``--logits-processors`` without being asked: custom processors driven by ``extra_args``
-    that no sampling field shows."""
-    from importlib.metadata import entry_points
-
-    try:
-        from vllm.v1.sample.logits_processor import LOGITSPROCS_GROUP as group
-    except ImportError:
-        group = "vllm.logits_processors"
-    return sorted(ep.name for ep in entry_points(group=group))
-
-
-def _unsupported_head(lm_head) -> str | None:
-    """Why the screens cannot bound this ``lm_head``'s logits (None: they can)."""
-    qm = getattr(lm_head, "quant_method", None)
-    if qm is not None and type(qm).__name__ not in ("UnquantizedEmbeddingMethod", "UnquantizedLinearMethod"):
-        return f"a quantized LM head ({type(qm).__name__})"
-    w = getattr(lm_head, "weight", None)
-    if not isinstance(w, torch.Tensor) or not w.dtype.is_floating_point or w.element_size() < 2:
-        return "an LM head without a 16- or 32-bit float weight"
-    if getattr(lm_head, "tp_size", 1) > 1 and getattr(lm_head, "num_added_embeddings", 0):
-        # (the same on every rank: each switches off; PLaMo 3 rounds its head's rows up this way)
-        return "an added vocabulary (LoRA extra tokens, or head rows past the vocabulary) under tensor parallelism"
-    return None
-
-
-def _unsupported(vc, layer) -> str | None:
-    # (speculative decoding: the runners' plans certify greedy requests' target rows, v1/spec.py
-    # and v2/spec.py, and V1's drafters' greedy heads)
-    mc = getattr(vc, "model_config", None)
-    if mc is not None and getattr(mc, "logits_processors", None):
-        return "custom --logits-processors"
-    plugins = logits_processor_plugins()
-    if plugins:  # (vLLM loads every one into every V1 batch: they act on rows the plan cannot see)
-        return f"logits-processor plugins installed ({', '.join(plugins)})"
-    if getattr(layer, "logits_as_input", False):
-        return "the model passes logits, not hidden states"
-    if getattr(layer, "head_dtype", None) is not None and mc is not None and layer.head_dtype != mc.dtype:
-        return "a head_dtype override"
-    return None
-
-
-def _metrics(model_name: str, head, index, rank: int | None = None):
-    from ..metrics import create_metrics
-
-    screen = getattr(head, "screen_name", None) or head.screen.name
-    info = {"screen": screen, "vocab_size": head.vocab_size, "hidden_size": head.hidden_size}
-    if index is not None:
-        info.update(clusters=index.num_clusters, fingerprint=index.fingerprint)
-    return create_metrics(model_name, info, rank=rank)  # None (one warning) if its files cannot be made
 
 
 def _merge(stats, st):
