@@ -1,5 +1,6 @@
 """csrc kernels: they compile here (nvcc), and match their torch reference on a GPU."""
 
+import math
 import shutil
 import subprocess
 from pathlib import Path
@@ -125,6 +126,36 @@ def test_flat_nonzero_equals_torch(shape):
     if kernels_available() and r.numel():
         with pytest.raises(RuntimeError, match="bool"):
             torch.ops.vllm_csv_cpu.flat_nonzero(r)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("shape", [(8, 65536), (3, 70001), (1, 7), (5, 0), (0, 3)])
+def test_neg_inf_rows_equals_torch(shape, dtype):
+    """ops.bools.neg_inf_rows (csrc/cpu/bools_cpu.cpp where built) equals (x == -inf).sum(1):
+    -inf among +inf, NaN (both signs, other payloads), -0.0, the most negative finite value and
+    subnormals (none of them -inf), rows with none, some and only -inf, strided views."""
+    from vllm_csv.ops.bools import neg_inf_rows, neg_inf_rows_ref
+
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(shape, generator=g).to(dtype)
+    if x.numel():
+        r = torch.rand(shape, generator=g)
+        fi = torch.finfo(dtype)
+        for lo, hi, v in ((0.0, 0.01, -math.inf), (0.01, 0.02, math.inf), (0.02, 0.03, math.nan),
+                          (0.03, 0.04, -0.0), (0.04, 0.05, fi.min), (0.05, 0.06, -fi.smallest_normal / 4)):
+            x[(r >= lo) & (r < hi)] = v
+        bits = {torch.float32: torch.int32, torch.bfloat16: torch.int16, torch.float16: torch.int16}[dtype]
+        nan = x.view(bits)  # a NaN with the sign bit and another payload: not -inf
+        nan[(r >= 0.06) & (r < 0.07)] = -1
+        x[0] = -math.inf
+        if shape[0] > 1:
+            x[1] = 0.0
+    cases = [x] + ([x.t().contiguous().t(), x[:, ::2]] if x.numel() else [])
+    for c in cases:
+        want = (c == -math.inf).sum(1)
+        for fn in (neg_inf_rows, neg_inf_rows_ref):
+            got = fn(c)
+            assert got.dtype == torch.long and torch.equal(got, want), (fn.__name__, c.shape, c.stride())
 
 
 def test_mask_ops_bound_once_are_the_per_call_ops(monkeypatch):

@@ -21,6 +21,7 @@ the same model and sampler on the dense head (same seeds)."""
 from __future__ import annotations
 
 import dataclasses
+import math
 import logging
 from types import SimpleNamespace
 
@@ -589,3 +590,49 @@ def test_an_lm_head_lora_wrapper_gets_vllms_own_layer(head_case, monkeypatch):
     for _ in range(3):
         got, handoff = _step(runner, channel, dataclasses.replace(plan), head_case.h, md)
         assert torch.equal(got, want) and handoff is None
+
+
+def test_upstream_mask_is_the_grammar_mask_and_the_suppression_check():
+    """``fill.upstream_mask`` (one pass where only the model suppresses: the rows' ``-inf`` counts
+    and a gather, the suppressed tokens broadcast as the mask) gives what the mask read off the
+    placeholders and its check give (``fill.grammar_mask``, ``fill.suppression_holds``): the same
+    verdict, and where it holds the same mask; rows with the model's tokens exactly, one more
+    ``-inf``, one fewer, another token in place of one, a grammar's row, no suppression; every
+    batch row or some."""
+    from vllm_csv.sampling.scoring import screen_bounds
+    from vllm_csv.vllm_plugin.fill import grammar_mask, suppression_holds, upstream_mask
+
+    g = torch.Generator().manual_seed(3)
+    R, V = 6, 4099
+    ids = torch.tensor([5, 700, 4098])
+    s = torch.zeros(V, dtype=torch.bool)
+    s[ids] = True
+    changes = {"exact": lambda x: x, "more": lambda x: x.index_fill_(1, torch.tensor([11]), -math.inf),
+               "fewer": lambda x: x.index_fill_(1, ids[:1], 0.5),
+               "other": lambda x: x.index_fill_(1, ids[:1], 0.5).index_fill_(1, torch.tensor([12]), -math.inf),
+               "one_row": lambda x: x.index_fill_(1, torch.tensor([13]), 0.0).__setitem__((2, 13), -math.inf) or x}
+    seen = set()
+    for dtype in (torch.float32, torch.bfloat16):
+        for name, change in changes.items():
+            for modes in (["sampled"] * R, ["sampled"] * (R - 1) + ["structured"]):
+                for suppressed in (s, None):
+                    for every in (True, False):
+                        logits = torch.randn(R + (0 if every else 2), V, generator=g).to(dtype)
+                        if suppressed is not None:
+                            logits[:, ids] = -math.inf
+                        logits = change(logits)
+                        rows = torch.arange(R) if every else torch.tensor([0, 1, 3, 4, 6, 7])
+                        d = SimpleNamespace(suppressed=suppressed, modes=modes)
+                        want = grammar_mask(d, logits, rows, every)
+                        holds = suppression_holds(d, want)
+                        got, got_holds = upstream_mask(d, logits, rows, every)
+                        assert got_holds == holds, (name, modes[-1], suppressed is None, every, dtype)
+                        if holds:
+                            assert (got is None) == (want is None) and (got is None or torch.equal(got, want))
+                            seen.add((name, got is not None and got.stride(0) == 0))
+                            if got is not None:  # (the broadcast mask, read by the screen's bounds)
+                                lo, hi = torch.randn(R, V, generator=g), torch.randn(R, V, generator=g)
+                                adapter = SimpleNamespace(intervals=lambda h, lo=lo, hi=hi: (lo.clone(), hi.clone(), 0, 0))
+                                b, w = screen_bounds(adapter, None, got), screen_bounds(adapter, None, want.clone())
+                                assert torch.equal(b[0], w[0]) and torch.equal(b[1], w[1])
+    assert ("exact", True) in seen and ("exact", False) in seen  # (the one pass taken, and the mask path)

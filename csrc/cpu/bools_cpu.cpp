@@ -1,5 +1,6 @@
 // The flat positions of the true elements of a bool tensor, ascending (reference:
-// x.reshape(-1).nonzero().squeeze(1); vllm_csv/ops/bools.py flat_nonzero_ref).
+// x.reshape(-1).nonzero().squeeze(1); vllm_csv/ops/bools.py flat_nonzero_ref). And the number of
+// -inf of each row of a float tensor (neg_inf_rows, at the end).
 //
 // Why a kernel: torch.nonzero on this CPU build takes about 2.8 ms over a [32, 65536] bool mask
 // with a few thousand true elements (0.2 ms when none is true), and the top-p certificate takes
@@ -74,8 +75,49 @@ at::Tensor flat_nonzero(const at::Tensor& x_in) {
   return out;
 }
 
+// -inf elements of p[0, n): equal bit patterns (a NaN, whatever its bits, is not -inf; -0.0 and
+// subnormals are not either), a loop the compiler vectorises
+template <typename U>
+int64_t count_bits(const U* p, int64_t n, U neg_inf) {
+  int64_t c = 0;
+  for (int64_t i = 0; i < n; ++i) c += p[i] == neg_inf;
+  return c;
+}
+
+// [R] int64: the -inf elements of each row of x [R, V] (float32, bfloat16 or float16). Reference:
+// (x == -inf).sum(1) (vllm_csv/ops/bools.py neg_inf_rows_ref). Why a kernel: the sampler checks,
+// each step, that a model which suppresses tokens after the head set exactly those to -inf on
+// the deferred rows; torch's comparison, then its bool reductions, read and write [R, V] three
+// times (about 2 ms for 8 rows of 65536 on one thread), one pass of 16- or 32-bit loads here.
+at::Tensor neg_inf_rows(const at::Tensor& x_in) {
+  TORCH_CHECK(x_in.dim() == 2 && x_in.device().is_cpu(), "neg_inf_rows: a 2-D tensor on the CPU");
+  const auto dt = x_in.scalar_type();
+  TORCH_CHECK(dt == at::kFloat || dt == at::kBFloat16 || dt == at::kHalf, "neg_inf_rows: float32, bfloat16 or float16");
+  const at::Tensor x = x_in.contiguous();
+  const int64_t R = x.size(0), V = x.size(1);
+  at::Tensor out = at::empty({R}, x.options().dtype(at::kLong));
+  int64_t* op = out.data_ptr<int64_t>();
+  at::parallel_for(0, R, 1, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      if (dt == at::kFloat) {
+        op[r] = count_bits(reinterpret_cast<const uint32_t*>(x.data_ptr<float>()) + r * V, V, uint32_t(0xFF800000u));
+      } else {
+        const uint16_t* p = reinterpret_cast<const uint16_t*>(x.data_ptr()) + r * V;
+        op[r] = count_bits(p, V, uint16_t(dt == at::kBFloat16 ? 0xFF80u : 0xFC00u));
+      }
+    }
+  });
+  return out;
+}
+
 }  // namespace
 
-TORCH_LIBRARY_FRAGMENT(vllm_csv_cpu, m) { m.def("flat_nonzero(Tensor x) -> Tensor"); }
+TORCH_LIBRARY_FRAGMENT(vllm_csv_cpu, m) {
+  m.def("flat_nonzero(Tensor x) -> Tensor");
+  m.def("neg_inf_rows(Tensor x) -> Tensor");
+}
 
-TORCH_LIBRARY_IMPL(vllm_csv_cpu, CPU, m) { m.impl("flat_nonzero", &flat_nonzero); }
+TORCH_LIBRARY_IMPL(vllm_csv_cpu, CPU, m) {
+  m.impl("flat_nonzero", &flat_nonzero);
+  m.impl("neg_inf_rows", &neg_inf_rows);
+}

@@ -9,9 +9,15 @@ same bytes viewed as ``uint8`` 20-40 us (measured 2026-11-26). A torch bool is o
 ``nonzero`` over the same mask with about 1300 true elements takes 2.8 ms (0.2 ms with none);
 :func:`flat_nonzero` takes the flat positions in ``csrc/cpu/bools_cpu.cpp`` (two passes reading
 8 bytes at a time) where the CPU kernels are built (``tests/test_ops.py``: the same positions).
+
+:func:`neg_inf_rows` counts each row's ``-inf`` (a model's suppressed tokens, checked on the
+deferred rows every step: :func:`vllm_csv.vllm_plugin.fill.upstream_mask`) in one pass of the
+kernel, where torch's comparison and reduction take three.
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 
@@ -62,3 +68,20 @@ def flat_nonzero_cpu(x: torch.Tensor) -> torch.Tensor:
 @fake("flat_nonzero")
 def _(x):
     return x.new_empty(torch.library.get_ctx().new_dynamic_size(), dtype=torch.long)
+
+
+def neg_inf_rows_ref(x: torch.Tensor) -> torch.Tensor:
+    """``[R]`` int64: the ``-inf`` elements of each row of ``x [R, V]`` (float)."""
+    return (x == -math.inf).sum(1)
+
+
+def neg_inf_rows(x: torch.Tensor) -> torch.Tensor:
+    """Same as :func:`neg_inf_rows_ref`; one pass on the CPU where the kernel is built."""
+    if x.dim() == 2 and x.dtype in (torch.float32, torch.bfloat16, torch.float16) and uses_kernels(x):
+        return torch.ops.vllm_csv_cpu.neg_inf_rows(x)
+    return neg_inf_rows_ref(x)
+
+
+@fake("neg_inf_rows")
+def _(x):
+    return x.new_empty(x.shape[0], dtype=torch.long)

@@ -135,7 +135,13 @@ def screen_bounds(adapter: HeadAdapter, hidden: torch.Tensor, masked: torch.Tens
     one_sided = lo is None
     if one_sided:
         lo = torch.full_like(hi, -math.inf)
-    if masked is not None:
+    if masked is not None and masked.dim() == 2 and masked.stride(0) == 0:
+        # the same tokens on every row (a model's suppressed tokens: fill.upstream_mask): their
+        # columns, not a [R, V] masked_fill (a scalar loop on the CPU)
+        cols = masked[0].nonzero().squeeze(1)
+        lo.index_fill_(1, cols, -math.inf)
+        hi.index_fill_(1, cols, -math.inf)
+    elif masked is not None:
         lo.masked_fill_(masked, -math.inf)
         hi.masked_fill_(masked, -math.inf)
     return lo, hi, hnorm, finite, one_sided

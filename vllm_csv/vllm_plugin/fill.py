@@ -42,7 +42,7 @@ import time
 import torch
 from vllm.logger import init_logger
 
-from ..ops.bools import any_
+from ..ops.bools import all_, any_, flat_nonzero, neg_inf_rows
 from .step import Deferred, DeferredStats
 
 logger = init_logger("vllm.csv_decode")
@@ -61,6 +61,26 @@ def grammar_mask(d: Deferred, logits: torch.Tensor, dev_rows: torch.Tensor,
         return None
     masked = (logits if every_row else logits[dev_rows]) == -math.inf
     return masked if bool(any_(masked)) else None
+
+
+def upstream_mask(d: Deferred, logits: torch.Tensor, dev_rows: torch.Tensor,
+                  every_row: bool = False) -> tuple[torch.Tensor | None, bool]:
+    """``(masked, holds)``: :func:`grammar_mask` and :func:`suppression_holds`, for the sampler
+    hooks. Where the model suppresses tokens and no deferred row has a grammar (the usual step
+    of such a model), one pass: each row's count of ``-inf`` (:func:`~vllm_csv.ops.bools.neg_inf_rows`)
+    equals the number of suppressed tokens and they are all ``-inf`` there (a gather), so the
+    row's ``-inf`` are exactly those; ``masked`` is then the suppressed tokens broadcast over the
+    rows (``[R, V]``, stride 0 over rows: the same tokens on every row, read as such by
+    :func:`~vllm_csv.sampling.scoring.screen_bounds`). Otherwise (a check that fails: the rows go
+    dense with the model's ``-inf`` kept, as :func:`finish` writes them) the mask as read."""
+    s = d.suppressed
+    if s is not None and "structured" not in d.modes:
+        x = logits if every_row else logits[dev_rows]
+        ids = flat_nonzero(s)
+        if bool(all_(neg_inf_rows(x) == ids.numel())) and bool(all_(x[:, ids.to(x.device)] == -math.inf)):
+            return s.to(x.device)[None].expand(x.shape[0], -1), True
+    masked = grammar_mask(d, logits, dev_rows, every_row)
+    return masked, suppression_holds(d, masked)
 
 
 def suppression_holds(d: Deferred, masked: torch.Tensor | None) -> bool:

@@ -166,7 +166,7 @@ def suppressed_tokens(returned: torch.Tensor, model: torch.Tensor) -> torch.Tens
     every row (Gemma 4's ``suppress_tokens``, Moondream 3's answer token); None where it did
     anything else (another shape, another value anywhere, a token ``-inf`` on some rows only)
     or nothing. A token already ``-inf`` in ``returned`` on every row is not counted (a model
-    that suppresses it too is caught at sampler time: :func:`~.fill.suppression_holds`)."""
+    that suppresses it too is caught at sampler time: :func:`~.fill.upstream_mask`)."""
     if returned.shape != model.shape or returned.dtype != model.dtype or returned.dim() != 2 or returned.shape[0] == 0:
         return None
     changed = other_bits(returned, model)

@@ -88,7 +88,7 @@ def watch_logits(model, channel: StepChannel, name: str) -> None:
     and every other row goes to the sampler where it certifies rows over such masks
     (``channel.masks_ok``, V1's), which reads the tokens off the placeholders as it reads a
     grammar's (and checks, every step, that the model wrote exactly those:
-    :func:`~.fill.suppression_holds`), else is dense."""
+    :func:`~..fill.upstream_mask`), else is dense."""
     orig = getattr(model, "compute_logits", None)
     if orig is None or getattr(orig, "_csv_channel", None) is channel:
         return

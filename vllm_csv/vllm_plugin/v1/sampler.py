@@ -71,7 +71,7 @@ import torch
 from ...sampling.rows import certify_rows
 from ...sampling.sharded_rows import ShardedAdapter, certify_rows_sharded
 from ...vocabulary import SAMPLING_EPS as _SAMPLING_EPS
-from ..fill import finish, grammar_mask, suppression_holds, write_certified
+from ..fill import finish, upstream_mask, write_certified
 from ..penalties import TouchedPenalties
 from ..step import Deferred, DeferredStats, StepAccount, step_of
 from .masks import draw_with_masks, min_p_of, wants_logprobs
@@ -242,9 +242,9 @@ def resolve(sampler, d: Deferred, logits: torch.Tensor, md, predict_bonus_token:
     st = DeferredStats(rows=R)
     dev_rows = rows.to(logits.device)
     every_row = R == logits.shape[0] and torch.equal(rows, torch.arange(R))  # the batch itself: no scatter / gather
-    masked = grammar_mask(d, logits, dev_rows, every_row)
+    masked, holds = upstream_mask(d, logits, dev_rows, every_row)
     why = _unsupported(sampler, md, predict_bonus_token, rows)
-    if why is None and not suppression_holds(d, masked):
+    if why is None and not holds:
         why = "the model's suppressed tokens changed"
     certified = torch.zeros(R, dtype=torch.bool)
     if why is None:

@@ -29,7 +29,7 @@ import torch
 from ...sampling.rows_v2 import certify_rows_v2
 from ...sampling.scoring import RowsResult
 from ...sampling.sharded_rows import ShardedAdapter
-from ..fill import finish, grammar_mask, suppression_holds, write_certified
+from ..fill import finish, upstream_mask, write_certified
 from ..step import Deferred, DeferredStats, step_of
 from .known import v2_draw_known
 
@@ -193,9 +193,9 @@ def resolve(sampler, d: Deferred, logits: torch.Tensor, input_batch) -> Deferred
     st = DeferredStats(rows=rows.numel())
     dev = logits.device
     dev_rows = rows.to(dev)
-    masked = grammar_mask(d, logits, dev_rows)
+    masked, holds = upstream_mask(d, logits, dev_rows)
     why = _unsupported(sampler, d, logits, input_batch)
-    if why is None and not suppression_holds(d, masked):  # (V2 channels get no suppressed tokens: patches.bind)
+    if why is None and not holds:  # (V2 channels get no suppressed tokens: patches.bind)
         why = "the model's suppressed tokens changed"
     certified = torch.zeros(rows.numel(), dtype=torch.bool)
     if why is None:
