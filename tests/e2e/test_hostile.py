@@ -9,6 +9,8 @@ import urllib.request
 
 import pytest
 
+from .conftest import on_both
+
 pytestmark = pytest.mark.e2e
 
 PROMPT = "def fibonacci(n):\n"
@@ -59,7 +61,7 @@ def _request(server, params: dict) -> tuple[int, object]:
 
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_hostile_parameters_answer_as_plain_vllm(case, csv_server, dense_server):
-    got, want = _request(csv_server, dict(CASES[case])), _request(dense_server, dict(CASES[case]))
+    got, want = on_both(lambda s: _request(s, dict(CASES[case])), csv_server, dense_server)
     assert got == want, (case, got, want)
     ok = _request(csv_server, {"temperature": 0, "max_tokens": 4})
     assert ok[0] == 200, ok  # and the server keeps serving

@@ -18,7 +18,7 @@ import pytest
 
 from vllm_csv.metrics import FLUSH_SECONDS
 
-from .conftest import vllm_command
+from .conftest import on_both, vllm_command
 
 pytestmark = pytest.mark.e2e
 
@@ -131,8 +131,8 @@ def test_identical_to_dense(feature, csv_server, dense_server):
     feature's mode grows meanwhile (the CSV path was taken, not only the dense one)."""
     mode = CERTIFIED_MODES.get(feature)
     before = certified(csv_server, mode) if mode else 0.0
-    kw = dict(FEATURES[feature])
-    assert complete(csv_server, **kw) == complete(dense_server, **dict(FEATURES[feature]))
+    got, want = on_both(lambda s: complete(s, **dict(FEATURES[feature])), csv_server, dense_server)
+    assert got == want
     if mode:
         assert certified_above(csv_server, mode, before), metrics(csv_server)
 
@@ -144,11 +144,9 @@ def test_seeded_long_completion_certified_and_dense_steps(default_csv_server, de
     step across both kinds of steps."""
     csv = default_csv_server
     before = metrics(csv)
-    texts = []
-    for s in (csv, dense_server):
-        r = s.client().completions.create(model=s.model, prompt="def main(argv):\n", max_tokens=200,
-                                          temperature=1.0, seed=77, extra_body={"ignore_eos": True})
-        texts.append(r.choices[0].text)
+    texts = on_both(lambda s: s.client().completions.create(
+        model=s.model, prompt="def main(argv):\n", max_tokens=200, temperature=1.0, seed=77,
+        extra_body={"ignore_eos": True}).choices[0].text, csv, dense_server)
     after = metrics(csv)
     assert texts[0] == texts[1]
     grew = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
@@ -164,9 +162,9 @@ def test_identical_to_dense_one_request_at_a_time(feature, csv_server, dense_ser
     test_structured_output_sequential.)"""
     mode = CERTIFIED_MODES[feature]
     before = certified(csv_server, mode)
-    answers = [[[(c.index, c.text, c.finish_reason) for c in choices]
-                for choices in complete_one_at_a_time(s, 20, **FEATURES[feature])]
-               for s in (csv_server, dense_server)]
+    answers = on_both(lambda s: [[(c.index, c.text, c.finish_reason) for c in choices]
+                                 for choices in complete_one_at_a_time(s, 20, **FEATURES[feature])],
+                      csv_server, dense_server)
     assert answers[0] == answers[1]
     assert certified_above(csv_server, mode, before), metrics(csv_server)
 
@@ -177,8 +175,8 @@ def test_structured_output_sequential(feature, csv_server, dense_server):
     identical answers, each within its grammar, and the ``structured`` certified counter grows."""
     before = certified(csv_server, "structured")
     kw = STRUCTURED[feature]
-    answers = [[(choices[0].text, choices[0].finish_reason) for choices in complete_one_at_a_time(s, 16, **kw)]
-               for s in (csv_server, dense_server)]
+    answers = on_both(lambda s: [(choices[0].text, choices[0].finish_reason)
+                                 for choices in complete_one_at_a_time(s, 16, **kw)], csv_server, dense_server)
     assert answers[0] == answers[1]
     grammar = kw["extra_body"]["structured_outputs"]
     finished = [text for text, why in answers[0] if why == "stop"]  # the others: cut by max_tokens
@@ -196,12 +194,10 @@ def test_json_schema_structured_output(csv_server, dense_server):
     schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 8}},
               "required": ["name"], "additionalProperties": False}
     before = certified(csv_server, "structured")
-    outs = []
-    for s in (csv_server, dense_server):
-        r = s.client().chat.completions.create(
-            model=s.model, messages=[{"role": "user", "content": "Give a name as JSON."}], max_tokens=24,
-            temperature=0, extra_body={"structured_outputs": {"json": schema}})
-        outs.append(r.choices[0].message.content)
+    outs = on_both(lambda s: s.client().chat.completions.create(
+        model=s.model, messages=[{"role": "user", "content": "Give a name as JSON."}], max_tokens=24,
+        temperature=0, extra_body={"structured_outputs": {"json": schema}}).choices[0].message.content,
+        csv_server, dense_server)
     assert outs[0] == outs[1]
     assert certified_above(csv_server, "structured", before), metrics(csv_server)
 

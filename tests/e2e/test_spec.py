@@ -15,7 +15,7 @@ import urllib.request
 
 import pytest
 
-from .conftest import EAGER, start_servers
+from .conftest import EAGER, on_both, start_servers
 from .test_serve import metrics
 
 pytestmark = pytest.mark.e2e
@@ -68,8 +68,9 @@ def test_greedy_one_at_a_time_identical_with_identical_acceptance(spec_pair):
     csv, dense, method = spec_pair
     name = "vllm:spec_decode_num_accepted_tokens_total"
     before = [_vllm_counter(s, name) for s in (csv, dense)]
-    for p in PROMPTS:
-        assert _complete(csv, p, temperature=0) == _complete(dense, p, temperature=0), (method, p)
+    got, want = on_both(lambda s: [_complete(s, p, temperature=0) for p in PROMPTS], csv, dense)
+    for p, a, b in zip(PROMPTS, got, want):
+        assert a == b, (method, p)
     accepted = [_vllm_counter(s, name) - b for s, b in zip((csv, dense), before)]
     assert accepted[0] == accepted[1] and accepted[1] > 0, (method, accepted)
     m = metrics(csv)
@@ -81,10 +82,11 @@ def test_greedy_one_at_a_time_identical_with_identical_acceptance(spec_pair):
 def test_greedy_batched_identical(spec_pair):
     """Eight greedy requests at once: the steps hold several requests' verification rows."""
     csv, dense, method = spec_pair
-    with cf.ThreadPoolExecutor(8) as ex:
-        got = list(ex.map(lambda p: _complete(csv, p, temperature=0), PROMPTS))
-    with cf.ThreadPoolExecutor(8) as ex:
-        want = list(ex.map(lambda p: _complete(dense, p, temperature=0), PROMPTS))
+    def batched(s):
+        with cf.ThreadPoolExecutor(8) as ex:
+            return list(ex.map(lambda p: _complete(s, p, temperature=0), PROMPTS))
+
+    got, want = on_both(batched, csv, dense)
     assert got == want, method
 
 
