@@ -17,7 +17,7 @@ pytestmark = pytest.mark.skipif(not build.kernels_available(), reason="CPU kerne
 FAKES = {"prepare_rows", "abs_max_rows", "outlier_rows", "interval_rows", "quantize_act7", "select_candidates",
          "score_intervals", "certify_topk", "finish_selection", "pack_int8_vnni", "int8_vnni_linear",
          "int8_amx_linear", "int8_avx2_linear", "noise_candidates", "noise_bits", "row_stats", "pack_live", "min_p_cut", "top_k_cut",
-         "top_p_sums", "unlisted_masses", "row_topk", "flat_nonzero"}
+         "top_p_sums", "unlisted_masses", "row_topk", "flat_nonzero", "neg_inf_rows"}
 
 
 def test_each_source_has_its_module_and_every_fake_is_registered():
@@ -33,16 +33,16 @@ def test_fakes_trace_the_kernels_shapes(B, V, d):
     """The fakes give the kernels' shapes and dtypes, on real and odd shapes."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from vllm_csv.ops import masks, rows, topk
+    from vllm_csv.ops import bools, masks, rows, topk
 
     h = torch.randn(B, d, dtype=torch.bfloat16)
     y = torch.randn(B, V)
     real = (rows.prepare_rows(h, True), rows.quantize_act7(h.float(), 2.0**-10, 1.0), rows.abs_max_rows(y),
-            topk.row_topk(y, 5), masks.min_p_cut(y, y, y[:, 0], y[:, 0]))
+            topk.row_topk(y, 5), masks.min_p_cut(y, y, y[:, 0], y[:, 0]), bools.neg_inf_rows(y.bfloat16()))
     K = torch.ops.vllm_csv_cpu
     with FakeTensorMode(allow_non_fake_inputs=True):
         fake = (K.prepare_rows(h, True), K.quantize_act7(h.float(), 2.0**-10, 1.0), K.abs_max_rows(y),
-                K.row_topk(y, 5), K.min_p_cut(y, y, y[:, 0], y[:, 0]))
+                K.row_topk(y, 5), K.min_p_cut(y, y, y[:, 0], y[:, 0]), K.neg_inf_rows(y.bfloat16()))
     for r, f in zip(torch.utils._pytree.tree_leaves(real), torch.utils._pytree.tree_leaves(fake)):
         if isinstance(r, torch.Tensor):
             assert (f.shape, f.dtype) == (r.shape, r.dtype)

@@ -32,6 +32,10 @@ POISON = {"nan": [8191, 8190, 8189], "inf": [8188, 8187, 8186], "steps": [2, 5]}
 # the default CSV server and the ball server are, as users serve, and so are the serving
 # benchmarks (benchmarks/serve.py).
 EAGER = ["--enforce-eager"]
+# The shared servers live while this package's tests run and stop after its last one: an idle
+# server's workers still poll for work (about a fifth of a core each, seen with ps during a
+# fresh-clone run), which the rest of the suite, run after these tests, would pay for.
+SERVERS = "package"
 
 
 def free_port() -> int:
@@ -163,7 +167,7 @@ def test_model_dir() -> str:
     return str(ensure_test_model(progress=False))
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope=SERVERS)
 def served_pair(test_model_dir, tmp_path_factory):
     """The session's CSV and dense servers, started together (:func:`start_servers`).
 
@@ -181,12 +185,12 @@ def served_pair(test_model_dir, tmp_path_factory):
     dense.stop()
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope=SERVERS)
 def csv_server(served_pair):
     return served_pair[0]
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope=SERVERS)
 def default_csv_server(test_model_dir, tmp_path_factory):
     """`--enable-csv-decode` as users run it (off-switch on): on the test model CSV certifies its
     first steps and then the off-switch sends steps dense."""
@@ -195,6 +199,6 @@ def default_csv_server(test_model_dir, tmp_path_factory):
     s.stop()
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope=SERVERS)
 def dense_server(served_pair):
     return served_pair[1]
