@@ -1,4 +1,4 @@
-"""Real `vllm serve` subprocesses on the locally trained test model (vllm_csv.demo_model.TEST) (shared per session)."""
+"""Real `vllm serve` subprocesses on the locally trained test model (vllm_csv.demo_model.TEST) (shared by the package's tests: SERVERS)."""
 
 from __future__ import annotations
 

@@ -2,17 +2,17 @@
 version gate (:func:`vllm_csv.vllm_plugin.register`).
 
 1. ``EngineArgs.add_cli_args`` / ``from_cli_args``: the ``--csv-*`` flags, moved into
-   ``additional_config`` (:mod:`.cli_args`);
+   ``additional_config`` (:mod:`..cli_args`);
 2. the model runners' step methods: V1 ``GPUModelRunner.execute_model`` (also vLLM-CPU's) and
    V2 ``GPUModelRunner.execute_model`` / ``sample``: each opens the runner's
-   :class:`~.step.Step` with its plan (:mod:`.step`, :mod:`.plan`); V1's speculative
+   :class:`~..step.Step` with its plan (:mod:`..step`, :mod:`..plan`); V1's speculative
    drafters' ``SpecDecodeBaseProposer._greedy_sample`` opens one on the proposer's own channel
-   (:mod:`.v1.spec`);
+   (:mod:`..v1.spec`);
 3. the samplers: V1 ``Sampler.forward``, V2 ``Sampler.__call__`` and V2
    ``RejectionSampler.__call__`` resolve the step's deferred rows before vLLM's own code
-   (:mod:`.v1.sampler`, :mod:`.v2.sampler`, :mod:`.v2.verify`), V1 ``RejectionSampler.forward``
-   verifies greedy drafts on the head's certified tokens (:mod:`.v1.spec`), and vLLM-CPU's
-   ``apply_top_k_top_p`` runs on the rows that need it during such a draw (:mod:`.v1.masks`);
+   (:mod:`..v1.sampler`, :mod:`..v2.sampler`, :mod:`..v2.verify`), V1 ``RejectionSampler.forward``
+   verifies greedy drafts on the head's certified tokens (:mod:`..v1.spec`), and vLLM-CPU's
+   ``apply_top_k_top_p`` runs on the rows that need it during such a draw (:mod:`..v1.masks`);
 4. ``LogitsProcessor.register_oot``: the CSV layer (:mod:`..logits_processor`), which turns
    itself back into vLLM's class whenever CSV is off;
 5. at a runner's (or drafter's) first step, its model's ``compute_logits`` and the layers' step
@@ -38,7 +38,7 @@ from .weights import invalidate_heads, watch_load_weights, watch_model_loads, wa
 
 
 class Integration(Protocol):
-    """What a runner generation (:mod:`.v1`, :mod:`.v2`) offers the patches."""
+    """What a runner generation (:mod:`..v1`, :mod:`..v2`) offers the patches."""
 
     # -> Plan | None; ``step``: what the runner's step knows (V1: ``spec_tokens``; V2: ``input_batch``)
     def build_plan(self, runner, max_topk: int, req_ids=None, **step): ...
@@ -98,7 +98,7 @@ def _yield_to_later_plugins() -> None:
 
 
 def _engine_args() -> None:
-    """Wrap ``EngineArgs.add_cli_args`` / ``from_cli_args`` (:mod:`.cli_args`)."""
+    """Wrap ``EngineArgs.add_cli_args`` / ``from_cli_args`` (:mod:`..cli_args`)."""
     from vllm.engine.arg_utils import EngineArgs
 
     from ..cli_args import add_csv_args, apply_csv_args, check_index_file
@@ -174,7 +174,7 @@ def _v1_runner(max_topk) -> None:
 def _v1_drafter() -> None:
     """V1 ``SpecDecodeBaseProposer._greedy_sample`` (draft model, EAGLE, MTP: the drafter's logits and
     their argmax) opens a step on the proposer's channel with every row planned ``k = 1``
-    (:mod:`.v1.spec`), closed when it returns."""
+    (:mod:`..v1.spec`), closed when it returns."""
     try:
         from vllm.v1.spec_decode.llm_base_proposer import SpecDecodeBaseProposer
     except ImportError:

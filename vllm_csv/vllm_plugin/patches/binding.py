@@ -67,7 +67,7 @@ def _bind_layers(root, channel: StepChannel, keep_bound: bool = False) -> None:
 
 def watch_logits(model, channel: StepChannel, name: str) -> None:
     """Wrap ``model.compute_logits`` (on the instance the runner or proposer calls) so that a model
-    which changes the head's logits after the head (:class:`~.step.Returned`) gets the dense head.
+    which changes the head's logits after the head (:class:`~..step.Returned`) gets the dense head.
 
     The channel's first call that reaches the layer runs dense and the layer keeps a copy of
     its output: a model that returns another tensor, or the same one with other bits, changes
@@ -80,11 +80,11 @@ def watch_logits(model, channel: StepChannel, name: str) -> None:
     result on the host once (a device sync, once per runner).
 
     A model whose change is only to set the same tokens to ``-inf`` on every row, in place
-    (:func:`~.step.suppressed_tokens`: Gemma 4's ``suppress_tokens``, Moondream 3's answer
-    token), keeps CSV: its tokens become :attr:`~.step.StepChannel.suppressed`; greedy and draft
-    rows are certified in the head over the other tokens (:meth:`~.plan.Plan.over_mask`; each
+    (:func:`~..step.suppressed_tokens`: Gemma 4's ``suppress_tokens``, Moondream 3's answer
+    token), keeps CSV: its tokens become :attr:`~..step.StepChannel.suppressed`; greedy and draft
+    rows are certified in the head over the other tokens (:meth:`~..plan.Plan.over_mask`; each
     call here then checks, on those rows, that the model set at least those tokens to ``-inf``
-    and not the rows' own, else makes the call again dense: :func:`~.step.over_mask_tokens`),
+    and not the rows' own, else makes the call again dense: :func:`~..step.over_mask_tokens`),
     and every other row goes to the sampler where it certifies rows over such masks
     (``channel.masks_ok``, V1's), which reads the tokens off the placeholders as it reads a
     grammar's (and checks, every step, that the model wrote exactly those:
