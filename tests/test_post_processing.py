@@ -636,3 +636,35 @@ def test_upstream_mask_is_the_grammar_mask_and_the_suppression_check():
                                 b, w = screen_bounds(adapter, None, got), screen_bounds(adapter, None, want.clone())
                                 assert torch.equal(b[0], w[0]) and torch.equal(b[1], w[1])
     assert ("exact", True) in seen and ("exact", False) in seen  # (the one pass taken, and the mask path)
+
+
+class TwiceModel(Model):
+    """A model whose ``compute_logits`` calls the LM head layer twice on the same hidden states
+    from its ``after``-th call on (once before) and returns the call ``keep`` (0: the first, 1:
+    the second)."""
+
+    def __init__(self, layer, keep: int, after: int):
+        super().__init__(layer, after=after)
+        self.keep = keep
+
+    def compute_logits(self, hidden_states):
+        self.calls += 1
+        out = [self.logits_processor(None, hidden_states) for _ in range(1 if self.calls <= self.after else 2)]
+        return out[min(self.keep, len(out) - 1)]
+
+
+@pytest.mark.parametrize("after", [0, 1])
+@pytest.mark.parametrize("keep", [0, 1])
+@pytest.mark.parametrize("rows", sorted(PLANS))
+def test_a_model_that_calls_the_layer_twice_gets_vllms_tokens(rows, keep, after, head_case):
+    """The first call takes the step's plan (certified rows, placeholders for deferred ones) and
+    the second none, dropping the first's hand-off: whichever the model returns, from its first
+    step or only after the channel's first check (``after``), the step's tokens are the dense
+    head's (returned the first, the step is made again dense)."""
+    plan, md = _md(rows)
+    runner = SimpleNamespace(model=TwiceModel(csv_layer(head_case.head), keep, after), sampler=Sampler())
+    channel = patches.bind(runner)
+    want = _want(head_case, None, md)
+    for i in range(3):
+        got, _ = _step(runner, channel, dataclasses.replace(plan), head_case.h, md)
+        assert torch.equal(got, want), (i, got.tolist(), want.tolist())

@@ -92,6 +92,7 @@ class CSVLogitsProcessor(LogitsProcessor):
         logits, csv = self._forward(lm_head, hidden_states, embedding_bias, skip_gather)
         step = step_of(self)
         if step is not None and logits is not None:  # (for the model's compute_logits: step.Returned)
+            csv = csv or (step.returned is not None and step.returned.csv)  # (any call's: Returned.csv)
             step.returned = Returned(logits, logits.clone() if step.snapshot else None, csv)
         return logits
 

@@ -157,7 +157,10 @@ class Returned:
 
     logits: torch.Tensor
     copy: torch.Tensor | None  # a copy of ``logits`` as returned, where the step asked for one
-    csv: bool  # whether it holds rows the head certified or deferred (else vLLM's own logits)
+    # whether it holds rows the head certified or deferred (else vLLM's own logits), or an earlier
+    # call in this compute_logits did: a later call drops that one's hand-off, so a model that
+    # returns the earlier call's logits has its step made again dense (patches.watch_logits)
+    csv: bool
 
 
 def suppressed_tokens(returned: torch.Tensor, model: torch.Tensor) -> torch.Tensor | None:
