@@ -19,12 +19,13 @@ INTERPRETED = "test_gpu_kernels_interpreted.py"  # its tests collect the interpr
 
 @pytest.hookimpl(trylast=True)  # (after -k / -m deselected what they deselect)
 def pytest_collection_modifyitems(config, items):
-    """The suite's subprocess work queued in the background (:mod:`background`): the interpreted
-    GPU files' runs, and the :data:`~background.DEFERRED` files' tests (moved to the end, where
-    they report their background outcome). Only in a run with other tests to overlap."""
+    """The suite's long subprocess work queued in the background (:mod:`background`): the
+    end-to-end tests' run, the :data:`~background.DEFERRED` files' runs (their tests replaced by
+    proxies at the end, which report the background outcomes) and the interpreted GPU files'
+    runs. Only in a run with other tests to overlap."""
     late = [it for it in items if it.path.name == INTERPRETED]
-    others = [it for it in items if it.path.name not in background.DEFERRED and it.path.name != INTERPRETED]
-    if not background.enabled() or not others:
+    others = [it for it in items if background.group_of(it.nodeid) is None and it.path.name != INTERPRETED]
+    if not background.enabled() or not others or config.option.collectonly:
         return
     # (the deferred files first; with the interpreted ones first a run took 20:00 of pytest against
     # 18:08, one run each: not separated from the machine's noise)
@@ -35,16 +36,15 @@ def pytest_collection_modifyitems(config, items):
     background.Jobs.start(jobs)
 
 
-@pytest.hookimpl(tryfirst=True)
-def pytest_pyfunc_call(pyfuncitem):
-    """A deferred test reports its background run's outcome instead of running here."""
-    return True if background.outcome(pyfuncitem) else None
-
-
 def pytest_runtest_logreport(report):
-    """In a deferred file's background run: each report, for the session that waits on it."""
+    """In a background run: each report, for the session that waits on it."""
     if background.REPORT_ENV in os.environ:
         background.record(report)
+
+
+def pytest_terminal_summary(terminalreporter):
+    """The background directory runs' slowest tests (their proxies' times here are waits)."""
+    background.summary(terminalreporter.write_line)
 
 
 def pytest_sessionfinish(session):

@@ -1,5 +1,6 @@
-"""The suite's background runs (``tests/background.py``): a deferred test reports its background
-run's outcome, a failure's text included, and a test the background run said nothing of fails."""
+"""The suite's background runs (``tests/background.py``): a background test reports its background
+run's outcome, a failure's text included, and a test the background run said nothing of fails; a
+directory's tests run in one process with their fixtures, which the session never sets up."""
 
 from __future__ import annotations
 
@@ -50,8 +51,8 @@ def test_each_outcome_is_reported_as_the_tests_own(tmp_path, monkeypatch, deferr
                    _test_report("tests/test_rows.py::nested", "call", "failed", text="a nested run's"))
     assert len(path.read_text().splitlines()) == 5  # neither passed setups nor a nested run's tests
     for name in ("ok", "bad", "skip", "teardown", "silent"):
-        background.Jobs.reports[f"tests/{X}::{name}"] = path
-    assert background.outcome(deferred("ok")) is True
+        background.Jobs.reports[f"tests/{X}::{name}"] = (X, path)
+    assert background.outcome(deferred("ok")) is None
     with pytest.raises(pytest.fail.Exception, match="assert 1 == 2"):
         background.outcome(deferred("bad"))
     with pytest.raises(pytest.skip.Exception, match="no GPU"):
@@ -62,8 +63,21 @@ def test_each_outcome_is_reported_as_the_tests_own(tmp_path, monkeypatch, deferr
         background.outcome(deferred("silent"))
 
 
-def test_a_test_not_deferred_runs_here(deferred):
-    assert background.outcome(deferred("ok")) is False
+def test_group_of_each_test():
+    assert background.group_of(f"tests/{X}::t[a/b]") == X
+    assert background.group_of("tests/e2e/test_serve.py::test_x[a]") == "e2e"
+    assert background.group_of("tests/e2e/sub/test_y.py::C::t") == "e2e"
+    assert background.group_of("tests/test_rows.py::test_e2e") is None
+    assert background.group_of("tests/test_e2e.py::t") is None
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/autogroup"), reason="no autogroup scheduling here")
+def test_a_nice_run_is_nice_in_its_own_autogroup(tmp_path):
+    """A run at the lowest priority (a session of its own) yields within its autogroup and as
+    one: its autogroup's nice is 19 (else it takes a full share beside the session's tests)."""
+    code = "import os; print(os.nice(0), open('/proc/self/autogroup').read().split()[-1])"
+    r = background.run(background.Job([sys.executable, "-c", code], dict(os.environ), tmp_path))
+    assert r.returncode == 0 and r.stdout.split() == ["19", "19"], (r.stdout, r.stderr)
 
 
 def _suite(root, plain: str, deferred: str) -> None:
@@ -102,6 +116,37 @@ def test_a_deferred_file_runs_in_the_background_and_its_failure_reaches_the_sess
     assert order[0] == "tests/test_a.py" and order[-1] == f"tests/{name}", out
     assert f"tests/{name}::test_passes_away PASSED" in out, out
     assert f"tests/{name}::test_fails_away FAILED" in out and "ran in the background" in out, out
+
+
+def test_a_directory_runs_whole_in_one_background_process(tmp_path):
+    """``tests/e2e``'s tests run in one background pytest process, which sets their
+    package-scoped fixture up once (the session never does: its proxies have no fixtures), at
+    the end of the run; their outcomes, a failure's text included, are the session's, and its
+    summary lists the run's slowest tests."""
+    _suite(tmp_path, "def test_here():\n    pass\n", "def test_away():\n    pass\n")
+    d = tmp_path / "tests" / "e2e"
+    d.mkdir()
+    (d / "__init__.py").write_text("")
+    setups = tmp_path / "setups"
+    (d / "conftest.py").write_text(
+        "import os\nimport pytest\n\n\n@pytest.fixture(scope='package')\ndef server():\n"
+        f"    open({str(setups)!r}, 'a').write(os.environ.get('VLLM_CSV_TEST_REPORT', 'session') + '\\n')\n"
+        "    return os.getpid()\n")
+    (d / "test_x.py").write_text(
+        "import os\n\n\ndef test_one(server):\n    assert server == os.getpid()\n\n\n"
+        "def test_two(server):\n    assert server == os.getpid()\n\n\n"
+        "def test_fails(server):\n    assert server == -1, 'failed in the directory run'\n")
+    p = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-v", "tests"],
+                       cwd=tmp_path, capture_output=True, text=True, timeout=600, env=_env())
+    out = p.stdout
+    assert p.returncode == 1, out + p.stderr
+    order = [s.split("::")[0] for s in out.splitlines() if s.startswith("tests/") and "::" in s]
+    assert order[0] == "tests/test_a.py" and order[-3:] == ["tests/e2e/test_x.py"] * 3, out
+    assert "tests/e2e/test_x.py::test_one PASSED" in out and "tests/e2e/test_x.py::test_two PASSED" in out, out
+    assert "tests/e2e/test_x.py::test_fails FAILED" in out and "failed in the directory run" in out, out
+    where = setups.read_text().splitlines()
+    assert len(where) == 1 and where[0].endswith("e2e.jsonl"), where  # once, in the background run
+    assert "background run of tests/e2e: slowest" in out, out
 
 
 def test_a_session_stopped_by_sigterm_takes_its_background_runs_with_it(tmp_path):

@@ -16,7 +16,7 @@ from background import INTERPRETED as FILES, Jobs, interpreted_job, run  # noqa:
 
 def run_interpreted(name: str):
     """pytest on the test file ``name`` in a fresh process under Triton's interpreter."""
-    return run(*interpreted_job(name))
+    return run(interpreted_job(name))
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="on CUDA these files run compiled, in process")

