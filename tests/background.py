@@ -1,14 +1,14 @@
 """The suite's long subprocess work, run in background processes while the rest of a whole-suite
-run goes on in the session: on CI's two cores a run of one thing at a time leaves a core idle for
-much of it (a fresh-clone ``bash .ci/run`` at ``14feb72``: 55 CPU-minutes in 41 minutes; the
-end-to-end tests' 22.6 minutes, ten server start-ups of which each is one core's imports most of
-the time, ran alone while the unit tests waited).
+run goes on in the session. Measured on a quiet 2-core Xeon (fresh clones, 2026-11-30): with the
+end-to-end tests in the session, pytest took 26:34; with them beside the unit tests (below), 26:50:
+both keep the two cores ~99% busy, so the order decides little and the suite's CPU work decides the
+time (the parallel run used ~6 CPU-minutes more: oversubscribed cores).
 
 Three kinds of job, queued at the end of collection (``tests/conftest.py``):
 
 - :data:`WHOLE`: a directory of tests (``tests/e2e``) run in one pytest process, so that its
   package-scoped servers are shared as in place; at normal priority and on a thread of its own,
-  first: it is the run's critical path. The session's unit tests run beside it.
+  first (alone it is the longest run). The session's unit tests run beside it.
 - :data:`DEFERRED`: test files whose time is mostly subprocesses of their own (vLLM's V2 sampler
   code under Triton's interpreter, about five minutes of one core; the CPU kernels rebuilt and
   tested capped at AVX2, about a minute): a pytest process each, at the lowest CPU priority, two
