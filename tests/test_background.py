@@ -99,6 +99,16 @@ def _env() -> dict:
     return {k: v for k, v in os.environ.items() if k not in (background.REPORT_ENV, background.OFF_ENV)}
 
 
+def _failing_session(root) -> tuple[str, list[str]]:
+    """A whole session (``-v``) of the suite at ``root``, which must fail: its output, and the
+    test files in the order their tests ran."""
+    p = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-v", "tests"],
+                       cwd=root, capture_output=True, text=True, timeout=600, env=_env())
+    out = p.stdout
+    assert p.returncode == 1, out + p.stderr
+    return out, [s.split("::")[0] for s in out.splitlines() if s.startswith("tests/") and "::" in s]
+
+
 def test_a_deferred_file_runs_in_the_background_and_its_failure_reaches_the_session(tmp_path):
     """A whole session (this conftest) over a passing test and a copy of a deferred file holding a
     failing test: the deferred tests move to the end, run in a pytest process of their own, and
@@ -108,11 +118,7 @@ def test_a_deferred_file_runs_in_the_background_and_its_failure_reaches_the_sess
            "import os\n\n"
            "def test_passes_away():\n    assert os.environ.get('VLLM_CSV_TEST_REPORT')\n\n"
            "def test_fails_away():\n    assert os.getpid() == -1, 'ran in the background'\n")
-    p = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-v", "tests"],
-                       cwd=tmp_path, capture_output=True, text=True, timeout=600, env=_env())
-    out = p.stdout
-    assert p.returncode == 1, out + p.stderr
-    order = [s.split("::")[0] for s in out.splitlines() if s.startswith("tests/") and "::" in s]
+    out, order = _failing_session(tmp_path)
     assert order[0] == "tests/test_a.py" and order[-1] == f"tests/{name}", out
     assert f"tests/{name}::test_passes_away PASSED" in out, out
     assert f"tests/{name}::test_fails_away FAILED" in out and "ran in the background" in out, out
@@ -136,11 +142,7 @@ def test_a_directory_runs_whole_in_one_background_process(tmp_path):
         "import os\n\n\ndef test_one(server):\n    assert server == os.getpid()\n\n\n"
         "def test_two(server):\n    assert server == os.getpid()\n\n\n"
         "def test_fails(server):\n    assert server == -1, 'failed in the directory run'\n")
-    p = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-v", "tests"],
-                       cwd=tmp_path, capture_output=True, text=True, timeout=600, env=_env())
-    out = p.stdout
-    assert p.returncode == 1, out + p.stderr
-    order = [s.split("::")[0] for s in out.splitlines() if s.startswith("tests/") and "::" in s]
+    out, order = _failing_session(tmp_path)
     assert order[0] == "tests/test_a.py" and order[-3:] == ["tests/e2e/test_x.py"] * 3, out
     assert "tests/e2e/test_x.py::test_one PASSED" in out and "tests/e2e/test_x.py::test_two PASSED" in out, out
     assert "tests/e2e/test_x.py::test_fails FAILED" in out and "failed in the directory run" in out, out
