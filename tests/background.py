@@ -54,6 +54,7 @@ OFF_ENV = "VLLM_CSV_TEST_BACKGROUND"  # "0": every test in place
 TIMEOUT = 1500  # seconds a background run of a file may take
 WHOLE_TIMEOUT = 3600  # and of a directory (tests/e2e: 23 minutes alone on CI's two cores)
 DURATIONS = 15  # the slowest tests of a directory's run, shown in the session's summary
+PYTEST = (sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider")  # every background run's command
 
 
 def enabled() -> bool:
@@ -136,16 +137,13 @@ def _lowest_priority() -> None:
 
 def interpreted_job(name: str) -> Job:
     """pytest on the test file ``name`` in a fresh process under Triton's interpreter."""
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", name]
-    return Job(cmd, dict(os.environ, TRITON_INTERPRET="1"), HERE)
+    return Job([*PYTEST, name], dict(os.environ, TRITON_INTERPRET="1"), HERE)
 
 
 def deferred_job(nodeids: list[str], rootdir: Path, report: Path, whole: bool = False) -> Job:
     """pytest on ``nodeids`` (relative to ``rootdir``) in a fresh process that writes its reports
     to ``report``; ``whole``: a directory's run (normal priority, its slowest tests listed)."""
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *nodeids]
-    if whole:
-        cmd[4:4] = [f"--durations={DURATIONS}"]
+    cmd = [*PYTEST, *([f"--durations={DURATIONS}"] if whole else []), *nodeids]
     env = dict(os.environ, **{REPORT_ENV: str(report)})
     return Job(cmd, env, rootdir, nice=not whole, timeout=WHOLE_TIMEOUT if whole else TIMEOUT)
 

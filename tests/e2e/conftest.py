@@ -34,7 +34,7 @@ POISON = {"nan": [8191, 8190, 8189], "inf": [8188, 8187, 8186], "steps": [2, 5]}
 EAGER = ["--enforce-eager"]
 # The shared servers live while this package's tests run and stop after its last one: an idle
 # server's workers still poll for work (about a fifth of a core each, seen with ps during a
-# fresh-clone run), which the rest of the suite, run after these tests, would pay for.
+# fresh-clone run), which the tests run beside or after these (tests/background.py) would pay for.
 SERVERS = "package"
 # Modules with servers of their own (module-scoped) run first, before the shared servers start:
 # never more than one module's servers and the shared ones alive at once (each server is about

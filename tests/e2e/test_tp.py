@@ -70,7 +70,7 @@ def tp_dense_answers(tp_servers) -> dict:
 @pytest.fixture(scope="module")
 def tp_csv(tp_servers, tp_dense_answers):
     """The CSV TP=2 server, healthy (after the dense one's answers)."""
-    dense, csv, deadline = tp_servers
+    _, csv, deadline = tp_servers
     return wait_healthy(csv, deadline)
 
 
