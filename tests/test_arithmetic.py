@@ -243,6 +243,62 @@ def test_onednns_fpmath_mode_is_not_ieee_on_cpus(var, monkeypatch):
         assert fp32_matmul_is_ieee("cuda") is cuda, mode
 
 
+def _dispatched(bad):
+    """An engine that accumulates in fp32 except on the heads ``bad(B, rows, bytes)`` picks out,
+    where it drops a product (a dispatcher that picks another, wrong, kernel there)."""
+    def linear(h, w):
+        wrong = bad(h.shape[0], w.shape[0], w.numel() * w.element_size())
+        return F.linear(h[:, :-1], w[:, :-1]) if wrong else F.linear(h, w)
+    return linear
+
+
+@pytest.mark.parametrize("case", ["size", "divisibility", "batch"])
+def test_probe_runs_the_kernel_the_head_runs(case):
+    """The probe's heads are of the engine's head's class: a dispatcher that takes another kernel
+    past 1 MiB of weight (vLLM-CPU's sgl-kernel / oneDNN split), for rows not a multiple of 16, or
+    for one row, is probed on the kernel the head takes. Before, a fixed 512-row, 8-row-batch probe
+    ran the small kernel and passed such an engine (the ``None`` case below)."""
+    from vllm_csv.dense_engine import probe_engine
+
+    d, head_rows = 256, {"size": 151936, "divisibility": 50257, "batch": 65536}[case]
+    bad = {"size": lambda B, rows, size: size > 1 << 20,
+           "divisibility": lambda B, rows, size: rows % 16 != 0,
+           "batch": lambda B, rows, size: B == 1}[case]
+    engine = _dispatched(bad)
+    assert not probe_engine(engine, torch.bfloat16, d, head_rows=head_rows).fp32_accumulation
+    if case != "batch":
+        assert probe_engine(engine, torch.bfloat16, d).fp32_accumulation  # the hole the shape closes
+    assert probe_engine(F.linear, torch.bfloat16, d, head_rows=head_rows).fp32_accumulation
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_probe_shape_is_the_heads_class(dtype, monkeypatch):
+    """:func:`probe_shape_rows`: the head's own rows up to PROBE_BYTES; past them a head past
+    PROBE_BYTES with the head's rows modulo 64, never more rows than the head. With vLLM installed,
+    vLLM-CPU's own sgl-kernel predicate (AMX assumed) answers the same for the probe and the head."""
+    from vllm_csv.dense_engine import PROBE_BYTES, PROBE_MODULUS, PROBE_ROWS, probe_shape_rows
+
+    size = torch.finfo(dtype).bits // 8
+    try:
+        from vllm.model_executor.layers import utils as vutils
+        monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: True)
+        monkeypatch.setattr(torch.cpu, "_is_amx_fp16_supported", lambda: True)
+        sgl = vutils.check_cpu_sgl_kernel
+    except ImportError:
+        sgl = None
+    assert probe_shape_rows(None, 1024, dtype) == PROBE_ROWS
+    for rows in (1, 15, 16, 512, 8192, 50257, 65536, 128256, 151936, 151665, 262144, 256000):
+        for d in (1, 64, 256, 384, 768, 1000, 1024, 2048, 4096, 8192):
+            n = probe_shape_rows(rows, d, dtype)
+            assert 1 <= n <= rows and n % PROBE_MODULUS == rows % PROBE_MODULUS, (rows, d)
+            if rows * d * size <= PROBE_BYTES:
+                assert n == rows
+            else:
+                assert n * d * size > PROBE_BYTES and (n - PROBE_MODULUS) * d * size <= PROBE_BYTES, (rows, d)
+            if sgl is not None:
+                assert sgl(n, d, dtype) == sgl(rows, d, dtype), (rows, d, dtype)
+
+
 def test_probe_reads_vllms_own_gemm():
     pytest.importorskip("vllm")
     from vllm_csv.dense_engine import probe_engine
@@ -250,6 +306,7 @@ def test_probe_reads_vllms_own_gemm():
 
     for dtype in (torch.bfloat16, torch.float32):
         assert probe_engine(vllm_linear(), dtype, 512).fp32_accumulation
+        assert probe_engine(vllm_linear(), dtype, 512, head_rows=65536).fp32_accumulation
 
 
 def test_mutation_unprobed_engine_certifies_a_wrong_token(monkeypatch):
@@ -271,7 +328,7 @@ def test_mutation_unprobed_engine_certifies_a_wrong_token(monkeypatch):
     assert not head.arithmetic_ok() and not head.topk(h, 1, values=False).certified.any()
     _, stats = head.sampler_logits(h, torch.ones(2, dtype=torch.long))
     assert stats.certified == 0 and stats.fallbacks["arithmetic"] == 2  # counted, as the contract asks
-    monkeypatch.setattr(certified, "probe_engine", lambda *a: EngineProbe(True, False, False))
+    monkeypatch.setattr(certified, "probe_engine", lambda *a, **k: EngineProbe(True, False, False))
     head = CertifiedHead(W, config=HeadConfig(budget=1.0, off_switch=False), engine_linear=_bf16_partial_sums)
     res = head.topk(h, 1, values=False)
     assert res.certified.any() and (res.ids[:, 0][res.certified] != engine[res.certified]).any()

