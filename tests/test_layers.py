@@ -22,7 +22,7 @@ import pytest
 ROOT = pathlib.Path(__file__).resolve().parents[1] / "vllm_csv"
 
 LAYERS = [
-    ("base", ("fp", "errors", "vocabulary", "cache", "cpu_malloc", "_C", "gumbel_noise")),
+    ("base", ("fp", "errors", "vocabulary", "cache", "cpu_malloc", "_C", "gumbel_noise", "clock")),
     ("ops", ("ops",)),
     ("math", ("dense_engine", "kmeans", "index", "screens")),
     ("head", ("head", "gpu", "off_switch", "sharded", "hf_head")),

@@ -634,14 +634,11 @@ def _switched_run(monkeypatch, certificate_cost: float, steps: int = 160):
     from vllm.model_executor.layers.logits_processor import LogitsProcessor
     from vllm.v1.sample.ops import topk_topp_sampler as tts
 
-    from vllm_csv.head import runtime
     from vllm_csv.metrics import CSVMetrics
-    from vllm_csv.vllm_plugin import fill, logits_processor as lp
 
     patches.install_samplers()
     clock = FakeClock()
-    for mod in (runtime, lp, fill, v1_sampler):
-        monkeypatch.setattr(mod, "time", clock)
+    clock.install(monkeypatch)
     Bs = 8
     g = torch.Generator().manual_seed(8)
     W, _ = peaked_head(V, D, seed=19, dtype=torch.bfloat16)
@@ -691,7 +688,7 @@ def test_off_switch_counts_the_sampler_passes_csv_skips(monkeypatch):
     off; the time around the head (issue 45: ``OffSwitch.observe_outside``, the sampler's pass
     falls outside the head's span) now shows the saving there too, and it stays on; without that
     charge it turns off as before. The draws are vLLM's in every step."""
-    from vllm_csv.off_switch import OffSwitch
+    from vllm_csv.off_switch import WARMUP_STEPS, OffSwitch
 
     n = 160
     tried, sw = _switched_run(monkeypatch, 1.3)  # CSV 1.3 a step against dense 1.0 + 1.0
@@ -699,7 +696,7 @@ def test_off_switch_counts_the_sampler_passes_csv_skips(monkeypatch):
     assert tried >= 0.9 * n and sw.times_tripped == 0, tried
     monkeypatch.undo()
     tried, sw = _switched_run(monkeypatch, 2.6)  # dearer than the head and the pass together
-    assert tried <= 0.1 * n and sw.times_tripped >= 1, tried
+    assert tried <= 0.1 * n + WARMUP_STEPS and sw.times_tripped >= 1, tried  # (the kind's warm-up uncharged)
     # the switched-off steps (the fast lane's among them) were timed with the sampler call too
     assert sw.dense_seconds[(8, "sampler")] == pytest.approx(2.0)
     monkeypatch.undo()
@@ -712,7 +709,7 @@ def test_off_switch_counts_the_sampler_passes_csv_skips(monkeypatch):
     monkeypatch.setattr(OffSwitch, "samples_in_place", False)
     monkeypatch.setattr(OffSwitch, "outside_excess", lambda self, batch: 0.0)  # the switch before issue 45
     tried, sw = _switched_run(monkeypatch, 1.3)
-    assert tried <= 0.1 * n, tried
+    assert tried <= 0.1 * n + WARMUP_STEPS, tried
 
 
 def _mask_rows(g, B, V, kind):

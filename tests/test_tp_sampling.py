@@ -278,6 +278,7 @@ def test_small_explicit_set_stays_exact(noisy_key, monkeypatch):
 def test_tp_sampler_keeps_the_off_switch_ledger_common(monkeypatch):
     """The shared off-switch's pending step time, different on each rank, is folded on the
     sampler's first gather: both ranks' ledgers take the slowest rank's time."""
+    from vllm_csv.off_switch import WARMUP_STEPS
     from vllm_csv.testing.heads import hidden_near_rows, peaked_head
 
     V, D, B = 500, 32, 4
@@ -289,7 +290,7 @@ def test_tp_sampler_keeps_the_off_switch_ledger_common(monkeypatch):
     def patch(r, head):
         sw = head.off_switch
         sw.switch.dense_seconds[B] = 0.01
-        sw.switch._warm.add(sw._kind)  # past the kind's uncharged warm-up step
+        sw.switch._warm[sw._kind] = WARMUP_STEPS  # past the kind's uncharged warm-up steps
         sw.observe(B, 0.02 + 0.01 * r)  # a CSV step: 10 or 20 ms over dense
 
     res = resolve_tp(W, None, h, md, torch.arange(B), 2, monkeypatch, patch=patch, off_switch=True)

@@ -311,7 +311,7 @@ class CSVMetrics:
         # dense / csv. A step the switch sent dense saved nothing (its dense run against the
         # dense estimate is noise). A batch size's first CSV step is left out of the speed-up
         # (first kernel calls, allocator growth). (The off-switch
-        # charges it, but for the first CSV step of each kind: vllm_csv.off_switch.)
+        # charges it, but for the first off_switch.WARMUP_STEPS CSV steps of each kind.)
         if dense_seconds is not None and not stats.fallbacks.get("off_switch"):
             b.inc(self.saved, max(0.0, dense_seconds - stats.seconds))
             if stats.rows in self._warm:

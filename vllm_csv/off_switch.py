@@ -13,13 +13,22 @@ A step may try CSV only while ``excess <= tolerance * dense_total``. Each tried 
 one step's excess at most, so at every moment ``excess <= tolerance * dense_total + x``
 with ``x`` the excess of a single step: over any run, CSV is never more than ``tolerance``
 slower than the dense head, up to one step, plus, once per kind of step (below), its first
-CSV step, which is a warm-up (first calls of kernels, allocator growth) and is not charged,
-and, once per batch size, the dense-head run that gives the first guess of its dense time
+:data:`WARMUP_STEPS` CSV steps, which are a warm-up (first calls of kernels at new shapes,
+allocator growth, a server's first requests) and are not charged, and, once per batch size,
+the dense-head run that gives the first guess of its dense time
 (with probes on, the default, that run is the step's own: a batch size's first step runs
 dense).
 (The warm-up was once per batch size: a workload whose batch size changes at almost every
 step, as requests finish one by one, then ran mostly uncharged CSV steps; on the demo's mixed
-workload with default flags that cost 4.6% of dense tokens/s.) This holds for any sequence of
+workload with default flags that cost 4.6% of dense tokens/s. It was then one step per kind,
+but in a server's first request both paths' steps were traced at 2-4x their later times (CSV
+steps of 8.8 and 17.6 ms against 2-4.5 ms later; Zen 4, ngram speculation, one sequence), each
+charge switching CSV off for a while.) The plugin times every step on
+:func:`vllm_csv.clock.now`, which leaves Python's garbage collections out: 0.1 to 0.6 s each in
+a serving worker (traced), landing in whichever step triggers them. Steps of 94 and 456 ms,
+each charged to CSV in a server's first request (traced in two runs; collections that long in
+a third), kept CSV off for the whole of a short benchmark: 0.93-0.98x where CSV, on, gives
+1.42x. The bound holds for any sequence of
 steps (the floor on ``excess`` only ever raises it), workloads that alternate between steps
 CSV pays for and steps it does not included (``tests/test_off_switch.py``). A CSV path that
 is ``r`` times slower than dense is retried once every ``(r - 1) / tolerance`` steps; a
@@ -107,6 +116,9 @@ OUTSIDE_MIN = 3  # samples of each side before the outside difference is charged
 # switched-off steps that skip the ledger) runs on one dense estimate before its samples are
 # reported, and the times it keeps.
 LANE_MAX = 256
+# A kind's first CSV steps, not charged (module docstring): the noise of a server's start-up
+# (its first requests), and first calls at the first few shapes
+WARMUP_STEPS = 8
 STABLE = 0.1  # a probe's sample agrees with the estimate within this fraction of it (module docstring)
 BACKOFF = 4  # the longest probe interval, in multiples of probe_every
 EXTRAPOLATE = 1.5  # a new batch size at most this times the largest measured takes their line
@@ -115,8 +127,10 @@ EXTRAPOLATE = 1.5  # a new batch size at most this times the largest measured ta
 class OffSwitch:
     samples_in_place = True  # dense steps reported with observe_dense() become the estimate (module docstring)
 
-    def __init__(self, tolerance: float = 0.02, credit_steps: int = 64, probe_every: int = 32):
+    def __init__(self, tolerance: float = 0.02, credit_steps: int = 64, probe_every: int = 32,
+                 warmup_steps: int = WARMUP_STEPS):
         self.tolerance, self.credit_steps, self.probe_every = tolerance, credit_steps, probe_every
+        self.warmup_steps = warmup_steps  # a kind's first CSV steps not charged (module docstring)
         self.dense_seconds: dict[Hashable, float] = {}  # current estimate per batch size (key)
         self._dense_total: dict[str, float] = {}  # per kind of step (module docstring)
         self._excess: dict[str, float] = {}
@@ -124,7 +138,7 @@ class OffSwitch:
         self.probes = 0  # steps run dense to measure the dense head in place
         self._on: dict[str, bool] = {}
         self._kind = ""  # the kind of the step allow() started (observe() charges it)
-        self._warm: set[str] = set()  # kinds whose first CSV step was seen
+        self._warm: dict[str, int] = {}  # kind -> its CSV steps seen, up to warmup_steps
         self._samples: dict[Hashable, deque[float]] = {}
         self._since_probe: dict[Hashable, int] = {}  # CSV steps since the batch size's last probe
         self._probed: set[Hashable] = set()
@@ -260,8 +274,9 @@ class OffSwitch:
         ledger of ``kind`` (default: the kind the last :meth:`allow` named)."""
         self._since_probe[batch] = self._since_probe.get(batch, 0) + 1
         dense, kind = self.dense_seconds[batch], self._kind if kind is None else kind
-        if kind not in self._warm:
-            self._warm.add(kind)
+        seen = self._warm.get(kind, 0)
+        if seen < self.warmup_steps:
+            self._warm[kind] = seen + 1
             return
         excess = seconds - dense
         if self._outside_ready(batch):  # (with the steps charged before there was an estimate)

@@ -16,11 +16,11 @@ The off-switch is not here: the plugin's step asks and feeds it (issue 43).
 from __future__ import annotations
 
 import math
-import time
 from collections.abc import Callable
 
 import torch
 
+from .. import clock
 from .types import RowSplit, StepStats
 
 
@@ -45,11 +45,11 @@ def time_call(fn: Callable[[], object], like: torch.Tensor) -> float:
     dense estimate)."""
     if like.is_cuda:
         torch.cuda.synchronize(like.device)
-    t0 = time.perf_counter()
+    t0 = clock.now()
     fn()
     if like.is_cuda:
         torch.cuda.synchronize(like.device)
-    return time.perf_counter() - t0
+    return clock.now() - t0
 
 
 def sampler_logits(selector, hidden: torch.Tensor, topk: torch.Tensor,
@@ -62,7 +62,7 @@ def sampler_logits(selector, hidden: torch.Tensor, topk: torch.Tensor,
     row's token (``[B]`` int64, :attr:`Selection.top1`; the argmax of its output row), else None
     (the plugin hands it to readers that need only argmaxes: :class:`~vllm_csv.vllm_plugin.step.Top1`).
     ``exclude``: tokens left out of every row's certificate (:meth:`Selector.select`)."""
-    t0 = time.perf_counter() if t0 is None else t0
+    t0 = clock.now() if t0 is None else t0
     B, dev = hidden.shape[0], hidden.device
     # decided on the host, as Python lists (B numbers; no device sync)
     ks, rows, csv_rows, _ = row_split(topk.tolist(), selector.max_certified_k)
@@ -110,5 +110,5 @@ def sampler_logits(selector, hidden: torch.Tensor, topk: torch.Tensor,
         selector.last_certified = torch.zeros(B, dtype=torch.bool)
         out = dense_fn(hidden).to(selector.dtype)
     selector.backend.synchronize(dev)  # (CUDA: the step's time is read on the host clock)
-    stats.seconds = time.perf_counter() - t0
+    stats.seconds = clock.now() - t0
     return out, stats

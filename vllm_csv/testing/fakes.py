@@ -11,13 +11,20 @@ from ..vllm_plugin.step import DeferredStats, Handoff, Step, StepAccount, StepCh
 
 
 class FakeClock:
-    """``time`` for the plugin's modules: advances only by the simulated costs."""
+    """The steps' clock (:func:`vllm_csv.clock.now`) for the plugin's modules: advances only by
+    the simulated costs (``clock.now += seconds``); :meth:`install` puts it in place."""
 
     def __init__(self):
         self.now = 0.0
 
     def perf_counter(self):
         return self.now
+
+    def install(self, monkeypatch) -> "FakeClock":
+        from .. import clock
+
+        monkeypatch.setattr(clock, "now", self.perf_counter)
+        return self
 
 
 def csv_layer(head, metrics=None):

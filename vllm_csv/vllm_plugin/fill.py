@@ -37,11 +37,11 @@ forbids, nothing else written; ``min_tokens`` with a grammar is dense there too,
 from __future__ import annotations
 
 import math
-import time
 
 import torch
 from vllm.logger import init_logger
 
+from .. import clock
 from ..ops.bools import all_, any_, flat_nonzero, neg_inf_rows
 from .step import Deferred, DeferredStats
 
@@ -136,5 +136,5 @@ def finish(d: Deferred, logits: torch.Tensor, dev_rows: torch.Tensor, certified:
     for m, c in zip(d.modes, certified.tolist()):
         if c:
             st.certified[m] = st.certified.get(m, 0) + 1
-    st.seconds = d.seconds + time.perf_counter() - t0
+    st.seconds = d.seconds + clock.now() - t0
 

@@ -20,13 +20,13 @@ with the step's :class:`~.step.StepAccount`, which the sampler settles here (:me
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 
 import torch
 from vllm.logger import init_logger
 from vllm.model_executor.layers.logits_processor import LogitsProcessor
 
+from .. import clock
 from .. import head as csv_head
 from ..errors import CSVError
 from ..metrics import Series
@@ -101,7 +101,7 @@ class CSVLogitsProcessor(LogitsProcessor):
         """The logits, and whether they hold rows the head certified or deferred."""
         # The head (and its index) is built at the first call, which vLLM makes during
         # start-up (profiling / warm-up): a bad index stops the server there.
-        t0 = time.perf_counter()  # the off-switch charges this layer's whole step, plan included
+        t0 = clock.now()  # the off-switch charges this layer's whole step, plan included
         # The runner's step (step.py; None: a call outside a runner's step, e.g. warm-up). A
         # hand-off left by an earlier head call whose sampler call never came (none expected: each
         # step's sampler follows its head) must not reach this step's sampler: it would fill this
@@ -123,9 +123,9 @@ class CSVLogitsProcessor(LogitsProcessor):
                 logits = super().forward(lm_head, hidden_states, embedding_bias).to(head.dtype)
                 if lane.with_sampler:  # (the append comes with the sampler call's time)
                     step.handoff = StepAccount(self, "lane", series=lane.series, with_sampler=True, key=lane.key,
-                                               head_seconds=time.perf_counter() - t0)
+                                               head_seconds=clock.now() - t0)
                 else:
-                    seconds = time.perf_counter() - t0
+                    seconds = clock.now() - t0
                     lane.series.seconds.append(seconds)
                     if lane.timed:
                         self._span_done(lane.key, False, seconds)
@@ -134,7 +134,7 @@ class CSVLogitsProcessor(LogitsProcessor):
         if not any(plan.topk):  # every row dense by its sampling parameters: count the rows
             out = super().forward(lm_head, hidden_states, embedding_bias, skip_gather)
             if head.off_switch is not None and not hidden_states.is_cuda:  # (CUDA: no sync to time it)
-                self._observe(head.off_switch, hidden_states.shape[0], time.perf_counter() - t0)
+                self._observe(head.off_switch, hidden_states.shape[0], clock.now() - t0)
             if self.csv_metrics is not None:
                 self.csv_metrics.record(csv_head.StepStats(rows=hidden_states.shape[0]))
             return out, False
@@ -161,7 +161,7 @@ class CSVLogitsProcessor(LogitsProcessor):
         key = (B, kind) if with_sampler else B
         if asked and not sw.allow(key, lambda: csv_head.time_call(dense_full, hidden_states), kind):
             logits = dense_full().to(head.dtype)  # vLLM's own output: one GEMM, no copies
-            seconds = time.perf_counter() - t0
+            seconds = clock.now() - t0
             stats = csv_head.StepStats(rows=B, csv_rows=plan.csv_rows, seconds=seconds, screen=head.screen_name)
             stats.fallbacks["unsupported"] = split.csv_rows - len(split.rows)
             stats.fallbacks["off_switch"] = plan.csv_rows - stats.fallbacks["unsupported"]
@@ -212,7 +212,7 @@ class CSVLogitsProcessor(LogitsProcessor):
             step.handoff = Deferred(
                 logits, csv_head.hidden_rows(hidden_states, rows.to(hidden_states.device)), rows,
                 [modes[i] for i in deferred], self._adapter(head), dense_full, account,
-                seconds=time.perf_counter() - t0 - stats.seconds, suppressed=step.suppressed)
+                seconds=clock.now() - t0 - stats.seconds, suppressed=step.suppressed)
             self._log_first(head, stats)
             return logits, True
         self._log_first(head, stats)

@@ -63,11 +63,11 @@ gather, and a row whose seeds differ between ranks goes dense on every rank.
 from __future__ import annotations
 
 import dataclasses
-import time
 from typing import NamedTuple
 
 import torch
 
+from ... import clock
 from ...sampling.rows import certify_rows
 from ...sampling.sharded_rows import ShardedAdapter, certify_rows_sharded
 from ...vocabulary import SAMPLING_EPS as _SAMPLING_EPS
@@ -236,7 +236,7 @@ def resolve(sampler, d: Deferred, logits: torch.Tensor, md, predict_bonus_token:
     min-p keeps the winner, and dropping other tokens cannot change a certified draw; its
     ``[B, V]`` pass is skipped when every sampled row with a min-p is certified
     (:func:`.masks._masks_off`)."""
-    t0 = time.perf_counter()
+    t0 = clock.now()
     rows = d.rows
     R = rows.numel()
     st = DeferredStats(rows=R)
@@ -404,19 +404,19 @@ def sample(orig, sampler, logits: torch.Tensor, md, predict_bonus_token: bool = 
     if d is None:
         return orig(sampler, logits, md, predict_bonus_token, logprobs_mode_override)
     if isinstance(d, StepAccount):  # a dense step the off-switch times with this call
-        t0 = time.perf_counter()
+        t0 = clock.now()
         out = orig(sampler, logits, md, predict_bonus_token, logprobs_mode_override)
-        d.settle(None, time.perf_counter() - t0)
+        d.settle(None, clock.now() - t0)
         return out
     st, settled, drawn = resolve(sampler, d, logits, md, predict_bonus_token, draw=True)
     if not d.account.with_sampler:  # (the account holds whether the sampler call's time counts)
         d.account.settle(st)
-    t0 = time.perf_counter()
+    t0 = clock.now()
     if drawn is not None:
         out = _drawn(md, drawn)
     else:
         out = draw_with_masks(sampler, orig, logits, md, settled, predict_bonus_token, logprobs_mode_override,
                    rows_only=certifiable_sampler(sampler))
     if d.account.with_sampler:
-        d.account.settle(st, time.perf_counter() - t0)
+        d.account.settle(st, clock.now() - t0)
     return out

@@ -21,11 +21,11 @@ from __future__ import annotations
 
 import functools
 import math
-import time
 
 import numpy as np
 import torch
 
+from ... import clock
 from ...sampling.rows_v2 import certify_rows_v2
 from ...sampling.scoring import RowsResult
 from ...sampling.sharded_rows import ShardedAdapter
@@ -188,7 +188,7 @@ def resolve(sampler, d: Deferred, logits: torch.Tensor, input_batch) -> Deferred
     the fused FlashInfer sampler; speculative decoding; another sampler) and rows with a thinking
     budget are dense. (Host reads: the
     per-request states' numpy mirrors, which vLLM keeps on the host.)"""
-    t0 = time.perf_counter()
+    t0 = clock.now()
     rows = d.rows
     st = DeferredStats(rows=rows.numel())
     dev = logits.device

@@ -36,11 +36,11 @@ are not whole requests.
 
 from __future__ import annotations
 
-import time
 
 import numpy as np
 import torch
 
+from ... import clock
 from ...sampling.scoring import RowsResult
 from ...sampling.sharded_rows import ShardedAdapter
 from ...sampling.verify_v2 import certify_verification_v2
@@ -114,7 +114,7 @@ def resolve(rs, d: Deferred, logits: torch.Tensor, input_batch, draft_logits=Non
     :mod:`vllm_csv.sampling.verify_v2` hands them over, the others dense) in place before V2's
     ``RejectionSampler`` verifies them (module docstring). Host syncs: the drafts' and the
     certificate's (its rounds read decisions on the host)."""
-    t0 = time.perf_counter()
+    t0 = clock.now()
     rows = d.rows
     st = DeferredStats(rows=rows.numel())
     dev = logits.device
