@@ -243,32 +243,56 @@ def test_onednns_fpmath_mode_is_not_ieee_on_cpus(var, monkeypatch):
         assert fp32_matmul_is_ieee("cuda") is cuda, mode
 
 
-def _dispatched(bad):
+def _dispatched(bad, tail=False):
     """An engine that accumulates in fp32 except on the heads ``bad(B, rows, bytes)`` picks out,
-    where it drops a product (a dispatcher that picks another, wrong, kernel there)."""
+    where it drops a product (a dispatcher that picks another, wrong, kernel there); with
+    ``tail``, only on the rows past the last multiple of 16 (a kernel's remainder loop), in bf16
+    partial sums."""
     def linear(h, w):
-        wrong = bad(h.shape[0], w.shape[0], w.numel() * w.element_size())
-        return F.linear(h[:, :-1], w[:, :-1]) if wrong else F.linear(h, w)
+        if not bad(h.shape[0], w.shape[0], w.numel() * w.element_size()):
+            return F.linear(h, w)
+        if not tail:
+            return F.linear(h[:, :-1], w[:, :-1])
+        out, t = F.linear(h, w), w.shape[0] // 16 * 16
+        out[:, t:] = _bf16_partial_sums(h, w[t:])
+        return out
     return linear
 
 
-@pytest.mark.parametrize("case", ["size", "divisibility", "batch"])
+@pytest.mark.parametrize("case", ["size", "divisibility", "batch", "large_batch", "tail"])
 def test_probe_runs_the_kernel_the_head_runs(case):
     """The probe's heads are of the engine's head's class: a dispatcher that takes another kernel
-    past 1 MiB of weight (vLLM-CPU's sgl-kernel / oneDNN split), for rows not a multiple of 16, or
-    for one row, is probed on the kernel the head takes. Before, a fixed 512-row, 8-row-batch probe
-    ran the small kernel and passed such an engine (the ``None`` case below)."""
+    past 1 MiB of weight (vLLM-CPU's sgl-kernel / oneDNN split), for rows not a multiple of 16,
+    for one row or for more than 64, or whose remainder rows (past the last multiple of 16) are
+    wrong, is probed on the kernel and the rows that are wrong. Before, a fixed 512-row,
+    8-row-batch probe ran the small kernel and passed such an engine (the ``None`` case below),
+    and a tail holding one crafted row passed the remainder's engine (found by review)."""
     from vllm_csv.dense_engine import probe_engine
 
-    d, head_rows = 256, {"size": 151936, "divisibility": 50257, "batch": 65536}[case]
+    d = 64 if case == "tail" else 256
+    head_rows = {"size": 151936, "divisibility": 50257, "batch": 65536, "large_batch": 65536, "tail": 50257}[case]
     bad = {"size": lambda B, rows, size: size > 1 << 20,
            "divisibility": lambda B, rows, size: rows % 16 != 0,
-           "batch": lambda B, rows, size: B == 1}[case]
-    engine = _dispatched(bad)
+           "batch": lambda B, rows, size: B == 1,
+           "large_batch": lambda B, rows, size: B > 64,
+           "tail": lambda B, rows, size: True}[case]
+    engine = _dispatched(bad, tail=case == "tail")
     assert not probe_engine(engine, torch.bfloat16, d, head_rows=head_rows).fp32_accumulation
-    if case != "batch":
+    if case in ("size", "divisibility"):
         assert probe_engine(engine, torch.bfloat16, d).fp32_accumulation  # the hole the shape closes
     assert probe_engine(F.linear, torch.bfloat16, d, head_rows=head_rows).fp32_accumulation
+
+
+@pytest.mark.parametrize("head_rows", [1, 2, 3, 4, 5])
+def test_probe_of_a_head_with_fewer_rows_than_crafted_ones(head_rows):
+    """A head of fewer rows than the probe's five crafted ones is probed at its own shape, each
+    crafted row in turn (bf16 inputs on an fp32 head at d = 4096 are caught by one of them only;
+    found by review: 2 to 4 rows passed)."""
+    from vllm_csv.dense_engine import probe_engine
+
+    assert not probe_engine(_bf16_inputs, torch.float32, 4096, head_rows=head_rows).fp32_accumulation
+    assert not probe_engine(_tf32, torch.float32, 256, head_rows=head_rows).fp32_accumulation
+    assert probe_engine(F.linear, torch.float32, 4096, head_rows=head_rows).fp32_accumulation
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])

@@ -61,3 +61,50 @@ def test_the_heads_step_seconds_leave_a_collection_out():
     assert spent and spent[0] > 0.005
     assert stats.seconds <= wall - 0.9 * spent[0], (stats.seconds, wall, spent)
     del heap
+
+
+def test_young_collections_stay_on_the_clock():
+    """Only full collections stand the clock still: a young one scales with the young objects,
+    the timed step's own allocations among them, and stays the step's time."""
+    gc.collect()
+    gc.disable()
+    try:
+        heap = _heap()  # young: no collection has seen them yet
+        spent = []
+
+        def work():
+            t = time.perf_counter()
+            gc.collect(0)
+            spent.append(time.perf_counter() - t)
+
+        wall, steps = _collect_in(work)
+    finally:
+        gc.enable()
+    assert spent[0] > 0.002, spent
+    assert steps >= 0.9 * wall, (steps, wall)
+    del heap
+
+
+def test_a_reading_during_a_collection_and_a_reload_keep_it_monotone():
+    """A finalizer that reads the clock during a full collection reads its start; a reload of the
+    module keeps the seconds collected so far and one callback."""
+    import importlib
+
+    heap = _heap()
+    readings = []
+
+    class Reads:
+        def __del__(self):
+            readings.append(clock.now())
+
+    a = Reads()
+    a.cycle = a  # freed by the collector only
+    del a
+    gc.collect()
+    after = clock.now()
+    assert readings and readings[0] <= after
+    before = clock.now()
+    importlib.reload(clock)
+    assert 0 <= clock.now() - before < 0.05
+    assert sum(getattr(cb, "__name__", "") == "_on_collection" for cb in gc.callbacks) == 1
+    del heap

@@ -251,6 +251,23 @@ def test_first_step_of_a_kind_is_not_charged():
     assert sw.excess == -0.5
 
 
+def test_the_default_warm_up_is_eight_steps_a_kind():
+    """With the default, a kind's first WARMUP_STEPS (8) CSV steps are not charged, its next one
+    is; another kind has its own."""
+    assert WARMUP_STEPS == 8
+    sw = OffSwitch(probe_every=0)
+    for _ in range(WARMUP_STEPS):
+        assert sw.allow(1, lambda: 1.0, "top1")
+        sw.observe(1, 100.0)
+    assert sw.excess == 0.0
+    assert sw.allow(1, lambda: 1.0, "top1")
+    sw.observe(1, 3.0)
+    assert sw.excess == 2.0 and not sw.allow(1, lambda: 1.0, "top1")
+    assert sw.allow(1, lambda: 1.0, "sampler")
+    sw.observe(1, 100.0)
+    assert sw.excess == 2.0
+
+
 @pytest.mark.parametrize("warmup_steps", [1, WARMUP_STEPS])
 def test_a_servers_first_request_noise_does_not_keep_csv_off(warmup_steps):
     """A server's first request, as traced on a Zen 4 (demo, ngram speculation, one sequence):

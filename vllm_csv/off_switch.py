@@ -24,7 +24,8 @@ workload with default flags that cost 4.6% of dense tokens/s. It was then one st
 but in a server's first request both paths' steps were traced at 2-4x their later times (CSV
 steps of 8.8 and 17.6 ms against 2-4.5 ms later; Zen 4, ngram speculation, one sequence), each
 charge switching CSV off for a while.) The plugin times every step on
-:func:`vllm_csv.clock.now`, which leaves Python's garbage collections out: 0.1 to 0.6 s each in
+:func:`vllm_csv.clock.now`, which leaves Python's full garbage collections out (the promise is
+on the steps' time without them): 0.1 to 0.6 s each in
 a serving worker (traced), landing in whichever step triggers them. Steps of 94 and 456 ms,
 each charged to CSV in a server's first request (traced in two runs; collections that long in
 a third), kept CSV off for the whole of a short benchmark: 0.93-0.98x where CSV, on, gives

@@ -149,7 +149,7 @@ class SharedOffSwitch:
     time enters the ledger at the next CSV step, from collective 1 (the slowest rank's).
     :meth:`allow` then reads only common numbers. The bound of the single-rank switch holds
     with one more step of lag: CSV costs at most ``tolerance`` more head time, up to two
-    steps, plus the warm-up step of each kind. Dense steps are not sampled in place
+    steps, plus the warm-up steps of each kind. Dense steps are not sampled in place
     (each rank's time would have to be made common by one more collective on a dense step):
     the dense estimate stays the stand-alone one, and the switch makes no probes.
     """

@@ -66,7 +66,8 @@ class CertifiedHead:
         ``linear(h, w)``: the engine's own GEMM, probed at construction (default ``F.linear``).
     engine_rows : int, optional
         The rows of the weight that GEMM multiplies on the head, padding included (default
-        ``V'``): the probe takes a head of that class (:func:`~vllm_csv.dense_engine.probe_shape_rows`).
+        ``V'`` with ``engine_linear``, else ``vocab_size``: :meth:`dense_logits` multiplies the real
+        rows): the probe takes a head of that class (:func:`~vllm_csv.dense_engine.probe_shape_rows`).
 
     Attributes
     ----------
@@ -105,7 +106,7 @@ class CertifiedHead:
         # engine's own GEMM, vLLM's in the plugin, F.linear by default): an arithmetic outside the
         # bounds' model (partial sums in the model dtype, TF32 inputs) certifies nothing.
         self.engine_probe = probe_engine(engine_linear or F.linear, self.dtype, self.hidden_size, weight.device,
-                                         head_rows=engine_rows or weight.shape[0])
+                                         head_rows=engine_rows or (weight.shape[0] if engine_linear else V))
         if not self.engine_probe.fp32_accumulation:
             logger.warning("CSV certifies nothing on this head: the dense engine's arithmetic is %s",
                            self.engine_probe.describe())
@@ -294,7 +295,7 @@ class CertifiedHead:
             Computes the dense logits of the whole batch (default :meth:`dense_logits`), so
             callers keep their engine's own code path; called at most once.
         t0 : float, optional
-            ``time.perf_counter()`` at the start of the caller's step: ``StepStats.seconds``
+            :func:`vllm_csv.clock.now` at the start of the caller's step: ``StepStats.seconds``
             counts from there (default: now).
         temperature : torch.Tensor, optional
             ``[B]`` fp32 (host): the temperature of each *sampled* row (its logits are divided
