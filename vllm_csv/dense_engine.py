@@ -249,19 +249,20 @@ def probe_engine(linear: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], d
     sgl-kernel and oneDNN by the weight's size and its rows' divisibility). The crafted rows are
     tiled over the probe head once per rotation, so that every row position (a kernel's tail rows
     included, and each row of a head with fewer rows than there are crafted ones) meets each."""
-    rows = probe_rows(d)
+    rows = probe_rows(d).to(dtype)
     n = rows.shape[0]
     N = probe_shape_rows(head_rows, d, dtype)
+    # each crafted row's interval (h = 1: its exact product is its sum, what fp32 accumulation
+    # approximates), once: the rotations below only place the rows
+    a = rows.double().sum(1)
+    E = gamma(d + 2, FP32_UNIT_ROUNDOFF) * rows.double().abs().sum(1) + flush_slack(d)
+    lo_n = round_down32(a - E).to(dtype).float()
+    hi_n = round_up32(a + E).to(dtype).float()
     bad: dict[int, str] = {}  # crafted row -> what the engine returned for it, outside its interval
     for r in range(n):
-        w = rows.roll(-r, 0).repeat(-(-N // n), 1)[:N].to(dtype)
         crafted = (torch.arange(N) + r) % n
-        a = w.double().sum(1)  # h = 1: the exact product, what fp32 accumulation approximates
-        A = w.double().abs().sum(1)
-        E = gamma(d + 2, FP32_UNIT_ROUNDOFF) * A + flush_slack(d)
-        lo = round_down32(a - E).to(dtype).float()
-        hi = round_up32(a + E).to(dtype).float()
-        wd = w.to(device)
+        lo, hi = lo_n[crafted], hi_n[crafted]
+        wd = rows[crafted].to(device)
         for B in PROBE_BATCHES:
             got = linear(torch.ones(B, d, dtype=dtype, device=device), wd).float().cpu()
             for j in (~((got >= lo) & (got <= hi)).all(0)).nonzero().flatten().tolist()[:n]:
