@@ -1,5 +1,6 @@
 """The adaptive off-switch: CSV never costs more than 2% over the dense head, up to one step."""
 
+import logging
 from types import SimpleNamespace
 
 import pytest
@@ -205,7 +206,7 @@ def greedy_layer(head, monkeypatch, dense=None):
     return step, calls
 
 
-def test_head_reports_off_switch_rows_and_stays_exact(monkeypatch):
+def test_head_reports_off_switch_rows_and_stays_exact(monkeypatch, caplog):
     g = torch.Generator().manual_seed(0)
     W = torch.randn(2048, 32, generator=g)
     h = torch.randn(4, 32, generator=g)
@@ -215,11 +216,31 @@ def test_head_reports_off_switch_rows_and_stays_exact(monkeypatch):
     head.off_switch.warmup_steps = 1
     step, _ = greedy_layer(head, monkeypatch)
     tried = []
-    for _ in range(4):
-        logits, t = step(h)
-        tried.append(t)
-        assert torch.equal(logits.argmax(1), (h @ W.T).argmax(1))
+    with caplog.at_level(logging.INFO, logger="vllm.csv_decode"):
+        for _ in range(4):
+            logits, t = step(h)
+            tried.append(t)
+            assert torch.equal(logits.argmax(1), (h @ W.T).argmax(1))
     assert tried == [True, True, False, False] and head.off_switch.times_tripped == 1  # the first step is a warm-up
+    # the trip is explained once in the server's log: the ledger and the steps that made it
+    trips = [r.getMessage() for r in caplog.records if "off-switch sends" in r.getMessage()]
+    assert len(trips) == 1 and "allowed" in trips[0], trips
+    assert "warm-up)" in trips[0] and "estimate 0.00 ms, charged +" in trips[0], trips
+
+
+def test_explain_names_the_charged_steps_and_the_dense_samples():
+    sw = OffSwitch(probe_every=0, warmup_steps=1)
+    sw.dense_seconds[4] = 0.001
+    for seconds in (0.004, 0.003):
+        assert sw.allow(4, lambda: 0.001, "greedy")
+        sw.observe(4, seconds)
+    assert not sw.allow(4, lambda: 0.001, "greedy") and sw.times_tripped == 1
+    sw.observe_dense(4, 0.002)
+    text = sw.explain("greedy")
+    assert text.startswith("excess 2.00 ms over 3.0 ms of dense time (allowed 0.06 ms)"), text
+    assert text.endswith("greedy 4: 4.00 ms (estimate 1.00 ms, warm-up); greedy 4: 3.00 ms (estimate 1.00 ms, "
+                         "charged +2.00 ms); dense 4: 2.00 ms (estimate 1.00 ms)"), text
+    assert sw.explain("top_k").startswith("excess 0.00 ms over 0.0 ms")
 
 
 def test_head_probe_is_a_dense_step_timed_in_place(monkeypatch):

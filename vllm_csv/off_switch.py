@@ -122,6 +122,7 @@ LANE_MAX = 256
 WARMUP_STEPS = 8
 STABLE = 0.1  # a probe's sample agrees with the estimate within this fraction of it (module docstring)
 BACKOFF = 4  # the longest probe interval, in multiples of probe_every
+HISTORY = 12  # the last timed steps kept for a trip's explanation (OffSwitch.explain)
 EXTRAPOLATE = 1.5  # a new batch size at most this times the largest measured takes their line
 
 
@@ -151,6 +152,9 @@ class OffSwitch:
         # (observe reads it every CSV step: two medians of up to OUTSIDE_WINDOW samples)
         self._outside_estimate: dict[Hashable, float] = {}
         self._outside_owed: dict[tuple[Hashable, str], int] = {}  # CSV steps charged before an outside estimate
+        # The last HISTORY timed steps, (kind or None for a dense sample, key, seconds, dense
+        # estimate then, charge), for explain(): why a kind turned off, in the server's log.
+        self.recent: deque[tuple[str | None, Hashable, float, float, float | None]] = deque(maxlen=HISTORY)
 
     @property
     def dense_total(self) -> float:
@@ -278,6 +282,7 @@ class OffSwitch:
         seen = self._warm.get(kind, 0)
         if seen < self.warmup_steps:
             self._warm[kind] = seen + 1
+            self.recent.append((kind, batch, seconds, dense, None))
             return
         excess = seconds - dense
         if self._outside_ready(batch):  # (with the steps charged before there was an estimate)
@@ -285,6 +290,19 @@ class OffSwitch:
         else:
             self._outside_owed[(batch, kind)] = self._outside_owed.get((batch, kind), 0) + 1
         self._excess[kind] = max(self._excess.get(kind, 0.0) + excess, -self.credit_steps * dense)
+        self.recent.append((kind, batch, seconds, dense, excess))
+
+    def explain(self, kind: str = "") -> str:
+        """Why ``kind``'s ledger stands where it does, for a log line: its excess against its
+        allowance, and the last timed steps (CSV steps of any kind with their charge; dense
+        samples)."""
+        total = self._dense_total.get(kind, 0.0)
+        steps = "; ".join(
+            f"{'dense' if k is None else k or 'csv'} {key}: {s * 1e3:.2f} ms (estimate {d * 1e3:.2f} ms"
+            + ("" if k is None else ", warm-up" if c is None else f", charged {c * 1e3:+.2f} ms") + ")"
+            for k, key, s, d, c in self.recent)
+        return (f"excess {self._excess.get(kind, 0.0) * 1e3:.2f} ms over {total * 1e3:.1f} ms of dense time "
+                f"(allowed {self.tolerance * total * 1e3:.2f} ms); last steps: {steps or 'none'}")
 
     def observe_outside(self, batch: Hashable, csv: bool, seconds: float) -> None:
         """The time outside the timed span of a step of ``batch`` (a CSV step if ``csv``, else a
@@ -325,6 +343,7 @@ class OffSwitch:
             self._interval[batch] = min(2 * now, BACKOFF * self.probe_every) if agrees else self.probe_every
         s.append(seconds)
         self._on_neighbours.discard(batch)
+        self.recent.append((None, batch, seconds, self.dense_seconds.get(batch, seconds), None))
         self.dense_seconds[batch] = statistics.median(s)
 
 

@@ -144,14 +144,13 @@ class Shard:
 class SharedOffSwitch:
     """The off-switch (:class:`~vllm_csv.off_switch.OffSwitch`) with the same ledger on every rank.
 
-    Its inputs are made common: a batch size's dense time is measured by all ranks together
-    (the dense path is collective anyway) and the slowest rank's time is kept; a CSV step's
-    time enters the ledger at the next CSV step, from collective 1 (the slowest rank's).
-    :meth:`allow` then reads only common numbers. The bound of the single-rank switch holds
-    with one more step of lag: CSV costs at most ``tolerance`` more head time, up to two
-    steps, plus the warm-up steps of each kind. Dense steps are not sampled in place
-    (each rank's time would have to be made common by one more collective on a dense step):
-    the dense estimate stays the stand-alone one, and the switch makes no probes.
+    Its inputs are made common: a batch size's dense time is measured by all ranks together (the
+    dense path is collective anyway), the slowest rank's kept; a CSV step's time enters the
+    ledger at the next CSV step, from collective 1 (the slowest rank's). :meth:`allow` then reads
+    only common numbers. The single-rank switch's bound holds with one more step of lag: CSV
+    costs at most ``tolerance`` more head time, up to two steps, plus each kind's warm-up steps.
+    Dense steps are not sampled in place (each rank's time would need one more collective on a
+    dense step): the dense estimate stays the stand-alone one, and the switch makes no probes.
     """
 
     samples_in_place = False  # (the class docstring): the plugin keys every step by its batch size
@@ -163,9 +162,11 @@ class SharedOffSwitch:
         self._pending: tuple[int, float, str] | None = None  # (batch, seconds, kind) of the last CSV step
         self._kind = ""
 
-    @property
-    def dense_seconds(self) -> dict[int, float]:
-        return self.switch.dense_seconds
+    dense_seconds = property(lambda self: self.switch.dense_seconds)  # (the common ledger's, as OffSwitch's)
+    times_tripped = property(lambda self: self.switch.times_tripped)
+
+    def explain(self, kind: str = "") -> str:  # (OffSwitch.explain of the common ledger)
+        return self.switch.explain(kind)
 
     def allow(self, batch: int, measure_dense: Callable[[], float], kind: str = "") -> bool:
         sw, self._kind = self.switch, kind

@@ -37,6 +37,7 @@ from .step import (PLACEHOLDER, SUPPRESSED_PROBE, Deferred, DeferredStats, Dense
                    step_of)
 
 logger = init_logger("vllm.csv_decode")
+TRIPS_LOGGED = 3  # the off-switch's first trips (CSV on -> off) explained at INFO
 OFF = "CSV-Decode is off for this LM head: %s; using the dense head."  # (at construction, or later: _switch_off)
 
 
@@ -159,7 +160,10 @@ class CSVLogitsProcessor(LogitsProcessor):
         # (Also without the switch: the step's metrics count the same time.)
         with_sampler = bool(deferred) and not hidden_states.is_cuda and (sw is None or sw.samples_in_place)
         key = (B, kind) if with_sampler else B
+        trips = sw.times_tripped if asked else 0
         if asked and not sw.allow(key, lambda: csv_head.time_call(dense_full, hidden_states), kind):
+            if sw.times_tripped > trips and trips < TRIPS_LOGGED:  # (the first few: why CSV turned off)
+                logger.info("CSV-Decode: the off-switch sends %r steps dense: %s", kind, sw.explain(kind))
             logits = dense_full().to(head.dtype)  # vLLM's own output: one GEMM, no copies
             seconds = clock.now() - t0
             stats = csv_head.StepStats(rows=B, csv_rows=plan.csv_rows, seconds=seconds, screen=head.screen_name)
@@ -245,7 +249,7 @@ class CSVLogitsProcessor(LogitsProcessor):
         else:
             deferred.seconds += sampler_seconds
             hm = account.modes
-            self._record(account.head, _merge(account.stats, deferred),
+            self._record(account.head, deferred.added_to(account.stats),
                          {k: hm.get(k, 0) + deferred.certified.get(k, 0) for k in set(hm) | set(deferred.certified)},
                          account.key)
 
@@ -428,18 +432,6 @@ class _Lane:
     series: Series  # each lane step's time (open in the metrics when they are on)
     timed: bool  # the times are in-place dense samples (not on CUDA: no sync to time it)
     with_sampler: bool = False  # each time includes vLLM's sampler call (a StepAccount of kind "lane")
-
-
-def _merge(stats, st):
-    """The step's head-time stats plus its deferred rows (resolved in the sampler)."""
-    out = csv_head.StepStats(rows=stats.rows + st.rows, csv_rows=stats.csv_rows + st.rows,
-                             certified=stats.certified + sum(st.certified.values()),
-                             fallbacks=dict(stats.fallbacks), scored=list(stats.scored),
-                             seconds=stats.seconds + st.seconds, screen=stats.screen)
-    for r, n in st.fallbacks.items():
-        out.fallbacks[r] = out.fallbacks.get(r, 0) + n
-    out.scored += [st.scored] * sum(st.certified.values())
-    return out
 
 
 def _rows(temperature: torch.Tensor | None, rows: list[int]) -> torch.Tensor | None:

@@ -25,7 +25,7 @@ gets no step and stays dense.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Protocol
 
 import torch
@@ -52,6 +52,16 @@ class DeferredStats:
     fallbacks: dict[str, int] = field(default_factory=dict)
     scored: int = 0
     seconds: float = 0.0
+
+    def added_to(self, stats: StepStats) -> StepStats:
+        """The step's head-time ``stats`` plus these deferred rows (a new account)."""
+        n = sum(self.certified.values())
+        fallbacks = dict(stats.fallbacks)
+        for r, k in self.fallbacks.items():
+            fallbacks[r] = fallbacks.get(r, 0) + k
+        return replace(stats, rows=stats.rows + self.rows, csv_rows=stats.csv_rows + self.rows,
+                       certified=stats.certified + n, fallbacks=fallbacks,
+                       scored=list(stats.scored) + [self.scored] * n, seconds=stats.seconds + self.seconds)
 
 
 class Ledger(Protocol):
