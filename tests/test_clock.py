@@ -1,8 +1,14 @@
-"""The steps' clock stands still while Python's garbage collector runs (vllm_csv/clock.py)."""
+"""The steps' clock stands still while Python's garbage collector runs and while the OS runs
+another process on the thread's core (vllm_csv/clock.py)."""
 
 import gc
+import multiprocessing
+import os
+import subprocess
+import sys
 import time
 
+import pytest
 import torch
 
 from vllm_csv import CertifiedHead, clock
@@ -77,11 +83,13 @@ def test_young_collections_stay_on_the_clock():
             gc.collect(0)
             spent.append(time.perf_counter() - t)
 
+        ran = time.thread_time()
         wall, steps = _collect_in(work)
+        ran = time.thread_time() - ran  # (not the wall time: another process may take the core meanwhile)
     finally:
         gc.enable()
     assert spent[0] > 0.002, spent
-    assert steps >= 0.9 * wall, (steps, wall)
+    assert steps >= 0.9 * ran, (steps, ran, wall)
     del heap
 
 
@@ -108,3 +116,45 @@ def test_a_reading_during_a_collection_and_a_reload_keep_it_monotone():
     assert 0 <= clock.now() - before < 0.05
     assert sum(getattr(cb, "__name__", "") == "_on_collection" for cb in gc.callbacks) == 1
     del heap
+
+
+@pytest.mark.skipif(not clock.RUN_QUEUE, reason="no /proc/thread-self/schedstat: the clock leaves out collections only")
+def test_time_another_process_holds_the_core_is_not_on_the_clock():
+    """A process spinning on this thread's core takes about half its wall time; the clock counts
+    the thread's own running time (the plain wall clock, the step clock before, fails this)."""
+    cpu = min(os.sched_getaffinity(0))
+    hog = subprocess.Popen([sys.executable, "-c", f"import os\nos.sched_setaffinity(0, {{{cpu}}})\nwhile True: pass"])
+    mask = os.sched_getaffinity(0)
+    try:
+        os.sched_setaffinity(0, {cpu})  # (this thread only)
+        time.sleep(0.3)  # (the hog is up and spinning)
+        w0, c0, r0 = time.perf_counter(), clock.now(), time.thread_time()
+        x = 0
+        while time.thread_time() - r0 < 0.3:
+            x += 1
+        wall, steps, ran = time.perf_counter() - w0, clock.now() - c0, time.thread_time() - r0
+    finally:
+        os.sched_setaffinity(0, mask)
+        hog.kill()
+        hog.wait()
+    assert wall > 1.4 * ran, (wall, ran)  # (the hog did take the core)
+    assert ran * 0.95 <= steps <= ran * 1.15, (steps, ran, wall)
+
+
+def _child(queue) -> None:
+    fresh = clock._thread.fd is None  # (the parent's file, opened before the fork, is not this thread's)
+    t0 = clock.now()
+    queue.put((fresh, clock.now() >= t0))
+
+
+@pytest.mark.skipif(not clock.RUN_QUEUE, reason="no /proc/thread-self/schedstat")
+def test_a_forked_child_reads_its_own_thread():
+    clock.now()
+    assert clock._thread.fd is not None
+    ctx = multiprocessing.get_context("fork")
+    queue = ctx.Queue()
+    p = ctx.Process(target=_child, args=(queue,))
+    p.start()
+    got = queue.get(timeout=60)
+    p.join(60)
+    assert got == (True, True) and p.exitcode == 0

@@ -24,12 +24,13 @@ workload with default flags that cost 4.6% of dense tokens/s. It was then one st
 but in a server's first request both paths' steps were traced at 2-4x their later times (CSV
 steps of 8.8 and 17.6 ms against 2-4.5 ms later; Zen 4, ngram speculation, one sequence), each
 charge switching CSV off for a while.) The plugin times every step on
-:func:`vllm_csv.clock.now`, which leaves Python's full garbage collections out (the promise is
-on the steps' time without them): 0.1 to 0.6 s each in
-a serving worker (traced), landing in whichever step triggers them. Steps of 94 and 456 ms,
-each charged to CSV in a server's first request (traced in two runs; collections that long in
-a third), kept CSV off for the whole of a short benchmark: 0.93-0.98x where CSV, on, gives
-1.42x. The bound holds for any sequence of
+:func:`vllm_csv.clock.now`, which leaves out Python's full garbage collections (0.1 to 0.6 s
+each in a serving worker, traced) and the time the worker's thread waits for its core while
+another process runs there (tens of ms a slice): the promise is on the steps' time without
+them. Either lands in whichever step it hits; steps of 94 and 456 ms (collections) and of 48 to
+78 ms (a busy core), each charged to CSV in a server's first request, kept CSV off for the whole
+of a short benchmark: 0.93-1.00x where CSV, on, gives 1.35-1.74x. When a kind turns off, the
+plugin logs why (:meth:`OffSwitch.explain`). The bound holds for any sequence of
 steps (the floor on ``excess`` only ever raises it), workloads that alternate between steps
 CSV pays for and steps it does not included (``tests/test_off_switch.py``). A CSV path that
 is ``r`` times slower than dense is retried once every ``(r - 1) / tolerance`` steps; a
