@@ -69,7 +69,10 @@ class _Thread(threading.local):
 
     def __del__(self):  # (the thread ended: its file closes with it)
         if self.fd is not None:
-            os.close(self.fd)
+            try:
+                os.close(self.fd)
+            except Exception:  # (at interpreter exit the os module may be gone already)
+                pass
 
 
 _thread = _Thread()
