@@ -6,6 +6,7 @@ import multiprocessing
 import os
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -126,7 +127,10 @@ def test_time_another_process_holds_the_core_is_not_on_the_clock():
     hog = subprocess.Popen([sys.executable, "-c", f"import os\nos.sched_setaffinity(0, {{{cpu}}})\nwhile True: pass"])
     mask = os.sched_getaffinity(0)
     try:
-        os.sched_setaffinity(0, {cpu})  # (this thread only)
+        try:
+            os.sched_setaffinity(0, {cpu})  # (this thread only)
+        except PermissionError:
+            pytest.skip("this sandbox refuses sched_setaffinity")
         time.sleep(0.3)  # (the hog is up and spinning)
         w0, c0, r0 = time.perf_counter(), clock.now(), time.thread_time()
         x = 0
@@ -138,11 +142,12 @@ def test_time_another_process_holds_the_core_is_not_on_the_clock():
         hog.kill()
         hog.wait()
     assert wall > 1.4 * ran, (wall, ran)  # (the hog did take the core)
-    assert ran * 0.95 <= steps <= ran * 1.15, (steps, ran, wall)
+    # (above the thread's CPU time: steal and interrupt time, in neither)
+    assert ran * 0.95 <= steps <= ran * 1.3, (steps, ran, wall)
 
 
 def _child(queue) -> None:
-    fresh = clock._thread.fd is None  # (the parent's file, opened before the fork, is not this thread's)
+    fresh = clock._thread.file is None  # (the parent's file, opened before the fork, is not this thread's)
     t0 = clock.now()
     queue.put((fresh, clock.now() >= t0))
 
@@ -150,7 +155,7 @@ def _child(queue) -> None:
 @pytest.mark.skipif(not clock.RUN_QUEUE, reason="no /proc/thread-self/schedstat")
 def test_a_forked_child_reads_its_own_thread():
     clock.now()
-    assert clock._thread.fd is not None
+    assert clock._thread.file is not None
     ctx = multiprocessing.get_context("fork")
     queue = ctx.Queue()
     p = ctx.Process(target=_child, args=(queue,))
@@ -158,3 +163,70 @@ def test_a_forked_child_reads_its_own_thread():
     got = queue.get(timeout=60)
     p.join(60)
     assert got == (True, True) and p.exitcode == 0
+
+
+def test_a_reading_during_another_threads_collection_keeps_this_threads_clock(monkeypatch):
+    """Each reader subtracts its own run-queue wait: a collection another thread runs does not
+    move this thread's clock into that thread's frame (which held it still for the difference
+    of the two threads' waits)."""
+    main = threading.get_ident()
+    # this (serving) thread has waited 5 s for its core over its life, the collector none
+    monkeypatch.setattr(clock, "_waited", lambda: 5.0 if threading.get_ident() == main else 0.0)
+    monkeypatch.setattr(clock, "_thread", clock._Thread())  # (no earlier reading: the mock moves the wait)
+    clock.now()
+    inside = threading.Event()
+
+    class Finalized:
+        def __del__(self):  # (runs inside the collection; sleeping lets the other thread run)
+            inside.set()
+            time.sleep(0.1)
+
+    def collector():
+        a = Finalized()
+        a.cycle = a
+        del a
+        gc.collect()
+
+    c = threading.Thread(target=collector)
+    c.start()
+    assert inside.wait(10)
+    assert clock._started is not None
+    clock.now()  # (this thread reads the clock during the other thread's collection)
+    c.join()
+    t0 = clock.now()
+    time.sleep(0.2)
+    assert clock.now() - t0 >= 0.15
+
+
+@pytest.mark.skipif(not clock.RUN_QUEUE, reason="no /proc/thread-self/schedstat")
+def test_a_threads_schedstat_file_closes_when_the_thread_ends():
+    clock.now()
+    fds = len(os.listdir("/proc/self/fd"))
+
+    def collect():
+        clock.now()
+        gc.collect()  # (the collection callback reads the collector's file too)
+
+    for _ in range(20):
+        t = threading.Thread(target=collect)
+        t.start()
+        t.join()
+    assert len(os.listdir("/proc/self/fd")) <= fds + 1
+
+
+@pytest.mark.parametrize("v2", [True, False])
+@pytest.mark.parametrize("capped_at", [None, "kubepods/pod1", "kubepods"])
+def test_a_cpu_capped_cgroup_keeps_the_run_queue_wait_on_the_clock(tmp_path, v2, capped_at):
+    """Where a cgroup caps the CPU time (a container's limit), the throttling the process's own
+    threads bring on shows as run-queue wait: not taken out. Read at the cgroup and above it,
+    cgroup v2 and v1."""
+    ctrl, name, free, cap = ("", "cpu.max", "max 100000", "50000 100000") if v2 else \
+        ("cpu,cpuacct", "cpu.cfs_quota_us", "-1", "50000")
+    for rel in ("", "kubepods", "kubepods/pod1"):
+        d = tmp_path / "fs" / ctrl / rel
+        d.mkdir(parents=True, exist_ok=True)
+        (d / name).write_text(cap if rel == capped_at else free)
+    cgroup = tmp_path / "cgroup"
+    cgroup.write_text("0::/kubepods/pod1\n" if v2 else "4:memory:/other\n3:cpu,cpuacct:/kubepods/pod1\n")
+    assert clock._cpu_capped(str(cgroup), str(tmp_path / "fs")) == (capped_at is not None)
+    assert not clock._cpu_capped(str(tmp_path / "missing"), str(tmp_path / "fs"))

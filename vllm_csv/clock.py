@@ -17,27 +17,36 @@ CSV or dense, and are taken out:
   second field of Linux's ``/proc/thread-self/schedstat``). Another process on the worker's core
   (another tenant, the server's own API process, a second server) takes the core in slices of
   tens of ms: in a server's first request on the 2-core Zen 4, the worker's thread spent most of
-  its wall time waiting on the run queue, and CSV steps of 2 to 3 ms read 48 to 78 ms. One such
+  its wall time waiting on the run queue, and CSV steps of 2 to 3 ms read 48 to 78 ms (traced:
+  a 78 ms one within 82 ms of the thread's run-queue wait). One such
   step, the first charged after the warm-up, put CSV 36 ms in debt, which a short benchmark's 2%
   allowance never repaid (one of eight one-sequence ngram runs kept CSV off: 1.00x where the
   others gave 1.35-1.59x). Preemption falls on a step in proportion to the time it runs, whichever
   path it runs, so leaving it out keeps the comparison's sign and drops its heavy tail.
 
-:func:`now` is ``time.perf_counter()`` less the calling thread's run-queue wait so far, less
-the seconds every full collection (generation 2) in this process took so far, each measured on
-the clock without the run-queue wait (``gc.callbacks``, registered at import): a clock that
-stands still while the thread waits for a core or a full collection runs, so the difference of
-two readings is a span's time without them. It is what the off-switch charges, the metrics'
-step times and the outside-the-span times. Not taken out: young-generation collections (they
-scale with the young objects, which the timed step's own allocations are among); time the thread
-blocks (I/O, a lock, an OpenMP pool's sleeping workers, a device sync), which is the step's; and
-a preempted OpenMP worker, which the calling thread waits for running or blocked, not on the
-run queue. Where the schedstat file cannot be read (not Linux, some sandboxes) only the
-collections are taken out (:data:`RUN_QUEUE`). It is monotone per thread (a reading taken during
-a collection, from a finalizer, is the collection's start; readings never go back). One caveat:
-a collection run by another Python thread while this one is in native code with the GIL
-released is taken out too, though this thread ran on (the plugin's steps run on the worker's one
-Python thread).
+:func:`now` is ``time.perf_counter()`` less the calling thread's own run-queue wait so far,
+less the seconds every full collection (generation 2) in this process took so far, each less its
+collecting thread's run-queue wait meanwhile (``gc.callbacks``, registered at import): a clock
+that stands still while the thread waits for a core or a full collection runs, so the difference
+of two readings is a span's time without them. It is what the off-switch charges, the metrics'
+step times and the outside-the-span times. A reading costs about 2 us (one ``pread`` of the
+thread's schedstat; the file is opened at the thread's first reading and closed at its end);
+the plugin takes two to five a step.
+
+Not taken out: young-generation collections (they scale with the young objects, which the timed
+step's own allocations are among); time the thread blocks (I/O, a lock, an OpenMP pool's
+sleeping workers, a device sync), which is the step's; a preempted OpenMP worker, which the
+calling thread waits for running or blocked, not on the run queue. The run-queue wait stays on
+the clock where a cgroup caps the process's CPU time (a container's CPU limit: ``cpu.max``,
+``cpu.cfs_quota_us``), since the throttling it brings shows as run-queue wait and the process's
+own threads, CSV's among them, spend the quota; and where the schedstat file does not read (not
+Linux, some sandboxes): :data:`RUN_QUEUE`. Run-queue wait the step's own threads cause, on a core
+they share with it (more OpenMP threads than cores, ``VLLM_CPU_OMP_THREADS_BIND=nobind``), would
+be left out too; vLLM-CPU binds one thread per core. The clock is monotone per thread (a reading
+taken during a collection, from a finalizer, is the collection's start; readings never go back).
+Caveats: a collection run by another Python thread while this one is in native code with the GIL
+released is taken out too, though this thread ran on, and so is, twice, this thread's own wait
+for a core during it (the plugin's steps run on the worker's one Python thread).
 """
 
 from __future__ import annotations
@@ -50,29 +59,68 @@ import time
 _SCHEDSTAT = "/proc/thread-self/schedstat"  # run time, run-queue wait (ns), time slices
 
 
+def _cpu_capped(cgroup: str = "/proc/self/cgroup", root: str = "/sys/fs/cgroup") -> bool:
+    """Whether a cgroup this process is in caps its CPU time (v2 ``cpu.max``, v1
+    ``cpu.cfs_quota_us``, at its cgroup or any above it that the process sees): then the
+    run-queue wait holds the cap's throttling, which the process's own threads (CSV's among
+    them) bring on, and it stays on the clock."""
+    try:
+        with open(cgroup) as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return False
+    for line in lines:
+        _, controllers, path = line.split(":", 2)
+        if controllers and "cpu" not in controllers.split(","):
+            continue
+        base, name = (root, "cpu.max") if not controllers else (os.path.join(root, controllers), "cpu.cfs_quota_us")
+        parts = [p for p in path.split("/") if p]
+        for depth in range(len(parts), -1, -1):
+            try:
+                with open(os.path.join(base, *parts[:depth], name)) as f:
+                    limit = f.read().split()[0]
+            except (OSError, IndexError):
+                continue
+            if limit not in ("max", "-1"):
+                return True
+    return False
+
+
 def _readable() -> bool:
+    """Whether this thread's schedstat reads, with a run time (a kernel without the scheduler's
+    accounting prints zeros)."""
     try:
         with open(_SCHEDSTAT, "rb") as f:
-            return len(f.read().split()) >= 2
-    except OSError:
+            fields = f.read().split()
+        return len(fields) >= 2 and int(fields[0]) > 0
+    except (OSError, ValueError):
         return False
 
 
-RUN_QUEUE = _readable()  # whether now() takes out the run-queue wait (module docstring)
+# whether now() takes out the run-queue wait (module docstring)
+RUN_QUEUE = _readable() and not _cpu_capped()
+
+
+class _File:
+    """A thread's schedstat file, closed when its thread's locals go (at the thread's end)."""
+
+    __slots__ = ("fd",)
+
+    def __init__(self):
+        self.fd = os.open(_SCHEDSTAT, os.O_RDONLY)
+
+    def __del__(self):
+        try:
+            os.close(self.fd)
+        except Exception:  # (at interpreter exit the os module may be gone already)
+            pass
 
 
 class _Thread(threading.local):
     """A thread's schedstat file (opened at its first reading) and its last reading."""
 
-    fd: int | None = None
+    file: _File | None = None
     last: float = float("-inf")
-
-    def __del__(self):  # (the thread ended: its file closes with it)
-        if self.fd is not None:
-            try:
-                os.close(self.fd)
-            except Exception:  # (at interpreter exit the os module may be gone already)
-                pass
 
 
 _thread = _Thread()
@@ -83,7 +131,9 @@ def _reset_after_fork() -> None:  # a forked child's thread is not its parent's:
     _thread = _Thread()
 
 
-os.register_at_fork(after_in_child=_reset_after_fork)
+if not globals().get("_fork_hooked"):  # (once: a reload keeps the hook, which reads this module's globals)
+    os.register_at_fork(after_in_child=_reset_after_fork)
+    _fork_hooked = True
 
 
 def _waited() -> float:
@@ -91,20 +141,16 @@ def _waited() -> float:
     if not RUN_QUEUE:
         return 0.0
     t = _thread
-    if t.fd is None:
-        t.fd = os.open(_SCHEDSTAT, os.O_RDONLY)
-    return int(os.pread(t.fd, 64, 0).split()[1]) * 1e-9
-
-
-def _running() -> float:
-    """Wall time less the calling thread's run-queue wait."""
-    return time.perf_counter() - _waited()
+    f = t.file
+    if f is None:
+        f = t.file = _File()
+    return int(os.pread(f.fd, 64, 0).split()[1]) * 1e-9
 
 
 # (kept across a reload of this module: a reset would move the clock forward by every
 # collection so far)
 _collected: float = globals().get("_collected", 0.0)  # seconds of full collections, up to the last one's end
-_started: float | None = None  # the running full collection's start
+_started: tuple[float, float] | None = None  # the running full collection's start: wall time, the collector's wait
 
 
 def _on_collection(phase: str, info: dict) -> None:
@@ -112,17 +158,22 @@ def _on_collection(phase: str, info: dict) -> None:
     if info.get("generation") != 2:
         return
     if phase == "start":
-        _started = _running()
+        _started = (time.perf_counter(), _waited())
     elif _started is not None:
-        _collected += _running() - _started
-        _started = None
+        (p0, w0), _started = _started, None
+        _collected += (time.perf_counter() - p0) - (_waited() - w0)  # (its time less the collector's wait)
 
 
 def now() -> float:
     """Seconds on the steps' clock (module docstring): only differences mean anything."""
-    started = _started
     t = _thread
-    reading = max(t.last, (_running() if started is None else started) - _collected)
+    while True:
+        started, collected = _started, _collected
+        wall = time.perf_counter() if started is None else started[0]
+        waited = _waited()  # (each reader its own wait; the read releases the GIL:)
+        if _started is started and _collected == collected:  # (no collection began or ended meanwhile)
+            break
+    reading = max(t.last, wall - waited - collected)
     t.last = reading
     return reading
 

@@ -295,8 +295,10 @@ class OffSwitch:
 
     def explain(self, kind: str = "") -> str:
         """Why ``kind``'s ledger stands where it does, for a log line: its excess against its
-        allowance, and the last timed steps (CSV steps of any kind with their charge; dense
-        samples)."""
+        allowance, and the last :data:`HISTORY` timed steps of any kind: CSV steps with what each
+        added to its kind's excess (its time less the estimate, plus what it costs around the
+        head, before the floor of ``credit_steps``), or that it was a warm-up step; dense
+        samples."""
         total = self._dense_total.get(kind, 0.0)
         steps = "; ".join(
             f"{'dense' if k is None else k or 'csv'} {key}: {s * 1e3:.2f} ms (estimate {d * 1e3:.2f} ms"

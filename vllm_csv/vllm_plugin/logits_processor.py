@@ -162,10 +162,10 @@ class CSVLogitsProcessor(LogitsProcessor):
         key = (B, kind) if with_sampler else B
         trips = sw.times_tripped if asked else 0
         if asked and not sw.allow(key, lambda: csv_head.time_call(dense_full, hidden_states), kind):
-            if sw.times_tripped > trips and trips < TRIPS_LOGGED:  # (the first few: why CSV turned off)
-                logger.info("CSV-Decode: the off-switch sends %r steps dense: %s", kind, sw.explain(kind))
             logits = dense_full().to(head.dtype)  # vLLM's own output: one GEMM, no copies
             seconds = clock.now() - t0
+            if sw.times_tripped > trips and trips < TRIPS_LOGGED:  # (the first few; after the timing)
+                logger.info("CSV-Decode: the off-switch sends %r steps dense: %s", kind, sw.explain(kind))
             stats = csv_head.StepStats(rows=B, csv_rows=plan.csv_rows, seconds=seconds, screen=head.screen_name)
             stats.fallbacks["unsupported"] = split.csv_rows - len(split.rows)
             stats.fallbacks["off_switch"] = plan.csv_rows - stats.fallbacks["unsupported"]
