@@ -16,9 +16,8 @@ CSV or dense, and are taken out:
 * **Time the thread was ready to run but the OS ran something else** (its run-queue wait, the
   second field of Linux's ``/proc/thread-self/schedstat``). Another process on the worker's core
   (another tenant, the server's own API process, a second server) takes the core in slices of
-  tens of ms: in a server's first request on the 2-core Zen 4, the worker's thread spent most of
-  its wall time waiting on the run queue, and CSV steps of 2 to 3 ms read 48 to 78 ms (traced:
-  a 78 ms one within 82 ms of the thread's run-queue wait). One such
+  tens of ms: in a server's first request on the 2-core Zen 4, CSV steps of 2 to 3 ms read 48 to
+  78 ms (traced: a 78 ms one within 82 ms of the thread's run-queue wait). One such
   step, the first charged after the warm-up, put CSV 36 ms in debt, which a short benchmark's 2%
   allowance never repaid (one of eight one-sequence ngram runs kept CSV off: 1.00x where the
   others gave 1.35-1.59x). Preemption falls on a step in proportion to the time it runs, whichever
