@@ -230,3 +230,5 @@ def test_a_cpu_capped_cgroup_keeps_the_run_queue_wait_on_the_clock(tmp_path, v2,
     cgroup.write_text("0::/kubepods/pod1\n" if v2 else "4:memory:/other\n3:cpu,cpuacct:/kubepods/pod1\n")
     assert clock._cpu_capped(str(cgroup), str(tmp_path / "fs")) == (capped_at is not None)
     assert not clock._cpu_capped(str(tmp_path / "missing"), str(tmp_path / "fs"))
+    cgroup.write_text("garbage\n" + cgroup.read_text())  # (a line not in the kernel's format is passed over)
+    assert clock._cpu_capped(str(cgroup), str(tmp_path / "fs")) == (capped_at is not None)

@@ -69,7 +69,10 @@ def _cpu_capped(cgroup: str = "/proc/self/cgroup", root: str = "/sys/fs/cgroup")
     except OSError:
         return False
     for line in lines:
-        _, controllers, path = line.split(":", 2)
+        fields = line.split(":", 2)
+        if len(fields) != 3:  # (not the kernel's format: read at import in every vLLM process, so never an error)
+            continue
+        _, controllers, path = fields
         if controllers and "cpu" not in controllers.split(","):
             continue
         base, name = (root, "cpu.max") if not controllers else (os.path.join(root, controllers), "cpu.cfs_quota_us")
