@@ -4,6 +4,7 @@ build held too long by another process must end in the torch reference, said in 
 import fcntl
 import logging
 import os
+import shutil
 import subprocess
 import sys
 
@@ -17,8 +18,20 @@ LOAD = ("import logging; logging.basicConfig(level=logging.INFO); from vllm_csv.
         "print('ops', build.load_ops() is not None)")
 
 
-def _build_dir():
-    return build._build_directory(build._extension()[0])
+@pytest.fixture
+def private_build(tmp_path, monkeypatch):
+    """A copy of this process's kernel build (times kept, so ninja finds nothing to do) under a
+    ``TORCH_EXTENSIONS_DIR`` of the test's own: the locks these tests leave or hold are then seen
+    only by their subprocess, not by the suite's end-to-end servers loading the kernels in the
+    background (which removed the stale lock first and logged it in their own log)."""
+    name = build._extension()[0]
+    shared = build._build_directory(name)
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    private = build._build_directory(name)
+    assert private != shared and str(private).startswith(str(tmp_path))
+    shutil.copytree(shared, private, ignore=shutil.ignore_patterns("lock", build.BUILD_LOCK),
+                    dirs_exist_ok=True)  # (torch made it, empty)
+    return private
 
 
 def _load(timeout, **env):
@@ -26,10 +39,10 @@ def _load(timeout, **env):
                           env={**os.environ, **env})
 
 
-def test_a_lock_left_by_a_killed_build_is_removed():
+def test_a_lock_left_by_a_killed_build_is_removed(private_build):
     """torch's lock file, as a process killed mid-build leaves it: without the fix the load waits
     on it forever (here: the subprocess times out)."""
-    baton = os.path.join(_build_dir(), "lock")
+    baton = os.path.join(private_build, "lock")
     open(baton, "w").close()
     try:
         r = _load(300)
@@ -41,8 +54,8 @@ def test_a_lock_left_by_a_killed_build_is_removed():
     assert "left by a build that did not finish" in r.stderr
 
 
-def test_a_build_held_past_the_wait_falls_back_to_the_reference():
-    fd = os.open(os.path.join(_build_dir(), build.BUILD_LOCK), os.O_RDWR | os.O_CREAT, 0o644)
+def test_a_build_held_past_the_wait_falls_back_to_the_reference(private_build):
+    fd = os.open(os.path.join(private_build, build.BUILD_LOCK), os.O_RDWR | os.O_CREAT, 0o644)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX)
         r = _load(120, **{build.BUILD_WAIT_ENV: "1"})
