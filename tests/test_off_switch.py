@@ -206,7 +206,10 @@ def greedy_layer(head, monkeypatch, dense=None):
     return step, calls
 
 
-def test_head_reports_off_switch_rows_and_stays_exact(monkeypatch, caplog):
+@pytest.mark.parametrize("explains", [True, False])
+def test_head_reports_off_switch_rows_and_stays_exact(monkeypatch, caplog, explains):
+    """(``explains`` False: a switch whose trips another process logs, as SharedOffSwitch on
+    tensor-parallel ranks other than 0: the ledger is common, one line is enough.)"""
     g = torch.Generator().manual_seed(0)
     W = torch.randn(2048, 32, generator=g)
     h = torch.randn(4, 32, generator=g)
@@ -214,6 +217,7 @@ def test_head_reports_off_switch_rows_and_stays_exact(monkeypatch, caplog):
     head.off_switch.dense_seconds[4] = 1e-9  # pretend the dense head is instantaneous: CSV is slower
     head.off_switch.probe_every = 0  # (and keep pretending: no in-place dense sample)
     head.off_switch.warmup_steps = 1
+    head.off_switch.explains = explains
     step, _ = greedy_layer(head, monkeypatch)
     tried = []
     with caplog.at_level(logging.INFO, logger="vllm.csv_decode"):
@@ -224,6 +228,9 @@ def test_head_reports_off_switch_rows_and_stays_exact(monkeypatch, caplog):
     assert tried == [True, True, False, False] and head.off_switch.times_tripped == 1  # the first step is a warm-up
     # the trip is explained once in the server's log: the ledger and the steps that made it
     trips = [r.getMessage() for r in caplog.records if "off-switch sends" in r.getMessage()]
+    if not explains:
+        assert trips == []
+        return
     assert len(trips) == 1 and "allowed" in trips[0], trips
     assert "warm-up)" in trips[0] and "estimate 0.00 ms, charged +" in trips[0], trips
 
@@ -241,6 +248,30 @@ def test_explain_names_the_charged_steps_and_the_dense_samples():
     assert text.endswith("greedy 4: 4.00 ms (estimate 1.00 ms, warm-up); greedy 4: 3.00 ms (estimate 1.00 ms, "
                          "charged +2.00 ms); dense 4: 2.00 ms (estimate 1.00 ms)"), text
     assert sw.explain("top_k").startswith("excess 0.00 ms over 0.0 ms")
+
+
+def test_explain_keeps_each_kinds_own_steps():
+    """A kind's explanation lists its own last steps, CSV and dense: steps of a busier kind
+    neither appear in it nor push its steps out (one history for all kinds showed a top-k trip
+    with only greedy steps)."""
+    from vllm_csv.off_switch import HISTORY
+
+    sw = OffSwitch(probe_every=0, warmup_steps=0)
+    sw.dense_seconds[2] = sw.dense_seconds[8] = 0.001
+    assert sw.allow(2, lambda: 0.001, "top_k")
+    sw.observe(2, 0.005)
+    assert not sw.allow(2, lambda: 0.001, "top_k") and sw.times_tripped == 1
+    sw.observe_dense(2, 0.0011)  # (the kind of the step allow() refused)
+    for _ in range(3 * HISTORY):  # a busy greedy kind after it
+        assert sw.allow(8, lambda: 0.001, "greedy")
+        sw.observe(8, 0.0009)
+    sw.observe_dense(8, 0.0012, "greedy")
+    top_k, greedy = sw.explain("top_k"), sw.explain("greedy")
+    assert top_k.endswith("last steps: top_k 2: 5.00 ms (estimate 1.00 ms, charged +4.00 ms); "
+                          "dense 2: 1.10 ms (estimate 1.00 ms)"), top_k
+    parts = greedy.split("last steps: ")[1].split("; ")
+    assert len(parts) == HISTORY and parts[-1] == "dense 8: 1.20 ms (estimate 1.00 ms)", greedy
+    assert all(p.startswith("greedy 8: 0.90 ms (estimate 1.00 ms, charged -0.10 ms)") for p in parts[:-1]), greedy
 
 
 def test_head_probe_is_a_dense_step_timed_in_place(monkeypatch):

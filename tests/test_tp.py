@@ -555,6 +555,9 @@ def test_shared_off_switch_gathers_on_the_heads_device():
     sw = SharedOffSwitch(comm, device="meta")
     sw.allow(4, lambda: 0.02)
     assert comm.seen == [torch.device("meta")]
+    assert sw.explains  # (rank 0 logs the common ledger's trips; the others do not:)
+    comm.rank = 1
+    assert not SharedOffSwitch(comm, device="meta").explains
     case = learned_case(V=200, B=2)
     shard = Shard.vllm_layout(200, 0, 2)
     head = ShardedHead(*shard_of(case.weight, None, shard), shard, Comm(), config=HeadConfig(screen="int8"))

@@ -153,9 +153,11 @@ class OffSwitch:
         # (observe reads it every CSV step: two medians of up to OUTSIDE_WINDOW samples)
         self._outside_estimate: dict[Hashable, float] = {}
         self._outside_owed: dict[tuple[Hashable, str], int] = {}  # CSV steps charged before an outside estimate
-        # The last HISTORY timed steps, (kind or None for a dense sample, key, seconds, dense
-        # estimate then, charge), for explain(): why a kind turned off, in the server's log.
-        self.recent: deque[tuple[str | None, Hashable, float, float, float | None]] = deque(maxlen=HISTORY)
+        # Each kind's last HISTORY timed steps, (whether it ran CSV, key, seconds, dense estimate
+        # then, charge or None for a warm-up), for explain(): why a kind turned off, in the
+        # server's log (one history a kind: a busy kind does not push out a quiet one's steps).
+        self.recent: dict[str, deque[tuple[bool, Hashable, float, float, float | None]]] = {}
+        self.explains = True  # whether the plugin logs this switch's trips (SharedOffSwitch: rank 0)
 
     @property
     def dense_total(self) -> float:
@@ -283,7 +285,7 @@ class OffSwitch:
         seen = self._warm.get(kind, 0)
         if seen < self.warmup_steps:
             self._warm[kind] = seen + 1
-            self.recent.append((kind, batch, seconds, dense, None))
+            self._history(kind).append((True, batch, seconds, dense, None))
             return
         excess = seconds - dense
         if self._outside_ready(batch):  # (with the steps charged before there was an estimate)
@@ -291,19 +293,24 @@ class OffSwitch:
         else:
             self._outside_owed[(batch, kind)] = self._outside_owed.get((batch, kind), 0) + 1
         self._excess[kind] = max(self._excess.get(kind, 0.0) + excess, -self.credit_steps * dense)
-        self.recent.append((kind, batch, seconds, dense, excess))
+        self._history(kind).append((True, batch, seconds, dense, excess))
+
+    def _history(self, kind: str) -> deque:
+        h = self.recent.get(kind)
+        if h is None:
+            h = self.recent[kind] = deque(maxlen=HISTORY)
+        return h
 
     def explain(self, kind: str = "") -> str:
         """Why ``kind``'s ledger stands where it does, for a log line: its excess against its
-        allowance, and the last :data:`HISTORY` timed steps of any kind: CSV steps with what each
-        added to its kind's excess (its time less the estimate, plus what it costs around the
-        head, before the floor of ``credit_steps``), or that it was a warm-up step; dense
-        samples."""
+        allowance, and its last :data:`HISTORY` timed steps: CSV steps with what each added to
+        the excess (its time less the estimate, plus what it costs around the head, before the
+        floor of ``credit_steps``), or that it was a warm-up step; its dense samples."""
         total = self._dense_total.get(kind, 0.0)
         steps = "; ".join(
-            f"{'dense' if k is None else k or 'csv'} {key}: {s * 1e3:.2f} ms (estimate {d * 1e3:.2f} ms"
-            + ("" if k is None else ", warm-up" if c is None else f", charged {c * 1e3:+.2f} ms") + ")"
-            for k, key, s, d, c in self.recent)
+            f"{kind or 'csv' if csv else 'dense'} {key}: {s * 1e3:.2f} ms (estimate {d * 1e3:.2f} ms"
+            + ("" if not csv else ", warm-up" if c is None else f", charged {c * 1e3:+.2f} ms") + ")"
+            for csv, key, s, d, c in self.recent.get(kind, ()))
         return (f"excess {self._excess.get(kind, 0.0) * 1e3:.2f} ms over {total * 1e3:.1f} ms of dense time "
                 f"(allowed {self.tolerance * total * 1e3:.2f} ms); last steps: {steps or 'none'}")
 
@@ -333,9 +340,10 @@ class OffSwitch:
             return True
         return all(len(self._outside.get((batch, csv), ())) >= OUTSIDE_MIN for csv in (True, False))
 
-    def observe_dense(self, batch: Hashable, seconds: float) -> None:
-        """A dense step of ``batch`` rows timed in place (a probe, or CSV off): updates the
-        batch size's estimate (median of the last :data:`WINDOW`)."""
+    def observe_dense(self, batch: Hashable, seconds: float, kind: str | None = None) -> None:
+        """A dense step of ``batch`` rows and of ``kind`` (default: the last :meth:`allow`'s)
+        timed in place (a probe, or CSV off): updates the batch size's estimate (median of the
+        last :data:`WINDOW`)."""
         if batch in self._cold:  # the batch size's first step (allow): cold, not a sample
             self._cold.discard(batch)
             return
@@ -346,7 +354,8 @@ class OffSwitch:
             self._interval[batch] = min(2 * now, BACKOFF * self.probe_every) if agrees else self.probe_every
         s.append(seconds)
         self._on_neighbours.discard(batch)
-        self.recent.append((None, batch, seconds, self.dense_seconds.get(batch, seconds), None))
+        self._history(self._kind if kind is None else kind).append(
+            (False, batch, seconds, self.dense_seconds.get(batch, seconds), None))
         self.dense_seconds[batch] = statistics.median(s)
 
 

@@ -156,7 +156,7 @@ class SharedOffSwitch:
     samples_in_place = False  # (the class docstring): the plugin keys every step by its batch size
 
     def __init__(self, comm: Collective, tolerance: float = 0.02, device: torch.device | str = "cpu"):
-        self.comm = comm
+        self.comm, self.explains = comm, comm.rank == 0  # (one common ledger: rank 0 logs its trips)
         self.device = torch.device(device)  # the head's: vLLM's NCCL group gathers tensors on its GPU only
         self.switch = OffSwitch(tolerance, probe_every=0)
         self._pending: tuple[int, float, str] | None = None  # (batch, seconds, kind) of the last CSV step
@@ -200,7 +200,7 @@ class SharedOffSwitch:
         and a rank's own would split the ranks' ledgers (:mod:`vllm_csv.off_switch`, "Around the
         head")."""
 
-    def observe_dense(self, batch: int, seconds: float) -> None:
+    def observe_dense(self, batch: int, seconds: float, kind: str | None = None) -> None:
         """Not sampled under tensor parallelism (see the class docstring)."""
 
     def refusals_ahead(self, batch: int, kind: str = "") -> int:

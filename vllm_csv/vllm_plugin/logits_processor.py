@@ -164,7 +164,7 @@ class CSVLogitsProcessor(LogitsProcessor):
         if asked and not sw.allow(key, lambda: csv_head.time_call(dense_full, hidden_states), kind):
             logits = dense_full().to(head.dtype)  # vLLM's own output: one GEMM, no copies
             seconds = clock.now() - t0
-            if sw.times_tripped > trips and trips < TRIPS_LOGGED:  # (the first few; after the timing)
+            if sw.times_tripped > trips and trips < TRIPS_LOGGED and sw.explains:  # (the first few; after the timing)
                 logger.info("CSV-Decode: the off-switch sends %r steps dense: %s", kind, sw.explain(kind))
             stats = csv_head.StepStats(rows=B, csv_rows=plan.csv_rows, seconds=seconds, screen=head.screen_name)
             stats.fallbacks["unsupported"] = split.csv_rows - len(split.rows)
@@ -305,7 +305,7 @@ class CSVLogitsProcessor(LogitsProcessor):
         sw.skip(lane.key, lane.kind, len(seconds))
         if lane.timed:
             for s in seconds[-WINDOW:]:  # (the estimate is the median of the last WINDOW)
-                sw.observe_dense(lane.key, s)
+                sw.observe_dense(lane.key, s, lane.kind)
         if self.csv_metrics is not None:
             self.csv_metrics.close_series(lane.series)
 
