@@ -214,14 +214,14 @@ def test_a_threads_schedstat_file_closes_when_the_thread_ends():
     assert len(os.listdir("/proc/self/fd")) <= fds + 1
 
 
-@pytest.mark.parametrize("v2", [True, False])
+@pytest.mark.parametrize("v2,mount", [(True, ""), (False, "cpu,cpuacct"), (False, "cpu")])
 @pytest.mark.parametrize("capped_at", [None, "kubepods/pod1", "kubepods"])
-def test_a_cpu_capped_cgroup_keeps_the_run_queue_wait_on_the_clock(tmp_path, v2, capped_at):
+def test_a_cpu_capped_cgroup_keeps_the_run_queue_wait_on_the_clock(tmp_path, v2, mount, capped_at):
     """Where a cgroup caps the CPU time (a container's limit), the throttling the process's own
     threads bring on shows as run-queue wait: not taken out. Read at the cgroup and above it,
-    cgroup v2 and v1."""
-    ctrl, name, free, cap = ("", "cpu.max", "max 100000", "50000 100000") if v2 else \
-        ("cpu,cpuacct", "cpu.cfs_quota_us", "-1", "50000")
+    cgroup v2 and v1 (its hierarchy mounted as the controller list or as ``cpu``)."""
+    ctrl, name, free, cap = (mount, "cpu.max", "max 100000", "50000 100000") if v2 else \
+        (mount, "cpu.cfs_quota_us", "-1", "50000")
     for rel in ("", "kubepods", "kubepods/pod1"):
         d = tmp_path / "fs" / ctrl / rel
         d.mkdir(parents=True, exist_ok=True)

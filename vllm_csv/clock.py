@@ -75,16 +75,20 @@ def _cpu_capped(cgroup: str = "/proc/self/cgroup", root: str = "/sys/fs/cgroup")
         _, controllers, path = fields
         if controllers and "cpu" not in controllers.split(","):
             continue
-        base, name = (root, "cpu.max") if not controllers else (os.path.join(root, controllers), "cpu.cfs_quota_us")
+        # v1: the hierarchy mounted as its controller list (``cpu,cpuacct``) or as ``cpu`` (the
+        # usual name or link; a host mounting it elsewhere reads as uncapped)
+        bases, name = ([root], "cpu.max") if not controllers else \
+            ([os.path.join(root, d) for d in dict.fromkeys((controllers, "cpu"))], "cpu.cfs_quota_us")
         parts = [p for p in path.split("/") if p]
-        for depth in range(len(parts), -1, -1):
-            try:
-                with open(os.path.join(base, *parts[:depth], name)) as f:
-                    limit = f.read().split()[0]
-            except (OSError, IndexError):
-                continue
-            if limit not in ("max", "-1"):
-                return True
+        for base in bases:
+            for depth in range(len(parts), -1, -1):
+                try:
+                    with open(os.path.join(base, *parts[:depth], name)) as f:
+                        limit = f.read().split()[0]
+                except (OSError, IndexError):
+                    continue
+                if limit not in ("max", "-1"):
+                    return True
     return False
 
 
