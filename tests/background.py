@@ -10,8 +10,8 @@ Three kinds of job, queued at the end of collection (``tests/conftest.py``):
   package-scoped servers are shared as in place; at normal priority and on a thread of its own,
   first (alone it is the longest run). The session's unit tests run beside it.
 - :data:`DEFERRED`: test files whose time is mostly subprocesses of their own (vLLM's V2 sampler
-  code under Triton's interpreter, about five minutes of one core; the CPU kernels rebuilt and
-  tested capped at AVX2, about a minute): a pytest process each, at the lowest CPU priority, two
+  code under Triton's interpreter, about five minutes of one core, and again on vLLM 0.33.0's
+  package, about three; the CPU kernels rebuilt and tested capped at AVX2, about a minute): a pytest process each, at the lowest CPU priority, two
   at a time.
 - :data:`INTERPRETED`: GPU test files run whole under Triton's interpreter in a fresh process
   (``TRITON_INTERPRET=1``; this process has imported Triton compiled, through vLLM), with the
@@ -47,7 +47,8 @@ import pytest
 
 HERE = Path(__file__).resolve().parent
 INTERPRETED = ("test_gpu_kernels.py", "test_gpu_gumbel_draw.py", "test_verify_v2_fused.py", "test_gpu_philox.py")
-DEFERRED = ("test_sampler_hook_v2.py", "test_spec_decode_v2.py", "test_verify_v2.py", "test_cpu_isa.py")
+DEFERRED = ("test_sampler_hook_v2.py", "test_spec_decode_v2.py", "test_verify_v2.py", "test_cpu_isa.py",
+            "test_vllm033.py")
 WHOLE = ("e2e",)  # directories of tests/ run whole, each in one background process
 REPORT_ENV = "VLLM_CSV_TEST_REPORT"  # set in a background run: where its reports go (a line each)
 OFF_ENV = "VLLM_CSV_TEST_BACKGROUND"  # "0": every test in place
