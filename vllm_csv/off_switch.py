@@ -318,7 +318,10 @@ class OffSwitch:
         """The time outside the timed span of a step of ``batch`` (a CSV step if ``csv``, else a
         dense one), up to the next step of the same batch: the model's forward and what else
         the serving loop runs in between (module docstring, "Around the head")."""
-        self._outside.setdefault((batch, csv), deque(maxlen=OUTSIDE_WINDOW)).append(seconds)
+        window = self._outside.get((batch, csv))
+        if window is None:  # (not setdefault: its default, a new deque, would be built every step)
+            window = self._outside[(batch, csv)] = deque(maxlen=OUTSIDE_WINDOW)
+        window.append(seconds)
         self._outside_estimate.pop(batch, None)  # the window changed: outside_excess recomputes it
 
     def outside_excess(self, batch: Hashable) -> float:
