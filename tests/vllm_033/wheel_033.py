@@ -2,7 +2,7 @@
 download --no-deps``, 336 MB, into :data:`CACHE`), and its Python files unpacked, the compiled ones
 left out. Shared by ``tests/test_vllm033.py`` and ``scripts/check_vllm033.sh``:
 
-    python tests/vllm_033/wheel_033.py DEST    # unpacks into DEST, prints the wheel's path
+    python tests/vllm_033/wheel_033.py [DEST]    # fetched if need be, unpacked into DEST; prints its path
 """
 
 import glob
@@ -38,6 +38,10 @@ def unpack(wheel: Path, dest: Path) -> None:
 
 
 if __name__ == "__main__":
-    wheel = find_or_fetch()
-    unpack(wheel, Path(sys.argv[1]))
+    try:
+        wheel = find_or_fetch()
+    except subprocess.CalledProcessError as e:
+        sys.exit(f"pip could not fetch vllm==0.33.0:\n{e.stderr}")
+    if len(sys.argv) > 1:
+        unpack(wheel, Path(sys.argv[1]))
     print(wheel)

@@ -30,7 +30,7 @@ from .. import clock
 from .. import head as csv_head
 from ..errors import CSVError
 from ..metrics import Series
-from ..off_switch import WINDOW
+from ..off_switch import UNASKED, WINDOW
 from .config import CSVDecodeConfig, from_additional_config
 from .head_builder import build_head, unsupported_config, unsupported_head
 from .step import (PLACEHOLDER, SUPPRESSED_PROBE, Deferred, DeferredStats, DenseBatch, Returned, StepAccount, Top1,
@@ -137,7 +137,7 @@ class CSVLogitsProcessor(LogitsProcessor):
         if not any(plan.topk):  # every row dense by its sampling parameters: count the rows
             out = super().forward(lm_head, hidden_states, embedding_bias, skip_gather)
             if head.off_switch is not None and not hidden_states.is_cuda:  # (CUDA: no sync to time it)
-                self._observe(head.off_switch, hidden_states.shape[0], clock.now() - t0)
+                self._observe(head.off_switch, hidden_states.shape[0], clock.now() - t0, kind=UNASKED)
             if self.csv_metrics is not None:
                 self.csv_metrics.record(csv_head.StepStats(rows=hidden_states.shape[0]))
             return out, False
@@ -186,7 +186,7 @@ class CSVLogitsProcessor(LogitsProcessor):
             logits, stats = head.sampler_logits(hidden_states, plan.topk_tensor, lambda h: dense_full(), t0=t0,
                                                 temperature=plan.temperature, use_switch=False, exclude=exclude)
             if sw is not None and not asked and not hidden_states.is_cuda:  # every row dense: a sample
-                self._observe(sw, B, stats.seconds)
+                self._observe(sw, B, stats.seconds, kind=UNASKED)
             if head.last_top1 is not None and stats.certified == B:  # (set only where every row is k = 1)
                 step.handoff = Top1(logits, head.last_top1)  # for the readers of argmaxes alone (step.Top1)
             if exclude is not None and stats.certified:
@@ -275,11 +275,14 @@ class CSVLogitsProcessor(LogitsProcessor):
         if sw is not None and prev is not None and prev.plan is plan and prev.key is not None:
             sw.observe_outside(prev.key, prev.csv, t0 - prev.t0 - prev.seconds)
 
-    def _observe(self, sw, key, seconds: float, csv: bool = False) -> None:
+    def _observe(self, sw, key, seconds: float, csv: bool = False, kind: str | None = None) -> None:
         """A step timed in place, to the off-switch: a CSV step's ``seconds`` to its ledger
-        (``observe``), a dense one's to the dense estimate of ``key`` (``observe_dense``); and the
-        step's span (:meth:`_outside`)."""
-        (sw.observe if csv else sw.observe_dense)(key, seconds)
+        (``observe``), a dense one's to the dense estimate of ``key`` (``observe_dense``, as a
+        step of ``kind``: default the one ``allow`` named); and the step's span (:meth:`_outside`)."""
+        if csv:
+            sw.observe(key, seconds)
+        else:
+            sw.observe_dense(key, seconds, kind)
         self._span_done(key, csv, seconds)
 
     def _span_done(self, key, csv: bool, seconds: float) -> None:
