@@ -11,8 +11,8 @@ Three kinds of job, queued at the end of collection (``tests/conftest.py``):
   first (alone it is the longest run). The session's unit tests run beside it.
 - :data:`DEFERRED`: test files whose time is mostly subprocesses of their own (vLLM's V2 sampler
   code under Triton's interpreter, about five minutes of one core, and again on vLLM 0.33.0's
-  package, about three; the CPU kernels rebuilt and tested capped at AVX2, about a minute): a pytest process each, at the lowest CPU priority, two
-  at a time.
+  package, about three; the CPU kernels rebuilt and tested capped at AVX2, about a minute): a
+  pytest process each, at the lowest CPU priority, two at a time.
 - :data:`INTERPRETED`: GPU test files run whole under Triton's interpreter in a fresh process
   (``TRITON_INTERPRET=1``; this process has imported Triton compiled, through vLLM), with the
   deferred files; their results are ``tests/test_gpu_kernels_interpreted.py``'s tests.

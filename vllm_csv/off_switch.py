@@ -108,8 +108,9 @@ from __future__ import annotations
 
 import math
 import statistics
-from collections import deque
+from collections import defaultdict, deque
 from collections.abc import Callable, Hashable
+from functools import partial
 
 WINDOW = 8  # in-place dense samples kept per batch size (their median is the estimate)
 OUTSIDE_WINDOW = 16  # outside-the-span samples kept per key and side (observe_outside)
@@ -151,7 +152,8 @@ class OffSwitch:
         self._interval: dict[Hashable, int] = {}  # CSV steps between probes, per batch size (default probe_every)
         self._cold: set[Hashable] = set()  # batch sizes whose first (dense, cold) step is not yet reported
         self._on_neighbours: set[Hashable] = set()  # batch sizes on their neighbours' estimate (module docstring)
-        self._outside: dict[tuple[Hashable, bool], deque[float]] = {}  # (key, csv) -> outside times
+        self._outside: defaultdict[tuple[Hashable, bool], deque[float]] = \
+            defaultdict(partial(deque, maxlen=OUTSIDE_WINDOW))  # (key, csv) -> outside times
         # key -> outside_excess of its current windows, kept until observe_outside changes one
         # (observe reads it every CSV step: two medians of up to OUTSIDE_WINDOW samples)
         self._outside_estimate: dict[Hashable, float] = {}
@@ -159,7 +161,8 @@ class OffSwitch:
         # Each kind's last HISTORY timed steps, (whether it ran CSV, key, seconds, dense estimate
         # then, charge or None for a warm-up), for explain(): why a kind turned off, in the
         # server's log (one history a kind: a busy kind does not push out a quiet one's steps).
-        self.recent: dict[str, deque[tuple[bool, Hashable, float, float, float | None]]] = {}
+        self.recent: defaultdict[str, deque[tuple[bool, Hashable, float, float, float | None]]] = \
+            defaultdict(partial(deque, maxlen=HISTORY))
         self.explains = True  # whether the plugin logs this switch's trips (SharedOffSwitch: rank 0)
 
     @property
@@ -288,7 +291,7 @@ class OffSwitch:
         seen = self._warm.get(kind, 0)
         if seen < self.warmup_steps:
             self._warm[kind] = seen + 1
-            self._history(kind).append((True, batch, seconds, dense, None))
+            self.recent[kind].append((True, batch, seconds, dense, None))
             return
         excess = seconds - dense
         if self._outside_ready(batch):  # (with the steps charged before there was an estimate)
@@ -296,13 +299,7 @@ class OffSwitch:
         else:
             self._outside_owed[(batch, kind)] = self._outside_owed.get((batch, kind), 0) + 1
         self._excess[kind] = max(self._excess.get(kind, 0.0) + excess, -self.credit_steps * dense)
-        self._history(kind).append((True, batch, seconds, dense, excess))
-
-    def _history(self, kind: str) -> deque:
-        h = self.recent.get(kind)
-        if h is None:
-            h = self.recent[kind] = deque(maxlen=HISTORY)
-        return h
+        self.recent[kind].append((True, batch, seconds, dense, excess))
 
     def explain(self, kind: str = "") -> str:
         """Why ``kind``'s ledger stands where it does, for a log line: its excess against its
@@ -321,10 +318,7 @@ class OffSwitch:
         """The time outside the timed span of a step of ``batch`` (a CSV step if ``csv``, else a
         dense one), up to the next step of the same batch: the model's forward and what else
         the serving loop runs in between (module docstring, "Around the head")."""
-        window = self._outside.get((batch, csv))
-        if window is None:  # (not setdefault: its default, a new deque, would be built every step)
-            window = self._outside[(batch, csv)] = deque(maxlen=OUTSIDE_WINDOW)
-        window.append(seconds)
+        self._outside[(batch, csv)].append(seconds)
         self._outside_estimate.pop(batch, None)  # the window changed: outside_excess recomputes it
 
     def outside_excess(self, batch: Hashable) -> float:
@@ -361,7 +355,7 @@ class OffSwitch:
             self._interval[batch] = min(2 * now, BACKOFF * self.probe_every) if agrees else self.probe_every
         s.append(seconds)
         self._on_neighbours.discard(batch)
-        self._history(self._kind if kind is None else kind).append(
+        self.recent[self._kind if kind is None else kind].append(
             (False, batch, seconds, self.dense_seconds.get(batch, seconds), None))
         self.dense_seconds[batch] = statistics.median(s)
 
