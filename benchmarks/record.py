@@ -465,7 +465,7 @@ def rows_from_off_switch_cost(d: dict, source: str, **common) -> list[Row]:
                 commit=short_commit(d.get("commit")), shape=shape, batch=d.get("sequences"), config=cfg,
                 source=source, **common)
     v = d.get("versions", {})
-    for ver in ("csv", "plan", "dense"):
+    for ver in ("csv", "plan", "dense", "vllm"):
         for part in ("step", "layer"):
             out.add(f"{ver}_{part}_median_ms", v.get(ver, {}).get(part, {}).get("median_ms"), "ms")
     for ver in ("csv", "plan"):
@@ -473,6 +473,11 @@ def rows_from_off_switch_cost(d: dict, source: str, **common) -> list[Row]:
         if a and b:
             out.add(f"{ver}_step_over_dense", a / b, "x", "vLLM's own LogitsProcessor.forward, same engine, "
                     "interleaved rounds", note="ratio of the file's step medians")
+    a, b = (v.get("csv", {}).get("step", {}).get("median_ms"), v.get("vllm", {}).get("step", {}).get("median_ms"))
+    if a and b:  # (files from before the vllm version have none)
+        out.add("csv_step_over_vllm", a / b, "x", "vLLM alone: its layer, execute_model, compute_logits and "
+                "Sampler.forward (the plugin's wrappers bypassed), same engine, interleaved rounds",
+                note="ratio of the file's step medians")
     out.add("off_switch_times_tripped", (d.get("off_switch") or {}).get("times_tripped"), "count")
     return out
 

@@ -167,6 +167,7 @@ def _v1_runner(max_topk) -> None:
         finally:
             channel.close_plan()
 
+    execute_model._csv_orig = orig  # (vLLM's own, for benchmarks/off_switch_cost.py's plugin-free rounds)
     GPUModelRunner.execute_model = execute_model
     GPUModelRunner._csv_wrapped = True
 
@@ -262,6 +263,7 @@ def install_samplers() -> None:
         def forward(self, logits, sampling_metadata, predict_bonus_token=False, logprobs_mode_override=None):
             return v1.sample(orig, self, logits, sampling_metadata, predict_bonus_token, logprobs_mode_override)
 
+        forward._csv_orig = orig
         Sampler.forward = forward
         Sampler._csv_wrapped = True
     if not getattr(topk_topp_sampler.apply_top_k_top_p, "_csv_wrapped", False):

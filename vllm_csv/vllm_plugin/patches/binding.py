@@ -148,5 +148,5 @@ def watch_logits(model, channel: StepChannel, name: str) -> None:
         step.plan = step.handoff = None
         return orig(*args, **kwargs)  # (no plan: the layer computes vLLM's logits)
 
-    compute_logits._csv_channel = channel
+    compute_logits._csv_channel, compute_logits._csv_orig = channel, orig
     model.compute_logits = compute_logits
