@@ -758,56 +758,80 @@ def _clocked_layer(monkeypatch, csv_seconds: float, metrics=None) -> SimpleNames
     return SimpleNamespace(clock=clock, head=head, layer=layer, channel=channel, tried=tried, W=W, g=g)
 
 
-def _layer_run(monkeypatch, lane: bool, name: str):
+def _layer_run(monkeypatch, lane: bool, name: str, lazy: bool = False):
     """Drive the plugin's layer (``CSVLogitsProcessor.forward``) over steps of three plans on a
     head where CSV costs 2.7x the dense head (a fake clock: dense 1.0, a CSV step 2.7183),
-    with or without the fast lane.
-    Returns (per step: tried CSV, the layer's argmax), the switch, the metrics, allow() calls."""
+    with or without the fast lane; ``lazy``: each step's plan a :class:`LazyPlan` with the
+    batch's identity, as the V1 runner opens its steps (the lane then takes a step before its
+    plan is built).
+    Returns (per step: tried CSV, the layer's argmax), the switch, the metrics, allow() calls,
+    plans built."""
     from vllm_csv import off_switch
     from vllm_csv.metrics import CSVMetrics
     from vllm_csv.vllm_plugin.plan import Plan
+    from vllm_csv.vllm_plugin.step import LazyPlan
 
     if not lane:
         monkeypatch.setattr(off_switch, "LANE_MAX", 0)
     run = _clocked_layer(monkeypatch, 2.7183, CSVMetrics(name, {"vocab_size": 2048}))
     head, layer, channel, tried, W, g = run.head, run.layer, run.channel, run.tried, run.W, run.g
-    allows = []
+    allows, built = [], []
     allow = head.off_switch.allow
     monkeypatch.setattr(head.off_switch, "allow", lambda *a, **k: allows.append(1) or allow(*a, **k))
     plans = [Plan([str(i) for i in range(B)], [1] * B) for B in (4, 3, 4)]
+    runner = SimpleNamespace(batch=None)  # (plan, identity) of the runner's batch now
+
+    def build(runner, max_topk):
+        built.append(1)
+        return runner.batch[0]
+
     out = []
     for plan, steps in zip(plans, (300, 120, 200)):
+        runner.batch = (plan, object())
         h = 8 * W[torch.randint(0, 2048, (len(plan.topk),), generator=g)]
         for _ in range(steps):
             tried.append(False)
-            channel.open(plan)
+            channel.open(LazyPlan(runner, build, 64, batch=lambda r: r.batch[1]) if lazy else plan)
             logits = layer.forward(None, h)
             out.append((tried[-1], logits.argmax(1).tolist()))
             assert logits.argmax(1).tolist() == head.dense_logits(h).argmax(1).tolist()
     channel.open(Plan(["x"], [1]))  # another plan: the lane closes
     layer.forward(None, h[:1])
     layer.csv_metrics.flush()
-    return out, head.off_switch, layer.csv_metrics, len(allows)
+    return out, head.off_switch, layer.csv_metrics, len(allows), len(built)
 
 
-def test_fast_lane_is_the_switch_step_by_step(monkeypatch):
+@pytest.mark.parametrize("lazy", [False, True], ids=["plan", "batch-identity"])
+def test_fast_lane_is_the_switch_step_by_step(monkeypatch, lazy):
     """The plugin's fast lane for switched-off steps (vLLM's call and one append a step, no
     ledger): the same steps try CSV as with the ledger asked at every step, the same answers,
-    the same ledger and the same metrics, with a fraction of the switch's calls."""
-    fast = _layer_run(monkeypatch, True, "lane")
+    the same ledger and the same metrics (but the head-time histogram, which holds the lane's
+    timed steps only), with a fraction of the switch's calls; where the runner gives its batch's
+    identity (``lazy``: V1), a fraction of the plans built too."""
+    from vllm_csv.vllm_plugin.lane import STRIDE
+
+    fast = _layer_run(monkeypatch, True, f"lane-{lazy}", lazy)  # (own names: Prometheus' children are global)
     monkeypatch.undo()
-    slow = _layer_run(monkeypatch, False, "no-lane")
+    slow = _layer_run(monkeypatch, False, f"no-lane-{lazy}", lazy)
     assert fast[0] == slow[0]  # the same steps tried CSV (and the same answers)
     assert 5 <= sum(t for t, _ in fast[0]) <= 30  # CSV retried every ~(2.7 - 1) / 0.02 steps, else off
     a, b = fast[1], slow[1]
     assert a.dense_total == pytest.approx(b.dense_total) and a.excess == pytest.approx(b.excess)
     assert a.dense_seconds == b.dense_seconds and a.probes == b.probes and a.times_tripped == b.times_tripped
+    assert a._outside.keys() == b._outside.keys()  # (the time around the head, accounted in both)
+    assert all(list(a._outside[k]) == pytest.approx(list(b._outside[k])) for k in a._outside)
     assert fast[3] < slow[3] / 5, (fast[3], slow[3])  # the lane skipped the switch
+    if lazy:
+        assert slow[4] == len(slow[0]) and fast[4] < slow[4] / 5, (fast[4], slow[4])  # ... and the plan
     for attr in ("rows", "csv_rows", "steps"):
         assert getattr(fast[2], attr)._value.get() == getattr(slow[2], attr)._value.get() > 0, attr
     assert fast[2].fallbacks["off_switch"]._value.get() == slow[2].fallbacks["off_switch"]._value.get() > 0
-    assert fast[2].seconds._sum.get() == pytest.approx(slow[2].seconds._sum.get())
-    assert [c.get() for c in fast[2].seconds._buckets] == [c.get() for c in slow[2].seconds._buckets]
+    # the head-time histogram: every step's time without the lane; with it, each lane's timed
+    # pairs (lane.STRIDE) and the other steps, so what it leaves out is lane steps, each a dense 1.0
+    f, s = ([c.get() for c in m.seconds._buckets] for m in (fast[2], slow[2]))
+    left_out = sum(s) - sum(f)
+    assert all(a <= b for a, b in zip(f, s)) and len(fast[0]) / 2 < left_out < len(fast[0]) * (1 - 2 / STRIDE)
+    assert slow[2].seconds._sum.get() - fast[2].seconds._sum.get() == pytest.approx(left_out)
 
 
 def _around_the_head(sw, steps: int, csv: float, dense: float, model: float, around: float) -> int:

@@ -207,6 +207,59 @@ def test_v1_plan_rows_in_batch_order_kept_per_request(monkeypatch):
     assert build_plan(runner, 4).topk == [DEFER, DEFER, 1, DEFER]  # top_k 5 > max_topk 4: the sampler
 
 
+def test_v1_batch_key_changes_whenever_vllms_batch_does():
+    """The V1 batch identity the fast lane keys on (``v1.plan.batch_key``: vLLM's
+    ``InputBatch.sampling_metadata``), on vLLM's own ``InputBatch`` driven as the runner drives
+    it (``refresh_metadata`` every step): the same object while nothing changes, another after a
+    request is added, removed (and the batch condensed), moved (``swap_states``, the attention
+    backends' reordering) or streamed (removed, new parameters, added again under its id); and
+    at every step whose key is the last step's, ``build_plan`` gives the last step's plan. None
+    under speculative decoding."""
+    from types import SimpleNamespace
+
+    import torch
+    from vllm.v1.worker.gpu_input_batch import CachedRequestState, InputBatch
+
+    from vllm_csv.vllm_plugin.v1.plan import batch_key, build_plan
+
+    batch = InputBatch(max_num_reqs=4, max_model_len=64, max_num_batched_tokens=64, device=torch.device("cpu"),
+                       vocab_size=32, block_sizes=[16], max_num_blocks_per_req=[4])
+    requests = {}
+    runner = SimpleNamespace(input_batch=batch, requests=requests, speculative_config=None, _csv_top_k_in_head=True)
+
+    def add(rid, **sp):
+        requests[rid] = CachedRequestState(req_id=rid, prompt_token_ids=[1, 2], mm_features=[],
+                                           sampling_params=SamplingParams(**sp), generator=None, block_ids=([0],),
+                                           num_computed_tokens=0, output_token_ids=[])
+        batch.add_request(requests[rid])
+
+    def remove(rid):
+        batch.remove_request(rid)
+        batch.condense()
+
+    def stream(rid, **sp):  # (GPUModelRunner._update_streaming_request, then the re-add)
+        batch.remove_request(rid)
+        requests[rid].sampling_params = SamplingParams(**sp)
+        batch.add_request(requests[rid])
+
+    changes = [lambda: add("a", temperature=0), lambda: add("b", temperature=0.8, seed=1), lambda: remove("a"),
+               lambda: add("c", temperature=0), lambda: batch.swap_states(0, 1), lambda: stream("b", temperature=0)]
+    last_key = last_plan = None
+    for change in changes:
+        change()
+        for step in range(3):  # (a change, then steps without one)
+            batch.refresh_metadata()
+            key, plan = batch_key(runner), build_plan(runner, 64)
+            assert key is not None and plan.req_ids == list(batch.req_ids)
+            assert (key is last_key) == (step > 0), (change, step)
+            if step:
+                assert plan is last_plan
+            last_key, last_plan = key, plan
+    assert last_plan.topk == [1, 1]  # (c, and b streamed greedy)
+    runner.speculative_config = SimpleNamespace(method="ngram")
+    assert batch_key(runner) is None
+
+
 @pytest.mark.parametrize("second", ["logit_bias", "logprobs", "repetition_penalty", "temperature"])
 def test_v1_plan_follows_a_streaming_chunks_new_parameters(second):
     """A streaming-input session's next chunk keeps the request's state and assigns it new sampling

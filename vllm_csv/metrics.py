@@ -155,7 +155,8 @@ def _observe_all(child, values: list[float]) -> None:
 
 
 class Series:
-    """Steps counted as they come (:meth:`CSVMetrics.open_series`): one ``stats`` for all, a time each."""
+    """Steps counted as they come (:meth:`CSVMetrics.open_series`): one ``stats`` for all, a time
+    each (None: a step not timed, counted but not in the head-time histogram)."""
 
     __slots__ = ("stats", "seconds", "done")
 
@@ -306,7 +307,7 @@ class CSVMetrics:
         if stats.scored:
             b.observe(self.scored, stats.scored * n)
             b.observe(self.fraction, [s / self.vocab_size for s in stats.scored] * n)
-        b.observe(self.seconds, (stats.seconds,) if seconds is None else seconds)
+        b.observe(self.seconds, (stats.seconds,) if seconds is None else [s for s in seconds if s is not None])
         # A step that ran CSV (not sent dense by the off-switch): time saved, and head speed-up =
         # dense / csv. A step the switch sent dense saved nothing (its dense run against the
         # dense estimate is noise). A batch size's first CSV step is left out of the speed-up
@@ -321,9 +322,9 @@ class CSVMetrics:
 
     def open_series(self, stats) -> "Series":
         """A run of steps alike but for their time (the plugin's fast lane of switched-off
-        steps, :mod:`vllm_csv.vllm_plugin.logits_processor`): the serving loop only appends each
-        step's seconds to the series' ``seconds``; each is counted as :meth:`record` would count
-        ``stats`` with that time, at every :meth:`flush` (so within :data:`FLUSH_SECONDS`, and
+        steps, :mod:`vllm_csv.vllm_plugin.lane`): the serving loop only appends each step's
+        seconds (None: not timed) to the series' ``seconds``; each is counted as :meth:`record`
+        would count ``stats`` with that time (one without: not in the head-time histogram), at every :meth:`flush` (so within :data:`FLUSH_SECONDS`, and
         at exit) and at :meth:`close_series`. ``stats`` may carry no certified rows and no
         off-switch account (a step the switch sent dense)."""
         if stats.certified:

@@ -8,7 +8,7 @@ weights (:mod:`.head_builder`), and each step's rows take the certified path or 
 (``super()._get_logits`` + soft-cap + scale, unchanged) as the runner's plan says. The
 off-switch decides once per step, here (a step it sends dense is vLLM's own call and a few
 counters, :mod:`vllm_csv.off_switch`; while it surely would again, the step is vLLM's call and
-one append: the fast lane, :meth:`CSVLogitsProcessor._open_lane`).
+one append: the fast lane, :mod:`.lane`).
 With tensor parallelism the head is a :class:`~vllm_csv.sharded.ShardedHead` over this
 rank's shard: every rank reaches the same decision, and dense rows take vLLM's all-gather.
 Rows planned ``DEFER`` (certified with the seed the sampler draws) are left as placeholders
@@ -29,10 +29,10 @@ from vllm.model_executor.layers.logits_processor import LogitsProcessor
 from .. import clock
 from .. import head as csv_head
 from ..errors import CSVError
-from ..metrics import Series
-from ..off_switch import UNASKED, WINDOW
+from ..off_switch import UNASKED
 from .config import CSVDecodeConfig, from_additional_config
 from .head_builder import build_head, unsupported_config, unsupported_head
+from .lane import Lane
 from .step import (PLACEHOLDER, SUPPRESSED_PROBE, Deferred, DeferredStats, DenseBatch, Returned, StepAccount, Top1,
                    step_of)
 
@@ -60,7 +60,7 @@ class CSVLogitsProcessor(LogitsProcessor):
         self.csv_head = None  # CertifiedHead, or ShardedHead under tensor parallelism
         self.csv_metrics = None
         self._csv_logged = False
-        self._csv_lane: _Lane | None = None  # switched-off steps that skip the ledger (_open_lane)
+        self._csv_lane: Lane | None = None  # switched-off steps that skip the ledger (lane.py)
         self._csv_span: _Span | None = None  # the current step, for the time around the head (_outside)
         self._csv_for = None  # (lm_head, its weight, embedding_bias) the head was built for (_head_for)
         self._csv_off: str | None = None  # why this layer runs vLLM's code for good (_switch_off)
@@ -90,6 +90,17 @@ class CSVLogitsProcessor(LogitsProcessor):
             # calls ``type(base_layer).forward(wrapper, ...)``: its logits carry the adapter's delta,
             # which no screen bounds, so vLLM's own layer code runs on the wrapper (dense, exact).
             return LogitsProcessor.forward(self, lm_head, hidden_states, embedding_bias, skip_gather)
+        lane = self._csv_lane
+        if lane is not None and not skip_gather:  # the fast lane, before the step's plan is built (lane.py)
+            step = step_of(self)
+            if step is not None and lane.takes(step, hidden_states.shape[0]) and self._built_for(lm_head, embedding_bias):
+                step.plan = step.handoff = None  # (the plan taken unbuilt: Step.take_plan's contract)
+                if not lane.times_next():  # (most lane steps: no clock reading, no span)
+                    self.__dict__["_csv_span"] = None
+                    return self._lane_step(lane, step, lm_head, hidden_states, embedding_bias, None)
+                t0 = clock.now()
+                self._outside(self.csv_head.off_switch, lane.plan, t0)
+                return self._lane_step(lane, step, lm_head, hidden_states, embedding_bias, t0)
         logits, csv = self._forward(lm_head, hidden_states, embedding_bias, skip_gather)
         step = step_of(self)
         if step is not None and logits is not None:  # (for the model's compute_logits: step.Returned)
@@ -119,20 +130,9 @@ class CSVLogitsProcessor(LogitsProcessor):
         self._outside(head.off_switch, plan, t0)
         lane = self._csv_lane
         if lane is not None:
-            if lane.plan is plan and lane.left:  # a step the switch surely refuses: vLLM's call, one append
-                lane.left -= 1
-                logits = super().forward(lm_head, hidden_states, embedding_bias)
-                if logits.dtype != head.dtype:  # (Tensor.to costs a microsecond even where it returns self)
-                    logits = logits.to(head.dtype)
-                if lane.with_sampler:  # (the append comes with the sampler call's time)
-                    step.handoff = StepAccount(self, "lane", series=lane.series, with_sampler=True, key=lane.key,
-                                               head_seconds=clock.now() - t0)
-                else:
-                    seconds = clock.now() - t0
-                    lane.series.seconds.append(seconds)
-                    if lane.timed:
-                        self._span_done(lane.key, False, seconds)
-                return logits, False
+            if lane.plan is plan and lane.left:  # a step the switch surely refuses, known by its plan (lane.py)
+                t0 = t0 if lane.times_next() else None
+                return self._lane_step(lane, step, lm_head, hidden_states, embedding_bias, t0), False
             self._close_lane(head.off_switch)
         if not any(plan.topk):  # every row dense by its sampling parameters: count the rows
             out = super().forward(lm_head, hidden_states, embedding_bias, skip_gather)
@@ -149,7 +149,7 @@ class CSVLogitsProcessor(LogitsProcessor):
         # per kind of step), and the head is called with use_switch=False. A step it sends
         # dense is vLLM's own call and a few counters (40 to 60 us a step more than vLLM's layer on
         # this repo's 2-core CI machine: benchmarks/off_switch_cost.py), and the steps it will
-        # surely send dense next take the fast lane above (_open_lane: 15 to 20 us with the plan).
+        # surely send dense next take the fast lane (lane.py).
         sw = head.off_switch
         split = plan.split(head.max_certified_k)
         asked = sw is not None and bool(deferred or split.rows)
@@ -177,8 +177,8 @@ class CSVLogitsProcessor(LogitsProcessor):
                 self._dense_step(head, stats, key if not hidden_states.is_cuda else None)  # (CUDA: no sync to time it)
             steps = sw.refusals_ahead(key, kind)
             if steps:
-                self._open_lane(plan, key, kind, steps, stats, timed=not hidden_states.is_cuda,
-                                with_sampler=with_sampler)
+                self._csv_lane = Lane.open(self.csv_metrics, plan, step, key, kind, steps, stats,
+                                           timed=not hidden_states.is_cuda, with_sampler=with_sampler)
             return logits, False
         # a model that sets tokens to -inf after the head: the head's rows (greedy) over the others
         exclude = step.suppressed_ids if head.can_exclude else None
@@ -291,29 +291,29 @@ class CSVLogitsProcessor(LogitsProcessor):
         if span is not None:
             span.key, span.csv, span.seconds = key, csv, seconds
 
-    def _open_lane(self, plan, key, kind: str, steps: int, stats, timed: bool, with_sampler: bool = False) -> None:
-        """The fast lane: the next ``steps`` steps of this ``plan`` are ones the off-switch would
-        surely refuse (:meth:`~vllm_csv.off_switch.OffSwitch.refusals_ahead`), so they skip its
-        ledger, the step's stats and the metrics call, and are vLLM's call plus one append of
-        their time (a few us a step, where the full refusal cost 40 to 60 us in the serving loop:
-        ``benchmarks/off_switch_cost.py``). They are accounted when the lane closes: the
-        ledger as ``steps`` refusals (:meth:`~vllm_csv.off_switch.OffSwitch.skip`), the times as
-        in-place dense samples, the metrics as a series of ``stats`` (counted at every flush
-        meanwhile: :meth:`~vllm_csv.metrics.CSVMetrics.open_series`)."""
-        series = self.csv_metrics.open_series(stats) if self.csv_metrics is not None else Series(stats)
-        self._csv_lane = _Lane(plan, key, kind, steps, series, timed, with_sampler)
+    def _lane_step(self, lane: Lane, step, lm_head, hidden_states: torch.Tensor, embedding_bias,
+                   t0: float | None) -> torch.Tensor:
+        """A step of the open ``lane`` (:mod:`.lane`): vLLM's call and one append, its time from
+        ``t0`` (None: a step the lane does not time, :meth:`~.lane.Lane.times_next`)."""
+        lane.take()
+        logits = super().forward(lm_head, hidden_states, embedding_bias)
+        if logits.dtype != self.csv_head.dtype:  # (Tensor.to costs a microsecond even where it returns self)
+            logits = logits.to(self.csv_head.dtype)
+        if t0 is None:
+            lane.series.seconds.append(None)
+        elif lane.with_sampler:  # (the append comes with the sampler call's time)
+            step.handoff = StepAccount(self, "lane", series=lane.series, with_sampler=True, key=lane.key,
+                                       head_seconds=clock.now() - t0)
+        else:
+            seconds = clock.now() - t0
+            lane.series.seconds.append(seconds)
+            if lane.timed:
+                self._span_done(lane.key, False, seconds)
+        return logits
 
     def _close_lane(self, sw) -> None:
         lane, self._csv_lane = self._csv_lane, None
-        seconds = lane.series.seconds
-        # (a lane step with the sampler whose sampler call never came appended nothing: the
-        # ledger counts the steps that were timed)
-        sw.skip(lane.key, lane.kind, len(seconds))
-        if lane.timed:
-            for s in seconds[-WINDOW:]:  # (the estimate is the median of the last WINDOW)
-                sw.observe_dense(lane.key, s, lane.kind)
-        if self.csv_metrics is not None:
-            self.csv_metrics.close_series(lane.series)
+        lane.close(sw, self.csv_metrics)
 
     def _adapter(self, head):
         from ..sampling.head_adapter import HeadAdapter
@@ -400,7 +400,7 @@ class CSVLogitsProcessor(LogitsProcessor):
                                  else f"the drafter's head could not be built ({e})")
                 return None
             self._csv_for = built_for = (lm_head, lm_head.weight, embedding_bias)
-        if lm_head is not built_for[0] or lm_head.weight is not built_for[1] or embedding_bias is not built_for[2]:
+        if not self._built_for(lm_head, embedding_bias):
             if not self._csv_warned_other:
                 self._csv_warned_other = True
                 logger.warning("CSV-Decode: this LM-head layer was called with another head or bias than the one "
@@ -408,6 +408,13 @@ class CSVLogitsProcessor(LogitsProcessor):
                                "such calls use the dense head.")
             return None
         return self.csv_head
+
+    def _built_for(self, lm_head, embedding_bias) -> bool:
+        """Whether the head serves calls with this ``lm_head`` and ``embedding_bias`` (the
+        objects it was built for; a harness's layer: any) and CSV is not off for good."""
+        built_for = self._csv_for
+        return self._csv_off is None and (built_for is None or (
+            lm_head is built_for[0] and lm_head.weight is built_for[1] and embedding_bias is built_for[2]))
 
     def _get_head(self, lm_head, embedding_bias, drafter: bool = False):
         """Build the head (:meth:`_head_for`; :func:`.head_builder.build_head`)."""
@@ -427,17 +434,6 @@ class _Span:
     key: object = None  # the off-switch's key, once the step is timed (None: not timed)
     csv: bool = False
     seconds: float = 0.0  # its timed span
-
-
-@dataclass
-class _Lane:
-    plan: object  # the step plan whose steps take the lane (the plan builders hand out the same object while the batch holds)
-    key: object  # the steps' key in the off-switch: the batch size, or (B, "sampler")
-    kind: str  # the off-switch's ledger
-    left: int  # steps the lane may still take
-    series: Series  # each lane step's time (open in the metrics when they are on)
-    timed: bool  # the times are in-place dense samples (not on CUDA: no sync to time it)
-    with_sampler: bool = False  # each time includes vLLM's sampler call (a StepAccount of kind "lane")
 
 
 def _rows(temperature: torch.Tensor | None, rows: list[int]) -> torch.Tensor | None:

@@ -79,7 +79,7 @@ class StepAccount:
     * ``"deferred"``: rows certified in the sampler; the head's ``stats`` and certified
       ``modes`` merge with the sampler's :class:`DeferredStats`;
     * ``"dense"``: a step the off-switch sent dense, timed with the sampler call;
-    * ``"lane"``: a fast-lane step (:meth:`~.logits_processor.CSVLogitsProcessor._open_lane`):
+    * ``"lane"``: a fast-lane step (:mod:`.lane`):
       its head time plus the sampler call's appended to ``series``.
 
     ``key`` is the step's key in the off-switch (None: not timed); ``with_sampler``: the sampler
@@ -225,6 +225,7 @@ class Step:
     # certified over the suppressed tokens (Plan.over_mask), which the model's compute_logits
     # wrapper checks (over_mask_tokens)
     over_mask: tuple[torch.Tensor, torch.Tensor | None] | None = None
+    lazy: LazyPlan | None = None  # the lazy plan take_plan built (its batch_key: the fast lane's, lane.Lane.open)
 
     def take_plan(self, num_rows: int, greedy_over_mask: bool = False) -> Plan | None:
         """The plan for a logits call of ``num_rows`` rows; consumed by the first call, so a
@@ -234,7 +235,7 @@ class Step:
         the sampler certifies rows over such masks, :attr:`masks_ok`)."""
         plan = self.plan
         if isinstance(plan, LazyPlan):
-            plan = plan.resolve()
+            self.lazy, plan = plan, plan.resolve()
         if plan is None or len(plan.topk) != num_rows:
             return None
         if self.suppressed is not None:  # (the model suppresses tokens after the head: StepChannel)
@@ -264,13 +265,21 @@ class Step:
 
 class LazyPlan:
     """A plan built at its first use (:meth:`Step.take_plan`), from the runner's state at that
-    moment (the runner updates its batch inside the wrapped method, before the logits)."""
+    moment (the runner updates its batch inside the wrapped method, before the logits).
+    ``batch(runner)``, where given, is the runner's batch identity (:meth:`batch_key`)."""
 
-    def __init__(self, runner, build, max_topk: int, **kwargs):
-        self._runner, self._build, self._max_topk, self._kwargs = runner, build, max_topk, kwargs
+    def __init__(self, runner, build, max_topk: int, batch=None, **kwargs):
+        self._runner, self._build, self._max_topk, self._batch, self._kwargs = runner, build, max_topk, batch, kwargs
 
     def resolve(self) -> Plan | None:
         return self._build(self._runner, self._max_topk, **self._kwargs)
+
+    def batch_key(self) -> object:
+        """The runner's batch identity now: an object that stays the same while the runner's
+        batch holds the same requests in the same rows with the same sampling parameters (so
+        :meth:`resolve` would give the same plan), and is another one once that changes; None
+        where the runner gives none (the fast lane's test, :mod:`.lane`)."""
+        return None if self._batch is None else self._batch(self._runner)
 
 
 class StepChannel:

@@ -161,7 +161,7 @@ def _v1_runner(max_topk) -> None:
         channel = bind(self)
         # (speculative decoding: the draft tokens each request's rows verify, v1.spec)
         spec = getattr(scheduler_output, "scheduled_spec_decode_tokens", None)
-        channel.open(LazyPlan(self, v1.build_plan, max_topk(self), spec_tokens=spec))
+        channel.open(LazyPlan(self, v1.build_plan, max_topk(self), batch=v1.batch_key, spec_tokens=spec))
         try:
             return orig(self, scheduler_output, *a, **k)
         finally:

@@ -41,6 +41,20 @@ def top_k_in_head(runner) -> bool:
     return cached
 
 
+def batch_key(runner) -> object:
+    """The V1 ``runner``'s batch identity (:meth:`~..step.LazyPlan.batch_key`): vLLM's
+    ``InputBatch.sampling_metadata``, which ``InputBatch.refresh_metadata`` (every step, before
+    the logits) replaces by a new object whenever the batch changed (a request added, removed or
+    moved; a streaming session's next chunk, with new parameters, is removed and added again:
+    ``GPUModelRunner._update_streaming_request``), and a new ``InputBatch`` has its own: vLLM
+    0.32.0 and 0.33.0, the same code (``tests/test_plugin_plan.py`` drives vLLM's own
+    ``InputBatch``). None under speculative decoding (the plan changes with each step's draft
+    tokens) and where the runner has none."""
+    if spec.spec_config(runner) is not None:
+        return None
+    return getattr(getattr(runner, "input_batch", None), "sampling_metadata", None)
+
+
 def build_plan(runner, max_topk: int, req_ids=None, spec_tokens=None) -> Plan | None:
     """The V1 runner's plan, in the batch's row order. While the batch holds the very same
     request states with the very same sampling parameters (identity: a new request, even one

@@ -397,10 +397,12 @@ def sample(orig, sampler, logits: torch.Tensor, md, predict_bonus_token: bool = 
     nothing for the sampler; else the step's hand-off resolved first (module docstring) and its
     account settled (:class:`~..step.StepAccount`, with this call's time where it counts)."""
     step = step_of(sampler)
-    tokens = None if step is None else step.take_top1(logits)  # every row certified k = 1 in the head
+    if step is None or step.handoff is None:  # (a step the layer left nothing for: most switched-off steps)
+        return orig(sampler, logits, md, predict_bonus_token, logprobs_mode_override)
+    tokens = step.take_top1(logits)  # every row certified k = 1 in the head
     if tokens is not None and not predict_bonus_token and argmax_decides(md):
         return _drawn(md, tokens)
-    d = None if step is None else step.take_handoff(logits)
+    d = step.take_handoff(logits)
     if d is None:
         return orig(sampler, logits, md, predict_bonus_token, logprobs_mode_override)
     if isinstance(d, StepAccount):  # a dense step the off-switch times with this call
