@@ -9,8 +9,10 @@ accounted when the lane closes (:meth:`Lane.close`): the ledger as that many ref
 as a series of one step's stats (counted at every flush meanwhile:
 :meth:`~vllm_csv.metrics.CSVMetrics.open_series`).
 
-A lane times two consecutive steps in every :data:`STRIDE` (:meth:`Lane.times_next`), the first
-two included; the others append None. A reading of the plugin's clock is a system call
+A lane times two consecutive steps in every :data:`STRIDE` (:meth:`Lane.times_next`): the
+second and third, the tenth and eleventh, and so on; the others append None. (Not the first:
+its time around the head would hold the rest of the step that opened the lane, a refusal that
+does more than a lane step, or a prefill.) A reading of the plugin's clock is a system call
 (:mod:`vllm_csv.clock`), which costs 5 to 8 us in the serving loop (cold caches, after the
 model's kernels), and the dense estimate needs only the last :data:`~vllm_csv.off_switch.WINDOW`
 samples; a timed pair also gives the time around the head (the second step's outside time).
@@ -30,7 +32,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-STRIDE = 8  # a lane times the first two of every STRIDE steps it takes (module docstring)
+STRIDE = 8  # a lane times two of every STRIDE steps it takes (module docstring)
 
 from ..metrics import Series
 from ..off_switch import WINDOW
@@ -68,7 +70,7 @@ class Lane:
 
     def times_next(self) -> bool:
         """Whether the lane's next step is timed (module docstring)."""
-        return self.taken % STRIDE < 2
+        return 0 < self.taken % STRIDE < 3
 
     def take(self) -> None:
         """A step taken."""
