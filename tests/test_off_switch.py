@@ -759,7 +759,7 @@ def _clocked_layer(monkeypatch, csv_seconds: float, metrics=None) -> SimpleNames
 
 
 def _layer_run(monkeypatch, lane: bool, name: str, lazy: bool = False):
-    """Drive the plugin's layer (``CSVLogitsProcessor.forward``) over steps of three plans on a
+    """Drive the plugin's layer (``CSVLogitsProcessor.forward``) over steps of four plans on a
     head where CSV costs 2.7x the dense head (a fake clock: dense 1.0, a CSV step 2.7183),
     with or without the fast lane; ``lazy``: each step's plan a :class:`LazyPlan` with the
     batch's identity, as the V1 runner opens its steps (the lane then takes a step before its
@@ -778,7 +778,9 @@ def _layer_run(monkeypatch, lane: bool, name: str, lazy: bool = False):
     allows, built = [], []
     allow = head.off_switch.allow
     monkeypatch.setattr(head.off_switch, "allow", lambda *a, **k: allows.append(1) or allow(*a, **k))
-    plans = [Plan([str(i) for i in range(B)], [1] * B) for B in (4, 3, 4)]
+    # (the second block: the first's rows, all dense by their parameters, as another batch; a
+    # lane that took its steps would charge them to the argmax steps' ledger)
+    plans = [Plan([str(i) for i in range(B)], [k] * B) for B, k in ((4, 1), (4, 0), (3, 1), (4, 1))]
     runner = SimpleNamespace(batch=None)  # (plan, identity) of the runner's batch now
 
     def build(runner, max_topk):
@@ -786,10 +788,13 @@ def _layer_run(monkeypatch, lane: bool, name: str, lazy: bool = False):
         return runner.batch[0]
 
     out = []
-    for plan, steps in zip(plans, (300, 120, 200)):
+    for plan, steps in zip(plans, (300, 20, 120, 200)):
         runner.batch = (plan, object())
         h = 8 * W[torch.randint(0, 2048, (len(plan.topk),), generator=g)]
-        for _ in range(steps):
+        for i in range(steps):
+            if i == steps // 2:  # (the batch changed and came back to the same plan: a request re-added to its row)
+                runner.batch = (plan, object())
+            run.clock.now += 3.0 + (0.25 if tried and tried[-1] else 0.0)  # the model's forward, slower after CSV
             tried.append(False)
             channel.open(LazyPlan(runner, build, 64, batch=lambda r: r.batch[1]) if lazy else plan)
             logits = layer.forward(None, h)
@@ -820,6 +825,7 @@ def test_fast_lane_is_the_switch_step_by_step(monkeypatch, lazy):
     assert a.dense_seconds == b.dense_seconds and a.probes == b.probes and a.times_tripped == b.times_tripped
     assert a._outside.keys() == b._outside.keys()  # (the time around the head, accounted in both)
     assert all(a.outside_excess(B) == pytest.approx(b.outside_excess(B)) for B, _ in a._outside)
+    assert a.outside_excess(4) == pytest.approx(0.25)  # (the model's forward after a CSV step: 0.25 slower)
     assert fast[3] < slow[3] / 5, (fast[3], slow[3])  # the lane skipped the switch
     if lazy:
         assert slow[4] == len(slow[0]) and fast[4] < slow[4] / 5, (fast[4], slow[4])  # ... and the plan

@@ -625,12 +625,14 @@ def test_rows_are_mapped_by_column_only_when_no_processor_acts(case, monkeypatch
     assert sum(seen[0].certified.values()) > B // 2
 
 
-def _switched_run(monkeypatch, certificate_cost: float, steps: int = 160):
+def _switched_run(monkeypatch, certificate_cost: float, steps: int = 160, builds: list | None = None):
     """Drive the plugin's layer and the hooked sampler over ``steps`` steps of 8 deferred top-k
     rows with the off-switch on, on a fake clock: vLLM's dense head costs 1.0, vLLM's top-k pass
     in its sampler 1.0 (dense steps run it; a CSV step whose rows are all certified skips it),
     the certificate in the sampler ``certificate_cost``. Returns (steps that tried CSV, the switch);
-    every step's draw is checked against vLLM's on the dense logits."""
+    every step's draw is checked against vLLM's on the dense logits. With ``builds`` each step's
+    plan is a lazy one with a batch identity, as V1's runner opens its steps (the fast lane then
+    takes steps before their plan is built), and each plan built appends to ``builds``."""
     from vllm.model_executor.layers.logits_processor import LogitsProcessor
     from vllm.v1.sample.ops import topk_topp_sampler as tts
 
@@ -666,18 +668,36 @@ def _switched_run(monkeypatch, certificate_cost: float, steps: int = 160):
     monkeypatch.setattr(LogitsProcessor, "forward", dense_forward)
     monkeypatch.setattr(tts, "apply_top_k_top_p", mask)
     monkeypatch.setattr(v1_sampler, "certify_rows", certify)
-    layer = csv_layer(head, CSVMetrics(f"switched-{certificate_cost}", {"vocab_size": V}))
+    layer = csv_layer(head, CSVMetrics(f"switched-{certificate_cost}-{builds is None}", {"vocab_size": V}))
     plan = Plan([str(i) for i in range(Bs)], [DEFER] * Bs, ["top_k"] * Bs, [0.8] * Bs)
+    batch = object()  # (the runner's batch identity: one batch throughout)
     sampler = Sampler()
     channel = _runner_channel(layer, sampler)
     for step in range(steps):
         want = run(sampler, dense.clone(), md, seed=step)[0]
         tried.append(False)
-        channel.open(plan)
+        channel.open(plan if builds is None else
+                     csv_step.LazyPlan(None, lambda runner, k: builds.append(1) or plan, 64, batch=lambda runner: batch))
         logits = layer.forward(None, h)
         channel.close_plan()
         assert torch.equal(run(sampler, logits, md, seed=step)[0], want), step
     return sum(tried), head.off_switch
+
+
+def test_the_sampler_steps_lane_before_the_plan_is_built(monkeypatch):
+    """The fast lane of steps with rows for the sampler (two in eight timed with vLLM's sampler
+    call, a hand-off for those only) taken before the step's plan is built, by the runner's batch
+    identity (V1's), is the lane taken by plan: the same steps try CSV, with the same draws, the
+    same ledger and the same estimates, and a fraction of the plans is built."""
+    builds = []
+    fast = _switched_run(monkeypatch, 2.6, builds=builds)
+    monkeypatch.undo()
+    slow = _switched_run(monkeypatch, 2.6)
+    assert fast[0] == slow[0] and fast[0] < 30
+    a, b = fast[1], slow[1]
+    assert a.dense_seconds == b.dense_seconds and a.dense_seconds[(8, "sampler")] == pytest.approx(2.0)
+    assert a.excess == pytest.approx(b.excess) and a.dense_total == pytest.approx(b.dense_total)
+    assert len(builds) < 160 / 3, len(builds)
 
 
 def test_off_switch_counts_the_sampler_passes_csv_skips(monkeypatch):

@@ -10,33 +10,38 @@ as a series of one step's stats (counted at every flush meanwhile:
 :meth:`~vllm_csv.metrics.CSVMetrics.open_series`).
 
 A lane times two consecutive steps in every :data:`STRIDE` (:meth:`Lane.times_next`): the
-second and third, the tenth and eleventh, and so on; the others append None. (Not the first:
-its time around the head would hold the rest of the step that opened the lane, a refusal that
-does more than a lane step, or a prefill.) A reading of the plugin's clock is a system call
-(:mod:`vllm_csv.clock`), which costs 5 to 8 us in the serving loop (cold caches, after the
-model's kernels), and the dense estimate needs only the last :data:`~vllm_csv.off_switch.WINDOW`
-samples; a timed pair also gives the time around the head (the second step's outside time).
-The metrics count every step and put the timed ones' times in the head-time histogram.
+second and third, the tenth and eleventh, and so on; the others read no clock, keep no span and
+append None. (Not the first: the time around the head recorded there, from the end of the step
+that opened the lane, would hold the rest of that step, a refusal that does more than a lane
+step, or a prefill.) A reading of the plugin's clock is a system call (:mod:`vllm_csv.clock`),
+which costs 5 to 8 us in the serving loop (cold caches, after the model's kernels), and the
+dense estimate needs only the last :data:`~vllm_csv.off_switch.WINDOW` samples; a timed pair
+also gives one sample of the time around the head (the first step's, recorded at the second).
+A lane step's time starts after its plan is known (on either path below), not before the plan
+is built as a refusal's or a CSV step's does: vLLM's own step builds none. The metrics count
+every step and put the timed ones' times in the head-time histogram.
 
 A step is the lane's while the runner's batch is the one the lane opened on, known two ways:
 
 * before the step's plan is built (:meth:`Lane.takes`), by the runner's batch identity
   (:meth:`~.step.LazyPlan.batch_key`: on the V1 runner vLLM's ``InputBatch.sampling_metadata``,
-  :func:`~.v1.plan.batch_key`), so the plan is never built: the step costs the check, two clock
-  readings and the span accounting around vLLM's call;
+  :func:`~.v1.plan.batch_key`), so the plan is never built: an untimed step costs the check and
+  one append around vLLM's call;
 * after, by the plan object (the plan builders hand out the same object while the batch holds:
-  the V2 runner, whose plan is built before the step opens, speculative steps and harnesses).
+  the V2 runner, whose plan is built before the step opens, speculative steps and harnesses);
+  such a step also renews the lane's batch identity (a batch that changed and came back to the
+  same plan, a preempted request re-added to its row, say, keeps the lane on the first way).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-STRIDE = 8  # a lane times two of every STRIDE steps it takes (module docstring)
-
 from ..metrics import Series
 from ..off_switch import WINDOW
 from .step import LazyPlan, Step
+
+STRIDE = 8  # a lane times two of every STRIDE steps it takes (module docstring)
 
 
 @dataclass
@@ -72,10 +77,12 @@ class Lane:
         """Whether the lane's next step is timed (module docstring)."""
         return 0 < self.taken % STRIDE < 3
 
-    def take(self) -> None:
-        """A step taken."""
+    def take(self, step: Step) -> None:
+        """``step`` taken (its batch identity, where it has one, is the lane's from now on)."""
         self.left -= 1
         self.taken += 1
+        if step.lazy is not None:
+            self.batch = step.lazy.batch_key()
 
     def close(self, sw, metrics) -> None:
         """Account the lane's steps (module docstring)."""

@@ -95,12 +95,7 @@ class CSVLogitsProcessor(LogitsProcessor):
             step = step_of(self)
             if step is not None and lane.takes(step, hidden_states.shape[0]) and self._built_for(lm_head, embedding_bias):
                 step.plan = step.handoff = None  # (the plan taken unbuilt: Step.take_plan's contract)
-                if not lane.times_next():  # (most lane steps: no clock reading, no span)
-                    self.__dict__["_csv_span"] = None
-                    return self._lane_step(lane, step, lm_head, hidden_states, embedding_bias, None)
-                t0 = clock.now()
-                self._outside(self.csv_head.off_switch, lane.plan, t0)
-                return self._lane_step(lane, step, lm_head, hidden_states, embedding_bias, t0)
+                return self._lane_step(lane, step, lm_head, hidden_states, embedding_bias)
         logits, csv = self._forward(lm_head, hidden_states, embedding_bias, skip_gather)
         step = step_of(self)
         if step is not None and logits is not None:  # (for the model's compute_logits: step.Returned)
@@ -127,13 +122,12 @@ class CSVLogitsProcessor(LogitsProcessor):
         if head is None or plan is None or skip_gather or hidden_states.dim() != 2:
             self._csv_span = None
             return super().forward(lm_head, hidden_states, embedding_bias, skip_gather), False
-        self._outside(head.off_switch, plan, t0)
         lane = self._csv_lane
         if lane is not None:
             if lane.plan is plan and lane.left:  # a step the switch surely refuses, known by its plan (lane.py)
-                t0 = t0 if lane.times_next() else None
-                return self._lane_step(lane, step, lm_head, hidden_states, embedding_bias, t0), False
+                return self._lane_step(lane, step, lm_head, hidden_states, embedding_bias), False
             self._close_lane(head.off_switch)
+        self._outside(head.off_switch, plan, t0)
         if not any(plan.topk):  # every row dense by its sampling parameters: count the rows
             out = super().forward(lm_head, hidden_states, embedding_bias, skip_gather)
             if head.off_switch is not None and not hidden_states.is_cuda:  # (CUDA: no sync to time it)
@@ -291,11 +285,16 @@ class CSVLogitsProcessor(LogitsProcessor):
         if span is not None:
             span.key, span.csv, span.seconds = key, csv, seconds
 
-    def _lane_step(self, lane: Lane, step, lm_head, hidden_states: torch.Tensor, embedding_bias,
-                   t0: float | None) -> torch.Tensor:
-        """A step of the open ``lane`` (:mod:`.lane`): vLLM's call and one append, its time from
-        ``t0`` (None: a step the lane does not time, :meth:`~.lane.Lane.times_next`)."""
-        lane.take()
+    def _lane_step(self, lane: Lane, step, lm_head, hidden_states: torch.Tensor, embedding_bias) -> torch.Tensor:
+        """A step of the open ``lane`` (:mod:`.lane`): vLLM's call and one append; where the lane
+        times it (:meth:`~.lane.Lane.times_next`), its span from here and the time around the
+        head up to here, else no clock reading and no span."""
+        if lane.times_next():
+            t0 = clock.now()
+            self._outside(self.csv_head.off_switch, lane.plan, t0)
+        else:
+            t0 = self.__dict__["_csv_span"] = None
+        lane.take(step)
         logits = super().forward(lm_head, hidden_states, embedding_bias)
         if logits.dtype != self.csv_head.dtype:  # (Tensor.to costs a microsecond even where it returns self)
             logits = logits.to(self.csv_head.dtype)
@@ -365,6 +364,8 @@ class CSVLogitsProcessor(LogitsProcessor):
             self.csv_head, self._csv_for, self._csv_stale = None, None, True
             # (the adapter holds the old head: dropped too, so its screen's memory is free before
             # the new one is built)
+            if self._csv_lane is not None and self.csv_metrics is not None:  # (its counts, then forgotten)
+                self.csv_metrics.close_series(self._csv_lane.series)
             self._csv_lane = self._csv_span = self._csv_adapter = None
 
     def _switch_off(self, reason: str) -> None:

@@ -43,13 +43,15 @@ def top_k_in_head(runner) -> bool:
 
 def batch_key(runner) -> object:
     """The V1 ``runner``'s batch identity (:meth:`~..step.LazyPlan.batch_key`): vLLM's
-    ``InputBatch.sampling_metadata``, which ``InputBatch.refresh_metadata`` (every step, before
-    the logits) replaces by a new object whenever the batch changed (a request added, removed or
-    moved; a streaming session's next chunk, with new parameters, is removed and added again:
-    ``GPUModelRunner._update_streaming_request``), and a new ``InputBatch`` has its own: vLLM
-    0.32.0 and 0.33.0, the same code (``tests/test_plugin_plan.py`` drives vLLM's own
-    ``InputBatch``). None under speculative decoding (the plan changes with each step's draft
-    tokens) and where the runner has none."""
+    ``InputBatch.sampling_metadata``, which ``InputBatch.refresh_metadata`` (every step, in
+    ``_update_states``, before the logits) replaces by a new object whenever a generating
+    model's batch changed (a request added, removed or moved; a streaming session's next chunk,
+    with new parameters, is removed and added again: ``GPUModelRunner._update_streaming_request``;
+    for a pooling model a move does not count, but a pooling model has no logits call), and a new
+    ``InputBatch`` has its own. Read in vLLM 0.32.0; 0.33.0's ``gpu_input_batch.py`` is the same
+    file and its ``_update_streaming_request`` the same code (``tests/test_plugin_plan.py``
+    drives vLLM's own ``InputBatch``). None under speculative decoding (the plan changes with
+    each step's draft tokens) and where the runner has none."""
     if spec.spec_config(runner) is not None:
         return None
     return getattr(getattr(runner, "input_batch", None), "sampling_metadata", None)
