@@ -840,6 +840,36 @@ def test_fast_lane_is_the_switch_step_by_step(monkeypatch, lazy):
     assert slow[2].seconds._sum.get() - fast[2].seconds._sum.get() == pytest.approx(left_out)
 
 
+def test_dense_samples_leave_the_plans_lookup_out(monkeypatch):
+    """vLLM's own step looks up no plan, so the dense samples the layer takes (refusals, probes)
+    leave the plan's lookup out of their time, and CSV steps are charged theirs: a lookup of 0.5
+    on a fake clock keeps the dense estimate at the dense head's 1.0. Found by review: they held
+    it (14-20 us cold on the test model, 9% of its head), and while CSV is on they are the only
+    dense samples."""
+    from vllm_csv import off_switch
+    from vllm_csv.vllm_plugin.plan import Plan
+    from vllm_csv.vllm_plugin.step import LazyPlan
+
+    monkeypatch.setattr(off_switch, "LANE_MAX", 0)  # (every dense step a refusal or a probe)
+    run = _clocked_layer(monkeypatch, 2.7183)
+    plan = Plan([str(i) for i in range(4)], [1] * 4)
+    h = 8 * run.W[torch.randint(0, 2048, (4,), generator=run.g)]
+    charged = []
+    observe = run.head.off_switch.observe
+    monkeypatch.setattr(run.head.off_switch, "observe", lambda b, s, *a: charged.append(s) or observe(b, s, *a))
+
+    def build(runner, max_topk):
+        run.clock.now += 0.5
+        return plan
+
+    for _ in range(120):
+        run.tried.append(False)
+        run.channel.open(LazyPlan(None, build, 64))
+        run.layer.forward(None, h)
+    assert run.head.off_switch.dense_seconds[4] == pytest.approx(1.0)
+    assert charged and all(s == pytest.approx(2.7183 + 0.5) for s in charged)
+
+
 def _around_the_head(sw, steps: int, csv: float, dense: float, model: float, around: float) -> int:
     """Steps of one batch size through ``sw`` as the plugin's layer drives it: the head takes ``csv``
     or ``dense`` seconds, the rest of the step ``model`` seconds, plus ``around`` after a CSV step

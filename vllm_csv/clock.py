@@ -170,6 +170,13 @@ def _on_collection(phase: str, info: dict) -> None:
         _collected += (time.perf_counter() - p0) - (_waited() - w0)  # (its time less the collector's wait)
 
 
+def wall() -> float:
+    """``time.perf_counter()``, for a span too short to be worth a system call (a few us: the
+    step's plan lookup, which the layer leaves out of dense samples), where :func:`now` costs 5
+    to 8 us in the serving loop."""
+    return time.perf_counter()
+
+
 def now() -> float:
     """Seconds on the steps' clock (module docstring): only differences mean anything."""
     t = _thread

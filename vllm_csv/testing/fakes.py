@@ -11,8 +11,9 @@ from ..vllm_plugin.step import DeferredStats, Handoff, Step, StepAccount, StepCh
 
 
 class FakeClock:
-    """The steps' clock (:func:`vllm_csv.clock.now`) for the plugin's modules: advances only by
-    the simulated costs (``clock.now += seconds``); :meth:`install` puts it in place."""
+    """The steps' clocks (:func:`vllm_csv.clock.now`, :func:`~vllm_csv.clock.wall`) for the
+    plugin's modules: they advance only by the simulated costs (``clock.now += seconds``);
+    :meth:`install` puts them in place."""
 
     def __init__(self):
         self.now = 0.0
@@ -24,6 +25,7 @@ class FakeClock:
         from .. import clock
 
         monkeypatch.setattr(clock, "now", self.perf_counter)
+        monkeypatch.setattr(clock, "wall", self.perf_counter)
         return self
 
 

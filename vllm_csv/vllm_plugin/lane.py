@@ -17,8 +17,9 @@ step, or a prefill.) A reading of the plugin's clock is a system call (:mod:`vll
 which costs 5 to 8 us in the serving loop (cold caches, after the model's kernels), and the
 dense estimate needs only the last :data:`~vllm_csv.off_switch.WINDOW` samples; a timed pair
 also gives one sample of the time around the head (the first step's, recorded at the second).
-A lane step's time starts after its plan is known (on either path below), not before the plan
-is built as a refusal's or a CSV step's does: vLLM's own step builds none. The metrics count
+A lane step's time starts after its plan is known (on either path below), and a refusal's or a
+probe's dense sample leaves its plan's lookup out too: vLLM's own step looks up none (a CSV step
+is charged its own). The metrics count
 every step and put the timed ones' times in the head-time histogram.
 
 A step is the lane's while the runner's batch is the one the lane opened on, known two ways:
