@@ -92,7 +92,7 @@ class Lane:
         # the ledger counts the steps that appended)
         sw.skip(self.key, self.kind, len(seconds))
         if self.timed:  # (the estimate is the median of the last WINDOW)
-            for s in [s for s in seconds[-WINDOW * STRIDE:] if s is not None][-WINDOW:]:
+            for s in [s for s in seconds if s is not None][-WINDOW:]:
                 sw.observe_dense(self.key, s, self.kind)
         if metrics is not None:
             metrics.close_series(self.series)

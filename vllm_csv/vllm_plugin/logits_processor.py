@@ -363,12 +363,12 @@ class CSVLogitsProcessor(LogitsProcessor):
         ``wake_up``: :func:`~.patches.watch_weights`): the head, its screen and its index describe
         the old ones, so the next call builds them again from the weights as they are now."""
         if self.csv_head is not None:
+            if self._csv_lane is not None:  # (its steps counted, to the old head's switch and the metrics)
+                self._close_lane(self.csv_head.off_switch)
             self.csv_head, self._csv_for, self._csv_stale = None, None, True
             # (the adapter holds the old head: dropped too, so its screen's memory is free before
             # the new one is built)
-            if self._csv_lane is not None and self.csv_metrics is not None:  # (its counts, then forgotten)
-                self.csv_metrics.close_series(self._csv_lane.series)
-            self._csv_lane = self._csv_span = self._csv_adapter = None
+            self._csv_span = self._csv_adapter = None
 
     def _switch_off(self, reason: str) -> None:
         self._csv_off = reason
