@@ -12,7 +12,7 @@ Three kinds of job, queued at the end of collection (``tests/conftest.py``):
 - :data:`DEFERRED`: test files whose time is mostly subprocesses of their own (vLLM's V2 sampler
   code under Triton's interpreter, about five minutes of one core, and again on vLLM 0.33.0's
   package, about three; the CPU kernels rebuilt and tested capped at AVX2, about a minute): a
-  pytest process each, at the lowest CPU priority, two at a time.
+  pytest process each, at the lowest CPU priority, two at a time, longest first (:data:`COST`).
 - :data:`INTERPRETED`: GPU test files run whole under Triton's interpreter in a fresh process
   (``TRITON_INTERPRET=1``; this process has imported Triton compiled, through vLLM), with the
   deferred files; their results are ``tests/test_gpu_kernels_interpreted.py``'s tests.
@@ -50,6 +50,13 @@ INTERPRETED = ("test_gpu_kernels.py", "test_gpu_gumbel_draw.py", "test_verify_v2
 DEFERRED = ("test_sampler_hook_v2.py", "test_spec_decode_v2.py", "test_verify_v2.py", "test_cpu_isa.py",
             "test_vllm033.py")
 WHOLE = ("e2e",)  # directories of tests/ run whole, each in one background process
+# One core's seconds each deferred or interpreted file took alone (a quiet 2-core Zen 4, 2026-11-30,
+# `pytest tests/FILE`): the runs start longest first (:meth:`Jobs.start`), so that the last to end,
+# which the session waits for once its own tests are done, are short ones. In file order a whole
+# run waited 277 s at its end for test_vllm033.py, started fifth, alone on a core.
+COST = {"test_vllm033.py": 201, "test_gpu_kernels.py": 189, "test_sampler_hook_v2.py": 144,
+        "test_verify_v2_fused.py": 105, "test_spec_decode_v2.py": 100, "test_gpu_gumbel_draw.py": 92,
+        "test_verify_v2.py": 48, "test_cpu_isa.py": 37, "test_gpu_philox.py": 5}
 REPORT_ENV = "VLLM_CSV_TEST_REPORT"  # set in a background run: where its reports go (a line each)
 OFF_ENV = "VLLM_CSV_TEST_BACKGROUND"  # "0": every test in place
 TIMEOUT = 1500  # seconds a background run of a file may take
@@ -149,9 +156,15 @@ def deferred_job(nodeids: list[str], rootdir: Path, report: Path, whole: bool = 
     return Job(cmd, env, rootdir, nice=not whole, timeout=WHOLE_TIMEOUT if whole else TIMEOUT)
 
 
+def queue_order(jobs: dict[str, Job]) -> list[str]:
+    """The order ``jobs`` start in: the directories (not nice) first, then the longest
+    (:data:`COST`; a file it does not list last), ties in the given order."""
+    return sorted(jobs, key=lambda name: (jobs[name].nice, -COST.get(name, 0)))
+
+
 class Jobs:
     """The session's background jobs by name, started once (:meth:`start`): the directories' each
-    on a thread of its own, the others two at a time."""
+    on a thread of its own, the others two at a time, longest first (:data:`COST`)."""
 
     futures: dict[str, Future] = {}
     reports: dict[str, tuple[str, Path]] = {}  # a background test's node id: (its job, its report)
@@ -161,7 +174,7 @@ class Jobs:
     @classmethod
     def start(cls, jobs: dict[str, Job]) -> None:
         if cls._pool is None and jobs:
-            first = sorted(jobs, key=lambda name: jobs[name].nice)  # (stable: the directories first)
+            first = queue_order(jobs)
             cls._pool = ThreadPoolExecutor(2 + sum(not j.nice for j in jobs.values()), thread_name_prefix="csv-background")
             cls.futures = {name: cls._pool.submit(run, jobs[name], cls._live) for name in first}
             # a session stopped by SIGTERM (a cancelled CI run) takes its background runs with it

@@ -72,6 +72,17 @@ def test_group_of_each_test():
 
 
 @pytest.mark.skipif(not os.path.exists("/proc/self/autogroup"), reason="no autogroup scheduling here")
+def test_background_runs_start_directories_first_then_longest_first():
+    """The session waits, at its end, for the background runs still going: the long ones start
+    first, so that those are short (``COST``); every deferred and interpreted file has a cost."""
+    job = lambda nice: background.Job([], {}, background.HERE, nice=nice)  # noqa: E731
+    names = ["test_cpu_isa.py", "unlisted.py", "test_vllm033.py", "e2e", "test_gpu_kernels.py"]
+    jobs = {n: job(n != "e2e") for n in names}
+    assert background.queue_order(jobs) == ["e2e", "test_vllm033.py", "test_gpu_kernels.py", "test_cpu_isa.py",
+                                            "unlisted.py"]
+    assert set(background.DEFERRED) | set(background.INTERPRETED) <= set(background.COST)
+
+
 def test_a_nice_run_is_nice_in_its_own_autogroup(tmp_path):
     """A run at the lowest priority (a session of its own) yields within its autogroup and as
     one: its autogroup's nice is 19 (else it takes a full share beside the session's tests)."""
