@@ -2,7 +2,10 @@
 run goes on in the session. Measured on a quiet 2-core Xeon (fresh clones, 2026-11-30): with the
 end-to-end tests in the session, pytest took 26:34; with them beside the unit tests (below), 26:50:
 both keep the two cores ~99% busy, so the order decides little and the suite's CPU work decides the
-time (the parallel run used ~6 CPU-minutes more: oversubscribed cores).
+time (the parallel run used ~6 CPU-minutes more: oversubscribed cores). On the 2-core Zen 4
+(fresh clones of main, `bash .ci/run`, 2026-11-30): 27:40 in all (pytest 24:08, 43.4 CPU-minutes);
+with the runs started longest first (:data:`COST`) 26:20 (23:22); and with OpenMP's idle threads
+sleeping in the suite's processes (``tests/conftest.py``) 21:53 (18:25, 32.8 CPU-minutes).
 
 Three kinds of job, queued at the end of collection (``tests/conftest.py``):
 
