@@ -14,6 +14,11 @@ per version, the median and mean time of the model step (the runner's ``execute_
 then its ``sample_tokens``, which calls the sampler) and of the layer's call, over every decode step of its rounds: ``csv``
 against ``dense`` is the layer's cost, ``csv`` against ``vllm`` the plugin's whole cost. On a
 model where CSV pays the switch stays on and ``csv`` is the CSV path itself.
+
+``--count-calls`` counts instead of timing (no times are reported then): the Python function
+calls and the calls of built-in functions (``sys.setprofile``'s ``call`` and ``c_call`` events)
+in each version's model step, per step; ``csv`` against ``vllm`` is the plugin's per-step work
+in a form that does not move with the machine's noise.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ import argparse
 import json
 import os
 import statistics
+import sys
 import time
 from pathlib import Path
 
@@ -39,6 +45,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=32, help="rounds, cycling csv, dense, plan, vllm")
     ap.add_argument("--top-k", type=int, default=0,
                     help="seeded top-k sampling (temperature 0.8) instead of greedy decoding")
+    ap.add_argument("--count-calls", action="store_true",
+                    help="count each version's Python and built-in calls a step instead of timing (docstring)")
     ap.add_argument("--json", default=None)
     a = ap.parse_args()
 
@@ -52,6 +60,20 @@ def main() -> None:
     cls, csv_forward = lp.CSVLogitsProcessor, lp.CSVLogitsProcessor.forward
     versions = ("csv", "dense", "plan", "vllm")
     mode = ["csv"]
+    calls = {v: 0 for v in versions}
+
+    def count(frame, event, arg):  # (--count-calls: sys.setprofile's hook during the model step)
+        if event == "call" or event == "c_call":
+            calls[mode[0]] += 1
+
+    def profiled(fn, *args, **kw):
+        if not a.count_calls:
+            return fn(*args, **kw)
+        sys.setprofile(count)
+        try:
+            return fn(*args, **kw)
+        finally:
+            sys.setprofile(None)
     step_s: dict[str, list[float]] = {v: [] for v in versions}
     layer_s: dict[str, list[float]] = {v: [] for v in versions}
 
@@ -76,7 +98,7 @@ def main() -> None:
 
     def timed_execute(self, *args, **kw):
         t = time.perf_counter()
-        out = (execute._csv_orig if mode[0] == "vllm" else execute)(self, *args, **kw)
+        out = profiled(execute._csv_orig if mode[0] == "vllm" else execute, self, *args, **kw)
         step_s[mode[0]].append(time.perf_counter() - t)
         return out
 
@@ -84,7 +106,7 @@ def main() -> None:
 
     def timed_sample(self, *args, **kw):  # (the step's sampler call: after execute_model, same step)
         t = time.perf_counter()
-        out = sample_tokens(self, *args, **kw)
+        out = profiled(sample_tokens, self, *args, **kw)
         if step_s[mode[0]]:
             step_s[mode[0]][-1] += time.perf_counter() - t
         return out
@@ -98,6 +120,7 @@ def main() -> None:
     for v in versions:
         step_s[v].clear()
         layer_s[v].clear()
+        calls[v] = 0
     model = worker.model_runner.model
     compute_logits = model.compute_logits  # (the plugin's wrapper: bound at the first step)
     for r in range(a.rounds):
@@ -111,11 +134,19 @@ def main() -> None:
     out = {"model": a.model, "sequences": a.sequences, "rounds": a.rounds, "sampling": sampling, "commit": commit(),
            "machine": machine(),
            "versions": {}}
+    sw = head.off_switch
+    out["off_switch"] = None if sw is None else {"times_tripped": sw.times_tripped, "probes": sw.probes}
+    if a.count_calls:
+        out["count_calls"] = True
+        for v in versions:
+            out["versions"][v] = {"calls_per_step": calls[v] / len(step_s[v]), "steps": len(step_s[v])}
+            print(f"{v:5s}: {calls[v] / len(step_s[v]):.1f} calls a step ({len(step_s[v])} steps)")
+        c, p = (out["versions"][v]["calls_per_step"] for v in ("csv", "vllm"))
+        print(f"csv over vllm (the plugin's calls a step): {c - p:+.1f}")
+        return save(a.json, out)
     for v in versions:
         out["versions"][v] = {k: {"median_ms": 1e3 * statistics.median(x), "mean_ms": 1e3 * statistics.mean(x),
                                   "steps": len(x)} for k, x in (("step", step_s[v]), ("layer", layer_s[v]))}
-    sw = head.off_switch
-    out["off_switch"] = None if sw is None else {"times_tripped": sw.times_tripped, "probes": sw.probes}
     base = out["versions"]["dense"]
     for v in ("csv", "plan", "vllm"):
         o = out["versions"][v]
@@ -125,10 +156,15 @@ def main() -> None:
     print(f"dense: step median {base['step']['median_ms']:.3f} ms, layer median {base['layer']['median_ms']:.3f} ms")
     c, p = out["versions"]["csv"]["step"]["median_ms"], out["versions"]["vllm"]["step"]["median_ms"]
     print(f"csv over vllm (the plugin's whole cost a step): {1e3 * (c - p):+.0f} us, {c / p - 1:+.1%}")
-    if a.json:
-        Path(a.json).write_text(json.dumps(out, indent=1))
+    save(a.json, out)
+
+
+def save(path: str | None, out: dict) -> None:
+    """``out`` to ``path`` and its rows to ``benchmarks/results/results.csv`` (where given)."""
+    if path:
+        Path(path).write_text(json.dumps(out, indent=1))
         from record import record_run  # one row a measurement in benchmarks/results/results.csv
-        record_run("off_switch_cost", out, source=a.json)
+        record_run("off_switch_cost", out, source=path)
 
 
 if __name__ == "__main__":

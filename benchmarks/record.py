@@ -465,6 +465,15 @@ def rows_from_off_switch_cost(d: dict, source: str, **common) -> list[Row]:
                 commit=short_commit(d.get("commit")), shape=shape, batch=d.get("sequences"), config=cfg,
                 source=source, **common)
     v = d.get("versions", {})
+    if d.get("count_calls"):  # (--count-calls: counts, no times)
+        for ver in ("csv", "plan", "dense", "vllm"):
+            out.add(f"{ver}_calls_per_step", v.get(ver, {}).get("calls_per_step"), "calls",
+                    note="Python and built-in calls in the model step (sys.setprofile), per decode step")
+        a, b = v.get("csv", {}).get("calls_per_step"), v.get("vllm", {}).get("calls_per_step")
+        if a is not None and b is not None:
+            out.add("csv_calls_over_vllm", a - b, "calls", "vLLM alone (the plugin's wrappers bypassed), same engine, "
+                    "interleaved rounds", note="difference of the file's calls a step")
+        return out
     for ver in ("csv", "plan", "dense", "vllm"):
         for part in ("step", "layer"):
             out.add(f"{ver}_{part}_median_ms", v.get(ver, {}).get(part, {}).get("median_ms"), "ms")
