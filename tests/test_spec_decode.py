@@ -52,7 +52,7 @@ def _runner(params: dict, speculative=True):
     from vllm import SamplingParams
 
     reqs = {rid: types.SimpleNamespace(sampling_params=SamplingParams(**kw)) for rid, kw in params.items()}
-    batch = types.SimpleNamespace(req_ids=list(params), num_prompt_logprobs=None)
+    batch = types.SimpleNamespace(req_ids=list(params))
     runner = types.SimpleNamespace(input_batch=batch, requests=reqs, sampler=None, device="cpu",
                                    speculative_config=object() if speculative else None,
                                    vllm_config=types.SimpleNamespace(speculative_config=None, parallel_config=None))

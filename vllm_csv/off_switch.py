@@ -326,7 +326,7 @@ class OffSwitch:
             # 1.4-1.8 ms, and with two of them among the first three the dense side's median made
             # CSV look 0.64 ms a step cheaper around the head; while CSV is on, that side only
             # gets the probes' samples, so CSV stayed on for 100 steps. It opens the window only.
-            self._outside[key].clear()
+            self._outside[key] = deque(maxlen=OUTSIDE_WINDOW)
             return
         self._outside[key].append(seconds)
         self._outside_estimate.pop(batch, None)  # the window changed: outside_excess recomputes it

@@ -69,8 +69,9 @@ def build_plan(runner, max_topk: int, req_ids=None, spec_tokens=None) -> Plan | 
     (:mod:`.spec`)."""
     batch = runner.input_batch
     cfg = spec.spec_config(runner)
-    if not plannable(runner, speculative_ok=True) or getattr(batch, "num_prompt_logprobs", None) or \
-            (cfg is not None and not spec.standard_verification(cfg)):
+    # (prompt logprobs: the asking request's row is dense (plan_row), and vLLM computes them in
+    # sample_tokens, after execute_model closed the step's plan: that logits call finds none)
+    if not plannable(runner, speculative_ok=True) or (cfg is not None and not spec.standard_verification(cfg)):
         return None
     states = tuple(map(runner.requests.get, batch.req_ids))
     params = tuple(getattr(st, "sampling_params", None) for st in states)
