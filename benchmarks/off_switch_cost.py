@@ -17,8 +17,10 @@ model where CSV pays the switch stays on and ``csv`` is the CSV path itself.
 
 ``--count-calls`` counts instead of timing (no times are reported then): the Python function
 calls and the calls of built-in functions (``sys.setprofile``'s ``call`` and ``c_call`` events)
-in each version's model step, per step; ``csv`` against ``vllm`` is the plugin's per-step work
-in a form that does not move with the machine's noise.
+in each version's model step, averaged over its steps (each round's prefill included); ``csv``
+against ``vllm`` is the plugin's per-step work, in a form the machine's noise moves far less
+than the times: by a few calls, since the steps the lane times, and when the off-switch probes,
+follow the clock (which the profiler itself slows).
 """
 
 from __future__ import annotations

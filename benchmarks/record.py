@@ -473,6 +473,7 @@ def rows_from_off_switch_cost(d: dict, source: str, **common) -> list[Row]:
         if a is not None and b is not None:
             out.add("csv_calls_over_vllm", a - b, "calls", "vLLM alone (the plugin's wrappers bypassed), same engine, "
                     "interleaved rounds", note="difference of the file's calls a step")
+        out.add("off_switch_times_tripped", (d.get("off_switch") or {}).get("times_tripped"), "count")
         return out
     for ver in ("csv", "plan", "dense", "vllm"):
         for part in ("step", "layer"):

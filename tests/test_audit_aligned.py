@@ -6,7 +6,7 @@ term: with the int8 screen's radius shrunk ten times, 800 of their cases (a fuzz
 screen, all three dtypes) found no wrong row. Here certified rows must match the dense head (ids,
 value bits, sampled kept sets), and the same cases must find the radius shrunk to 0.3 of itself
 (the threshold search's spread takes the head's largest radius twice, so a radius halved is not
-always wrong). 20 to 40 s a screen on a 2-core Zen 4; ``tests/test_cpu_isa.py`` runs it on the AVX2 kernels too.
+always wrong). About 4 s for the file on a quiet 2-core Zen 4, 11 s beside two busy processes; ``tests/test_cpu_isa.py`` runs it on the AVX2 kernels too.
 """
 
 import pytest

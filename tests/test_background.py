@@ -71,7 +71,6 @@ def test_group_of_each_test():
     assert background.group_of("tests/test_e2e.py::t") is None
 
 
-@pytest.mark.skipif(not os.path.exists("/proc/self/autogroup"), reason="no autogroup scheduling here")
 def test_background_runs_start_directories_first_then_longest_first():
     """The session waits, at its end, for the background runs still going: the long ones start
     first, so that those are short (``COST``); every deferred and interpreted file has a cost."""
@@ -83,6 +82,7 @@ def test_background_runs_start_directories_first_then_longest_first():
     assert set(background.DEFERRED) | set(background.INTERPRETED) <= set(background.COST)
 
 
+@pytest.mark.skipif(not os.path.exists("/proc/self/autogroup"), reason="no autogroup scheduling here")
 def test_a_nice_run_is_nice_in_its_own_autogroup(tmp_path):
     """A run at the lowest priority (a session of its own) yields within its autogroup and as
     one: its autogroup's nice is 19 (else it takes a full share beside the session's tests)."""

@@ -18,7 +18,7 @@ import pytest
 
 from vllm_csv.metrics import FLUSH_SECONDS
 
-from .conftest import on_both, vllm_command
+from .conftest import on_both, server_env, vllm_command
 
 pytestmark = pytest.mark.e2e
 
@@ -227,6 +227,6 @@ def test_invalid_request_gets_400_and_server_keeps_serving(csv_server):
 
 def test_bad_flag_stops_startup(test_model_dir):
     r = subprocess.run([*vllm_command(), "serve", test_model_dir, "--enable-csv-decode", "--csv-budget", "2"],
-                       capture_output=True, text=True, timeout=300)
+                       capture_output=True, text=True, timeout=300, env=server_env())
     assert r.returncode == 2
     assert "invalid csv_decode configuration: budget" in r.stderr, r.stderr[-3000:]
