@@ -468,7 +468,7 @@ def rows_from_off_switch_cost(d: dict, source: str, **common) -> list[Row]:
     if d.get("count_calls"):  # (--count-calls: counts, no times)
         for ver in ("csv", "plan", "dense", "vllm"):
             out.add(f"{ver}_calls_per_step", v.get(ver, {}).get("calls_per_step"), "calls",
-                    note="Python and built-in calls in the model step (sys.setprofile), per decode step")
+                    note="Python and built-in calls in the model step (sys.setprofile), averaged over its steps, each round's prefill included")
         a, b = v.get("csv", {}).get("calls_per_step"), v.get("vllm", {}).get("calls_per_step")
         if a is not None and b is not None:
             out.add("csv_calls_over_vllm", a - b, "calls", "vLLM alone (the plugin's wrappers bypassed), same engine, "
