@@ -25,7 +25,10 @@ import sys
 import torch
 
 
-def walk(family: str, seed: int, rows: int, screen: str) -> tuple[collections.Counter, list[str]]:
+Entry = tuple[str, str, str]  # (module entered, function, the product module it was entered from)
+
+
+def walk(family: str, seed: int, rows: int, screen: str) -> list[Entry]:
     from vllm_csv.sampling.head_adapter import HeadAdapter
     from vllm_csv.testing import audit, audit_sampler
 
@@ -37,8 +40,6 @@ def walk(family: str, seed: int, rows: int, screen: str) -> tuple[collections.Co
     head = audit.make_head(case, screen)
     adapter = HeadAdapter(head)  # (built with the head, as the plugin's layer builds it: not the row's walk)
     audit_sampler.check_sampler(head, case, batch, seed, adapter)  # warm-up (kernels, caches)
-
-    entries, order = collections.Counter(), []
 
     def product(frame) -> str | None:
         name = frame.f_globals.get("__name__", "")
@@ -54,40 +55,64 @@ def walk(family: str, seed: int, rows: int, screen: str) -> tuple[collections.Co
             src = None if caller is None else product(caller)
             harness = caller is not None and caller.f_globals.get("__name__", "").startswith("vllm_csv.testing")
             if mod is not None and mod != src and not harness:  # (the harness's own calls: not the row's walk)
-                calls.append((mod, frame.f_code.co_name))
+                calls.append((mod, frame.f_code.co_name, src))
 
-    calls: list[tuple[str, str]] = []
+    calls: list[Entry] = []
     sys.setprofile(profile)
     try:
         audit_sampler.check_sampler(head, case, batch, seed, adapter)
     finally:
         sys.setprofile(None)
-    for call in sampler_calls(calls):
-        if not no_step(call):
-            for mod, _ in call:
-                entries[mod] += 1
-                order.append(mod)
-    return entries, order
+    return [e for call in sampler_calls(calls) if not no_step(call) for e in call]
 
 
 SAMPLE = ("vllm_csv.vllm_plugin.v1.sampler", "sample")  # the wrapped Sampler.forward
 
 
-def sampler_calls(calls: list[tuple[str, str]]) -> list[list[tuple[str, str]]]:
+def sampler_calls(calls: list[Entry]) -> list[list[Entry]]:
     """``calls`` cut at each entry into the wrapped ``Sampler.forward``: one list per sampler call."""
-    out: list[list[tuple[str, str]]] = []
+    out: list[list[Entry]] = []
     for c in calls:
-        if c == SAMPLE or not out:
+        if c[:2] == SAMPLE or not out:
             out.append([])
         out[-1].append(c)
     return out
 
 
-def no_step(call: list[tuple[str, str]]) -> bool:
-    """A sampler call that found no step (no hand-off taken: vLLM's own sampler ran, with at most
-    the wrapped top-k/top-p's pass-through): the harness's dense reference, on the same
-    ``Sampler``, not the row's walk."""
-    return all(f != "take_handoff" for _, f in call)
+# what a sampler call with no hand-off enters: the wrapped forward, the step (asked for a hand-off),
+# and the wrapped top-k/top-p (masks_on_rows' pass-through, inside vLLM's own sampler)
+NO_STEP = {SAMPLE, ("vllm_csv.vllm_plugin.step", "take_handoff"), ("vllm_csv.vllm_plugin.v1.masks", "apply")}
+
+
+def no_step(call: list[Entry]) -> bool:
+    """A sampler call that found no hand-off (it entered the step only to ask for one, then vLLM's
+    own sampler ran, with at most the wrapped top-k/top-p's pass-through): the harness's dense
+    reference, on the same ``Sampler``, not the row's walk."""
+    return {c[:2] for c in call} <= NO_STEP
+
+
+PROCESS = {("vllm_csv.vllm_plugin.v1.sampler", "elementwise"), ("vllm_csv.vllm_plugin.v1.sampler", "columns")}
+FINISH = ("vllm_csv.vllm_plugin.fill", "finish")
+
+
+def phases(entries: list[Entry]) -> list[tuple[str, list[Entry]]]:
+    """The walk cut into its phases: ``setup`` (the hand-off taken, the screen's bounds), one
+    ``round N`` from each call of the caller's map (``process``: the bounds mapped, masked,
+    certified, the next columns scored), and ``finish`` (the row written, the account settled)."""
+    out: list[tuple[str, list[Entry]]] = [("setup", [])]
+    for e in entries:
+        if e[:2] in PROCESS:
+            out.append((f"round {len(out)}", []))
+        elif e[:2] == FINISH:
+            out.append(("finish", []))
+        out[-1][1].append(e)
+    return out
+
+
+def stages(entries: list[Entry]) -> set[str]:
+    """The modules that, on the walk, enter another product module: a pipeline's stages; the
+    others (``ops.*``, the clock, records and leaf helpers) are entered and left."""
+    return {src for _, _, src in entries if src is not None}
 
 
 def main():
@@ -98,14 +123,25 @@ def main():
     ap.add_argument("--screen", default="int8")
     ap.add_argument("--json", default=None)
     a = ap.parse_args()
-    entries, order = walk(a.family, a.seed, a.rows, a.screen)
-    for mod, n in entries.most_common():
+    entries = walk(a.family, a.seed, a.rows, a.screen)
+    count = collections.Counter(mod for mod, _, _ in entries)
+    for mod, n in count.most_common():
         print(f"{n:5d}  {mod}")
-    print(f"{sum(entries.values()):5d}  entries into {len(entries)} modules")
+    print(f"{sum(count.values()):5d}  entries into {len(count)} modules")
+    # each phase: the stages entered more than once in it (what "each module once" leaves, phase by phase)
+    stage = stages(entries)
+    repeats = {}
+    for name, part in phases(entries):
+        c = collections.Counter(mod for mod, _, _ in part if mod in stage)
+        repeats[name] = {mod: [f for m, f, _ in part if m == mod] for mod, n in c.items() if n > 1}
+        print(f"{name}: {len(part)} entries, stages entered more than once: "
+              + (", ".join(f"{m.removeprefix('vllm_csv.')} ({' '.join(fs)})" for m, fs in repeats[name].items())
+                 or "none"))
     if a.json:
         with open(a.json, "w") as f:
-            json.dump({"args": vars(a), "entries": dict(entries), "order": order}, f, indent=1)
-
+            json.dump({"args": vars(a), "entries": dict(count), "order": [mod for mod, _, _ in entries],
+                       "calls": [list(e) for e in entries], "stages": sorted(stage),
+                       "repeated_stages": repeats}, f, indent=1)
 
 if __name__ == "__main__":
     main()

@@ -296,7 +296,7 @@ def test_a_narrow_round_on_unchanged_bounds_decides_as_the_full_round():
     full round certified: the summaries sit just below the bar they promise (they were the bar,
     and the later round's strict test failed on equality: every such row stayed undecided)."""
     from vllm_csv.sampling.certificate import ruled_out
-    from vllm_csv.sampling.rounds import _certify_columns
+    from vllm_csv.sampling.certificate import certify_columns
 
     g = torch.Generator().manual_seed(6)
     R, V = 64, 3000
@@ -310,7 +310,7 @@ def test_a_narrow_round_on_unchanged_bounds_decides_as_the_full_round():
     cert = certify_draw(ylo, yhi, seeds, greedy)
     assert int(cert.certified.sum()) > R // 2
     cols = cert.contenders.any(0).nonzero().squeeze(1)
-    again = _certify_columns(ylo[:, cols], yhi[:, cols], seeds, greedy, cols, ruled_out(cert, greedy), V)
+    again = certify_columns(ylo[:, cols], yhi[:, cols], seeds, greedy, cols, ruled_out(cert, greedy), V)
     assert torch.equal(again.certified, cert.certified)
     assert torch.equal(again.winner[cert.certified], cert.winner[cert.certified])
 

@@ -1,7 +1,8 @@
 """vLLM's penalties on the tokens they touch only (vllm_csv/vllm_plugin/penalties.py) give the
-values of vLLM's full call (``apply_all_penalties``) on every column: prompts padded with V,
-outputs with repeats and ``-1`` placeholders, values at +-0, +-inf, NaN and large, every
-penalty sign; and they stand aside where they do not apply."""
+values of vLLM's full call (``apply_all_penalties``) on every column, on one tensor and on a pair
+(a row's lower and upper bounds, one stacked call): prompts padded with V, outputs with repeats and
+``-1`` placeholders, values at +-0, +-inf, NaN and large, every penalty sign; and they stand aside
+where they do not apply."""
 
 import math
 from types import SimpleNamespace
@@ -45,6 +46,16 @@ def _logits(g, R, V, md):
     return x
 
 
+def _full(x, md):
+    return apply_all_penalties(x.clone(), md.prompt_token_ids, md.presence_penalties, md.frequency_penalties,
+                               md.repetition_penalties, md.output_token_ids)
+
+
+def _same(got, want):
+    return torch.equal(torch.isnan(got), torch.isnan(want)) and torch.equal(
+        got.nan_to_num(nan=7.0), want.nan_to_num(nan=7.0))  # -0.0 == 0.0: the same value
+
+
 @pytest.mark.parametrize("seed,R,V", [(0, 8, 1000), (1, 3, 65536), (2, 16, 5000)])
 def test_touched_penalties_equal_vllms_full_call(seed, R, V):
     g = torch.Generator().manual_seed(seed)
@@ -52,12 +63,16 @@ def test_touched_penalties_equal_vllms_full_call(seed, R, V):
     x = _logits(g, R, V, md)
     pen = TouchedPenalties(md, V)
     assert pen.usable
-    want = apply_all_penalties(x.clone(), md.prompt_token_ids, md.presence_penalties, md.frequency_penalties,
-                               md.repetition_penalties, md.output_token_ids)
-    got = pen.apply(x.clone())
-    assert torch.equal(torch.isnan(got), torch.isnan(want))
-    assert torch.equal(got.nan_to_num(nan=7.0), want.nan_to_num(nan=7.0))  # -0.0 == 0.0: the same value
-    assert not torch.equal(want.nan_to_num(nan=7.0), x.nan_to_num(nan=7.0))  # the penalties did something
+    want = _full(x, md)
+    got = x.clone()
+    pen.apply(got)
+    assert _same(got, want)
+    assert not _same(want, x)  # the penalties did something
+    # a pair (lower and upper bounds: different values on the same rows), one stacked call
+    x2 = _logits(g, R, V, md)
+    lo, hi = x.clone(), x2.clone()
+    pen.apply(lo, hi)
+    assert _same(lo, want) and _same(hi, _full(x2, md))
 
 
 def test_a_wrong_renumbering_is_caught():
@@ -68,9 +83,9 @@ def test_a_wrong_renumbering_is_caught():
     x = _logits(g, R, V, md)
     pen = TouchedPenalties(md, V)
     pen.output = torch.roll(pen.output, 1, 0)
-    want = apply_all_penalties(x.clone(), md.prompt_token_ids, md.presence_penalties, md.frequency_penalties,
-                               md.repetition_penalties, md.output_token_ids)
-    assert not torch.equal(pen.apply(x.clone()).nan_to_num(nan=7.0), want.nan_to_num(nan=7.0))
+    got = x.clone()
+    pen.apply(got)
+    assert not _same(got, _full(x, md))
 
 
 def test_not_used_where_it_does_not_apply():

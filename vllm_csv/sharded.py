@@ -339,7 +339,7 @@ class ShardedHead:
         gathered off-switch numbers ``[size, 1]`` (:meth:`SharedOffSwitch.pending_tensor`)."""
         B, V, dev = hidden.shape[0], self.vocab_size, hidden.device
         kmax = int(k.max())
-        budget = max(kmax, math.ceil(self.config.budget * V))
+        budget = self.config.budget_columns(V, kmax)
         loc = self.local
         # ---- 1. local screen and lower bounds of the k best tokens -----------------------------
         if loc is not None:

@@ -112,7 +112,7 @@ class FusedStep:
     def cap_for(self, kmax: int) -> int:
         """Candidate blocks a row may keep: :data:`~vllm_csv.gpu.common.CAP`, and no more than
         the head's budget (``budget V`` tokens) allows."""
-        budget = max(kmax, math.ceil(self.head.config.budget * self.V))
+        budget = self.head.config.budget_columns(self.V, kmax)
         return max(1, min(CAP, budget // SUB))
 
     # ---- the step ------------------------------------------------------------------------

@@ -72,7 +72,7 @@ def select_two_sided(head, hidden: torch.Tensor, k: torch.Tensor, need_values: t
     _, rad_max = errors.rad_total(out.radius)  # (cached while the screen's radius is the same tensor)
     delta = errors.delta + out.rel
     kmax = int(k.max())
-    budget = max(kmax, math.ceil(head.config.budget * V))
+    budget = head.config.budget_columns(V, kmax)
     act_coef = errors.max_of(out.n) * (1 + delta) if out.n is not None else 0.0
     # tau, thr, the candidate blocks and columns (ops.select.select_candidates_ref is this
     # docstring's search, step by step; one fused kernel on the CPU)
@@ -114,7 +114,7 @@ def select_one_sided(head, hidden: torch.Tensor, k: torch.Tensor, need_values: t
     lo, hi, hnorm, ok = head.intervals(hidden)
     hidden = hidden.masked_fill(~ok[:, None], 0)  # rows never certified: no NaN in the scores
     kmax = int(k.max())
-    budget = max(kmax, math.ceil(head.config.budget * V))
+    budget = head.config.budget_columns(V, kmax)
     m = torch.zeros(B, dtype=torch.long, device=dev)
     if lo is not None:
         tau = (lo.amax(1, keepdim=True) if kmax == 1

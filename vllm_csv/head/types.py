@@ -12,6 +12,7 @@ returns (issue 43: the types apart from the code that fills them).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -34,7 +35,7 @@ class HeadConfig:
     budget : float
         Max share of ``V`` scored exactly before the dense path: per row in the head, per batch
         (its rows' scored columns together) in the sampler's rounds
-        (:func:`vllm_csv.sampling.scoring.budget_of`).
+        (:meth:`budget_columns`).
     epsilon : float, optional
         Accepted and validated for callers of the old API; no effect. (The epsilon-softmax mode
         it configured, ``CertifiedHead.softmax_eps``, was reached by no serving flag and was
@@ -68,6 +69,11 @@ class HeadConfig:
             raise CSVError(f"epsilon must be in (0, 1), got {self.epsilon}")
         if not 1 <= self.max_topk:
             raise CSVError(f"max_topk must be >= 1, got {self.max_topk}")
+
+    def budget_columns(self, vocab_size: int, at_least: int = 1) -> int:
+        """The budget in columns of a ``vocab_size`` vocabulary: ``ceil(budget V)``, at least
+        ``at_least`` (a head's rows: the largest ``k`` asked for; the sampler's rounds: one)."""
+        return max(at_least, math.ceil(self.budget * vocab_size))
 
 
 @dataclass

@@ -205,6 +205,20 @@ def certify_draw_packed(ylo: torch.Tensor, yhi: torch.Tensor, seeds: torch.Tenso
                            cert.bar, cert.absmax, cert.hmax)
 
 
+def certify_columns(ylo: torch.Tensor, yhi: torch.Tensor, seeds: torch.Tensor, greedy: torch.Tensor,
+                    cols: torch.Tensor, rest: Outside, V: int, ops: DrawOps = PER_CALL) -> DrawCertificate:
+    """:func:`certify_draw` on the columns ``cols`` (``[n]`` int64, ascending: ties still go to
+    the lowest token id), whose bounds are ``ylo, yhi`` (``[R, n]``), every other token of the
+    ``V`` in ``rest`` (a later round's: :func:`ruled_out`; ``ops``: the adapter's bound passes);
+    the result in full-vocabulary coordinates."""
+    R = ylo.shape[0]
+    cert = certify_draw(ylo, yhi, seeds, greedy, cols.expand(R, -1), rest, ops=ops)
+    contenders = torch.zeros((R, V), dtype=torch.bool, device=ylo.device)
+    contenders[:, cols] = cert.contenders
+    winner = cols[cert.winner] if cols.numel() else cert.winner
+    return DrawCertificate(winner, cert.certified, contenders, cert.finite, cert.bar, cert.absmax, cert.hmax)
+
+
 def ruled_out(cert: DrawCertificate, greedy: torch.Tensor) -> Outside:
     """The tokens ``cert`` ruled out (its non-contenders), as one outside block per row, for
     :func:`certify_draw` on the other columns only in a later round.

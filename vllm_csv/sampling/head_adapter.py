@@ -28,7 +28,7 @@ class HeadAdapter:
         self.head = head
         self.vocab_size = head.vocab_size
         self.dtype = head.dtype
-        self.budget = head.config.budget
+        self.budget_columns = head.config.budget_columns(head.vocab_size)  # a batch's rounds together
         self._identity = head.softcap is None and head.scale == 1.0
         # the draw certificate's passes over these bounds, bound once: the CPU kernels where they
         # run on the head's device, else the torch references (certificate.certify_draw's ops)

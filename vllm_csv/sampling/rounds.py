@@ -27,10 +27,9 @@ from ..ops.bools import any_  # ([R, V] and [V] masks; a row mask [R] reduces wi
 from ..ops.gather import rows_of
 from ..ops.noise import PER_CALL, DrawOps
 from ..ops.topk import row_topk
-from .certificate import DrawCertificate, certify_draw, certify_draw_packed, ruled_out
+from .certificate import DrawCertificate, certify_columns, certify_draw_packed, ruled_out
 from .head_adapter import HeadAdapter
 from .nucleus.chain import Masks
-from .outside import Outside
 from .scoring import (FIRST_GUESS, MAX_ROUNDS, Process, RowsResult, contended, empty_state, next_columns, reasons,
                       score_columns)
 from .top_k_rows import TOP_K_GUESS
@@ -130,7 +129,7 @@ def run_rounds(adapter: HeadAdapter, hidden: torch.Tensor, bounds: tuple, proces
             # narrow are read, and with a per-row map they can be mapped alone (no [n, V] pass)
             cols_n, rest = narrow
             ylo_c, yhi_c = columns(lo.index_select(1, cols_n), hi.index_select(1, cols_n), rows)
-            cert = _certify_columns(ylo_c, yhi_c, seeds, greedy, cols_n, rest, V, adapter.draw)
+            cert = certify_columns(ylo_c, yhi_c, seeds, greedy, cols_n, rest, V, adapter.draw)
             ylo = yhi = None  # (not mapped on every column this round: mapped below where read)
             by_query = None
         else:
@@ -142,7 +141,7 @@ def run_rounds(adapter: HeadAdapter, hidden: torch.Tensor, bounds: tuple, proces
             if narrow is None:
                 cert = certify_draw_packed(ylo, yhi, seeds, greedy, adapter.draw)
             else:
-                cert = _certify_columns(ylo[:, narrow[0]], yhi[:, narrow[0]], seeds, greedy, *narrow, V, adapter.draw)
+                cert = certify_columns(ylo[:, narrow[0]], yhi[:, narrow[0]], seeds, greedy, *narrow, V, adapter.draw)
         if by_query is not None:
             # On a row left open: contenders that were not asked for are asked for now, and where
             # every contender is scored (only decisions can help) the contenders a short list
@@ -303,17 +302,3 @@ def _wanted(cert: DrawCertificate) -> torch.Tensor:
     if not bool(cert.finite.all()):  # (a row-indexed write: torch.where over [R, V] is a scalar loop here)
         out[(~cert.finite).nonzero().squeeze(1)] = True
     return out
-
-
-def _certify_columns(ylo: torch.Tensor, yhi: torch.Tensor, seeds: torch.Tensor, greedy: torch.Tensor,
-                     cols: torch.Tensor, rest: Outside, V: int, ops: DrawOps = PER_CALL) -> DrawCertificate:
-    """:func:`~.certificate.certify_draw` on the columns ``cols`` (``[n]`` int64, ascending: ties
-    still go to the lowest token id), whose bounds are ``ylo, yhi`` (``[R, n]``), every other token
-    of the ``V`` in ``rest`` (``ops``: the adapter's bound passes); the result in full-vocabulary
-    coordinates."""
-    R = ylo.shape[0]
-    cert = certify_draw(ylo, yhi, seeds, greedy, cols.expand(R, -1), rest, ops=ops)
-    contenders = torch.zeros((R, V), dtype=torch.bool, device=ylo.device)
-    contenders[:, cols] = cert.contenders
-    winner = cols[cert.winner] if cols.numel() else cert.winner
-    return DrawCertificate(winner, cert.certified, contenders, cert.finite, cert.bar, cert.absmax, cert.hmax)

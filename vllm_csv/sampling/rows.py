@@ -43,7 +43,7 @@ from ..ops.gather import rows_of
 from .head_adapter import HeadAdapter
 from .nucleus.top_k import has_top_k
 from .rounds import run_rounds
-from .scoring import Process, RowsResult, budget_of, screen_bounds
+from .scoring import Process, RowsResult, screen_bounds
 from .top_k_rows import certify_top_k
 
 
@@ -110,7 +110,7 @@ def certify_rows(adapter: HeadAdapter, hidden: torch.Tensor, process: Process, s
     """
     bounds = screen_bounds(adapter, hidden, masked)
     R, V = hidden.shape[0], adapter.vocab_size
-    budget = budget_of(adapter)
+    budget = adapter.budget_columns
     quick = None
     if columns is not None and masked is None and (top_k is not None or min_p is not None):
         tk = top_k if top_k is not None else torch.full((R,), V, dtype=torch.long, device=hidden.device)

@@ -48,7 +48,7 @@ import torch
 from ..ops.bools import any_
 from .gumbel_v2 import certify_draw_v2, min_p_bounds, noise_bounds, temperature_bounds
 from .head_adapter import HeadAdapter
-from .scoring import (FIRST_GUESS, MAX_ROUNDS, RowsResult, Screened, budget_of, contended, empty_state, next_columns,
+from .scoring import (FIRST_GUESS, MAX_ROUNDS, RowsResult, Screened, contended, empty_state, next_columns,
                       reasons, score_columns, screen_bounds)
 
 
@@ -111,7 +111,7 @@ def certify_rows_v2(adapter: HeadAdapter, hidden: torch.Tensor, seeds: torch.Ten
     if min_p is not None:  # min-p keeps a row's maximum: a greedy row's argmax is the same either way
         min_p = min_p.masked_fill(greedy, 0.0)
     values, scored, certified, winner, over_budget = empty_state(adapter, R, dev)
-    budget = budget_of(adapter)
+    budget = adapter.budget_columns
     if start is not None:  # (the budget is this loop's: the columns it adds, as from the screen)
         values, scored = start.values, start.scored
         budget += int(scored.sum())

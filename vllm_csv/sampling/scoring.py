@@ -3,7 +3,7 @@ the screen's bounds, exact scoring of chosen columns within a budget, and the lo
 
 A loop starts from the screen's bounds of every token (:func:`screen_bounds`) and an empty state
 (:func:`empty_state`: nothing scored), or from another loop's (:class:`Screened`), scores the columns its certificate asks for
-(:func:`next_columns` picks those that fit the budget, :func:`budget_of`; :func:`score_columns`
+(:func:`next_columns` picks those that fit the budget, :attr:`.HeadAdapter.budget_columns`; :func:`score_columns`
 scores them, the bounds only tightening), and ends with a :class:`RowsResult` (:func:`reasons`:
 why a row was not certified).
 """
@@ -147,15 +147,10 @@ def screen_bounds(adapter: HeadAdapter, hidden: torch.Tensor, masked: torch.Tens
     return lo, hi, hnorm, finite, one_sided
 
 
-def budget_of(adapter: HeadAdapter) -> int:
-    """Columns a batch of rows may have scored: the head's budget share of ``V``, at least one."""
-    return max(1, math.ceil(adapter.budget * adapter.vocab_size))
-
-
 def empty_state(adapter: HeadAdapter, R: int, dev: torch.device):
     """A loop's start: ``values [R, V]`` all ``-inf`` (model dtype), nothing scored (``[V]``
     bool), and per row not certified, winner 0, not over budget (the budget is the caller's:
-    :func:`budget_of`, or a share of it)."""
+    :attr:`.HeadAdapter.budget_columns`, or a share of it)."""
     V = adapter.vocab_size
     return (torch.full((R, V), -math.inf, dtype=adapter.dtype, device=dev), torch.zeros(V, dtype=torch.bool, device=dev),
             torch.zeros(R, dtype=torch.bool, device=dev),

@@ -94,7 +94,7 @@ class ShardedAdapter:
         self.head = head
         self.local = None if head.local is None else HeadAdapter(head.local)
         self.vocab_size, self.dtype = head.vocab_size, head.dtype
-        self.budget = head.config.budget
+        self.budget_columns = head.config.budget_columns(head.vocab_size)  # a batch's rounds together
         self.start, self.n = head.shard.start, head.shard.real
         self.comm = head.comm
 
@@ -266,7 +266,7 @@ def certify_rows_sharded(adapter: ShardedAdapter, hidden: torch.Tensor, process:
     g = torch.zeros((R, n), dtype=torch.float64, device=dev)
     if n and bool(samp.any()):
         g[samp] = noise_of_bits(noise_bits(seeds[samp], torch.arange(s0, s0 + n, device=dev)))
-    budget = max(1, math.ceil(adapter.budget * V))
+    budget = adapter.budget_columns
     over_budget = torch.zeros(R, dtype=torch.bool, device=dev)
     for rnd in range(MAX_ROUNDS + 1):
         full_lo = torch.full((R, V), -math.inf, device=dev)

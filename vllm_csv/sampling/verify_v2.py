@@ -34,7 +34,7 @@ from ..gumbel_noise import philox_uniform
 from .gumbel_v2 import min_p_bounds, temperature_bounds
 from .head_adapter import HeadAdapter
 from .rows_v2 import Bounds, certify_rows_v2
-from .scoring import RowsResult, Screened, budget_of, score_columns, screen_bounds
+from .scoring import RowsResult, Screened, score_columns, screen_bounds
 from .verify_v2_bounds import (ACCEPT, REJECT, UNDECIDED, decide, draft_logprob_bounds, first_undecided, lse_bounds,
                                residual_alone_ok, residual_bounds)
 
@@ -98,7 +98,7 @@ def certify_verification_v2(adapter: HeadAdapter, hidden: torch.Tensor, seeds: t
     reasons: list[str | None] = ["uncertified"] * R
     accepted, token = [0] * R, [0] * R
     lo, hi, hnorm, finite, one_sided = screen_bounds(adapter, hidden)
-    budget = budget_of(adapter)
+    budget = adapter.budget_columns
     state = Screened(lo, hi, hnorm, finite, one_sided,
                      torch.full((N, V), -math.inf, dtype=adapter.dtype, device=dev),
                      torch.zeros(V, dtype=torch.bool, device=dev))

@@ -31,7 +31,7 @@ class TouchedPenalties:
     """vLLM's penalties of one step's sampling metadata on the columns they touch.
 
     Built once per sampler step (the metadata is fixed for the step); :meth:`apply` is then
-    called on every ``[R, V]`` tensor of processed bounds. ``usable`` is False where the compact
+    called on the ``[R, V]`` tensors of processed bounds. ``usable`` is False where the compact
     call does not apply (no penalties, a non-finite penalty, or most of the vocabulary touched):
     run vLLM's own full call then."""
 
@@ -60,12 +60,15 @@ class TouchedPenalties:
         self.cols, self.pens = cols, pens
         self.usable = True
 
-    def apply(self, x: torch.Tensor) -> torch.Tensor:
-        """``x`` (``[R, V]`` float32, the step's rows) after vLLM's penalties, in place."""
+    def apply(self, *xs: torch.Tensor) -> None:
+        """Each of ``xs`` (``[R, V]`` float32, the step's rows: a row's lower and upper bounds)
+        after vLLM's penalties, in place; one call of vLLM's on their touched columns stacked
+        (each row's result depends on that row alone: its values, penalties and counts)."""
         from vllm.model_executor.layers.utils import apply_penalties
 
-        dev = x.device
+        dev, n = xs[0].device, len(xs)
         cols = self.cols.to(dev)
-        sub = apply_penalties(x[:, cols], self.prompt.to(dev), self.output.to(dev), *(p.to(dev) for p in self.pens))
-        x[:, cols] = sub
-        return x
+        sub = apply_penalties(torch.cat([x[:, cols] for x in xs]), self.prompt.to(dev).repeat(n, 1),
+                              self.output.to(dev).repeat(n, 1), *(p.to(dev).repeat(n) for p in self.pens))
+        for x, part in zip(xs, sub.chunk(n)):
+            x[:, cols] = part

@@ -13,7 +13,7 @@ sees logits and the sampling metadata; what one learns the other needs. So each 
    leaves the step's :class:`Handoff` for the sampler: the rows it deferred
    (:class:`Deferred`) or, on a dense step the off-switch times with vLLM's sampler call, an
    account alone;
-3. the sampler takes the hand-off (:meth:`Step.take_handoff`: once, shape-checked), certifies
+3. the sampler takes the hand-off (:func:`take_handoff`: once, shape-checked), certifies
    or fills the deferred rows, and settles the step's :class:`StepAccount` (metrics and the
    off-switch's ledger) with what it did.
 
@@ -323,4 +323,12 @@ def step_of(consumer) -> Step | None:
     """The current step of the runner ``consumer`` (a CSV layer or a sampler) is bound to."""
     channel = getattr(consumer, "csv_channel", None)
     return None if channel is None else channel.step
+
+
+def take_handoff(consumer, logits: torch.Tensor) -> Handoff | None:
+    """The hand-off the current step of ``consumer``'s runner (a sampler) holds for the call on
+    ``logits``, consumed (:meth:`Step.take_handoff`); None where no runner bound it or the layer
+    left nothing."""
+    step = step_of(consumer)
+    return None if step is None or step.handoff is None else step.take_handoff(logits)
 

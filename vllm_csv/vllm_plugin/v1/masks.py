@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextvars
 import dataclasses
+from typing import NamedTuple
 
 import torch
 
@@ -35,6 +36,29 @@ def min_p_of(md, rows: torch.Tensor) -> torch.Tensor:
 def wants_logprobs(md) -> bool:
     """Whether this draw returns logprobs (vLLM's ``Sampler.forward`` then reads the logits)."""
     return md.max_num_logprobs is not None or bool(getattr(md, "logprob_token_ids", None))
+
+
+class RowParams(NamedTuple):
+    """What vLLM's draw does with some of the batch's rows (host tensors, ``[R]`` each)."""
+
+    greedy: torch.Tensor  # bool: temperature below vLLM's SAMPLING_EPS (every row where all greedy)
+    min_p: torch.Tensor  # float32, 0: none
+    top_k: torch.Tensor  # int64, V: none (and V on greedy rows, which never read it)
+    top_p: torch.Tensor  # float32, 1: none
+    logprobs: bool  # the draw returns logprobs (:func:`wants_logprobs`)
+
+
+def row_params(md, rows: torch.Tensor, V: int) -> RowParams:
+    """The draw's parameters of the batch rows ``rows`` (``[R]`` int64, CPU) from the sampling
+    metadata ``md`` of a vocabulary of ``V`` tokens (host reads: the CPU sampler's, where they live)."""
+    R = rows.numel()
+    if md.all_greedy or md.temperature is None:
+        greedy = torch.ones(R, dtype=torch.bool)
+    else:
+        greedy = md.temperature.cpu()[rows] < _SAMPLING_EPS
+    top_p = md.top_p.cpu()[rows].float() if md.top_p is not None else torch.ones(R)
+    top_k = md.top_k.cpu()[rows].long() if md.top_k is not None else torch.full((R,), V)
+    return RowParams(greedy, min_p_of(md, rows), top_k.masked_fill(greedy, V), top_p, wants_logprobs(md))
 
 
 

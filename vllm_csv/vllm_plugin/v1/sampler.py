@@ -73,8 +73,8 @@ from ...sampling.sharded_rows import ShardedAdapter, certify_rows_sharded
 from ...vocabulary import SAMPLING_EPS as _SAMPLING_EPS
 from ..fill import finish, upstream_mask, write_certified
 from ..penalties import TouchedPenalties
-from ..step import Deferred, DeferredStats, StepAccount, step_of
-from .masks import draw_with_masks, min_p_of, wants_logprobs
+from ..step import Deferred, DeferredStats, StepAccount, Top1, take_handoff
+from .masks import draw_with_masks, row_params, wants_logprobs
 
 
 def draw_seeds(batch_size: int, generators: dict[int, torch.Generator]) -> torch.Tensor:
@@ -248,18 +248,10 @@ def resolve(sampler, d: Deferred, logits: torch.Tensor, md, predict_bonus_token:
         why = "the model's suppressed tokens changed"
     certified = torch.zeros(R, dtype=torch.bool)
     if why is None:
-        B = logits.shape[0]
-        if md.all_greedy or md.temperature is None:
-            greedy = torch.ones(R, dtype=torch.bool)
-        else:
-            greedy = md.temperature.cpu()[rows] < _SAMPLING_EPS
+        B, V = logits.shape
+        params = row_params(md, rows, V)
+        greedy, min_p, top_k, top_p = params.greedy, params.min_p, params.top_k, params.top_p
         seeds = peek_seeds(B, md.generators)[rows] if bool((~greedy).any()) else torch.zeros(R, dtype=torch.long)
-        min_p = min_p_of(md, rows)
-        top_p = md.top_p.cpu()[rows].float() if md.top_p is not None else torch.ones(R)
-        V = logits.shape[1]
-        # vLLM's top_k: V for a row without one (greedy rows never read it)
-        top_k = md.top_k.cpu()[rows].long() if md.top_k is not None else torch.full((R,), V)
-        top_k = top_k.masked_fill(greedy, V)
 
         canvas = None  # [B, V] fp32: vLLM's processors read the batch's layout (made when first needed)
         # vLLM's penalties on the columns they touch only (penalties.py: the same values; vLLM's
@@ -307,20 +299,20 @@ def resolve(sampler, d: Deferred, logits: torch.Tensor, md, predict_bonus_token:
             if idle:
                 return columns(lo, hi, rows)
             sel = batch_rows(rows)
-            out = []
+            full = []
             for x in (lo, hi):
                 if sel is None:
-                    full = x.clone()  # vLLM's processors work in place
+                    f = x.clone()  # vLLM's processors work in place
                 else:
                     if canvas is None:  # (the other rows' contents are never read back)
                         canvas = logits.float()
-                    full = canvas.clone()
-                    full[sel] = x
-                full = sampler.apply_logits_processors(full, md_rest, predict_bonus_token)
-                if pen.usable:  # vLLM applies its penalties last (what follows, a thinking budget, is refused)
-                    full = pen.apply(full)
-                out.append(temper(full if sel is None else full[sel], sel))
-            return out[0], out[1]
+                    f = canvas.clone()
+                    f[sel] = x
+                full.append(sampler.apply_logits_processors(f, md_rest, predict_bonus_token))
+            if pen.usable:  # vLLM applies its penalties last (what follows, a thinking budget, is refused)
+                pen.apply(*full)
+            ylo, yhi = (temper(f if sel is None else f[sel], sel) for f in full)
+            return ylo, yhi
 
         if isinstance(d.adapter, ShardedAdapter):  # tensor parallelism: one decision from gathered numbers
             res = certify_rows_sharded(d.adapter, d.hidden, elementwise, min_p, top_p, seeds.to(logits.device),
@@ -337,7 +329,7 @@ def resolve(sampler, d: Deferred, logits: torch.Tensor, md, predict_bonus_token:
                                elementwise=True, min_p=min_p.to(dev), top_k=top_k.to(dev), top_p=top_p.to(dev),
                                columns=columns if idle else None)
         tokens = None
-        if draw and not wants_logprobs(md) and bool(res.certified.all()):
+        if draw and not params.logprobs and bool(res.certified.all()):
             tokens = res.winner if every_row else _with_greedy_rows(sampler, logits, md, dev_rows, res.winner)
         if tokens is not None:
             st.scored = res.scored  # (the rows are not written: _finish counts them, writes nothing)
@@ -396,14 +388,10 @@ def sample(orig, sampler, logits: torch.Tensor, md, predict_bonus_token: bool = 
     """The wrapped ``Sampler.forward`` (:mod:`..patches`): vLLM's own ``orig`` where the step left
     nothing for the sampler; else the step's hand-off resolved first (module docstring) and its
     account settled (:class:`~..step.StepAccount`, with this call's time where it counts)."""
-    step = step_of(sampler)
-    if step is None or step.handoff is None:  # (a step the layer left nothing for: most switched-off steps)
-        return orig(sampler, logits, md, predict_bonus_token, logprobs_mode_override)
-    tokens = step.take_top1(logits)  # every row certified k = 1 in the head
-    if tokens is not None and not predict_bonus_token and argmax_decides(md):
-        return _drawn(md, tokens)
-    d = step.take_handoff(logits)
-    if d is None:
+    d = take_handoff(sampler, logits)
+    if d is None or isinstance(d, Top1):  # (no hand-off: most switched-off steps)
+        if d is not None and d.logits is logits and not predict_bonus_token and argmax_decides(md):
+            return _drawn(md, d.tokens)  # every row certified k = 1 in the head
         return orig(sampler, logits, md, predict_bonus_token, logprobs_mode_override)
     if isinstance(d, StepAccount):  # a dense step the off-switch times with this call
         t0 = clock.now()

@@ -30,7 +30,7 @@ from ...sampling.rows_v2 import certify_rows_v2
 from ...sampling.scoring import RowsResult
 from ...sampling.sharded_rows import ShardedAdapter
 from ..fill import finish, upstream_mask, write_certified
-from ..step import Deferred, DeferredStats, step_of
+from ..step import Deferred, DeferredStats, take_handoff
 from .known import v2_draw_known
 
 
@@ -222,8 +222,7 @@ def sample(orig, sampler, logits: torch.Tensor, input_batch, *a, **k):
     """The wrapped ``Sampler.__call__`` (:mod:`..patches`): the step's deferred rows resolved
     (:func:`resolve`) and their account settled, then vLLM's own ``orig``. (The layer leaves no
     dense-step account on CUDA: no sync to time it.)"""
-    step = step_of(sampler)
-    d = None if step is None else step.take_handoff(logits)
+    d = take_handoff(sampler, logits)
     if isinstance(d, Deferred):
         d.account.settle(resolve(sampler, d, logits, input_batch))
     return orig(sampler, logits, input_batch, *a, **k)

@@ -46,7 +46,7 @@ from ...sampling.sharded_rows import ShardedAdapter
 from ...sampling.verify_v2 import certify_verification_v2
 from ...sampling.verify_v2_fused import verify_fused
 from ..fill import finish, write_certified
-from ..step import Deferred, DeferredStats, step_of
+from ..step import Deferred, DeferredStats, take_handoff
 from .sampler import _processors, drawn_otherwise, fused_draw_for
 from .spec import verification_ok
 
@@ -177,8 +177,7 @@ def resolve(rs, d: Deferred, logits: torch.Tensor, input_batch, draft_logits=Non
 def verify(orig, rs, logits: torch.Tensor, input_batch, draft_logits=None, invalid_drafts=None, *a, **k):
     """The wrapped ``RejectionSampler.__call__`` (:mod:`..patches`): the step's deferred rows
     resolved (:func:`resolve`) and their account settled, then vLLM's own ``orig``."""
-    step = step_of(rs.sampler)
-    d = None if step is None else step.take_handoff(logits)
+    d = take_handoff(rs.sampler, logits)
     if isinstance(d, Deferred):
         d.account.settle(resolve(rs, d, logits, input_batch, draft_logits, invalid_drafts))
     return orig(rs, logits, input_batch, draft_logits, invalid_drafts, *a, **k)
