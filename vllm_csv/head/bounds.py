@@ -44,26 +44,28 @@ def prepare(backend: Backend, errors: ErrorModel, hidden: torch.Tensor, certifia
 
 
 def intervals(screen, errors: ErrorModel, engine: DenseEngine, backend: Backend, hidden: torch.Tensor,
-              hnorm: torch.Tensor, ok: torch.Tensor) -> Intervals:
+              certifiable: bool) -> Intervals:
     """Every token's interval around the dense engine's rounded pre-transform logit.
 
     Parameters
     ----------
     screen
         The screen (:mod:`vllm_csv.screens`) whose ``center_radius`` bounds ``<w_i, h> + b_i``.
-    hidden, hnorm, ok : torch.Tensor
-        ``[B, d]``, ``[B]``, ``[B]``: :func:`prepare`'s output.
+    hidden : torch.Tensor
+        ``[B, d]``, the rows as the head got them (through :func:`prepare` here, with
+        ``certifiable``).
 
     Returns
     -------
     Intervals
         ``lo, hi [B, V]`` fp32 (``lo`` None for one-sided screens), ``hnorm``, and which rows may
-        be certified: ``ok`` and every bound below :attr:`DenseEngine.limit`.
+        be certified: :func:`prepare`'s ``ok`` and every bound below :attr:`DenseEngine.limit`.
 
     Half-width ``m = rad_total ||h|| + delta (|y| + |b|) + n e + tiny`` (the error model's
     docstring); ``rad_total = (r + e_acc/||h||)(1 + delta)`` covers the screen radius, the dense
     GEMM's accumulation error and two output-dtype ulps of ``|lo|, |hi| <= max|y| + rad ||h||``.
     """
+    hidden, hnorm, ok = prepare(backend, errors, hidden, certifiable)
     out = screen.center_radius(hidden)
     y, (rad, rad_max) = out.y, errors.rad_total(out.radius)
     delta = errors.delta + out.rel

@@ -178,12 +178,12 @@ class CertifiedHead:
         return bounds.prepare(self.backend, self.errors, hidden, self.certifiable and self.arithmetic_ok())
 
     def intervals(self, hidden: torch.Tensor, tight: bool = False) -> Intervals:
-        """:func:`.bounds.intervals` of ``hidden [B, d]`` (rows through :meth:`prepare`). ``tight``:
+        """:func:`.bounds.intervals` of ``hidden [B, d]`` (rows prepared there: :meth:`prepare`). ``tight``:
         a screen that picks a looser copy for small batches
         (:class:`~vllm_csv.screens.by_batch.ByBatchScreen`) uses its tight one whatever the batch."""
-        hidden, hnorm, ok = self.prepare(hidden)
         screen = getattr(self.screen, "tight", self.screen) if tight else self.screen
-        return bounds.intervals(screen, self.errors, self.engine, self.backend, hidden, hnorm, ok)
+        return bounds.intervals(screen, self.errors, self.engine, self.backend, hidden,
+                                self.certifiable and self.arithmetic_ok())
 
     def score(self, hidden: torch.Tensor, ids: torch.Tensor, hnorm: torch.Tensor) -> Scores:
         """:func:`.bounds.score` of columns ``ids [S]`` for ``hidden [B, d]`` (``hnorm`` unused:
