@@ -8,9 +8,10 @@ plugin's layer defers them) and records, with ``sys.setprofile``, every call fro
 hand-off, is not the row's walk).
 The audit's dense reference runs vLLM's own sampler through the same wrapped ``Sampler`` first;
 that call takes no hand-off and is left out (:func:`no_step`).
-Prints, per module, how many times the walk entered it, and the total; ``--json`` writes them.
-A module entered once is a pipeline stage; one entered many times is a helper the walk keeps
-returning to (the issue counted 61 entries into 11 modules before the redesign).
+Prints, per module, how many times the walk entered it, and the total (the issue counted 61
+entries into 11 modules before the redesign); then, for each phase of the walk (:func:`phases`:
+setup, each round, finish), the stages (:func:`stages`) entered more than once in it, with the
+functions entered; ``--json`` writes all of them.
 
     python benchmarks/row_walk.py --family peaked --rows 1
 """

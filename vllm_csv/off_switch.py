@@ -153,8 +153,8 @@ class OffSwitch:
         self._interval: dict[Hashable, int] = {}  # CSV steps between probes, per batch size (default probe_every)
         self._cold: set[Hashable] = set()  # batch sizes whose first (dense, cold) step is not yet reported
         self._on_neighbours: set[Hashable] = set()  # batch sizes on their neighbours' estimate (module docstring)
-        self._outside: defaultdict[tuple[Hashable, bool], deque[float]] = \
-            defaultdict(partial(deque, maxlen=OUTSIDE_WINDOW))  # (key, csv) -> outside times
+        # (key, csv) -> outside times, the window opened by observe_outside's first sample of a side
+        self._outside: dict[tuple[Hashable, bool], deque[float]] = {}
         # key -> outside_excess of its current windows, kept until observe_outside changes one
         # (observe reads it every CSV step: two medians of up to OUTSIDE_WINDOW samples)
         self._outside_estimate: dict[Hashable, float] = {}
