@@ -170,9 +170,9 @@ def _count_calls(monkeypatch, module, name: str) -> list:
     """Replace ``module.name`` by a wrapper that records each call's first argument."""
     calls, real = [], getattr(module, name)
 
-    def counting(*a):
+    def counting(*a, **k):
         calls.append(a[0])
-        return real(*a)
+        return real(*a, **k)
 
     monkeypatch.setattr(module, name, counting)
     return calls
@@ -287,7 +287,7 @@ def test_v1_plan_follows_a_streaming_chunks_new_parameters(second):
 def test_v2_plan_rows_in_batch_order_kept_per_request(monkeypatch):
     """The V2 runner's plan (from the sampling parameters its execute_model kept per request):
     rows in the batch's order, greedy rows in the head (here no certified sampler: other rows
-    dense; a sampled top-k row is dense on V2, ``v2.plan.row_entry``), a row whose request is
+    dense; a sampled top-k row is deferred on V2, dense where its sampler is not certified, ``v2.plan.row_entry``), a row whose request is
     unknown dense; the same plan object while the batch holds the same requests (the
     off-switch's fast lane keys on it), rebuilt when a request changes (a reused id with new
     parameters too) or max_topk differs, each request's row computed once."""

@@ -124,12 +124,11 @@ def test_resolve_v2_leaves_batches_vllm_draws_otherwise_dense(why):
 
 
 def test_v2_plan_defers_sampled_rows_with_min_p_or_processors_to_a_certified_sampler():
-    """Temperature rows, with min-p, processors, structured output or none of these, and greedy
-    rows with processors or structured output are deferred where the V2 sampler is certified
-    (and no tensor parallelism); top-p rows stay dense there (a structured one is deferred, and
-    the hook sends its batch dense), a structured row with min_tokens is dense, plain greedy
-    rows are certified in the head, and sampled top-k rows are dense (V2 draws them with
-    FlashInfer's rejection sampler or its Triton top-k, which the head's kept set does not model)."""
+    """Temperature rows, with min-p, processors, structured output, a top-k (at any ``k``: the
+    head's kept set is V1's draw, not V2's), a top-p or none of these, and greedy rows with
+    processors or structured output are deferred where the V2 sampler is certified (and no
+    tensor parallelism); a structured row with min_tokens is dense, plain greedy rows are
+    certified in the head."""
     from vllm import SamplingParams
     from vllm.sampling_params import StructuredOutputsParams
 
@@ -146,10 +145,10 @@ def test_v2_plan_defers_sampled_rows_with_min_p_or_processors_to_a_certified_sam
     D = DEFER
     ok = SimpleNamespace(_csv_sampling_params=params, sampler=fake_sampler(np.ones(SLOTS, np.float32), np.zeros(SLOTS, np.int64)))
     p = v2_plan.build_plan(ok, 64, ids)
-    assert p.topk == [1, D, 0, D, 0, D, D, D, D, D, 0]  # (a sampled top-k row: dense on V2, row_entry)
-    assert p.modes == ["greedy", "sampling", "", "processed", "", "min_p", "processed", "structured",
+    assert p.topk == [1, D, D, D, D, D, D, D, D, D, 0]
+    assert p.modes == ["greedy", "sampling", "top_p", "processed", "top_k", "min_p", "processed", "structured",
                        "structured", "structured", ""]
-    assert p.deferred == [1, 3, 5, 6, 7, 8, 9] and p.row_temps[1] == pytest.approx(0.7) and p.row_temps[6] == 0.0
+    assert p.deferred == [1, 2, 3, 4, 5, 6, 7, 8, 9] and p.row_temps[1] == pytest.approx(0.7) and p.row_temps[6] == 0.0
     tp = SimpleNamespace(_csv_sampling_params=params, sampler=ok.sampler,
                          vllm_config=SimpleNamespace(parallel_config=SimpleNamespace(tensor_parallel_size=2)))
     other = SimpleNamespace(_csv_sampling_params=params, sampler=object())
@@ -472,3 +471,57 @@ def test_processed_bounds_hold_every_processed_value():
     want_lo = f(full)
     assert torch.equal(lo[valid], want_lo.gather(1, ids.clamp_min(0))[valid])
     assert bool((lo <= hi).all()) and bool((lo[~valid] == -math.inf).all()) and bool((hi[~valid] == -math.inf).all())
+
+
+def top_case(base: dict) -> dict:
+    """``base`` with top-k 1, 3 or 20 or top-p 0.5 or 0.9 on three deferred rows in four (after
+    their min-p and processors, where they have them), the greedy rows' requests untouched
+    (vLLM resets top-k / top-p for greedy requests): V2 then masks the batch with vLLM's Triton
+    kernels before its Gumbel draw (the batch has greedy rows and explicit seeds, so no fused
+    sampler)."""
+    c = dict(base)
+    S = c["SLOTS"]
+    Vh = c["W"].shape[0]
+    c["top_k"], c["top_p"] = [Vh] * S, [1.0] * S
+    modes = list(c["modes"])
+    for i, r in enumerate(c["rows"].tolist()):
+        s = int(c["slots"][r])
+        if c["temp"][s] == 0.0 or i % 4 == 3:
+            continue
+        if i % 4 == 2:
+            c["top_p"][s] = (0.5, 0.9)[i % 3 == 0]
+            modes[i] = "top_p"
+        else:
+            c["top_k"][s] = (1, 3, 20)[i % 3]
+            modes[i] = "top_k" if modes[i] == "sampling" else modes[i]
+    c["modes"] = modes
+    return c
+
+
+def test_resolve_v2_top_k_top_p_rows_draw_the_dense_tokens(tmp_path):
+    """Rows with a top-k or a top-p (with min-p and processors on some), certified by the hook
+    where the winner is also the row's certain maximum, then masked by vLLM's Triton top-k /
+    top-p kernels and drawn by its V2 pipeline (Triton's interpreter), give the dense tokens; a
+    certificate told nothing of the masks is caught (it certifies a Gumbel winner the mask
+    drops)."""
+    c = top_case(processed_case(0, B=24))
+    c["variants"] = ["ok", "no_top"]
+    out = v2_pipeline(c, tmp_path)
+    dense, ok = out["dense"], out["ok"]
+    assert torch.equal(ok["draw"], dense), (ok, dense)
+    assert ok["certified"].get("top_k", 0) + ok["certified"].get("top_p", 0) > 0, ok
+    assert not torch.equal(out["no_top"]["draw"], dense)
+
+
+def test_resolve_v2_draws_top_k_top_p_rows_on_the_device(tmp_path):
+    """:func:`test_resolve_v2_top_k_top_p_rows_draw_the_dense_tokens` with the device draw (the
+    head's backend CUDA's, its Triton kernels interpreted): the dense tokens; the draw told
+    nothing of the masks is caught."""
+    c = top_case(device_case())
+    c["variants"] = ["fused", "fused_no_top"]
+    out = v2_pipeline(c, tmp_path)
+    dense, ok = out["fused"]["draw"], out["dense"]
+    assert torch.equal(dense, ok), out["fused"]
+    assert out["fused"]["device_rows"] == len(c["rows"])
+    assert sum(out["fused"]["certified"].values()) > 0, out["fused"]
+    assert not torch.equal(out["fused_no_top"]["draw"], ok)

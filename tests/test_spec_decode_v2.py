@@ -71,16 +71,16 @@ def test_a_v2_step_with_drafts_certifies_greedy_requests_rows_in_the_head():
     assert p.req_ids == ["g"] * 3 + ["s"] + ["k"] * 2 + ["lp"] * 2 and p.deferred == [3]
     assert p.row_temps[3] == pytest.approx(0.8)
     # a step without drafts under speculation: the greedy request's row, the sampled one deferred
+    # (the top-k one dense: the verification hook models no mask)
     assert v2_plan.build_plan(runner, 64, input_batch=_batch((0, 0, 0, 0))).topk == [1, DEFER, 0, 0]
     assert v2_spec.draft_counts(_batch((3, 0, 2, 1))) == (3, 0, 2, 1)
     # sampled requests with min-p or processors deferred too; a greedy one with processors, a
     # top-p one: dense
     q = v2_plan.build_plan(runner, 64, input_batch=_batch((1, 1, 1, 1), req_ids=("m", "b", "gb", "p")))
     assert q.topk == [DEFER] * 4 + [0] * 4 and q.row_modes[:4] == [SPEC_SAMPLED_MODE] * 4
-    # without speculation: the plain plan (the sampled row deferred to the sampler hook; a
-    # sampled top-k row dense on V2: v2.plan.row_entry)
+    # without speculation: the plain plan (the sampled rows, top-k too, deferred to the sampler hook)
     plain = _runner(speculative=False)
-    assert v2_plan.build_plan(plain, 64, input_batch=_batch((0, 0, 0, 0))).topk == [1, DEFER, 0, 0]
+    assert v2_plan.build_plan(plain, 64, input_batch=_batch((0, 0, 0, 0))).topk == [1, DEFER, DEFER, 0]
     assert v2_plan.build_plan(plain, 64, input_batch=_batch((1, 0, 0, 0))) is None  # (drafts without a config)
 
 

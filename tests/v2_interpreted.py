@@ -14,7 +14,8 @@ CASE (a ``torch.save``'d dict): the head ``W`` ``[V, d]``, hidden states ``h`` `
 ``temp``, ``min_p``, ``seeds``, ``rep``, ``freq``, ``pres``, ``min_tokens``, ``bias`` (``{token: value}`` dicts),
 ``allowed`` (token lists), ``stop`` (stop token lists, masked while ``min_len`` is not reached),
 ``bad`` (single-token bad words), ``prompt`` and ``output`` (token lists: the penalties' counts),
-and optionally ``bitmask``: ``{row: [ceil(V / 32)] int32}``, the grammar's packed bitmask of
+optionally ``top_k`` and ``top_p`` per slot (vLLM's Triton top-k / top-p kernels then mask the
+batch, :mod:`v2_top_masks_interpreted`), and optionally ``bitmask``: ``{row: [ceil(V / 32)] int32}``, the grammar's packed bitmask of
 structured rows, applied to the head's output (the dense logits and the placeholders alike)
 before the sampler, as V2's runner applies it (:func:`_grammar`).
 OUT gets, per variant of the hook (``ok``; ``no_min_p``: the certificate told no min-p;
@@ -22,7 +23,8 @@ OUT gets, per variant of the hook (``ok``; ``no_min_p``: the certificate told no
 (:meth:`vllm_csv.gpu.step.FusedStep.draw_v2`); ``fused_no_min_p`` / ``fused_no_mask``: that draw
 told no min-p / no grammar mask / no processors;
 ``no_process``: no processors; ``no_drop``: min-p's dropped tokens left in the written row;
-``no_mask``: the certificate told no grammar mask; ``none``: no row certified, every row the
+``no_mask``: the certificate told no grammar mask; ``no_top`` / ``fused_no_top``: the
+certificate / the device draw told no top-k or top-p rows; ``none``: no row certified, every row the
 dense path's), the tokens drawn from the hook's rows and its counts, and the tokens drawn from
 the dense logits.
 """
@@ -57,7 +59,8 @@ def _sampler(c):
     ss = SamplingStates.__new__(SamplingStates)
     ss.max_num_reqs, ss.vocab_size = S, V
     ss.temperature, ss.min_p = _uva(np.asarray(c["temp"], np.float32)), _uva(np.asarray(c["min_p"], np.float32))
-    ss.top_k, ss.top_p = _uva(np.full(S, V, np.int32)), _uva(np.ones(S, np.float32))
+    ss.top_k = _uva(np.asarray(c.get("top_k", [V] * S), np.int32))
+    ss.top_p = _uva(np.asarray(c.get("top_p", [1.0] * S), np.float32))
     ss.seeds, ss.seeds_set = _uva(np.asarray(c["seeds"], np.int64)), np.ones(S, bool)
     ss.num_logprobs = np.full(S, -1, np.int32)
 
@@ -157,6 +160,10 @@ def run(c: dict) -> dict:
     import vllm.triton_utils as tu
 
     tu.triton, tu.tl, tu.HAS_TRITON = triton, tl, True  # before vLLM's V2 sampling modules are imported
+    if "top_k" in c or "top_p" in c:  # vLLM's top-k / top-p kernels, runnable by the interpreter
+        from v2_top_masks_interpreted import load
+
+        sys.modules["vllm.v1.sample.ops.topk_topp_triton"] = load()[0]
     overlay = os.environ.get("VLLM_CSV_V2_SAMPLE_OVERLAY")  # another release's V2 sampling files (test_vllm033.py)
     if overlay:
         from vllm_csv.testing.vllm_v2 import overlay_vllm_v2_sample
@@ -194,11 +201,12 @@ def run(c: dict) -> dict:
 
     variants = {
         "ok": real,
-        "no_min_p": lambda *a, process=None, min_p=None, masked=None: real(*a, process=process, masked=masked),
-        "no_process": lambda *a, process=None, min_p=None, masked=None: real(*a, min_p=min_p, masked=masked),
+        "no_min_p": lambda *a, min_p=None, **k: real(*a, **k),
+        "no_process": lambda *a, process=None, **k: real(*a, **k),
         "no_mask": lambda *a, masked=None, **k: real(*a, **k),
+        "no_top": lambda *a, top=None, **k: real(*a, **k),
         "none": none,
-        "fused": real, "fused_no_min_p": real, "fused_no_mask": real, "fused_no_process": real,
+        "fused": real, "fused_no_min_p": real, "fused_no_mask": real, "fused_no_process": real, "fused_no_top": real,
     }
     grammar = _grammar(c, B) if c.get("bitmask") else (lambda x: x)
     dense = grammar(dense)
@@ -228,6 +236,8 @@ def run(c: dict) -> dict:
                     return draw_rows(*a[:6], None, *a[7:], **k)  # (told no grammar mask)
                 if name == "fused_no_process":
                     return draw_rows(*a[:7])  # (told no processors)
+                if name == "fused_no_top":
+                    return draw_rows(*a[:8])  # (told no top-k / top-p rows)
                 return draw_rows(*a, **k)
 
             v2_sampler.draw_rows = device_draw

@@ -21,6 +21,8 @@ integer ops on any device, with no host read (:func:`philox_uniform`; the device
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from .fp import DIV_ABS, DIV_REL, DIV_T_MAX, DIV_T_MIN, round_down32, round_up32  # noqa: F401
@@ -180,3 +182,38 @@ def min_p_thresholds(m_lo: torch.Tensor, m_hi: torch.Tensor, min_p: torch.Tensor
     thr_lo = round_down32(torch.where(torch.isfinite(t_lo), t_lo - t_lo.abs() * 2.0**-50, t_lo))
     thr_hi = round_up32(torch.where(torch.isfinite(t_hi), t_hi + t_hi.abs() * 2.0**-50, t_hi))
     return thr_lo, thr_hi
+
+
+# Top-k / top-p: V2 masks them after min-p with vLLM's Triton kernels (``topk_topp_triton.py``,
+# Qrita; CUDA also splits top-p-only rows over programs). They keep a token where it lies above a
+# pivot found by a bounded search, except that tokens within TOP_DUP_ABS of the boundary value
+# (in logits, or in probabilities ``exp(x - M) / Z``) count as duplicates and some are dropped by
+# position; the split pipeline keeps ``x == M`` always. Kept values are stored unchanged.
+TOP_DUP_ABS = 1e-9
+TOP_PROB_REL = 2e-5  # 2x the relative error allowed to the kernels' fp32 probabilities
+TOP_LOGIT_REL = 2.0**-20  # 8 fp32 ulps: a boundary logit the kernel recomputes as log(p Z) + M
+
+
+def top_mask_margin(V: int, x_abs_max: torch.Tensor) -> torch.Tensor:
+    """How far a row's maximum must lie above every other token (tempered logits, ``|x| <=
+    x_abs_max``, ``V`` tokens a row) for V2's top-k / top-p kernels to keep it whatever ``k`` and
+    ``p`` are (float64, the shape of ``x_abs_max``).
+
+    A maximum ``w`` is dropped only as a duplicate of the boundary value, which needs a token
+    other than ``w`` within the tolerance of it. In probabilities, ``p_w = 1 / Z >= 1 / V`` and
+    ``p_j <= p_w e^-gap``, so ``p_w - p_j >= (1 - e^-gap) / V``; with each computed probability
+    within ``TOP_PROB_REL / 2`` of its own, a ``gap`` with ``1 - e^-gap >= 2 (TOP_DUP_ABS V +
+    TOP_PROB_REL)`` keeps ``w``'s apart from every other (twice over). In logits, the boundary
+    value the kernel recomputes strays by less than ``TOP_LOGIT_REL (|x| + 64)``
+    (``|log p|`` below 64 for the kernels' ``1e-30`` floor), which the margin's second term
+    covers, with ``TOP_DUP_ABS`` twice. With ``w`` alone within reach of the boundary, the count
+    of duplicates is one and the kernels keep at least one. (``tests/test_v2_top_masks.py``
+    runs vLLM's kernels under Triton's interpreter on rows at this margin; the compiled kernels
+    are not checked yet.)"""
+    return torch.clamp(TOP_LOGIT_REL * (x_abs_max.double() + 64.0) + 2 * TOP_DUP_ABS, min=top_prob_gap(V))
+
+
+def top_prob_gap(V: int) -> float:
+    """:func:`top_mask_margin`'s first term: ``gap`` with ``1 - e^-gap = 2 (TOP_DUP_ABS V +
+    TOP_PROB_REL)`` (at most ``log 2``)."""
+    return -math.log1p(-min(0.5, 2 * (TOP_DUP_ABS * V + TOP_PROB_REL)))

@@ -57,6 +57,13 @@ bounds stay upper bounds (masking only lowers a value), and min-p's maximum over
 tokens is at most theirs. :func:`~.draw_bounds.draw_select`'s early min-p drop is not used there
 (its lower bound of the maximum is a token the grammar may forbid).
 
+Top-k / top-p (``top``: rows V2 masks with either after min-p, with vLLM's Triton kernels): such
+a row is certified only where its winner is also its certain maximum, ``qlo`` of the winner above
+the ``qhi`` of every other candidate and of the outside blocks (``out_q``, those min-p surely
+drops left out) by :func:`~vllm_csv.gumbel_noise.top_mask_margin` of the row's ``A``; the masks
+keep such a token with its value (:func:`vllm_csv.sampling.gumbel_v2.certain_maximum` has the
+argument), and the winner beat every token, kept or not.
+
 Removed (V2's verification, :mod:`vllm_csv.sampling.verify_v2_fused`: after a rejection, V2 draws
 from the row processed whole, min-p included, with the rejected draft then set to ``-inf``): a
 candidate named in ``removed`` enters min-p's maximum as any other token, then has ``-inf`` on both
@@ -69,7 +76,8 @@ import math
 
 import torch
 
-from ..gumbel_noise import LOG_ABS, LOG_REL, comparison_margin, min_p_thresholds, uniform
+from ..gumbel_noise import (LOG_ABS, LOG_REL, comparison_margin, min_p_thresholds, top_mask_margin, top_prob_gap,
+                            uniform)
 from .common import CAP, INTERPRET, LIB, SUB, _launch, _use_triton, slot_ids, tl, triton
 from .gumbel_jit import _noise_bounds_ref, _q_bounds, _temp_ref
 
@@ -79,7 +87,7 @@ CODE_CERTIFIED, CODE_NOT_LIVE, CODE_TEMPERATURE, CODE_UNCERTIFIED = 0, 1, 2, 3
 
 # ---- torch reference ------------------------------------------------------------------------
 def gumbel_draw_ref(cand, count, lower, upper, out_hi, out_abs, out_q, seeds, pos, temp, min_p, live, V: int,
-                    masked=None, removed=None):
+                    masked=None, removed=None, top=None):
     """``(token [B] int64, code [B] int32)``: the decision (module docstring, 3.) in torch.
 
     Parameters
@@ -105,6 +113,8 @@ def gumbel_draw_ref(cand, count, lower, upper, out_hi, out_abs, out_q, seeds, po
     removed : torch.Tensor, optional
         ``[B]`` int64, a token each row draws without (``-1``: none) after min-p took its
         threshold with it (V2's verification: the rejected draft; module docstring, removed).
+    top : torch.Tensor, optional
+        ``[B]`` int8, rows V2 masks with a top-k or a top-p after min-p (module docstring, top).
     """
     dev = lower.device
     ids = slot_ids(cand, count, V)  # [B, S], -1 where empty
@@ -117,7 +127,7 @@ def gumbel_draw_ref(cand, count, lower, upper, out_hi, out_abs, out_q, seeds, po
     g_lo, g_hi = _noise_bounds_ref(uniform(seeds, pos, ids.clamp_min(0)))
     g_lo, g_hi = g_lo.masked_fill(greedy, 0.0), g_hi.masked_fill(greedy, 0.0)
     bad = (torch.isnan(qlo) | torch.isnan(qhi) | (qhi == math.inf)).any(1)
-    o_hi = out_hi.double()
+    o_hi, o_q = out_hi.double(), out_q.double()
     gone = None if removed is None else (ids == removed[:, None]) & (removed[:, None] >= 0) & valid
     on = (min_p > 0) & ~greedy[:, 0]  # (module docstring, min-p)
     if bool(on.any()):
@@ -129,6 +139,7 @@ def gumbel_draw_ref(cand, count, lower, upper, out_hi, out_abs, out_q, seeds, po
         qlo = torch.where(on[:, None] & ~(qlo >= thr_hi), -math.inf, qlo)
         qhi = torch.where(on[:, None] & (qhi < thr_lo), -math.inf, qhi)
         o_hi = torch.where(on & (out_q.double() < thr_lo[:, 0]), -math.inf, o_hi)
+        o_q = torch.where(on & (out_q.double() < thr_lo[:, 0]), -math.inf, o_q)
     if gone is not None:  # (after min-p's threshold, which it entered: module docstring, removed)
         qlo, qhi = qlo.masked_fill(gone, -math.inf), qhi.masked_fill(gone, -math.inf)
     nlo = torch.where(qlo > -math.inf, qlo + g_lo, -math.inf)
@@ -144,6 +155,11 @@ def gumbel_draw_ref(cand, count, lower, upper, out_hi, out_abs, out_q, seeds, po
     cert = (others == 0) & (o_hi < bar) & (best > -math.inf) & ~bad
     if removed is not None:  # (a greedy row's min-p with a token removed after it: module docstring, min-p)
         cert &= ~(greedy[:, 0] & (min_p > 0) & (removed >= 0))
+    if top is not None:  # (the winner must be the row's certain maximum: module docstring, top)
+        rest = torch.where(slot[None] != w[:, None], torch.where(torch.isnan(qhi), math.inf, qhi), -math.inf)
+        other = torch.maximum(rest.amax(1), torch.where(torch.isnan(o_q), math.inf, o_q))
+        gap = top_mask_margin(V, A)
+        cert &= ~top.bool() | (qlo.gather(1, w[:, None])[:, 0] - other > gap)
     token = torch.where(best > -math.inf, ids.gather(1, w[:, None])[:, 0], 0).clamp_min(0)
     code = torch.where(live.bool(), torch.where(t_ok, torch.where(cert, CODE_CERTIFIED, CODE_UNCERTIFIED),
                                                 CODE_TEMPERATURE), CODE_NOT_LIVE)
@@ -159,8 +175,8 @@ if triton is not None:
     @triton.jit
     def _gumbel_draw_kernel(cand_ptr, count_ptr, lo_ptr, up_ptr, ohi_ptr, oabs_ptr, oq_ptr, seed_ptr, pos_ptr,
                             temp_ptr, minp_ptr, live_ptr, token_ptr, code_ptr, V, log_abs, log_rel, mask_ptr,
-                            removed_ptr, HAS_MASK: tl.constexpr, HAS_REMOVED: tl.constexpr, SUBC: tl.constexpr,
-                            CAPC: tl.constexpr, PDL: tl.constexpr):
+                            removed_ptr, top_ptr, top_prob, HAS_MASK: tl.constexpr, HAS_REMOVED: tl.constexpr,
+                            HAS_TOP: tl.constexpr, SUBC: tl.constexpr, CAPC: tl.constexpr, PDL: tl.constexpr):
         _pdl_wait(PDL)  # (common._launch: PDL launches wait for the kernel before)
         b = tl.program_id(0).to(tl.int64)
         S: tl.constexpr = CAPC * SUBC
@@ -191,6 +207,7 @@ if triton is not None:
         qlo = tl.where(on, tl.where(qlo >= thr_hi, qlo, float("-inf")), qlo)
         qhi = tl.where(on, tl.where(qhi < thr_lo, float("-inf"), qhi), qhi)
         o_hi = tl.where(on, tl.where(o_q < thr_lo, float("-inf"), o_hi), o_hi)
+        o_q = tl.where(on, tl.where(o_q < thr_lo, float("-inf"), o_q), o_q)
         if HAS_REMOVED:  # (after min-p's threshold, which it entered: module docstring, removed)
             rm = tl.load(removed_ptr + b)
             gone = valid & (ids == rm) & (rm >= 0)
@@ -210,6 +227,12 @@ if triton is not None:
         cert = (others == 0) & (o_hi < bar) & (best > float("-inf")) & (nbad == 0)
         if HAS_REMOVED:  # (a greedy row's min-p with a token removed after it: module docstring, min-p)
             cert = cert & ~(greedy & (tl.load(minp_ptr + b) > 0.0) & (rm >= 0))
+        if HAS_TOP:  # (the winner must be the row's certain maximum: module docstring, top)
+            rest = tl.max(tl.where(sl != w, tl.where(qhi != qhi, float("inf"), qhi), float("-inf")), 0)
+            gap = tl.maximum((A + 64.0) * 9.5367431640625e-07 + 2e-9, top_prob)  # (TOP_LOGIT_REL, TOP_DUP_ABS)
+            lo_w = tl.sum(tl.where(sl == w, tl.where(qlo > float("-inf"), qlo, 0.0), 0.0), 0)
+            top_ok = lo_w - tl.maximum(rest, o_q) > gap
+            cert = cert & ((tl.load(top_ptr + b) == 0) | top_ok)
         tok = tl.sum(tl.where(sl == w, ids, 0), 0)
         tok = tl.where(best > float("-inf"), tl.maximum(tok, 0), 0)
         live = tl.load(live_ptr + b) != 0
@@ -219,7 +242,7 @@ if triton is not None:
 
 
 def gumbel_draw_triton(cand, count, lower, upper, out_hi, out_abs, out_q, seeds, pos, temp, min_p, live, V: int,
-                       masked=None, removed=None):
+                       masked=None, removed=None, top=None):
     B = lower.shape[0]
     dev = lower.device
     token = torch.empty(B, dtype=torch.int64, device=dev)
@@ -230,7 +253,10 @@ def gumbel_draw_triton(cand, count, lower, upper, out_hi, out_abs, out_q, seeds,
                                   live, token, code, V, LOG_ABS, LOG_REL,
                                   live if masked is None else masked.contiguous().view(torch.uint8),
                                   token if removed is None else removed.long().contiguous(),
-                                  HAS_MASK=masked is not None, HAS_REMOVED=removed is not None, SUBC=SUB, CAPC=CAP,
+                                  live if top is None else top.to(torch.int8).contiguous(),
+                                  top_prob_gap(V),
+                                  HAS_MASK=masked is not None, HAS_REMOVED=removed is not None,
+                                  HAS_TOP=top is not None, SUBC=SUB, CAPC=CAP,
                                   **_launch(),
                                   **({} if INTERPRET else {"num_warps": 8}))
     return token, code
@@ -241,10 +267,10 @@ def gumbel_draw_triton(cand, count, lower, upper, out_hi, out_abs, out_q, seeds,
 def gumbel_draw(cand: torch.Tensor, count: torch.Tensor, lower: torch.Tensor, upper: torch.Tensor,
                 out_hi: torch.Tensor, out_abs: torch.Tensor, out_q: torch.Tensor, seeds: torch.Tensor,
                 pos: torch.Tensor, temp: torch.Tensor, min_p: torch.Tensor, live: torch.Tensor,
-                V: int, masked: torch.Tensor | None = None,
-                removed: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                V: int, masked: torch.Tensor | None = None, removed: torch.Tensor | None = None,
+                top: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """V2's Gumbel draw certified on the device (:func:`gumbel_draw_ref`)."""
-    args = (cand, count, lower, upper, out_hi, out_abs, out_q, seeds, pos, temp, min_p, live, V, masked, removed)
+    args = (cand, count, lower, upper, out_hi, out_abs, out_q, seeds, pos, temp, min_p, live, V, masked, removed, top)
     return (gumbel_draw_triton if _use_triton(lower) else gumbel_draw_ref)(*args)
 
 

@@ -186,7 +186,8 @@ class FusedStep:
 
     def draw_v2(self, hidden: torch.Tensor, seeds: torch.Tensor, pos: torch.Tensor, temp: torch.Tensor,
                 cap: int | None = None, min_p: torch.Tensor | None = None, masked: torch.Tensor | None = None,
-                process=None, screened: tuple | None = None, removed: torch.Tensor | None = None):
+                process=None, screened: tuple | None = None, removed: torch.Tensor | None = None,
+                top: torch.Tensor | None = None):
         """vLLM V2's Gumbel draw of each row of ``hidden``, certified on the device (no host sync).
 
         Six kernels (:mod:`vllm_csv.gpu.gumbel_draw` has the argument): the step's quantize and
@@ -220,6 +221,9 @@ class FusedStep:
         removed : torch.Tensor, optional
             ``[B]`` int64, a token each row draws without after min-p took its threshold with it
             (``-1``: none; V2's verification after a rejection, :mod:`vllm_csv.gpu.gumbel_draw`).
+        top : torch.Tensor, optional
+            ``[B]`` bool, rows V2 masks with a top-k or a top-p: certified only where the winner is
+            also the row's certain maximum (:mod:`vllm_csv.gpu.gumbel_draw`).
         screened : tuple, optional
             :meth:`screen_rows` of these rows, computed already (V2's verification screens its
             rows once, :mod:`vllm_csv.sampling.verify_v2_fused`): its ``ok`` must hold the whole
@@ -255,7 +259,7 @@ class FusedStep:
         if min_p is None:
             min_p = torch.zeros_like(temp, dtype=torch.float32)
         token, code = gumbel_draw(cand, count, lower, upper, out_hi, out_abs, out_q, seeds, pos, temp, min_p, ok,
-                                  self.V, masked, removed)
+                                  self.V, masked, removed, top)
         return token, code, count
 
     @staticmethod

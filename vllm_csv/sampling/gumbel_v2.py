@@ -47,7 +47,7 @@ import torch
 from ..fp import quotient_bounds
 from ..gumbel_noise import (_M32, DIV_ABS, DIV_REL, DIV_T_MAX, DIV_T_MIN, EPS_ABS, EPS_REL, GUMBEL_MAX,  # noqa: F401
                             GUMBEL_MIN, LOG_ABS, LOG_REL, comparison_margin, min_p_thresholds, murmur3, noise,
-                            noise_bounds, uniform)
+                            noise_bounds, top_mask_margin, uniform)
 
 
 
@@ -166,3 +166,37 @@ def certify_draw_v2(ylo: torch.Tensor, yhi: torch.Tensor, seeds: torch.Tensor, p
     contenders.scatter_(1, winner[:, None], True)
     certified = usable & (contenders.sum(1) == 1)
     return winner, certified, contenders & usable[:, None]
+
+
+def certain_maximum(qlo: torch.Tensor, qhi: torch.Tensor, winner: torch.Tensor,
+                    on: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Whether each row's ``winner`` is its maximum by :func:`~vllm_csv.gumbel_noise.top_mask_margin`,
+    so that V2's top-k / top-p masks keep it, values unchanged, whatever they keep besides.
+
+    A row V2 masks with a top-k or a top-p is certified by the draw's certificate on its bounds
+    before the mask (the winner beats every token, kept or not) and this: the winner is kept,
+    and a mask only sets other tokens to its mask value, so the winner still wins. Where the
+    winner is not the row's certain maximum the row is not certified (never a guess at what the
+    mask keeps).
+
+    Parameters
+    ----------
+    qlo, qhi : torch.Tensor
+        ``[R, V]`` float32 bounds of the tempered logits after min-p (what the mask reads).
+    winner : torch.Tensor
+        ``[R]`` int64, each row's certified column.
+    on : torch.Tensor
+        ``[R]`` bool, the rows V2 masks with a top-k or a top-p.
+
+    Returns
+    -------
+    (ok [R] bool, near [R, V] bool)
+        ``ok``: not ``on``, or ``qlo[winner]`` above every other ``qhi`` by the margin; ``near``:
+        on rows ``on``, the other tokens within the margin (to score, which may settle the row).
+    """
+    lo, hi = qlo.double(), qhi.double()
+    fin = lambda x: torch.where(torch.isfinite(x), x.abs(), 0.0)  # noqa: E731
+    bar = lo.gather(1, winner[:, None]) - top_mask_margin(qlo.shape[1], torch.maximum(fin(lo), fin(hi)).amax(1))[:, None]
+    near = on[:, None] & (hi >= bar) & ~torch.isnan(bar)
+    near.scatter_(1, winner[:, None], False)
+    return ~on | (~near.any(1) & (bar[:, 0] > -math.inf)), near

@@ -2,7 +2,9 @@
 vLLM's native logits processors (logit bias, allowed ids, min_tokens, penalties, bad words)
 and structured output (the grammar bitmask).
 
-Pipeline (per batch of rows V2's ``gumbel_sample`` will draw from, rows with no top-k or top-p):
+Pipeline (per batch of rows V2's ``gumbel_sample`` will draw from; rows V2 masks with a top-k or
+a top-p first, ``top``, are certified where the winner is also their certain maximum, which the
+masks keep: :func:`~.gumbel_v2.certain_maximum`):
 
 1. bounds on every token's logit from the head's screen (:class:`.HeadAdapter`); ``-inf`` on
    both sides for the tokens the grammar bitmask removed (``masked``: V2's runner sets them to
@@ -36,6 +38,9 @@ finite value it makes lies within its token's bounds; the partial row's maximum 
 full row's, so its min-p threshold is at most the full row's: the winner (certainly kept) stays,
 and whatever else stays is a token the certificate did not drop, which the winner beat. The
 certificate holds for any values within the bounds, so the kernel returns the certified winner.
+A top-k or top-p row's mask then runs on the partial row: its winner is that row's maximum by the
+same margin (every other finite value lies within its bounds), so the mask keeps it there too, and
+the tokens it keeps besides are ones the winner beat.
 """
 
 from __future__ import annotations
@@ -46,7 +51,7 @@ from typing import Callable
 import torch
 
 from ..ops.bools import any_
-from .gumbel_v2 import certify_draw_v2, min_p_bounds, noise_bounds, temperature_bounds
+from .gumbel_v2 import certain_maximum, certify_draw_v2, min_p_bounds, noise_bounds, temperature_bounds
 from .head_adapter import HeadAdapter
 from .scoring import (FIRST_GUESS, MAX_ROUNDS, RowsResult, Screened, contended, empty_state, next_columns,
                       reasons, score_columns, screen_bounds)
@@ -58,7 +63,7 @@ Bounds = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor
 def certify_rows_v2(adapter: HeadAdapter, hidden: torch.Tensor, seeds: torch.Tensor, pos: torch.Tensor,
                     temp: torch.Tensor, process: Bounds | None = None, min_p: torch.Tensor | None = None,
                     masked: torch.Tensor | None = None, removed: torch.Tensor | None = None,
-                    start: Screened | None = None) -> RowsResult:
+                    start: Screened | None = None, top: torch.Tensor | None = None) -> RowsResult:
     """Certify V2's draw for each row of ``hidden``.
 
     Parameters
@@ -87,6 +92,10 @@ def certify_rows_v2(adapter: HeadAdapter, hidden: torch.Tensor, seeds: torch.Ten
         The rows' bounds and scored columns from an earlier loop over them (:mod:`.verify_v2`'s
         acceptance rounds), taken over (tightened and filled in place) instead of screening the
         rows again (the budget bounds the columns this loop adds to them). None: screen the rows.
+    top : torch.Tensor, optional
+        ``[R]`` bool, the rows V2 masks with a top-k or a top-p after min-p: certified only where
+        the winner is also the row's certain maximum (:func:`~.gumbel_v2.certain_maximum`; the
+        tokens within its margin are scored as contenders). None: no such row.
 
     Returns
     -------
@@ -149,6 +158,9 @@ def certify_rows_v2(adapter: HeadAdapter, hidden: torch.Tensor, seeds: torch.Ten
                                               greedy=greedy if any_greedy else None)
         if maxers is not None:
             contenders |= maxers
+        if top is not None:  # (top-k / top-p rows: the mask must keep the winner)
+            kept, near = certain_maximum(qlo, qhi, w, top)
+            cert, contenders = cert & kept, contenders | near
         now = cert & finite & scored[w] & ~certified
         winner = torch.where(now, w, winner)
         certified |= now

@@ -17,24 +17,22 @@ def sampler_certifiable(runner) -> bool:
 
 
 # the rows the V2 sampler hook certifies (sampler.resolve)
-MODES = ("sampling", "min_p", "processed", "structured")
+MODES = ("sampling", "min_p", "processed", "structured", "top_k", "top_p")
 
 
 def row_entry(row: tuple[int, str, float], in_sampler: bool) -> tuple[int, str]:
     """A V2 row's ``(k, mode)``: greedy rows in the head (``k = 1``); of the rows to certify in
-    the sampler, temperature sampling with min-p, vLLM's native processors, structured output or
-    none of these, and greedy rows with processors or structured output (modes
-    :data:`MODES`) where the V2 sampler is certified (``in_sampler``); the others dense. Dense
-    also: sampled top-k rows, which the head certifies for V1's draw (every token at least the
-    k-th value kept, then the draw among them) but V2 does not draw that way: a batch with no
-    greedy row and no explicit seed goes to FlashInfer's ``top_k_sampling_from_probs``, whose
-    rejection sampling walks the whole row's probabilities (a row holding only the top-k set
-    draws another token from the same random numbers); other batches to vLLM's Triton top-k
-    (Qrita: exactly ``k`` kept, values within ``1e-9`` taken as duplicates and dropped by
-    position, a pivot searched at most 18 times), which the head's kept-set certificate does
-    not model. Top-p rows likewise (the V2 hook replays no top-k or top-p; a structured row
-    with one is labelled ``structured`` and deferred, and the hook sends its batch dense:
-    ``sampler._unsupported``)."""
+    the sampler, temperature sampling with min-p, vLLM's native processors, structured output, a
+    top-k or a top-p, or none of these, and greedy rows with processors or structured output
+    (modes :data:`MODES`) where the V2 sampler is certified (``in_sampler``); the others dense.
+    A sampled top-k row is deferred at any ``k`` (:func:`request_plan`): the head's kept-set
+    certificate is V1's draw, not V2's. V2 masks a top-k or top-p row with vLLM's Triton kernels
+    (Qrita: a pivot searched at most 18 times, values within ``1e-9`` taken as duplicates and
+    dropped by position) before its Gumbel draw, or draws the batch with FlashInfer's fused
+    sampler (no greedy request, no explicit seed, no processed logprobs in it), whose random
+    numbers are not replayed; the hook certifies the first where the winner is also the row's
+    certain maximum, which the masks keep, and leaves the second dense
+    (``sampler.resolve``)."""
     k, mode, t = row
     if k > 0 and (t == 0.0 or k == 1 and mode == "greedy"):
         return k, mode
@@ -88,7 +86,7 @@ def request_plan(runner, max_topk: int, req_ids) -> Plan:
     for rid, p in zip(req_ids, ps):
         hit = memo.get(rid)
         if hit is None or hit[0] is not p or hit[1] != max_topk:
-            hit = memo[rid] = (p, max_topk, row_plan(p, max_topk))
+            hit = memo[rid] = (p, max_topk, row_plan(p, max_topk, top_k_in_sampler=True))
         rows.append(hit[2])
     in_sampler = sampler_certifiable(runner)
     entries = [row_entry(r, in_sampler) for r in rows]

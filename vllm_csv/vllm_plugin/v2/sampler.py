@@ -3,7 +3,7 @@
 
 The V2 runner (``vllm.v1.worker.gpu.model_runner.GPUModelRunner``, CUDA): its ``Sampler.__call__``
 is wrapped as V1's ``Sampler.forward`` is (:mod:`..v1.sampler`), for temperature-sampling rows with min-p, vLLM's native processors,
-structured output or none of these, and greedy rows with processors or structured output
+structured output, a top-k or a top-p, or none of these, and greedy rows with processors or structured output
 (:func:`resolve`; the plan defers no other row there, :func:`.plan.row_entry`).
 V2 draws such a row with ``gumbel_sample`` from ``fl32(x / T)`` after its processors and min-p,
 and noise hashed from (request seed, position, token), no random state drawn at sampling time,
@@ -78,22 +78,60 @@ def _unsupported(sampler, d: Deferred, logits: torch.Tensor, input_batch) -> str
     req = input_batch.idx_mapping_np[d.rows.numpy()]  # the deferred rows' request slots
     if not bool(np.all(sampler.sampling_states.temperature.np[req] >= 0)):
         return "a negative temperature"
-    return drawn_otherwise(sampler, input_batch.idx_mapping_np, req)
+    if has_top_masks(sampler, input_batch.idx_mapping_np) and fused_sampler(sampler, input_batch.idx_mapping_np):
+        return "top-k or top-p rows drawn by a fused sampler (FlashInfer's)"
+    return thinking_budget(sampler, req)
 
 
-def drawn_otherwise(sampler, batch: np.ndarray, req: np.ndarray) -> str | None:
-    """Why V2 would draw the deferred rows (request slots ``req``, of the batch's slots ``batch``)
-    otherwise than the certificates replay, or None: a top-k or top-p row anywhere in the batch
-    (vLLM then masks every row with its top-k/top-p, or draws the batch with FlashInfer's fused
-    sampler, whose noise is not the one replayed), a thinking budget on a deferred request.
-    Shared by the sampler hook and the verification hook (:mod:`.verify`)."""
+def has_top_masks(sampler, batch: np.ndarray) -> bool:
+    """Whether a request of the batch (slots ``batch``) has a top-k or a top-p: V2 then masks
+    every row with its own (``SamplingStates.get_top_k_top_p``; a row with neither is left as it
+    is), or draws the whole batch with a fused sampler (:func:`fused_sampler`)."""
     ss = sampler.sampling_states
-    if bool(np.any(ss.top_k.np[batch] != ss.vocab_size) or np.any(ss.top_p.np[batch] != 1.0)):
-        return "top-k or top-p rows in the batch"
+    return bool(np.any(ss.top_k.np[batch] != ss.vocab_size) or np.any(ss.top_p.np[batch] != 1.0))
+
+
+def fused_sampler(sampler, batch: np.ndarray) -> bool:
+    """Whether V2 draws a batch with top-k or top-p rows (slots ``batch``) with its fused sampler
+    (FlashInfer's ``top_k_top_p_sampling_from_logits``, or XPU's), whose random numbers are not the
+    Gumbel noise the certificate replays: ``Sampler.sample``'s rule in 0.32.0 and 0.33.0 (the
+    sampler has one, and the batch has no greedy request, no explicit seed and no processed
+    logprobs). Where any of what it reads is missing: True (the batch dense)."""
+    from vllm.config.model import PROCESSED_LOGPROBS_MODES
+
+    try:
+        if not (sampler.use_flashinfer or getattr(sampler, "use_xpu_sampler", False)):
+            return False
+        ss = sampler.sampling_states
+        processed = sampler.logprobs_mode in PROCESSED_LOGPROBS_MODES and sampler.get_logprobs_dims(batch) is not None
+        return not (processed or ss.any_greedy(batch) or ss.any_explicit_seed(batch))
+    except AttributeError:
+        return True
+
+
+def top_rows(sampler, req: np.ndarray) -> np.ndarray:
+    """``[R]`` bool: which of the rows (request slots ``req``) V2 masks with a top-k or a top-p."""
+    ss = sampler.sampling_states
+    return (ss.top_k.np[req] != ss.vocab_size) | (ss.top_p.np[req] != 1.0)
+
+
+def thinking_budget(sampler, req: np.ndarray) -> str | None:
+    """``"a thinking budget"`` where one is on for a request of ``req`` (it runs after the
+    processors and is not replayed), else None."""
     tb = sampler.thinking_budget_state
     if getattr(tb, "enabled", False) and bool(np.any(tb.use_thinking_budget[req])):
         return "a thinking budget"
     return None
+
+
+def drawn_otherwise(sampler, batch: np.ndarray, req: np.ndarray) -> str | None:
+    """Why V2's verification would draw the deferred rows (request slots ``req``, of the batch's
+    slots ``batch``) otherwise than its certificates replay, or None (:mod:`.verify`): a top-k or
+    top-p row anywhere in the batch (the verification's certificates model no mask), a thinking
+    budget on a deferred request."""
+    if has_top_masks(sampler, batch):
+        return "top-k or top-p rows in the batch"
+    return thinking_budget(sampler, req)
 
 
 def _processors(sampler, input_batch, dev_rows: torch.Tensor, rows_np: np.ndarray, req: np.ndarray):
@@ -155,14 +193,15 @@ _DRAW_REASONS = {1: "nonfinite", 2: "nonfinite", 3: "uncertified"}
 
 
 def draw_rows(fused, hidden: torch.Tensor, seeds: torch.Tensor, pos: torch.Tensor, temp: torch.Tensor,
-              min_p: torch.Tensor | None = None, masked: torch.Tensor | None = None, process=None) -> RowsResult:
+              min_p: torch.Tensor | None = None, masked: torch.Tensor | None = None, process=None,
+              top: torch.Tensor | None = None) -> RowsResult:
     """:meth:`~vllm_csv.gpu.step.FusedStep.draw_v2` as the rows' ``RowsResult``: a certified row's
     values are ``-inf`` but at its token (0 there): V2's temperature keeps the one finite value
     finite and its ``gumbel_sample`` (or, at ``T = 0``, its argmax) returns it (V2's min-p keeps a
     row's maximum). One host read of
     the codes and counts, for the reasons and the account (the writing of the rows reads the
     certified flags on the host anyway)."""
-    token, code, count = fused.draw_v2(hidden, seeds, pos, temp, min_p=min_p, masked=masked, process=process)
+    token, code, count = fused.draw_v2(hidden, seeds, pos, temp, min_p=min_p, masked=masked, process=process, top=top)
     values = torch.full((hidden.shape[0], fused.V), -math.inf, dtype=fused.dtype, device=hidden.device)
     values.scatter_(1, token[:, None], 0.0)
     code_h, count_h = code.cpu(), fused.scored(count).cpu()
@@ -178,15 +217,18 @@ def resolve(sampler, d: Deferred, logits: torch.Tensor, input_batch) -> Deferred
     (:func:`~.plan.row_entry`): the grammar's ``-inf`` are read off the placeholders and
     kept (:mod:`..fill`); V2 runs the processors, divides by
     ``T`` (``T`` 0 or 1: not at
-    all), applies min-p and draws with ``gumbel_sample``, no top-k or top-p touching the batch, so
+    all), applies min-p, masks rows with a top-k or a top-p (vLLM's Triton kernels; a row with
+    neither is left as it is) and draws with ``gumbel_sample``, so
     :func:`~vllm_csv.sampling.rows_v2.certify_rows_v2` certifies each row from the processors run
     on its bounds (:func:`_processors`), its min-p, the request's seed
     (``SamplingStates.seeds``, kept per request), the row's position
     (``input_batch.positions[logits_indices]``) and temperature, read the way the kernels read
     them (through ``expanded_idx_mapping``); a greedy row (``T = 0``, deferred for its
-    processors) by V2's argmax. Batches where vLLM could draw otherwise (top-k or top-p rows:
-    the fused FlashInfer sampler; speculative decoding; another sampler) and rows with a thinking
-    budget are dense. (Host reads: the
+    processors) by V2's argmax; a top-k or top-p row where its winner is also its certain maximum,
+    which the masks keep (``top``, :func:`~vllm_csv.sampling.gumbel_v2.certain_maximum`). Batches
+    where vLLM could draw otherwise (top-k or top-p rows drawn by a fused sampler,
+    :func:`fused_sampler`; speculative decoding; another sampler) and rows with a thinking budget
+    are dense. (Host reads: the
     per-request states' numpy mirrors, which vLLM keeps on the host.)"""
     t0 = clock.now()
     rows = d.rows
@@ -207,11 +249,14 @@ def resolve(sampler, d: Deferred, logits: torch.Tensor, input_batch) -> Deferred
         min_p = ss.min_p.gpu[slot].float() if bool(np.any(ss.min_p.np[req] != 0)) else None
         process = _processors(sampler, input_batch, dev_rows, rows_np, req)
         seeds, temp = ss.seeds.gpu[slot].long(), ss.temperature.gpu[slot].float()
+        top = top_rows(sampler, req)
+        top = torch.from_numpy(top).to(dev) if bool(top.any()) else None
         fused = fused_draw_for(d.adapter, masked)
         if fused is not None:
-            res = draw_rows(fused, d.hidden, seeds, pos, temp, min_p, masked, process)
+            res = draw_rows(fused, d.hidden, seeds, pos, temp, min_p, masked, process, top)
         else:
-            res = certify_rows_v2(d.adapter, d.hidden, seeds, pos, temp, process=process, min_p=min_p, masked=masked)
+            res = certify_rows_v2(d.adapter, d.hidden, seeds, pos, temp, process=process, min_p=min_p, masked=masked,
+                                  top=top)
         certified = write_certified(logits, dev_rows, res, st)
     finish(d, logits, dev_rows, certified, masked, st, why, t0)
     return st
