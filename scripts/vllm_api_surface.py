@@ -12,7 +12,8 @@ installed vLLM's (0.32), computed the same way:
   function the plugin wraps or calls (:data:`SIGNATURES`);
 * ``imports``: for each ``from vllm... import name`` in ``vllm_csv/``, whether the module defines
   the name (top-level definitions, imports, star imports, submodules);
-* ``v2_draw``: the fingerprint of the V2 draw (:mod:`vllm_csv.vllm_plugin.v2.known`).
+* ``v2_draw``: the fingerprint of the V2 draw (:mod:`vllm_csv.vllm_plugin.v2.known`); ``v2_verify``
+  of its speculative verification; ``v2_masks`` of the top-k / top-p masks it applies.
 """
 
 from __future__ import annotations
@@ -164,7 +165,8 @@ def surface(root: Path, source: str) -> dict:
     imports = {f"{m}:{n}": _defined(root, m, n) for m, n in plugin_imports()}
     return {"vllm": version, "source": source, "files": files, "signatures": sigs, "imports": imports,
             "v2_draw": known.fingerprint(root / SAMPLE_DIR),
-            "v2_verify": known.verify_fingerprint(root / SPEC_DIR)}
+            "v2_verify": known.verify_fingerprint(root / SPEC_DIR),
+            "v2_masks": known.masks_fingerprint(root / "vllm/v1/sample/ops")}
 
 
 def main(argv: list[str]) -> int:

@@ -43,7 +43,9 @@ def fake_sampler(temps, seeds, top_p=None):
     tp = np.ones(SLOTS, dtype=np.float32) if top_p is None else top_p
     s.sampling_states = SimpleNamespace(
         vocab_size=V, temperature=uva(temps), seeds=uva(seeds), top_k=uva(np.full(SLOTS, V, dtype=np.int32)),
-        top_p=uva(tp), min_p=uva(np.zeros(SLOTS, dtype=np.float32)))
+        top_p=uva(tp), min_p=uva(np.zeros(SLOTS, dtype=np.float32)),
+        any_greedy=lambda b: bool(np.any(temps[b] == 0)), any_explicit_seed=lambda b: False)
+    s.use_flashinfer, s.use_xpu_sampler, s.logprobs_mode = False, False, "raw_logprobs"
     return s
 
 
@@ -102,17 +104,21 @@ def test_resolve_v2_draws_the_dense_tokens(tmp_path):
     assert bool((bad != want).any())  # the test sees a wrong seed mapping
 
 
-@pytest.mark.parametrize("why", ["top_p", "fp64", "subclass", "sharded"])
-def test_resolve_v2_leaves_batches_vllm_draws_otherwise_dense(why):
+@pytest.mark.parametrize("why", ["flashinfer", "masks_unknown", "fp64", "subclass", "sharded"])
+def test_resolve_v2_leaves_batches_vllm_draws_otherwise_dense(why, monkeypatch):
     head, h, temps, seeds, batch = case(seed=1, B=8)
     rows = torch.tensor([0, 2, 3, 7])
     seen = []
     d, logits = defer(head, h, rows, seen)
     top_p = None
-    if why == "top_p":  # another row of the batch has a top-p: vLLM may draw with FlashInfer
+    if why in ("flashinfer", "masks_unknown"):  # another row of the batch has a top-p
         top_p = np.ones(SLOTS, dtype=np.float32)
         top_p[batch.idx_mapping_np[5]] = 0.9
     sampler = fake_sampler(temps, seeds, top_p)
+    if why == "flashinfer":  # no greedy row, no explicit seed: V2 draws the batch with FlashInfer
+        sampler.use_flashinfer = True
+    if why == "masks_unknown":  # top-k / top-p kernels of no release checked
+        monkeypatch.setattr(v2_sampler, "v2_masks_known", lambda: False)
     if why == "fp64":
         sampler.use_fp64_gumbel = True
     if why == "subclass":

@@ -218,6 +218,14 @@ def test_v2_draw_fingerprints(installed_surface):
         known.KNOWN["0.33.0"]["gumbel:_murmur3_mix"]
 
 
+def test_v2_top_k_top_p_mask_fingerprints(installed_surface):
+    """The V2 sampler hook certifies top-k / top-p rows on the masks of 0.32.0 and 0.33.0
+    (``v2.known.v2_masks_known``): the installed vLLM's and the wheel's are those releases'."""
+    assert known.matching_release(installed_surface["v2_masks"], known.KNOWN_MASKS) == "0.32.0"
+    assert known.matching_release(SURFACE["v2_masks"], known.KNOWN_MASKS) == "0.33.0"
+    assert known.matching_release(known.masks_fingerprint(), known.KNOWN_MASKS) == "0.32.0"
+
+
 def test_v2_verification_fingerprints(installed_surface, tmp_path, monkeypatch, caplog):
     """The V2 verification hooks certify on the rejection sampler's code of 0.32.0 and 0.33.0
     (``v2.known.v2_verify_known``): the installed vLLM's and the wheel's fingerprints are those

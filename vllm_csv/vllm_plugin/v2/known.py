@@ -56,12 +56,21 @@ FUNCTIONS = {
 }
 # per file of vllm/v1/worker/gpu/spec_decode/: what decides a V2 speculative verification
 VERIFY_FUNCTIONS = {"rejection_sampler": (WHOLE,), "rejection_sampler_utils": (WHOLE,)}
+# vllm/v1/sample/ops/: the top-k / top-p masks V2 applies after min-p (Qrita's Triton kernels, and
+# the call that picks them), which the certificate of top-k / top-p rows relies on keeping a row's
+# maximum (vllm_csv.gumbel_noise.top_mask_margin)
+MASKS_PACKAGE = "vllm.v1.sample.ops"
+MASKS_FUNCTIONS = {"topk_topp_triton": (WHOLE,), "topk_topp_sampler": ("apply_top_k_top_p",)}
 # fingerprint (function -> sha256 prefix, None where the release has no such function) per release
 KNOWN: dict[str, dict[str, str | None]] = {
     "0.32.0": {},  # filled below
     "0.33.0": {},
 }
 KNOWN_VERIFY: dict[str, dict[str, str | None]] = {
+    "0.32.0": {},
+    "0.33.0": {},
+}
+KNOWN_MASKS: dict[str, dict[str, str | None]] = {
     "0.32.0": {},
     "0.33.0": {},
 }
@@ -138,6 +147,11 @@ def verify_fingerprint(directory: str | Path | None = None) -> dict[str, str | N
     return fingerprint(directory, VERIFY_FUNCTIONS, VERIFY_PACKAGE)
 
 
+def masks_fingerprint(directory: str | Path | None = None) -> dict[str, str | None] | None:
+    """:func:`fingerprint` of vLLM's top-k / top-p masks (:data:`MASKS_FUNCTIONS`)."""
+    return fingerprint(directory, MASKS_FUNCTIONS, MASKS_PACKAGE)
+
+
 def matching_release(fp: dict | None, known: dict = KNOWN) -> str | None:
     """The release in ``known`` (:data:`KNOWN`, :data:`KNOWN_VERIFY`) whose code ``fp`` is, or None."""
     return next((v for v, k in known.items() if fp is not None and k and fp == k), None)
@@ -162,6 +176,14 @@ def v2_draw_known() -> bool:
     """Whether the loaded vLLM's V2 draw is one in :data:`KNOWN` (read once per process; a
     warning the first time it is not: the V2 sampled rows then stay dense)."""
     return _known("V2 sampling code", fingerprint, KNOWN, "vllm/v1/worker/gpu/sample", "rows drawn by the V2 sampler")
+
+
+def v2_masks_known() -> bool:
+    """Whether the loaded vLLM's top-k / top-p masks are those of a release in :data:`KNOWN_MASKS`
+    (read once per process; a warning the first time they are not: batches with a top-k or top-p
+    row then stay dense in the V2 sampler hook)."""
+    return _known("top-k / top-p kernels", masks_fingerprint, KNOWN_MASKS, "vllm/v1/sample/ops/topk_topp_*.py",
+                  "V2 batches with a top-k or top-p row")
 
 
 def v2_verify_known() -> bool:
@@ -217,6 +239,18 @@ KNOWN_VERIFY["0.33.0"].update({
     'rejection_sampler_utils:*': '70bcd69fe1a9e15f',
 })
 
+# the top-k / top-p masks (tests/test_v2_top_masks.py runs 0.32.0's kernels at the margin; 0.33.0's
+# monolithic kernel differs by an early exit where at most k logits are finite, which keeps the row,
+# and its split pipeline by how many programs share a row)
+KNOWN_MASKS["0.32.0"].update({
+    'topk_topp_triton:*': '311e092e682a760a',
+    'topk_topp_sampler:apply_top_k_top_p': 'fc5c977fa96b7ba1',
+})
+KNOWN_MASKS["0.33.0"].update({
+    'topk_topp_triton:*': '8a592bd22d1607e3',
+    'topk_topp_sampler:apply_top_k_top_p': 'd6460f0a30e8428a',
+})
+
 
 if __name__ == "__main__":
     fp = fingerprint(sys.argv[1] if len(sys.argv) > 1 else None)
@@ -227,3 +261,7 @@ if __name__ == "__main__":
     for k, v in (fp or {}).items():
         print(f"    {k!r}: {v!r},")
     print("verification release:", matching_release(fp, KNOWN_VERIFY))
+    fp = masks_fingerprint()
+    for k, v in (fp or {}).items():
+        print(f"    {k!r}: {v!r},")
+    print("top-k / top-p masks release:", matching_release(fp, KNOWN_MASKS))

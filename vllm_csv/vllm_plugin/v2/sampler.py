@@ -31,7 +31,7 @@ from ...sampling.scoring import RowsResult
 from ...sampling.sharded_rows import ShardedAdapter
 from ..fill import finish, upstream_mask, write_certified
 from ..step import Deferred, DeferredStats, take_handoff
-from .known import v2_draw_known
+from .known import v2_draw_known, v2_masks_known
 
 
 @functools.cache
@@ -78,8 +78,11 @@ def _unsupported(sampler, d: Deferred, logits: torch.Tensor, input_batch) -> str
     req = input_batch.idx_mapping_np[d.rows.numpy()]  # the deferred rows' request slots
     if not bool(np.all(sampler.sampling_states.temperature.np[req] >= 0)):
         return "a negative temperature"
-    if has_top_masks(sampler, input_batch.idx_mapping_np) and fused_sampler(sampler, input_batch.idx_mapping_np):
-        return "top-k or top-p rows drawn by a fused sampler (FlashInfer's)"
+    if has_top_masks(sampler, input_batch.idx_mapping_np):
+        if fused_sampler(sampler, input_batch.idx_mapping_np):
+            return "top-k or top-p rows drawn by a fused sampler (FlashInfer's)"
+        if not v2_masks_known():
+            return "top-k or top-p rows masked by kernels of no release checked"
     return thinking_budget(sampler, req)
 
 
