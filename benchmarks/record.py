@@ -697,6 +697,24 @@ def rows_from_hidden_rank(d: dict, source: str, **common) -> list[Row]:
     return out
 
 
+def rows_from_v2_top_share(d: dict, source: str, **common) -> list[Row]:
+    """``v2_top_share.py``: per temperature, the share of rows the V2 hook certifies drawn plainly
+    and masked with a top-k / top-p, and the share whose drawn token is the row's argmax."""
+    from pathlib import Path as _P
+
+    prov = d.get("machine")
+    label = _P(d["model"]).name.rsplit("-", 1)[0]
+    out = _Rows(benchmark="v2_top_share", machine=machine_words(prov), threads=_threads(prov),
+                commit=short_commit((prov or {}).get("commit")), dtype=d.get("dtype", "bf16"), source=source,
+                shape=f"{d['V']}x{d['d']}", batch=d.get("batch"), **common)
+    for c in d.get("cells", []):
+        cfg = dict(model=label, screen=d.get("screen"), temperature=c["temperature"], positions=d.get("positions"))
+        out.add("certified_share", c["certified_share"], "share of rows", config=_cfg(mode=c["mode"], **cfg))
+        if c["mode"] == "masked":
+            out.add("drawn_at_argmax_share", c["drawn_at_argmax_share"], "share of rows", config=_cfg(**cfg))
+    return out
+
+
 CONVERTERS = {
     "lm_head": rows_from_lm_head, "serve": rows_from_serve, "sampler_step": rows_from_sampler_step,
     "audit": rows_from_audit, "tp_head": rows_from_tp_head, "off_switch_cost": rows_from_off_switch_cost,
@@ -706,6 +724,7 @@ CONVERTERS = {
     "outlier_channels": rows_from_outlier_channels, "load": rows_from_load,
     "int8_gemm_cpu": rows_from_int8_gemm_cpu, "prefetch_cpu": rows_from_prefetch_cpu,
     "tail_bound": rows_from_tail_bound, "hidden_rank": rows_from_hidden_rank,
+    "v2_top_share": rows_from_v2_top_share,
 }
 
 

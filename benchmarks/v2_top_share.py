@@ -1,0 +1,109 @@
+"""V2 top-k / top-p rows on a learned head (issue 46): the share of rows the V2 sampler hook
+certifies when V2 masks them with a top-k or a top-p, beside the same rows drawn plainly.
+
+    python benchmarks/v2_top_share.py --model demo --positions 512 \
+        --json benchmarks/results/v2_top_share_demo_zen4.json
+
+For each temperature, the same held-out hidden states (``lm_head.py``'s ``hidden_states``) go
+through :func:`vllm_csv.sampling.rows_v2.certify_rows_v2` in batches, as the hook calls it (the torch
+reference; the device draw on CUDA applies the same rule): ``plain`` (no mask: temperature
+sampling) and ``masked`` (``top`` set: any top-k below ``V`` or top-p below 1, since the
+certificate does not depend on ``k`` or ``p``: the winner must be the row's certain maximum). Also
+the share of rows whose drawn token is the dense row's argmax (from the exact logits and the
+replayed noise, float64): the ceiling of ``masked``. What is measured is the certificate's reach,
+not speed, and not correctness (``tests/test_v2_top_masks.py``, ``tests/test_sampler_hook_v2.py``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from provenance import machine  # noqa: E402
+
+MODELS = {"demo": "demo-", "test": "test-"}
+
+
+def model_dir(name: str) -> Path:
+    if Path(name).is_dir():
+        return Path(name)
+    root = Path.home() / ".cache" / "vllm_csv" / "models"
+    hits = sorted(p for p in root.glob(MODELS.get(name, name) + "*") if p.is_dir())
+    if not hits:
+        raise SystemExit(f"model {name}: none under {root} (bash run.sh trains the demo model)")
+    return hits[0]
+
+
+@torch.no_grad()
+def measure(model: Path, positions: int, temps, batch: int, screen: str, seed: int) -> dict:
+    from lm_head import hidden_states
+
+    from vllm_csv import CertifiedHead, HeadConfig
+    from vllm_csv.gumbel_noise import noise, uniform
+    from vllm_csv.hf_head import load_lm_head
+    from vllm_csv.sampling.head_adapter import HeadAdapter
+    from vllm_csv.sampling.rows_v2 import certify_rows_v2
+
+    head_w = load_lm_head(model)
+    W = head_w.weight[: head_w.vocab_size].to(torch.bfloat16).contiguous()
+    b = None if head_w.bias is None else head_w.bias[: head_w.vocab_size].to(torch.bfloat16)
+    H = hidden_states(model, positions, "cpu").to(torch.bfloat16)
+    V, d = W.shape
+    head = CertifiedHead(W, b, config=HeadConfig(screen=screen, off_switch=False))
+    adapter = HeadAdapter(head)
+    g = torch.Generator().manual_seed(seed)
+    seeds = torch.randint(-2**62, 2**62, (H.shape[0],), generator=g)
+    pos = torch.randint(0, 2**20, (H.shape[0],), generator=g)
+    dense = head.dense_logits(H).float()
+    cells = []
+    for T in temps:
+        temp = torch.full((H.shape[0],), T, dtype=torch.float32)
+        # the token V2 draws from the exact logits (float64 noise: ties and the GPU's rounding aside)
+        drawn = torch.cat([((dense[s:s + 64] / T).double() + noise(uniform(seeds[s:s + 64], pos[s:s + 64],
+                                                                             torch.arange(V)))).argmax(1)
+                           for s in range(0, H.shape[0], 64)])
+        at_max = float((drawn == dense.argmax(1)).double().mean())
+        for mode in ("plain", "masked"):
+            t0, cert, scored = time.perf_counter(), 0, 0
+            for s in range(0, H.shape[0], batch):
+                sl = slice(s, s + batch)
+                n = H[sl].shape[0]
+                top = torch.ones(n, dtype=torch.bool) if mode == "masked" else None
+                r = certify_rows_v2(adapter, H[sl], seeds[sl], pos[sl], temp[sl], top=top)
+                cert += int(r.certified.sum())
+                scored += r.scored
+            cells.append({"temperature": T, "mode": mode, "rows": int(H.shape[0]), "certified": cert,
+                          "certified_share": cert / H.shape[0], "drawn_at_argmax_share": at_max,
+                          "scored_share_per_batch": scored / (V * -(-H.shape[0] // batch)),
+                          "seconds": round(time.perf_counter() - t0, 2)})
+            print(f"T={T} {mode:6s} certified {cert}/{H.shape[0]} (argmax drawn {at_max:.3f})", flush=True)
+    return {"model": str(model), "V": V, "d": d, "dtype": "bf16", "screen": screen, "batch": batch,
+            "positions": int(H.shape[0]), "cells": cells, "machine": machine()}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default="demo", help="demo, test, or a model directory")
+    ap.add_argument("--positions", type=int, default=512)
+    ap.add_argument("--temps", type=float, nargs="+", default=[0.7, 1.0, 1.3])
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--screen", default="auto")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--json", help="write the result here (and its rows to benchmarks/results/results.csv)")
+    args = ap.parse_args()
+    out = measure(model_dir(args.model), args.positions, args.temps, args.batch, args.screen, args.seed)
+    if args.json:
+        Path(args.json).write_text(json.dumps(out, indent=1) + "\n")
+        from record import record_run
+
+        record_run("v2_top_share", out, source=args.json)
+
+
+if __name__ == "__main__":
+    main()
