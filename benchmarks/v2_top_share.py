@@ -25,19 +25,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from certified_share import model_dir  # noqa: E402  (the cached fixtures by name)
 from provenance import machine  # noqa: E402
-
-MODELS = {"demo": "demo-", "test": "test-"}
-
-
-def model_dir(name: str) -> Path:
-    if Path(name).is_dir():
-        return Path(name)
-    root = Path.home() / ".cache" / "vllm_csv" / "models"
-    hits = sorted(p for p in root.glob(MODELS.get(name, name) + "*") if p.is_dir())
-    if not hits:
-        raise SystemExit(f"model {name}: none under {root} (bash run.sh trains the demo model)")
-    return hits[0]
 
 
 @torch.no_grad()
@@ -97,7 +86,8 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", help="write the result here (and its rows to benchmarks/results/results.csv)")
     args = ap.parse_args()
-    out = measure(model_dir(args.model), args.positions, args.temps, args.batch, args.screen, args.seed)
+    model = Path(args.model) if Path(args.model).is_dir() else model_dir(args.model)
+    out = measure(model, args.positions, args.temps, args.batch, args.screen, args.seed)
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=1) + "\n")
         from record import record_run

@@ -154,6 +154,12 @@ def comparison_margin(x_abs_max: torch.Tensor) -> torch.Tensor:
     return (x_abs_max.double() + 24.0) * 2.0**-23
 
 
+def finite_abs_max(*xs: torch.Tensor) -> torch.Tensor:
+    """``[R]``: the largest finite ``|x|`` of each row over the ``[R, n]`` tensors ``xs`` (0 where
+    there is none): the ``A`` of :func:`comparison_margin` and :func:`top_mask_margin`."""
+    return torch.stack([torch.where(torch.isfinite(x), x.abs(), 0.0).amax(1) for x in xs]).amax(0)
+
+
 def min_p_thresholds(m_lo: torch.Tensor, m_hi: torch.Tensor, min_p: torch.Tensor
                      ) -> tuple[torch.Tensor, torch.Tensor]:
     """Bounds of V2's min-p threshold ``thr = fl32(m + c)`` (``vllm/v1/worker/gpu/sample/min_p.py``:

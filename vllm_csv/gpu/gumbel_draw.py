@@ -76,8 +76,8 @@ import math
 
 import torch
 
-from ..gumbel_noise import (LOG_ABS, LOG_REL, comparison_margin, min_p_thresholds, top_mask_margin, top_prob_gap,
-                            uniform)
+from ..gumbel_noise import (LOG_ABS, LOG_REL, comparison_margin, finite_abs_max, min_p_thresholds, top_mask_margin,
+                            top_prob_gap, uniform)
 from .common import CAP, INTERPRET, LIB, SUB, _launch, _use_triton, slot_ids, tl, triton
 from .gumbel_jit import _noise_bounds_ref, _q_bounds, _temp_ref
 
@@ -138,8 +138,8 @@ def gumbel_draw_ref(cand, count, lower, upper, out_hi, out_abs, out_q, seeds, po
         thr_lo, thr_hi = thr_lo.double()[:, None], thr_hi.double()[:, None]
         qlo = torch.where(on[:, None] & ~(qlo >= thr_hi), -math.inf, qlo)
         qhi = torch.where(on[:, None] & (qhi < thr_lo), -math.inf, qhi)
-        o_hi = torch.where(on & (out_q.double() < thr_lo[:, 0]), -math.inf, o_hi)
-        o_q = torch.where(on & (out_q.double() < thr_lo[:, 0]), -math.inf, o_q)
+        out_dropped = on & (o_q < thr_lo[:, 0])  # (the outside blocks min-p surely drops)
+        o_hi, o_q = o_hi.masked_fill(out_dropped, -math.inf), o_q.masked_fill(out_dropped, -math.inf)
     if gone is not None:  # (after min-p's threshold, which it entered: module docstring, removed)
         qlo, qhi = qlo.masked_fill(gone, -math.inf), qhi.masked_fill(gone, -math.inf)
     nlo = torch.where(qlo > -math.inf, qlo + g_lo, -math.inf)
@@ -147,8 +147,7 @@ def gumbel_draw_ref(cand, count, lower, upper, out_hi, out_abs, out_q, seeds, po
     best = nlo.amax(1)
     slot = torch.arange(nlo.shape[1], device=dev)
     w = torch.where(nlo == best[:, None], slot, nlo.shape[1]).amin(1).clamp(max=nlo.shape[1] - 1)
-    fin = lambda x: torch.where(torch.isfinite(x), x.abs(), 0.0)  # noqa: E731
-    A = torch.maximum(torch.maximum(fin(qlo).amax(1), fin(qhi).amax(1)), out_abs.double())
+    A = torch.maximum(finite_abs_max(qlo, qhi), out_abs.double())
     m = torch.where(greedy[:, 0], 0.0, comparison_margin(A))
     bar = best - 2 * m
     others = ((nhi >= bar[:, None]) & (slot[None] != w[:, None])).sum(1)
@@ -206,8 +205,9 @@ if triton is not None:
         thr_lo, thr_hi = _min_p_thresholds(m_lo, m_hi, tl.where(on, mp, 1.0), log_abs, log_rel)
         qlo = tl.where(on, tl.where(qlo >= thr_hi, qlo, float("-inf")), qlo)
         qhi = tl.where(on, tl.where(qhi < thr_lo, float("-inf"), qhi), qhi)
-        o_hi = tl.where(on, tl.where(o_q < thr_lo, float("-inf"), o_hi), o_hi)
-        o_q = tl.where(on, tl.where(o_q < thr_lo, float("-inf"), o_q), o_q)
+        out_dropped = on & (o_q < thr_lo)  # (the outside blocks min-p surely drops)
+        o_hi = tl.where(out_dropped, float("-inf"), o_hi)
+        o_q = tl.where(out_dropped, float("-inf"), o_q)
         if HAS_REMOVED:  # (after min-p's threshold, which it entered: module docstring, removed)
             rm = tl.load(removed_ptr + b)
             gone = valid & (ids == rm) & (rm >= 0)

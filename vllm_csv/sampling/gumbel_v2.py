@@ -46,8 +46,8 @@ import torch
 
 from ..fp import quotient_bounds
 from ..gumbel_noise import (_M32, DIV_ABS, DIV_REL, DIV_T_MAX, DIV_T_MIN, EPS_ABS, EPS_REL, GUMBEL_MAX,  # noqa: F401
-                            GUMBEL_MIN, LOG_ABS, LOG_REL, comparison_margin, min_p_thresholds, murmur3, noise,
-                            noise_bounds, top_mask_margin, uniform)
+                            GUMBEL_MIN, LOG_ABS, LOG_REL, comparison_margin, finite_abs_max, min_p_thresholds,
+                            murmur3, noise, noise_bounds, top_mask_margin, uniform)
 
 
 
@@ -154,9 +154,7 @@ def certify_draw_v2(ylo: torch.Tensor, yhi: torch.Tensor, seeds: torch.Tensor, p
     lo, hi = ylo.double(), yhi.double()
     finite_lo = lo > -math.inf
     usable = finite_lo.any(1) & ~torch.isnan(lo).any(1) & ~torch.isnan(hi).any(1) & ~(hi == math.inf).any(1)
-    absmax = torch.where(torch.isfinite(hi), hi.abs(), 0.0).amax(1).maximum(
-        torch.where(torch.isfinite(lo), lo.abs(), 0.0).amax(1))
-    m = comparison_margin(absmax)
+    m = comparison_margin(finite_abs_max(hi, lo))
     if greedy is not None:
         m = m.masked_fill(greedy, 0.0)
     nlo = torch.where(finite_lo, lo + g_lo, -math.inf)
@@ -195,8 +193,7 @@ def certain_maximum(qlo: torch.Tensor, qhi: torch.Tensor, winner: torch.Tensor,
         on rows ``on``, the other tokens within the margin (to score, which may settle the row).
     """
     lo, hi = qlo.double(), qhi.double()
-    fin = lambda x: torch.where(torch.isfinite(x), x.abs(), 0.0)  # noqa: E731
-    bar = lo.gather(1, winner[:, None]) - top_mask_margin(qlo.shape[1], torch.maximum(fin(lo), fin(hi)).amax(1))[:, None]
+    bar = lo.gather(1, winner[:, None]) - top_mask_margin(qlo.shape[1], finite_abs_max(lo, hi))[:, None]
     near = on[:, None] & (hi >= bar) & ~torch.isnan(bar)
     near.scatter_(1, winner[:, None], False)
     return ~on | (~near.any(1) & (bar[:, 0] > -math.inf)), near

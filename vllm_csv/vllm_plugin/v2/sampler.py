@@ -90,8 +90,7 @@ def has_top_masks(sampler, batch: np.ndarray) -> bool:
     """Whether a request of the batch (slots ``batch``) has a top-k or a top-p: V2 then masks
     every row with its own (``SamplingStates.get_top_k_top_p``; a row with neither is left as it
     is), or draws the whole batch with a fused sampler (:func:`fused_sampler`)."""
-    ss = sampler.sampling_states
-    return bool(np.any(ss.top_k.np[batch] != ss.vocab_size) or np.any(ss.top_p.np[batch] != 1.0))
+    return bool(top_rows(sampler, batch).any())
 
 
 def fused_sampler(sampler, batch: np.ndarray) -> bool:
