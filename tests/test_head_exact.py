@@ -270,3 +270,29 @@ def test_an_integer_screens_product_never_overflows(path, monkeypatch):
         res = head.topk(h, k, values=True)
         want = torch.sort(dense, dim=1, descending=True, stable=True).indices[:, :k]
         assert torch.equal(res.ids[res.certified], want[res.certified]), (path, k, res.ids, want)
+    # the sampler's bounds of that row are not usable either (head.bounds.intervals: the guard
+    # comes with the error model's widths)
+    from vllm_csv.sampling.head_adapter import HeadAdapter
+
+    assert not bool(HeadAdapter(head).intervals(h)[3].any()), path
+
+
+def test_error_model_widths_are_its_terms():
+    """``ErrorModel.widths`` (the intervals' one query of the model) hands out the terms its own
+    methods give, with a bias and without: ``rad_total``, ``delta + rel``, ``bias_slack`` and
+    ``accumulator_safe`` (a row of huge norm not safe)."""
+    from vllm_csv.head.error_model import ErrorModel
+
+    g = torch.Generator().manual_seed(2)
+    W = torch.randn(300, 48, generator=g).to(torch.bfloat16)
+    hnorm = torch.tensor([1.0, 3e37, 40.0])
+    radius = torch.rand(300, generator=g)
+    for bias in (None, torch.randn(300, generator=g)):
+        errors = ErrorModel.of_head(W, bias)
+        for rel in (0.0, 2.0**-10):
+            w = errors.widths(radius, rel, hnorm)
+            rad, rad_max = errors.rad_total(radius)
+            bslack, bmax = errors.bias_slack(rel)
+            assert torch.equal(w.rad, rad) and w.rad_max == rad_max and w.delta == errors.delta + rel
+            assert torch.equal(w.bslack, bslack) and w.bmax == bmax and (bmax > 0) == (bias is not None)
+            assert torch.equal(w.safe, errors.accumulator_safe(hnorm)) and w.safe.tolist() == [True, False, True]

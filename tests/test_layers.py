@@ -1,5 +1,7 @@
 """The package's import graph: no module imports from a layer above its own, and no import loop
 between modules at import time (issue 43). Read from the sources (``ast``), not by importing.
+And the walk of one sampled row through the modules (:mod:`vllm_csv.testing.row_walk`): each
+pipeline stage entered once per phase.
 
 Layers, lowest first (a module may import its own layer and those below):
 
@@ -138,3 +140,16 @@ MAX_LINES = 450  # (issue 43: "no product file over ~450 lines"; the harness, vl
 def test_no_module_over_max_lines():
     long = {m: n for m, p in MODULES.items() if (n := len(p.read_text().splitlines())) > MAX_LINES}
     assert not long, f"modules over {MAX_LINES} lines (split them by idea): {long}"
+
+
+def test_one_sampled_row_enters_each_stage_once_a_phase():
+    """Issue 43's "a walk of one sampled row enters each module once", as far as a loop allows:
+    one deferred row through vLLM's own V1 sampler with the hook, cut into setup, each
+    certificate round and finish; no module that enters another (a pipeline stage) is entered
+    twice within a phase. (A round is an iteration: its stages are entered again in the next.)"""
+    from vllm_csv.testing.row_walk import phases, repeated_stages, walk
+
+    entries = walk("peaked", 0, 1, "int8")
+    names = [name for name, _ in phases(entries)]
+    assert names[0] == "setup" and names[-1] == "finish" and "round 1" in names, names  # (the walk was taken)
+    assert {name: r for name, r in repeated_stages(entries).items() if r} == {}

@@ -97,6 +97,27 @@ def test_bool_reductions_equal_torch(shape):
                 assert got.dtype == torch.bool and torch.equal(got, want), (fast.__name__, x.shape, dim)
 
 
+def test_any_columns_is_any_over_the_rows_and_span():
+    """ops.bools.any_columns (the certificate loops' contended columns) equals torch's any over
+    the chosen rows, restricted to the span where one is given: every row, some, none, all
+    chosen by mask; no span, a span, an empty one; empty and wide masks."""
+    from vllm_csv.ops.bools import any_columns
+
+    g = torch.Generator().manual_seed(4)
+    for R, V in ((6, 65536), (1, 9), (4, 0), (0, 5)):
+        x = torch.rand(R, V, generator=g) < 0.001 if V > 100 else torch.rand(R, V, generator=g) < 0.3
+        for rows in (None, torch.ones(R, dtype=torch.bool), torch.arange(R) % 2 == 0, torch.zeros(R, dtype=torch.bool)):
+            for span in (None, torch.randperm(V, generator=g)[: V // 3].sort().values, torch.zeros(0, dtype=torch.long)):
+                sel = x if rows is None else x[rows]
+                want = sel.any(0)
+                if span is not None:
+                    keep = torch.zeros(V, dtype=torch.bool)
+                    keep[span] = True
+                    want = want & keep
+                got = any_columns(x, rows, span)
+                assert got.dtype == torch.bool and got.shape == (V,) and torch.equal(got, want), (R, V, span is None)
+
+
 @pytest.mark.parametrize("shape", [(32, 65536), (3, 70001), (1, 7), (5, 0), (0, 3), (13,), (2, 3, 65537)])
 def test_flat_nonzero_equals_torch(shape):
     """ops.bools.flat_nonzero (csrc/cpu/bools_cpu.cpp where built) equals torch's nonzero of the

@@ -226,7 +226,7 @@ def test_later_rounds_read_the_vocabulary_once(monkeypatch):
     head, T = make_head(W, screen="int8"), torch.full((B,), 0.8)
     full = []
     monkeypatch.setattr(rounds, "certify_draw_packed",
-                        lambda *a: full.append(1) or certificate.certify_draw_packed(*a))
+                        lambda *a, **k: full.append(1) or certificate.certify_draw_packed(*a, **k))
     share = {}
     for elementwise in (True, False):
         full.clear()
@@ -247,8 +247,8 @@ def test_narrow_rounds_missing_a_contender_are_caught(monkeypatch):
     seeds = torch.randint(0, 2**31, (B,), generator=g)
     real = rounds.certify_draw_packed
 
-    def one_contender(ylo, yhi, seeds, greedy, *ops):  # (ops: the adapter's bound passes)
-        cert = real(ylo, yhi, seeds, greedy, *ops)
+    def one_contender(ylo, yhi, seeds, greedy, *ops, **summary):  # (ops: the adapter's bound passes)
+        cert = real(ylo, yhi, seeds, greedy, *ops, **summary)
         first = cert.contenders.int().argmax(1)
         cert.contenders.zero_()
         cert.contenders[torch.arange(len(first)), first] = True
@@ -440,6 +440,17 @@ def test_packed_draw_certificate_is_the_full_one():
     assert torch.equal(full.winner[full.certified], packed.winner[full.certified])
     assert torch.equal(full.contenders, packed.contenders)
     assert 0 < int(full.certified.sum()) < R
+    # with the summary the rounds ask for: the same certificate, and ruled_out of it in rest
+    from vllm_csv.sampling.certificate import ruled_out
+
+    summed = certify_draw_packed(lo, hi, seeds, greedy, summary=True)
+    assert packed.rest is None and summed.rest is not None
+    want = ruled_out(packed, greedy)
+    pairs = [(getattr(summed, n), getattr(packed, n)) for n in ("winner", "certified", "contenders", "finite", "bar",
+                                                                "absmax", "hmax")]
+    pairs += [(getattr(summed.rest, n), getattr(want, n)) for n in ("hi", "noisy", "lel", "leh", "absmax", "lo")]
+    for got, ref in pairs:  # (bit for bit, NaN where NaN)
+        torch.testing.assert_close(got, ref, rtol=0, atol=0, equal_nan=True)
 
 
 def test_a_round_that_would_score_nothing_ends_the_rows_over_budget():

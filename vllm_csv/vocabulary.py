@@ -5,7 +5,7 @@ them.
 * :data:`FALLBACK_REASONS`: why a row took the dense path (the metrics' ``reason`` label);
   :data:`KERNEL_REASONS`: the selection kernels' outcome codes, in order (the CPU step's
   ``finish_selection``, the GPU step's ``certify_rows``); :func:`reason_of`: the one rule that
-  names a row's outcome.
+  names a row's outcome (:func:`reasons`: of each row of a batch).
 * :data:`MODES`: the sampling modes a step's rows are counted under.
 * Defaults: :data:`DEFAULT_BUDGET`, :data:`DEFAULT_MAX_TOPK`, :data:`CLUSTER_FRACTION`
   (``HeadConfig``, the plugin's config model, and the index builder read them; the CLI's flags
@@ -36,3 +36,9 @@ def reason_of(certified: bool, finite: bool, over_budget: bool) -> str | None:
     """A row's outcome: None if certified, else ``nonfinite`` (inputs or bounds unusable), else
     ``budget`` (too many candidates), else ``uncertified``."""
     return None if certified else (NONFINITE if not finite else (BUDGET if over_budget else UNCERTIFIED))
+
+
+def reasons(certified, finite, over_budget) -> list[str | None]:
+    """:func:`reason_of` of each row of ``[R]`` bool tensors ``certified``, ``finite``,
+    ``over_budget`` (one host transfer each)."""
+    return [reason_of(c, f, b) for c, f, b in zip(certified.tolist(), finite.tolist(), over_budget.tolist())]

@@ -39,8 +39,15 @@ def prepare(backend: Backend, errors: ErrorModel, hidden: torch.Tensor, certifia
     in 16 of 300 random bf16 batches with one ``inf``. The full path's token for such a row
     is then not the row's argmax, and "exact" means the full path's token."""
     hidden, hnorm, ok = backend.prepare_rows(hidden, certifiable)
-    ok = ok & errors.accumulator_safe(hnorm)  # a row that may overflow inside the GEMM: as one with inf
-    return hidden, hnorm, ok & ok.all()  # (tensor ops: no host sync)
+    return hidden, hnorm, _batch_ok(ok, errors.accumulator_safe(hnorm))
+
+
+def _batch_ok(ok: torch.Tensor, safe: torch.Tensor) -> torch.Tensor:
+    """:func:`prepare`'s ``ok`` from the rows' own (``ok``) and the accumulator guard's
+    (``safe``: a row that may overflow inside the GEMM is as one with inf): all False where one
+    row is not (tensor ops: no host sync)."""
+    ok = ok & safe
+    return ok & ok.all()
 
 
 def intervals(screen, errors: ErrorModel, engine: DenseEngine, backend: Backend, hidden: torch.Tensor,
@@ -65,11 +72,10 @@ def intervals(screen, errors: ErrorModel, engine: DenseEngine, backend: Backend,
     docstring); ``rad_total = (r + e_acc/||h||)(1 + delta)`` covers the screen radius, the dense
     GEMM's accumulation error and two output-dtype ulps of ``|lo|, |hi| <= max|y| + rad ||h||``.
     """
-    hidden, hnorm, ok = prepare(backend, errors, hidden, certifiable)
+    hidden, hnorm, ok = backend.prepare_rows(hidden, certifiable)  # (:func:`prepare`: its guard from widths)
     out = screen.center_radius(hidden)
-    y, (rad, rad_max) = out.y, errors.rad_total(out.radius)
-    delta = errors.delta + out.rel
-    bslack, bmax = errors.bias_slack(out.rel)
+    y, (rad, rad_max, delta, bslack, bmax, safe) = out.y, errors.widths(out.radius, out.rel, hnorm)
+    ok = _batch_ok(ok, safe)
     ymax = backend.abs_max_rows(y)  # max |y| (NaN/inf propagate), one pass
     c = ymax * delta + errors.tiny
     ok &= (ymax + c + rad_max * hnorm + bmax + errors.babs_max) <= engine.limit

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 
@@ -49,6 +50,17 @@ def _per_tensor(cache: dict, t: torch.Tensor, fn):
     if hit is None or hit[0] is not t:  # (the tensor is kept: its id is not reused meanwhile)
         hit = cache[id(t)] = (t, fn(t))
     return hit[1]
+
+
+class Widths(NamedTuple):
+    """:meth:`ErrorModel.widths`: a step's terms of the half-width (module docstring)."""
+
+    rad: torch.Tensor  # [V] rad_total, (r + acc_err)(1 + delta)
+    rad_max: float  # its maximum
+    delta: float  # delta + the screen's rel
+    bslack: torch.Tensor  # [V] the bias slack (all zeros without a bias)
+    bmax: float  # its maximum (0.0 without a bias)
+    safe: torch.Tensor  # [B] bool, accumulator_safe of the rows
 
 
 @dataclass
@@ -157,6 +169,15 @@ class ErrorModel:
         ``rad_max ||h|| + act + tiny + max_i bslack_i`` (``act``: the activation term's bound,
         ``max n (1 + delta) e``). Then ``|hi_i - y_i|, |lo_i - y_i| <= (delta + rel) |y_i| + spread``."""
         return rad_max * hnorm + act + self.tiny + self.bias_slack(rel)[1]
+
+    def widths(self, radius: torch.Tensor, rel: float, hnorm: torch.Tensor) -> Widths:
+        """Every term a step's intervals take from the model, for a screen output's ``radius
+        [V]`` and ``rel`` and the rows' ``hnorm [B]``, in one call
+        (:func:`vllm_csv.head.bounds.intervals`): :meth:`rad_total`, ``delta + rel``,
+        :meth:`bias_slack` and :meth:`accumulator_safe`."""
+        rad, rad_max = self.rad_total(radius)
+        bslack, bmax = self.bias_slack(rel)
+        return Widths(rad, rad_max, self.delta + rel, bslack, bmax, self.accumulator_safe(hnorm))
 
     def accumulator_safe(self, hnorm: torch.Tensor) -> torch.Tensor:
         """``[B]`` bool: no product or partial sum of the dense GEMM can overflow fp32, nor an

@@ -1,4 +1,5 @@
-"""``any``, ``all`` and ``nonzero`` of bool tensors, without torch's CPU bool reductions.
+"""``any``, ``all`` and ``nonzero`` of bool tensors, without torch's CPU bool reductions
+(:func:`any_columns`: ``any`` over some rows and columns of a mask).
 
 On torch 2.13's CPU build ``Tensor.any`` and ``Tensor.all`` over a ``[32, 65536]`` bool tensor
 take about 1 ms (2 threads, this repository's 2-core CI machine), ``amax`` / ``amin`` over the
@@ -42,6 +43,18 @@ def all_(x: torch.Tensor, dim: int | None = None) -> torch.Tensor:
         return x.all() if dim is None else x.all(dim)
     u = x.view(torch.uint8)
     return (u.amin() if dim is None else u.amin(dim)).bool()
+
+
+def any_columns(x: torch.Tensor, rows: torch.Tensor | None = None, span: torch.Tensor | None = None) -> torch.Tensor:
+    """``[V]`` bool: the columns of ``x [R, V]`` (bool) true in some row of ``rows`` (``[R]`` bool;
+    None: every row), reading only the columns ``span`` (``[n]`` int64) where given (the others
+    are then taken to hold no true element). The certificate loops' contended columns."""
+    if span is None:
+        return any_(x if rows is None or bool(rows.all()) else x[rows], 0)
+    out = torch.zeros(x.shape[1], dtype=torch.bool, device=x.device)
+    sub = x[:, span]
+    out[span] = any_(sub if rows is None else sub[rows], 0)
+    return out
 
 
 def flat_nonzero_ref(x: torch.Tensor) -> torch.Tensor:

@@ -29,7 +29,10 @@ of :mod:`.rows`):
 
 Shared by both:
 
-* :mod:`.scoring` -- what every loop shares: the screen's bounds, exact scoring of chosen
-  columns within the budget, the loop's result (:class:`~.scoring.RowsResult`).
-* :mod:`.head_adapter` -- the only place that calls the certified head's internals.
+* :mod:`.scoring` -- what every loop shares: the screen's bounds (:func:`~.scoring.screen`), the
+  columns to score next within the budget (:func:`~.scoring.next_columns`).
+* :mod:`.types` -- the loops' records: the state they tighten (:class:`~.types.Screened`), their
+  result (:class:`~.types.RowsResult`).
+* :mod:`.head_adapter` -- the only place that calls the certified head's internals; it scores
+  chosen columns into a loop's state (:meth:`~.head_adapter.HeadAdapter.score_columns`).
 """

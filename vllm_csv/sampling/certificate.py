@@ -66,6 +66,9 @@ class DrawCertificate:
     bar: torch.Tensor  # greedy rows: lmax (every other token has yhi < bar); sampled: best - 2 delta
     absmax: torch.Tensor  # sampled rows: the max |y| of the noise margin (greedy rows: 0)
     hmax: torch.Tensor  # the largest yhi
+    # the tokens it ruled out, summarised for a later round (:func:`ruled_out`), where asked for
+    # (certify_draw_packed's ``summary``); None otherwise
+    rest: Outside | None = None
 
 
 def certify_draw(ylo: torch.Tensor, yhi: torch.Tensor, seeds: torch.Tensor, greedy: torch.Tensor,
@@ -177,7 +180,7 @@ def certify_draw(ylo: torch.Tensor, yhi: torch.Tensor, seeds: torch.Tensor, gree
 
 
 def certify_draw_packed(ylo: torch.Tensor, yhi: torch.Tensor, seeds: torch.Tensor,
-                        greedy: torch.Tensor, ops: DrawOps = PER_CALL) -> DrawCertificate:
+                        greedy: torch.Tensor, ops: DrawOps = PER_CALL, summary: bool = False) -> DrawCertificate:
     """:func:`certify_draw`, on each row's live tokens only when every row has few of them.
 
     A token whose upper bound is ``-inf`` (masked; dropped by min-p, top-k or top-p) is never the
@@ -187,7 +190,16 @@ def certify_draw_packed(ylo: torch.Tensor, yhi: torch.Tensor, seeds: torch.Tenso
     in token order (``-inf`` padding) and only their noise is hashed. Ties are broken by the
     lowest column, which is the lowest token id, as in the full row. (NaN bounds stay live: such
     a row is never certified.) Same arguments and result as :func:`certify_draw` (no outside
-    blocks; ``ops`` as there)."""
+    blocks; ``ops`` as there); with ``summary``, the result's ``rest`` holds :func:`ruled_out`
+    of it (``[R]``-sized work: the rounds ask for it where a later round may go on from it)."""
+    cert = _certify_draw_packed(ylo, yhi, seeds, greedy, ops)
+    if summary:
+        cert.rest = ruled_out(cert, greedy)
+    return cert
+
+
+def _certify_draw_packed(ylo: torch.Tensor, yhi: torch.Tensor, seeds: torch.Tensor, greedy: torch.Tensor,
+                         ops: DrawOps) -> DrawCertificate:
     R, V = yhi.shape
     st = ops.row_stats(ylo, yhi, min(TOP_FIRST, V)) if R else None
     n = int(st.live.max()) if R else 0

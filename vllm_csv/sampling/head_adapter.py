@@ -1,9 +1,12 @@
 """The sampler's view of a certified head: its public bounds (:class:`~vllm_csv.head.selector.Bounds`:
 ``intervals``, ``score``) carried through the engine's soft-cap and scale, so that the sampling
-certificate compares what vLLM's sampler reads.
+certificate compares what vLLM's sampler reads; and the exact scores of chosen columns written
+into a certificate loop's state (:meth:`HeadAdapter.score_columns`).
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 
@@ -68,3 +71,22 @@ class HeadAdapter:
         upper = torch.maximum(upper, values.float())
         return values, lower, upper
 
+
+    def score_columns(self, hidden: torch.Tensor, hnorm: torch.Tensor, ids: torch.Tensor, values: torch.Tensor,
+                      lo: torch.Tensor, hi: torch.Tensor, scored: torch.Tensor,
+                      masked: torch.Tensor | None = None) -> None:
+        """Score the columns ``ids`` exactly into a loop's state, in place: their values
+        (:meth:`score`) into ``values [R, V]``, their bounds into ``lo, hi [R, V]`` (both bounds
+        hold: the tighter is kept, so bounds only tighten, which
+        :func:`~.certificate.ruled_out` relies on), and mark them ``scored [V]``. The tokens of
+        ``masked`` (``[R, V]`` bool, set to ``-inf`` upstream: the grammar bitmask) keep ``-inf``
+        bounds (the exact score of a token the grammar removed is not what the sampler sees)."""
+        v, lower, upper = self.score(hidden, ids, hnorm)
+        values[:, ids] = v
+        lo[:, ids] = torch.maximum(lo[:, ids], lower)
+        hi[:, ids] = torch.minimum(hi[:, ids], upper)
+        if masked is not None:
+            m = masked[:, ids]
+            lo[:, ids] = lo[:, ids].masked_fill(m, -math.inf)
+            hi[:, ids] = hi[:, ids].masked_fill(m, -math.inf)
+        scored[ids] = True

@@ -5,7 +5,7 @@ Each round maps the screen's bounds of the rows still open through ``process`` a
 (:class:`~.nucleus.chain.Masks`; top-p decided for the tokens the certificate needs only,
 :class:`~.nucleus.top_p_queries.TopPQueries`), certifies the draw
 (:func:`~.certificate.certify_draw_packed`) and scores the contenders not yet scored
-(:func:`~.scoring.next_columns`, :func:`~.scoring.score_columns`), plus, on rows with a top-k or a
+(:func:`~.scoring.next_columns`, :meth:`.HeadAdapter.score_columns`), plus, on rows with a top-k or a
 top-p, the tokens of highest upper bound that decide what the mask certainly keeps
 (:func:`_focus_counts`). Top-p rows have their :data:`TOP_P_GUESS` highest upper bounds scored
 before the first round, top-k rows their :data:`~.top_k_rows.TOP_K_GUESS` ``(k + 1)``, one-sided screens their
@@ -23,16 +23,17 @@ import math
 
 import torch
 
-from ..ops.bools import any_  # ([R, V] and [V] masks; a row mask [R] reduces with torch's own any / all)
+from ..ops.bools import any_, any_columns  # ([R, V] and [V] masks; a row mask [R] reduces with torch's own any / all)
 from ..ops.gather import rows_of
 from ..ops.noise import PER_CALL, DrawOps
 from ..ops.topk import row_topk
-from .certificate import DrawCertificate, certify_columns, certify_draw_packed, ruled_out
+from ..vocabulary import reasons
+from .certificate import DrawCertificate, certify_columns, certify_draw_packed
 from .head_adapter import HeadAdapter
 from .nucleus.chain import Masks
-from .scoring import (FIRST_GUESS, MAX_ROUNDS, Process, RowsResult, contended, empty_state, next_columns, reasons,
-                      score_columns)
+from .scoring import FIRST_GUESS, MAX_ROUNDS, next_columns
 from .top_k_rows import TOP_K_GUESS
+from .types import Process, RowsResult, Screened
 
 TOP_P_GUESS = 64  # top-p rows: their 64 highest upper bounds scored up front (budget allowing)
 TOP_P_FOCUS = (128, 2048)  # open top-p rows with every contender scored: their V / 32 highest upper
@@ -42,7 +43,7 @@ TOP_P_FOCUS = (128, 2048)  # open top-p rows with every contender scored: their 
 # rows uncertified on small vocabularies (V 1024)
 
 
-def run_rounds(adapter: HeadAdapter, hidden: torch.Tensor, bounds: tuple, process: Process, seeds: torch.Tensor,
+def run_rounds(adapter: HeadAdapter, hidden: torch.Tensor, start: Screened, process: Process, seeds: torch.Tensor,
                greedy: torch.Tensor, masked: torch.Tensor | None, elementwise: bool, min_p: torch.Tensor | None,
                top_k: torch.Tensor | None, top_p: torch.Tensor | None, columns: Process | None,
                budget: int) -> RowsResult:
@@ -50,10 +51,9 @@ def run_rounds(adapter: HeadAdapter, hidden: torch.Tensor, bounds: tuple, proces
 
     Parameters
     ----------
-    bounds : tuple
-        ``(lo, hi, hnorm, finite, one_sided)``: the screen's bounds of these rows
-        (:func:`~.scoring.screen_bounds`; ``lo, hi`` ``[R, V]``, updated in place as columns are
-        scored, ``hnorm`` and ``finite`` ``[R]``).
+    start : Screened
+        The screen's bounds of these rows, nothing scored (:func:`~.scoring.screen`; masked
+        tokens ``-inf`` already); tightened and filled in place.
     budget : int
         Columns that may be scored, at least one.
     adapter, hidden, process, seeds, greedy, masked, elementwise, min_p, top_k, top_p, columns
@@ -67,22 +67,26 @@ def run_rounds(adapter: HeadAdapter, hidden: torch.Tensor, bounds: tuple, proces
     R, V = hidden.shape[0], adapter.vocab_size
     dev = hidden.device
     topk = adapter.masks.row_topk  # (each row's highest bounds: the pass the adapter bound)
-    lo, hi, hnorm, finite, one_sided = bounds  # (masked tokens -inf already: screen_bounds)
-    values, scored, certified, winner, over_budget = empty_state(adapter, R, dev)
-    # the results, all R rows: a row's are written once, when it leaves the loop
-    out = RowsResult(values, certified.clone(), winner.clone(), [], 0)
+    lo, hi, hnorm, finite, one_sided = start.lo, start.hi, start.hnorm, start.finite, start.one_sided
+    values, scored = start.values, start.scored
+    certified = torch.zeros(R, dtype=torch.bool, device=dev)
+    winner = torch.zeros(R, dtype=torch.long, device=dev)
+    over_budget = torch.zeros(R, dtype=torch.bool, device=dev)
+    # the results, all R rows: a row's are written once, when it leaves the loop (out_values is
+    # values itself until the first rows leave)
+    out_values, out_certified, out_winner = values, certified.clone(), winner.clone()
     out_over, all_finite = over_budget.clone(), finite
     live = torch.arange(R, device=dev)  # the rows in the loop (indices into the R rows)
 
     def add(ids: torch.Tensor) -> None:
-        score_columns(adapter, hidden, hnorm, ids, values, lo, hi, scored, masked)
+        adapter.score_columns(hidden, hnorm, ids, values, lo, hi, scored, masked)
 
     def leave(rows: torch.Tensor, yhi: torch.Tensor | None) -> None:
         # the rows ``rows`` ([n] bool over the live rows) leave the loop in this round: results
         # out; a certified row's values masked with this round's drops (yhi: its upper bounds
         # after process and the masks; None in a column-only round: mapped here)
         idx = live[rows]
-        out.certified[idx], out.winner[idx], out_over[idx] = certified[rows], winner[rows], over_budget[rows]
+        out_certified[idx], out_winner[idx], out_over[idx] = certified[rows], winner[rows], over_budget[rows]
         done = rows & certified
         if bool(done.any()):
             r = done.nonzero().squeeze(1)
@@ -91,7 +95,7 @@ def run_rounds(adapter: HeadAdapter, hidden: torch.Tensor, bounds: tuple, proces
                 up = rows_of(yhi, r)[:, s_idx]
             else:  # (lo, hi are this round's: no column was scored after its map)
                 up = columns(rows_of(lo, r)[:, s_idx], rows_of(hi, r)[:, s_idx], rows_of(live, r))[1]
-            _finish_rows(out.values, rows_of(live, r), s_idx, rows_of(values, r),
+            _finish_rows(out_values, rows_of(live, r), s_idx, rows_of(values, r),
                          None if masked is None else rows_of(masked, r), up)
 
     if one_sided and bool(finite.any()):
@@ -138,8 +142,8 @@ def run_rounds(adapter: HeadAdapter, hidden: torch.Tensor, bounds: tuple, proces
             # undecided, which the certificate allows for any token that cannot win
             # (asked: the previous round's contenders, which bounds that only tighten rarely add to)
             ylo, yhi, by_query = masks.round_bounds(*process(lo, hi, rows), ~certified, by_query, asked)
-            if narrow is None:
-                cert = certify_draw_packed(ylo, yhi, seeds, greedy, adapter.draw)
+            if narrow is None:  # (with the summary a later round may go on from: below)
+                cert = certify_draw_packed(ylo, yhi, seeds, greedy, adapter.draw, summary=elementwise and masks.off)
             else:
                 cert = certify_columns(ylo[:, narrow[0]], yhi[:, narrow[0]], seeds, greedy, *narrow, V, adapter.draw)
         if by_query is not None:
@@ -176,12 +180,12 @@ def run_rounds(adapter: HeadAdapter, hidden: torch.Tensor, bounds: tuple, proces
         certified |= now
         span = None if narrow is None else narrow[0]  # contenders lie in these columns only
         open_rows = finite & ~certified & ~over_budget
-        need = contended(cert.contenders, open_rows, span)
+        need = any_columns(cert.contenders, open_rows, span)  # (the open rows' contenders)
         if narrow is None and elementwise and masks.off and bool((cert.finite | ~finite).all()):
             # (a round over every column with no masks on the rows in the loop: the rounds after
             # it read the open rows' contenders only, the rest of each row summarised)
             cols = need.nonzero().squeeze(1)
-            narrow = (cols, ruled_out(cert, greedy)) if cols.numel() else None
+            narrow = (cols, cert.rest) if cols.numel() else None
         need &= ~scored
         # rows where no token is certainly kept yet (e.g. min-p / top-p undecided on screen
         # bounds): score their highest upper bounds first
@@ -226,8 +230,8 @@ def run_rounds(adapter: HeadAdapter, hidden: torch.Tensor, bounds: tuple, proces
     cont, unscored = (cert.contenders, ~scored) if span is None else (cert.contenders[:, span], ~scored[span])
     over_budget |= open_rows & any_(cont & unscored[None], 1)  # still waiting for room
     leave(torch.ones_like(certified), yhi)
-    out.reason, out.scored = reasons(out.certified, all_finite, out_over), int(scored.sum())
-    return out
+    return RowsResult(out_values, out_certified, out_winner, reasons(out_certified, all_finite, out_over),
+                      int(scored.sum()))
 
 
 def _finish_rows(out: torch.Tensor, rows: torch.Tensor, s_idx: torch.Tensor, values: torch.Tensor,

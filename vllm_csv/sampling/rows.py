@@ -43,8 +43,9 @@ from ..ops.gather import rows_of
 from .head_adapter import HeadAdapter
 from .nucleus.top_k import has_top_k
 from .rounds import run_rounds
-from .scoring import Process, RowsResult, screen_bounds
+from .scoring import screen
 from .top_k_rows import certify_top_k
+from .types import Process, RowsResult
 
 
 def certify_rows(adapter: HeadAdapter, hidden: torch.Tensor, process: Process, seeds: torch.Tensor,
@@ -108,7 +109,7 @@ def certify_rows(adapter: HeadAdapter, hidden: torch.Tensor, process: Process, s
     columns scored later are scored for the open rows only (a certified row needs no more: its
     proof already compared its winner with every token, scored or not).
     """
-    bounds = screen_bounds(adapter, hidden, masked)
+    start = screen(adapter, hidden, masked)
     R, V = hidden.shape[0], adapter.vocab_size
     budget = adapter.budget_columns
     quick = None
@@ -116,7 +117,7 @@ def certify_rows(adapter: HeadAdapter, hidden: torch.Tensor, process: Process, s
         tk = top_k if top_k is not None else torch.full((R,), V, dtype=torch.long, device=hidden.device)
         with_k = has_top_k(tk, V)
         # (a min-p row without a top-k needs the screen's lower bounds: min-p must drop its others)
-        quick = bounds[3] & ~greedy & (with_k if min_p is None or bounds[4] else with_k | (min_p > 0))
+        quick = start.finite & ~greedy & (with_k if min_p is None or start.one_sided else with_k | (min_p > 0))
         # each top-k row's k + 1 within its share of the budget (a row with a large k, e.g. V - 1,
         # goes through the rounds; certify_top_k keeps each list within the share)
         quick &= torch.where(with_k, tk + 1, 1) * int(quick.sum()) <= budget
@@ -125,17 +126,17 @@ def certify_rows(adapter: HeadAdapter, hidden: torch.Tensor, process: Process, s
         q = quick.nonzero().squeeze(1)
         every = q.numel() == R
         mp = None if min_p is None or not bool((min_p[q] > 0).any()) else min_p[q]
-        fast = certify_top_k(adapter, rows_of(hidden, q), rows_of(bounds[2], q), rows_of(bounds[1], q), tk[q],
+        fast = certify_top_k(adapter, rows_of(hidden, q), rows_of(start.hnorm, q), rows_of(start.hi, q), tk[q],
                              seeds[q], columns, None if every else q, budget, top_p=None if top_p is None else top_p[q],
-                             min_p=mp, lo_min=None if mp is None else rows_of(bounds[0], q).amin(1))
+                             min_p=mp, lo_min=None if mp is None else rows_of(start.lo, q).amin(1))
     if fast is None:
-        return run_rounds(adapter, hidden, bounds, process, seeds, greedy, masked, elementwise, min_p, top_k, top_p,
+        return run_rounds(adapter, hidden, start, process, seeds, greedy, masked, elementwise, min_p, top_k, top_p,
                           columns, budget)
     if every and bool(fast.certified.all()):
         return RowsResult(fast.values, fast.certified, fast.winner, [None] * R, fast.scored)
     done = torch.zeros(R, dtype=torch.bool, device=hidden.device).index_put_((q,), fast.certified)
     rest = (~done).nonzero().squeeze(1)
-    sub = run_rounds(adapter, rows_of(hidden, rest), tuple(rows_of(t, rest) for t in bounds[:4]) + (bounds[4],),
+    sub = run_rounds(adapter, rows_of(hidden, rest), start if rest.numel() == R else start.rows(rest),
                      _on_rows(process, rest, R), seeds[rest], greedy[rest], None, elementwise,
                      *(None if t is None else t[rest] for t in (min_p, top_k, top_p)), _on_rows(columns, rest, R),
                      max(1, budget - fast.scored))

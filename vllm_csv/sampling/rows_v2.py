@@ -50,11 +50,12 @@ from typing import Callable
 
 import torch
 
-from ..ops.bools import any_
+from ..ops.bools import any_, any_columns
+from ..vocabulary import reasons
 from .gumbel_v2 import certain_maximum, certify_draw_v2, min_p_bounds, noise_bounds, temperature_bounds
 from .head_adapter import HeadAdapter
-from .scoring import (FIRST_GUESS, MAX_ROUNDS, RowsResult, Screened, contended, empty_state, next_columns,
-                      reasons, score_columns, screen_bounds)
+from .scoring import FIRST_GUESS, MAX_ROUNDS, next_columns, screen
+from .types import RowsResult, Screened
 
 
 Bounds = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
@@ -106,31 +107,32 @@ def certify_rows_v2(adapter: HeadAdapter, hidden: torch.Tensor, seeds: torch.Ten
     """
     R, V = hidden.shape[0], adapter.vocab_size
     dev = hidden.device
+    budget = adapter.budget_columns
     if start is None:
-        lo, hi, hnorm, finite, one_sided = screen_bounds(adapter, hidden, masked)
+        start = screen(adapter, hidden, masked)
     else:
-        lo, hi, hnorm, finite, one_sided = start.lo, start.hi, start.hnorm, start.finite, start.one_sided
+        budget += int(start.scored.sum())  # (the budget is this loop's: the columns it adds, as from the screen)
         if masked is not None:
-            lo.masked_fill_(masked, -math.inf)
-            hi.masked_fill_(masked, -math.inf)
+            start.lo.masked_fill_(masked, -math.inf)
+            start.hi.masked_fill_(masked, -math.inf)
+    lo, hi, hnorm, finite, one_sided = start.lo, start.hi, start.hnorm, start.finite, start.one_sided
+    values, scored = start.values, start.scored
     greedy = temp == 0
     any_greedy = bool(greedy.any())  # (one sync: the rounds then skip the greedy passes where there is none)
     finite = finite & (temp >= 0)
     t_div = torch.where(greedy, 1.0, temp)  # (greedy rows: no division, bounds replaced below)
     if min_p is not None:  # min-p keeps a row's maximum: a greedy row's argmax is the same either way
         min_p = min_p.masked_fill(greedy, 0.0)
-    values, scored, certified, winner, over_budget = empty_state(adapter, R, dev)
-    budget = adapter.budget_columns
-    if start is not None:  # (the budget is this loop's: the columns it adds, as from the screen)
-        values, scored = start.values, start.scored
-        budget += int(scored.sum())
+    certified = torch.zeros(R, dtype=torch.bool, device=dev)
+    winner = torch.zeros(R, dtype=torch.long, device=dev)
+    over_budget = torch.zeros(R, dtype=torch.bool, device=dev)
     noise = noise_bounds(seeds, pos, torch.arange(V, device=dev))
 
     if one_sided and bool(finite.any()):  # no lower bounds: score the likely winners first
         first = adapter.masks.row_topk(hi[finite], min(FIRST_GUESS, V)).indices.unique()
         first = first[~scored[first]]
         if first.numel():
-            score_columns(adapter, hidden, hnorm, first, values, lo, hi, scored, masked)
+            adapter.score_columns(hidden, hnorm, first, values, lo, hi, scored, masked)
 
     def tempered(lo, hi):  # what V2 draws from before min-p: processed, then divided (greedy rows not)
         plo, phi = (lo, hi) if process is None else process(lo, hi)
@@ -165,13 +167,13 @@ def certify_rows_v2(adapter: HeadAdapter, hidden: torch.Tensor, seeds: torch.Ten
         winner = torch.where(now, w, winner)
         certified |= now
         open_rows = finite & ~certified & ~over_budget
-        need = contended(contenders, open_rows, None) & ~scored
+        need = any_columns(contenders, open_rows) & ~scored
         if not bool(any_(need)) or rnd == MAX_ROUNDS:
             break
         new, over_budget = next_columns(need, contenders, scored, open_rows, over_budget, budget)
         if new is None:
             break
-        score_columns(adapter, hidden, hnorm, new, values, lo, hi, scored, masked)
+        adapter.score_columns(hidden, hnorm, new, values, lo, hi, scored, masked)
     open_rows = finite & ~certified & ~over_budget
     over_budget |= open_rows & any_(contenders & ~scored[None], 1)
     if dropped is not None:  # from the last round's bounds: a superset of any earlier round's

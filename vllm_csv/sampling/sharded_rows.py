@@ -63,8 +63,9 @@ from .head_adapter import HeadAdapter
 from .nucleus.min_p import min_p_bounds, min_p_drops_on_part
 from .nucleus.top_p import top_p_bounds
 from .outside import Outside
-from .scoring import FIRST_GUESS, MAX_ROUNDS, Process, RowsResult, within_budget
-from ..vocabulary import reason_of
+from .scoring import FIRST_GUESS, MAX_ROUNDS, within_budget
+from .types import Process, RowsResult
+from ..vocabulary import reasons
 
 EXPLICIT = 16  # tokens a rank sends per row and key (highest yhi; highest yhi + g)
 NOISY_KEY = True  # the second key: yhi + g on sampled rows (False: yhi again; sound, certifies less)
@@ -324,6 +325,5 @@ def certify_rows_sharded(adapter: ShardedAdapter, hidden: torch.Tensor, process:
         values.masked_fill_(masked, -math.inf)
     open_rows = finite & ~certified & ~over_budget
     over_budget |= open_rows & (cert.contenders & ~scored).any(1)
-    reason = [reason_of(c, f, b) for c, f, b in zip(certified.tolist(), finite.tolist(), over_budget.tolist())]
-    return RowsResult(values, certified, winner, reason, total)
+    return RowsResult(values, certified, winner, reasons(certified, finite, over_budget), total)
 

@@ -34,7 +34,8 @@ from ..gumbel_noise import philox_uniform
 from .gumbel_v2 import min_p_bounds, temperature_bounds
 from .head_adapter import HeadAdapter
 from .rows_v2 import Bounds, certify_rows_v2
-from .scoring import RowsResult, Screened, score_columns, screen_bounds
+from .scoring import screen
+from .types import RowsResult, Screened
 from .verify_v2_bounds import (ACCEPT, REJECT, UNDECIDED, decide, draft_logprob_bounds, first_undecided, lse_bounds,
                                residual_alone_ok, residual_bounds)
 
@@ -97,15 +98,12 @@ def certify_verification_v2(adapter: HeadAdapter, hidden: torch.Tensor, seeds: t
     certified = torch.zeros(R, dtype=torch.bool)
     reasons: list[str | None] = ["uncertified"] * R
     accepted, token = [0] * R, [0] * R
-    lo, hi, hnorm, finite, one_sided = screen_bounds(adapter, hidden)
+    state = screen(adapter, hidden)
+    lo, hi, hnorm, finite, scored = state.lo, state.hi, state.hnorm, state.finite, state.scored
     budget = adapter.budget_columns
-    state = Screened(lo, hi, hnorm, finite, one_sided,
-                     torch.full((N, V), -math.inf, dtype=adapter.dtype, device=dev),
-                     torch.zeros(V, dtype=torch.bool, device=dev))
-    scored = state.scored
     target = drafts >= 0
     first = torch.cat([drafts[target].unique(), hi.topk(min(FIRST, V), 1).indices[target].flatten().unique()])
-    score_columns(adapter, hidden, hnorm, first.unique(), state.values, lo, hi, scored)
+    adapter.score_columns(hidden, hnorm, first.unique(), state.values, lo, hi, scored)
     u = philox_uniform(seeds, pos)
     dlp = None if draft_logits is None else draft_logprob_bounds(draft_logits, temp)
     fin = finite.cpu().tolist()
@@ -143,7 +141,7 @@ def certify_verification_v2(adapter: HeadAdapter, hidden: torch.Tensor, seeds: t
         new = cand.indices[torch.isfinite(cand.values)].unique()
         if new.numel() == 0:
             break
-        score_columns(adapter, hidden, hnorm, new[:room], state.values, lo, hi, scored)
+        adapter.score_columns(hidden, hnorm, new[:room], state.values, lo, hi, scored)
         todo = open_rows
     n_first = n_scored = int(scored.sum())
     draw = [i for i in range(R) if req_finite[i] and what[i] != UNDECIDED]

@@ -18,6 +18,7 @@ module             what it holds
 ``vllm_v2``        vLLM V2's Triton sampling kernels, loaded from the installed vLLM or a copy
 ``load_bench``     the load benchmark's clients, schedule and report
 ``serve_bench``    the serving benchmark's server pairs, rounds and report
+``row_walk``       the modules a row certified in vLLM's sampler walks through, by phase
 ================== =========================================================================
 
 Import the modules themselves (``from vllm_csv.testing import audit``); this package imports

@@ -27,7 +27,7 @@ import torch
 
 from ... import clock
 from ...sampling.rows_v2 import certify_rows_v2
-from ...sampling.scoring import RowsResult
+from ...sampling.types import RowsResult
 from ...sampling.sharded_rows import ShardedAdapter
 from ..fill import finish, upstream_mask, write_certified
 from ..step import Deferred, DeferredStats, take_handoff

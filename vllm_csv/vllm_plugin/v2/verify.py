@@ -41,7 +41,7 @@ import numpy as np
 import torch
 
 from ... import clock
-from ...sampling.scoring import RowsResult
+from ...sampling.types import RowsResult
 from ...sampling.sharded_rows import ShardedAdapter
 from ...sampling.verify_v2 import certify_verification_v2
 from ...sampling.verify_v2_fused import verify_fused
