@@ -715,6 +715,24 @@ def rows_from_v2_top_share(d: dict, source: str, **common) -> list[Row]:
     return out
 
 
+def rows_from_row_walk(d: dict, source: str, **common) -> list[Row]:
+    """``row_walk.py``: the cross-module calls of the deferred rows through V1's sampler hook, the
+    modules entered, and the stages (modules that enter another product module, the kernels'
+    ``ops.*`` not counted) entered more than once within one phase, summed over the phases."""
+    a = d["args"]
+    out = _Rows(benchmark="row_walk", machine=machine_words(d.get("machine")), threads=_threads(d.get("machine")),
+                commit=short_commit((d.get("machine") or {}).get("commit")), dtype="bf16", batch=a["rows"],
+                source=source, config=_cfg(family=a["family"], rows=a["rows"], seed=a["seed"] or None,
+                                            screen=a["screen"], sampler="vLLM V1"), **common)
+    what = "cross-module calls of the deferred rows through the V1 sampler hook (benchmarks/row_walk.py)"
+    out.add("module_entries", sum(d["entries"].values()), "calls", note=what)
+    out.add("modules_entered", len(d["entries"]), "modules", note=what)
+    out.add("stages_repeated_in_a_phase", sum(len(r) for r in d["repeated_stages"].values()), "modules",
+            note="modules that enter another product module (ops.* kernels not counted), entered more than once "
+                 "within one phase (setup, a round, finish), summed over phases")
+    return out
+
+
 CONVERTERS = {
     "lm_head": rows_from_lm_head, "serve": rows_from_serve, "sampler_step": rows_from_sampler_step,
     "audit": rows_from_audit, "tp_head": rows_from_tp_head, "off_switch_cost": rows_from_off_switch_cost,
@@ -724,7 +742,7 @@ CONVERTERS = {
     "outlier_channels": rows_from_outlier_channels, "load": rows_from_load,
     "int8_gemm_cpu": rows_from_int8_gemm_cpu, "prefetch_cpu": rows_from_prefetch_cpu,
     "tail_bound": rows_from_tail_bound, "hidden_rank": rows_from_hidden_rank,
-    "v2_top_share": rows_from_v2_top_share,
+    "v2_top_share": rows_from_v2_top_share, "row_walk": rows_from_row_walk,
 }
 
 

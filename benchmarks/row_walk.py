@@ -4,7 +4,8 @@
 Prints, per module, how many times the walk entered it, and the total (the issue counted 61
 entries into 11 modules before the redesign); then, for each phase of the walk (setup, each
 round, finish), the stages (modules that enter another product module) entered more than once in
-it, with the functions entered; ``--json`` writes all of them.
+it, with the functions entered; ``--json`` writes all of them (and the counts' rows to
+``benchmarks/results/results.csv``).
 
     python benchmarks/row_walk.py --family peaked --rows 1
 """
@@ -14,8 +15,13 @@ from __future__ import annotations
 import argparse
 import collections
 import json
+import sys
+from pathlib import Path
 
 from vllm_csv.testing.row_walk import phases, repeated_stages, stages, walk
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from provenance import machine  # noqa: E402
 
 
 def main():
@@ -39,10 +45,14 @@ def main():
               + (", ".join(f"{m.removeprefix('vllm_csv.')} ({' '.join(fs)})" for m, fs in repeats[name].items())
                  or "none"))
     if a.json:
+        out = {"args": vars(a), "entries": dict(count), "order": [mod for mod, _, _ in entries],
+               "calls": [list(e) for e in entries], "stages": sorted(stage), "repeated_stages": repeats,
+               "machine": machine()}
         with open(a.json, "w") as f:
-            json.dump({"args": vars(a), "entries": dict(count), "order": [mod for mod, _, _ in entries],
-                       "calls": [list(e) for e in entries], "stages": sorted(stage),
-                       "repeated_stages": repeats}, f, indent=1)
+            json.dump(out, f, indent=1)
+        from record import record_run
+
+        record_run("row_walk", out, source=a.json)
 
 if __name__ == "__main__":
     main()
