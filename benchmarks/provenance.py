@@ -39,12 +39,15 @@ def machine(device: str = "cpu") -> dict:
 
 
 def commit() -> str:
-    """The checked-out commit (short), ``-dirty`` with uncommitted changes to tracked files."""
+    """The checked-out commit (short), ``-dirty`` with uncommitted changes to tracked files (the
+    results themselves, ``benchmarks/results/``, not counted: a run that records them would make
+    the next one dirty)."""
     root = Path(__file__).resolve().parents[1]
     try:
         head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True,
                               text=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root,
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--", ".",
+                                ":(exclude)benchmarks/results"], cwd=root,
                                capture_output=True, text=True).stdout.strip()
         return head + ("-dirty" if dirty else "")
     except OSError:
