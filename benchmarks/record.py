@@ -698,8 +698,10 @@ def rows_from_hidden_rank(d: dict, source: str, **common) -> list[Row]:
 
 
 def rows_from_v2_top_share(d: dict, source: str, **common) -> list[Row]:
-    """``v2_top_share.py``: per temperature, the share of rows the V2 hook certifies drawn plainly
-    and masked with a top-k / top-p, and the share whose drawn token is the row's argmax."""
+    """``v2_top_share.py``: per temperature, the share of rows the V2 hook certifies drawn plainly,
+    masked with a top-p (any mask: the maximum's rule) and masked with a top-k alone (each ``k``),
+    the share whose drawn token is the row's argmax, and the share whose drawn token ranks below
+    ``k``."""
     from pathlib import Path as _P
 
     prov = d.get("machine")
@@ -709,9 +711,15 @@ def rows_from_v2_top_share(d: dict, source: str, **common) -> list[Row]:
                 shape=f"{d['V']}x{d['d']}", batch=d.get("batch"), **common)
     for c in d.get("cells", []):
         cfg = dict(model=label, screen=d.get("screen"), temperature=c["temperature"], positions=d.get("positions"))
-        out.add("certified_share", c["certified_share"], "share of rows", config=_cfg(mode=c["mode"], **cfg))
+        out.add("certified_share", c["certified_share"], "share of rows",
+                config=_cfg(mode=c["mode"], top_k=c.get("top_k"), **cfg))
         if c["mode"] == "masked":
             out.add("drawn_at_argmax_share", c["drawn_at_argmax_share"], "share of rows", config=_cfg(**cfg))
+        if c["mode"] == "top_k":
+            out.add("drawn_ranked_below_k_share", c["drawn_below_k_share"], "share of rows",
+                    config=_cfg(top_k=c["top_k"], **cfg))
+            out.add("wrong_certified_rows", c["wrong"], "rows", config=_cfg(top_k=c["top_k"], **cfg),
+                    note="certified tokens other than the draw from the dense row masked to its top k (float64)")
     return out
 
 

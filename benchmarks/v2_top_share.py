@@ -6,11 +6,15 @@ certifies when V2 masks them with a top-k or a top-p, beside the same rows drawn
 
 For each temperature, the same held-out hidden states (``lm_head.py``'s ``hidden_states``) go
 through :func:`vllm_csv.sampling.rows_v2.certify_rows_v2` in batches, as the hook calls it (the torch
-reference; the device draw on CUDA applies the same rule): ``plain`` (no mask: temperature
-sampling) and ``masked`` (``top`` set: any top-k below ``V`` or top-p below 1, since the
-certificate does not depend on ``k`` or ``p``: the winner must be the row's certain maximum). Also
+reference): ``plain`` (no mask: temperature sampling), ``masked`` (``top`` 1: a top-p, with a
+top-k or not, or a top-k of 1, where the winner must be the row's certain maximum, at any ``p``),
+and ``top_k`` for each ``--top-k`` (a top-k alone: the winner may also be a token certainly
+ranked below ``k`` by the top-k margin; the device draw on CUDA keeps the maximum's rule). Also
 the share of rows whose drawn token is the dense row's argmax (from the exact logits and the
-replayed noise, float64): the ceiling of ``masked``. What is measured is the certificate's reach,
+replayed noise, float64): the ceiling of ``masked``; and the share whose drawn token ranks below
+``k`` (the rows whose full-row winner a top-k keeps; where it does not, the certificate draws
+among the tokens it surely keeps). Each certified ``top_k`` row's token is checked against the
+draw from the dense row masked to its top ``k`` (float64; ``wrong``, which must be 0). What is measured is the certificate's reach,
 not speed, and not correctness (``tests/test_v2_top_masks.py``, ``tests/test_sampler_hook_v2.py``).
 """
 
@@ -18,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 import time
 from pathlib import Path
@@ -30,7 +35,7 @@ from provenance import machine  # noqa: E402
 
 
 @torch.no_grad()
-def measure(model: Path, positions: int, temps, batch: int, screen: str, seed: int) -> dict:
+def measure(model: Path, positions: int, temps, batch: int, screen: str, seed: int, top_ks=()) -> dict:
     from lm_head import hidden_states
 
     from vllm_csv import CertifiedHead, HeadConfig
@@ -58,20 +63,32 @@ def measure(model: Path, positions: int, temps, batch: int, screen: str, seed: i
                                                                              torch.arange(V)))).argmax(1)
                            for s in range(0, H.shape[0], 64)])
         at_max = float((drawn == dense.argmax(1)).double().mean())
-        for mode in ("plain", "masked"):
-            t0, cert, scored = time.perf_counter(), 0, 0
+        rank = (dense > dense.gather(1, drawn[:, None])).sum(1) + 1  # the drawn token's (ties: best)
+        for mode, k in [("plain", 0), ("masked", 1)] + [("top_k", k) for k in top_ks]:
+            t0, cert, scored, wrong = time.perf_counter(), 0, 0, 0
             for s in range(0, H.shape[0], batch):
                 sl = slice(s, s + batch)
                 n = H[sl].shape[0]
-                top = torch.ones(n, dtype=torch.bool) if mode == "masked" else None
+                top = torch.full((n,), k, dtype=torch.long) if k else None
                 r = certify_rows_v2(adapter, H[sl], seeds[sl], pos[sl], temp[sl], top=top)
                 cert += int(r.certified.sum())
                 scored += r.scored
-            cells.append({"temperature": T, "mode": mode, "rows": int(H.shape[0]), "certified": cert,
-                          "certified_share": cert / H.shape[0], "drawn_at_argmax_share": at_max,
-                          "scored_share_per_batch": scored / (V * -(-H.shape[0] // batch)),
-                          "seconds": round(time.perf_counter() - t0, 2)})
-            print(f"T={T} {mode:6s} certified {cert}/{H.shape[0]} (argmax drawn {at_max:.3f})", flush=True)
+                if mode == "top_k":  # the dense row masked to its top k (ties kept), drawn
+                    q = (dense[sl] / T).double()
+                    q = torch.where(q >= q.topk(k, 1).values[:, -1:], q, -math.inf)
+                    want = (q + noise(uniform(seeds[sl], pos[sl], torch.arange(V)))).argmax(1)
+                    wrong += int((r.certified & (r.winner != want)).sum())
+            cell = {"temperature": T, "mode": mode, "rows": int(H.shape[0]), "certified": cert,
+                    "certified_share": cert / H.shape[0], "drawn_at_argmax_share": at_max,
+                    "scored_share_per_batch": scored / (V * -(-H.shape[0] // batch)),
+                    "seconds": round(time.perf_counter() - t0, 2)}
+            if mode == "top_k":
+                cell.update(top_k=k, drawn_below_k_share=float((rank < k).double().mean()), wrong=wrong)
+            cells.append(cell)
+            print(f"T={T} {mode:6s}{k if mode == 'top_k' else '':>4} certified {cert}/{H.shape[0]} (argmax drawn "
+                  f"{at_max:.3f}" + (f", ranked below k {cell['drawn_below_k_share']:.3f}, wrong {wrong}"
+                                     if mode == "top_k" else "")
+                  + ")", flush=True)
     return {"model": str(model), "V": V, "d": d, "dtype": "bf16", "screen": screen, "batch": batch,
             "positions": int(H.shape[0]), "cells": cells, "machine": machine()}
 
@@ -84,10 +101,11 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--screen", default="auto")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--top-k", type=int, nargs="*", default=[5, 50], help="top-k alone, each k (>= 2)")
     ap.add_argument("--json", help="write the result here (and its rows to benchmarks/results/results.csv)")
     args = ap.parse_args()
     model = Path(args.model) if Path(args.model).is_dir() else model_dir(args.model)
-    out = measure(model, args.positions, args.temps, args.batch, args.screen, args.seed)
+    out = measure(model, args.positions, args.temps, args.batch, args.screen, args.seed, args.top_k)
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=1) + "\n")
         from record import record_run

@@ -479,8 +479,8 @@ def test_processed_bounds_hold_every_processed_value():
     assert bool((lo <= hi).all()) and bool((lo[~valid] == -math.inf).all()) and bool((hi[~valid] == -math.inf).all())
 
 
-def top_case(base: dict) -> dict:
-    """``base`` with top-k 1, 3 or 20 or top-p 0.5 or 0.9 on three deferred rows in four (after
+def top_case(base: dict, ks=(1, 3, 20)) -> dict:
+    """``base`` with top-k ``ks`` or top-p 0.5 or 0.9 on three deferred rows in four (after
     their min-p and processors, where they have them), the greedy rows' requests untouched
     (vLLM resets top-k / top-p for greedy requests): V2 then masks the batch with vLLM's Triton
     kernels before its Gumbel draw (the batch has greedy rows and explicit seeds, so no fused
@@ -498,7 +498,7 @@ def top_case(base: dict) -> dict:
             c["top_p"][s] = (0.5, 0.9)[i % 3 == 0]
             modes[i] = "top_p"
         else:
-            c["top_k"][s] = (1, 3, 20)[i % 3]
+            c["top_k"][s] = ks[i % len(ks)]
             modes[i] = "top_k" if modes[i] == "sampling" else modes[i]
     c["modes"] = modes
     return c
@@ -517,6 +517,27 @@ def test_resolve_v2_top_k_top_p_rows_draw_the_dense_tokens(tmp_path):
     assert torch.equal(ok["draw"], dense), (ok, dense)
     assert ok["certified"].get("top_k", 0) + ok["certified"].get("top_p", 0) > 0, ok
     assert not torch.equal(out["no_top"]["draw"], dense)
+
+
+def test_resolve_v2_certifies_top_k_rows_drawn_below_the_maximum(tmp_path):
+    """Rows with a top-k alone (``k`` 6 to 50; with min-p and processors on some), whose draws
+    rank 2 to 30 as well as 1 or far down: the hook certifies the draw among the tokens the mask
+    surely keeps (:func:`~vllm_csv.sampling.gumbel_v2.top_k_bounds`; more rows than the
+    maximum's rule alone, ``top_max_only``), and V2's pipeline with vLLM's Triton kernels
+    (interpreted) draws the dense tokens from its rows."""
+    c = top_case(processed_case(0, B=24), ks=(6, 20, 50))
+    # hidden states along sums of 8 of the head's rows: several tokens near the top, so that
+    # winners rank 2 to 30 as well as 1 or far down (where the mask drops them: not certified)
+    W = c["W"].float()
+    idx = torch.randint(0, W.shape[0], (c["h"].shape[0], 8), generator=torch.Generator().manual_seed(100))
+    h = W[idx].sum(1)
+    c["h"] = (h / h.norm(dim=1, keepdim=True) * c["h"].float().norm(dim=1, keepdim=True) * 1.2).bfloat16()
+    c["variants"] = ["ok", "top_max_only"]
+    out = v2_pipeline(c, tmp_path)
+    dense, ok = out["dense"], out["ok"]
+    assert torch.equal(ok["draw"], dense), (ok, dense)
+    assert torch.equal(out["top_max_only"]["draw"], dense)
+    assert sum(ok["certified"].values()) > sum(out["top_max_only"]["certified"].values()), out
 
 
 def test_resolve_v2_draws_top_k_top_p_rows_on_the_device(tmp_path):

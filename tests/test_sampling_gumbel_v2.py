@@ -313,3 +313,77 @@ def test_rounds_without_processors_rescore_only_what_moved():
         assert torch.equal(kept.certified, full.certified) and kept.scored == full.scored
         assert torch.equal(kept.winner[kept.certified], full.winner[full.certified])
         assert torch.equal(kept.values, full.values) and 50 < int(kept.certified.sum()) < R
+
+
+
+def test_top_k_bounds_decide_from_the_bounds():
+    """:func:`~vllm_csv.sampling.gumbel_v2.top_k_bounds` on exact rows: the tokens ``x_(k) + m``
+    and more above the ``k``-th value kept (``lo`` kept), those ``m`` below it dropped (``hi``
+    ``-inf``), those within the margin neither (``near``); rows without a lower bound on some
+    token (a one-sided screen), with a NaN or ``+inf`` bound, beyond the kernel's range, with
+    ``k`` 0, 1 or ``V`` not taken; a row whose ``x_(k+1)`` is not the margin below its maximum
+    (the kernel may leave it unmasked) keeps its tokens but drops none; pre-min-p bounds let a
+    row with tokens min-p may drop be taken."""
+    from vllm_csv.gumbel_noise import TOP_K_A_MAX, top_k_keep_margin
+
+    V, k = 64, 5
+    x = -torch.arange(V, dtype=torch.float64) * 0.5  # token i ranks i + 1, 0.5 apart
+    m = float(top_k_keep_margin(torch.tensor(31.5)))
+    rows = x.repeat(10, 1)
+    rows[1, 3] = rows[1, 4] + m * 0.5  # token 3 within the margin above the k-th (token 4)
+    rows[1, 5] = rows[1, 4] - m * 0.5  # token 5 within it below
+    rows[4, :7] = 0.0  # x_(k+1) is the maximum: the kernel may not mask
+    rows[6, 40] = math.nan  # a NaN bound
+    rows[8] *= TOP_K_A_MAX  # beyond the kernel's range
+    lo, hi = rows.clone(), rows.clone()
+    lo[7, 50] = -math.inf  # a token with no lower bound (one-sided screen)
+    kk = torch.tensor([k, k, 0, 1, k, V, k, k, k, k])
+    qlo, qhi, dropped, near, on = gumbel_v2.top_k_bounds(lo.float(), hi.float(), kk)
+    assert on.tolist() == [True, True, False, False, True, False, False, False, False, True]
+    assert (qlo[0] > -math.inf).nonzero().squeeze(1).tolist() == [0, 1, 2, 3]  # ranks 1 .. k - 1
+    assert dropped[0].nonzero().squeeze(1).tolist() == list(range(5, V))  # ranks k + 1 ...
+    assert near[0].nonzero().squeeze(1).tolist() == [4]  # the k-th itself: neither
+    assert (qlo[1] > -math.inf).nonzero().squeeze(1).tolist() == [0, 1, 2]
+    assert dropped[1].nonzero().squeeze(1).tolist() == list(range(6, V))
+    assert near[1].nonzero().squeeze(1).tolist() == [3, 4, 5]
+    assert not dropped[4].any() and (qlo[4] > -math.inf).sum() == 0  # all 7 tied: none surely kept
+    for r in (2, 3, 5, 6, 7, 8):  # not taken: as given
+        torch.testing.assert_close(qlo[r], lo[r].float(), rtol=0, atol=0, equal_nan=True)
+        assert not dropped[r].any() and not near[r].any()
+    assert torch.equal(qhi[0][5:], torch.full((V - 5,), -math.inf))
+    # pre-min-p bounds: a token min-p may drop (lo -inf after it) is still bounded before it
+    lo_mp = lo.clone()
+    lo_mp[0, 60] = -math.inf
+    assert not gumbel_v2.top_k_bounds(lo_mp.float(), hi.float(), kk)[4][0]
+    assert gumbel_v2.top_k_bounds(lo_mp.float(), hi.float(), kk, pre=(lo.float(), hi.float()))[4][0]
+
+
+def test_top_k_bounds_hold_for_every_row_within_the_bounds():
+    """On random rows with random interval widths: every token :func:`top_k_bounds` keeps is at
+    least the margin above the ``k``-th value, and every token it drops the margin below it,
+    for every ``x`` within the bounds (the extremes: the token at its lower bound and the rest
+    at their upper, or the token at its upper and the rest at their lower)."""
+    from vllm_csv.gumbel_noise import top_k_keep_margin
+
+    g = torch.Generator().manual_seed(0)
+    R, V = 300, 200
+    x = torch.randn(R, V, generator=g, dtype=torch.float64) * torch.rand(R, 1, generator=g, dtype=torch.float64) * 4
+    wid = torch.rand(R, V, generator=g, dtype=torch.float64) * 10 ** torch.randint(-6, 0, (R, 1), generator=g)
+    lo, hi = (x - wid).float().double(), (x + wid).float().double()
+    k = torch.randint(2, 40, (R,), generator=g)
+    qlo, qhi, dropped, near, on = gumbel_v2.top_k_bounds(lo.float(), hi.float(), k)
+    assert bool(on.all())
+    kept = qlo > -math.inf
+    assert 0 < int(kept.sum()) and 0 < int(dropped.sum())
+    m = top_k_keep_margin(torch.maximum(lo.abs().amax(1), hi.abs().amax(1)))
+    for r in range(R):
+        kr = int(k[r])
+        for j in kept[r].nonzero().squeeze(1).tolist():
+            worst = hi[r].clone()
+            worst[j] = lo[r, j]
+            assert worst[j] >= worst.topk(kr).values[-1] + m[r], (r, j)
+        for j in dropped[r].nonzero().squeeze(1).tolist()[:5]:
+            worst = lo[r].clone()
+            worst[j] = hi[r, j]
+            assert worst[j] < worst.topk(kr).values[-1] - m[r], (r, j)
+

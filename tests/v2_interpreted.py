@@ -24,7 +24,8 @@ OUT gets, per variant of the hook (``ok``; ``no_min_p``: the certificate told no
 told no min-p / no grammar mask / no processors;
 ``no_process``: no processors; ``no_drop``: min-p's dropped tokens left in the written row;
 ``no_mask``: the certificate told no grammar mask; ``no_top`` / ``fused_no_top``: the
-certificate / the device draw told no top-k or top-p rows; ``none``: no row certified, every row the
+certificate / the device draw told no top-k or top-p rows; ``top_max_only``: the certificate told
+every masked row's mask, but not the ``k`` of a top-k alone (the maximum's rule only); ``none``: no row certified, every row the
 dense path's), the tokens drawn from the hook's rows and its counts, and the tokens drawn from
 the dense logits.
 """
@@ -213,6 +214,7 @@ def run(c: dict) -> dict:
         "no_process": lambda *a, process=None, **k: real(*a, **k),
         "no_mask": lambda *a, masked=None, **k: real(*a, **k),
         "no_top": lambda *a, top=None, **k: real(*a, **k),
+        "top_max_only": lambda *a, top=None, **k: real(*a, top=None if top is None else top != 0, **k),
         "none": none,
         "fused": real, "fused_no_min_p": real, "fused_no_mask": real, "fused_no_process": real, "fused_no_top": real,
     }

@@ -223,3 +223,57 @@ def top_prob_gap(V: int) -> float:
     """:func:`top_mask_margin`'s first term: ``gap`` with ``1 - e^-gap = 2 (TOP_DUP_ABS V +
     TOP_PROB_REL)`` (at most ``log 2``)."""
     return -math.log1p(-min(0.5, 2 * (TOP_DUP_ABS * V + TOP_PROB_REL)))
+
+
+# Top-k alone (a row with a top-k ``k`` and no top-p): the kernel searches a pivot between an
+# outlier threshold (or the row's smallest finite value) and its maximum by thirds, at most 18
+# rounds, and keeps the tokens above it, less near-duplicates (within TOP_DUP_ABS) of the
+# smallest value above it beyond ``k`` by position. The search's lower end always has more than
+# ``k`` values above it, a pivot it stops at has at least ``k`` (so it lies below the ``k``-th
+# largest value, and so does the smallest value above it), and a search that runs out stops at
+# the midpoint of its last interval, which then drops no duplicate (:func:`top_k_keep_margin`).
+TOP_K_SEARCH_REL = 2.0**-16  # 4x the last interval's width bound, 2^-18 A (top_k_keep_margin)
+TOP_K_ABS = 4e-9  # the search's 1e-9 stop, the 1e-9 duplicate tolerance, and fp32 rounding of both
+TOP_K_A_MAX = 2.0**48  # beyond: the kernel's fp32 sum of squares for its outlier threshold may overflow
+
+
+def top_k_keep_margin(x_abs_max: torch.Tensor) -> torch.Tensor:
+    """How far a token must lie above the ``k``-th largest value of its row (tempered logits after
+    min-p, every finite ``|x| <= x_abs_max``, at most :data:`TOP_K_A_MAX`) for V2's top-k kernel
+    (Qrita, a top-k alone: no top-p on the row) to keep it with its value, whatever else the row
+    holds (float64, the shape of ``x_abs_max``). So a token ranked at most ``k - 1`` with that
+    gap below it is kept; the row's maximum at any ``k`` is :func:`top_mask_margin`'s.
+
+    The argument (``vllm/v1/sample/ops/topk_topp_triton.py``, 0.32.0 and 0.33.0; ``x_(k)`` the
+    ``k``-th largest value, multiplicity counted, ``A = x_abs_max``):
+
+    - rows with at most ``k`` finite values, and pivots at or above the maximum, are not masked;
+    - the search's interval ``[lo, hi]`` starts at an outlier threshold with more than ``k``
+      values above it (``|avg + sigma std| <= 5.4 A`` from the first tile: ``|sigma| <= 4.39``,
+      ``std <= A``) or at the smallest finite value, and at the maximum: width ``W0 <= 7 A``.
+      ``lo`` only moves to a pivot with more than ``k`` values above it, so ``lo <= x_(k+1)``;
+    - a round tests ``lo + W/3`` and ``lo + 2W/3`` (fp32); a count equal to ``k`` stops the
+      search, any other keeps a third: ``W' <= W (1/3 + 2.4 u) + 2 u 7A`` (``u = 2^-24``), so
+      after 18 rounds ``W <= 7A 3^-18 + 21 u A < 2^-18 A``, or it stopped below ``1e-9``;
+    - the pivot is one with at least ``k`` values above it (below ``x_(k)``), or, where the
+      search runs out (18 rounds, or an interval under ``1e-9``; this overrides a pivot found
+      in the same round), the midpoint of ``[lo, hi]``: at most ``x_(k+1) + W``;
+    - the only tokens above the pivot it drops are near-duplicates (``|x - m| < 1e-9``, by
+      position) of ``m``, the smallest value above the round's pivot that found its count (or,
+      run out, above its lower pivot ``lo + W/3``, which has at least as many values above it):
+      with a pivot found that count is at least ``k``, so ``m <= x_(k)``; a round that finds none
+      leaves the count at 0, and the kernel then keeps ``k`` more duplicates than the group
+      holds (``uint32``): none dropped.
+
+    A token ``x >= x_(k) + TOP_K_SEARCH_REL A + TOP_K_ABS`` is above the pivot and more than
+    ``1e-9`` above ``m``: kept, its value stored unchanged. And a token ``x < x_(k) - TOP_K_SEARCH_REL
+    A - TOP_K_ABS`` is dropped wherever the kernel masks (more than ``k`` finite values, its
+    pivot below the maximum: so where ``x_(k+1)`` lies that margin below the maximum): the
+    upper end ``hi`` stays at or above ``x_(k)`` (it moves only to a pivot with fewer than ``k``
+    values above it), so a run-out midpoint is at least ``x_(k) - W``; a found pivot's ``m`` has
+    fewer than ``k`` values ``2e-9`` above it (its near-duplicates counted, tiles merged within
+    ``1e-9``), so ``m > x_(k) - 2e-9``, and nothing below ``m`` is above the pivot. (``tests/test_v2_top_masks.py`` runs
+    the kernels under Triton's interpreter on rows at this margin, searches that run out
+    included.)"""
+    return TOP_K_SEARCH_REL * x_abs_max.double() + TOP_K_ABS
+

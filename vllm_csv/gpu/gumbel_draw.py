@@ -62,7 +62,10 @@ a row is certified only where its winner is also its certain maximum, ``qlo`` of
 the ``qhi`` of every other candidate and of the outside blocks (``out_q``, those min-p surely
 drops left out) by :func:`~vllm_csv.gumbel_noise.top_mask_margin` of the row's ``A``; the masks
 keep such a token with its value (:func:`vllm_csv.sampling.gumbel_v2.certain_maximum` has the
-argument), and the winner beat every token, kept or not.
+argument), and the winner beat every token, kept or not. (The CPU certificate also draws, under
+a top-k alone, among the tokens the mask surely keeps, :func:`~vllm_csv.sampling.gumbel_v2.top_k_bounds`;
+that needs every value of the row bounded below, which the outside blocks' bounds are not, so
+here every masked row takes the maximum's rule: ``top`` is read as a flag.)
 
 Removed (V2's verification, :mod:`vllm_csv.sampling.verify_v2_fused`: after a rejection, V2 draws
 from the row processed whole, min-p included, with the rejected draft then set to ``-inf``): a
@@ -253,7 +256,7 @@ def gumbel_draw_triton(cand, count, lower, upper, out_hi, out_abs, out_q, seeds,
                                   live, token, code, V, LOG_ABS, LOG_REL,
                                   live if masked is None else masked.contiguous().view(torch.uint8),
                                   token if removed is None else removed.long().contiguous(),
-                                  live if top is None else top.to(torch.int8).contiguous(),
+                                  live if top is None else (top != 0).to(torch.int8).contiguous(),
                                   top_prob_gap(V),
                                   HAS_MASK=masked is not None, HAS_REMOVED=removed is not None,
                                   HAS_TOP=top is not None, SUBC=SUB, CAPC=CAP,

@@ -46,8 +46,9 @@ import torch
 
 from ..fp import quotient_bounds
 from ..gumbel_noise import (_M32, DIV_ABS, DIV_REL, DIV_T_MAX, DIV_T_MIN, EPS_ABS, EPS_REL, GUMBEL_MAX,  # noqa: F401
-                            GUMBEL_MIN, LOG_ABS, LOG_REL, comparison_margin, finite_abs_max, min_p_thresholds,
-                            murmur3, noise, noise_bounds, top_mask_margin, uniform)
+                            GUMBEL_MIN, LOG_ABS, LOG_REL, TOP_K_A_MAX, comparison_margin, finite_abs_max,
+                            min_p_thresholds, murmur3, noise, noise_bounds, top_k_keep_margin, top_mask_margin,
+                            uniform)
 
 
 
@@ -166,6 +167,70 @@ def certify_draw_v2(ylo: torch.Tensor, yhi: torch.Tensor, seeds: torch.Tensor, p
     return winner, certified, contenders & usable[:, None]
 
 
+def top_k_bounds(qlo: torch.Tensor, qhi: torch.Tensor, k: torch.Tensor,
+                 pre: tuple[torch.Tensor, torch.Tensor] | None = None):
+    """Bounds on what V2's top-k kernel leaves of ``qlo <= x <= qhi`` on rows with a top-k ``k``
+    alone (no top-p), as :func:`min_p_bounds` has it for min-p.
+
+    With ``x_(k)`` the row's ``k``-th largest value and ``m`` the margin
+    :func:`~vllm_csv.gumbel_noise.top_k_keep_margin` of the row's largest ``|x|``, the kernel
+    (Qrita, 0.32.0 / 0.33.0) keeps every token ``x >= x_(k) + m`` with its value, and, where it
+    masks at all (more than ``k`` finite values and ``x_(k+1) + m`` below the row's maximum),
+    drops every token ``x < x_(k) - m``: its pivot lies above ``x_(k) - 2^-18 A`` (a run-out
+    search's interval holds ``x_(k)``; a found pivot's smallest larger value is within ``2e-9`` of
+    it), and it keeps only values above its pivot (the argument: ``top_k_keep_margin``'s
+    docstring). ``x_(k)`` lies between the ``k``-th largest ``qlo`` and ``qhi``.
+
+    Parameters
+    ----------
+    qlo, qhi : torch.Tensor
+        ``[R, V]`` float32 bounds of the tempered logits after min-p (what the mask reads), the
+        whole row.
+    k : torch.Tensor
+        ``[R]`` int64, each row's top-k where it has one alone (``2 <= k < V``), else 0.
+    pre : (torch.Tensor, torch.Tensor), optional
+        ``[R, V]`` bounds of the same logits before min-p (None: ``qlo, qhi``). A row is taken
+        only where every value the kernel may see is bounded, ``|x| <= A``: each token ``-inf``
+        on both sides or finite on both (not a one-sided screen's unscored tokens), no ``+inf``
+        or NaN bound, ``A`` at most :data:`~vllm_csv.gumbel_noise.TOP_K_A_MAX`.
+
+    Returns
+    -------
+    (lo, hi, dropped, near, on)
+        ``lo, hi [R, V]`` float32: bounds of the values after the mask (``lo`` ``-inf`` wherever
+        a token may be dropped, ``hi`` wherever it surely is), as ``qlo, qhi`` on rows not
+        ``on``; ``dropped [R, V]`` bool, the tokens surely dropped (written back as a partial row
+        they must be ``-inf`` too: a partial row's pivot may be lower); ``near [R, V]`` bool,
+        the tokens whose bounds straddle the band ``x_(k) +- m`` may lie in (to score: that
+        narrows it); ``on [R]`` bool, the rows taken. A certificate over ``lo, hi`` holds for the
+        row V2 draws from, and for the partial row written back: its finite values are exact,
+        its ``k``-th largest at most the full row's (min-p there keeps a superset of the full
+        row's tokens, none above its ``qhi``), so it keeps every token the full row surely keeps.
+    """
+    R, V = qlo.shape
+    lo, hi = qlo.double(), qhi.double()
+    plo, phi = (lo, hi) if pre is None else (pre[0].double(), pre[1].double())
+    A = finite_abs_max(plo, phi)
+    two_sided = (torch.isfinite(plo) & torch.isfinite(phi)) | ((plo == -math.inf) & (phi == -math.inf))
+    on = (k >= 2) & (k < V) & two_sided.all(1) & ~(torch.isnan(hi) | (hi == math.inf)).any(1) & (A <= TOP_K_A_MAX)
+    none = torch.zeros_like(qlo, dtype=torch.bool)
+    if not bool(on.any()):  # (one sync: rows the top-k bounds take)
+        return qlo, qhi, none, none, on
+    kk = k.clamp(1, V - 1)
+    top = int(kk.max()) + 1
+    hi_s, lo_s = hi.topk(top, 1).values, torch.where(torch.isnan(lo), -math.inf, lo).topk(top, 1).values
+    t_hi = hi_s.gather(1, (kk - 1)[:, None])  # >= x_(k)
+    t1_hi = hi_s.gather(1, kk[:, None])  # >= x_(k+1)
+    t_lo = lo_s.gather(1, (kk - 1)[:, None])  # <= x_(k)
+    m = top_k_keep_margin(A)[:, None]
+    kept = lo >= t_hi + m
+    masks = ((lo > -math.inf).sum(1, keepdim=True) > kk[:, None]) & (t1_hi + m < lo.amax(1, keepdim=True))
+    dropped = on[:, None] & masks & (hi < t_lo - m)
+    near = on[:, None] & (hi >= t_lo - m) & ~kept
+    return (torch.where(on[:, None] & ~kept, -math.inf, qlo), qhi.masked_fill(dropped, -math.inf), dropped, near,
+            on)
+
+
 def certain_maximum(qlo: torch.Tensor, qhi: torch.Tensor, winner: torch.Tensor,
                     on: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Whether each row's ``winner`` is its maximum by :func:`~vllm_csv.gumbel_noise.top_mask_margin`,
@@ -175,7 +240,7 @@ def certain_maximum(qlo: torch.Tensor, qhi: torch.Tensor, winner: torch.Tensor,
     before the mask (the winner beats every token, kept or not) and this: the winner is kept,
     and a mask only sets other tokens to its mask value, so the winner still wins. Where the
     winner is not the row's certain maximum the row is not certified (never a guess at what the
-    mask keeps).
+    mask keeps). (A row with a top-k alone takes :func:`top_k_bounds` instead, where it can.)
 
     Parameters
     ----------

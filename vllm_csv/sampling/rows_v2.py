@@ -3,8 +3,10 @@ vLLM's native logits processors (logit bias, allowed ids, min_tokens, penalties,
 and structured output (the grammar bitmask).
 
 Pipeline (per batch of rows V2's ``gumbel_sample`` will draw from; rows V2 masks with a top-k or
-a top-p first, ``top``, are certified where the winner is also their certain maximum, which the
-masks keep: :func:`~.gumbel_v2.certain_maximum`):
+a top-p first, ``top``, are certified where the masks certainly keep the winner: under a top-k
+alone, a draw among the tokens it surely keeps ahead of all it may keep
+(:func:`~.gumbel_v2.top_k_bounds`, after min-p in 3.), else the row's certain maximum,
+:func:`~.gumbel_v2.certain_maximum`):
 
 1. bounds on every token's logit from the head's screen (:class:`.HeadAdapter`); ``-inf`` on
    both sides for the tokens the grammar bitmask removed (``masked``: V2's runner sets them to
@@ -39,8 +41,10 @@ full row's, so its min-p threshold is at most the full row's: the winner (certai
 and whatever else stays is a token the certificate did not drop, which the winner beat. The
 certificate holds for any values within the bounds, so the kernel returns the certified winner.
 A top-k or top-p row's mask then runs on the partial row: its winner is that row's maximum by the
-same margin (every other finite value lies within its bounds), so the mask keeps it there too, and
-the tokens it keeps besides are ones the winner beat.
+same margin, or (a top-k alone) above that row's ``k``-th value by the same margin (every other
+finite value lies within its bounds, and within ``A``; the tokens the full row's top-k surely
+drops are written ``-inf``), so the mask keeps it there too, and the tokens it keeps besides are
+ones the winner beat.
 """
 
 from __future__ import annotations
@@ -52,7 +56,8 @@ import torch
 
 from ..ops.bools import any_, any_columns
 from ..vocabulary import reasons
-from .gumbel_v2 import certain_maximum, certify_draw_v2, min_p_bounds, noise_bounds, temperature_bounds
+from .gumbel_v2 import (certain_maximum, certify_draw_v2, min_p_bounds, noise_bounds, temperature_bounds,
+                        top_k_bounds)
 from .head_adapter import HeadAdapter
 from .scoring import FIRST_GUESS, MAX_ROUNDS, next_columns, screen
 from .types import RowsResult, Screened
@@ -94,9 +99,13 @@ def certify_rows_v2(adapter: HeadAdapter, hidden: torch.Tensor, seeds: torch.Ten
         acceptance rounds), taken over (tightened and filled in place) instead of screening the
         rows again (the budget bounds the columns this loop adds to them). None: screen the rows.
     top : torch.Tensor, optional
-        ``[R]`` bool, the rows V2 masks with a top-k or a top-p after min-p: certified only where
-        the winner is also the row's certain maximum (:func:`~.gumbel_v2.certain_maximum`; the
-        tokens within its margin are scored as contenders). None: no such row.
+        ``[R]`` integer (or bool), how V2 masks each row after min-p: 0 (False) not at all; ``k >=
+        2`` a top-k ``k`` alone, whose bounds then go through :func:`~.gumbel_v2.top_k_bounds`
+        (the draw among the tokens the mask surely keeps, ahead of every token it may keep; the
+        tokens it surely drops ``-inf`` in the row written back); 1 (True) any other top-k or
+        top-p, or a top-k row those bounds cannot take: certified only where the winner is the
+        row's certain maximum (:func:`~.gumbel_v2.certain_maximum`). The tokens that may settle
+        either are scored as contenders. None: no such row.
 
     Returns
     -------
@@ -123,6 +132,11 @@ def certify_rows_v2(adapter: HeadAdapter, hidden: torch.Tensor, seeds: torch.Ten
     t_div = torch.where(greedy, 1.0, temp)  # (greedy rows: no division, bounds replaced below)
     if min_p is not None:  # min-p keeps a row's maximum: a greedy row's argmax is the same either way
         min_p = min_p.masked_fill(greedy, 0.0)
+    top_k = k_dropped = None
+    if top is not None:  # the codes: a top-k alone (k >= 2) takes top_k_bounds, every masked row the maximum's rule
+        top = top.long()
+        top_k = torch.where(top >= 2, top, 0) if bool((top >= 2).any()) else None
+        top = top > 0
     certified = torch.zeros(R, dtype=torch.bool, device=dev)
     winner = torch.zeros(R, dtype=torch.long, device=dev)
     over_budget = torch.zeros(R, dtype=torch.bool, device=dev)
@@ -156,13 +170,17 @@ def certify_rows_v2(adapter: HeadAdapter, hidden: torch.Tensor, seeds: torch.Ten
             qlo, qhi, dropped = min_p_bounds(qlo, qhi, min_p)
         if removed is not None:
             qlo, qhi = qlo.masked_fill(removed, -math.inf), qhi.masked_fill(removed, -math.inf)
+        if top_k is not None:  # (a top-k alone: what its mask surely keeps and surely drops)
+            qlo, qhi, k_dropped, k_near, k_on = top_k_bounds(qlo, qhi, top_k, pre=tq if min_p is not None else None)
         w, cert, contenders = certify_draw_v2(qlo, qhi, seeds, pos, noise=noise,
                                               greedy=greedy if any_greedy else None)
         if maxers is not None:
             contenders |= maxers
         if top is not None:  # (top-k / top-p rows: the mask must keep the winner)
-            kept, near = certain_maximum(qlo, qhi, w, top)
+            kept, near = certain_maximum(qlo, qhi, w, top if top_k is None else top & ~k_on)
             cert, contenders = cert & kept, contenders | near
+            if top_k is not None:
+                contenders |= k_near
         now = cert & finite & scored[w] & ~certified
         winner = torch.where(now, w, winner)
         certified |= now
@@ -178,6 +196,8 @@ def certify_rows_v2(adapter: HeadAdapter, hidden: torch.Tensor, seeds: torch.Ten
     over_budget |= open_rows & any_(contenders & ~scored[None], 1)
     if dropped is not None:  # from the last round's bounds: a superset of any earlier round's
         values.masked_fill_(dropped, -math.inf)
+    if top_k is not None:  # (the same for the top-k's: its bounds on x_(k) and A only tighten)
+        values.masked_fill_(k_dropped, -math.inf)
     if masked is not None:
         values.masked_fill_(masked, -math.inf)
     if removed is not None:

@@ -30,8 +30,9 @@ def row_entry(row: tuple[int, str, float], in_sampler: bool) -> tuple[int, str]:
     (Qrita: a pivot searched at most 18 times, values within ``1e-9`` taken as duplicates and
     dropped by position) before its Gumbel draw, or draws the batch with FlashInfer's fused
     sampler (no greedy request, no explicit seed, no processed logprobs in it), whose random
-    numbers are not replayed; the hook certifies the first where the winner is also the row's
-    certain maximum, which the masks keep, and leaves the second dense
+    numbers are not replayed; the hook certifies the first where the masks certainly keep the
+    winner (the row's certain maximum, or under a top-k alone the draw among the tokens it surely
+    keeps), and leaves the second dense
     (``sampler.resolve``)."""
     k, mode, t = row
     if k > 0 and (t == 0.0 or k == 1 and mode == "greedy"):

@@ -117,6 +117,18 @@ def top_rows(sampler, req: np.ndarray) -> np.ndarray:
     return (ss.top_k.np[req] != ss.vocab_size) | (ss.top_p.np[req] != 1.0)
 
 
+def top_codes(sampler, req: np.ndarray) -> np.ndarray:
+    """``[R]`` int64, how V2 masks each row (request slots ``req``) before its draw, as
+    :func:`~vllm_csv.sampling.rows_v2.certify_rows_v2` reads its ``top``: ``0`` not at all;
+    ``k >= 2`` a top-k ``k`` alone (a top-p of 1: the kernel's top-k path; a ``k`` not below
+    the row's width, where the kernel masks nothing, is left to the maximum's rule); ``1`` a
+    top-p (with a top-k or not) or a top-k of 1."""
+    ss = sampler.sampling_states
+    k = ss.top_k.np[req].astype(np.int64)
+    alone = (ss.top_p.np[req] == 1.0) & (k >= 2)
+    return np.where(top_rows(sampler, req), np.where(alone, k, 1), 0)
+
+
 def thinking_budget(sampler, req: np.ndarray) -> str | None:
     """``"a thinking budget"`` where one is on for a request of ``req`` (it runs after the
     processors and is not replayed), else None."""
@@ -203,7 +215,10 @@ def draw_rows(fused, hidden: torch.Tensor, seeds: torch.Tensor, pos: torch.Tenso
     row's maximum). One host read of
     the codes and counts, for the reasons and the account (the writing of the rows reads the
     certified flags on the host anyway)."""
-    token, code, count = fused.draw_v2(hidden, seeds, pos, temp, min_p=min_p, masked=masked, process=process, top=top)
+    # (the device draw keeps the maximum's rule for every masked row: top_k_bounds needs a lower
+    # bound on every value of the row, which its outside blocks do not carry)
+    token, code, count = fused.draw_v2(hidden, seeds, pos, temp, min_p=min_p, masked=masked, process=process,
+                                       top=None if top is None else top != 0)
     values = torch.full((hidden.shape[0], fused.V), -math.inf, dtype=fused.dtype, device=hidden.device)
     values.scatter_(1, token[:, None], 0.0)
     code_h, count_h = code.cpu(), fused.scored(count).cpu()
@@ -226,8 +241,9 @@ def resolve(sampler, d: Deferred, logits: torch.Tensor, input_batch) -> Deferred
     (``SamplingStates.seeds``, kept per request), the row's position
     (``input_batch.positions[logits_indices]``) and temperature, read the way the kernels read
     them (through ``expanded_idx_mapping``); a greedy row (``T = 0``, deferred for its
-    processors) by V2's argmax; a top-k or top-p row where its winner is also its certain maximum,
-    which the masks keep (``top``, :func:`~vllm_csv.sampling.gumbel_v2.certain_maximum`). Batches
+    processors) by V2's argmax; a top-k or top-p row where the masks certainly keep its winner:
+    its certain maximum, or on a row with a top-k alone the draw among the tokens it surely keeps
+    (``top``, :func:`top_codes`, :func:`~vllm_csv.sampling.gumbel_v2.top_k_bounds`). Batches
     where vLLM could draw otherwise (top-k or top-p rows drawn by a fused sampler,
     :func:`fused_sampler`; speculative decoding; another sampler) and rows with a thinking budget
     are dense. (Host reads: the
@@ -251,7 +267,7 @@ def resolve(sampler, d: Deferred, logits: torch.Tensor, input_batch) -> Deferred
         min_p = ss.min_p.gpu[slot].float() if bool(np.any(ss.min_p.np[req] != 0)) else None
         process = _processors(sampler, input_batch, dev_rows, rows_np, req)
         seeds, temp = ss.seeds.gpu[slot].long(), ss.temperature.gpu[slot].float()
-        top = top_rows(sampler, req)
+        top = top_codes(sampler, req)
         top = torch.from_numpy(top).to(dev) if bool(top.any()) else None
         fused = fused_draw_for(d.adapter, masked)
         if fused is not None:
