@@ -231,7 +231,8 @@ def top_prob_gap(V: int) -> float:
 # smallest value above it beyond ``k`` by position. The search's lower end always has more than
 # ``k`` values above it, a pivot it stops at has at least ``k`` (so it lies below the ``k``-th
 # largest value, and so does the smallest value above it), and a search that runs out stops at
-# the midpoint of its last interval, which then drops no duplicate (:func:`top_k_keep_margin`).
+# the midpoint of its last interval, within a small width of that value, dropping duplicates of
+# a value at most that value or none (:func:`top_k_keep_margin`).
 TOP_K_SEARCH_REL = 2.0**-16  # 4x the last interval's width bound, 2^-18 A (top_k_keep_margin)
 TOP_K_ABS = 4e-9  # the search's 1e-9 stop, the 1e-9 duplicate tolerance, and fp32 rounding of both
 TOP_K_A_MAX = 2.0**48  # beyond: the kernel's fp32 sum of squares for its outlier threshold may overflow
@@ -266,14 +267,14 @@ def top_k_keep_margin(x_abs_max: torch.Tensor) -> torch.Tensor:
       holds (``uint32``): none dropped.
 
     A token ``x >= x_(k) + TOP_K_SEARCH_REL A + TOP_K_ABS`` is above the pivot and more than
-    ``1e-9`` above ``m``: kept, its value stored unchanged. And a token ``x < x_(k) - TOP_K_SEARCH_REL
-    A - TOP_K_ABS`` is dropped wherever the kernel masks (more than ``k`` finite values, its
-    pivot below the maximum: so where ``x_(k+1)`` lies that margin below the maximum): the
-    upper end ``hi`` stays at or above ``x_(k)`` (it moves only to a pivot with fewer than ``k``
-    values above it), so a run-out midpoint is at least ``x_(k) - W``; a found pivot's ``m`` has
-    fewer than ``k`` values ``2e-9`` above it (its near-duplicates counted, tiles merged within
-    ``1e-9``), so ``m > x_(k) - 2e-9``, and nothing below ``m`` is above the pivot. (``tests/test_v2_top_masks.py`` runs
-    the kernels under Triton's interpreter on rows at this margin, searches that run out
-    included.)"""
+    ``1e-9`` above ``m``: kept, its value stored unchanged. And a token ``x < x_(k) -
+    TOP_K_SEARCH_REL A - TOP_K_ABS`` is dropped wherever the kernel masks (more than ``k``
+    finite values, its pivot below the maximum: so where ``x_(k+1)`` lies that margin below the
+    maximum): the upper end ``hi`` stays at or above ``x_(k)`` (it moves only to a pivot with
+    fewer than ``k`` values above it), so a run-out midpoint is at least ``x_(k) - W``; a found
+    pivot's ``m`` has fewer than ``k`` values ``2e-9`` above it (its near-duplicates counted,
+    tiles merged within ``1e-9``), so ``m > x_(k) - 2e-9``, and nothing below ``m`` is above the
+    pivot. (``tests/test_v2_top_masks.py`` runs the kernels under Triton's interpreter on rows at
+    this margin, searches that run out included.)"""
     return TOP_K_SEARCH_REL * x_abs_max.double() + TOP_K_ABS
 
