@@ -21,7 +21,10 @@ runs as sampled requests under V2's speculative verification (one-hot drafts, an
 probabilistic ones; on half the seeds min-p on half the requests: :mod:`vllm_csv.testing.audit_verify`), each certified request's accepted drafts and next token
 checked against V2's verification replayed in float64 on the dense rows. ``--verify-fused``: the
 verifications on the device path instead (:mod:`vllm_csv.sampling.verify_v2_fused`, its kernels'
-torch references on a CPU; int8 screen). The campaign is
+torch references on a CPU; int8 screen). Until ``--v2-top-k-rows`` rows are certified, each case with
+those screens also runs as V2 temperature rows with a top-k alone, on some a min-p
+(:mod:`vllm_csv.testing.audit_draw_v2`), each certified row's token checked against the draw from
+the dense row masked to its top k, replayed in float64. The campaign is
 deterministic (seeded); it is a check, not a timing.
 """
 
@@ -39,6 +42,7 @@ from pathlib import Path
 import torch
 
 from vllm_csv.testing.audit import DTYPES, FAMILIES, flush_to_zero, run_case, run_sampled_case
+from vllm_csv.testing.audit_draw_v2 import run_top_k_draw_case
 from vllm_csv.testing.audit_sampler import run_sampler_case
 from vllm_csv.testing.audit_verify import run_verify_case
 
@@ -48,12 +52,14 @@ SCREENS = ("int8", "int4", "fp16", "ball")
 FIELDS = ("rows", "certified_ids", "certified_values", "certified_sampled", "wrong_ids", "wrong_values",
           "sampler_rows", "certified_draws", "wrong_tokens", "rng_out_of_step", "verify_requests",
           "certified_verifications", "certified_verifications_probabilistic", "verify_drafts_accepted",
-          "verify_rejections", "wrong_verifications")
+          "verify_rejections", "wrong_verifications", "v2_top_k_rows", "certified_v2_top_k", "v2_top_k_below_max",
+          "wrong_v2_top_k")
 VERIFY_SCREENS = ("int8", "fp16")  # the screens the CUDA head runs (V2's verification is CUDA's)
 
 
 def campaign(target: int, screens, log_every: float = 30.0, random_seeds: int | None = None,
-             sampler_target: int = 0, families=None, verify_target: int = 0, verify_fused: bool = False) -> dict:
+             sampler_target: int = 0, families=None, verify_target: int = 0, verify_fused: bool = False,
+             top_k_target: int = 0) -> dict:
     """Cases seed by seed (0, 1, 2, ...; with ``random_seeds``, the i-th seed is drawn from
     ``random.Random(random_seeds)``: a reproducible sweep of seeds anywhere in ``[0, 2^31)``).
     ``verify_fused``: the verifications on the device path instead (int8 screen:
@@ -65,7 +71,7 @@ def campaign(target: int, screens, log_every: float = 30.0, random_seeds: int | 
     seed = 0
     by_mode: dict[str, int] = defaultdict(int)
     while (total["certified_ids"] < target or total["certified_draws"] < sampler_target
-           or total["certified_verifications"] < verify_target):
+           or total["certified_verifications"] < verify_target or total["certified_v2_top_k"] < top_k_target):
         case_seed = seed if rng is None else rng.randrange(2**31)
         for fam in families or FAMILIES:
             for dt in DTYPES:
@@ -109,6 +115,13 @@ def campaign(target: int, screens, log_every: float = 30.0, random_seeds: int | 
                             t["verify_drafts_accepted"] += v.drafts_accepted
                             t["verify_rejections"] += v.rejections
                             t["wrong_verifications"] += v.wrong
+                    if total["certified_v2_top_k"] < top_k_target and sc in VERIFY_SCREENS:  # V2's top-k rows
+                        o = run_top_k_draw_case(fam, case_seed, dt, sc)
+                        for t in (row, total):
+                            t["v2_top_k_rows"] += o.rows
+                            t["certified_v2_top_k"] += o.certified
+                            t["v2_top_k_below_max"] += o.below_max
+                            t["wrong_v2_top_k"] += o.wrong
         seed += 1
         if time.perf_counter() - last > log_every:
             last = time.perf_counter()
@@ -136,6 +149,9 @@ def markdown(res: dict) -> str:
              f"probabilistic drafts, {t['verify_drafts_accepted']} drafts accepted, "
              f"{t['verify_rejections']} requests with a rejection); {t['wrong_verifications']} differ from the "
              f"float64 replay.**", "",
+             f"**V2 rows with a top-k alone: {t['certified_v2_top_k']} certified of {t['v2_top_k_rows']} "
+             f"({t['v2_top_k_below_max']} drawn below the row's maximum); {t['wrong_v2_top_k']} differ from the "
+             f"dense row's masked draw, replayed in float64.**", "",
              "| family | dtype | rows | certified (ids) | certified (ids + values) | certified (sampled) | wrong ids "
              "| wrong values | sampler rows | certified draws | wrong tokens | RNG out of step |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
@@ -169,6 +185,8 @@ def main(argv=None) -> int:
                    help="sampled requests whose V2 speculative verification is certified, to check (0: none)")
     p.add_argument("--verify-fused", action="store_true",
                    help="the verifications on the device path (its kernels' torch references here; int8)")
+    p.add_argument("--v2-top-k-rows", type=int, default=100_000,
+                   help="V2 rows with a top-k alone certified, to check (0: none)")
     p.add_argument("--families", nargs="+", default=None, choices=sorted(FAMILIES),
                    help="a subset of the families (default: all)")
     p.add_argument("--flush-to-zero", action="store_true",
@@ -181,7 +199,8 @@ def main(argv=None) -> int:
             p.error("this CPU cannot flush subnormals")
         res = campaign(args.rows, args.screens, random_seeds=args.random_seeds,
                        sampler_target=args.sampler_rows, families=args.families,
-                       verify_target=args.verify_requests, verify_fused=args.verify_fused)
+                       verify_target=args.verify_requests, verify_fused=args.verify_fused,
+                       top_k_target=args.v2_top_k_rows)
     res.update(verify_fused=args.verify_fused or None, screens=args.screens, random_seeds=args.random_seeds,
                commit=commit(), torch=torch.__version__, provenance=machine(),
                machine=f"{platform.machine()}, {1 if args.flush_to_zero else args.threads} thread(s)",
@@ -196,7 +215,7 @@ def main(argv=None) -> int:
     print(md)
     t = res["total"]
     return 1 if t["wrong_ids"] or t["wrong_values"] or t["wrong_tokens"] or t["rng_out_of_step"] or \
-        t["wrong_verifications"] else 0
+        t["wrong_verifications"] or t["wrong_v2_top_k"] else 0
 
 
 if __name__ == "__main__":

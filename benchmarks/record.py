@@ -436,6 +436,11 @@ def rows_from_audit(d: dict, source: str, **common) -> list[Row]:
             out.add(k, t.get(k), "requests" if k != "verify_drafts_accepted" else "drafts")
         out.add("wrong_verifications", t.get("wrong_verifications"), "requests",
                 "V2's verification replayed in float64 on the dense rows, same seeds")
+    if t.get("v2_top_k_rows"):  # (campaigns before the V2 top-k audit have none)
+        for k in ("v2_top_k_rows", "certified_v2_top_k", "v2_top_k_below_max"):
+            out.add(k, t.get(k), "rows")
+        out.add("wrong_v2_top_k", t.get("wrong_v2_top_k"), "rows",
+                "the dense row masked to its top k, drawn in float64, same seeds")
     return out
 
 

@@ -323,3 +323,28 @@ def test_mutation_a_mask_left_out_of_the_certificate_draws_wrong_tokens(mask, mo
         monkeypatch.setattr(top_p_queries.TopPQueries, "bounds", lambda self, only=None, settle=None, subset=None: (
             (self.ylo, self.yhi) if subset is None else (self.ylo[subset], self.yhi[subset])))
     assert _sampler_wrong() > 0
+
+
+@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(family=st.sampled_from(sorted(audit.FAMILIES)), seed=st.integers(0, 2**31 - 1),
+       dtype=st.sampled_from(audit.DTYPES), screen=st.sampled_from(("int8", "fp16")))
+def test_v2_top_k_draws_match_the_dense_masked_draw(family, seed, dtype, screen):
+    """V2 rows with a top-k alone (and min-p on some), certified by the draw among the tokens the
+    mask surely keeps: each certified token is the draw from the dense row masked to its top k
+    (:mod:`vllm_csv.testing.audit_draw_v2`)."""
+    from vllm_csv.testing.audit_draw_v2 import run_top_k_draw_case
+
+    assert run_top_k_draw_case(family, seed, dtype, screen).wrong == 0
+
+
+def test_v2_top_k_audit_certifies_below_the_maximum_and_catches_a_certificate_told_no_mask():
+    """On ordinary cases the audit certifies rows whose token is not the argmax (the top-k
+    bounds' reach), and a certificate told no mask (``top`` None: the full row's winner) is
+    caught: so the check can fail."""
+    from vllm_csv.testing.audit_draw_v2 import run_top_k_draw_case
+
+    ok = [run_top_k_draw_case(f, s, torch.bfloat16, "int8") for f in ("peaked", "norms") for s in range(6)]
+    assert sum(o.wrong for o in ok) == 0 and sum(o.below_max for o in ok) > 0
+    told_none = [run_top_k_draw_case(f, s, torch.bfloat16, "int8", top=lambda k: None)
+                 for f in ("peaked", "norms") for s in range(6)]
+    assert sum(o.wrong for o in told_none) > 0
