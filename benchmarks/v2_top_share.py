@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import sys
 import time
 from pathlib import Path
@@ -43,6 +42,7 @@ def measure(model: Path, positions: int, temps, batch: int, screen: str, seed: i
     from vllm_csv.hf_head import load_lm_head
     from vllm_csv.sampling.head_adapter import HeadAdapter
     from vllm_csv.sampling.rows_v2 import certify_rows_v2
+    from vllm_csv.testing.audit_draw_v2 import replay_top_k
 
     head_w = load_lm_head(model)
     W = head_w.weight[: head_w.vocab_size].to(torch.bfloat16).contiguous()
@@ -74,9 +74,7 @@ def measure(model: Path, positions: int, temps, batch: int, screen: str, seed: i
                 cert += int(r.certified.sum())
                 scored += r.scored
                 if mode == "top_k":  # the dense row masked to its top k (ties kept), drawn
-                    q = (dense[sl] / T).double()
-                    q = torch.where(q >= q.topk(k, 1).values[:, -1:], q, -math.inf)
-                    want = (q + noise(uniform(seeds[sl], pos[sl], torch.arange(V)))).argmax(1)
+                    want = replay_top_k(dense[sl] / T, torch.full((n,), k), seeds[sl], pos[sl])
                     wrong += int((r.certified & (r.winner != want)).sum())
             cell = {"temperature": T, "mode": mode, "rows": int(H.shape[0]), "certified": cert,
                     "certified_share": cert / H.shape[0], "drawn_at_argmax_share": at_max,

@@ -213,8 +213,8 @@ def top_k_bounds(qlo: torch.Tensor, qhi: torch.Tensor, k: torch.Tensor,
     A = finite_abs_max(plo, phi)
     two_sided = (torch.isfinite(plo) & torch.isfinite(phi)) | ((plo == -math.inf) & (phi == -math.inf))
     on = (k >= 2) & (k < V) & two_sided.all(1) & ~(torch.isnan(hi) | (hi == math.inf)).any(1) & (A <= TOP_K_A_MAX)
-    none = torch.zeros_like(qlo, dtype=torch.bool)
     if not bool(on.any()):  # (one sync: rows the top-k bounds take)
+        none = torch.zeros_like(qlo, dtype=torch.bool)
         return qlo, qhi, none, none, on
     kk = k.clamp(1, V - 1)
     top = int(kk.max()) + 1

@@ -135,6 +135,7 @@ def certify_rows_v2(adapter: HeadAdapter, hidden: torch.Tensor, seeds: torch.Ten
     top_k = k_dropped = None
     if top is not None:  # the codes: a top-k alone (k >= 2) takes top_k_bounds, every masked row the maximum's rule
         top = top.long()
+        # (one sync: without a top-k alone in the batch the rounds skip top_k_bounds)
         top_k = torch.where(top >= 2, top, 0) if bool((top >= 2).any()) else None
         top = top > 0
     certified = torch.zeros(R, dtype=torch.bool, device=dev)

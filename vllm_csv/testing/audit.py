@@ -72,6 +72,16 @@ def v2_divide(x: torch.Tensor, t: torch.Tensor | float) -> torch.Tensor:
     return torch.where(q.abs() < torch.finfo(torch.float32).tiny, torch.zeros_like(q), q)
 
 
+def v2_min_p64(x: torch.Tensor, min_p: torch.Tensor | None) -> torch.Tensor:
+    """V2's min-p in float64 on rows ``x`` (``[R, V]``, after the temperature): every token below
+    ``max + log(min_p)`` of its row ``-inf`` (``min_p [R]``, 0 or None: none)."""
+    x = x.double()
+    if min_p is None:
+        return x
+    thr = x.amax(1, keepdim=True) + torch.log(min_p.double().clamp(min=1e-300))[:, None]
+    return torch.where((min_p[:, None] > 0) & (x < thr), -math.inf, x)
+
+
 def sampler_kept(logits: torch.Tensor, k: torch.Tensor, temp: torch.Tensor, v2: bool = False) -> torch.Tensor:
     """What vLLM's sampler draws from for top-k rows, written out here independently: fp32,
     divided by the row's temperature, every token below the k-th largest value masked to

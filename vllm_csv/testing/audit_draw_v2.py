@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from ..gumbel_noise import noise, uniform
-from .audit import TEMPERATURES, dense_reference, head_or_none, v2_divide
+from .audit import TEMPERATURES, dense_reference, head_or_none, v2_divide, v2_min_p64
 from .families import FAMILIES, _pick
 
 TOP_KS = (2, 3, 5, 20, 64)
@@ -39,10 +39,7 @@ def replay_top_k(x: torch.Tensor, k: torch.Tensor, seeds: torch.Tensor, pos: tor
     """``[R]`` int64: V2's draw in float64 from the tempered rows ``x`` (``[R, V]``) with a
     top-k ``k`` (``[R]``; ties at the ``k``-th value kept, no mask where a row has at most ``k``
     finite values) after min-p (``[R]``, 0: none; tokens below ``max + log(min_p)`` dropped)."""
-    x = x.double()
-    if min_p is not None:
-        thr = x.amax(1, keepdim=True) + torch.log(min_p.double().clamp(min=1e-300))[:, None]
-        x = torch.where((min_p[:, None] > 0) & (x < thr), -math.inf, x)
+    x = v2_min_p64(x, min_p)
     kth = x.topk(int(k.max()), 1).values.gather(1, (k - 1)[:, None])
     x = torch.where(x >= kth, x, -math.inf)
     return (x + noise(uniform(seeds, pos, torch.arange(x.shape[1])))).argmax(1)

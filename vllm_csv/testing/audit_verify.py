@@ -16,7 +16,7 @@ import torch
 
 from ..gumbel_noise import noise, philox_uniform, uniform
 from ..sampling.verify_v2 import certify_verification_v2
-from .audit import TEMPERATURES, dense_reference, make_head
+from .audit import TEMPERATURES, dense_reference, make_head, v2_min_p64
 from .families import FAMILIES, _pick
 
 
@@ -39,10 +39,7 @@ def replay(x: torch.Tensor, drafts: torch.Tensor, seeds: torch.Tensor, pos: torc
     ``log(e^t - e^q)`` where positive; the bonus row whole); ``min_p`` (``[N]``, 0: none) first
     drops every token below ``max + log(min_p)`` of its row, the draft still in it."""
     u = philox_uniform(seeds, pos).double()
-    x = x.double()
-    if min_p is not None:
-        thr = x.amax(1, keepdim=True) + torch.log(min_p.double().clamp(min=1e-300))[:, None]
-        x = torch.where((min_p[:, None] > 0) & (x < thr), -math.inf, x)
+    x = v2_min_p64(x, min_p)
     t = x - torch.logsumexp(x, 1, keepdim=True)
     q = None if qx is None else qx.double() - torch.logsumexp(qx.double(), 1, keepdim=True)
     d = drafts.clamp(min=0)[:, None]
